@@ -1,0 +1,48 @@
+"""The ``kvc`` command: parse, call the library, render.
+
+Every command lives in its own module of this package and is attached to the
+group below. Errors from the library (:class:`kvcodec.errors.KvcError`) are
+printed on one line with the error's exit code; no traceback reaches users.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from kvcodec.errors import KvcError
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="kvcodec", prog_name="kvc")
+def cli() -> None:
+    """kvcodec: compress, store and deliver LLM KV caches (.kvc files)."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        rv = cli.main(args=argv, prog_name="kvc", standalone_mode=False)
+    except KvcError as exc:
+        click.echo(f"kvc: error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    except click.exceptions.Abort:
+        click.echo("kvc: aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _attach() -> None:
+    from . import capture_cmd, demo_cmd
+
+    for mod in (capture_cmd, demo_cmd):
+        for cmd in mod.COMMANDS:
+            cli.add_command(cmd)
+
+
+_attach()

@@ -1,0 +1,70 @@
+"""Run prefill on a real model and keep the KV cache it produces."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import KvcInputError
+from .kvcache import KVCache
+from .model import LoadedModel
+
+
+def tokenize(tokenizer: Any, text: str) -> np.ndarray:
+    """Token ids of ``text`` exactly as capture and eval see them (no special tokens)."""
+    if not text or not text.strip():
+        raise KvcInputError("the text is empty")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return np.asarray(ids, dtype=np.int64)
+
+
+def select_context(ids: np.ndarray, max_tokens: int | None, min_follow: int = 0) -> np.ndarray:
+    """First ``max_tokens`` ids, checking that the text is long enough.
+
+    ``min_follow`` asks for that many further tokens to remain after the
+    context (eval needs a continuation).
+    """
+    if max_tokens is not None and max_tokens <= 0:
+        raise KvcInputError(f"--max-tokens must be positive, got {max_tokens}")
+    n = len(ids) if max_tokens is None else max_tokens
+    if n + min_follow > len(ids):
+        need = f"{n} context tokens" + (f" + {min_follow} continuation tokens" if min_follow else "")
+        raise KvcInputError(f"the text has only {len(ids)} tokens, fewer than the requested {need}")
+    return ids[:n]
+
+
+@torch.inference_mode()
+def prefill(lm: LoadedModel, token_ids: np.ndarray) -> tuple[Any, torch.Tensor]:
+    """Full prefill. Returns (HF DynamicCache, logits [T, vocab])."""
+    ids = torch.as_tensor(np.asarray(token_ids, dtype=np.int64)).unsqueeze(0)
+    out = lm.model(input_ids=ids, use_cache=True)
+    return out.past_key_values, out.logits[0]
+
+
+def cache_from_hf(past: Any, token_ids: np.ndarray, lm: LoadedModel, meta: dict | None = None) -> KVCache:
+    """Wrap an HF cache (batch 1) as a KVCache carrying the model fingerprint."""
+    keys = [layer.keys[0].detach().clone() for layer in past.layers]
+    values = [layer.values[0].detach().clone() for layer in past.layers]
+    return KVCache(keys, values, token_ids, lm.fingerprint, meta=dict(meta or {}))
+
+
+def capture(
+    lm: LoadedModel,
+    text: str | None = None,
+    token_ids: np.ndarray | None = None,
+    max_tokens: int | None = None,
+) -> KVCache:
+    """KV cache of ``text`` (or ``token_ids``), truncated to ``max_tokens``."""
+    if (text is None) == (token_ids is None):
+        raise KvcInputError("give exactly one of text or token_ids")
+    ids = tokenize(lm.tokenizer, text) if text is not None else np.asarray(token_ids, dtype=np.int64).reshape(-1)
+    if ids.size == 0:
+        raise KvcInputError("no tokens to capture")
+    vocab = int(lm.model.config.get_text_config().vocab_size)
+    if ids.min() < 0 or ids.max() >= vocab:
+        raise KvcInputError(f"token ids must lie in [0, {vocab})")
+    ids = select_context(ids, max_tokens)
+    past, _ = prefill(lm, ids)
+    return cache_from_hf(past, ids, lm, meta={"model": lm.name})

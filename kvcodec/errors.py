@@ -1,0 +1,55 @@
+"""One exception hierarchy for everything kvcodec refuses to do.
+
+The CLI catches :class:`KvcError` and prints its message on one line with a
+non-zero exit code; anything else escaping is a bug.
+"""
+
+from __future__ import annotations
+
+
+class KvcError(Exception):
+    """Base class of every error kvcodec raises on purpose."""
+
+    exit_code = 1
+
+
+class KvcInputError(KvcError):
+    """Bad user input: missing file, empty text, impossible budget, bad option."""
+
+    exit_code = 2
+
+
+class KvcFormatError(KvcError):
+    """A file or byte stream is malformed, truncated, corrupt or unsupported."""
+
+    exit_code = 3
+
+
+class KvcModelMismatchError(KvcError):
+    """A cache was offered to a model it does not belong to."""
+
+    exit_code = 4
+
+
+class KvcModelNotFoundError(KvcError):
+    """The requested model is not installed or not a readable HF directory."""
+
+    exit_code = 5
+
+
+class KvcCodecError(KvcError):
+    """A codec stage is unknown or was configured in a way it cannot honour."""
+
+    exit_code = 6
+
+
+class KvcBackendError(KvcError):
+    """A decode backend (e.g. the GPU one) was requested but is unavailable."""
+
+    exit_code = 7
+
+
+class KvcStoreError(KvcError):
+    """A store operation failed (unreachable tier, bad URL, corrupt entry)."""
+
+    exit_code = 8

@@ -1,0 +1,258 @@
+"""The codec stage interface and registry (numcodecs / Zarr v3 style).
+
+A tensor's pipeline is: zero or more array->array stages, exactly one
+array->bytes stage, zero or more bytes->bytes stages. Each stage has a
+``name``, an integer ``version`` and a JSON ``config``; the `.kvc` header
+stores ``{"name", "version", "config"}`` for each stage and readers look the
+class up in :data:`REGISTRY`. An unknown name or version is a
+:class:`~kvcodec.errors.KvcCodecError` that names it.
+
+Stages may emit *side data* (scales, zero points, kept-token indices ...):
+small named numpy arrays that the container stores inside the chunk next to
+the payload and hands back on decode. Side data names are namespaced by the
+container per stage index, so two stages may both use ``"scale"``.
+
+The CPU implementation is the definition of a stage. GPU implementations
+subclass it and override only ``encode``/``decode``; they must match the CPU
+output bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+
+from .errors import KvcCodecError, KvcFormatError
+
+StageKind = Literal["array->array", "array->bytes", "bytes->bytes"]
+SideData = dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """Shape and dtype of the array entering (or leaving) a stage."""
+
+    shape: tuple[int, ...]
+    dtype: str  # numpy dtype name, e.g. "float16", "uint8"
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+@dataclass
+class ChunkContext:
+    """What a stage may know about the chunk it codes, besides the data.
+
+    ``layer`` and ``kind`` ("k" or "v") let stages pick per-layer settings;
+    ``positions`` are the original token positions of the chunk's tokens (for
+    RoPE); ``attachments`` are file-level blobs (e.g. calibration matrices)
+    keyed by name.
+    """
+
+    layer: int = 0
+    kind: str = "k"
+    token_start: int = 0
+    positions: np.ndarray | None = None
+    attachments: dict[str, np.ndarray] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Stage(ABC):
+    """One step of a codec pipeline. Subclasses set name/version/kind."""
+
+    name: ClassVar[str]
+    version: ClassVar[int] = 1
+    kind: ClassVar[StageKind]
+
+    def get_config(self) -> dict[str, Any]:
+        """JSON-serialisable configuration; ``from_config`` must invert it."""
+        return {}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "Stage":
+        try:
+            return cls(**config)
+        except TypeError as exc:
+            raise KvcCodecError(f"codec {cls.name!r}: bad config {config!r}: {exc}") from None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "version": self.version, "config": self.get_config()}
+
+    def resolve_spec(self, spec: ArraySpec) -> ArraySpec:
+        """Spec of the output given the input spec (array->array stages only)."""
+        return spec
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({json.dumps(self.get_config(), sort_keys=True)})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Stage) and self.to_json() == other.to_json()
+
+    def __hash__(self) -> int:
+        return hash(json.dumps(self.to_json(), sort_keys=True))
+
+
+class ArrayToArray(Stage):
+    kind: ClassVar[StageKind] = "array->array"
+
+    @abstractmethod
+    def encode(self, arr: np.ndarray, ctx: ChunkContext) -> tuple[np.ndarray, SideData]: ...
+
+    @abstractmethod
+    def decode(self, arr: np.ndarray, side: SideData, spec: ArraySpec, ctx: ChunkContext) -> np.ndarray:
+        """Invert ``encode``; ``spec`` is this stage's *input* spec."""
+
+
+class ArrayToBytes(Stage):
+    kind: ClassVar[StageKind] = "array->bytes"
+
+    @abstractmethod
+    def encode(self, arr: np.ndarray, ctx: ChunkContext) -> tuple[bytes, SideData]: ...
+
+    @abstractmethod
+    def decode(self, data: bytes | memoryview, side: SideData, spec: ArraySpec, ctx: ChunkContext) -> np.ndarray:
+        """Rebuild an array of exactly ``spec``; raise KvcFormatError otherwise."""
+
+
+class BytesToBytes(Stage):
+    kind: ClassVar[StageKind] = "bytes->bytes"
+
+    @abstractmethod
+    def encode(self, data: bytes, ctx: ChunkContext) -> bytes: ...
+
+    @abstractmethod
+    def decode(self, data: bytes | memoryview, max_size: int, ctx: ChunkContext) -> bytes:
+        """Invert ``encode``; never produce more than ``max_size`` bytes."""
+
+
+REGISTRY: dict[tuple[str, int], type[Stage]] = {}
+
+
+def register(cls: type[Stage]) -> type[Stage]:
+    """Class decorator adding a stage to the registry under (name, version)."""
+    key = (cls.name, cls.version)
+    if key in REGISTRY and REGISTRY[key] is not cls:
+        raise KvcCodecError(f"codec {cls.name!r} v{cls.version} registered twice")
+    REGISTRY[key] = cls
+    return cls
+
+
+def stage_from_json(obj: Any) -> Stage:
+    """Instantiate a stage from its header JSON; unknown codecs are named."""
+    _ensure_builtin_stages()
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        raise KvcFormatError(f"codec entry must be an object with a name, got {obj!r:.200}")
+    name, version, config = obj["name"], obj.get("version", 1), obj.get("config", {})
+    if not isinstance(version, int) or not isinstance(config, dict):
+        raise KvcFormatError(f"codec {name!r}: version must be an int and config an object")
+    cls = REGISTRY.get((name, version))
+    if cls is None:
+        known = sorted(f"{n} v{v}" for n, v in REGISTRY)
+        raise KvcCodecError(f"unknown codec {name!r} version {version} (known: {', '.join(known)})")
+    return cls.from_config(config)
+
+
+@dataclass
+class Pipeline:
+    """An ordered, validated list of stages for one tensor."""
+
+    stages: list[Stage]
+
+    def __post_init__(self) -> None:
+        kinds = [s.kind for s in self.stages]
+        n_ab = kinds.count("array->bytes")
+        if n_ab != 1:
+            raise KvcCodecError(f"a pipeline needs exactly one array->bytes stage, got {n_ab}")
+        i = kinds.index("array->bytes")
+        if any(k != "array->array" for k in kinds[:i]) or any(k != "bytes->bytes" for k in kinds[i + 1 :]):
+            raise KvcCodecError(f"pipeline stages out of order: {kinds}")
+
+    @classmethod
+    def from_json(cls, objs: Any) -> "Pipeline":
+        if not isinstance(objs, list):
+            raise KvcFormatError("codec pipeline must be a list")
+        return cls([stage_from_json(o) for o in objs])
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [s.to_json() for s in self.stages]
+
+    @property
+    def array_stages(self) -> list[ArrayToArray]:
+        return [s for s in self.stages if isinstance(s, ArrayToArray)]
+
+    @property
+    def bytes_stage(self) -> ArrayToBytes:
+        return next(s for s in self.stages if isinstance(s, ArrayToBytes))
+
+    @property
+    def byte_stages(self) -> list[BytesToBytes]:
+        return [s for s in self.stages if isinstance(s, BytesToBytes)]
+
+    def specs(self, spec: ArraySpec) -> list[ArraySpec]:
+        """Input spec of every array->array stage plus that of the array->bytes stage."""
+        out = [spec]
+        for s in self.array_stages:
+            out.append(s.resolve_spec(out[-1]))
+        return out
+
+    def encode(self, arr: np.ndarray, ctx: ChunkContext) -> tuple[bytes, list[SideData], list[int]]:
+        """Run the pipeline. Returns (payload, side data per stage, size after each bytes stage).
+
+        The last list holds the byte length entering each bytes->bytes stage,
+        which the container records so decoding can cap every decompression.
+        """
+        sides: list[SideData] = []
+        for s in self.array_stages:
+            arr, side = s.encode(arr, ctx)
+            sides.append(side)
+        data, side = self.bytes_stage.encode(arr, ctx)
+        sides.append(side)
+        sizes: list[int] = []
+        for s in self.byte_stages:
+            sizes.append(len(data))
+            data = s.encode(data, ctx)
+            sides.append({})
+        return data, sides, sizes
+
+    def decode(
+        self, data: bytes | memoryview, sides: list[SideData], sizes: list[int], spec: ArraySpec, ctx: ChunkContext
+    ) -> np.ndarray:
+        """Invert :meth:`encode` given the input spec of the whole pipeline."""
+        n_arr = len(self.array_stages)
+        if len(sides) != len(self.stages) or len(sizes) != len(self.byte_stages):
+            raise KvcFormatError("chunk side data does not match its codec pipeline")
+        for s, size in zip(reversed(self.byte_stages), reversed(sizes)):
+            data = s.decode(data, size, ctx)
+            if len(data) != size:
+                raise KvcFormatError(f"codec {s.name!r} produced {len(data)} bytes, expected {size}")
+        specs = self.specs(spec)
+        arr = self.bytes_stage.decode(data, sides[n_arr], specs[-1], ctx)
+        if tuple(arr.shape) != specs[-1].shape or arr.dtype != np.dtype(specs[-1].dtype):
+            raise KvcFormatError(f"codec {self.bytes_stage.name!r} returned {arr.dtype}{arr.shape}, expected {specs[-1]}")
+        for i in reversed(range(n_arr)):
+            arr = self.array_stages[i].decode(arr, sides[i], specs[i], ctx)
+        return arr
+
+
+_BUILTINS_LOADED = False
+
+
+def _ensure_builtin_stages() -> None:
+    """Import the modules that register the built-in stages (lazily, once)."""
+    global _BUILTINS_LOADED
+    if _BUILTINS_LOADED:
+        return
+    _BUILTINS_LOADED = True
+    import importlib
+
+    for mod in ("kvcodec.format.lossless", "kvcodec.entropy.rans_stage", "kvcodec.quant.stages"):
+        try:
+            importlib.import_module(mod)
+        except ModuleNotFoundError as exc:  # a module not written yet must not break the others
+            if exc.name != mod:
+                raise
