@@ -1,0 +1,718 @@
+"""Interleaved rANS entropy coder, bitstream version 1 (see spec/rans-v1.md).
+
+The normative definition of the bitstream is ``spec/rans-v1.md``; this module
+is its CPU implementation. In short:
+
+* symbols are uint8, probability precision ``P = 12`` bits (``M = 4096``),
+* state ``x`` is in ``[L, 2**32)`` with ``L = 2**16``, renormalisation moves
+  16-bit words, every lane's encoder starts at ``x = L``,
+* 32 lanes per context: symbol ``i`` belongs to lane ``i % 32``, step ``i // 32``;
+  within a step the decoder refills lanes in ascending lane order from the
+  context's single word stream,
+* after decoding every lane must be back at ``L`` and every word consumed.
+
+Public API
+----------
+``normalize_freqs(counts)``            counts [C, A] -> 12-bit tables [C, A]
+``encode_contexts(symbols, freqs=None)`` symbols [C, N] uint8 -> stream bytes
+``parse_header(buf, ...)``              validate a stream -> :class:`RansStream`
+``decode(stream)``                      :class:`RansStream` -> flat uint8 symbols
+``decode_contexts(buf, ...)``           bytes -> symbols [C, N] (parse + decode)
+``decode_reference(stream)``            readable numpy decoder mirroring the GPU one
+``size_breakdown(buf)``                 payload / table / flush / padding byte split
+``empirical_entropy_bits(symbols)``     ideal code length per context
+
+``python -m kvcodec.entropy.rans --write-vectors`` (re)writes the golden
+vectors under ``spec/vectors/rans/``; tests only ever read them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from numba import njit
+
+from ..errors import KvcFormatError
+
+__all__ = [
+    "PROB_BITS", "PROB_SCALE", "RANS_L", "N_LANES", "WORD_BITS",
+    "RansStream", "SizeBreakdown",
+    "normalize_freqs", "count_symbols", "encode_contexts", "parse_header", "decode",
+    "decode_contexts", "decode_reference", "size_breakdown", "empirical_entropy_bits",
+    "write_vectors",
+]
+
+PROB_BITS = 12
+PROB_SCALE = 1 << PROB_BITS  # M = 4096
+RANS_L = 1 << 16  # lower bound of the state interval
+WORD_BITS = 16
+N_LANES = 32
+_STATE_BYTES = 4 * N_LANES  # final states per context
+
+# error codes returned by the numba kernels
+_OK = 0
+_E_TRUNC = 1
+_E_LEB_LONG = 2
+_E_LEB_NONCANON = 3
+_E_FREQ_RANGE = 4
+_E_FREQ_SUM = 5
+_E_OVERRUN = 6
+_E_UNDERRUN = 7
+_E_FINAL_STATE = 8
+
+
+# --------------------------------------------------------------------------- tables
+
+
+@njit(cache=True)
+def _normalize_one(counts, out):  # pragma: no cover - numba
+    """Fill ``out`` (int64[A]) with a 12-bit table for ``counts`` (int64[A]).
+
+    Every present symbol gets >= 1; the result maximises sum(c_s * log f_s)
+    (= minimises the ideal code length) subject to sum(f) = 4096 and f_s >= 1
+    for present symbols: proportional start, greedy +-1 fix-up of the sum,
+    then 1-unit exchanges while one strictly shortens the code. Ties go to
+    the lowest symbol index, so the result is deterministic.
+    """
+    A = counts.shape[0]
+    total = 0
+    present = 0
+    last = -1
+    for s in range(A):
+        out[s] = 0
+        if counts[s] > 0:
+            total += counts[s]
+            present += 1
+            last = s
+    if present == 0:
+        return
+    if present == 1:
+        out[last] = PROB_SCALE
+        return
+    fsum = 0
+    for s in range(A):
+        if counts[s] > 0:
+            f = (counts[s] * PROB_SCALE) // total
+            if f < 1:
+                f = 1
+            out[s] = f
+            fsum += f
+    # fix the sum: add where the gain is largest / remove where the loss is smallest
+    while fsum < PROB_SCALE:
+        best = -1
+        bestv = -1.0
+        for s in range(A):
+            if counts[s] > 0:
+                v = counts[s] * math.log((out[s] + 1) / out[s])
+                if v > bestv:
+                    bestv = v
+                    best = s
+        out[best] += 1
+        fsum += 1
+    while fsum > PROB_SCALE:
+        best = -1
+        bestv = math.inf
+        for s in range(A):
+            if out[s] > 1:
+                v = counts[s] * math.log(out[s] / (out[s] - 1))
+                if v < bestv:
+                    bestv = v
+                    best = s
+        out[best] -= 1
+        fsum -= 1
+    # exchange 1 unit while it strictly helps (objective strictly increases -> terminates)
+    for _ in range(4 * PROB_SCALE):
+        add = -1
+        addv = -1.0
+        rem = -1
+        remv = math.inf
+        for s in range(A):
+            if counts[s] > 0:
+                v = counts[s] * math.log((out[s] + 1) / out[s])
+                if v > addv:
+                    addv = v
+                    add = s
+                if out[s] > 1:
+                    w = counts[s] * math.log(out[s] / (out[s] - 1))
+                    if w < remv:
+                        remv = w
+                        rem = s
+        if rem < 0 or add == rem or addv <= remv * (1.0 + 1e-12):
+            break
+        out[add] += 1
+        out[rem] -= 1
+
+
+@njit(cache=True)
+def _normalize_all(counts, out):  # pragma: no cover - numba
+    for c in range(counts.shape[0]):
+        _normalize_one(counts[c], out[c])
+
+
+def count_symbols(symbols: np.ndarray, alphabet: int | None = None) -> np.ndarray:
+    """Histogram per context: symbols [C, N] uint8 -> counts [C, A] int64."""
+    symbols = np.asarray(symbols)
+    C, N = symbols.shape
+    if alphabet is None:
+        alphabet = int(symbols.max()) + 1 if symbols.size else 1
+    idx = (np.arange(C, dtype=np.int64)[:, None] * alphabet + symbols).ravel()
+    return np.bincount(idx, minlength=C * alphabet).reshape(C, alphabet).astype(np.int64)
+
+
+def normalize_freqs(counts: np.ndarray) -> np.ndarray:
+    """12-bit frequency tables [C, A] (uint32, each row sums to 4096) from counts [C, A].
+
+    A row with no symbols at all gets ``f_0 = 4096`` (any valid table will do).
+    Deterministic; encoder-only (the decoder accepts any valid table).
+    """
+    counts = np.ascontiguousarray(np.asarray(counts, dtype=np.int64))
+    if counts.ndim != 2 or counts.shape[1] < 1 or (counts < 0).any():
+        raise ValueError("counts must be a non-negative [C, A] array with A >= 1")
+    out = np.zeros(counts.shape, dtype=np.int64)
+    _normalize_all(counts, out)
+    empty = counts.sum(axis=1) == 0
+    out[empty, 0] = PROB_SCALE
+    return out.astype(np.uint32)
+
+
+def _cum(freqs: np.ndarray) -> np.ndarray:
+    cum = np.zeros(freqs.shape, dtype=np.uint32)
+    np.cumsum(freqs[:, :-1], axis=1, out=cum[:, 1:])
+    return cum
+
+
+# --------------------------------------------------------------------------- encoder
+
+
+def _leb128(freqs: np.ndarray) -> np.ndarray:
+    """Unsigned LEB128 of every value of ``freqs`` (row-major), as uint8."""
+    v = freqs.ravel().astype(np.int64)
+    two = v >= 128
+    out = np.empty(v.size + int(two.sum()), dtype=np.uint8)
+    pos = np.arange(v.size) + np.concatenate(([0], np.cumsum(two)[:-1]))
+    out[pos] = np.where(two, (v & 0x7F) | 0x80, v).astype(np.uint8)
+    out[pos[two] + 1] = (v[two] >> 7).astype(np.uint8)
+    return out
+
+
+@njit(cache=True)
+def _encode_body(symbols, freqs, cums, out, start, n_words):  # pragma: no cover - numba
+    """Encode every context of ``symbols`` [C, N] into ``out`` from byte ``start``.
+
+    Writes, per context, 32 LE u32 final states, the LE u16 words in stream
+    order, zero padding to 4 bytes (``out`` is pre-zeroed). Returns the end offset.
+    """
+    C, N = symbols.shape
+    scratch = np.empty(N, dtype=np.uint16)
+    st = np.empty(N_LANES, dtype=np.int64)
+    pos = start
+    for c in range(C):
+        for k in range(N_LANES):
+            st[k] = RANS_L
+        fr = freqs[c]
+        cu = cums[c]
+        row = symbols[c]
+        wp = N  # words are produced last-first: fill scratch from the end
+        for i in range(N - 1, -1, -1):
+            lane = i & (N_LANES - 1)
+            s = row[i]
+            f = np.int64(fr[s])
+            x = st[lane]
+            if x >= (f << 20):  # x_max = ((L >> P) << 16) * f
+                wp -= 1
+                scratch[wp] = x & 0xFFFF
+                x >>= 16
+            st[lane] = ((x // f) << PROB_BITS) + (x % f) + np.int64(cu[s])
+        for k in range(N_LANES):
+            x = st[k]
+            out[pos] = x & 0xFF
+            out[pos + 1] = (x >> 8) & 0xFF
+            out[pos + 2] = (x >> 16) & 0xFF
+            out[pos + 3] = (x >> 24) & 0xFF
+            pos += 4
+        for k in range(wp, N):
+            w = scratch[k]
+            out[pos] = w & 0xFF
+            out[pos + 1] = w >> 8
+            pos += 2
+        n_words[c] = N - wp
+        pos = (pos + 3) & ~3
+    return pos
+
+
+def _excl_cumsum(v: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(v), dtype=np.int64)
+    if len(v) > 1:
+        np.cumsum(v[:-1], out=out[1:])
+    return out
+
+
+def _pad4(n: int) -> int:
+    return (n + 3) & ~3
+
+
+def encode_contexts(symbols: np.ndarray, freqs: np.ndarray | None = None) -> bytes:
+    """Encode contexts ``symbols`` [C, N] (uint8) into one rANS v1 stream.
+
+    ``freqs`` [C, A] (12-bit tables, rows summing to 4096) defaults to
+    :func:`normalize_freqs` of the per-context histograms with
+    ``A = max symbol + 1`` (1 when there are no symbols). Every symbol that
+    occurs must have a nonzero frequency in its context's table.
+    """
+    symbols = np.ascontiguousarray(symbols)
+    if symbols.dtype != np.uint8 or symbols.ndim != 2:
+        raise ValueError(f"symbols must be a uint8 [C, N] array, got {symbols.dtype}{symbols.shape}")
+    C, N = symbols.shape
+    if N >= 2**32 or C >= 2**32:
+        raise ValueError("too many symbols or contexts for a rANS v1 stream")
+    A = int(symbols.max()) + 1 if symbols.size else 1
+    if freqs is None:
+        freqs = normalize_freqs(count_symbols(symbols, A))
+    else:
+        freqs = np.ascontiguousarray(np.asarray(freqs).astype(np.int64))
+        if freqs.ndim != 2 or freqs.shape[0] != C or not (A <= freqs.shape[1] <= 256):
+            raise ValueError(f"freqs must be [C={C}, A] with {A} <= A <= 256, got {freqs.shape}")
+        if (freqs < 0).any() or (freqs > PROB_SCALE).any() or (freqs.sum(axis=1) != PROB_SCALE).any():
+            raise ValueError("every frequency table must hold values in [0, 4096] summing to 4096")
+        A = freqs.shape[1]
+        if symbols.size and (count_symbols(symbols, A)[freqs == 0] > 0).any():
+            raise ValueError("a symbol with frequency 0 occurs in its context")
+        freqs = freqs.astype(np.uint32)
+    cums = _cum(freqs)
+    leb = _leb128(freqs)
+    header = 6 + 8 * C + leb.size
+    body_start = _pad4(header)
+    cap = body_start + C * _pad4(_STATE_BYTES + 2 * N)
+    out = np.zeros(cap, dtype=np.uint8)
+    n_words = np.zeros(C, dtype=np.int64)
+    end = _encode_body(symbols, freqs, cums, out, body_start, n_words)
+    # header: u32 C, u16 A, per context u32 n_symbols, u32 n_words, A x LEB128
+    out[0:4] = np.frombuffer(np.uint32(C).astype("<u4").tobytes(), np.uint8)
+    out[4:6] = np.frombuffer(np.uint16(A).astype("<u2").tobytes(), np.uint8)
+    leb_len = (freqs >= 128).sum(axis=1) + A  # bytes of each table
+    entry = 8 + leb_len
+    offs = 6 + _excl_cumsum(entry)
+    counts_hdr = np.empty((C, 2), dtype="<u4")
+    counts_hdr[:, 0] = N
+    counts_hdr[:, 1] = n_words
+    cb = counts_hdr.view(np.uint8).reshape(C, 8)
+    for k in range(8):
+        out[offs + k] = cb[:, k]
+    # tables: scatter the LEB bytes after each 8-byte entry head
+    tbl_dst = np.repeat(offs + 8, leb_len) + (np.arange(leb.size) - np.repeat(_excl_cumsum(leb_len), leb_len))
+    out[tbl_dst] = leb
+    return out[:end].tobytes()
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+@dataclass(frozen=True)
+class RansStream:
+    """A validated rANS v1 stream, ready for any decoder (CPU or GPU).
+
+    All arrays are numpy; ``words`` is a zero-copy little-endian uint16 view of
+    the whole stream (its length is ``len(buf) // 2``); context ``c``'s words
+    are ``words[word_start[c] : word_start[c] + n_words[c]]``.
+    """
+
+    n_contexts: int
+    alphabet: int  # A, table length shared by all contexts
+    n_symbols: np.ndarray  # int64 [C]
+    sym_offsets: np.ndarray  # int64 [C + 1], cumulative n_symbols (output positions)
+    n_words: np.ndarray  # int64 [C]
+    freqs: np.ndarray  # uint32 [C, A], rows sum to 4096
+    cums: np.ndarray  # uint32 [C, A], exclusive prefix sums of freqs
+    states: np.ndarray  # uint32 [C, 32], final encoder states = initial decoder states
+    data_offsets: np.ndarray  # int64 [C], byte offset of each context's states
+    word_start: np.ndarray  # int64 [C], index into ``words`` of each context's first word
+    words: np.ndarray  # uint16 view of the whole stream
+    nbytes: int  # total stream length
+
+    @property
+    def total_symbols(self) -> int:
+        return int(self.sym_offsets[-1])
+
+
+@njit(cache=True)
+def _parse_tables(buf, C, A, n_sym, n_words, freqs):  # pragma: no cover - numba
+    """Read the per-context header entries. Returns (code, context, byte offset)."""
+    n = buf.shape[0]
+    pos = 6
+    for c in range(C):
+        if pos + 8 > n:
+            return _E_TRUNC, c, pos
+        v = np.int64(0)
+        for k in range(4):
+            v |= np.int64(buf[pos + k]) << (8 * k)
+        n_sym[c] = v
+        v = np.int64(0)
+        for k in range(4):
+            v |= np.int64(buf[pos + 4 + k]) << (8 * k)
+        n_words[c] = v
+        pos += 8
+        total = 0
+        for s in range(A):
+            if pos >= n:
+                return _E_TRUNC, c, pos
+            b0 = np.int64(buf[pos])
+            if b0 < 128:
+                v = b0
+                pos += 1
+            else:
+                if pos + 1 >= n:
+                    return _E_TRUNC, c, pos
+                b1 = np.int64(buf[pos + 1])
+                if b1 >= 128:
+                    return _E_LEB_LONG, c, pos
+                if b1 == 0:
+                    return _E_LEB_NONCANON, c, pos
+                v = (b0 & 0x7F) | (b1 << 7)
+                pos += 2
+            if v > PROB_SCALE:
+                return _E_FREQ_RANGE, c, pos
+            freqs[c, s] = v
+            total += v
+        if total != PROB_SCALE:
+            return _E_FREQ_SUM, c, total
+    return _OK, C, pos
+
+
+def _as_u8(buf: bytes | bytearray | memoryview | np.ndarray) -> np.ndarray:
+    if isinstance(buf, np.ndarray):
+        if buf.dtype != np.uint8 or buf.ndim != 1:
+            raise KvcFormatError("rans: stream must be a 1-D uint8 buffer")
+        return buf
+    return np.frombuffer(buf, dtype=np.uint8)
+
+
+def parse_header(
+    buf: bytes | bytearray | memoryview | np.ndarray,
+    n_contexts: int | None = None,
+    n_symbols: int | np.ndarray | None = None,
+) -> RansStream:
+    """Validate a rANS v1 stream completely (everything but the symbol data) and index it.
+
+    ``n_contexts`` / ``n_symbols`` (an int for every context, or an array
+    [C]) are what the caller expects; ``None`` accepts what the stream says.
+    Checks: sizes fit the buffer exactly, counts match, ``n_words <= n_symbols``,
+    canonical LEB128 frequencies <= 4096 summing to 4096 per context,
+    ``A`` in [1, 256], final states in [L, 2**32) and exactly L for lanes that
+    get no symbol, zero padding. Raises :class:`KvcFormatError` naming the
+    first violation. A GPU decoder calls this before launching its kernel.
+    """
+    b = _as_u8(buf)
+    n = b.size
+    if n < 6:
+        raise KvcFormatError(f"rans: stream of {n} bytes is shorter than its 6-byte header")
+    C = int(b[0]) | int(b[1]) << 8 | int(b[2]) << 16 | int(b[3]) << 24
+    A = int(b[4]) | int(b[5]) << 8
+    if n_contexts is not None and C != n_contexts:
+        raise KvcFormatError(f"rans: stream has {C} contexts, expected {n_contexts}")
+    if not 1 <= A <= 256:
+        raise KvcFormatError(f"rans: alphabet size {A} is outside [1, 256]")
+    if 6 + C * (8 + A) > n:  # cheap bound before allocating C x A tables
+        raise KvcFormatError(f"rans: header of {C} contexts x {A} frequencies does not fit in {n} bytes")
+    ns = np.zeros(C, dtype=np.int64)
+    nw = np.zeros(C, dtype=np.int64)
+    freqs = np.zeros((C, A), dtype=np.uint32)
+    code, c, pos = _parse_tables(b, C, A, ns, nw, freqs)
+    if code != _OK:
+        what = {
+            _E_TRUNC: f"truncated in the header of context {c} (offset {pos})",
+            _E_LEB_LONG: f"frequency of context {c} at offset {pos} is longer than 2 LEB128 bytes",
+            _E_LEB_NONCANON: f"frequency of context {c} at offset {pos} is a non-canonical LEB128",
+            _E_FREQ_RANGE: f"frequency of context {c} before offset {pos} exceeds 4096",
+            _E_FREQ_SUM: f"frequency table of context {c} sums to {pos}, not 4096",
+        }[code]
+        raise KvcFormatError(f"rans: {what}")
+    if n_symbols is not None:
+        exp = np.broadcast_to(np.asarray(n_symbols, dtype=np.int64), (C,))
+        bad = np.flatnonzero(ns != exp)
+        if bad.size:
+            c = int(bad[0])
+            raise KvcFormatError(f"rans: context {c} has {ns[c]} symbols, expected {exp[c]}")
+    bad = np.flatnonzero(nw > ns)
+    if bad.size:
+        c = int(bad[0])
+        raise KvcFormatError(f"rans: context {c} claims {nw[c]} words for {ns[c]} symbols (at most one word per symbol)")
+    if b[pos:_pad4(pos)].any():
+        raise KvcFormatError("rans: nonzero padding after the header")
+    body = _pad4(pos)
+    blk = (_STATE_BYTES + 2 * nw + 3) & ~3
+    data_off = body + _excl_cumsum(blk)
+    total = body + int(blk.sum())
+    if total != n:
+        raise KvcFormatError(f"rans: stream is {n} bytes, its header describes {total}")
+    words = b[: n & ~1].view("<u2")
+    states = np.empty((C, N_LANES), dtype=np.uint32)
+    if C:
+        sidx = data_off[:, None] + 4 * np.arange(N_LANES)[None, :]
+        states[:] = b[sidx] | b[sidx + 1].astype(np.uint32) << 8 | b[sidx + 2].astype(np.uint32) << 16 | b[sidx + 3].astype(np.uint32) << 24
+        low = states < RANS_L
+        if low.any():
+            c, k = (int(v[0]) for v in np.nonzero(low))
+            raise KvcFormatError(f"rans: final state of context {c} lane {k} is below L = 2**16")
+        idle = (np.arange(N_LANES)[None, :] >= ns[:, None]) & (states != RANS_L)
+        if idle.any():
+            c, k = (int(v[0]) for v in np.nonzero(idle))
+            raise KvcFormatError(f"rans: lane {k} of context {c} gets no symbol but its state is not L")
+        pad_end = data_off + blk
+        pad_start = data_off + _STATE_BYTES + 2 * nw
+        has_pad = np.flatnonzero(pad_end > pad_start)
+        if has_pad.size and (b[pad_start[has_pad]] | b[pad_start[has_pad] + 1]).any():
+            raise KvcFormatError("rans: nonzero padding after a context's words")
+    sym_off = np.zeros(C + 1, dtype=np.int64)
+    np.cumsum(ns, out=sym_off[1:])
+    return RansStream(
+        n_contexts=C, alphabet=A, n_symbols=ns, sym_offsets=sym_off, n_words=nw, freqs=freqs,
+        cums=_cum(freqs) if C else np.zeros((0, A), np.uint32), states=states, data_offsets=data_off,
+        word_start=(data_off + _STATE_BYTES) // 2, words=words, nbytes=n,
+    )
+
+
+# --------------------------------------------------------------------------- decoders
+
+
+@njit(cache=True)
+def _decode_kernel(freqs, cums, states, n_symbols, sym_offsets, n_words, word_start, words, out, err):  # pragma: no cover
+    """Scalar decoder. Processing symbols in index order is exactly the spec's
+    step-by-step, ascending-lane refill order. Returns 0 or an error code with
+    the failing context in err[0]."""
+    C = freqs.shape[0]
+    A = freqs.shape[1]
+    tab = np.empty(PROB_SCALE, dtype=np.uint32)
+    st = np.empty(N_LANES, dtype=np.int64)
+    last = words.shape[0] - 1
+    for c in range(C):
+        # slot -> sym | (f - 1) << 8 | (slot - cum) << 20
+        for s in range(A):
+            f = np.int64(freqs[c, s])
+            cm = np.int64(cums[c, s])
+            for k in range(f):
+                tab[cm + k] = np.uint32(s | ((f - 1) << 8) | (k << 20))
+        for k in range(N_LANES):
+            st[k] = states[c, k]
+        n = n_symbols[c]
+        o = sym_offsets[c]
+        p = word_start[c]
+        pend = p + n_words[c]
+        for i in range(n):
+            lane = i & (N_LANES - 1)
+            x = st[lane]
+            e = np.int64(tab[x & (PROB_SCALE - 1)])
+            out[o + i] = e & 0xFF
+            x = (((e >> 8) & 0xFFF) + 1) * (x >> PROB_BITS) + (e >> 20)
+            if x < RANS_L:
+                q = p if p < last else last  # never read outside `words`; overrun is checked below
+                x = (x << 16) | np.int64(words[q])
+                p += 1
+            st[lane] = x
+        if p > pend:
+            err[0] = c
+            return _E_OVERRUN
+        if p < pend:
+            err[0] = c
+            return _E_UNDERRUN
+        for k in range(N_LANES):
+            if st[k] != RANS_L:
+                err[0] = c
+                return _E_FINAL_STATE
+    return _OK
+
+
+_DECODE_ERRORS = {
+    _E_OVERRUN: "reads past the end of its word stream",
+    _E_UNDERRUN: "leaves words unread",
+    _E_FINAL_STATE: "does not end in the initial state L (corrupt data)",
+}
+
+
+def decode(stream: RansStream) -> np.ndarray:
+    """Decode a validated stream into a flat uint8 array of ``stream.total_symbols``
+    (context ``c`` at ``sym_offsets[c]:sym_offsets[c+1]``). Raises KvcFormatError
+    when the data is corrupt (overrun, unread words, wrong final state)."""
+    out = np.empty(stream.total_symbols, dtype=np.uint8)
+    if stream.n_contexts == 0:
+        return out
+    words = stream.words if stream.words.size else np.zeros(1, np.uint16)
+    err = np.zeros(1, dtype=np.int64)
+    code = _decode_kernel(
+        stream.freqs, stream.cums, stream.states, stream.n_symbols, stream.sym_offsets,
+        stream.n_words, stream.word_start, words, out, err,
+    )
+    if code != _OK:
+        raise KvcFormatError(f"rans: context {int(err[0])} {_DECODE_ERRORS[code]}")
+    return out
+
+
+def decode_contexts(
+    buf: bytes | bytearray | memoryview | np.ndarray,
+    n_contexts: int | None = None,
+    n_symbols: int | None = None,
+    reference: bool = False,
+) -> np.ndarray:
+    """Parse, validate and decode a stream whose contexts all have the same
+    number of symbols; returns symbols [C, N] uint8."""
+    stream = parse_header(buf, n_contexts, n_symbols)
+    ns = stream.n_symbols
+    if ns.size and (ns != ns[0]).any():
+        raise KvcFormatError("rans: contexts have different symbol counts")
+    flat = decode_reference(stream) if reference else decode(stream)
+    return flat.reshape(stream.n_contexts, int(ns[0]) if ns.size else 0)
+
+
+def decode_reference(stream: RansStream) -> np.ndarray:
+    """Readable numpy decoder, vectorised across the 32 lanes exactly like the
+    GPU kernel (one warp per context): each step decodes all active lanes, then
+    hands out the next words to the lanes that need a refill by an exclusive
+    prefix sum of their refill flags (a warp ballot + popcount). Slow (numpy
+    per step); for tests and as executable documentation of the spec."""
+    out = np.empty(stream.total_symbols, dtype=np.uint8)
+    for c in range(stream.n_contexts):
+        f = stream.freqs[c].astype(np.int64)
+        cum = stream.cums[c].astype(np.int64)
+        sym_of_slot = np.repeat(np.arange(stream.alphabet), f)  # slot -> symbol
+        x = stream.states[c].astype(np.int64)
+        n = int(stream.n_symbols[c])
+        w = stream.words[stream.word_start[c] : stream.word_start[c] + stream.n_words[c]].astype(np.int64)
+        p = 0
+        o = int(stream.sym_offsets[c])
+        for j in range((n + N_LANES - 1) // N_LANES):
+            k = min(N_LANES, n - j * N_LANES)  # active lanes 0..k-1
+            xs = x[:k]
+            slot = xs & (PROB_SCALE - 1)
+            s = sym_of_slot[slot]
+            out[o + j * N_LANES : o + j * N_LANES + k] = s
+            xs = f[s] * (xs >> PROB_BITS) + slot - cum[s]
+            need = xs < RANS_L
+            rank = np.cumsum(need) - need  # exclusive prefix sum = ballot popcount below the lane
+            cnt = int(need.sum())
+            if p + cnt > w.size:
+                raise KvcFormatError(f"rans: context {c} {_DECODE_ERRORS[_E_OVERRUN]}")
+            xs[need] = (xs[need] << 16) | w[p + rank[need]]
+            p += cnt
+            x[:k] = xs
+        if p != w.size:
+            raise KvcFormatError(f"rans: context {c} {_DECODE_ERRORS[_E_UNDERRUN]}")
+        if (x != RANS_L).any():
+            raise KvcFormatError(f"rans: context {c} {_DECODE_ERRORS[_E_FINAL_STATE]}")
+    return out
+
+
+# --------------------------------------------------------------------------- accounting
+
+
+@dataclass(frozen=True)
+class SizeBreakdown:
+    """Where the bytes of a stream go."""
+
+    total_bytes: int
+    payload_bits: int  # 16 x number of words
+    table_bytes: int  # LEB128 frequency tables
+    flush_bytes: int  # 32 lanes x 4 bytes of final state per context
+    header_bytes: int  # u32 n_contexts + u16 A + 8 bytes per context
+    padding_bytes: int
+    n_symbols: int
+
+
+def size_breakdown(buf: bytes | bytearray | memoryview | np.ndarray) -> SizeBreakdown:
+    """Split a stream's size into payload, tables, state flush, fixed header, padding."""
+    s = parse_header(buf)
+    words = int(s.n_words.sum())
+    header = 6 + 8 * s.n_contexts
+    pos = 6 + 8 * s.n_contexts + int(np.where(s.freqs >= 128, 2, 1).sum())
+    table = pos - header
+    flush = _STATE_BYTES * s.n_contexts
+    pad = s.nbytes - header - table - flush - 2 * words
+    return SizeBreakdown(s.nbytes, 16 * words, table, flush, header, pad, s.total_symbols)
+
+
+def empirical_entropy_bits(symbols: np.ndarray) -> np.ndarray:
+    """Ideal code length in bits of each context of ``symbols`` [C, N] under its
+    own empirical distribution: N * H(p_hat). Returns float64 [C]."""
+    symbols = np.asarray(symbols)
+    counts = count_symbols(symbols, 256).astype(np.float64)
+    n = counts.sum(axis=1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        terms = np.where(counts > 0, counts * np.log2(np.where(counts > 0, n / counts, 1.0)), 0.0)
+    return terms.sum(axis=1)
+
+
+def table_code_length_bits(symbols: np.ndarray, freqs: np.ndarray) -> np.ndarray:
+    """Ideal code length [C] of ``symbols`` [C, N] under 12-bit tables ``freqs``."""
+    counts = count_symbols(symbols, freqs.shape[1]).astype(np.float64)
+    f = freqs.astype(np.float64)
+    with np.errstate(divide="ignore"):
+        return np.where(counts > 0, counts * (PROB_BITS - np.log2(np.where(f > 0, f, 1))), 0.0).sum(axis=1)
+
+
+# --------------------------------------------------------------------------- golden vectors
+
+VECTOR_DIR = Path(__file__).resolve().parents[2] / "spec" / "vectors" / "rans"
+
+
+def _vector_inputs() -> dict[str, tuple[np.ndarray, int | None, str]]:
+    """Small, deterministic stage inputs (H, T, D) covering the corner cases."""
+    rng = np.random.default_rng(20250101)
+
+    def laplace(shape, scale):
+        return np.clip(np.round(rng.laplace(0, scale, size=shape)) + 8, 0, 15).astype(np.uint8)
+
+    return {
+        "tiny": (np.array([[[0, 1, 0, 2], [0, 0, 1, 0]]], dtype=np.uint8), None, "1 head, 2 tokens, 4 channels; the worked example of spec/rans-v1.md"),
+        "single_symbol": (np.full((2, 5, 8), 7, dtype=np.uint8), None, "one distinct symbol: f = 4096, no words, all states L"),
+        "partial_step": (laplace((1, 33, 1), 2.0), None, "33 symbols: a full step plus a 1-lane step"),
+        "laplace_groups": (laplace((2, 64, 16), 1.5), 4, "2 heads x 4 channel groups of 4, 4-bit Laplace"),
+        "all_symbols": (rng.permutation(np.arange(1024) % 256).astype(np.uint8).reshape(1, 32, 32), None, "all 256 symbols, uniform: two-byte LEB128 frequencies"),
+        "skewed": (np.where(rng.random((3, 100, 3)) < 0.995, 0, rng.integers(1, 256, (3, 100, 3))).astype(np.uint8), None, "very skewed: rare symbols get f = 1"),
+    }
+
+
+def write_vectors(directory: Path = VECTOR_DIR) -> dict:
+    """Deliberately (re)write the golden vectors (stage inputs + encoded streams + manifest)."""
+    from .rans_stage import RansStage
+    from ..stages import ChunkContext
+
+    directory.mkdir(parents=True, exist_ok=True)
+    manifest = {"format": "rans", "version": 1, "vectors": []}
+    for name, (arr, g, desc) in _vector_inputs().items():
+        stage = RansStage(channel_group=g)
+        data, side = stage.encode(arr, ChunkContext())
+        assert not side
+        np.save(directory / f"{name}.npy", arr, allow_pickle=False)
+        (directory / f"{name}.bin").write_bytes(data)
+        manifest["vectors"].append({
+            "name": name, "description": desc, "shape": list(arr.shape), "dtype": "uint8",
+            "config": stage.get_config(), "input": f"{name}.npy", "encoded": f"{name}.bin",
+            "encoded_bytes": len(data),
+            "input_sha256": hashlib.sha256(np.ascontiguousarray(arr).tobytes()).hexdigest(),
+            "encoded_sha256": hashlib.sha256(data).hexdigest(),
+        })
+    (directory / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def _main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m kvcodec.entropy.rans", description=__doc__.splitlines()[0])
+    ap.add_argument("--write-vectors", action="store_true", help=f"rewrite the golden vectors in {VECTOR_DIR}")
+    ap.add_argument("--dir", type=Path, default=VECTOR_DIR)
+    args = ap.parse_args(argv)
+    if not args.write_vectors:
+        ap.print_help()
+        return 0
+    m = write_vectors(args.dir)
+    for v in m["vectors"]:
+        print(f"{v['name']:16s} {str(tuple(v['shape'])):16s} -> {v['encoded_bytes']:6d} bytes  {v['encoded_sha256'][:16]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())
