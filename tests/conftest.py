@@ -1,0 +1,33 @@
+"""Shared fixtures: the embedded model is loaded once per test session.
+
+Model-dependent tests are marked ``@pytest.mark.model``; they run in CI (the
+model is small). Select or skip them with ``-m model`` / ``-m 'not model'``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+
+@pytest.fixture(scope="session")
+def lm():
+    from kvcodec.model import load_model
+
+    return load_model("smollm2")
+
+
+@pytest.fixture(scope="session")
+def gpl3_ids(lm) -> np.ndarray:
+    from kvcodec.capture import tokenize
+    from kvcodec.texts import load_text
+
+    return tokenize(lm.tokenizer, load_text("gpl3"))
+
+
+@pytest.fixture(scope="session")
+def small_cache(lm, gpl3_ids):
+    """A real 64-token KV cache of the GPL-3 text."""
+    from kvcodec.capture import capture
+
+    return capture(lm, token_ids=gpl3_ids[:64])
