@@ -47,8 +47,7 @@ class Quality:
 @torch.inference_mode()
 def continue_logits(lm: LoadedModel, cache: KVCache, continuation: np.ndarray) -> torch.Tensor:
     """Logits [N, vocab] (fp32) of the continuation tokens fed after ``cache``."""
-    dtype = next(lm.model.parameters()).dtype
-    past = cache.to_dynamic_cache(dtype=dtype)
+    past = cache.for_model(lm)
     ids = torch.as_tensor(np.asarray(continuation, dtype=np.int64)).unsqueeze(0)
     pos = torch.arange(cache.next_position, cache.next_position + ids.shape[1]).unsqueeze(0)
     out = lm.model(input_ids=ids, past_key_values=past, position_ids=pos, use_cache=True)
@@ -58,8 +57,7 @@ def continue_logits(lm: LoadedModel, cache: KVCache, continuation: np.ndarray) -
 @torch.inference_mode()
 def greedy(lm: LoadedModel, cache: KVCache, first_token: int, n: int) -> list[int]:
     """``n`` greedy tokens generated after feeding ``first_token`` to ``cache``."""
-    dtype = next(lm.model.parameters()).dtype
-    past = cache.to_dynamic_cache(dtype=dtype)
+    past = cache.for_model(lm)
     tok, pos, out = int(first_token), cache.next_position, []
     for _ in range(n):
         logits = lm.model(

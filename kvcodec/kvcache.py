@@ -111,6 +111,11 @@ class KVCache:
         cast = (lambda x: x.to(dtype)) if dtype is not None else (lambda x: x)
         return DynamicCache([(cast(k).unsqueeze(0).clone(), cast(v).unsqueeze(0).clone()) for k, v in zip(self.keys, self.values)])
 
+    def for_model(self, lm: Any) -> Any:
+        """A DynamicCache for ``lm`` (a LoadedModel), refusing a cache of another model."""
+        lm.fingerprint.check_compatible(self.fingerprint)
+        return self.to_dynamic_cache(dtype=next(lm.model.parameters()).dtype)
+
     def to(self, dtype: torch.dtype) -> "KVCache":
         return KVCache(
             [k.to(dtype) for k in self.keys], [v.to(dtype) for v in self.values],

@@ -1,0 +1,154 @@
+"""Issue 2: capture real KV, write/read it, continue from it, refuse other models."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from kvcodec.capture import capture, prefill, select_context
+from kvcodec.cli.main import main
+from kvcodec.errors import KvcError, KvcFormatError, KvcInputError, KvcModelMismatchError
+from kvcodec.fingerprint import ModelFingerprint
+from kvcodec.kvcache import KVCache, load_capture, load_h5, save_capture, save_h5
+from kvcodec.model import LoadedModel
+
+pytestmark = pytest.mark.model
+
+
+def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    out = capsys.readouterr()
+    return int(exc.value.code or 0), out.out, out.err
+
+
+@pytest.mark.parametrize("suffix", [".h5", ".safetensors"])
+def test_capture_file_continues_like_full_prefill(lm, gpl3_ids, tmp_path, suffix):
+    """KV written to disk, loaded back into a DynamicCache and continued == one full prefill."""
+    n_ctx, n_cont = 96, 24
+    cache = capture(lm, token_ids=gpl3_ids[:n_ctx])
+    path = tmp_path / f"cap{suffix}"
+    save_capture(cache, path)
+    back = load_capture(path)
+    assert back.fingerprint == cache.fingerprint
+    assert np.array_equal(back.token_ids, gpl3_ids[:n_ctx])
+    for a, b in zip(cache.keys + cache.values, back.keys + back.values):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+    _, full_logits = prefill(lm, gpl3_ids[: n_ctx + n_cont])
+    with torch.inference_mode():
+        out = lm.model(
+            input_ids=torch.as_tensor(gpl3_ids[n_ctx : n_ctx + n_cont]).unsqueeze(0),
+            past_key_values=back.for_model(lm),
+            use_cache=True,
+        )
+    diff = (out.logits[0] - full_logits[n_ctx:]).abs().max().item()
+    assert diff <= 1e-4, diff
+
+
+def test_cli_capture_writes_h5(tmp_path, capsys):
+    text = tmp_path / "doc.txt"
+    text.write_text(Path("/usr/share/common-licenses/Apache-2.0").read_text())
+    out = tmp_path / "c.h5"
+    code, stdout, _ = run_cli(["capture", "--text", str(text), "--max-tokens", "40", "-o", str(out), "--json"], capsys)
+    assert code == 0
+    info = json.loads(stdout)
+    assert info["tokens"] == 40 and info["layers"] == 30 and info["kv_heads"] == 3 and info["head_dim"] == 64
+    with h5py.File(out) as f:
+        assert f["layers/0/key"].shape == (3, 40, 64)
+        assert f["token_ids"].shape == (40,)
+        assert json.loads(f.attrs["fingerprint"])["num_layers"] == 30
+
+
+def _other_model(lm) -> LoadedModel:
+    """A different LLaMA with the same KV shapes (30 layers, 3 KV heads, head_dim 64)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=lm.model.config.vocab_size, hidden_size=192, intermediate_size=256, num_hidden_layers=30,
+        num_attention_heads=3, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
+    )
+    return LoadedModel(model=LlamaForCausalLM(cfg).eval(), tokenizer=lm.tokenizer, name="other", path=Path("."))
+
+
+def test_capture_refuses_a_different_model(lm, small_cache, tmp_path):
+    other = _other_model(lm)
+    assert not other.fingerprint.same_model(lm.fingerprint)
+    fp_o, fp_l = other.fingerprint, lm.fingerprint
+    assert (fp_o.num_layers, fp_o.num_kv_heads, fp_o.head_dims) == (fp_l.num_layers, fp_l.num_kv_heads, fp_l.head_dims)
+    save_h5(small_cache, tmp_path / "c.h5")
+    cache = load_h5(tmp_path / "c.h5")
+    with pytest.raises(KvcModelMismatchError, match="different model"):
+        cache.for_model(other)
+    cache.for_model(lm)  # the right model is accepted
+
+
+def test_fingerprint_is_stable_and_json_roundtrips(lm):
+    from kvcodec.fingerprint import fingerprint_model
+
+    again = fingerprint_model(lm.model, lm.tokenizer)
+    assert again == lm.fingerprint and again.id == lm.fingerprint.id
+    assert ModelFingerprint.from_json(json.loads(json.dumps(lm.fingerprint.to_json()))) == lm.fingerprint
+    with pytest.raises(KvcFormatError):
+        ModelFingerprint.from_json({"architecture": "llama"})
+
+
+def test_select_context_checks_lengths():
+    ids = np.arange(10)
+    assert len(select_context(ids, 4, min_follow=6)) == 4
+    with pytest.raises(KvcInputError, match="only 10 tokens"):
+        select_context(ids, 8, min_follow=3)
+    with pytest.raises(KvcInputError):
+        select_context(ids, 0)
+
+
+def _bad_h5(path: Path, small_cache: KVCache, mutate) -> Path:
+    save_h5(small_cache, path)
+    with h5py.File(path, "r+") as f:
+        mutate(f)
+    return path
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["missing", "empty_text", "too_short", "garbage_h5", "wrong_shape", "missing_layer", "bad_fingerprint"],
+)
+def test_bad_inputs_give_one_line_errors(case, tmp_path, capsys, small_cache):
+    """Every bad input: a KvcError subclass, a one-line message, a non-zero exit, no traceback."""
+    text = tmp_path / "t.txt"
+    text.write_text("A few words only.")
+    h5 = tmp_path / "bad.h5"
+    if case == "missing":
+        args = ["capture", "--text", str(tmp_path / "nope.txt"), "-o", str(tmp_path / "o.h5")]
+    elif case == "empty_text":
+        text.write_text("  \n")
+        args = ["capture", "--text", str(text), "-o", str(tmp_path / "o.h5")]
+    elif case == "too_short":
+        args = ["capture", "--text", str(text), "--max-tokens", "5000", "-o", str(tmp_path / "o.h5")]
+    else:
+        if case == "garbage_h5":
+            h5.write_bytes(b"\x89HDF\r\n\x1a\n" + b"\x00" * 100)
+        elif case == "wrong_shape":
+            def mutate(f):
+                del f["layers/3/key"]
+                f["layers/3"].create_dataset("key", data=np.zeros((3, 7, 64), np.float32))
+            _bad_h5(h5, small_cache, mutate)
+        elif case == "missing_layer":
+            _bad_h5(h5, small_cache, lambda f: f["layers"].__delitem__("29"))
+        elif case == "bad_fingerprint":
+            _bad_h5(h5, small_cache, lambda f: f.attrs.__setitem__("fingerprint", "{not json"))
+        with pytest.raises(KvcError) as exc:
+            load_h5(h5)
+        assert "\n" not in str(exc.value)
+        return
+    code, _, err = run_cli(args, capsys)
+    assert code != 0
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvc: error: "), err
+    assert "Traceback" not in err
