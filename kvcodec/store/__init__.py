@@ -1,0 +1,49 @@
+"""Byte-level KV-cache store: deterministic keys, tiers (LRU, directory, Redis, HTTP).
+
+Entries are opaque bytes (typically a ``.kvc`` file) plus a small JSON
+metadata dict.  Typical use::
+
+    from kvcodec.store import Store, StoreKey
+
+    key = StoreKey.for_tokens(ids, model=fp_id, codec=codec_hash, namespace="tenant-a")
+    with Store.open("/var/cache/kvc,redis://127.0.0.1:6379/0") as st:
+        st.put(key, kvc_bytes, {"n_layers": 30})
+        data = st.get(key)                       # bytes or None
+        key2, n = st.longest_prefix(ids2, model=fp_id, codec=codec_hash, namespace="tenant-a")
+
+Only ``keys`` and ``ranged`` are imported eagerly; redis-py loads only
+when a Redis tier is opened.
+"""
+
+from .keys import (
+    DEFAULT_CHUNK,
+    StoreKey,
+    chunk_hashes,
+    longest_prefix,
+    prefix_keys,
+    root_digest,
+    token_bytes,
+)
+from .ranged import BytesRangeReader, FileRangeReader, HttpRangeReader, RangeReader, open_range_reader
+from .store import PutResult, Store, parse_size
+from .tiers import Entry, EntryInfo, MemoryTier, Tier
+
+__all__ = [
+    "DEFAULT_CHUNK", "StoreKey", "chunk_hashes", "longest_prefix", "prefix_keys", "root_digest",
+    "token_bytes", "RangeReader", "FileRangeReader", "HttpRangeReader", "BytesRangeReader",
+    "open_range_reader", "Store", "PutResult", "parse_size", "Entry", "EntryInfo", "MemoryTier",
+    "Tier", "DirectoryTier", "RedisTier", "HttpTier",
+]
+
+
+def __getattr__(name: str):  # lazy tier classes
+    if name == "DirectoryTier":
+        from .directory import DirectoryTier
+        return DirectoryTier
+    if name == "RedisTier":
+        from .redis_tier import RedisTier
+        return RedisTier
+    if name == "HttpTier":
+        from .http import HttpTier
+        return HttpTier
+    raise AttributeError(name)

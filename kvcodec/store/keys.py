@@ -1,0 +1,271 @@
+"""Deterministic store keys for cached KV prefixes.
+
+A cached entry is addressed by :class:`StoreKey` = (model fingerprint id,
+codec config hash, namespace, number of tokens, chained prefix digest).
+Everything is computed with BLAKE2b from fixed-width little-endian bytes, so
+the same token ids give the same key in every process, on every machine and
+under every ``PYTHONHASHSEED`` (Python's salted ``hash`` is never used).
+
+Chaining (``spec/store-keys.md`` has the normative text and a worked example)::
+
+    h_0 = BLAKE2b-256( "kvcodec.store.key.v1\\0"
+                       || u32le(len(model))     || model
+                       || u32le(len(codec))     || codec
+                       || u32le(len(namespace)) || namespace )
+    h_i = BLAKE2b-256( h_{i-1} || u32le(n_i) || int32le(ids of chunk i) )
+
+Chunk ``i`` holds tokens ``[(i-1)*chunk, min(i*chunk, N))``, so every chunk
+has ``chunk`` tokens except possibly the last one.  ``n_i`` (the chunk's token
+count) is hashed, so a partial last chunk can never collide with a full one.
+Because ``h_0`` binds model, codec and namespace, two different models,
+codec configurations or tenants never share a digest, even for equal tokens.
+
+An entry covers the prefix ending at a chunk boundary: ``k*chunk`` tokens, or
+the whole token list (``N`` tokens, whose last chunk may be partial).
+:func:`prefix_keys` lists exactly these candidates.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import struct
+import sys
+from array import array
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
+
+from ..errors import KvcInputError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .store import Store
+
+KEY_VERSION = 1
+DEFAULT_CHUNK = 256
+DOMAIN = b"kvcodec.store.key.v1\x00"
+DIGEST_SIZE = 32  # bytes; 64 hex characters
+
+# Identifiers that appear in key strings, file listings and Redis key names.
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=-]{0,127}$")
+_HEX_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _check_id(what: str, value: str) -> str:
+    if not isinstance(value, str) or not _ID_RE.match(value):
+        raise KvcInputError(
+            f"store key {what} {value!r} is invalid: use 1-128 characters from "
+            "[A-Za-z0-9._+=-], starting with a letter or digit"
+        )
+    return value
+
+
+def _lp(s: str) -> bytes:
+    b = s.encode("utf-8")
+    return struct.pack("<I", len(b)) + b
+
+
+def root_digest(model: str, codec: str, namespace: str) -> bytes:
+    """``h_0``: the domain-separated seed of the chain (32 bytes)."""
+    _check_id("model", model)
+    _check_id("codec", codec)
+    _check_id("namespace", namespace)
+    return hashlib.blake2b(
+        DOMAIN + _lp(model) + _lp(codec) + _lp(namespace), digest_size=DIGEST_SIZE
+    ).digest()
+
+
+def token_bytes(token_ids: Any) -> bytes:
+    """Token ids as contiguous little-endian int32 bytes (validated).
+
+    Accepts a sequence of ints, a numpy array or anything with ``__array__``
+    (e.g. a CPU torch tensor).  Ids must be integers in ``[0, 2**31)``.
+    """
+    if hasattr(token_ids, "__array__") and not isinstance(token_ids, (list, tuple)):
+        import numpy as np
+
+        a = np.asarray(token_ids)
+        if a.ndim != 1:
+            a = a.reshape(-1) if a.ndim == 2 and a.shape[0] == 1 else a
+        if a.ndim != 1:
+            raise KvcInputError(f"token ids must be one-dimensional, got shape {a.shape}")
+        if a.size and a.dtype.kind not in "iu":
+            raise KvcInputError(f"token ids must be integers, got dtype {a.dtype}")
+        if a.size and (int(a.min()) < 0 or int(a.max()) >= 2**31):
+            raise KvcInputError("token ids must lie in [0, 2**31)")
+        return a.astype("<i4", copy=False).tobytes()
+    try:
+        arr = array("i", token_ids)
+    except (TypeError, OverflowError) as e:
+        raise KvcInputError(f"token ids must be integers in [0, 2**31): {e}") from None
+    if arr.itemsize != 4:  # pragma: no cover - exotic platforms
+        raise KvcInputError("platform C int is not 32-bit")
+    if len(arr) and min(arr) < 0:
+        raise KvcInputError("token ids must lie in [0, 2**31)")
+    if sys.byteorder != "little":  # pragma: no cover
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def chunk_hashes(
+    token_ids: Any,
+    chunk: int = DEFAULT_CHUNK,
+    *,
+    model: str = "any",
+    codec: str = "any",
+    namespace: str = "default",
+) -> list[bytes]:
+    """Chained digests ``[h_1, ..., h_m]``, one per chunk of ``chunk`` tokens.
+
+    ``h_i`` identifies the prefix ``token_ids[:min(i*chunk, N)]``; the last
+    chunk may be partial.  An empty token list gives an empty list.
+    """
+    if not isinstance(chunk, int) or chunk <= 0:
+        raise KvcInputError(f"chunk must be a positive integer, got {chunk!r}")
+    raw = token_bytes(token_ids)
+    h = root_digest(model, codec, namespace)
+    out: list[bytes] = []
+    step = 4 * chunk
+    for off in range(0, len(raw), step):
+        piece = raw[off:off + step]
+        h = hashlib.blake2b(
+            h + struct.pack("<I", len(piece) // 4) + piece, digest_size=DIGEST_SIZE
+        ).digest()
+        out.append(h)
+    return out
+
+
+@dataclass(frozen=True, order=True)
+class StoreKey:
+    """Address of one cached entry.
+
+    ``digest`` (64 lowercase hex) already binds model, codec, namespace and the
+    token prefix; the other fields are kept in clear for listing and
+    filtering.  String form (``to_str``/``from_str``)::
+
+        kvc1:<model>:<codec>:<namespace>:<n_tokens>:<digest>
+    """
+
+    model: str
+    codec: str
+    namespace: str
+    n_tokens: int
+    digest: str
+
+    def __post_init__(self) -> None:
+        _check_id("model", self.model)
+        _check_id("codec", self.codec)
+        _check_id("namespace", self.namespace)
+        if not isinstance(self.n_tokens, int) or isinstance(self.n_tokens, bool) or self.n_tokens < 0:
+            raise KvcInputError(f"store key n_tokens must be a non-negative int, got {self.n_tokens!r}")
+        if not isinstance(self.digest, str) or not _HEX_RE.match(self.digest):
+            raise KvcInputError(f"store key digest must be 64 lowercase hex characters, got {self.digest!r}")
+
+    # -- constructors -----------------------------------------------------
+    @classmethod
+    def for_tokens(
+        cls,
+        token_ids: Any,
+        *,
+        model: str,
+        codec: str,
+        namespace: str = "default",
+        chunk: int = DEFAULT_CHUNK,
+    ) -> "StoreKey":
+        """Key of an entry covering all of ``token_ids`` (last chunk may be partial)."""
+        hs = chunk_hashes(token_ids, chunk, model=model, codec=codec, namespace=namespace)
+        if not hs:
+            raise KvcInputError("cannot key an empty token list")
+        return cls(model, codec, namespace, _count(token_ids), hs[-1].hex())
+
+    @classmethod
+    def from_str(cls, s: str) -> "StoreKey":
+        if not isinstance(s, str):
+            raise KvcInputError(f"store key must be a string, got {type(s).__name__}")
+        parts = s.strip().split(":")
+        if len(parts) != 6 or parts[0] != f"kvc{KEY_VERSION}":
+            raise KvcInputError(
+                f"bad store key {s!r}: expected kvc{KEY_VERSION}:<model>:<codec>:<namespace>:<n_tokens>:<digest>"
+            )
+        _, model, codec, ns, n, digest = parts
+        if not n.isdigit():
+            raise KvcInputError(f"bad store key {s!r}: n_tokens {n!r} is not a number")
+        return cls(model, codec, ns, int(n), digest)
+
+    def to_str(self) -> str:
+        return f"kvc{KEY_VERSION}:{self.model}:{self.codec}:{self.namespace}:{self.n_tokens}:{self.digest}"
+
+    def __str__(self) -> str:
+        return self.to_str()
+
+
+def _count(token_ids: Any) -> int:
+    if hasattr(token_ids, "__array__") and not isinstance(token_ids, (list, tuple)):
+        import numpy as np
+
+        return int(np.asarray(token_ids).size)
+    return len(token_ids)
+
+
+def prefix_keys(
+    token_ids: Any,
+    *,
+    model: str,
+    codec: str,
+    namespace: str = "default",
+    chunk: int = DEFAULT_CHUNK,
+    min_tokens: int = 1,
+) -> list[StoreKey]:
+    """Every key an entry for a prefix of ``token_ids`` may have, longest first.
+
+    Candidates are the chunk boundaries ``k*chunk`` and the full length ``N``
+    (when ``N`` is not a multiple of ``chunk``).
+    """
+    hs = chunk_hashes(token_ids, chunk, model=model, codec=codec, namespace=namespace)
+    n = _count(token_ids)
+    keys = []
+    for i, h in enumerate(hs):
+        n_i = min((i + 1) * chunk, n)
+        if n_i >= min_tokens:
+            keys.append(StoreKey(model, codec, namespace, n_i, h.hex()))
+    keys.reverse()
+    return keys
+
+
+def longest_prefix(
+    store: "Store | Any",
+    token_ids: Any,
+    *,
+    model: str,
+    codec: str,
+    namespace: str = "default",
+    chunk: int = DEFAULT_CHUNK,
+    min_tokens: int = 1,
+) -> tuple[StoreKey | None, int]:
+    """``(key, n_tokens)`` of the longest cached prefix of ``token_ids``.
+
+    Probes candidates from the longest down (a shorter prefix being cached does
+    not imply anything about longer ones, so this is not a binary search).
+    Uses ``store.contains_many`` when available (one round trip per tier),
+    else ``store.contains``.  Returns ``(None, 0)`` when nothing is cached.
+    """
+    cands = prefix_keys(token_ids, model=model, codec=codec, namespace=namespace,
+                        chunk=chunk, min_tokens=min_tokens)
+    if not cands:
+        return None, 0
+    many = getattr(store, "contains_many", None)
+    if many is not None:
+        found = many(cands)
+        for k, ok in zip(cands, found):
+            if ok:
+                return k, k.n_tokens
+        return None, 0
+    for k in cands:
+        if store.contains(k):
+            return k, k.n_tokens
+    return None, 0
+
+
+def iter_chunks(token_ids: Sequence[int], chunk: int = DEFAULT_CHUNK) -> Iterable[Sequence[int]]:
+    """The chunks ``chunk_hashes`` hashes, for callers that store per-chunk entries."""
+    for off in range(0, len(token_ids), chunk):
+        yield token_ids[off:off + chunk]

@@ -1,0 +1,308 @@
+"""Random-access byte sources: local files and HTTP(S) objects read by ``Range``.
+
+The ``.kvc`` reader only needs ``size`` and ``read(offset, length)``; it can
+then read a header and the chunks it wants from a local file or from a plain
+web server / CDN without downloading the whole object.
+
+Guarantees of every :class:`RangeReader`:
+
+* ``read(offset, length)`` returns exactly ``length`` bytes or raises;
+* a range outside ``[0, size)`` or a source that delivers fewer bytes than
+  asked (truncated file, short HTTP body) raises :class:`KvcFormatError`;
+* transport failures (HTTP status >= 400, refused connection, timeout, a
+  server ignoring ``Range``, an object that changed between requests) raise
+  :class:`KvcStoreError` whose message names the status / cause;
+* negative offsets or lengths raise :class:`KvcInputError`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import urllib.error
+import urllib.request
+from http.client import HTTPException, IncompleteRead
+from typing import Any, Mapping
+
+from ..errors import KvcFormatError, KvcInputError, KvcStoreError
+
+__all__ = ["RangeReader", "FileRangeReader", "HttpRangeReader", "BytesRangeReader", "open_range_reader"]
+
+_CONTENT_RANGE_RE = re.compile(r"^\s*bytes\s+(\d+)-(\d+)/(\d+|\*)\s*$", re.I)
+
+
+class RangeReader:
+    """Abstract random-access reader: ``size`` and ``read(offset, length)``.
+
+    Use :meth:`open` (or :func:`open_range_reader`) to get a reader for a
+    local path, ``file://`` URL or ``http(s)://`` URL.  Readers are context
+    managers.  ``base``/``length`` arguments of the concrete classes expose a
+    window of the underlying object as if it were the whole object.
+    """
+
+    size: int = 0
+    name: str = "?"
+
+    @staticmethod
+    def open(source: str | os.PathLike[str], **kwargs: Any) -> "RangeReader":
+        return open_range_reader(source, **kwargs)
+
+    # -- to implement ---------------------------------------------------------
+    def _read(self, offset: int, length: int) -> bytes:  # pragma: no cover
+        raise NotImplementedError
+
+    # -- shared -------------------------------------------------------------
+    def read(self, offset: int, length: int) -> bytes:
+        """Exactly ``length`` bytes starting at ``offset``."""
+        offset, length = int(offset), int(length)
+        if offset < 0 or length < 0:
+            raise KvcInputError(f"{self.name}: negative range offset={offset} length={length}")
+        if length == 0:
+            if offset > self.size:
+                raise KvcFormatError(f"{self.name}: offset {offset} is past the end ({self.size} bytes)")
+            return b""
+        if offset + length > self.size:
+            raise KvcFormatError(
+                f"{self.name}: short read: wanted bytes {offset}..{offset + length - 1} "
+                f"but the object has {self.size} bytes (truncated?)"
+            )
+        data = self._read(offset, length)
+        if len(data) != length:
+            raise KvcFormatError(
+                f"{self.name}: short read at offset {offset}: wanted {length} bytes, got {len(data)}"
+            )
+        return data
+
+    def read_all(self) -> bytes:
+        return self.read(0, self.size)
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "RangeReader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, size={self.size})"
+
+
+class BytesRangeReader(RangeReader):
+    """A reader over bytes already in memory (tests, in-memory store entries)."""
+
+    def __init__(self, data: bytes | bytearray | memoryview, name: str = "<bytes>") -> None:
+        self._buf = memoryview(bytes(data))
+        self.size = len(self._buf)
+        self.name = name
+
+    def _read(self, offset: int, length: int) -> bytes:
+        return bytes(self._buf[offset:offset + length])
+
+
+class FileRangeReader(RangeReader):
+    """Positional reads (``os.pread``) from a local file; thread-safe.
+
+    ``base``/``length`` select a window of the file (default: all of it).
+    ``size`` is fixed at open; if the file shrinks later, reads raise
+    :class:`KvcFormatError` (short read).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], base: int = 0, length: int | None = None) -> None:
+        self.name = os.fspath(path)
+        try:
+            self._fd: int | None = os.open(self.name, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        except FileNotFoundError:
+            raise KvcStoreError(f"{self.name}: no such file") from None
+        except OSError as e:
+            raise KvcStoreError(f"{self.name}: cannot open: {e.strerror or e}") from None
+        total = os.fstat(self._fd).st_size
+        if base < 0 or base > total:
+            self.close()
+            raise KvcFormatError(f"{self.name}: window base {base} outside file of {total} bytes")
+        if length is None:
+            length = total - base
+        if length < 0 or base + length > total:
+            self.close()
+            raise KvcFormatError(
+                f"{self.name}: window {base}+{length} exceeds file of {total} bytes (truncated?)"
+            )
+        self.base = base
+        self.size = length
+
+    def _read(self, offset: int, length: int) -> bytes:
+        if self._fd is None:
+            raise KvcStoreError(f"{self.name}: reader is closed")
+        pos = self.base + offset
+        parts = []
+        got = 0
+        while got < length:
+            try:
+                b = os.pread(self._fd, length - got, pos + got)
+            except OSError as e:
+                raise KvcStoreError(f"{self.name}: read failed: {e.strerror or e}") from None
+            if not b:
+                break
+            parts.append(b)
+            got += len(b)
+        return b"".join(parts)
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def __del__(self) -> None:  # pragma: no cover - best effort
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class HttpRangeReader(RangeReader):
+    """Read an object on an HTTP(S) server piecewise with ``Range`` requests.
+
+    Uses only ``urllib``.  At open it sends ``Range: bytes=0-0`` to learn the
+    size (from ``Content-Range``) and the validator (``ETag`` or
+    ``Last-Modified``); later requests carry ``If-Range`` so that an object
+    replaced on the server mid-read is detected (the server then answers 200
+    and this raises :class:`KvcStoreError`) instead of mixing two versions.
+    A server that ignores ``Range`` (answers 200 to a ranged request) is
+    refused with :class:`KvcStoreError`.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout: float = 30.0,
+        headers: Mapping[str, str] | None = None,
+        base: int = 0,
+        length: int | None = None,
+    ) -> None:
+        if not url.lower().startswith(("http://", "https://")):
+            raise KvcInputError(f"not an http(s) URL: {url!r}")
+        self.url = url
+        self.name = url
+        self.timeout = float(timeout)
+        self._headers = dict(headers or {})
+        self._validator: str | None = None
+        self.requests = 0
+        self.bytes_fetched = 0
+        total = self._probe()
+        if base < 0 or base > total:
+            raise KvcFormatError(f"{url}: window base {base} outside object of {total} bytes")
+        if length is None:
+            length = total - base
+        if length < 0 or base + length > total:
+            raise KvcFormatError(f"{url}: window {base}+{length} exceeds object of {total} bytes (truncated?)")
+        self.total_size = total
+        self.base = base
+        self.size = length
+
+    # -- HTTP plumbing ------------------------------------------------------
+    def _request(self, first: int, last: int, probe: bool = False) -> tuple[int, Mapping[str, str], bytes]:
+        hdrs = {"Range": f"bytes={first}-{last}", "Accept-Encoding": "identity", **self._headers}
+        if self._validator:
+            hdrs["If-Range"] = self._validator
+        req = urllib.request.Request(self.url, headers=hdrs, method="GET")
+        self.requests += 1
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                status = resp.status
+                headers = resp.headers
+                try:
+                    body = resp.read()
+                except IncompleteRead as e:
+                    raise KvcFormatError(
+                        f"{self.url}: short read: connection closed after {len(e.partial)} of "
+                        f"{len(e.partial) + (e.expected or 0)} body bytes"
+                    ) from None
+        except urllib.error.HTTPError as e:
+            if e.code == 416 and probe and (e.headers.get("Content-Range") or "").strip() == "bytes */0":
+                return 416, e.headers, b""  # an empty object: bytes 0-0 cannot be satisfied
+            if e.code == 416:
+                raise KvcFormatError(
+                    f"{self.url}: HTTP 416 range bytes={first}-{last} not satisfiable (object truncated?)"
+                ) from None
+            raise KvcStoreError(f"{self.url}: HTTP {e.code} {e.reason}") from None
+        except urllib.error.URLError as e:
+            raise KvcStoreError(f"{self.url}: cannot connect: {e.reason}") from None
+        except (HTTPException, OSError) as e:  # timeouts, resets
+            raise KvcStoreError(f"{self.url}: transfer failed: {type(e).__name__}: {e}") from None
+        self.bytes_fetched += len(body)
+        return status, headers, body
+
+    def _parse_content_range(self, headers: Mapping[str, str]) -> tuple[int, int, int | None]:
+        cr = headers.get("Content-Range")
+        m = _CONTENT_RANGE_RE.match(cr or "")
+        if not m:
+            raise KvcStoreError(f"{self.url}: 206 response with bad Content-Range {cr!r}")
+        total = None if m.group(3) == "*" else int(m.group(3))
+        return int(m.group(1)), int(m.group(2)), total
+
+    def _probe(self) -> int:
+        status, headers, body = self._request(0, 0, probe=True)
+        if status == 416:
+            return 0
+        if status == 206:
+            first, last, total = self._parse_content_range(headers)
+            if total is None:
+                raise KvcStoreError(f"{self.url}: server does not report the object size")
+        elif status == 200:
+            raise KvcStoreError(
+                f"{self.url}: server ignored the Range request (HTTP 200); "
+                "piecewise reads need a server with byte-range support"
+            )
+        else:
+            raise KvcStoreError(f"{self.url}: unexpected HTTP {status} to a range request")
+        etag = headers.get("ETag")
+        if etag and not etag.startswith("W/"):
+            self._validator = etag
+        else:
+            self._validator = headers.get("Last-Modified")
+        return total
+
+    def _read(self, offset: int, length: int) -> bytes:
+        first = self.base + offset
+        last = first + length - 1
+        status, headers, body = self._request(first, last)
+        if status == 200:
+            raise KvcStoreError(
+                f"{self.url}: object changed on the server during the read (If-Range failed) "
+                "or the server stopped honouring Range"
+            )
+        if status != 206:
+            raise KvcStoreError(f"{self.url}: unexpected HTTP {status} to a range request")
+        r_first, r_last, total = self._parse_content_range(headers)
+        if total is not None and total != self.total_size:
+            raise KvcStoreError(f"{self.url}: object size changed from {self.total_size} to {total}")
+        if r_first != first:
+            raise KvcStoreError(f"{self.url}: asked bytes {first}-{last}, server sent {r_first}-{r_last}")
+        if r_last < last or len(body) < length:
+            raise KvcFormatError(
+                f"{self.url}: short read at offset {offset}: wanted {length} bytes, got {len(body)}"
+            )
+        return body[:length]
+
+
+def open_range_reader(source: str | os.PathLike[str], **kwargs: Any) -> RangeReader:
+    """A reader for a local path, ``file://`` URL or ``http(s)://`` URL."""
+    s = os.fspath(source)
+    low = s.lower()
+    if low.startswith(("http://", "https://")):
+        return HttpRangeReader(s, **kwargs)
+    if low.startswith("file://"):
+        from urllib.parse import unquote, urlparse
+
+        p = urlparse(s)
+        if p.netloc not in ("", "localhost"):
+            raise KvcInputError(f"file URL with a remote host is not supported: {s!r}")
+        s = unquote(p.path)
+    elif "://" in s:
+        raise KvcInputError(f"unsupported range source {s!r}: use a path, file:// or http(s)://")
+    return FileRangeReader(s, **kwargs)
