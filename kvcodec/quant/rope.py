@@ -1,0 +1,71 @@
+"""RoPE tables shared by the CPU and GPU decoders (spec/codec-v1.md, stage ``rope``).
+
+The tables are computed on the CPU in float64 and rounded once to float32;
+every decoder (CPU numpy, numba, Triton) must use exactly these tables, so
+re-rotation is bit-identical everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from ..errors import KvcCodecError, KvcFormatError
+
+
+def inv_freq(theta: float, dim: int) -> np.ndarray:
+    """float64 [dim/2]: theta ** (-(2i)/dim)."""
+    i = np.arange(0, dim, 2, dtype=np.float64)
+    return 1.0 / (float(theta) ** (i / float(dim)))
+
+
+def rope_tables(positions: np.ndarray, theta: float, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin float32 [..., dim] for integer ``positions`` [...].
+
+    angle[p, i] = float64(p) * inv_freq[i] (float64), the half-table is
+    duplicated (HF layout: channels j and j + dim/2 share frequency j), then
+    cos/sin are taken in float64 and rounded to float32 (round-to-nearest-even).
+    """
+    if dim <= 0 or dim % 2:
+        raise KvcCodecError(f"rope dim must be a positive even number, got {dim}")
+    p = np.asarray(positions, dtype=np.float64)[..., None]
+    ang = p * inv_freq(theta, dim)
+    ang = np.concatenate([ang, ang], axis=-1)
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+def rope_config_from_fingerprint(rope_json: str, head_dim: int) -> dict[str, Any]:
+    """The ``rope`` stage config for a model fingerprint's ``rope`` JSON.
+
+    Only plain (``default``) RoPE without scaling is supported; anything else
+    raises KvcCodecError (the plan then simply codes post-RoPE keys).
+    """
+    try:
+        r = json.loads(rope_json)
+    except (TypeError, json.JSONDecodeError) as exc:
+        raise KvcFormatError(f"bad rope JSON in fingerprint: {exc}") from None
+    theta = r.get("rope_theta")
+    rtype = r.get("rope_type", "default")
+    if r.get("rope_scaling") not in (None, {}) or rtype not in (None, "default"):
+        raise KvcCodecError(f"rope type {rtype!r} / scaling {r.get('rope_scaling')!r} not supported by the rope stage")
+    if not isinstance(theta, (int, float)) or theta <= 0:
+        raise KvcCodecError(f"rope_theta missing or invalid: {theta!r}")
+    dim = int(round(head_dim * float(r.get("partial_rotary_factor", 1.0) or 1.0)))
+    return {"theta": float(theta), "dim": dim}
+
+
+def positions_for(ctx_positions: np.ndarray | None, layer: int, heads: int, tokens: int, token_start: int) -> np.ndarray:
+    """Positions [H, T] (int64) of a chunk: ctx.positions ([T] or [L, H, T]) or arange."""
+    if ctx_positions is None:
+        p = np.arange(token_start, token_start + tokens, dtype=np.int64)
+        return np.broadcast_to(p, (heads, tokens))
+    p = np.asarray(ctx_positions)
+    if p.ndim == 1 and p.shape[0] == tokens:
+        return np.broadcast_to(p.astype(np.int64), (heads, tokens))
+    if p.ndim == 3 and p.shape[1:] == (heads, tokens) and 0 <= layer < p.shape[0]:
+        return p[layer].astype(np.int64)
+    if p.ndim == 2 and p.shape == (heads, tokens):
+        return p.astype(np.int64)
+    raise KvcFormatError(f"positions of shape {p.shape} do not fit a chunk of {heads} heads x {tokens} tokens")
