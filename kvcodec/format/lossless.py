@@ -1,0 +1,149 @@
+"""Lossless codec stages: ``raw`` (array->bytes), ``shuffle`` and ``zstd`` (bytes->bytes).
+
+The ``lossless`` preset is raw -> shuffle(itemsize) -> zstd. See
+spec/kvc-v1.md section 8 for the normative definition of each stage.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import zstandard
+
+from ..errors import KvcCodecError, KvcFormatError
+from ..stages import ArraySpec, ArrayToBytes, BytesToBytes, ChunkContext, Pipeline, SideData, register
+from .container import DTYPE_BY_NAME, np_le
+
+ZSTD_MAX_WINDOW = 1 << 23
+ZSTD_LEVELS = range(-7, 20)
+
+
+@register
+class Raw(ArrayToBytes):
+    """Elements in C order, little-endian. ``dtype="bfloat16"`` packs exact-bf16 float32 input into 2 bytes."""
+
+    name = "raw"
+    version = 1
+
+    def __init__(self, dtype: str | None = None) -> None:
+        if dtype not in (None, "bfloat16"):
+            raise KvcCodecError(f"codec 'raw': config dtype must be absent or 'bfloat16', got {dtype!r}")
+        self.dtype = dtype
+
+    def get_config(self) -> dict[str, Any]:
+        return {} if self.dtype is None else {"dtype": self.dtype}
+
+    def encode(self, arr: np.ndarray, ctx: ChunkContext) -> tuple[bytes, SideData]:
+        arr = np.ascontiguousarray(arr)
+        if self.dtype == "bfloat16":
+            if arr.dtype != np.float32:
+                raise KvcCodecError(f"codec 'raw' (bfloat16) needs float32 input, got {arr.dtype}")
+            bits = arr.view(np.uint32)
+            if np.any(bits & 0xFFFF):
+                raise KvcCodecError("codec 'raw' (bfloat16): input is not exactly representable in bfloat16")
+            return (bits >> 16).astype("<u2").tobytes(), {}
+        if arr.dtype.name not in DTYPE_BY_NAME:
+            raise KvcCodecError(f"codec 'raw' cannot store dtype {arr.dtype}")
+        return arr.astype(np_le(arr.dtype.name), copy=False).tobytes(), {}
+
+    def decode(self, data: bytes | memoryview, side: SideData, spec: ArraySpec, ctx: ChunkContext) -> np.ndarray:
+        if side:
+            raise KvcFormatError(f"codec 'raw' takes no side data, chunk has {sorted(side)}")
+        n = int(np.prod(spec.shape, dtype=np.int64)) if spec.shape else 1
+        if self.dtype == "bfloat16":
+            if spec.dtype != "float32":
+                raise KvcFormatError(f"codec 'raw' (bfloat16) decodes to float32, not {spec.dtype}")
+            if len(data) != 2 * n:
+                raise KvcFormatError(f"codec 'raw': {len(data)} bytes for {n} bfloat16 elements")
+            hi = np.frombuffer(data, dtype="<u2").astype(np.uint32)
+            return (hi << 16).view(np.float32).reshape(spec.shape)
+        if spec.dtype not in DTYPE_BY_NAME:
+            raise KvcFormatError(f"codec 'raw' cannot decode dtype {spec.dtype}")
+        dt = np_le(spec.dtype)
+        if len(data) != n * dt.itemsize:
+            raise KvcFormatError(f"codec 'raw': {len(data)} bytes for {n} {spec.dtype} elements")
+        return np.frombuffer(data, dtype=dt).astype(dt.newbyteorder("="), copy=True).reshape(spec.shape)
+
+
+@register
+class Shuffle(BytesToBytes):
+    """Byte shuffle: byte b of every element, for b = 0 .. elementsize-1; a tail shorter than one element is copied."""
+
+    name = "shuffle"
+    version = 1
+
+    def __init__(self, elementsize: int = 2) -> None:
+        if not isinstance(elementsize, int) or isinstance(elementsize, bool) or not 1 <= elementsize <= 16:
+            raise KvcCodecError(f"codec 'shuffle': elementsize must be an int in [1, 16], got {elementsize!r}")
+        self.elementsize = elementsize
+
+    def get_config(self) -> dict[str, Any]:
+        return {"elementsize": self.elementsize}
+
+    def encode(self, data: bytes, ctx: ChunkContext) -> bytes:
+        es = self.elementsize
+        m = len(data) // es
+        body = np.frombuffer(data, dtype=np.uint8, count=m * es).reshape(m, es)
+        return body.T.tobytes() + bytes(data[m * es :])
+
+    def decode(self, data: bytes | memoryview, max_size: int, ctx: ChunkContext) -> bytes:
+        if len(data) > max_size:
+            raise KvcFormatError(f"codec 'shuffle': {len(data)} input bytes exceed the declared {max_size}")
+        es = self.elementsize
+        m = len(data) // es
+        body = np.frombuffer(data, dtype=np.uint8, count=m * es).reshape(es, m)
+        return body.T.tobytes() + bytes(data[m * es :])
+
+
+@register
+class Zstd(BytesToBytes):
+    """Zstandard, one frame; decoding never produces more than the declared size."""
+
+    name = "zstd"
+    version = 1
+
+    def __init__(self, level: int = 3) -> None:
+        if not isinstance(level, int) or isinstance(level, bool) or level not in ZSTD_LEVELS:
+            raise KvcCodecError(f"codec 'zstd': level must be an int in [-7, 19], got {level!r}")
+        self.level = level
+
+    def get_config(self) -> dict[str, Any]:
+        return {"level": self.level}
+
+    def encode(self, data: bytes, ctx: ChunkContext) -> bytes:
+        cctx = zstandard.ZstdCompressor(level=self.level, write_content_size=True, write_checksum=False)
+        return cctx.compress(bytes(data))
+
+    def decode(self, data: bytes | memoryview, max_size: int, ctx: ChunkContext) -> bytes:
+        out = bytearray()
+        try:
+            dctx = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW)
+            with dctx.stream_reader(bytes(data), read_across_frames=True) as r:
+                while True:
+                    piece = r.read(min(1 << 20, max_size + 1 - len(out)))
+                    if not piece:
+                        break
+                    out += piece
+                    if len(out) > max_size:
+                        raise KvcFormatError(f"codec 'zstd': output exceeds the declared {max_size} bytes")
+        except zstandard.ZstdError as exc:
+            raise KvcFormatError(f"codec 'zstd': corrupt stream: {exc}") from None
+        if len(out) != max_size:
+            raise KvcFormatError(f"codec 'zstd': produced {len(out)} bytes, declared {max_size}")
+        return bytes(out)
+
+
+def lossless_pipeline(tensor_dtype: str = "float16", level: int = 3, shuffle: bool = True) -> Pipeline:
+    """raw -> shuffle(itemsize) -> zstd for a tensor of ``tensor_dtype`` (float16 | bfloat16 | float32)."""
+    raw = Raw("bfloat16" if tensor_dtype == "bfloat16" else None)
+    itemsize = 2 if tensor_dtype == "bfloat16" else np.dtype(tensor_dtype).itemsize
+    stages: list = [raw]
+    if shuffle:
+        stages.append(Shuffle(itemsize))
+    stages.append(Zstd(level))
+    return Pipeline(stages)
+
+
+def raw_pipeline(tensor_dtype: str = "float16") -> Pipeline:
+    return Pipeline([Raw("bfloat16" if tensor_dtype == "bfloat16" else None)])

@@ -1,0 +1,532 @@
+"""`.kvc` reader: validates the whole structure on open, decodes on demand.
+
+Opening reads the preamble, the footer + index (one read at the end of the
+file), and the header; it checks their CRC32Cs and the complete layout (every
+blob and chunk inside the data section, in order, without holes or overlaps,
+chunks tiling every (layer, K/V) tensor exactly) before anything is decoded.
+Chunks are read and CRC-checked one at a time, so reading layer 0 of a file
+on a ranged source touches only layer 0's bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping
+
+import numpy as np
+import torch
+
+from ..errors import KvcCodecError, KvcError, KvcFormatError, KvcInputError
+from ..fingerprint import ModelFingerprint
+from ..kvcache import KVCache
+from ..stages import ArraySpec, Pipeline
+from .container import (
+    DTYPE_BY_NAME, FOOTER_SIZE, HEADER_CRC_SIZE, INDEX_ENTRY_SIZE, KINDS, MAX_BLOB_BYTES, MAX_BLOB_NDIM,
+    MAX_CHUNK_DECODED_BYTES, MAX_PIPELINES, MAX_STAGES, MAX_TOKENS, PREAMBLE_SIZE, STAGE_SLACK, TENSOR_DTYPES,
+    Footer, IndexEntry, KvcUnknownCodecError, Preamble, align_up, check_blob_name, crc32c, data_start, is_int,
+    load_header, np_le, parse_chunk, parse_index, pipeline_dtype, want,
+)
+from .decode import chunk_context, decode_chunk, resolve_backend
+from .source import open_source
+
+Resolver = Mapping[str, np.ndarray] | Callable[[str, "AttachmentInfo"], "np.ndarray | None"]
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_TAIL_READ = 1 << 16
+
+
+@dataclass(frozen=True)
+class BlobInfo:
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # relative to the data section
+    length: int
+    crc32c: int
+
+
+@dataclass(frozen=True)
+class AttachmentInfo:
+    name: str
+    sha256: str
+    dtype: str
+    shape: tuple[int, ...]
+    blob: int | None  # None: external
+
+
+@dataclass
+class KvcHeader:
+    """The decoded, validated header of a `.kvc` file."""
+
+    version: tuple[int, int]
+    required_features: int
+    optional_features: int
+    header_length: int
+    data_start: int
+    writer: str
+    fingerprint: ModelFingerprint
+    dtype: str
+    num_layers: int
+    kv_heads: int
+    head_dims: tuple[int, ...]
+    num_tokens: int  # tokens stored in the tensors
+    num_context_tokens: int
+    token_ids_sha256: str
+    token_ids_blob: int | None
+    positions_blob: int | None
+    pipelines: list[Pipeline]
+    codec: str | None
+    attachments: dict[str, AttachmentInfo]
+    blobs: list[BlobInfo]
+    chunking: dict[str, Any]
+    meta: dict[str, Any]
+    raw: dict[str, Any] = field(repr=False)
+
+    @property
+    def num_elements(self) -> int:
+        return 2 * self.kv_heads * self.num_tokens * sum(self.head_dims)
+
+    @property
+    def pruned(self) -> bool:
+        return self.positions_blob is not None
+
+
+def _shape(x: Any, what: str) -> tuple[int, ...]:
+    want(isinstance(x, list) and len(x) <= MAX_BLOB_NDIM and all(is_int(d, 0, (1 << 32) - 1) for d in x),
+         f"{what}: shape must be a list of at most {MAX_BLOB_NDIM} dims in [0, 2^32)")
+    return tuple(x)
+
+
+def parse_header(obj: dict[str, Any], pre: Preamble) -> KvcHeader:
+    """Validate header JSON (already CRC-checked) into a KvcHeader; every problem is a KvcFormatError."""
+    h = "header"
+    fp = ModelFingerprint.from_json(obj.get("model"))
+    t = obj.get("tensors")
+    want(isinstance(t, dict), f"{h}: 'tensors' must be an object")
+    dtype = t.get("dtype")
+    want(dtype in TENSOR_DTYPES, f"{h}: tensor dtype {dtype!r:.40} is not one of {TENSOR_DTYPES}")
+    want(t.get("layers") == fp.num_layers and t.get("kv_heads") == fp.num_kv_heads
+         and t.get("head_dims") == list(fp.head_dims), f"{h}: tensor shapes disagree with the model fingerprint")
+    T = t.get("tokens")
+    want(is_int(T, 1, MAX_TOKENS), f"{h}: tensors.tokens must be an int in [1, {MAX_TOKENS}]")
+    c = obj.get("context")
+    want(isinstance(c, dict), f"{h}: 'context' must be an object")
+    N = c.get("tokens")
+    want(is_int(N, 0, MAX_TOKENS), f"{h}: context.tokens must be an int in [0, {MAX_TOKENS}]")
+    sha = c.get("token_ids_sha256")
+    want(isinstance(sha, str) and bool(_HEX64.match(sha)), f"{h}: context.token_ids_sha256 must be 64 hex digits")
+    tb = c.get("token_ids_blob")
+    want(tb is None or is_int(tb), f"{h}: context.token_ids_blob must be null or a blob number")
+    p = obj.get("positions")
+    want(p is None or (isinstance(p, dict) and is_int(p.get("blob"))), f"{h}: 'positions' must be null or {{\"blob\": n}}")
+    pb = None if p is None else p["blob"]
+    want(pb is not None or N == T, f"{h}: {T} stored tokens but {N} context tokens and no positions")
+    want(pb is None or T <= N, f"{h}: more stored tokens ({T}) than context tokens ({N})")
+
+    pls = obj.get("pipelines")
+    want(isinstance(pls, list) and 1 <= len(pls) <= MAX_PIPELINES, f"{h}: 'pipelines' must be a non-empty list")
+    pipelines = []
+    for i, pj in enumerate(pls):
+        want(isinstance(pj, list) and 1 <= len(pj) <= MAX_STAGES, f"{h}: pipeline {i} must be a list of 1-{MAX_STAGES} stages")
+        try:
+            pipelines.append(Pipeline.from_json(pj))
+        except KvcFormatError as exc:
+            raise KvcFormatError(f"{h}: pipeline {i}: {exc}") from None
+        except KvcCodecError as exc:
+            raise KvcUnknownCodecError(f"{h}: pipeline {i}: {exc}") from None
+        except Exception as exc:  # a stage constructor rejecting hostile config in its own way
+            raise KvcFormatError(f"{h}: pipeline {i}: bad stage config: {type(exc).__name__}: {exc}") from None
+
+    bl = obj.get("blobs", [])
+    want(isinstance(bl, list) and len(bl) <= 4096, f"{h}: 'blobs' must be a list of at most 4096 entries")
+    blobs = []
+    for i, b in enumerate(bl):
+        want(isinstance(b, dict), f"{h}: blob {i} must be an object")
+        want(b.get("dtype") in DTYPE_BY_NAME, f"{h}: blob {i} has unsupported dtype {b.get('dtype')!r:.40}")
+        shape = _shape(b.get("shape"), f"{h}: blob {i}")
+        n = math.prod(shape) * np.dtype(b["dtype"]).itemsize
+        want(n <= MAX_BLOB_BYTES and b.get("length") == n, f"{h}: blob {i} length {b.get('length')!r:.40} != {n} (or over the limit)")
+        want(is_int(b.get("offset")) and is_int(b.get("crc32c"), 0, (1 << 32) - 1), f"{h}: blob {i} needs int offset and crc32c")
+        blobs.append(BlobInfo(b["dtype"], shape, b["offset"], n, b["crc32c"]))
+
+    at = obj.get("attachments", {})
+    want(isinstance(at, dict), f"{h}: 'attachments' must be an object")
+    attachments: dict[str, AttachmentInfo] = {}
+    for name, a in at.items():
+        want(check_blob_name(name) and isinstance(a, dict), f"{h}: bad attachment entry {name!r:.60}")
+        asha = a.get("sha256")
+        want(isinstance(asha, str) and bool(_HEX64.match(asha)), f"{h}: attachment {name!r} sha256 must be 64 hex digits")
+        if a.get("external") is True:
+            want(a.get("dtype") in DTYPE_BY_NAME, f"{h}: attachment {name!r} has unsupported dtype")
+            attachments[name] = AttachmentInfo(name, asha, a["dtype"], _shape(a.get("shape"), f"{h}: attachment {name!r}"), None)
+        else:
+            bi = a.get("blob")
+            want(is_int(bi) and bi < len(blobs), f"{h}: attachment {name!r} refers to a missing blob")
+            attachments[name] = AttachmentInfo(name, asha, blobs[bi].dtype, blobs[bi].shape, bi)
+
+    refs = [r for r in [tb, pb] + [a.blob for a in attachments.values()] if r is not None]
+    want(all(r < len(blobs) for r in refs), f"{h}: a blob reference points past the {len(blobs)} blobs")
+    want(sorted(refs) == list(range(len(blobs))), f"{h}: every blob must be referenced exactly once")
+    if tb is not None:
+        want(blobs[tb].dtype in ("int32", "int64") and blobs[tb].shape == (N,), f"{h}: token id blob must be int32/int64 of shape ({N},)")
+    if pb is not None:
+        L, H = fp.num_layers, fp.num_kv_heads
+        want(blobs[pb].dtype in ("int32", "int64") and blobs[pb].shape in ((T,), (L, H, T)),
+             f"{h}: positions blob must be int32/int64 of shape ({T},) or ({L}, {H}, {T})")
+    codec = obj.get("codec")
+    want(codec is None or isinstance(codec, str), f"{h}: 'codec' must be null or a string")
+    meta = obj.get("meta", {})
+    want(isinstance(meta, dict), f"{h}: 'meta' must be an object")
+    chunking = obj.get("chunking", {})
+    writer = obj.get("writer", "")
+    return KvcHeader(
+        version=(pre.major, pre.minor), required_features=pre.required_features, optional_features=pre.optional_features,
+        header_length=pre.header_length, data_start=data_start(pre.header_length),
+        writer=writer if isinstance(writer, str) else "", fingerprint=fp, dtype=dtype, num_layers=fp.num_layers,
+        kv_heads=fp.num_kv_heads, head_dims=fp.head_dims, num_tokens=T, num_context_tokens=N, token_ids_sha256=sha,
+        token_ids_blob=tb, positions_blob=pb, pipelines=pipelines, codec=codec, attachments=attachments, blobs=blobs,
+        chunking=chunking if isinstance(chunking, dict) else {}, meta=meta, raw=obj,
+    )
+
+
+def check_layout(hd: KvcHeader, entries: list[IndexEntry], index_offset: int) -> None:
+    """Blobs then chunks, each at the next 64-byte boundary, chunks tiling every tensor in layer-major order."""
+    data_len = index_offset - hd.data_start
+    want(data_len >= 0, f"index (offset {index_offset}) starts inside the header")
+    cur = 0
+    for i, b in enumerate(hd.blobs):
+        want(b.offset == cur, f"blob {i} at data offset {b.offset}, expected {cur} (blobs must be packed in order)")
+        want(b.offset + b.length <= data_len, f"blob {i} ({b.length} bytes at data offset {b.offset}) runs past the data section")
+        cur = align_up(b.offset + b.length)
+    T, H = hd.num_tokens, hd.kv_heads
+    itemsize = 2 if hd.dtype == "bfloat16" else np.dtype(hd.dtype).itemsize
+    j = 0
+    n = len(entries)
+    for layer in range(hd.num_layers):
+        for kind in KINDS:
+            t0, h0 = 0, 0
+            while True:
+                want(j < n, f"index ends before layer {layer} {kind.upper()} is complete (tokens from {t0}, heads from {h0})")
+                e = entries[j]
+                where = f"index entry {j}"
+                want(e.layer == layer and e.kind == kind, f"{where}: is layer {e.layer} {e.kind.upper()}, expected layer {layer} {kind.upper()}")
+                want(e.token_start == t0 and e.head_start == h0,
+                     f"{where}: starts at token {e.token_start} head {e.head_start}, expected token {t0} head {h0}")
+                want(t0 < e.token_end <= T and h0 < e.head_end <= H,
+                     f"{where}: token range [{e.token_start}, {e.token_end}) / head range [{e.head_start}, {e.head_end}) outside the tensor")
+                if h0 > 0:
+                    want(e.token_end == t1, f"{where}: token range differs from the other head groups of its token range")
+                want(e.pipeline < len(hd.pipelines), f"{where}: pipeline {e.pipeline} does not exist ({len(hd.pipelines)} defined)")
+                dec = e.heads * e.tokens * hd.head_dims[layer] * itemsize
+                want(dec <= MAX_CHUNK_DECODED_BYTES, f"{where}: decodes to {dec} bytes, over the limit {MAX_CHUNK_DECODED_BYTES}")
+                want(e.offset == cur, f"{where}: at data offset {e.offset}, expected {cur} (chunks must be packed in index order)")
+                want(e.length <= data_len - e.offset, f"{where}: {e.length} bytes at data offset {e.offset} run past the data section")
+                cur = align_up(e.offset + e.length)
+                j += 1
+                t1 = e.token_end
+                if e.head_end < H:
+                    h0 = e.head_end
+                    continue
+                h0, t0 = 0, e.token_end
+                if t0 == T:
+                    break
+    want(j == n, f"index has {n - j} entries beyond the last tensor")
+    want(cur == data_len, f"data section is {data_len} bytes but its contents end at {cur}")
+
+
+class KvcReader:
+    """Random access to a `.kvc` file. ``source``: bytes, path, binary file, or object with size + read(offset, length)."""
+
+    def __init__(self, source: Any, attachment_resolver: Resolver | None = None) -> None:
+        self._src = open_source(source)
+        self._resolver = attachment_resolver
+        self._attachments: dict[str, np.ndarray] | None = None
+        self._token_ids: np.ndarray | None = None
+        self._positions: np.ndarray | None = None
+        try:
+            self._open()
+        except BaseException:
+            self._src.close()
+            raise
+
+    def _open(self) -> None:
+        src, size = self._src, self._src.size
+        pre = Preamble.unpack(src.read(0, min(size, PREAMBLE_SIZE)), size)
+        if size < PREAMBLE_SIZE + FOOTER_SIZE:
+            raise KvcFormatError(f"file of {size} bytes is too short to be a .kvc file")
+        # one ranged read at the end fetches footer and (usually) the whole index
+        tail_len = min(size, _TAIL_READ)
+        tail = src.read(size - tail_len, tail_len)
+        footer = Footer.unpack(tail[tail_len - FOOTER_SIZE :], size)
+        ilen = footer.entry_count * INDEX_ENTRY_SIZE
+        if ilen + FOOTER_SIZE <= tail_len:
+            ibytes = tail[tail_len - FOOTER_SIZE - ilen : tail_len - FOOTER_SIZE]
+        else:
+            ibytes = src.read(footer.index_offset, ilen)
+        entries = parse_index(ibytes, footer, footer.index_offset)
+        hlen = pre.header_length
+        hb = src.read(0, PREAMBLE_SIZE + hlen + HEADER_CRC_SIZE)
+        stored = int.from_bytes(bytes(hb[PREAMBLE_SIZE + hlen :]), "little")
+        if crc32c(bytes(hb[: PREAMBLE_SIZE + hlen])) != stored:
+            raise KvcFormatError(f"header CRC32C mismatch (CRC at offset {PREAMBLE_SIZE + hlen})")
+        if data_start(hlen) > footer.index_offset:
+            raise KvcFormatError(f"header (length {hlen}) overlaps the index at offset {footer.index_offset}")
+        self.header = parse_header(load_header(hb[PREAMBLE_SIZE : PREAMBLE_SIZE + hlen]), pre)
+        check_layout(self.header, entries, footer.index_offset)
+        self.entries = entries
+        self.footer = footer
+        self.size = size
+        self._by_tensor: dict[tuple[int, str], list[int]] = {}
+        for j, e in enumerate(entries):
+            self._by_tensor.setdefault((e.layer, e.kind), []).append(j)
+
+    # -- lifecycle ----------------------------------------------------------
+    def close(self) -> None:
+        self._src.close()
+
+    def __enter__(self) -> "KvcReader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- metadata -----------------------------------------------------------
+    @property
+    def fingerprint(self) -> ModelFingerprint:
+        return self.header.fingerprint
+
+    @property
+    def num_layers(self) -> int:
+        return self.header.num_layers
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.entries)
+
+    def _read_blob(self, i: int, what: str) -> np.ndarray:
+        b = self.header.blobs[i]
+        at = self.header.data_start + b.offset
+        raw = self._src.read(at, b.length)
+        if crc32c(raw) != b.crc32c:
+            raise KvcFormatError(f"{what} (blob {i}, offset {at}) CRC32C mismatch")
+        dt = np_le(b.dtype)
+        return np.frombuffer(raw, dtype=dt).astype(dt.newbyteorder("="), copy=True).reshape(b.shape)
+
+    @property
+    def token_ids(self) -> np.ndarray | None:
+        """Context token ids (int64), or None when the file stores only their count and hash."""
+        hd = self.header
+        if hd.token_ids_blob is None:
+            return None
+        if self._token_ids is None:
+            ids = self._read_blob(hd.token_ids_blob, "token ids").astype(np.int64)
+            if _ids_sha(ids) != hd.token_ids_sha256:
+                raise KvcFormatError("token ids do not match context.token_ids_sha256")
+            self._token_ids = ids
+        return self._token_ids
+
+    @property
+    def positions(self) -> np.ndarray | None:
+        """Original positions of the stored tokens (int64, (T,) or (layers, kv_heads, T)), None if not pruned."""
+        hd = self.header
+        if hd.positions_blob is None:
+            return None
+        if self._positions is None:
+            p = self._read_blob(hd.positions_blob, "positions").astype(np.int64)
+            if p.size and (p.min() < 0 or p.max() >= hd.num_context_tokens):
+                raise KvcFormatError(f"positions point outside the {hd.num_context_tokens}-token context")
+            self._positions = p
+        return self._positions
+
+    @property
+    def attachments(self) -> dict[str, np.ndarray]:
+        """All attachments, internal ones read and CRC-checked, external ones resolved; cached."""
+        if self._attachments is None:
+            out = {}
+            for name, a in self.header.attachments.items():
+                arr = self._read_blob(a.blob, f"attachment {name!r}") if a.blob is not None else self._resolve(a)
+                if _arr_sha(arr) != a.sha256:
+                    raise KvcFormatError(f"attachment {name!r} does not match its sha256")
+                out[name] = arr
+            self._attachments = out
+        return self._attachments
+
+    def _resolve(self, a: AttachmentInfo) -> np.ndarray:
+        r = self._resolver
+        arr = None
+        if r is None:
+            raise KvcFormatError(f"external attachment {a.name!r} (sha256 {a.sha256[:16]}...) needed but no attachment resolver was given")
+        if callable(r) and not isinstance(r, Mapping):
+            arr = r(a.name, a)
+        else:
+            arr = r.get(a.name, r.get(a.sha256))
+        if arr is None:
+            raise KvcFormatError(f"external attachment {a.name!r} (sha256 {a.sha256[:16]}...) could not be resolved")
+        arr = np.asarray(arr)
+        if arr.dtype.name != a.dtype or tuple(arr.shape) != a.shape:
+            raise KvcFormatError(f"external attachment {a.name!r}: resolved {arr.dtype}{arr.shape}, file expects {a.dtype}{a.shape}")
+        return arr
+
+    # -- decoding -----------------------------------------------------------
+    def chunk_info(self, j: int) -> IndexEntry:
+        if not is_int(j, 0, len(self.entries) - 1):
+            raise KvcInputError(f"chunk {j!r} does not exist (file has {len(self.entries)})")
+        return self.entries[j]
+
+    def read_chunk_record(self, j: int) -> bytes | memoryview:
+        """The CRC-checked bytes of chunk ``j``."""
+        e = self.chunk_info(j)
+        at = self.header.data_start + e.offset
+        raw = self._src.read(at, e.length)
+        if crc32c(raw) != e.crc32c:
+            raise KvcFormatError(f"chunk {j} (layer {e.layer} {e.kind.upper()}, offset {at}) CRC32C mismatch")
+        return raw
+
+    def read_chunk(self, j: int, backend: str | None = None) -> np.ndarray:
+        """Decode chunk ``j`` to an array of shape (heads, tokens, head_dim).
+
+        The dtype is the pipeline dtype: the tensor dtype, except bfloat16
+        which comes back as (exactly equal) float32.
+        """
+        e = self.chunk_info(j)
+        hd = self.header
+        pipeline = hd.pipelines[e.pipeline]
+        raw = self.read_chunk_record(j)
+        payload, sides, sizes = parse_chunk(raw, len(pipeline.stages), len(pipeline.byte_stages), j)
+        spec = ArraySpec((e.heads, e.tokens, hd.head_dims[e.layer]), pipeline_dtype(hd.dtype))
+        itemsize = 2 if hd.dtype == "bfloat16" else np.dtype(hd.dtype).itemsize
+        limit = 2 * e.heads * e.tokens * hd.head_dims[e.layer] * itemsize + STAGE_SLACK
+        for s in sizes:
+            if s > limit:
+                raise KvcFormatError(f"chunk {j}: declared stage size {s} exceeds the limit {limit}")
+        ctx = chunk_context(e.layer, e.kind, e.token_start, e.token_end, e.head_start, e.head_end,
+                            self.positions, self.attachments, j)
+        return decode_chunk(pipeline, payload, sides, sizes, spec, ctx, backend)
+
+    def _read_tensor(self, layer: int, kind: str, backend: str | None) -> torch.Tensor:
+        js = self._by_tensor[(layer, kind)]
+        decoded = [(self.entries[j], self.read_chunk(j, backend)) for j in js]
+        rows: list[np.ndarray] = []
+        group: list[np.ndarray] = []
+        for e, arr in decoded:  # head groups of one token range, then the next token range
+            group.append(arr)
+            if e.head_end == self.header.kv_heads:
+                rows.append(group[0] if len(group) == 1 else np.concatenate(group, axis=0))
+                group = []
+        full = rows[0] if len(rows) == 1 else np.concatenate(rows, axis=1)
+        t = torch.from_numpy(np.ascontiguousarray(full))
+        return t.to(torch.bfloat16) if self.header.dtype == "bfloat16" else t
+
+    def read_layer(self, i: int, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of layer ``i``, (kv_heads, tokens, head_dim) in the original dtype."""
+        if not is_int(i, 0, self.header.num_layers - 1):
+            raise KvcInputError(f"layer {i!r} does not exist (file has {self.header.num_layers})")
+        backend = resolve_backend(backend)
+        return self._read_tensor(i, "k", backend), self._read_tensor(i, "v", backend)
+
+    def iter_layers(self, backend: str | None = None) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Yield (layer, keys, values) in file order, reading each layer's chunks only when reached."""
+        for i in range(self.header.num_layers):
+            k, v = self.read_layer(i, backend)
+            yield i, k, v
+
+    def check_model(self, model: Any) -> None:
+        """Raise KvcModelMismatchError unless ``model`` (LoadedModel or ModelFingerprint) is this file's model."""
+        fp = model if isinstance(model, ModelFingerprint) else model.fingerprint
+        self.fingerprint.check_compatible(fp, what=".kvc file")
+
+    def read_cache(self, backend: str | None = None, model: Any = None, token_ids: np.ndarray | None = None) -> KVCache:
+        """The whole cache. ``model`` (if given) is checked first; ``token_ids`` supplies ids the file omits."""
+        if model is not None:
+            self.check_model(model)
+        ids = self.token_ids
+        if ids is None:
+            if token_ids is None:
+                raise KvcInputError("this file stores only the hash of its token ids; pass token_ids=")
+            ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+            if _ids_sha(ids) != self.header.token_ids_sha256:
+                raise KvcInputError("the given token ids do not match the file's token_ids_sha256")
+        keys, values = [], []
+        for _, k, v in self.iter_layers(backend):
+            keys.append(k)
+            values.append(v)
+        return KVCache(keys, values, ids, self.fingerprint, self.positions, dict(self.header.meta))
+
+    # -- integrity ----------------------------------------------------------
+    def _gaps(self) -> list[tuple[int, int]]:
+        hd = self.header
+        gaps = [(PREAMBLE_SIZE + hd.header_length + HEADER_CRC_SIZE, hd.data_start)]
+        ends = [(b.offset + b.length) for b in hd.blobs] + [(e.offset + e.length) for e in self.entries]
+        for end in ends:
+            gaps.append((hd.data_start + end, hd.data_start + align_up(end)))
+        return [(a, b) for a, b in gaps if b > a]
+
+    def verify(self, strict: bool = False, backend: str | None = None) -> list[str]:
+        """Check every CRC, padding byte, blob and chunk (decoding each). Returns problems; ``strict`` raises the first."""
+        problems: list[str] = []
+
+        def check(fn: Callable[[], Any]) -> None:
+            try:
+                fn()
+            except KvcError as exc:
+                if strict:
+                    raise
+                problems.append(str(exc))
+
+        for a, b in self._gaps():
+            def pad(a: int = a, b: int = b) -> None:
+                if any(bytes(self._src.read(a, b - a))):
+                    raise KvcFormatError(f"non-zero padding in bytes [{a}, {b})")
+            check(pad)
+        check(lambda: self.token_ids)
+        check(lambda: self.positions)
+        check(lambda: self.attachments)
+        for j in range(len(self.entries)):
+            check(lambda j=j: self.read_chunk(j, backend))
+        return problems
+
+    def sizes(self) -> dict[str, Any]:
+        """Bytes per section and per layer/kind (everything in the file is counted once)."""
+        hd = self.header
+        blobs = {"token_ids": 0, "positions": 0, "attachments": 0}
+        if hd.token_ids_blob is not None:
+            blobs["token_ids"] = hd.blobs[hd.token_ids_blob].length
+        if hd.positions_blob is not None:
+            blobs["positions"] = hd.blobs[hd.positions_blob].length
+        blobs["attachments"] = sum(hd.blobs[a.blob].length for a in hd.attachments.values() if a.blob is not None)
+        layers = [{"k": 0, "v": 0} for _ in range(hd.num_layers)]
+        for e in self.entries:
+            layers[e.layer][e.kind] += e.length
+        chunks = sum(e.length for e in self.entries)
+        index = len(self.entries) * INDEX_ENTRY_SIZE
+        header = PREAMBLE_SIZE + hd.header_length + HEADER_CRC_SIZE
+        padding = self.size - header - sum(blobs.values()) - chunks - index - FOOTER_SIZE
+        return {
+            "file": self.size, "header": header, "blobs": blobs, "chunks": chunks, "index": index,
+            "footer": FOOTER_SIZE, "padding": padding, "layers": layers,
+        }
+
+
+def _ids_sha(ids: np.ndarray) -> str:
+    return hashlib.sha256(np.asarray(ids, dtype="<i8").tobytes()).hexdigest()
+
+
+def _arr_sha(arr: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(arr, dtype=np_le(arr.dtype.name)).tobytes()).hexdigest()
+
+
+def read_kvc(source: Any, backend: str | None = None, model: Any = None, attachment_resolver: Resolver | None = None) -> KVCache:
+    """Read a whole `.kvc` file as a KVCache (checking ``model`` compatibility first if given)."""
+    with KvcReader(source, attachment_resolver) as r:
+        return r.read_cache(backend=backend, model=model)
+
+
+def verify_kvc(source: Any, attachment_resolver: Resolver | None = None, backend: str | None = None) -> list[str]:
+    """All problems found in ``source`` (an open failure is the single problem); [] when clean."""
+    try:
+        r = KvcReader(source, attachment_resolver)
+    except KvcFormatError as exc:
+        return [str(exc)]
+    with r:
+        return r.verify(backend=backend)

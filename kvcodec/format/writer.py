@@ -1,0 +1,306 @@
+"""Streaming `.kvc` writer: header first, then blobs and chunks, index + footer last.
+
+Memory stays constant in the size of the cache apart from one chunk in
+flight and 48 bytes of index per chunk. Writing to a path goes to a temp file
+in the same directory, is fsynced and renamed over the destination, so a
+failing writer never leaves a partial file there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, Callable
+
+import google_crc32c
+import numpy as np
+import torch
+
+from ..errors import KvcCodecError, KvcInputError
+from ..kvcache import KVCache, atomic_replace
+from ..stages import Pipeline
+from .container import (
+    ALIGN, DTYPE_BY_NAME, FOOTER_SIZE, MAX_BLOB_BYTES, MAX_BLOB_NDIM, MAX_CHUNK_DECODED_BYTES, MAX_PIPELINES,
+    MAX_STAGES, MAX_TOKENS, STAGE_SLACK, VERSION_MAJOR, VERSION_MINOR, Footer, IndexEntry, Preamble, align_up,
+    check_blob_name, crc32c, dump_header, np_le, pack_chunk, pipeline_dtype,
+)
+from .decode import chunk_context
+
+PipelineSpec = Pipeline | Callable[[int, str], Pipeline]
+
+
+def writer_version() -> str:
+    from .. import __version__
+
+    return f"kvcodec {__version__}"
+
+
+@dataclass(frozen=True)
+class ExternalAttachment:
+    """An attachment referenced by identity only; the reader resolves it by name / sha256."""
+
+    sha256: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, arr: np.ndarray) -> "ExternalAttachment":
+        arr = np.asarray(arr)
+        return cls(array_sha256(arr), arr.dtype.name, tuple(int(d) for d in arr.shape))
+
+
+def array_sha256(arr: np.ndarray) -> str:
+    """sha256 of an array's C-order little-endian bytes (the identity of attachments)."""
+    arr = np.asarray(arr)
+    return hashlib.sha256(np.ascontiguousarray(arr, dtype=np_le(arr.dtype.name)).tobytes()).hexdigest()
+
+
+def token_ids_sha256(ids: np.ndarray) -> str:
+    return hashlib.sha256(np.asarray(ids, dtype="<i8").tobytes()).hexdigest()
+
+
+def _tensor_dtype(cache: KVCache) -> str:
+    return str(cache.dtype).removeprefix("torch.")
+
+
+def _ranges(n: int, step: int | None) -> list[tuple[int, int]]:
+    step = n if not step else step
+    return [(a, min(a + step, n)) for a in range(0, n, step)]
+
+
+def _small_int_array(a: np.ndarray) -> np.ndarray:
+    a = np.asarray(a, dtype=np.int64)
+    if a.size == 0 or (a.min() >= -(1 << 31) and a.max() < (1 << 31)):
+        return a.astype(np.int32)
+    return a
+
+
+class _Sink:
+    """Counts bytes and position while writing sequentially."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f = f
+        self.pos = 0
+
+    def write(self, b: bytes | memoryview) -> None:
+        n = len(b)
+        self.f.write(b)
+        self.pos += n
+
+    def pad(self) -> None:
+        n = align_up(self.pos) - self.pos
+        if n:
+            self.write(bytes(n))
+
+
+def _check_array_blob(name: str, arr: np.ndarray) -> np.ndarray:
+    arr = np.asarray(arr)
+    if arr.dtype.kind not in "uif" or arr.dtype.name not in DTYPE_BY_NAME:
+        raise KvcInputError(f"attachment {name!r} has unsupported dtype {arr.dtype}")
+    if arr.ndim > MAX_BLOB_NDIM or arr.nbytes > MAX_BLOB_BYTES:
+        raise KvcInputError(f"attachment {name!r} has shape {arr.shape}: at most {MAX_BLOB_NDIM} dims and {MAX_BLOB_BYTES} bytes")
+    return np.ascontiguousarray(arr, dtype=np_le(arr.dtype.name))
+
+
+def _resolve_pipelines(pipelines: PipelineSpec, n_layers: int) -> tuple[list[Pipeline], dict[tuple[int, str], int]]:
+    table: list[Pipeline] = []
+    keys: dict[str, int] = {}
+    ids: dict[tuple[int, str], int] = {}
+    for layer in range(n_layers):
+        for kind in ("k", "v"):
+            p = pipelines(layer, kind) if callable(pipelines) and not isinstance(pipelines, Pipeline) else pipelines
+            if not isinstance(p, Pipeline):
+                raise KvcCodecError(f"pipeline for layer {layer} {kind.upper()} is a {type(p).__name__}, not a Pipeline")
+            if len(p.stages) > MAX_STAGES:
+                raise KvcCodecError(f"pipeline for layer {layer} has {len(p.stages)} stages (limit {MAX_STAGES})")
+            key = json.dumps(p.to_json(), sort_keys=True)
+            if key not in keys:
+                keys[key] = len(table)
+                table.append(p)
+            ids[(layer, kind)] = keys[key]
+    if len(table) > MAX_PIPELINES:
+        raise KvcCodecError(f"{len(table)} distinct pipelines exceed the limit {MAX_PIPELINES}")
+    return table, ids
+
+
+def write_kvc_stream(
+    cache: KVCache,
+    f: BinaryIO,
+    pipelines: PipelineSpec,
+    attachments: dict[str, np.ndarray | ExternalAttachment] | None = None,
+    chunk_tokens: int | None = None,
+    chunk_heads: int | None = None,
+    preset: str | None = None,
+    meta: dict[str, Any] | None = None,
+    store_token_ids: bool = True,
+) -> int:
+    """Write ``cache`` as `.kvc` to the binary stream ``f`` (sequential writes only); return bytes written."""
+    cache.validate()
+    fp = cache.fingerprint
+    T, H, L = cache.num_tokens, fp.num_kv_heads, fp.num_layers
+    tdtype = _tensor_dtype(cache)
+    if T > MAX_TOKENS or cache.num_context_tokens > MAX_TOKENS:
+        raise KvcInputError(f"caches of more than {MAX_TOKENS} tokens cannot be stored")
+    for name, v in (("chunk_tokens", chunk_tokens), ("chunk_heads", chunk_heads)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+            raise KvcInputError(f"{name} must be a positive integer, got {v!r}")
+    t_ranges, h_ranges = _ranges(T, chunk_tokens), _ranges(H, chunk_heads)
+    itemsize = 2 if tdtype == "bfloat16" else np.dtype(tdtype).itemsize
+    biggest = max(h1 - h0 for h0, h1 in h_ranges) * max(t1 - t0 for t0, t1 in t_ranges) * max(fp.head_dims) * itemsize
+    if biggest > MAX_CHUNK_DECODED_BYTES:
+        raise KvcInputError(f"a chunk would hold {biggest} bytes (limit {MAX_CHUNK_DECODED_BYTES}); use chunk_tokens")
+    table, pid = _resolve_pipelines(pipelines, L)
+    merged_meta = dict(cache.meta)
+    merged_meta.update(meta or {})
+
+    # -- blobs (sizes known up front, so the header can hold their offsets) --
+    blob_arrays: list[np.ndarray] = []
+    header_blobs: list[dict[str, Any]] = []
+
+    def add_blob(arr: np.ndarray) -> int:
+        arr = np.ascontiguousarray(arr, dtype=np_le(arr.dtype.name))
+        blob_arrays.append(arr)
+        header_blobs.append({"dtype": arr.dtype.name, "shape": list(arr.shape), "length": arr.nbytes})
+        return len(blob_arrays) - 1
+
+    context: dict[str, Any] = {
+        "tokens": cache.num_context_tokens,
+        "token_ids_sha256": token_ids_sha256(cache.token_ids),
+        "token_ids_blob": add_blob(_small_int_array(cache.token_ids)) if store_token_ids else None,
+    }
+    positions = None if cache.positions is None else np.asarray(cache.positions, dtype=np.int64)
+    pos_entry = None if positions is None else {"blob": add_blob(_small_int_array(positions))}
+    att_header: dict[str, Any] = {}
+    att_arrays: dict[str, np.ndarray] = {}
+    for name in sorted(attachments or {}):
+        if not check_blob_name(name):
+            raise KvcInputError(f"attachment name {name!r} must be 1-128 chars of [A-Za-z0-9_.-/]")
+        a = (attachments or {})[name]
+        if isinstance(a, ExternalAttachment):
+            att_header[name] = {"external": True, "sha256": a.sha256, "dtype": a.dtype, "shape": list(a.shape)}
+            continue
+        arr = _check_array_blob(name, a)
+        att_arrays[name] = arr.astype(arr.dtype.newbyteorder("="), copy=False)
+        att_header[name] = {"blob": add_blob(arr), "sha256": array_sha256(arr)}
+    off = 0
+    for hb, arr in zip(header_blobs, blob_arrays):
+        hb["offset"] = off
+        hb["crc32c"] = crc32c(arr.tobytes())
+        off = align_up(off + arr.nbytes)
+    first_chunk_offset = off
+
+    header = {
+        "writer": writer_version(),
+        "model": fp.to_json(),
+        "tensors": {"dtype": tdtype, "layers": L, "kv_heads": H, "head_dims": list(fp.head_dims), "tokens": T},
+        "context": context,
+        "positions": pos_entry,
+        "pipelines": [p.to_json() for p in table],
+        "codec": preset,
+        "chunking": {"tokens": chunk_tokens, "heads": chunk_heads},
+        "attachments": att_header,
+        "blobs": header_blobs,
+        "meta": merged_meta,
+    }
+    hbytes = dump_header(header)
+    pre = Preamble(VERSION_MAJOR, VERSION_MINOR, len(hbytes), 0, 0).pack()
+    out = _Sink(f)
+    out.write(pre)
+    out.write(hbytes)
+    out.write(crc32c(pre + hbytes).to_bytes(4, "little"))
+    out.pad()
+    dstart = out.pos
+    for arr in blob_arrays:
+        out.write(arr.tobytes())
+        out.pad()
+    assert out.pos - dstart == first_chunk_offset
+
+    # -- chunks, layer-major ------------------------------------------------
+    entries: list[IndexEntry] = []
+    for layer in range(L):
+        for kind, tensor in (("k", cache.keys[layer]), ("v", cache.values[layer])):
+            p = table[pid[(layer, kind)]]
+            t = tensor.detach().cpu()
+            if t.dtype == torch.bfloat16:
+                t = t.float()
+            full = t.contiguous().numpy()
+            for t0, t1 in t_ranges:
+                for h0, h1 in h_ranges:
+                    j = len(entries)
+                    arr = np.ascontiguousarray(full[h0:h1, t0:t1, :])
+                    assert arr.dtype.name == pipeline_dtype(tdtype)
+                    ctx = chunk_context(layer, kind, t0, t1, h0, h1, positions, att_arrays, j)
+                    payload, sides, sizes = p.encode(arr, ctx)
+                    limit = 2 * arr.size * itemsize + STAGE_SLACK
+                    if any(s > limit for s in sizes):
+                        raise KvcCodecError(f"chunk {j}: an intermediate byte string of {max(sizes)} bytes exceeds the limit {limit}")
+                    parts = pack_chunk(bytes(payload), sides, sizes)
+                    crc = 0
+                    start = out.pos
+                    for part in parts:
+                        crc = google_crc32c.extend(crc, part)
+                        out.write(part)
+                    entries.append(IndexEntry(layer, kind, pid[(layer, kind)], t0, t1, h0, h1, start - dstart, out.pos - start, crc))
+                    out.pad()
+
+    # -- index + footer -----------------------------------------------------
+    index_offset = out.pos
+    index = b"".join(e.pack() for e in entries)
+    out.write(index)
+    out.write(Footer(index_offset, len(entries), crc32c(index)).pack())
+    assert (out.pos - FOOTER_SIZE - len(index)) % ALIGN == 0
+    return out.pos
+
+
+def write_kvc(
+    cache: KVCache,
+    dest: str | os.PathLike | BinaryIO,
+    pipelines: PipelineSpec,
+    attachments: dict[str, np.ndarray | ExternalAttachment] | None = None,
+    chunk_tokens: int | None = None,
+    preset: str | None = None,
+    meta: dict[str, Any] | None = None,
+    chunk_heads: int | None = None,
+    store_token_ids: bool = True,
+) -> int:
+    """Write ``cache`` to ``dest`` (a path, atomically, or a binary file object). Returns bytes written."""
+    kw = dict(attachments=attachments, chunk_tokens=chunk_tokens, chunk_heads=chunk_heads, preset=preset, meta=meta,
+              store_token_ids=store_token_ids)
+    if not isinstance(dest, (str, os.PathLike)):
+        return write_kvc_stream(cache, dest, pipelines, **kw)
+    path = Path(dest)
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise KvcInputError(f"output directory {parent} does not exist")
+    if path.is_dir():
+        raise KvcInputError(f"{path} is a directory")
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            n = write_kvc_stream(cache, f, pipelines, **kw)
+        atomic_replace(tmp, path)
+        return n
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def encode_kvc_bytes(
+    cache: KVCache,
+    pipelines: PipelineSpec,
+    attachments: dict[str, np.ndarray | ExternalAttachment] | None = None,
+    chunk_tokens: int | None = None,
+    preset: str | None = None,
+    meta: dict[str, Any] | None = None,
+    chunk_heads: int | None = None,
+    store_token_ids: bool = True,
+) -> bytes:
+    buf = io.BytesIO()
+    write_kvc_stream(cache, buf, pipelines, attachments=attachments, chunk_tokens=chunk_tokens, chunk_heads=chunk_heads,
+                     preset=preset, meta=meta, store_token_ids=store_token_ids)
+    return buf.getvalue()
