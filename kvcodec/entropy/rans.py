@@ -127,22 +127,26 @@ def _normalize_one(counts, out):  # pragma: no cover - numba
         fsum -= 1
     # exchange 1 unit while it strictly helps (objective strictly increases -> terminates)
     for _ in range(4 * PROB_SCALE):
+        # best unit to add; best unit to take from any *other* symbol. If some
+        # move t <- s helps, so does add <- s (gain(add) >= gain(t)), and s != add
+        # because loss(s) > gain(s) for every s: so this test is exhaustive.
         add = -1
         addv = -1.0
-        rem = -1
-        remv = math.inf
         for s in range(A):
             if counts[s] > 0:
                 v = counts[s] * math.log((out[s] + 1) / out[s])
                 if v > addv:
                     addv = v
                     add = s
-                if out[s] > 1:
-                    w = counts[s] * math.log(out[s] / (out[s] - 1))
-                    if w < remv:
-                        remv = w
-                        rem = s
-        if rem < 0 or add == rem or addv <= remv * (1.0 + 1e-12):
+        rem = -1
+        remv = math.inf
+        for s in range(A):
+            if s != add and out[s] > 1:
+                w = counts[s] * math.log(out[s] / (out[s] - 1))
+                if w < remv:
+                    remv = w
+                    rem = s
+        if rem < 0 or addv <= remv * (1.0 + 1e-12):
             break
         out[add] += 1
         out[rem] -= 1
@@ -279,9 +283,11 @@ def encode_contexts(symbols: np.ndarray, freqs: np.ndarray | None = None) -> byt
             raise ValueError(f"freqs must be [C={C}, A] with {A} <= A <= 256, got {freqs.shape}")
         if (freqs < 0).any() or (freqs > PROB_SCALE).any() or (freqs.sum(axis=1) != PROB_SCALE).any():
             raise ValueError("every frequency table must hold values in [0, 4096] summing to 4096")
-        A = freqs.shape[1]
-        if symbols.size and (count_symbols(symbols, A)[freqs == 0] > 0).any():
+        if symbols.size and (count_symbols(symbols, freqs.shape[1])[freqs == 0] > 0).any():
             raise ValueError("a symbol with frequency 0 occurs in its context")
+        # A = highest symbol with a nonzero frequency in some context + 1 (canonical)
+        A = int(np.flatnonzero(freqs.any(axis=0)).max()) + 1 if C else A
+        freqs = freqs[:, :A]
         freqs = freqs.astype(np.uint32)
     cums = _cum(freqs)
     leb = _leb128(freqs)
@@ -402,7 +408,8 @@ def parse_header(
     [C]) are what the caller expects; ``None`` accepts what the stream says.
     Checks: sizes fit the buffer exactly, counts match, ``n_words <= n_symbols``,
     canonical LEB128 frequencies <= 4096 summing to 4096 per context,
-    ``A`` in [1, 256], final states in [L, 2**32) and exactly L for lanes that
+    ``A`` in [1, 256] and canonical (symbol ``A - 1`` has a nonzero
+    frequency in some context), final states in [L, 2**32) and exactly L for lanes that
     get no symbol, zero padding. Raises :class:`KvcFormatError` naming the
     first violation. A GPU decoder calls this before launching its kernel.
     """
@@ -431,6 +438,8 @@ def parse_header(
             _E_FREQ_SUM: f"frequency table of context {c} sums to {pos}, not 4096",
         }[code]
         raise KvcFormatError(f"rans: {what}")
+    if C and not freqs[:, A - 1].any():
+        raise KvcFormatError(f"rans: alphabet size {A} is not canonical: symbol {A - 1} has frequency 0 in every context")
     if n_symbols is not None:
         exp = np.broadcast_to(np.asarray(n_symbols, dtype=np.int64), (C,))
         bad = np.flatnonzero(ns != exp)
@@ -657,6 +666,17 @@ def table_code_length_bits(symbols: np.ndarray, freqs: np.ndarray) -> np.ndarray
 VECTOR_DIR = Path(__file__).resolve().parents[2] / "spec" / "vectors" / "rans"
 
 
+def _renorm_example() -> np.ndarray:
+    """40 symbols, mostly 0, with rare symbols in lanes 0, 3 and 5 (spec worked example 2)."""
+    sym = np.zeros(40, dtype=np.uint8)
+    sym[[0, 32, 3, 35, 5]] = [1, 2, 2, 1, 1]
+    return sym.reshape(1, 40, 1)
+
+
+# explicit tables for vectors coded with encode_contexts(symbols, freqs) instead of the stage default
+_VECTOR_FREQS = {"renorm": [[4064, 16, 16]]}
+
+
 def _vector_inputs() -> dict[str, tuple[np.ndarray, int | None, str]]:
     """Small, deterministic stage inputs (H, T, D) covering the corner cases."""
     rng = np.random.default_rng(20250101)
@@ -665,6 +685,7 @@ def _vector_inputs() -> dict[str, tuple[np.ndarray, int | None, str]]:
         return np.clip(np.round(rng.laplace(0, scale, size=shape)) + 8, 0, 15).astype(np.uint8)
 
     return {
+        "renorm": (_renorm_example(), None, "explicit table [4064, 16, 16]: two renormalisation words; spec worked example 2"),
         "tiny": (np.array([[[0, 1, 0, 2], [0, 0, 1, 0]]], dtype=np.uint8), None, "1 head, 2 tokens, 4 channels; the worked example of spec/rans-v1.md"),
         "single_symbol": (np.full((2, 5, 8), 7, dtype=np.uint8), None, "one distinct symbol: f = 4096, no words, all states L"),
         "partial_step": (laplace((1, 33, 1), 2.0), None, "33 symbols: a full step plus a 1-lane step"),
@@ -676,20 +697,25 @@ def _vector_inputs() -> dict[str, tuple[np.ndarray, int | None, str]]:
 
 def write_vectors(directory: Path = VECTOR_DIR) -> dict:
     """Deliberately (re)write the golden vectors (stage inputs + encoded streams + manifest)."""
-    from .rans_stage import RansStage
     from ..stages import ChunkContext
+    from .rans_stage import RansStage, to_contexts
 
     directory.mkdir(parents=True, exist_ok=True)
     manifest = {"format": "rans", "version": 1, "vectors": []}
     for name, (arr, g, desc) in _vector_inputs().items():
         stage = RansStage(channel_group=g)
-        data, side = stage.encode(arr, ChunkContext())
-        assert not side
+        freqs = _VECTOR_FREQS.get(name)
+        if freqs is None:
+            data, side = stage.encode(arr, ChunkContext())
+            assert not side
+        else:
+            data = encode_contexts(to_contexts(arr, g), np.asarray(freqs, dtype=np.uint32))
         np.save(directory / f"{name}.npy", arr, allow_pickle=False)
         (directory / f"{name}.bin").write_bytes(data)
         manifest["vectors"].append({
             "name": name, "description": desc, "shape": list(arr.shape), "dtype": "uint8",
             "config": stage.get_config(), "input": f"{name}.npy", "encoded": f"{name}.bin",
+            **({"freqs": freqs} if freqs is not None else {}),
             "encoded_bytes": len(data),
             "input_sha256": hashlib.sha256(np.ascontiguousarray(arr).tobytes()).hexdigest(),
             "encoded_sha256": hashlib.sha256(data).hexdigest(),
