@@ -1,0 +1,157 @@
+"""Store keys: deterministic, domain-separated, prefix-chained."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import subprocess
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcodec.errors import KvcInputError
+from kvcodec.store import Store, StoreKey, chunk_hashes, longest_prefix, prefix_keys, root_digest
+from store_fixtures import PY, subprocess_env
+
+IDS = [(i * 7919 + 13) % 50000 for i in range(1000)]
+
+
+def test_spec_worked_example():
+    """The worked example in spec/store-keys.md, recomputed from the definition."""
+    ids = list(range(300))
+    h0 = hashlib.blake2b(
+        b"kvcodec.store.key.v1\x00" + struct.pack("<I", 7) + b"smol-fp" + struct.pack("<I", 6)
+        + b"cg-q4a" + struct.pack("<I", 8) + b"tenant-a", digest_size=32).digest()
+    assert root_digest("smol-fp", "cg-q4a", "tenant-a") == h0
+    h1 = hashlib.blake2b(h0 + struct.pack("<I", 256) + struct.pack("<256i", *ids[:256]), digest_size=32).digest()
+    h2 = hashlib.blake2b(h1 + struct.pack("<I", 44) + struct.pack("<44i", *ids[256:]), digest_size=32).digest()
+    hs = chunk_hashes(ids, model="smol-fp", codec="cg-q4a", namespace="tenant-a")
+    assert hs == [h1, h2]
+    k = StoreKey.for_tokens(ids, model="smol-fp", codec="cg-q4a", namespace="tenant-a")
+    assert k.to_str() == f"kvc1:smol-fp:cg-q4a:tenant-a:300:{h2.hex()}"
+    with open(__import__("pathlib").Path(__file__).parents[1] / "spec" / "store-keys.md") as f:
+        spec = f.read()
+    assert h1.hex() in spec and h2.hex() in spec and h0.hex() in spec
+
+
+def test_deterministic_across_processes_and_hash_seeds():
+    code = (
+        "import json,sys\n"
+        "from kvcodec.store import StoreKey, chunk_hashes\n"
+        "ids=json.loads(sys.argv[1])\n"
+        "print(json.dumps([h.hex() for h in chunk_hashes(ids, model='m', codec='c', namespace='t')]"
+        " + [StoreKey.for_tokens(ids, model='m', codec='c', namespace='t').to_str(), str(hash('salted'))]))\n"
+    )
+    outs = []
+    for seed in ("0", "12345", "random"):
+        r = subprocess.run([PY, "-c", code, json.dumps(IDS)], capture_output=True, text=True,
+                           env=subprocess_env(PYTHONHASHSEED=seed), timeout=60, check=True)
+        outs.append(json.loads(r.stdout))
+    here = [h.hex() for h in chunk_hashes(IDS, model="m", codec="c", namespace="t")]
+    here.append(StoreKey.for_tokens(IDS, model="m", codec="c", namespace="t").to_str())
+    for o in outs:
+        assert o[:-1] == here
+    # ...while Python's own hash really did differ between the processes
+    assert len({o[-1] for o in outs}) > 1
+
+
+def test_input_types_agree():
+    ref = chunk_hashes(IDS)
+    assert chunk_hashes(tuple(IDS)) == ref
+    assert chunk_hashes(np.array(IDS, dtype=np.int64)) == ref
+    assert chunk_hashes(np.array(IDS, dtype=np.int32)) == ref
+    assert chunk_hashes(np.array(IDS, dtype=">i4")) == ref
+    assert chunk_hashes(np.array([IDS])) == ref  # (1, N) batch of one
+    torch = pytest.importorskip("torch")
+    assert chunk_hashes(torch.tensor(IDS)) == ref
+
+
+@pytest.mark.parametrize("bad", [[-1], [2**31], [1.5], ["a"], np.array([0.5]), np.zeros((2, 2), int)])
+def test_bad_token_ids(bad):
+    with pytest.raises(KvcInputError):
+        chunk_hashes(bad)
+
+
+def test_domain_separation():
+    base = dict(model="m", codec="c", namespace="t")
+    k = StoreKey.for_tokens(IDS, **base)
+    others = [
+        StoreKey.for_tokens(IDS, **{**base, "model": "m2"}),
+        StoreKey.for_tokens(IDS, **{**base, "codec": "c2"}),
+        StoreKey.for_tokens(IDS, **{**base, "namespace": "t2"}),
+        StoreKey.for_tokens(IDS[:-1], **base),
+        StoreKey.for_tokens(IDS[:-1] + [IDS[-1] + 1], **base),
+    ]
+    assert len({o.digest for o in others} | {k.digest}) == 6
+    # length-prefixed fields: moving a character between fields changes the key
+    assert root_digest("ab", "c", "t") != root_digest("a", "bc", "t")
+    # a partial chunk never equals a full chunk with the same leading ids
+    assert chunk_hashes([1, 2, 3], chunk=4)[0] != chunk_hashes([1, 2, 3, 0], chunk=4)[0]
+
+
+def test_other_model_codec_tenant_miss():
+    st = Store.open("mem://")
+    k = StoreKey.for_tokens(IDS, model="m", codec="c", namespace="tenant-a")
+    st.put(k, b"x")
+    assert longest_prefix(st, IDS, model="m", codec="c", namespace="tenant-a") == (k, 1000)
+    assert longest_prefix(st, IDS, model="m", codec="c", namespace="tenant-b") == (None, 0)
+    assert longest_prefix(st, IDS, model="m", codec="c2", namespace="tenant-a") == (None, 0)
+    assert longest_prefix(st, IDS, model="m2", codec="c", namespace="tenant-a") == (None, 0)
+
+
+def test_prefix_keys_and_longest_prefix():
+    ks = prefix_keys(IDS, model="m", codec="c")
+    assert [k.n_tokens for k in ks] == [1000, 768, 512, 256]
+    st = Store.open("mem://")
+    assert st.longest_prefix(IDS, model="m", codec="c") == (None, 0)
+    st.put(ks[3], b"256")
+    st.put(ks[1], b"768")
+    k, n = st.longest_prefix(IDS, model="m", codec="c")
+    assert n == 768 and st.get(k) == b"768"
+    # a longer prompt sharing the first 800 tokens finds the 768-token entry
+    longer = IDS[:800] + [1] * 500
+    assert st.longest_prefix(longer, model="m", codec="c")[1] == 768
+    # a prompt diverging at token 300 only finds 256
+    div = IDS[:300] + [7] * 700
+    assert st.longest_prefix(div, model="m", codec="c")[1] == 256
+    # the full-length (partial last chunk) entry is found by the same token list
+    st.put(ks[0], b"all")
+    assert st.longest_prefix(IDS, model="m", codec="c")[1] == 1000
+    # keys are also usable with a plain contains() store
+    class Plain:
+        def __init__(self, s):
+            self.s = s
+
+        def contains(self, k):
+            return self.s.contains(k)
+    assert longest_prefix(Plain(st), IDS, model="m", codec="c")[1] == 1000
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=700), st.integers(1, 300))
+def test_chain_is_prefix_closed(ids, chunk):
+    hs = chunk_hashes(ids, chunk)
+    for i in range(len(hs)):
+        n = min((i + 1) * chunk, len(ids))
+        assert chunk_hashes(ids[:n], chunk)[-1] == hs[i]
+    assert len(hs) == -(-len(ids) // chunk)
+
+
+def test_key_string_roundtrip_and_validation():
+    k = StoreKey.for_tokens(IDS, model="SmolLM2-135M.fp_1a2b", codec="q4+ans=1", namespace="default")
+    assert StoreKey.from_str(k.to_str()) == k
+    assert str(k) == k.to_str()
+    for bad in ["", "kvc1:a:b:c:1", "kvc2:a:b:c:1:" + "0" * 64, "kvc1:a:b:c:x:" + "0" * 64,
+                "kvc1:a:b:c:1:" + "0" * 63, "kvc1:a:b:c:1:" + "A" * 64, "kvc1:a b:b:c:1:" + "0" * 64,
+                "kvc1::b:c:1:" + "0" * 64]:
+        with pytest.raises(KvcInputError):
+            StoreKey.from_str(bad)
+    with pytest.raises(KvcInputError):
+        StoreKey.for_tokens([], model="m", codec="c")
+    with pytest.raises(KvcInputError):
+        StoreKey.for_tokens(IDS, model="has:colon", codec="c")
+    with pytest.raises(KvcInputError):
+        chunk_hashes(IDS, chunk=0)
