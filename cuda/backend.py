@@ -1,0 +1,162 @@
+"""Backend selection and the GPU chunk decoder.
+
+``resolve_backend(backend)`` picks ``"cpu"`` or ``"gpu"``: the argument, else
+``$KVCODEC_BACKEND``, else ``"auto"``; ``auto`` means the GPU iff
+``torch.cuda.is_available()`` and Triton imports. Under ``TRITON_INTERPRET=1``
+the ``gpu`` backend runs the real Triton kernels on CPU tensors (that is how
+CI checks them bit for bit without a GPU); ``auto`` never picks the
+interpreter. ``gpu`` without a CUDA device and without the interpreter is a
+:class:`KvcBackendError`.
+
+``decode_chunk_gpu`` has the signature of ``kvcodec.format.decode.decode_chunk``
+and returns a torch tensor (on the CUDA device, or a CPU tensor under the
+interpreter) equal bit for bit to ``Pipeline.decode``. Stages:
+
+* bytes->bytes stages (zstd, ...): always on the CPU (they run before the
+  payload is shipped to the device; only the compressed bytes travel).
+* ``rans``: :mod:`kvcodec.cuda.rans_kernel` (header validated on the host by
+  the CPU's ``parse_header``; data errors flagged by the kernel).
+* array->array stages with a GPU implementation in :data:`GPU_STAGES`
+  (see :mod:`kvcodec.cuda.dequant_kernels`); every other stage falls back to
+  its CPU implementation for that stage only (device -> host -> device).
+
+This module imports neither Triton nor the kernels until a GPU decode runs.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import numpy as np
+
+from ..errors import KvcBackendError, KvcFormatError, KvcInputError
+
+BACKENDS = ("cpu", "gpu", "auto")
+ENV_VAR = "KVCODEC_BACKEND"
+NO_DEVICE_MSG = "no CUDA device; set TRITON_INTERPRET=1 to run the kernels on the CPU"
+
+# stage name -> fn(stage, x: torch.Tensor, side, spec, ctx) -> torch.Tensor (filled by dequant_kernels)
+GPU_STAGES: dict[str, Callable[..., Any]] = {}
+# names of the stages that ran on the CPU in the last decode_chunk_gpu call (for tests / logging)
+last_fallbacks: list[str] = []
+
+
+def interpret_mode() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # pragma: no cover
+        return False
+
+
+def resolve_backend(backend: str | None = None) -> str:
+    """``"cpu"`` or ``"gpu"`` from the argument, then $KVCODEC_BACKEND, then auto."""
+    b = backend or os.environ.get(ENV_VAR) or "auto"
+    b = b.strip().lower()
+    if b not in BACKENDS:
+        raise KvcInputError(f"unknown backend {b!r} (choose from {', '.join(BACKENDS)})")
+    if b == "cpu":
+        return "cpu"
+    if b == "auto":
+        return "gpu" if _cuda_available() and _triton_importable() else "cpu"
+    gpu_device()  # raises KvcBackendError when unusable
+    return "gpu"
+
+
+def gpu_device() -> Any:
+    """The torch device the GPU backend runs on: ``cuda`` or, under the interpreter, ``cpu``."""
+    import torch
+
+    if not _triton_importable():
+        raise KvcBackendError("backend 'gpu' needs Triton, which is not installed (pip install kvcodec[gpu])")
+    if interpret_mode():
+        return torch.device("cpu")
+    if not _cuda_available():
+        raise KvcBackendError(NO_DEVICE_MSG)
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _register_builtin_gpu_stages() -> None:
+    from . import dequant_kernels  # noqa: F401  (fills GPU_STAGES)
+
+
+def decode_chunk_gpu(
+    pipeline: Any,
+    payload: bytes | memoryview,
+    sides: list[dict[str, np.ndarray]],
+    sizes: list[int],
+    spec: Any,
+    ctx: Any,
+    backend: str | None = "gpu",
+) -> Any:
+    """GPU twin of ``Pipeline.decode`` (same checks, same errors, same bits).
+
+    Returns a torch tensor of ``spec.shape`` / ``spec.dtype`` on the GPU device.
+    ``backend`` is accepted for signature compatibility with ``decode_chunk``;
+    ``"cpu"`` simply runs the CPU pipeline and returns its result as a tensor.
+    """
+    import torch
+
+    from ..entropy.rans_stage import RansStage
+    from ..stages import ArraySpec
+
+    if backend is not None and resolve_backend(backend) == "cpu":
+        return torch.from_numpy(np.ascontiguousarray(pipeline.decode(payload, sides, sizes, spec, ctx)))
+    device = gpu_device()
+    _register_builtin_gpu_stages()
+    last_fallbacks.clear()
+
+    n_arr = len(pipeline.array_stages)
+    if len(sides) != len(pipeline.stages) or len(sizes) != len(pipeline.byte_stages):
+        raise KvcFormatError("chunk side data does not match its codec pipeline")
+    data = payload
+    for s, size in zip(reversed(pipeline.byte_stages), reversed(sizes)):
+        data = s.decode(data, size, ctx)
+        if len(data) != size:
+            raise KvcFormatError(f"codec {s.name!r} produced {len(data)} bytes, expected {size}")
+    specs = pipeline.specs(spec)
+    bs = pipeline.bytes_stage
+    if isinstance(bs, RansStage):
+        if sides[n_arr]:
+            raise KvcFormatError(f"codec 'rans' has no side data, got {sorted(sides[n_arr])}")
+        from .rans_kernel import decode_stage
+
+        x = decode_stage(np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray) else data, specs[-1].shape, bs.channel_group, device)
+    else:
+        last_fallbacks.append(bs.name)
+        x = torch.from_numpy(np.ascontiguousarray(bs.decode(data, sides[n_arr], specs[-1], ctx))).to(device)
+    want = specs[-1]
+    if tuple(x.shape) != want.shape or str(x.dtype).removeprefix("torch.") != want.dtype:
+        raise KvcFormatError(f"codec {bs.name!r} returned {x.dtype}{tuple(x.shape)}, expected {want}")
+    for i in reversed(range(n_arr)):
+        st = pipeline.array_stages[i]
+        fn = GPU_STAGES.get(st.name)
+        out = fn(st, x, sides[i], specs[i], ctx) if fn is not None else NotImplemented
+        if out is NotImplemented:  # no GPU implementation (or not for this config): CPU fallback
+            last_fallbacks.append(st.name)
+            out = torch.from_numpy(np.ascontiguousarray(st.decode(x.cpu().numpy(), sides[i], specs[i], ctx))).to(device)
+        x = out
+    return x
+
+
+def decode_chunk(pipeline: Any, payload: Any, sides: Any, sizes: Any, spec: Any, ctx: Any, backend: str | None = None) -> Any:
+    """Backend switch for callers outside the format module: numpy (cpu) or torch tensor (gpu)."""
+    if resolve_backend(backend) == "cpu":
+        from ..stages import ArraySpec  # noqa: F401
+
+        return pipeline.decode(payload, sides, sizes, spec, ctx)
+    return decode_chunk_gpu(pipeline, payload, sides, sizes, spec, ctx, "gpu")
