@@ -2,7 +2,8 @@
 
 A plan has the shape of ``kvcodec.quant.presets.get_plan``'s result:
 ``.pipelines`` (one :class:`~kvcodec.stages.Pipeline` per (layer, kind),
-keyed ``(layer, "k"|"v")``), ``.attachments`` (none), ``.preset`` (the
+keyed ``(layer, "k"|"v")`` and callable as ``pipelines(layer, kind)``, which
+is what ``write_kvc`` takes), ``.attachments`` (none), ``.preset`` (the
 baseline's name) and ``.chunk_tokens`` (the whole tensor: KIVI's fp16 window
 is "the most recent 128 tokens of the context", so a (layer, kind) tensor
 must be one chunk).
@@ -43,9 +44,16 @@ from . import stages as bl
 BASELINES = ("fp16", "fp16+zstd", "int8", "kivi2", "kivi4", "cachegen", "cachegen-hi", "cachegen-lo")
 
 
+class PipelineTable(dict):
+    """``{(layer, kind): Pipeline}`` that is also the ``(layer, kind) -> Pipeline`` callable write_kvc takes."""
+
+    def __call__(self, layer: int, kind: str) -> Pipeline:
+        return self[(layer, kind)]
+
+
 @dataclass
 class BaselinePlan:
-    pipelines: dict[tuple[int, str], Pipeline]
+    pipelines: PipelineTable
     preset: str
     attachments: dict[str, np.ndarray] = field(default_factory=dict)
     chunk_tokens: int | None = None
@@ -101,5 +109,5 @@ def get_baseline_plan(name: str, cache: Any, **kw: Any) -> BaselinePlan:
         entries = max(cachegen_bins(l, k, L, split, scale) for l in range(L) for k in ("k", "v")) + 1
         meta.update(cdf_entries=entries)
         make = lambda l, k: [bl.CacheGenStage(bins=cachegen_bins(l, k, L, split, scale), cdf_entries=entries)]  # noqa: E731
-    pipelines = {(l, k): Pipeline(make(l, k)) for l in range(L) for k in ("k", "v")}
+    pipelines = PipelineTable({(l, k): Pipeline(make(l, k)) for l in range(L) for k in ("k", "v")})
     return BaselinePlan(pipelines=pipelines, preset=f"baseline:{name}", chunk_tokens=cache.num_tokens, meta=meta)

@@ -1,0 +1,592 @@
+"""Rate-quality sweeps: every method encoded into a real `.kvc`, decoded, evaluated.
+
+For each text: the exact cache is captured once (and kept on disk, keyed by
+the model fingerprint and a hash of the context token ids), the exact side of
+the evaluation (continuation logits + greedy tokens) is computed once, then
+every method/setting is
+
+1. encoded to a real `.kvc` file in a temp dir (its size, in file bytes with
+   header, index, side data and all, gives ``bits_per_element`` =
+   bytes * 8 / KV elements of the *full* context, so pruned caches are
+   charged against the same denominator),
+2. read back with the format's reader, and
+3. evaluated with :func:`kvcodec.evaluate.evaluate` against the exact cache.
+
+Methods come in families: ``kvcodec`` (the codec's presets), ``kvcodec-kl``
+(the codec's ``plan_for_target`` at ``--target-kl`` points, when it exists),
+the baselines (``fp16``, ``fp16+zstd``, ``int8``, ``kivi``, ``cachegen``) and
+``h2o`` (H2O pruning alone, kept tokens stored as fp16, when
+``kvcodec.prune`` exists). A family whose module is missing is skipped with
+a note in the output.
+
+Results are resumable: rows already present in the JSON output (same model
+fingerprint, context tokens, continuation and method) are reused.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import importlib
+import io
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from .errors import KvcError, KvcInputError
+from .kvcache import KVCache, atomic_replace
+
+SCHEMA = "kvcodec-curve/1"
+BASELINE_FAMILIES = ("fp16", "fp16+zstd", "int8", "kivi", "cachegen")
+ALL_FAMILIES = ("kvcodec", "kvcodec-kl", *BASELINE_FAMILIES, "h2o")
+DEFAULT_TARGET_KLS = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2)
+DEFAULT_H2O_BUDGETS = ("h2o:0.2", "h2o:0.35", "h2o:0.5", "h2o:0.75")
+CSV_FIELDS = (
+    "text", "family", "method", "bits_per_element", "ratio_vs_fp16", "file_bytes", "kl_mean", "dppl_percent",
+    "top1_agreement", "greedy_match", "ppl_exact", "ppl_decoded", "context_tokens", "stored_tokens",
+    "continuation_tokens", "encode_s", "decode_s", "eval_s", "error",
+)
+
+
+# -- the format, the codec and pruning (built by colleagues; looked up lazily) -----------------
+def format_api() -> tuple[Callable[..., int], Callable[[Any], Any]]:
+    """(write_kvc, KvcReader) from ``kvcodec.format``, wherever the format package exports them."""
+    write = reader = None
+    for mod in ("kvcodec.format", "kvcodec.format.writer", "kvcodec.format.reader"):
+        try:
+            m = importlib.import_module(mod)
+        except ModuleNotFoundError as exc:
+            if exc.name != mod:
+                raise
+            continue
+        write = write or getattr(m, "write_kvc", None)
+        reader = reader or getattr(m, "KvcReader", None)
+    if write is None or reader is None:
+        raise KvcError("the .kvc format (kvcodec.format: write_kvc / KvcReader) is not available in this build")
+    return write, reader
+
+
+def _optional(mod: str) -> Any | None:
+    try:
+        return importlib.import_module(mod)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and mod.startswith(exc.name):
+            return None
+        raise
+
+
+def codec_presets() -> tuple[Any | None, list[str]]:
+    """(``kvcodec.format.presets`` module or None, preset names worth sweeping).
+
+    The format's preset table is the one place preset names are looked up; it
+    delegates lossy names to ``kvcodec.quant.presets``. ``raw`` (fp32 as is)
+    and ``zstd`` (lossless minus shuffle) are left out of sweeps.
+    """
+    m = _optional("kvcodec.format.presets")
+    if m is None:
+        return None, []
+    return m, [n for n in m.available_presets() if n not in ("raw", "zstd")]
+
+
+def target_planner() -> Callable[..., Any] | None:
+    """``kvcodec.quant.presets.plan_for_target`` when the codec provides it."""
+    m = _optional("kvcodec.quant.presets")
+    fn = getattr(m, "plan_for_target", None) if m is not None else None
+    return fn if callable(fn) else None
+
+
+# -- method registry ----------------------------------------------------------------------
+@dataclass
+class TextCase:
+    """One text: the exact capture and what the evaluation needs from it."""
+
+    name: str
+    cache: KVCache
+    continuation: np.ndarray
+    tokens_sha: str
+    exact_logits: Any = None
+    exact_greedy: list[int] | None = None
+    scores: np.ndarray | None = None  # H2O attention scores, computed on demand
+
+
+@dataclass
+class Method:
+    family: str
+    setting: str
+    # (lm, case) -> (cache to encode, plan with .pipelines/.attachments/.preset[/.chunk_tokens])
+    build: Callable[[Any, TextCase], tuple[KVCache, Any]]
+    note: str = ""
+
+    @property
+    def key(self) -> str:
+        return f"{self.family}/{self.setting}"
+
+
+@dataclass
+class MethodList:
+    methods: list[Method] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def _baseline(name: str) -> Callable[[Any, TextCase], tuple[KVCache, Any]]:
+    def build(lm: Any, case: TextCase) -> tuple[KVCache, Any]:
+        from .baselines import get_baseline_plan
+
+        return case.cache, get_baseline_plan(name, case.cache)
+
+    return build
+
+
+def _preset(mod: Any, name: str) -> Callable[[Any, TextCase], tuple[KVCache, Any]]:
+    def build(lm: Any, case: TextCase) -> tuple[KVCache, Any]:
+        return case.cache, mod.get_plan(name, case.cache)
+
+    return build
+
+
+def _target(fn: Callable[..., Any], kl: float) -> Callable[[Any, TextCase], tuple[KVCache, Any]]:
+    def build(lm: Any, case: TextCase) -> tuple[KVCache, Any]:
+        try:
+            return case.cache, fn(case.cache, target_kl=kl, lm=lm)
+        except TypeError:
+            return case.cache, fn(case.cache, target_kl=kl)
+
+    return build
+
+
+def _h2o(spec: str) -> Callable[[Any, TextCase], tuple[KVCache, Any]]:
+    def build(lm: Any, case: TextCase) -> tuple[KVCache, Any]:
+        from .baselines import get_baseline_plan
+        from .prune.budget import parse_prune
+        from .prune.h2o import attention_scores, h2o_prune
+
+        budget = parse_prune(spec)
+        if case.scores is None:
+            _, case.scores = attention_scores(lm, case.cache.token_ids, budget.window)
+        pruned = h2o_prune(case.cache, case.scores, budget)
+        return pruned, get_baseline_plan("fp16", pruned)
+
+    return build
+
+
+def select_methods(selected: list[str] | None = None, target_kls: list[float] | None = None,
+                   h2o_budgets: list[str] | None = None) -> MethodList:
+    """Methods for the families/names in ``selected`` (default: all available), with notes on what was skipped.
+
+    Entries may be families (``kivi``), one setting (``kivi2``, ``kvcodec:NAME``,
+    ``h2o:0.25``) or ``all``.
+    """
+    sel = [s.strip() for s in (selected or ["all"]) if s.strip()]
+    if "all" in sel:
+        sel = [s for s in sel if s != "all"] + list(ALL_FAMILIES)
+    out = MethodList()
+    seen: set[str] = set()
+
+    def add(m: Method) -> None:
+        if m.key not in seen:
+            seen.add(m.key)
+            out.methods.append(m)
+
+    bl_family = {"fp16": ["fp16"], "fp16+zstd": ["fp16+zstd"], "int8": ["int8"], "kivi": ["kivi2", "kivi4"],
+                 "cachegen": ["cachegen-lo", "cachegen", "cachegen-hi"]}
+    bl_of = {name: fam for fam, names in bl_family.items() for name in names}
+    presets_mod, preset_names = None, []
+    for s in sel:
+        if s in bl_family:
+            for name in bl_family[s]:
+                add(Method(s, name, _baseline(name)))
+        elif s in bl_of:
+            add(Method(bl_of[s], s, _baseline(s)))
+        elif s == "kvcodec" or s.startswith("kvcodec:"):
+            presets_mod, preset_names = codec_presets()
+            if presets_mod is None:
+                out.notes.append("kvcodec presets skipped: kvcodec.format.presets is not available in this build")
+                continue
+            names = preset_names if s == "kvcodec" else [s.split(":", 1)[1]]
+            if s == "kvcodec" and _optional("kvcodec.quant.presets") is None:
+                out.notes.append("kvcodec lossy presets skipped: kvcodec.quant.presets is not available in this build "
+                                 "(only the format's lossless preset was run)")
+            for n in names:
+                add(Method("kvcodec", n, _preset(presets_mod, n)))
+        elif s == "kvcodec-kl":
+            fn = target_planner()
+            if fn is None:
+                out.notes.append("target-KL sweep skipped: kvcodec.quant.presets.plan_for_target is not available")
+                continue
+            for kl in target_kls or DEFAULT_TARGET_KLS:
+                add(Method("kvcodec-kl", f"kl<={kl:g}", _target(fn, float(kl))))
+        elif s == "h2o" or s.startswith("h2o:"):
+            if _optional("kvcodec.prune.h2o") is None or _optional("kvcodec.prune.budget") is None:
+                out.notes.append("H2O pruning skipped: kvcodec.prune is not available in this build")
+                continue
+            for spec in ([s] if s.startswith("h2o:") else (h2o_budgets or list(DEFAULT_H2O_BUDGETS))):
+                add(Method("h2o", spec, _h2o(spec), note="H2O pruning only; kept tokens stored as fp16"))
+        else:
+            raise KvcInputError(
+                f"unknown method {s!r} (families: {', '.join(ALL_FAMILIES)}; or one of "
+                f"{', '.join(bl_of)}, kvcodec:PRESET, h2o:BUDGET)"
+            )
+    return out
+
+
+# -- captures ----------------------------------------------------------------------------
+def default_capture_dir() -> Path:
+    from .model import cache_root
+
+    return cache_root() / "captures"
+
+
+def tokens_sha256(ids: np.ndarray) -> str:
+    return hashlib.sha256(np.asarray(ids, dtype="<i8").tobytes()).hexdigest()
+
+
+def cached_capture(lm: Any, ids: np.ndarray, capture_dir: str | os.PathLike | None) -> KVCache:
+    """The exact cache of ``ids``, from ``capture_dir`` when it was captured before (keyed by fingerprint + token hash)."""
+    from .capture import capture
+    from .kvcache import load_h5, save_h5
+
+    if capture_dir is None:
+        return capture(lm, token_ids=ids)
+    d = Path(capture_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"{lm.fingerprint.id[:16]}-{tokens_sha256(ids)[:24]}.h5"
+    if path.is_file():
+        try:
+            c = load_h5(path)
+            if lm.fingerprint.same_model(c.fingerprint) and np.array_equal(c.token_ids, ids) and c.positions is None:
+                return c
+        except KvcError:
+            pass  # a stale or broken entry is recomputed
+    c = capture(lm, token_ids=ids)
+    save_h5(c, path)
+    return c
+
+
+def load_case(lm: Any, text: str, max_tokens: int, continuation: int, capture_dir: str | os.PathLike | None) -> TextCase:
+    from .capture import select_context, tokenize
+    from .texts import load_text
+
+    ids = tokenize(lm.tokenizer, load_text(text))
+    ctx = select_context(ids, max_tokens, min_follow=continuation)
+    cache = cached_capture(lm, ctx, capture_dir)
+    cont = ids[len(ctx) : len(ctx) + continuation]
+    return TextCase(name=text, cache=cache, continuation=cont, tokens_sha=tokens_sha256(ctx))
+
+
+# -- one measurement ----------------------------------------------------------------------
+def kv_elements(cache: KVCache) -> int:
+    """K+V elements of the *full* context (pruned caches are charged against the unpruned count)."""
+    fp = cache.fingerprint
+    return 2 * fp.num_kv_heads * sum(fp.head_dims) * cache.num_context_tokens
+
+
+def rate_fields(file_bytes: int, cache: KVCache) -> dict[str, float]:
+    bpe = file_bytes * 8 / kv_elements(cache)
+    return {"bits_per_element": bpe, "ratio_vs_fp16": 16.0 / bpe, "file_bytes": int(file_bytes), "kv_elements": kv_elements(cache)}
+
+
+def read_kvc_cache(path: str | os.PathLike) -> KVCache:
+    _, reader_cls = format_api()
+    from . import baselines  # noqa: F401  (registers the bl_* stages the file may name)
+
+    r = reader_cls(str(path))
+    try:
+        return r.read_cache()
+    finally:
+        close = getattr(r, "close", None)
+        if callable(close):
+            close()
+
+
+def measure(lm: Any, case: TextCase, method: Method, workdir: str | os.PathLike, greedy_tokens: int = 16) -> dict[str, Any]:
+    """Encode, size, decode and evaluate one method on one text."""
+    from .evaluate import continue_logits, evaluate, greedy
+
+    write_kvc, _ = format_api()
+    if case.exact_logits is None:
+        case.exact_logits = continue_logits(lm, case.cache, case.continuation)
+        case.exact_greedy = greedy(lm, case.cache, int(case.continuation[0]), greedy_tokens) if greedy_tokens else []
+    t0 = time.perf_counter()
+    to_encode, plan = method.build(lm, case)
+    tag = hashlib.sha256(method.key.encode()).hexdigest()[:12]
+    path = Path(workdir) / f"{case.tokens_sha[:12]}-{tag}.kvc"
+    write_kvc(
+        to_encode, path, plan.pipelines, attachments=getattr(plan, "attachments", None) or None,
+        chunk_tokens=getattr(plan, "chunk_tokens", None), preset=getattr(plan, "preset", None),
+        meta={"curve_method": method.key},
+    )
+    t_enc = time.perf_counter() - t0
+    size = path.stat().st_size
+    t0 = time.perf_counter()
+    decoded = read_kvc_cache(path)
+    t_dec = time.perf_counter() - t0
+    path.unlink(missing_ok=True)
+    t0 = time.perf_counter()
+    q = evaluate(lm, case.cache, decoded, case.continuation, greedy_tokens=greedy_tokens,
+                 exact_logits=case.exact_logits, exact_greedy=case.exact_greedy)
+    t_eval = time.perf_counter() - t0
+    row: dict[str, Any] = {"text": case.name, "family": method.family, "method": method.setting}
+    row.update(rate_fields(size, case.cache))
+    row.update(q.to_json())
+    row.update(context_tokens=case.cache.num_context_tokens, stored_tokens=decoded.num_tokens,
+               encode_s=round(t_enc, 3), decode_s=round(t_dec, 3), eval_s=round(t_eval, 3))
+    if method.note:
+        row["note"] = method.note
+    return row
+
+
+# -- the sweep ----------------------------------------------------------------------------
+def _row_key(row: dict[str, Any]) -> tuple:
+    return (row.get("fingerprint"), row.get("tokens_sha256"), row.get("continuation_tokens"), row.get("greedy_tokens"),
+            row.get("family"), row.get("method"))
+
+
+def load_previous(path: str | os.PathLike | None) -> dict[tuple, dict[str, Any]]:
+    if path is None or not Path(path).is_file():
+        return {}
+    try:
+        obj = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    if not isinstance(obj, dict) or obj.get("schema") != SCHEMA:
+        return {}
+    return {_row_key(r): r for r in obj.get("rows", []) if isinstance(r, dict) and not r.get("error")}
+
+
+def _write_atomic(path: str | os.PathLike, text: str) -> None:
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent if str(path.parent) else ".")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        atomic_replace(Path(tmp), path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def write_csv(rows: list[dict[str, Any]], path: str | os.PathLike) -> None:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(CSV_FIELDS), extrasaction="ignore")
+    w.writeheader()
+    for r in rows:
+        w.writerow(r)
+    _write_atomic(path, buf.getvalue())
+
+
+def run_curve(
+    model: str,
+    texts: list[str],
+    max_tokens: int = 2048,
+    continuation: int = 256,
+    methods: list[str] | None = None,
+    target_kls: list[float] | None = None,
+    h2o_budgets: list[str] | None = None,
+    json_out: str | os.PathLike | None = None,
+    csv_out: str | os.PathLike | None = None,
+    plot_out: str | os.PathLike | None = None,
+    capture_dir: str | os.PathLike | None = "default",
+    greedy_tokens: int = 16,
+    progress: bool = True,
+    lm: Any = None,
+) -> dict[str, Any]:
+    """Run the sweep; returns (and writes) ``{"schema", "model", "settings", "notes", "rows"}``."""
+    from .model import load_model
+
+    if not texts:
+        raise KvcInputError("give at least one --text")
+    if continuation < 2:
+        raise KvcInputError(f"--continuation must be at least 2, got {continuation}")
+    for p in (json_out, csv_out, plot_out):
+        if p is not None and not (Path(p).parent if str(Path(p).parent) else Path(".")).is_dir():
+            raise KvcInputError(f"output directory of {p} does not exist")
+    chosen = select_methods(methods, target_kls, h2o_budgets)
+    if not chosen.methods:
+        raise KvcInputError("no method to run: " + ("; ".join(chosen.notes) or "empty --methods"))
+    format_api()  # fail early, before any capture, when the format is missing
+    if capture_dir == "default":
+        capture_dir = default_capture_dir()
+    lm = lm or load_model(model)
+    previous = load_previous(json_out)
+    result: dict[str, Any] = {
+        "schema": SCHEMA,
+        "model": model,
+        "fingerprint": lm.fingerprint.id,
+        "settings": {"texts": list(texts), "max_tokens": max_tokens, "continuation": continuation,
+                     "greedy_tokens": greedy_tokens, "methods": [m.key for m in chosen.methods]},
+        "notes": list(chosen.notes),
+        "rows": [],
+    }
+    for n in chosen.notes:
+        print(f"kvc curve: note: {n}", file=sys.stderr)
+    from tqdm import tqdm
+
+    total = len(texts) * len(chosen.methods)
+    bar = tqdm(total=total, desc="kvc curve", unit="run", file=sys.stderr, disable=not progress, dynamic_ncols=True)
+    with tempfile.TemporaryDirectory(prefix="kvc-curve-") as work:
+        for text in texts:
+            case = None
+            for m in chosen.methods:
+                bar.set_postfix_str(f"{text} {m.key}")
+                if case is None:
+                    case = load_case(lm, text, max_tokens, continuation, capture_dir)
+                base = {"fingerprint": lm.fingerprint.id, "tokens_sha256": case.tokens_sha,
+                        "continuation_tokens": int(case.continuation.size), "greedy_tokens": greedy_tokens,
+                        "family": m.family, "method": m.setting}
+                row = previous.get(_row_key(base))
+                if row is None:
+                    try:
+                        row = measure(lm, case, m, work, greedy_tokens)
+                    except KvcError as exc:
+                        row = {"text": text, "family": m.family, "method": m.setting, "error": str(exc)}
+                        print(f"kvc curve: {text} {m.key}: {exc}", file=sys.stderr)
+                    row.update({k: v for k, v in base.items() if k not in row})
+                    row["fingerprint"], row["tokens_sha256"] = base["fingerprint"], base["tokens_sha256"]
+                    row["greedy_tokens"] = greedy_tokens
+                else:
+                    row = dict(row, text=text, reused=True)
+                result["rows"].append(row)
+                if json_out is not None:
+                    _write_atomic(json_out, json.dumps(result, indent=2, sort_keys=True, default=float) + "\n")
+                bar.update(1)
+    bar.close()
+    if csv_out is not None:
+        write_csv(result["rows"], csv_out)
+    if plot_out is not None:
+        plot_curve(result, plot_out)
+    return result
+
+
+# -- plotting -----------------------------------------------------------------------------
+KL_FLOOR = 1e-7
+
+
+def pareto(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Points not dominated (fewer-or-equal bits and lower KL), sorted by bits."""
+    front: list[tuple[float, float]] = []
+    for b, k in sorted(points, key=lambda p: (p[0], p[1])):
+        if not front or k < front[-1][1]:
+            front.append((b, k))
+    return front
+
+
+def plot_curve(result: dict[str, Any], out: str | os.PathLike) -> None:
+    """One subplot per text: x = bits/element (log), y = mean KL (log); a line per family (its Pareto frontier)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if not r.get("error") and r.get("bits_per_element")]
+    texts = list(dict.fromkeys(r["text"] for r in rows)) or ["(no data)"]
+    families = list(dict.fromkeys(r["family"] for r in rows))
+    colors = {f: plt.cm.tab10(i % 10) for i, f in enumerate(families)}
+    markers = "osD^v<>PX*hp"
+    fig, axes = plt.subplots(1, len(texts), figsize=(6.2 * len(texts), 5.2), squeeze=False)
+    for ax, text in zip(axes[0], texts):
+        for fam in families:
+            fr = [r for r in rows if r["text"] == text and r["family"] == fam]
+            if not fr:
+                continue
+            pts = [(float(r["bits_per_element"]), max(float(r["kl_mean"]), KL_FLOOR)) for r in fr]
+            front = pareto(pts)
+            ax.plot([p[0] for p in front], [p[1] for p in front], "-", color=colors[fam], lw=1.6, alpha=0.85, label=fam)
+            for i, (r, (b, k)) in enumerate(zip(fr, pts)):
+                on = (b, k) in front
+                ax.plot([b], [k], markers[i % len(markers)], color=colors[fam], ms=6,
+                        mfc=colors[fam] if on else "none")
+                ax.annotate(str(r["method"]), (b, k), textcoords="offset points", xytext=(4, 3), fontsize=6, color=colors[fam])
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.axhline(KL_FLOOR, color="0.7", lw=0.6, ls=":")
+        ax.set_xlabel("bits per KV element (real .kvc file bytes; log)")
+        ax.set_ylabel(f"mean KL(exact || decoded), nats (log; 0 drawn at {KL_FLOOR:g})")
+        ax.set_title(f"{text}: {result['settings'].get('max_tokens')} ctx, {result['settings'].get('continuation')} cont. tokens",
+                     fontsize=10)
+        ax.grid(True, which="both", lw=0.3, alpha=0.5)
+        ax.legend(fontsize=7, loc="best", title="family (line = Pareto frontier;\nfilled = on frontier)", title_fontsize=6)
+    fig.suptitle(f"kvcodec rate vs. quality, model {result.get('model')} (one panel per text)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(out, dpi=130)
+    plt.close(fig)
+
+
+def summary_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown table (text x method) of the measured rows."""
+    head = "| text | family | method | bits/elem | ratio vs fp16 | KL (nats) | ΔPPL % | top-1 | greedy |"
+    lines = [head, "|" + "---|" * 9]
+    for r in rows:
+        if r.get("error"):
+            lines.append(f"| {r['text']} | {r['family']} | {r['method']} | error: {r['error']} | | | | | |")
+            continue
+        lines.append(
+            f"| {r['text']} | {r['family']} | {r['method']} | {r['bits_per_element']:.3f} | {r['ratio_vs_fp16']:.2f}x | "
+            f"{r['kl_mean']:.2e} | {r['dppl_percent']:+.3f} | {r['top1_agreement']:.3f} | {r['greedy_match']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+# -- `kvc eval`: one file against the text it was made from ----------------------------------
+def eval_kvc_file(lm: Any, path: str | os.PathLike, text_ids: np.ndarray, continuation: int = 256,
+                  greedy_tokens: int = 16) -> dict[str, Any]:
+    """Quality and rate of one `.kvc` file, continued on the text tokens following its context.
+
+    Checks (each a one-line :class:`KvcError`): the file's model is ``lm``;
+    the file's token ids are the text's first tokens; the text has
+    ``continuation`` more tokens. The exact reference cache is recomputed by
+    prefill of the file's token ids.
+    """
+    from .capture import capture
+    from .errors import KvcInputError as _In
+    from .evaluate import evaluate
+
+    _, reader_cls = format_api()
+    from . import baselines  # noqa: F401  (registers the bl_* stages a baseline file names)
+
+    if continuation < 2:
+        raise _In(f"--continuation must be at least 2, got {continuation}")
+    path = Path(path)
+    if not path.is_file():
+        raise _In(f"no such file: {path}")
+    size = path.stat().st_size
+    with reader_cls(str(path)) as r:
+        lm.fingerprint.check_compatible(r.fingerprint, what=".kvc file")
+        ids = r.token_ids
+        n_ctx = int(r.header.num_context_tokens)
+        text_ids = np.asarray(text_ids, dtype=np.int64).reshape(-1)
+        if ids is None:  # the file stores only a hash of its ids: the text's first tokens must match it
+            ids = text_ids[:n_ctx]
+            if len(ids) < n_ctx or tokens_sha256(ids) != r.header.token_ids_sha256:
+                raise _In(f"the text's first {n_ctx} tokens are not the tokens this file encodes (hash mismatch)")
+        else:
+            common = min(len(ids), len(text_ids))
+            diff = np.flatnonzero(ids[:common] != text_ids[:common])
+            if diff.size:
+                raise _In(f"the text differs from the tokens this file encodes at token {int(diff[0])} "
+                          f"(file {int(ids[diff[0]])}, text {int(text_ids[diff[0]])})")
+            if len(text_ids) < n_ctx:
+                raise _In(f"the text has only {len(text_ids)} tokens but the file encodes a {n_ctx}-token context")
+        if len(text_ids) < n_ctx + continuation:
+            raise _In(f"the text has only {len(text_ids) - n_ctx} tokens after the file's {n_ctx}-token context, "
+                      f"fewer than --continuation {continuation}")
+        t0 = time.perf_counter()
+        decoded = r.read_cache(token_ids=ids)
+        t_dec = time.perf_counter() - t0
+        preset = r.header.codec if hasattr(r.header, "codec") else None
+    exact = capture(lm, token_ids=ids)
+    cont = text_ids[n_ctx : n_ctx + continuation]
+    t0 = time.perf_counter()
+    q = evaluate(lm, exact, decoded, cont, greedy_tokens=greedy_tokens)
+    t_eval = time.perf_counter() - t0
+    out: dict[str, Any] = rate_fields(size, decoded)
+    out.update(q.to_json())
+    out.update(file=str(path), preset=preset, context_tokens=n_ctx, stored_tokens=decoded.num_tokens,
+               pruned=decoded.positions is not None, decode_s=round(t_dec, 3), eval_s=round(t_eval, 3),
+               greedy_tokens=greedy_tokens)
+    return out
