@@ -158,14 +158,37 @@ def _normalize_all(counts, out):  # pragma: no cover - numba
         _normalize_one(counts[c], out[c])
 
 
-def count_symbols(symbols: np.ndarray, alphabet: int | None = None) -> np.ndarray:
-    """Histogram per context: symbols [C, N] uint8 -> counts [C, A] int64."""
-    symbols = np.asarray(symbols)
+@njit(cache=True)
+def _histogram(symbols, out):  # pragma: no cover - numba
+    """out[c, :] += 256-bin histogram of symbols[c] (4 partial histograms to avoid store stalls)."""
     C, N = symbols.shape
+    h = np.zeros((4, 256), dtype=np.int64)
+    for c in range(C):
+        h[:] = 0
+        row = symbols[c]
+        n4 = N & ~3
+        for i in range(0, n4, 4):
+            h[0, row[i]] += 1
+            h[1, row[i + 1]] += 1
+            h[2, row[i + 2]] += 1
+            h[3, row[i + 3]] += 1
+        for i in range(n4, N):
+            h[0, row[i]] += 1
+        for s in range(256):
+            out[c, s] = h[0, s] + h[1, s] + h[2, s] + h[3, s]
+
+
+def count_symbols(symbols: np.ndarray, alphabet: int | None = None) -> np.ndarray:
+    """Histogram per context: symbols [C, N] uint8 -> counts [C, A] int64
+    (``A`` defaults to max symbol + 1; symbols >= A are not counted)."""
+    symbols = np.ascontiguousarray(symbols, dtype=np.uint8)
+    C, N = symbols.shape
+    full = np.zeros((C, 256), dtype=np.int64)
+    _histogram(symbols, full)
     if alphabet is None:
-        alphabet = int(symbols.max()) + 1 if symbols.size else 1
-    idx = (np.arange(C, dtype=np.int64)[:, None] * alphabet + symbols).ravel()
-    return np.bincount(idx, minlength=C * alphabet).reshape(C, alphabet).astype(np.int64)
+        present = np.flatnonzero(full.any(axis=0))
+        alphabet = int(present[-1]) + 1 if present.size else 1
+    return np.ascontiguousarray(full[:, :alphabet])
 
 
 def normalize_freqs(counts: np.ndarray) -> np.ndarray:
@@ -274,16 +297,17 @@ def encode_contexts(symbols: np.ndarray, freqs: np.ndarray | None = None) -> byt
     C, N = symbols.shape
     if N >= 2**32 or C >= 2**32:
         raise ValueError("too many symbols or contexts for a rANS v1 stream")
-    A = int(symbols.max()) + 1 if symbols.size else 1
+    counts = count_symbols(symbols)
+    A = counts.shape[1]
     if freqs is None:
-        freqs = normalize_freqs(count_symbols(symbols, A))
+        freqs = normalize_freqs(counts)
     else:
         freqs = np.ascontiguousarray(np.asarray(freqs).astype(np.int64))
         if freqs.ndim != 2 or freqs.shape[0] != C or not (A <= freqs.shape[1] <= 256):
             raise ValueError(f"freqs must be [C={C}, A] with {A} <= A <= 256, got {freqs.shape}")
         if (freqs < 0).any() or (freqs > PROB_SCALE).any() or (freqs.sum(axis=1) != PROB_SCALE).any():
             raise ValueError("every frequency table must hold values in [0, 4096] summing to 4096")
-        if symbols.size and (count_symbols(symbols, freqs.shape[1])[freqs == 0] > 0).any():
+        if (counts[:, : freqs.shape[1]][freqs[:, :A] == 0] > 0).any():
             raise ValueError("a symbol with frequency 0 occurs in its context")
         # A = highest symbol with a nonzero frequency in some context + 1 (canonical)
         A = int(np.flatnonzero(freqs.any(axis=0)).max()) + 1 if C else A
