@@ -36,6 +36,7 @@ class CompileResult:
     spill_loads: int
     stack_bytes: int
     shared_bytes: int
+    fma_f32: int  # fused multiply-adds in the PTX (must be 0: numpy never fuses)
     seconds: float
 
     @property
@@ -109,7 +110,8 @@ def compile_all(archs: tuple[int, ...] = (80, 90)) -> list[CompileResult]:
             assert ck.metadata.enable_fp_fusion is False
             ptx = ck.asm["ptx"]
             regs, ss, sl, stack, smem = _ptxas_stats(ptx, arch)
-            results.append(CompileResult(kernel, variant, arch, regs, ss, sl, stack, max(smem, int(ck.metadata.shared)), time.time() - t0))
+            fma = len(re.findall(r"\bfma\.rn\.f(?:32|16)", ptx))
+            results.append(CompileResult(kernel, variant, arch, regs, ss, sl, stack, max(smem, int(ck.metadata.shared)), fma, time.time() - t0))
     return results
 
 
@@ -125,13 +127,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps([asdict(r) for r in res], indent=1))
     else:
-        print(f"{'kernel variant':44s} {'arch':>5s} {'regs':>5s} {'spill st/ld':>12s} {'stack':>6s} {'smem':>6s} {'s':>5s}")
+        print(f"{'kernel variant':44s} {'arch':>5s} {'regs':>5s} {'spill st/ld':>12s} {'stack':>6s} {'smem':>6s} {'fma':>4s} {'s':>5s}")
         for r in res:
-            print(f"{r.variant:44s} sm_{r.arch:<3d} {r.registers:5d} {r.spill_stores:6d}/{r.spill_loads:<5d} {r.stack_bytes:6d} {r.shared_bytes:6d} {r.seconds:5.1f}")
+            print(f"{r.variant:44s} sm_{r.arch:<3d} {r.registers:5d} {r.spill_stores:6d}/{r.spill_loads:<5d} {r.stack_bytes:6d} {r.shared_bytes:6d} {r.fma_f32:4d} {r.seconds:5.1f}")
     bad = [r for r in res if r.kernel.startswith(NO_SPILL) and r.spills]
     for r in bad:
         print(f"FAIL: {r.variant} spills on sm_{r.arch} ({r.spill_stores} B stores, {r.spill_loads} B loads)", file=sys.stderr)
-    return 1 if bad else 0
+    fused = [r for r in res if r.fma_f32]
+    for r in fused:
+        print(f"FAIL: {r.variant} on sm_{r.arch} has {r.fma_f32} fused multiply-adds (enable_fp_fusion must be False)", file=sys.stderr)
+    return 1 if bad or fused else 0
 
 
 if __name__ == "__main__":

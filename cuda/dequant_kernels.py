@@ -1,0 +1,378 @@
+"""Triton kernels for the inverse lossy stages (spec/codec-v1.md) and the KV output layouts.
+
+GPU twins of the CPU decodes in :mod:`kvcodec.quant.stages`, bit for bit:
+
+* ``quantize`` step mode:   x = float32(unzigzag(s)) * float32(step[h, c])
+* ``quantize`` minmax mode: x = float32(s) * scale + zero (asymmetric, product
+  and sum rounded separately) or float32(s - 2**(b-1)) * scale (symmetric)
+* ``transform``: x[h,t,d] = (sum_{k=0..K-1} y[h,t,k] * B[h,d,k]) + mean[h,d], k ascending,
+  acc starting at +0.0, every product and add rounded separately
+* ``rope``: x = y*cos + rotate_half(y)*sin on the first ``dim`` channels, cos/sin
+  from :func:`kvcodec.quant.rope.rope_tables` (CPU float64, rounded once)
+* ``keep``: re-insert kept tokens (torch.cat on the device; no arithmetic)
+* final cast to the stage's input dtype (round to nearest even), fused into the
+  last kernel that writes the tensor.
+
+All kernels must be compiled with ``enable_fp_fusion=False`` (passed at every
+launch below) so no product/sum pair becomes an FMA on a real GPU; the
+interpreter never fuses. Side data is validated on the host with the same
+checks and messages as the CPU stage (the matrices/tables helpers of the CPU
+stages are reused directly).
+
+Layout writers (:func:`store_hf`, :func:`store_paged`) cast a decoded
+(H, T, D) tensor into a caller-provided HF per-layer tensor (1, H, T_cap, D)
+or a vLLM-like paged cache (num_blocks, block_size, H, D) with a block table.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from ..errors import KvcFormatError
+from .backend import GPU_STAGES
+from .rans_kernel import interpret_mode
+
+BLOCK = 512
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+def _dq_step_kernel(sym_ptr, step_ptr, out_ptr, N, TC, C, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < N
+    h = i // TC
+    c = i % C
+    s = tl.load(sym_ptr + i, mask=m, other=0).to(tl.int32)
+    q = (s >> 1) ^ (0 - (s & 1))
+    st = tl.load(step_ptr + h * C + c, mask=m, other=0.0)
+    tl.store(out_ptr + i, q.to(tl.float32) * st, mask=m)
+
+
+def _dq_minmax_kernel(sym_ptr, scale_ptr, zero_ptr, hb_ptr, out_ptr, N, T, C, G, NG, AXIS_CHANNEL: tl.constexpr,
+                      SYMMETRIC: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < N
+    TC = T * C
+    h = i // TC
+    r = i - h * TC
+    t = r // C
+    c = r - t * C
+    if AXIS_CHANNEL:  # scale [H, NG = ceil(T/G), C]
+        gi = (h * NG + t // G) * C + c
+    else:  # scale [H, T, NG = ceil(C/G)]
+        gi = (h * T + t) * NG + c // G
+    s = tl.load(sym_ptr + i, mask=m, other=0).to(tl.int32)
+    sc = tl.load(scale_ptr + gi, mask=m, other=0.0)
+    if SYMMETRIC:
+        b = tl.load(hb_ptr + h, mask=m, other=1)
+        x = (s - (1 << (b - 1))).to(tl.float32) * sc
+    else:
+        ze = tl.load(zero_ptr + gi, mask=m, other=0.0)
+        x = s.to(tl.float32) * sc + ze
+    tl.store(out_ptr + i, x, mask=m)
+
+
+def _inv_transform_kernel(y_ptr, bt_ptr, mean_ptr, out_ptr, T, K, D, BT: tl.constexpr, BD: tl.constexpr):
+    h = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1) * BT + tl.arange(0, BT)
+    d = tl.program_id(2) * BD + tl.arange(0, BD)
+    tm = t < T
+    dm = d < D
+    acc = tl.zeros([BT, BD], dtype=tl.float32)
+    for k in range(0, K):
+        yk = tl.load(y_ptr + (h * T + t) * K + k, mask=tm, other=0.0)
+        bk = tl.load(bt_ptr + (h * K + k) * D + d, mask=dm, other=0.0)
+        acc = acc + yk[:, None] * bk[None, :]
+    mu = tl.load(mean_ptr + h * D + d, mask=dm, other=0.0)
+    x = acc + mu[None, :]
+    tl.store(out_ptr + (h * T + t[:, None]) * D + d[None, :], x.to(out_ptr.dtype.element_ty), mask=tm[:, None] & dm[None, :])
+
+
+def _rope_kernel(y_ptr, cos_ptr, sin_ptr, out_ptr, N, T, D, DIM, HALF, CS_HEAD_STRIDE, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < N
+    d = i % D
+    ht = i // D
+    h = ht // T
+    t = ht - h * T
+    y = tl.load(y_ptr + i, mask=m, other=0.0)
+    rot = m & (d < DIM)
+    lo = d < HALF
+    partner = tl.where(lo, i + HALF, i - HALF)
+    yp = tl.load(y_ptr + partner, mask=rot, other=0.0)
+    rh = tl.where(lo, -yp, yp)
+    cs = h * CS_HEAD_STRIDE + t * DIM + d
+    co = tl.load(cos_ptr + cs, mask=rot, other=0.0)
+    si = tl.load(sin_ptr + cs, mask=rot, other=0.0)
+    t1 = y * co
+    t2 = rh * si
+    x = tl.where(rot, t1 + t2, y)
+    tl.store(out_ptr + i, x.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def _store_kernel(src_ptr, dst_ptr, bt_ptr, N, T, D, t0, s_h, s_t, s_d, BS, s_blk, PAGED: tl.constexpr, BLOCK: tl.constexpr):
+    """dst[layout(h, t0 + t, d)] = cast(src[h, t, d]). HF: base + h*s_h + pos*s_t + d*s_d;
+    paged: block = bt[pos // BS], base + block*s_blk + (pos % BS)*s_t + h*s_h + d*s_d."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < N
+    d = i % D
+    ht = i // D
+    h = ht // T
+    pos = ht - h * T + t0
+    v = tl.load(src_ptr + i, mask=m, other=0.0)
+    h = h.to(tl.int64)
+    d = d.to(tl.int64)
+    pos = pos.to(tl.int64)
+    if PAGED:
+        blk = tl.load(bt_ptr + pos // BS, mask=m, other=0).to(tl.int64)
+        off = blk * s_blk + (pos % BS) * s_t + h * s_h + d * s_d
+    else:
+        off = h * s_h + pos * s_t + d * s_d
+    tl.store(dst_ptr + off, v.to(dst_ptr.dtype.element_ty), mask=m)
+
+
+_KERNELS: dict[bool, dict[str, Any]] = {}
+_FNS = {
+    "dq_step": _dq_step_kernel, "dq_minmax": _dq_minmax_kernel, "inv_transform": _inv_transform_kernel,
+    "rope": _rope_kernel, "store": _store_kernel,
+}
+
+
+def kernels(interpret: bool | None = None) -> dict[str, Any]:
+    mode = interpret_mode() if interpret is None else interpret
+    if mode not in _KERNELS:
+        if mode:
+            from triton.runtime.interpreter import InterpretedFunction as make
+        else:
+            from triton.runtime.jit import JITFunction as make
+        _KERNELS[mode] = {k: make(f) for k, f in _FNS.items()}
+    return _KERNELS[mode]
+
+
+def _launch(name: str, grid: tuple[int, ...], *args: Any, **kw: Any) -> None:
+    kw.setdefault("num_warps", 4)
+    if not interpret_mode():
+        kw["enable_fp_fusion"] = False  # no FMA contraction: products and sums round separately, like numpy
+    kernels()[name][grid](*args, **kw)
+
+
+def compile_variants() -> list[tuple[str, str, Any, dict, dict, dict]]:
+    """(kernel, variant, jit fn, signature, constexprs, options) for compile_check."""
+    k = kernels(interpret=False)
+    o = {"num_warps": 4}
+    out = [
+        ("dq_step", "dq_step", k["dq_step"], {"sym_ptr": "*u8", "step_ptr": "*fp32", "out_ptr": "*fp32", "N": "i32", "TC": "i32", "C": "i32", "BLOCK": "constexpr"}, {"BLOCK": BLOCK}, o),
+    ]
+    sig = {"sym_ptr": "*u8", "scale_ptr": "*fp32", "zero_ptr": "*fp32", "hb_ptr": "*i32", "out_ptr": "*fp32", "N": "i32", "T": "i32", "C": "i32",
+           "G": "i32", "NG": "i32", "AXIS_CHANNEL": "constexpr", "SYMMETRIC": "constexpr", "BLOCK": "constexpr"}
+    for ax in (True, False):
+        for sym in (False, True):
+            out.append(("dq_minmax", f"dq_minmax[{'channel' if ax else 'token'},{'sym' if sym else 'asym'}]", k["dq_minmax"], sig,
+                        {"AXIS_CHANNEL": ax, "SYMMETRIC": sym, "BLOCK": BLOCK}, o))
+    for od in ("fp32", "fp16"):
+        out.append(("inv_transform", f"inv_transform[out={od},BT=32,BD=64]", k["inv_transform"],
+                    {"y_ptr": "*fp32", "bt_ptr": "*fp32", "mean_ptr": "*fp32", "out_ptr": f"*{od}", "T": "i32", "K": "i32", "D": "i32", "BT": "constexpr", "BD": "constexpr"},
+                    {"BT": 32, "BD": 64}, o))
+    for od in ("fp32", "fp16", "bf16"):
+        out.append(("rope", f"rope[out={od}]", k["rope"],
+                    {"y_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": f"*{od}", "N": "i32", "T": "i32", "D": "i32", "DIM": "i32",
+                     "HALF": "i32", "CS_HEAD_STRIDE": "i32", "BLOCK": "constexpr"}, {"BLOCK": BLOCK}, o))
+    for paged in (False, True):
+        for od in ("fp16", "bf16"):
+            out.append(("store", f"store[{'paged' if paged else 'hf'},out={od}]", k["store"],
+                        {"src_ptr": "*fp32", "dst_ptr": f"*{od}", "bt_ptr": "*i32", "N": "i32", "T": "i32", "D": "i32", "t0": "i32", "s_h": "i32",
+                         "s_t": "i32", "s_d": "i32", "BS": "i32", "s_blk": "i32", "PAGED": "constexpr", "BLOCK": "constexpr"},
+                        {"PAGED": paged, "BLOCK": BLOCK}, o))
+    return out
+
+
+# --------------------------------------------------------------------------- stage implementations
+
+_TORCH = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16, "uint8": torch.uint8}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _dev(a: np.ndarray, device: torch.device, dtype: Any = None) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(a if dtype is None else a.astype(dtype)))
+    return t.to(device)
+
+
+def gpu_quantize(stage: Any, x: torch.Tensor, side: dict, spec: Any, ctx: Any) -> torch.Tensor:
+    from ..quant.stages import _need, _no_extra
+
+    H, T, C = spec.shape
+    if tuple(x.shape) != (H, T, C) or x.dtype != torch.uint8:
+        raise KvcFormatError(f"codec 'quantize': got {str(x.dtype).removeprefix('torch.')}{tuple(x.shape)}, expected uint8{spec.shape}")
+    dev = x.device
+    out = torch.empty((H, T, C), dtype=torch.float32, device=dev)
+    N = H * T * C
+    if stage.mode == "step":
+        _no_extra(side, "quantize", {"step", "bits"})
+        step = _need(side, "step", "quantize", (H, C), "float16")
+        bits = _need(side, "bits", "quantize", (H, C), "uint8")
+        if not (np.isfinite(step).all() and (step.astype(np.float32) >= 0).all()):
+            raise KvcFormatError("codec 'quantize': step side data is NaN, inf or negative")
+        if (bits > stage.max_bits).any():
+            raise KvcFormatError(f"codec 'quantize': bit width {int(bits.max())} exceeds max_bits {stage.max_bits}")
+        if T and bool((x.amax(dim=1).to(torch.int32) >= (1 << _dev(bits, dev, np.int32))).any()):
+            raise KvcFormatError("codec 'quantize': symbol outside its channel's bit width")
+        if N:
+            _launch("dq_step", (_cdiv(N, BLOCK),), x, _dev(step, dev, np.float32), out, N, T * C, C, BLOCK=BLOCK)
+    else:
+        hb = stage._head_bits(H)
+        gshape = stage._group_shape(H, T, C)
+        _no_extra(side, "quantize", {"scale"} if stage.symmetric else {"scale", "zero"})
+        scale = _need(side, "scale", "quantize", gshape, "float16")
+        zero = None if stage.symmetric else _need(side, "zero", "quantize", gshape, "float16")
+        if not np.isfinite(scale).all() or (zero is not None and not np.isfinite(zero).all()):
+            raise KvcFormatError("codec 'quantize': scale or zero side data is NaN or inf")
+        if T and C and bool((x.amax(dim=(1, 2)).to(torch.int64) > _dev((1 << hb) - 1, dev, np.int64)).any()):
+            raise KvcFormatError("codec 'quantize': symbol exceeds the bit width")
+        if N:
+            sc = _dev(scale, dev, np.float32)
+            ze = _dev(zero, dev, np.float32) if zero is not None else sc
+            _launch("dq_minmax", (_cdiv(N, BLOCK),), x, sc, ze, _dev(hb, dev, np.int32), out, N, T, C, stage.group, gshape[1] if stage.axis == "channel" else gshape[2],
+                    AXIS_CHANNEL=stage.axis == "channel", SYMMETRIC=stage.symmetric, BLOCK=BLOCK)
+    return _cast(out, spec.dtype)
+
+
+def _cast(x: torch.Tensor, dtype: str) -> torch.Tensor:
+    want = _TORCH[dtype]
+    return x if x.dtype == want else x.to(want)
+
+
+_MAT_CACHE: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+
+
+def _digest(*arrays: np.ndarray) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for a in arrays:
+        a = np.ascontiguousarray(a)
+        h.update(str((a.dtype, a.shape)).encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def gpu_transform(stage: Any, y: torch.Tensor, side: dict, spec: Any, ctx: Any) -> torch.Tensor:
+    from ..quant.stages import _no_extra
+
+    _no_extra(side, "transform", set())
+    H, T, D = spec.shape
+    b, m = stage.matrices(H, D, ctx)  # CPU validation of the attachments, float32 [H, D, K], [H, D]
+    K = b.shape[2]
+    if tuple(y.shape) != (H, T, K) or y.dtype != torch.float32:
+        raise KvcFormatError(f"codec 'transform': got {str(y.dtype).removeprefix('torch.')}{tuple(y.shape)}, expected float32{(H, T, K)}")
+    dev = y.device
+    key = (str(dev), _digest(b, m))
+    if key in _MAT_CACHE:
+        bt_d, m_d = _MAT_CACHE[key]
+        _MAT_CACHE.move_to_end(key)
+    else:
+        bt_d = _dev(np.swapaxes(b, 1, 2), dev, np.float32)  # [H, K, D]
+        m_d = _dev(m, dev, np.float32)
+        _MAT_CACHE[key] = (bt_d, m_d)
+        while len(_MAT_CACHE) > 256:
+            _MAT_CACHE.popitem(last=False)
+    out = torch.empty((H, T, D), dtype=_TORCH[spec.dtype], device=dev)
+    if H * T * D:
+        BT, BD = 32, 64
+        _launch("inv_transform", (H, _cdiv(T, BT), _cdiv(D, BD)), y.contiguous(), bt_d, m_d, out, T, K, D, BT=BT, BD=BD)
+    return out
+
+
+def gpu_keep(stage: Any, x: torch.Tensor, side: dict, spec: Any, ctx: Any) -> torch.Tensor:
+    from ..quant.stages import _need, _no_extra
+
+    _no_extra(side, "keep", {"kept"})
+    H, T, D = spec.shape
+    s, r = stage.counts(T)
+    kept = _need(side, "kept", "keep", (H, s + r, D), stage.dtype)
+    if not np.isfinite(kept).all():
+        raise KvcFormatError("codec 'keep': kept tokens contain NaN or inf")
+    if tuple(x.shape) != (H, T - s - r, D):
+        raise KvcFormatError(f"codec 'keep': got {tuple(x.shape)}, expected {(H, T - s - r, D)}")
+    k32 = _dev(kept, x.device).to(torch.float32)
+    out = torch.cat([k32[:, :s], x.to(torch.float32), k32[:, s:]], dim=1)
+    return _cast(out, spec.dtype)
+
+
+_ROPE_CACHE: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor, int]] = OrderedDict()
+
+
+def gpu_rope(stage: Any, y: torch.Tensor, side: dict, spec: Any, ctx: Any) -> torch.Tensor:
+    from ..quant.rope import positions_for, rope_tables
+    from ..quant.stages import _no_extra
+
+    _no_extra(side, "rope", set())
+    H, T, D = spec.shape
+    if tuple(y.shape) != (H, T, D) or y.dtype != torch.float32:
+        raise KvcFormatError(f"codec 'rope': got {str(y.dtype).removeprefix('torch.')}{tuple(y.shape)}, expected float32{spec.shape}")
+    dev = y.device
+    pos = positions_for(ctx.positions, ctx.layer, H, T, ctx.token_start)
+    shared = H <= 1 or pos.strides[0] == 0 or bool((pos == pos[:1]).all())
+    p = np.ascontiguousarray(pos[:1] if shared else pos)  # [1 or H, T]
+    key = (str(dev), stage.theta, stage.dim, p.shape, _digest(p))
+    if key in _ROPE_CACHE:
+        cos_d, sin_d, hs = _ROPE_CACHE[key]
+        _ROPE_CACHE.move_to_end(key)
+    else:
+        cos, sin = rope_tables(p, stage.theta, stage.dim)  # exactly the CPU tables (float64 -> float32)
+        cos_d, sin_d = _dev(cos, dev), _dev(sin, dev)
+        hs = 0 if shared else T * stage.dim
+        _ROPE_CACHE[key] = (cos_d, sin_d, hs)
+        while len(_ROPE_CACHE) > 64:
+            _ROPE_CACHE.popitem(last=False)
+    if stage.dim > D:
+        raise KvcFormatError(f"codec 'rope': dim {stage.dim} exceeds {D} channels")
+    out = torch.empty((H, T, D), dtype=_TORCH[spec.dtype], device=dev)
+    N = H * T * D
+    if N:
+        _launch("rope", (_cdiv(N, BLOCK),), y.contiguous(), cos_d, sin_d, out, N, T, D, stage.dim, stage.dim // 2, hs, BLOCK=BLOCK)
+    return out
+
+
+GPU_STAGES.update({"quantize": gpu_quantize, "transform": gpu_transform, "keep": gpu_keep, "rope": gpu_rope})
+
+
+# --------------------------------------------------------------------------- output layouts
+
+
+def store_hf(x: torch.Tensor, dst: torch.Tensor, token_start: int = 0) -> None:
+    """dst[0, :, token_start:token_start+T, :] = x cast to dst.dtype (dst: (1, H, T_cap, D), any strides)."""
+    H, T, D = x.shape
+    if dst.dim() != 4 or dst.shape[0] != 1 or dst.shape[1] != H or dst.shape[3] != D or token_start < 0 or token_start + T > dst.shape[2]:
+        raise ValueError(f"HF destination {tuple(dst.shape)} cannot hold ({H}, {token_start}+{T}, {D})")
+    N = H * T * D
+    if N:
+        _launch("store", (_cdiv(N, BLOCK),), x.contiguous(), dst, dst, N, T, D, token_start,
+                dst.stride(1), dst.stride(2), dst.stride(3), 1, 0, PAGED=False, BLOCK=BLOCK)
+
+
+def store_paged(x: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, token_start: int = 0) -> None:
+    """Write x (H, T, D) for tokens token_start.. into cache (num_blocks, block_size, H, D):
+    token pos goes to cache[block_table[pos // block_size], pos % block_size]."""
+    H, T, D = x.shape
+    nb, bs, ch, cd = cache.shape
+    if ch != H or cd != D:
+        raise ValueError(f"paged cache {tuple(cache.shape)} does not hold {H} heads x {D} channels")
+    if token_start < 0 or _cdiv(token_start + T, bs) > block_table.numel():
+        raise ValueError("block table too short for the tokens written")
+    N = H * T * D
+    if N:
+        bt = block_table.to(device=x.device, dtype=torch.int32).contiguous()
+        used = bt[token_start // bs : _cdiv(token_start + T, bs)]
+        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= nb):
+            raise ValueError("block table entry outside the paged cache")
+        _launch("store", (_cdiv(N, BLOCK),), x.contiguous(), cache, bt, N, T, D, token_start,
+                cache.stride(2), cache.stride(1), cache.stride(3), bs, cache.stride(0), PAGED=True, BLOCK=BLOCK)
