@@ -138,6 +138,7 @@ def write_kvc_stream(
     preset: str | None = None,
     meta: dict[str, Any] | None = None,
     store_token_ids: bool = True,
+    writer: str | None = None,
 ) -> int:
     """Write ``cache`` as `.kvc` to the binary stream ``f`` (sequential writes only); return bytes written."""
     cache.validate()
@@ -195,7 +196,7 @@ def write_kvc_stream(
     first_chunk_offset = off
 
     header = {
-        "writer": writer_version(),
+        "writer": writer or writer_version(),
         "model": fp.to_json(),
         "tensors": {"dtype": tdtype, "layers": L, "kv_heads": H, "head_dims": list(fp.head_dims), "tokens": T},
         "context": context,
@@ -299,8 +300,10 @@ def encode_kvc_bytes(
     meta: dict[str, Any] | None = None,
     chunk_heads: int | None = None,
     store_token_ids: bool = True,
+    writer: str | None = None,
 ) -> bytes:
+    """The `.kvc` bytes of ``cache`` (same arguments as :func:`write_kvc`)."""
     buf = io.BytesIO()
     write_kvc_stream(cache, buf, pipelines, attachments=attachments, chunk_tokens=chunk_tokens, chunk_heads=chunk_heads,
-                     preset=preset, meta=meta, store_token_ids=store_token_ids)
+                     preset=preset, meta=meta, store_token_ids=store_token_ids, writer=writer)
     return buf.getvalue()
