@@ -57,7 +57,10 @@ class Amount:
         return min(n, int(math.floor(self.value * n + 0.5)))
 
     def __str__(self) -> str:
-        return str(int(self.value)) if self.is_count else f"{self.value:g}"
+        if self.is_count:
+            return str(int(self.value))
+        t = f"{self.value:.10g}"
+        return t if ("." in t or "e" in t) else t + ".0"
 
 
 ZERO = Amount(0.0, True)
@@ -103,6 +106,7 @@ class H2OBudget:
     heavy: Amount
     recent: Amount
     window: int | None = DEFAULT_WINDOW  # None: scores from all queries (accumulated, as in H2O)
+    total: Amount | None = None  # a single budget: split evenly (recent gets the odd token)
 
     method = "h2o"
 
@@ -110,8 +114,14 @@ class H2OBudget:
         """(heavy, recent) token counts for a context of ``n`` tokens; refuses impossible budgets."""
         if n <= 0:
             raise KvcInputError("cannot prune an empty context")
-        h = self.heavy.tokens(n, "heavy budget")
-        r = self.recent.tokens(n, "recent budget")
+        if self.total is not None:
+            k = self.total.tokens(n, "budget")
+            h, r = k // 2, k - k // 2
+        else:
+            h = self.heavy.tokens(n, "heavy budget")
+            r = self.recent.tokens(n, "recent budget")
+            if not self.heavy.is_count and not self.recent.is_count and h + r == n + 1:
+                h -= 1  # two fractions summing to <= 1 that both rounded up
         if h + r > n:
             raise KvcInputError(f"prune spec {self.spec()!r}: heavy {h} + recent {r} tokens exceed the {n}-token context")
         if h + r == 0:
@@ -123,6 +133,8 @@ class H2OBudget:
 
     def spec(self) -> str:
         w = "all" if self.window is None else str(self.window)
+        if self.total is not None:
+            return f"h2o:{self.total},window={w}"
         return f"h2o:heavy={self.heavy},recent={self.recent},window={w}"
 
 
@@ -201,11 +213,10 @@ def parse_prune(spec: str) -> PruneBudget:
                 raise KvcInputError(f"prune spec {spec!r}: give either one budget or heavy=/recent=, not both")
             total = parse_amount(bare, spec, "budget")
             if total.is_count:
-                h = int(total.value) // 2
-                heavy, recent = Amount(float(h), True), Amount(float(int(total.value) - h), True)
+                heavy, recent = Amount(float(int(total.value) // 2), True), Amount(total.value - int(total.value) // 2, True)
             else:
                 heavy = recent = Amount(total.value / 2.0, False)
-            return H2OBudget(heavy, recent, window)
+            return H2OBudget(heavy, recent, window, total)
         if "heavy" not in kv and "recent" not in kv:
             raise KvcInputError(f"prune spec {spec!r}: no budget (e.g. 'h2o:0.25' or 'h2o:heavy=0.1,recent=0.1')")
         heavy = parse_amount(kv["heavy"], spec, "heavy", allow_zero=True) if "heavy" in kv else ZERO

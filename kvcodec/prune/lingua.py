@@ -46,10 +46,9 @@ def ids_sha256(ids: np.ndarray) -> str:
 def self_information(lm: Any, token_ids: np.ndarray) -> np.ndarray:
     """``-log p(x_i | x_<i)`` in nats for every token (``inf`` for the first)."""
     ids = torch.as_tensor(np.asarray(token_ids, dtype=np.int64)).reshape(1, -1)
-    logits = lm.model(input_ids=ids, use_cache=False).logits[0].float()
-    lp = torch.log_softmax(logits[:-1].double(), -1)
-    nll = -lp.gather(1, ids[0, 1:, None]).squeeze(1)
-    return np.concatenate([[np.inf], nll.numpy()])
+    logits = lm.model(input_ids=ids, use_cache=False, logits_to_keep=0).logits[0, :-1].float()
+    nll = torch.logsumexp(logits, -1) - logits.gather(1, ids[0, 1:, None]).squeeze(1)
+    return np.concatenate([[np.inf], nll.double().numpy()])
 
 
 @torch.inference_mode()
@@ -61,7 +60,7 @@ def segment_relevance(lm: Any, token_ids: np.ndarray, bounds: list[tuple[int, in
         seg = torch.as_tensor(np.asarray(token_ids[a:b], dtype=np.int64))
         x = torch.cat([seg, q])[None]
         logits = lm.model(input_ids=x, use_cache=False).logits[0, len(seg) - 1 : -1].float()
-        lp = torch.log_softmax(logits.double(), -1).gather(1, q[:, None]).mean()
+        lp = (logits.gather(1, q[:, None]).squeeze(1) - torch.logsumexp(logits, -1)).mean()
         out.append(float(lp))
     return np.asarray(out)
 
