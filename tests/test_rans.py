@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from kvcodec.entropy import rans
 from kvcodec.entropy.rans_stage import RansStage, from_contexts, overhead_split, to_contexts
 from kvcodec.errors import KvcCodecError, KvcFormatError
-from kvcodec.stages import ArraySpec, ChunkContext, stage_from_json
+from kvcodec.stages import ArraySpec, ChunkContext, Pipeline, stage_from_json
 
 VEC = Path(__file__).resolve().parents[1] / "spec" / "vectors" / "rans"
 CTX = ChunkContext()
@@ -439,6 +439,13 @@ def test_stage_registry_and_config():
         RansStage().encode(np.zeros((1, 2, 8), np.int8), CTX)
     with pytest.raises(KvcCodecError):
         stage_from_json({"name": "rans", "config": {"group": 2}})
+
+
+def test_pipeline_roundtrip():
+    arr = laplace_symbols(np.random.default_rng(8), (3, 50, 16), 1.0)
+    pipe = Pipeline.from_json([{"name": "rans", "version": 1, "config": {"channel_group": 8}}])
+    data, sides, sizes = pipe.encode(arr, CTX)
+    np.testing.assert_array_equal(pipe.decode(data, sides, sizes, ArraySpec(arr.shape, "uint8"), CTX), arr)
 
 
 def test_size_breakdown_accounts_for_every_byte():
