@@ -52,12 +52,14 @@ class Calibration:
 
     @property
     def attachments(self) -> dict[str, np.ndarray]:
-        return {"pca.basis": self.basis, "pca.mean": self.mean}
+        L, _, H, D, K = self.basis.shape
+        return {"pca.basis": self.basis.reshape(2 * L, H, D, K), "pca.mean": self.mean.reshape(2 * L, H, D)}
 
     def truncated(self, k: np.ndarray | int) -> dict[str, np.ndarray]:
         """Attachments with only the first max(k) basis columns (option (c))."""
         kmax = int(np.max(k))
-        return {"pca.basis": np.ascontiguousarray(self.basis[..., :kmax]), "pca.mean": self.mean}
+        a = self.attachments
+        return {"pca.basis": np.ascontiguousarray(a["pca.basis"][..., :kmax]), "pca.mean": a["pca.mean"]}
 
 
 def calibration_dir(fingerprint_id: str) -> Path:

@@ -237,8 +237,8 @@ class TransformStage(ArrayToArray):
     """Orthonormal transform, keeping the first ``k`` coefficients.
 
     Config: ``basis`` = "hadamard" (fixed, no mean) or "pca" (attachments
-    ``<attachment>.basis`` [L, 2, H, D, Kb] and ``<attachment>.mean`` [L, 2, H, D],
-    float16 or float32, indexed by (ctx.layer, kind k=0 / v=1)); ``k`` <= Kb.
+    ``<attachment>.basis`` [2L, H, D, Kb] and ``<attachment>.mean`` [2L, H, D],
+    float16 or float32, row 2*layer + (0 for k, 1 for v)); ``k`` <= Kb.
     """
 
     name = "transform"
@@ -252,6 +252,8 @@ class TransformStage(ArrayToArray):
         if not isinstance(attachment, str) or not attachment:
             raise KvcCodecError("codec 'transform': attachment must be a non-empty string")
         self.attachment = attachment
+        # not part of the config: arrays of *external* attachments for the encoder
+        self.encoder_attachments: dict[str, np.ndarray] = {}
 
     def get_config(self) -> dict[str, Any]:
         c: dict[str, Any] = {"basis": self.basis, "k": self.k}
@@ -272,23 +274,27 @@ class TransformStage(ArrayToArray):
             b = np.broadcast_to(hadamard(D)[:, :K], (H, D, K))
             return np.ascontiguousarray(b), np.zeros((H, D), np.float32)
         nb, nm = f"{self.attachment}.basis", f"{self.attachment}.mean"
-        if nb not in ctx.attachments or nm not in ctx.attachments:
+        att = ctx.attachments
+        if (nb not in att or nm not in att) and self.encoder_attachments:
+            att = self.encoder_attachments  # encode side: external attachments the writer does not pass on
+        if nb not in att or nm not in att:
             raise KvcFormatError(f"codec 'transform': attachment {nb!r} or {nm!r} is missing")
-        B, M = np.asarray(ctx.attachments[nb]), np.asarray(ctx.attachments[nm])
+        B, M = np.asarray(att[nb]), np.asarray(att[nm])
         if B.dtype.name not in _FLOATS or M.dtype.name not in _FLOATS:
             raise KvcFormatError(f"codec 'transform': attachments must be float16/float32, got {B.dtype}/{M.dtype}")
-        if B.ndim != 5 or B.shape[1] != 2 or B.shape[3] != D or B.shape[2] < H or B.shape[4] < K or ctx.layer >= B.shape[0]:
+        if B.ndim != 4 or B.shape[2] != D or B.shape[1] < H or B.shape[3] < K or 2 * ctx.layer + 1 >= B.shape[0]:
             raise KvcFormatError(f"codec 'transform': basis attachment {B.shape} does not fit layer {ctx.layer}, {H} heads, {D} channels, k={K}")
-        if M.shape != B.shape[:4]:
-            raise KvcFormatError(f"codec 'transform': mean attachment {M.shape}, expected {B.shape[:4]}")
+        if M.shape != B.shape[:3]:
+            raise KvcFormatError(f"codec 'transform': mean attachment {M.shape}, expected {B.shape[:3]}")
         kind = KIND_INDEX.get(ctx.kind)
         if kind is None:
             raise KvcFormatError(f"codec 'transform': unknown tensor kind {ctx.kind!r}")
+        row = 2 * ctx.layer + kind
         h0 = int(ctx.extra.get("head_start", 0))
-        if h0 < 0 or h0 + H > B.shape[2]:
+        if h0 < 0 or h0 + H > B.shape[1]:
             raise KvcFormatError(f"codec 'transform': heads {h0}..{h0 + H} outside the basis attachment")
-        b = B[ctx.layer, kind, h0 : h0 + H, :, :K].astype(np.float32)
-        m = M[ctx.layer, kind, h0 : h0 + H].astype(np.float32)
+        b = B[row, h0 : h0 + H, :, :K].astype(np.float32)
+        m = M[row, h0 : h0 + H].astype(np.float32)
         if not (np.isfinite(b).all() and np.isfinite(m).all()):
             raise KvcFormatError("codec 'transform': basis or mean contains NaN or inf")
         return b, m
@@ -297,7 +303,11 @@ class TransformStage(ArrayToArray):
         _check3(arr, "transform", _FLOATS)
         H, T, D = arr.shape
         b, m = self.matrices(H, D, ctx)
-        y = np.einsum("htd,hdk->htk", arr.astype(np.float64) - m[:, None, :].astype(np.float64), b.astype(np.float64))
+        # least-squares coefficients for the (fp16-rounded, slightly non-orthonormal) basis:
+        # y = (x - m) B (B^T B)^-1, so that decode(encode(x)) is as close to x as the basis allows
+        b64 = b.astype(np.float64)
+        proj = np.einsum("hdk,hkj->hdj", b64, np.linalg.inv(np.einsum("hdk,hdj->hkj", b64, b64)))
+        y = np.matmul(arr.astype(np.float32) - m[:, None, :], proj.astype(np.float32))
         return y.astype(np.float32), {}
 
     def decode(self, arr: np.ndarray, side: SideData, spec: ArraySpec, ctx: ChunkContext) -> np.ndarray:

@@ -1,0 +1,96 @@
+"""Size / quality of kvcodec's lossy presets on real caches (issue 4 table).
+
+    python benchmarks/bench_codec.py                       # presets x DEFAULT_BENCH_TEXTS
+    python benchmarks/bench_codec.py --texts gpl3 --sweep 0.05,0.1,0.2   # rate frontier
+    python benchmarks/bench_codec.py --calibration embedded --basis hadamard ...
+
+Captures (2048-token contexts + 256-token continuations) are cached in
+$KVC_BENCH_CACHE (default /tmp/kvc-cache). Bits/element = real `.kvc` bytes x 8
+/ KV elements; "+ext" also counts the external per-model calibration bytes
+(amortised over one file, i.e. the worst case).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvcodec.capture import capture, tokenize  # noqa: E402
+from kvcodec.evaluate import continue_logits, evaluate, greedy  # noqa: E402
+from kvcodec.kvcache import load_h5, save_h5  # noqa: E402
+from kvcodec.model import load_model  # noqa: E402
+from kvcodec.quant import presets as P  # noqa: E402
+from kvcodec.texts import DEFAULT_BENCH_TEXTS, load_text  # noqa: E402
+
+CACHE_DIR = Path(os.environ.get("KVC_BENCH_CACHE", "/tmp/kvc-cache"))
+
+
+def get_capture(lm, name: str, ctx: int = 2048, cont: int = 256):
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    h5, cn = CACHE_DIR / f"{name}-{ctx}.h5", CACHE_DIR / f"{name}-{ctx}-cont.npy"
+    if h5.exists() and cn.exists() and len(np.load(cn)) >= cont:
+        c = load_h5(h5)
+        if c.fingerprint.same_model(lm.fingerprint):
+            return c, np.load(cn)[:cont]
+    ids = tokenize(lm.tokenizer, load_text(name))
+    c = capture(lm, token_ids=ids[:ctx])
+    save_h5(c, h5)
+    np.save(cn, ids[ctx : ctx + cont])
+    return c, ids[ctx : ctx + cont]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--texts", default=",".join(DEFAULT_BENCH_TEXTS))
+    ap.add_argument("--presets", default="near-lossless,balanced,small")
+    ap.add_argument("--sweep", default="", help="comma-separated step0 values instead of presets")
+    ap.add_argument("--calibration", default="external", choices=["external", "embedded"])
+    ap.add_argument("--basis", default="pca", choices=["pca", "hadamard"])
+    ap.add_argument("--group", type=int, default=None)
+    ap.add_argument("--sink", type=int, default=None)
+    ap.add_argument("--deadzone", type=float, default=None)
+    ap.add_argument("--greedy", type=int, default=16)
+    ap.add_argument("--json", default="")
+    a = ap.parse_args()
+    torch.set_num_threads(int(os.environ.get("KVC_THREADS", "1")))
+    lm = load_model()
+    cal = P.get_calibration(lm)
+    rows = []
+    for text in a.texts.split(","):
+        cache, cont = get_capture(lm, text)
+        ex_logits = continue_logits(lm, cache, cont)
+        ex_greedy = greedy(lm, cache, int(cont[0]), a.greedy) if a.greedy else None
+        runs = [(f"step0={s}", {"step0": float(s)}) for s in a.sweep.split(",") if s] or [(p, dict(P.PRESETS[p])) for p in a.presets.split(",")]
+        for label, args in runs:
+            args.update({k: v for k, v in (("group", a.group), ("sink", a.sink), ("deadzone", a.deadzone)) if v is not None})
+            t0 = time.perf_counter()
+            plan = P.transform_plan(cache, cal=cal, calibration=a.calibration, basis=a.basis, preset=label, **args)
+            data = P.encode_bytes(cache, plan)
+            t1 = time.perf_counter()
+            dec = P.decode_bytes(data)
+            t2 = time.perf_counter()
+            q = evaluate(lm, cache, dec, cont, greedy_tokens=a.greedy, exact_logits=ex_logits, exact_greedy=ex_greedy)
+            ext = P.external_bytes(plan)
+            row = {"text": text, "preset": label, "basis": a.basis, "calibration": a.calibration if a.basis == "pca" else "none",
+                   "bytes": len(data), "bits_per_element": P.bits_per_element(len(data), cache),
+                   "bits_per_element_with_ext": P.bits_per_element(len(data) + ext, cache), "ext_bytes": ext,
+                   "kl": q.kl_mean, "dppl_percent": q.dppl_percent, "top1": q.top1_agreement, "greedy": q.greedy_match,
+                   "encode_s": t1 - t0, "decode_s": t2 - t1, **{k: v for k, v in plan.params.items() if k not in ("basis", "calibration")}}
+            rows.append(row)
+            print(f"{text:7s} {label:14s} {row['bits_per_element']:.3f} b/e (+ext {row['bits_per_element_with_ext']:.3f})  KL {q.kl_mean:.2e}  "
+                  f"dPPL {q.dppl_percent:+.3f}%  top1 {q.top1_agreement:.3f}  greedy {q.greedy_match:.2f}  enc {t1-t0:.2f}s dec {t2-t1:.2f}s", flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

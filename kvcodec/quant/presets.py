@@ -1,0 +1,229 @@
+"""Encode plans: named presets and quality-targeted rate search.
+
+A plan maps every (layer, kind) to a codec :class:`~kvcodec.stages.Pipeline`
+plus the attachments the pipelines need. The lossy presets are transform
+codecs::
+
+    keys:   rope -> keep(sink) -> transform(pca, k) -> quantize(step) -> rans
+    values:         keep(sink) -> transform(pca, k) -> quantize(step) -> rans
+
+with one rate knob ``step0``: the quantizer step of (layer, kind) is
+``step0 / sqrt(w[l, kind] / wref)`` where ``w`` is the measured KL-per-MSE
+sensitivity from the model calibration (equal weighted distortion slopes =
+the rate-distortion optimum for entropy-coded uniform quantizers), and the
+transform keeps only the PCA coefficients whose calibration variance is not
+negligible at that step (reverse water-filling: coefficients far below the
+step cost no bits and are dropped).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from ..errors import KvcCodecError, KvcInputError
+from ..stages import Pipeline
+from .calibrate import Calibration, get_calibration, resolve_attachment
+from .rope import rope_config_from_fingerprint
+from .stages import KeepStage, QuantizeStage, RopeStage, TransformStage
+
+# step0 of each preset (in units of the cache's values; SmolLM2-135M-tuned by
+# bench_codec.py measurements, valid for any model because the per-layer steps
+# are scaled by that model's measured sensitivities).
+PRESETS: dict[str, dict[str, Any]] = {
+    "near-lossless": {"step0": 0.02, "sink": 4, "group": 8},
+    "balanced": {"step0": 0.12, "sink": 4, "group": 8},
+    "small": {"step0": 0.25, "sink": 4, "group": 8},
+}
+LOSSLESS = "lossless"
+KEEP_VAR_FRACTION = 0.02  # drop a PCA coefficient when its variance < this x step^2
+
+
+@dataclass
+class EncodePlan:
+    pipelines: Callable[[int, str], Pipeline]
+    attachments: dict[str, Any]  # name -> np.ndarray (embedded) or writer.ExternalAttachment
+    preset: str
+    attachment_resolver: Callable[[str, Any], np.ndarray | None] | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+def attachment_resolver(name: str, info: Any) -> np.ndarray | None:
+    """Resolver for KvcReader: finds external calibration attachments by name + sha256."""
+    sha = info if isinstance(info, str) else getattr(info, "sha256", None)
+    if sha is None:
+        return None
+    return resolve_attachment(name, sha)
+
+
+def _lossless_plan() -> EncodePlan:
+    from ..stages import stage_from_json
+
+    pipe = Pipeline([stage_from_json({"name": n}) for n in ("raw", "shuffle", "zstd")])
+    return EncodePlan(lambda layer, kind: pipe, {}, LOSSLESS, None, {})
+
+
+def layer_steps(cal: Calibration, step0: float) -> np.ndarray:
+    """Quantizer step per (layer, kind) [L, 2] from the global knob and measured sensitivities."""
+    w = np.maximum(cal.sensitivity.astype(np.float64), 1e-12)
+    wref = math.exp(float(np.log(w).mean()))
+    return step0 / np.sqrt(w / wref)
+
+
+def kept_coefficients(cal: Calibration, steps: np.ndarray, group: int, frac: float = KEEP_VAR_FRACTION) -> np.ndarray:
+    """Coefficients kept per (layer, kind) [L, 2]: max over heads of #(eigval >= frac * step^2), rounded up to ``group``."""
+    L, _, H, D = cal.eigval.shape
+    k = np.zeros((L, 2), np.int64)
+    for l in range(L):
+        for ki in range(2):
+            n = int((cal.eigval[l, ki] >= frac * steps[l, ki] ** 2).sum(axis=-1).max())
+            k[l, ki] = min(D, max(group, -(-n // group) * group))
+    return k
+
+
+def transform_plan(cache: Any, step0: float, sink: int = 4, group: int = 8, cal: Calibration | None = None,
+                   calibration: str = "external", basis: str = "pca", preset: str = "custom", deadzone: float = 0.0,
+                   lm: Any = None) -> EncodePlan:
+    """The transform-codec plan at rate knob ``step0``.
+
+    ``calibration``: "external" (reference the per-model calibration by sha256),
+    "embedded" (store the truncated bases in the file) or "none" (Hadamard).
+    """
+    from ..entropy.rans_stage import RansStage
+
+    fp = cache.fingerprint
+    D = fp.head_dims[0]
+    if any(d != D for d in fp.head_dims):
+        raise KvcCodecError("transform presets need one head_dim for all layers")
+    if basis == "pca" and cal is None:
+        cal = get_calibration(lm, fingerprint_id=fp.id, build=lm is not None)
+    try:
+        rope_cfg = rope_config_from_fingerprint(fp.rope, D)
+    except KvcCodecError:
+        rope_cfg = None  # unsupported RoPE variant: code post-RoPE keys
+    if basis == "pca":
+        assert cal is not None
+        steps = layer_steps(cal, step0)
+        ks = kept_coefficients(cal, steps, group)
+    else:
+        steps = np.full((fp.num_layers, 2), float(step0))
+        ks = np.full((fp.num_layers, 2), D, np.int64)
+    attachments: dict[str, Any] = {}
+    if basis == "pca":
+        assert cal is not None
+        if calibration == "embedded":
+            attachments = cal.truncated(ks)
+        elif calibration == "external":
+            from ..format.writer import ExternalAttachment
+
+            attachments = {n: ExternalAttachment.of(a) for n, a in cal.attachments.items()}
+        else:
+            raise KvcInputError(f"calibration must be 'external' or 'embedded' for a PCA plan, got {calibration!r}")
+    g = group
+
+    def pipes(layer: int, kind: str) -> Pipeline:
+        ki = 0 if kind == "k" else 1
+        st: list[Any] = []
+        if kind == "k" and rope_cfg is not None:
+            st.append(RopeStage(**rope_cfg))
+        if sink:
+            st.append(KeepStage(sink=sink, recent=0, dtype="float16"))
+        tr = TransformStage(basis=basis, k=int(ks[layer, ki]), attachment="pca")
+        if cal is not None:
+            tr.encoder_attachments = cal.attachments
+        st.append(tr)
+        st.append(QuantizeStage(mode="step", step=float(np.float32(steps[layer, ki])), max_bits=8, deadzone=deadzone))
+        st.append(RansStage(channel_group=g))
+        return Pipeline(st)
+
+    params = {"step0": step0, "sink": sink, "group": group, "calibration": calibration if basis == "pca" else "none",
+              "basis": basis, "deadzone": deadzone}
+    return EncodePlan(pipes, attachments, preset, attachment_resolver, params)
+
+
+def get_plan(name: str, cache: Any, lm: Any = None, **kw: Any) -> EncodePlan:
+    """Plan of a named preset: lossless, near-lossless, balanced, small."""
+    if name == LOSSLESS:
+        return _lossless_plan()
+    if name not in PRESETS:
+        raise KvcInputError(f"unknown preset {name!r} (known: lossless, {', '.join(PRESETS)})")
+    args = dict(PRESETS[name])
+    args.update(kw)
+    return transform_plan(cache, preset=name, lm=lm, **args)
+
+
+# --------------------------------------------------------------------------- measure
+def encode_bytes(cache: Any, plan: EncodePlan) -> bytes:
+    from ..format.writer import write_kvc
+
+    buf = io.BytesIO()
+    write_kvc(cache, buf, plan.pipelines, attachments=plan.attachments, preset=plan.preset, meta={"plan": plan.params})
+    return buf.getvalue()
+
+
+def decode_bytes(data: bytes, plan: EncodePlan | None = None) -> Any:
+    from ..format.reader import KvcReader
+
+    r = KvcReader(data, attachment_resolver=attachment_resolver)
+    return r.read_cache()
+
+
+def bits_per_element(nbytes: int, cache: Any) -> float:
+    return nbytes * 8.0 / cache.num_elements
+
+
+def external_bytes(plan: EncodePlan) -> int:
+    """Bytes of the external calibration a plan's file depends on (0 if none)."""
+    total = 0
+    for a in plan.attachments.values():
+        if not isinstance(a, np.ndarray):
+            total += int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+    return total
+
+
+def plan_for_target(cache: Any, lm: Any, target_kl: float | None = None, target_dppl: float | None = None,
+                    continuation: np.ndarray | None = None, iters: int = 7, lo: float = 0.005, hi: float = 1.0,
+                    verbose: bool = False, **kw: Any) -> tuple[EncodePlan, dict[str, Any]]:
+    """Largest ``step0`` (fewest bits) whose decoded cache meets the quality target, by bisection on log(step0).
+
+    Quality is measured with the real model on ``continuation`` (tokens that
+    follow the cache). Returns (plan, {"step0", "kl_mean", "dppl_percent", "bytes"}).
+    """
+    from ..evaluate import compare_logits, continue_logits
+
+    if (target_kl is None) == (target_dppl is None):
+        raise KvcInputError("give exactly one of target_kl or target_dppl")
+    if continuation is None or len(continuation) < 2:
+        raise KvcInputError("plan_for_target needs a continuation of at least 2 tokens")
+    continuation = np.asarray(continuation, np.int64)
+    exact = continue_logits(lm, cache, continuation)
+    cal = kw.pop("cal", None) or get_calibration(lm)
+
+    def measure(step0: float) -> tuple[bool, dict[str, Any]]:
+        plan = transform_plan(cache, step0, cal=cal, lm=lm, preset="target", **kw)
+        data = encode_bytes(cache, plan)
+        dec = decode_bytes(data)
+        m = compare_logits(exact, continue_logits(lm, dec, continuation), continuation)
+        ok = m["kl_mean"] <= target_kl if target_kl is not None else abs(m["dppl_percent"]) <= target_dppl
+        info = {"step0": step0, "kl_mean": m["kl_mean"], "dppl_percent": m["dppl_percent"], "bytes": len(data)}
+        if verbose:
+            print(f"plan_for_target: step0={step0:.4g} bytes={len(data)} kl={m['kl_mean']:.3g} dppl={m['dppl_percent']:+.3f}% ok={ok}", flush=True)
+        return ok, info
+
+    ok_lo, best = measure(lo)
+    if not ok_lo:
+        raise KvcInputError(f"quality target not reachable even at step0={lo} (kl={best['kl_mean']:.3g}, dppl={best['dppl_percent']:+.3f}%)")
+    a, b = math.log(lo), math.log(hi)
+    for _ in range(iters):
+        mid = 0.5 * (a + b)
+        ok, info = measure(math.exp(mid))
+        if ok:
+            a, best = mid, info
+        else:
+            b = mid
+    plan = transform_plan(cache, best["step0"], cal=cal, lm=lm, preset="target", **kw)
+    return plan, best
