@@ -436,6 +436,8 @@ def parse_header(
     frequency in some context), final states in [L, 2**32) and exactly L for lanes that
     get no symbol, zero padding. Raises :class:`KvcFormatError` naming the
     first violation. A GPU decoder calls this before launching its kernel.
+    Pass ``n_symbols`` for untrusted data: without it the header's counts
+    (up to 2**32 - 1 per context) decide how much a decoder allocates.
     """
     b = _as_u8(buf)
     n = b.size
