@@ -76,8 +76,64 @@ def _pre_rope(cache: Any, layer: int, kind: str) -> np.ndarray:
     return x
 
 
-def compute_pca(caches: list[Any], sink: int = DEFAULT_SINK) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(basis fp16 [L,2,H,D,D], mean fp32 [L,2,H,D], eigval fp32 [L,2,H,D]) over the caches' tokens >= sink."""
+def query_moments(lm: Any, token_ids: np.ndarray, sink: int = DEFAULT_SINK) -> np.ndarray:
+    """E[q^2] of the pre-RoPE queries per (layer, kv head, channel) [L, Hkv, D] (float64), tokens >= sink."""
+    import torch
+
+    cfg = lm.model.config.get_text_config()
+    nq, nkv = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
+    D = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // nq)
+    layers = lm.model.model.layers
+    out = np.zeros((len(layers), nkv, D))
+    hooks = []
+    for i, layer in enumerate(layers):
+        def hook(mod, inp, o, i=i):
+            q = o[0].detach().double().reshape(o.shape[1], nq, D)[sink:]
+            m = (q**2).mean(0).reshape(nkv, nq // nkv, D).mean(1)  # HF repeat_kv: kv head h serves q heads h*r..h*r+r-1
+            out[i] = m.numpy()
+        hooks.append(layer.self_attn.q_proj.register_forward_hook(hook))
+    try:
+        with torch.inference_mode():
+            lm.model(input_ids=torch.as_tensor(np.asarray(token_ids, np.int64))[None], use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return out
+
+
+def attention_metrics(lm: Any, token_ids: np.ndarray, sink: int = DEFAULT_SINK, reg: float = 0.01) -> np.ndarray:
+    """Distortion metric per (layer, kind, kv head) [L, 2, H, D, D], each normalised to trace D, + reg*I.
+
+    Keys (pre-RoPE): diagonal, channel pair (i, i+D/2) weighted by the mean of the
+    queries' E[q_i^2] and E[q_{i+D/2}^2] (RoPE rotates within pairs). Values: W_o^T W_o
+    over the output-projection columns of the query heads that share the KV head.
+    """
+    qm = query_moments(lm, token_ids, sink)
+    L, H, D = qm.shape
+    cfg = lm.model.config.get_text_config()
+    r = int(cfg.num_attention_heads) // H
+    out = np.zeros((L, 2, H, D, D))
+    h2 = D // 2
+    for l in range(L):
+        wo = lm.model.model.layers[l].self_attn.o_proj.weight.detach().double().numpy()
+        for h in range(H):
+            d = qm[l, h]
+            d = np.concatenate([(d[:h2] + d[h2:]) / 2] * 2)
+            mk = np.diag(d)
+            mv = sum(wo[:, (h * r + j) * D : (h * r + j + 1) * D].T @ wo[:, (h * r + j) * D : (h * r + j + 1) * D] for j in range(r))
+            for ki, m in enumerate((mk, mv)):
+                m = m * (D / np.trace(m))
+                out[l, ki, h] = m + reg * np.eye(D)
+    return out
+
+
+def compute_pca(caches: list[Any], sink: int = DEFAULT_SINK, metrics: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(basis fp16 [L,2,H,D,D], mean fp32 [L,2,H,D], eigval fp32 [L,2,H,D]) over the caches' tokens >= sink.
+
+    With ``metrics`` M [L,2,H,D,D] the PCA is done in the weighted space z = M^(1/2) x:
+    basis = M^(-1/2) V (not orthonormal), so a uniform error on the coefficients
+    is a uniform error in the metric (e.g. attention-output) space.
+    """
     c0 = caches[0]
     L, H, D = c0.num_layers, c0.fingerprint.num_kv_heads, c0.fingerprint.head_dims[0]
     basis = np.zeros((L, 2, H, D, D), np.float16)
@@ -89,12 +145,20 @@ def compute_pca(caches: list[Any], sink: int = DEFAULT_SINK) -> tuple[np.ndarray
             m = xs.mean(axis=1)
             for h in range(H):
                 z = xs[h] - m[h]
-                w, v = np.linalg.eigh(z.T @ z / z.shape[0])
+                cov = z.T @ z / z.shape[0]
+                if metrics is not None:
+                    mw, mv = np.linalg.eigh(metrics[l, ki, h])
+                    S = (mv * np.sqrt(mw)) @ mv.T
+                    Si = (mv / np.sqrt(mw)) @ mv.T
+                    cov = S @ cov @ S
+                w, v = np.linalg.eigh(cov)
                 order = np.argsort(-w, kind="stable")
                 w, v = w[order], v[:, order]
                 # deterministic sign: largest-magnitude entry of each column positive
                 sgn = np.sign(v[np.argmax(np.abs(v), axis=0), np.arange(D)])
                 v = v * np.where(sgn == 0, 1, sgn)
+                if metrics is not None:
+                    v = Si @ v
                 basis[l, ki, h] = v.astype(np.float16)
                 eig[l, ki, h] = np.maximum(w, 0)
             mean[l, ki] = m.astype(np.float32)
@@ -149,7 +213,8 @@ def build_calibration(lm: Any, texts: tuple[str, ...] = CALIB_TEXTS, context: in
             raise KvcInputError(f"calibration text {name} is too short")
         caches.append(capture(lm, token_ids=ids[:n]))
         conts.append(ids[n : n + SENS_CONTINUATION])
-    basis, mean, eig = compute_pca(caches, sink)
+    metrics = attention_metrics(lm, caches[0].token_ids, sink)
+    basis, mean, eig = compute_pca(caches, sink, metrics)
     if verbose:
         print(f"calibration: PCA done in {time.time() - t0:.0f}s", flush=True)
     sens = measure_sensitivity(lm, caches[0], conts[0], sink)
@@ -158,7 +223,7 @@ def build_calibration(lm: Any, texts: tuple[str, ...] = CALIB_TEXTS, context: in
     meta = {
         "format": CALIB_FORMAT, "version": CALIB_VERSION, "fingerprint_id": lm.fingerprint.id,
         "texts": list(texts), "context": context, "sink": sink, "sens_continuation": SENS_CONTINUATION,
-        "sens_rel_noise": 0.05, "tokens": int(sum(c.num_tokens for c in caches)),
+        "sens_rel_noise": 0.05, "tokens": int(sum(c.num_tokens for c in caches)), "weighting": "attention-v1",
     }
     return Calibration(basis, mean, eig, sens, meta)
 
