@@ -31,3 +31,18 @@ def small_cache(lm, gpl3_ids):
     from kvcodec.capture import capture
 
     return capture(lm, token_ids=gpl3_ids[:64])
+
+
+@pytest.fixture(scope="session")
+def real_cache(lm, gpl3_ids):
+    """Factory ``real_cache(n)``: the real KV cache of the first n GPL-3 tokens, captured once per n."""
+    from kvcodec.capture import capture
+
+    memo: dict = {}
+
+    def get(n: int):
+        if n not in memo:
+            memo[n] = capture(lm, token_ids=gpl3_ids[:n])
+        return memo[n]
+
+    return get
