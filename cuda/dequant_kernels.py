@@ -37,7 +37,7 @@ import triton.language as tl
 
 from ..errors import KvcFormatError
 from .backend import GPU_STAGES
-from .rans_kernel import interpret_mode
+from .rans_kernel import check_interpreter, interpret_mode
 
 BLOCK = 512
 
@@ -150,6 +150,7 @@ def kernels(interpret: bool | None = None) -> dict[str, Any]:
     mode = interpret_mode() if interpret is None else interpret
     if mode not in _KERNELS:
         if mode:
+            check_interpreter()
             from triton.runtime.interpreter import InterpretedFunction as make
         else:
             from triton.runtime.jit import JITFunction as make

@@ -156,11 +156,22 @@ def interpret_mode() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
+def check_interpreter() -> None:
+    """The interpreter only works if TRITON_INTERPRET=1 was set before triton was imported."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(tl.cumsum, InterpretedFunction):
+        from ..errors import KvcBackendError
+
+        raise KvcBackendError("TRITON_INTERPRET=1 was set after triton was imported; set it before starting Python")
+
+
 def kernels(interpret: bool | None = None) -> dict[str, object]:
     """The Triton kernels of this module, JIT (GPU) or interpreted (CPU tensors)."""
     mode = interpret_mode() if interpret is None else interpret
     if mode not in _KERNELS:
         if mode:
+            check_interpreter()
             from triton.runtime.interpreter import InterpretedFunction as make
         else:
             from triton.runtime.jit import JITFunction as make
