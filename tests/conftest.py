@@ -46,3 +46,21 @@ def real_cache(lm, gpl3_ids):
         return memo[n]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def other_lm(lm):
+    """A different LLaMA with the same KV shapes (30 layers, 3 KV heads, head_dim 64, random weights)."""
+    from pathlib import Path
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvcodec.model import LoadedModel
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=lm.model.config.vocab_size, hidden_size=192, intermediate_size=256, num_hidden_layers=30,
+        num_attention_heads=3, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
+    )
+    return LoadedModel(model=LlamaForCausalLM(cfg).eval(), tokenizer=lm.tokenizer, name="other", path=Path("."))

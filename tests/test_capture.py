@@ -15,7 +15,6 @@ from kvcodec.cli.main import main
 from kvcodec.errors import KvcError, KvcFormatError, KvcInputError, KvcModelMismatchError
 from kvcodec.fingerprint import ModelFingerprint
 from kvcodec.kvcache import KVCache, load_capture, load_h5, save_capture, save_h5
-from kvcodec.model import LoadedModel
 
 pytestmark = pytest.mark.model
 
@@ -65,20 +64,8 @@ def test_cli_capture_writes_h5(tmp_path, capsys):
         assert json.loads(f.attrs["fingerprint"])["num_layers"] == 30
 
 
-def _other_model(lm) -> LoadedModel:
-    """A different LLaMA with the same KV shapes (30 layers, 3 KV heads, head_dim 64)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=lm.model.config.vocab_size, hidden_size=192, intermediate_size=256, num_hidden_layers=30,
-        num_attention_heads=3, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
-    )
-    return LoadedModel(model=LlamaForCausalLM(cfg).eval(), tokenizer=lm.tokenizer, name="other", path=Path("."))
-
-
-def test_capture_refuses_a_different_model(lm, small_cache, tmp_path):
-    other = _other_model(lm)
+def test_capture_refuses_a_different_model(lm, other_lm, small_cache, tmp_path):
+    other = other_lm
     assert not other.fingerprint.same_model(lm.fingerprint)
     fp_o, fp_l = other.fingerprint, lm.fingerprint
     assert (fp_o.num_layers, fp_o.num_kv_heads, fp_o.head_dims) == (fp_l.num_layers, fp_l.num_kv_heads, fp_l.head_dims)

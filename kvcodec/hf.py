@@ -1,0 +1,139 @@
+"""Load `.kvc` caches into HF transformers, decoding layer by layer.
+
+:func:`load_cache` returns a ``DynamicCache`` whose layers are
+:class:`LazyKvcLayer` objects: each knows its sequence length up front (so
+masks can be built before anything is decoded) and decodes its K/V on first
+use. A background thread decodes layers in order ahead of the model, so
+decoding layer i overlaps computing layer i-1 (the decoders spend their time
+in numpy/numba/zstd code that releases the GIL).
+
+One line around ``generate``::
+
+    out = kvcodec.hf.generate(lm, "doc.kvc", question_ids, max_new_tokens=32)
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from .errors import KvcInputError
+from .model import LoadedModel
+
+
+class LazyKvcLayer(DynamicLayer):
+    """A DynamicLayer whose cached K/V are decoded from a `.kvc` on first use."""
+
+    def __init__(self, fetch: Callable[[], tuple[torch.Tensor, torch.Tensor]], seq_len: int) -> None:
+        super().__init__()
+        self._fetch: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = fetch
+        self._seq_len = seq_len
+
+    def materialize(self) -> None:
+        if self._fetch is None:
+            return
+        k, v = self._fetch()
+        self._fetch = None
+        self.dtype, self.device = k.dtype, k.device
+        self.keys, self.values = k, v
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        self.materialize()
+        if self.keys.dtype != key_states.dtype or self.keys.device != key_states.device:
+            self.keys = self.keys.to(key_states.device, key_states.dtype)
+            self.values = self.values.to(value_states.device, value_states.dtype)
+        return super().update(key_states, value_states, *args, **kwargs)
+
+    def get_seq_length(self) -> int:
+        return self._seq_len if self._fetch is not None else super().get_seq_length()
+
+
+@dataclass
+class LoadedKvc:
+    """A cache ready for ``model(...)``/``generate`` plus what the caller needs to continue it."""
+
+    cache: DynamicCache
+    token_ids: np.ndarray  # the context the cache encodes
+    next_position: int  # position id of the first token after the context
+    reader: Any
+
+
+def load_cache(source: Any, lm: LoadedModel, backend: str | None = None, prefetch: bool = True) -> LoadedKvc:
+    """Open a `.kvc` (path, bytes, file object or ranged source) for ``lm``.
+
+    Refuses a file of another model before decoding anything.
+    """
+    from .format import KvcReader
+
+    reader = source if isinstance(source, KvcReader) else KvcReader(source)
+    lm.fingerprint.check_compatible(reader.fingerprint, what=".kvc file")
+    dtype = next(lm.model.parameters()).dtype
+    n_layers = reader.fingerprint.num_layers
+    seq_len = reader.header.num_tokens
+
+    def decode(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = reader.read_layer(i, backend=backend)
+        return k.to(dtype).unsqueeze(0), v.to(dtype).unsqueeze(0)
+
+    futures: list[Future] = []
+    if prefetch:
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvc-decode")
+        futures = [pool.submit(decode, i) for i in range(n_layers)]
+        pool.shutdown(wait=False)
+        fetchers = [f.result for f in futures]
+    else:
+        lock = threading.Lock()
+
+        def make(i: int) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+            def fetch() -> tuple[torch.Tensor, torch.Tensor]:
+                with lock:
+                    return decode(i)
+            return fetch
+
+        fetchers = [make(i) for i in range(n_layers)]
+    cache = DynamicCache()
+    cache.layers = [LazyKvcLayer(f, seq_len) for f in fetchers]
+    cache.layer_class_to_replicate = None
+    return LoadedKvc(
+        cache=cache, token_ids=reader.token_ids, next_position=reader.header.num_context_tokens, reader=reader
+    )
+
+
+@torch.inference_mode()
+def generate(
+    lm: LoadedModel, source: Any, input_ids: np.ndarray | list[int], max_new_tokens: int = 32, backend: str | None = None
+) -> list[int]:
+    """Greedy continuation of a cached context followed by ``input_ids`` (e.g. a question)."""
+    ids = np.asarray(input_ids, dtype=np.int64).reshape(-1)
+    if ids.size == 0:
+        raise KvcInputError("need at least one token after the cached context")
+    loaded = load_cache(source, lm, backend=backend)
+    return greedy_from(lm, loaded.cache, loaded.next_position, ids, max_new_tokens)
+
+
+@torch.inference_mode()
+def greedy_from(lm: LoadedModel, cache: Any, next_position: int, ids: np.ndarray, max_new_tokens: int) -> list[int]:
+    """Feed ``ids`` after ``cache`` (at ``next_position``) and decode greedily."""
+    eos = getattr(lm.tokenizer, "eos_token_id", None)
+    pos = torch.arange(next_position, next_position + len(ids)).unsqueeze(0)
+    logits = lm.model(input_ids=torch.as_tensor(ids).unsqueeze(0), past_key_values=cache, position_ids=pos, use_cache=True).logits
+    out: list[int] = []
+    nxt = next_position + len(ids)
+    for _ in range(max_new_tokens):
+        tok = int(logits[0, -1].argmax())
+        out.append(tok)
+        if tok == eos:
+            break
+        logits = lm.model(
+            input_ids=torch.tensor([[tok]]), past_key_values=cache, position_ids=torch.tensor([[nxt]]), use_cache=True
+        ).logits
+        nxt += 1
+    return out

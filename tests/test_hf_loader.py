@@ -1,0 +1,51 @@
+"""Issue 8: a `.kvc` loads into HF as a lazily decoded cache that continues exactly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvcodec.capture import capture, prefill
+from kvcodec.errors import KvcModelMismatchError
+from kvcodec.format import encode_kvc_bytes, get_plan
+from kvcodec.hf import LazyKvcLayer, generate, greedy_from, load_cache
+
+pytestmark = pytest.mark.model
+
+
+def _kvc(cache, preset="lossless") -> bytes:
+    plan = get_plan(preset, cache)
+    return encode_kvc_bytes(cache, plan.pipelines, attachments=plan.attachments, preset=plan.preset)
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_lazy_cache_continues_like_full_prefill(lm, gpl3_ids, prefetch):
+    n_ctx, n_cont = 80, 16
+    data = _kvc(capture(lm, token_ids=gpl3_ids[:n_ctx]))
+    loaded = load_cache(data, lm, prefetch=prefetch)
+    assert all(isinstance(layer, LazyKvcLayer) for layer in loaded.cache.layers)
+    assert loaded.cache.get_seq_length() == n_ctx and loaded.next_position == n_ctx
+    assert np.array_equal(loaded.token_ids, gpl3_ids[:n_ctx])
+    _, full = prefill(lm, gpl3_ids[: n_ctx + n_cont])
+    with torch.inference_mode():
+        out = lm.model(
+            input_ids=torch.as_tensor(gpl3_ids[n_ctx : n_ctx + n_cont]).unsqueeze(0),
+            past_key_values=loaded.cache,
+            use_cache=True,
+        ).logits[0]
+    assert (out - full[n_ctx:]).abs().max().item() <= 1e-4
+
+
+def test_generate_one_liner_matches_prefill_greedy(lm, gpl3_ids):
+    n_ctx = 60
+    question = gpl3_ids[n_ctx : n_ctx + 4]
+    data = _kvc(capture(lm, token_ids=gpl3_ids[:n_ctx]))
+    from_kvc = generate(lm, data, question, max_new_tokens=8)
+    past, _ = prefill(lm, gpl3_ids[:n_ctx])
+    assert from_kvc == greedy_from(lm, past, n_ctx, question, 8)
+
+
+def test_refuses_a_file_of_another_model(other_lm, small_cache):
+    with pytest.raises(KvcModelMismatchError):
+        load_cache(_kvc(small_cache), other_lm)
