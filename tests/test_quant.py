@@ -1,0 +1,242 @@
+"""Codec stages: bit-exact round trips, golden vectors, malformed side data, preset quality."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvcodec.errors import KvcCodecError, KvcFormatError
+from kvcodec.quant import vectors as V
+from kvcodec.quant.rope import rope_tables
+from kvcodec.quant.stages import (
+    KeepStage, QuantizeStage, RopeStage, TransformStage, hadamard, keep_decode, quantize_minmax_decode,
+    quantize_step_decode, rope_decode, transform_decode, unzigzag, zigzag,
+)
+from kvcodec.stages import ArraySpec, ChunkContext, Pipeline, stage_from_json
+
+CASES = sorted(p for p in V.VECTOR_DIR.iterdir() if (p / "case.json").is_file())
+rng = np.random.default_rng(7)
+
+
+def _x(shape=(3, 40, 16), dtype=np.float32, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(dtype)
+
+
+# ------------------------------------------------------------------ golden vectors
+def test_vectors_exist():
+    assert {c.name for c in CASES} >= {"rope", "keep", "transform_pca", "transform_hadamard", "quantize_step", "quantize_minmax_channel"}
+
+
+@pytest.mark.parametrize("d", CASES, ids=lambda p: p.name)
+def test_golden_vector(d):
+    meta, x, enc, side, attach, dec = V.load_case(d)
+    st = stage_from_json(meta["stage"])
+    ctx = V.ctx_of(meta, attach)
+    spec = ArraySpec(tuple(meta["spec"]["shape"]), meta["spec"]["dtype"])
+    # decode of the stored encoding is the normative result, bit for bit
+    out = st.decode(enc, side, spec, ctx)
+    assert out.dtype == dec.dtype and np.array_equal(out.view(np.uint8), dec.view(np.uint8))
+    # the encoder still produces the stored encoding (exact for integer outputs)
+    e2, s2 = st.encode(x, ctx)
+    assert sorted(s2) == sorted(side)
+    if enc.dtype == np.uint8:
+        assert np.array_equal(e2, enc)
+        for k in side:
+            assert np.array_equal(s2[k], side[k])
+    else:
+        np.testing.assert_allclose(e2, enc, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ decode == spec formula
+def test_rope_roundtrip_and_formula():
+    x = _x((3, 50, 64), np.float16, 3)
+    st = RopeStage(theta=100000.0, dim=64)
+    ctx = ChunkContext(token_start=100)
+    y, side = st.encode(x, ctx)
+    out = st.decode(y, side, ArraySpec(x.shape, "float16"), ctx)
+    cos, sin = rope_tables(np.broadcast_to(np.arange(100, 150), (3, 50)), 100000.0, 64)
+    ref = (y * cos + np.concatenate([-y[..., 32:], y[..., :32]], -1) * sin).astype(np.float16)
+    assert np.array_equal(out, ref)
+    assert np.mean(out != x) < 0.01  # fp32 un-rotate/re-rotate reproduces fp16 inputs almost always
+    np.testing.assert_allclose(out.astype(np.float32), x.astype(np.float32), atol=5e-3)
+    assert np.array_equal(rope_decode(y, cos, sin, 64).astype(np.float16), out)
+
+
+def test_rope_positions_from_ctx():
+    x = _x((2, 10, 8))
+    st = RopeStage(theta=10000.0, dim=8)
+    pos = np.array([0, 3, 4, 9, 10, 11, 20, 21, 22, 40])
+    y, _ = st.encode(x, ChunkContext(positions=pos))
+    y2, _ = st.encode(x, ChunkContext(token_start=0))
+    assert not np.array_equal(y, y2)
+    np.testing.assert_allclose(st.decode(y, {}, ArraySpec(x.shape, "float32"), ChunkContext(positions=pos)), x, atol=1e-5)
+
+
+def test_transform_fast_equals_reference():
+    y, b, m = _x((3, 70, 12)), _x((3, 16, 12)), _x((3, 16))
+    assert np.array_equal(transform_decode(y, b, m, fast=True), transform_decode(y, b, m, fast=False))
+    # the reference is the k-ascending fp32 loop, product and sum rounded separately
+    acc = np.zeros((3, 70, 16), np.float32)
+    for k in range(12):
+        acc = acc + y[:, :, k : k + 1] * np.swapaxes(b, 1, 2)[:, k : k + 1, :]
+    assert np.array_equal(transform_decode(y, b, m), acc + m[:, None, :])
+
+
+def test_transform_hadamard_roundtrip():
+    x = _x((3, 30, 64))
+    st = TransformStage(basis="hadamard")
+    y, side = st.encode(x, ChunkContext())
+    out = st.decode(y, side, ArraySpec(x.shape, "float32"), ChunkContext())
+    np.testing.assert_allclose(out, x, atol=1e-5)
+    assert np.allclose(hadamard(64) @ hadamard(64).T, np.eye(64), atol=1e-6)
+
+
+def test_quantize_step_formula_and_bits():
+    x = _x((3, 64, 16), scale=2)
+    st = QuantizeStage(mode="step", step=0.05)
+    s, side = st.encode(x, ChunkContext())
+    out = st.decode(s, side, ArraySpec(x.shape, "float32"), ChunkContext())
+    assert np.array_equal(out, unzigzag(s).astype(np.float32) * side["step"].astype(np.float32)[:, None, :])
+    assert np.array_equal(out, quantize_step_decode(s, side["step"]))
+    assert np.abs(out - x).max() <= side["step"].astype(np.float32).max() / 2 + 1e-6
+    assert (s < (1 << side["bits"].astype(np.int64))[:, None, :]).all()
+    assert np.array_equal(unzigzag(zigzag(np.arange(-128, 128))), np.arange(-128, 128))
+
+
+@pytest.mark.parametrize("axis,sym,bits", [("channel", False, 2), ("token", False, 4), ("token", True, 4), ("channel", True, [3, 4, 8])])
+def test_quantize_minmax(axis, sym, bits):
+    x = _x((3, 45, 20))
+    st = QuantizeStage(mode="minmax", bits=bits, axis=axis, group=8, symmetric=sym)
+    s, side = st.encode(x, ChunkContext())
+    out = st.decode(s, side, ArraySpec(x.shape, "float32"), ChunkContext())
+    b = bits if isinstance(bits, int) else bits[0]
+    if isinstance(bits, int):
+        assert np.array_equal(out, quantize_minmax_decode(s, side["scale"], side.get("zero"), axis, 8, b))
+    err = np.abs(out - x).max(axis=(1, 2))
+    rng_ = np.ptp(x) if not sym else 2 * np.abs(x).max()
+    hb = np.array(bits if isinstance(bits, list) else [bits] * 3)
+    assert (err <= rng_ / ((1 << (hb - (1 if sym else 0))) - 1) + 1e-3).all()
+
+
+def test_keep_exact_tokens():
+    x = _x((3, 30, 8), np.float16)
+    st = KeepStage(sink=4, recent=2, dtype="float16")
+    y, side = st.encode(x, ChunkContext())
+    assert y.shape == (3, 24, 8) and side["kept"].shape == (3, 6, 8)
+    out = st.decode(y, side, ArraySpec(x.shape, "float16"), ChunkContext())
+    assert np.array_equal(out, x)
+    assert np.array_equal(keep_decode(y, side["kept"], 4, 2).astype(np.float16), x)
+    # fewer tokens than the window
+    y, side = st.encode(x[:, :3], ChunkContext())
+    assert y.shape == (3, 0, 8)
+    assert np.array_equal(st.decode(y, side, ArraySpec((3, 3, 8), "float16"), ChunkContext()), x[:, :3])
+
+
+def test_full_pipeline_bit_exact_and_reproducible():
+    from kvcodec.entropy.rans_stage import RansStage
+
+    x = _x((3, 80, 64), np.float16, 2)
+    p = Pipeline([RopeStage(1e5, 64), KeepStage(2, 0), TransformStage("hadamard", k=32), QuantizeStage("step", step=0.05), RansStage(8)])
+    ctx = ChunkContext(layer=0, kind="k")
+    data, sides, sizes = p.encode(x, ctx)
+    d1 = p.decode(data, sides, sizes, ArraySpec(x.shape, "float16"), ctx)
+    d2 = p.decode(data, sides, sizes, ArraySpec(x.shape, "float16"), ctx)
+    assert d1.dtype == np.float16 and np.array_equal(d1, d2)
+    data2, _, _ = p.encode(x, ctx)
+    assert data2 == data
+    # same result as chaining the pure decode functions
+    specs = p.specs(ArraySpec(x.shape, "float16"))
+    sym = p.bytes_stage.decode(data, sides[4], specs[4], ctx)
+    y = quantize_step_decode(sym, sides[3]["step"])
+    z = transform_decode(y, hadamard(64)[None, :, :32].repeat(3, 0), np.zeros((3, 64), np.float32))
+    w = keep_decode(z, sides[1]["kept"], 2, 0)
+    cos, sin = rope_tables(np.broadcast_to(np.arange(80), (3, 80)), 1e5, 64)
+    assert np.array_equal(rope_decode(w, cos, sin, 64).astype(np.float16), d1)
+
+
+# ------------------------------------------------------------------ malformed input
+def _step_encoded():
+    st = QuantizeStage(mode="step", step=0.1, max_bits=8)
+    x = _x((2, 10, 4))
+    s, side = st.encode(x, ChunkContext())
+    return st, s, side, ArraySpec(x.shape, "float32")
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda side: side.update(step=side["step"].astype(np.float32)),
+    lambda side: side.update(step=side["step"][:1]),
+    lambda side: side.update(step=np.full_like(side["step"], np.nan)),
+    lambda side: side.update(bits=np.full_like(side["bits"], 9)),
+    lambda side: side.pop("bits"),
+    lambda side: side.update(extra=np.zeros(1)),
+])
+def test_malformed_step_side(mutate):
+    st, s, side, spec = _step_encoded()
+    mutate(side)
+    with pytest.raises(KvcFormatError):
+        st.decode(s, side, spec, ChunkContext())
+
+
+def test_malformed_symbols_and_minmax():
+    st, s, side, spec = _step_encoded()
+    side["bits"] = np.ones_like(side["bits"])
+    with pytest.raises(KvcFormatError):
+        st.decode(s | 4, side, spec, ChunkContext())
+    mm = QuantizeStage(mode="minmax", bits=2, axis="channel", group=4)
+    x = _x((2, 10, 4))
+    s, side = mm.encode(x, ChunkContext())
+    with pytest.raises(KvcFormatError):
+        mm.decode(s, dict(side, scale=np.full_like(side["scale"], np.nan)), ArraySpec(x.shape, "float32"), ChunkContext())
+    with pytest.raises(KvcFormatError):
+        mm.decode(s, dict(side, zero=side["zero"][:, :1]), ArraySpec(x.shape, "float32"), ChunkContext())
+    with pytest.raises(KvcFormatError):
+        mm.decode(np.full_like(s, 4), side, ArraySpec(x.shape, "float32"), ChunkContext())
+
+
+def test_malformed_keep_and_transform():
+    st = KeepStage(2, 1)
+    x = _x((2, 10, 4), np.float16)
+    y, side = st.encode(x, ChunkContext())
+    for bad in (side["kept"].astype(np.float32), side["kept"][:, :2], np.full_like(side["kept"], np.nan)):
+        with pytest.raises(KvcFormatError):
+            st.decode(y, {"kept": bad}, ArraySpec(x.shape, "float16"), ChunkContext())
+    tr = TransformStage("pca", k=4)
+    good = {"pca.basis": np.zeros((4, 2, 8, 8), np.float16), "pca.mean": np.zeros((4, 2, 8), np.float32)}
+    y = np.zeros((2, 5, 4), np.float32)
+    spec = ArraySpec((2, 5, 8), "float32")
+    tr.decode(y, {}, spec, ChunkContext(layer=1, kind="v", attachments=good))
+    for bad in ({}, {**good, "pca.basis": good["pca.basis"][:2]}, {**good, "pca.mean": np.full((4, 2, 8), np.nan, np.float32)},
+                {**good, "pca.basis": good["pca.basis"].astype(np.int32)}):
+        with pytest.raises(KvcFormatError):
+            tr.decode(y, {}, spec, ChunkContext(layer=1, kind="v", attachments=bad))
+
+
+@pytest.mark.parametrize("cfg", [
+    {"name": "quantize", "config": {"mode": "step", "step": -1.0}},
+    {"name": "quantize", "config": {"mode": "step", "step": 0.1, "max_bits": 9}},
+    {"name": "quantize", "config": {"mode": "minmax", "bits": 9}},
+    {"name": "quantize", "config": {"mode": "nope"}},
+    {"name": "rope", "config": {"theta": float("nan"), "dim": 64}},
+    {"name": "keep", "config": {"sink": -1}},
+    {"name": "transform", "config": {"basis": "dct"}},
+])
+def test_bad_configs(cfg):
+    with pytest.raises(KvcCodecError):
+        stage_from_json(cfg)
+
+
+# ------------------------------------------------------------------ model
+@pytest.mark.model
+def test_balanced_meets_kl_on_real_cache(lm, gpl3_ids):
+    from kvcodec.capture import capture
+    from kvcodec.evaluate import compare_logits, continue_logits
+    from kvcodec.quant import presets as P
+
+    cache = capture(lm, token_ids=gpl3_ids[:512])
+    cont = gpl3_ids[512:576]
+    plan = P.get_plan("balanced", cache, lm=lm)
+    data = P.encode_bytes(cache, plan)
+    dec = P.decode_bytes(data)
+    m = compare_logits(continue_logits(lm, cache, cont), continue_logits(lm, dec, cont), cont)
+    assert m["kl_mean"] <= 0.01
+    assert P.bits_per_element(len(data), cache) < 4.0
