@@ -35,8 +35,8 @@ from .stages import KeepStage, QuantizeStage, RopeStage, TransformStage
 # bench_codec.py measurements, valid for any model because the per-layer steps
 # are scaled by that model's measured sensitivities).
 PRESETS: dict[str, dict[str, Any]] = {
-    "near-lossless": {"step0": 0.03, "sink": 4, "group": 8},
-    "balanced": {"step0": 0.5, "sink": 4, "group": 8},
+    "near-lossless": {"step0": 0.02, "sink": 4, "group": 8},
+    "balanced": {"step0": 0.4, "sink": 4, "group": 8},
     "small": {"step0": 0.8, "sink": 4, "group": 8},
 }
 LOSSLESS = "lossless"
