@@ -118,7 +118,8 @@ def _rope_kernel(y_ptr, cos_ptr, sin_ptr, out_ptr, N, T, D, DIM, HALF, CS_HEAD_S
     tl.store(out_ptr + i, x.to(out_ptr.dtype.element_ty), mask=m)
 
 
-def _store_kernel(src_ptr, dst_ptr, bt_ptr, N, T, D, t0, s_h, s_t, s_d, BS, s_blk, PAGED: tl.constexpr, BLOCK: tl.constexpr):
+def _store_kernel(src_ptr, dst_ptr, bt_ptr, N, T, D, t0, s_h, s_t, s_d, BS, s_blk, PAGED: tl.constexpr, BF16: tl.constexpr,
+                  BLOCK: tl.constexpr):
     """dst[layout(h, t0 + t, d)] = cast(src[h, t, d]). HF: base + h*s_h + pos*s_t + d*s_d;
     paged: block = bt[pos // BS], base + block*s_blk + (pos % BS)*s_t + h*s_h + d*s_d."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -136,7 +137,13 @@ def _store_kernel(src_ptr, dst_ptr, bt_ptr, N, T, D, t0, s_h, s_t, s_d, BS, s_bl
         off = blk * s_blk + (pos % BS) * s_t + h * s_h + d * s_d
     else:
         off = h * s_h + pos * s_t + d * s_d
-    tl.store(dst_ptr + off, v.to(dst_ptr.dtype.element_ty), mask=m)
+    if BF16:  # float32 -> bfloat16, round to nearest even done in integers (the interpreter's cast truncates)
+        u = v.to(tl.float32).to(tl.uint32, bitcast=True)
+        r = (u + 32767 + ((u >> 16) & 1)) >> 16
+        r = tl.where((u & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, r)  # any NaN -> 0x7FC0, as torch's cast
+        tl.store(dst_ptr + off, r.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=m)
+    else:
+        tl.store(dst_ptr + off, v.to(dst_ptr.dtype.element_ty), mask=m)
 
 
 _KERNELS: dict[bool, dict[str, Any]] = {}
@@ -182,7 +189,7 @@ def compile_variants() -> list[tuple[str, str, Any, dict, dict, dict]]:
         out.append(("inv_transform", f"inv_transform[out={od},BT=32,BD=64]", k["inv_transform"],
                     {"y_ptr": "*fp32", "bt_ptr": "*fp32", "mean_ptr": "*fp32", "out_ptr": f"*{od}", "T": "i32", "K": "i32", "D": "i32", "BT": "constexpr", "BD": "constexpr"},
                     {"BT": 32, "BD": 64}, o))
-    for od in ("fp32", "fp16", "bf16"):
+    for od in ("fp32", "fp16"):
         out.append(("rope", f"rope[out={od}]", k["rope"],
                     {"y_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": f"*{od}", "N": "i32", "T": "i32", "D": "i32", "DIM": "i32",
                      "HALF": "i32", "CS_HEAD_STRIDE": "i32", "BLOCK": "constexpr"}, {"BLOCK": BLOCK}, o))
@@ -191,7 +198,7 @@ def compile_variants() -> list[tuple[str, str, Any, dict, dict, dict]]:
             out.append(("store", f"store[{'paged' if paged else 'hf'},out={od}]", k["store"],
                         {"src_ptr": "*fp32", "dst_ptr": f"*{od}", "bt_ptr": "*i32", "N": "i32", "T": "i32", "D": "i32", "t0": "i32", "s_h": "i32",
                          "s_t": "i32", "s_d": "i32", "BS": "i32", "s_blk": "i32", "PAGED": "constexpr", "BLOCK": "constexpr"},
-                        {"PAGED": paged, "BLOCK": BLOCK}, o))
+                        {"PAGED": paged, "BF16": od == "bf16", "BLOCK": BLOCK}, o))
     return out
 
 
@@ -357,7 +364,7 @@ def store_hf(x: torch.Tensor, dst: torch.Tensor, token_start: int = 0) -> None:
     N = H * T * D
     if N:
         _launch("store", (_cdiv(N, BLOCK),), x.contiguous(), dst, dst, N, T, D, token_start,
-                dst.stride(1), dst.stride(2), dst.stride(3), 1, 0, PAGED=False, BLOCK=BLOCK)
+                dst.stride(1), dst.stride(2), dst.stride(3), 1, 0, PAGED=False, BF16=dst.dtype == torch.bfloat16, BLOCK=BLOCK)
 
 
 def store_paged(x: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, token_start: int = 0) -> None:
@@ -376,4 +383,4 @@ def store_paged(x: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
         if used.numel() and (int(used.min()) < 0 or int(used.max()) >= nb):
             raise ValueError("block table entry outside the paged cache")
         _launch("store", (_cdiv(N, BLOCK),), x.contiguous(), cache, bt, N, T, D, token_start,
-                cache.stride(2), cache.stride(1), cache.stride(3), bs, cache.stride(0), PAGED=True, BLOCK=BLOCK)
+                cache.stride(2), cache.stride(1), cache.stride(3), bs, cache.stride(0), PAGED=True, BF16=cache.dtype == torch.bfloat16, BLOCK=BLOCK)

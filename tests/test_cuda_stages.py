@@ -1,0 +1,264 @@
+"""GPU decode of whole chunks (rANS + inverse lossy stages + layouts) under TRITON_INTERPRET=1.
+
+Every comparison is bitwise (rtol=0, atol=0, compared as raw bits) against the
+CPU pipeline (``Pipeline.decode``), the definition of the format. Real KV of
+the embedded model, 16 tokens, 2 layers: small because the interpreter is slow.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton (see test_cuda_rans.py)
+
+import numpy as np
+import pytest
+
+pytest.importorskip("triton")
+
+import torch  # noqa: E402
+
+from kvcodec.entropy.rans_stage import RansStage  # noqa: E402
+from kvcodec.errors import KvcFormatError  # noqa: E402
+from kvcodec.stages import ArraySpec, ChunkContext, Pipeline  # noqa: E402
+
+pytestmark = pytest.mark.triton
+
+T = 16  # tokens per test chunk
+
+
+def _bits(a) -> np.ndarray:
+    a = a.detach().cpu().numpy() if isinstance(a, torch.Tensor) else np.asarray(a)
+    return np.ascontiguousarray(a).view(f"u{a.dtype.itemsize}")
+
+
+def _same(gpu, cpu) -> None:
+    g = gpu.detach().cpu().numpy() if isinstance(gpu, torch.Tensor) else gpu
+    assert g.dtype == cpu.dtype and g.shape == cpu.shape
+    np.testing.assert_array_equal(_bits(g), _bits(cpu))
+
+
+def _check_pipeline(pipe: Pipeline, x: np.ndarray, ctx: ChunkContext, expect_fallbacks=()):
+    from kvcodec.cuda import backend
+
+    payload, sides, sizes = pipe.encode(x, ctx)
+    spec = ArraySpec(tuple(x.shape), str(x.dtype))
+    cpu = pipe.decode(payload, sides, sizes, spec, ctx)
+    gpu = backend.decode_chunk_gpu(pipe, payload, sides, sizes, spec, ctx, "gpu")
+    _same(gpu, cpu)
+    assert sorted(backend.last_fallbacks) == sorted(expect_fallbacks)
+    return payload, sides, sizes, spec, cpu
+
+
+@pytest.fixture(scope="module")
+def chunks(small_cache):
+    """(layer, kind, float16 (H, T, D)) of layers 0 and 5 of a real cache."""
+    out = []
+    for layer in (0, 5):
+        out.append((layer, "k", small_cache.keys[layer][:, :T].to(torch.float16).numpy()))
+        out.append((layer, "v", small_cache.values[layer][:, :T].to(torch.float16).numpy()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def pca_attachments(small_cache):
+    """A synthetic PCA calibration attachment (orthonormal bases from QR, float16) for every layer."""
+    fp = small_cache.fingerprint
+    L, H, D = fp.num_layers, fp.num_kv_heads, fp.head_dims[0]
+    rng = np.random.default_rng(0)
+    q, _ = np.linalg.qr(rng.standard_normal((L * 2 * H, D, D)))
+    mean = 0.1 * rng.standard_normal((L * 2 * H, D))
+    from kvcodec.errors import KvcFormatError as FE
+    from kvcodec.quant.stages import TransformStage
+
+    for lead in ((2 * L,), (L, 2)):  # the attachment layout the stage reads: [2L, H, D, K] or [L, 2, H, D, K]
+        att = {"pca.basis": q.reshape(*lead, H, D, D).astype(np.float16), "pca.mean": mean.reshape(*lead, H, D).astype(np.float16)}
+        try:
+            TransformStage(basis="pca", k=8).matrices(H, D, ChunkContext(layer=L - 1, kind="v", attachments=att))
+            return att
+        except FE:
+            continue
+    pytest.skip("unknown PCA attachment layout")
+
+
+def _rope_cfg(cache):
+    from kvcodec.quant.rope import rope_config_from_fingerprint
+
+    return rope_config_from_fingerprint(cache.fingerprint.rope, cache.fingerprint.head_dims[0])
+
+
+@pytest.mark.model
+def test_transform_codec_pipelines(chunks, pca_attachments, small_cache):
+    """rope -> keep -> transform (pca, hadamard) -> quantize(step) -> rans, as the presets build them."""
+    from kvcodec.quant.stages import KeepStage, QuantizeStage, RopeStage, TransformStage
+
+    rope = _rope_cfg(small_cache)
+    for layer, kind, x in chunks:
+        ctx = ChunkContext(layer=layer, kind=kind, attachments=pca_attachments)
+        for basis, k in (("pca", 24), ("hadamard", None)):
+            st = [RopeStage(**rope)] if kind == "k" else []
+            st += [KeepStage(sink=4), TransformStage(basis=basis, k=k), QuantizeStage(mode="step", step=0.1, max_bits=8), RansStage(8)]
+            _check_pipeline(Pipeline(st), x, ctx)
+
+
+@pytest.mark.model
+def test_minmax_pipelines(chunks):
+    """KIVI-like minmax quantization, every axis / symmetry, per-head bits."""
+    from kvcodec.quant.stages import QuantizeStage
+
+    layer, kind, x = chunks[0]
+    ctx = ChunkContext(layer=layer, kind=kind)
+    H = x.shape[0]
+    for q in (QuantizeStage(mode="minmax", bits=4, axis="channel", group=8),
+              QuantizeStage(mode="minmax", bits=2, axis="token", group=32, symmetric=True),
+              QuantizeStage(mode="minmax", bits=[3, 4, 8][:H] + [4] * (H - 3), axis="token", group=24),
+              QuantizeStage(mode="minmax", bits=5, axis="channel", group=5, symmetric=True)):
+        _check_pipeline(Pipeline([q, RansStage()]), x, ctx)
+    # float32 cache
+    _check_pipeline(Pipeline([QuantizeStage(mode="minmax", bits=4, axis="channel", group=8), RansStage(16)]), x.astype(np.float32), ctx)
+
+
+@pytest.mark.model
+def test_every_preset(chunks, small_cache, lm):
+    """Each named preset's pipelines (PCA calibration if one is cached, else Hadamard at the preset's settings)."""
+    presets = pytest.importorskip("kvcodec.quant.presets")
+    from kvcodec.errors import KvcError
+
+    try:
+        from kvcodec.quant.calibrate import get_calibration
+
+        cal = get_calibration(lm, build=False)
+    except (KvcError, ImportError):
+        cal = None
+    for name in [presets.LOSSLESS, *presets.PRESETS]:
+        if name == presets.LOSSLESS:
+            plan, att = presets.get_plan(name, small_cache), {}
+        elif cal is not None:
+            plan = presets.transform_plan(small_cache, cal=cal, preset=name, **presets.PRESETS[name])
+            att = cal.attachments
+        else:
+            plan = presets.transform_plan(small_cache, basis="hadamard", preset=name, **presets.PRESETS[name])
+            att = {}
+        for layer, kind, x in chunks[:2]:
+            pipe = plan.pipelines(layer, kind)
+            fb = [s.name for s in pipe.stages if s.name not in ("rans", "quantize", "transform", "keep", "rope") and s.kind != "bytes->bytes"]
+            _check_pipeline(pipe, x, ChunkContext(layer=layer, kind=kind, attachments=att), expect_fallbacks=fb)
+
+
+@pytest.mark.model
+def test_positions_per_head_and_offsets(chunks, small_cache):
+    """RoPE with a token offset and with per-(layer, head) positions (pruned caches)."""
+    from kvcodec.quant.stages import QuantizeStage, RopeStage
+
+    layer, kind, x = chunks[0]
+    H = x.shape[0]
+    pipe = Pipeline([RopeStage(**_rope_cfg(small_cache)), QuantizeStage(mode="step", step=0.05), RansStage()])
+    _check_pipeline(pipe, x, ChunkContext(layer=layer, kind=kind, token_start=1000))
+    rng = np.random.default_rng(2)
+    pos = np.sort(rng.choice(4096, size=(small_cache.fingerprint.num_layers, H, T), replace=True), axis=-1)
+    _check_pipeline(pipe, x, ChunkContext(layer=layer, kind=kind, positions=pos))
+
+
+def test_unknown_stage_falls_back_to_cpu():
+    """A stage without a GPU implementation runs on the CPU for that stage only."""
+    from kvcodec.quant.stages import QuantizeStage
+
+    class Negate(QuantizeStage.__mro__[1]):  # an ArrayToArray stage the GPU backend does not know
+        name = "test-negate"
+        version = 1
+
+        def encode(self, arr, ctx):
+            return (-arr.astype(np.float32)), {}
+
+        def decode(self, arr, side, spec, ctx):
+            return (-arr).astype(spec.dtype)
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 8, 16)).astype(np.float16)
+    pipe = Pipeline([Negate(), QuantizeStage(mode="step", step=0.05), RansStage()])
+    _check_pipeline(pipe, x, ChunkContext(), expect_fallbacks=["test-negate"])
+
+
+def test_malformed_side_data_and_payload_like_cpu():
+    from kvcodec.cuda import backend
+    from kvcodec.quant.stages import QuantizeStage
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 8, 16)).astype(np.float16)
+    pipe = Pipeline([QuantizeStage(mode="step", step=0.05, max_bits=6), RansStage()])
+    ctx = ChunkContext()
+    payload, sides, sizes = pipe.encode(x, ctx)
+    spec = ArraySpec(x.shape, "float16")
+
+    def both(payload, sides):
+        msgs = []
+        for fn in (pipe.decode, lambda *a: backend.decode_chunk_gpu(pipe, *a, "gpu")):
+            try:
+                fn(payload, sides, sizes, spec, ctx)
+                msgs.append(None)
+            except KvcFormatError as exc:
+                msgs.append(str(exc))
+        assert msgs[0] is not None and msgs[0] == msgs[1], msgs
+
+    q = dict(sides[0])
+    both(payload, [dict(q, bits=np.zeros_like(q["bits"])), {}])  # symbols outside their bit width
+    both(payload, [dict(q, step=np.full_like(q["step"], np.nan)), {}])
+    both(payload, [{"step": q["step"]}, {}])  # missing side data
+    both(payload, [q, {"junk": np.zeros(1)}])  # rans has no side data
+    both(payload[:-4], sides)  # truncated rANS stream
+    b = bytearray(payload)
+    b[-8] ^= 0x40
+    both(bytes(b), sides)
+
+
+def test_layout_writers_hf_and_paged():
+    from kvcodec.cuda.dequant_kernels import store_hf, store_paged
+
+    rng = np.random.default_rng(3)
+    H, Tn, D = 3, 21, 8
+    xn = rng.standard_normal((H, Tn, D)).astype(np.float32)
+    xn[0, 0, :6] = [np.inf, -np.inf, 1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, -0.0, 3.0e38]  # bf16 ties round to even
+    x = torch.from_numpy(xn)
+    for dt in (torch.float16, torch.bfloat16, torch.float32):
+        hf = torch.zeros((1, H, 40, D), dtype=dt)
+        store_hf(x, hf, token_start=5)
+        assert torch.equal(hf[0, :, 5 : 5 + Tn].contiguous().view(torch.uint8), x.to(dt).view(torch.uint8)) and not hf[0, :, :5].any() and not hf[0, :, 5 + Tn :].any()
+        bs, nb = 4, 16
+        cache = torch.zeros((nb, bs, H, D), dtype=dt)
+        table = torch.tensor(rng.permutation(nb)[:8], dtype=torch.int32)
+        store_paged(x, cache, table, token_start=3)
+        for t in range(Tn):
+            p = 3 + t
+            assert torch.equal(cache[table[p // bs], p % bs], x[:, t].to(dt))
+        assert int((cache != 0).sum()) == int((x.to(dt) != 0).sum())
+    nan = torch.tensor([[[float("nan"), -float("nan")]]])
+    hf = torch.zeros((1, 1, 1, 2), dtype=torch.bfloat16)
+    store_hf(nan, hf)
+    assert torch.isnan(hf).all()  # NaN payload bits are platform-specific (torch CPU gives 0xFFFF here); decoded KV is never NaN
+    with pytest.raises(ValueError):
+        store_paged(x, torch.zeros((2, 4, H, D)), torch.tensor([0, 1]), 0)
+
+
+@pytest.mark.model
+def test_decode_into_layouts(chunks, small_cache):
+    """Decode a real chunk on the 'GPU' and write it into HF and paged tensors: equals the CPU decode."""
+    from kvcodec.cuda import backend
+    from kvcodec.cuda.dequant_kernels import store_hf, store_paged
+    from kvcodec.quant.stages import KeepStage, QuantizeStage, TransformStage
+
+    layer, kind, x = chunks[1]
+    pipe = Pipeline([KeepStage(sink=4), TransformStage(basis="hadamard"), QuantizeStage(mode="step", step=0.1), RansStage(8)])
+    ctx = ChunkContext(layer=layer, kind=kind)
+    payload, sides, sizes = pipe.encode(x, ctx)
+    spec = ArraySpec(x.shape, "float16")
+    cpu = pipe.decode(payload, sides, sizes, spec, ctx)
+    y = backend.decode_chunk_gpu(pipe, payload, sides, sizes, spec, ctx)
+    H, Tn, D = x.shape
+    hf = torch.zeros((1, H, Tn + 3, D), dtype=torch.float16)
+    store_hf(y, hf, token_start=3)
+    _same(hf[0, :, 3:], cpu)
+    cache = torch.zeros((8, 4, H, D), dtype=torch.float16)
+    table = torch.tensor([7, 2, 5, 0, 1], dtype=torch.int32)
+    store_paged(y, cache, table, token_start=2)
+    got = torch.stack([cache[table[(2 + t) // 4], (2 + t) % 4] for t in range(Tn)], dim=1)
+    _same(got, cpu)
