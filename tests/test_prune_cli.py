@@ -1,0 +1,50 @@
+"""``kvc prune``: errors are one clear line; a real H2O prune writes per-head positions."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from kvcodec.kvcache import load_h5, save_h5
+
+
+def run(argv, capsys):
+    from cli.main import main
+
+    with pytest.raises(SystemExit) as ei:
+        main(argv)
+    out = capsys.readouterr()
+    return ei.value.code, out.out, out.err
+
+
+@pytest.mark.parametrize("spec", ["h2o:0", "h2o:1.5", "lingua:-1", "foo:0.5", "h2o:heavy=0.7,recent=0.7"])
+def test_bad_spec_is_input_error(spec, capsys, tmp_path):
+    code, _, err = run(["prune", str(tmp_path / "missing.h5"), "--prune", spec, "-o", str(tmp_path / "o.h5")], capsys)
+    assert code == 2 and err.startswith("kvc: error: prune spec") and "Traceback" not in err
+
+
+@pytest.mark.model
+def test_prune_command_h2o(lm, small_cache, capsys, tmp_path, monkeypatch):
+    import kvcodec.model
+
+    monkeypatch.setattr(kvcodec.model, "load_model", lambda *a, **k: lm)
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        save_h5(small_cache, tmp_path / "in.h5")
+        code, out, _ = run(["prune", str(tmp_path / "in.h5"), "--prune", "h2o:0.5", "-o", str(tmp_path / "o.h5"), "--json"], capsys)
+        assert code == 0
+        info = json.loads(out)
+        assert info["kept_tokens"] == 32 and info["kept_fraction"] == 0.5 and info["per_head"]
+        back = load_h5(tmp_path / "o.h5")
+        assert back.positions.shape == (30, 3, 32) and back.next_position == 64
+        assert np.array_equal(back.token_ids, small_cache.token_ids)
+        code, _, err = run(["prune", str(tmp_path / "o.h5"), "--prune", "h2o:0.5", "-o", str(tmp_path / "p.h5")], capsys)
+        assert code == 2 and "already pruned" in err
+        code, _, err = run(["prune", str(tmp_path / "in.h5"), "--prune", "h2o:100", "-o", str(tmp_path / "p.h5")], capsys)
+        assert code == 2 and "only 64" in err
+    finally:
+        torch.set_num_threads(old)
