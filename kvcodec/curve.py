@@ -51,7 +51,7 @@ DEFAULT_H2O_BUDGETS = ("h2o:0.2", "h2o:0.35", "h2o:0.5", "h2o:0.75")
 CSV_FIELDS = (
     "text", "family", "method", "bits_per_element", "ratio_vs_fp16", "file_bytes", "kl_mean", "dppl_percent",
     "top1_agreement", "greedy_match", "ppl_exact", "ppl_decoded", "context_tokens", "stored_tokens",
-    "continuation_tokens", "encode_s", "decode_s", "eval_s", "error",
+    "continuation_tokens", "external_bytes", "encode_s", "decode_s", "eval_s", "error",
 )
 
 
@@ -83,23 +83,38 @@ def _optional(mod: str) -> Any | None:
 
 
 def codec_presets() -> tuple[Any | None, list[str]]:
-    """(``kvcodec.format.presets`` module or None, preset names worth sweeping).
+    """(a ``get_plan(name, cache, lm=...)`` provider or None, preset names worth sweeping).
 
-    The format's preset table is the one place preset names are looked up; it
-    delegates lossy names to ``kvcodec.quant.presets``. ``raw`` (fp32 as is)
-    and ``zstd`` (lossless minus shuffle) are left out of sweeps.
+    ``lossless`` comes from the format's preset table; the lossy presets from
+    ``kvcodec.quant.presets`` (called directly, since they need the model for
+    calibration and hand the reader an attachment resolver). ``raw`` (fp32 as
+    is) and ``zstd`` (lossless minus shuffle) are left out of sweeps.
     """
-    m = _optional("kvcodec.format.presets")
-    if m is None:
+    fmt = _optional("kvcodec.format.presets")
+    quant = _optional("kvcodec.quant.presets")
+    if fmt is None and quant is None:
         return None, []
-    return m, [n for n in m.available_presets() if n not in ("raw", "zstd")]
+    lossy = list(getattr(quant, "PRESETS", {}) or {}) if quant is not None else []
+    names = (["lossless"] if fmt is not None else []) + [n for n in lossy if n != "lossless"]
+
+    class _Provider:
+        @staticmethod
+        def get_plan(name: str, cache: KVCache, lm: Any = None) -> Any:
+            if quant is not None and name in lossy:
+                return quant.get_plan(name, cache, lm=lm)
+            if fmt is not None:
+                return fmt.get_plan(name, cache)
+            return quant.get_plan(name, cache, lm=lm)
+
+    return _Provider, names
 
 
-def target_planner() -> Callable[..., Any] | None:
-    """``kvcodec.quant.presets.plan_for_target`` when the codec provides it."""
+def target_planner() -> Any | None:
+    """``kvcodec.quant.presets`` when it provides ``plan_for_target`` and ``transform_plan``."""
     m = _optional("kvcodec.quant.presets")
-    fn = getattr(m, "plan_for_target", None) if m is not None else None
-    return fn if callable(fn) else None
+    if m is None or not callable(getattr(m, "plan_for_target", None)) or not callable(getattr(m, "transform_plan", None)):
+        return None
+    return m
 
 
 # -- method registry ----------------------------------------------------------------------
@@ -146,17 +161,39 @@ def _baseline(name: str) -> Callable[[Any, TextCase], tuple[KVCache, Any]]:
 
 def _preset(mod: Any, name: str) -> Callable[[Any, TextCase], tuple[KVCache, Any]]:
     def build(lm: Any, case: TextCase) -> tuple[KVCache, Any]:
-        return case.cache, mod.get_plan(name, case.cache)
+        return case.cache, mod.get_plan(name, case.cache, lm=lm)
 
     return build
 
 
-def _target(fn: Callable[..., Any], kl: float) -> Callable[[Any, TextCase], tuple[KVCache, Any]]:
+TUNE_TOKENS = 256
+
+
+def prefix_cache(cache: KVCache, n: int) -> KVCache:
+    """The exact cache of the first ``n`` context tokens (a causal model's KV prefix is the prefix's KV)."""
+    return KVCache([k[:, :n].contiguous() for k in cache.keys], [v[:, :n].contiguous() for v in cache.values],
+                   cache.token_ids[:n], cache.fingerprint, None, dict(cache.meta))
+
+
+def _target(mod: Any, kl: float) -> Callable[[Any, TextCase], tuple[KVCache, Any]]:
+    """kvcodec at a KL target, tuned *without* peeking at the evaluation continuation.
+
+    ``plan_for_target`` bisects the rate knob on a cache and a continuation;
+    here the cache is the context minus its last TUNE_TOKENS tokens and the
+    continuation is those tokens, all inside the context. The knob found is
+    then applied to the full cache, which is evaluated on the held-out text
+    that follows it.
+    """
     def build(lm: Any, case: TextCase) -> tuple[KVCache, Any]:
-        try:
-            return case.cache, fn(case.cache, target_kl=kl, lm=lm)
-        except TypeError:
-            return case.cache, fn(case.cache, target_kl=kl)
+        c = case.cache
+        n_tune = min(TUNE_TOKENS, c.num_tokens // 4)
+        if c.positions is not None or n_tune < 2:
+            raise KvcInputError("target-KL tuning needs an unpruned cache of at least 8 tokens")
+        tune = prefix_cache(c, c.num_tokens - n_tune)
+        _, info = mod.plan_for_target(tune, lm, target_kl=kl, continuation=c.token_ids[c.num_tokens - n_tune:])
+        plan = mod.transform_plan(c, info["step0"], lm=lm, preset=f"target-kl-{kl:g}")
+        plan.params = dict(getattr(plan, "params", {}) or {}, tuned_kl=info.get("kl_mean"), tuned_on="context tail")
+        return c, plan
 
     return build
 
@@ -207,7 +244,7 @@ def select_methods(selected: list[str] | None = None, target_kls: list[float] | 
         elif s == "kvcodec" or s.startswith("kvcodec:"):
             presets_mod, preset_names = codec_presets()
             if presets_mod is None:
-                out.notes.append("kvcodec presets skipped: kvcodec.format.presets is not available in this build")
+                out.notes.append("kvcodec presets skipped: no preset module is available in this build")
                 continue
             names = preset_names if s == "kvcodec" else [s.split(":", 1)[1]]
             if s == "kvcodec" and _optional("kvcodec.quant.presets") is None:
@@ -216,12 +253,13 @@ def select_methods(selected: list[str] | None = None, target_kls: list[float] | 
             for n in names:
                 add(Method("kvcodec", n, _preset(presets_mod, n)))
         elif s == "kvcodec-kl":
-            fn = target_planner()
-            if fn is None:
+            mod = target_planner()
+            if mod is None:
                 out.notes.append("target-KL sweep skipped: kvcodec.quant.presets.plan_for_target is not available")
                 continue
             for kl in target_kls or DEFAULT_TARGET_KLS:
-                add(Method("kvcodec-kl", f"kl<={kl:g}", _target(fn, float(kl))))
+                add(Method("kvcodec-kl", f"kl<={kl:g}", _target(mod, float(kl)),
+                           note=f"rate knob tuned on the context's last {TUNE_TOKENS} tokens, evaluated on the held-out continuation"))
         elif s == "h2o" or s.startswith("h2o:"):
             if _optional("kvcodec.prune.h2o") is None or _optional("kvcodec.prune.budget") is None:
                 out.notes.append("H2O pruning skipped: kvcodec.prune is not available in this build")
@@ -292,11 +330,20 @@ def rate_fields(file_bytes: int, cache: KVCache) -> dict[str, float]:
     return {"bits_per_element": bpe, "ratio_vs_fp16": 16.0 / bpe, "file_bytes": int(file_bytes), "kv_elements": kv_elements(cache)}
 
 
-def read_kvc_cache(path: str | os.PathLike) -> KVCache:
+def external_bytes(plan: Any) -> int:
+    """Bytes of attachments a file references but does not hold (per-model calibration, shared by all files)."""
+    total = 0
+    for a in (getattr(plan, "attachments", None) or {}).values():
+        if not isinstance(a, np.ndarray) and hasattr(a, "shape") and hasattr(a, "dtype"):
+            total += int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+    return total
+
+
+def read_kvc_cache(path: str | os.PathLike, attachment_resolver: Callable[..., Any] | None = None) -> KVCache:
     _, reader_cls = format_api()
     from . import baselines  # noqa: F401  (registers the bl_* stages the file may name)
 
-    r = reader_cls(str(path))
+    r = reader_cls(str(path), attachment_resolver=attachment_resolver) if attachment_resolver else reader_cls(str(path))
     try:
         return r.read_cache()
     finally:
@@ -325,7 +372,7 @@ def measure(lm: Any, case: TextCase, method: Method, workdir: str | os.PathLike,
     t_enc = time.perf_counter() - t0
     size = path.stat().st_size
     t0 = time.perf_counter()
-    decoded = read_kvc_cache(path)
+    decoded = read_kvc_cache(path, getattr(plan, "attachment_resolver", None))
     t_dec = time.perf_counter() - t0
     path.unlink(missing_ok=True)
     t0 = time.perf_counter()
@@ -334,6 +381,7 @@ def measure(lm: Any, case: TextCase, method: Method, workdir: str | os.PathLike,
     t_eval = time.perf_counter() - t0
     row: dict[str, Any] = {"text": case.name, "family": method.family, "method": method.setting}
     row.update(rate_fields(size, case.cache))
+    row["external_bytes"] = external_bytes(plan)
     row.update(q.to_json())
     row.update(context_tokens=case.cache.num_context_tokens, stored_tokens=decoded.num_tokens,
                encode_s=round(t_enc, 3), decode_s=round(t_dec, 3), eval_s=round(t_eval, 3))
@@ -555,7 +603,9 @@ def eval_kvc_file(lm: Any, path: str | os.PathLike, text_ids: np.ndarray, contin
     if not path.is_file():
         raise _In(f"no such file: {path}")
     size = path.stat().st_size
-    with reader_cls(str(path)) as r:
+    quant = _optional("kvcodec.quant.presets")
+    resolver = getattr(quant, "attachment_resolver", None) if quant is not None else None
+    with (reader_cls(str(path), attachment_resolver=resolver) if resolver else reader_cls(str(path))) as r:
         lm.fingerprint.check_compatible(r.fingerprint, what=".kvc file")
         ids = r.token_ids
         n_ctx = int(r.header.num_context_tokens)
