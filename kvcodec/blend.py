@@ -136,10 +136,12 @@ def concat_chunks(lm: Any, chunks: Sequence[KVCache]) -> KVCache:
         _check_chunk(i, c, fp)
     inv = rope_inv_freq(lm)
     offsets = np.cumsum([0] + [c.num_tokens for c in chunks[:-1]])
-    keys, values = [], []
-    for layer in range(fp.num_layers):
-        keys.append(torch.cat([rerotate_keys(c.keys[layer], int(o), inv) for c, o in zip(chunks, offsets)], dim=1))
-        values.append(torch.cat([c.values[layer].to(torch.float32) for c in chunks], dim=1))
+    # One rotation per chunk over all layers at once (the layers share head_dim and RoPE).
+    if len(set(fp.head_dims)) != 1:
+        raise KvcInputError("blend needs every layer to share one head_dim")
+    rotated = [rerotate_keys(torch.stack(c.keys), int(o), inv) for c, o in zip(chunks, offsets)]
+    keys = list(torch.cat(rotated, dim=2).unbind(0))
+    values = list(torch.cat([torch.stack(c.values).to(torch.float32) for c in chunks], dim=2).unbind(0))
     ids = np.concatenate([c.token_ids for c in chunks])
     meta = {"blend": {"chunk_lengths": [c.num_tokens for c in chunks], "recompute_ratio": 0.0}}
     return KVCache(keys, values, ids, lm.fingerprint, meta=meta)
