@@ -181,3 +181,4 @@ def nginx_server(tmp_path):
 
 
 PY = sys.executable
+
