@@ -50,6 +50,14 @@ def parse_size(s: str | int) -> int:
     return int(float(m.group(1)) * mult)
 
 
+def _redact(url: str) -> str:
+    if "@" in url and "://" in url:
+        from .redis_tier import redact
+
+        return redact(url)
+    return url
+
+
 def _flag(v: str) -> bool:
     if v.lower() in ("1", "true", "yes", "on"):
         return True
@@ -139,7 +147,7 @@ class Store:
                 raise KvcInputError(
                     f"unsupported store tier {part!r}: use a directory, file://, mem://, "
                     "redis://, rediss:// or http(s)://")
-        return cls([MemoryTier(mem_bytes)] + tiers, url=s)
+        return cls([MemoryTier(mem_bytes)] + tiers, url=",".join(_redact(p.strip()) for p in s.split(",")))
 
     @staticmethod
     def _dir_tier(part: str, fsync: bool | None, max_bytes: int | str | None) -> Tier:
@@ -305,6 +313,7 @@ class Store:
         for t in self.tiers:
             if not t.can_list:
                 continue
+            was_up = t.available()
             try:
                 for info in t.ls(with_meta=with_meta):
                     k = info.key
@@ -315,8 +324,9 @@ class Store:
                         merged[k].tier += "," + info.tier
                     else:
                         merged[k] = info
-            except KvcStoreError as e:
-                log.warning("store: cannot list %s: %s", t.name, e)
+            except KvcStoreError as e:  # an outage already warned about is not repeated
+                (log.warning if was_up and t.available() else log.info)(
+                    "store: cannot list %s: %s", t.name, e)
         return sorted(merged.values(), key=lambda i: i.key)
 
     def stats(self) -> dict[str, Any]:

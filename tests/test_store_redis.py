@@ -1,0 +1,124 @@
+"""Redis tier against a real redis-server on a random loopback port, including an outage."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import pytest
+
+from kvcodec.errors import KvcInputError, KvcStoreError
+from kvcodec.store import Store, StoreKey
+from store_fixtures import RedisServer, find_binary, redis_server  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.requires_redis
+
+
+def key(i: int, ns: str = "default") -> StoreKey:
+    return StoreKey.for_tokens(list(range(i, i + 300)), model="m", codec="c", namespace=ns)
+
+
+def blob(i: int, n: int = 50_000) -> bytes:
+    return bytes((i * 7 + j) & 0xFF for j in range(n))
+
+
+def test_redis_roundtrip_ls_rm_stats(redis_server):  # noqa: F811
+    url = redis_server.url + "?timeout=1"
+    st = Store.open(url)
+    r = st.put(key(1), blob(1), {"layers": 30})
+    assert r.ok and r.stored_in == ["memory", "redis"]
+    st.put(key(2, "tenant-b"), blob(2))
+    other = Store.open(url)  # another process: nothing in its LRU
+    assert other.get(key(1)) == blob(1) and other.get_meta(key(1)) == {"layers": 30}
+    assert other.get(key(1, "tenant-b")) is None, "namespaces must not share entries"
+    rows = other.ls(with_meta=True)
+    assert {r.key for r in rows} == {key(1), key(2, "tenant-b")}
+    assert {r.size for r in rows} == {len(blob(1)), len(blob(2))}
+    assert other.ls(namespace="tenant-b", with_meta=True)[0].meta == {}
+    red = {t["name"]: t for t in other.stats()["tiers"]}["redis"]
+    assert red["entries"] == 2 and red["available"] and red["hits"] >= 1
+    assert other.longest_prefix(list(range(1, 301)), model="m", codec="c") == (key(1), 300)
+    assert other.rm(key(1)) and st.tier("redis").get(key(1)) is None
+    # a value damaged inside Redis is a miss, and is deleted
+    rt = st.tier("redis")
+    raw = bytearray(rt.r.get(rt.rkey(key(2, "tenant-b"))))
+    raw[-1] ^= 1
+    rt.r.set(rt.rkey(key(2, "tenant-b")), bytes(raw))
+    assert Store.open(url).get(key(2, "tenant-b")) is None
+    assert rt.r.get(rt.rkey(key(2, "tenant-b"))) is None
+
+
+def test_redis_outage_falls_back_and_recovers(redis_server, tmp_path, caplog):  # noqa: F811
+    url = f"{tmp_path}/local,{redis_server.url}?timeout=0.5&retry_interval=0.2"
+    st = Store.open(url)
+    assert st.put(key(1), blob(1)).stored_in == ["memory", "directory", "redis"]
+    # an entry only Redis has (e.g. written by another host)
+    Store.open(redis_server.url).put(key(9), blob(9))
+
+    redis_server.stop()
+    st.memory.clear()
+    caplog.clear()
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="kvcodec.store"):
+        for _ in range(5):
+            assert st.get(key(1)) == blob(1)          # served by the directory tier
+            st.memory.clear()
+        assert st.get(key(9)) is None                  # only Redis had it: a miss, not an exception
+        res = st.put(key(2), blob(2))                  # write: local ok, Redis failure reported
+        assert not res.ok and "redis" in res.failed and res.tiers["directory"] == "ok"
+        assert "unreachable" in res.failed["redis"]
+        assert st.contains(key(2)) and not st.contains(key(9))
+        assert st.longest_prefix(list(range(2, 302)), model="m", codec="c")[1] == 300
+        with pytest.raises(KvcStoreError, match="redis"):
+            st.rm(key(1))                              # rm cannot be complete: says so
+        rows = st.ls()
+    elapsed = time.monotonic() - t0
+    warns = [r for r in caplog.records if "unreachable" in r.getMessage()]
+    assert len(warns) == 1, [r.getMessage() for r in caplog.records]
+    assert elapsed < 5, f"a down Redis must not stall the store ({elapsed:.1f} s)"
+    red = {t["name"]: t for t in st.stats()["tiers"]}["redis"]
+    assert red["available"] is False and red["put_errors"] >= 1 and red["errors"] >= 1
+    assert red["entries"] is None and "unreachable" in red["error"]
+    assert os.path.exists(st.tier("directory").path_for(key(2)))
+    assert key(2) in {r.key for r in rows}
+
+    redis_server.start()  # same port, empty (no persistence)
+    time.sleep(0.3)       # > retry_interval
+    with caplog.at_level(logging.WARNING, logger="kvcodec.store"):
+        res = st.put(key(3), blob(3))
+    assert res.ok, res.tiers
+    assert any("reachable again" in r.getMessage() for r in caplog.records)
+    assert Store.open(redis_server.url).get(key(3)) == blob(3)
+    assert {t["name"]: t for t in st.stats()["tiers"]}["redis"]["available"] is True
+
+
+def test_redis_down_at_open_and_password(tmp_path):
+    binary = find_binary("redis-server")
+    if binary is None:
+        pytest.skip("redis-server binary not found")
+    srv = RedisServer(binary, tmp_path, password="s3cret")
+    # nothing listening yet: opening works, the put is reported, local copy kept
+    st = Store.open(f"{tmp_path}/local,{srv.url}?timeout=0.3&retry_interval=0")
+    res = st.put(key(1), blob(1))
+    assert not res.ok and res.tiers["directory"] == "ok"
+    assert "s3cret" not in str(st.stats()) and "***" in st.tier("redis").url
+    srv.start()
+    try:
+        assert st.put(key(1), blob(1)).ok
+        bad = Store.open(f"redis://:wrong@127.0.0.1:{srv.port}/0?timeout=0.3", memory_bytes=0)
+        with pytest.raises(KvcStoreError):
+            bad.put(key(1), blob(1))
+        assert bad.get(key(1)) is None
+    finally:
+        srv.stop()
+    # Redis only, and down: nothing persistent took the entry -> an error, not a silent loss
+    only = Store.open(f"{srv.url}?timeout=0.3")
+    with pytest.raises(KvcStoreError, match="every persistent tier"):
+        only.put(key(5), blob(5))
+
+
+def test_redis_url_validation():
+    for bad in ["redis://127.0.0.1:1/0?timeout=abc", "redis://127.0.0.1:1/0?prefix=a*"]:
+        with pytest.raises(KvcInputError):
+            Store.open(bad)
