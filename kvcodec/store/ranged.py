@@ -253,6 +253,8 @@ class HttpRangeReader(RangeReader):
             first, last, total = self._parse_content_range(headers)
             if total is None:
                 raise KvcStoreError(f"{self.url}: server does not report the object size")
+        elif status == 200 and headers.get("Content-Length") == "0" and not body:
+            return 0  # an empty object (nginx answers 200, not 416, for it)
         elif status == 200:
             raise KvcStoreError(
                 f"{self.url}: server ignored the Range request (HTTP 200); "
