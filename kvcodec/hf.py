@@ -15,6 +15,7 @@ One line around ``generate``::
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -112,28 +113,39 @@ def generate(
     lm: LoadedModel, source: Any, input_ids: np.ndarray | list[int], max_new_tokens: int = 32, backend: str | None = None
 ) -> list[int]:
     """Greedy continuation of a cached context followed by ``input_ids`` (e.g. a question)."""
-    ids = np.asarray(input_ids, dtype=np.int64).reshape(-1)
-    if ids.size == 0:
-        raise KvcInputError("need at least one token after the cached context")
     loaded = load_cache(source, lm, backend=backend)
-    return greedy_from(lm, loaded.cache, loaded.next_position, ids, max_new_tokens)
+    return greedy_from(lm, loaded.cache, loaded.next_position, input_ids, max_new_tokens)[0]
 
 
 @torch.inference_mode()
-def greedy_from(lm: LoadedModel, cache: Any, next_position: int, ids: np.ndarray, max_new_tokens: int) -> list[int]:
-    """Feed ``ids`` after ``cache`` (at ``next_position``) and decode greedily."""
+def greedy_from(
+    lm: LoadedModel, cache: Any, next_position: int, ids: np.ndarray | list[int], max_new_tokens: int
+) -> tuple[list[int], float]:
+    """Feed ``ids`` after ``cache`` (at ``next_position``) and decode greedily.
+
+    Returns the tokens and the ``time.perf_counter()`` instant the first one
+    was known (for time-to-first-token).
+    """
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    if ids.size == 0:
+        raise KvcInputError("need at least one token after the cached context")
+    if max_new_tokens < 1:
+        raise KvcInputError("max_new_tokens must be at least 1")
     eos = getattr(lm.tokenizer, "eos_token_id", None)
     pos = torch.arange(next_position, next_position + len(ids)).unsqueeze(0)
     logits = lm.model(input_ids=torch.as_tensor(ids).unsqueeze(0), past_key_values=cache, position_ids=pos, use_cache=True).logits
     out: list[int] = []
+    first_at = 0.0
     nxt = next_position + len(ids)
-    for _ in range(max_new_tokens):
+    for i in range(max_new_tokens):
         tok = int(logits[0, -1].argmax())
+        if i == 0:
+            first_at = time.perf_counter()
         out.append(tok)
-        if tok == eos:
+        if tok == eos or i == max_new_tokens - 1:
             break
         logits = lm.model(
             input_ids=torch.tensor([[tok]]), past_key_values=cache, position_ids=torch.tensor([[nxt]]), use_cache=True
         ).logits
         nxt += 1
-    return out
+    return out, first_at

@@ -145,6 +145,16 @@ def atomic_replace(tmp: Path, path: Path) -> None:
         pass
 
 
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temp file + rename."""
+    tmp = _atomic_target(path)
+    try:
+        tmp.write_bytes(data)
+        atomic_replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def save_h5(cache: KVCache, path: str | os.PathLike) -> None:
     import h5py
 

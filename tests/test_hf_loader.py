@@ -43,7 +43,7 @@ def test_generate_one_liner_matches_prefill_greedy(lm, gpl3_ids):
     data = _kvc(capture(lm, token_ids=gpl3_ids[:n_ctx]))
     from_kvc = generate(lm, data, question, max_new_tokens=8)
     past, _ = prefill(lm, gpl3_ids[:n_ctx])
-    assert from_kvc == greedy_from(lm, past, n_ctx, question, 8)
+    assert from_kvc == greedy_from(lm, past, n_ctx, question, 8)[0]
 
 
 def test_refuses_a_file_of_another_model(other_lm, small_cache):

@@ -1,0 +1,43 @@
+"""``kvc ask``: answer a question about documents, from the store when possible."""
+
+from __future__ import annotations
+
+import click
+
+from .options import emit_json, json_option, model_option
+
+
+@click.command("ask")
+@model_option
+@click.option("--doc", "docs", multiple=True, required=True, help="Document (file or corpus name); repeat for a prefix chain.")
+@click.option("--store", "store_url", default=None, help="Store URL: a directory, redis://..., or a comma list (default: the user cache).")
+@click.option("--preset", default="balanced", show_default=True, help="Codec preset for new entries.")
+@click.option("--namespace", default="default", show_default=True, help="Tenant namespace: entries never cross namespaces.")
+@click.option("--max-new-tokens", type=int, default=48, show_default=True)
+@click.option("--no-store", is_flag=True, help="Answer without depositing new entries.")
+@json_option
+@click.argument("question")
+def ask_command(model, docs, store_url, preset, namespace, max_new_tokens, no_store, as_json, question) -> None:
+    """Answer QUESTION about the documents; the first call prefills and stores, later calls load."""
+    from kvcodec.knowledge import KnowledgeBase, read_docs
+    from kvcodec.model import load_model
+
+    texts = read_docs(list(docs))
+    kb = KnowledgeBase(load_model(model), store_url, preset=preset, namespace=namespace)
+    ans = kb.ask(texts, question, max_new_tokens=max_new_tokens, store_new=not no_store)
+    if as_json:
+        emit_json(ans.to_json())
+        return
+    click.echo(ans.answer)
+    line = f"[{ans.source}: {ans.cached_tokens}/{ans.context_tokens} context tokens from the store; TTFT {ans.ttft_s * 1000:.0f} ms"
+    if ans.source != "prefill" and ans.prefill_ttft_s:
+        line += f" vs {ans.prefill_ttft_s * 1000:.0f} ms by prefill ({ans.prefill_ttft_s / ans.ttft_s:.1f}x faster)"
+    click.echo(line + "]", err=True)
+    if ans.stored:
+        s = ans.stored
+        click.echo(f"[stored {s['bytes']:,} bytes ({s['bits_per_element']:.2f} bits/element) in {', '.join(s['stored_in'])}]", err=True)
+        if s["failed"]:
+            click.echo(f"[warning: not stored in {s['failed']}]", err=True)
+
+
+COMMANDS = [ask_command]

@@ -1,0 +1,182 @@
+"""Put knowledge once, answer from it fast: the store-backed Q&A runtime.
+
+The first question about a document pays for prefill, answers, then encodes
+the document's KV cache and deposits it in the store. Every later question
+(from any process or machine sharing the store) finds the longest cached
+prefix of its context, loads it layer by layer, prefills only what is not
+cached (further documents of a prefix chain, then the question) and answers.
+
+Entries are keyed by (model fingerprint, codec id, namespace, chained token
+hash), so a cache is never served to another model, codec or tenant. The
+codec id is derived from the preset name and its options, which are known
+before encoding (the bit allocation a preset computes per cache is inside
+the `.kvc` itself).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .capture import tokenize
+from .errors import KvcInputError
+from .format import KvcReader, encode_kvc_bytes, get_plan
+from .hf import greedy_from, load_cache
+from .kvcache import KVCache
+from .model import LoadedModel, cache_root
+from .store import Store, StoreKey
+
+CHAT_PREFIX = "<|im_start|>system\nAnswer the question using the documents.<|im_end|>\n<|im_start|>user\n"
+QUESTION_TEMPLATE = "Question: {question}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def default_store_url() -> str:
+    return str(cache_root() / "store")
+
+
+def codec_id(preset: str, options: dict[str, Any] | None = None) -> str:
+    """Stable id of an encoding configuration, part of every store key."""
+    blob = json.dumps({"preset": preset, "options": options or {}}, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def key_for_file(reader: KvcReader, namespace: str = "default") -> StoreKey:
+    """The store key of an existing `.kvc` file (for ``kvc store put``)."""
+    preset = reader.header.codec or "custom"
+    return StoreKey.for_tokens(
+        reader.token_ids, model=reader.fingerprint.id, codec=codec_id(preset), namespace=namespace
+    )
+
+
+@dataclass
+class Answer:
+    answer: str
+    answer_ids: list[int]
+    source: str  # "store" (whole context loaded), "store+prefill" (prefix loaded), or "prefill"
+    context_tokens: int
+    cached_tokens: int
+    ttft_s: float
+    prefill_ttft_s: float | None  # TTFT of the prefill path, as measured when the entry was stored
+    stored: dict[str, Any] | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        d = self.__dict__.copy()
+        if self.prefill_ttft_s and self.source != "prefill":
+            d["speedup_vs_prefill"] = self.prefill_ttft_s / self.ttft_s
+        return d
+
+
+class KnowledgeBase:
+    """Documents as cached KV in a store, for one model, preset and namespace."""
+
+    def __init__(
+        self, lm: LoadedModel, store: Store | str | None = None, preset: str = "balanced", namespace: str = "default"
+    ) -> None:
+        self.lm = lm
+        self.store = store if isinstance(store, Store) else Store.open(store or default_store_url())
+        self.preset = preset
+        self.namespace = namespace
+        self.codec = codec_id(preset)
+
+    # -- tokens ------------------------------------------------------------
+    def context_ids(self, docs: list[str]) -> tuple[np.ndarray, list[int]]:
+        """Token ids of the chat prefix + documents, and the document boundaries."""
+        if not docs:
+            raise KvcInputError("give at least one document")
+        parts = [tokenize(self.lm.tokenizer, CHAT_PREFIX)] + [tokenize(self.lm.tokenizer, d.rstrip() + "\n\n") for d in docs]
+        bounds = list(np.cumsum([len(p) for p in parts])[1:])
+        return np.concatenate(parts), bounds
+
+    def question_ids(self, question: str) -> np.ndarray:
+        if not question.strip():
+            raise KvcInputError("the question is empty")
+        return tokenize(self.lm.tokenizer, QUESTION_TEMPLATE.format(question=question.strip()))
+
+    def key(self, ids: np.ndarray) -> StoreKey:
+        return StoreKey.for_tokens(ids, model=self.lm.fingerprint.id, codec=self.codec, namespace=self.namespace)
+
+    # -- lookup / deposit ----------------------------------------------------
+    def lookup(self, ids: np.ndarray, bounds: list[int]) -> tuple[StoreKey | None, int]:
+        """Longest cached prefix: document boundaries first, then 256-token chunk boundaries."""
+        cands = [self.key(ids[:b]) for b in sorted(set(bounds), reverse=True)]
+        found = self.store.contains_many(cands)
+        best = next((k for k, ok in zip(cands, found) if ok), None)
+        key, n = self.store.longest_prefix(ids, model=self.lm.fingerprint.id, codec=self.codec, namespace=self.namespace)
+        if best is not None and best.n_tokens >= n:
+            return best, best.n_tokens
+        return key, n
+
+    def deposit(self, cache: KVCache, prefill_ttft_s: float | None = None) -> dict[str, Any]:
+        """Encode a context's KV with the preset and put it in every tier.
+
+        ``prefill_ttft_s`` (the measured TTFT of a full prefill of exactly this
+        context) is recorded so later hits can report their speed-up.
+        """
+        t0 = time.perf_counter()
+        ids = cache.token_ids
+        if prefill_ttft_s is not None:
+            cache.meta["prefill_ttft_s"] = prefill_ttft_s
+        plan = get_plan(self.preset, cache, lm=self.lm)
+        data = encode_kvc_bytes(cache, plan.pipelines, attachments=plan.attachments, preset=plan.preset, meta=cache.meta)
+        res = self.store.put(self.key(ids), data, {"preset": self.preset, "tokens": int(len(ids)), "prefill_ttft_s": prefill_ttft_s})
+        return {
+            "key": self.key(ids).to_str(), "bytes": len(data), "encode_s": time.perf_counter() - t0,
+            "bits_per_element": len(data) * 8 / cache.num_elements, "stored_in": res.stored_in, "failed": res.failed,
+        }
+
+    # -- the main job --------------------------------------------------------
+    @torch.inference_mode()
+    def ask(self, docs: list[str], question: str, max_new_tokens: int = 48, store_new: bool = True) -> Answer:
+        t0 = time.perf_counter()
+        ids, bounds = self.context_ids(docs)
+        q = self.question_ids(question)
+        key, n_cached = self.lookup(ids, bounds)
+        timings: dict[str, float] = {"lookup_s": time.perf_counter() - t0}
+        prefill_ttft = None
+        if key is not None:
+            data = self.store.get(key)
+            timings["fetch_s"] = time.perf_counter() - t0 - timings["lookup_s"]
+            loaded = load_cache(data, self.lm)
+            if not np.array_equal(loaded.token_ids, ids[:n_cached]):
+                raise KvcInputError(f"store entry {key} encodes other tokens than its key says")
+            past = loaded.cache
+            prefill_ttft = (loaded.reader.header.meta or {}).get("prefill_ttft_s")
+        else:
+            past = None
+        rest = ids[n_cached:]
+        if rest.size:  # prefill what the store did not have (all of it on a miss)
+            pos = torch.arange(n_cached, len(ids)).unsqueeze(0)
+            out = self.lm.model(input_ids=torch.as_tensor(rest).unsqueeze(0), past_key_values=past, position_ids=pos, use_cache=True)
+            past = out.past_key_values
+        # DynamicLayer.update concatenates into new tensors, so these references stay the context's KV.
+        context_kv = [(layer.keys[0], layer.values[0]) for layer in past.layers] if (store_new and rest.size) else None
+        answer_ids, first_at = greedy_from(self.lm, past, len(ids), q, max_new_tokens)
+        ttft = first_at - t0
+        source = "prefill" if key is None else ("store" if not rest.size else "store+prefill")
+        stored = None
+        if context_kv is not None:
+            snapshot = KVCache([k for k, _ in context_kv], [v for _, v in context_kv], ids, self.lm.fingerprint)
+            stored = self.deposit(snapshot, ttft if key is None else None)
+        return Answer(
+            answer=self.lm.tokenizer.decode(answer_ids, skip_special_tokens=True).strip(),
+            answer_ids=answer_ids, source=source, context_tokens=int(len(ids)), cached_tokens=int(n_cached),
+            ttft_s=ttft, prefill_ttft_s=ttft if key is None else prefill_ttft, stored=stored, timings=timings,
+        )
+
+
+def read_docs(paths: list[str]) -> list[str]:
+    from .texts import load_text
+
+    return [load_text(p) for p in paths]
+
+
+def doc_label(paths: list[str]) -> str:
+    return " + ".join(Path(p).name for p in paths)
