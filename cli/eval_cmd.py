@@ -78,12 +78,29 @@ def _floats(ctx: click.Context, param: click.Parameter, value: str | None) -> li
 @click.option("--capture-dir", type=click.Path(file_okay=False), default=None,
               help="Where exact captures are kept between runs [default: $KVCODEC_CACHE/captures].")
 @click.option("--greedy-tokens", type=int, default=16, show_default=True)
+@click.option("--threads", type=int, default=None,
+              help="torch CPU threads (on a shared machine 1 is often several times faster than the default).")
 @click.option("--no-progress", is_flag=True, help="No progress bar on stderr.")
 def curve_command(model: str, texts: tuple[str, ...], max_tokens: int, continuation: int, methods: str,
                   target_kl: list[float] | None, h2o_budgets: str | None, json_out: str | None, csv_out: str | None,
-                  plot_out: str | None, capture_dir: str | None, greedy_tokens: int, no_progress: bool) -> None:
-    """Rate-quality curve: every method encoded to a real .kvc, decoded and evaluated, per text."""
+                  plot_out: str | None, capture_dir: str | None, greedy_tokens: int, threads: int | None,
+                  no_progress: bool) -> None:
+    """Rate-quality curve: every method encoded to a real .kvc, decoded and evaluated, per text.
+
+    Bits per element are real .kvc file bytes x 8 / K+V elements of the full
+    context; quality is measured on the CONTINUATION tokens that follow each
+    context in its text. The plot has one panel per text (x: bits/element,
+    y: mean KL, both log), one line per method family (its Pareto frontier).
+    """
     from kvcodec.curve import run_curve, summary_table
+    from kvcodec.errors import KvcInputError
+
+    if threads is not None:
+        if threads < 1:
+            raise KvcInputError(f"--threads must be >= 1, got {threads}")
+        import torch
+
+        torch.set_num_threads(threads)
 
     res = run_curve(
         model, list(texts), max_tokens=max_tokens, continuation=continuation,

@@ -494,6 +494,10 @@ def run_curve(
                     except KvcError as exc:
                         row = {"text": text, "family": m.family, "method": m.setting, "error": str(exc)}
                         print(f"kvc curve: {text} {m.key}: {exc}", file=sys.stderr)
+                    except Exception as exc:  # a bug in one method must not sink the sweep: record it, go on
+                        row = {"text": text, "family": m.family, "method": m.setting,
+                               "error": f"{type(exc).__name__}: {exc}"}
+                        print(f"kvc curve: {text} {m.key}: unexpected {type(exc).__name__}: {exc}", file=sys.stderr)
                     row.update({k: v for k, v in base.items() if k not in row})
                     row["fingerprint"], row["tokens_sha256"] = base["fingerprint"], base["tokens_sha256"]
                     row["greedy_tokens"] = greedy_tokens
