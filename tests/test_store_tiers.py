@@ -193,7 +193,7 @@ def test_put_reports_unwritable_directory(tmp_path):
 
 
 def test_store_url_parsing(tmp_path):
-    st = Store.open(f"mem://?max_bytes=1M")
+    st = Store.open("mem://?max_bytes=1M")
     assert [t.name for t in st.tiers] == ["memory"] and st.memory.max_bytes == 1 << 20
     st = Store.open(f"{tmp_path}/a, {tmp_path}/b", memory_bytes="2M")
     assert [t.name for t in st.tiers] == ["memory", "directory", "directory2"]

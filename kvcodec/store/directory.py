@@ -47,7 +47,7 @@ from .tiers import (
     Tier,
     as_bytes,
     check_meta,
-    decode_envelope,
+    decode_envelope_parts,
     encode_envelope_parts,
     log,
     parse_fixed,
@@ -184,14 +184,22 @@ class DirectoryTier(Tier):
         except OSError as e:  # pragma: no cover - read-only store etc.
             log.warning("store %s: cannot quarantine %s: %s", self.root, path, e)
 
-    def _read_file(self, path: str) -> tuple[bytes, os.stat_result] | None:
+    def _read_file(self, path: str) -> tuple[bytes, bytes, int, os.stat_result] | None:
+        """``(prefix, data, file_size, stat)`` read from one open file (no whole-file copy)."""
         try:
             with open(path, "rb") as f:
                 st = os.fstat(f.fileno())
-                return f.read(), st
-        except FileNotFoundError:
-            return None
-        except IsADirectoryError:
+                fixed = f.read(FIXED_SIZE)
+                try:
+                    hl, dl, _ = parse_fixed(fixed, path)
+                except KvcFormatError:
+                    return fixed, b"", st.st_size, st  # decode reports the damage
+                if FIXED_SIZE + hl + dl != st.st_size:
+                    return fixed, b"", st.st_size, st
+                prefix = fixed + f.read(hl)
+                data = f.read(dl)
+                return prefix, data, st.st_size, st
+        except (FileNotFoundError, IsADirectoryError):
             return None
         except OSError as e:
             self.counters.add(errors=1)
@@ -208,9 +216,9 @@ class DirectoryTier(Tier):
         if r is None:
             self.counters.add(misses=1)
             return None
-        buf, st = r
+        prefix, data, size, st = r
         try:
-            e = decode_envelope(buf, key, what=path)
+            e = decode_envelope_parts(prefix, data, key, what=path, total=size)
         except KvcFormatError as err:
             self._quarantine(path, st, str(err))
             self.counters.add(misses=1)
@@ -387,11 +395,11 @@ class DirectoryTier(Tier):
                 r = self._read_file(path)
                 if r is None:
                     continue
-                buf, st2 = r
+                prefix, data, size, st2 = r
                 out["checked"] += 1
                 want = os.path.basename(path)[: -len(SUFFIX)]
                 try:
-                    e = decode_envelope(buf, None, what=path)
+                    e = decode_envelope_parts(prefix, data, None, what=path, total=size)
                     if e.key.digest != want:
                         raise KvcFormatError(f"{path}: holds digest {e.key.digest}, name says {want}")
                 except KvcFormatError as err:

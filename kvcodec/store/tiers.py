@@ -184,20 +184,22 @@ def parse_header(hbytes: bytes, what: str = "entry") -> dict[str, Any]:
     return h
 
 
-def decode_envelope(buf: bytes | memoryview, key: StoreKey | None = None, what: str = "entry") -> Entry:
-    """Check and unpack an envelope.  Raises :class:`KvcFormatError` on any damage."""
-    mv = memoryview(buf)
-    hl, dl, crc = parse_fixed(bytes(mv[:FIXED_SIZE]), what)
-    total = FIXED_SIZE + hl + dl
-    if len(mv) != total:
-        raise KvcFormatError(f"{what}: size {len(mv)} != {total} announced (truncated or padded)")
-    c = crc32c(bytes(mv[:20]))
-    hbytes = bytes(mv[FIXED_SIZE:FIXED_SIZE + hl])
-    data = bytes(mv[FIXED_SIZE + hl:])
-    c = crc32c_extend(crc32c_extend(c, hbytes), data)
+def decode_envelope_parts(prefix: bytes, data: bytes, key: StoreKey | None = None,
+                          what: str = "entry", total: int | None = None) -> Entry:
+    """Check an envelope given as ``prefix`` (fixed part + header) and ``data``.
+
+    ``total``: the object's size when known (file size), checked against the
+    announced lengths.  Raises :class:`KvcFormatError` on any damage.
+    """
+    hl, dl, crc = parse_fixed(prefix[:FIXED_SIZE], what)
+    want = FIXED_SIZE + hl + dl
+    got = len(prefix) + len(data) if total is None else total
+    if len(prefix) != FIXED_SIZE + hl or len(data) != dl or got != want:
+        raise KvcFormatError(f"{what}: size {got} != {want} announced (truncated or padded)")
+    c = crc32c_extend(crc32c_extend(crc32c(prefix[:20]), prefix[FIXED_SIZE:]), data)
     if c != crc:
         raise KvcFormatError(f"{what}: checksum mismatch (crc32c {c:08x} != {crc:08x})")
-    h = parse_header(hbytes, what)
+    h = parse_header(prefix[FIXED_SIZE:], what)
     try:
         k = StoreKey.from_str(h["key"])
     except KvcInputError as e:
@@ -206,6 +208,16 @@ def decode_envelope(buf: bytes | memoryview, key: StoreKey | None = None, what: 
         raise KvcFormatError(f"{what}: holds key {k.to_str()}, expected {key.to_str()}")
     created = h.get("created")
     return Entry(k, data, h.get("meta", {}), float(created) if isinstance(created, (int, float)) else None)
+
+
+def decode_envelope(buf: bytes | memoryview, key: StoreKey | None = None, what: str = "entry") -> Entry:
+    """Check and unpack a whole envelope.  Raises :class:`KvcFormatError` on any damage."""
+    buf = bytes(buf)
+    hl, dl, _ = parse_fixed(buf[:FIXED_SIZE], what)
+    if len(buf) != FIXED_SIZE + hl + dl:
+        raise KvcFormatError(f"{what}: size {len(buf)} != {FIXED_SIZE + hl + dl} announced "
+                             "(truncated or padded)")
+    return decode_envelope_parts(buf[:FIXED_SIZE + hl], buf[FIXED_SIZE + hl:], key, what)
 
 
 # -- tier interface -------------------------------------------------------------------
