@@ -173,3 +173,14 @@ def test_pareto_frontier():
     from kvcodec.curve import pareto
 
     assert pareto([(4, 0.1), (2, 0.5), (3, 0.6), (8, 0.01), (9, 0.02)]) == [(2, 0.5), (4, 0.1), (8, 0.01)]
+
+
+def test_missing_families_are_skipped_with_a_note(monkeypatch):
+    import kvcodec.curve as curve
+
+    real = curve._optional
+    monkeypatch.setattr(curve, "_optional", lambda mod: None if mod.startswith(("kvcodec.prune", "kvcodec.quant")) else real(mod))
+    got = curve.select_methods(["h2o", "kvcodec-kl", "kvcodec", "int8"])
+    assert [m.key for m in got.methods] == ["kvcodec/lossless", "int8/int8"]
+    notes = " ".join(got.notes)
+    assert "H2O pruning skipped" in notes and "target-KL sweep skipped" in notes and "lossy presets skipped" in notes
