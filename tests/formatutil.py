@@ -45,3 +45,52 @@ class RangeObj:
         self.calls += 1
         self.touched.append((offset, offset + length))
         return self._d[offset : offset + length]
+
+
+# -- surgery on valid files (CRCs recomputed, so the deeper checks are reached) --
+import json as _json
+import struct as _struct
+
+import google_crc32c as _crc
+
+_PRE = _struct.Struct("<8sHHIQQ")
+
+
+def crc(b: bytes) -> int:
+    return _crc.value(bytes(b))
+
+
+def split(data: bytes) -> dict:
+    magic, major, minor, hlen, req, opt = _PRE.unpack_from(data, 0)
+    dstart = (36 + hlen + 63) // 64 * 64
+    ioff, count = _struct.unpack_from("<QQ", data, len(data) - 32)
+    return {"major": major, "minor": minor, "req": req, "opt": opt, "header": data[32 : 32 + hlen],
+            "dstart": dstart, "data": data[dstart:ioff], "index": data[ioff : ioff + 48 * count], "count": count}
+
+
+def assemble(parts: dict, header: bytes | None = None, index: bytes | None = None, data: bytes | None = None,
+             keep_data_start: bool = True, **pre) -> bytes:
+    """Rebuild a file from split() parts with valid CRCs (header space-padded to keep data_start if it fits)."""
+    h = parts["header"] if header is None else header
+    if keep_data_start and len(h) <= parts["dstart"] - 36:
+        h = h + b" " * (parts["dstart"] - 36 - len(h))
+    p = {k: pre.get(k, parts[k]) for k in ("major", "minor", "req", "opt")}
+    head = _PRE.pack(b"\x89KVC\r\n\x1a\n", p["major"], p["minor"], len(h), p["req"], p["opt"]) + h
+    out = bytearray(head + crc(head).to_bytes(4, "little"))
+    out += bytes((-len(out)) % 64)
+    out += parts["data"] if data is None else data
+    out += bytes((-len(out)) % 64)
+    idx = parts["index"] if index is None else index
+    ioff = len(out)
+    out += idx
+    f = _struct.pack("<QQI", ioff, len(idx) // 48, crc(idx))
+    out += f + crc(f).to_bytes(4, "little") + b"\x89KVCEND\n"
+    return bytes(out)
+
+
+def header_obj(data: bytes) -> dict:
+    return _json.loads(split(data)["header"])
+
+
+def with_header(data: bytes, obj: dict) -> bytes:
+    return assemble(split(data), header=_json.dumps(obj, sort_keys=True, separators=(",", ":")).encode())

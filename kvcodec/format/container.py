@@ -21,7 +21,7 @@ import math
 import re
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import google_crc32c
 import numpy as np
@@ -161,14 +161,18 @@ def _bad_constant(name: str) -> Any:
     raise KvcFormatError(f"header JSON contains {name}, which is not allowed")
 
 
-def _depth(obj: Any, d: int = 0) -> int:
-    if d > MAX_JSON_DEPTH:
-        return d
-    if isinstance(obj, dict):
-        return max((_depth(v, d + 1) for v in obj.values()), default=d + 1)
-    if isinstance(obj, list):
-        return max((_depth(v, d + 1) for v in obj), default=d + 1)
-    return d
+def _too_deep(obj: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+    stack = [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, dict):
+            o = o.values()
+        elif not isinstance(o, list):
+            continue
+        if d > limit:
+            return True
+        stack.extend((v, d + 1) for v in o if isinstance(v, (dict, list)))
+    return False
 
 
 def load_header(b: bytes | memoryview) -> dict[str, Any]:
@@ -179,16 +183,15 @@ def load_header(b: bytes | memoryview) -> dict[str, Any]:
         raise
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise KvcFormatError(f"header (offset {PREAMBLE_SIZE}) is not valid UTF-8 JSON: {str(exc)[:200]}") from None
+    if _too_deep(obj):
+        raise KvcFormatError(f"header JSON nests deeper than {MAX_JSON_DEPTH} levels")
     if not isinstance(obj, dict):
         raise KvcFormatError(f"header (offset {PREAMBLE_SIZE}) must be a JSON object")
-    if _depth(obj) > MAX_JSON_DEPTH:
-        raise KvcFormatError(f"header JSON nests deeper than {MAX_JSON_DEPTH} levels")
     return obj
 
 
 # -- index / footer ----------------------------------------------------------
-@dataclass(frozen=True)
-class IndexEntry:
+class IndexEntry(NamedTuple):
     layer: int
     kind: str  # "k" | "v"
     pipeline: int
@@ -208,12 +211,7 @@ class IndexEntry:
 
     @classmethod
     def unpack(cls, b: bytes | memoryview, pos: int, j: int) -> "IndexEntry":
-        layer, kind, res1, pid, t0, t1, h0, h1, off, length, crc, res2 = INDEX_ENTRY.unpack_from(b, pos)
-        if kind > 1:
-            raise KvcFormatError(f"index entry {j}: kind byte {kind} is neither 0 (K) nor 1 (V)")
-        if res1 or res2:
-            raise KvcFormatError(f"index entry {j}: reserved fields are not zero")
-        return cls(layer, KINDS[kind], pid, t0, t1, h0, h1, off, length, crc)
+        return _entry(INDEX_ENTRY.unpack_from(b, pos), j)
 
     @property
     def tokens(self) -> int:
@@ -251,12 +249,21 @@ class Footer:
         return cls(off, count, icrc)
 
 
+def _entry(f: tuple, j: int) -> IndexEntry:
+    layer, kind, res1, pid, t0, t1, h0, h1, off, length, crc, res2 = f
+    if kind > 1:
+        raise KvcFormatError(f"index entry {j}: kind byte {kind} is neither 0 (K) nor 1 (V)")
+    if res1 or res2:
+        raise KvcFormatError(f"index entry {j}: reserved fields are not zero")
+    return IndexEntry(layer, KINDS[kind], pid, t0, t1, h0, h1, off, length, crc)
+
+
 def parse_index(b: bytes | memoryview, footer: Footer, index_at: int) -> list[IndexEntry]:
     if len(b) != footer.entry_count * INDEX_ENTRY_SIZE:
         raise KvcFormatError(f"short index at offset {index_at}")
     if crc32c(bytes(b)) != footer.index_crc32c:
         raise KvcFormatError(f"index CRC32C mismatch (index at offset {index_at})")
-    return [IndexEntry.unpack(b, j * INDEX_ENTRY_SIZE, j) for j in range(footer.entry_count)]
+    return [_entry(f, j) for j, f in enumerate(INDEX_ENTRY.iter_unpack(bytes(b)))]
 
 
 # -- chunk records -----------------------------------------------------------

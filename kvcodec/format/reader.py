@@ -92,6 +92,10 @@ class KvcHeader:
         return self.positions_blob is not None
 
 
+def _is_name(x: Any, names: Any) -> bool:
+    return isinstance(x, str) and x in names
+
+
 def _shape(x: Any, what: str) -> tuple[int, ...]:
     want(isinstance(x, list) and len(x) <= MAX_BLOB_NDIM and all(is_int(d, 0, (1 << 32) - 1) for d in x),
          f"{what}: shape must be a list of at most {MAX_BLOB_NDIM} dims in [0, 2^32)")
@@ -105,7 +109,7 @@ def parse_header(obj: dict[str, Any], pre: Preamble) -> KvcHeader:
     t = obj.get("tensors")
     want(isinstance(t, dict), f"{h}: 'tensors' must be an object")
     dtype = t.get("dtype")
-    want(dtype in TENSOR_DTYPES, f"{h}: tensor dtype {dtype!r:.40} is not one of {TENSOR_DTYPES}")
+    want(_is_name(dtype, TENSOR_DTYPES), f"{h}: tensor dtype {dtype!r:.40} is not one of {TENSOR_DTYPES}")
     want(t.get("layers") == fp.num_layers and t.get("kv_heads") == fp.num_kv_heads
          and t.get("head_dims") == list(fp.head_dims), f"{h}: tensor shapes disagree with the model fingerprint")
     T = t.get("tokens")
@@ -143,7 +147,7 @@ def parse_header(obj: dict[str, Any], pre: Preamble) -> KvcHeader:
     blobs = []
     for i, b in enumerate(bl):
         want(isinstance(b, dict), f"{h}: blob {i} must be an object")
-        want(b.get("dtype") in DTYPE_BY_NAME, f"{h}: blob {i} has unsupported dtype {b.get('dtype')!r:.40}")
+        want(_is_name(b.get("dtype"), DTYPE_BY_NAME), f"{h}: blob {i} has unsupported dtype {b.get('dtype')!r:.40}")
         shape = _shape(b.get("shape"), f"{h}: blob {i}")
         n = math.prod(shape) * np.dtype(b["dtype"]).itemsize
         want(n <= MAX_BLOB_BYTES and b.get("length") == n, f"{h}: blob {i} length {b.get('length')!r:.40} != {n} (or over the limit)")
@@ -158,7 +162,7 @@ def parse_header(obj: dict[str, Any], pre: Preamble) -> KvcHeader:
         asha = a.get("sha256")
         want(isinstance(asha, str) and bool(_HEX64.match(asha)), f"{h}: attachment {name!r} sha256 must be 64 hex digits")
         if a.get("external") is True:
-            want(a.get("dtype") in DTYPE_BY_NAME, f"{h}: attachment {name!r} has unsupported dtype")
+            want(_is_name(a.get("dtype"), DTYPE_BY_NAME), f"{h}: attachment {name!r} has unsupported dtype")
             attachments[name] = AttachmentInfo(name, asha, a["dtype"], _shape(a.get("shape"), f"{h}: attachment {name!r}"), None)
         else:
             bi = a.get("blob")
@@ -199,29 +203,34 @@ def check_layout(hd: KvcHeader, entries: list[IndexEntry], index_offset: int) ->
         want(b.offset == cur, f"blob {i} at data offset {b.offset}, expected {cur} (blobs must be packed in order)")
         want(b.offset + b.length <= data_len, f"blob {i} ({b.length} bytes at data offset {b.offset}) runs past the data section")
         cur = align_up(b.offset + b.length)
-    T, H = hd.num_tokens, hd.kv_heads
+    T, H, npl = hd.num_tokens, hd.kv_heads, len(hd.pipelines)
     itemsize = 2 if hd.dtype == "bfloat16" else np.dtype(hd.dtype).itemsize
-    j = 0
-    n = len(entries)
+    j, n, t1 = 0, len(entries), 0
     for layer in range(hd.num_layers):
+        row = hd.head_dims[layer] * itemsize
         for kind in KINDS:
             t0, h0 = 0, 0
-            while True:
-                want(j < n, f"index ends before layer {layer} {kind.upper()} is complete (tokens from {t0}, heads from {h0})")
+            while True:  # hot loop: plain ifs, messages built only on failure
+                if j >= n:
+                    raise KvcFormatError(f"index ends before layer {layer} {kind.upper()} is complete (tokens from {t0}, heads from {h0})")
                 e = entries[j]
-                where = f"index entry {j}"
-                want(e.layer == layer and e.kind == kind, f"{where}: is layer {e.layer} {e.kind.upper()}, expected layer {layer} {kind.upper()}")
-                want(e.token_start == t0 and e.head_start == h0,
-                     f"{where}: starts at token {e.token_start} head {e.head_start}, expected token {t0} head {h0}")
-                want(t0 < e.token_end <= T and h0 < e.head_end <= H,
-                     f"{where}: token range [{e.token_start}, {e.token_end}) / head range [{e.head_start}, {e.head_end}) outside the tensor")
-                if h0 > 0:
-                    want(e.token_end == t1, f"{where}: token range differs from the other head groups of its token range")
-                want(e.pipeline < len(hd.pipelines), f"{where}: pipeline {e.pipeline} does not exist ({len(hd.pipelines)} defined)")
-                dec = e.heads * e.tokens * hd.head_dims[layer] * itemsize
-                want(dec <= MAX_CHUNK_DECODED_BYTES, f"{where}: decodes to {dec} bytes, over the limit {MAX_CHUNK_DECODED_BYTES}")
-                want(e.offset == cur, f"{where}: at data offset {e.offset}, expected {cur} (chunks must be packed in index order)")
-                want(e.length <= data_len - e.offset, f"{where}: {e.length} bytes at data offset {e.offset} run past the data section")
+                if e.layer != layer or e.kind != kind:
+                    raise KvcFormatError(f"index entry {j}: is layer {e.layer} {e.kind.upper()}, expected layer {layer} {kind.upper()}")
+                if e.token_start != t0 or e.head_start != h0:
+                    raise KvcFormatError(f"index entry {j}: starts at token {e.token_start} head {e.head_start}, expected token {t0} head {h0}")
+                if not (t0 < e.token_end <= T and h0 < e.head_end <= H) or (h0 > 0 and e.token_end != t1):
+                    raise KvcFormatError(
+                        f"index entry {j}: token range [{e.token_start}, {e.token_end}) / head range "
+                        f"[{e.head_start}, {e.head_end}) does not tile the ({H}, {T}) tensor")
+                if e.pipeline >= npl:
+                    raise KvcFormatError(f"index entry {j}: pipeline {e.pipeline} does not exist ({npl} defined)")
+                dec = (e.head_end - h0) * (e.token_end - t0) * row
+                if dec > MAX_CHUNK_DECODED_BYTES:
+                    raise KvcFormatError(f"index entry {j}: decodes to {dec} bytes, over the limit {MAX_CHUNK_DECODED_BYTES}")
+                if e.offset != cur:
+                    raise KvcFormatError(f"index entry {j}: at data offset {e.offset}, expected {cur} (chunks must be packed in index order)")
+                if e.length > data_len - e.offset:
+                    raise KvcFormatError(f"index entry {j}: {e.length} bytes at data offset {e.offset} run past the data section")
                 cur = align_up(e.offset + e.length)
                 j += 1
                 t1 = e.token_end
