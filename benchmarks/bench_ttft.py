@@ -1,0 +1,176 @@
+"""Time-to-first-token: prefill vs loading the document's `.kvc` (issue 7, issue 8).
+
+For each context length N, on the same machine and in the same run:
+
+* **prefill**: full prefill of document + question, first token from the
+  last logits (what an engine without a KV store pays);
+* **kvc (disk)**: read the document's `.kvc` from a file, decode it layer by
+  layer (lazy layers, background prefetch), prefill only the question on
+  top, first token;
+* **kvc (store)**: the same through ``kvcodec.store`` tiers (local directory,
+  and Redis when ``redis-server`` is installed; a fresh ``Store`` object per
+  query so the in-process LRU does not help).
+
+Each timing is the median of ``--repeats`` runs after one warm-up. The first
+token of every path is compared with prefill's (the `.kvc` path under a lossy
+preset may legitimately differ; the table says whether it matched). Also
+reports file size and bits/element, showing that prefill cost grows
+superlinearly with N while the KV size grows linearly.
+
+    python benchmarks/bench_ttft.py --tokens 1024,2048,4096,8192 --preset balanced --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvcodec.capture import capture, tokenize
+from kvcodec.format import encode_kvc_bytes, get_plan
+from kvcodec.hf import greedy_from, load_cache
+from kvcodec.model import load_model
+from kvcodec.store import Store, StoreKey
+from kvcodec.texts import load_text
+
+QUESTION = "\n\nQuestion: What does this document say about warranties?\nAnswer:"
+
+
+def long_ids(tok, n: int) -> np.ndarray:
+    """At least n real tokens: license texts and the Python reference, concatenated."""
+    parts = []
+    for name in ("gpl3", "lgpl21", "pydoc", "gfdl13", "mpl2", "gpl2", "apache2"):
+        parts.append(tokenize(tok, load_text(name)))
+        ids = np.concatenate(parts)
+        if len(ids) >= n:
+            return ids[:n]
+    raise SystemExit(f"not enough text for {n} tokens")
+
+
+def median_time(fn, repeats: int) -> tuple[float, object]:
+    fn()  # warm-up
+    times, out = [], None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def start_redis() -> tuple[subprocess.Popen | None, str | None]:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        return None, None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(50):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
+            return proc, f"redis://127.0.0.1:{port}/0"
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    return None, None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--tokens", default="1024,2048,4096,8192")
+    ap.add_argument("--preset", default="balanced")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--json", dest="json_out", default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    lm = load_model(args.model)
+    q = tokenize(lm.tokenizer, QUESTION)
+    tmp = Path(tempfile.mkdtemp(prefix="kvc-ttft-"))
+    redis_proc, redis_url = start_redis()
+    rows = []
+    try:
+        for n in [int(x) for x in args.tokens.split(",")]:
+            ids = long_ids(lm.tokenizer, n)
+            cache = capture(lm, token_ids=ids)
+            plan = get_plan(args.preset, cache, lm=lm)
+            data = encode_kvc_bytes(cache, plan.pipelines, attachments=plan.attachments, preset=plan.preset)
+            path = tmp / f"doc{n}.kvc"
+            path.write_bytes(data)
+
+            @torch.inference_mode()
+            def prefill_path():
+                out = lm.model(input_ids=torch.as_tensor(np.concatenate([ids, q])).unsqueeze(0), use_cache=True)
+                return int(out.logits[0, -1].argmax())
+
+            def kvc_path(source_fn):
+                def run():
+                    loaded = load_cache(source_fn(), lm)
+                    return greedy_from(lm, loaded.cache, loaded.next_position, q, 1)[0][0]
+                return run
+
+            t_prefill, tok_prefill = median_time(prefill_path, args.repeats)
+            row = {
+                "tokens": n, "preset": args.preset, "kvc_bytes": len(data), "fp16_bytes": cache.nbytes_fp16,
+                "bits_per_element": len(data) * 8 / cache.num_elements, "prefill_s": t_prefill,
+            }
+            paths = {"disk": lambda: path.read_bytes()}
+            stores = {"store_dir": str(tmp / f"store{n}")}
+            if redis_url:
+                stores["store_redis"] = redis_url
+            key = StoreKey.for_tokens(ids, model=lm.fingerprint.id, codec=args.preset)
+            for name, url in stores.items():
+                with Store.open(url) as st:
+                    st.put(key, data)
+
+                def fetch(url=url):
+                    with Store.open(url) as st:
+                        return st.get(key)
+                paths[name] = fetch
+            for name, src in paths.items():
+                t, tok = median_time(kvc_path(src), args.repeats)
+                row[f"{name}_s"] = t
+                row[f"{name}_speedup"] = t_prefill / t
+                row[f"{name}_first_token_matches"] = tok == tok_prefill
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr)
+    finally:
+        if redis_proc is not None:
+            redis_proc.terminate()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    cols = [c for c in ("disk", "store_dir", "store_redis") if f"{c}_s" in rows[0]]
+    print(f"\nTTFT, {args.model}, preset {args.preset}, torch threads {torch.get_num_threads()}, median of {args.repeats}\n")
+    print("| tokens | .kvc bytes | bits/el | prefill s | " + " | ".join(f"{c} s (speed-up)" for c in cols) + " |")
+    print("|---|---|---|---|" + "---|" * len(cols))
+    for r in rows:
+        cells = " | ".join(f"{r[c + '_s']:.3f} ({r[c + '_speedup']:.1f}x{'' if r[c + '_first_token_matches'] else ', 1st token differs'})" for c in cols)
+        print(f"| {r['tokens']} | {r['kvc_bytes']:,} | {r['bits_per_element']:.2f} | {r['prefill_s']:.3f} | {cells} |")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"machine": machine(), "rows": rows}, indent=2))
+
+
+def machine() -> dict:
+    import os
+    import platform
+
+    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "python": platform.python_version()}
+
+
+if __name__ == "__main__":
+    main()
