@@ -1,0 +1,122 @@
+"""kvc encode / decode / info / verify, including bad inputs (one-line error, non-zero exit)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from kvcodec.cli.main import cli, main
+from kvcodec.kvcache import load_capture, save_capture
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # works with and without tests/__init__.py
+from formatutil import assert_same_cache, synthetic_cache  # noqa: E402
+
+
+def run_main(args: list[str], capsys) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as ei:
+        main(args)
+    out = capsys.readouterr()
+    return ei.value.code, out.out, out.err
+
+
+@pytest.fixture()
+def capture_file(tmp_path) -> Path:
+    c = synthetic_cache(torch.float32, T=12, n_ctx=20, positions=np.arange(0, 24, 2)[:12] % 20)
+    p = tmp_path / "cap.h5"
+    save_capture(c, p)
+    return p
+
+
+def test_encode_info_verify_decode(tmp_path, capture_file, capsys):
+    out = tmp_path / "c.kvc"
+    code, o, e = run_main(["encode", str(capture_file), "-o", str(out), "--preset", "lossless", "--chunk-tokens", "5", "--json"], capsys)
+    assert code == 0, e
+    info = json.loads(o)
+    assert info["bytes"] == out.stat().st_size and info["preset"] == "lossless"
+
+    code, o, e = run_main(["info", str(out)], capsys)
+    assert code == 0, e
+    assert "bits per KV element" in o and "pipeline 0: raw -> shuffle(elementsize=4) -> zstd(level=3)" in o
+    assert "20 context, 12 stored (kept 60.0%" in o
+    code, o, _ = run_main(["info", str(out), "--json"], capsys)
+    d = json.loads(o)
+    assert d["stored_tokens"] == 12 and d["chunks"] == 2 * 2 * 3 and abs(d["kept_fraction"] - 0.6) < 1e-9
+    assert d["bits_per_element"] == pytest.approx(out.stat().st_size * 8 / d["kv_elements"])
+    s = d["sizes"]
+    assert s["header"] + sum(s["blobs"].values()) + s["chunks"] + s["index"] + s["footer"] + s["padding"] == s["file"]
+
+    code, o, _ = run_main(["verify", str(out)], capsys)
+    assert code == 0 and o.startswith("OK ")
+    code, o, _ = run_main(["verify", str(out), "--json"], capsys)
+    assert code == 0 and json.loads(o)["ok"] is True
+
+    for ext in ("h5", "safetensors"):
+        back = tmp_path / f"back.{ext}"
+        code, o, e = run_main(["decode", str(out), "-o", str(back), "--backend", "cpu"], capsys)
+        assert code == 0, e
+        assert_same_cache(load_capture(back), load_capture(capture_file))
+
+
+@pytest.mark.parametrize("preset", ["raw", "zstd"])
+def test_encode_other_builtin_presets(tmp_path, capture_file, preset):
+    r = CliRunner().invoke(cli, ["encode", str(capture_file), "-o", str(tmp_path / "x.kvc"), "--preset", preset])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(cli, ["verify", str(tmp_path / "x.kvc")])
+    assert r.exit_code == 0, r.output
+
+
+def _one_line_error(code: int, err: str) -> None:
+    assert code != 0
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("kvc: error:"), err
+    assert "Traceback" not in err
+
+
+def test_bad_inputs(tmp_path, capture_file, capsys):
+    good = tmp_path / "g.kvc"
+    assert run_main(["encode", str(capture_file), "-o", str(good)], capsys)[0] == 0
+    data = good.read_bytes()
+    garbage = tmp_path / "garbage.kvc"
+    garbage.write_bytes(b"hello world, definitely not kvc" * 10)
+    trunc = tmp_path / "trunc.kvc"
+    trunc.write_bytes(data[: len(data) // 2])
+    flipped = tmp_path / "flip.kvc"
+    fb = bytearray(data)
+    fb[len(fb) // 2] ^= 4
+    flipped.write_bytes(bytes(fb))
+    empty = tmp_path / "empty.kvc"
+    empty.write_bytes(b"")
+    for cmd in ("info", "verify", "decode"):
+        extra = ["-o", str(tmp_path / "o.h5")] if cmd == "decode" else []
+        code, _, err = run_main([cmd, str(tmp_path / "missing.kvc")] + extra, capsys)
+        _one_line_error(code, err)
+        assert code == 2 and "no such file" in err
+        for bad in (garbage, trunc, empty):
+            code, _, err = run_main([cmd, str(bad)] + extra, capsys)
+            _one_line_error(code, err)
+            assert code == 3
+    code, _, err = run_main(["verify", str(flipped)], capsys)
+    _one_line_error(code, err)
+    assert "CRC32C" in err
+    code, o, _ = run_main(["verify", str(flipped), "--json"], capsys)
+    assert code == 3 and json.loads(o)["ok"] is False
+    code, _, err = run_main(["encode", str(tmp_path / "missing.h5"), "-o", str(tmp_path / "x.kvc")], capsys)
+    _one_line_error(code, err)
+    code, _, err = run_main(["encode", str(garbage), "-o", str(tmp_path / "x.kvc")], capsys)
+    _one_line_error(code, err)
+    code, _, err = run_main(["encode", str(capture_file), "-o", str(tmp_path / "x.kvc"), "--preset", "no-such-preset"], capsys)
+    _one_line_error(code, err)
+    assert "no-such-preset" in err
+    code, _, err = run_main(["encode", str(capture_file), "-o", str(tmp_path / "x.kvc"), "--chunk-tokens", "0"], capsys)
+    _one_line_error(code, err)
+    assert not (tmp_path / "x.kvc").exists()
+    if not torch.cuda.is_available():
+        code, _, err = run_main(["decode", str(good), "-o", str(tmp_path / "o.h5"), "--backend", "gpu"], capsys)
+        _one_line_error(code, err)
+        assert code == 7
