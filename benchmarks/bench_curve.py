@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=2048)
     ap.add_argument("--continuation", type=int, default=256)
     ap.add_argument("--methods", default="all")
-    ap.add_argument("--target-kl", default="1e-3,3e-3,1e-2", help="KL targets of the kvcodec-kl family")
+    ap.add_argument("--target-kl", default="1e-3",
+                    help="KL targets of the kvcodec-kl family (each costs ~8 encode+eval rounds of tuning per text)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest on a shared box)")
     ap.add_argument("--capture-dir", default=None, help="exact captures cache [$KVCODEC_CACHE/captures]")
     ap.add_argument("--quick", action="store_true", help="512-token contexts, fewer methods")
