@@ -123,7 +123,7 @@ def encode_command(input_path: str, output: str, preset: str, chunk_tokens: int 
     if not Path(input_path).is_file():
         raise KvcInputError(f"no such file: {input_path}")
     cache = load_capture(input_path)
-    plan = get_plan(preset, cache)
+    plan = get_plan(preset, cache)  # lossy presets may need the model: they load it themselves
     n = write_kvc(cache, output, plan.pipelines, attachments=plan.attachments or None,
                   chunk_tokens=chunk_tokens, chunk_heads=chunk_heads, preset=plan.preset)
     elems = cache.num_elements
@@ -133,7 +133,7 @@ def encode_command(input_path: str, output: str, preset: str, chunk_tokens: int 
         emit_json(info)
     else:
         click.echo(f"{output}: {n:,} bytes, {info['bits_per_element']:.3f} bits per KV element, "
-                   f"{info['ratio_vs_fp16']:.2f}x smaller than fp16 (preset {plan.preset})")
+                   f"ratio vs fp16 {info['ratio_vs_fp16']:.2f}x (preset {plan.preset})")
 
 
 @click.command("decode")
@@ -144,9 +144,10 @@ def encode_command(input_path: str, output: str, preset: str, chunk_tokens: int 
 def decode_command(input_path: str, output: str, backend: str | None, as_json: bool) -> None:
     """Decode a .kvc file back into a raw capture (same layout as kvc capture)."""
     from kvcodec.format import read_kvc
+    from kvcodec.format.presets import default_attachment_resolver
     from kvcodec.kvcache import save_capture
 
-    cache = read_kvc(input_path, backend=backend)
+    cache = read_kvc(input_path, backend=backend, attachment_resolver=default_attachment_resolver())
     save_capture(cache, output)
     info = {"input": input_path, "output": output, "layers": cache.num_layers, "tokens": cache.num_tokens,
             "dtype": str(cache.dtype).removeprefix("torch."), "bytes": Path(output).stat().st_size}
@@ -179,9 +180,10 @@ def verify_command(path: str, backend: str | None, as_json: bool) -> None:
     """Check structure, every CRC32C and padding byte, and decode every chunk. Exit 0 only if clean."""
     from kvcodec.errors import KvcFormatError
     from kvcodec.format import KvcReader
+    from kvcodec.format.presets import default_attachment_resolver
 
     try:
-        r = KvcReader(path)
+        r = KvcReader(path, attachment_resolver=default_attachment_resolver())
     except KvcFormatError as exc:
         problems, chunks, size = [str(exc)], None, None
     else:

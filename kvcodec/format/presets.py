@@ -58,3 +58,14 @@ def available_presets() -> list[str]:
         pass
     return names
 
+
+
+def default_attachment_resolver() -> Any:
+    """The resolver for external attachments the lossy presets reference (None if that module is absent)."""
+    try:
+        mod = importlib.import_module("kvcodec.quant.presets")
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("kvcodec.quant.presets", "kvcodec.quant"):
+            raise
+        return None
+    return getattr(mod, "attachment_resolver", None)
