@@ -200,7 +200,28 @@ class _Runner:
         return q, k, v
 
     def attend(self, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, rows: torch.Tensor, contiguous_from_zero: bool):
-        """Attention of query rows at positions ``rows`` over keys 0..max(rows) (causal)."""
+        """Attention of query rows at (sorted) positions ``rows`` over the keys at or before each (causal).
+
+        Scattered rows are attended in groups by position block, each group
+        over keys up to its last row only, so masked-out keys are mostly not
+        computed (a masked SDPA cannot skip them). The group holding the last
+        row always spans keys 0..rows[-1], exactly as one HF forward of the
+        query on top of a cache would.
+        """
+        if contiguous_from_zero or rows.numel() <= 1:
+            return self._attend(q, K, V, rows, contiguous_from_zero)
+        block = self.ATTN_BLOCK
+        bucket = torch.div(rows, block, rounding_mode="floor")
+        cut = (torch.nonzero(bucket[1:] != bucket[:-1]).flatten() + 1).tolist()
+        if not cut:
+            return self._attend(q, K, V, rows, False)
+        bounds = [0] + cut + [rows.numel()]
+        parts = [self._attend(q[:, a:b], K, V, rows[a:b], False) for a, b in zip(bounds[:-1], bounds[1:])]
+        return torch.cat(parts, dim=0)
+
+    ATTN_BLOCK = 256
+
+    def _attend(self, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, rows: torch.Tensor, contiguous_from_zero: bool):
         n_keys = int(rows[-1]) + 1
         k = K[:, :n_keys].unsqueeze(0)
         v = V[:, :n_keys].unsqueeze(0)
