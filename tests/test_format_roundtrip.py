@@ -244,6 +244,7 @@ def test_atomic_write_leaves_no_partial_file(tmp_path):
 def test_backend_selection(monkeypatch):
     assert resolve_backend("cpu") == "cpu"
     monkeypatch.delenv("KVCODEC_BACKEND", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the GPU tests set it for the whole session
     if not torch.cuda.is_available():
         assert resolve_backend(None) == "cpu"
         assert resolve_backend("auto") == "cpu"

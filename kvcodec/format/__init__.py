@@ -1,7 +1,7 @@
 """The `.kvc` container format v1 (spec/kvc-v1.md): reader, writer, lossless stages."""
 
 from .container import MAGIC, VERSION_MAJOR, VERSION_MINOR, IndexEntry, KvcUnknownCodecError
-from .decode import decode_chunk, register_gpu_decoder, resolve_backend
+from .decode import decode_chunk, resolve_backend
 from .lossless import Raw, Shuffle, Zstd, lossless_pipeline, raw_pipeline
 from .presets import Plan, available_presets, get_plan
 from .reader import AttachmentInfo, BlobInfo, KvcHeader, KvcReader, read_kvc, verify_kvc
@@ -9,7 +9,7 @@ from .writer import ExternalAttachment, array_sha256, encode_kvc_bytes, write_kv
 
 __all__ = [
     "MAGIC", "VERSION_MAJOR", "VERSION_MINOR", "IndexEntry", "KvcUnknownCodecError",
-    "decode_chunk", "register_gpu_decoder", "resolve_backend",
+    "decode_chunk", "resolve_backend",
     "Raw", "Shuffle", "Zstd", "lossless_pipeline", "raw_pipeline",
     "Plan", "available_presets", "get_plan",
     "AttachmentInfo", "BlobInfo", "KvcHeader", "KvcReader", "read_kvc", "verify_kvc",

@@ -1,61 +1,28 @@
 """The one place every chunk is decoded, and the backend switch.
 
-``backend`` is ``"cpu"``, ``"gpu"`` or ``"auto"`` (default: ``$KVCODEC_BACKEND``,
-else ``"auto"``). ``"auto"`` picks the GPU only when CUDA is available *and*
-a GPU decoder has been registered with :func:`register_gpu_decoder`; ``"gpu"``
-without one is a :class:`KvcBackendError`. A GPU decoder has the signature of
-:func:`decode_chunk` minus ``backend`` and must return exactly what the CPU
-path returns (bit for bit), as a numpy array or a torch tensor.
+``backend`` is ``"cpu"``, ``"gpu"`` or ``"auto"`` (argument, then
+``$KVCODEC_BACKEND``, then ``"auto"``); the rules live in
+:func:`kvcodec.cuda.backend.resolve_backend` (``"auto"`` picks the GPU only
+with CUDA and Triton; ``"gpu"`` without either is a :class:`KvcBackendError`,
+except under ``TRITON_INTERPRET=1``, where the real kernels run on CPU
+tensors). The GPU path must return exactly what the CPU path returns.
 """
 
 from __future__ import annotations
 
-import os
-from typing import Any, Callable
-
 import numpy as np
 
-from ..errors import KvcBackendError, KvcError, KvcFormatError, KvcInputError
+from ..errors import KvcError, KvcFormatError
 from ..stages import ArraySpec, ChunkContext, Pipeline, SideData
 
 BACKENDS = ("cpu", "gpu", "auto")
-GpuDecoder = Callable[[Pipeline, Any, list[SideData], list[int], ArraySpec, ChunkContext], Any]
-_GPU_DECODER: GpuDecoder | None = None
-
-
-def register_gpu_decoder(fn: GpuDecoder | None) -> None:
-    """Install (or remove, with None) the GPU chunk decoder."""
-    global _GPU_DECODER
-    _GPU_DECODER = fn
-
-
-def _cuda_available() -> bool:
-    try:
-        import torch
-
-        return bool(torch.cuda.is_available())
-    except Exception:  # pragma: no cover - torch is a dependency
-        return False
 
 
 def resolve_backend(backend: str | None) -> str:
     """Map None/"auto"/"cpu"/"gpu" to the concrete backend used ("cpu" or "gpu")."""
-    b = backend or os.environ.get("KVCODEC_BACKEND") or "auto"
-    if b not in BACKENDS:
-        raise KvcInputError(f"unknown backend {b!r} (choose from {', '.join(BACKENDS)})")
-    if b == "cpu":
-        return "cpu"
-    if b == "auto":
-        return "gpu" if _GPU_DECODER is not None and _cuda_available() else "cpu"
-    if not _cuda_available():
-        raise KvcBackendError("backend 'gpu' requested but no CUDA device is available (use --backend cpu)")
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        raise KvcBackendError("backend 'gpu' requested but Triton is not installed (pip install kvcodec[gpu])") from None
-    if _GPU_DECODER is None:
-        raise KvcBackendError("backend 'gpu' requested but no GPU decoder is registered in this build")
-    return "gpu"
+    from ..cuda.backend import resolve_backend as resolve  # imports no Triton
+
+    return resolve(backend)
 
 
 def decode_chunk(
@@ -76,8 +43,9 @@ def decode_chunk(
     b = resolve_backend(backend)
     try:
         if b == "gpu":
-            assert _GPU_DECODER is not None
-            out = _GPU_DECODER(pipeline, payload, sides, sizes, spec, ctx)
+            from ..cuda.backend import decode_chunk_gpu
+
+            out = decode_chunk_gpu(pipeline, payload, sides, sizes, spec, ctx)
         else:
             out = pipeline.decode(payload, sides, sizes, spec, ctx)
     except KvcFormatError as exc:
