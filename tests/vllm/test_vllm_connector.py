@@ -124,6 +124,26 @@ def test_same_prompt_twice_loads_from_store_and_matches_plain_vllm(connector_llm
     assert second == reference["A"], (second, reference["A"])
 
 
+def test_loaded_kv_is_what_the_model_attends_to(connector_llm, prompts, reference, monkeypatch):
+    """Negative control: perturb the decoded KV on its way into the paged cache -> different tokens.
+
+    Shows the hit above really served the prefix from the store (vLLM did not recompute it).
+    """
+    import kvcodec.vllm.connector as conn
+
+    real = conn.decode_chunk_layers
+
+    def noisy(r, start, end):
+        for i, k, v in real(r, start, end):
+            yield i, k + 3.0 * k.std() * __import__("torch").randn_like(k), v
+
+    monkeypatch.setattr(conn, "decode_chunk_layers", noisy)
+    s0 = _stats()
+    out = _greedy(connector_llm, prompts["A"])
+    assert _stats().get("loaded_tokens", 0) - s0.get("loaded_tokens", 0) == 2 * CHUNK
+    assert out != reference["A"]
+
+
 def test_entries_of_another_model_are_a_clean_miss(connector_llm, prompts, reference, store_dir):
     """Entries under the right keys whose `.kvc` says another model: rejected, never loaded as KV."""
     import torch
