@@ -29,7 +29,9 @@ from ..errors import KvcCodecError, KvcInputError
 from ..stages import Pipeline
 from .calibrate import Calibration, get_calibration, resolve_attachment
 from .rope import rope_config_from_fingerprint
+from .importance import token_multipliers
 from .stages import KeepStage, QuantizeStage, RopeStage, TransformStage
+from .tokenscale import TokenScaleStage
 
 # step0 of each preset (in units of the cache's values; SmolLM2-135M-tuned by
 # bench_codec.py measurements, valid for any model because the per-layer steps
@@ -40,6 +42,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "small": {"step0": 0.8, "sink": 4, "group": 8},
 }
 LOSSLESS = "lossless"
+# token-importance-weighted quantization (tokenscale stage): importance = mean a^2 over the last
+# `window` context queries; classes of `log2_step` (log2 of the step multiplier) from `min_log2` up.
+TOKENSCALE_DEFAULT: dict[str, Any] = {"window": 512, "bits": 4, "log2_step": 0.5, "min_log2": -2.0, "power": 0.25,
+                                       "max_log2": 2.0, "kinds": "kv"}
 KEEP_VAR_FRACTION = 0.02  # drop a PCA coefficient when its variance < this x step^2
 
 
@@ -87,7 +93,7 @@ def kept_coefficients(cal: Calibration, steps: np.ndarray, group: int, frac: flo
 
 def transform_plan(cache: Any, step0: float, sink: int = 4, group: int = 8, cal: Calibration | None = None,
                    calibration: str = "external", basis: str = "pca", preset: str = "custom", deadzone: float = 0.0,
-                   lm: Any = None) -> EncodePlan:
+                   lm: Any = None, tokenscale: dict[str, Any] | None = None, importance: np.ndarray | None = None) -> EncodePlan:
     """The transform-codec plan at rate knob ``step0``.
 
     ``calibration``: "external" (reference the per-model calibration by sha256),
@@ -124,6 +130,25 @@ def transform_plan(cache: Any, step0: float, sink: int = 4, group: int = 8, cal:
         else:
             raise KvcInputError(f"calibration must be 'external' or 'embedded' for a PCA plan, got {calibration!r}")
     g = group
+    ts_classes: list[np.ndarray] | None = None
+    ts_table: np.ndarray | None = None
+    ts_opts: dict[str, Any] | None = None
+    if tokenscale is not None:
+        ts_opts = dict(TOKENSCALE_DEFAULT)
+        ts_opts.update(tokenscale)
+        if importance is None and lm is not None:
+            from .importance import cache_importance
+
+            importance = cache_importance(lm, cache, window=ts_opts["window"])
+        if importance is not None and np.shape(importance) == (fp.num_layers, cache.num_tokens):
+            ts_classes = []
+            for l in range(fp.num_layers):
+                c, ts_table = token_multipliers(importance[l], sink, n_classes=1 << ts_opts["bits"], log2_step=ts_opts["log2_step"],
+                                                min_log2=ts_opts["min_log2"], power=ts_opts["power"],
+                                                max_log2=ts_opts["max_log2"])
+                ts_classes.append(np.concatenate([np.zeros(min(sink, cache.num_tokens), np.uint8), c]))
+        else:
+            ts_opts = None
 
     def pipes(layer: int, kind: str) -> Pipeline:
         ki = 0 if kind == "k" else 1
@@ -136,12 +161,17 @@ def transform_plan(cache: Any, step0: float, sink: int = 4, group: int = 8, cal:
         if cal is not None:
             tr.encoder_attachments = cal.attachments
         st.append(tr)
+        if ts_classes is not None and ts_opts is not None and kind in ts_opts["kinds"]:
+            ts = TokenScaleStage(bits=ts_opts["bits"])
+            ts.encoder_classes, ts.encoder_table, ts.encoder_skip = ts_classes[layer], ts_table, sink
+            st.append(ts)
         st.append(QuantizeStage(mode="step", step=float(np.float32(steps[layer, ki])), max_bits=8, deadzone=deadzone))
         st.append(RansStage(channel_group=g))
         return Pipeline(st)
 
     params = {"step0": step0, "sink": sink, "group": group, "calibration": calibration if basis == "pca" else "none",
-              "basis": basis, "deadzone": deadzone}
+              "basis": basis, "deadzone": deadzone,
+              "tokenscale": ts_opts}
     return EncodePlan(pipes, attachments, preset, attachment_resolver, params)
 
 

@@ -525,3 +525,4 @@ class QuantizeStage(ArrayToArray):
             out = np.concatenate([quantize_minmax_decode(arr[h : h + 1], scale[h : h + 1], None if zero is None else zero[h : h + 1],
                                                          self.axis, self.group, int(hb[h])) for h in range(H)], 0)
         return out.astype(spec.dtype)
+from . import tokenscale as _tokenscale  # noqa: E402,F401  (registers the tokenscale stage)

@@ -1,0 +1,164 @@
+"""Per-(layer, token) importance of a context's KV entries, for token-weighted quantization.
+
+Why: with attention output ``o = sum_t a_t v_t``, independent coding noise of
+power ``s_t^2`` on value ``v_t`` adds ``sum_t a_t^2 s_t^2`` to the output error
+(and noise on key ``k_t`` perturbs logit t, whose effect on ``o`` is again
+proportional to ``a_t``). So the distortion a token's coding noise causes is
+weighted by ``E_q[a_{q,t}^2]`` over the queries that will read it; attention is
+extremely concentrated, so most tokens can be coded much more coarsely.
+Minimising ``sum_t w_t step_t^2`` at a fixed rate ``-sum_t log step_t`` gives
+``step_t ∝ w_t^{-1/2}`` (high-rate theory); :func:`token_multipliers` maps that
+to a few log2 classes (the ``tokenscale`` stage, spec/codec-v1.md).
+
+The future queries are unknown at encode time; the last ``window`` queries of
+the context are the proxy (what the end of the document attends to is what the
+next tokens resemble, as in SnapKV). Scores come from one extra prefill with an
+attention function that recomputes ``softmax(QK^T)`` for those queries from the
+very post-RoPE tensors the layer used, summed over every query head of the layer
+(the classes are shared by all heads and by K and V of a layer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Iterator
+
+import numpy as np
+
+from ..errors import KvcInputError
+
+ATTN_NAME = "kvc_importance_sdpa"
+DEFAULT_WINDOW = 256
+_STATE = threading.local()
+_CHUNK = 128
+
+
+class _Collector:
+    def __init__(self, window: int | None) -> None:
+        self.window = window
+        self.a2: dict[int, Any] = {}
+        self.a1: dict[int, Any] = {}
+
+    def add(self, layer: int, query: Any, key: Any, scaling: float) -> None:
+        import torch
+
+        q, k = query[0].float(), key[0].float()
+        hq, tq, _ = q.shape
+        hkv, tk, _ = k.shape
+        if tq != tk:
+            raise KvcInputError("importance scoring expects one prefill without a past cache")
+        k_rep = k.repeat_interleave(hq // hkv, dim=0)
+        start = 0 if self.window is None else max(0, tq - self.window)
+        a2 = torch.zeros(tk, dtype=torch.float64)
+        a1 = torch.zeros(tk, dtype=torch.float64)
+        kpos = torch.arange(tk)
+        for a in range(start, tq, _CHUNK):
+            b = min(tq, a + _CHUNK)
+            logits = torch.matmul(q[:, a:b], k_rep.transpose(1, 2)) * scaling
+            logits = logits.masked_fill(kpos[None, :] > torch.arange(a, b)[:, None], float("-inf"))
+            p = torch.softmax(logits, dim=-1)
+            a2 += (p * p).sum((0, 1)).double()
+            a1 += p.sum((0, 1)).double()
+        n = (tq - start) * hq
+        self.a2[layer] = (a2 / n).numpy()
+        self.a1[layer] = (a1 / n).numpy()
+
+
+def _attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, scaling: float | None = None,
+               dropout: float = 0.0, **kwargs: Any) -> Any:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    col = getattr(_STATE, "collector", None)
+    if col is not None:
+        s = scaling if scaling is not None else query.shape[-1] ** -0.5
+        col.add(int(module.layer_idx), query, key, float(s))
+    return out
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    if ATTN_NAME not in AttentionInterface._global_mapping:
+        AttentionInterface.register(ATTN_NAME, _attention)
+    if ATTN_NAME not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+        AttentionMaskInterface.register(ATTN_NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+
+
+@contextlib.contextmanager
+def _scoring(lm: Any, window: int | None) -> Iterator[_Collector]:
+    _register()
+    cfg = lm.model.config
+    old = cfg._attn_implementation
+    col = _Collector(window)
+    _STATE.collector = col
+    cfg._attn_implementation = ATTN_NAME
+    try:
+        yield col
+    finally:
+        cfg._attn_implementation = old
+        _STATE.collector = None
+
+
+def attention_importance(lm: Any, token_ids: np.ndarray, window: int | None = DEFAULT_WINDOW,
+                         squared: bool = True) -> np.ndarray:
+    """Mean over the last ``window`` queries and all query heads of ``a^2`` (or ``a``) per (layer, key token) [L, T] float64."""
+    import torch
+
+    ids = torch.as_tensor(np.asarray(token_ids, dtype=np.int64)).reshape(1, -1)
+    if ids.shape[1] == 0:
+        raise KvcInputError("no tokens to score")
+    with torch.inference_mode(), _scoring(lm, window) as col:
+        lm.model(input_ids=ids, use_cache=False)
+    L = lm.fingerprint.num_layers
+    src = col.a2 if squared else col.a1
+    missing = [i for i in range(L) if i not in src]
+    if missing:
+        raise KvcInputError(f"no attention scores for layers {missing[:5]} (unsupported model?)")
+    return np.stack([src[i] for i in range(L)])
+
+
+def cache_importance(lm: Any, cache: Any, window: int | None = DEFAULT_WINDOW) -> np.ndarray | None:
+    """:func:`attention_importance` of an unpruned cache's context, or None when it cannot apply (pruned cache)."""
+    if cache.positions is not None or cache.num_tokens != cache.num_context_tokens:
+        return None
+    return attention_importance(lm, cache.token_ids, window)
+
+
+def token_multipliers(w: np.ndarray, sink: int, n_classes: int = 16, log2_step: float = 0.5,
+                      min_log2: float = -2.0, power: float = 0.5, max_log2: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Step-multiplier classes of the coded tokens (tokens >= ``sink``) of one layer.
+
+    ``w`` [T]: importance. Ideal multiplier ``m_t = (w_t / w_ref)^-power``,
+    ``w_ref`` chosen so the importance-weighted noise power equals that of a
+    uniform step (``sum w m^2 = sum w`` over coded tokens): the ``step0`` knob
+    keeps its meaning. ``log2 m`` is rounded to multiples of ``log2_step`` and
+    clamped to ``[min_log2, min(max_log2, min_log2 + (n_classes-1) log2_step)]``.
+    Returns (classes uint8 [T - sink], table float32 [n_classes]: 2**(min_log2 + c*log2_step)).
+    """
+    w = np.maximum(np.asarray(w, np.float64)[sink:], 1e-30)
+    if max_log2 is not None:
+        n_classes = max(1, min(n_classes, int(np.floor((max_log2 - min_log2) / log2_step + 1e-9)) + 1))
+    table_l2 = min_log2 + log2_step * np.arange(n_classes)
+    table = np.exp2(table_l2).astype(np.float32)
+    if w.size == 0:
+        return np.zeros(0, np.uint8), table
+    lw = np.log2(w)
+
+    def classes(lref: float) -> np.ndarray:
+        l2 = -power * (lw - lref)
+        return np.clip(np.rint((l2 - min_log2) / log2_step), 0, n_classes - 1).astype(np.int64)
+
+    # sum w m^2 increases with lref: bisect for sum w m^2 = sum w
+    lo, hi = float(lw.min()) - 40.0, float(lw.max()) + 40.0
+    target = w.sum()
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        m = table[classes(mid)].astype(np.float64)
+        if (w * m * m).sum() > target:
+            hi = mid
+        else:
+            lo = mid
+    return classes(lo).astype(np.uint8), table

@@ -1,0 +1,195 @@
+"""The ``tokenscale`` stage: bit-exact round trip, golden vectors, malformed side data, class mapping."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from kvcodec.errors import KvcCodecError, KvcFormatError
+from kvcodec.quant import vectors as V
+from kvcodec.quant.importance import token_multipliers
+from kvcodec.quant.stages import QuantizeStage
+from kvcodec.quant.tokenscale import TokenScaleStage, pack_classes, tokenscale_decode, unpack_classes, vector_cases
+from kvcodec.stages import ArraySpec, ChunkContext, Pipeline, stage_from_json
+from kvcodec.entropy.rans_stage import RansStage
+
+rng = np.random.default_rng(11)
+TABLE = np.exp2(-2.0 + np.arange(16)).astype(np.float32)  # powers of two: encode/decode exact
+
+
+def _stage(T, bits=4, skip=0, n=16):
+    st = TokenScaleStage(bits=bits)
+    st.encoder_classes = rng.integers(0, n, T + skip).astype(np.uint8)
+    st.encoder_table = TABLE[:n]
+    st.encoder_skip = skip
+    return st
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("T", [0, 1, 7, 33])
+def test_pack_roundtrip(bits, T):
+    c = rng.integers(0, 1 << bits, T).astype(np.uint8)
+    p = pack_classes(c, bits)
+    assert p.shape == (-(-T * bits // 8),) and p.dtype == np.uint8
+    u = unpack_classes(p, bits, T)
+    assert np.array_equal(u[:T], c) and not u[T:].any()
+
+
+def test_pack_layout_lsb_first():
+    assert pack_classes(np.array([1, 2, 3], np.uint8), 4).tolist() == [0x21, 0x03]
+    assert pack_classes(np.array([1, 0, 3, 2, 1], np.uint8), 2).tolist() == [0b10110001, 0b01]
+
+
+def test_roundtrip_exact_and_formula():
+    x = rng.standard_normal((3, 40, 16)).astype(np.float32)
+    st = _stage(40, skip=4)
+    ctx = ChunkContext(token_start=10)
+    y, side = st.encode(x, ChunkContext(token_start=0))
+    cls = st.encoder_classes[4:44]
+    np.testing.assert_array_equal(y, x / TABLE[cls][None, :, None])
+    out = st.decode(y, side, ArraySpec(x.shape, "float32"), ctx)
+    assert np.array_equal(out, x)  # power-of-two multipliers: divide and multiply are exact
+    assert np.array_equal(out, tokenscale_decode(y, cls, side["mult"]))
+    assert side["class"].shape == (20,) and side["mult"].dtype == np.float32
+
+
+def test_token_start_indexes_encoder_classes():
+    st = _stage(10, skip=2)
+    st.encoder_classes = np.arange(30, dtype=np.uint8) % 16
+    x = np.ones((1, 5, 2), np.float32)
+    y, side = st.encode(x, ChunkContext(token_start=20))
+    assert np.array_equal(unpack_classes(side["class"], 4, 5)[:5], np.arange(22, 27) % 16)
+
+
+def test_pipeline_with_quantize_is_exact_and_saves_bits():
+    x = rng.standard_normal((2, 256, 16)).astype(np.float32)
+    st = TokenScaleStage(bits=2)
+    st.encoder_classes = np.repeat(np.array([0, 3], np.uint8), 128)
+    st.encoder_table = np.array([1.0, 2.0, 4.0, 8.0], np.float32)
+    p_ts = Pipeline([st, QuantizeStage(mode="step", step=0.1), RansStage(channel_group=8)])
+    p_u = Pipeline([QuantizeStage(mode="step", step=0.1), RansStage(channel_group=8)])
+    ctx = ChunkContext()
+    (b1, s1, z1), (b2, s2, z2) = p_ts.encode(x, ctx), p_u.encode(x, ctx)
+    assert len(b1) < 0.9 * len(b2)  # half the tokens at 8x the step
+    spec = ArraySpec(x.shape, "float32")
+    y, side = st.encode(x, ctx)
+    q, qs = QuantizeStage(mode="step", step=0.1).encode(y, ctx)
+    out = st.decode(QuantizeStage(mode="step", step=0.1).decode(q, qs, spec, ctx), side, spec, ctx)
+    err = np.abs(out - x)
+    assert err[:, :128].max() <= 0.0501 and err[:, 128:].max() <= 0.401  # step 0.1 rounded up to float16
+
+
+def test_no_classes_is_identity():
+    x = rng.standard_normal((2, 9, 4)).astype(np.float32)
+    st = TokenScaleStage(bits=1)
+    y, side = st.encode(x, ChunkContext())
+    assert np.array_equal(y, x) and side["mult"].tolist() == [1.0]
+    assert np.array_equal(st.decode(y, side, ArraySpec(x.shape, "float32"), ChunkContext()), x)
+
+
+# ------------------------------------------------------------------ golden vectors
+@pytest.mark.parametrize("name", sorted(vector_cases()))
+def test_golden(name):
+    d = V.VECTOR_DIR / name
+    mfile = d / vector_cases()[name]["meta"]
+    meta = json.loads(mfile.read_text())
+    x, enc, dec = np.load(d / "input.npy"), np.load(d / "encoded.npy"), np.load(d / "decoded.npy")
+    side = {k: np.load(d / f"side.{k}.npy") for k in meta["side"]}
+    st = stage_from_json(meta["stage"])
+    spec = ArraySpec(tuple(meta["spec"]["shape"]), meta["spec"]["dtype"])
+    out = st.decode(enc, side, spec, ChunkContext())
+    assert out.dtype == dec.dtype and np.array_equal(out.view(np.uint8), dec.view(np.uint8))
+    if "encoder" in meta:
+        st.encoder_classes = np.array(meta["encoder"]["classes"], np.uint8)
+        st.encoder_table = np.array(meta["encoder"]["table"], np.float32)
+    e2, s2 = st.encode(x, ChunkContext())
+    assert np.array_equal(e2, enc) and sorted(s2) == sorted(side)
+    for k in side:
+        assert np.array_equal(s2[k], side[k])
+    # normative formula: one float32 multiply
+    cls = unpack_classes(side["class"], meta["stage"]["config"]["bits"], x.shape[1])[: x.shape[1]]
+    ref = (enc.astype(np.float32) * side["mult"][cls.astype(np.int64)][None, :, None]).astype(np.float32)
+    assert np.array_equal(out.view(np.uint32), ref.view(np.uint32))
+
+
+def test_classes_vector_is_nontrivial():
+    d = V.VECTOR_DIR / "tokenscale_classes"
+    side_c, mult = np.load(d / "side.class.npy"), np.load(d / "side.mult.npy")
+    assert len(set(unpack_classes(side_c, 4, 13)[:13].tolist())) > 2 and (mult != 1).any()
+    x, dec = np.load(d / "input.npy"), np.load(d / "decoded.npy")
+    assert not np.array_equal(x, dec)  # 11.31... is not a power of two: the round trip rounds
+
+
+# ------------------------------------------------------------------ malformed side data
+def _good(T=13, bits=4):
+    st = _stage(T, bits=bits, n=5)
+    x = rng.standard_normal((2, T, 4)).astype(np.float32)
+    y, side = st.encode(x, ChunkContext())
+    return TokenScaleStage(bits=bits), y, side, ArraySpec(x.shape, "float32")
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda s: s.pop("class"),
+    lambda s: s.pop("mult"),
+    lambda s: s.update(extra=np.zeros(1, np.uint8)),
+    lambda s: s.update({"class": s["class"][:-1]}),
+    lambda s: s.update({"class": s["class"].astype(np.uint16)}),
+    lambda s: s.update({"class": np.full_like(s["class"], 0xFF)}),  # class 15 >= 5 entries (and padding)
+    lambda s: s.update({"mult": s["mult"].astype(np.float16)}),
+    lambda s: s.update({"mult": np.ones(17, np.float32)}),
+    lambda s: s.update({"mult": np.ones(0, np.float32)}),
+    lambda s: s.update({"mult": np.ones((5, 1), np.float32)}),
+    lambda s: s.update({"mult": np.array([1, 2, np.nan, 1, 1], np.float32)}),
+    lambda s: s.update({"mult": np.array([1, 2, np.inf, 1, 1], np.float32)}),
+    lambda s: s.update({"mult": np.array([1, 2, 0, 1, 1], np.float32)}),
+    lambda s: s.update({"mult": np.array([1, 2, -1, 1, 1], np.float32)}),
+])
+def test_malformed_side_data(mutate):
+    st, y, side, spec = _good()
+    side = dict(side)
+    mutate(side)
+    with pytest.raises(KvcFormatError):
+        st.decode(y, side, spec, ChunkContext())
+
+
+def test_nonzero_padding_rejected():
+    st, y, side, spec = _good(T=13)
+    c = side["class"].copy()
+    c[-1] |= 0x10  # token 13 (padding) of the last byte
+    with pytest.raises(KvcFormatError):
+        st.decode(y, {"class": c, "mult": side["mult"]}, spec, ChunkContext())
+
+
+def test_wrong_payload_rejected():
+    st, y, side, spec = _good()
+    with pytest.raises(KvcFormatError):
+        st.decode(y.astype(np.float16), side, spec, ChunkContext())
+    with pytest.raises(KvcFormatError):
+        st.decode(y[:, :-1], side, spec, ChunkContext())
+
+
+@pytest.mark.parametrize("bits", [0, 3, 16, True, "4"])
+def test_bad_config(bits):
+    with pytest.raises(KvcCodecError):
+        TokenScaleStage(bits=bits)
+
+
+def test_encoder_class_out_of_table():
+    st = TokenScaleStage(bits=4)
+    st.encoder_classes, st.encoder_table = np.array([0, 5], np.uint8), np.ones(3, np.float32)
+    with pytest.raises(KvcCodecError):
+        st.encode(np.ones((1, 2, 2), np.float32), ChunkContext())
+
+
+# ------------------------------------------------------------------ class mapping
+def test_token_multipliers_normalised_and_monotone():
+    w = np.exp(rng.standard_normal(500) * 3)
+    cls, table = token_multipliers(w, sink=4, n_classes=16, log2_step=0.5, min_log2=-2.0, power=0.25, max_log2=3.0)
+    assert cls.shape == (496,) and table.size == 11 and table[0] == 0.25 and table[-1] == 8.0
+    m = table[cls].astype(np.float64)
+    ww = w[4:]
+    assert abs((ww * m * m).sum() / ww.sum() - 1) < 0.5  # equal weighted noise power (up to class rounding)
+    order = np.argsort(ww)
+    assert (np.diff(cls[order].astype(int)) <= 0).all()  # more important -> finer step
