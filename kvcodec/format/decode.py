@@ -47,7 +47,11 @@ def decode_chunk(
 
             out = decode_chunk_gpu(pipeline, payload, sides, sizes, spec, ctx)
         else:
-            out = pipeline.decode(payload, sides, sizes, spec, ctx)
+            from ..quant.fastdecode import try_decode  # fused bit-identical path; None -> generic
+
+            out = try_decode(pipeline, payload, sides, sizes, spec, ctx)
+            if out is None:
+                out = pipeline.decode(payload, sides, sizes, spec, ctx)
     except KvcFormatError as exc:
         raise type(exc)(f"{where}: {exc}") from exc
     except KvcError:

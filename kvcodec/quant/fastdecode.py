@@ -1,0 +1,516 @@
+"""Fused CPU chunk decoder for the transform-codec pipelines (bit-identical fast path).
+
+``decode_chunk`` (kvcodec/format/decode.py) calls :func:`try_decode` first; it
+returns the decoded chunk for the pipelines it fully supports and ``None`` for
+everything else (and for anything it finds malformed), so the generic
+``Pipeline.decode`` -- the normative definition, spec/codec-v1.md -- runs and
+raises its own, exact error.
+
+Supported (array stages in this order, each optional unless noted)::
+
+    [rope] -> [keep] -> [tokenscale] -> transform (required) -> quantize(step) (required) -> rans
+
+and, for the lossless preset, ``raw -> [shuffle] -> zstd``.
+
+One numba kernel (``nogil``: the reader's prefetch thread overlaps the model)
+decodes a whole chunk head by head: rANS symbols -> zigzag -> dequant into a
+per-head coefficient buffer, then per token row the inverse transform
+(``acc = acc + y[k] * B[d, k]`` for k = 0..K-1, product and sum rounded
+separately, mean added last), the kept sink/recent rows, RoPE with the cached
+float32 tables (``t1 = x*cos``, ``t2 = r*sin``, ``t1 + t2``) and the final cast
+to float16 (round-to-nearest-even, bit-exact with numpy ``astype``). No
+fastmath anywhere: LLVM then neither contracts a multiply-add into an FMA nor
+reassociates, so every float32 op rounds exactly as the spec says.
+
+Exactness notes: the decoder skips nothing numerically -- every operation of
+the spec is performed in the spec's order; the only change is memory layout
+(y is produced straight from the symbols, no intermediate uint8 / int32 /
+float32 full-size arrays).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+from numba import njit
+
+from ..errors import KvcError
+from ..stages import ArraySpec, ChunkContext, Pipeline, SideData
+
+__all__ = ["try_decode", "supported", "rope_tables_cached", "f32_to_f16_bits"]
+
+_L = 1 << 16
+_PROB_BITS = 12
+_M = 1 << _PROB_BITS
+_LANES = 32
+
+
+# --------------------------------------------------------------------------- kernels
+@njit(cache=True, nogil=True, inline="always")
+def _f16bits(v, u):  # pragma: no cover - numba
+    """float16 bits of the float32 ``v`` whose bits are ``u`` (int64): round-to-nearest-even,
+    equal to numpy ``astype(float16)`` for every input (subnormals, overflow to inf, NaN)."""
+    sign = (u >> 16) & 0x8000
+    a = u & 0x7FFFFFFF
+    if a >= 0x477FF000:  # rounds to >= 65520 -> inf; or inf / NaN
+        if a > 0x7F800000:  # NaN: numpy keeps the top mantissa bits and never lets it become inf
+            r = 0x7C00 + ((a & 0x7FFFFF) >> 13)
+            return sign | (0x7C01 if r == 0x7C00 else r)
+        return sign | 0x7C00
+    if a >= 0x38800000:  # normal half: rebias the exponent, round the mantissa to nearest even
+        return sign | ((a - 0x38000000 + 0xFFF + ((a >> 13) & 1)) >> 13)
+    # |v| < 2**-14: a multiple of the half subnormal unit 2**-24; |v| * 2**24 is exact, rint is RNE
+    return sign | np.int64(np.rint(np.abs(v) * np.float32(16777216.0)))
+
+
+@njit(cache=True, nogil=True)
+def f32_to_f16_bits(x, out):  # pragma: no cover - numba
+    """out (uint16) = float16 bits of x (float32), round-to-nearest-even; both 1-D."""
+    u = x.view(np.uint32)
+    for i in range(x.shape[0]):
+        out[i] = _f16bits(x[i], np.int64(u[i]))
+
+
+@njit(cache=True, nogil=True)
+def _rans_head(h, nctx_h, g, freqs, cums, states, n_symbols, word_start, n_words, words, stepf, lim, tscale, has_ts,
+               ybuf, tab, st):  # pragma: no cover
+    """Decode the contexts of head ``h`` straight into ybuf [Tc, K] = f32(unzigzag(s)) * step
+    (then ``* tscale[t]``, a second rounding, when the pipeline has a tokenscale stage).
+    Returns 0, or an error code (1 overrun/underrun/final state, 2 symbol above its bit width)."""
+    K = ybuf.shape[1]
+    last = words.shape[0] - 1
+    A = freqs.shape[1]
+    for j in range(nctx_h):
+        c = h * nctx_h + j
+        for s in range(A):
+            f = np.int64(freqs[c, s])
+            cm = np.int64(cums[c, s])
+            for k in range(f):
+                tab[cm + k] = np.uint32(s | ((f - 1) << 8) | (k << 20))
+        for k in range(_LANES):
+            st[k] = states[c, k]
+        n = n_symbols[c]
+        p = word_start[c]
+        pend = p + n_words[c]
+        c0 = j * g
+        t = 0
+        cc = 0
+        bad = False
+        for i in range(n):
+            lane = i & (_LANES - 1)
+            x = st[lane]
+            e = np.int64(tab[x & (_M - 1)])
+            sym = e & 0xFF
+            x = (((e >> 8) & 0xFFF) + 1) * (x >> _PROB_BITS) + (e >> 20)
+            if x < _L:
+                q = p if p < last else last
+                x = (x << 16) | np.int64(words[q])
+                p += 1
+            st[lane] = x
+            ch = c0 + cc
+            if sym >= lim[h, ch]:
+                bad = True
+            qv = (sym >> 1) ^ -(sym & 1)
+            v = np.float32(qv) * stepf[h, ch]
+            if has_ts:
+                v = v * tscale[t]
+            ybuf[t, ch] = v
+            cc += 1
+            if cc == g:
+                cc = 0
+                t += 1
+        if p != pend:
+            return 1
+        for k in range(_LANES):
+            if st[k] != _L:
+                return 1
+        if bad:
+            return 2
+    return 0
+
+
+@njit(cache=True, nogil=True)
+def _decode_kernel(freqs, cums, states, n_symbols, word_start, n_words, words, g,
+                   stepf, lim, bt, mean, kept, n_sink, n_recent, tscale, has_ts,
+                   rope_dim, cos, sin, out16, out32, want16):  # pragma: no cover - numba
+    """Whole chunk. bt [H, K, D] (= basis transposed), mean [H, D], kept f32 [H, s+r, D],
+    tscale f32 [Tc] (has_ts: token multipliers), cos/sin f32 [Hr, T, dim] (Hr = 1: shared by heads),
+    out16 uint16 [H, T, D] (want16) or out32 f32 [H, T, D]. Returns 0 or an error code."""
+    H, K, D = bt.shape
+    T = out16.shape[1] if want16 else out32.shape[1]
+    Tc = T - n_sink - n_recent
+    nctx_h = K // g
+    ybuf = np.empty((max(Tc, 1), K), dtype=np.float32)
+    tab = np.empty(_M, dtype=np.uint32)
+    st = np.empty(_LANES, dtype=np.int64)
+    acc = np.empty(D, dtype=np.float32)
+    row = np.empty(D, dtype=np.float32)
+    half = rope_dim // 2
+    zero = np.float32(0.0)
+    for h in range(H):
+        if Tc > 0:
+            code = _rans_head(h, nctx_h, g, freqs, cums, states, n_symbols, word_start, n_words, words, stepf, lim,
+                                 tscale, has_ts, ybuf, tab, st)
+            if code != 0:
+                return code
+        hr = h if cos.shape[0] > 1 else 0
+        for t in range(T):
+            if t < n_sink:
+                for d in range(D):
+                    acc[d] = kept[h, t, d]
+            elif t >= T - n_recent:
+                tk = n_sink + t - (T - n_recent)
+                for d in range(D):
+                    acc[d] = kept[h, tk, d]
+            else:
+                tt = t - n_sink
+                for d in range(D):
+                    acc[d] = zero
+                for k in range(K):
+                    yk = ybuf[tt, k]
+                    for d in range(D):
+                        acc[d] = acc[d] + yk * bt[h, k, d]
+                for d in range(D):
+                    acc[d] = acc[d] + mean[h, d]
+            if rope_dim > 0:
+                for d in range(half):
+                    t1 = acc[d] * cos[hr, t, d]
+                    t2 = (-acc[d + half]) * sin[hr, t, d]
+                    row[d] = t1 + t2
+                for d in range(half, rope_dim):
+                    t1 = acc[d] * cos[hr, t, d]
+                    t2 = acc[d - half] * sin[hr, t, d]
+                    row[d] = t1 + t2
+                for d in range(rope_dim, D):
+                    row[d] = acc[d]
+                src = row
+            else:
+                src = acc
+            if want16:
+                u = src.view(np.uint32)
+                for d in range(D):
+                    out16[h, t, d] = _f16bits(src[d], np.int64(u[d]))
+            else:
+                for d in range(D):
+                    out32[h, t, d] = src[d]
+    return 0
+
+
+@njit(cache=True, nogil=True)
+def _unshuffle(src, out, es):  # pragma: no cover - numba
+    """out[i * es + b] = src[b * m + i] (m = len // es); the tail (< es bytes) is copied."""
+    n = src.shape[0]
+    m = n // es
+    for b in range(es):
+        base = b * m
+        for i in range(m):
+            out[i * es + b] = src[base + i]
+    for i in range(m * es, n):
+        out[i] = src[i]
+
+
+# --------------------------------------------------------------------------- caches
+class _LRU:
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.d: OrderedDict[Any, Any] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def get(self, key: Any) -> Any:
+        with self.lock:
+            v = self.d.get(key)
+            if v is not None:
+                self.d.move_to_end(key)
+            return v
+
+    def put(self, key: Any, v: Any) -> None:
+        with self.lock:
+            self.d[key] = v
+            self.d.move_to_end(key)
+            while len(self.d) > self.n:
+                self.d.popitem(last=False)
+
+
+_ROPE = _LRU(64)
+_MATS = _LRU(512)
+
+
+def rope_tables_cached(pos: np.ndarray, theta: float, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`kvcodec.quant.rope.rope_tables` of positions (T,) or (H, T), cached per (positions, theta, dim).
+
+    Returns read-only float32 arrays [1, T, dim] (1-D positions) or [H, T, dim].
+    """
+    from .rope import rope_tables
+
+    p = np.ascontiguousarray(pos, dtype=np.int64)
+    if p.ndim == 2 and p.shape[0] > 1 and (p == p[:1]).all():
+        p = p[0]
+    n = p.shape[-1]
+    if p.ndim == 1 and n and int(p[-1]) - int(p[0]) == n - 1 and (n == 1 or bool((np.diff(p) == 1).all())):
+        key: Any = ("range", int(p[0]), n, float(theta), int(dim))
+    else:
+        key = ("pos", p.shape, p.tobytes(), float(theta), int(dim))
+    hit = _ROPE.get(key)
+    if hit is None:
+        c, s = rope_tables(p if p.ndim == 2 else p[None, :], theta, dim)
+        c, s = np.ascontiguousarray(c, np.float32), np.ascontiguousarray(s, np.float32)
+        c.flags.writeable = False
+        s.flags.writeable = False
+        hit = (c, s)
+        _ROPE.put(key, hit)
+    return hit
+
+
+def _matrices(tr: Any, H: int, D: int, ctx: ChunkContext) -> tuple[np.ndarray, np.ndarray]:
+    """(bt [H, K, D], mean [H, D]) float32 of a transform stage, cached per attachment arrays / row / heads."""
+    K = D if tr.k is None else tr.k
+    if tr.basis == "hadamard":
+        key: Any = ("had", H, D, K)
+        ref: tuple = ()
+    else:
+        nb, nm = f"{tr.attachment}.basis", f"{tr.attachment}.mean"
+        B, M = ctx.attachments.get(nb), ctx.attachments.get(nm)
+        if B is None or M is None:
+            return None, None  # type: ignore[return-value]
+        row = 2 * ctx.layer + (0 if ctx.kind == "k" else 1)
+        key = ("pca", id(B), id(M), row, ctx.kind, ctx.layer, int(ctx.extra.get("head_start", 0)), H, D, K)
+        ref = (B, M)
+    hit = _MATS.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit[2], ref)):
+        return hit[0], hit[1]
+    b, m = tr.matrices(H, D, ctx)  # validates (raises KvcFormatError)
+    bt = np.ascontiguousarray(np.swapaxes(np.asarray(b, np.float32), 1, 2))
+    m = np.ascontiguousarray(m, np.float32)
+    _MATS.put(key, (bt, m, ref))
+    return bt, m
+
+
+# --------------------------------------------------------------------------- dispatch
+def _structure(pipeline: Pipeline) -> tuple | None:
+    """(kind, stages...) for a supported pipeline, else None."""
+    from ..entropy.rans_stage import RansStage
+    from .stages import KeepStage, QuantizeStage, RopeStage, TransformStage
+
+    st = pipeline.stages
+    types = [type(s).__name__ for s in st]
+    if types and types[0] == "Raw":
+        from ..format.lossless import Raw, Shuffle, Zstd
+
+        if (type(st[0]) is Raw and st[0].dtype is None and len(st) in (2, 3) and type(st[-1]) is Zstd
+                and (len(st) == 2 or type(st[1]) is Shuffle)):
+            return ("lossless", st[1] if len(st) == 3 else None)
+        return None
+    if len(st) < 3 or type(st[-1]) is not RansStage or type(st[-2]) is not QuantizeStage or st[-2].mode != "step":
+        return None
+    i = len(st) - 3
+    ts = None
+    if type(st[i]).__name__ == "TokenScaleStage" and getattr(st[i], "name", "") == "tokenscale" and getattr(st[i], "version", 0) == 1:
+        ts = st[i]
+        i -= 1
+    if i < 0 or type(st[i]) is not TransformStage:
+        return None
+    rest = st[:i]
+    rope = keep = None
+    j = 0
+    if j < len(rest) and type(rest[j]) is RopeStage:
+        rope = rest[j]
+        j += 1
+    if j < len(rest) and type(rest[j]) is KeepStage:
+        keep = rest[j]
+        j += 1
+    if j != len(rest):
+        return None
+    return ("lossy", rope, keep, st[i], ts, st[-2], st[-1])
+
+
+_STRUCT: dict[int, tuple[Pipeline, tuple | None]] = {}
+
+
+def supported(pipeline: Pipeline) -> bool:
+    """True when :func:`try_decode` has a fused path for ``pipeline``."""
+    return _struct(pipeline) is not None
+
+
+def _struct(pipeline: Pipeline) -> tuple | None:
+    hit = _STRUCT.get(id(pipeline))
+    if hit is not None and hit[0] is pipeline:
+        return hit[1]
+    s = _structure(pipeline)
+    if len(_STRUCT) > 4096:
+        _STRUCT.clear()
+    _STRUCT[id(pipeline)] = (pipeline, s)
+    return s
+
+
+def try_decode(pipeline: Pipeline, payload: Any, sides: list[SideData], sizes: list[int], spec: ArraySpec,
+               ctx: ChunkContext) -> np.ndarray | None:
+    """The decoded chunk (exactly ``Pipeline.decode``'s result), or None: not supported or not valid
+    (the generic path then decodes, or raises the spec's error)."""
+    s = _struct(pipeline)
+    if s is None or len(spec.shape) != 3 or spec.dtype not in ("float16", "float32"):
+        return None
+    if len(sides) != len(pipeline.stages) or len(sizes) != len(pipeline.byte_stages):
+        return None
+    try:
+        if s[0] == "lossless":
+            return _lossless(s[1], payload, sides, sizes, spec)
+        return _lossy(pipeline, s, payload, sides, spec, ctx)
+    except (KvcError, ValueError, TypeError, MemoryError):
+        return None
+
+
+def _lossless(shuffle: Any, payload: Any, sides: list[SideData], sizes: list[int], spec: ArraySpec) -> np.ndarray | None:
+    import zstandard
+
+    from ..format.lossless import ZSTD_MAX_WINDOW
+
+    if any(sides):
+        return None
+    n = int(np.prod(spec.shape, dtype=np.int64))
+    nbytes = n * np.dtype(spec.dtype).itemsize
+    zsize = sizes[-1]
+    if zsize != nbytes or (shuffle is not None and sizes[0] != nbytes):
+        return None
+    try:
+        dobj = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW).decompressobj()
+        raw = dobj.decompress(payload)
+        if dobj.unused_data or not dobj.eof:
+            return None
+    except zstandard.ZstdError:
+        return None
+    if len(raw) != nbytes:
+        return None
+    src = np.frombuffer(raw, dtype=np.uint8)
+    out = np.empty(spec.shape, dtype=spec.dtype)
+    if shuffle is None:
+        out.reshape(-1).view(np.uint8)[:] = src
+    else:
+        _unshuffle(src, out.reshape(-1).view(np.uint8), shuffle.elementsize)
+    if np.dtype(spec.dtype).byteorder == ">":  # pragma: no cover - big-endian hosts
+        return None
+    return out
+
+
+def _tokenscale_table(ts: Any, side: SideData, T: int) -> np.ndarray | None:
+    """float32 [T] multiplier of each coded token, validated exactly like ``TokenScaleStage.decode`` (None if invalid)."""
+    import sys
+
+    mod = sys.modules.get(type(ts).__module__)
+    unpack = getattr(mod, "unpack_classes", None)
+    if unpack is None or set(side) != {"class", "mult"}:
+        return None
+    mult, packed = np.asarray(side["mult"]), np.asarray(side["class"])
+    if mult.dtype != np.float32 or mult.ndim != 1 or not 1 <= mult.shape[0] <= (1 << ts.bits):
+        return None
+    if not (np.isfinite(mult).all() and (mult > 0).all()):
+        return None
+    nbytes = -(-T * ts.bits // 8)
+    if packed.dtype != np.uint8 or packed.shape != (nbytes,):
+        return None
+    cls = unpack(packed, ts.bits, T)
+    if (cls[T:] != 0).any():
+        return None
+    cls = cls[:T]
+    if T and int(cls.max()) >= mult.shape[0]:
+        return None
+    return np.ascontiguousarray(mult[cls.astype(np.int64)], dtype=np.float32)
+
+
+def _lossy(pipeline: Pipeline, s: tuple, payload: Any, sides: list[SideData], spec: ArraySpec, ctx: ChunkContext) -> np.ndarray | None:
+    _, rope, keep, tr, ts, qz, rs = s
+    H, T, D = spec.shape
+    specs = pipeline.specs(spec)  # input spec of each array stage + the bytes stage
+    qspec = specs[-1]
+    Hq, Tc, K = qspec.shape
+    g = rs.channel_group if rs.channel_group is not None else K
+    if K == 0 or Tc < 0 or K > D or g <= 0 or K % g:
+        return None
+    si = 0
+    # rope: no side data; tables
+    rope_dim = 0
+    cos = sin = _EMPTY3
+    if rope is not None:
+        if sides[si] or rope.dim > D:
+            return None
+        from .rope import positions_for
+
+        if T:
+            p = ctx.positions
+            if p is None:
+                p = np.arange(ctx.token_start, ctx.token_start + T, dtype=np.int64)
+            else:
+                p = np.asarray(p)
+                if p.ndim == 3:
+                    p = positions_for(p, ctx.layer, H, T, ctx.token_start)
+                elif not ((p.ndim == 1 and p.shape[0] == T) or (p.ndim == 2 and p.shape == (H, T))):
+                    return None
+            cos, sin = rope_tables_cached(p, rope.theta, rope.dim)
+            rope_dim = rope.dim
+        si += 1
+    # keep
+    n_sink = n_recent = 0
+    kept = _EMPTY3
+    if keep is not None:
+        side = sides[si]
+        n_sink, n_recent = keep.counts(T)
+        if set(side) != {"kept"}:
+            return None
+        kp = np.asarray(side["kept"])
+        if kp.dtype != np.dtype(keep.dtype) or kp.shape != (H, n_sink + n_recent, D):
+            return None
+        kept = np.ascontiguousarray(kp, dtype=np.float32)
+        if not np.isfinite(kept).all():
+            return None
+        si += 1
+    # transform
+    if sides[si]:
+        return None
+    bt, mean = _matrices(tr, H, D, ctx)
+    if bt is None or bt.shape != (H, K, D):
+        return None
+    si += 1
+    tscale = _EMPTY1
+    has_ts = False
+    if ts is not None:
+        tscale = _tokenscale_table(ts, sides[si], Tc)
+        if tscale is None:
+            return None
+        has_ts = True
+        si += 1
+    # quantize(step)
+    side = sides[si]
+    if set(side) != {"step", "bits"}:
+        return None
+    step, bits = np.asarray(side["step"]), np.asarray(side["bits"])
+    if step.dtype != np.float16 or bits.dtype != np.uint8 or step.shape != (H, K) or bits.shape != (H, K):
+        return None
+    stepf = step.astype(np.float32)
+    if not (np.isfinite(stepf).all() and (stepf >= 0).all()) or (bits > qz.max_bits).any():
+        return None
+    lim = np.left_shift(np.int64(1), bits.astype(np.int64))
+    si += 1
+    # rans
+    if sides[si]:
+        return None
+    stream = rs.parse(payload, qspec)
+    words = stream.words if stream.words.size else np.zeros(1, np.uint16)
+    want16 = spec.dtype == "float16"
+    out = np.empty((H, T, D), dtype=np.uint16 if want16 else np.float32)
+    o16 = out if want16 else _EMPTY3U
+    o32 = _EMPTY3 if want16 else out
+    if stream.n_contexts != H * (K // g):
+        return None
+    code = _decode_kernel(stream.freqs, stream.cums, stream.states, stream.n_symbols, stream.word_start, stream.n_words,
+                          words, g, stepf, lim, bt, mean, kept, n_sink, n_recent, tscale, has_ts,
+                          rope_dim, cos, sin, o16, o32, want16)
+    if code != 0:
+        return None
+    return out.view(np.float16) if want16 else out
+
+
+_EMPTY3 = np.zeros((1, 1, 1), np.float32)
+_EMPTY3U = np.zeros((1, 1, 1), np.uint16)
+_EMPTY1 = np.zeros(1, np.float32)
