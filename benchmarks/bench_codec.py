@@ -3,6 +3,11 @@
     python benchmarks/bench_codec.py                       # presets x DEFAULT_BENCH_TEXTS
     python benchmarks/bench_codec.py --texts gpl3 --sweep 0.05,0.1,0.2   # rate frontier
     python benchmarks/bench_codec.py --calibration embedded --basis hadamard ...
+    python benchmarks/bench_codec.py --texts gpl3 --sweep 0.3,0.4 --tokenscale '{"max_log2": 2}'   # sweep with tokenscale
+    python benchmarks/bench_codec.py --no-tokenscale        # presets with uniform per-token steps
+
+Presets with ``tokenscale`` score the context once per text (one extra
+prefill, included in no timing column) and reuse the importance for all runs.
 
 Captures (2048-token contexts + 256-token continuations) are cached in
 $KVC_BENCH_CACHE (default /tmp/kvc-cache). Bits/element = real `.kvc` bytes x 8
@@ -58,6 +63,8 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=None)
     ap.add_argument("--sink", type=int, default=None)
     ap.add_argument("--deadzone", type=float, default=None)
+    ap.add_argument("--tokenscale", default="", help="JSON tokenscale options for --sweep runs (default: off)")
+    ap.add_argument("--no-tokenscale", action="store_true", help="drop tokenscale from the presets")
     ap.add_argument("--greedy", type=int, default=16)
     ap.add_argument("--json", default="")
     a = ap.parse_args()
@@ -69,9 +76,20 @@ def main() -> None:
         cache, cont = get_capture(lm, text)
         ex_logits = continue_logits(lm, cache, cont)
         ex_greedy = greedy(lm, cache, int(cont[0]), a.greedy) if a.greedy else None
-        runs = [(f"step0={s}", {"step0": float(s)}) for s in a.sweep.split(",") if s] or [(p, dict(P.PRESETS[p])) for p in a.presets.split(",")]
+        ts_sweep = json.loads(a.tokenscale) if a.tokenscale else None
+        runs = [(f"step0={s}", {"step0": float(s), "tokenscale": ts_sweep}) for s in a.sweep.split(",") if s] or \
+            [(p, dict(P.PRESETS[p])) for p in a.presets.split(",")]
+        importance = None
         for label, args in runs:
             args.update({k: v for k, v in (("group", a.group), ("sink", a.sink), ("deadzone", a.deadzone)) if v is not None})
+            if a.no_tokenscale:
+                args.pop("tokenscale", None)
+            if args.get("tokenscale") is not None:
+                if importance is None:
+                    from kvcodec.quant.importance import cache_importance
+
+                    importance = cache_importance(lm, cache, window={**P.TOKENSCALE_DEFAULT, **args["tokenscale"]}["window"])
+                args["importance"] = importance
             t0 = time.perf_counter()
             plan = P.transform_plan(cache, cal=cal, calibration=a.calibration, basis=a.basis, preset=label, **args)
             data = P.encode_bytes(cache, plan)

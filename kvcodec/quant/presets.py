@@ -38,8 +38,9 @@ from .tokenscale import TokenScaleStage
 # are scaled by that model's measured sensitivities).
 PRESETS: dict[str, dict[str, Any]] = {
     "near-lossless": {"step0": 0.02, "sink": 4, "group": 8},
-    "balanced": {"step0": 0.4, "sink": 4, "group": 8},
-    "small": {"step0": 0.8, "sink": 4, "group": 8},
+    # tokenscale (importance-weighted steps, needs the model at encode time; uniform steps without it)
+    "balanced": {"step0": 0.33, "sink": 4, "group": 8, "tokenscale": {"max_log2": 2.0}},
+    "small": {"step0": 0.8, "sink": 4, "group": 8, "tokenscale": {"max_log2": 3.0}},
 }
 LOSSLESS = "lossless"
 # token-importance-weighted quantization (tokenscale stage): importance = mean a^2 over the last
@@ -232,6 +233,10 @@ def plan_for_target(cache: Any, lm: Any, target_kl: float | None = None, target_
     continuation = np.asarray(continuation, np.int64)
     exact = continue_logits(lm, cache, continuation)
     cal = kw.pop("cal", None) or get_calibration(lm)
+    if kw.get("tokenscale") is not None and kw.get("importance") is None:  # score the context once, not per probe
+        from .importance import cache_importance
+
+        kw["importance"] = cache_importance(lm, cache, window={**TOKENSCALE_DEFAULT, **kw["tokenscale"]}["window"])
 
     def measure(step0: float) -> tuple[bool, dict[str, Any]]:
         plan = transform_plan(cache, step0, cal=cal, lm=lm, preset="target", **kw)
