@@ -1,0 +1,244 @@
+"""The fused CPU decoder (kvcodec/quant/fastdecode.py) is bit-identical to ``Pipeline.decode``.
+
+``decode_chunk`` tries the fused path first; these tests decode the same chunks
+with the fused path and with the generic (normative) stage decodes and compare
+every bit, on real SmolLM2 caches for every preset, on the `.kvc` golden
+vectors and on synthetic pipelines covering positions / keep / tokenscale /
+hadamard / float32 corners; malformed chunks must fall back (and raise the
+generic error).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvcodec.quant.fastdecode as F
+from kvcodec.entropy.rans_stage import RansStage
+from kvcodec.errors import KvcFormatError
+from kvcodec.format import KvcReader
+from kvcodec.format.decode import decode_chunk
+from kvcodec.quant.stages import KeepStage, QuantizeStage, RopeStage, TransformStage
+from kvcodec.stages import ArraySpec, ChunkContext, Pipeline
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    a = np.ascontiguousarray(a)
+    return a.view(np.uint8)
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(_bits(a), _bits(b))
+
+
+# --------------------------------------------------------------------------- float16 rounding
+def test_f16_conversion_matches_numpy():
+    rng = np.random.default_rng(0)
+    parts = [
+        rng.integers(0, 1 << 32, 2_000_000, dtype=np.uint64).astype(np.uint32),
+        np.arange(0x33000000, 0x33000000 + (1 << 20), dtype=np.uint32),  # around the smallest subnormal
+        np.arange(0x387F0000, 0x38810000, dtype=np.uint32),  # subnormal -> normal boundary
+        np.arange(0x477F0000, 0x47810000, dtype=np.uint32),  # 65504 / overflow to inf
+        np.arange(0x7F800000, 0x7F800000 + (1 << 16), dtype=np.uint32),  # inf, NaNs (signalling too)
+        np.arange(0x7FFF0000, 0x80000000, dtype=np.uint64).astype(np.uint32),
+    ]
+    u = np.concatenate(parts)
+    u = np.concatenate([u, u | np.uint32(0x80000000)])
+    x = u.view(np.float32)
+    out = np.empty(x.size, np.uint16)
+    F.f32_to_f16_bits(x, out)
+    with np.errstate(all="ignore"):
+        ref = x.astype(np.float16).view(np.uint16)
+    bad = np.flatnonzero(out != ref)
+    assert bad.size == 0, f"{bad.size} mismatches, first {hex(int(u[bad[0]]))}: {hex(int(out[bad[0]]))} != {hex(int(ref[bad[0]]))}"
+
+
+# --------------------------------------------------------------------------- helpers
+def _both(pipe: Pipeline, arr: np.ndarray, ctx: ChunkContext, dec_ctx: ChunkContext | None = None):
+    payload, sides, sizes = pipe.encode(arr, ctx)
+    spec = ArraySpec(arr.shape, arr.dtype.name)
+    dctx = dec_ctx or ctx
+    fast = F.try_decode(pipe, payload, sides, sizes, spec, dctx)
+    ref = pipe.decode(payload, sides, sizes, spec, dctx)
+    return fast, ref, (payload, sides, sizes, spec, dctx)
+
+
+def _pca(L: int = 2, H: int = 3, D: int = 64, dtype=np.float16, seed: int = 1) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    q = np.linalg.qr(rng.standard_normal((2 * L, H, D, D)))[0]
+    return {"pca.basis": (q * 1.01).astype(dtype), "pca.mean": (rng.standard_normal((2 * L, H, D)) * 0.3).astype(dtype)}
+
+
+def _data(H=3, T=37, D=64, seed=2, dtype=np.float16) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    scale = np.exp(rng.standard_normal(D)).astype(np.float32)
+    x = rng.standard_normal((H, T, D)).astype(np.float32) * scale
+    x[:, :2] *= 30  # sink-like outliers
+    return x.astype(dtype)
+
+
+def _ts_stage(T_coded: int, sink: int):
+    ts_mod = pytest.importorskip("kvcodec.quant.tokenscale")
+    st = ts_mod.TokenScaleStage(bits=4)
+    rng = np.random.default_rng(5)
+    st.encoder_classes = rng.integers(0, 5, 4096).astype(np.uint8)
+    st.encoder_table = np.array([0.25, 1.0, 2.0, 11.3137085, 45.254834], np.float32)  # a non-power of two rounds
+    st.encoder_skip = sink
+    return st
+
+
+# --------------------------------------------------------------------------- synthetic pipelines
+@pytest.mark.parametrize("variant", ["keys", "values", "recent", "no_keep", "hadamard", "f32", "pos1d", "pos2d", "pos3d",
+                                     "tokenscale", "k_full", "all_kept", "group4", "pca_f32"])
+def test_synthetic_pipelines_bit_identical(variant):
+    H, T, D = 3, 37, 64
+    dtype = np.float32 if variant == "f32" else np.float16
+    arr = _data(H, T, D, dtype=dtype)
+    att = _pca(dtype=np.float32 if variant == "pca_f32" else np.float16)
+    rope = RopeStage(theta=100000.0, dim=64 if variant != "pos2d" else 48)
+    keep = KeepStage(sink=4, recent=5 if variant == "recent" else 0, dtype="float16")
+    if variant == "all_kept":
+        keep = KeepStage(sink=40, recent=0, dtype="float32")
+    tr = TransformStage(basis="hadamard" if variant == "hadamard" else "pca", k=None if variant == "k_full" else 24)
+    qz = QuantizeStage(mode="step", step=0.05, max_bits=8)
+    rs = RansStage(channel_group=4 if variant == "group4" else 8)
+    stages = [tr, qz, rs]
+    if variant == "tokenscale":
+        stages = [tr, _ts_stage(T - 4, 4), qz, rs]
+    if variant != "no_keep":
+        stages = [keep] + stages
+    if variant != "values":
+        stages = [rope] + stages
+    pipe = Pipeline(stages)
+    assert F.supported(pipe)
+    positions = None
+    if variant == "pos1d":
+        positions = np.sort(np.random.default_rng(3).choice(5000, T, replace=False)).astype(np.int64)
+    elif variant == "pos2d":
+        positions = np.stack([np.sort(np.random.default_rng(h).choice(5000, T, replace=False)) for h in range(H)]).astype(np.int64)
+    elif variant == "pos3d":
+        positions = np.random.default_rng(4).integers(0, 9000, (2, H, T)).astype(np.int64)
+    ctx = ChunkContext(layer=1, kind="k" if variant != "values" else "v", token_start=123, positions=positions,
+                       attachments=att, extra={"head_start": 0})
+    fast, ref, _ = _both(pipe, arr, ctx)
+    assert fast is not None, "fused path declined a supported pipeline"
+    assert _same(fast, ref)
+
+
+def test_fast_path_declines_unsupported():
+    minmax = Pipeline([QuantizeStage(mode="minmax", bits=4, axis="channel", group=8), RansStage()])
+    assert not F.supported(minmax)
+    arr = np.random.default_rng(0).integers(0, 16, (2, 16, 8)).astype(np.float16)
+    p, s, z = minmax.encode(arr, ChunkContext())
+    assert F.try_decode(minmax, p, s, z, ArraySpec(arr.shape, "float16"), ChunkContext()) is None
+
+
+@pytest.mark.parametrize("mutate", ["bits_too_small", "step_nan", "kept_inf", "payload_flip", "extra_side", "basis_nan"])
+def test_malformed_chunks_fall_back_to_the_generic_error(mutate):
+    arr = _data()
+    att = _pca()
+    pipe = Pipeline([RopeStage(theta=100000.0, dim=64), KeepStage(sink=4), TransformStage(k=24),
+                     QuantizeStage(mode="step", step=0.05, max_bits=8), RansStage(channel_group=8)])
+    ctx = ChunkContext(layer=0, kind="k", attachments=att)
+    payload, sides, sizes = pipe.encode(arr, ctx)
+    sides = [dict(s) for s in sides]
+    payload = bytearray(payload)
+    if mutate == "bits_too_small":
+        sides[3]["bits"] = np.maximum(sides[3]["bits"].astype(np.int64) - 1, 0).astype(np.uint8)
+    elif mutate == "step_nan":
+        sides[3]["step"] = sides[3]["step"].copy()
+        sides[3]["step"][0, 0] = np.nan
+    elif mutate == "kept_inf":
+        sides[1]["kept"] = sides[1]["kept"].copy()
+        sides[1]["kept"][0, 0, 0] = np.inf
+    elif mutate == "payload_flip":
+        payload[len(payload) // 2] ^= 0x10
+    elif mutate == "extra_side":
+        sides[2]["junk"] = np.zeros(1, np.uint8)
+    elif mutate == "basis_nan":
+        b = att["pca.basis"].copy()
+        b[0, 0, 0, 0] = np.nan
+        ctx = ChunkContext(layer=0, kind="k", attachments={"pca.basis": b, "pca.mean": att["pca.mean"]})
+    spec = ArraySpec(arr.shape, "float16")
+    assert F.try_decode(pipe, bytes(payload), sides, sizes, spec, ctx) is None
+    with pytest.raises(KvcFormatError) as generic:
+        pipe.decode(bytes(payload), sides, sizes, spec, ctx)
+    with pytest.raises(KvcFormatError) as hooked:
+        decode_chunk(pipe, bytes(payload), sides, sizes, spec, ctx, "cpu")
+    assert str(generic.value) in str(hooked.value)
+
+
+# --------------------------------------------------------------------------- files
+def _decode_all(r: KvcReader, fast: bool, monkeypatch) -> list[np.ndarray]:
+    if not fast:
+        monkeypatch.setattr(F, "try_decode", lambda *a: None)
+    out = [r.read_chunk(j, "cpu") for j in range(r.num_chunks)]
+    monkeypatch.undo()
+    return out
+
+
+def _compare_file(data: bytes, monkeypatch, resolver=None, expect_fast: bool = True) -> None:
+    r = KvcReader(data, attachment_resolver=resolver)
+    hits = []
+    orig = F.try_decode
+
+    def spy(*a):
+        out = orig(*a)
+        hits.append(out is not None)
+        return out
+
+    monkeypatch.setattr(F, "try_decode", spy)
+    fast = [r.read_chunk(j, "cpu") for j in range(r.num_chunks)]
+    monkeypatch.undo()
+    ref = _decode_all(r, False, monkeypatch)
+    for j, (a, b) in enumerate(zip(fast, ref)):
+        assert _same(a, b), f"chunk {j} differs"
+    if expect_fast:
+        assert all(hits), f"fused path declined {hits.count(False)} of {len(hits)} chunks"
+
+
+def test_kvc_golden_vectors(monkeypatch):
+    d = ROOT / "spec" / "vectors" / "kvc"
+    manifest = json.loads((d / "manifest.json").read_text())
+    for name, v in manifest["vectors"].items():
+        data = (d / v["file"]).read_bytes()
+        _compare_file(data, monkeypatch, expect_fast=False)
+
+
+@pytest.mark.model
+def test_real_cache_every_preset_bit_identical(real_cache, monkeypatch):
+    import torch
+
+    from kvcodec.format.writer import write_kvc
+    from kvcodec.quant import presets as P
+
+    c = real_cache(256)
+    c16 = type(c)([k.to(torch.float16) for k in c.keys], [v.to(torch.float16) for v in c.values], c.token_ids, c.fingerprint,
+                  c.positions, dict(c.meta))
+    import io
+
+    for name in ("balanced", "near-lossless", "small", "lossless"):
+        plan = P.get_plan(name, c16)
+        for chunking in ({}, {"chunk_tokens": 100, "chunk_heads": 2}):
+            buf = io.BytesIO()
+            write_kvc(c16, buf, plan.pipelines, attachments=plan.attachments, preset=plan.preset, **chunking)
+            _compare_file(buf.getvalue(), monkeypatch, P.attachment_resolver)
+    # token-importance classes (tokenscale stage), when the preset code supports them
+    import inspect
+
+    if "tokenscale" in inspect.signature(P.transform_plan).parameters:
+        imp = np.random.default_rng(0).random((c16.fingerprint.num_layers, c16.num_tokens))
+        plan = P.get_plan("balanced", c16, tokenscale={}, importance=imp)
+        buf = io.BytesIO()
+        write_kvc(c16, buf, plan.pipelines, attachments=plan.attachments, preset=plan.preset, chunk_tokens=100)
+        _compare_file(buf.getvalue(), monkeypatch, P.attachment_resolver)
+    # float32 cache (the capture's own dtype) through the balanced plan
+    plan = P.get_plan("balanced", c)
+    buf = io.BytesIO()
+    write_kvc(c, buf, plan.pipelines, attachments=plan.attachments, preset=plan.preset, chunk_tokens=128)
+    _compare_file(buf.getvalue(), monkeypatch, P.attachment_resolver)
