@@ -87,10 +87,14 @@ def lingua_cache(lm: Any, ids: np.ndarray, info: np.ndarray, spec: str, relevanc
 
 
 def encode_decode(cache: KVCache, preset: str) -> tuple[int, KVCache]:
+    """(.kvc bytes, decoded cache) for a preset name or ``step0=X`` (the codec's rate knob)."""
     from kvcodec.format import KvcReader, get_plan, write_kvc
     from kvcodec.quant.presets import attachment_resolver
 
-    plan = get_plan(preset, cache)
+    if preset.startswith("step0="):
+        plan = get_plan("balanced", cache, step0=float(preset.split("=", 1)[1]))
+    else:
+        plan = get_plan(preset, cache)
     buf = io.BytesIO()
     write_kvc(cache, buf, plan.pipelines, attachments=plan.attachments or None, preset=plan.preset, meta=cache.meta)
     data = buf.getvalue()
@@ -103,6 +107,7 @@ def encode_decode(cache: KVCache, preset: str) -> tuple[int, KVCache]:
 def quality_rows(lm: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     presets = ["raw"] + ([] if args.no_codec else ["balanced"])
+    codec_only = [] if args.no_codec else [f"step0={x}" for x in args.codec_steps]
     for name in args.texts:
         all_ids = tokenize(lm.tokenizer, load_text(name))
         ids, cont = all_ids[: args.tokens], all_ids[args.tokens : args.tokens + args.cont]
@@ -115,16 +120,18 @@ def quality_rows(lm: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
         ex_greedy = greedy(lm, exact, int(cont[0]), args.greedy) if args.greedy else None
         elems = exact.num_elements
         variants: list[tuple[str, str, Any]] = [("none", "exact", lambda: exact16)]
-        for b in args.h2o:
+        if args.only_codec:
+            presets = []
+        for b in ([] if args.only_codec else args.h2o):
             variants.append(("h2o", f"h2o:{b}", lambda b=b: h2o_prune(exact16, scores, parse_prune(f"h2o:{b},window={args.window}"))))
-        if scores_all is not None:
+        if scores_all is not None and not args.only_codec:
             for b in args.h2o_all:
                 variants.append(("h2o", f"h2o:{b},window=all", lambda b=b: h2o_prune(exact16, scores_all, parse_prune(f"h2o:{b},window=all"))))
-        for r in args.lingua:
+        for r in ([] if args.only_codec else args.lingua):
             variants.append(("lingua", f"lingua:{r}", lambda r=r: lingua_cache(lm, ids, info, f"lingua:{r}").to(torch.float16)))
         for method, spec, make in variants:
             pruned = make()
-            for preset in presets:
+            for preset in presets + (codec_only if method == "none" else []):
                 nbytes, dec = encode_decode(pruned, preset)
                 q = evaluate_pruned(lm, exact, dec, cont, greedy_tokens=args.greedy, exact_logits=ex_logits, exact_greedy=ex_greedy)
                 rows.append({"text": name, "method": method, "spec": spec, "preset": preset,
@@ -252,6 +259,9 @@ def main() -> None:
     ap.add_argument("--h2o-all", nargs="*", default=["0.25"], help="budgets also scored with window=all")
     ap.add_argument("--lingua", nargs="+", default=["0.75", "0.5", "0.25"])
     ap.add_argument("--no-codec", action="store_true", help="skip the balanced composition")
+    ap.add_argument("--codec-steps", nargs="*", default=["0.8", "1.6", "3.2"],
+                    help="codec-only rate points (step0; balanced=0.4, small=0.8) on the exact cache, for equal-bits comparison")
+    ap.add_argument("--only-codec", action="store_true", help="run only the codec-only rate points (quality part)")
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--keys", type=int, default=8)
     ap.add_argument("--retrieval-tokens", type=int, default=1024)
@@ -261,7 +271,17 @@ def main() -> None:
     ap.add_argument("--skip-retrieval", action="store_true")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--render", nargs="+", metavar="JSON", help="print the Markdown tables of saved --json outputs (merged)")
     args = ap.parse_args()
+    if args.render:
+        rows, retr = [], []
+        for path in args.render:
+            d = json.loads(Path(path).read_text())
+            rows += d["quality"]
+            retr += d["retrieval"]
+            saved = argparse.Namespace(**d["args"])
+        print(markdown(rows, retr, saved))
+        return
     torch.set_num_threads(args.threads)
     lm = load_model()
     rows = [] if args.skip_quality else quality_rows(lm, args)
