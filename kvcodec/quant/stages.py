@@ -108,16 +108,11 @@ class RopeStage(ArrayToArray):
         if self.dim > D:
             raise KvcCodecError(f"codec 'rope': dim {self.dim} exceeds {D} channels")
         pos = positions_for(ctx.positions, ctx.layer, H, T, ctx.token_start)
-        ang = np.asarray(pos, np.float64)[..., None] * (1.0 / (self.theta ** (np.arange(0, self.dim, 2) / self.dim)))
-        ang = np.concatenate([ang, ang], -1)
-        c, s = np.cos(ang), np.sin(ang)
-        x = arr.astype(np.float64)
-        r = x[..., : self.dim]
-        h = self.dim // 2
-        rh = np.concatenate([-r[..., h:], r[..., :h]], axis=-1)
-        out = x.copy()
-        out[..., : self.dim] = r * c - rh * s  # rotation by -angle
-        return out.astype(np.float32), {}
+        # rotation by -angle in float64 (x*cos - rotate_half(x)*sin), rounded once to float32;
+        # numba kernel + cached float64 tables, same bits as the numpy expression
+        from .fastencode import rope_unrotate
+
+        return rope_unrotate(arr, pos, self.theta, self.dim), {}
 
     def decode(self, arr: np.ndarray, side: SideData, spec: ArraySpec, ctx: ChunkContext) -> np.ndarray:
         _no_extra(side, "rope", set())
@@ -446,18 +441,21 @@ class QuantizeStage(ArrayToArray):
         step16 = np.where(step16.astype(np.float64) < step, np.nextafter(step16, np.float16(np.inf)), step16).astype(np.float16)
         step16 = np.minimum(step16, np.float16(65504.0))
         st = step16.astype(np.float32)
-        r = x / st[:, None, :]
-        if self.deadzone:
-            q = np.sign(r) * np.floor(np.abs(r) + (0.5 - self.deadzone))
+        if not self.deadzone:  # one numba pass, same bits as the numpy branch below
+            from .fastencode import quantize_step_symbols
+
+            sym, qmax, nz = quantize_step_symbols(x, st, lim)
         else:
-            q = _round(r)
-        q = np.clip(q, -lim - 1, lim).astype(np.int32)
-        qmax = np.maximum(q.max(axis=1), -q.min(axis=1) - 1) if T else np.zeros((H, C), np.int32)
+            r = x / st[:, None, :]
+            q = np.sign(r) * np.floor(np.abs(r) + (0.5 - self.deadzone))
+            q = np.clip(q, -lim - 1, lim).astype(np.int32)
+            qmax = np.maximum(q.max(axis=1), -q.min(axis=1) - 1) if T else np.zeros((H, C), np.int32)
+            nz = (q != 0).any(axis=1) if T else np.zeros((H, C), bool)
+            sym = zigzag(q).astype(np.uint8)
         # bits: smallest b with -2**(b-1) <= q <= 2**(b-1)-1 ; all-zero channel -> 0
-        nz = (q != 0).any(axis=1) if T else np.zeros((H, C), bool)
         bits = np.where(nz, np.ceil(np.log2(np.maximum(qmax, 0).astype(np.float64) + 1.0)).astype(np.int64) + 1, 0)
         bits = np.minimum(bits, self.max_bits)
-        return zigzag(q).astype(np.uint8), {"step": step16, "bits": bits.astype(np.uint8)}
+        return sym, {"step": step16, "bits": bits.astype(np.uint8)}
 
     def _enc_minmax(self, x: np.ndarray) -> tuple[np.ndarray, SideData]:
         H, T, C = x.shape

@@ -1,0 +1,149 @@
+"""CPU encode / decode throughput of `.kvc` files on a real cache (issue 4 speed targets).
+
+    python benchmarks/bench_speed.py                      # 4096-token gpl3 SmolLM2 cache, all presets
+    python benchmarks/bench_speed.py --tokens 2048 --presets balanced --repeat 5 --json
+
+Single thread (``torch.set_num_threads(1)``, ``NUMBA_NUM_THREADS=1``). Throughput
+is MB/s of fp16 K/V (the cache as float16: layers x K/V x heads x tokens x
+head_dim x 2 bytes), measured in the same run against two baselines:
+
+* ``raw_read``: reading the same cache from a plain fp16 ``.npy`` on disk (page
+  cache warm) into torch tensors -- what the codec is compared with;
+* ``memcpy``: ``torch.from_numpy(arr).clone()`` of the in-memory fp16 cache
+  (the memory-bandwidth floor).
+
+Each measurement is the best of ``--repeat`` runs; ratios (``decode_vs_raw`` =
+decode time / raw-read time) are what to compare on a loaded machine. Decode is
+``KvcReader(path).read_cache()`` (CRC checks, header, attachments, every chunk,
+torch tensors); encode is ``write_kvc`` to memory with a prepared plan.
+Targets: decode >= 200 MB/s, encode >= 30 MB/s on one core.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("NUMBA_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import io  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvcodec.format.reader import KvcReader  # noqa: E402
+from kvcodec.format.writer import write_kvc  # noqa: E402
+from kvcodec.kvcache import load_h5, save_h5  # noqa: E402
+from kvcodec.quant import presets as P  # noqa: E402
+
+CACHE_DIR = Path(os.environ.get("KVC_BENCH_CACHE", "/tmp/kvc-cache"))
+
+
+def get_cache(text: str, tokens: int):
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    h5 = CACHE_DIR / f"speed-{text}-{tokens}.h5"
+    if h5.exists():
+        return load_h5(h5)
+    from kvcodec.capture import capture, tokenize
+    from kvcodec.model import load_model
+    from kvcodec.texts import load_text
+
+    lm = load_model()
+    ids = tokenize(lm.tokenizer, load_text(text))[:tokens]
+    c = capture(lm, token_ids=ids)
+    save_h5(c, h5)
+    return c
+
+
+def best(fn, repeat: int) -> float:
+    ts = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return min(ts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--text", default="gpl3")
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--presets", default="lossless,near-lossless,balanced,small")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--encode-repeat", type=int, default=1)
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+
+    cache = get_cache(args.text, args.tokens).to(torch.float16)
+    arrays = [t.numpy() for t in cache.keys] + [t.numpy() for t in cache.values]
+    nbytes = sum(a.nbytes for a in arrays)
+    mb = nbytes / 1e6
+    tmp = Path(tempfile.mkdtemp(prefix="kvc-speed-"))
+    raw = tmp / "cache.npy"
+    np.save(raw, np.stack(arrays))
+    L = cache.fingerprint.num_layers
+
+    def raw_read():
+        a = np.load(raw)
+        return [torch.from_numpy(a[i]) for i in range(2 * L)]
+
+    raw_read()  # page cache warm
+    t_raw = best(raw_read, max(3, args.repeat))
+    t_mem = best(lambda: [torch.from_numpy(a).clone() for a in arrays], max(3, args.repeat))
+
+    res: dict = {"text": args.text, "tokens": args.tokens, "fp16_mb": mb, "loadavg_start": os.getloadavg()[0],
+                 "raw_read_s": t_raw, "raw_read_mb_s": mb / t_raw, "memcpy_s": t_mem, "memcpy_mb_s": mb / t_mem, "presets": {}}
+    for name in [p for p in args.presets.split(",") if p]:
+        plan = P.get_plan(name, cache)
+        buf = io.BytesIO()
+
+        def enc():
+            buf.seek(0)
+            buf.truncate()
+            write_kvc(cache, buf, plan.pipelines, attachments=plan.attachments, preset=plan.preset)
+
+        enc()  # warm (numba JIT / cache load)
+        t_enc = best(enc, args.encode_repeat)
+        path = tmp / f"{name}.kvc"
+        path.write_bytes(buf.getvalue())
+
+        def dec():
+            with KvcReader(path, attachment_resolver=P.attachment_resolver) as r:
+                return r.read_cache(backend="cpu")
+
+        dec()  # warm: JIT, page cache, calibration attachments
+        t_dec = best(dec, args.repeat)
+        # baseline again, right after, to bracket load changes
+        t_raw2 = best(raw_read, 3)
+        t_raw_b = min(t_raw, t_raw2)
+        res["presets"][name] = {
+            "kvc_bytes": path.stat().st_size, "bits_per_element": path.stat().st_size * 8 / (nbytes / 2),
+            "encode_s": t_enc, "encode_mb_s": mb / t_enc, "decode_s": t_dec, "decode_mb_s": mb / t_dec,
+            "decode_vs_raw": t_dec / t_raw_b, "encode_vs_raw": t_enc / t_raw_b, "raw_read_s_after": t_raw2,
+        }
+    res["loadavg_end"] = os.getloadavg()[0]
+    for f in tmp.iterdir():
+        f.unlink()
+    tmp.rmdir()
+    if args.json:
+        print(json.dumps(res, indent=2))
+        return
+    print(f"cache: {args.text} {args.tokens} tokens, {mb:.1f} MB fp16; load average {res['loadavg_start']:.1f} -> {res['loadavg_end']:.1f}")
+    print(f"baselines: raw fp16 .npy read {res['raw_read_mb_s']:.0f} MB/s ({t_raw * 1e3:.1f} ms), "
+          f"in-memory from_numpy+clone {res['memcpy_mb_s']:.0f} MB/s")
+    print(f"{'preset':14s} {'bits/el':>7s} {'enc MB/s':>9s} {'dec MB/s':>9s} {'dec/raw':>8s} {'enc/raw':>8s}")
+    for name, r in res["presets"].items():
+        print(f"{name:14s} {r['bits_per_element']:7.2f} {r['encode_mb_s']:9.1f} {r['decode_mb_s']:9.1f} "
+              f"{r['decode_vs_raw']:8.1f} {r['encode_vs_raw']:8.1f}")
+
+
+if __name__ == "__main__":
+    main()
