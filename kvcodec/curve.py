@@ -556,6 +556,11 @@ def plot_curve(result: dict[str, Any], out: str | os.PathLike) -> None:
                 ax.annotate(str(r["method"]), (b, k), textcoords="offset points", xytext=(4, 3), fontsize=6, color=colors[fam])
         ax.set_xscale("log")
         ax.set_yscale("log")
+        from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
+
+        ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 4.0, 6.0)))
+        ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.axhline(KL_FLOOR, color="0.7", lw=0.6, ls=":")
         ax.set_xlabel("bits per KV element (real .kvc file bytes; log)")
         ax.set_ylabel(f"mean KL(exact || decoded), nats (log; 0 drawn at {KL_FLOOR:g})")
