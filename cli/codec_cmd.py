@@ -144,10 +144,9 @@ def encode_command(input_path: str, output: str, preset: str, chunk_tokens: int 
 def decode_command(input_path: str, output: str, backend: str | None, as_json: bool) -> None:
     """Decode a .kvc file back into a raw capture (same layout as kvc capture)."""
     from kvcodec.format import read_kvc
-    from kvcodec.format.presets import default_attachment_resolver
     from kvcodec.kvcache import save_capture
 
-    cache = read_kvc(input_path, backend=backend, attachment_resolver=default_attachment_resolver())
+    cache = read_kvc(input_path, backend=backend)
     save_capture(cache, output)
     info = {"input": input_path, "output": output, "layers": cache.num_layers, "tokens": cache.num_tokens,
             "dtype": str(cache.dtype).removeprefix("torch."), "bytes": Path(output).stat().st_size}
@@ -180,10 +179,9 @@ def verify_command(path: str, backend: str | None, as_json: bool) -> None:
     """Check structure, every CRC32C and padding byte, and decode every chunk. Exit 0 only if clean."""
     from kvcodec.errors import KvcFormatError
     from kvcodec.format import KvcReader
-    from kvcodec.format.presets import default_attachment_resolver
 
     try:
-        r = KvcReader(path, attachment_resolver=default_attachment_resolver())
+        r = KvcReader(path)
     except KvcFormatError as exc:
         problems, chunks, size = [str(exc)], None, None
     else:

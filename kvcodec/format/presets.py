@@ -61,11 +61,7 @@ def available_presets() -> list[str]:
 
 
 def default_attachment_resolver() -> Any:
-    """The resolver for external attachments the lossy presets reference (None if that module is absent)."""
-    try:
-        mod = importlib.import_module("kvcodec.quant.presets")
-    except ModuleNotFoundError as exc:
-        if exc.name not in ("kvcodec.quant.presets", "kvcodec.quant"):
-            raise
-        return None
-    return getattr(mod, "attachment_resolver", None)
+    """The resolver for external attachments the lossy presets reference (per-model calibration)."""
+    from ..quant.presets import attachment_resolver
+
+    return attachment_resolver

@@ -248,8 +248,11 @@ class KvcReader:
     """Random access to a `.kvc` file. ``source``: bytes, path, binary file, or object with size + read(offset, length)."""
 
     def __init__(self, source: Any, attachment_resolver: Resolver | None = None) -> None:
+        """``attachment_resolver`` finds external attachments; default: the per-model calibration store."""
+        from .presets import default_attachment_resolver
+
         self._src = open_source(source)
-        self._resolver = attachment_resolver
+        self._resolver = attachment_resolver or default_attachment_resolver()
         self._attachments: dict[str, np.ndarray] | None = None
         self._token_ids: np.ndarray | None = None
         self._positions: np.ndarray | None = None
