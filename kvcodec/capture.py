@@ -50,13 +50,10 @@ def cache_from_hf(past: Any, token_ids: np.ndarray, lm: LoadedModel, meta: dict 
     return KVCache(keys, values, token_ids, lm.fingerprint, meta=dict(meta or {}))
 
 
-def capture(
-    lm: LoadedModel,
-    text: str | None = None,
-    token_ids: np.ndarray | None = None,
-    max_tokens: int | None = None,
-) -> KVCache:
-    """KV cache of ``text`` (or ``token_ids``), truncated to ``max_tokens``."""
+def context_ids(
+    lm: LoadedModel, text: str | None = None, token_ids: np.ndarray | None = None, max_tokens: int | None = None
+) -> np.ndarray:
+    """The validated context token ids of ``text`` or ``token_ids``, truncated to ``max_tokens``."""
     if (text is None) == (token_ids is None):
         raise KvcInputError("give exactly one of text or token_ids")
     ids = tokenize(lm.tokenizer, text) if text is not None else np.asarray(token_ids, dtype=np.int64).reshape(-1)
@@ -65,6 +62,16 @@ def capture(
     vocab = int(lm.model.config.get_text_config().vocab_size)
     if ids.min() < 0 or ids.max() >= vocab:
         raise KvcInputError(f"token ids must lie in [0, {vocab})")
-    ids = select_context(ids, max_tokens)
+    return select_context(ids, max_tokens)
+
+
+def capture(
+    lm: LoadedModel,
+    text: str | None = None,
+    token_ids: np.ndarray | None = None,
+    max_tokens: int | None = None,
+) -> KVCache:
+    """KV cache of ``text`` (or ``token_ids``), truncated to ``max_tokens``."""
+    ids = context_ids(lm, text, token_ids, max_tokens)
     past, _ = prefill(lm, ids)
     return cache_from_hf(past, ids, lm, meta={"model": lm.name})

@@ -35,18 +35,17 @@ with a per-head attention mask hiding the dropped tokens.
 from __future__ import annotations
 
 import base64
-import contextlib
 import threading
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 
+from ..attention_tap import tapped
 from ..errors import KvcInputError
 from ..kvcache import KVCache
 from .budget import DEFAULT_WINDOW, H2OBudget
 
-ATTN_NAME = "kvc_h2o_sdpa"
 _STATE = threading.local()
 _CHUNK = 256
 
@@ -85,43 +84,6 @@ class _Collector:
         return torch.stack([self.scores[i] for i in range(num_layers)]).numpy()
 
 
-def _scoring_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
-                       scaling: float | None = None, dropout: float = 0.0, **kwargs: Any) -> Any:
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    col: _Collector | None = getattr(_STATE, "collector", None)
-    if col is not None:
-        s = scaling if scaling is not None else query.shape[-1] ** -0.5
-        col.add(int(module.layer_idx), query, key, float(s))
-    return out
-
-
-def _register() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-
-    if ATTN_NAME not in AttentionInterface._global_mapping:
-        AttentionInterface.register(ATTN_NAME, _scoring_attention)
-    if ATTN_NAME not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
-        AttentionMaskInterface.register(ATTN_NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-
-
-@contextlib.contextmanager
-def _scoring(lm: Any, window: int | None) -> Iterator[_Collector]:
-    _register()
-    cfg = lm.model.config
-    old = cfg._attn_implementation
-    col = _Collector(window, lm.fingerprint.num_kv_heads)
-    _STATE.collector = col
-    cfg._attn_implementation = ATTN_NAME
-    try:
-        yield col
-    finally:
-        cfg._attn_implementation = old
-        _STATE.collector = None
-
-
 @torch.inference_mode()
 def attention_scores(lm: Any, token_ids: np.ndarray, window: int | None = DEFAULT_WINDOW) -> tuple[Any, np.ndarray]:
     """One prefill of ``token_ids`` that also returns H2O scores ``[layers, kv_heads, T]`` (float32).
@@ -132,7 +94,7 @@ def attention_scores(lm: Any, token_ids: np.ndarray, window: int | None = DEFAUL
     if window is not None and window < 1:
         raise KvcInputError(f"the H2O query window must be >= 1, got {window}")
     ids = torch.as_tensor(np.asarray(token_ids, dtype=np.int64)).reshape(1, -1)
-    with _scoring(lm, window) as col:
+    with tapped(lm, _Collector(window, lm.fingerprint.num_kv_heads)) as col:
         out = lm.model(input_ids=ids, use_cache=True)
     return out.past_key_values, col.result(lm.fingerprint.num_layers)
 
@@ -145,17 +107,9 @@ def capture_with_scores(
     window: int | None = DEFAULT_WINDOW,
 ) -> tuple[KVCache, np.ndarray]:
     """Exact KV cache of ``text`` (or ``token_ids``) plus H2O scores ``[layers, kv_heads, T]``."""
-    from ..capture import cache_from_hf, select_context, tokenize
+    from ..capture import cache_from_hf, context_ids
 
-    if (text is None) == (token_ids is None):
-        raise KvcInputError("give exactly one of text or token_ids")
-    ids = tokenize(lm.tokenizer, text) if text is not None else np.asarray(token_ids, dtype=np.int64).reshape(-1)
-    if ids.size == 0:
-        raise KvcInputError("no tokens to capture")
-    vocab = int(lm.model.config.get_text_config().vocab_size)
-    if ids.min() < 0 or ids.max() >= vocab:
-        raise KvcInputError(f"token ids must lie in [0, {vocab})")
-    ids = select_context(ids, max_tokens)
+    ids = context_ids(lm, text, token_ids, max_tokens)
     past, scores = attention_scores(lm, ids, window)
     return cache_from_hf(past, ids, lm, meta={"model": lm.name}), scores
 

@@ -20,17 +20,14 @@ very post-RoPE tensors the layer used, summed over every query head of the layer
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
+from ..attention_tap import tapped
 from ..errors import KvcInputError
 
-ATTN_NAME = "kvc_importance_sdpa"
 DEFAULT_WINDOW = 256
-_STATE = threading.local()
 _CHUNK = 128
 
 
@@ -65,43 +62,6 @@ class _Collector:
         self.a1[layer] = (a1 / n).numpy()
 
 
-def _attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, scaling: float | None = None,
-               dropout: float = 0.0, **kwargs: Any) -> Any:
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    col = getattr(_STATE, "collector", None)
-    if col is not None:
-        s = scaling if scaling is not None else query.shape[-1] ** -0.5
-        col.add(int(module.layer_idx), query, key, float(s))
-    return out
-
-
-def _register() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-
-    if ATTN_NAME not in AttentionInterface._global_mapping:
-        AttentionInterface.register(ATTN_NAME, _attention)
-    if ATTN_NAME not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
-        AttentionMaskInterface.register(ATTN_NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-
-
-@contextlib.contextmanager
-def _scoring(lm: Any, window: int | None) -> Iterator[_Collector]:
-    _register()
-    cfg = lm.model.config
-    old = cfg._attn_implementation
-    col = _Collector(window)
-    _STATE.collector = col
-    cfg._attn_implementation = ATTN_NAME
-    try:
-        yield col
-    finally:
-        cfg._attn_implementation = old
-        _STATE.collector = None
-
-
 def attention_importance(lm: Any, token_ids: np.ndarray, window: int | None = DEFAULT_WINDOW,
                          squared: bool = True) -> np.ndarray:
     """Mean over the last ``window`` queries and all query heads of ``a^2`` (or ``a``) per (layer, key token) [L, T] float64."""
@@ -110,7 +70,7 @@ def attention_importance(lm: Any, token_ids: np.ndarray, window: int | None = DE
     ids = torch.as_tensor(np.asarray(token_ids, dtype=np.int64)).reshape(1, -1)
     if ids.shape[1] == 0:
         raise KvcInputError("no tokens to score")
-    with torch.inference_mode(), _scoring(lm, window) as col:
+    with torch.inference_mode(), tapped(lm, _Collector(window)) as col:
         lm.model(input_ids=ids, use_cache=False)
     L = lm.fingerprint.num_layers
     src = col.a2 if squared else col.a1
