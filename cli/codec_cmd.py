@@ -36,6 +36,24 @@ def info_dict(r: Any, path: str) -> dict[str, Any]:
     hd = r.header
     sz = r.sizes()
     elems = hd.num_elements
+    # kept fraction: the prune record when the file has one (lingua files hold the pruned text's ids and no
+    # positions, so only the record knows the original context), else stored / context tokens of a pruned file
+    rec = hd.meta.get("prune") if isinstance(hd.meta, dict) else None
+    rec = rec if isinstance(rec, dict) else {}
+    kept: float | None = None
+    if isinstance(rec.get("kept_fraction"), (int, float)) and not isinstance(rec.get("kept_fraction"), bool):
+        kept = float(rec["kept_fraction"])
+    elif hd.pruned and hd.num_context_tokens:
+        kept = hd.num_tokens / hd.num_context_tokens
+    orig_ctx = hd.num_context_tokens
+    if isinstance(rec.get("context_tokens"), int) and not isinstance(rec.get("context_tokens"), bool) and rec["context_tokens"] > 0:
+        orig_ctx = rec["context_tokens"]
+    positions = None
+    if hd.pruned:
+        positions = "per-token" if hd.blobs[hd.positions_blob].shape == (hd.num_tokens,) else "per-layer-head"
+    elif kept is not None:
+        positions = str(rec.get("positions") or "renumbered")
+    ctx_elems = 2 * hd.kv_heads * sum(hd.head_dims) * orig_ctx
     use: dict[int, dict[str, list[int]]] = {}
     for e in r.entries:
         use.setdefault(e.pipeline, {"k": [], "v": []})
@@ -57,8 +75,9 @@ def info_dict(r: Any, path: str) -> dict[str, Any]:
         "dtype": hd.dtype,
         "context_tokens": hd.num_context_tokens,
         "stored_tokens": hd.num_tokens,
-        "kept_fraction": hd.num_tokens / hd.num_context_tokens if hd.pruned and hd.num_context_tokens else None,
-        "positions": None if not hd.pruned else ("per-token" if hd.blobs[hd.positions_blob].shape == (hd.num_tokens,) else "per-layer-head"),
+        "kept_fraction": kept,
+        "original_context_tokens": orig_ctx,
+        "positions": positions,
         "token_ids": "stored" if hd.token_ids_blob is not None else "hash only",
         "chunks": len(r.entries),
         "codec": hd.codec,
@@ -67,6 +86,8 @@ def info_dict(r: Any, path: str) -> dict[str, Any]:
         "kv_elements": elems,
         "bits_per_element": sz["file"] * 8 / elems,
         "ratio_vs_fp16": elems * 2 / sz["file"],
+        "context_kv_elements": ctx_elems,
+        "bits_per_context_element": None if kept is None else sz["file"] * 8 / ctx_elems,
         "sizes": sz,
         "meta": hd.meta,
     }
@@ -81,7 +102,9 @@ def render_info(d: dict[str, Any]) -> str:
     ]
     tok = f"tokens:      {d['context_tokens']:,} context, {d['stored_tokens']:,} stored"
     if d["kept_fraction"] is not None:
-        tok += f" (kept {100 * d['kept_fraction']:.1f}%, {d['positions']} positions)"
+        orig = d.get("original_context_tokens")
+        of = f" of {orig:,}" if orig is not None and orig != d["context_tokens"] else ""
+        tok += f" (kept {100 * d['kept_fraction']:.1f}%{of}, {d['positions']} positions)"
     lines.append(tok + f"; token ids {d['token_ids']}")
     lines.append(f"tensors:     {d['dtype']}, {2 * m['layers']} tensors in {d['chunks']} chunks")
     lines.append(f"codec:       {d['codec'] or '(none given)'}")
@@ -93,6 +116,9 @@ def render_info(d: dict[str, Any]) -> str:
         f"size:        {d['bytes']:,} bytes = {d['bits_per_element']:.3f} bits per KV element "
         f"({d['kv_elements']:,} elements); ratio vs fp16 {d['ratio_vs_fp16']:.2f}x"
     )
+    if d.get("bits_per_context_element") is not None:
+        lines.append(f"             = {d['bits_per_context_element']:.3f} bits per element of the unpruned context "
+                     f"({d['context_kv_elements']:,} elements)")
     b = sz["blobs"]
     lines.append(
         f"overhead:    header {sz['header']:,} B, index {sz['index']:,} B, footer {sz['footer']} B, token ids {b['token_ids']:,} B, "
@@ -107,33 +133,163 @@ def render_info(d: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+PRUNE_HELP = "h2o:0.25 | h2o:heavy=0.1,recent=0.1 | lingua:0.5"
+
+
+def context_elements(cache: Any) -> int:
+    """K+V elements of the cache's *original* context: what a pruned cache is charged against.
+
+    For an unpruned cache this is ``cache.num_elements``; a pruned one counts
+    every context token (lingua: the original text's, from ``meta["prune"]``).
+    """
+    fp = cache.fingerprint
+    rec = cache.meta.get("prune")
+    n = cache.num_context_tokens
+    if isinstance(rec, dict) and isinstance(rec.get("context_tokens"), int):
+        n = rec["context_tokens"]
+    return 2 * fp.num_kv_heads * sum(fp.head_dims) * n
+
+
+def _positive(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    if value is not None and not value > 0:
+        raise click.BadParameter(f"must be positive, got {value}")
+    return value
+
+
 @click.command("encode")
 @click.argument("input_path", metavar="IN", type=click.Path(dir_okay=False))
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Output .kvc file (written atomically).")
-@click.option("--preset", default="lossless", show_default=True, help="lossless | zstd | raw, or a lossy preset.")
+@click.option("--preset", default="lossless", show_default=True,
+              help="lossless | zstd | raw, or a lossy preset (near-lossless, balanced, small).")
+@click.option("--prune", "prune_spec", default=None, help=PRUNE_HELP)
+@click.option("--model", "-m", default=None,
+              help="Model for pruning, lossy presets and quality targets: 'smollm2' or a local HF model directory "
+                   "[default: the model recorded in the capture, else smollm2]. Must be the capture's model.")
+@click.option("--target-kl", type=float, default=None, callback=_positive,
+              help="Fewest bits whose mean KL (nats) on --text's continuation is at most this (lossy codec; needs --text).")
+@click.option("--target-dppl", type=float, default=None, callback=_positive,
+              help="Fewest bits whose |perplexity change| (percent) on --text's continuation is at most this (needs --text).")
+@click.option("--text", "text_path", default=None,
+              help="The text the capture was made from (UTF-8 file or corpus name): its tokens after the context "
+                   "are the continuation --target-kl / --target-dppl measure on.")
+@click.option("--continuation", type=int, default=256, show_default=True,
+              help="Continuation tokens used by --target-kl / --target-dppl.")
 @click.option("--chunk-tokens", type=int, default=None, help="Tokens per chunk (default: one chunk per layer and K/V).")
 @click.option("--chunk-heads", type=int, default=None, help="KV heads per chunk (default: all).")
 @json_option
-def encode_command(input_path: str, output: str, preset: str, chunk_tokens: int | None, chunk_heads: int | None, as_json: bool) -> None:
-    """Encode a raw capture (IN.h5 / IN.safetensors) into a .kvc file."""
+def encode_command(input_path: str, output: str, preset: str, prune_spec: str | None, model: str | None,
+                   target_kl: float | None, target_dppl: float | None, text_path: str | None, continuation: int,
+                   chunk_tokens: int | None, chunk_heads: int | None, as_json: bool) -> None:
+    """Encode a raw capture (IN.h5 / IN.safetensors) into a .kvc file.
+
+    --prune drops tokens first (H2O keeps original positions per KV head;
+    lingua re-captures the shorter text). Bits per element are always
+    charged against the K+V elements of the full, unpruned context.
+    --target-kl / --target-dppl search the lossy codec's rate knob with the
+    model on the continuation that follows the context in --text; with a
+    lossy --preset its other settings (sink, tokenscale, ...) are kept.
+    """
     from kvcodec.errors import KvcInputError
     from kvcodec.format import get_plan, write_kvc
+    from kvcodec.format.presets import BUILTIN_PRESETS, available_presets
     from kvcodec.kvcache import load_capture
 
+    budget = None
+    if prune_spec is not None:
+        from kvcodec.prune import parse_prune
+
+        budget = parse_prune(prune_spec)  # refuse a bad spec before loading anything
+    if preset not in available_presets():  # refuse a bad name before loading a model for it
+        raise KvcInputError(f"unknown preset {preset!r} (available: {', '.join(available_presets())})")
+    targeted = target_kl is not None or target_dppl is not None
+    if target_kl is not None and target_dppl is not None:
+        raise KvcInputError("give only one of --target-kl and --target-dppl")
+    preset_given = click.get_current_context().get_parameter_source("preset") not in (
+        click.core.ParameterSource.DEFAULT, None)
+    if targeted:
+        if preset_given and preset in BUILTIN_PRESETS:
+            raise KvcInputError(f"--target-kl/--target-dppl tune the lossy codec; they cannot be used with --preset {preset}")
+        if text_path is None:
+            raise KvcInputError("--target-kl/--target-dppl need --text (the capture's text: the tokens after the "
+                                "context are the continuation the quality is measured on)")
+        if continuation < 2:
+            raise KvcInputError(f"--continuation must be at least 2, got {continuation}")
+    elif text_path is not None:
+        raise KvcInputError("--text is only used with --target-kl or --target-dppl")
     if not Path(input_path).is_file():
         raise KvcInputError(f"no such file: {input_path}")
     cache = load_capture(input_path)
-    plan = get_plan(preset, cache)  # lossy presets may need the model: they load it themselves
-    n = write_kvc(cache, output, plan.pipelines, attachments=plan.attachments or None,
-                  chunk_tokens=chunk_tokens, chunk_heads=chunk_heads, preset=plan.preset)
-    elems = cache.num_elements
-    info = {"input": input_path, "output": output, "preset": plan.preset, "bytes": n, "kv_elements": elems,
-            "bits_per_element": n * 8 / elems, "ratio_vs_fp16": cache.nbytes_fp16 / n}
+    elems = context_elements(cache)  # the unpruned context's elements: what every rate is charged against
+
+    lm = None
+
+    def get_lm() -> Any:
+        nonlocal lm
+        if lm is None:
+            from kvcodec.model import DEFAULT_MODEL, load_model
+
+            lm = load_model(model or str(cache.meta.get("model") or DEFAULT_MODEL))
+            lm.fingerprint.check_compatible(cache.fingerprint, what="capture")
+        return lm
+
+    cont = None
+    if targeted:
+        import numpy as np
+
+        from kvcodec.capture import tokenize
+        from kvcodec.texts import load_text
+
+        text_ids = tokenize(get_lm().tokenizer, load_text(text_path))
+        ctx = cache.token_ids
+        n_ctx = len(ctx)
+        if len(text_ids) < n_ctx or not np.array_equal(text_ids[:n_ctx], ctx):
+            raise KvcInputError(f"the text's first {n_ctx} tokens are not the capture's context")
+        if len(text_ids) < n_ctx + continuation:
+            raise KvcInputError(f"the text has only {len(text_ids) - n_ctx} tokens after the capture's {n_ctx}-token "
+                                f"context, fewer than --continuation {continuation}")
+        cont = text_ids[n_ctx : n_ctx + continuation]
+
+    if budget is not None:
+        from kvcodec.prune import SCORES_META_KEY, H2OBudget, apply_prune
+
+        stored = cache.meta.get(SCORES_META_KEY)
+        want_w = "all" if getattr(budget, "window", None) is None else budget.window
+        has_scores = isinstance(budget, H2OBudget) and isinstance(stored, dict) and stored.get("window") == want_w
+        cache = apply_prune(cache, budget, lm=None if has_scores else get_lm())
+
+    target_info = None
+    if targeted:
+        from kvcodec.quant.presets import PRESETS, plan_for_target
+
+        kw = {k: v for k, v in PRESETS.get(preset, {}).items() if k != "step0"} if preset_given else {}
+        qplan, target_info = plan_for_target(cache, get_lm(), target_kl=target_kl, target_dppl=target_dppl,
+                                             continuation=cont, **kw)
+        name = f"target-kl-{target_kl:g}" if target_kl is not None else f"target-dppl-{target_dppl:g}"
+        pipelines, attachments, plan_preset = qplan.pipelines, qplan.attachments, name
+    else:
+        plan = get_plan(preset, cache, lm=None if preset in BUILTIN_PRESETS else get_lm())
+        pipelines, attachments, plan_preset = plan.pipelines, plan.attachments, plan.preset
+    meta = None if target_info is None else {"target": {"kl": target_kl, "dppl_percent": target_dppl, **target_info}}
+    n = write_kvc(cache, output, pipelines, attachments=attachments or None,
+                  chunk_tokens=chunk_tokens, chunk_heads=chunk_heads, preset=plan_preset, meta=meta)
+    info: dict[str, Any] = {"input": input_path, "output": output, "preset": plan_preset, "bytes": n, "kv_elements": elems,
+                            "bits_per_element": n * 8 / elems, "ratio_vs_fp16": elems * 2 / n}
+    rec = cache.meta.get("prune") if budget is not None else None
+    if rec is not None:
+        info["prune"] = {k: rec.get(k) for k in ("method", "spec", "context_tokens", "kept_tokens", "kept_fraction", "positions")}
+    if target_info is not None:
+        info["target"] = meta["target"]  # type: ignore[index]
     if as_json:
         emit_json(info)
-    else:
-        click.echo(f"{output}: {n:,} bytes, {info['bits_per_element']:.3f} bits per KV element, "
-                   f"ratio vs fp16 {info['ratio_vs_fp16']:.2f}x (preset {plan.preset})")
+        return
+    extra = ""
+    if rec is not None:
+        extra += f"; pruned {rec['spec']}, kept {100 * rec['kept_fraction']:.1f}% of {rec['context_tokens']:,} tokens"
+    if target_info is not None:
+        extra += (f"; tuned step0 {target_info['step0']:.4g}: KL {target_info['kl_mean']:.3g} nats, "
+                  f"PPL {target_info['dppl_percent']:+.3f}% on {len(cont)} continuation tokens")  # type: ignore[arg-type]
+    click.echo(f"{output}: {n:,} bytes, {info['bits_per_element']:.3f} bits per KV element, "
+               f"ratio vs fp16 {info['ratio_vs_fp16']:.2f}x (preset {plan_preset}{extra})")
 
 
 @click.command("decode")

@@ -1,0 +1,169 @@
+"""``kvc encode --prune`` / lossy presets with the model / ``--target-kl``, and ``kvc info``'s kept fraction."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvcodec.cli.main import main
+from kvcodec.kvcache import save_capture
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # works with and without tests/__init__.py
+from formatutil import synthetic_cache  # noqa: E402
+
+
+def run_main(args: list[str], capsys) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as ei:
+        main(args)
+    out = capsys.readouterr()
+    return ei.value.code, out.out, out.err
+
+
+def one_line_error(code: int, err: str) -> str:
+    assert code != 0
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("kvc: error:") and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.fixture()
+def synth_file(tmp_path) -> Path:
+    p = tmp_path / "synth.h5"
+    save_capture(synthetic_cache(torch.float32, T=16), p)
+    return p
+
+
+@pytest.mark.parametrize("spec", ["h2o:0", "h2o:1.5", "lingua:-1", "foo:0.5", "h2o:heavy=0.7,recent=0.7", "h2o", "",
+                                  "h2o:0.5,0.2", "h2o:heavy=0.1,bogus=1"])
+def test_bad_prune_spec_is_one_line(spec, synth_file, tmp_path, capsys):
+    out = tmp_path / "x.kvc"
+    # refused before the file is even looked at, and with an existing file alike
+    for src in (tmp_path / "missing.h5", synth_file):
+        code, _, err = run_main(["encode", str(src), "-o", str(out), "--prune", spec], capsys)
+        line = one_line_error(code, err)
+        assert code == 2 and "prune spec" in line
+    assert not out.exists()
+
+
+def test_bad_target_options(synth_file, tmp_path, capsys):
+    out = str(tmp_path / "x.kvc")
+    cases = [
+        (["--target-kl", "0.01"], "need --text"),
+        (["--target-kl", "0.01", "--target-dppl", "1", "--text", "gpl3"], "only one of"),
+        (["--text", "gpl3"], "only used with"),
+        (["--target-kl", "0.01", "--text", "gpl3", "--preset", "lossless"], "cannot be used with --preset lossless"),
+        (["--target-kl", "0.01", "--text", "gpl3", "--continuation", "1"], "at least 2"),
+        (["--preset", "no-such-preset", "--prune", "h2o:0.5"], "unknown preset 'no-such-preset'"),
+    ]
+    for extra, want in cases:
+        code, _, err = run_main(["encode", str(synth_file), "-o", out] + extra, capsys)
+        assert code == 2 and want in one_line_error(code, err), (extra, err)
+    code, _, err = run_main(["encode", str(synth_file), "-o", out, "--target-kl", "-1"], capsys)
+    assert code == 2 and "must be positive" in err
+    assert not Path(out).exists()
+
+
+def test_info_kept_fraction_prefers_prune_record(tmp_path, capsys):
+    """A lingua file stores the pruned text's ids (no positions): only meta["prune"] knows the original context."""
+    c = synthetic_cache(torch.float32, T=8)
+    c.meta["prune"] = {"method": "lingua", "spec": "lingua:keep=0.25", "context_tokens": 32, "kept_tokens": 8,
+                       "kept_fraction": 0.25, "positions": "renumbered"}
+    save_capture(c, tmp_path / "l.h5")
+    code, o, e = run_main(["encode", str(tmp_path / "l.h5"), "-o", str(tmp_path / "l.kvc"), "--json"], capsys)
+    assert code == 0, e
+    enc = json.loads(o)
+    assert enc["kv_elements"] == 4 * c.num_elements  # charged against the 32-token original context
+    code, o, e = run_main(["info", str(tmp_path / "l.kvc"), "--json"], capsys)
+    d = json.loads(o)
+    assert d["kept_fraction"] == 0.25 and d["original_context_tokens"] == 32 and d["positions"] == "renumbered"
+    assert d["bits_per_context_element"] == pytest.approx(enc["bits_per_element"])
+    code, o, e = run_main(["info", str(tmp_path / "l.kvc")], capsys)
+    assert "8 context, 8 stored (kept 25.0% of 32, renumbered positions)" in o
+    # an unpruned file still reports no kept fraction
+    save_capture(synthetic_cache(torch.float32, T=8), tmp_path / "u.h5")
+    assert run_main(["encode", str(tmp_path / "u.h5"), "-o", str(tmp_path / "u.kvc")], capsys)[0] == 0
+    d = json.loads(run_main(["info", str(tmp_path / "u.kvc"), "--json"], capsys)[1])
+    assert d["kept_fraction"] is None and d["bits_per_context_element"] is None
+
+
+@pytest.fixture()
+def one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture()
+def model_patched(lm, monkeypatch):
+    import kvcodec.model
+
+    monkeypatch.setattr(kvcodec.model, "load_model", lambda *a, **k: lm)
+    return lm
+
+
+@pytest.mark.model
+def test_encode_prune_h2o_info_eval(model_patched, small_cache, tmp_path, capsys, one_thread):
+    cap = tmp_path / "cap.h5"
+    save_capture(small_cache, cap)
+    out = tmp_path / "p.kvc"
+    code, o, e = run_main(["encode", str(cap), "-o", str(out), "--prune", "h2o:0.5", "--json"], capsys)
+    assert code == 0, e
+    enc = json.loads(o)
+    assert enc["kv_elements"] == small_cache.num_elements  # the unpruned cache's elements
+    assert enc["bits_per_element"] == pytest.approx(out.stat().st_size * 8 / small_cache.num_elements)
+    assert enc["prune"]["kept_fraction"] == 0.5 and enc["prune"]["kept_tokens"] == 32
+
+    code, o, e = run_main(["info", str(out)], capsys)
+    assert code == 0, e
+    assert "64 context, 32 stored (kept 50.0%" in o
+    d = json.loads(run_main(["info", str(out), "--json"], capsys)[1])
+    assert d["kept_fraction"] == 0.5 and d["meta"]["prune"]["method"] == "h2o"
+    assert d["bits_per_context_element"] == pytest.approx(enc["bits_per_element"])
+
+    code, o, e = run_main(["eval", str(out), "--text", "gpl3", "--continuation", "16", "--greedy-tokens", "2", "--json"], capsys)
+    assert code == 0, e
+    r = json.loads(o)
+    assert r["stored_tokens"] == 32 and r["context_tokens"] == 64 and r["pruned"]
+    assert r["bits_per_element"] == pytest.approx(enc["bits_per_element"])
+    assert np.isfinite(r["kl_mean"]) and r["kl_mean"] > 0
+
+    code, _, err = run_main(["encode", str(cap), "-o", str(tmp_path / "q.kvc"), "--prune", "h2o:100"], capsys)
+    assert code == 2 and "only 64" in one_line_error(code, err)
+
+
+@pytest.mark.model
+def test_lossy_preset_gets_the_model(model_patched, small_cache, synth_file, tmp_path, capsys, one_thread):
+    """balanced weights its steps by per-token importance, which needs the model: the encoder passes it."""
+    cap = tmp_path / "cap.h5"
+    save_capture(small_cache, cap)
+    out = tmp_path / "b.kvc"
+    code, o, e = run_main(["encode", str(cap), "-o", str(out), "--preset", "balanced"], capsys)
+    assert code == 0, e
+    d = json.loads(run_main(["info", str(out), "--json"], capsys)[1])
+    assert d["codec"] == "balanced" and all("tokenscale" in p["pipeline"] for p in d["pipelines"])
+    # a capture of another model is refused on one line
+    code, _, err = run_main(["encode", str(synth_file), "-o", str(tmp_path / "s.kvc"), "--preset", "balanced"], capsys)
+    assert code != 0 and "different model" in one_line_error(code, err)
+
+
+@pytest.mark.model
+def test_encode_target_kl(model_patched, small_cache, tmp_path, capsys, one_thread):
+    cap = tmp_path / "cap.h5"
+    save_capture(small_cache, cap)
+    out = tmp_path / "t.kvc"
+    code, o, e = run_main(["encode", str(cap), "-o", str(out), "--target-kl", "0.01", "--text", "gpl3",
+                           "--continuation", "16", "--json"], capsys)
+    assert code == 0, e
+    enc = json.loads(o)
+    assert enc["preset"] == "target-kl-0.01" and enc["target"]["kl_mean"] <= 0.01 and enc["target"]["step0"] > 0
+    code, o, e = run_main(["eval", str(out), "--text", "gpl3", "--continuation", "16", "--greedy-tokens", "0", "--json"], capsys)
+    assert code == 0, e
+    assert json.loads(o)["kl_mean"] == pytest.approx(enc["target"]["kl_mean"], rel=1e-3, abs=1e-6)
+    code, _, err = run_main(["encode", str(cap), "-o", str(tmp_path / "u.kvc"), "--target-kl", "0.01", "--text", "lgpl21"], capsys)
+    assert "not the capture's context" in one_line_error(code, err)
