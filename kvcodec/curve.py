@@ -95,7 +95,7 @@ def codec_presets() -> tuple[Any | None, list[str]]:
     if fmt is None and quant is None:
         return None, []
     lossy = list(getattr(quant, "PRESETS", {}) or {}) if quant is not None else []
-    names = (["lossless"] if fmt is not None else []) + [n for n in lossy if n != "lossless"]
+    names = (["lossless", "fp16"] if fmt is not None else []) + [n for n in lossy if n not in ("lossless", "fp16")]
 
     class _Provider:
         @staticmethod

@@ -39,6 +39,7 @@ import numpy as np
 
 from ..errors import KvcInputError
 from ..stages import Pipeline, Stage, stage_from_json
+from ..format.lossless import Cast
 from . import stages as bl
 
 BASELINES = ("fp16", "fp16+zstd", "int8", "kivi2", "kivi4", "cachegen", "cachegen-hi", "cachegen-lo")
@@ -88,11 +89,11 @@ def get_baseline_plan(name: str, cache: Any, **kw: Any) -> BaselinePlan:
     make: Callable[[int, str], list[Stage]]
     meta: dict[str, Any] = {"baseline": name}
     if name == "fp16":
-        make = lambda l, k: [bl.CastStage("float16"), _lossless("raw")]  # noqa: E731
+        make = lambda l, k: [Cast("float16"), _lossless("raw")]  # noqa: E731
     elif name == "fp16+zstd":
         level = int(kw.get("zstd_level", 3))
         make = lambda l, k: [  # noqa: E731
-            bl.CastStage("float16"), _lossless("raw"), stage_from_json({"name": "zstd", "version": 1, "config": {"level": level}})
+            Cast("float16"), _lossless("raw"), stage_from_json({"name": "zstd", "version": 1, "config": {"level": level}})
         ]
     elif name == "int8":
         make = lambda l, k: [bl.Int8TokenStage(), _lossless("raw")]  # noqa: E731

@@ -7,8 +7,6 @@ and all), exactly like kvcodec's own presets.
 Stages (each one's encode/decode is *the* definition of the baseline; the
 tests hold them to an independent numpy implementation bit for bit):
 
-``bl_cast`` (array->array)
-    Cast to a dtype (fp16); decode casts back to the input dtype.
 ``bl_int8_token`` (array->array, -> int8)
     Per-token int8: one absmax scale per (head, token), stored as fp16.
     ``s = f32(f16(absmax / 127))``; ``q = clip(rint(x / s), -127, 127)``;
@@ -97,32 +95,6 @@ def unpack_bits(data: bytes | memoryview, bits: int, n: int) -> np.ndarray:
         return buf.copy()
     shifts = (np.arange(per, dtype=np.uint8) * bits)[None, :]
     return ((buf[:, None] >> shifts) & ((1 << bits) - 1)).reshape(-1)[:n].astype(np.uint8)
-
-
-# -- cast --------------------------------------------------------------------
-@register
-class CastStage(ArrayToArray):
-    """Cast to ``dtype`` (default float16); decode casts back to the input dtype."""
-
-    name = "bl_cast"
-    version = 1
-
-    def __init__(self, dtype: str = "float16") -> None:
-        if dtype not in _FLOAT_DTYPES:
-            raise KvcCodecError(f"codec 'bl_cast': dtype must be one of {_FLOAT_DTYPES}, got {dtype!r}")
-        self.dtype = dtype
-
-    def get_config(self) -> dict[str, Any]:
-        return {"dtype": self.dtype}
-
-    def resolve_spec(self, spec: ArraySpec) -> ArraySpec:
-        return ArraySpec(spec.shape, self.dtype)
-
-    def encode(self, arr: np.ndarray, ctx: ChunkContext) -> tuple[np.ndarray, SideData]:
-        return np.ascontiguousarray(_check_float(self.name, np.asarray(arr)).astype(self.dtype)), {}
-
-    def decode(self, arr: np.ndarray, side: SideData, spec: ArraySpec, ctx: ChunkContext) -> np.ndarray:
-        return np.asarray(arr).astype(spec.dtype)
 
 
 # -- per-token int8 -----------------------------------------------------------

@@ -1,6 +1,8 @@
-"""Lossless codec stages: ``raw`` (array->bytes), ``shuffle`` and ``zstd`` (bytes->bytes).
+"""Container-level stages: ``cast`` (array->array), ``raw`` (array->bytes), ``shuffle`` and ``zstd`` (bytes->bytes).
 
-The ``lossless`` preset is raw -> shuffle(itemsize) -> zstd. See
+The ``lossless`` preset is raw -> shuffle(itemsize) -> zstd; ``fp16`` is
+cast(float16) -> raw -> shuffle(2) -> zstd (exact for fp16 caches, one
+rounding to fp16 for fp32 ones). See
 spec/kvc-v1.md section 8 for the normative definition of each stage.
 """
 
@@ -12,11 +14,43 @@ import numpy as np
 import zstandard
 
 from ..errors import KvcCodecError, KvcFormatError
-from ..stages import ArraySpec, ArrayToBytes, BytesToBytes, ChunkContext, Pipeline, SideData, register
+from ..stages import ArraySpec, ArrayToArray, ArrayToBytes, BytesToBytes, ChunkContext, Pipeline, SideData, register
 from .container import DTYPE_BY_NAME, np_le
 
 ZSTD_MAX_WINDOW = 1 << 23
 ZSTD_LEVELS = range(-7, 20)
+
+
+CAST_DTYPES = ("float16", "float32")
+
+
+@register
+class Cast(ArrayToArray):
+    """Round to ``dtype`` (numpy's round-to-nearest-even); decode widens back exactly to the input dtype."""
+
+    name = "cast"
+    version = 1
+
+    def __init__(self, dtype: str = "float16") -> None:
+        if dtype not in CAST_DTYPES:
+            raise KvcCodecError(f"codec 'cast': dtype must be one of {CAST_DTYPES}, got {dtype!r}")
+        self.dtype = dtype
+
+    def get_config(self) -> dict[str, Any]:
+        return {"dtype": self.dtype}
+
+    def resolve_spec(self, spec: ArraySpec) -> ArraySpec:
+        return ArraySpec(spec.shape, self.dtype)
+
+    def encode(self, arr: np.ndarray, ctx: ChunkContext) -> tuple[np.ndarray, SideData]:
+        if arr.dtype.kind != "f":
+            raise KvcCodecError(f"codec 'cast' needs floating-point input, got {arr.dtype}")
+        return np.ascontiguousarray(arr.astype(self.dtype)), {}
+
+    def decode(self, arr: np.ndarray, side: SideData, spec: ArraySpec, ctx: ChunkContext) -> np.ndarray:
+        if spec.dtype not in CAST_DTYPES:
+            raise KvcFormatError(f"codec 'cast' cannot widen to {spec.dtype}")
+        return np.asarray(arr).astype(spec.dtype)
 
 
 @register
@@ -143,6 +177,11 @@ def lossless_pipeline(tensor_dtype: str = "float16", level: int = 3, shuffle: bo
         stages.append(Shuffle(itemsize))
     stages.append(Zstd(level))
     return Pipeline(stages)
+
+
+def fp16_pipeline(level: int = 3) -> Pipeline:
+    """cast(float16) -> raw -> shuffle(2) -> zstd: the cache as fp16, stored losslessly."""
+    return Pipeline([Cast("float16"), Raw(), Shuffle(2), Zstd(level)])
 
 
 def raw_pipeline(tensor_dtype: str = "float16") -> Pipeline:

@@ -14,9 +14,9 @@ from typing import Any, Callable
 from ..errors import KvcInputError
 from ..kvcache import KVCache
 from ..stages import Pipeline
-from .lossless import lossless_pipeline, raw_pipeline
+from .lossless import fp16_pipeline, lossless_pipeline, raw_pipeline
 
-BUILTIN_PRESETS = ("lossless", "zstd", "raw")
+BUILTIN_PRESETS = ("lossless", "fp16", "zstd", "raw")
 
 
 @dataclass
@@ -34,6 +34,10 @@ def get_plan(name: str, cache: KVCache, **kw: Any) -> Plan:
     """The pipelines and attachments a preset uses for ``cache``."""
     if name == "lossless":
         return Plan(lossless_pipeline(_dtype(cache), level=kw.get("level", 3)), {}, name)
+    if name == "fp16":
+        if _dtype(cache) == "bfloat16":
+            raise KvcInputError("preset 'fp16' would change a bfloat16 cache's range; use 'lossless'")
+        return Plan(fp16_pipeline(level=kw.get("level", 3)), {}, name)
     if name == "zstd":
         return Plan(lossless_pipeline(_dtype(cache), level=kw.get("level", 3), shuffle=False), {}, name)
     if name == "raw":
