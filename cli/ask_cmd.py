@@ -15,27 +15,45 @@ from .options import emit_json, json_option, model_option
 @click.option("--namespace", default="default", show_default=True, help="Tenant namespace: entries never cross namespaces.")
 @click.option("--max-new-tokens", type=int, default=48, show_default=True)
 @click.option("--no-store", is_flag=True, help="Answer without depositing new entries.")
+@click.option("--blend", is_flag=True,
+              help="Cache every --doc as its own position-independent chunk and blend the chunks (CacheBlend): "
+                   "later asks with the documents in any order or subset load each one from the store.")
+@click.option("--recompute-ratio", type=float, default=0.15, show_default=True,
+              help="--blend: fraction of context tokens recomputed (0..1; 1 = a full prefill).")
 @json_option
 @click.argument("question")
-def ask_command(model, docs, store_url, preset, namespace, max_new_tokens, no_store, as_json, question) -> None:
+def ask_command(model, docs, store_url, preset, namespace, max_new_tokens, no_store, blend, recompute_ratio, as_json,
+                question) -> None:
     """Answer QUESTION about the documents; the first call prefills and stores, later calls load."""
+    from kvcodec.errors import KvcInputError
     from kvcodec.knowledge import KnowledgeBase, read_docs
     from kvcodec.model import load_model
 
+    if not blend and click.get_current_context().get_parameter_source("recompute_ratio") == click.core.ParameterSource.COMMANDLINE:
+        raise KvcInputError("--recompute-ratio only applies with --blend")
+    if blend and not 0.0 <= recompute_ratio <= 1.0:  # refused before loading the model
+        raise KvcInputError(f"--recompute-ratio must lie in [0, 1], got {recompute_ratio:g}")
     texts = read_docs(list(docs))
     kb = KnowledgeBase(load_model(model), store_url, preset=preset, namespace=namespace)
-    ans = kb.ask(texts, question, max_new_tokens=max_new_tokens, store_new=not no_store)
+    if blend:
+        ans = kb.ask_blended(texts, question, max_new_tokens=max_new_tokens, recompute_ratio=recompute_ratio,
+                             store_new=not no_store)
+    else:
+        ans = kb.ask(texts, question, max_new_tokens=max_new_tokens, store_new=not no_store)
     if as_json:
         emit_json(ans.to_json())
         return
     click.echo(ans.answer)
     line = f"[{ans.source}: {ans.cached_tokens}/{ans.context_tokens} context tokens from the store; TTFT {ans.ttft_s * 1000:.0f} ms"
+    if blend:
+        line += f"; recompute ratio {recompute_ratio:g}"
     if ans.source != "prefill" and ans.prefill_ttft_s:
         line += f" vs {ans.prefill_ttft_s * 1000:.0f} ms by prefill ({ans.prefill_ttft_s / ans.ttft_s:.1f}x faster)"
     click.echo(line + "]", err=True)
     if ans.stored:
         s = ans.stored
-        click.echo(f"[stored {s['bytes']:,} bytes ({s['bits_per_element']:.2f} bits/element) in {', '.join(s['stored_in'])}]", err=True)
+        what = f"{len(s['chunks'])} chunk(s), " if "chunks" in s else ""
+        click.echo(f"[stored {what}{s['bytes']:,} bytes ({s['bits_per_element']:.2f} bits/element) in {', '.join(s['stored_in'])}]", err=True)
         if s["failed"]:
             click.echo(f"[warning: not stored in {s['failed']}]", err=True)
 

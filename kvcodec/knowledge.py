@@ -59,7 +59,7 @@ def key_for_file(reader: KvcReader, namespace: str = "default") -> StoreKey:
 class Answer:
     answer: str
     answer_ids: list[int]
-    source: str  # "store" (whole context loaded), "store+prefill" (prefix loaded), or "prefill"
+    source: str  # "store" (whole context loaded), "store+prefill" (prefix loaded), "prefill", or "blend" (chunks blended)
     context_tokens: int
     cached_tokens: int
     ttft_s: float
@@ -91,9 +91,17 @@ class KnowledgeBase:
         """Token ids of the chat prefix + documents, and the document boundaries."""
         if not docs:
             raise KvcInputError("give at least one document")
-        parts = [tokenize(self.lm.tokenizer, CHAT_PREFIX)] + [tokenize(self.lm.tokenizer, d.rstrip() + "\n\n") for d in docs]
+        parts = [self.prefix_ids()] + [self.doc_ids(d) for d in docs]
         bounds = list(np.cumsum([len(p) for p in parts])[1:])
         return np.concatenate(parts), bounds
+
+    def prefix_ids(self) -> np.ndarray:
+        """Token ids of the chat prefix every context starts with."""
+        return tokenize(self.lm.tokenizer, CHAT_PREFIX)
+
+    def doc_ids(self, doc: str) -> np.ndarray:
+        """Token ids of one document as it appears in a context (tokenized on its own)."""
+        return tokenize(self.lm.tokenizer, doc.rstrip() + "\n\n")
 
     def question_ids(self, question: str) -> np.ndarray:
         if not question.strip():
@@ -169,6 +177,91 @@ class KnowledgeBase:
             answer=self.lm.tokenizer.decode(answer_ids, skip_special_tokens=True).strip(),
             answer_ids=answer_ids, source=source, context_tokens=int(len(ids)), cached_tokens=int(n_cached),
             ttft_s=ttft, prefill_ttft_s=ttft if key is None else prefill_ttft, stored=stored, timings=timings,
+        )
+
+    # -- blended answers (issue 9) ---------------------------------------------
+    def chunk_cache(self, ids: np.ndarray) -> KVCache | None:
+        """The position-independent chunk cache of ``ids`` (captured alone, at positions 0..n-1) from the store, or None."""
+        key = self.key(ids)
+        data = self.store.get(key)
+        if data is None:
+            return None
+        with KvcReader(data) as r:
+            self.lm.fingerprint.check_compatible(r.fingerprint, what=f"store entry {key}")
+            cache = r.read_cache()
+        if not np.array_equal(cache.token_ids, ids) or cache.positions is not None:
+            raise KvcInputError(f"store entry {key} encodes other tokens than its key says")
+        return cache
+
+    @torch.inference_mode()
+    def ask_blended(
+        self,
+        docs: list[str],
+        question: str,
+        max_new_tokens: int = 48,
+        recompute_ratio: float = 0.15,
+        store_new: bool = True,
+    ) -> Answer:
+        """Answer from per-document chunk caches blended CacheBlend-style (:mod:`kvcodec.blend`).
+
+        Every document is a chunk of its own: its tokens alone, captured from
+        position 0 and kept in the store under the key of those tokens, so any
+        later ask with the documents in any order or subset loads each chunk
+        from the store. The chat prefix (a few tokens) is prefilled each time;
+        the question is the blend's query. ``recompute_ratio`` is the fraction
+        of context tokens recomputed (1.0 == a full prefill of the same tokens).
+        ``cached_tokens`` counts the context tokens loaded from the store;
+        ``stored`` sums the chunk entries this call deposited (None if none).
+        """
+        from .blend import _validate_ratio, generate_blended
+        from .capture import capture
+
+        if max_new_tokens < 1:
+            raise KvcInputError("max_new_tokens must be at least 1")
+        t0 = time.perf_counter()
+        ratio = _validate_ratio(recompute_ratio)
+        if not docs:
+            raise KvcInputError("give at least one document")
+        pre = self.prefix_ids()
+        parts = [self.doc_ids(d) for d in docs]
+        q = self.question_ids(question)
+        chunks: list[KVCache] = [capture(self.lm, token_ids=pre)]
+        fresh: dict[str, KVCache] = {}  # chunks captured by this call, by key (a document given twice is captured once)
+        cached = 0
+        timings: dict[str, float] = {"fetch_s": 0.0, "capture_s": 0.0}
+        for ids in parts:
+            k = self.key(ids).to_str()
+            t1 = time.perf_counter()
+            c = fresh.get(k)
+            if c is None:
+                c = self.chunk_cache(ids)
+                if c is not None:
+                    cached += len(ids)
+                    timings["fetch_s"] += time.perf_counter() - t1
+            if c is None:
+                c = capture(self.lm, token_ids=ids)
+                fresh[k] = c
+                timings["capture_s"] += time.perf_counter() - t1
+            chunks.append(c)
+        t_gen = time.perf_counter()
+        gen = generate_blended(self.lm, chunks, q, max_new_tokens=max_new_tokens, recompute_ratio=ratio)
+        ttft = t_gen - t0 + gen.timings["ttft_s"]
+        timings.update(blend_s=gen.timings["ttft_s"], decode_s=gen.timings["decode_s"])
+        stored = None
+        if store_new and fresh:
+            deps = [self.deposit(c) for c in fresh.values()]
+            n_bytes = sum(d["bytes"] for d in deps)
+            elems = sum(c.num_elements for c in fresh.values())
+            stored = {
+                "chunks": deps, "keys": [d["key"] for d in deps], "bytes": n_bytes, "bits_per_element": n_bytes * 8 / elems,
+                "encode_s": sum(d["encode_s"] for d in deps),
+                "stored_in": sorted(set.intersection(*(set(d["stored_in"]) for d in deps))),
+                "failed": {t: e for d in deps for t, e in d["failed"].items()},
+            }
+        context_tokens = len(pre) + sum(len(p) for p in parts)
+        return Answer(
+            answer=gen.text.strip(), answer_ids=list(gen.token_ids), source="blend", context_tokens=int(context_tokens),
+            cached_tokens=int(cached), ttft_s=ttft, prefill_ttft_s=None, stored=stored, timings=timings,
         )
 
 

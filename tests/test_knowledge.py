@@ -75,3 +75,71 @@ def test_cli_store_put_ls_get_rm(lm, small_cache, tmp_path, capsys):
     assert code != 0 and err.startswith("kvc: error: no entry")
     code, _, err = run("store", "get", "not-a-key", "-o", str(tmp_path / "x.kvc"), "--store", url)
     assert code != 0 and "bad store key" in err
+
+
+# -- issue 9: blended asks over per-document chunks ---------------------------------------
+BLEND_A = open("/usr/share/common-licenses/Apache-2.0").read()[:900]  # ~185 tokens
+BLEND_B = open("/usr/share/common-licenses/MPL-2.0").read()[:900]  # ~210 tokens
+BLEND_Q = "Which licenses are these?"
+
+
+def test_blended_asks_store_each_chunk_and_load_them_in_any_order(lm, tmp_path):
+    url = str(tmp_path / "st")
+    kb = KnowledgeBase(lm, url, preset="lossless")
+    n_a, n_b = len(kb.doc_ids(BLEND_A)), len(kb.doc_ids(BLEND_B))
+    first = kb.ask_blended([BLEND_A, BLEND_B], BLEND_Q, max_new_tokens=6)
+    assert first.source == "blend" and first.cached_tokens == 0
+    assert first.context_tokens == len(kb.context_ids([BLEND_A, BLEND_B])[0])
+    assert len(first.stored["chunks"]) == 2 and first.stored["stored_in"]
+    assert set(first.stored["keys"]) == {kb.key(kb.doc_ids(BLEND_A)).to_str(), kb.key(kb.doc_ids(BLEND_B)).to_str()}
+    with Store.open(url) as st:
+        assert len(st.ls()) == 2
+    # another process, the documents in the other order: both chunks come from the store, nothing new is stored
+    second = KnowledgeBase(lm, url, preset="lossless").ask_blended([BLEND_B, BLEND_A], BLEND_Q, max_new_tokens=6)
+    assert second.source == "blend" and second.cached_tokens == n_a + n_b and second.stored is None
+    # a subset loads just its chunk
+    third = kb.ask_blended([BLEND_B], BLEND_Q, max_new_tokens=2)
+    assert third.cached_tokens == n_b and third.stored is None
+    with Store.open(url) as st:
+        assert len(st.ls()) == 2
+
+
+def test_blend_ratio_one_equals_a_prefill_ask(lm, tmp_path):
+    """recompute ratio 1 == a full prefill of the same tokens: the plain (prefill) ask gives the same greedy tokens."""
+    kb = KnowledgeBase(lm, str(tmp_path / "st"), preset="lossless")
+    kb.ask_blended([BLEND_A, BLEND_B], BLEND_Q, max_new_tokens=1)  # deposit both chunks
+    plain = KnowledgeBase(lm, str(tmp_path / "other"), preset="lossless").ask(
+        [BLEND_B, BLEND_A], BLEND_Q, max_new_tokens=12, store_new=False)
+    assert plain.source == "prefill"
+    blended = kb.ask_blended([BLEND_B, BLEND_A], BLEND_Q, max_new_tokens=12, recompute_ratio=1.0)
+    assert blended.cached_tokens > 0 and blended.context_tokens == plain.context_tokens
+    assert blended.answer_ids == plain.answer_ids and blended.answer == plain.answer
+
+
+def test_cli_ask_blend(lm, tmp_path, capsys, monkeypatch):
+    import kvcodec.model
+    from kvcodec.cli.main import main
+
+    monkeypatch.setattr(kvcodec.model, "load_model", lambda *a, **k: lm)
+    (tmp_path / "a.txt").write_text(BLEND_A)
+    (tmp_path / "b.txt").write_text(BLEND_B)
+    url = str(tmp_path / "st")
+
+    def run(*args):
+        with pytest.raises(SystemExit) as e:
+            main(list(args))
+        out = capsys.readouterr()
+        return e.value.code, out.out, out.err
+
+    base = ["ask", "--store", url, "--preset", "lossless", "--max-new-tokens", "3"]
+    code, out, err = run(*base, "--blend", "--doc", str(tmp_path / "a.txt"), "--doc", str(tmp_path / "b.txt"), BLEND_Q, "--json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["source"] == "blend" and d["cached_tokens"] == 0 and len(d["stored"]["chunks"]) == 2
+    code, out, err = run(*base, "--blend", "--recompute-ratio", "0.3", "--doc", str(tmp_path / "b.txt"),
+                         "--doc", str(tmp_path / "a.txt"), BLEND_Q)
+    assert code == 0, err
+    assert "[blend: " in err and "recompute ratio 0.3" in err and "stored" not in err
+    for bad, msg in ((["--blend", "--recompute-ratio", "1.5"], "[0, 1]"), (["--recompute-ratio", "0.5"], "only applies with --blend")):
+        code, _, err = run(*base, *bad, "--doc", str(tmp_path / "a.txt"), BLEND_Q)
+        assert code == 2 and err.startswith("kvc: error:") and msg in err and len(err.strip().splitlines()) == 1
