@@ -243,16 +243,17 @@ _BUILTINS_LOADED = False
 
 
 def _ensure_builtin_stages() -> None:
-    """Import the modules that register the built-in stages (lazily, once)."""
+    """Import the modules that register the built-in stages (lazily, once: they import this module).
+
+    Every stage a reader may meet: the format's lossless stages, rANS, the
+    lossy codec's stages (tokenscale included) and the baselines' ``bl_*``.
+    """
     global _BUILTINS_LOADED
     if _BUILTINS_LOADED:
         return
-    _BUILTINS_LOADED = True
-    import importlib
+    from .baselines import stages as _baselines  # noqa: F401
+    from .entropy import rans_stage  # noqa: F401
+    from .format import lossless  # noqa: F401
+    from .quant import stages as _quant, tokenscale  # noqa: F401
 
-    for mod in ("kvcodec.format.lossless", "kvcodec.entropy.rans_stage", "kvcodec.quant.stages"):
-        try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as exc:  # a module not written yet must not break the others
-            if exc.name != mod:
-                raise
+    _BUILTINS_LOADED = True
