@@ -160,7 +160,7 @@ def _positive(ctx: click.Context, param: click.Parameter, value: float | None) -
 @click.argument("input_path", metavar="IN", type=click.Path(dir_okay=False))
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Output .kvc file (written atomically).")
 @click.option("--preset", default="lossless", show_default=True,
-              help="lossless | zstd | raw, or a lossy preset (near-lossless, balanced, small).")
+              help="lossless | zstd | raw | fp16, or a lossy preset (near-lossless, balanced, small).")
 @click.option("--prune", "prune_spec", default=None, help=PRUNE_HELP)
 @click.option("--model", "-m", default=None,
               help="Model for pruning, lossy presets and quality targets: 'smollm2' or a local HF model directory "
