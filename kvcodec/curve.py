@@ -13,11 +13,9 @@ every method/setting is
 3. evaluated with :func:`kvcodec.evaluate.evaluate` against the exact cache.
 
 Methods come in families: ``kvcodec`` (the codec's presets), ``kvcodec-kl``
-(the codec's ``plan_for_target`` at ``--target-kl`` points, when it exists),
-the baselines (``fp16``, ``fp16+zstd``, ``int8``, ``kivi``, ``cachegen``) and
-``h2o`` (H2O pruning alone, kept tokens stored as fp16, when
-``kvcodec.prune`` exists). A family whose module is missing is skipped with
-a note in the output.
+(the codec's ``plan_for_target`` at ``--target-kl`` points), the baselines
+(``fp16``, ``fp16+zstd``, ``int8``, ``kivi``, ``cachegen``) and ``h2o`` (H2O
+pruning alone, kept tokens stored as fp16).
 
 Results are resumable: rows already present in the JSON output (same model
 fingerprint, context tokens, continuation and method) are reused.
@@ -27,7 +25,6 @@ from __future__ import annotations
 
 import csv
 import hashlib
-import importlib
 import io
 import json
 import os
@@ -41,7 +38,10 @@ from typing import Any, Callable
 import numpy as np
 
 from .errors import KvcError, KvcInputError
+from .format import KvcReader, write_kvc
+from .format import presets as format_presets
 from .kvcache import KVCache, atomic_replace
+from .quant import presets as quant_presets
 
 SCHEMA = "kvcodec-curve/1"
 BASELINE_FAMILIES = ("fp16", "fp16+zstd", "int8", "kivi", "cachegen")
@@ -55,66 +55,22 @@ CSV_FIELDS = (
 )
 
 
-# -- the format, the codec and pruning (built by colleagues; looked up lazily) -----------------
-def format_api() -> tuple[Callable[..., int], Callable[[Any], Any]]:
-    """(write_kvc, KvcReader) from ``kvcodec.format``, wherever the format package exports them."""
-    write = reader = None
-    for mod in ("kvcodec.format", "kvcodec.format.writer", "kvcodec.format.reader"):
-        try:
-            m = importlib.import_module(mod)
-        except ModuleNotFoundError as exc:
-            if exc.name != mod:
-                raise
-            continue
-        write = write or getattr(m, "write_kvc", None)
-        reader = reader or getattr(m, "KvcReader", None)
-    if write is None or reader is None:
-        raise KvcError("the .kvc format (kvcodec.format: write_kvc / KvcReader) is not available in this build")
-    return write, reader
+# -- the codec's presets ------------------------------------------------------------------
+def codec_presets() -> list[str]:
+    """Preset names worth sweeping: ``lossless`` and ``fp16`` (format) and the lossy presets (codec).
 
-
-def _optional(mod: str) -> Any | None:
-    try:
-        return importlib.import_module(mod)
-    except ModuleNotFoundError as exc:
-        if exc.name is not None and mod.startswith(exc.name):
-            return None
-        raise
-
-
-def codec_presets() -> tuple[Any | None, list[str]]:
-    """(a ``get_plan(name, cache, lm=...)`` provider or None, preset names worth sweeping).
-
-    ``lossless`` comes from the format's preset table; the lossy presets from
-    ``kvcodec.quant.presets`` (called directly, since they need the model for
-    calibration and hand the reader an attachment resolver). ``raw`` (fp32 as
-    is) and ``zstd`` (lossless minus shuffle) are left out of sweeps.
+    ``raw`` (fp32 as is) and ``zstd`` (lossless minus shuffle) are left out of sweeps.
     """
-    fmt = _optional("kvcodec.format.presets")
-    quant = _optional("kvcodec.quant.presets")
-    if fmt is None and quant is None:
-        return None, []
-    lossy = list(getattr(quant, "PRESETS", {}) or {}) if quant is not None else []
-    names = (["lossless", "fp16"] if fmt is not None else []) + [n for n in lossy if n not in ("lossless", "fp16")]
-
-    class _Provider:
-        @staticmethod
-        def get_plan(name: str, cache: KVCache, lm: Any = None) -> Any:
-            if quant is not None and name in lossy:
-                return quant.get_plan(name, cache, lm=lm)
-            if fmt is not None:
-                return fmt.get_plan(name, cache)
-            return quant.get_plan(name, cache, lm=lm)
-
-    return _Provider, names
+    return ["lossless", "fp16"] + [n for n in quant_presets.PRESETS if n not in ("lossless", "fp16")]
 
 
-def target_planner() -> Any | None:
-    """``kvcodec.quant.presets`` when it provides ``plan_for_target`` and ``transform_plan``."""
-    m = _optional("kvcodec.quant.presets")
-    if m is None or not callable(getattr(m, "plan_for_target", None)) or not callable(getattr(m, "transform_plan", None)):
-        return None
-    return m
+def codec_plan(name: str, cache: KVCache, lm: Any = None) -> Any:
+    """The plan of preset ``name``: lossy presets straight from ``kvcodec.quant.presets`` (they use the
+    model for calibration and token importance and hand the reader an attachment resolver), the rest
+    from the format's preset table."""
+    if name in quant_presets.PRESETS:
+        return quant_presets.get_plan(name, cache, lm=lm)
+    return format_presets.get_plan(name, cache)
 
 
 # -- method registry ----------------------------------------------------------------------
@@ -159,9 +115,9 @@ def _baseline(name: str) -> Callable[[Any, TextCase], tuple[KVCache, Any]]:
     return build
 
 
-def _preset(mod: Any, name: str) -> Callable[[Any, TextCase], tuple[KVCache, Any]]:
+def _preset(name: str) -> Callable[[Any, TextCase], tuple[KVCache, Any]]:
     def build(lm: Any, case: TextCase) -> tuple[KVCache, Any]:
-        return case.cache, mod.get_plan(name, case.cache, lm=lm)
+        return case.cache, codec_plan(name, case.cache, lm=lm)
 
     return build
 
@@ -175,7 +131,7 @@ def prefix_cache(cache: KVCache, n: int) -> KVCache:
                    cache.token_ids[:n], cache.fingerprint, None, dict(cache.meta))
 
 
-def _target(mod: Any, kl: float) -> Callable[[Any, TextCase], tuple[KVCache, Any]]:
+def _target(kl: float) -> Callable[[Any, TextCase], tuple[KVCache, Any]]:
     """kvcodec at a KL target, tuned *without* peeking at the evaluation continuation.
 
     ``plan_for_target`` bisects the rate knob on a cache and a continuation;
@@ -190,8 +146,8 @@ def _target(mod: Any, kl: float) -> Callable[[Any, TextCase], tuple[KVCache, Any
         if c.positions is not None or n_tune < 2:
             raise KvcInputError("target-KL tuning needs an unpruned cache of at least 8 tokens")
         tune = prefix_cache(c, c.num_tokens - n_tune)
-        _, info = mod.plan_for_target(tune, lm, target_kl=kl, continuation=c.token_ids[c.num_tokens - n_tune:])
-        plan = mod.transform_plan(c, info["step0"], lm=lm, preset=f"target-kl-{kl:g}")
+        _, info = quant_presets.plan_for_target(tune, lm, target_kl=kl, continuation=c.token_ids[c.num_tokens - n_tune:])
+        plan = quant_presets.transform_plan(c, info["step0"], lm=lm, preset=f"target-kl-{kl:g}")
         plan.params = dict(getattr(plan, "params", {}) or {}, tuned_kl=info.get("kl_mean"), tuned_on="context tail")
         return c, plan
 
@@ -215,7 +171,7 @@ def _h2o(spec: str) -> Callable[[Any, TextCase], tuple[KVCache, Any]]:
 
 def select_methods(selected: list[str] | None = None, target_kls: list[float] | None = None,
                    h2o_budgets: list[str] | None = None) -> MethodList:
-    """Methods for the families/names in ``selected`` (default: all available), with notes on what was skipped.
+    """Methods for the families/names in ``selected`` (default: all).
 
     Entries may be families (``kivi``), one setting (``kivi2``, ``kvcodec:NAME``,
     ``h2o:0.25``) or ``all``.
@@ -234,7 +190,6 @@ def select_methods(selected: list[str] | None = None, target_kls: list[float] | 
     bl_family = {"fp16": ["fp16"], "fp16+zstd": ["fp16+zstd"], "int8": ["int8"], "kivi": ["kivi2", "kivi4"],
                  "cachegen": ["cachegen-lo", "cachegen", "cachegen-hi"]}
     bl_of = {name: fam for fam, names in bl_family.items() for name in names}
-    presets_mod, preset_names = None, []
     for s in sel:
         if s in bl_family:
             for name in bl_family[s]:
@@ -242,28 +197,13 @@ def select_methods(selected: list[str] | None = None, target_kls: list[float] | 
         elif s in bl_of:
             add(Method(bl_of[s], s, _baseline(s)))
         elif s == "kvcodec" or s.startswith("kvcodec:"):
-            presets_mod, preset_names = codec_presets()
-            if presets_mod is None:
-                out.notes.append("kvcodec presets skipped: no preset module is available in this build")
-                continue
-            names = preset_names if s == "kvcodec" else [s.split(":", 1)[1]]
-            if s == "kvcodec" and _optional("kvcodec.quant.presets") is None:
-                out.notes.append("kvcodec lossy presets skipped: kvcodec.quant.presets is not available in this build "
-                                 "(only the format's lossless preset was run)")
-            for n in names:
-                add(Method("kvcodec", n, _preset(presets_mod, n)))
+            for n in codec_presets() if s == "kvcodec" else [s.split(":", 1)[1]]:
+                add(Method("kvcodec", n, _preset(n)))
         elif s == "kvcodec-kl":
-            mod = target_planner()
-            if mod is None:
-                out.notes.append("target-KL sweep skipped: kvcodec.quant.presets.plan_for_target is not available")
-                continue
             for kl in target_kls or DEFAULT_TARGET_KLS:
-                add(Method("kvcodec-kl", f"kl<={kl:g}", _target(mod, float(kl)),
+                add(Method("kvcodec-kl", f"kl<={kl:g}", _target(float(kl)),
                            note=f"rate knob tuned on the context's last {TUNE_TOKENS} tokens, evaluated on the held-out continuation"))
         elif s == "h2o" or s.startswith("h2o:"):
-            if _optional("kvcodec.prune.h2o") is None or _optional("kvcodec.prune.budget") is None:
-                out.notes.append("H2O pruning skipped: kvcodec.prune is not available in this build")
-                continue
             for spec in ([s] if s.startswith("h2o:") else (h2o_budgets or list(DEFAULT_H2O_BUDGETS))):
                 add(Method("h2o", spec, _h2o(spec), note="H2O pruning only; kept tokens stored as fp16"))
         else:
@@ -340,23 +280,15 @@ def external_bytes(plan: Any) -> int:
 
 
 def read_kvc_cache(path: str | os.PathLike, attachment_resolver: Callable[..., Any] | None = None) -> KVCache:
-    _, reader_cls = format_api()
-    from . import baselines  # noqa: F401  (registers the bl_* stages the file may name)
-
-    r = reader_cls(str(path), attachment_resolver=attachment_resolver) if attachment_resolver else reader_cls(str(path))
-    try:
+    """Decode a `.kvc` file (``attachment_resolver`` None: the reader's default, the per-model calibration)."""
+    with KvcReader(str(path), attachment_resolver=attachment_resolver) as r:
         return r.read_cache()
-    finally:
-        close = getattr(r, "close", None)
-        if callable(close):
-            close()
 
 
 def measure(lm: Any, case: TextCase, method: Method, workdir: str | os.PathLike, greedy_tokens: int = 16) -> dict[str, Any]:
     """Encode, size, decode and evaluate one method on one text."""
     from .evaluate import continue_logits, evaluate, greedy
 
-    write_kvc, _ = format_api()
     if case.exact_logits is None:
         case.exact_logits = continue_logits(lm, case.cache, case.continuation)
         case.exact_greedy = greedy(lm, case.cache, int(case.continuation[0]), greedy_tokens) if greedy_tokens else []
@@ -457,7 +389,6 @@ def run_curve(
     chosen = select_methods(methods, target_kls, h2o_budgets)
     if not chosen.methods:
         raise KvcInputError("no method to run: " + ("; ".join(chosen.notes) or "empty --methods"))
-    format_api()  # fail early, before any capture, when the format is missing
     if capture_dir == "default":
         capture_dir = default_capture_dir()
     lm = lm or load_model(model)
@@ -603,18 +534,13 @@ def eval_kvc_file(lm: Any, path: str | os.PathLike, text_ids: np.ndarray, contin
     from .errors import KvcInputError as _In
     from .evaluate import evaluate
 
-    _, reader_cls = format_api()
-    from . import baselines  # noqa: F401  (registers the bl_* stages a baseline file names)
-
     if continuation < 2:
         raise _In(f"--continuation must be at least 2, got {continuation}")
     path = Path(path)
     if not path.is_file():
         raise _In(f"no such file: {path}")
     size = path.stat().st_size
-    quant = _optional("kvcodec.quant.presets")
-    resolver = getattr(quant, "attachment_resolver", None) if quant is not None else None
-    with (reader_cls(str(path), attachment_resolver=resolver) if resolver else reader_cls(str(path))) as r:
+    with KvcReader(str(path), attachment_resolver=quant_presets.attachment_resolver) as r:
         lm.fingerprint.check_compatible(r.fingerprint, what=".kvc file")
         ids = r.token_ids
         n_ctx = int(r.header.num_context_tokens)

@@ -175,12 +175,12 @@ def test_pareto_frontier():
     assert pareto([(4, 0.1), (2, 0.5), (3, 0.6), (8, 0.01), (9, 0.02)]) == [(2, 0.5), (4, 0.1), (8, 0.01)]
 
 
-def test_missing_families_are_skipped_with_a_note(monkeypatch):
-    import kvcodec.curve as curve
+def test_every_family_is_selected():
+    from kvcodec.curve import codec_presets, select_methods
+    from kvcodec.quant.presets import PRESETS
 
-    real = curve._optional
-    monkeypatch.setattr(curve, "_optional", lambda mod: None if mod.startswith(("kvcodec.prune", "kvcodec.quant")) else real(mod))
-    got = curve.select_methods(["h2o", "kvcodec-kl", "kvcodec", "int8"])
-    assert [m.key for m in got.methods] == ["kvcodec/lossless", "int8/int8"]
-    notes = " ".join(got.notes)
-    assert "H2O pruning skipped" in notes and "target-KL sweep skipped" in notes and "lossy presets skipped" in notes
+    got = select_methods(["h2o", "kvcodec-kl", "kvcodec", "int8"], target_kls=[1e-3], h2o_budgets=["h2o:0.5"])
+    assert not got.notes
+    assert [m.key for m in got.methods] == (["h2o/h2o:0.5", "kvcodec-kl/kl<=0.001"] + [f"kvcodec/{n}" for n in codec_presets()]
+                                            + ["int8/int8"])
+    assert codec_presets()[:2] == ["lossless", "fp16"] and set(PRESETS) <= set(codec_presets())
