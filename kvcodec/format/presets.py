@@ -1,13 +1,12 @@
 """Preset name -> encoding plan; the ONE place preset names are looked up.
 
-``lossless`` (raw -> shuffle -> zstd), ``zstd`` (raw -> zstd) and ``raw`` are
-built in; every other name is delegated to
-``kvcodec.quant.presets.get_plan(name, cache, **kw)`` when that module exists.
+``lossless`` (raw -> shuffle -> zstd), ``fp16`` (cast -> raw -> shuffle -> zstd),
+``zstd`` (raw -> zstd) and ``raw`` are built in; the lossy presets
+(near-lossless, balanced, small) come from ``kvcodec.quant.presets``.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -42,26 +41,18 @@ def get_plan(name: str, cache: KVCache, **kw: Any) -> Plan:
         return Plan(lossless_pipeline(_dtype(cache), level=kw.get("level", 3), shuffle=False), {}, name)
     if name == "raw":
         return Plan(raw_pipeline(_dtype(cache)), {}, name)
-    try:
-        mod = importlib.import_module("kvcodec.quant.presets")
-    except ModuleNotFoundError as exc:
-        if exc.name not in ("kvcodec.quant.presets", "kvcodec.quant"):
-            raise
-        raise KvcInputError(f"unknown preset {name!r} (available: {', '.join(BUILTIN_PRESETS)})") from None
-    plan = mod.get_plan(name, cache, **kw)
-    return Plan(plan.pipelines, dict(getattr(plan, "attachments", None) or {}), getattr(plan, "preset", name))
+    from ..quant import presets as lossy  # imported lazily: it pulls in the codec stages
+
+    if name not in lossy.PRESETS:
+        raise KvcInputError(f"unknown preset {name!r} (available: {', '.join(available_presets())})")
+    plan = lossy.get_plan(name, cache, **kw)
+    return Plan(plan.pipelines, dict(plan.attachments), plan.preset)
 
 
 def available_presets() -> list[str]:
-    names = list(BUILTIN_PRESETS)
-    try:
-        mod = importlib.import_module("kvcodec.quant.presets")
-        extra = getattr(mod, "PRESETS", None) or getattr(mod, "available_presets", lambda: [])()
-        names += [n for n in extra if n not in names]
-    except Exception:  # the lossy presets are optional here
-        pass
-    return names
+    from ..quant.presets import PRESETS
 
+    return list(BUILTIN_PRESETS) + [n for n in PRESETS if n not in BUILTIN_PRESETS]
 
 
 def default_attachment_resolver() -> Any:
