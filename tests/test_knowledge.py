@@ -143,3 +143,19 @@ def test_cli_ask_blend(lm, tmp_path, capsys, monkeypatch):
     for bad, msg in ((["--blend", "--recompute-ratio", "1.5"], "[0, 1]"), (["--recompute-ratio", "0.5"], "only applies with --blend")):
         code, _, err = run(*base, *bad, "--doc", str(tmp_path / "a.txt"), BLEND_Q)
         assert code == 2 and err.startswith("kvc: error:") and msg in err and len(err.strip().splitlines()) == 1
+
+
+def test_balanced_entry_from_the_store_stays_within_the_preset_quality(lm, gpl3_ids, tmp_path):
+    """A `balanced` entry loaded from the store continues like the exact cache (KL <= 0.01, the preset's bound)."""
+    from kvcodec.capture import capture
+    from kvcodec.evaluate import evaluate
+    from kvcodec.format import KvcReader
+
+    kb = KnowledgeBase(lm, str(tmp_path / "st"), preset="balanced")
+    exact = capture(lm, token_ids=gpl3_ids[:512])
+    stored = kb.deposit(exact)
+    assert stored["bits_per_element"] < 4.0
+    data = Store.open(str(tmp_path / "st")).get(kb.key(exact.token_ids))
+    decoded = KvcReader(data).read_cache()
+    q = evaluate(lm, exact, decoded, gpl3_ids[512:640], greedy_tokens=0)
+    assert 0 < q.kl_mean <= 0.01, q
