@@ -107,7 +107,7 @@ def render(report: dict[str, Any]) -> str:
     ]
     if "curve" in report:
         lines.append(f"curve      {report['curve']['png']} ({report['curve']['json']})")
-        lines.append("           method               bits/el   KL        dPPL %")
+        lines.append("           method                   bits/el   KL        dPPL %")
         for r in sorted(report["curve"]["rows"], key=lambda r: r["bits_per_element"] or 0):
-            lines.append(f"           {r['family'] + ':' + r['method']:<20} {r['bits_per_element']:7.2f}   {r['kl_mean']:.2e}  {r['dppl_percent']:+7.2f}")
+            lines.append(f"           {r['family'] + ':' + r['method']:<24} {r['bits_per_element']:7.2f}   {r['kl_mean']:.2e}  {r['dppl_percent']:+7.2f}")
     return "\n".join(lines)
