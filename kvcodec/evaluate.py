@@ -108,17 +108,29 @@ def evaluate(
     lm.fingerprint.check_compatible(decoded.fingerprint)
     if not np.array_equal(exact.token_ids, decoded.token_ids):
         raise KvcInputError("the decoded cache encodes different tokens than the exact cache")
+    return compare_caches(lm, exact, decoded, continuation, greedy_tokens, exact_logits, exact_greedy)
+
+
+def compare_caches(
+    lm: LoadedModel,
+    exact: KVCache,
+    other: KVCache,
+    continuation: np.ndarray,
+    greedy_tokens: int = 16,
+    exact_logits: torch.Tensor | None = None,
+    exact_greedy: list[int] | None = None,
+) -> Quality:
+    """The metrics, once the caller has checked that ``other`` stands for ``exact``'s context."""
     if exact_logits is None:
         exact_logits = continue_logits(lm, exact, continuation)
-    dec_logits = continue_logits(lm, decoded, continuation)
-    m = compare_logits(exact_logits, dec_logits, continuation)
+    m = compare_logits(exact_logits, continue_logits(lm, other, continuation), continuation)
     match = 1.0
     if greedy_tokens > 0:
         if exact_greedy is None:
             exact_greedy = greedy(lm, exact, int(continuation[0]), greedy_tokens)
-        dec_greedy = greedy(lm, decoded, int(continuation[0]), greedy_tokens)
+        got = greedy(lm, other, int(continuation[0]), greedy_tokens)
         same = 0
-        for a, b in zip(exact_greedy, dec_greedy):
+        for a, b in zip(exact_greedy, got):
             if a != b:
                 break
             same += 1

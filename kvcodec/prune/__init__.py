@@ -140,25 +140,11 @@ def evaluate_pruned(
     ``next_position`` (the original context length for H2O, ``T_kept`` for
     lingua, whose text was renumbered).
     """
-    from ..evaluate import Quality, compare_logits, continue_logits, greedy
+    from ..evaluate import compare_caches
 
     continuation = np.asarray(continuation, dtype=np.int64).reshape(-1)
     if continuation.size < 2:
         raise KvcInputError("the continuation needs at least 2 tokens")
     lm.fingerprint.check_compatible(pruned.fingerprint)
     _check_same_context(exact, pruned)
-    if exact_logits is None:
-        exact_logits = continue_logits(lm, exact, continuation)
-    m = compare_logits(exact_logits, continue_logits(lm, pruned, continuation), continuation)
-    match = 1.0
-    if greedy_tokens > 0:
-        if exact_greedy is None:
-            exact_greedy = greedy(lm, exact, int(continuation[0]), greedy_tokens)
-        got = greedy(lm, pruned, int(continuation[0]), greedy_tokens)
-        same = 0
-        for a, b in zip(exact_greedy, got):
-            if a != b:
-                break
-            same += 1
-        match = same / greedy_tokens
-    return Quality(greedy_match=match, continuation_tokens=int(continuation.size), **m)
+    return compare_caches(lm, exact, pruned, continuation, greedy_tokens, exact_logits, exact_greedy)
