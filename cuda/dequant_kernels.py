@@ -217,8 +217,6 @@ def _dev(a: np.ndarray, device: torch.device, dtype: Any = None) -> torch.Tensor
 
 
 def gpu_quantize(stage: Any, x: torch.Tensor, side: dict, spec: Any, ctx: Any) -> torch.Tensor:
-    from ..quant.stages import _need, _no_extra
-
     H, T, C = spec.shape
     if tuple(x.shape) != (H, T, C) or x.dtype != torch.uint8:
         raise KvcFormatError(f"codec 'quantize': got {str(x.dtype).removeprefix('torch.')}{tuple(x.shape)}, expected uint8{spec.shape}")
@@ -226,25 +224,13 @@ def gpu_quantize(stage: Any, x: torch.Tensor, side: dict, spec: Any, ctx: Any) -
     out = torch.empty((H, T, C), dtype=torch.float32, device=dev)
     N = H * T * C
     if stage.mode == "step":
-        _no_extra(side, "quantize", {"step", "bits"})
-        step = _need(side, "step", "quantize", (H, C), "float16")
-        bits = _need(side, "bits", "quantize", (H, C), "uint8")
-        if not (np.isfinite(step).all() and (step.astype(np.float32) >= 0).all()):
-            raise KvcFormatError("codec 'quantize': step side data is NaN, inf or negative")
-        if (bits > stage.max_bits).any():
-            raise KvcFormatError(f"codec 'quantize': bit width {int(bits.max())} exceeds max_bits {stage.max_bits}")
+        step, bits = stage.step_side(side, spec)
         if T and bool((x.amax(dim=1).to(torch.int32) >= (1 << _dev(bits, dev, np.int32))).any()):
             raise KvcFormatError("codec 'quantize': symbol outside its channel's bit width")
         if N:
             _launch("dq_step", (_cdiv(N, BLOCK),), x, _dev(step, dev, np.float32), out, N, T * C, C, BLOCK=BLOCK)
     else:
-        hb = stage._head_bits(H)
-        gshape = stage._group_shape(H, T, C)
-        _no_extra(side, "quantize", {"scale"} if stage.symmetric else {"scale", "zero"})
-        scale = _need(side, "scale", "quantize", gshape, "float16")
-        zero = None if stage.symmetric else _need(side, "zero", "quantize", gshape, "float16")
-        if not np.isfinite(scale).all() or (zero is not None and not np.isfinite(zero).all()):
-            raise KvcFormatError("codec 'quantize': scale or zero side data is NaN or inf")
+        hb, gshape, scale, zero = stage.minmax_side(side, spec)
         if T and C and bool((x.amax(dim=(1, 2)).to(torch.int64) > _dev((1 << hb) - 1, dev, np.int64)).any()):
             raise KvcFormatError("codec 'quantize': symbol exceeds the bit width")
         if N:

@@ -493,21 +493,21 @@ class QuantizeStage(ArrayToArray):
         return s.astype(np.uint8), {"scale": scale, "zero": zero}
 
     # -- decode ------------------------------------------------------------
-    def decode(self, arr: np.ndarray, side: SideData, spec: ArraySpec, ctx: ChunkContext) -> np.ndarray:
+    def step_side(self, side: SideData, spec: ArraySpec) -> tuple[np.ndarray, np.ndarray]:
+        """Validated (step fp16 (H, C), bits uint8 (H, C)) of a step-mode chunk (CPU and GPU decoders)."""
+        H, _, C = spec.shape
+        _no_extra(side, "quantize", {"step", "bits"})
+        step = _need(side, "step", "quantize", (H, C), "float16")
+        bits = _need(side, "bits", "quantize", (H, C), "uint8")
+        if not (np.isfinite(step).all() and (step.astype(np.float32) >= 0).all()):
+            raise KvcFormatError("codec 'quantize': step side data is NaN, inf or negative")
+        if (bits > self.max_bits).any():
+            raise KvcFormatError(f"codec 'quantize': bit width {int(bits.max())} exceeds max_bits {self.max_bits}")
+        return step, bits
+
+    def minmax_side(self, side: SideData, spec: ArraySpec) -> tuple[np.ndarray, tuple[int, ...], np.ndarray, np.ndarray | None]:
+        """Validated (head bits, group shape, scale, zero or None) of a minmax-mode chunk."""
         H, T, C = spec.shape
-        if arr.shape != (H, T, C) or arr.dtype != np.uint8:
-            raise KvcFormatError(f"codec 'quantize': got {arr.dtype}{arr.shape}, expected uint8{spec.shape}")
-        if self.mode == "step":
-            _no_extra(side, "quantize", {"step", "bits"})
-            step = _need(side, "step", "quantize", (H, C), "float16")
-            bits = _need(side, "bits", "quantize", (H, C), "uint8")
-            if not (np.isfinite(step).all() and (step.astype(np.float32) >= 0).all()):
-                raise KvcFormatError("codec 'quantize': step side data is NaN, inf or negative")
-            if (bits > self.max_bits).any():
-                raise KvcFormatError(f"codec 'quantize': bit width {int(bits.max())} exceeds max_bits {self.max_bits}")
-            if T and (arr.max(axis=1) >= (np.uint32(1) << bits.astype(np.uint32))).any():
-                raise KvcFormatError("codec 'quantize': symbol outside its channel's bit width")
-            return quantize_step_decode(arr, step).astype(spec.dtype)
         hb = self._head_bits(H)
         gshape = self._group_shape(H, T, C)
         _no_extra(side, "quantize", {"scale"} if self.symmetric else {"scale", "zero"})
@@ -515,6 +515,19 @@ class QuantizeStage(ArrayToArray):
         zero = None if self.symmetric else _need(side, "zero", "quantize", gshape, "float16")
         if not np.isfinite(scale).all() or (zero is not None and not np.isfinite(zero).all()):
             raise KvcFormatError("codec 'quantize': scale or zero side data is NaN or inf")
+        return hb, gshape, scale, zero
+
+    # -- decode ------------------------------------------------------------
+    def decode(self, arr: np.ndarray, side: SideData, spec: ArraySpec, ctx: ChunkContext) -> np.ndarray:
+        H, T, C = spec.shape
+        if arr.shape != (H, T, C) or arr.dtype != np.uint8:
+            raise KvcFormatError(f"codec 'quantize': got {arr.dtype}{arr.shape}, expected uint8{spec.shape}")
+        if self.mode == "step":
+            step, bits = self.step_side(side, spec)
+            if T and (arr.max(axis=1) >= (np.uint32(1) << bits.astype(np.uint32))).any():
+                raise KvcFormatError("codec 'quantize': symbol outside its channel's bit width")
+            return quantize_step_decode(arr, step).astype(spec.dtype)
+        hb, gshape, scale, zero = self.minmax_side(side, spec)
         if T and C and (arr.max(axis=(1, 2)) > (1 << hb) - 1).any():
             raise KvcFormatError("codec 'quantize': symbol exceeds the bit width")
         if len(set(hb.tolist())) == 1:
