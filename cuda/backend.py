@@ -112,7 +112,6 @@ def decode_chunk_gpu(
     import torch
 
     from ..entropy.rans_stage import RansStage
-    from ..stages import ArraySpec
 
     if backend is not None and resolve_backend(backend) == "cpu":
         return torch.from_numpy(np.ascontiguousarray(pipeline.decode(payload, sides, sizes, spec, ctx)))

@@ -286,12 +286,13 @@ def gpu_transform(stage: Any, y: torch.Tensor, side: dict, spec: Any, ctx: Any) 
 
 
 def gpu_keep(stage: Any, x: torch.Tensor, side: dict, spec: Any, ctx: Any) -> torch.Tensor:
-    from ..quant.stages import _need, _no_extra
+    from ..quant.stages import _no_extra
+    from ..stages import side_array
 
     _no_extra(side, "keep", {"kept"})
     H, T, D = spec.shape
     s, r = stage.counts(T)
-    kept = _need(side, "kept", "keep", (H, s + r, D), stage.dtype)
+    kept = side_array(side, "kept", "keep", (H, s + r, D), stage.dtype)
     if not np.isfinite(kept).all():
         raise KvcFormatError("codec 'keep': kept tokens contain NaN or inf")
     if tuple(x.shape) != (H, T - s - r, D):

@@ -44,6 +44,17 @@ class ArraySpec:
         return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
 
 
+def side_array(side: SideData, key: str, stage: str, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    """Side data ``key`` of a chunk, checked to be exactly ``dtype`` with ``shape`` (KvcFormatError otherwise)."""
+    a = side.get(key)
+    if a is None:
+        raise KvcFormatError(f"codec {stage!r}: side data {key!r} missing")
+    a = np.asarray(a)
+    if a.dtype != np.dtype(dtype) or tuple(a.shape) != tuple(shape):
+        raise KvcFormatError(f"codec {stage!r}: side data {key!r} is {a.dtype}{tuple(a.shape)}, expected {dtype}{tuple(shape)}")
+    return a
+
+
 @dataclass
 class ChunkContext:
     """What a stage may know about the chunk it codes, besides the data.

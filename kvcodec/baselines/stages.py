@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import KvcCodecError, KvcFormatError
-from ..stages import ArraySpec, ArrayToArray, ArrayToBytes, ChunkContext, SideData, register
+from ..stages import ArraySpec, ArrayToArray, ArrayToBytes, ChunkContext, SideData, register, side_array
 
 _FLOAT_DTYPES = ("float16", "float32", "float64")
 
@@ -58,16 +58,6 @@ def _check3(name: str, shape: tuple[int, ...]) -> tuple[int, int, int]:
     if len(shape) != 3:
         raise KvcCodecError(f"codec {name!r} codes (heads, tokens, channels) arrays, got shape {tuple(shape)}")
     return int(shape[0]), int(shape[1]), int(shape[2])
-
-
-def _side(side: SideData, key: str, shape: tuple[int, ...], dtype: str, name: str) -> np.ndarray:
-    a = side.get(key)
-    if a is None:
-        raise KvcFormatError(f"codec {name!r}: side data {key!r} is missing")
-    a = np.asarray(a)
-    if a.dtype != np.dtype(dtype) or tuple(a.shape) != tuple(shape):
-        raise KvcFormatError(f"codec {name!r}: side data {key!r} is {a.dtype}{tuple(a.shape)}, expected {dtype}{tuple(shape)}")
-    return a
 
 
 # -- bit packing -------------------------------------------------------------
@@ -127,7 +117,7 @@ class Int8TokenStage(ArrayToArray):
 
     def decode(self, arr: np.ndarray, side: SideData, spec: ArraySpec, ctx: ChunkContext) -> np.ndarray:
         H, T, D = _check3(self.name, spec.shape)
-        s = _side(side, "scale", (H, T, 1), "float16", self.name).astype(np.float32)
+        s = side_array(side, "scale", self.name, (H, T, 1), "float16").astype(np.float32)
         q = np.asarray(arr)
         if q.dtype != np.int8 or q.shape != (H, T, D):
             raise KvcFormatError(f"codec {self.name!r}: got {q.dtype}{q.shape}, expected int8{(H, T, D)}")
@@ -196,9 +186,9 @@ class KiviStage(ArrayToBytes):
     def decode(self, data: bytes | memoryview, side: SideData, spec: ArraySpec, ctx: ChunkContext) -> np.ndarray:
         H, T, D = _check3(self.name, spec.shape)
         tq, gshape = self._layout(H, T, D)
-        scale = _side(side, "scale", gshape, "float16", self.name).astype(np.float32)
-        zero = _side(side, "zero", gshape, "float16", self.name).astype(np.float32)
-        tail = _side(side, "tail", (H, T - tq, D), "float16", self.name)
+        scale = side_array(side, "scale", self.name, gshape, "float16").astype(np.float32)
+        zero = side_array(side, "zero", self.name, gshape, "float16").astype(np.float32)
+        tail = side_array(side, "tail", self.name, (H, T - tq, D), "float16")
         q = unpack_bits(data, self.bits, H * tq * D).reshape(H, tq, D)
         out = np.empty((H, T, D), np.float32)
         if tq:
@@ -308,10 +298,10 @@ class CacheGenStage(ArrayToBytes):
         H, T, D = _check3(self.name, spec.shape)
         C, n = H * D, self.cdf_entries
         starts = list(range(0, T, self.chunk_tokens))
-        s16 = _side(side, "scale", (T,), "float16", self.name)
-        cdfs = _side(side, "cdf", (len(starts), C, n), "int16", self.name).view(np.uint16).astype(np.int64)
+        s16 = side_array(side, "scale", self.name, (T,), "float16")
+        cdfs = side_array(side, "cdf", self.name, (len(starts), C, n), "int16").view(np.uint16).astype(np.int64)
         cdfs[..., -1] += 1 << self.precision  # the wrapped 2^16
-        lengths = _side(side, "length", (len(starts), C), "uint32", self.name).astype(np.int64)
+        lengths = side_array(side, "length", self.name, (len(starts), C), "uint32").astype(np.int64)
         freqs = np.diff(cdfs, axis=-1)
         if cdfs[..., 0].any() or (freqs <= 0).any() or (cdfs[..., -1] != 1 << self.precision).any():
             raise KvcFormatError(f"codec {self.name!r}: stored CDF is not a valid {self.precision}-bit table")

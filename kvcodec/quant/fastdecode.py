@@ -80,7 +80,6 @@ def _rans_head(h, nctx_h, g, freqs, cums, states, n_symbols, word_start, n_words
     """Decode the contexts of head ``h`` straight into ybuf [Tc, K] = f32(unzigzag(s)) * step
     (then ``* tscale[t]``, a second rounding, when the pipeline has a tokenscale stage).
     Returns 0, or an error code (1 overrun/underrun/final state, 2 symbol above its bit width)."""
-    K = ybuf.shape[1]
     last = words.shape[0] - 1
     A = freqs.shape[1]
     for j in range(nctx_h):

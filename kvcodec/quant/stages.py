@@ -24,21 +24,11 @@ import numpy as np
 from numba import njit
 
 from ..errors import KvcCodecError, KvcFormatError
-from ..stages import ArraySpec, ArrayToArray, ChunkContext, SideData, register
+from ..stages import ArraySpec, ArrayToArray, ChunkContext, SideData, register, side_array
 from .rope import positions_for, rope_tables
 
 _FLOATS = ("float16", "float32")
 KIND_INDEX = {"k": 0, "v": 1}
-
-
-def _need(side: SideData, name: str, stage: str, shape: tuple[int, ...], dtype: str) -> np.ndarray:
-    a = side.get(name)
-    if a is None:
-        raise KvcFormatError(f"codec {stage!r}: side data {name!r} missing")
-    a = np.asarray(a)
-    if a.dtype != np.dtype(dtype) or tuple(a.shape) != tuple(shape):
-        raise KvcFormatError(f"codec {stage!r}: side data {name!r} is {a.dtype}{a.shape}, expected {dtype}{shape}")
-    return a
 
 
 def _no_extra(side: SideData, stage: str, allowed: set[str]) -> None:
@@ -171,7 +161,7 @@ class KeepStage(ArrayToArray):
         _no_extra(side, "keep", {"kept"})
         H, T, D = spec.shape
         s, r = self.counts(T)
-        kept = _need(side, "kept", "keep", (H, s + r, D), self.dtype)
+        kept = side_array(side, "kept", "keep", (H, s + r, D), self.dtype)
         if not np.isfinite(kept).all():
             raise KvcFormatError("codec 'keep': kept tokens contain NaN or inf")
         if arr.shape != (H, T - s - r, D):
@@ -497,8 +487,8 @@ class QuantizeStage(ArrayToArray):
         """Validated (step fp16 (H, C), bits uint8 (H, C)) of a step-mode chunk (CPU and GPU decoders)."""
         H, _, C = spec.shape
         _no_extra(side, "quantize", {"step", "bits"})
-        step = _need(side, "step", "quantize", (H, C), "float16")
-        bits = _need(side, "bits", "quantize", (H, C), "uint8")
+        step = side_array(side, "step", "quantize", (H, C), "float16")
+        bits = side_array(side, "bits", "quantize", (H, C), "uint8")
         if not (np.isfinite(step).all() and (step.astype(np.float32) >= 0).all()):
             raise KvcFormatError("codec 'quantize': step side data is NaN, inf or negative")
         if (bits > self.max_bits).any():
@@ -511,8 +501,8 @@ class QuantizeStage(ArrayToArray):
         hb = self._head_bits(H)
         gshape = self._group_shape(H, T, C)
         _no_extra(side, "quantize", {"scale"} if self.symmetric else {"scale", "zero"})
-        scale = _need(side, "scale", "quantize", gshape, "float16")
-        zero = None if self.symmetric else _need(side, "zero", "quantize", gshape, "float16")
+        scale = side_array(side, "scale", "quantize", gshape, "float16")
+        zero = None if self.symmetric else side_array(side, "zero", "quantize", gshape, "float16")
         if not np.isfinite(scale).all() or (zero is not None and not np.isfinite(zero).all()):
             raise KvcFormatError("codec 'quantize': scale or zero side data is NaN or inf")
         return hb, gshape, scale, zero

@@ -34,7 +34,6 @@ logged and simply stays a miss.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass, field
