@@ -12,20 +12,23 @@ Supported (array stages in this order, each optional unless noted)::
 
 and, for the lossless preset, ``raw -> [shuffle] -> zstd``.
 
-One numba kernel (``nogil``: the reader's prefetch thread overlaps the model)
-decodes a whole chunk head by head: rANS symbols -> zigzag -> dequant into a
-per-head coefficient buffer, then per token row the inverse transform
-(``acc = acc + y[k] * B[d, k]`` for k = 0..K-1, product and sum rounded
-separately, mean added last), the kept sink/recent rows, RoPE with the cached
-float32 tables (``t1 = x*cos``, ``t2 = r*sin``, ``t1 + t2``) and the final cast
-to float16 (round-to-nearest-even, bit-exact with numpy ``astype``). No
-fastmath anywhere: LLVM then neither contracts a multiply-add into an FMA nor
-reassociates, so every float32 op rounds exactly as the spec says.
+Further limits of the fused path: head_dim 32, 64 or 128; rANS channel groups
+of 1, 2, 4, 8 or a multiple of 16. Anything else takes the generic decode.
 
-Exactness notes: the decoder skips nothing numerically -- every operation of
-the spec is performed in the spec's order; the only change is memory layout
-(y is produced straight from the symbols, no intermediate uint8 / int32 /
-float32 full-size arrays).
+One numba kernel (``nogil``: the reader's prefetch thread overlaps the model)
+decodes a whole chunk head by head, with the 16-lane vector steps of
+:mod:`kvcodec.quant.simd`: rANS for 16 lanes at a time (table gather,
+expand-load of the renormalisation words) -> zigzag -> dequant into per-head
+coefficient rows; then per token row the nonzero coefficients (times the
+token's scale) are compacted and the inverse transform accumulates
+``acc = acc + y[k] * B[d, k]`` over them, k ascending, product and sum rounded
+separately, in vector registers, mean added last; RoPE with the cached float32
+tables (``t1 = x*cos``, ``t2 = r*sin``, ``t1 + t2``) and the cast to float16
+(IEEE round-to-nearest-even). Kept sink/recent rows and partial RoPE take a
+scalar loop with the same operations. No fastmath anywhere: LLVM then neither
+contracts a multiply-add into an FMA nor reassociates, so every float32 op
+rounds exactly as the spec says. Skipping zero coefficients is exact (see
+:mod:`kvcodec.quant.simd`).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from numba import njit
 
 from ..errors import KvcError
 from ..stages import ArraySpec, ChunkContext, Pipeline, SideData
+from .simd import rans16, row2, row4, row8
 
 __all__ = ["try_decode", "supported", "rope_tables_cached", "f32_to_f16_bits"]
 
@@ -74,114 +78,126 @@ def f32_to_f16_bits(x, out):  # pragma: no cover - numba
         out[i] = _f16bits(x[i], np.int64(u[i]))
 
 
-@njit(cache=True, nogil=True)
-def _rans_head(h, nctx_h, g, freqs, cums, states, n_symbols, word_start, n_words, words, stepf, lim, tscale, has_ts,
-               ybuf, tab, st):  # pragma: no cover
-    """Decode the contexts of head ``h`` straight into ybuf [Tc, K] = f32(unzigzag(s)) * step
-    (then ``* tscale[t]``, a second rounding, when the pipeline has a tokenscale stage).
-    Returns 0, or an error code (1 overrun/underrun/final state, 2 symbol above its bit width)."""
-    last = words.shape[0] - 1
-    A = freqs.shape[1]
-    for j in range(nctx_h):
-        c = h * nctx_h + j
-        for s in range(A):
-            f = np.int64(freqs[c, s])
-            cm = np.int64(cums[c, s])
-            for k in range(f):
-                tab[cm + k] = np.uint32(s | ((f - 1) << 8) | (k << 20))
-        for k in range(_LANES):
-            st[k] = states[c, k]
-        n = n_symbols[c]
-        p = word_start[c]
-        pend = p + n_words[c]
-        c0 = j * g
-        t = 0
-        cc = 0
-        bad = False
-        for i in range(n):
-            lane = i & (_LANES - 1)
-            x = st[lane]
-            e = np.int64(tab[x & (_M - 1)])
-            sym = e & 0xFF
-            x = (((e >> 8) & 0xFFF) + 1) * (x >> _PROB_BITS) + (e >> 20)
-            if x < _L:
-                q = p if p < last else last
-                x = (x << 16) | np.int64(words[q])
-                p += 1
-            st[lane] = x
-            ch = c0 + cc
-            if sym >= lim[h, ch]:
-                bad = True
-            qv = (sym >> 1) ^ -(sym & 1)
-            v = np.float32(qv) * stepf[h, ch]
-            if has_ts:
-                v = v * tscale[t]
-            ybuf[t, ch] = v
-            cc += 1
-            if cc == g:
-                cc = 0
-                t += 1
-        if p != pend:
-            return 1
-        for k in range(_LANES):
-            if st[k] != _L:
-                return 1
-        if bad:
-            return 2
-    return 0
+@njit(cache=True, nogil=True, inline="always")
+def _row(nb, ybuf, yoff, kp, ts, idx, val, btf, btoff, meanf, moff, rope, cosf, sinf, csoff, out, ooff):  # pragma: no cover
+    """The row intrinsic for D = 16 * nb (nb in 2, 4, 8)."""
+    if nb == 2:
+        row2(ybuf, yoff, kp, ts, idx, val, btf, btoff, meanf, moff, rope, cosf, sinf, csoff, out, ooff)
+    elif nb == 4:
+        row4(ybuf, yoff, kp, ts, idx, val, btf, btoff, meanf, moff, rope, cosf, sinf, csoff, out, ooff)
+    else:
+        row8(ybuf, yoff, kp, ts, idx, val, btf, btoff, meanf, moff, rope, cosf, sinf, csoff, out, ooff)
 
 
 @njit(cache=True, nogil=True)
-def _decode_kernel(freqs, cums, states, n_symbols, word_start, n_words, words, g,
+def _decode_kernel(freqs, cums, states, n_symbols, word_start, n_words, words, nwords, g,
                    stepf, lim, bt, mean, kept, n_sink, n_recent, tscale, has_ts,
                    rope_dim, cos, sin, out16, out32, want16):  # pragma: no cover - numba
-    """Whole chunk. bt [H, K, D] (= basis transposed), mean [H, D], kept f32 [H, s+r, D],
-    tscale f32 [Tc] (has_ts: token multipliers), cos/sin f32 [Hr, T, dim] (Hr = 1: shared by heads),
-    out16 uint16 [H, T, D] (want16) or out32 f32 [H, T, D]. Returns 0 or an error code."""
+    """Whole chunk. words: uint16 with 16 zero words after the ``nwords`` of the stream; g in
+    {1, 2, 4, 8} or a multiple of 16; bt [H, K, D] (basis transposed, D in 32, 64, 128), mean [H, D],
+    kept f32 [H, s+r, D], tscale f32 [Tc] (has_ts), cos/sin f32 [Hr, T, rope_dim] (Hr = 1: shared),
+    out16 uint16 [H, T, D] (want16) or out32 f32 [H, T, D]. Returns 0 or an error code
+    (1 overrun / underrun / final state, 2 symbol above its bit width)."""
     H, K, D = bt.shape
     T = out16.shape[1] if want16 else out32.shape[1]
     Tc = T - n_sink - n_recent
-    nctx_h = K // g
-    ybuf = np.empty((max(Tc, 1), K), dtype=np.float32)
+    kp = (K + 15) // 16 * 16
+    nb = D // 16
+    P = max(16, g)
+    ybuf = np.zeros(max(Tc, 1) * kp, dtype=np.float32)  # coefficient rows; columns K..kp stay 0
     tab = np.empty(_M, dtype=np.uint32)
-    st = np.empty(_LANES, dtype=np.int64)
+    st = np.empty(_LANES, dtype=np.uint32)
+    stepv = np.empty(P + 16, dtype=np.float32)
+    limv = np.empty(P + 16, dtype=np.int32)
+    bad = np.zeros(16, dtype=np.int32)
+    idx = np.empty(kp, dtype=np.int32)
+    val = np.empty(kp, dtype=np.float32)
     acc = np.empty(D, dtype=np.float32)
     row = np.empty(D, dtype=np.float32)
+    btf, meanf, cosf, sinf = bt.reshape(-1), mean.reshape(-1), cos.reshape(-1), sin.reshape(-1)
+    o16, o32 = out16.reshape(-1), out32.reshape(-1)
+    A = freqs.shape[1]
+    nctx_h = K // g
+    vec_rope = 1 if rope_dim == D else 0
     half = rope_dim // 2
-    zero = np.float32(0.0)
+    one = np.float32(1.0)
     for h in range(H):
-        if Tc > 0:
-            code = _rans_head(h, nctx_h, g, freqs, cums, states, n_symbols, word_start, n_words, words, stepf, lim,
-                                 tscale, has_ts, ybuf, tab, st)
-            if code != 0:
-                return code
+        for j in range(nctx_h):
+            c = h * nctx_h + j
+            for s in range(A):
+                f = np.int64(freqs[c, s])
+                e = np.uint32(s | ((f - 1) << 8))
+                cm = np.int64(cums[c, s])
+                for k in range(f):
+                    tab[cm + k] = e | np.uint32(k << 20)
+            for k in range(_LANES):
+                st[k] = np.uint32(states[c, k])
+            c0 = j * g
+            for k in range(P + 16):
+                stepv[k] = stepf[h, c0 + k % g]
+                limv[k] = lim[h, c0 + k % g]
+            n = n_symbols[c]
+            p = word_start[c]
+            pend = p + n_words[c]
+            ng = n // 16
+            for m in range(ng):
+                if p > nwords:
+                    return 1
+                i0 = m * 16
+                p = rans16(st, (m & 1) * 16, tab, words, p, stepv, limv, i0 % P, bad, ybuf,
+                           (i0 // g) * kp + c0 + i0 % g, g, kp)
+            for i in range(ng * 16, n):  # the last n % 16 symbols, one by one
+                lane = i & (_LANES - 1)
+                x = np.int64(st[lane])
+                e = np.int64(tab[x & (_M - 1)])
+                sym = e & 0xFF
+                x = (((e >> 8) & 0xFFF) + 1) * (x >> _PROB_BITS) + (e >> 20)
+                if x < _L:
+                    x = (x << 16) | np.int64(words[min(p, nwords)])
+                    p += 1
+                st[lane] = np.uint32(x)
+                t = i // g
+                ch = c0 + i - t * g
+                if sym >= lim[h, ch]:
+                    bad[0] = 1
+                ybuf[t * kp + ch] = np.float32((sym >> 1) ^ -(sym & 1)) * stepf[h, ch]
+            if p != pend:
+                return 1
+            for k in range(_LANES):
+                if st[k] != _L:
+                    return 1
+        for k in range(16):
+            if bad[k] != 0:
+                return 2
         hr = h if cos.shape[0] > 1 else 0
         for t in range(T):
-            if t < n_sink:
-                for d in range(D):
-                    acc[d] = kept[h, t, d]
-            elif t >= T - n_recent:
-                tk = n_sink + t - (T - n_recent)
+            cso = (hr * T + t) * rope_dim
+            oo = (h * T + t) * D
+            if t < n_sink or t >= T - n_recent:
+                tk = t if t < n_sink else n_sink + t - (T - n_recent)
                 for d in range(D):
                     acc[d] = kept[h, tk, d]
             else:
                 tt = t - n_sink
-                for d in range(D):
-                    acc[d] = zero
-                for k in range(K):
-                    yk = ybuf[tt, k]
-                    for d in range(D):
-                        acc[d] = acc[d] + yk * bt[h, k, d]
-                for d in range(D):
-                    acc[d] = acc[d] + mean[h, d]
+                ts = tscale[tt] if has_ts else one
+                if rope_dim == 0 or vec_rope:
+                    if want16:
+                        _row(nb, ybuf, tt * kp, kp, ts, idx, val, btf, h * K * D, meanf, h * D, vec_rope, cosf, sinf,
+                             cso, o16, oo)
+                    else:
+                        _row(nb, ybuf, tt * kp, kp, ts, idx, val, btf, h * K * D, meanf, h * D, vec_rope, cosf, sinf,
+                             cso, o32, oo)
+                    continue
+                _row(nb, ybuf, tt * kp, kp, ts, idx, val, btf, h * K * D, meanf, h * D, 0, cosf, sinf, cso, acc, 0)
+            # kept rows, and partial RoPE: scalar RoPE and cast
             if rope_dim > 0:
                 for d in range(half):
-                    t1 = acc[d] * cos[hr, t, d]
-                    t2 = (-acc[d + half]) * sin[hr, t, d]
+                    t1 = acc[d] * cosf[cso + d]
+                    t2 = (-acc[d + half]) * sinf[cso + d]
                     row[d] = t1 + t2
                 for d in range(half, rope_dim):
-                    t1 = acc[d] * cos[hr, t, d]
-                    t2 = acc[d - half] * sin[hr, t, d]
+                    t1 = acc[d] * cosf[cso + d]
+                    t2 = acc[d - half] * sinf[cso + d]
                     row[d] = t1 + t2
                 for d in range(rope_dim, D):
                     row[d] = acc[d]
@@ -191,10 +207,10 @@ def _decode_kernel(freqs, cums, states, n_symbols, word_start, n_words, words, g
             if want16:
                 u = src.view(np.uint32)
                 for d in range(D):
-                    out16[h, t, d] = _f16bits(src[d], np.int64(u[d]))
+                    o16[oo + d] = _f16bits(src[d], np.int64(u[d]))
             else:
                 for d in range(D):
-                    out32[h, t, d] = src[d]
+                    o32[oo + d] = src[d]
     return 0
 
 
@@ -425,7 +441,7 @@ def _lossy(pipeline: Pipeline, s: tuple, payload: Any, sides: list[SideData], sp
     qspec = specs[-1]
     Hq, Tc, K = qspec.shape
     g = rs.channel_group if rs.channel_group is not None else K
-    if K == 0 or Tc < 0 or K > D or g <= 0 or K % g:
+    if K == 0 or Tc < 0 or K > D or g <= 0 or K % g or D not in (32, 64, 128) or not (g in (1, 2, 4, 8) or g % 16 == 0):
         return None
     si = 0
     # rope: no side data; tables
@@ -495,7 +511,9 @@ def _lossy(pipeline: Pipeline, s: tuple, payload: Any, sides: list[SideData], sp
     if sides[si]:
         return None
     stream = rs.parse(payload, qspec)
-    words = stream.words if stream.words.size else np.zeros(1, np.uint16)
+    nwords = int(stream.words.size)
+    words = np.zeros(nwords + 16, np.uint16)  # 16 readable words past any position the kernel accepts
+    words[:nwords] = stream.words
     want16 = spec.dtype == "float16"
     out = np.empty((H, T, D), dtype=np.uint16 if want16 else np.float32)
     o16 = out if want16 else _EMPTY3U
@@ -503,7 +521,7 @@ def _lossy(pipeline: Pipeline, s: tuple, payload: Any, sides: list[SideData], sp
     if stream.n_contexts != H * (K // g):
         return None
     code = _decode_kernel(stream.freqs, stream.cums, stream.states, stream.n_symbols, stream.word_start, stream.n_words,
-                          words, g, stepf, lim, bt, mean, kept, n_sink, n_recent, tscale, has_ts,
+                          words, nwords, g, stepf, lim, bt, mean, kept, n_sink, n_recent, tscale, has_ts,
                           rope_dim, cos, sin, o16, o32, want16)
     if code != 0:
         return None
