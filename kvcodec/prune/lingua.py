@@ -107,7 +107,12 @@ def select_lingua(
     relevance: np.ndarray | None = None,
     spread: float = 0.5,
 ) -> np.ndarray:
-    """Sorted original indices to keep, given per-token self-information ``info``."""
+    """Sorted original indices to keep, given per-token self-information ``info``.
+
+    Token 0 (the attention sink: no prefix, so no self-information to rank it by)
+    is always kept; ``keep`` is apportioned over the segments (by length, or by
+    length and question relevance) and taken by rank within each.
+    """
     n = len(info)
     if not 1 <= keep <= n:
         raise KvcInputError(f"cannot keep {keep} of {n} tokens")
@@ -121,13 +126,18 @@ def select_lingua(
         ramp = 1.0 + spread * (1.0 - 2.0 * rank / (k - 1))
         weights = lens * np.maximum(ramp, 1e-6)
     quota = _apportion(weights, lens, keep)
+    if quota[0] == 0:  # token 0 needs a place: take it from the segment rounded up the most
+        donor = int(np.argmax(quota - keep * weights / weights.sum()))
+        quota[donor] -= 1
+        quota[0] = 1
     kept = []
     for (a, b), q in zip(bounds, quota):
         if q <= 0:
             continue
-        seg = info[a:b]
-        top = np.argsort(-seg, kind="stable")[:q]  # ties: earlier tokens first
-        kept.append(a + np.sort(top))
+        order = np.argsort(-info[a:b], kind="stable")  # ties: earlier tokens first
+        if a == 0:
+            order = np.concatenate([[0], order[order != 0]])
+        kept.append(a + np.sort(order[:q]))
     return np.concatenate(kept).astype(np.int64)
 
 
