@@ -42,7 +42,7 @@ from numba import njit
 
 from ..errors import KvcError
 from ..stages import ArraySpec, ChunkContext, Pipeline, SideData
-from .simd import rans16, row2, row4, row8
+from .simd import rans16, row
 
 __all__ = ["try_decode", "supported", "rope_tables_cached", "f32_to_f16_bits"]
 
@@ -78,17 +78,6 @@ def f32_to_f16_bits(x, out):  # pragma: no cover - numba
         out[i] = _f16bits(x[i], np.int64(u[i]))
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _row(nb, ybuf, yoff, kp, ts, idx, val, btf, btoff, meanf, moff, rope, cosf, sinf, csoff, out, ooff):  # pragma: no cover
-    """The row intrinsic for D = 16 * nb (nb in 2, 4, 8)."""
-    if nb == 2:
-        row2(ybuf, yoff, kp, ts, idx, val, btf, btoff, meanf, moff, rope, cosf, sinf, csoff, out, ooff)
-    elif nb == 4:
-        row4(ybuf, yoff, kp, ts, idx, val, btf, btoff, meanf, moff, rope, cosf, sinf, csoff, out, ooff)
-    else:
-        row8(ybuf, yoff, kp, ts, idx, val, btf, btoff, meanf, moff, rope, cosf, sinf, csoff, out, ooff)
-
-
 @njit(cache=True, nogil=True)
 def _decode_kernel(freqs, cums, states, n_symbols, word_start, n_words, words, nwords, g,
                    stepf, lim, bt, mean, kept, n_sink, n_recent, tscale, has_ts,
@@ -113,7 +102,7 @@ def _decode_kernel(freqs, cums, states, n_symbols, word_start, n_words, words, n
     idx = np.empty(kp, dtype=np.int32)
     val = np.empty(kp, dtype=np.float32)
     acc = np.empty(D, dtype=np.float32)
-    row = np.empty(D, dtype=np.float32)
+    rot = np.empty(D, dtype=np.float32)
     btf, meanf, cosf, sinf = bt.reshape(-1), mean.reshape(-1), cos.reshape(-1), sin.reshape(-1)
     o16, o32 = out16.reshape(-1), out32.reshape(-1)
     A = freqs.shape[1]
@@ -182,26 +171,26 @@ def _decode_kernel(freqs, cums, states, n_symbols, word_start, n_words, words, n
                 ts = tscale[tt] if has_ts else one
                 if rope_dim == 0 or vec_rope:
                     if want16:
-                        _row(nb, ybuf, tt * kp, kp, ts, idx, val, btf, h * K * D, meanf, h * D, vec_rope, cosf, sinf,
+                        row(nb, ybuf, tt * kp, kp, ts, idx, val, btf, h * K * D, meanf, h * D, vec_rope, cosf, sinf,
                              cso, o16, oo)
                     else:
-                        _row(nb, ybuf, tt * kp, kp, ts, idx, val, btf, h * K * D, meanf, h * D, vec_rope, cosf, sinf,
+                        row(nb, ybuf, tt * kp, kp, ts, idx, val, btf, h * K * D, meanf, h * D, vec_rope, cosf, sinf,
                              cso, o32, oo)
                     continue
-                _row(nb, ybuf, tt * kp, kp, ts, idx, val, btf, h * K * D, meanf, h * D, 0, cosf, sinf, cso, acc, 0)
+                row(nb, ybuf, tt * kp, kp, ts, idx, val, btf, h * K * D, meanf, h * D, 0, cosf, sinf, cso, acc, 0)
             # kept rows, and partial RoPE: scalar RoPE and cast
             if rope_dim > 0:
                 for d in range(half):
                     t1 = acc[d] * cosf[cso + d]
                     t2 = (-acc[d + half]) * sinf[cso + d]
-                    row[d] = t1 + t2
+                    rot[d] = t1 + t2
                 for d in range(half, rope_dim):
                     t1 = acc[d] * cosf[cso + d]
                     t2 = acc[d - half] * sinf[cso + d]
-                    row[d] = t1 + t2
+                    rot[d] = t1 + t2
                 for d in range(rope_dim, D):
-                    row[d] = acc[d]
-                src = row
+                    rot[d] = acc[d]
+                src = rot
             else:
                 src = acc
             if want16:

@@ -28,7 +28,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["rans16", "row2", "row4", "row8"]
+__all__ = ["rans16", "row"]
 
 W = 16
 _I1, _I16, _I32, _I64 = ir.IntType(1), ir.IntType(16), ir.IntType(32), ir.IntType(64)
@@ -126,70 +126,82 @@ def rans16(typingctx, st, lane0, tab, words, p, stepv, limv, voff, bad, y, yoff,
     return sig, codegen
 
 
-def _make_row(nb: int):
+def _emit_row(nb: int, context, b: ir.IRBuilder, ty, args) -> None:
+    """IR of one token row for ``D = 16 * nb`` (see :func:`row`)."""
     D = W * nb
-
-    @intrinsic
-    def row(typingctx, y, yoff, kp, ts, idx, val, bt, btoff, mean, moff, rope, cos, sin, csoff, out, ooff):
-        """One token row of ``D = 16 * nb`` values: the nonzero ``y[yoff + k] * ts`` (``k < kp``, a multiple
-        of 16) are compacted into ``idx``/``val``; ``acc = sum_k (y_k * B[k])`` over them, k ascending,
-        product and sum rounded separately, ``+ mean``; with ``rope`` != 0 (``nb`` even, RoPE over all
-        ``D``) ``x[d] * cos + (-x[d + D/2]) * sin`` / ``x[d] * cos + x[d - D/2] * sin``; written to
-        ``out[ooff:]`` as float16 bits (uint16 ``out``) or float32."""
-        sig = types.void(y, yoff, kp, ts, idx, val, bt, btoff, mean, moff, rope, cos, sin, csoff, out, ooff)
-
-        def codegen(context, b, signature, args):
-            (a_y, a_yoff, a_kp, a_ts, a_idx, a_val, a_bt, a_btoff, a_mean, a_moff, a_rope, a_cos, a_sin, a_csoff,
-             a_out, a_ooff) = args
-            ty = signature.args
-            yp, idxp, valp = (_ptr(context, b, ty[i], a) for i, a in ((0, a_y), (4, a_idx), (5, a_val)))
-            cf = _decl(b, "llvm.masked.compressstore.v16f32", ir.VoidType(), [_v(_F32), ir.PointerType(_F32), _v(_I1)])
-            ci = _decl(b, "llvm.masked.compressstore.v16i32", ir.VoidType(), [_v(_I32), ir.PointerType(_I32), _v(_I1)])
-            tsv = _splat(b, a_ts)
-            n_ptr = cgutils.alloca_once_value(b, _I64(0))
-            accs = [cgutils.alloca_once_value(b, ir.Constant(_v(_F32), [0.0] * W)) for _ in range(nb)]
-            with cgutils.for_range(b, b.sdiv(a_kp, _I64(W))) as loop:
-                off = b.mul(loop.index, _I64(W))
-                v = b.fmul(_load(b, yp, b.add(a_yoff, off), _v(_F32)), tsv)
-                nz = b.fcmp_unordered("!=", v, ir.Constant(_v(_F32), [0.0] * W))
-                n = b.load(n_ptr)
-                b.call(cf, [v, b.gep(valp, [n]), nz])
-                ks = b.add(ir.Constant(_v(_I32), list(range(W))), _splat(b, b.trunc(off, _I32)))
-                b.call(ci, [ks, b.gep(idxp, [n]), nz])
-                b.store(b.add(n, _popcount(b, nz)), n_ptr)
-            btp = _ptr(context, b, ty[6], a_bt)
-            with cgutils.for_range(b, b.load(n_ptr)) as loop:
-                k = b.zext(b.load(b.gep(idxp, [loop.index])), _I64)
-                yv = _splat(b, b.load(b.gep(valp, [loop.index])))
-                base = b.add(a_btoff, b.mul(k, _I64(D)))
-                for j in range(nb):
-                    bv = _load(b, btp, b.add(base, _I64(W * j)), _v(_F32))
-                    b.store(b.fadd(b.load(accs[j]), b.fmul(yv, bv)), accs[j])
-            meanp = _ptr(context, b, ty[8], a_mean)
-            xs = [b.fadd(b.load(accs[j]), _load(b, meanp, b.add(a_moff, _I64(W * j)), _v(_F32))) for j in range(nb)]
-            for j in range(nb):
-                b.store(xs[j], accs[j])
-            if nb % 2 == 0:
-                with b.if_then(b.icmp_signed("!=", a_rope, _I64(0))):
-                    cp, sp = _ptr(context, b, ty[11], a_cos), _ptr(context, b, ty[12], a_sin)
-                    h = nb // 2
-                    for j in range(nb):
-                        c = _load(b, cp, b.add(a_csoff, _I64(W * j)), _v(_F32))
-                        s = _load(b, sp, b.add(a_csoff, _I64(W * j)), _v(_F32))
-                        other = b.fneg(xs[j + h]) if j < h else xs[j - h]
-                        b.store(b.fadd(b.fmul(xs[j], c), b.fmul(other, s)), accs[j])
-            outp = _ptr(context, b, ty[14], a_out)
-            for j in range(nb):
-                r = b.load(accs[j])
-                if ty[14].dtype == types.uint16:
-                    r = b.bitcast(b.fptrunc(r, _v(_F16)), _v(_I16))
-                _store(b, r, outp, b.add(a_ooff, _I64(W * j)))
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    return row
+    (a_y, a_yoff, a_kp, a_ts, a_idx, a_val, a_bt, a_btoff, a_mean, a_moff, a_rope, a_cos, a_sin, a_csoff,
+     a_out, a_ooff) = args
+    yp, idxp, valp = (_ptr(context, b, ty[i], a) for i, a in ((0, a_y), (4, a_idx), (5, a_val)))
+    cf = _decl(b, "llvm.masked.compressstore.v16f32", ir.VoidType(), [_v(_F32), ir.PointerType(_F32), _v(_I1)])
+    ci = _decl(b, "llvm.masked.compressstore.v16i32", ir.VoidType(), [_v(_I32), ir.PointerType(_I32), _v(_I1)])
+    tsv = _splat(b, a_ts)
+    n_ptr = cgutils.alloca_once(b, _I64)
+    b.store(_I64(0), n_ptr)
+    accs = [cgutils.alloca_once(b, _v(_F32)) for _ in range(nb)]
+    for acc in accs:
+        b.store(ir.Constant(_v(_F32), [0.0] * W), acc)
+    with cgutils.for_range(b, b.sdiv(a_kp, _I64(W))) as loop:
+        off = b.mul(loop.index, _I64(W))
+        v = b.fmul(_load(b, yp, b.add(a_yoff, off), _v(_F32)), tsv)
+        nz = b.fcmp_unordered("!=", v, ir.Constant(_v(_F32), [0.0] * W))
+        n = b.load(n_ptr)
+        b.call(cf, [v, b.gep(valp, [n]), nz])
+        ks = b.add(ir.Constant(_v(_I32), list(range(W))), _splat(b, b.trunc(off, _I32)))
+        b.call(ci, [ks, b.gep(idxp, [n]), nz])
+        b.store(b.add(n, _popcount(b, nz)), n_ptr)
+    btp = _ptr(context, b, ty[6], a_bt)
+    with cgutils.for_range(b, b.load(n_ptr)) as loop:
+        k = b.zext(b.load(b.gep(idxp, [loop.index])), _I64)
+        yv = _splat(b, b.load(b.gep(valp, [loop.index])))
+        base = b.add(a_btoff, b.mul(k, _I64(D)))
+        for j in range(nb):
+            bv = _load(b, btp, b.add(base, _I64(W * j)), _v(_F32))
+            b.store(b.fadd(b.load(accs[j]), b.fmul(yv, bv)), accs[j])
+    meanp = _ptr(context, b, ty[8], a_mean)
+    xs = [b.fadd(b.load(accs[j]), _load(b, meanp, b.add(a_moff, _I64(W * j)), _v(_F32))) for j in range(nb)]
+    for j in range(nb):
+        b.store(xs[j], accs[j])
+    with b.if_then(b.icmp_signed("!=", a_rope, _I64(0))):
+        cp, sp = _ptr(context, b, ty[11], a_cos), _ptr(context, b, ty[12], a_sin)
+        h = nb // 2
+        for j in range(nb):
+            c = _load(b, cp, b.add(a_csoff, _I64(W * j)), _v(_F32))
+            s = _load(b, sp, b.add(a_csoff, _I64(W * j)), _v(_F32))
+            other = b.fneg(xs[j + h]) if j < h else xs[j - h]
+            b.store(b.fadd(b.fmul(xs[j], c), b.fmul(other, s)), accs[j])
+    outp = _ptr(context, b, ty[14], a_out)
+    for j in range(nb):
+        r = b.load(accs[j])
+        if ty[14].dtype == types.uint16:
+            r = b.bitcast(b.fptrunc(r, _v(_F16)), _v(_I16))
+        _store(b, r, outp, b.add(a_ooff, _I64(W * j)))
 
 
-#: row intrinsics for head_dim 32, 64 and 128 (other head dims take the generic stage decode)
-row2, row4, row8 = _make_row(2), _make_row(4), _make_row(8)
+@intrinsic
+def row(typingctx, nb, y, yoff, kp, ts, idx, val, bt, btoff, mean, moff, rope, cos, sin, csoff, out, ooff):
+    """One token row of ``D = 16 * nb`` values (``nb`` in 2, 4, 8: head_dim 32, 64, 128).
+
+    The nonzero ``y[yoff + k] * ts`` (``k < kp``, a multiple of 16) are compacted into
+    ``idx``/``val``; ``acc = acc + y_k * B[k]`` over them (B rows at ``bt[btoff + k * D:]``),
+    k ascending, product and sum rounded separately, then ``+ mean[moff:]``; with ``rope`` != 0
+    (RoPE over all ``D``, tables at ``cos/sin[csoff:]``) ``x[d] * cos + (-x[d + D/2]) * sin`` /
+    ``x[d] * cos + x[d - D/2] * sin``; written to ``out[ooff:]`` as float16 bits (uint16 ``out``)
+    or float32. One intrinsic for the three sizes: a numba-level dispatch function would take
+    array references (atomic refcounts) on every row.
+    """
+    sig = types.void(nb, y, yoff, kp, ts, idx, val, bt, btoff, mean, moff, rope, cos, sin, csoff, out, ooff)
+
+    def codegen(context, b, signature, args):
+        a_nb, rest, ty = args[0], args[1:], signature.args[1:]
+        with b.if_else(b.icmp_signed("==", a_nb, _I64(4))) as (four, other):
+            with four:
+                _emit_row(4, context, b, ty, rest)
+            with other:
+                with b.if_else(b.icmp_signed("==", a_nb, _I64(8))) as (eight, two):
+                    with eight:
+                        _emit_row(8, context, b, ty, rest)
+                    with two:
+                        _emit_row(2, context, b, ty, rest)
+        return context.get_dummy_value()
+
+    return sig, codegen
