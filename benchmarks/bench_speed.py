@@ -78,6 +78,9 @@ def main() -> None:
     ap.add_argument("--presets", default="lossless,near-lossless,balanced,small")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--encode-repeat", type=int, default=1)
+    ap.add_argument("--model", action="store_true",
+                    help="plan with the model as `kvc encode --model` does: token-importance classes (tokenscale) "
+                         "for balanced/small; the scoring pass runs before the timed encode")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -90,6 +93,11 @@ def main() -> None:
     raw = tmp / "cache.npy"
     np.save(raw, np.stack(arrays))
     L = cache.fingerprint.num_layers
+    lm = None
+    if args.model:
+        from kvcodec.model import load_model
+
+        lm = load_model()
 
     def raw_read():
         a = np.load(raw)
@@ -99,10 +107,10 @@ def main() -> None:
     t_raw = best(raw_read, max(3, args.repeat))
     t_mem = best(lambda: [torch.from_numpy(a).clone() for a in arrays], max(3, args.repeat))
 
-    res: dict = {"text": args.text, "tokens": args.tokens, "fp16_mb": mb, "loadavg_start": os.getloadavg()[0],
+    res: dict = {"text": args.text, "tokens": args.tokens, "model_plan": bool(args.model), "fp16_mb": mb, "loadavg_start": os.getloadavg()[0],
                  "raw_read_s": t_raw, "raw_read_mb_s": mb / t_raw, "memcpy_s": t_mem, "memcpy_mb_s": mb / t_mem, "presets": {}}
     for name in [p for p in args.presets.split(",") if p]:
-        plan = P.get_plan(name, cache)
+        plan = P.get_plan(name, cache, lm=lm) if name != "lossless" else P.get_plan(name, cache)
         buf = io.BytesIO()
 
         def enc():

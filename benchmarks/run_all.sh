@@ -16,7 +16,8 @@ run() { local name=$1; shift; if [ ${#sel[@]} -eq 0 ] || [[ " ${sel[*]} " == *" 
 run curve   $PY benchmarks/bench_curve.py --out benchmarks --capture-dir /tmp/kvc-cache --target-kl 1e-3 --threads 1
 run codec   $PY benchmarks/bench_codec.py --json "$R/codec.json"
 run ttft    $PY benchmarks/bench_ttft.py --tokens 1024,2048,4096,8192 --preset balanced --repeats 3 --threads 1 --json "$R/ttft.json"
-run speed   $PY benchmarks/bench_speed.py --tokens 4096 --repeat 3 --json
+run speed   $PY benchmarks/bench_speed.py --tokens 4096 --repeat 5 --json
+run speed_model $PY benchmarks/bench_speed.py --tokens 4096 --repeat 5 --model --json
 run entropy $PY benchmarks/bench_entropy.py --real-kv 1024
 run lossless $PY benchmarks/bench_lossless.py --tokens 2048
 run store   $PY benchmarks/bench_store.py

@@ -81,11 +81,12 @@ def f32_to_f16_bits(x, out):  # pragma: no cover - numba
 @njit(cache=True, nogil=True)
 def _decode_kernel(freqs, cums, states, n_symbols, word_start, n_words, words, nwords, g,
                    stepf, lim, bt, mean, kept, n_sink, n_recent, tscale, has_ts,
-                   rope_dim, cos, sin, out16, out32, want16):  # pragma: no cover - numba
+                   rope_dim, cos, sin, out16, out32, want16, ybuf):  # pragma: no cover - numba
     """Whole chunk. words: uint16 with 16 zero words after the ``nwords`` of the stream; g in
     {1, 2, 4, 8} or a multiple of 16; bt [H, K, D] (basis transposed, D in 32, 64, 128), mean [H, D],
     kept f32 [H, s+r, D], tscale f32 [Tc] (has_ts), cos/sin f32 [Hr, T, rope_dim] (Hr = 1: shared),
-    out16 uint16 [H, T, D] (want16) or out32 f32 [H, T, D]. Returns 0 or an error code
+    out16 uint16 [H, T, D] (want16) or out32 f32 [H, T, D], ybuf f32 scratch of >= Tc * ceil16(K).
+    Returns 0 or an error code
     (1 overrun / underrun / final state, 2 symbol above its bit width)."""
     H, K, D = bt.shape
     T = out16.shape[1] if want16 else out32.shape[1]
@@ -93,7 +94,9 @@ def _decode_kernel(freqs, cums, states, n_symbols, word_start, n_words, words, n
     kp = (K + 15) // 16 * 16
     nb = D // 16
     P = max(16, g)
-    ybuf = np.zeros(max(Tc, 1) * kp, dtype=np.float32)  # coefficient rows; columns K..kp stay 0
+    for t in range(Tc):  # ybuf: scratch coefficient rows of kp; columns K..kp must read 0
+        for k in range(K, kp):
+            ybuf[t * kp + k] = 0.0
     tab = np.empty(_M, dtype=np.uint32)
     st = np.empty(_LANES, dtype=np.uint32)
     stepv = np.empty(P + 16, dtype=np.float32)
@@ -511,10 +514,25 @@ def _lossy(pipeline: Pipeline, s: tuple, payload: Any, sides: list[SideData], sp
         return None
     code = _decode_kernel(stream.freqs, stream.cums, stream.states, stream.n_symbols, stream.word_start, stream.n_words,
                           words, nwords, g, stepf, lim, bt, mean, kept, n_sink, n_recent, tscale, has_ts,
-                          rope_dim, cos, sin, o16, o32, want16)
+                          rope_dim, cos, sin, o16, o32, want16, _scratch(Tc * (-(-K // 16) * 16)))
     if code != 0:
         return None
     return out.view(np.float16) if want16 else out
+
+
+_TLS = threading.local()
+_SCRATCH_KEEP = 1 << 24  # floats (64 MiB): larger scratch is not kept between chunks
+
+
+def _scratch(n: int) -> np.ndarray:
+    """A float32 scratch buffer of >= n elements, reused per thread (fresh pages cost a fault each)."""
+    buf = getattr(_TLS, "ybuf", None)
+    if buf is not None and buf.size >= n:
+        return buf
+    buf = np.empty(max(n, 1), np.float32)
+    if n <= _SCRATCH_KEEP:
+        _TLS.ybuf = buf
+    return buf
 
 
 _EMPTY3 = np.zeros((1, 1, 1), np.float32)
