@@ -11,7 +11,7 @@ from kvcodec.errors import KvcCodecError, KvcFormatError
 from kvcodec.quant import vectors as V
 from kvcodec.quant.importance import token_multipliers
 from kvcodec.quant.stages import QuantizeStage
-from kvcodec.quant.tokenscale import TokenScaleStage, pack_classes, tokenscale_decode, unpack_classes, vector_cases
+from kvcodec.quant.tokenscale import TokenScaleStage, pack_classes, unpack_classes, vector_cases
 from kvcodec.stages import ArraySpec, ChunkContext, Pipeline, stage_from_json
 from kvcodec.entropy.rans_stage import RansStage
 
@@ -51,7 +51,8 @@ def test_roundtrip_exact_and_formula():
     np.testing.assert_array_equal(y, x / TABLE[cls][None, :, None])
     out = st.decode(y, side, ArraySpec(x.shape, "float32"), ctx)
     assert np.array_equal(out, x)  # power-of-two multipliers: divide and multiply are exact
-    assert np.array_equal(out, tokenscale_decode(y, cls, side["mult"]))
+    assert np.array_equal(out, y * side["mult"][cls.astype(np.int64)][None, :, None])  # the spec formula, one rounding
+    assert np.array_equal(st.multipliers(side, 40), side["mult"][cls.astype(np.int64)])
     assert side["class"].shape == (20,) and side["mult"].dtype == np.float32
 
 

@@ -297,40 +297,19 @@ def _matrices(tr: Any, H: int, D: int, ctx: ChunkContext) -> tuple[np.ndarray, n
 
 # --------------------------------------------------------------------------- dispatch
 def _structure(pipeline: Pipeline) -> tuple | None:
-    """(kind, stages...) for a supported pipeline, else None."""
-    from ..entropy.rans_stage import RansStage
-    from .stages import KeepStage, QuantizeStage, RopeStage, TransformStage
+    """("lossless", shuffle | None) or ("lossy", TransformChain) for a supported pipeline, else None."""
+    from .chain import match_chain
 
     st = pipeline.stages
-    types = [type(s).__name__ for s in st]
-    if types and types[0] == "Raw":
+    if st and type(st[0]).__name__ == "Raw":
         from ..format.lossless import Raw, Shuffle, Zstd
 
         if (type(st[0]) is Raw and st[0].dtype is None and len(st) in (2, 3) and type(st[-1]) is Zstd
                 and (len(st) == 2 or type(st[1]) is Shuffle)):
             return ("lossless", st[1] if len(st) == 3 else None)
         return None
-    if len(st) < 3 or type(st[-1]) is not RansStage or type(st[-2]) is not QuantizeStage or st[-2].mode != "step":
-        return None
-    i = len(st) - 3
-    ts = None
-    if type(st[i]).__name__ == "TokenScaleStage" and getattr(st[i], "name", "") == "tokenscale" and getattr(st[i], "version", 0) == 1:
-        ts = st[i]
-        i -= 1
-    if i < 0 or type(st[i]) is not TransformStage:
-        return None
-    rest = st[:i]
-    rope = keep = None
-    j = 0
-    if j < len(rest) and type(rest[j]) is RopeStage:
-        rope = rest[j]
-        j += 1
-    if j < len(rest) and type(rest[j]) is KeepStage:
-        keep = rest[j]
-        j += 1
-    if j != len(rest):
-        return None
-    return ("lossy", rope, keep, st[i], ts, st[-2], st[-1])
+    chain = match_chain(pipeline)
+    return None if chain is None else ("lossy", chain)
 
 
 _STRUCT: dict[int, tuple[Pipeline, tuple | None]] = {}
@@ -401,33 +380,9 @@ def _lossless(shuffle: Any, payload: Any, sides: list[SideData], sizes: list[int
     return out
 
 
-def _tokenscale_table(ts: Any, side: SideData, T: int) -> np.ndarray | None:
-    """float32 [T] multiplier of each coded token, validated exactly like ``TokenScaleStage.decode`` (None if invalid)."""
-    import sys
-
-    mod = sys.modules.get(type(ts).__module__)
-    unpack = getattr(mod, "unpack_classes", None)
-    if unpack is None or set(side) != {"class", "mult"}:
-        return None
-    mult, packed = np.asarray(side["mult"]), np.asarray(side["class"])
-    if mult.dtype != np.float32 or mult.ndim != 1 or not 1 <= mult.shape[0] <= (1 << ts.bits):
-        return None
-    if not (np.isfinite(mult).all() and (mult > 0).all()):
-        return None
-    nbytes = -(-T * ts.bits // 8)
-    if packed.dtype != np.uint8 or packed.shape != (nbytes,):
-        return None
-    cls = unpack(packed, ts.bits, T)
-    if (cls[T:] != 0).any():
-        return None
-    cls = cls[:T]
-    if T and int(cls.max()) >= mult.shape[0]:
-        return None
-    return np.ascontiguousarray(mult[cls.astype(np.int64)], dtype=np.float32)
-
-
 def _lossy(pipeline: Pipeline, s: tuple, payload: Any, sides: list[SideData], spec: ArraySpec, ctx: ChunkContext) -> np.ndarray | None:
-    _, rope, keep, tr, ts, qz, rs = s
+    ch = s[1]
+    rope, keep, tr, ts, qz, rs = ch.rope, ch.keep, ch.transform, ch.tokenscale, ch.quantize, ch.rans
     H, T, D = spec.shape
     specs = pipeline.specs(spec)  # input spec of each array stage + the bytes stage
     qspec = specs[-1]
@@ -457,22 +412,13 @@ def _lossy(pipeline: Pipeline, s: tuple, payload: Any, sides: list[SideData], sp
             cos, sin = rope_tables_cached(p, rope.theta, rope.dim)
             rope_dim = rope.dim
         si += 1
-    # keep
+    # keep, transform, tokenscale, quantize: the stages' own validation (KvcFormatError -> None in try_decode)
     n_sink = n_recent = 0
     kept = _EMPTY3
     if keep is not None:
-        side = sides[si]
         n_sink, n_recent = keep.counts(T)
-        if set(side) != {"kept"}:
-            return None
-        kp = np.asarray(side["kept"])
-        if kp.dtype != np.dtype(keep.dtype) or kp.shape != (H, n_sink + n_recent, D):
-            return None
-        kept = np.ascontiguousarray(kp, dtype=np.float32)
-        if not np.isfinite(kept).all():
-            return None
+        kept = np.ascontiguousarray(keep.kept_side(sides[si], specs[si]), dtype=np.float32)
         si += 1
-    # transform
     if sides[si]:
         return None
     bt, mean = _matrices(tr, H, D, ctx)
@@ -482,21 +428,11 @@ def _lossy(pipeline: Pipeline, s: tuple, payload: Any, sides: list[SideData], sp
     tscale = _EMPTY1
     has_ts = False
     if ts is not None:
-        tscale = _tokenscale_table(ts, sides[si], Tc)
-        if tscale is None:
-            return None
+        tscale = ts.multipliers(sides[si], Tc)
         has_ts = True
         si += 1
-    # quantize(step)
-    side = sides[si]
-    if set(side) != {"step", "bits"}:
-        return None
-    step, bits = np.asarray(side["step"]), np.asarray(side["bits"])
-    if step.dtype != np.float16 or bits.dtype != np.uint8 or step.shape != (H, K) or bits.shape != (H, K):
-        return None
+    step, bits = qz.step_side(sides[si], qspec)
     stepf = step.astype(np.float32)
-    if not (np.isfinite(stepf).all() and (stepf >= 0).all()) or (bits > qz.max_bits).any():
-        return None
     lim = np.left_shift(np.int64(1), bits.astype(np.int64))
     si += 1
     # rans

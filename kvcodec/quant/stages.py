@@ -157,13 +157,20 @@ class KeepStage(ArrayToArray):
         kept = np.concatenate([arr[:, :s], arr[:, T - r :]], axis=1).astype(self.dtype)
         return np.ascontiguousarray(arr[:, s : T - r], dtype=np.float32), {"kept": kept}
 
-    def decode(self, arr: np.ndarray, side: SideData, spec: ArraySpec, ctx: ChunkContext) -> np.ndarray:
+    def kept_side(self, side: SideData, spec: ArraySpec) -> np.ndarray:
+        """Validated kept tokens [H, sink + recent, D] of a chunk (CPU and GPU decoders)."""
         _no_extra(side, "keep", {"kept"})
         H, T, D = spec.shape
         s, r = self.counts(T)
         kept = side_array(side, "kept", "keep", (H, s + r, D), self.dtype)
         if not np.isfinite(kept).all():
             raise KvcFormatError("codec 'keep': kept tokens contain NaN or inf")
+        return kept
+
+    def decode(self, arr: np.ndarray, side: SideData, spec: ArraySpec, ctx: ChunkContext) -> np.ndarray:
+        H, T, D = spec.shape
+        s, r = self.counts(T)
+        kept = self.kept_side(side, spec)
         if arr.shape != (H, T - s - r, D):
             raise KvcFormatError(f"codec 'keep': got {arr.shape}, expected {(H, T - s - r, D)}")
         return keep_decode(arr, kept, s, r).astype(spec.dtype)

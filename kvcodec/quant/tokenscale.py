@@ -52,12 +52,6 @@ def unpack_classes(packed: np.ndarray, bits: int, T: int) -> np.ndarray:
     return ((packed[:, None] >> shifts[None, :]) & np.uint8((1 << bits) - 1)).reshape(-1)
 
 
-def tokenscale_decode(y: np.ndarray, cls: np.ndarray, mult: np.ndarray) -> np.ndarray:
-    """x[h,t,c] = float32(y[h,t,c]) * mult[cls[t]] (one float32 rounding). cls [T] unpacked, mult float32."""
-    m = np.asarray(mult, np.float32)[np.asarray(cls, np.int64)]
-    return np.asarray(y, np.float32) * m[None, :, None]
-
-
 @register
 class TokenScaleStage(ArrayToArray):
     """Per-token step multiplier classes. Config: ``bits`` (1, 2, 4 or 8: width of a packed class)."""
@@ -100,10 +94,9 @@ class TokenScaleStage(ArrayToArray):
         y = arr.astype(np.float32) / table[cls.astype(np.int64)][None, :, None]
         return y.astype(np.float32), {"class": pack_classes(cls, self.bits), "mult": table.astype(np.float32)}
 
-    def decode(self, arr: np.ndarray, side: SideData, spec: ArraySpec, ctx: ChunkContext) -> np.ndarray:
-        H, T, C = spec.shape
-        if arr.shape != (H, T, C) or arr.dtype != np.float32:
-            raise KvcFormatError(f"codec 'tokenscale': got {arr.dtype}{arr.shape}, expected float32{spec.shape}")
+    def multipliers(self, side: SideData, T: int) -> np.ndarray:
+        """float32 [T]: the multiplier of each token, after every check of the side data
+        (the one validation shared by the CPU decode, the fused CPU decoder and the GPU path)."""
         extra = set(side) - {"class", "mult"}
         if extra:
             raise KvcFormatError(f"codec 'tokenscale': unexpected side data {sorted(extra)}")
@@ -125,7 +118,14 @@ class TokenScaleStage(ArrayToArray):
         cls = cls[:T]
         if T and int(cls.max()) >= n:
             raise KvcFormatError(f"codec 'tokenscale': class {int(cls.max())} outside the {n}-entry multiplier table")
-        return tokenscale_decode(arr, cls, mult).astype(spec.dtype)
+        return np.ascontiguousarray(mult[cls.astype(np.int64)], dtype=np.float32)
+
+    def decode(self, arr: np.ndarray, side: SideData, spec: ArraySpec, ctx: ChunkContext) -> np.ndarray:
+        H, T, C = spec.shape
+        if arr.shape != (H, T, C) or arr.dtype != np.float32:
+            raise KvcFormatError(f"codec 'tokenscale': got {arr.dtype}{arr.shape}, expected float32{spec.shape}")
+        m = self.multipliers(side, T)
+        return (arr * m[None, :, None]).astype(spec.dtype)
 
 
 # --------------------------------------------------------------------------- golden vectors

@@ -1,0 +1,49 @@
+"""The transform-codec pipeline shape that the fused decoders (CPU and GPU) run in one pass.
+
+    [rope] -> [keep] -> transform -> [tokenscale] -> quantize(step) -> rans
+
+(array stages in encode order; bracketed ones optional). Every lossy preset
+builds this shape (kvcodec/quant/presets.py). A pipeline of any other shape is
+decoded stage by stage, which is the normative definition anyway; the fused
+decoders only reorganise the same operations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..entropy.rans_stage import RansStage
+from ..stages import Pipeline
+from .stages import KeepStage, QuantizeStage, RopeStage, TransformStage
+from .tokenscale import TokenScaleStage
+
+__all__ = ["TransformChain", "match_chain"]
+
+
+@dataclass(frozen=True)
+class TransformChain:
+    """The stages of a fusable pipeline, by role."""
+
+    rope: RopeStage | None
+    keep: KeepStage | None
+    transform: TransformStage
+    tokenscale: TokenScaleStage | None
+    quantize: QuantizeStage
+    rans: RansStage
+
+
+def match_chain(pipeline: Pipeline) -> TransformChain | None:
+    """The pipeline's :class:`TransformChain`, or None when it has another shape."""
+    st = list(pipeline.stages)
+    if len(st) < 3 or type(st[-1]) is not RansStage or type(st[-2]) is not QuantizeStage or st[-2].mode != "step":
+        return None
+    rans, quantize = st.pop(), st.pop()
+    tokenscale = st.pop() if st and type(st[-1]) is TokenScaleStage else None
+    if not st or type(st[-1]) is not TransformStage:
+        return None
+    transform = st.pop()
+    rope = st.pop(0) if st and type(st[0]) is RopeStage else None
+    keep = st.pop(0) if st and type(st[0]) is KeepStage else None
+    if st:
+        return None
+    return TransformChain(rope, keep, transform, tokenscale, quantize, rans)
