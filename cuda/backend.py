@@ -16,9 +16,14 @@ interpreter) equal bit for bit to ``Pipeline.decode``. Stages:
   payload is shipped to the device; only the compressed bytes travel).
 * ``rans``: :mod:`kvcodec.cuda.rans_kernel` (header validated on the host by
   the CPU's ``parse_header``; data errors flagged by the kernel).
-* array->array stages with a GPU implementation in :data:`GPU_STAGES`
-  (see :mod:`kvcodec.cuda.dequant_kernels`); every other stage falls back to
-  its CPU implementation for that stage only (device -> host -> device).
+* a transform-codec chain (``[rope] [keep] transform [tokenscale]
+  quantize(step)``, :mod:`kvcodec.quant.chain`, every lossy preset): one fused
+  kernel for all inverse stages, writing the chunk dtype or straight into an
+  engine's layout (:func:`decode_chunk_into`);
+* other pipelines, stage by stage: array->array stages with a GPU
+  implementation in :data:`GPU_STAGES` (see :mod:`kvcodec.cuda.dequant_kernels`);
+  every other stage falls back to its CPU implementation for that stage only
+  (device -> host -> device).
 
 This module imports neither Triton nor the kernels until a GPU decode runs.
 """
@@ -38,8 +43,10 @@ NO_DEVICE_MSG = "no CUDA device; set TRITON_INTERPRET=1 to run the kernels on th
 
 # stage name -> fn(stage, x: torch.Tensor, side, spec, ctx) -> torch.Tensor (filled by dequant_kernels)
 GPU_STAGES: dict[str, Callable[..., Any]] = {}
-# names of the stages that ran on the CPU in the last decode_chunk_gpu call (for tests / logging)
+# names of the stages that ran on the CPU in the last GPU decode (for tests / logging)
 last_fallbacks: list[str] = []
+# how the last GPU decode ran its array stages: ["fused"] (one kernel for the transform chain) or ["stages"]
+last_path: list[str] = []
 
 
 def interpret_mode() -> bool:
@@ -111,13 +118,45 @@ def decode_chunk_gpu(
     """
     import torch
 
-    from ..entropy.rans_stage import RansStage
-
     if backend is not None and resolve_backend(backend) == "cpu":
         return torch.from_numpy(np.ascontiguousarray(pipeline.decode(payload, sides, sizes, spec, ctx)))
+    return _decode(pipeline, payload, sides, sizes, spec, ctx)
+
+
+def decode_chunk_into(pipeline: Any, payload: bytes | memoryview, sides: list[dict[str, np.ndarray]], sizes: list[int],
+                      spec: Any, ctx: Any, dst: Any, token_start: int = 0, block_table: Any = None) -> None:
+    """Decode a chunk on the GPU straight into an engine's KV tensor.
+
+    ``dst``: an HF per-layer tensor (1, H, T_cap, D) (tokens from ``token_start``), or with
+    ``block_table`` a paged cache (num_blocks, block_size, H, D) where token ``p`` goes to
+    ``dst[block_table[p // block_size], p % block_size]``. Values are the chunk's decoded values
+    (``Pipeline.decode``) cast to ``dst.dtype``. Transform-codec chunks are written by the fused
+    kernel; other pipelines decode, then go through the layout writers.
+    """
+    out = _decode(pipeline, payload, sides, sizes, spec, ctx, dst=dst, token_start=token_start, block_table=block_table)
+    if out is None:
+        return
+    from .dequant_kernels import store_hf, store_paged
+
+    if block_table is not None:
+        store_paged(out, dst, block_table, token_start)
+    else:
+        store_hf(out, dst, token_start)
+
+
+def _decode(pipeline: Any, payload: Any, sides: list[dict[str, np.ndarray]], sizes: list[int], spec: Any, ctx: Any,
+            dst: Any = None, token_start: int = 0, block_table: Any = None) -> Any:
+    """Decode on the GPU device. With ``dst``: write into it when the fused kernel applies and return
+    None, else return the decoded tensor for the caller to store."""
+    import torch
+
+    from ..entropy.rans_stage import RansStage
+    from ..quant.chain import match_chain
+
     device = gpu_device()
     _register_builtin_gpu_stages()
     last_fallbacks.clear()
+    last_path[:] = ["stages"]
 
     n_arr = len(pipeline.array_stages)
     if len(sides) != len(pipeline.stages) or len(sizes) != len(pipeline.byte_stages):
@@ -141,6 +180,13 @@ def decode_chunk_gpu(
     want = specs[-1]
     if tuple(x.shape) != want.shape or str(x.dtype).removeprefix("torch.") != want.dtype:
         raise KvcFormatError(f"codec {bs.name!r} returned {x.dtype}{tuple(x.shape)}, expected {want}")
+    chain = match_chain(pipeline)
+    if chain is not None and spec.dtype in ("float16", "float32") and len(spec.shape) == 3:
+        from .dequant_kernels import fused_decode
+
+        last_path[:] = ["fused"]
+        out = fused_decode(chain, x, sides, specs, spec, ctx, dst=dst, token_start=token_start, block_table=block_table)
+        return None if dst is not None else out
     for i in reversed(range(n_arr)):
         st = pipeline.array_stages[i]
         fn = GPU_STAGES.get(st.name)

@@ -40,6 +40,7 @@ from .backend import GPU_STAGES
 from .rans_kernel import check_interpreter, interpret_mode
 
 BLOCK = 512
+FUSED_BT = 16  # tokens per program of the fused kernel (x all channels of one head)
 
 
 # --------------------------------------------------------------------------- kernels
@@ -146,10 +147,82 @@ def _store_kernel(src_ptr, dst_ptr, bt_ptr, N, T, D, t0, s_h, s_t, s_d, BS, s_bl
         tl.store(dst_ptr + off, v.to(dst_ptr.dtype.element_ty), mask=m)
 
 
+def _fused_inverse_kernel(sym_ptr, step_ptr, ts_ptr, bt_ptr, mean_ptr, kept_ptr, cos_ptr, sin_ptr, dst_ptr, blk_ptr,
+                          T, K, D, NS, NR, DIM, HALF, CS_HEAD_STRIDE, t0, s_h, s_t, s_d, BS, s_blk,
+                          HAS_TS: tl.constexpr, ROPE: tl.constexpr, OUT16: tl.constexpr, PAGED: tl.constexpr,
+                          BF16: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    """The whole inverse chain of a transform-codec chunk for BT tokens x all D channels of head h:
+    y = f32(unzigzag(sym)) * step[h, k] (* ts[t]); acc = acc + y * B[h, k, d] (k ascending);
+    x = acc + mean[h, d]; kept rows (t < NS or t >= T - NR) = kept[h, ., d]; RoPE on d < DIM
+    with the partner channel computed alongside (accp: the same sums for column d +- HALF);
+    round to float16 (OUT16: the chunk dtype); cast and store into the destination layout."""
+    h = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1) * BT + tl.arange(0, BT)
+    d = tl.arange(0, BD)
+    tm = t < T
+    dm = d < D
+    TC = T - NS - NR
+    tc = t - NS
+    coded = tm & (tc >= 0) & (tc < TC)
+    rot = dm & (d < DIM)
+    lo = d < HALF
+    pd = tl.where(rot, tl.where(lo, d + HALF, d - HALF), d)
+    acc = tl.zeros([BT, BD], dtype=tl.float32)
+    accp = tl.zeros([BT, BD], dtype=tl.float32)
+    if HAS_TS:
+        ts = tl.load(ts_ptr + tc, mask=coded, other=1.0)
+    for k in range(0, K):
+        s = tl.load(sym_ptr + (h * TC + tc) * K + k, mask=coded, other=0).to(tl.int32)
+        q = (s >> 1) ^ (0 - (s & 1))
+        y = q.to(tl.float32) * tl.load(step_ptr + h * K + k)
+        if HAS_TS:
+            y = y * ts
+        b = tl.load(bt_ptr + (h * K + k) * D + d, mask=dm, other=0.0)
+        acc = acc + y[:, None] * b[None, :]
+        if ROPE:
+            bp = tl.load(bt_ptr + (h * K + k) * D + pd, mask=rot, other=0.0)
+            accp = accp + y[:, None] * bp[None, :]
+    x = acc + tl.load(mean_ptr + h * D + d, mask=dm, other=0.0)[None, :]
+    kept = (tm & (tc < 0)) | (tm & (tc >= TC))
+    kt = tl.where(t < NS, t, t - (T - NR) + NS)
+    krow = (h * (NS + NR) + kt[:, None]) * D
+    km = kept[:, None] & dm[None, :]
+    x = tl.where(km, tl.load(kept_ptr + krow + d[None, :], mask=km, other=0.0), x)
+    if ROPE:
+        xp = accp + tl.load(mean_ptr + h * D + pd, mask=rot, other=0.0)[None, :]
+        kpm = kept[:, None] & rot[None, :]
+        xp = tl.where(kpm, tl.load(kept_ptr + krow + pd[None, :], mask=kpm, other=0.0), xp)
+        rh = tl.where(lo[None, :], -xp, xp)
+        rm = tm[:, None] & rot[None, :]
+        cs = h * CS_HEAD_STRIDE + t[:, None] * DIM + d[None, :]
+        co = tl.load(cos_ptr + cs, mask=rm, other=0.0)
+        si = tl.load(sin_ptr + cs, mask=rm, other=0.0)
+        t1 = x * co
+        t2 = rh * si
+        x = tl.where(rm, t1 + t2, x)
+    if OUT16:
+        x = x.to(tl.float16).to(tl.float32)
+    pos = (t + t0).to(tl.int64)
+    if PAGED:
+        blk = tl.load(blk_ptr + pos // BS, mask=tm, other=0).to(tl.int64)
+        row = blk * s_blk + (pos % BS) * s_t + h * s_h
+    else:
+        row = h * s_h + pos * s_t
+    off = row[:, None] + d.to(tl.int64)[None, :] * s_d
+    m2 = tm[:, None] & dm[None, :]
+    if BF16:  # float32 -> bfloat16, round to nearest even in integers (as _store_kernel)
+        u = x.to(tl.uint32, bitcast=True)
+        r = (u + 32767 + ((u >> 16) & 1)) >> 16
+        r = tl.where((u & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, r)
+        tl.store(dst_ptr + off, r.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=m2)
+    else:
+        tl.store(dst_ptr + off, x.to(dst_ptr.dtype.element_ty), mask=m2)
+
+
 _KERNELS: dict[bool, dict[str, Any]] = {}
 _FNS = {
     "dq_step": _dq_step_kernel, "dq_minmax": _dq_minmax_kernel, "inv_transform": _inv_transform_kernel,
-    "rope": _rope_kernel, "store": _store_kernel,
+    "rope": _rope_kernel, "store": _store_kernel, "fused_inverse": _fused_inverse_kernel,
 }
 
 
@@ -199,6 +272,15 @@ def compile_variants() -> list[tuple[str, str, Any, dict, dict, dict]]:
                         {"src_ptr": "*fp32", "dst_ptr": f"*{od}", "bt_ptr": "*i32", "N": "i32", "T": "i32", "D": "i32", "t0": "i32", "s_h": "i32",
                          "s_t": "i32", "s_d": "i32", "BS": "i32", "s_blk": "i32", "PAGED": "constexpr", "BLOCK": "constexpr"},
                         {"PAGED": paged, "BF16": od == "bf16", "BLOCK": BLOCK}, o))
+    fsig = {"sym_ptr": "*u8", "step_ptr": "*fp32", "ts_ptr": "*fp32", "bt_ptr": "*fp32", "mean_ptr": "*fp32", "kept_ptr": "*fp32",
+            "cos_ptr": "*fp32", "sin_ptr": "*fp32", "dst_ptr": "*fp16", "blk_ptr": "*i32", "T": "i32", "K": "i32", "D": "i32",
+            "NS": "i32", "NR": "i32", "DIM": "i32", "HALF": "i32", "CS_HEAD_STRIDE": "i32", "t0": "i32", "s_h": "i32", "s_t": "i32",
+            "s_d": "i32", "BS": "i32", "s_blk": "i32", "HAS_TS": "constexpr", "ROPE": "constexpr", "OUT16": "constexpr",
+            "PAGED": "constexpr", "BF16": "constexpr", "BT": "constexpr", "BD": "constexpr"}
+    for rope, paged, od, bd in ((True, False, "fp16", 64), (False, False, "fp16", 64), (True, True, "bf16", 64), (True, False, "fp16", 128)):
+        out.append(("fused_inverse", f"fused_inverse[{'rope' if rope else 'norope'},{'paged' if paged else 'hf'},out={od},BT={FUSED_BT},BD={bd}]",
+                    k["fused_inverse"], dict(fsig, dst_ptr=f"*{od}"),
+                    {"HAS_TS": True, "ROPE": rope, "OUT16": True, "PAGED": paged, "BF16": od == "bf16", "BT": FUSED_BT, "BD": bd}, o))
     return out
 
 
@@ -225,8 +307,7 @@ def gpu_quantize(stage: Any, x: torch.Tensor, side: dict, spec: Any, ctx: Any) -
     N = H * T * C
     if stage.mode == "step":
         step, bits = stage.step_side(side, spec)
-        if T and bool((x.amax(dim=1).to(torch.int32) >= (1 << _dev(bits, dev, np.int32))).any()):
-            raise KvcFormatError("codec 'quantize': symbol outside its channel's bit width")
+        _check_step_symbols(x, bits)
         if N:
             _launch("dq_step", (_cdiv(N, BLOCK),), x, _dev(step, dev, np.float32), out, N, T * C, C, BLOCK=BLOCK)
     else:
@@ -239,6 +320,12 @@ def gpu_quantize(stage: Any, x: torch.Tensor, side: dict, spec: Any, ctx: Any) -
             _launch("dq_minmax", (_cdiv(N, BLOCK),), x, sc, ze, _dev(hb, dev, np.int32), out, N, T, C, stage.group, gshape[1] if stage.axis == "channel" else gshape[2],
                     AXIS_CHANNEL=stage.axis == "channel", SYMMETRIC=stage.symmetric, BLOCK=BLOCK)
     return _cast(out, spec.dtype)
+
+
+def _check_step_symbols(x: torch.Tensor, bits: np.ndarray) -> None:
+    """The CPU decode's check: every symbol of channel (h, c) is below 2**bits[h, c]."""
+    if x.shape[1] and bool((x.amax(dim=1).to(torch.int32) >= (1 << _dev(bits, x.device, np.int32))).any()):
+        raise KvcFormatError("codec 'quantize': symbol outside its channel's bit width")
 
 
 def _cast(x: torch.Tensor, dtype: str) -> torch.Tensor:
@@ -258,6 +345,20 @@ def _digest(*arrays: np.ndarray) -> str:
     return h.hexdigest()
 
 
+def _device_matrices(b: np.ndarray, m: np.ndarray, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B transposed [H, K, D], mean [H, D]) float32 on ``dev``, cached by content."""
+    key = (str(dev), _digest(b, m))
+    if key in _MAT_CACHE:
+        _MAT_CACHE.move_to_end(key)
+        return _MAT_CACHE[key]
+    bt_d = _dev(np.swapaxes(b, 1, 2), dev, np.float32)
+    m_d = _dev(m, dev, np.float32)
+    _MAT_CACHE[key] = (bt_d, m_d)
+    while len(_MAT_CACHE) > 256:
+        _MAT_CACHE.popitem(last=False)
+    return bt_d, m_d
+
+
 def gpu_transform(stage: Any, y: torch.Tensor, side: dict, spec: Any, ctx: Any) -> torch.Tensor:
     from ..quant.stages import _no_extra
 
@@ -268,16 +369,7 @@ def gpu_transform(stage: Any, y: torch.Tensor, side: dict, spec: Any, ctx: Any) 
     if tuple(y.shape) != (H, T, K) or y.dtype != torch.float32:
         raise KvcFormatError(f"codec 'transform': got {str(y.dtype).removeprefix('torch.')}{tuple(y.shape)}, expected float32{(H, T, K)}")
     dev = y.device
-    key = (str(dev), _digest(b, m))
-    if key in _MAT_CACHE:
-        bt_d, m_d = _MAT_CACHE[key]
-        _MAT_CACHE.move_to_end(key)
-    else:
-        bt_d = _dev(np.swapaxes(b, 1, 2), dev, np.float32)  # [H, K, D]
-        m_d = _dev(m, dev, np.float32)
-        _MAT_CACHE[key] = (bt_d, m_d)
-        while len(_MAT_CACHE) > 256:
-            _MAT_CACHE.popitem(last=False)
+    bt_d, m_d = _device_matrices(b, m, dev)
     out = torch.empty((H, T, D), dtype=_TORCH[spec.dtype], device=dev)
     if H * T * D:
         BT, BD = 32, 64
@@ -285,16 +377,19 @@ def gpu_transform(stage: Any, y: torch.Tensor, side: dict, spec: Any, ctx: Any) 
     return out
 
 
-def gpu_keep(stage: Any, x: torch.Tensor, side: dict, spec: Any, ctx: Any) -> torch.Tensor:
-    from ..quant.stages import _no_extra
-    from ..stages import side_array
+def gpu_tokenscale(stage: Any, y: torch.Tensor, side: dict, spec: Any, ctx: Any) -> torch.Tensor:
+    """x = y * mult[class[t]]: one float32 multiply per element (exact on any device, no fusion possible)."""
+    H, T, C = spec.shape
+    if tuple(y.shape) != (H, T, C) or y.dtype != torch.float32:
+        raise KvcFormatError(f"codec 'tokenscale': got {str(y.dtype).removeprefix('torch.')}{tuple(y.shape)}, expected float32{spec.shape}")
+    m = _dev(stage.multipliers(side, T), y.device)
+    return _cast(y * m[None, :, None], spec.dtype)
 
-    _no_extra(side, "keep", {"kept"})
+
+def gpu_keep(stage: Any, x: torch.Tensor, side: dict, spec: Any, ctx: Any) -> torch.Tensor:
     H, T, D = spec.shape
     s, r = stage.counts(T)
-    kept = side_array(side, "kept", "keep", (H, s + r, D), stage.dtype)
-    if not np.isfinite(kept).all():
-        raise KvcFormatError("codec 'keep': kept tokens contain NaN or inf")
+    kept = stage.kept_side(side, spec)
     if tuple(x.shape) != (H, T - s - r, D):
         raise KvcFormatError(f"codec 'keep': got {tuple(x.shape)}, expected {(H, T - s - r, D)}")
     k32 = _dev(kept, x.device).to(torch.float32)
@@ -305,8 +400,26 @@ def gpu_keep(stage: Any, x: torch.Tensor, side: dict, spec: Any, ctx: Any) -> to
 _ROPE_CACHE: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor, int]] = OrderedDict()
 
 
-def gpu_rope(stage: Any, y: torch.Tensor, side: dict, spec: Any, ctx: Any) -> torch.Tensor:
+def _device_rope_tables(stage: Any, H: int, T: int, ctx: Any, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(cos, sin, head stride) float32 on ``dev``: exactly the CPU stage's tables, [1 or H, T, dim], cached."""
     from ..quant.rope import positions_for, rope_tables
+
+    pos = positions_for(ctx.positions, ctx.layer, H, T, ctx.token_start)
+    shared = H <= 1 or pos.strides[0] == 0 or bool((pos == pos[:1]).all())
+    p = np.ascontiguousarray(pos[:1] if shared else pos)  # [1 or H, T]
+    key = (str(dev), stage.theta, stage.dim, p.shape, _digest(p))
+    if key in _ROPE_CACHE:
+        _ROPE_CACHE.move_to_end(key)
+        return _ROPE_CACHE[key]
+    cos, sin = rope_tables(p, stage.theta, stage.dim)  # exactly the CPU tables (float64 -> float32)
+    hit = (_dev(cos, dev), _dev(sin, dev), 0 if shared else T * stage.dim)
+    _ROPE_CACHE[key] = hit
+    while len(_ROPE_CACHE) > 64:
+        _ROPE_CACHE.popitem(last=False)
+    return hit
+
+
+def gpu_rope(stage: Any, y: torch.Tensor, side: dict, spec: Any, ctx: Any) -> torch.Tensor:
     from ..quant.stages import _no_extra
 
     _no_extra(side, "rope", set())
@@ -314,20 +427,7 @@ def gpu_rope(stage: Any, y: torch.Tensor, side: dict, spec: Any, ctx: Any) -> to
     if tuple(y.shape) != (H, T, D) or y.dtype != torch.float32:
         raise KvcFormatError(f"codec 'rope': got {str(y.dtype).removeprefix('torch.')}{tuple(y.shape)}, expected float32{spec.shape}")
     dev = y.device
-    pos = positions_for(ctx.positions, ctx.layer, H, T, ctx.token_start)
-    shared = H <= 1 or pos.strides[0] == 0 or bool((pos == pos[:1]).all())
-    p = np.ascontiguousarray(pos[:1] if shared else pos)  # [1 or H, T]
-    key = (str(dev), stage.theta, stage.dim, p.shape, _digest(p))
-    if key in _ROPE_CACHE:
-        cos_d, sin_d, hs = _ROPE_CACHE[key]
-        _ROPE_CACHE.move_to_end(key)
-    else:
-        cos, sin = rope_tables(p, stage.theta, stage.dim)  # exactly the CPU tables (float64 -> float32)
-        cos_d, sin_d = _dev(cos, dev), _dev(sin, dev)
-        hs = 0 if shared else T * stage.dim
-        _ROPE_CACHE[key] = (cos_d, sin_d, hs)
-        while len(_ROPE_CACHE) > 64:
-            _ROPE_CACHE.popitem(last=False)
+    cos_d, sin_d, hs = _device_rope_tables(stage, H, T, ctx, dev)
     if stage.dim > D:
         raise KvcFormatError(f"codec 'rope': dim {stage.dim} exceeds {D} channels")
     out = torch.empty((H, T, D), dtype=_TORCH[spec.dtype], device=dev)
@@ -337,7 +437,96 @@ def gpu_rope(stage: Any, y: torch.Tensor, side: dict, spec: Any, ctx: Any) -> to
     return out
 
 
-GPU_STAGES.update({"quantize": gpu_quantize, "transform": gpu_transform, "keep": gpu_keep, "rope": gpu_rope})
+GPU_STAGES.update({"quantize": gpu_quantize, "tokenscale": gpu_tokenscale, "transform": gpu_transform, "keep": gpu_keep,
+                   "rope": gpu_rope})
+
+
+# --------------------------------------------------------------------------- the fused chain
+
+
+def fused_decode(chain: Any, sym: torch.Tensor, sides: list[dict], specs: list[Any], spec: Any, ctx: Any,
+                 dst: torch.Tensor | None = None, token_start: int = 0, block_table: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse stages of a :class:`kvcodec.quant.chain.TransformChain` in one kernel launch.
+
+    ``sym``: the rANS symbols uint8 (H, Tc, K) on the device; ``sides``/``specs``: the pipeline's
+    side data and stage input specs; ``spec``: the chunk's (H, T, D). Side data is validated on the
+    host first, in the CPU decode's stage order and with its messages. Writes into ``dst`` (HF
+    (1, H, T_cap, D) from ``token_start``, or a paged (num_blocks, block_size, H, D) cache through
+    ``block_table``; float16, bfloat16 or float32, each value = the chunk's decoded value cast to
+    ``dst.dtype``) or, without ``dst``, returns a new (H, T, D) tensor of the chunk dtype.
+    """
+    H, T, D = spec.shape
+    ch = chain
+    i = 0
+    i_rope = i if ch.rope is not None else None
+    i += ch.rope is not None
+    i_keep = i if ch.keep is not None else None
+    i += ch.keep is not None
+    i_tr = i
+    i += 1
+    i_ts = i if ch.tokenscale is not None else None
+    i += ch.tokenscale is not None
+    i_q = i
+    qspec = specs[i_q]
+    Tc, K = qspec.shape[1], qspec.shape[2]
+    if tuple(sym.shape) != (H, Tc, K) or sym.dtype != torch.uint8:
+        raise KvcFormatError(f"codec 'quantize': got {str(sym.dtype).removeprefix('torch.')}{tuple(sym.shape)}, expected uint8{qspec.shape}")
+    dev = sym.device
+    # validation in the CPU decode order: quantize, tokenscale, transform, keep, rope
+    step, bits = ch.quantize.step_side(sides[i_q], qspec)
+    _check_step_symbols(sym, bits)
+    ts = _dev(ch.tokenscale.multipliers(sides[i_ts], Tc), dev) if i_ts is not None else None
+    from ..quant.stages import _no_extra
+
+    _no_extra(sides[i_tr], "transform", set())
+    b, m = ch.transform.matrices(H, D, ctx)
+    if b.shape[2] != K:
+        raise KvcFormatError(f"codec 'transform': got float32{(H, Tc, K)}, expected float32{(H, Tc, b.shape[2])}")
+    bt_d, m_d = _device_matrices(b, m, dev)
+    ns = nr = 0
+    kept = None
+    if i_keep is not None:
+        ns, nr = ch.keep.counts(T)
+        kept = _dev(ch.keep.kept_side(sides[i_keep], specs[i_keep]), dev, np.float32)
+    dim = 0
+    cos_d = sin_d = None
+    hs = 0
+    if i_rope is not None:
+        _no_extra(sides[i_rope], "rope", set())
+        cos_d, sin_d, hs = _device_rope_tables(ch.rope, H, T, ctx, dev)
+        if ch.rope.dim > D:
+            raise KvcFormatError(f"codec 'rope': dim {ch.rope.dim} exceeds {D} channels")
+        dim = ch.rope.dim
+    out = None
+    if dst is None:
+        out = dst = torch.empty((1, H, T, D), dtype=_TORCH[spec.dtype], device=dev)
+        token_start = 0
+    paged = block_table is not None
+    if paged:
+        nb, bs, ch_, cd = dst.shape
+        if ch_ != H or cd != D:
+            raise ValueError(f"paged cache {tuple(dst.shape)} does not hold {H} heads x {D} channels")
+        if token_start < 0 or _cdiv(token_start + T, bs) > block_table.numel():
+            raise ValueError("block table too short for the tokens written")
+        blk = block_table.to(device=dev, dtype=torch.int32).contiguous()
+        used = blk[token_start // bs : _cdiv(token_start + T, bs)]
+        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= nb):
+            raise ValueError("block table entry outside the paged cache")
+        strides = (dst.stride(2), dst.stride(1), dst.stride(3), bs, dst.stride(0))
+    else:
+        if dst.dim() != 4 or dst.shape[0] != 1 or dst.shape[1] != H or dst.shape[3] != D or token_start < 0 or token_start + T > dst.shape[2]:
+            raise ValueError(f"HF destination {tuple(dst.shape)} cannot hold ({H}, {token_start}+{T}, {D})")
+        blk = _dev(np.zeros(1, np.int32), dev)
+        strides = (dst.stride(1), dst.stride(2), dst.stride(3), 1, 0)
+    if H * T * D:
+        f32 = _dev(np.zeros(1, np.float32), dev)
+        _launch("fused_inverse", (H, _cdiv(T, FUSED_BT)), sym.contiguous(), _dev(step, dev, np.float32),
+                ts if ts is not None else f32, bt_d, m_d, kept if kept is not None else f32,
+                cos_d if cos_d is not None else f32, sin_d if sin_d is not None else f32, dst, blk,
+                T, K, D, ns, nr, dim, dim // 2, hs, token_start, *strides,
+                HAS_TS=ts is not None, ROPE=dim > 0, OUT16=spec.dtype == "float16", PAGED=paged,
+                BF16=dst.dtype == torch.bfloat16, BT=FUSED_BT, BD=triton.next_power_of_2(D))
+    return out[0] if out is not None else dst
 
 
 # --------------------------------------------------------------------------- output layouts

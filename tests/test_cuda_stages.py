@@ -143,6 +143,9 @@ def test_every_preset(chunks, small_cache, lm):
             pipe = plan.pipelines(layer, kind)
             fb = [s.name for s in pipe.stages if s.name not in ("rans", "quantize", "transform", "keep", "rope") and s.kind != "bytes->bytes"]
             _check_pipeline(pipe, x, ChunkContext(layer=layer, kind=kind, attachments=att), expect_fallbacks=fb)
+            from kvcodec.cuda import backend
+
+            assert backend.last_path == (["stages"] if name == presets.LOSSLESS else ["fused"])
 
 
 @pytest.mark.model
@@ -262,3 +265,137 @@ def test_decode_into_layouts(chunks, small_cache):
     store_paged(y, cache, table, token_start=2)
     got = torch.stack([cache[table[(2 + t) // 4], (2 + t) % 4] for t in range(Tn)], dim=1)
     _same(got, cpu)
+
+
+# --------------------------------------------------------------------------- the fused transform chain
+def _chain(rope_dim=None, sink=4, recent=0, k=24, basis="pca", ts=None, keep_dtype="float16", g=8, step=0.05):
+    from kvcodec.quant.stages import KeepStage, QuantizeStage, RopeStage, TransformStage
+
+    st = [RopeStage(theta=100000.0, dim=rope_dim)] if rope_dim else []
+    if sink or recent:
+        st.append(KeepStage(sink=sink, recent=recent, dtype=keep_dtype))
+    st.append(TransformStage(basis=basis, k=k))
+    if ts is not None:
+        st.append(ts)
+    st += [QuantizeStage(mode="step", step=step, max_bits=8), RansStage(g)]
+    return Pipeline(st)
+
+
+def _tokenscale(n_tokens: int, skip: int):
+    from kvcodec.quant.tokenscale import TokenScaleStage
+
+    st = TokenScaleStage(bits=4)
+    st.encoder_classes = np.random.default_rng(5).integers(0, 5, 4096).astype(np.uint8)
+    st.encoder_table = np.array([0.25, 1.0, 2.0, 11.3137085, 45.254834], np.float32)  # a non-power of two rounds
+    st.encoder_skip = skip
+    return st
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("case", ["keys", "values", "tokenscale", "recent", "partial_rope", "hadamard_full", "f32", "keep_f32",
+                                  "one_token", "all_kept", "short", "per_head_pos", "group16"])
+def test_fused_chain_bit_exact(case, chunks, pca_attachments):
+    """Every shape of the fused chain on real KV: one kernel, bit-identical to Pipeline.decode."""
+    from kvcodec.cuda import backend
+
+    layer, kind, x = chunks[0] if case != "values" else chunks[1]
+    H = x.shape[0]
+    kw: dict = {"rope_dim": 64 if case != "values" else None}
+    positions = None
+    if case == "tokenscale":
+        kw["ts"] = _tokenscale(T, 4)
+    elif case == "recent":
+        kw["recent"] = 3
+    elif case == "partial_rope":
+        kw["rope_dim"] = 48
+    elif case == "hadamard_full":
+        kw.update(basis="hadamard", k=None)
+    elif case == "f32":
+        x = x.astype(np.float32)
+    elif case == "keep_f32":
+        kw["keep_dtype"] = "float32"
+    elif case == "one_token":
+        x, kw["sink"] = x[:, :1], 0
+    elif case == "all_kept":
+        kw["sink"] = T
+    elif case == "short":  # fewer coded tokens than a program's token tile, and fewer symbols than a lane group
+        x = x[:, :7]
+    elif case == "per_head_pos":
+        positions = np.sort(np.random.default_rng(2).choice(9000, size=(8, H, T), replace=False), axis=-1)
+    elif case == "group16":
+        kw.update(g=16, k=32)
+    pipe = _chain(**kw)
+    ctx = ChunkContext(layer=layer, kind=kind, attachments=pca_attachments, token_start=11, positions=positions)
+    _check_pipeline(pipe, x, ctx)
+    assert backend.last_path == ["fused"]
+
+
+@pytest.mark.model
+def test_fused_chain_into_layouts(chunks, pca_attachments):
+    """decode_chunk_into writes the fused chain straight into HF and paged tensors (fp16, bf16, fp32):
+    each value is the CPU decode cast to the destination dtype, nothing else is touched."""
+    from kvcodec.cuda import backend
+
+    layer, kind, x = chunks[0]
+    H, Tn, D = x.shape
+    pipe = _chain(rope_dim=64, ts=_tokenscale(T, 4))
+    ctx = ChunkContext(layer=layer, kind=kind, attachments=pca_attachments)
+    payload, sides, sizes = pipe.encode(x, ctx)
+    spec = ArraySpec(x.shape, "float16")
+    cpu = torch.from_numpy(pipe.decode(payload, sides, sizes, spec, ctx))
+    for dt in (torch.float16, torch.bfloat16, torch.float32):
+        hf = torch.zeros((1, H, Tn + 5, D), dtype=dt)
+        backend.decode_chunk_into(pipe, payload, sides, sizes, spec, ctx, hf, token_start=3)
+        assert backend.last_path == ["fused"]
+        assert torch.equal(hf[0, :, 3 : 3 + Tn].contiguous().view(torch.uint8), cpu.to(dt).contiguous().view(torch.uint8))
+        assert not hf[0, :, :3].any() and not hf[0, :, 3 + Tn :].any()
+        cache = torch.zeros((8, 4, H, D), dtype=dt)
+        table = torch.tensor([7, 2, 5, 0, 1], dtype=torch.int32)
+        backend.decode_chunk_into(pipe, payload, sides, sizes, spec, ctx, cache, token_start=2, block_table=table)
+        got = torch.stack([cache[table[(2 + t) // 4], (2 + t) % 4] for t in range(Tn)], dim=1)
+        assert torch.equal(got.contiguous().view(torch.uint8), cpu.to(dt).contiguous().view(torch.uint8))
+        assert int((cache != 0).sum()) == int((cpu.to(dt) != 0).sum())
+    with pytest.raises(ValueError):
+        backend.decode_chunk_into(pipe, payload, sides, sizes, spec, ctx, torch.zeros((1, H, Tn - 1, D), dtype=torch.float16))
+
+
+@pytest.mark.model
+def test_fused_chain_malformed_like_cpu(chunks, pca_attachments):
+    """Malformed side data reaching the fused kernel's host checks: the CPU decode's KvcFormatError, word for word."""
+    from kvcodec.cuda import backend
+
+    layer, kind, x = chunks[0]
+    pipe = _chain(rope_dim=64, ts=_tokenscale(T, 4))
+    ctx = ChunkContext(layer=layer, kind=kind, attachments=pca_attachments)
+    payload, sides, sizes = pipe.encode(x, ctx)
+    spec = ArraySpec(x.shape, "float16")
+    i_keep, i_tr, i_ts, i_q = 1, 2, 3, 4
+
+    def mutated(i, **kw):
+        out = [dict(sd) for sd in sides]
+        out[i].update(kw)
+        return out
+
+    kept = sides[i_keep]["kept"].copy()
+    kept[0, 0, 0] = np.inf
+    q = sides[i_q]
+    for bad in (mutated(i_q, bits=np.zeros_like(q["bits"])), mutated(i_q, step=np.full_like(q["step"], np.nan)),
+                mutated(i_ts, mult=np.array([1.0], np.float32)), mutated(i_ts, junk=np.zeros(1)), mutated(i_keep, kept=kept),
+                mutated(i_tr, extra=np.zeros(1))):
+        msgs = []
+        for fn in (pipe.decode, lambda *a: backend.decode_chunk_gpu(pipe, *a, "gpu")):
+            with pytest.raises(KvcFormatError) as e:
+                fn(payload, bad, sizes, spec, ctx)
+            msgs.append(str(e.value))
+        assert msgs[0] == msgs[1]
+
+
+def test_tokenscale_stage_outside_a_chain():
+    """tokenscale has its own GPU stage when the pipeline is not a transform chain."""
+    from kvcodec.cuda import backend
+    from kvcodec.quant.stages import QuantizeStage
+
+    x = (np.random.default_rng(4).standard_normal((2, 13, 16)) * 3).astype(np.float16)
+    pipe = Pipeline([_tokenscale(13, 0), QuantizeStage(mode="step", step=0.05), RansStage()])
+    _check_pipeline(pipe, x, ChunkContext())
+    assert backend.last_path == ["stages"]
