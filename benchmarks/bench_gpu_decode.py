@@ -10,6 +10,9 @@ chunks and encoded on the CPU with the pipeline chosen by ``--pipeline``:
 
 * ``step``:  quantize(step, step=--step, max_bits=8) -> rans(channel_group=8)
 * ``kivi4``: quantize(minmax, 4 bits, per channel, groups of 32 tokens) -> rans
+* ``chain`` (default): the lossy presets' shape -- rope (keys) -> keep(4 sink tokens)
+  -> transform(hadamard, all 64 coefficients: the densest case) -> quantize(step) ->
+  rans(channel_group=8); its inverse stages run as ONE fused kernel
 
 Measured (CUDA events, median of ``--iters``), all as GB/s of fp16 output
 (2 bytes x elements of the cache):
@@ -19,8 +22,10 @@ Measured (CUDA events, median of ``--iters``), all as GB/s of fp16 output
 * ``rans e2e``:   the same including host header validation and the H2D copy
   of the compressed payload;
 * ``pipeline``:   full per-chunk decode through ``decode_chunk_gpu`` (rANS +
-  dequantize + cast; per-chunk Python overhead included) for one layer,
-  scaled to the cache;
+  inverse stages + cast; per-chunk Python overhead and host validation included)
+  for one layer, scaled to the cache;
+* ``into HF``:    the same through ``decode_chunk_into`` writing each chunk into a
+  preallocated HF per-layer tensor (1, H, T, D) -- the engine-facing path;
 * ``h2d copy`` / ``d2d copy``: torch copies of the fp16 cache bytes (pinned host
   -> device, device -> device).
 
@@ -49,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--source-tokens", type=int, default=512)
-    ap.add_argument("--pipeline", choices=["step", "kivi4"], default="step")
-    ap.add_argument("--step", type=float, default=0.1)
+    ap.add_argument("--pipeline", choices=["chain", "step", "kivi4"], default="chain")
+    ap.add_argument("--step", type=float, default=None, help="quantizer step (default 0.33 for chain, as balanced; 0.1 for step)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--table", choices=["auto", "search", "table"], default="auto")
     ap.add_argument("--smoke", action="store_true", help="tiny run under TRITON_INTERPRET=1 (checks the script, not speed)")
@@ -70,11 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device("cpu") if smoke else torch.device("cuda")
 
     from kvcodec.capture import capture
-    from kvcodec.cuda.backend import decode_chunk_gpu
+    from kvcodec.cuda.backend import decode_chunk_gpu, decode_chunk_into
     from kvcodec.cuda.rans_kernel import RansItem, decode_streams
     from kvcodec.entropy.rans_stage import RansStage
     from kvcodec.model import load_model
-    from kvcodec.quant.stages import QuantizeStage
+    from kvcodec.quant.rope import rope_config_from_fingerprint
+    from kvcodec.quant.stages import KeepStage, QuantizeStage, RopeStage, TransformStage
     from kvcodec.stages import ArraySpec, ChunkContext, Pipeline
     from kvcodec.texts import load_text
 
@@ -86,10 +92,20 @@ def main(argv: list[str] | None = None) -> int:
     L = src.num_layers
     if args.smoke:
         L = 2
-    if args.pipeline == "step":
-        pipe = Pipeline([QuantizeStage(mode="step", step=args.step, max_bits=8), RansStage(channel_group=8)])
-    else:
-        pipe = Pipeline([QuantizeStage(mode="minmax", bits=4, axis="channel", group=32), RansStage()])
+    fp = src.fingerprint
+    H, D = fp.num_kv_heads, fp.head_dims[0]
+    step = args.step if args.step is not None else (0.33 if args.pipeline == "chain" else 0.1)
+
+    def pipe_for(kind: str) -> Pipeline:
+        if args.pipeline == "step":
+            return Pipeline([QuantizeStage(mode="step", step=step, max_bits=8), RansStage(channel_group=8)])
+        if args.pipeline == "kivi4":
+            return Pipeline([QuantizeStage(mode="minmax", bits=4, axis="channel", group=32), RansStage()])
+        rope = [RopeStage(**rope_config_from_fingerprint(fp.rope, D))] if kind == "k" else []
+        return Pipeline(rope + [KeepStage(sink=4), TransformStage(basis="hadamard"),
+                                QuantizeStage(mode="step", step=step, max_bits=8), RansStage(channel_group=8)])
+
+    pipes = {"k": pipe_for("k"), "v": pipe_for("v")}
     table = None if args.table == "auto" else args.table == "table"
     name = torch.cuda.get_device_name() if not smoke else "interpreter"
     print(f"device: {name}; model {lm.name}: {L} layers x {src.fingerprint.num_kv_heads} kv heads x {src.fingerprint.head_dims[0]} dims; "
@@ -112,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             ts.append(a.elapsed_time(b) / 1e3)
         return float(np.median(ts))
 
-    print(f"{'tokens':>7s} {'fp16 MB':>8s} {'ratio':>6s} {'rans kernel':>12s} {'rans e2e':>9s} {'pipeline':>9s} {'h2d copy':>9s} {'d2d copy':>9s}   (GB/s of fp16 output)")
+    print(f"{'tokens':>7s} {'fp16 MB':>8s} {'ratio':>6s} {'rans kernel':>12s} {'rans e2e':>9s} {'pipeline':>9s} {'into HF':>8s} {'h2d copy':>9s} {'d2d copy':>9s}   (GB/s of fp16 output)")
     for T in args.tokens:
         reps = -(-T // src.num_tokens)
         enc = []  # (layer, kind, chunk start, payload, sides, sizes, spec)
@@ -125,25 +141,30 @@ def main(argv: list[str] | None = None) -> int:
                 for c0 in range(0, T, args.chunk):
                     xc = np.ascontiguousarray(x[:, c0 : c0 + args.chunk])
                     ctx = ChunkContext(layer=layer, kind=kind, token_start=c0)
+                    pipe = pipes[kind]
                     payload, sides, sizes = pipe.encode(xc, ctx)
                     comp += len(payload) + sum(v.nbytes for s in sides for v in s.values())
-                    enc.append((layer, kind, c0, payload, sides, sizes, ArraySpec(xc.shape, "float16"), ctx))
+                    enc.append((layer, kind, c0, payload, sides, sizes, ArraySpec(xc.shape, "float16"), ctx, pipe))
         fp16_bytes = 2 * n_el
         gbs = lambda sec: fp16_bytes / sec / 1e9  # noqa: E731
-        items = [RansItem(e[3], pipe.specs(e[6])[-1].shape, pipe.bytes_stage.channel_group) for e in enc]
+        items = [RansItem(e[3], e[8].specs(e[6])[-1].shape, e[8].bytes_stage.channel_group) for e in enc]
         t_e2e = timed(lambda: decode_streams(items, dev, table=table), max(1, args.iters // 2))
         launches: list = []
         decode_streams(items, dev, table=table, launches=launches)
         t_kernel = timed(lambda: [f() for f in launches], args.iters)
         one_layer = [e for e in enc if e[0] == 0]
-        t_pipe = timed(lambda: [decode_chunk_gpu(pipe, e[3], e[4], e[5], e[6], e[7], "gpu") for e in one_layer], max(1, args.iters // 5))
+        t_pipe = timed(lambda: [decode_chunk_gpu(e[8], e[3], e[4], e[5], e[6], e[7], "gpu") for e in one_layer], max(1, args.iters // 5))
         t_pipe *= len(enc) / len(one_layer)
+        dst = {kind: torch.empty((1, H, T, D), dtype=torch.float16, device=dev) for kind in ("k", "v")}
+        t_into = timed(lambda: [decode_chunk_into(e[8], e[3], e[4], e[5], e[6], e[7], dst[e[1]], e[2]) for e in one_layer],
+                       max(1, args.iters // 5))
+        t_into *= len(enc) / len(one_layer)
         host = torch.empty(fp16_bytes, dtype=torch.uint8, pin_memory=not smoke)
         d1 = torch.empty(fp16_bytes, dtype=torch.uint8, device=dev)
         d2 = torch.empty(fp16_bytes, dtype=torch.uint8, device=dev)
         t_h2d = timed(lambda: d1.copy_(host, non_blocking=True), args.iters)
         t_d2d = timed(lambda: d2.copy_(d1), args.iters)
-        print(f"{T:7d} {fp16_bytes / 1e6:8.1f} {fp16_bytes / comp:6.2f} {gbs(t_kernel):12.1f} {gbs(t_e2e):9.1f} {gbs(t_pipe):9.1f} {gbs(t_h2d):9.1f} {gbs(t_d2d):9.1f}")
+        print(f"{T:7d} {fp16_bytes / 1e6:8.1f} {fp16_bytes / comp:6.2f} {gbs(t_kernel):12.1f} {gbs(t_e2e):9.1f} {gbs(t_pipe):9.1f} {gbs(t_into):8.1f} {gbs(t_h2d):9.1f} {gbs(t_d2d):9.1f}")
         del host, d1, d2
     if smoke:
         print("(smoke run under the interpreter: the numbers above are not GPU measurements)")

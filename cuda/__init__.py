@@ -3,11 +3,15 @@
 Importing this package imports nothing heavy (no Triton, no CUDA):
 
 * :mod:`kvcodec.cuda.backend`: ``resolve_backend`` (cpu|gpu|auto: argument, then
-  $KVCODEC_BACKEND, then auto) and ``decode_chunk_gpu`` (same signature as
-  ``kvcodec.format.decode.decode_chunk``);
+  $KVCODEC_BACKEND, then auto), ``decode_chunk_gpu`` (same signature as
+  ``kvcodec.format.decode.decode_chunk``) and ``decode_chunk_into`` (decode
+  straight into an HF per-layer tensor or a paged cache);
 * :mod:`kvcodec.cuda.rans_kernel`: the 32-lane rANS v1 decode kernel;
-* :mod:`kvcodec.cuda.dequant_kernels`: quantize / transform / rope / keep
-  decodes and the HF / paged output-layout writers;
+* :mod:`kvcodec.cuda.dequant_kernels`: the fused kernel for the transform-codec
+  chain (every lossy preset: dequantize, tokenscale, inverse transform, kept
+  tokens, RoPE and the cast in one launch), the per-stage kernels (quantize,
+  tokenscale, transform, rope, keep) for other pipelines, and the HF / paged
+  output-layout writers;
 * :mod:`kvcodec.cuda.compile_check`: compile every kernel for sm_80 / sm_90
   without a GPU and report registers / spills (``python -m kvcodec.cuda.compile_check``).
 
