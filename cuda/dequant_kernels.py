@@ -10,8 +10,16 @@ GPU twins of the CPU decodes in :mod:`kvcodec.quant.stages`, bit for bit:
 * ``rope``: x = y*cos + rotate_half(y)*sin on the first ``dim`` channels, cos/sin
   from :func:`kvcodec.quant.rope.rope_tables` (CPU float64, rounded once)
 * ``keep``: re-insert kept tokens (torch.cat on the device; no arithmetic)
+* ``tokenscale``: x = y * mult[class[t]] (one float32 multiply; torch on the device)
 * final cast to the stage's input dtype (round to nearest even), fused into the
   last kernel that writes the tensor.
+
+For the transform-codec chain of every lossy preset (:mod:`kvcodec.quant.chain`)
+:func:`fused_decode` runs all of the above in ONE kernel (``fused_inverse``): per
+program a tile of tokens x all channels of one head, the RoPE partner channel
+accumulated alongside (the same sums in the same order, so it is the same value
+the per-stage path computes), the chunk-dtype rounding, then the cast into the
+destination layout (the chunk itself, an HF per-layer tensor or a paged cache).
 
 All kernels must be compiled with ``enable_fp_fusion=False`` (passed at every
 launch below) so no product/sum pair becomes an FMA on a real GPU; the
