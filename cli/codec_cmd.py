@@ -156,31 +156,75 @@ def _positive(ctx: click.Context, param: click.Parameter, value: float | None) -
     return value
 
 
+CONFIG_KEYS = {"preset", "step0", "sink", "group", "basis", "deadzone", "calibration", "tokenscale", "level"}
+
+
+def parse_codec_config(value: str) -> tuple[str, dict[str, Any]]:
+    """(preset, overrides) of ``--config``: a JSON object, inline or in a file.
+
+    ``{"preset": "balanced", "step0": 0.25, "sink": 8, "tokenscale": null}`` -- a preset and
+    the parameters of its plan to change (lossy presets: step0, sink, group, basis, deadzone,
+    calibration, tokenscale; lossless / zstd / fp16: level).
+    """
+    import json
+
+    from kvcodec.errors import KvcInputError
+
+    src = Path(value)
+    text = src.read_text(encoding="utf-8") if not value.lstrip().startswith("{") and src.is_file() else value
+    try:
+        cfg = json.loads(text)
+    except ValueError as exc:
+        raise KvcInputError(f"--config is neither a JSON object nor a JSON file ({exc})") from None
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("preset"), str):
+        raise KvcInputError('--config must be a JSON object with a "preset" name, e.g. {"preset": "balanced", "step0": 0.25}')
+    unknown = set(cfg) - CONFIG_KEYS
+    if unknown:
+        raise KvcInputError(f"--config: unknown keys {sorted(unknown)} (known: {', '.join(sorted(CONFIG_KEYS))})")
+    over = {k: v for k, v in cfg.items() if k != "preset"}
+    checks = {"step0": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
+              "sink": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+              "group": lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
+              "basis": lambda v: v in ("pca", "hadamard"),
+              "deadzone": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1,
+              "calibration": lambda v: v in ("external", "embedded"),
+              "tokenscale": lambda v: v is None or isinstance(v, dict),
+              "level": lambda v: isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 22}
+    for k, v in over.items():
+        if not checks[k](v):
+            raise KvcInputError(f"--config: bad value for {k!r}: {v!r}")
+    return cfg["preset"], over
+
+
 @click.command("encode")
-@click.argument("input_path", metavar="IN", type=click.Path(dir_okay=False))
+@click.argument("input_path", metavar="[IN]", required=False, type=click.Path(dir_okay=False))
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Output .kvc file (written atomically).")
 @click.option("--preset", default="lossless", show_default=True,
               help="lossless | zstd | raw | fp16, or a lossy preset (near-lossless, balanced, small).")
+@click.option("--config", "config", default=None,
+              help='A preset and parameter overrides as JSON (inline or a file), e.g. \'{"preset": "balanced", "step0": 0.25}\'.')
 @click.option("--prune", "prune_spec", default=None, help=PRUNE_HELP)
 @click.option("--model", "-m", default=None,
-              help="Model for pruning, lossy presets and quality targets: 'smollm2' or a local HF model directory "
+              help="Model for capture, pruning, lossy presets and quality targets: 'smollm2' or a local HF model directory "
                    "[default: the model recorded in the capture, else smollm2]. Must be the capture's model.")
 @click.option("--target-kl", type=float, default=None, callback=_positive,
               help="Fewest bits whose mean KL (nats) on --text's continuation is at most this (lossy codec; needs --text).")
 @click.option("--target-dppl", type=float, default=None, callback=_positive,
               help="Fewest bits whose |perplexity change| (percent) on --text's continuation is at most this (needs --text).")
 @click.option("--text", "text_path", default=None,
-              help="The text the capture was made from (UTF-8 file or corpus name): its tokens after the context "
-                   "are the continuation --target-kl / --target-dppl measure on.")
+              help="Without IN: the text to capture (UTF-8 file or corpus name). With IN: the text the capture was made "
+                   "from; its tokens after the context are the continuation --target-kl / --target-dppl measure on.")
+@click.option("--max-tokens", type=int, default=None, help="Without IN: capture only the first N tokens of --text.")
 @click.option("--continuation", type=int, default=256, show_default=True,
               help="Continuation tokens used by --target-kl / --target-dppl.")
 @click.option("--chunk-tokens", type=int, default=None, help="Tokens per chunk (default: one chunk per layer and K/V).")
 @click.option("--chunk-heads", type=int, default=None, help="KV heads per chunk (default: all).")
 @json_option
-def encode_command(input_path: str, output: str, preset: str, prune_spec: str | None, model: str | None,
-                   target_kl: float | None, target_dppl: float | None, text_path: str | None, continuation: int,
-                   chunk_tokens: int | None, chunk_heads: int | None, as_json: bool) -> None:
-    """Encode a raw capture (IN.h5 / IN.safetensors) into a .kvc file.
+def encode_command(input_path: str | None, output: str, preset: str, config: str | None, prune_spec: str | None,
+                   model: str | None, target_kl: float | None, target_dppl: float | None, text_path: str | None,
+                   max_tokens: int | None, continuation: int, chunk_tokens: int | None, chunk_heads: int | None,
+                   as_json: bool) -> None:
+    """Encode a raw capture (IN.h5 / IN.safetensors), or capture --text on --model and encode it, into a .kvc file.
 
     --prune drops tokens first (H2O keeps original positions per KV head;
     lingua re-captures the shorter text). Bits per element are always
@@ -188,12 +232,28 @@ def encode_command(input_path: str, output: str, preset: str, prune_spec: str | 
     --target-kl / --target-dppl search the lossy codec's rate knob with the
     model on the continuation that follows the context in --text; with a
     lossy --preset its other settings (sink, tokenscale, ...) are kept.
+    --config names a preset and overrides its plan's parameters.
     """
     from kvcodec.errors import KvcInputError
     from kvcodec.format import get_plan, write_kvc
     from kvcodec.format.presets import BUILTIN_PRESETS, available_presets
     from kvcodec.kvcache import load_capture
 
+    preset_given = click.get_current_context().get_parameter_source("preset") not in (
+        click.core.ParameterSource.DEFAULT, None)
+    overrides: dict[str, Any] = {}
+    if config is not None:
+        if preset_given:
+            raise KvcInputError("give either --preset or --config (which names its preset), not both")
+        preset, overrides = parse_codec_config(config)
+        preset_given = True
+    if input_path is None:
+        if text_path is None:
+            raise KvcInputError("give a capture IN.h5, or --text (and --model) to capture and encode in one step")
+        if max_tokens is not None and max_tokens < 1:
+            raise KvcInputError(f"--max-tokens must be at least 1, got {max_tokens}")
+    elif max_tokens is not None:
+        raise KvcInputError("--max-tokens applies to --text captures; IN is already a capture")
     budget = None
     if prune_spec is not None:
         from kvcodec.prune import parse_prune
@@ -204,9 +264,9 @@ def encode_command(input_path: str, output: str, preset: str, prune_spec: str | 
     targeted = target_kl is not None or target_dppl is not None
     if target_kl is not None and target_dppl is not None:
         raise KvcInputError("give only one of --target-kl and --target-dppl")
-    preset_given = click.get_current_context().get_parameter_source("preset") not in (
-        click.core.ParameterSource.DEFAULT, None)
     if targeted:
+        if overrides:
+            raise KvcInputError("--target-kl/--target-dppl choose step0 themselves; give them --preset, not --config overrides")
         if preset_given and preset in BUILTIN_PRESETS:
             raise KvcInputError(f"--target-kl/--target-dppl tune the lossy codec; they cannot be used with --preset {preset}")
         if text_path is None:
@@ -214,12 +274,12 @@ def encode_command(input_path: str, output: str, preset: str, prune_spec: str | 
                                 "context are the continuation the quality is measured on)")
         if continuation < 2:
             raise KvcInputError(f"--continuation must be at least 2, got {continuation}")
-    elif text_path is not None:
-        raise KvcInputError("--text is only used with --target-kl or --target-dppl")
-    if not Path(input_path).is_file():
-        raise KvcInputError(f"no such file: {input_path}")
-    cache = load_capture(input_path)
-    elems = context_elements(cache)  # the unpruned context's elements: what every rate is charged against
+    elif text_path is not None and input_path is not None:
+        raise KvcInputError("with a capture IN, --text is only used with --target-kl or --target-dppl")
+    if overrides and preset in BUILTIN_PRESETS and set(overrides) - {"level"}:
+        raise KvcInputError(f"--config: preset {preset} takes only 'level'")
+    if overrides.get("level") is not None and preset not in ("lossless", "zstd", "fp16"):
+        raise KvcInputError(f"--config: 'level' is a zstd setting; preset {preset} has none")
 
     lm = None
 
@@ -228,9 +288,22 @@ def encode_command(input_path: str, output: str, preset: str, prune_spec: str | 
         if lm is None:
             from kvcodec.model import DEFAULT_MODEL, load_model
 
-            lm = load_model(model or str(cache.meta.get("model") or DEFAULT_MODEL))
-            lm.fingerprint.check_compatible(cache.fingerprint, what="capture")
+            lm = load_model(model or (str(cache.meta.get("model") or DEFAULT_MODEL) if input_path else DEFAULT_MODEL))
+            if input_path is not None:
+                lm.fingerprint.check_compatible(cache.fingerprint, what="capture")
         return lm
+
+    if input_path is None:
+        from kvcodec.capture import capture
+        from kvcodec.texts import load_text
+
+        text = load_text(text_path)
+        cache = capture(get_lm(), text=text, max_tokens=max_tokens)
+    else:
+        if not Path(input_path).is_file():
+            raise KvcInputError(f"no such file: {input_path}")
+        cache = load_capture(input_path)
+    elems = context_elements(cache)  # the unpruned context's elements: what every rate is charged against
 
     cont = None
     if targeted:
@@ -267,12 +340,16 @@ def encode_command(input_path: str, output: str, preset: str, prune_spec: str | 
         name = f"target-kl-{target_kl:g}" if target_kl is not None else f"target-dppl-{target_dppl:g}"
         pipelines, attachments, plan_preset = qplan.pipelines, qplan.attachments, name
     else:
-        plan = get_plan(preset, cache, lm=None if preset in BUILTIN_PRESETS else get_lm())
+        plan = get_plan(preset, cache, **overrides) if preset in BUILTIN_PRESETS else get_plan(preset, cache, lm=get_lm(), **overrides)
         pipelines, attachments, plan_preset = plan.pipelines, plan.attachments, plan.preset
+        if overrides:
+            plan_preset = f"{plan.preset}+config"
     meta = None if target_info is None else {"target": {"kl": target_kl, "dppl_percent": target_dppl, **target_info}}
+    if overrides:
+        meta = {"config": {"preset": preset, **overrides}}
     n = write_kvc(cache, output, pipelines, attachments=attachments or None,
                   chunk_tokens=chunk_tokens, chunk_heads=chunk_heads, preset=plan_preset, meta=meta)
-    info: dict[str, Any] = {"input": input_path, "output": output, "preset": plan_preset, "bytes": n, "kv_elements": elems,
+    info: dict[str, Any] = {"input": input_path if input_path is not None else text_path, "output": output, "preset": plan_preset, "bytes": n, "kv_elements": elems,
                             "bits_per_element": n * 8 / elems, "ratio_vs_fp16": elems * 2 / n}
     rec = cache.meta.get("prune") if budget is not None else None
     if rec is not None:

@@ -167,3 +167,66 @@ def test_encode_target_kl(model_patched, small_cache, tmp_path, capsys, one_thre
     assert json.loads(o)["kl_mean"] == pytest.approx(enc["target"]["kl_mean"], rel=1e-3, abs=1e-6)
     code, _, err = run_main(["encode", str(cap), "-o", str(tmp_path / "u.kvc"), "--target-kl", "0.01", "--text", "lgpl21"], capsys)
     assert "not the capture's context" in one_line_error(code, err)
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--config", '{"preset": "balanced", "bogus": 1}'], "unknown keys"),
+    (["--config", '{"step0": 0.2}'], '"preset" name'),
+    (["--config", "[1, 2]"], '"preset" name'),
+    (["--config", "{not json"], "neither a JSON object"),
+    (["--config", '{"preset": "balanced", "step0": -1}'], "bad value for 'step0'"),
+    (["--config", '{"preset": "balanced", "sink": true}'], "bad value for 'sink'"),
+    (["--config", '{"preset": "raw", "step0": 0.3}'], "takes only 'level'"),
+    (["--config", '{"preset": "balanced", "level": 3}'], "has none"),
+    (["--config", '{"preset": "balanced"}', "--preset", "small"], "not both"),
+    (["--config", '{"preset": "balanced", "step0": 0.3}', "--target-kl", "0.01", "--text", "gpl3"], "choose step0 themselves"),
+    (["--max-tokens", "8"], "IN is already a capture"),
+])
+def test_bad_config_and_capture_options(args, msg, synth_file, tmp_path, capsys):
+    out = tmp_path / "x.kvc"
+    code, _, err = run_main(["encode", str(synth_file), "-o", str(out), *args], capsys)
+    assert code == 2 and msg in one_line_error(code, err)
+    assert not out.exists()
+
+
+def test_encode_without_capture_needs_text(tmp_path, capsys):
+    out = tmp_path / "x.kvc"
+    code, _, err = run_main(["encode", "-o", str(out)], capsys)
+    assert code == 2 and "--text" in one_line_error(code, err)
+    code, _, err = run_main(["encode", "-o", str(out), "--text", "gpl3", "--max-tokens", "0"], capsys)
+    assert code == 2 and "at least 1" in one_line_error(code, err)
+
+
+def test_config_from_file_sets_zstd_level(synth_file, tmp_path, capsys):
+    """A config file overrides the plan: zstd level 19 on the lossless preset, recorded in the header."""
+    from kvcodec.format import KvcReader
+
+    cfg = tmp_path / "codec.json"
+    cfg.write_text(json.dumps({"preset": "lossless", "level": 19}))
+    sizes = {}
+    for name, extra in (("default", []), ("config", ["--config", str(cfg)])):
+        out = tmp_path / f"{name}.kvc"
+        code, o, _ = run_main(["encode", str(synth_file), "-o", str(out), "--json", *extra], capsys)
+        assert code == 0
+        sizes[name] = json.loads(o)
+    assert sizes["config"]["preset"] == "lossless+config" and sizes["default"]["preset"] == "lossless"
+    with KvcReader(str(tmp_path / "config.kvc")) as r:
+        assert r.header.meta["config"] == {"preset": "lossless", "level": 19}
+
+
+@pytest.mark.model
+def test_encode_from_text_equals_capture_then_encode(tmp_path, capsys):
+    """`kvc encode --text T --max-tokens N` == `kvc capture` then `kvc encode IN`, byte for byte,
+    with a lossy --config; the config's step0 changes the size."""
+    cfg = '{"preset": "small", "step0": 1.6}'
+    a, b, h5 = tmp_path / "a.kvc", tmp_path / "b.kvc", tmp_path / "c.h5"
+    code, _, _ = run_main(["encode", "--text", "gpl3", "--max-tokens", "96", "--config", cfg, "-o", str(a)], capsys)
+    assert code == 0
+    code, _, _ = run_main(["capture", "--text", "gpl3", "--max-tokens", "96", "-o", str(h5)], capsys)
+    assert code == 0
+    code, _, _ = run_main(["encode", str(h5), "--config", cfg, "-o", str(b)], capsys)
+    assert code == 0
+    assert a.read_bytes() == b.read_bytes()
+    c = tmp_path / "small.kvc"
+    code, _, _ = run_main(["encode", str(h5), "--preset", "small", "-o", str(c)], capsys)
+    assert code == 0 and c.stat().st_size > a.stat().st_size
