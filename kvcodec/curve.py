@@ -40,7 +40,7 @@ import numpy as np
 from .errors import KvcError, KvcInputError
 from .format import KvcReader, write_kvc
 from .format import presets as format_presets
-from .kvcache import KVCache, atomic_replace
+from .kvcache import KVCache, atomic_replace, token_ids_sha256
 from .quant import presets as quant_presets
 
 SCHEMA = "kvcodec-curve/1"
@@ -221,10 +221,6 @@ def default_capture_dir() -> Path:
     return cache_root() / "captures"
 
 
-def tokens_sha256(ids: np.ndarray) -> str:
-    return hashlib.sha256(np.asarray(ids, dtype="<i8").tobytes()).hexdigest()
-
-
 def cached_capture(lm: Any, ids: np.ndarray, capture_dir: str | os.PathLike | None) -> KVCache:
     """The exact cache of ``ids``, from ``capture_dir`` when it was captured before (keyed by fingerprint + token hash)."""
     from .capture import capture
@@ -234,7 +230,7 @@ def cached_capture(lm: Any, ids: np.ndarray, capture_dir: str | os.PathLike | No
         return capture(lm, token_ids=ids)
     d = Path(capture_dir)
     d.mkdir(parents=True, exist_ok=True)
-    path = d / f"{lm.fingerprint.id[:16]}-{tokens_sha256(ids)[:24]}.h5"
+    path = d / f"{lm.fingerprint.id[:16]}-{token_ids_sha256(ids)[:24]}.h5"
     if path.is_file():
         try:
             c = load_h5(path)
@@ -255,7 +251,7 @@ def load_case(lm: Any, text: str, max_tokens: int, continuation: int, capture_di
     ctx = select_context(ids, max_tokens, min_follow=continuation)
     cache = cached_capture(lm, ctx, capture_dir)
     cont = ids[len(ctx) : len(ctx) + continuation]
-    return TextCase(name=text, cache=cache, continuation=cont, tokens_sha=tokens_sha256(ctx))
+    return TextCase(name=text, cache=cache, continuation=cont, tokens_sha=token_ids_sha256(ctx))
 
 
 # -- one measurement ----------------------------------------------------------------------
@@ -528,7 +524,9 @@ def eval_kvc_file(lm: Any, path: str | os.PathLike, text_ids: np.ndarray, contin
     Checks (each a one-line :class:`KvcError`): the file's model is ``lm``;
     the file's token ids are the text's first tokens; the text has
     ``continuation`` more tokens. The exact reference cache is recomputed by
-    prefill of the file's token ids.
+    prefill of the file's token ids. A lingua-pruned file (a compressed prompt)
+    is compared with the exact cache of its whole original context, both
+    continued on the tokens after that context.
     """
     from .capture import capture
     from .errors import KvcInputError as _In
@@ -545,9 +543,22 @@ def eval_kvc_file(lm: Any, path: str | os.PathLike, text_ids: np.ndarray, contin
         ids = r.token_ids
         n_ctx = int(r.header.num_context_tokens)
         text_ids = np.asarray(text_ids, dtype=np.int64).reshape(-1)
-        if ids is None:  # the file stores only a hash of its ids: the text's first tokens must match it
+        prune = (r.header.meta or {}).get("prune")
+        exact_ids = None
+        if isinstance(prune, dict) and prune.get("method") == "lingua":  # a compressed prompt of the text's first tokens
+            from .prune.lingua import unpack_mask
+
+            n_orig = prune.get("context_tokens")
+            n_orig = n_orig if isinstance(n_orig, int) and not isinstance(n_orig, bool) else -1
+            orig = text_ids[: max(n_orig, 0)]
+            if n_orig < 1 or len(orig) < n_orig or token_ids_sha256(orig) != prune.get("original_ids_sha256"):
+                raise _In(f"the text's first {n_orig} tokens are not the context this lingua-pruned file was made from")
+            if ids is None or not np.array_equal(orig[unpack_mask(str(prune.get("kept_mask_b64")), n_orig)], ids):
+                raise _In("the file's kept tokens are not the kept-token mask of its original context")
+            exact_ids, n_ctx = orig, n_orig
+        elif ids is None:  # the file stores only a hash of its ids: the text's first tokens must match it
             ids = text_ids[:n_ctx]
-            if len(ids) < n_ctx or tokens_sha256(ids) != r.header.token_ids_sha256:
+            if len(ids) < n_ctx or token_ids_sha256(ids) != r.header.token_ids_sha256:
                 raise _In(f"the text's first {n_ctx} tokens are not the tokens this file encodes (hash mismatch)")
         else:
             common = min(len(ids), len(text_ids))
@@ -564,14 +575,19 @@ def eval_kvc_file(lm: Any, path: str | os.PathLike, text_ids: np.ndarray, contin
         decoded = r.read_cache(token_ids=ids)
         t_dec = time.perf_counter() - t0
         preset = r.header.codec if hasattr(r.header, "codec") else None
-    exact = capture(lm, token_ids=ids)
+    exact = capture(lm, token_ids=ids if exact_ids is None else exact_ids)  # lingua: the full original context
     cont = text_ids[n_ctx : n_ctx + continuation]
     t0 = time.perf_counter()
-    q = evaluate(lm, exact, decoded, cont, greedy_tokens=greedy_tokens)
+    if exact_ids is None:
+        q = evaluate(lm, exact, decoded, cont, greedy_tokens=greedy_tokens)
+    else:
+        from .prune import evaluate_pruned
+
+        q = evaluate_pruned(lm, exact, decoded, cont, greedy_tokens=greedy_tokens)
     t_eval = time.perf_counter() - t0
-    out: dict[str, Any] = rate_fields(size, decoded)
+    out: dict[str, Any] = rate_fields(size, exact)  # charged against the whole (unpruned) context's K+V elements
     out.update(q.to_json())
     out.update(file=str(path), preset=preset, context_tokens=n_ctx, stored_tokens=decoded.num_tokens,
-               pruned=decoded.positions is not None, decode_s=round(t_dec, 3), eval_s=round(t_eval, 3),
+               pruned=decoded.positions is not None or exact_ids is not None, decode_s=round(t_dec, 3), eval_s=round(t_eval, 3),
                greedy_tokens=greedy_tokens)
     return out

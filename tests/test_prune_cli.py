@@ -48,3 +48,29 @@ def test_prune_command_h2o(lm, small_cache, capsys, tmp_path, monkeypatch):
         assert code == 2 and "only 64" in err
     finally:
         torch.set_num_threads(old)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("method", ["lingua:0.5", "h2o:0.5"])
+def test_eval_of_pruned_files(method, capsys, tmp_path):
+    """`kvc eval` on pruned files: compared with the exact cache of the whole original context,
+    rate charged against that context, and a text that is not the original is refused."""
+    text = tmp_path / "t.txt"
+    from kvcodec.texts import load_text
+
+    text.write_text(load_text("gpl3")[:6000], encoding="utf-8")
+    kvc = tmp_path / "p.kvc"
+    code, out, _ = run(["encode", "--text", str(text), "--max-tokens", "96", "--prune", method, "--preset", "fp16", "-o", str(kvc),
+                        "--json"], capsys)
+    assert code == 0
+    enc = json.loads(out)
+    code, out, err = run(["eval", str(kvc), "--text", str(text), "--continuation", "32", "--json"], capsys)
+    assert code == 0, err
+    ev = json.loads(out)
+    assert ev["pruned"] and ev["context_tokens"] == 96 and ev["stored_tokens"] == 48
+    assert ev["bits_per_element"] == pytest.approx(enc["bits_per_element"])  # both charged against the 96-token context
+    assert 0 < ev["kl_mean"] < 5 and 0 <= ev["top1_agreement"] <= 1
+    other = tmp_path / "o.txt"
+    other.write_text(load_text("lgpl21")[:6000], encoding="utf-8")
+    code, _, err = run(["eval", str(kvc), "--text", str(other), "--continuation", "32"], capsys)
+    assert code == 2 and "kvc: error:" in err and "Traceback" not in err

@@ -21,7 +21,7 @@ import torch
 
 from ..errors import KvcCodecError, KvcError, KvcFormatError, KvcInputError
 from ..fingerprint import ModelFingerprint
-from ..kvcache import KVCache
+from ..kvcache import KVCache, token_ids_sha256
 from ..stages import ArraySpec, Pipeline
 from .container import (
     DTYPE_BY_NAME, FOOTER_SIZE, HEADER_CRC_SIZE, INDEX_ENTRY_SIZE, KINDS, MAX_BLOB_BYTES, MAX_BLOB_NDIM,
@@ -333,7 +333,7 @@ class KvcReader:
             return None
         if self._token_ids is None:
             ids = self._read_blob(hd.token_ids_blob, "token ids").astype(np.int64)
-            if _ids_sha(ids) != hd.token_ids_sha256:
+            if token_ids_sha256(ids) != hd.token_ids_sha256:
                 raise KvcFormatError("token ids do not match context.token_ids_sha256")
             self._token_ids = ids
         return self._token_ids
@@ -457,7 +457,7 @@ class KvcReader:
             if token_ids is None:
                 raise KvcInputError("this file stores only the hash of its token ids; pass token_ids=")
             ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
-            if _ids_sha(ids) != self.header.token_ids_sha256:
+            if token_ids_sha256(ids) != self.header.token_ids_sha256:
                 raise KvcInputError("the given token ids do not match the file's token_ids_sha256")
         keys, values = [], []
         for _, k, v in self.iter_layers(backend):
@@ -518,10 +518,6 @@ class KvcReader:
             "file": self.size, "header": header, "blobs": blobs, "chunks": chunks, "index": index,
             "footer": FOOTER_SIZE, "padding": padding, "layers": layers,
         }
-
-
-def _ids_sha(ids: np.ndarray) -> str:
-    return hashlib.sha256(np.asarray(ids, dtype="<i8").tobytes()).hexdigest()
 
 
 def _arr_sha(arr: np.ndarray) -> str:

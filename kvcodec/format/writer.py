@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..errors import KvcCodecError, KvcInputError
-from ..kvcache import KVCache, atomic_replace
+from ..kvcache import KVCache, atomic_replace, token_ids_sha256
 from ..stages import Pipeline
 from .container import (
     ALIGN, DTYPE_BY_NAME, FOOTER_SIZE, MAX_BLOB_BYTES, MAX_BLOB_NDIM, MAX_CHUNK_DECODED_BYTES, MAX_PIPELINES,
@@ -58,10 +58,6 @@ def array_sha256(arr: np.ndarray) -> str:
     """sha256 of an array's C-order little-endian bytes (the identity of attachments)."""
     arr = np.asarray(arr)
     return hashlib.sha256(np.ascontiguousarray(arr, dtype=np_le(arr.dtype.name)).tobytes()).hexdigest()
-
-
-def token_ids_sha256(ids: np.ndarray) -> str:
-    return hashlib.sha256(np.asarray(ids, dtype="<i8").tobytes()).hexdigest()
 
 
 def _tensor_dtype(cache: KVCache) -> str:

@@ -27,19 +27,14 @@ ids and a packed bitmask of the kept original indices.
 from __future__ import annotations
 
 import base64
-import hashlib
 from typing import Any
 
 import numpy as np
 import torch
 
 from ..errors import KvcInputError
-from ..kvcache import KVCache
+from ..kvcache import KVCache, token_ids_sha256
 from .budget import LinguaBudget
-
-
-def ids_sha256(ids: np.ndarray) -> str:
-    return hashlib.sha256(np.asarray(ids, dtype="<i8").tobytes()).hexdigest()
 
 
 @torch.inference_mode()
@@ -185,7 +180,7 @@ def lingua_select(
         "segment": budget.segment,
         "question_aware": question is not None,
         "positions": "renumbered",
-        "original_ids_sha256": ids_sha256(ids),
+        "original_ids_sha256": token_ids_sha256(ids),
         "kept_mask_b64": pack_mask(kept, n),
         "kept_mean_nll": float(info[kept][finite[kept]].mean()) if finite[kept].any() else None,
         "dropped_mean_nll": float(info[dropped].mean()) if len(dropped) else None,

@@ -66,9 +66,9 @@ def check_entry(r: Any, fp: Any, ids: list[int], start: int, end: int) -> str | 
         if stored_ids.shape != want.shape or not np.array_equal(stored_ids, want):
             return "token ids differ from the request's prefix"
     else:
-        from ..format.reader import _ids_sha
+        from ..kvcache import token_ids_sha256
 
-        if _ids_sha(want) != h.token_ids_sha256:
+        if token_ids_sha256(want) != h.token_ids_sha256:
             return "token-id hash differs from the request's prefix"
     if h.num_context_tokens != end:
         return f"covers a context of {h.num_context_tokens} tokens, expected {end}"
