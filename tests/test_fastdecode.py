@@ -241,3 +241,21 @@ def test_real_cache_every_preset_bit_identical(real_cache, monkeypatch):
     buf = io.BytesIO()
     write_kvc(c, buf, plan.pipelines, attachments=plan.attachments, preset=plan.preset, chunk_tokens=64)
     _compare_file(buf.getvalue(), monkeypatch, P.attachment_resolver)
+
+
+# --------------------------------------------------------------------------- other CPUs
+@pytest.mark.slow
+@pytest.mark.parametrize("cpu", ["generic", "haswell"])
+def test_fused_decoder_on_other_cpu_targets(cpu, tmp_path):
+    """The vector steps compile and stay bit-identical for a baseline x86-64 (SSE2 only) and an
+    AVX2 target, not just this machine's AVX-512: numba compiles for NUMBA_CPU_NAME in a fresh
+    process (own cache dir), and the float16 conversion and synthetic-pipeline tests run there."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, NUMBA_CPU_NAME=cpu, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
+                        "-k", "f16_conversion or synthetic_pipelines"], capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert " passed" in r.stdout

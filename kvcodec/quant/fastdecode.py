@@ -24,8 +24,8 @@ token's scale) are compacted and the inverse transform accumulates
 ``acc = acc + y[k] * B[d, k]`` over them, k ascending, product and sum rounded
 separately, in vector registers, mean added last; RoPE with the cached float32
 tables (``t1 = x*cos``, ``t2 = r*sin``, ``t1 + t2``) and the cast to float16
-(IEEE round-to-nearest-even). Kept sink/recent rows and partial RoPE take a
-scalar loop with the same operations. No fastmath anywhere: LLVM then neither
+(IEEE round-to-nearest-even, in integer ops). Kept sink/recent rows and partial
+RoPE take a scalar loop with the same float operations. No fastmath anywhere: LLVM then neither
 contracts a multiply-add into an FMA nor reassociates, so every float32 op
 rounds exactly as the spec says. Skipping zero coefficients is exact (see
 :mod:`kvcodec.quant.simd`).
@@ -42,7 +42,7 @@ from numba import njit
 
 from ..errors import KvcError
 from ..stages import ArraySpec, ChunkContext, Pipeline, SideData
-from .simd import rans16, row
+from .simd import f16_bits16, rans16, row
 
 __all__ = ["try_decode", "supported", "rope_tables_cached", "f32_to_f16_bits"]
 
@@ -53,29 +53,20 @@ _LANES = 32
 
 
 # --------------------------------------------------------------------------- kernels
-@njit(cache=True, nogil=True, inline="always")
-def _f16bits(v, u):  # pragma: no cover - numba
-    """float16 bits of the float32 ``v`` whose bits are ``u`` (int64): round-to-nearest-even,
-    equal to numpy ``astype(float16)`` for every input (subnormals, overflow to inf, NaN)."""
-    sign = (u >> 16) & 0x8000
-    a = u & 0x7FFFFFFF
-    if a >= 0x477FF000:  # rounds to >= 65520 -> inf; or inf / NaN
-        if a > 0x7F800000:  # NaN: numpy keeps the top mantissa bits and never lets it become inf
-            r = 0x7C00 + ((a & 0x7FFFFF) >> 13)
-            return sign | (0x7C01 if r == 0x7C00 else r)
-        return sign | 0x7C00
-    if a >= 0x38800000:  # normal half: rebias the exponent, round the mantissa to nearest even
-        return sign | ((a - 0x38000000 + 0xFFF + ((a >> 13) & 1)) >> 13)
-    # |v| < 2**-14: a multiple of the half subnormal unit 2**-24; |v| * 2**24 is exact, rint is RNE
-    return sign | np.int64(np.rint(np.abs(v) * np.float32(16777216.0)))
-
-
 @njit(cache=True, nogil=True)
 def f32_to_f16_bits(x, out):  # pragma: no cover - numba
-    """out (uint16) = float16 bits of x (float32), round-to-nearest-even; both 1-D."""
-    u = x.view(np.uint32)
-    for i in range(x.shape[0]):
-        out[i] = _f16bits(x[i], np.int64(u[i]))
+    """out (uint16) = float16 bits of x (float32), round-to-nearest-even; both 1-D. The row
+    writer's conversion (:func:`kvcodec.quant.simd.f16_bits16`), 16 values at a time."""
+    n = x.shape[0]
+    n16 = n - n % 16
+    for i in range(0, n16, 16):
+        f16_bits16(x, i, out, i)
+    if n16 < n:
+        tx = np.zeros(16, dtype=np.float32)
+        to = np.empty(16, dtype=np.uint16)
+        tx[: n - n16] = x[n16:]
+        f16_bits16(tx, 0, to, 0)
+        out[n16:] = to[: n - n16]
 
 
 @njit(cache=True, nogil=True)
@@ -197,9 +188,8 @@ def _decode_kernel(freqs, cums, states, n_symbols, word_start, n_words, words, n
             else:
                 src = acc
             if want16:
-                u = src.view(np.uint32)
-                for d in range(D):
-                    o16[oo + d] = _f16bits(src[d], np.int64(u[d]))
+                for d0 in range(0, D, 16):
+                    f16_bits16(src, d0, o16, oo + d0)
             else:
                 for d in range(D):
                     o32[oo + d] = src[d]

@@ -5,15 +5,16 @@ numba's auto-vectorizer never emits -- a table gather and an expand-load of
 renormalisation words for 16 rANS lanes at once, and register-resident
 accumulators for the inverse transform. LLVM lowers every operation used here
 (``masked.gather``, ``masked.expandload``, ``masked.compressstore``, vector
-``fmul``/``fadd``/``fptrunc``) on any target: to single instructions with
-AVX-512 (``vpgatherdd``, ``vpexpandw``, ``vcompressps``, ``vcvtps2ph``), to
-shorter vectors or scalar code elsewhere. The results are the same everywhere:
+integer and ``fmul``/``fadd`` ops) on any target: to single instructions with
+AVX-512 (``vpgatherdd``, ``vpexpandw``, ``vcompressps``), to shorter vectors or
+scalar code elsewhere (tested with numba's ``generic`` and ``haswell`` targets). The results are the same everywhere:
 
 * integer steps are exact;
 * every float op is a single IEEE-754 binary32 operation with no fast-math flags,
   so LLVM neither fuses a multiply-add nor reassociates: each product and each
   sum rounds exactly as spec/codec-v1.md says, in its order (k ascending);
-* ``fptrunc`` to half is IEEE round-to-nearest-even, the spec's cast.
+* the cast to float16 is round-to-nearest-even in integer ops (:func:`_f16_bits`),
+  the spec's cast, with no dependence on F16C.
 
 Skipping zero coefficients in the transform is exact: ``acc`` starts at +0 and
 can never become -0 (x + y is -0 in round-to-nearest only if both are -0),
@@ -28,11 +29,11 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["rans16", "row"]
+__all__ = ["rans16", "row", "f16_bits16"]
 
 W = 16
 _I1, _I16, _I32, _I64 = ir.IntType(1), ir.IntType(16), ir.IntType(32), ir.IntType(64)
-_F32, _F16 = ir.FloatType(), ir.HalfType()
+_F32 = ir.FloatType()
 
 
 def _v(t: ir.Type, n: int = W) -> ir.VectorType:
@@ -64,6 +65,45 @@ def _load(b: ir.IRBuilder, ptr: ir.Value, off: ir.Value, vt: ir.VectorType) -> i
 
 def _store(b: ir.IRBuilder, val: ir.Value, ptr: ir.Value, off: ir.Value) -> None:
     b.store(val, b.bitcast(b.gep(ptr, [off]), val.type.as_pointer()), align=2)
+
+
+def _f16_bits(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """<16 x i16> float16 bits of <16 x float> ``x``, round to nearest even, exactly numpy's
+    ``astype(float16)`` (overflow to inf, subnormals, NaN keeps its top payload bits and stays NaN),
+    in integer ops only. Not ``fptrunc``: without F16C LLVM lowers that to a runtime call
+    (``__truncsfhf2``) the JIT cannot resolve."""
+    u = b.bitcast(x, _v(_I32))
+    sign = b.and_(b.lshr(u, _ci(16)), _ci(0x8000))
+    a = b.and_(u, _ci(0x7FFFFFFF))
+    # NaN: 0x7C00 + top mantissa bits, never 0x7C00 itself
+    nan = b.add(_ci(0x7C00), b.lshr(b.and_(a, _ci(0x7FFFFF)), _ci(13)))
+    nan = b.select(b.icmp_unsigned("==", nan, _ci(0x7C00)), _ci(0x7C01), nan)
+    # normal half: rebias the exponent, round the 13 dropped mantissa bits to nearest even
+    normal = b.lshr(b.add(b.add(b.sub(a, _ci(0x38000000)), _ci(0xFFF)), b.and_(b.lshr(a, _ci(13)), _ci(1))), _ci(13))
+    # |x| < 2**-14: round(m * 2**(e - 126)) with the implicit bit, shift s = 126 - e clamped to 25 (-> 0)
+    e = b.lshr(a, _ci(23))
+    m = b.or_(b.and_(a, _ci(0x7FFFFF)), _ci(0x800000))
+    sh = b.sub(_ci(126), e)
+    sh = b.select(b.icmp_unsigned(">", sh, _ci(25)), _ci(25), sh)
+    half = b.sub(b.shl(_ci(1), b.sub(sh, _ci(1))), _ci(1))
+    sub = b.lshr(b.add(b.add(m, half), b.and_(b.lshr(m, sh), _ci(1))), sh)
+    r = b.select(b.icmp_unsigned(">=", a, _ci(0x38800000)), normal, sub)
+    r = b.select(b.icmp_unsigned(">=", a, _ci(0x477FF000)), _ci(0x7C00), r)
+    r = b.select(b.icmp_unsigned(">", a, _ci(0x7F800000)), nan, r)
+    return b.trunc(b.or_(sign, r), _v(_I16))
+
+
+@intrinsic
+def f16_bits16(typingctx, x, xoff, out, ooff):
+    """out[ooff:ooff+16] = float16 bits of x[xoff:xoff+16] (float32), as the row writer rounds them."""
+    sig = types.void(x, xoff, out, ooff)
+
+    def codegen(context, b, signature, args):
+        v = _load(b, _ptr(context, b, signature.args[0], args[0]), args[1], _v(_F32))
+        _store(b, _f16_bits(b, v), _ptr(context, b, signature.args[2], args[2]), args[3])
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 def _popcount(b: ir.IRBuilder, mask: ir.Value) -> ir.Value:
@@ -173,7 +213,7 @@ def _emit_row(nb: int, context, b: ir.IRBuilder, ty, args) -> None:
     for j in range(nb):
         r = b.load(accs[j])
         if ty[14].dtype == types.uint16:
-            r = b.bitcast(b.fptrunc(r, _v(_F16)), _v(_I16))
+            r = _f16_bits(b, r)
         _store(b, r, outp, b.add(a_ooff, _I64(W * j)))
 
 
