@@ -16,6 +16,10 @@ scalar code elsewhere (tested with numba's ``generic`` and ``haswell`` targets).
 * the cast to float16 is round-to-nearest-even in integer ops (:func:`_f16_bits`),
   the spec's cast, with no dependence on F16C.
 
+numba's on-disk cache of the kernels that call these intrinsics is keyed on
+the calling module's source (kvcodec/quant/fastdecode.py), not on this one:
+after editing this file, touch fastdecode.py (an installed release rewrites both).
+
 Skipping zero coefficients in the transform is exact: ``acc`` starts at +0 and
 can never become -0 (x + y is -0 in round-to-nearest only if both are -0),
 so ``acc + y * b`` with ``y = 0`` and a finite ``b`` (bases are validated
