@@ -8,8 +8,6 @@ written to and read back from a real .kvc file.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 

@@ -72,7 +72,7 @@ def test_pipeline_with_quantize_is_exact_and_saves_bits():
     p_ts = Pipeline([st, QuantizeStage(mode="step", step=0.1), RansStage(channel_group=8)])
     p_u = Pipeline([QuantizeStage(mode="step", step=0.1), RansStage(channel_group=8)])
     ctx = ChunkContext()
-    (b1, s1, z1), (b2, s2, z2) = p_ts.encode(x, ctx), p_u.encode(x, ctx)
+    b1, b2 = p_ts.encode(x, ctx)[0], p_u.encode(x, ctx)[0]
     assert len(b1) < 0.9 * len(b2)  # half the tokens at 8x the step
     spec = ArraySpec(x.shape, "float32")
     y, side = st.encode(x, ctx)
