@@ -31,6 +31,11 @@ class TransformChain:
     quantize: QuantizeStage
     rans: RansStage
 
+    def index(self) -> dict[str, int]:
+        """Position in the pipeline (= in a chunk's side-data list) of each present role."""
+        roles = ("rope", "keep", "transform", "tokenscale", "quantize", "rans")
+        return {r: i for i, r in enumerate(r for r in roles if getattr(self, r) is not None)}
+
 
 def match_chain(pipeline: Pipeline) -> TransformChain | None:
     """The pipeline's :class:`TransformChain`, or None when it has another shape."""

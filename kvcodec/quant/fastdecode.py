@@ -90,8 +90,8 @@ def _decode_kernel(freqs, cums, states, n_symbols, word_start, n_words, words, n
             ybuf[t * kp + k] = 0.0
     tab = np.empty(_M, dtype=np.uint32)
     st = np.empty(_LANES, dtype=np.uint32)
-    stepv = np.empty(P + 16, dtype=np.float32)
-    limv = np.empty(P + 16, dtype=np.int32)
+    stepv = np.empty(P, dtype=np.float32)
+    limv = np.empty(P, dtype=np.int32)
     bad = np.zeros(16, dtype=np.int32)
     idx = np.empty(kp, dtype=np.int32)
     val = np.empty(kp, dtype=np.float32)
@@ -116,7 +116,7 @@ def _decode_kernel(freqs, cums, states, n_symbols, word_start, n_words, words, n
             for k in range(_LANES):
                 st[k] = np.uint32(states[c, k])
             c0 = j * g
-            for k in range(P + 16):
+            for k in range(P):
                 stepv[k] = stepf[h, c0 + k % g]
                 limv[k] = lim[h, c0 + k % g]
             n = n_symbols[c]
@@ -380,53 +380,37 @@ def _lossy(pipeline: Pipeline, s: tuple, payload: Any, sides: list[SideData], sp
     g = rs.channel_group if rs.channel_group is not None else K
     if K == 0 or Tc < 0 or K > D or g <= 0 or K % g or D not in (32, 64, 128) or not (g in (1, 2, 4, 8) or g % 16 == 0):
         return None
-    si = 0
+    ix = ch.index()
     # rope: no side data; tables
     rope_dim = 0
     cos = sin = _EMPTY3
     if rope is not None:
-        if sides[si] or rope.dim > D:
+        if sides[ix["rope"]] or rope.dim > D:
             return None
-        from .rope import positions_for
-
         if T:
-            p = ctx.positions
-            if p is None:
-                p = np.arange(ctx.token_start, ctx.token_start + T, dtype=np.int64)
-            else:
-                p = np.asarray(p)
-                if p.ndim == 3:
-                    p = positions_for(p, ctx.layer, H, T, ctx.token_start)
-                elif not ((p.ndim == 1 and p.shape[0] == T) or (p.ndim == 2 and p.shape == (H, T))):
-                    return None
-            cos, sin = rope_tables_cached(p, rope.theta, rope.dim)
+            from .rope import positions_for
+
+            cos, sin = rope_tables_cached(positions_for(ctx.positions, ctx.layer, H, T, ctx.token_start), rope.theta, rope.dim)
             rope_dim = rope.dim
-        si += 1
     # keep, transform, tokenscale, quantize: the stages' own validation (KvcFormatError -> None in try_decode)
     n_sink = n_recent = 0
     kept = _EMPTY3
     if keep is not None:
         n_sink, n_recent = keep.counts(T)
-        kept = np.ascontiguousarray(keep.kept_side(sides[si], specs[si]), dtype=np.float32)
-        si += 1
-    if sides[si]:
+        kept = np.ascontiguousarray(keep.kept_side(sides[ix["keep"]], specs[ix["keep"]]), dtype=np.float32)
+    if sides[ix["transform"]]:
         return None
     bt, mean = _matrices(tr, H, D, ctx)
     if bt is None or bt.shape != (H, K, D):
         return None
-    si += 1
     tscale = _EMPTY1
-    has_ts = False
-    if ts is not None:
-        tscale = ts.multipliers(sides[si], Tc)
-        has_ts = True
-        si += 1
-    step, bits = qz.step_side(sides[si], qspec)
+    has_ts = ts is not None
+    if has_ts:
+        tscale = ts.multipliers(sides[ix["tokenscale"]], Tc)
+    step, bits = qz.step_side(sides[ix["quantize"]], qspec)
     stepf = step.astype(np.float32)
     lim = np.left_shift(np.int64(1), bits.astype(np.int64))
-    si += 1
-    # rans
-    if sides[si]:
+    if sides[ix["rans"]]:
         return None
     stream = rs.parse(payload, qspec)
     nwords = int(stream.words.size)
