@@ -405,26 +405,26 @@ def gpu_keep(stage: Any, x: torch.Tensor, side: dict, spec: Any, ctx: Any) -> to
     return _cast(out, spec.dtype)
 
 
-_ROPE_CACHE: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor, int]] = OrderedDict()
+_ROPE_CACHE: OrderedDict[tuple, tuple[np.ndarray, torch.Tensor, torch.Tensor]] = OrderedDict()
 
 
 def _device_rope_tables(stage: Any, H: int, T: int, ctx: Any, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(cos, sin, head stride) float32 on ``dev``: exactly the CPU stage's tables, [1 or H, T, dim], cached."""
-    from ..quant.rope import positions_for, rope_tables
+    """(cos, sin, head stride) float32 on ``dev``, [1 or H, T, dim]: the CPU decoders' cached tables
+    (:func:`kvcodec.quant.fastdecode.rope_tables_cached`), copied once per device."""
+    from ..quant.fastdecode import rope_tables_cached
+    from ..quant.rope import positions_for
 
-    pos = positions_for(ctx.positions, ctx.layer, H, T, ctx.token_start)
-    shared = H <= 1 or pos.strides[0] == 0 or bool((pos == pos[:1]).all())
-    p = np.ascontiguousarray(pos[:1] if shared else pos)  # [1 or H, T]
-    key = (str(dev), stage.theta, stage.dim, p.shape, _digest(p))
-    if key in _ROPE_CACHE:
+    cos, sin = rope_tables_cached(positions_for(ctx.positions, ctx.layer, H, T, ctx.token_start), stage.theta, stage.dim)
+    key = (str(dev), id(cos))
+    hit = _ROPE_CACHE.get(key)
+    if hit is not None and hit[0] is cos:
         _ROPE_CACHE.move_to_end(key)
-        return _ROPE_CACHE[key]
-    cos, sin = rope_tables(p, stage.theta, stage.dim)  # exactly the CPU tables (float64 -> float32)
-    hit = (_dev(cos, dev), _dev(sin, dev), 0 if shared else T * stage.dim)
-    _ROPE_CACHE[key] = hit
-    while len(_ROPE_CACHE) > 64:
-        _ROPE_CACHE.popitem(last=False)
-    return hit
+    else:
+        hit = (cos, _dev(cos, dev), _dev(sin, dev))
+        _ROPE_CACHE[key] = hit
+        while len(_ROPE_CACHE) > 64:
+            _ROPE_CACHE.popitem(last=False)
+    return hit[1], hit[2], 0 if cos.shape[0] == 1 else T * stage.dim
 
 
 def gpu_rope(stage: Any, y: torch.Tensor, side: dict, spec: Any, ctx: Any) -> torch.Tensor:
@@ -465,16 +465,8 @@ def fused_decode(chain: Any, sym: torch.Tensor, sides: list[dict], specs: list[A
     """
     H, T, D = spec.shape
     ch = chain
-    i = 0
-    i_rope = i if ch.rope is not None else None
-    i += ch.rope is not None
-    i_keep = i if ch.keep is not None else None
-    i += ch.keep is not None
-    i_tr = i
-    i += 1
-    i_ts = i if ch.tokenscale is not None else None
-    i += ch.tokenscale is not None
-    i_q = i
+    ix = ch.index()
+    i_q = ix["quantize"]
     qspec = specs[i_q]
     Tc, K = qspec.shape[1], qspec.shape[2]
     if tuple(sym.shape) != (H, Tc, K) or sym.dtype != torch.uint8:
@@ -483,24 +475,24 @@ def fused_decode(chain: Any, sym: torch.Tensor, sides: list[dict], specs: list[A
     # validation in the CPU decode order: quantize, tokenscale, transform, keep, rope
     step, bits = ch.quantize.step_side(sides[i_q], qspec)
     _check_step_symbols(sym, bits)
-    ts = _dev(ch.tokenscale.multipliers(sides[i_ts], Tc), dev) if i_ts is not None else None
+    ts = _dev(ch.tokenscale.multipliers(sides[ix["tokenscale"]], Tc), dev) if ch.tokenscale is not None else None
     from ..quant.stages import _no_extra
 
-    _no_extra(sides[i_tr], "transform", set())
+    _no_extra(sides[ix["transform"]], "transform", set())
     b, m = ch.transform.matrices(H, D, ctx)
     if b.shape[2] != K:
         raise KvcFormatError(f"codec 'transform': got float32{(H, Tc, K)}, expected float32{(H, Tc, b.shape[2])}")
     bt_d, m_d = _device_matrices(b, m, dev)
     ns = nr = 0
     kept = None
-    if i_keep is not None:
+    if ch.keep is not None:
         ns, nr = ch.keep.counts(T)
-        kept = _dev(ch.keep.kept_side(sides[i_keep], specs[i_keep]), dev, np.float32)
+        kept = _dev(ch.keep.kept_side(sides[ix["keep"]], specs[ix["keep"]]), dev, np.float32)
     dim = 0
     cos_d = sin_d = None
     hs = 0
-    if i_rope is not None:
-        _no_extra(sides[i_rope], "rope", set())
+    if ch.rope is not None:
+        _no_extra(sides[ix["rope"]], "rope", set())
         cos_d, sin_d, hs = _device_rope_tables(ch.rope, H, T, ctx, dev)
         if ch.rope.dim > D:
             raise KvcFormatError(f"codec 'rope': dim {ch.rope.dim} exceeds {D} channels")
@@ -510,22 +502,7 @@ def fused_decode(chain: Any, sym: torch.Tensor, sides: list[dict], specs: list[A
         out = dst = torch.empty((1, H, T, D), dtype=_TORCH[spec.dtype], device=dev)
         token_start = 0
     paged = block_table is not None
-    if paged:
-        nb, bs, ch_, cd = dst.shape
-        if ch_ != H or cd != D:
-            raise ValueError(f"paged cache {tuple(dst.shape)} does not hold {H} heads x {D} channels")
-        if token_start < 0 or _cdiv(token_start + T, bs) > block_table.numel():
-            raise ValueError("block table too short for the tokens written")
-        blk = block_table.to(device=dev, dtype=torch.int32).contiguous()
-        used = blk[token_start // bs : _cdiv(token_start + T, bs)]
-        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= nb):
-            raise ValueError("block table entry outside the paged cache")
-        strides = (dst.stride(2), dst.stride(1), dst.stride(3), bs, dst.stride(0))
-    else:
-        if dst.dim() != 4 or dst.shape[0] != 1 or dst.shape[1] != H or dst.shape[3] != D or token_start < 0 or token_start + T > dst.shape[2]:
-            raise ValueError(f"HF destination {tuple(dst.shape)} cannot hold ({H}, {token_start}+{T}, {D})")
-        blk = _dev(np.zeros(1, np.int32), dev)
-        strides = (dst.stride(1), dst.stride(2), dst.stride(3), 1, 0)
+    blk, strides = _layout(dst, H, T, D, token_start, block_table, dev)
     if H * T * D:
         f32 = _dev(np.zeros(1, np.float32), dev)
         _launch("fused_inverse", (H, _cdiv(T, FUSED_BT)), sym.contiguous(), _dev(step, dev, np.float32),
@@ -540,31 +517,42 @@ def fused_decode(chain: Any, sym: torch.Tensor, sides: list[dict], specs: list[A
 # --------------------------------------------------------------------------- output layouts
 
 
+def _layout(dst: torch.Tensor, H: int, T: int, D: int, token_start: int, block_table: torch.Tensor | None,
+            device: torch.device) -> tuple[torch.Tensor, tuple[int, int, int, int, int]]:
+    """Validate a destination for tokens token_start.. of an (H, T, D) chunk; return the block table
+    (int32 on ``device``; a dummy for HF) and the kernels' (s_h, s_t, s_d, block_size, s_blk).
+    HF: dst (1, H, T_cap, D), any strides. Paged (``block_table`` given): dst (num_blocks, block_size, H, D)."""
+    if block_table is None:
+        if dst.dim() != 4 or dst.shape[0] != 1 or dst.shape[1] != H or dst.shape[3] != D or token_start < 0 or token_start + T > dst.shape[2]:
+            raise ValueError(f"HF destination {tuple(dst.shape)} cannot hold ({H}, {token_start}+{T}, {D})")
+        return _dev(np.zeros(1, np.int32), device), (dst.stride(1), dst.stride(2), dst.stride(3), 1, 0)
+    nb, bs, ch, cd = dst.shape
+    if ch != H or cd != D:
+        raise ValueError(f"paged cache {tuple(dst.shape)} does not hold {H} heads x {D} channels")
+    if token_start < 0 or _cdiv(token_start + T, bs) > block_table.numel():
+        raise ValueError("block table too short for the tokens written")
+    blk = block_table.to(device=device, dtype=torch.int32).contiguous()
+    used = blk[token_start // bs : _cdiv(token_start + T, bs)]
+    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= nb):
+        raise ValueError("block table entry outside the paged cache")
+    return blk, (dst.stride(2), dst.stride(1), dst.stride(3), bs, dst.stride(0))
+
+
 def store_hf(x: torch.Tensor, dst: torch.Tensor, token_start: int = 0) -> None:
     """dst[0, :, token_start:token_start+T, :] = x cast to dst.dtype (dst: (1, H, T_cap, D), any strides)."""
-    H, T, D = x.shape
-    if dst.dim() != 4 or dst.shape[0] != 1 or dst.shape[1] != H or dst.shape[3] != D or token_start < 0 or token_start + T > dst.shape[2]:
-        raise ValueError(f"HF destination {tuple(dst.shape)} cannot hold ({H}, {token_start}+{T}, {D})")
-    N = H * T * D
-    if N:
-        _launch("store", (_cdiv(N, BLOCK),), x.contiguous(), dst, dst, N, T, D, token_start,
-                dst.stride(1), dst.stride(2), dst.stride(3), 1, 0, PAGED=False, BF16=dst.dtype == torch.bfloat16, BLOCK=BLOCK)
+    _store(x, dst, token_start, None)
 
 
 def store_paged(x: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, token_start: int = 0) -> None:
     """Write x (H, T, D) for tokens token_start.. into cache (num_blocks, block_size, H, D):
     token pos goes to cache[block_table[pos // block_size], pos % block_size]."""
+    _store(x, cache, token_start, block_table)
+
+
+def _store(x: torch.Tensor, dst: torch.Tensor, token_start: int, block_table: torch.Tensor | None) -> None:
     H, T, D = x.shape
-    nb, bs, ch, cd = cache.shape
-    if ch != H or cd != D:
-        raise ValueError(f"paged cache {tuple(cache.shape)} does not hold {H} heads x {D} channels")
-    if token_start < 0 or _cdiv(token_start + T, bs) > block_table.numel():
-        raise ValueError("block table too short for the tokens written")
+    blk, strides = _layout(dst, H, T, D, token_start, block_table, x.device)
     N = H * T * D
     if N:
-        bt = block_table.to(device=x.device, dtype=torch.int32).contiguous()
-        used = bt[token_start // bs : _cdiv(token_start + T, bs)]
-        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= nb):
-            raise ValueError("block table entry outside the paged cache")
-        _launch("store", (_cdiv(N, BLOCK),), x.contiguous(), cache, bt, N, T, D, token_start,
-                cache.stride(2), cache.stride(1), cache.stride(3), bs, cache.stride(0), PAGED=True, BF16=cache.dtype == torch.bfloat16, BLOCK=BLOCK)
+        _launch("store", (_cdiv(N, BLOCK),), x.contiguous(), dst, blk, N, T, D, token_start, *strides,
+                PAGED=block_table is not None, BF16=dst.dtype == torch.bfloat16, BLOCK=BLOCK)
