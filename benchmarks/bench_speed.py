@@ -110,7 +110,7 @@ def main() -> None:
     res: dict = {"text": args.text, "tokens": args.tokens, "model_plan": bool(args.model), "fp16_mb": mb, "loadavg_start": os.getloadavg()[0],
                  "raw_read_s": t_raw, "raw_read_mb_s": mb / t_raw, "memcpy_s": t_mem, "memcpy_mb_s": mb / t_mem, "presets": {}}
     for name in [p for p in args.presets.split(",") if p]:
-        plan = P.get_plan(name, cache, lm=lm) if name != "lossless" else P.get_plan(name, cache)
+        plan = P.get_plan(name, cache, lm=lm)
         buf = io.BytesIO()
 
         def enc():
