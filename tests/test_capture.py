@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import h5py
@@ -11,19 +12,14 @@ import pytest
 import torch
 
 from kvcodec.capture import capture, prefill, select_context
-from kvcodec.cli.main import main
 from kvcodec.errors import KvcError, KvcFormatError, KvcInputError, KvcModelMismatchError
 from kvcodec.fingerprint import ModelFingerprint
 from kvcodec.kvcache import KVCache, load_capture, load_h5, save_capture, save_h5
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # works with and without tests/__init__.py
+from cliutil import run_kvc as run_cli  # noqa: E402
+
 pytestmark = pytest.mark.model
-
-
-def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exc:
-        main(args)
-    out = capsys.readouterr()
-    return int(exc.value.code or 0), out.out, out.err
 
 
 @pytest.mark.parametrize("suffix", [".h5", ".safetensors"])

@@ -10,18 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvcodec.cli.main import main
 from kvcodec.kvcache import save_capture
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # works with and without tests/__init__.py
+from cliutil import run_kvc as run_main  # noqa: E402
 from formatutil import synthetic_cache  # noqa: E402
-
-
-def run_main(args: list[str], capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as ei:
-        main(args)
-    out = capsys.readouterr()
-    return ei.value.code, out.out, out.err
 
 
 def one_line_error(code: int, err: str) -> str:

@@ -4,22 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
-from kvcodec.cli.main import main
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # works with and without tests/__init__.py
+from cliutil import run_kvc as run_cli  # noqa: E402
 
 pytestmark = pytest.mark.model
 
 N_CTX, N_CONT = 128, 32
 REQUIRED = ("bits_per_element", "ratio_vs_fp16", "dppl_percent", "kl_mean", "top1_agreement", "greedy_match")
-
-
-def run_cli(args, capsys):
-    with pytest.raises(SystemExit) as exc:
-        main(args)
-    out = capsys.readouterr()
-    return int(exc.value.code or 0), out.out, out.err
 
 
 @pytest.fixture(autouse=True)

@@ -11,18 +11,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from kvcodec.cli.main import cli, main
+from kvcodec.cli.main import cli
 from kvcodec.kvcache import load_capture, save_capture
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # works with and without tests/__init__.py
+from cliutil import run_kvc as run_main  # noqa: E402
 from formatutil import assert_same_cache, synthetic_cache  # noqa: E402
-
-
-def run_main(args: list[str], capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as ei:
-        main(args)
-    out = capsys.readouterr()
-    return ei.value.code, out.out, out.err
 
 
 @pytest.fixture()

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
 from kvcodec.knowledge import KnowledgeBase, codec_id
 from kvcodec.store import Store
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # works with and without tests/__init__.py
+from cliutil import run_kvc  # noqa: E402
 
 pytestmark = pytest.mark.model
 
@@ -50,7 +55,6 @@ def test_other_codec_namespace_or_model_miss(lm, other_lm, tmp_path):
 
 def test_cli_store_put_ls_get_rm(lm, small_cache, tmp_path, capsys):
     from kvcodec.format import encode_kvc_bytes, get_plan
-    from kvcodec.cli.main import main
 
     plan = get_plan("lossless", small_cache)
     f = tmp_path / "c.kvc"
@@ -58,10 +62,7 @@ def test_cli_store_put_ls_get_rm(lm, small_cache, tmp_path, capsys):
     url = str(tmp_path / "st")
 
     def run(*args):
-        with pytest.raises(SystemExit) as e:
-            main(list(args))
-        out = capsys.readouterr()
-        return e.value.code, out.out, out.err
+        return run_kvc(list(args), capsys)
 
     code, out, _ = run("store", "put", str(f), "--store", url, "--json")
     assert code == 0
@@ -118,7 +119,6 @@ def test_blend_ratio_one_equals_a_prefill_ask(lm, tmp_path):
 
 def test_cli_ask_blend(lm, tmp_path, capsys, monkeypatch):
     import kvcodec.model
-    from kvcodec.cli.main import main
 
     monkeypatch.setattr(kvcodec.model, "load_model", lambda *a, **k: lm)
     (tmp_path / "a.txt").write_text(BLEND_A)
@@ -126,10 +126,7 @@ def test_cli_ask_blend(lm, tmp_path, capsys, monkeypatch):
     url = str(tmp_path / "st")
 
     def run(*args):
-        with pytest.raises(SystemExit) as e:
-            main(list(args))
-        out = capsys.readouterr()
-        return e.value.code, out.out, out.err
+        return run_kvc(list(args), capsys)
 
     base = ["ask", "--store", url, "--preset", "lossless", "--max-new-tokens", "3"]
     code, out, err = run(*base, "--blend", "--doc", str(tmp_path / "a.txt"), "--doc", str(tmp_path / "b.txt"), BLEND_Q, "--json")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,14 +12,8 @@ import torch
 
 from kvcodec.kvcache import load_h5, save_h5
 
-
-def run(argv, capsys):
-    from cli.main import main
-
-    with pytest.raises(SystemExit) as ei:
-        main(argv)
-    out = capsys.readouterr()
-    return ei.value.code, out.out, out.err
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # works with and without tests/__init__.py
+from cliutil import run_kvc as run  # noqa: E402
 
 
 @pytest.mark.parametrize("spec", ["h2o:0", "h2o:1.5", "lingua:-1", "foo:0.5", "h2o:heavy=0.7,recent=0.7"])
