@@ -30,7 +30,9 @@ from .keys import StoreKey
 from .tiers import (
     FIXED_SIZE,
     Entry,
+    MAX_TIER_META,
     EntryInfo,
+    KeyMismatch,
     Tier,
     as_bytes,
     check_meta,
@@ -158,6 +160,10 @@ class RedisTier(Tier):
             return None
         try:
             e = decode_envelope(buf, key, what=f"redis {self.rkey(key)}")
+        except KeyMismatch as err:  # intact but another key's: a miss, never deleted
+            self.counters.add(misses=1)
+            log.warning("store: %s; treated as a miss", err)
+            return None
         except KvcFormatError as err:
             self.counters.add(corrupt=1, misses=1)
             log.warning("store: %s; deleting it", err)
@@ -171,7 +177,7 @@ class RedisTier(Tier):
 
     def put(self, key: StoreKey, data: bytes, meta: Mapping[str, Any] | None = None,
             created: float | None = None) -> None:
-        env = encode_envelope(key, as_bytes(data), check_meta(meta), created)
+        env = encode_envelope(key, as_bytes(data), check_meta(meta, MAX_TIER_META), created)
         try:
             self._call("put", lambda: self.r.set(self.rkey(key), env, ex=self.ttl))
         except KvcStoreError:
