@@ -61,7 +61,7 @@ def test_range_reads_from_nginx(nginx_server):  # noqa: F811
 
 @pytest.mark.requires_nginx
 def test_published_directory_store_over_nginx(nginx_server, tmp_path):  # noqa: F811
-    src = DirectoryTier(tmp_path / "src", fsync=False)
+    src = Store.open(f"file://{tmp_path}/src?fsync=0")
     payloads = {i: random.Random(i).randbytes(200_000 + i) for i in range(3)}
     for i, b in payloads.items():
         src.put(key(i), b, {"i": i})
@@ -82,14 +82,15 @@ def test_published_directory_store_over_nginx(nginx_server, tmp_path):  # noqa: 
     # local directory in front: the first get back-fills it, later gets are local
     st = Store.open(f"{tmp_path}/cache,{base}")
     assert st.get(key(2)) == payloads[2]
-    assert DirectoryTier(tmp_path / "cache").get(key(2)) == payloads[2]
+    assert DirectoryTier(tmp_path / "cache").get(st.physical(key(2))) == payloads[2]
     http_tier = st.tier("http")
     st.memory.clear()
     hits = http_tier.counters.hits
     assert st.get(key(2)) == payloads[2] and http_tier.counters.hits == hits
 
     # damage on the server: a miss with a warning, never wrong bytes
-    p = nginx_server.root / "store" / "objects" / key(0).digest[:2] / f"{key(0).digest}.kve"
+    ph = src.physical(key(0))
+    p = nginx_server.root / "store" / "objects" / ph.namespace / ph.digest[:2] / f"{ph.digest}.kve"
     raw = bytearray(p.read_bytes())
     raw[5000] ^= 0xFF
     p.write_bytes(bytes(raw))
