@@ -42,8 +42,12 @@ class HttpTier(Tier):
     def __init__(self, url: str, *, name: str | None = None) -> None:
         from .store import parse_size
 
-        p = urlsplit(url)
-        if p.scheme not in ("http", "https"):
+        try:
+            p = urlsplit(url)
+            _ = p.port  # validates: ASCII digits in range
+        except ValueError as e:
+            raise KvcInputError(f"bad http store URL {ascii(url)}: {e}") from None
+        if p.scheme not in ("http", "https") or not p.hostname:
             raise KvcInputError(f"not an http(s) URL: {ascii(url)}")
         q = dict(parse_qsl(p.query))
         try:

@@ -70,7 +70,11 @@ class RedisTier(Tier):
         except ImportError:  # pragma: no cover
             raise KvcStoreError("the redis tier needs redis-py: pip install 'kvcodec[store]'") from None
         self._redis_mod = redis
-        p = urlsplit(url)
+        try:
+            p = urlsplit(url)
+            _ = p.port  # validates: ASCII digits in range
+        except ValueError as e:
+            raise KvcInputError(f"bad redis URL {ascii(url.split('@')[-1])}: {e}") from None
         if p.scheme not in ("redis", "rediss", "unix"):
             raise KvcInputError(f"not a redis URL: {redact(url)!r}")
         q = dict(parse_qsl(p.query, keep_blank_values=True))

@@ -144,32 +144,44 @@ class Store:
             raise KvcInputError("empty store URL")
         mem_bytes = parse_size(memory_bytes) if memory_bytes is not None else DEFAULT_MEMORY_BYTES
         tiers: list[Tier] = []
-        for part in (p.strip() for p in s.split(",")):
-            if not part:
-                raise KvcInputError(f"empty tier in store URL {s!r}")
-            low = part.lower()
-            if low.startswith("mem://"):
-                q = dict(parse_qsl(urlsplit(part).query))
-                if "max_bytes" in q:
-                    mem_bytes = parse_size(q.pop("max_bytes"))
-                if q:
-                    raise KvcInputError(f"unknown mem:// options {sorted(q)}")
-            elif low.startswith(("redis://", "rediss://", "unix://")):
-                from .redis_tier import RedisTier
+        try:
+            for part in (p.strip() for p in s.split(",")):
+                tier_or_size = cls._parse_tier(part, s, fsync, max_bytes)
+                if isinstance(tier_or_size, Tier):
+                    tiers.append(tier_or_size)
+                elif tier_or_size is not None:
+                    mem_bytes = tier_or_size
+            shown = ",".join(_redact(p.strip()) for p in s.split(","))
+        except ValueError as e:  # urlsplit / port parsing of an odd URL
+            raise KvcInputError(f"bad store URL {ascii(s.split('@')[-1][:200])}: {e}") from None
+        return cls([MemoryTier(mem_bytes)] + tiers, url=shown, key=key)
 
-                tiers.append(RedisTier(part))
-            elif low.startswith(("http://", "https://")):
-                from .http import HttpTier
+    @classmethod
+    def _parse_tier(cls, part: str, s: str, fsync: bool | None,
+                    max_bytes: int | str | None) -> Tier | int | None:
+        """One tier of a store URL; a ``mem://`` part gives the LRU size (or None)."""
+        if not part:
+            raise KvcInputError(f"empty tier in store URL {ascii(s)}")
+        low = part.lower()
+        if low.startswith("mem://"):
+            q = dict(parse_qsl(urlsplit(part).query))
+            size = parse_size(q.pop("max_bytes")) if "max_bytes" in q else None
+            if q:
+                raise KvcInputError(f"unknown mem:// options {sorted(q)}")
+            return size
+        if low.startswith(("redis://", "rediss://", "unix://")):
+            from .redis_tier import RedisTier
 
-                tiers.append(HttpTier(part))
-            elif low.startswith("file://") or "://" not in part:
-                tiers.append(cls._dir_tier(part, fsync, max_bytes))
-            else:
-                raise KvcInputError(
-                    f"unsupported store tier {part!r}: use a directory, file://, mem://, "
-                    "redis://, rediss:// or http(s)://")
-        return cls([MemoryTier(mem_bytes)] + tiers, url=",".join(_redact(p.strip()) for p in s.split(",")),
-                   key=key)
+            return RedisTier(part)
+        if low.startswith(("http://", "https://")):
+            from .http import HttpTier
+
+            return HttpTier(part)
+        if low.startswith("file://") or "://" not in part:
+            return cls._dir_tier(part, fsync, max_bytes)
+        raise KvcInputError(
+            f"unsupported store tier {ascii(part)}: use a directory, file://, mem://, "
+            "redis://, rediss:// or http(s)://")
 
     @staticmethod
     def _dir_tier(part: str, fsync: bool | None, max_bytes: int | str | None) -> Tier:
@@ -376,8 +388,12 @@ class Store:
             raise KvcStoreError(f"store rm of {key} incomplete: " + "; ".join(errors))
         return removed
 
-    def _own(self, t: Tier) -> Iterable[tuple[EntryInfo, Seal]]:
-        """The caller's entries in tier ``t`` (header seal verified; others' entries skipped unread)."""
+    def _scan(self, t: Tier) -> Iterable[tuple[EntryInfo, Seal | None]]:
+        """Entries of tier ``t`` in the caller's partitions, with their verified seal (None: fails).
+
+        An entry's partition is the tag of the namespace its header claims;
+        entries in other tenants' partitions are skipped unread.
+        """
         for info in t.ls(with_meta=True):
             sealed = info.meta
             try:
@@ -394,6 +410,13 @@ class Store:
                 yield info, ns.open(info.key, sealed, f"entry {logical}")
             except KvcFormatError as err:
                 log.debug("store: %s: %s", t.name, err)
+                yield info, None
+
+    def _own(self, t: Tier) -> Iterable[tuple[EntryInfo, Seal]]:
+        """The caller's authentic entries in tier ``t`` (header seal verified)."""
+        for info, seal in self._scan(t):
+            if seal is not None:
+                yield info, seal
 
     def ls(self, *, with_meta: bool = False, model: str | None = None, codec: str | None = None,
            namespace: str | None = None) -> list[EntryInfo]:
@@ -443,9 +466,10 @@ class Store:
         """Tier hygiene plus a full check of the caller's own entries.
 
         Per tier: the tier's own ``gc`` (leftover temp files, files no one can
-        read), then every entry of the caller is read and verified against its
-        seal; own entries that fail are deleted (``auth_removed``).  Other
-        tenants' entries are never read, moved or deleted.
+        read), then every entry in the caller's partitions is read and
+        verified against its seal; those that fail (tampered, forged at the
+        caller's names) are deleted (``auth_removed``).  Other tenants'
+        partitions are never read, moved or deleted.
         """
         out: dict[str, Any] = {}
         for t in self.tiers:
@@ -453,12 +477,12 @@ class Store:
                 r = dict(t.gc(grace_s=grace_s))
                 if t.can_list and t.writable and t.persistent:
                     r["auth_checked"] = r["auth_removed"] = 0
-                    for info, seal in list(self._own(t)):
-                        e = t.get_entry(info.key)
-                        if e is None:
-                            continue
+                    for info, seal in list(self._scan(t)):
                         r["auth_checked"] += 1
-                        if self._unseal(t, seal.key, info.key, e) is None:
+                        e = t.get_entry(info.key) if seal is not None else None
+                        if seal is not None and e is None:
+                            continue  # vanished, or damaged and already quarantined by the tier
+                        if seal is None or self._unseal(t, seal.key, info.key, e) is None:
                             t.delete(info.key)
                             r["auth_removed"] += 1
                 out[t.name] = r
