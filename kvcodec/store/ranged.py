@@ -92,11 +92,11 @@ def http_request(url: str, *, method: str = "GET", headers: Mapping[str, str] | 
     cls = HTTPSConnection if p.scheme == "https" else HTTPConnection
     conn = cls(host, port, timeout=limits.connect)
     fired = threading.Event()
+    held: list[socket.socket] = []  # http.client drops conn.sock when the response owns the socket
 
     def abort() -> None:  # the total deadline: unblock whatever recv/connect is waiting
         fired.set()
-        sock = conn.sock
-        if sock is not None:
+        for sock in held or ([conn.sock] if conn.sock is not None else []):
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
@@ -109,7 +109,10 @@ def http_request(url: str, *, method: str = "GET", headers: Mapping[str, str] | 
     try:
         try:
             conn.connect()
+            held.append(conn.sock)
             conn.sock.settimeout(limits.read)
+            if fired.is_set():  # the deadline passed during connect, before the socket was held
+                raise KvcStoreError(late)
             conn.request(method, target, headers={"Accept-Encoding": "identity", **(headers or {})})
             resp = conn.getresponse()
             status, hdrs = resp.status, resp.headers
