@@ -177,3 +177,11 @@ def test_spec_tenant_example():
     with open(__import__("pathlib").Path(__file__).parents[1] / "spec" / "store-keys.md") as f:
         spec = f.read()
     assert r.hex() in spec and phys in spec
+
+
+@pytest.mark.parametrize("bad", ["t\u0663", "\u0663", "tenant\n", "ten ant", "a" * 129, "ｔ", "t\udcff", ""])
+def test_non_ascii_and_odd_ids_are_input_errors(bad):
+    with pytest.raises(KvcInputError):
+        StoreKey.for_tokens(IDS, model="m", codec="c", namespace=bad)
+    with pytest.raises(KvcInputError):
+        StoreKey.for_tokens(IDS, model=bad, codec="c")

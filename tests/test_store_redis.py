@@ -120,6 +120,10 @@ def test_redis_down_at_open_and_password(tmp_path):
 
 
 def test_redis_url_validation():
-    for bad in ["redis://127.0.0.1:1/0?timeout=abc", "redis://127.0.0.1:1/0?prefix=a*"]:
+    for bad in ["redis://127.0.0.1:1/0?timeout=abc", "redis://127.0.0.1:1/0?prefix=a*",
+                "redis://127.0.0.1:1/0?timeout=nan", "redis://127.0.0.1:1/0?timeout=\u0662",
+                "redis://127.0.0.1:1/0?ttl=\u0663", "redis://127.0.0.1:1/0?ttl=1.5",
+                "redis://127.0.0.1:1/0?retry_interval=inf", "redis://127.0.0.1:\u0661/0",
+                "redis://[::1/0"]:
         with pytest.raises(KvcInputError):
             Store.open(bad)

@@ -20,6 +20,7 @@ call tries again; the first success logs "reachable again" and clears the state.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar
@@ -45,6 +46,18 @@ from .tiers import (
 
 T = TypeVar("T")
 _OWN_OPTS = ("timeout", "prefix", "ttl", "retry_interval")
+
+
+def _number(text: str, what: str, positive: bool = False, integer: bool = False) -> float:
+    """A finite number written in ASCII (``float`` alone accepts Arabic-Indic digits, nan and inf)."""
+    pat = r"[0-9]{1,12}" if integer else r"[0-9]{1,12}(\.[0-9]{1,9})?"
+    if not re.fullmatch(pat, str(text).strip()):
+        raise ValueError(f"{what}={ascii(str(text)[:40])} is not a {'whole ' if integer else ''}number "
+                         "in ASCII digits")
+    v = float(text)
+    if positive and v <= 0:
+        raise ValueError(f"{what} must be > 0")
+    return v
 
 
 def redact(url: str) -> str:
@@ -79,10 +92,10 @@ class RedisTier(Tier):
             raise KvcInputError(f"not a redis URL: {redact(url)!r}")
         q = dict(parse_qsl(p.query, keep_blank_values=True))
         try:
-            timeout = float(q.pop("timeout", 2.0))
+            timeout = _number(q.pop("timeout", "2"), "timeout", positive=True)
             ttl = q.pop("ttl", None)
-            self.ttl = None if ttl in (None, "", "0") else int(ttl)
-            self.retry_interval = float(q.pop("retry_interval", 1.0))
+            self.ttl = None if ttl in (None, "", "0") else int(_number(ttl, "ttl", positive=True, integer=True))
+            self.retry_interval = _number(q.pop("retry_interval", "1"), "retry_interval")
         except ValueError as e:
             raise KvcInputError(f"bad redis URL option in {redact(url)!r}: {e}") from None
         self.prefix = q.pop("prefix", "kvc:")
