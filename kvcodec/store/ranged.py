@@ -27,7 +27,6 @@ import os
 import re
 import socket
 import threading
-import time
 from dataclasses import dataclass
 from email.message import Message
 from http.client import HTTPConnection, HTTPException, HTTPSConnection, IncompleteRead

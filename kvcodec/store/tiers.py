@@ -269,6 +269,10 @@ class Tier:
         raise NotImplementedError
 
     # optional
+    # range_entry(key) -> (RangeReader over the payload, header meta) | None: piecewise reads
+    # (directory, http); the Store wraps it in an AuthRangeReader.  Tiers without it are
+    # range-read through a verified whole get.
+
     def get(self, key: StoreKey) -> bytes | None:
         e = self.get_entry(key)
         return None if e is None else e.data
