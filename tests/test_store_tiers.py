@@ -257,3 +257,11 @@ def test_file_range_reader(tmp_path):
         FileRangeReader(tmp_path / "missing")
     with pytest.raises(KvcInputError):
         open_range_reader("s3://bucket/x")
+
+
+@pytest.mark.parametrize("marker", ["[1]", "null", '"kvcodec-store"', "{", '{"format": "kvcodec-store", "layout": 9}'])
+def test_odd_store_marker_is_a_store_error(tmp_path, marker):
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "kvstore.json").write_text(marker)
+    with pytest.raises(KvcStoreError):
+        DirectoryTier(tmp_path / "s")

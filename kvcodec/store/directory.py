@@ -122,7 +122,7 @@ class DirectoryTier(Tier):
                     m = json.load(f)
             except (OSError, ValueError) as e:
                 raise KvcStoreError(f"{self.root}: unreadable store marker {MARKER}: {e}") from None
-            if m.get("format") != MARKER_CONTENT["format"]:
+            if not isinstance(m, dict) or m.get("format") != MARKER_CONTENT["format"]:
                 raise KvcStoreError(f"{self.root}: {MARKER} is not a kvcodec store marker")
             if m.get("layout") == 1 and create:
                 self._upgrade_layout1(marker)
@@ -153,11 +153,13 @@ class DirectoryTier(Tier):
     def _upgrade_layout1(self, marker: str) -> None:
         """Move a layout-1 ``objects/`` aside (its entries cannot be authenticated) and mark layout 2."""
         try:
-            if os.path.isdir(self.objects):
-                dest = f"{self.objects}.layout1.{int(time.time())}.{secrets.token_hex(3)}"
+            dest = f"{self.objects}.layout1.{int(time.time())}.{secrets.token_hex(3)}"
+            try:
                 os.replace(self.objects, dest)
                 log.warning("store %s: layout-1 entries (no tenant keys) moved to %s; they are not served",
                             self.root, dest)
+            except FileNotFoundError:  # none, or another process upgraded it just now
+                pass
             self._atomic_write_small(marker, json.dumps(MARKER_CONTENT).encode() + b"\n")
         except OSError as e:
             raise KvcStoreError(f"{self.root}: cannot upgrade store layout: {e.strerror or e}") from None
