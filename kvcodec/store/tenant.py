@@ -144,8 +144,8 @@ class NamespaceKeys:
             raise KvcFormatError(f"{what}: seal has unexpected fields")
         try:
             want = self._mac(phys, body)
-        except (TypeError, ValueError) as e:
-            raise KvcFormatError(f"{what}: seal is not canonical JSON: {e}") from None
+        except (TypeError, ValueError, RecursionError) as e:
+            raise KvcFormatError(f"{what}: seal is not canonical JSON: {type(e).__name__}") from None
         if not hmac.compare_digest(want, sealed["mac"]):
             raise KvcFormatError(f"{what}: seal does not authenticate (another tenant's entry, or forged)")
         # Authentic from here on: the fields were written by a holder of this key.
