@@ -7,7 +7,8 @@ always in front)::
     /abs/dir | rel/dir | file:///abs/dir[?max_bytes=10G&fsync=0]
     redis://[:password@]host:port/db[?timeout=2&prefix=kvc:&ttl=S&retry_interval=1]
     rediss://...                        Redis over TLS
-    http(s)://host/base/                read-only published directory store
+    http(s)://host/base/[?timeout=30&connect_timeout=5&deadline=300&max_bytes=4G]
+                                        read-only published directory store
 
 e.g. ``"/var/cache/kvc,redis://127.0.0.1:6379/0"``.
 
