@@ -120,6 +120,13 @@ def test_memory_tier_cross_tenant():
     assert a.get(kb) == blob(9) and b.get(kb) == blob(1)
 
 
+def test_for_key_shares_tiers_not_the_lru(tmp_path):
+    a = Store.open(f"file://{tmp_path}/s?fsync=0", key=A, memory_bytes=10_000)
+    b = a.for_key(B)
+    assert b.tiers[1] is a.tiers[1] and b.memory is not a.memory and b.memory.max_bytes == 10_000
+    _cross_tenant(a, b)
+
+
 def test_directory_cross_tenant(tmp_path):
     url = f"file://{tmp_path}/s?fsync=0"
     _cross_tenant(Store.open(url, key=A), Store.open(url, key=B))

@@ -184,6 +184,15 @@ class Store:
             f"unsupported store tier {ascii(part)}: use a directory, file://, mem://, "
             "redis://, rediss:// or http(s)://")
 
+    def for_key(self, key: TenantKey) -> "Store":
+        """The same persistent tiers acting for another tenant, with its own in-process LRU.
+
+        For services that act for many tenants: one Store per tenant key over
+        shared tier objects (connections, directory handles).  The LRU is not
+        shared, so one tenant's traffic never evicts another's cached entries.
+        """
+        return Store([MemoryTier(self.memory.max_bytes)] + self.tiers[1:], url=self.url, key=key)
+
     @staticmethod
     def _dir_tier(part: str, fsync: bool | None, max_bytes: int | str | None) -> Tier:
         from .directory import DirectoryTier
