@@ -372,6 +372,8 @@ def test_hostile_envelopes_at_the_callers_name_are_misses(tmp_path):
         json.dumps({"key": ks, "meta": {**sealed, "size": 10 ** 30}}).encode(),
         json.dumps({"key": ks, "meta": {**sealed, "hashes": 5}}).encode(),
         json.dumps({"key": ks, "meta": {**sealed, "v": True}}).encode(),
+        json.dumps({"key": ks, "meta": {**sealed, "mac": "\u00e9" * 64}}).encode(),
+        json.dumps({"key": ks, "meta": {**sealed, "mac": 12}}).encode(),
         json.dumps({"key": ks, "meta": [1, 2]}).encode(),
         json.dumps({"key": 7, "meta": {}}).encode(),
         b'{"key": "' + ks.encode() + b'", "meta": {"k": "\\udcff"}}',
