@@ -139,8 +139,10 @@ class NamespaceKeys:
 
     def open(self, phys: StoreKey, sealed: Any, what: str) -> Seal:
         """Verify a seal read from ``phys``; raise :class:`KvcFormatError` if it is not ours or damaged."""
-        mac = sealed.get("mac") if isinstance(sealed, dict) else None
-        if not isinstance(sealed, dict) or sealed.get("v") != SEAL_VERSION or not isinstance(mac, str) or not _HEX64.fullmatch(mac):
+        if not isinstance(sealed, dict):
+            raise KvcFormatError(f"{what}: no kvcodec v{SEAL_VERSION} seal")
+        mac = sealed.get("mac")
+        if sealed.get("v") != SEAL_VERSION or not isinstance(mac, str) or not _HEX64.fullmatch(mac):
             raise KvcFormatError(f"{what}: no kvcodec v{SEAL_VERSION} seal")
         body = {k: v for k, v in sealed.items() if k != "mac"}
         if set(body) != {"v", "key", "meta", "size", "block", "hashes"}:
