@@ -397,3 +397,22 @@ def _deep(n: int) -> dict:
         cur["a"] = {}
         cur = cur["a"]
     return d
+
+
+def test_foreign_files_at_an_entry_name_are_misses(tmp_path):
+    """A symlink, FIFO or directory planted at the caller's entry name: a quick miss, never a hang."""
+    st = Store.open(f"file://{tmp_path}/s?fsync=0", key=A, memory_bytes=0)
+    k = key(1)
+    st.put(k, blob(1))
+    tier: DirectoryTier = st.tier("directory")  # type: ignore[assignment]
+    p = tier.path_for(st.physical(k))
+    target = tmp_path / "elsewhere.kve"
+    shutil.copy(p, target)
+    for plant in ("symlink", "fifo", "dir"):
+        os.unlink(p) if os.path.lexists(p) and not os.path.isdir(p) else None
+        if os.path.isdir(p):
+            os.rmdir(p)
+        {"symlink": lambda: os.symlink(target, p), "fifo": lambda: os.mkfifo(p), "dir": lambda: os.mkdir(p)}[plant]()
+        assert st.get(k) is None and st.reader(k) is None, plant
+        assert st.ls() == [], plant
+        assert "error" not in st.gc(grace_s=0)["directory"], plant
