@@ -283,7 +283,7 @@ def test_hostile_server_cannot_hang_or_flood_a_reader(mode, match):
         with pytest.raises(KvcStoreError, match=match):
             r = HttpRangeReader(srv.url, limits=HttpLimits(connect=1, read=1, total=2))
             r.read(100, 1000)
-        assert time.monotonic() - t0 < 4, "the total deadline did not hold"
+        assert time.monotonic() - t0 < 10, "the total deadline did not hold (a trickle takes 200 s)"
     finally:
         srv.close()
 
@@ -304,7 +304,7 @@ def test_http_tier_over_a_hostile_server_is_a_quick_miss():
                         memory_bytes=0)
         t0 = time.monotonic()
         assert st.get(key(1)) is None and st.reader(key(1)) is None
-        assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < 10  # unbounded, the trickle would take minutes
     finally:
         srv.close()
 
