@@ -16,9 +16,10 @@ version 2 of that record identifies the weights *exactly*:
 * ``tokenizer_sha256``: vocabulary (by id), BPE merges and special tokens.
 * ``rope``: canonical JSON of the RoPE parameters (the codec's RoPE stage reads it).
 
-Hashing ~0.5 GB takes about a second, so the weights digest is cached per
-model directory under ``cache_root()/fingerprints/``, keyed by the identity of
-the weight files (path, size, mtime_ns, ctime_ns, inode, device) and
+Hashing ~0.5 GB takes seconds, so the weights digest (and the tokenizer
+digest, which needs a 1.5 MB JSON parse) is cached per model directory under
+``cache_root()/fingerprints/``, keyed by the identity of the files it was
+computed from (path, size, mtime_ns, ctime_ns, inode, device) and
 authenticated with an HMAC whose key is a per-machine secret file
 (``fingerprint.key``, mode 0600). An entry whose MAC or file identity does not
 match is ignored and recomputed; a key file with unsafe permissions disables
@@ -247,7 +248,7 @@ def _head_layout(c: Mapping[str, Any]) -> tuple[int, int, int]:
     return n_layers, n_kv, head_dim
 
 
-def _make(cfg: Mapping[str, Any], tokenizer: Any, weights: str, dtype: str) -> ModelFingerprint:
+def _make(cfg: Mapping[str, Any], tokenizer_digest: str, weights: str, dtype: str) -> ModelFingerprint:
     c = _text_config(cfg)
     n_layers, n_kv, head_dim = _head_layout(c)
     cc = cache_config(cfg)
@@ -257,7 +258,7 @@ def _make(cfg: Mapping[str, Any], tokenizer: Any, weights: str, dtype: str) -> M
         num_kv_heads=n_kv,
         head_dims=tuple([head_dim] * n_layers),
         rope=json.dumps(cc["rope"], sort_keys=True, default=str),
-        tokenizer_sha256=tokenizer_sha256(tokenizer),
+        tokenizer_sha256=tokenizer_digest,
         weights_sha256=weights,
         dtype=dtype,
         config_sha256=_json_sha256(cc),
@@ -407,7 +408,7 @@ def _hash_files(files: list[Path]) -> str:
 
 # --------------------------------------------------------------------------- the authenticated cache
 _KEY_FILE = "fingerprint.key"
-_CACHE_SCHEME = "kvcodec-weights-cache-v2"
+_CACHE_SCHEME = "kvcodec-fingerprint-cache-v2"
 _memo: dict[str, tuple[list[list[Any]], str]] = {}
 _memo_lock = threading.Lock()
 _warned: set[str] = set()
@@ -458,12 +459,13 @@ def _mac(key: bytes, entry: Mapping[str, Any]) -> str:
     return hmac.new(key, body, hashlib.sha256).hexdigest()
 
 
-def _cache_path(model_dir: Path) -> Path:
-    return cache_root() / "fingerprints" / (hashlib.sha256(str(model_dir).encode("utf-8", "surrogateescape")).hexdigest()[:32] + ".json")
+def _cache_path(kind: str, model_dir: Path) -> Path:
+    name = hashlib.sha256(f"{kind}\0{model_dir}".encode("utf-8", "surrogateescape")).hexdigest()[:32]
+    return cache_root() / "fingerprints" / f"{name}.json"
 
 
-def _cached(model_dir: Path, key: list[list[Any]], secret: bytes) -> str | None:
-    path = _cache_path(model_dir)
+def _cached(kind: str, model_dir: Path, key: list[list[Any]], secret: bytes) -> str | None:
+    path = _cache_path(kind, model_dir)
     try:
         st = os.stat(path)
         if not stat.S_ISREG(st.st_mode) or st.st_size > 1 << 20:
@@ -475,16 +477,17 @@ def _cached(model_dir: Path, key: list[list[Any]], secret: bytes) -> str | None:
         return None
     if not hmac.compare_digest(entry["mac"], _mac(secret, entry)):
         return None
-    if entry.get("scheme") != _CACHE_SCHEME or entry.get("dir") != str(model_dir) or entry.get("files") != key:
+    if entry.get("scheme") != _CACHE_SCHEME or entry.get("kind") != kind or entry.get("dir") != str(model_dir) \
+            or entry.get("files") != key:
         return None
-    digest = entry.get("weights_sha256")
+    digest = entry.get("sha256")
     return digest if isinstance(digest, str) and _HEX64.match(digest) else None
 
 
-def _store(model_dir: Path, key: list[list[Any]], digest: str, secret: bytes) -> None:
-    entry: dict[str, Any] = {"scheme": _CACHE_SCHEME, "dir": str(model_dir), "files": key, "weights_sha256": digest}
+def _store(kind: str, model_dir: Path, key: list[list[Any]], digest: str, secret: bytes) -> None:
+    entry: dict[str, Any] = {"scheme": _CACHE_SCHEME, "kind": kind, "dir": str(model_dir), "files": key, "sha256": digest}
     entry["mac"] = _mac(secret, entry)
-    path = _cache_path(model_dir)
+    path = _cache_path(kind, model_dir)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
@@ -494,6 +497,29 @@ def _store(model_dir: Path, key: list[list[Any]], digest: str, secret: bytes) ->
         os.replace(tmp, path)
     except OSError as exc:  # a read-only cache dir costs speed, never correctness
         _warn_once(f"cannot write the fingerprint cache ({exc})")
+
+
+def _digest(kind: str, model_dir: Path, files: list[Path], compute: Any, use_cache: bool = True) -> str:
+    """``compute()`` of ``files``, cached by their identity: in-process memo, then the HMAC'd entry on disk."""
+    key = _stat_key(files)
+    memo_key = f"{kind}\0{model_dir}"
+    if use_cache:
+        with _memo_lock:
+            hit = _memo.get(memo_key)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+    secret = _secret() if use_cache else None
+    digest = _cached(kind, model_dir, key, secret) if secret is not None else None
+    if digest is None:
+        digest = compute()
+        if _stat_key(files) != key:
+            raise KvcModelNotFoundError(f"{model_dir}: the model files changed while they were being hashed; try again")
+        if secret is not None:
+            _store(kind, model_dir, key, digest, secret)
+    if use_cache:
+        with _memo_lock:
+            _memo[memo_key] = (key, digest)
+    return digest
 
 
 def weights_identity(model_dir: str | Path) -> list[list[Any]]:
@@ -510,47 +536,48 @@ def weights_sha256(model_dir: str | Path, use_cache: bool = True) -> str:
     """
     d = Path(model_dir).resolve()
     files = weight_files(d)
-    key = _stat_key(files)
-    memo_key = str(d)
-    if use_cache:
-        with _memo_lock:
-            hit = _memo.get(memo_key)
-        if hit is not None and hit[0] == key:
-            return hit[1]
-    secret = _secret() if use_cache else None
-    digest = _cached(d, key, secret) if secret is not None else None
-    if digest is None:
-        digest = _hash_files(files)
-        if _stat_key(files) != key:
-            raise KvcModelNotFoundError(f"{d}: the weight files changed while they were being hashed; try again")
-        if secret is not None:
-            _store(d, key, digest, secret)
-    if use_cache:
-        with _memo_lock:
-            _memo[memo_key] = (key, digest)
-    return digest
+    return _digest("weights", d, files, lambda: _hash_files(files), use_cache)
+
+
+# Files a tokenizer is loaded from; their identity keys the cached tokenizer digest.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model", "chat_template.jinja")
+
+
+def _dir_tokenizer_sha256(d: Path, tokenizer: Any) -> str:
+    """The tokenizer digest of a directory, cached by its tokenizer files (loading it only on a miss)."""
+    files = [d / n for n in TOKENIZER_FILES if (d / n).is_file()]
+
+    def compute() -> str:
+        tok = tokenizer
+        if tok is None:
+            from transformers import AutoTokenizer
+
+            try:
+                tok = AutoTokenizer.from_pretrained(d, local_files_only=True)
+            except (OSError, ValueError) as exc:
+                raise KvcModelNotFoundError(f"cannot load the tokenizer of {d}: {exc}") from None
+        return tokenizer_sha256(tok)
+
+    if not files:
+        return compute()
+    return _digest("tokenizer", d, files, compute)
 
 
 # --------------------------------------------------------------------------- entry points
 def fingerprint_dir(model_dir: str | Path, tokenizer: Any = None, dtype: str = "float32") -> ModelFingerprint:
-    """The fingerprint of an HF model directory: raw config.json, the tokenizer and the safetensors files.
+    """The fingerprint of an HF model directory: raw config.json, its tokenizer and its safetensors files.
 
-    ``tokenizer`` defaults to ``AutoTokenizer`` on the directory. This is the
-    only way a directory is fingerprinted (LoadedModel, the vLLM connector).
+    ``tokenizer``: the directory's tokenizer if the caller has loaded it
+    already (used only when the tokenizer digest is not cached); else it is
+    loaded from the directory when needed. This is the only way a directory
+    is fingerprinted (LoadedModel, the vLLM connector).
     """
-    d = Path(model_dir)
+    d = Path(model_dir).resolve()
     cfg = _read_json(d / "config.json", "config.json")
     if not isinstance(cfg, dict):
         raise KvcModelNotFoundError(f"{d}/config.json is not a JSON object")
-    weights = weights_sha256(d)
-    if tokenizer is None:
-        from transformers import AutoTokenizer
-
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(d, local_files_only=True)
-        except (OSError, ValueError) as exc:
-            raise KvcModelNotFoundError(f"cannot load the tokenizer of {d}: {exc}") from None
-    return _make(cfg, tokenizer, weights, dtype)
+    return _make(cfg, _dir_tokenizer_sha256(d, tokenizer), weights_sha256(d), dtype)
 
 
 def _module_weights_sha256(model: Any) -> str:
@@ -574,4 +601,4 @@ def fingerprint_model(model: Any, tokenizer: Any) -> ModelFingerprint:
     """The fingerprint of a model that exists only in memory (no directory): hashed from its state dict."""
     cfg = model.config.to_dict()
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    return _make(cfg, tokenizer, _module_weights_sha256(model), dtype)
+    return _make(cfg, tokenizer_sha256(tokenizer), _module_weights_sha256(model), dtype)

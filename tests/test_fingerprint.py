@@ -161,7 +161,7 @@ def test_cache_hit_rehash_on_change_and_tamper(tmp_path, monkeypatch):
     # a forged cache entry (digest swapped back to the original) fails its MAC and is recomputed
     entry_path = next((F.cache_root() / "fingerprints").glob("*.json"))
     entry = json.loads(entry_path.read_text())
-    entry["weights_sha256"] = first
+    entry["sha256"] = first
     entry_path.write_text(json.dumps(entry))
     F._memo.clear()
     assert weights_sha256(d) == changed and calls[0] == 3

@@ -185,3 +185,36 @@ def test_original_is_accepted_by_eval(base, capsys):
                               "--json"], capsys)
     assert code == 0, err
     assert json.loads(out)["kl_mean"] == 0.0
+
+
+def test_tokenizer_digest_is_cached_and_follows_the_tokenizer_files(lm, tmp_path, monkeypatch):
+    """A directory with the real tokenizer (tiny weights): the second fingerprint neither loads nor hashes it."""
+    import torch
+    from safetensors.torch import save_file
+
+    import kvcodec.fingerprint as F
+
+    monkeypatch.setenv("KVCODEC_CACHE", str(tmp_path / "cache"))
+    d = tmp_path / "m"
+    d.mkdir()
+    for n in F.TOKENIZER_FILES + ("config.json",):
+        if (lm.path / n).is_file():
+            shutil.copy(lm.path / n, d / n)
+    save_file({"w": torch.zeros(4)}, str(d / "model.safetensors"))
+    calls = [0]
+    real = F.tokenizer_sha256
+
+    def counting(tok):
+        calls[0] += 1
+        return real(tok)
+
+    monkeypatch.setattr(F, "tokenizer_sha256", counting)
+    first = F.fingerprint_dir(d)
+    assert first.tokenizer_sha256 == lm.fingerprint.tokenizer_sha256 and calls[0] == 1
+    F._memo.clear()
+    assert F.fingerprint_dir(d) == first and calls[0] == 1
+    tj = json.loads((d / "tokenizer.json").read_text())
+    tj["model"]["merges"] = tj["model"]["merges"][:-1]  # one merge fewer: another tokenizer
+    (d / "tokenizer.json").write_text(json.dumps(tj))
+    F._memo.clear()
+    assert F.fingerprint_dir(d).tokenizer_sha256 != first.tokenizer_sha256 and calls[0] == 2
