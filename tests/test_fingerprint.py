@@ -251,3 +251,17 @@ def test_config_fields_that_change_the_cache_change_config_sha(tmp_path):
     legacy = {"rope_theta": 5e5, "rope_scaling": {"type": "llama3", "factor": 8.0}}
     assert cache_config(legacy)["rope"] == {"rope_theta": 5e5, "rope_type": "llama3", "factor": 8.0}
     assert cache_config({"rope_theta": 1e4})["rope"] == {"rope_theta": 1e4, "rope_type": "default"}
+
+
+def test_info_marks_a_v1_file(capsys):
+    """`kvc info` still shows a v1 file (golden vector) and says models refuse it."""
+    from pathlib import Path
+
+    from cliutil import run_kvc
+
+    path = Path(__file__).resolve().parents[1] / "spec" / "vectors" / "kvc" / "f16_raw_chunked.kvc"
+    code, out, err = run_kvc(["info", str(path)], capsys)
+    assert code == 0, err
+    assert "fingerprint v1" in out and "re-encode" in out
+    code, out, err = run_kvc(["info", str(path), "--json"], capsys)
+    assert json.loads(out)["model"]["fingerprint_version"] == 1
