@@ -32,6 +32,15 @@ DOC = "The GNU General Public License is a free, copyleft license for software a
 QUESTION = "What kind of license is it?"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def private_cache(lm, tmp_path_factory):
+    """Fingerprint-cache entries of the look-alikes go to a private cache dir (after ``lm`` is loaded)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("KVCODEC_CACHE", str(tmp_path_factory.mktemp("kvc-cache")))
+    yield
+    mp.undo()
+
+
 def _offset_of(path: Path, name: str) -> tuple[int, str]:
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
