@@ -265,3 +265,25 @@ def test_info_marks_a_v1_file(capsys):
     assert "fingerprint v1" in out and "re-encode" in out
     code, out, err = run_kvc(["info", str(path), "--json"], capsys)
     assert json.loads(out)["model"]["fingerprint_version"] == 1
+
+
+@pytest.mark.parametrize("case", ["pickle_only", "truncated"])
+def test_load_model_refuses_bad_checkpoints_before_transformers_reads_them(tmp_path, case, monkeypatch):
+    from kvcodec.model import load_model
+
+    d = _model_dir(tmp_path / "m")
+    st = d / "model.safetensors"
+    if case == "pickle_only":
+        st.unlink()
+        (d / "pytorch_model.bin").write_bytes(b"\x80\x04 a pickle would run code here")
+    else:
+        st.write_bytes(st.read_bytes()[:200])
+    import transformers
+
+    def never(*a, **kw):  # the checkpoint must be refused before transformers opens it
+        raise AssertionError("transformers was asked to load a refused checkpoint")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", never)
+    with pytest.raises(KvcModelNotFoundError) as e:
+        load_model(str(d))
+    assert "\n" not in str(e.value)
