@@ -270,6 +270,7 @@ _ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I1
                 "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
 _MAX_ST_HEADER = 100 << 20  # the safetensors format's own limit
 _READ_BYTES = 4 << 20
+_NOTICE_BYTES = 2 << 30
 _SAFE_INDEX = "model.safetensors.index.json"
 _PICKLE_GLOBS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 
@@ -383,6 +384,10 @@ def _hash_files(files: list[Path]) -> str:
                 tensors[t.name] = t
         if not tensors:
             raise KvcModelNotFoundError(f"{files[0].parent}: the safetensors files hold no tensors")
+        total = sum(t.end - t.start for t in tensors.values())
+        if total > _NOTICE_BYTES:  # minutes on a big model: say why the first load is slow
+            print(f"kvc: fingerprinting {total / 1e9:.1f} GB of weights in {files[0].parent} "
+                  "(once; cached afterwards) ...", file=sys.stderr, flush=True)
         h = hashlib.sha256(_WEIGHTS_DOMAIN)
         buf = memoryview(bytearray(_READ_BYTES))
         for name in sorted(tensors):
