@@ -21,5 +21,6 @@ run speed_model $PY benchmarks/bench_speed.py --tokens 4096 --repeat 5 --model -
 run entropy $PY benchmarks/bench_entropy.py --real-kv 1024
 run lossless $PY benchmarks/bench_lossless.py --tokens 2048
 run store   $PY benchmarks/bench_store.py
+run fingerprint $PY benchmarks/bench_fingerprint.py --repeats 3 --json "$R/fingerprint.json"
 run prune   $PY benchmarks/bench_prune.py --tokens 1024
 run blend   $PY benchmarks/bench_blend.py

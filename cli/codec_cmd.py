@@ -71,7 +71,7 @@ def info_dict(r: Any, path: str) -> dict[str, Any]:
         "version": f"{hd.version[0]}.{hd.version[1]}",
         "writer": hd.writer,
         "model": {"architecture": hd.fingerprint.architecture, "fingerprint": hd.fingerprint.id,
-                  "layers": hd.num_layers, "kv_heads": hd.kv_heads, "head_dim": sorted(set(hd.head_dims))},
+                  "fingerprint_version": hd.fingerprint.version, "layers": hd.num_layers, "kv_heads": hd.kv_heads, "head_dim": sorted(set(hd.head_dims))},
         "dtype": hd.dtype,
         "context_tokens": hd.num_context_tokens,
         "stored_tokens": hd.num_tokens,
@@ -94,11 +94,15 @@ def info_dict(r: Any, path: str) -> dict[str, Any]:
 
 
 def render_info(d: dict[str, Any]) -> str:
+    from kvcodec.fingerprint import FINGERPRINT_VERSION
+
     sz = d["sizes"]
     m = d["model"]
     lines = [
         f"file:        {d['file']} ({d['bytes']:,} bytes, .kvc {d['version']}, written by {d['writer'] or '?'})",
-        f"model:       {m['architecture']}, fingerprint {m['fingerprint']} ({m['layers']} layers, {m['kv_heads']} KV heads, head_dim {'/'.join(map(str, m['head_dim']))})",
+        f"model:       {m['architecture']}, fingerprint {m['fingerprint']} ({m['layers']} layers, {m['kv_heads']} KV heads, head_dim {'/'.join(map(str, m['head_dim']))})"
+        + (f" [fingerprint v{m['fingerprint_version']}: identity unproven, models refuse it; re-encode]"
+           if m["fingerprint_version"] != FINGERPRINT_VERSION else ""),
     ]
     tok = f"tokens:      {d['context_tokens']:,} context, {d['stored_tokens']:,} stored"
     if d["kept_fraction"] is not None:

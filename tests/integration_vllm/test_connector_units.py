@@ -15,8 +15,8 @@ from kvcodec.vllm.config import (
 )
 from kvcodec.vllm.entries import check_entry, decode_chunk_layers, encode_chunk, learn_gather_map
 
-FP = ModelFingerprint("llama", 2, 3, (64, 64), '{"rope_theta": 10000.0}', "a" * 64, "b" * 64)
-OTHER = ModelFingerprint("llama", 2, 3, (64, 64), '{"rope_theta": 10000.0}', "a" * 64, "c" * 64)
+FP = ModelFingerprint("llama", 2, 3, (64, 64), '{"rope_theta": 10000.0}', "a" * 64, "b" * 64, config_sha256="d" * 64)
+OTHER = ModelFingerprint("llama", 2, 3, (64, 64), '{"rope_theta": 10000.0}', "a" * 64, "c" * 64, config_sha256="d" * 64)
 
 
 def test_config_defaults_and_errors():
