@@ -234,6 +234,7 @@ def encode_command(input_path: str | None, output: str, preset: str, config: str
     lossy --preset its other settings (sink, tokenscale, ...) are kept.
     --config names a preset and overrides its plan's parameters.
     """
+    from kvcodec.atomic import check_output
     from kvcodec.errors import KvcInputError
     from kvcodec.format import get_plan, write_kvc
     from kvcodec.format.presets import BUILTIN_PRESETS, available_presets
@@ -281,6 +282,7 @@ def encode_command(input_path: str | None, output: str, preset: str, config: str
     if overrides.get("level") is not None and preset not in ("lossless", "zstd", "fp16"):
         raise KvcInputError(f"--config: 'level' is a zstd setting; preset {preset} has none")
 
+    check_output(output, inputs=[input_path, text_path, config, model])  # before minutes of capture/encode work
     lm = None
 
     def get_lm() -> Any:
@@ -376,9 +378,11 @@ def encode_command(input_path: str | None, output: str, preset: str, config: str
 @json_option
 def decode_command(input_path: str, output: str, backend: str | None, as_json: bool) -> None:
     """Decode a .kvc file back into a raw capture (same layout as kvc capture)."""
+    from kvcodec.atomic import check_output
     from kvcodec.format import read_kvc
     from kvcodec.kvcache import save_capture
 
+    check_output(output, inputs=[input_path])
     cache = read_kvc(input_path, backend=backend)
     save_capture(cache, output)
     info = {"input": input_path, "output": output, "layers": cache.num_layers, "tokens": cache.num_tokens,
