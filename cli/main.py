@@ -29,6 +29,11 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.Abort:
         click.echo("kvc: aborted", err=True)
         sys.exit(130)
+    except click.UsageError as exc:  # bad arguments are bad input: one line like every other error
+        cmd = exc.ctx.command_path if exc.ctx is not None else "kvc"
+        msg = " ".join(exc.format_message().split())
+        click.echo(f"kvc: error: {msg} (see '{cmd} --help')", err=True)
+        sys.exit(exc.exit_code)
     except click.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)

@@ -75,6 +75,14 @@ def io_error(exc: OSError, what: str) -> KvcIOError:
     return KvcIOError(f"{what}: {why}")
 
 
+def io_error_in(exc: Exception, what: str) -> KvcIOError:
+    """A KvcIOError for a library error that wraps an OS error in text (safetensors: "... (os error 28)")."""
+    m = re.search(r"os error (\d+)", str(exc))
+    if m:
+        return io_error(OSError(int(m[1]), os.strerror(int(m[1]))), what)
+    return KvcIOError(f"{what}: {' '.join(str(exc).split())}")
+
+
 def _describe(mode: int) -> str:
     for test, word in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
                        (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):

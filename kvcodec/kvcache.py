@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .atomic import atomic_path, atomic_write_bytes  # noqa: F401  (atomic_write_bytes: kvc store get -o)
+from .atomic import atomic_path, atomic_write_bytes, io_error_in  # noqa: F401  (atomic_write_bytes: kvc store get -o)
 from .errors import KvcFormatError, KvcInputError
 from .fingerprint import ModelFingerprint
 
@@ -216,6 +216,7 @@ def _read_ds(group: Any, name: str, max_elems: int) -> np.ndarray:
 # -- safetensors -----------------------------------------------------------
 def save_safetensors(cache: KVCache, path: str | os.PathLike) -> None:
     """Write ``cache`` as a safetensors capture, atomically (:mod:`kvcodec.atomic`)."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     tensors = {"token_ids": torch.from_numpy(cache.token_ids.astype(np.int32))}
@@ -226,7 +227,10 @@ def save_safetensors(cache: KVCache, path: str | os.PathLike) -> None:
         tensors[f"layers.{i}.value"] = v.contiguous()
     meta = {"format": H5_FORMAT, "fingerprint": json.dumps(cache.fingerprint.to_json()), "meta": json.dumps(cache.meta)}
     with atomic_path(path) as tmp:
-        save_file(tensors, str(tmp), metadata=meta)
+        try:
+            save_file(tensors, str(tmp), metadata=meta)
+        except SafetensorError as exc:  # its I/O errors (disk full, ...) are not OSErrors
+            raise io_error_in(exc, f"cannot write {path}") from None
 
 
 def load_safetensors(path: str | os.PathLike) -> KVCache:
