@@ -127,7 +127,7 @@ class KnowledgeBase:
         try:
             return self._lookup(ids, bounds)
         except KvcError as exc:
-            log.warning("kvc: store lookup failed (%s); answering by prefill", _one_line(exc))
+            log.warning("store lookup failed (%s); answering by prefill", _one_line(exc))
             return None, 0
 
     def _lookup(self, ids: np.ndarray, bounds: list[int]) -> tuple[StoreKey | None, int]:
@@ -167,13 +167,13 @@ class KnowledgeBase:
         vanished (evicted or deleted between lookup and get) has nothing to evict.
         """
         reason = why if isinstance(why, str) else _one_line(why)
-        log.warning("kvc: store entry %s is unreadable (%s); evicting it and prefilling instead", key.to_str(), reason)
+        log.warning("store entry %s is unreadable (%s); evicting it and prefilling instead", key.to_str(), reason)
         if isinstance(why, _Vanished):
             return {"key": key.to_str(), "reason": reason}
         try:
             self.store.rm(key)
         except KvcError as exc:
-            log.warning("kvc: could not evict store entry %s: %s", key.to_str(), _one_line(exc))
+            log.warning("could not evict store entry %s: %s", key.to_str(), _one_line(exc))
         return {"key": key.to_str(), "reason": reason}
 
     def _open_entry(self, key: StoreKey, ids: np.ndarray) -> tuple[Any, float | None]:
@@ -225,7 +225,7 @@ class KnowledgeBase:
         try:
             return self.deposit(cache, prefill_ttft_s)
         except KvcError as exc:
-            log.warning("kvc: could not store the context's cache: %s", _one_line(exc))
+            log.warning("could not store the context's cache: %s", _one_line(exc))
             return None
 
     def _answer(
