@@ -141,6 +141,25 @@ def check_output(path: PathLike, inputs: Iterable[PathLike | None] = ()) -> Path
     return out
 
 
+def check_input(path: PathLike) -> Path:
+    """Refuse an input that is missing or not a regular file, before anything opens it.
+
+    Why: opening a FIFO blocks until a writer appears (``kvc info fifo``
+    hangs for good) and a device node can be endless; neither is a file
+    kvcodec could have written.
+    """
+    p = Path(os.fspath(path))
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        raise KvcInputError(f"no such file: {p}") from None
+    except (OSError, ValueError) as exc:
+        raise KvcInputError(f"cannot read {p}: {exc}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise KvcInputError(f"input {p} is {_describe(st.st_mode)}, not a regular file")
+    return p
+
+
 def check_outputs_differ(outputs: Iterable[PathLike | None]) -> None:
     """Refuse two outputs of one command that name the same file (the second would replace the first)."""
     seen: dict[str, PathLike] = {}

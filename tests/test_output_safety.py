@@ -24,7 +24,7 @@ from kvcodec import atomic
 from kvcodec.errors import KvcInputError, KvcIOError
 from kvcodec.format import KvcReader, write_kvc
 from kvcodec.format.presets import get_plan
-from kvcodec.kvcache import load_capture, save_capture
+from kvcodec.kvcache import save_capture
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # works with and without tests/__init__.py
 from cliutil import run_kvc  # noqa: E402
