@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import click
 
 from .options import emit_json, json_option, model_option
