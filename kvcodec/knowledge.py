@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .capture import tokenize
+from .capture import check_fits, tokenize
 from .errors import KvcError, KvcInputError
 from .format import KvcReader, encode_kvc_bytes, get_plan
 from .hf import greedy_from, load_cache
@@ -202,6 +202,7 @@ class KnowledgeBase:
         t0 = time.perf_counter()
         ids, bounds = self.context_ids(docs)
         q = self.question_ids(question)
+        check_fits(self.lm, len(ids) + len(q) + max_new_tokens, "the documents + question + answer")
         key, n_cached = self.lookup(ids, bounds)
         timings: dict[str, float] = {"lookup_s": time.perf_counter() - t0}
         unreadable: list[dict[str, str]] = []
@@ -317,6 +318,8 @@ class KnowledgeBase:
         pre = self.prefix_ids()
         parts = [self.doc_ids(d) for d in docs]
         q = self.question_ids(question)
+        check_fits(self.lm, len(pre) + sum(len(p) for p in parts) + len(q) + max_new_tokens,
+                   "the documents + question + answer")
         chunks: list[KVCache] = [capture(self.lm, token_ids=pre)]
         fresh: dict[str, KVCache] = {}  # chunks captured by this call, by key (a document given twice is captured once)
         unreadable: list[dict[str, str]] = []
