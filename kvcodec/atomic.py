@@ -53,7 +53,8 @@ def host_tag() -> str:
 
 def temp_name(dest: Path) -> Path:
     """A fresh temp path next to ``dest`` in the recognisable pattern :func:`collect_stale_temps` knows."""
-    return dest.parent / f".{dest.name}.{host_tag()}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
+    # the name is cut so that a destination name near NAME_MAX (255) still has a temp name that fits
+    return dest.parent / f".{dest.name[:160]}.{host_tag()}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
 
 
 def io_error(exc: OSError, what: str) -> KvcIOError:

@@ -234,6 +234,14 @@ def test_failed_write_leaves_the_old_output_and_no_temp(tmp_path):
     assert out.read_bytes() == old and _temps(tmp_path) == []
 
 
+def test_output_names_up_to_name_max_work_and_longer_ones_are_one_line(tmp_path):
+    ok = tmp_path / ("a" * 250 + ".h5")
+    save_capture(synthetic_cache(torch.float32, T=8), ok)
+    assert ok.is_file() and _temps(tmp_path) == []
+    with pytest.raises(KvcIOError, match="file name too long"):
+        atomic.atomic_write_bytes(tmp_path / ("b" * 300), b"x")
+
+
 def test_new_files_get_umask_permissions_not_0600(tmp_path):
     old = os.umask(0o022)
     try:
