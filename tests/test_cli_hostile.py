@@ -86,7 +86,8 @@ CASES = [
     ["curve", "--text", "u.txt", "--json", "x.json", "--csv", "x.json"], ["curve", "--text", "u.txt", "--plot", "p.gif"],
     ["curve", "--text", "u.txt", "--json", "fifo"], ["curve", "--text", "u.txt", "--continuation", "0"],
     ["ask", "--doc", "u.txt", "q", "--blend", "--recompute-ratio", "nan"], ["ask", "--doc", "u.txt", "q", "--recompute-ratio", "0.5"],
-    ["ask", "--doc", "fifo", "q", "-m", "/nonexistent"],
+    ["ask", "--doc", "fifo", "q", "-m", "/nonexistent"], ["ask", "--doc", "u.txt", "q", "--preset", "nope", "-m", "/nonexistent"],
+    ["ask", "--doc", "u.txt", "q", "--max-new-tokens", "0", "-m", "/nonexistent"], ["ask", "--doc", "u.txt", " ", "-m", "/nonexistent"],
     ["demo", "--out-dir", "fifo", "--no-curve"], ["demo", "--out-dir", "u.txt/sub", "--no-curve"],
     ["store", "get", "not-a-key", "-o", "x", "--store", "adir"], ["nosuchcommand"], ["encode", "--no-such-option"],
 ]
@@ -99,6 +100,7 @@ def test_hostile_arguments_are_one_line_errors(hostile, args, capsys):
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert code != 0, (args, out, err)
     assert len(lines) == 1 and lines[0].startswith("kvc: error: ") and "Traceback" not in err, (args, err)
+    assert "/nonexistent" not in lines[0] or "fifo" in " ".join(args), (args, err)  # refused before the model is looked up
     after = {p: p.stat().st_size for p in hostile.iterdir() if p.is_file()}
     assert {p: n for p, n in after.items() if p in before} == before  # no input clobbered
     assert not [p for p in hostile.iterdir() if p.name.endswith(".kvctmp")]
