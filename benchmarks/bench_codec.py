@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvcodec.atomic import atomic_write_text  # noqa: E402
 from kvcodec.capture import capture, tokenize  # noqa: E402
 from kvcodec.evaluate import continue_logits, evaluate, greedy  # noqa: E402
 from kvcodec.kvcache import load_h5, save_h5  # noqa: E402
@@ -107,7 +108,7 @@ def main() -> None:
             print(f"{text:7s} {label:14s} {row['bits_per_element']:.3f} b/e (+ext {row['bits_per_element_with_ext']:.3f})  KL {q.kl_mean:.2e}  "
                   f"dPPL {q.dppl_percent:+.3f}%  top1 {q.top1_agreement:.3f}  greedy {q.greedy_match:.2f}  enc {t1-t0:.2f}s dec {t2-t1:.2f}s", flush=True)
     if a.json:
-        Path(a.json).write_text(json.dumps(rows, indent=1))
+        atomic_write_text(a.json, json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from kvcodec.atomic import atomic_write_text
     from kvcodec.curve import plot_curve, run_curve, summary_table, write_csv
     from kvcodec.texts import DEFAULT_BENCH_TEXTS
 
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     ratios = cachegen_vs_kvcodec(res["rows"])
     res["cachegen_vs_kvcodec"] = ratios
     res["bench"] = {"wall_s": round(wall, 1), "threads": a.threads, "note": "measured on a shared 2-core machine; timings are noisy"}
-    (out / "curve.json").write_text(json.dumps(res, indent=2, sort_keys=True, default=float) + "\n")
+    atomic_write_text(out / "curve.json", json.dumps(res, indent=2, sort_keys=True, default=float) + "\n")
     md = [f"# kvcodec vs baselines: {a.model}, {max_tokens}-token contexts, {a.continuation}-token continuations", "",
           "bits/elem = real .kvc file bytes x 8 / K+V elements of the full context; KL = mean KL(exact || decoded) "
           "over the continuation (nats); top-1 / greedy vs the exact cache.", "", summary_table(res["rows"]), "",
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         md += ["", "Notes:"] + [f"- {n}" for n in res["notes"]]
     md += ["", f"Wall time {wall:.0f} s with {a.threads} torch thread(s) on a shared machine."]
     text = "\n".join(md) + "\n"
-    (out / "curve.md").write_text(text)
+    atomic_write_text(out / "curve.md", text)
     print(text)
     return 0
 

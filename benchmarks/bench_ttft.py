@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvcodec.atomic import atomic_write_text
 from kvcodec.capture import capture, tokenize
 from kvcodec.format import encode_kvc_bytes, get_plan
 from kvcodec.hf import greedy_from, load_cache
@@ -161,7 +162,7 @@ def main() -> None:
         cells = " | ".join(f"{r[c + '_s']:.3f} ({r[c + '_speedup']:.1f}x{'' if r[c + '_first_token_matches'] else ', 1st token differs'})" for c in cols)
         print(f"| {r['tokens']} | {r['kvc_bytes']:,} | {r['bits_per_element']:.2f} | {r['prefill_s']:.3f} | {cells} |")
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"machine": machine(), "rows": rows}, indent=2))
+        atomic_write_text(args.json_out, json.dumps({"machine": machine(), "rows": rows}, indent=2))
 
 
 def machine() -> dict:

@@ -149,8 +149,9 @@ def main() -> None:
           f"loaded {int(res['loaded_tokens_per_request'])} tokens, fetch+decode {res['load_s_per_request']:.2f} s |")
     print(f"speedup warm vs plain: {p_med / w_med:.2f}x; same first token: {all(res['same_first_token'])}")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=2)
+        from kvcodec.atomic import atomic_write_text
+
+        atomic_write_text(a.json, json.dumps(res, indent=2))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ def ask_command(model, docs, store_url, preset, namespace, max_new_tokens, no_st
                 question) -> None:
     """Answer QUESTION about the documents; the first call prefills and stores, later calls load."""
     from kvcodec.errors import KvcInputError
+    from kvcodec.format.presets import available_presets
     from kvcodec.knowledge import KnowledgeBase, read_docs
     from kvcodec.model import load_model
 
@@ -33,6 +34,12 @@ def ask_command(model, docs, store_url, preset, namespace, max_new_tokens, no_st
         raise KvcInputError("--recompute-ratio only applies with --blend")
     if blend and not 0.0 <= recompute_ratio <= 1.0:  # refused before loading the model
         raise KvcInputError(f"--recompute-ratio must lie in [0, 1], got {recompute_ratio:g}")
+    if preset not in available_presets():
+        raise KvcInputError(f"unknown preset {preset!r} (available: {', '.join(available_presets())})")
+    if max_new_tokens < 1:
+        raise KvcInputError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    if not question.strip():
+        raise KvcInputError("the question is empty")
     texts = read_docs(list(docs))
     kb = KnowledgeBase(load_model(model), store_url, preset=preset, namespace=namespace)
     if blend:

@@ -17,11 +17,13 @@ from .options import emit_json, json_option, model_option
 @json_option
 def capture_command(model: str, text_path: str, max_tokens: int | None, output: str, as_json: bool) -> None:
     """Run prefill on TEXT and write the raw KV cache (HDF5 or safetensors)."""
+    from kvcodec.atomic import check_output
     from kvcodec.capture import capture
     from kvcodec.kvcache import save_capture
     from kvcodec.model import load_model
     from kvcodec.texts import load_text
 
+    check_output(output, inputs=[text_path, model])
     text = load_text(text_path)
     lm = load_model(model)
     cache = capture(lm, text=text, max_tokens=max_tokens)

@@ -238,6 +238,7 @@ def encode_command(input_path: str | None, output: str, preset: str, config: str
     lossy --preset its other settings (sink, tokenscale, ...) are kept.
     --config names a preset and overrides its plan's parameters.
     """
+    from kvcodec.atomic import check_input, check_output
     from kvcodec.errors import KvcInputError
     from kvcodec.format import get_plan, write_kvc
     from kvcodec.format.presets import BUILTIN_PRESETS, available_presets
@@ -285,6 +286,7 @@ def encode_command(input_path: str | None, output: str, preset: str, config: str
     if overrides.get("level") is not None and preset not in ("lossless", "zstd", "fp16"):
         raise KvcInputError(f"--config: 'level' is a zstd setting; preset {preset} has none")
 
+    check_output(output, inputs=[input_path, text_path, config, model])  # before minutes of capture/encode work
     lm = None
 
     def get_lm() -> Any:
@@ -304,8 +306,7 @@ def encode_command(input_path: str | None, output: str, preset: str, config: str
         text = load_text(text_path)
         cache = capture(get_lm(), text=text, max_tokens=max_tokens)
     else:
-        if not Path(input_path).is_file():
-            raise KvcInputError(f"no such file: {input_path}")
+        check_input(input_path)
         cache = load_capture(input_path)
     elems = context_elements(cache)  # the unpruned context's elements: what every rate is charged against
 
@@ -380,9 +381,11 @@ def encode_command(input_path: str | None, output: str, preset: str, config: str
 @json_option
 def decode_command(input_path: str, output: str, backend: str | None, as_json: bool) -> None:
     """Decode a .kvc file back into a raw capture (same layout as kvc capture)."""
+    from kvcodec.atomic import check_input, check_output
     from kvcodec.format import read_kvc
     from kvcodec.kvcache import save_capture
 
+    check_output(output, inputs=[check_input(input_path)])
     cache = read_kvc(input_path, backend=backend)
     save_capture(cache, output)
     info = {"input": input_path, "output": output, "layers": cache.num_layers, "tokens": cache.num_tokens,
@@ -398,9 +401,10 @@ def decode_command(input_path: str, output: str, backend: str | None, as_json: b
 @json_option
 def info_command(path: str, as_json: bool) -> None:
     """Describe a .kvc file: model, tokens, codec, sizes and overheads (no decoding)."""
+    from kvcodec.atomic import check_input
     from kvcodec.format import KvcReader
 
-    with KvcReader(path) as r:
+    with KvcReader(check_input(path)) as r:
         d = info_dict(r, path)
     if as_json:
         emit_json(d)
@@ -414,9 +418,11 @@ def info_command(path: str, as_json: bool) -> None:
 @json_option
 def verify_command(path: str, backend: str | None, as_json: bool) -> None:
     """Check structure, every CRC32C and padding byte, and decode every chunk. Exit 0 only if clean."""
+    from kvcodec.atomic import check_input
     from kvcodec.errors import KvcFormatError
     from kvcodec.format import KvcReader
 
+    check_input(path)
     try:
         r = KvcReader(path)
     except KvcFormatError as exc:

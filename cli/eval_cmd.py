@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import click
 
 from .options import emit_json, json_option, model_option
@@ -24,14 +22,14 @@ def eval_command(kvc_file: str, model: str, text_path: str, continuation: int, g
     context), the ratio vs fp16, and the model's continuation quality:
     mean KL (nats), top-1 agreement, perplexity change and greedy match.
     """
+    from kvcodec.atomic import check_input
     from kvcodec.capture import tokenize
     from kvcodec.curve import eval_kvc_file
     from kvcodec.errors import KvcInputError
     from kvcodec.model import load_model
     from kvcodec.texts import load_text
 
-    if not Path(kvc_file).is_file():
-        raise KvcInputError(f"no such file: {kvc_file}")
+    check_input(kvc_file)
     if greedy_tokens < 0:
         raise KvcInputError(f"--greedy-tokens must be >= 0, got {greedy_tokens}")
     text = load_text(text_path)

@@ -7,6 +7,7 @@ printed on one line with the error's exit code; no traceback reaches users.
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import click
@@ -20,7 +21,27 @@ def cli() -> None:
     """kvcodec: compress, store and deliver LLM KV caches (.kvc files)."""
 
 
+class _WarningLine(logging.Handler):
+    """Library warnings (e.g. an unreadable store entry that was evicted) as one ``kvc: warning:`` line each.
+
+    Writes through click to whatever stderr is current, so it is installed once.
+    """
+
+    def emit(self, record: logging.LogRecord) -> None:
+        click.echo(f"kvc: warning: {' '.join(record.getMessage().split())}", err=True)
+
+
+def _show_warnings() -> None:
+    lib = logging.getLogger("kvcodec")
+    if not any(isinstance(h, _WarningLine) for h in lib.handlers):
+        h = _WarningLine(logging.WARNING)
+        lib.addHandler(h)
+        if lib.level == logging.NOTSET:
+            lib.setLevel(logging.WARNING)
+
+
 def main(argv: list[str] | None = None) -> None:
+    _show_warnings()
     try:
         rv = cli.main(args=argv, prog_name="kvc", standalone_mode=False)
     except KvcError as exc:
@@ -29,6 +50,11 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.Abort:
         click.echo("kvc: aborted", err=True)
         sys.exit(130)
+    except click.UsageError as exc:  # bad arguments are bad input: one line like every other error
+        cmd = exc.ctx.command_path if exc.ctx is not None else "kvc"
+        msg = " ".join(exc.format_message().split())
+        click.echo(f"kvc: error: {msg} (see '{cmd} --help')", err=True)
+        sys.exit(exc.exit_code)
     except click.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)

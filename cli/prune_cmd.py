@@ -26,13 +26,14 @@ def prune_command(input_path: str, spec: str, output: str, model: str | None, qu
     text again (positions renumbered). The spec and kept fraction are
     recorded in the cache's metadata under "prune".
     """
+    from kvcodec.atomic import check_input, check_output
     from kvcodec.errors import KvcInputError
     from kvcodec.kvcache import load_capture, save_capture
     from kvcodec.prune import apply_prune, parse_prune
 
     budget = parse_prune(spec)  # refuse a bad spec before loading anything
-    if not Path(input_path).is_file():
-        raise KvcInputError(f"no such file: {input_path}")
+    check_input(input_path)
+    check_output(output, inputs=[input_path, model])
     cache = load_capture(input_path)
     if question is not None and budget.method != "lingua":
         raise KvcInputError("--question only applies to lingua pruning")

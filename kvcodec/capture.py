@@ -35,6 +35,24 @@ def select_context(ids: np.ndarray, max_tokens: int | None, min_follow: int = 0)
     return ids[:n]
 
 
+def max_context(lm: LoadedModel) -> int | None:
+    """The model's context window (``max_position_embeddings``), or None if its config does not say."""
+    n = getattr(lm.model.config.get_text_config(), "max_position_embeddings", None)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+def check_fits(lm: LoadedModel, n_tokens: int, what: str = "the context") -> None:
+    """Refuse more tokens than the model's context window.
+
+    Why: past it a model's output is meaningless, and prefill memory grows
+    with the length, so a huge text must be an error, not hours of swapping.
+    """
+    limit = max_context(lm)
+    if limit is not None and n_tokens > limit:
+        raise KvcInputError(f"{what} has {n_tokens:,} tokens, more than the model's context window of {limit:,} "
+                            "(use --max-tokens or a shorter text)")
+
+
 @torch.inference_mode()
 def prefill(lm: LoadedModel, token_ids: np.ndarray) -> tuple[Any, torch.Tensor]:
     """Full prefill. Returns (HF DynamicCache, logits [T, vocab])."""
@@ -62,7 +80,9 @@ def context_ids(
     vocab = int(lm.model.config.get_text_config().vocab_size)
     if ids.min() < 0 or ids.max() >= vocab:
         raise KvcInputError(f"token ids must lie in [0, {vocab})")
-    return select_context(ids, max_tokens)
+    ids = select_context(ids, max_tokens)
+    check_fits(lm, len(ids))
+    return ids
 
 
 def capture(

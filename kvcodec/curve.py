@@ -37,12 +37,14 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .atomic import atomic_path, atomic_write_text, check_output, check_outputs_differ
 from .errors import KvcError, KvcInputError
 from .format import KvcReader, write_kvc
 from .format import presets as format_presets
-from .kvcache import KVCache, atomic_replace, token_ids_sha256
+from .kvcache import KVCache, token_ids_sha256
 from .quant import presets as quant_presets
 
+PLOT_FORMATS = (".png", ".svg", ".pdf")  # what --plot writes (matplotlib backends without extra deps)
 SCHEMA = "kvcodec-curve/1"
 BASELINE_FAMILIES = ("fp16", "fp16+zstd", "int8", "kivi", "cachegen")
 ALL_FAMILIES = ("kvcodec", "kvcodec-kl", *BASELINE_FAMILIES, "h2o")
@@ -336,24 +338,13 @@ def load_previous(path: str | os.PathLike | None) -> dict[tuple, dict[str, Any]]
     return {_row_key(r): r for r in obj.get("rows", []) if isinstance(r, dict) and not r.get("error")}
 
 
-def _write_atomic(path: str | os.PathLike, text: str) -> None:
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent if str(path.parent) else ".")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        atomic_replace(Path(tmp), path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-
-
 def write_csv(rows: list[dict[str, Any]], path: str | os.PathLike) -> None:
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=list(CSV_FIELDS), extrasaction="ignore")
     w.writeheader()
     for r in rows:
         w.writerow(r)
-    _write_atomic(path, buf.getvalue())
+    atomic_write_text(path, buf.getvalue())
 
 
 def run_curve(
@@ -379,9 +370,12 @@ def run_curve(
         raise KvcInputError("give at least one --text")
     if continuation < 2:
         raise KvcInputError(f"--continuation must be at least 2, got {continuation}")
-    for p in (json_out, csv_out, plot_out):
-        if p is not None and not (Path(p).parent if str(Path(p).parent) else Path(".")).is_dir():
-            raise KvcInputError(f"output directory of {p} does not exist")
+    check_outputs_differ([json_out, csv_out, plot_out])
+    for p in (json_out, csv_out, plot_out):  # refused before minutes of work, not after
+        if p is not None:
+            check_output(p, inputs=texts)
+    if plot_out is not None and Path(plot_out).suffix.lower() not in PLOT_FORMATS:
+        raise KvcInputError(f"--plot {plot_out}: name a {'/'.join(PLOT_FORMATS)} file")
     chosen = select_methods(methods, target_kls, h2o_budgets)
     if not chosen.methods:
         raise KvcInputError("no method to run: " + ("; ".join(chosen.notes) or "empty --methods"))
@@ -432,7 +426,7 @@ def run_curve(
                     row = dict(row, text=text, reused=True)
                 result["rows"].append(row)
                 if json_out is not None:
-                    _write_atomic(json_out, json.dumps(result, indent=2, sort_keys=True, default=float) + "\n")
+                    atomic_write_text(json_out, json.dumps(result, indent=2, sort_keys=True, default=float) + "\n")
                 bar.update(1)
     bar.close()
     if csv_out is not None:
@@ -497,8 +491,11 @@ def plot_curve(result: dict[str, Any], out: str | os.PathLike) -> None:
         ax.legend(fontsize=7, loc="best", title="family (line = Pareto frontier;\nfilled = on frontier)", title_fontsize=6)
     fig.suptitle(f"kvcodec rate vs. quality, model {result.get('model')} (one panel per text)", fontsize=11)
     fig.tight_layout()
-    fig.savefig(out, dpi=130)
-    plt.close(fig)
+    try:
+        with atomic_path(out) as tmp:  # the temp name has no image suffix: name the format
+            fig.savefig(tmp, dpi=130, format=Path(out).suffix.lstrip(".").lower() or "png")
+    finally:
+        plt.close(fig)
 
 
 def summary_table(rows: list[dict[str, Any]]) -> str:

@@ -53,3 +53,9 @@ class KvcStoreError(KvcError):
     """A store operation failed (unreachable tier, bad URL, corrupt entry)."""
 
     exit_code = 8
+
+
+class KvcIOError(KvcError):
+    """The system refused an I/O operation: disk full, read-only filesystem, permission denied."""
+
+    exit_code = 9

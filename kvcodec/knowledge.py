@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,13 +26,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from .capture import tokenize
-from .errors import KvcInputError
+from .capture import check_fits, tokenize
+from .errors import KvcError, KvcInputError
 from .format import KvcReader, encode_kvc_bytes, get_plan
 from .hf import greedy_from, load_cache
 from .kvcache import KVCache
 from .model import LoadedModel, cache_root
 from .store import Store, StoreKey
+
+log = logging.getLogger("kvcodec.knowledge")
 
 CHAT_PREFIX = "<|im_start|>system\nAnswer the question using the documents.<|im_end|>\n<|im_start|>user\n"
 QUESTION_TEMPLATE = "Question: {question}<|im_end|>\n<|im_start|>assistant\n"
@@ -66,6 +69,9 @@ class Answer:
     prefill_ttft_s: float | None  # TTFT of the prefill path, as measured when the entry was stored
     stored: dict[str, Any] | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    # store entries found but unreadable (corrupt, vanished, undecodable, calibration missing): each was
+    # evicted and answered by prefill instead; {"key", "reason"} per entry
+    unreadable: list[dict[str, str]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         d = self.__dict__.copy()
@@ -113,7 +119,18 @@ class KnowledgeBase:
 
     # -- lookup / deposit ----------------------------------------------------
     def lookup(self, ids: np.ndarray, bounds: list[int]) -> tuple[StoreKey | None, int]:
-        """Longest cached prefix: document boundaries first, then 256-token chunk boundaries."""
+        """Longest cached prefix: document boundaries first, then 256-token chunk boundaries.
+
+        A store that cannot be searched (a tier down) is a miss: the answer
+        does not need the store, so it is produced by prefill with a warning.
+        """
+        try:
+            return self._lookup(ids, bounds)
+        except KvcError as exc:
+            log.warning("store lookup failed (%s); answering by prefill", _one_line(exc))
+            return None, 0
+
+    def _lookup(self, ids: np.ndarray, bounds: list[int]) -> tuple[StoreKey | None, int]:
         cands = [self.key(ids[:b]) for b in sorted(set(bounds), reverse=True)]
         found = self.store.contains_many(cands)
         best = next((k for k, ok in zip(cands, found) if ok), None)
@@ -140,25 +157,88 @@ class KnowledgeBase:
             "bits_per_element": len(data) * 8 / cache.num_elements, "stored_in": res.stored_in, "failed": res.failed,
         }
 
+    # -- unreadable entries ------------------------------------------------------
+    def drop_unreadable(self, key: StoreKey, why: BaseException | str) -> dict[str, str]:
+        """Warn about an entry that cannot be used, evict it (best effort) and say what happened.
+
+        Called for an entry that is corrupt, undecodable, of another model or
+        tokens, or needs a calibration this machine lacks: leaving it in place
+        would make every later ask pay for the same failure. An entry that
+        vanished (evicted or deleted between lookup and get) has nothing to evict.
+        """
+        reason = why if isinstance(why, str) else _one_line(why)
+        log.warning("store entry %s is unreadable (%s); evicting it and prefilling instead", key.to_str(), reason)
+        if isinstance(why, _Vanished):
+            return {"key": key.to_str(), "reason": reason}
+        try:
+            self.store.rm(key)
+        except KvcError as exc:
+            log.warning("could not evict store entry %s: %s", key.to_str(), _one_line(exc))
+        return {"key": key.to_str(), "reason": reason}
+
+    def _open_entry(self, key: StoreKey, ids: np.ndarray) -> tuple[Any, float | None]:
+        """The lazily decoded cache of ``key`` (which must hold exactly ``ids``) and its recorded prefill TTFT."""
+        data = self.store.get(key)
+        if data is None:
+            raise _Vanished("it vanished from the store between lookup and get")
+        loaded = load_cache(data, self.lm)
+        if not np.array_equal(loaded.token_ids, ids):
+            raise KvcInputError(f"store entry {key} encodes other tokens than its key says")
+        meta = loaded.reader.header.meta
+        ttft = meta.get("prefill_ttft_s") if isinstance(meta, dict) else None
+        return loaded.cache, ttft if isinstance(ttft, (int, float)) and not isinstance(ttft, bool) else None
+
     # -- the main job --------------------------------------------------------
     @torch.inference_mode()
     def ask(self, docs: list[str], question: str, max_new_tokens: int = 48, store_new: bool = True) -> Answer:
+        """Answer ``question`` about ``docs``: from the longest cached prefix, else by prefill.
+
+        An entry found but unusable (see :meth:`drop_unreadable`) is evicted and
+        the answer comes from a full prefill; with ``store_new`` a good entry
+        then replaces it (and the full context is stored as on any miss).
+        """
+        if max_new_tokens < 1:  # checked up front: a bad argument must never look like a bad entry
+            raise KvcInputError("max_new_tokens must be at least 1")
         t0 = time.perf_counter()
         ids, bounds = self.context_ids(docs)
         q = self.question_ids(question)
+        check_fits(self.lm, len(ids) + len(q) + max_new_tokens, "the documents + question + answer")
         key, n_cached = self.lookup(ids, bounds)
         timings: dict[str, float] = {"lookup_s": time.perf_counter() - t0}
-        prefill_ttft = None
+        unreadable: list[dict[str, str]] = []
         if key is not None:
-            data = self.store.get(key)
-            timings["fetch_s"] = time.perf_counter() - t0 - timings["lookup_s"]
-            loaded = load_cache(data, self.lm)
-            if not np.array_equal(loaded.token_ids, ids[:n_cached]):
-                raise KvcInputError(f"store entry {key} encodes other tokens than its key says")
-            past = loaded.cache
-            prefill_ttft = (loaded.reader.header.meta or {}).get("prefill_ttft_s")
-        else:
-            past = None
+            try:
+                return self._answer(ids, q, key, n_cached, max_new_tokens, store_new, t0, timings, unreadable).answer
+            except KvcError as exc:  # raised by the entry: fetching or opening it, or decoding a layer inside the forward
+                unreadable.append(self.drop_unreadable(key, exc))
+            timings = {"lookup_s": timings["lookup_s"], "failed_load_s": time.perf_counter() - t0 - timings["lookup_s"]}
+        ans = self._answer(ids, q, None, 0, max_new_tokens, store_new, t0, timings, unreadable)
+        if store_new and key is not None and key.n_tokens < len(ids) and ans.context_kv is not None:
+            # the evicted entry was a shorter prefix: put a good one back in its place (causal: a prefix's KV is a slice)
+            n = key.n_tokens
+            prefix = KVCache([k[:, :n] for k, _ in ans.context_kv], [v[:, :n] for _, v in ans.context_kv], ids[:n],
+                             self.lm.fingerprint)
+            ans.answer.stored = dict(ans.answer.stored or {}, replaced=self._deposit_or_warn(prefix))
+        return ans.answer
+
+    def _deposit_or_warn(self, cache: KVCache, prefill_ttft_s: float | None = None) -> dict[str, Any] | None:
+        """:meth:`deposit`, but a store that refuses the entry costs a warning, not the answer."""
+        try:
+            return self.deposit(cache, prefill_ttft_s)
+        except KvcError as exc:
+            log.warning("could not store the context's cache: %s", _one_line(exc))
+            return None
+
+    def _answer(
+        self, ids: np.ndarray, q: np.ndarray, key: StoreKey | None, n_cached: int, max_new_tokens: int,
+        store_new: bool, t0: float, timings: dict[str, float], unreadable: list[dict[str, str]],
+    ) -> "_Answered":
+        prefill_ttft = None
+        past = None
+        if key is not None:
+            t1 = time.perf_counter()
+            past, prefill_ttft = self._open_entry(key, ids[:n_cached])
+            timings["fetch_s"] = time.perf_counter() - t1
         rest = ids[n_cached:]
         if rest.size:  # prefill what the store did not have (all of it on a miss)
             pos = torch.arange(n_cached, len(ids)).unsqueeze(0)
@@ -172,25 +252,38 @@ class KnowledgeBase:
         stored = None
         if context_kv is not None:
             snapshot = KVCache([k for k, _ in context_kv], [v for _, v in context_kv], ids, self.lm.fingerprint)
-            stored = self.deposit(snapshot, ttft if key is None else None)
-        return Answer(
+            stored = self._deposit_or_warn(snapshot, ttft if key is None and not unreadable else None)
+        answer = Answer(
             answer=self.lm.tokenizer.decode(answer_ids, skip_special_tokens=True).strip(),
             answer_ids=answer_ids, source=source, context_tokens=int(len(ids)), cached_tokens=int(n_cached),
             ttft_s=ttft, prefill_ttft_s=ttft if key is None else prefill_ttft, stored=stored, timings=timings,
+            unreadable=unreadable,
         )
+        return _Answered(answer, context_kv)
 
     # -- blended answers (issue 9) ---------------------------------------------
-    def chunk_cache(self, ids: np.ndarray) -> KVCache | None:
-        """The position-independent chunk cache of ``ids`` (captured alone, at positions 0..n-1) from the store, or None."""
+    def chunk_cache(self, ids: np.ndarray, unreadable: list[dict[str, str]] | None = None) -> KVCache | None:
+        """The position-independent chunk cache of ``ids`` (captured alone, at positions 0..n-1) from the store, or None.
+
+        None also for an entry that cannot be used: it is evicted (see
+        :meth:`drop_unreadable`, recorded in ``unreadable``) so the caller
+        captures the chunk again and stores a good entry in its place.
+        """
         key = self.key(ids)
-        data = self.store.get(key)
-        if data is None:
+        try:
+            data = self.store.get(key)
+            if data is None:
+                return None
+            with KvcReader(data) as r:
+                self.lm.fingerprint.check_compatible(r.fingerprint, what=f"store entry {key}")
+                cache = r.read_cache()
+            if not np.array_equal(cache.token_ids, ids) or cache.positions is not None:
+                raise KvcInputError(f"store entry {key} encodes other tokens than its key says")
+        except KvcError as exc:
+            rec = self.drop_unreadable(key, exc)
+            if unreadable is not None:
+                unreadable.append(rec)
             return None
-        with KvcReader(data) as r:
-            self.lm.fingerprint.check_compatible(r.fingerprint, what=f"store entry {key}")
-            cache = r.read_cache()
-        if not np.array_equal(cache.token_ids, ids) or cache.positions is not None:
-            raise KvcInputError(f"store entry {key} encodes other tokens than its key says")
         return cache
 
     @torch.inference_mode()
@@ -225,8 +318,11 @@ class KnowledgeBase:
         pre = self.prefix_ids()
         parts = [self.doc_ids(d) for d in docs]
         q = self.question_ids(question)
+        check_fits(self.lm, len(pre) + sum(len(p) for p in parts) + len(q) + max_new_tokens,
+                   "the documents + question + answer")
         chunks: list[KVCache] = [capture(self.lm, token_ids=pre)]
         fresh: dict[str, KVCache] = {}  # chunks captured by this call, by key (a document given twice is captured once)
+        unreadable: list[dict[str, str]] = []
         cached = 0
         timings: dict[str, float] = {"fetch_s": 0.0, "capture_s": 0.0}
         for ids in parts:
@@ -234,7 +330,7 @@ class KnowledgeBase:
             t1 = time.perf_counter()
             c = fresh.get(k)
             if c is None:
-                c = self.chunk_cache(ids)
+                c = self.chunk_cache(ids, unreadable)
                 if c is not None:
                     cached += len(ids)
                     timings["fetch_s"] += time.perf_counter() - t1
@@ -248,10 +344,11 @@ class KnowledgeBase:
         ttft = t_gen - t0 + gen.timings["ttft_s"]
         timings.update(blend_s=gen.timings["ttft_s"], decode_s=gen.timings["decode_s"])
         stored = None
-        if store_new and fresh:
-            deps = [self.deposit(c) for c in fresh.values()]
+        done = [(c, self._deposit_or_warn(c)) for c in fresh.values()] if store_new else []
+        deps = [d for _, d in done if d is not None]
+        if deps:
             n_bytes = sum(d["bytes"] for d in deps)
-            elems = sum(c.num_elements for c in fresh.values())
+            elems = sum(c.num_elements for c, d in done if d is not None)
             stored = {
                 "chunks": deps, "keys": [d["key"] for d in deps], "bytes": n_bytes, "bits_per_element": n_bytes * 8 / elems,
                 "encode_s": sum(d["encode_s"] for d in deps),
@@ -262,7 +359,22 @@ class KnowledgeBase:
         return Answer(
             answer=gen.text.strip(), answer_ids=list(gen.token_ids), source="blend", context_tokens=int(context_tokens),
             cached_tokens=int(cached), ttft_s=ttft, prefill_ttft_s=None, stored=stored, timings=timings,
+            unreadable=unreadable,
         )
+
+
+@dataclass
+class _Answered:
+    answer: Answer
+    context_kv: list[tuple[torch.Tensor, torch.Tensor]] | None  # the full context's K/V when it was computed here
+
+
+class _Vanished(KvcError):
+    """A store entry found by lookup was gone by the time it was fetched (evicted or deleted meanwhile)."""
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def read_docs(paths: list[str]) -> list[str]:

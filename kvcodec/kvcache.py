@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .atomic import atomic_path, atomic_write_bytes, io_error_in  # noqa: F401  (atomic_write_bytes: kvc store get -o)
 from .errors import KvcFormatError, KvcInputError
 from .fingerprint import ModelFingerprint
 
@@ -132,63 +132,25 @@ class KVCache:
 
 
 # -- HDF5 ------------------------------------------------------------------
-def _atomic_target(path: Path) -> Path:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
-    os.close(fd)
-    return Path(tmp)
-
-
-def atomic_replace(tmp: Path, path: Path) -> None:
-    """fsync ``tmp`` and rename it over ``path`` so readers never see half a file."""
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    try:
-        dfd = os.open(path.parent or ".", os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:
-        pass
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temp file + rename."""
-    tmp = _atomic_target(path)
-    try:
-        tmp.write_bytes(data)
-        atomic_replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def save_h5(cache: KVCache, path: str | os.PathLike) -> None:
+    """Write ``cache`` as an HDF5 capture, atomically (:mod:`kvcodec.atomic`)."""
     import h5py
 
-    path = Path(path)
-    if not path.parent.exists():
-        raise KvcInputError(f"output directory {path.parent} does not exist")
-    tmp = _atomic_target(path)
-    try:
-        with h5py.File(tmp, "w") as f:
-            f.attrs["format"] = H5_FORMAT
-            f.attrs["format_version"] = H5_VERSION
-            f.attrs["fingerprint"] = json.dumps(cache.fingerprint.to_json(), sort_keys=True)
-            f.attrs["meta"] = json.dumps(cache.meta, sort_keys=True)
-            dtype_name = str(cache.dtype).removeprefix("torch.")
-            f.attrs["dtype"] = dtype_name
-            f.create_dataset("token_ids", data=cache.token_ids.astype(np.int32))
-            if cache.positions is not None:
-                f.create_dataset("positions", data=np.asarray(cache.positions, dtype=np.int64))
-            grp = f.create_group("layers")
-            for i, (k, v) in enumerate(zip(cache.keys, cache.values)):
-                g = grp.create_group(str(i))
-                g.create_dataset("key", data=_to_numpy(k))
-                g.create_dataset("value", data=_to_numpy(v))
-        atomic_replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
+        f.attrs["format"] = H5_FORMAT
+        f.attrs["format_version"] = H5_VERSION
+        f.attrs["fingerprint"] = json.dumps(cache.fingerprint.to_json(), sort_keys=True)
+        f.attrs["meta"] = json.dumps(cache.meta, sort_keys=True)
+        dtype_name = str(cache.dtype).removeprefix("torch.")
+        f.attrs["dtype"] = dtype_name
+        f.create_dataset("token_ids", data=cache.token_ids.astype(np.int32))
+        if cache.positions is not None:
+            f.create_dataset("positions", data=np.asarray(cache.positions, dtype=np.int64))
+        grp = f.create_group("layers")
+        for i, (k, v) in enumerate(zip(cache.keys, cache.values)):
+            g = grp.create_group(str(i))
+            g.create_dataset("key", data=_to_numpy(k))
+            g.create_dataset("value", data=_to_numpy(v))
 
 
 def _to_numpy(x: torch.Tensor) -> np.ndarray:
@@ -253,9 +215,10 @@ def _read_ds(group: Any, name: str, max_elems: int) -> np.ndarray:
 
 # -- safetensors -----------------------------------------------------------
 def save_safetensors(cache: KVCache, path: str | os.PathLike) -> None:
+    """Write ``cache`` as a safetensors capture, atomically (:mod:`kvcodec.atomic`)."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    path = Path(path)
     tensors = {"token_ids": torch.from_numpy(cache.token_ids.astype(np.int32))}
     if cache.positions is not None:
         tensors["positions"] = torch.from_numpy(np.asarray(cache.positions, dtype=np.int64))
@@ -263,12 +226,11 @@ def save_safetensors(cache: KVCache, path: str | os.PathLike) -> None:
         tensors[f"layers.{i}.key"] = k.contiguous()
         tensors[f"layers.{i}.value"] = v.contiguous()
     meta = {"format": H5_FORMAT, "fingerprint": json.dumps(cache.fingerprint.to_json()), "meta": json.dumps(cache.meta)}
-    tmp = _atomic_target(path)
-    try:
-        save_file(tensors, str(tmp), metadata=meta)
-        atomic_replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_path(path) as tmp:
+        try:
+            save_file(tensors, str(tmp), metadata=meta)
+        except SafetensorError as exc:  # its I/O errors (disk full, ...) are not OSErrors
+            raise io_error_in(exc, f"cannot write {path}") from None
 
 
 def load_safetensors(path: str | os.PathLike) -> KVCache:
@@ -301,5 +263,6 @@ def load_capture(path: str | os.PathLike) -> KVCache:
 
 
 def save_capture(cache: KVCache, path: str | os.PathLike) -> None:
+    """Write a raw capture by extension (.safetensors, else HDF5)."""
     p = Path(path)
     (save_safetensors if p.suffix == ".safetensors" else save_h5)(cache, p)

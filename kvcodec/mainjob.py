@@ -15,6 +15,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from .atomic import check_output, ensure_output_dir
 from .capture import capture, select_context, tokenize
 from .curve import eval_kvc_file, run_curve
 from .format import KvcReader, get_plan, write_kvc
@@ -41,8 +42,7 @@ def run_main_job(
     preset: str = "balanced", out_dir: Path | None = None, curve: bool = True, repeats: int = 3,
     log: Callable[[str], None] = lambda s: None,
 ) -> dict[str, Any]:
-    out_dir = Path(out_dir or ".")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = ensure_output_dir(out_dir or ".")
     t0 = time.perf_counter()
     lm = load_model(model)
     report: dict[str, Any] = {"model": model, "fingerprint": lm.fingerprint.id, "text": text, "preset": preset,
@@ -53,7 +53,7 @@ def run_main_job(
     cache = capture(lm, token_ids=ids)
 
     log(f"encoding with preset {preset} ...")
-    path = out_dir / f"{Path(text).name}-{len(ids)}-{preset}.kvc"
+    path = check_output(out_dir / f"{Path(text).name}-{len(ids)}-{preset}.kvc", inputs=[text])
     t0 = time.perf_counter()
     plan = get_plan(preset, cache, lm=lm)
     write_kvc(cache, path, plan.pipelines, attachments=plan.attachments, preset=plan.preset)

@@ -98,6 +98,64 @@ def resolve_model_dir(name: str = DEFAULT_MODEL) -> Path:
     return path
 
 
+_PICKLE_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+_MAX_SAFETENSORS_HEADER = 100 << 20  # the format's own limit
+
+
+def check_weights(path: Path) -> list[Path]:
+    """The model directory's safetensors files, each checked to be whole; refuse anything else.
+
+    Why before transformers: it would unpickle ``pytorch_model.bin`` (code
+    execution from a file we do not control), and a truncated safetensors
+    file surfaces as a foreign exception or a crash deep inside it. Only
+    the headers are read here (a few KB per file), not the weights.
+    """
+    import json
+    import struct
+
+    files = sorted(path.glob("*.safetensors"))
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise KvcModelNotFoundError(f"model directory {path}: unreadable {index.name} ({exc})") from None
+        for shard in shards:
+            if not isinstance(shard, str) or Path(shard).name != shard or not (path / shard).is_file():
+                raise KvcModelNotFoundError(f"model directory {path}: {index.name} names a missing shard {shard!r}")
+    if not files:
+        pickles = sorted(p.name for pat in _PICKLE_WEIGHTS for p in path.glob(pat))
+        if pickles:
+            raise KvcModelNotFoundError(
+                f"model directory {path} has only pickle weights ({', '.join(pickles[:3])}); kvcodec never unpickles: "
+                "convert them to safetensors")
+        raise KvcModelNotFoundError(f"model directory {path} has no .safetensors weights")
+    for f in files:
+        try:
+            size = f.stat().st_size
+            with open(f, "rb") as fh:
+                head = fh.read(8)
+                n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+                if not 0 < n <= min(_MAX_SAFETENSORS_HEADER, size - 8):
+                    raise ValueError("header length out of range")
+                header = json.loads(fh.read(n))
+        except (OSError, ValueError, UnicodeDecodeError) as exc:
+            raise KvcModelNotFoundError(f"{f}: not a readable safetensors file ({exc})") from None
+        if not isinstance(header, dict):
+            raise KvcModelNotFoundError(f"{f}: not a readable safetensors file (header is not an object)")
+        end = 0
+        for name, t in header.items():
+            if name == "__metadata__":
+                continue
+            offs = t.get("data_offsets") if isinstance(t, dict) else None
+            if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) for o in offs) and 0 <= offs[0] <= offs[1]):
+                raise KvcModelNotFoundError(f"{f}: tensor {name!r:.60} has malformed data_offsets")
+            end = max(end, offs[1])
+        if 8 + n + end > size:
+            raise KvcModelNotFoundError(f"{f}: truncated ({size:,} bytes, its header describes {8 + n + end:,})")
+    return files
+
+
 def load_model(name: str = DEFAULT_MODEL, dtype: str = "float32") -> LoadedModel:
     """Load model and tokenizer for inference on the CPU (eval mode, no grad)."""
     import torch
@@ -105,6 +163,7 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "float32") -> LoadedModel
     from transformers.utils import logging as hf_logging
 
     path = resolve_model_dir(name)
+    check_weights(path)
     # Hash (or find the cached digest of) the safetensors first: this refuses pickle-only, truncated
     # and corrupt checkpoints before transformers touches them, and pins what the fingerprint describes.
     before = weights_identity(path)
@@ -114,8 +173,9 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "float32") -> LoadedModel
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), local_files_only=True,
                                                      use_safetensors=True)
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise KvcModelNotFoundError(f"cannot load model from {path}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - a malformed directory makes transformers raise almost anything
+        msg = " ".join(str(exc).split())[:300]
+        raise KvcModelNotFoundError(f"cannot load model from {path}: {type(exc).__name__}: {msg}") from None
     finally:
         hf_logging.enable_progress_bar()
     if weights_identity(path) != before:

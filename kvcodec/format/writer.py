@@ -12,9 +12,7 @@ import hashlib
 import io
 import json
 import os
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
 import google_crc32c
@@ -22,7 +20,8 @@ import numpy as np
 import torch
 
 from ..errors import KvcCodecError, KvcInputError
-from ..kvcache import KVCache, atomic_replace, token_ids_sha256
+from ..atomic import atomic_file
+from ..kvcache import KVCache, token_ids_sha256
 from ..stages import Pipeline
 from .container import (
     ALIGN, DTYPE_BY_NAME, FOOTER_SIZE, MAX_BLOB_BYTES, MAX_BLOB_NDIM, MAX_CHUNK_DECODED_BYTES, MAX_PIPELINES,
@@ -270,21 +269,8 @@ def write_kvc(
               store_token_ids=store_token_ids)
     if not isinstance(dest, (str, os.PathLike)):
         return write_kvc_stream(cache, dest, pipelines, **kw)
-    path = Path(dest)
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise KvcInputError(f"output directory {parent} does not exist")
-    if path.is_dir():
-        raise KvcInputError(f"{path} is a directory")
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
-    tmp = Path(tmp_name)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            n = write_kvc_stream(cache, f, pipelines, **kw)
-        atomic_replace(tmp, path)
-        return n
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_file(dest, "wb") as f:
+        return write_kvc_stream(cache, f, pipelines, **kw)
 
 
 def encode_kvc_bytes(

@@ -25,10 +25,14 @@ cache-update op** (``impl.do_kv_cache_update``; on CPU that is
 ``save_kv_layer`` copies the K/V of chunks to save out of the paged cache
 (through a gather map learnt from the same op, so any block layout works)
 and ``wait_for_save`` encodes each chunk with the configured preset and puts
-it into the store. A chunk that fails to load is reported through
-``get_block_ids_with_load_errors`` (vLLM then fails or recomputes the
-request, per ``kv_load_failure_policy``); a chunk that fails to save is
-logged and simply stays a miss.
+it into the store. A stored chunk that cannot be used (corrupt, vanished,
+undecodable, another model's, or needing a calibration this machine lacks)
+is a miss: the scheduler's header check skips it, and the worker reports
+one that fails to load through ``get_block_ids_with_load_errors`` (vLLM
+then recomputes or fails the request, per ``kv_load_failure_policy``); either
+way it is evicted with one warning, so the next request with that prefix
+computes it and the connector saves a good entry in its place. A chunk that
+fails to save is logged and simply stays a miss.
 """
 
 from __future__ import annotations
@@ -52,7 +56,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ..errors import KvcError, KvcInputError
 from .config import ConnectorConfig, LAYOUT, chunk_keys, config_digest, matchable_tokens, savable_tokens
 from .config import _natural, fingerprint_from_dir, leading_run
-from .entries import check_entry, decode_chunk_layers, encode_chunk, learn_gather_map
+from .entries import (
+    ChunkUnreadable, decode_chunk_layers, encode_chunk, evict_unreadable, fetch_chunk, learn_gather_map, next_layer,
+    usable_run,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.config import VllmConfig
@@ -217,31 +224,10 @@ class KvcodecConnector(KVConnectorBase_V1):
         except KvcError as e:
             log.warning("kvcodec connector: store lookup failed (%s); treating as a miss", e)
             return 0, []
-        good = 0
-        for i in range(n):
-            why = self._check_entry_header(keys[i], ids, i * self.cfg.chunk_tokens, (i + 1) * self.cfg.chunk_tokens)
-            if why:
-                _count("rejected_chunks")
-                log.warning("kvcodec connector: stored chunk %s rejected (%s); treating it and later chunks as a miss",
-                            keys[i], why)
-                break
-            good += 1
+        good = usable_run(self.store, keys[:n], self.fingerprint, ids, self.cfg.chunk_tokens)  # evicts a bad one
+        if good < n:
+            _count("rejected_chunks")
         return good * self.cfg.chunk_tokens, keys[:good]
-
-    def _check_entry_header(self, key: Any, ids: list[int], start: int, end: int) -> str | None:
-        """None if the entry's `.kvc` header fits this model and this prefix, else why not."""
-        try:
-            rd = self.store.reader(key)
-            if rd is None:
-                return "entry vanished"
-            from ..format import KvcReader
-
-            with KvcReader(rd) as r:
-                return check_entry(r, self.fingerprint, ids, start, end)
-        except KvcError as e:
-            return f"unreadable: {e}"
-        except Exception as e:  # a third-party tier raising something odd must not take vLLM down
-            return f"unreadable: {type(e).__name__}: {e}"
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self.cfg.load:
@@ -494,10 +480,9 @@ class _LayerLoader:
         self.failed_blocks |= {int(s) // bs for s in ld.slots.tolist()}
 
     def _run(self) -> None:
-        from ..format import KvcReader
-
         C = self.conn.cfg.chunk_tokens
-        per_req: list[tuple[LoadSpec, list[tuple[Any, int, int]]]] = []
+        store = self.conn.store
+        per_req: list[tuple[LoadSpec, list[tuple[Any, int, int, Any]]]] = []
         try:
             for ld in self.loads:
                 parts = []
@@ -506,19 +491,16 @@ class _LayerLoader:
                         cs, ce = j * C, (j + 1) * C
                         if ce <= ld.start:
                             continue
-                        data = self.conn.store.get(key)
-                        if data is None:
-                            raise KvcInputError(f"entry {key} vanished from the store")
-                        r = KvcReader(data)
-                        why = check_entry(r, self.conn.fingerprint, ld.token_ids, cs, ce)
-                        if why:
-                            raise KvcInputError(f"entry {key}: {why}")
-                        parts.append((r, cs, ce))
+                        parts.append((fetch_chunk(store, key, self.conn.fingerprint, ld.token_ids, cs, ce), cs, ce, key))
+                except ChunkUnreadable as e:  # corrupt, vanished, another model's or prefix's: evict, vLLM recomputes
+                    evict_unreadable(store, e)
+                    self._fail(ld, str(e))
+                    continue
                 except Exception as e:
                     self._fail(ld, str(e))
                     continue
                 per_req.append((ld, parts))
-            iters = [(ld, [(decode_chunk_layers(r, cs, ce), cs) for r, cs, ce in parts]) for ld, parts in per_req]
+            iters = [(ld, [(decode_chunk_layers(r, cs, ce), cs, key) for r, cs, ce, key in parts]) for ld, parts in per_req]
             for layer in range(self.n_layers):
                 out = []
                 for ld, its in iters:
@@ -526,14 +508,15 @@ class _LayerLoader:
                         continue
                     try:
                         ks, vs = [], []
-                        for it, cs in its:
-                            i, k, v = next(it)
-                            if i != layer:
-                                raise KvcInputError(f"layer order {i} != {layer}")
+                        for it, cs, key in its:
+                            k, v = next_layer(it, key, layer)
                             lo = max(ld.start - cs, 0)
                             ks.append(k[lo:])
                             vs.append(v[lo:])
                         out.append((ld, torch.cat(ks), torch.cat(vs)))
+                    except ChunkUnreadable as e:  # undecodable (corrupt chunk, calibration missing here)
+                        evict_unreadable(store, e)
+                        self._fail(ld, str(e))
                     except Exception as e:
                         self._fail(ld, str(e))
                 with self.cv:

@@ -5,13 +5,103 @@ No vLLM import here, so the main test suite covers these.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..errors import KvcInputError
+from ..errors import KvcError, KvcInputError
 from .config import LAYOUT
+
+log = logging.getLogger("kvcodec.vllm")
+
+
+class ChunkUnreadable(KvcError):
+    """A stored chunk the connector found but cannot use; ``vanished``: it was gone when fetched."""
+
+    def __init__(self, key: Any, why: str, vanished: bool = False) -> None:
+        super().__init__(f"entry {key}: {why}")
+        self.key, self.why, self.vanished = key, why, vanished
+
+
+def evict_unreadable(store: Any, err: ChunkUnreadable) -> None:
+    """Warn once and delete an unusable chunk so the next request prefills and saves a good one in its place.
+
+    A chunk that vanished has nothing to delete. Never raises: the connector
+    must not take vLLM down over a store it could not clean.
+    """
+    log.warning("kvcodec connector: stored chunk %s is unusable (%s); evicting it, the tokens are computed instead",
+                err.key, err.why)
+    if err.vanished:
+        return
+    try:
+        store.rm(err.key)
+    except Exception as e:  # noqa: BLE001 - a third-party tier raising anything must not break the forward
+        log.warning("kvcodec connector: could not evict %s: %s", err.key, e)
+
+
+def entry_problem(store: Any, key: Any, fp: Any, ids: list[int], start: int, end: int) -> ChunkUnreadable | None:
+    """None if the stored entry's `.kvc` header (ranged read) fits this model and prefix, else why not."""
+    from ..format import KvcReader
+
+    try:
+        rd = store.reader(key)
+        if rd is None:
+            return ChunkUnreadable(key, "entry vanished", vanished=True)
+        with KvcReader(rd) as r:
+            why = check_entry(r, fp, ids, start, end)
+    except Exception as e:  # noqa: BLE001 - KvcError from the reader, anything from a third-party tier
+        return ChunkUnreadable(key, f"unreadable: {e}" if isinstance(e, KvcError) else f"unreadable: {type(e).__name__}: {e}")
+    return None if why is None else ChunkUnreadable(key, why)
+
+
+def usable_run(store: Any, keys: list[Any], fp: Any, ids: list[int], chunk_tokens: int) -> int:
+    """How many of ``keys`` (a leading run of stored chunks) pass the header check.
+
+    The first that does not is evicted (:func:`evict_unreadable`); it and every
+    later chunk are a miss, so vLLM computes them and the connector saves them.
+    """
+    for i, key in enumerate(keys):
+        bad = entry_problem(store, key, fp, ids, i * chunk_tokens, (i + 1) * chunk_tokens)
+        if bad is not None:
+            evict_unreadable(store, bad)
+            return i
+    return len(keys)
+
+
+def fetch_chunk(store: Any, key: Any, fp: Any, ids: list[int], start: int, end: int) -> Any:
+    """An open KvcReader of the stored chunk for tokens [start, end), or :class:`ChunkUnreadable`."""
+    from ..format import KvcReader
+
+    try:
+        data = store.get(key)
+    except KvcError as e:
+        raise ChunkUnreadable(key, f"store get failed: {e}") from None
+    if data is None:
+        raise ChunkUnreadable(key, "vanished from the store between lookup and load", vanished=True)
+    try:
+        r = KvcReader(data)
+    except KvcError as e:
+        raise ChunkUnreadable(key, str(e)) from None
+    why = check_entry(r, fp, ids, start, end)
+    if why:
+        r.close()
+        raise ChunkUnreadable(key, why)
+    return r
+
+
+def next_layer(it: Any, key: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The next (K, V) of a chunk's :func:`decode_chunk_layers` iterator; any failure is :class:`ChunkUnreadable`."""
+    try:
+        i, k, v = next(it)
+    except StopIteration:
+        raise ChunkUnreadable(key, f"ended before layer {layer}") from None
+    except KvcError as e:
+        raise ChunkUnreadable(key, f"layer {layer} undecodable: {e}") from None
+    if i != layer:
+        raise ChunkUnreadable(key, f"layer order {i} != {layer}")
+    return k, v
 
 
 def learn_gather_map(layer: Any, kv: torch.Tensor, block_size: int, heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
