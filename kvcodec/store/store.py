@@ -8,6 +8,9 @@ always in front)::
     redis://[:password@]host:port/db[?timeout=2&prefix=kvc:&ttl=S&retry_interval=1]
     rediss://...                        Redis over TLS
     http(s)://host/base/                read-only published directory store
+    kvc+http(s)://[:TOKEN@]host:port    a shared ``kvc serve`` (token also from $KVC_TOKEN)
+    redis+cluster://[:password@]host:port[?...]   a Redis Cluster (any node; the rest is discovered)
+    s3://bucket/prefix?endpoint_url=...  an S3-compatible object store (boto3)
 
 e.g. ``"/var/cache/kvc,redis://127.0.0.1:6379/0"``.
 
@@ -137,6 +140,18 @@ class Store:
                 from .redis_tier import RedisTier
 
                 tiers.append(RedisTier(part))
+            elif low.startswith(("kvc+http://", "kvc+https://")):
+                from .kdn import KdnTier
+
+                tiers.append(KdnTier(part))
+            elif low.startswith(("redis+cluster://", "rediss+cluster://")):
+                from .redis_cluster import RedisClusterTier
+
+                tiers.append(RedisClusterTier(part))
+            elif low.startswith("s3://"):
+                from .s3 import S3Tier
+
+                tiers.append(S3Tier(part))
             elif low.startswith(("http://", "https://")):
                 from .http import HttpTier
 
@@ -146,7 +161,7 @@ class Store:
             else:
                 raise KvcInputError(
                     f"unsupported store tier {part!r}: use a directory, file://, mem://, "
-                    "redis://, rediss:// or http(s)://")
+                    "redis://, rediss://, redis+cluster://, s3://, kvc+http(s):// or http(s)://")
         return cls([MemoryTier(mem_bytes)] + tiers, url=",".join(_redact(p.strip()) for p in s.split(",")))
 
     @staticmethod

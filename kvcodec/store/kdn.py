@@ -1,0 +1,271 @@
+"""Client tier of the KDN service (``kvc serve``): ``kvc+http://[:TOKEN@]host:port``.
+
+With this tier every existing store client (``kvc ask``, blend, the HF
+loader, the vLLM connector, ``kvc store``) talks to a shared ``kvc serve``
+instead of a local directory or Redis: ``Store.open("kvc+http://host:8470")``.
+The wire protocol is in ``spec/kdn-v1.md``; the server is :mod:`kvcodec.kdn`.
+
+Authentication: a bearer token, taken from the URL's password
+(``kvc+http://:TOKEN@host:port``; redacted in logs and stats) or else from
+the ``KVC_TOKEN`` environment variable.  The server maps the token to a
+tenant and the namespaces it may use; a key in another namespace is refused
+(HTTP 403), which this tier reports as a :class:`KvcStoreError` on writes and
+as a counted miss on reads.
+
+Integrity: the server sends the payload's CRC32C (``X-Kvc-Crc32c``) and this
+tier checks it, so a payload damaged in transit or in a proxy is a miss, not
+a wrong answer.  The server itself verifies every ``.kvc`` on put and checks
+that its token ids hash to the key it is stored under.
+
+Availability: a refused connection or timeout marks the service down for
+``retry_interval`` seconds (one warning per outage); meanwhile reads are
+misses and writes raise :class:`KvcStoreError`, exactly like the Redis tier.
+
+Query options: ``timeout`` (seconds, default 10), ``retry_interval``
+(seconds, default 1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import urllib.error
+import urllib.request
+from http.client import HTTPException
+from typing import Any, Iterable, Iterator, Mapping
+from urllib.parse import parse_qsl, quote, urlsplit, urlunsplit
+
+from ..errors import KvcInputError, KvcStoreError
+from .keys import StoreKey
+from .ranged import HttpRangeReader
+from .tiers import Entry, EntryInfo, Tier, as_bytes, check_meta, crc32c, log
+
+TOKEN_ENV = "KVC_TOKEN"
+API = "/v1"
+# Header names shared with the server (kvcodec.kdn.service).
+H_META = "X-Kvc-Meta"
+H_CRC = "X-Kvc-Crc32c"
+H_CREATED = "X-Kvc-Created"
+CONTENT_TYPE = "application/vnd.kvcodec.kvc"
+MAX_META_HEADER = 7000  # bytes of JSON metadata carried in one header (servers cap header fields at 8 KiB)
+MAX_CONTAINS = 4096     # keys per /v1/contains request
+
+
+def entry_path(key: StoreKey) -> str:
+    return f"{API}/entries/{quote(key.to_str(), safe='')}"
+
+
+class KdnTier(Tier):
+    """A ``kvc serve`` instance as a store tier (see the module docstring)."""
+
+    kind = "kdn"
+
+    def __init__(self, url: str, *, name: str | None = None, token: str | None = None) -> None:
+        p = urlsplit(url)
+        scheme = p.scheme.lower()
+        if scheme not in ("kvc+http", "kvc+https"):
+            raise KvcInputError(f"not a kvc+http(s) URL: {url!r}")
+        if not p.hostname:
+            raise KvcInputError(f"kvc+http URL needs a host: {url!r}")
+        q = dict(parse_qsl(p.query))
+        try:
+            self.timeout = float(q.pop("timeout", 10.0))
+            self.retry_interval = float(q.pop("retry_interval", 1.0))
+        except ValueError as e:
+            raise KvcInputError(f"bad kvc+http option: {e}") from None
+        if q:
+            raise KvcInputError(f"unknown kvc+http options {sorted(q)}")
+        if p.path not in ("", "/"):
+            raise KvcInputError(f"kvc+http URL takes no path: {p.path!r}")
+        self.token = token or p.password or os.environ.get(TOKEN_ENV) or None
+        try:
+            port = p.port
+        except ValueError as e:
+            raise KvcInputError(f"bad port in kvc+http URL: {e}") from None
+        host = p.hostname if ":" not in p.hostname else f"[{p.hostname}]"
+        netloc = f"{host}:{port}" if port else host
+        self.base = urlunsplit((scheme[4:], netloc, "", "", ""))
+        super().__init__(name or "kdn", f"{scheme}://{netloc}")
+        self._lock = threading.Lock()
+        self._down_since: float | None = None
+        self._next_try = 0.0
+        self.last_error: str | None = None
+        self.outages = 0
+
+    # -- transport ----------------------------------------------------------------
+    def _headers(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        h = {"Accept-Encoding": "identity"}
+        if self.token:
+            h["Authorization"] = f"Bearer {self.token}"
+        h.update(extra or {})
+        return h
+
+    def _request(self, method: str, path: str, body: bytes | None = None,
+                 headers: Mapping[str, str] | None = None) -> tuple[int, Mapping[str, str], bytes]:
+        """``(status, headers, body)``; 4xx answers are returned, transport failures raise."""
+        with self._lock:
+            if self._down_since is not None and time.monotonic() < self._next_try:
+                raise KvcStoreError(f"kdn {self.url} is unreachable ({self.last_error}); {method} skipped")
+        req = urllib.request.Request(self.base + path, data=body, method=method, headers=self._headers(headers))
+        try:
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                    out = resp.status, resp.headers, resp.read()
+            except urllib.error.HTTPError as e:
+                with e:
+                    out = e.code, e.headers, e.read()
+        except urllib.error.URLError as e:
+            self._went_down(f"cannot connect: {e.reason}")
+        except (HTTPException, OSError) as e:
+            self._went_down(f"{type(e).__name__}: {e}")
+        if out[0] >= 500:
+            raise KvcStoreError(f"kdn {self.url}: {method} {path}: HTTP {out[0]} {_reason(out[2])}")
+        if self._down_since is not None:
+            with self._lock:
+                was, self._down_since = self._down_since, None
+            if was is not None:
+                log.warning("store: kdn %s reachable again after %.1f s", self.url, time.time() - was)
+        return out
+
+    def _went_down(self, why: str) -> None:
+        first = False
+        with self._lock:
+            self.last_error = why
+            self._next_try = time.monotonic() + self.retry_interval
+            if self._down_since is None:
+                self._down_since = time.time()
+                self.outages += 1
+                first = True
+        if first:
+            log.warning("store: kdn %s unreachable (%s); serving from other tiers", self.url, why)
+        raise KvcStoreError(f"kdn {self.url} is unreachable ({why})")
+
+    def _refused(self, what: str, status: int, body: bytes) -> KvcStoreError:
+        return KvcStoreError(f"kdn {self.url}: {what} refused: HTTP {status} {_reason(body)}")
+
+    def available(self) -> bool:
+        return self._down_since is None
+
+    # -- Tier interface ----------------------------------------------------------
+    def get_entry(self, key: StoreKey) -> Entry | None:
+        try:
+            status, headers, body = self._request("GET", entry_path(key))
+        except KvcStoreError:
+            self.counters.add(errors=1, misses=1)
+            return None
+        if status == 404:
+            self.counters.add(misses=1)
+            return None
+        if status != 200:
+            log.warning("%s", self._refused(f"get {key}", status, body))
+            self.counters.add(errors=1, misses=1)
+            return None
+        want = headers.get(H_CRC)
+        if want is None or f"{crc32c(body):08x}" != want.strip().lower():
+            log.warning("store: kdn %s: payload of %s fails its checksum (%s); a miss", self.url, key, want)
+            self.counters.add(corrupt=1, misses=1)
+            return None
+        try:
+            meta = json.loads(headers.get(H_META) or "{}")
+            created = float(headers.get(H_CREATED) or 0) or None
+        except ValueError:
+            meta, created = {}, None
+        self.counters.add(hits=1)
+        return Entry(key, body, meta if isinstance(meta, dict) else {}, created)
+
+    def put(self, key: StoreKey, data: bytes, meta: Mapping[str, Any] | None = None,
+            created: float | None = None) -> None:
+        data = as_bytes(data)
+        m = json.dumps(check_meta(meta), sort_keys=True, separators=(",", ":"))
+        if len(m) > MAX_META_HEADER:
+            raise KvcInputError(f"metadata of {len(m)} bytes is too large for the kdn service (max {MAX_META_HEADER})")
+        try:
+            status, _, body = self._request("PUT", entry_path(key), data, {
+                "Content-Type": CONTENT_TYPE, H_META: m, H_CRC: f"{crc32c(data):08x}"})
+        except KvcStoreError:
+            self.counters.add(put_errors=1)
+            raise
+        if status not in (200, 201, 204):
+            self.counters.add(put_errors=1)
+            raise self._refused(f"put {key}", status, body)
+        self.counters.add(puts=1)
+
+    def contains(self, key: StoreKey) -> bool:
+        return self.contains_many([key])[0]
+
+    def contains_many(self, keys: Iterable[StoreKey]) -> list[bool]:
+        keys = list(keys)
+        out: list[bool] = []
+        for i in range(0, len(keys), MAX_CONTAINS):
+            part = keys[i:i + MAX_CONTAINS]
+            try:
+                status, _, body = self._request(
+                    "POST", f"{API}/contains", json.dumps({"keys": [k.to_str() for k in part]}).encode(),
+                    {"Content-Type": "application/json"})
+                if status != 200:
+                    raise self._refused("contains", status, body)
+                found = json.loads(body)["found"]
+                if not isinstance(found, list) or len(found) != len(part):
+                    raise KvcStoreError(f"kdn {self.url}: malformed contains answer")
+            except (KvcStoreError, ValueError, KeyError, TypeError) as e:
+                if not isinstance(e, KvcStoreError) or "unreachable" not in str(e):
+                    log.warning("store: kdn %s: contains failed: %s", self.url, e)
+                self.counters.add(errors=1)
+                found = [False] * len(part)
+            out.extend(bool(f) for f in found)
+        return out
+
+    def delete(self, key: StoreKey) -> bool:
+        status, _, body = self._request("DELETE", entry_path(key))
+        if status == 404:
+            return False
+        if status not in (200, 204):
+            raise self._refused(f"delete {key}", status, body)
+        return True
+
+    def ls(self, with_meta: bool = False) -> Iterator[EntryInfo]:
+        status, _, body = self._request("GET", f"{API}/entries?meta={int(with_meta)}")
+        if status != 200:
+            raise self._refused("ls", status, body)
+        try:
+            rows = json.loads(body)["entries"]
+            infos = [EntryInfo(StoreKey.from_str(r["key"]), int(r["size"]), self.name,
+                               r.get("meta") if with_meta else None, r.get("mtime")) for r in rows]
+        except (ValueError, KeyError, TypeError, KvcInputError) as e:
+            raise KvcStoreError(f"kdn {self.url}: malformed listing: {e}") from None
+        yield from infos
+
+    def reader(self, key: StoreKey) -> HttpRangeReader | None:
+        """Range reader over the payload (``Range`` + ``If-Range`` on the entry URL); ``None`` on 404."""
+        try:
+            return HttpRangeReader(self.base + entry_path(key), timeout=self.timeout, headers=self._headers())
+        except KvcStoreError as e:
+            if "HTTP 404" in str(e):
+                return None
+            raise
+
+    def whoami(self) -> dict[str, Any]:
+        """The tenant and namespaces the server maps this tier's token to."""
+        status, _, body = self._request("GET", f"{API}/whoami")
+        if status != 200:
+            raise self._refused("whoami", status, body)
+        return json.loads(body)
+
+    def stats(self) -> dict[str, Any]:
+        d = super().stats()
+        d["outages"] = self.outages
+        d["last_error"] = self.last_error
+        return d
+
+
+def _reason(body: bytes) -> str:
+    """The server's one-line error message from a JSON error body (or the raw start of it)."""
+    try:
+        msg = json.loads(body).get("error")
+        if isinstance(msg, str):
+            return msg
+    except (ValueError, AttributeError):
+        pass
+    return body[:200].decode("utf-8", "replace").strip()
