@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
-import time
 import urllib.error
 import urllib.request
 from http.client import HTTPException
@@ -40,6 +38,7 @@ from urllib.parse import parse_qsl, quote, urlsplit, urlunsplit
 from ..errors import KvcInputError, KvcStoreError
 from .keys import StoreKey
 from .ranged import HttpRangeReader
+from .outage import OutageGuard
 from .tiers import Entry, EntryInfo, Tier, as_bytes, check_meta, crc32c, log
 
 TOKEN_ENV = "KVC_TOKEN"
@@ -88,11 +87,7 @@ class KdnTier(Tier):
         netloc = f"{host}:{port}" if port else host
         self.base = urlunsplit((scheme[4:], netloc, "", "", ""))
         super().__init__(name or "kdn", f"{scheme}://{netloc}")
-        self._lock = threading.Lock()
-        self._down_since: float | None = None
-        self._next_try = 0.0
-        self.last_error: str | None = None
-        self.outages = 0
+        self.guard = OutageGuard(f"kdn {self.url}", self.retry_interval)
 
     # -- transport ----------------------------------------------------------------
     def _headers(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -105,9 +100,7 @@ class KdnTier(Tier):
     def _request(self, method: str, path: str, body: bytes | None = None,
                  headers: Mapping[str, str] | None = None) -> tuple[int, Mapping[str, str], bytes]:
         """``(status, headers, body)``; 4xx answers are returned, transport failures raise."""
-        with self._lock:
-            if self._down_since is not None and time.monotonic() < self._next_try:
-                raise KvcStoreError(f"kdn {self.url} is unreachable ({self.last_error}); {method} skipped")
+        self.guard.check(method)
         req = urllib.request.Request(self.base + path, data=body, method=method, headers=self._headers(headers))
         try:
             try:
@@ -117,36 +110,19 @@ class KdnTier(Tier):
                 with e:
                     out = e.code, e.headers, e.read()
         except urllib.error.URLError as e:
-            self._went_down(f"cannot connect: {e.reason}")
+            raise self.guard.failed(f"cannot connect: {e.reason}") from None
         except (HTTPException, OSError) as e:
-            self._went_down(f"{type(e).__name__}: {e}")
+            raise self.guard.failed(f"{type(e).__name__}: {e}") from None
         if out[0] >= 500:
             raise KvcStoreError(f"kdn {self.url}: {method} {path}: HTTP {out[0]} {_reason(out[2])}")
-        if self._down_since is not None:
-            with self._lock:
-                was, self._down_since = self._down_since, None
-            if was is not None:
-                log.warning("store: kdn %s reachable again after %.1f s", self.url, time.time() - was)
+        self.guard.ok()
         return out
-
-    def _went_down(self, why: str) -> None:
-        first = False
-        with self._lock:
-            self.last_error = why
-            self._next_try = time.monotonic() + self.retry_interval
-            if self._down_since is None:
-                self._down_since = time.time()
-                self.outages += 1
-                first = True
-        if first:
-            log.warning("store: kdn %s unreachable (%s); serving from other tiers", self.url, why)
-        raise KvcStoreError(f"kdn {self.url} is unreachable ({why})")
 
     def _refused(self, what: str, status: int, body: bytes) -> KvcStoreError:
         return KvcStoreError(f"kdn {self.url}: {what} refused: HTTP {status} {_reason(body)}")
 
     def available(self) -> bool:
-        return self._down_since is None
+        return self.guard.up
 
     # -- Tier interface ----------------------------------------------------------
     def get_entry(self, key: StoreKey) -> Entry | None:
@@ -255,8 +231,8 @@ class KdnTier(Tier):
 
     def stats(self) -> dict[str, Any]:
         d = super().stats()
-        d["outages"] = self.outages
-        d["last_error"] = self.last_error
+        d["outages"] = self.guard.outages
+        d["last_error"] = self.guard.last_error
         return d
 
 
