@@ -21,8 +21,9 @@ Availability: a refused connection or timeout marks the service down for
 ``retry_interval`` seconds (one warning per outage); meanwhile reads are
 misses and writes raise :class:`KvcStoreError`, exactly like the Redis tier.
 
-Query options: ``timeout`` (seconds, default 10), ``retry_interval``
-(seconds, default 1).
+Query options: ``timeout`` (seconds, default 10), ``put_timeout`` (seconds,
+default 300: the server decodes every chunk of a put before answering),
+``retry_interval`` (seconds, default 1).
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class KdnTier(Tier):
         q = dict(parse_qsl(p.query))
         try:
             self.timeout = float(q.pop("timeout", 10.0))
+            self.put_timeout = float(q.pop("put_timeout", 300.0))
             self.retry_interval = float(q.pop("retry_interval", 1.0))
         except ValueError as e:
             raise KvcInputError(f"bad kvc+http option: {e}") from None
@@ -98,13 +100,14 @@ class KdnTier(Tier):
         return h
 
     def _request(self, method: str, path: str, body: bytes | None = None,
-                 headers: Mapping[str, str] | None = None) -> tuple[int, Mapping[str, str], bytes]:
+                 headers: Mapping[str, str] | None = None, timeout: float | None = None
+                 ) -> tuple[int, Mapping[str, str], bytes]:
         """``(status, headers, body)``; 4xx answers are returned, transport failures raise."""
         self.guard.check(method)
         req = urllib.request.Request(self.base + path, data=body, method=method, headers=self._headers(headers))
         try:
             try:
-                with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                with urllib.request.urlopen(req, timeout=timeout or self.timeout) as resp:
                     out = resp.status, resp.headers, resp.read()
             except urllib.error.HTTPError as e:
                 with e:
@@ -159,7 +162,7 @@ class KdnTier(Tier):
             raise KvcInputError(f"metadata of {len(m)} bytes is too large for the kdn service (max {MAX_META_HEADER})")
         try:
             status, _, body = self._request("PUT", entry_path(key), data, {
-                "Content-Type": CONTENT_TYPE, H_META: m, H_CRC: f"{crc32c(data):08x}"})
+                "Content-Type": CONTENT_TYPE, H_META: m, H_CRC: f"{crc32c(data):08x}"}, timeout=self.put_timeout)
         except KvcStoreError:
             self.counters.add(put_errors=1)
             raise
