@@ -119,7 +119,8 @@ def engine_main(args: argparse.Namespace) -> None:
     base = Store.open(job["store"], memory_bytes=0)
     st = CountingStore(base.tiers, base.url)
     kb = KnowledgeBase(lm, st, preset="balanced", namespace="default")
-    kb.ask([docs[0][:200]], "warm up", max_new_tokens=1, store_new=False)  # JIT and allocator warm-up, not timed
+    # Warm-up (not timed): JIT, allocator, and the encode + put path, on a text outside the workload.
+    kb.ask([f"Warm-up note of engine {os.getpid()}: " + docs[0][:300]], "warm up", max_new_tokens=1)
     st.fetches.clear()
     print("ready", flush=True)
     sys.stdin.readline()  # the start signal: all engines begin together

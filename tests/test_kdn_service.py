@@ -157,6 +157,12 @@ def test_lookup_contains_ls_delete(service, entry, lm):
     assert st.longest_prefix(ids, model=lm.fingerprint.id, codec="balanced-test", namespace="a") == (key, 300)
     assert [r.key for r in st.ls()] == [key]
     assert st.rm(key) and not st.contains(key) and not st.rm(key)
+    # the vLLM connector chains keys with its own chunk_tokens (a divisor of the entry's token count)
+    from kvcodec.vllm.config import chunk_keys
+
+    vkey = chunk_keys(ids, 300, model=key.model, codec=key.codec, namespace="a", chunk_tokens=100)[-1]
+    assert vkey != key and st.put(vkey, data).ok and st.get(vkey) == data
+    assert st.rm(vkey)
 
 
 def test_auth_and_isolation(service, entry):

@@ -51,9 +51,6 @@ from .metrics import Metrics
 
 log = logging.getLogger("kvcodec.kdn")
 
-# Chunk sizes a key digest may have been computed with (the vLLM connector's
-# chunk_tokens is a multiple of its block size; ask and blend use 256).
-CHUNK_CANDIDATES = tuple(1 << i for i in range(4, 14))
 MAX_LOOKUP_TOKENS = 1 << 20
 MAX_JSON_BODY = 16 << 20
 
@@ -292,7 +289,7 @@ class KdnService:
                 raise KvcInputError(f"the .kvc is for model {r.fingerprint.id}, the key names model {key.model}")
         if len(ids) != key.n_tokens:
             raise KvcInputError(f"the .kvc holds {len(ids)} token ids, the key says {key.n_tokens}")
-        for c in CHUNK_CANDIDATES:
+        for c in chunk_candidates(key.n_tokens):
             hs = chunk_hashes(ids, c, model=key.model, codec=key.codec, namespace=key.namespace)
             if hs and hs[-1].hex() == key.digest:
                 return
@@ -404,6 +401,22 @@ class KdnService:
         self.metrics.lookup(len(ids), n)
         return _json({"n_tokens": n, "tokens": len(ids), "key": entries[0]["key"] if entries else None,
                       "entries": entries})
+
+
+def chunk_candidates(n_tokens: int) -> list[int]:
+    """Chunk sizes a key digest of ``n_tokens`` tokens may have been chained with.
+
+    ``ask`` and blend chain in chunks of 256 (the last one may be partial); the vLLM
+    connector keys chunk entries covering ``k * chunk_tokens`` tokens, so its
+    chunk size divides the entry's token count.  256 first, then every divisor.
+    """
+    divs = {DEFAULT_CHUNK}
+    i = 1
+    while i * i <= n_tokens:
+        if n_tokens % i == 0:
+            divs.update((i, n_tokens // i))
+        i += 1
+    return [DEFAULT_CHUNK] + sorted(divs - {DEFAULT_CHUNK}, reverse=True)
 
 
 def _resolve_range(sl: slice, size: int) -> tuple[int | None, int]:
