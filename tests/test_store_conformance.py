@@ -20,16 +20,7 @@ import pytest
 
 from kvcodec.errors import KvcStoreError
 from kvcodec.store import Store, StoreKey
-from store_fixtures import (  # noqa: F401  (fixtures)
-    RedisCluster,
-    RedisServer,
-    S3Server,
-    find_binary,
-    find_moto,
-    redis_cluster,
-    redis_server,
-    s3_server,
-)
+from store_fixtures import redis_cluster, redis_server, s3_server  # noqa: F401  (fixtures)
 
 
 def key(i: int, ns: str = "default") -> StoreKey:

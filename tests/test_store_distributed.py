@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import threading
 
-import pytest
-
 from kvcodec.store import Store, StoreKey
 from store_fixtures import redis_cluster, s3_server  # noqa: F401  (fixtures)
 

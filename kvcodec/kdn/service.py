@@ -65,6 +65,7 @@ class ServiceConfig:
     max_body: int = 1 << 30          # bytes of one PUT body
     body_timeout: float = 120.0      # seconds to receive a body
     op_timeout: float = 30.0         # seconds for one store operation
+    verify_timeout: float = 300.0    # seconds to verify (decode) one put
     verify: bool = True              # decode every chunk of a put (False: structure + CRCs only)
     models: list[str] = field(default_factory=list)  # models whose tokenizers serve text lookups
 
@@ -171,13 +172,14 @@ class KdnService:
         return await handler(request)
 
     # -- helpers ------------------------------------------------------------------------
-    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """A blocking store call in a worker thread, with the operation deadline."""
+    async def _run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> Any:
+        """A blocking call in a worker thread, with a deadline (default: the store operation's)."""
         loop = asyncio.get_running_loop()
+        limit = timeout or self.config.op_timeout
         try:
-            return await asyncio.wait_for(loop.run_in_executor(None, fn, *args), self.config.op_timeout)
+            return await asyncio.wait_for(loop.run_in_executor(None, fn, *args), limit)
         except asyncio.TimeoutError:
-            raise HttpError(504, f"store operation took longer than {self.config.op_timeout:g} s") from None
+            raise HttpError(504, f"operation took longer than {limit:g} s") from None
 
     def _key(self, request: web.Request, write: bool = False) -> tuple[StoreKey, Principal]:
         try:
@@ -264,7 +266,7 @@ class KdnService:
             if (await self._run(self.store.contains_many, [key]))[0]:
                 raise HttpError(412, f"{key} already exists")
         try:
-            await self._run(self.check_entry, key, data)
+            await self._run(self.check_entry, key, data, timeout=self.config.verify_timeout)
         except KvcError as e:
             self.metrics.put("rejected")
             raise HttpError(422, f"entry refused: {e}") from None
@@ -357,7 +359,7 @@ class KdnService:
         ks = obj.get("keys")
         if not isinstance(ks, list) or len(ks) > MAX_CONTAINS:
             raise HttpError(400, f"'keys' must be a list of at most {MAX_CONTAINS} key strings")
-        keys = [StoreKey.from_str(k) if isinstance(k, str) else StoreKey.from_str(str(k)) for k in ks]
+        keys = [StoreKey.from_str(k) for k in ks]
         for k in keys:
             self._allow(p, k.namespace)
         found = await self._run(self.store.contains_many, keys)
