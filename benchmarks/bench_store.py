@@ -3,7 +3,11 @@
     python benchmarks/bench_store.py [--size-mb 16] [--n 8]
 
 Starts its own redis-server / nginx on loopback when the binaries exist.
-Prints one line per measurement (MB/s of payload).
+Prints one line per measurement (MB/s of payload).  For the directory and
+Redis tiers it also measures the cost of tenant isolation side by side: the
+Store (HMAC name, sealed metadata, block hashes checked on every get) against
+the same tier driven directly (envelope CRC32C only, what a Store did before
+tenant keys), same payloads, same process, alternating runs.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from kvcodec.store import HttpRangeReader, Store, StoreKey  # noqa: E402
+from kvcodec.store import HttpRangeReader, Store, StoreKey, TenantKey  # noqa: E402
 from store_fixtures import NginxServer, RedisServer, find_binary  # noqa: E402
 
 
@@ -39,6 +43,33 @@ def bench(label: str, url: str, payloads: list[bytes]) -> None:
     st2.close()
 
 
+def bench_seal(label: str, url: str, payloads: list[bytes], repeats: int = 3) -> None:
+    """Store put/get (sealed, verified) vs the bare tier (CRC only): best of ``repeats``."""
+    keys = [StoreKey.for_tokens([i] * 10, model="bench", codec="seal") for i in range(len(payloads))]
+    total = sum(map(len, payloads)) / 1e6
+    st = Store.open(url, memory_bytes=0, key=TenantKey(b"k" * 32))
+    tier = st.tiers[1]
+    phys = [st.physical(k) for k in keys]
+    best: dict[str, float] = {}
+
+    def timed(name: str, fn) -> None:
+        t = time.perf_counter()
+        fn()
+        best[name] = min(best.get(name, 1e9), time.perf_counter() - t)
+
+    for _ in range(repeats):
+        timed("tier put", lambda: [tier.put(p, d, {}) for p, d in zip(phys, payloads)])
+        timed("tier get", lambda: [tier.get_entry(p) for p in phys])
+        timed("store put", lambda: [st.put(k, d) for k, d in zip(keys, payloads)])
+        timed("store get", lambda: [st.get(k) for k in keys])
+    assert all(st.get(k) == d for k, d in zip(keys, payloads))
+    for op in ("put", "get"):
+        a, b = best[f"tier {op}"], best[f"store {op}"]
+        print(f"{label:28s} {op}: tier {total / a:7.0f} MB/s   store+seal {total / b:7.0f} MB/s   "
+              f"store/tier time {b / a:5.2f}x")
+    st.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size-mb", type=float, default=16)
@@ -48,20 +79,34 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as td:
         bench("directory fsync", f"{td}/d1", payloads)
         bench("directory no fsync", f"file://{td}/d2?fsync=0", payloads)
+        bench_seal("seal cost, directory no fsync", f"file://{td}/d3?fsync=0", payloads)
         rb = find_binary("redis-server")
         if rb:
             srv = RedisServer(rb, Path(td))
             srv.start()
             try:
                 bench("redis (loopback)", srv.url, payloads)
+                bench_seal("seal cost, redis (loopback)", srv.url, payloads)
             finally:
                 srv.stop()
         nb = find_binary("nginx")
         if nb:
             srv2 = NginxServer(nb, Path(td) / "ng", Path(td) / "www")
             (srv2.root / "blob").write_bytes(payloads[0])
+            pub = Store.open(f"file://{srv2.root}/pub?fsync=0", key=TenantKey(b"k" * 32))
+            k0 = StoreKey.for_tokens([0] * 10, model="bench", codec="seal")
+            pub.put(k0, payloads[0])
             srv2.start()
             try:
+                st = Store.open(srv2.base + "pub/", memory_bytes=0, key=TenantKey(b"k" * 32))
+                for label, r in (("raw", HttpRangeReader(srv2.base + "blob")), ("sealed", st.reader(k0))):
+                    n = 0
+                    t = time.perf_counter()
+                    for off in range(0, r.size, 1 << 20):
+                        r.read(off, min(1 << 20, r.size - off))
+                        n += 1
+                    dt = time.perf_counter() - t
+                    print(f"http 1 MiB pieces, {label:6s}    {n / dt:8.0f} req/s  {r.size / dt / 1e6:8.0f} MB/s")
                 r = HttpRangeReader(srv2.base + "blob")
                 for piece in (4096, 1 << 20):
                     n = 0

@@ -8,6 +8,7 @@ import random
 import shutil
 import socket
 import threading
+import time
 
 import pytest
 
@@ -61,7 +62,7 @@ def test_range_reads_from_nginx(nginx_server):  # noqa: F811
 
 @pytest.mark.requires_nginx
 def test_published_directory_store_over_nginx(nginx_server, tmp_path):  # noqa: F811
-    src = DirectoryTier(tmp_path / "src", fsync=False)
+    src = Store.open(f"file://{tmp_path}/src?fsync=0")
     payloads = {i: random.Random(i).randbytes(200_000 + i) for i in range(3)}
     for i, b in payloads.items():
         src.put(key(i), b, {"i": i})
@@ -82,14 +83,15 @@ def test_published_directory_store_over_nginx(nginx_server, tmp_path):  # noqa: 
     # local directory in front: the first get back-fills it, later gets are local
     st = Store.open(f"{tmp_path}/cache,{base}")
     assert st.get(key(2)) == payloads[2]
-    assert DirectoryTier(tmp_path / "cache").get(key(2)) == payloads[2]
+    assert DirectoryTier(tmp_path / "cache").get(st.physical(key(2))) == payloads[2]
     http_tier = st.tier("http")
     st.memory.clear()
     hits = http_tier.counters.hits
     assert st.get(key(2)) == payloads[2] and http_tier.counters.hits == hits
 
     # damage on the server: a miss with a warning, never wrong bytes
-    p = nginx_server.root / "store" / "objects" / key(0).digest[:2] / f"{key(0).digest}.kve"
+    ph = src.physical(key(0))
+    p = nginx_server.root / "store" / "objects" / ph.namespace / ph.digest[:2] / f"{ph.digest}.kve"
     raw = bytearray(p.read_bytes())
     raw[5000] ^= 0xFF
     p.write_bytes(bytes(raw))
@@ -180,3 +182,136 @@ def test_server_without_range_support_and_refused_connection(tmp_path):
     st = Store.open(f"http://127.0.0.1:{free_port()}/store/?timeout=2")
     assert st.get(key(1)) is None and not st.contains(key(1))
     assert st.stats()["tiers"][1]["errors"] >= 1
+
+
+# -- slow and lying servers: every HTTP read is bounded in time and size ------------------
+
+class _HostileServer:
+    """A loopback server that misbehaves in one ``mode`` after an honest ``Range: bytes=0-0`` probe."""
+
+    def __init__(self, mode: str, size: int = 10_000) -> None:
+        self.mode, self.size = mode, size
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.stop = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/x.kve"
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._handle, args=(c,), daemon=True).start()
+
+    def _handle(self, c: socket.socket) -> None:
+        with c:
+            try:
+                req = b""
+                while b"\r\n\r\n" not in req:
+                    chunk = c.recv(4096)
+                    if not chunk:
+                        return
+                    req += chunk
+                if self.mode == "silent":
+                    self.stop.wait(30)                       # accept, then never answer
+                    return
+                rng = [ln for ln in req.decode().split("\r\n") if ln.lower().startswith("range:")]
+                a, b = map(int, rng[0].split("=")[1].split("-"))
+                n = b - a + 1
+                head = f"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes {a}-{b}/{self.size}\r\n"
+                if a == 0 and b == 0 or self.mode == "honest":
+                    c.sendall(f"{head}Content-Length: {n}\r\nConnection: close\r\n\r\n".encode() + b"z" * n)
+                elif self.mode == "trickle":                 # one byte every 0.2 s: never a read timeout
+                    c.sendall(f"{head}Content-Length: {n}\r\nConnection: close\r\n\r\n".encode())
+                    for _ in range(n):
+                        if self.stop.wait(0.2):
+                            return
+                        c.sendall(b"z")
+                elif self.mode == "trickle_headers":
+                    for ch in head.encode() * 1000:
+                        if self.stop.wait(0.2):
+                            return
+                        c.sendall(bytes([ch]))
+                elif self.mode == "announces_more":
+                    c.sendall(f"{head}Content-Length: {n + 10}\r\nConnection: close\r\n\r\n".encode()
+                              + b"z" * (n + 10))
+                elif self.mode == "sends_more":           # no Content-Length, more bytes than asked
+                    c.sendall(f"{head}Connection: close\r\n\r\n".encode() + b"z" * (n + 100_000))
+                elif self.mode == "endless":              # no Content-Length, never stops
+                    c.sendall(f"{head}Connection: close\r\n\r\n".encode())
+                    while not self.stop.is_set():
+                        c.sendall(b"z" * 65536)
+                elif self.mode == "gzip":
+                    c.sendall(f"{head}Content-Length: {n}\r\nContent-Encoding: gzip\r\n"
+                              "Connection: close\r\n\r\n".encode() + b"z" * n)
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self.stop.set()
+        self.sock.close()
+
+
+@pytest.mark.parametrize("mode,match", [
+    ("trickle", "deadline"),
+    ("trickle_headers", "deadline"),
+    ("silent", "read timeout|deadline"),
+    ("announces_more", "more than the 1,000 asked"),
+    ("sends_more", "more than the 1,000 body bytes"),
+    ("endless", "more than the 1,000 body bytes"),
+    ("gzip", "encoded body"),
+])
+def test_hostile_server_cannot_hang_or_flood_a_reader(mode, match):
+    from kvcodec.store import HttpLimits
+
+    srv = _HostileServer(mode)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(KvcStoreError, match=match):
+            r = HttpRangeReader(srv.url, limits=HttpLimits(connect=1, read=1, total=2))
+            r.read(100, 1000)
+        assert time.monotonic() - t0 < 4, "the total deadline did not hold"
+    finally:
+        srv.close()
+
+
+def test_honest_server_control():
+    """The hostile-server harness itself serves correct ranges (so the test above can fail)."""
+    srv = _HostileServer("honest")
+    try:
+        assert HttpRangeReader(srv.url, timeout=2).read(100, 1000) == b"z" * 1000
+    finally:
+        srv.close()
+
+
+def test_http_tier_over_a_hostile_server_is_a_quick_miss():
+    srv = _HostileServer("trickle")
+    try:
+        st = Store.open(f"http://127.0.0.1:{srv.port}/?timeout=1&connect_timeout=1&deadline=1.5",
+                        memory_bytes=0)
+        t0 = time.monotonic()
+        assert st.get(key(1)) is None and st.reader(key(1)) is None
+        assert time.monotonic() - t0 < 5
+    finally:
+        srv.close()
+
+
+@pytest.mark.parametrize("url", [
+    "http://127.0.0.1:\u0668\u0660/store/",        # Arabic-Indic digits in the port
+    "http://[::1/store/",                          # broken IPv6 literal
+    "http://127.0.0.1:99999/store/",
+    "http://127.0.0.1/store/?deadline=\u0662",
+    "http://127.0.0.1/store/?timeout=nan",
+    "http://127.0.0.1/store/?max_bytes=\u0661\u0660M",
+    "http://127.0.0.1/store/?bogus=1",
+])
+def test_odd_http_store_urls_are_input_errors(url):
+    with pytest.raises(KvcInputError):
+        Store.open(url)

@@ -155,3 +155,33 @@ def test_key_string_roundtrip_and_validation():
         StoreKey.for_tokens(IDS, model="has:colon", codec="c")
     with pytest.raises(KvcInputError):
         chunk_hashes(IDS, chunk=0)
+
+
+def test_spec_tenant_example():
+    """The physical-key example of spec/store-keys.md §8.2, recomputed with hmac from the definition."""
+    import hmac
+
+    from kvcodec.store import TenantKey
+
+    def h(k: bytes, m: bytes) -> bytes:
+        return hmac.new(k, m, hashlib.sha256).digest()
+
+    s = bytes(range(32))
+    r = h(s, b"kvcodec.store.namespace.v2\x00" + struct.pack("<I", 8) + b"tenant-a")
+    tag = h(r, b"tag")[:16].hex()
+    ks = StoreKey.for_tokens(list(range(300)), model="smol-fp", codec="cg-q4a", namespace="tenant-a").to_str()
+    phys = f"kvc1:kvs2:hmac-sha256:{tag}:0:{h(h(r, b'name'), ks.encode()).hex()}"
+    assert TenantKey(s).namespace("tenant-a").physical(StoreKey.from_str(ks)).to_str() == phys
+    # another secret, or another namespace under the same secret, names another object
+    assert TenantKey(bytes(32)).namespace("tenant-a").physical(StoreKey.from_str(ks)).to_str() != phys
+    with open(__import__("pathlib").Path(__file__).parents[1] / "spec" / "store-keys.md") as f:
+        spec = f.read()
+    assert r.hex() in spec and phys in spec
+
+
+@pytest.mark.parametrize("bad", ["t\u0663", "\u0663", "tenant\n", "ten ant", "a" * 129, "ｔ", "t\udcff", ""])
+def test_non_ascii_and_odd_ids_are_input_errors(bad):
+    with pytest.raises(KvcInputError):
+        StoreKey.for_tokens(IDS, model="m", codec="c", namespace=bad)
+    with pytest.raises(KvcInputError):
+        StoreKey.for_tokens(IDS, model=bad, codec="c")

@@ -42,11 +42,12 @@ def test_redis_roundtrip_ls_rm_stats(redis_server):  # noqa: F811
     assert other.rm(key(1)) and st.tier("redis").get(key(1)) is None
     # a value damaged inside Redis is a miss, and is deleted
     rt = st.tier("redis")
-    raw = bytearray(rt.r.get(rt.rkey(key(2, "tenant-b"))))
+    name = rt.rkey(st.physical(key(2, "tenant-b")))
+    raw = bytearray(rt.r.get(name))
     raw[-1] ^= 1
-    rt.r.set(rt.rkey(key(2, "tenant-b")), bytes(raw))
+    rt.r.set(name, bytes(raw))
     assert Store.open(url).get(key(2, "tenant-b")) is None
-    assert rt.r.get(rt.rkey(key(2, "tenant-b"))) is None
+    assert rt.r.get(name) is None
 
 
 def test_redis_outage_falls_back_and_recovers(redis_server, tmp_path, caplog):  # noqa: F811
@@ -80,7 +81,7 @@ def test_redis_outage_falls_back_and_recovers(redis_server, tmp_path, caplog):  
     red = {t["name"]: t for t in st.stats()["tiers"]}["redis"]
     assert red["available"] is False and red["put_errors"] >= 1 and red["errors"] >= 1
     assert red["entries"] is None and "unreachable" in red["error"]
-    assert os.path.exists(st.tier("directory").path_for(key(2)))
+    assert os.path.exists(st.tier("directory").path_for(st.physical(key(2))))
     assert key(2) in {r.key for r in rows}
 
     redis_server.start()  # same port, empty (no persistence)
@@ -119,6 +120,10 @@ def test_redis_down_at_open_and_password(tmp_path):
 
 
 def test_redis_url_validation():
-    for bad in ["redis://127.0.0.1:1/0?timeout=abc", "redis://127.0.0.1:1/0?prefix=a*"]:
+    for bad in ["redis://127.0.0.1:1/0?timeout=abc", "redis://127.0.0.1:1/0?prefix=a*",
+                "redis://127.0.0.1:1/0?timeout=nan", "redis://127.0.0.1:1/0?timeout=\u0662",
+                "redis://127.0.0.1:1/0?ttl=\u0663", "redis://127.0.0.1:1/0?ttl=1.5",
+                "redis://127.0.0.1:1/0?retry_interval=inf", "redis://127.0.0.1:\u0661/0",
+                "redis://[::1/0"]:
         with pytest.raises(KvcInputError):
             Store.open(bad)

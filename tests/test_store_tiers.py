@@ -11,6 +11,7 @@ import pytest
 from kvcodec.errors import KvcFormatError, KvcInputError, KvcStoreError
 from kvcodec.store import FileRangeReader, MemoryTier, Store, StoreKey, open_range_reader, parse_size
 from kvcodec.store.directory import DirectoryTier
+from kvcodec.store.tenant import AuthRangeReader
 from kvcodec.store.tiers import FIXED_SIZE, decode_envelope, encode_envelope
 
 
@@ -100,7 +101,7 @@ def test_directory_backfills_memory(tmp_path):
     st.put(key(1), blob(1))
     st.memory.clear()
     assert st.get(key(1)) == blob(1)
-    assert st.memory.contains(key(1))
+    assert st.memory.contains(st.physical(key(1)))
     assert st.get(key(1)) == blob(1)
     tiers = {t["name"]: t for t in st.stats()["tiers"]}
     assert tiers["directory"]["hits"] == 1 and tiers["memory"]["hits"] == 1
@@ -112,7 +113,7 @@ def test_corrupt_file_is_a_miss_and_quarantined(tmp_path, caplog):
     st.put(key(2), blob(2))
     st.memory.clear()
     tier: DirectoryTier = st.tier("directory")  # type: ignore[assignment]
-    p = tier.path_for(key(1))
+    p = tier.path_for(st.physical(key(1)))
     with open(p, "r+b") as f:
         f.seek(5000)
         b = f.read(1)
@@ -124,29 +125,35 @@ def test_corrupt_file_is_a_miss_and_quarantined(tmp_path, caplog):
     assert not os.path.exists(p)
     assert len(os.listdir(tmp_path / "s" / "quarantine")) == 1
     # a truncated file, and a file copied under the wrong name
-    p2 = tier.path_for(key(2))
+    p2 = tier.path_for(st.physical(key(2)))
     os.truncate(p2, os.path.getsize(p2) - 10)
     assert st.get(key(2)) is None
     st.put(key(3), blob(3))
-    os.makedirs(os.path.dirname(tier.path_for(key(4))), exist_ok=True)
-    with open(tier.path_for(key(3)), "rb") as src, open(tier.path_for(key(4)), "wb") as dst:
+    os.makedirs(os.path.dirname(tier.path_for(st.physical(key(4)))), exist_ok=True)
+    with open(tier.path_for(st.physical(key(3))), "rb") as src, open(tier.path_for(st.physical(key(4))), "wb") as dst:
         dst.write(src.read())
     st.memory.clear()
     assert st.get(key(4)) is None and st.get(key(3)) == blob(3)
-    assert tier.stats()["corrupt"] == 3
+    # the intact file under the wrong name is a plain miss: counted as neither damage nor moved
+    assert tier.stats()["corrupt"] == 2 and os.path.exists(tier.path_for(st.physical(key(4))))
+    assert len(os.listdir(tmp_path / "s" / "quarantine")) == 2
 
 
 def test_size_cap_evicts_least_recently_used(tmp_path):
-    st = Store.open(f"file://{tmp_path}/s?max_bytes=12000&fsync=0", memory_bytes=0)
+    st = Store.open(f"file://{tmp_path}/s?max_bytes=1G&fsync=0", memory_bytes=0)
     tier: DirectoryTier = st.tier("directory")  # type: ignore[assignment]
+    st.put(key(99), blob(99, 2000))
+    one = os.path.getsize(tier.path_for(st.physical(key(99))))  # envelope + seal of a 2000-byte entry
+    st.rm(key(99))
+    tier.max_bytes = 6 * one
     for i in range(5):
         st.put(key(i), blob(i, 2000))
-        os.utime(tier.path_for(key(i)), (1000 + i, 1000 + i))
+        os.utime(tier.path_for(st.physical(key(i))), (1000 + i, 1000 + i))
     assert st.get(key(0)) == blob(0, 2000)  # touches key(0): now the most recent
     for i in range(5, 8):
         st.put(key(i), blob(i, 2000))
     n, b = tier.usage()
-    assert b <= 12000
+    assert b <= 6 * one
     assert st.contains(key(0)), "recently read entry must survive"
     assert not st.contains(key(1)), "least recently used entry must go first"
     assert tier.stats()["evictions"] >= 2
@@ -183,13 +190,13 @@ def test_refuses_foreign_directory(tmp_path):
 def test_put_reports_unwritable_directory(tmp_path):
     st = Store.open(str(tmp_path / "s"))
     tier: DirectoryTier = st.tier("directory")  # type: ignore[assignment]
-    os.makedirs(os.path.dirname(tier.path_for(key(1))), exist_ok=True)
+    os.makedirs(os.path.dirname(tier.path_for(st.physical(key(1)))), exist_ok=True)
     # make the target a directory so the rename fails (works even as root)
-    os.makedirs(tier.path_for(key(1)))
+    os.makedirs(tier.path_for(st.physical(key(1))))
     with pytest.raises(KvcStoreError, match="every persistent tier"):
         st.put(key(1), blob(1))
     assert not st.memory.contains(key(1))
-    assert not [n for n in os.listdir(os.path.dirname(tier.path_for(key(1)))) if n.endswith(".tmp")]
+    assert not [n for n in os.listdir(os.path.dirname(tier.path_for(st.physical(key(1))))) if n.endswith(".tmp")]
 
 
 def test_store_url_parsing(tmp_path):
@@ -214,7 +221,7 @@ def test_store_reader(tmp_path):
     st.put(key(1), data, {"x": 1})
     st.memory.clear()
     with st.reader(key(1)) as r:
-        assert isinstance(r, FileRangeReader) and r.size == len(data)
+        assert isinstance(r, AuthRangeReader) and isinstance(r.inner, FileRangeReader) and r.size == len(data)
         assert r.read(0, 10) == data[:10] and r.read(99_990, 10) == data[-10:]
         with pytest.raises(KvcFormatError):
             r.read(99_995, 10)
@@ -250,3 +257,11 @@ def test_file_range_reader(tmp_path):
         FileRangeReader(tmp_path / "missing")
     with pytest.raises(KvcInputError):
         open_range_reader("s3://bucket/x")
+
+
+@pytest.mark.parametrize("marker", ["[1]", "null", '"kvcodec-store"', "{", '{"format": "kvcodec-store", "layout": 9}'])
+def test_odd_store_marker_is_a_store_error(tmp_path, marker):
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "kvstore.json").write_text(marker)
+    with pytest.raises(KvcStoreError):
+        DirectoryTier(tmp_path / "s")

@@ -11,7 +11,11 @@ metadata dict.  Typical use::
         data = st.get(key)                       # bytes or None
         key2, n = st.longest_prefix(ids2, model=fp_id, codec=codec_hash, namespace="tenant-a")
 
-Only ``keys`` and ``ranged`` are imported eagerly; redis-py loads only
+A Store acts for one tenant: ``Store.open(url, key=TenantKey.load(path))``;
+the default key is ``$KVC_STORE_KEY``, ``$KVC_STORE_KEY_FILE`` or the
+per-user ``~/.config/kvcodec/store.key`` (spec/store-keys.md §8).
+
+Only ``keys``, ``ranged``, ``tenant`` and ``store`` are imported eagerly; redis-py loads only
 when a Redis tier is opened.
 """
 
@@ -24,14 +28,15 @@ from .keys import (
     root_digest,
     token_bytes,
 )
-from .ranged import BytesRangeReader, FileRangeReader, HttpRangeReader, RangeReader, open_range_reader
+from .ranged import BytesRangeReader, FileRangeReader, HttpLimits, HttpRangeReader, RangeReader, open_range_reader
 from .store import PutResult, Store, parse_size
+from .tenant import TenantKey
 from .tiers import Entry, EntryInfo, MemoryTier, Tier
 
 __all__ = [
     "DEFAULT_CHUNK", "StoreKey", "chunk_hashes", "longest_prefix", "prefix_keys", "root_digest",
     "token_bytes", "RangeReader", "FileRangeReader", "HttpRangeReader", "BytesRangeReader",
-    "open_range_reader", "Store", "PutResult", "parse_size", "Entry", "EntryInfo", "MemoryTier",
+    "open_range_reader", "HttpLimits", "TenantKey", "Store", "PutResult", "parse_size", "Entry", "EntryInfo", "MemoryTier",
     "Tier", "DirectoryTier", "RedisTier", "HttpTier",
 ]
 

@@ -1,30 +1,34 @@
-"""Local directory tier: crash-safe, checksummed, size-capped, multi-process safe.
+"""Local directory tier: crash-safe, checksummed, per-partition size caps, multi-process safe.
 
-Layout::
+Layout 2 (spec/store-keys.md §7)::
 
-    <root>/kvstore.json                    marker {"format": "kvcodec-store", "layout": 1}
-    <root>/objects/<d[:2]>/<d>.kve         one envelope per entry (d = key digest, 64 hex)
-    <root>/objects/<d[:2]>/.<d>.<pid>.<rand>.tmp   in-flight writes (same dir => same filesystem)
-    <root>/quarantine/<d>.<time>.<rand>.bad        corrupt entries moved aside on read
+    <root>/kvstore.json                         marker {"format": "kvcodec-store", "layout": 2}
+    <root>/objects/<ns>/<d[:2]>/<d>.kve         one envelope per entry (ns = key namespace,
+                                                d = key digest); the Store passes physical
+                                                keys, so ns is a tenant's opaque tag
+    <root>/objects/<ns>/<d[:2]>/.<d>.<pid>.<rand>.tmp   in-flight writes
+    <root>/quarantine/<d>.kve.<time>.<rand>.bad          damaged entries moved aside
 
 Writes: temp file in the target directory, write, ``fsync``, ``os.replace``
-onto the final name, ``fsync`` the directory.  Readers therefore see either
-the old complete file, the new complete file, or nothing -- never a partial
-file -- and concurrent writers of one key never interleave bytes (last rename
-wins).  A writer killed at any moment leaves at most a temp file, which
-``gc()`` removes once older than a grace period.
+onto the final name, ``fsync`` the directory.  Readers see the old complete
+file, the new complete file, or nothing; a writer killed at any moment leaves
+at most a temp file, which ``gc()`` removes once older than a grace period.
 
 Reads open the file once and verify the envelope (size, crc32c, key) on the
-bytes of that open file.  A damaged entry is a miss: it is moved to
-``quarantine/`` (only if the name still points at the damaged inode) and a
-warning is logged.
+bytes of that open file.  A *damaged* entry (bad size, checksum, header) is
+a miss and is moved to ``quarantine/``.  An intact entry that holds another
+key is a plain miss and is left alone: a read never moves an entry it does
+not own.
 
-LRU-ish eviction: a read bumps the file's mtime, so mtime is "last used".
-When the tier's byte total (envelopes) exceeds ``max_bytes``, the oldest
-files by mtime are deleted until the total is below ``low_water * max_bytes``.
-The total is measured by a scan at open and after every eviction, and
-tracked incrementally in between (other processes' writes are caught at the
-next scan); deleting a file another process is reading is safe on POSIX.
+Size cap: ``max_bytes`` caps each partition (``<ns>``) separately, so one
+tenant's writes can only evict that tenant's own least-recently-used entries
+(a read bumps mtime).  A put larger than the cap is refused with
+:class:`KvcStoreError` -- the tier never writes an entry only to evict it
+(or everything else) at once.  Eviction never removes the entry just written.
+
+A layout-1 store (flat ``objects/<d[:2]>/``, namespace-label keys) is
+upgraded on open by renaming its ``objects/`` to ``objects.layout1.<time>``:
+its entries cannot be authenticated, so they are kept aside, never served.
 """
 
 from __future__ import annotations
@@ -33,17 +37,20 @@ import errno
 import json
 import os
 import secrets
+import stat
 import threading
 import time
-from typing import Any, Iterator, Mapping
+from typing import Any, BinaryIO, Iterator, Mapping
 
 from ..errors import KvcFormatError, KvcInputError, KvcStoreError
 from .keys import StoreKey
 from .ranged import FileRangeReader
 from .tiers import (
     FIXED_SIZE,
+    MAX_TIER_META,
     Entry,
     EntryInfo,
+    KeyMismatch,
     Tier,
     as_bytes,
     check_meta,
@@ -55,7 +62,7 @@ from .tiers import (
 )
 
 MARKER = "kvstore.json"
-MARKER_CONTENT = {"format": "kvcodec-store", "layout": 1}
+MARKER_CONTENT = {"format": "kvcodec-store", "layout": 2}
 SUFFIX = ".kve"
 TMP_SUFFIX = ".tmp"
 
@@ -71,6 +78,18 @@ def _fsync_dir(path: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def _open_regular(path: str) -> BinaryIO:
+    """Open ``path`` for reading without blocking on a FIFO or device planted at an entry's name."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise IsADirectoryError(errno.EISDIR, "not a regular file", path)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 class DirectoryTier(Tier):
@@ -92,9 +111,7 @@ class DirectoryTier(Tier):
         self.quarantine = os.path.join(self.root, "quarantine")
         self._lock = threading.Lock()
         self._init_root(create)
-        self._approx_bytes: int | None = None
-        if self.max_bytes is not None:
-            self._approx_bytes = self.usage()[1]
+        self._approx: dict[str, int] = {}  # partition -> bytes (measured by a scan, then tracked)
 
     # -- setup ------------------------------------------------------------------
     def _init_root(self, create: bool) -> None:
@@ -105,9 +122,11 @@ class DirectoryTier(Tier):
                     m = json.load(f)
             except (OSError, ValueError) as e:
                 raise KvcStoreError(f"{self.root}: unreadable store marker {MARKER}: {e}") from None
-            if m.get("format") != MARKER_CONTENT["format"]:
+            if not isinstance(m, dict) or m.get("format") != MARKER_CONTENT["format"]:
                 raise KvcStoreError(f"{self.root}: {MARKER} is not a kvcodec store marker")
-            if m.get("layout") != MARKER_CONTENT["layout"]:
+            if m.get("layout") == 1 and create:
+                self._upgrade_layout1(marker)
+            elif m.get("layout") != MARKER_CONTENT["layout"]:
                 raise KvcStoreError(f"{self.root}: unsupported store layout {m.get('layout')!r}")
         else:
             if not create:
@@ -131,6 +150,20 @@ class DirectoryTier(Tier):
             except OSError as e:
                 raise KvcStoreError(f"{d}: cannot create: {e.strerror or e}") from None
 
+    def _upgrade_layout1(self, marker: str) -> None:
+        """Move a layout-1 ``objects/`` aside (its entries cannot be authenticated) and mark layout 2."""
+        try:
+            dest = f"{self.objects}.layout1.{int(time.time())}.{secrets.token_hex(3)}"
+            try:
+                os.replace(self.objects, dest)
+                log.warning("store %s: layout-1 entries (no tenant keys) moved to %s; they are not served",
+                            self.root, dest)
+            except FileNotFoundError:  # none, or another process upgraded it just now
+                pass
+            self._atomic_write_small(marker, json.dumps(MARKER_CONTENT).encode() + b"\n")
+        except OSError as e:
+            raise KvcStoreError(f"{self.root}: cannot upgrade store layout: {e.strerror or e}") from None
+
     def _atomic_write_small(self, path: str, data: bytes) -> None:
         tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
         with open(tmp, "wb") as f:
@@ -145,12 +178,25 @@ class DirectoryTier(Tier):
     # -- paths ------------------------------------------------------------------
     def path_for(self, key: StoreKey) -> str:
         d = key.digest
-        return os.path.join(self.objects, d[:2], d + SUFFIX)
+        return os.path.join(self.objects, key.namespace, d[:2], d + SUFFIX)
 
-    def _entry_files(self) -> Iterator[tuple[str, os.stat_result]]:
+    def _partitions(self) -> list[str]:
         try:
-            subs = os.scandir(self.objects)
+            with os.scandir(self.objects) as it:
+                return [de.path for de in it if de.is_dir(follow_symlinks=False) and not de.name.startswith(".")]
         except FileNotFoundError:
+            return []
+
+    def _entry_files(self, partition: str | None = None) -> Iterator[tuple[str, os.stat_result]]:
+        """Entry files of one partition (namespace), or of all."""
+        parts = [os.path.join(self.objects, partition)] if partition is not None else self._partitions()
+        for part in parts:
+            yield from self._partition_files(part)
+
+    def _partition_files(self, part: str) -> Iterator[tuple[str, os.stat_result]]:
+        try:
+            subs = os.scandir(part)
+        except (FileNotFoundError, NotADirectoryError):
             return
         with subs:
             for sub in subs:
@@ -187,7 +233,7 @@ class DirectoryTier(Tier):
     def _read_file(self, path: str) -> tuple[bytes, bytes, int, os.stat_result] | None:
         """``(prefix, data, file_size, stat)`` read from one open file (no whole-file copy)."""
         try:
-            with open(path, "rb") as f:
+            with _open_regular(path) as f:
                 st = os.fstat(f.fileno())
                 fixed = f.read(FIXED_SIZE)
                 try:
@@ -219,6 +265,10 @@ class DirectoryTier(Tier):
         prefix, data, size, st = r
         try:
             e = decode_envelope_parts(prefix, data, key, what=path, total=size)
+        except KeyMismatch as err:  # intact, but not the entry asked for: never touch it
+            log.warning("store %s: %s; treated as a miss", self.root, err)
+            self.counters.add(misses=1)
+            return None
         except KvcFormatError as err:
             self._quarantine(path, st, str(err))
             self.counters.add(misses=1)
@@ -233,26 +283,40 @@ class DirectoryTier(Tier):
     def contains(self, key: StoreKey) -> bool:
         return os.path.isfile(self.path_for(key))
 
-    def reader(self, key: StoreKey) -> FileRangeReader | None:
-        """A range reader over the payload of ``key`` (no whole-entry checksum check)."""
+    def range_entry(self, key: StoreKey) -> tuple[FileRangeReader, dict[str, Any]] | None:
+        """``(reader over the payload, header meta)`` of ``key`` without reading the payload.
+
+        No whole-entry checksum check: the Store verifies the seal in the meta
+        and every block it reads.  ``None`` when absent or holding another key.
+        """
         path = self.path_for(key)
         try:
-            with open(path, "rb") as f:
+            with _open_regular(path) as f:
                 fixed = f.read(FIXED_SIZE)
                 hl, dl, _ = parse_fixed(fixed, path)
-                h = parse_header(f.read(hl), path)
+                hb = f.read(hl)
+                if len(hb) != hl:
+                    raise KvcFormatError(f"{path}: truncated header")
+                h = parse_header(hb, path)
         except FileNotFoundError:
             return None
+        except OSError as e:
+            raise KvcStoreError(f"{path}: read failed: {e.strerror or e}") from None
         if h["key"] != key.to_str():
-            raise KvcFormatError(f"{path}: holds key {h['key']}, expected {key.to_str()}")
-        return FileRangeReader(path, base=FIXED_SIZE + hl, length=dl)
+            return None
+        return FileRangeReader(path, base=FIXED_SIZE + hl, length=dl), h.get("meta", {})
 
     # -- writes -----------------------------------------------------------------
     def put(self, key: StoreKey, data: bytes, meta: Mapping[str, Any] | None = None,
             created: float | None = None) -> None:
         data = as_bytes(data)
-        meta = check_meta(meta)
+        meta = check_meta(meta, MAX_TIER_META)
         prefix, payload = encode_envelope_parts(key, data, meta, created)
+        size = len(prefix) + len(payload)
+        if self.max_bytes is not None and size > self.max_bytes:
+            self.counters.add(put_errors=1)
+            raise KvcStoreError(f"{self.root}: entry of {size:,} bytes is larger than the tier's cap of "
+                                f"{self.max_bytes:,} bytes; not stored (raise max_bytes)")
         path = self.path_for(key)
         d = os.path.dirname(path)
         tmp = os.path.join(d, f".{key.digest}.{os.getpid()}.{secrets.token_hex(6)}{TMP_SUFFIX}")
@@ -288,18 +352,24 @@ class DirectoryTier(Tier):
             raise KvcStoreError(f"{self.root}: cannot write entry {key.digest[:16]}: {msg}") from None
         self.counters.add(puts=1)
         if self.max_bytes is not None:
+            ns = key.namespace
             with self._lock:
-                self._approx_bytes = (self._approx_bytes or 0) + len(prefix) + len(payload)
-                over = self._approx_bytes > self.max_bytes
+                known = ns in self._approx
+                self._approx[ns] = self._approx.get(ns, 0) + size
+                over = not known or self._approx[ns] > self.max_bytes
             if over:
-                self.evict()
+                self.evict(ns, keep=path)
 
-    def evict(self) -> int:
-        """Delete least-recently-used entries until under ``low_water * max_bytes``."""
+    def evict(self, partition: str, keep: str | None = None) -> int:
+        """Delete partition ``partition``'s least-recently-used entries until under ``low_water * max_bytes``.
+
+        ``keep``: a path never evicted (the entry just written).  Other
+        partitions are never touched.
+        """
         if self.max_bytes is None:
             return 0
         with self._lock:
-            files = list(self._entry_files())
+            files = list(self._entry_files(partition))
             total = sum(st.st_size for _, st in files)
             target = int(self.max_bytes * self.low_water)
             n = 0
@@ -308,13 +378,15 @@ class DirectoryTier(Tier):
                 for path, st in files:
                     if total <= target:
                         break
+                    if path == keep:
+                        continue
                     try:
                         os.unlink(path)
                         n += 1
                     except FileNotFoundError:
                         pass
                     total -= st.st_size
-            self._approx_bytes = total
+            self._approx[partition] = total
         if n:
             self.counters.add(evictions=n)
         return n
@@ -331,7 +403,7 @@ class DirectoryTier(Tier):
     # -- listing / maintenance ------------------------------------------------------------
     def _read_info(self, path: str, st: os.stat_result, with_meta: bool) -> EntryInfo | None:
         try:
-            with open(path, "rb") as f:
+            with _open_regular(path) as f:
                 hl, dl, _ = parse_fixed(f.read(FIXED_SIZE), path)
                 if FIXED_SIZE + hl + dl != st.st_size:
                     return None
@@ -339,7 +411,7 @@ class DirectoryTier(Tier):
             k = StoreKey.from_str(h["key"])
         except (OSError, KvcFormatError, KvcInputError):
             return None
-        if k.digest + SUFFIX != os.path.basename(path):
+        if path != self.path_for(k):
             return None
         return EntryInfo(k, dl, self.name, h.get("meta") if with_meta else None, st.st_mtime)
 
@@ -357,15 +429,18 @@ class DirectoryTier(Tier):
         return n, b
 
     def gc(self, grace_s: float = 3600.0, verify: bool = True) -> dict[str, int]:
-        """Remove temp files older than ``grace_s`` and (``verify``) corrupt entries.
+        """Tier hygiene: temp files older than ``grace_s``, old quarantine, (``verify``) damaged files.
 
         Returns counts: ``tmp_removed``, ``corrupt_removed`` (moved to
         quarantine), ``quarantine_purged`` (quarantined files older than the
-        grace period, deleted), ``checked``, ``evicted``.  A temp file younger than the grace period may belong
-        to a live writer and is kept.
+        grace period, deleted), ``checked``.  A temp file younger than the
+        grace period may belong to a live writer and is kept.  Only files no
+        one can read are touched (bad checksum, size or header, or a file at
+        a name its header does not give); intact entries of any partition are
+        never moved, and ``gc`` evicts nothing (puts enforce each partition's cap).
         """
         now = time.time()
-        out = {"tmp_removed": 0, "corrupt_removed": 0, "checked": 0, "evicted": 0}
+        out = {"tmp_removed": 0, "corrupt_removed": 0, "checked": 0}
         for dirpath, _dirs, names in os.walk(self.root):
             for nm in names:
                 if not nm.endswith(TMP_SUFFIX):
@@ -397,15 +472,13 @@ class DirectoryTier(Tier):
                     continue
                 prefix, data, size, st2 = r
                 out["checked"] += 1
-                want = os.path.basename(path)[: -len(SUFFIX)]
                 try:
                     e = decode_envelope_parts(prefix, data, None, what=path, total=size)
-                    if e.key.digest != want:
-                        raise KvcFormatError(f"{path}: holds digest {e.key.digest}, name says {want}")
+                    if self.path_for(e.key) != path:
+                        raise KvcFormatError(f"{path}: holds key {e.key.to_str()}, which lives elsewhere")
                 except KvcFormatError as err:
                     self._quarantine(path, st2, str(err))
                     out["corrupt_removed"] += 1
-        out["evicted"] = self.evict()
         return out
 
     def stats(self) -> dict[str, Any]:

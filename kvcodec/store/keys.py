@@ -46,14 +46,21 @@ DOMAIN = b"kvcodec.store.key.v1\x00"
 DIGEST_SIZE = 32  # bytes; 64 hex characters
 
 # Identifiers that appear in key strings, file listings and Redis key names.
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=-]{0,127}$")
-_HEX_RE = re.compile(r"^[0-9a-f]{64}$")
+# ``fullmatch`` (not ``match`` with ``$``, which accepts a trailing newline) and
+# explicit ASCII classes: ``str.isdigit``/``\d`` accept Arabic-Indic digits
+# and superscripts, which ``int`` then either converts silently or rejects
+# with a bare ValueError.
+_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=-]{0,127}")
+_HEX_RE = re.compile(r"[0-9a-f]{64}")
+_COUNT_RE = re.compile(r"(0|[1-9][0-9]{0,17})")  # < 10**18: far beyond any context, far below int limits
+MAX_KEY_STR = 512
 
 
 def _check_id(what: str, value: str) -> str:
-    if not isinstance(value, str) or not _ID_RE.match(value):
+    if not isinstance(value, str) or not _ID_RE.fullmatch(value):
+        shown = ascii(value[:80]) if isinstance(value, str) else type(value).__name__
         raise KvcInputError(
-            f"store key {what} {value!r} is invalid: use 1-128 characters from "
+            f"store key {what} {shown} is invalid: use 1-128 characters from "
             "[A-Za-z0-9._+=-], starting with a letter or digit"
         )
     return value
@@ -157,8 +164,9 @@ class StoreKey:
         _check_id("namespace", self.namespace)
         if not isinstance(self.n_tokens, int) or isinstance(self.n_tokens, bool) or self.n_tokens < 0:
             raise KvcInputError(f"store key n_tokens must be a non-negative int, got {self.n_tokens!r}")
-        if not isinstance(self.digest, str) or not _HEX_RE.match(self.digest):
-            raise KvcInputError(f"store key digest must be 64 lowercase hex characters, got {self.digest!r}")
+        if not isinstance(self.digest, str) or not _HEX_RE.fullmatch(self.digest):
+            shown = ascii(self.digest[:80]) if isinstance(self.digest, str) else type(self.digest).__name__
+            raise KvcInputError(f"store key digest must be 64 lowercase hex characters, got {shown}")
 
     # -- constructors -----------------------------------------------------
     @classmethod
@@ -179,16 +187,20 @@ class StoreKey:
 
     @classmethod
     def from_str(cls, s: str) -> "StoreKey":
+        """Parse ``kvc1:<model>:<codec>:<namespace>:<n_tokens>:<digest>`` (ASCII only)."""
         if not isinstance(s, str):
             raise KvcInputError(f"store key must be a string, got {type(s).__name__}")
+        shown = ascii(s[:80]) + ("..." if len(s) > 80 else "")  # one printable line, whatever s holds
+        if len(s) > MAX_KEY_STR:
+            raise KvcInputError(f"bad store key {shown}: longer than {MAX_KEY_STR} characters")
         parts = s.strip().split(":")
         if len(parts) != 6 or parts[0] != f"kvc{KEY_VERSION}":
             raise KvcInputError(
-                f"bad store key {s!r}: expected kvc{KEY_VERSION}:<model>:<codec>:<namespace>:<n_tokens>:<digest>"
+                f"bad store key {shown}: expected kvc{KEY_VERSION}:<model>:<codec>:<namespace>:<n_tokens>:<digest>"
             )
         _, model, codec, ns, n, digest = parts
-        if not n.isdigit():
-            raise KvcInputError(f"bad store key {s!r}: n_tokens {n!r} is not a number")
+        if not _COUNT_RE.fullmatch(n):
+            raise KvcInputError(f"bad store key {shown}: n_tokens {ascii(n)} is not a number in ASCII digits")
         return cls(model, codec, ns, int(n), digest)
 
     def to_str(self) -> str:

@@ -13,22 +13,148 @@ Guarantees of every :class:`RangeReader`:
   server ignoring ``Range``, an object that changed between requests) raise
   :class:`KvcStoreError` whose message names the status / cause;
 * negative offsets or lengths raise :class:`KvcInputError`.
+
+Every HTTP request (:func:`http_request`) has a connect timeout, a per-read
+timeout and a total deadline enforced by a watchdog that shuts the socket
+down (so a server trickling one byte at a time cannot hold a reader), and
+a body cap: a ranged read accepts at most the bytes it asked for, and a
+server that announces or sends more is refused.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import urllib.error
-import urllib.request
-from http.client import HTTPException, IncompleteRead
+import socket
+import threading
+from dataclasses import dataclass
+from email.message import Message
+from http.client import HTTPConnection, HTTPException, HTTPSConnection, IncompleteRead
 from typing import Any, Mapping
+from urllib.parse import urlsplit
 
 from ..errors import KvcFormatError, KvcInputError, KvcStoreError
 
-__all__ = ["RangeReader", "FileRangeReader", "HttpRangeReader", "BytesRangeReader", "open_range_reader"]
+__all__ = ["RangeReader", "FileRangeReader", "HttpRangeReader", "BytesRangeReader", "open_range_reader",
+           "HttpLimits", "http_request"]
 
 _CONTENT_RANGE_RE = re.compile(r"^\s*bytes\s+(\d+)-(\d+)/(\d+|\*)\s*$", re.I)
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """Time limits of one HTTP request, in seconds.
+
+    ``connect``: TCP (+TLS) connect; ``read``: longest silence between two
+    received pieces; ``total``: the whole request, headers and body included.
+    """
+
+    connect: float = 5.0
+    read: float = 30.0
+    total: float = 300.0
+
+    def __post_init__(self) -> None:
+        for k in ("connect", "read", "total"):
+            v = getattr(self, k)
+            if not isinstance(v, (int, float)) or not 0 < v <= 86400:
+                raise KvcInputError(f"http {k} timeout must be in (0, 86400] seconds, got {v!r}")
+
+
+@dataclass
+class HttpResponse:
+    status: int
+    headers: Message
+    body: bytes
+
+
+_BODY_STATUSES = (200, 206)
+
+
+def http_request(url: str, *, method: str = "GET", headers: Mapping[str, str] | None = None,
+                 limits: HttpLimits = HttpLimits(), max_body: int = 0,
+                 body_statuses: tuple[int, ...] = _BODY_STATUSES) -> HttpResponse:
+    """One HTTP(S) request with bounded time and a bounded body.
+
+    The body is read only for ``body_statuses`` answers to GET and never beyond
+    ``max_body`` bytes: a ``Content-Length`` above it, more bytes than it or a
+    compressed body raise :class:`KvcStoreError`; a body cut short raises
+    :class:`KvcFormatError`.  Redirects are not followed.
+    """
+    p = urlsplit(url)
+    try:
+        host, port = p.hostname, p.port
+    except ValueError as e:
+        raise KvcInputError(f"bad URL {ascii(url)}: {e}") from None
+    if p.scheme not in ("http", "https") or not host:
+        raise KvcInputError(f"not an http(s) URL: {ascii(url)}")
+    target = (p.path or "/") + (f"?{p.query}" if p.query else "")
+    cls = HTTPSConnection if p.scheme == "https" else HTTPConnection
+    conn = cls(host, port, timeout=limits.connect)
+    fired = threading.Event()
+    held: list[socket.socket] = []  # http.client drops conn.sock when the response owns the socket
+
+    def abort() -> None:  # the total deadline: unblock whatever recv/connect is waiting
+        fired.set()
+        for sock in held or ([conn.sock] if conn.sock is not None else []):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    watchdog = threading.Timer(limits.total, abort)
+    watchdog.daemon = True
+    watchdog.start()
+    late = f"{url}: no complete answer within the {limits.total:g} s deadline"
+    try:
+        try:
+            conn.connect()
+            held.append(conn.sock)
+            conn.sock.settimeout(limits.read)
+            if fired.is_set():  # the deadline passed during connect, before the socket was held
+                raise KvcStoreError(late)
+            conn.request(method, target, headers={"Accept-Encoding": "identity", **(headers or {})})
+            resp = conn.getresponse()
+            status, hdrs = resp.status, resp.headers
+            if method != "GET" or status not in body_statuses:
+                return HttpResponse(status, hdrs, b"")
+            enc = (hdrs.get("Content-Encoding") or "identity").strip().lower()
+            if enc != "identity":
+                raise KvcStoreError(f"{url}: server sent a {enc!r}-encoded body though identity was asked")
+            cl = hdrs.get("Content-Length")
+            if cl is not None:
+                if not re.fullmatch(r"[0-9]{1,19}", cl.strip()):
+                    raise KvcStoreError(f"{url}: bad Content-Length {ascii(cl[:40])}")
+                if int(cl) > max_body:
+                    raise KvcStoreError(f"{url}: server announces {int(cl):,} body bytes, "
+                                        f"more than the {max_body:,} asked for; refused")
+            buf = bytearray()
+            while True:
+                piece = resp.read(min(1 << 20, max_body + 1 - len(buf)))
+                if fired.is_set():
+                    raise KvcStoreError(late)
+                if not piece:
+                    break
+                buf += piece
+                if len(buf) > max_body:
+                    raise KvcStoreError(f"{url}: server sent more than the {max_body:,} body bytes "
+                                        "asked for; refused")
+            return HttpResponse(status, hdrs, bytes(buf))
+        except IncompleteRead as e:
+            if fired.is_set():
+                raise KvcStoreError(late) from None
+            raise KvcFormatError(f"{url}: short read: connection closed after {len(e.partial)} of "
+                                 f"{len(e.partial) + (e.expected or 0)} body bytes") from None
+        except (HTTPException, OSError) as e:
+            if fired.is_set():
+                raise KvcStoreError(late) from None
+            if isinstance(e, (ConnectionRefusedError, socket.gaierror)) or conn.sock is None:
+                raise KvcStoreError(f"{url}: cannot connect: {e}") from None
+            if isinstance(e, (socket.timeout, TimeoutError)):
+                raise KvcStoreError(f"{url}: no data for {limits.read:g} s (read timeout)") from None
+            raise KvcStoreError(f"{url}: transfer failed: {type(e).__name__}: {e}") from None
+    finally:
+        watchdog.cancel()
+        conn.close()
 
 
 class RangeReader:
@@ -166,7 +292,8 @@ class FileRangeReader(RangeReader):
 class HttpRangeReader(RangeReader):
     """Read an object on an HTTP(S) server piecewise with ``Range`` requests.
 
-    Uses only ``urllib``.  At open it sends ``Range: bytes=0-0`` to learn the
+    Uses :func:`http_request` (connect/read/total limits, body capped at the
+    range asked for).  At open it sends ``Range: bytes=0-0`` to learn the
     size (from ``Content-Range``) and the validator (``ETag`` or
     ``Last-Modified``); later requests carry ``If-Range`` so that an object
     replaced on the server mid-read is detected (the server then answers 200
@@ -183,12 +310,14 @@ class HttpRangeReader(RangeReader):
         headers: Mapping[str, str] | None = None,
         base: int = 0,
         length: int | None = None,
+        limits: HttpLimits | None = None,
     ) -> None:
+        """``timeout`` is the read timeout; ``limits`` (if given) sets all three limits."""
         if not url.lower().startswith(("http://", "https://")):
-            raise KvcInputError(f"not an http(s) URL: {url!r}")
+            raise KvcInputError(f"not an http(s) URL: {ascii(url)}")
         self.url = url
         self.name = url
-        self.timeout = float(timeout)
+        self.limits = limits or HttpLimits(connect=min(5.0, float(timeout)), read=float(timeout))
         self._headers = dict(headers or {})
         self._validator: str | None = None
         self.requests = 0
@@ -206,36 +335,21 @@ class HttpRangeReader(RangeReader):
 
     # -- HTTP plumbing ------------------------------------------------------
     def _request(self, first: int, last: int, probe: bool = False) -> tuple[int, Mapping[str, str], bytes]:
-        hdrs = {"Range": f"bytes={first}-{last}", "Accept-Encoding": "identity", **self._headers}
+        hdrs = {"Range": f"bytes={first}-{last}", **self._headers}
         if self._validator:
             hdrs["If-Range"] = self._validator
-        req = urllib.request.Request(self.url, headers=hdrs, method="GET")
         self.requests += 1
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                status = resp.status
-                headers = resp.headers
-                try:
-                    body = resp.read()
-                except IncompleteRead as e:
-                    raise KvcFormatError(
-                        f"{self.url}: short read: connection closed after {len(e.partial)} of "
-                        f"{len(e.partial) + (e.expected or 0)} body bytes"
-                    ) from None
-        except urllib.error.HTTPError as e:
-            if e.code == 416 and probe and (e.headers.get("Content-Range") or "").strip() == "bytes */0":
-                return 416, e.headers, b""  # an empty object: bytes 0-0 cannot be satisfied
-            if e.code == 416:
-                raise KvcFormatError(
-                    f"{self.url}: HTTP 416 range bytes={first}-{last} not satisfiable (object truncated?)"
-                ) from None
-            raise KvcStoreError(f"{self.url}: HTTP {e.code} {e.reason}") from None
-        except urllib.error.URLError as e:
-            raise KvcStoreError(f"{self.url}: cannot connect: {e.reason}") from None
-        except (HTTPException, OSError) as e:  # timeouts, resets
-            raise KvcStoreError(f"{self.url}: transfer failed: {type(e).__name__}: {e}") from None
-        self.bytes_fetched += len(body)
-        return status, headers, body
+        r = http_request(self.url, headers=hdrs, limits=self.limits, max_body=last - first + 1,
+                         body_statuses=(206,))  # a 200 to a ranged GET is refused unread
+        if r.status == 416:
+            if probe and (r.headers.get("Content-Range") or "").strip() == "bytes */0":
+                return 416, r.headers, b""  # an empty object: bytes 0-0 cannot be satisfied
+            raise KvcFormatError(
+                f"{self.url}: HTTP 416 range bytes={first}-{last} not satisfiable (object truncated?)")
+        if r.status >= 300 and r.status not in _BODY_STATUSES:
+            raise KvcStoreError(f"{self.url}: HTTP {r.status} {_reason(r.status)}")
+        self.bytes_fetched += len(r.body)
+        return r.status, r.headers, r.body
 
     def _parse_content_range(self, headers: Mapping[str, str]) -> tuple[int, int, int | None]:
         cr = headers.get("Content-Range")
@@ -290,6 +404,15 @@ class HttpRangeReader(RangeReader):
                 f"{self.url}: short read at offset {offset}: wanted {length} bytes, got {len(body)}"
             )
         return body[:length]
+
+
+def _reason(status: int) -> str:
+    from http import HTTPStatus
+
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return ""
 
 
 def open_range_reader(source: str | os.PathLike[str], **kwargs: Any) -> RangeReader:

@@ -20,6 +20,7 @@ call tries again; the first success logs "reachable again" and clears the state.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar
@@ -30,7 +31,9 @@ from .keys import StoreKey
 from .tiers import (
     FIXED_SIZE,
     Entry,
+    MAX_TIER_META,
     EntryInfo,
+    KeyMismatch,
     Tier,
     as_bytes,
     check_meta,
@@ -43,6 +46,18 @@ from .tiers import (
 
 T = TypeVar("T")
 _OWN_OPTS = ("timeout", "prefix", "ttl", "retry_interval")
+
+
+def _number(text: str, what: str, positive: bool = False, integer: bool = False) -> float:
+    """A finite number written in ASCII (``float`` alone accepts Arabic-Indic digits, nan and inf)."""
+    pat = r"[0-9]{1,12}" if integer else r"[0-9]{1,12}(\.[0-9]{1,9})?"
+    if not re.fullmatch(pat, str(text).strip()):
+        raise ValueError(f"{what}={ascii(str(text)[:40])} is not a {'whole ' if integer else ''}number "
+                         "in ASCII digits")
+    v = float(text)
+    if positive and v <= 0:
+        raise ValueError(f"{what} must be > 0")
+    return v
 
 
 def redact(url: str) -> str:
@@ -68,15 +83,19 @@ class RedisTier(Tier):
         except ImportError:  # pragma: no cover
             raise KvcStoreError("the redis tier needs redis-py: pip install 'kvcodec[store]'") from None
         self._redis_mod = redis
-        p = urlsplit(url)
+        try:
+            p = urlsplit(url)
+            _ = p.port  # validates: ASCII digits in range
+        except ValueError as e:
+            raise KvcInputError(f"bad redis URL {ascii(url.split('@')[-1])}: {e}") from None
         if p.scheme not in ("redis", "rediss", "unix"):
             raise KvcInputError(f"not a redis URL: {redact(url)!r}")
         q = dict(parse_qsl(p.query, keep_blank_values=True))
         try:
-            timeout = float(q.pop("timeout", 2.0))
+            timeout = _number(q.pop("timeout", "2"), "timeout", positive=True)
             ttl = q.pop("ttl", None)
-            self.ttl = None if ttl in (None, "", "0") else int(ttl)
-            self.retry_interval = float(q.pop("retry_interval", 1.0))
+            self.ttl = None if ttl in (None, "", "0") else int(_number(ttl, "ttl", positive=True, integer=True))
+            self.retry_interval = _number(q.pop("retry_interval", "1"), "retry_interval")
         except ValueError as e:
             raise KvcInputError(f"bad redis URL option in {redact(url)!r}: {e}") from None
         self.prefix = q.pop("prefix", "kvc:")
@@ -158,6 +177,10 @@ class RedisTier(Tier):
             return None
         try:
             e = decode_envelope(buf, key, what=f"redis {self.rkey(key)}")
+        except KeyMismatch as err:  # intact but another key's: a miss, never deleted
+            self.counters.add(misses=1)
+            log.warning("store: %s; treated as a miss", err)
+            return None
         except KvcFormatError as err:
             self.counters.add(corrupt=1, misses=1)
             log.warning("store: %s; deleting it", err)
@@ -171,7 +194,7 @@ class RedisTier(Tier):
 
     def put(self, key: StoreKey, data: bytes, meta: Mapping[str, Any] | None = None,
             created: float | None = None) -> None:
-        env = encode_envelope(key, as_bytes(data), check_meta(meta), created)
+        env = encode_envelope(key, as_bytes(data), check_meta(meta, MAX_TIER_META), created)
         try:
             self._call("put", lambda: self.r.set(self.rkey(key), env, ex=self.ttl))
         except KvcStoreError:

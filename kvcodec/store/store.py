@@ -14,6 +14,14 @@ always in front)::
 
 e.g. ``"/var/cache/kvc,redis://127.0.0.1:6379/0"``.
 
+Isolation: a Store acts for one tenant, the holder of a :class:`TenantKey`
+(``key=``; default :meth:`TenantKey.default`: ``$KVC_STORE_KEY``,
+``$KVC_STORE_KEY_FILE`` or the per-user key file).  Tiers see only physical
+keys (HMAC of the logical key) and sealed metadata; every entry read from a
+persistent tier is authenticated before it is returned, back-filled or
+range-read, and ``ls``/``stats``/``gc`` cover only the caller's entries.
+spec/store-keys.md §8-§10 has the scheme and the threat model.
+
 ``get`` searches tiers in order and back-fills the faster tiers in front of
 the one that hit.  ``put`` writes through to every writable tier and returns
 a :class:`PutResult` naming what happened in each one; it raises
@@ -31,24 +39,27 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from ..errors import KvcInputError, KvcStoreError
+from ..errors import KvcError, KvcFormatError, KvcInputError, KvcStoreError
 from .keys import DEFAULT_CHUNK, StoreKey, longest_prefix
 from .ranged import BytesRangeReader, RangeReader
+from .tenant import AuthRangeReader, NamespaceKeys, Seal, TenantKey
 from .tiers import Entry, EntryInfo, MemoryTier, Tier, as_bytes, check_meta
 
 log = logging.getLogger("kvcodec.store")
 
 DEFAULT_MEMORY_BYTES = 256 << 20
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.I)
+_SIZE_RE = re.compile(r"\s*([0-9]{1,15}(?:\.[0-9]{1,6})?)\s*([kmgt]?)(i?b?)\s*", re.I | re.ASCII)
 
 
 def parse_size(s: str | int) -> int:
     """``"512M"``, ``"10GiB"``, ``"1.5g"``, ``"1000"`` -> bytes (binary multiples)."""
-    if isinstance(s, int):
+    if isinstance(s, int) and not isinstance(s, bool):
+        if s < 0:
+            raise KvcInputError(f"bad size {s}: must be >= 0")
         return s
-    m = _SIZE_RE.match(str(s))
+    m = _SIZE_RE.fullmatch(str(s))
     if not m:
-        raise KvcInputError(f"bad size {s!r}: use e.g. 1000, 512M, 10G")
+        raise KvcInputError(f"bad size {ascii(str(s)[:40])}: use e.g. 1000, 512M, 10G (ASCII digits)")
     mult = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
     return int(float(m.group(1)) * mult)
 
@@ -94,7 +105,9 @@ class PutResult:
 
 
 class Store:
-    def __init__(self, tiers: list[Tier], url: str = "") -> None:
+    """Tiers searched in order behind an in-process LRU, acting for one tenant (``key``)."""
+
+    def __init__(self, tiers: list[Tier], url: str = "", key: TenantKey | None = None) -> None:
         if not tiers or not isinstance(tiers[0], MemoryTier):
             tiers = [MemoryTier(DEFAULT_MEMORY_BYTES)] + list(tiers)
         names: set[str] = set()
@@ -110,59 +123,80 @@ class Store:
         self.hits = 0
         self.misses = 0
         self.put_failures = 0
+        self.rejected = 0  # entries that failed authentication (forged, tampered, another tenant's)
         self._lock = threading.Lock()
+        if key is None:
+            key = TenantKey.ephemeral() if all(not t.persistent for t in tiers) else TenantKey.default()
+        if not isinstance(key, TenantKey):
+            raise KvcInputError(f"store key must be a TenantKey, got {type(key).__name__}")
+        self.key = key
 
     # -- construction ----------------------------------------------------------
     @classmethod
     def open(cls, url: str | os.PathLike[str], *, memory_bytes: int | str | None = None,
-             fsync: bool | None = None, max_bytes: int | str | None = None) -> "Store":
+             fsync: bool | None = None, max_bytes: int | str | None = None,
+             key: TenantKey | None = None) -> "Store":
         """Open a store from a URL or comma-separated tier list (see module doc).
 
         ``memory_bytes`` sizes the front LRU; ``fsync``/``max_bytes`` are
-        defaults for directory tiers whose URL does not set them.
+        defaults for directory tiers whose URL does not set them; ``key`` is
+        the caller's tenant key (default: :meth:`TenantKey.default`).
         """
         s = os.fspath(url).strip()
         if not s:
             raise KvcInputError("empty store URL")
         mem_bytes = parse_size(memory_bytes) if memory_bytes is not None else DEFAULT_MEMORY_BYTES
         tiers: list[Tier] = []
-        for part in (p.strip() for p in s.split(",")):
-            if not part:
-                raise KvcInputError(f"empty tier in store URL {s!r}")
-            low = part.lower()
-            if low.startswith("mem://"):
-                q = dict(parse_qsl(urlsplit(part).query))
-                if "max_bytes" in q:
-                    mem_bytes = parse_size(q.pop("max_bytes"))
-                if q:
-                    raise KvcInputError(f"unknown mem:// options {sorted(q)}")
-            elif low.startswith(("redis://", "rediss://", "unix://")):
-                from .redis_tier import RedisTier
+        try:
+            for part in (p.strip() for p in s.split(",")):
+                tier_or_size = cls._parse_tier(part, s, fsync, max_bytes)
+                if isinstance(tier_or_size, Tier):
+                    tiers.append(tier_or_size)
+                elif tier_or_size is not None:
+                    mem_bytes = tier_or_size
+            shown = ",".join(_redact(p.strip()) for p in s.split(","))
+        except ValueError as e:  # urlsplit / port parsing of an odd URL
+            raise KvcInputError(f"bad store URL {ascii(s.split('@')[-1][:200])}: {e}") from None
+        return cls([MemoryTier(mem_bytes)] + tiers, url=shown, key=key)
 
-                tiers.append(RedisTier(part))
-            elif low.startswith(("kvc+http://", "kvc+https://")):
-                from .kdn import KdnTier
+    @classmethod
+    def _parse_tier(cls, part: str, s: str, fsync: bool | None,
+                    max_bytes: int | str | None) -> Tier | int | None:
+        """One tier of a store URL; a ``mem://`` part gives the LRU size (or None)."""
+        if not part:
+            raise KvcInputError(f"empty tier in store URL {ascii(s)}")
+        low = part.lower()
+        if low.startswith("mem://"):
+            q = dict(parse_qsl(urlsplit(part).query))
+            size = parse_size(q.pop("max_bytes")) if "max_bytes" in q else None
+            if q:
+                raise KvcInputError(f"unknown mem:// options {sorted(q)}")
+            return size
+        if low.startswith(("redis://", "rediss://", "unix://")):
+            from .redis_tier import RedisTier
 
-                tiers.append(KdnTier(part))
-            elif low.startswith(("redis+cluster://", "rediss+cluster://")):
-                from .redis_cluster import RedisClusterTier
+            return RedisTier(part)
+        if low.startswith(("kvc+http://", "kvc+https://")):
+            from .kdn import KdnTier
 
-                tiers.append(RedisClusterTier(part))
-            elif low.startswith("s3://"):
-                from .s3 import S3Tier
+            return KdnTier(part)
+        if low.startswith(("redis+cluster://", "rediss+cluster://")):
+            from .redis_cluster import RedisClusterTier
 
-                tiers.append(S3Tier(part))
-            elif low.startswith(("http://", "https://")):
-                from .http import HttpTier
+            return RedisClusterTier(part)
+        if low.startswith("s3://"):
+            from .s3 import S3Tier
 
-                tiers.append(HttpTier(part))
-            elif low.startswith("file://") or "://" not in part:
-                tiers.append(cls._dir_tier(part, fsync, max_bytes))
-            else:
-                raise KvcInputError(
-                    f"unsupported store tier {part!r}: use a directory, file://, mem://, "
-                    "redis://, rediss://, redis+cluster://, s3://, kvc+http(s):// or http(s)://")
-        return cls([MemoryTier(mem_bytes)] + tiers, url=",".join(_redact(p.strip()) for p in s.split(",")))
+            return S3Tier(part)
+        if low.startswith(("http://", "https://")):
+            from .http import HttpTier
+
+            return HttpTier(part)
+        if low.startswith("file://") or "://" not in part:
+            return cls._dir_tier(part, fsync, max_bytes)
+        raise KvcInputError(
+            f"unsupported store tier {ascii(part)}: use a directory, file://, mem://, "
+            "redis://, rediss://, redis+cluster://, s3://, kvc+http(s):// or http(s)://")
 
     @staticmethod
     def _dir_tier(part: str, fsync: bool | None, max_bytes: int | str | None) -> Tier:
@@ -189,13 +223,49 @@ class Store:
             raise KvcInputError("empty directory path in store URL")
         return DirectoryTier(path, **kw)
 
+    # -- tenant mapping ----------------------------------------------------------------
+    def _ns(self, key: StoreKey) -> NamespaceKeys:
+        return self.key.namespace(key.namespace)
+
+    def physical(self, key: StoreKey) -> StoreKey:
+        """The key ``key`` has on every tier (HMAC of it under the caller's tenant key)."""
+        self._check_key(key)
+        return self._ns(key).physical(key)
+
+    def _reject(self, tier: Tier, what: str, err: Exception) -> None:
+        tier.counters.add(corrupt=1)
+        with self._lock:
+            self.rejected += 1
+        log.warning("store: %s from %s refused: %s", what, tier.name, err)
+
+    def _unseal(self, tier: Tier, key: StoreKey, phys: StoreKey, e: Entry) -> Seal | None:
+        """The verified seal of entry ``e`` read from ``tier``, or None (warned, counted)."""
+        try:
+            seal = self._ns(key).open(phys, e.meta, f"entry {key}")
+            if seal.key != key:
+                raise KvcFormatError(f"entry {key}: sealed for {seal.key}")
+            if not isinstance(tier, MemoryTier):  # the LRU holds only entries verified on the way in
+                seal.check_data(e.data, f"entry {key}")
+        except KvcFormatError as err:
+            self._reject(tier, f"entry {key}", err)
+            return None
+        return seal
+
     # -- core ------------------------------------------------------------------------
     def get_entry(self, key: StoreKey) -> Entry | None:
-        """Entry (data + meta) from the first tier holding it; back-fills faster tiers."""
-        self._check_key(key)
+        """Entry (data + meta) from the first tier holding an authentic copy; back-fills faster tiers.
+
+        A copy that fails authentication (another tenant's, forged, tampered)
+        is a miss in that tier: it is logged, counted in ``rejected``, left
+        where it is, and never copied into another tier.
+        """
+        phys = self.physical(key)
         for i, t in enumerate(self.tiers):
-            e = t.get_entry(key)
+            e = t.get_entry(phys)
             if e is None:
+                continue
+            seal = self._unseal(t, key, phys, e)
+            if seal is None:
                 continue
             for front in self.tiers[:i]:
                 if not front.writable:
@@ -203,12 +273,12 @@ class Store:
                 if isinstance(front, MemoryTier) and not front.fits(len(e.data)):
                     continue
                 try:
-                    front.put(key, e.data, e.meta, created=e.created)  # type: ignore[call-arg]
+                    front.put(phys, e.data, e.meta, created=e.created)  # type: ignore[call-arg]
                 except KvcStoreError as err:
                     log.debug("store: back-fill of %s into %s failed: %s", key, front.name, err)
             with self._lock:
                 self.hits += 1
-            return e
+            return Entry(key, e.data, seal.meta, e.created)
         with self._lock:
             self.misses += 1
         return None
@@ -223,10 +293,10 @@ class Store:
         return None if e is None else e.meta
 
     def put(self, key: StoreKey, data: bytes, meta: Mapping[str, Any] | None = None) -> PutResult:
-        """Write through to every writable tier; see :class:`PutResult`."""
-        self._check_key(key)
+        """Seal and write through to every writable tier; see :class:`PutResult`."""
+        phys = self.physical(key)
         data = as_bytes(data)
-        meta = check_meta(meta)
+        sealed = self._ns(key).seal(key, data, check_meta(meta))
         res = PutResult(key)
         for t in self.tiers:
             if not t.writable:
@@ -236,7 +306,7 @@ class Store:
                 res.tiers[t.name] = "skipped: larger than the memory tier"
                 continue
             try:
-                t.put(key, data, meta)
+                t.put(phys, data, sealed)
                 res.tiers[t.name] = "ok"
             except KvcStoreError as e:
                 res.tiers[t.name] = f"error: {e}"
@@ -245,7 +315,7 @@ class Store:
             with self._lock:
                 self.put_failures += 1
         if persistent and not any(res.tiers[n] == "ok" for n in persistent):
-            self.memory.delete(key)
+            self.memory.delete(phys)
             raise KvcStoreError(
                 f"store put of {key} failed in every persistent tier: "
                 + "; ".join(f"{n}: {res.tiers[n]}" for n in persistent))
@@ -255,13 +325,14 @@ class Store:
         return self.contains_many([key])[0]
 
     def contains_many(self, keys: Iterable[StoreKey]) -> list[bool]:
-        keys = list(keys)
-        found = [False] * len(keys)
+        """Whether each key has an entry (by name: a later ``get`` still authenticates it)."""
+        phys = [self.physical(k) for k in keys]
+        found = [False] * len(phys)
         for t in self.tiers:
             todo = [i for i, f in enumerate(found) if not f]
             if not todo:
                 break
-            for i, ok in zip(todo, t.contains_many([keys[i] for i in todo])):
+            for i, ok in zip(todo, t.contains_many([phys[i] for i in todo])):
                 if ok:
                     found[i] = True
         return found
@@ -276,84 +347,160 @@ class Store:
         """A range reader over the payload of ``key`` without loading it whole.
 
         Uses the first tier that can serve ranges (directory: pread, http:
-        Range requests); falls back to a full ``get``.  Range readers skip
-        the whole-entry checksum, so the payload format must carry its own.
+        Range requests) through :class:`AuthRangeReader`, which verifies the
+        seal first and each block before returning its bytes; other tiers
+        fall back to a full, verified ``get``.
         """
-        self._check_key(key)
+        phys = self.physical(key)
         for t in self.tiers:
             if isinstance(t, MemoryTier):
-                e = t.get_entry(key)
-                if e is not None:
+                e = t.get_entry(phys)
+                if e is not None and self._unseal(t, key, phys, e) is not None:
                     return BytesRangeReader(e.data, name=str(key))
                 continue
-            rd = getattr(t, "reader", None)
-            if rd is not None:
-                try:
-                    r = rd(key)
-                except KvcStoreError as err:
-                    log.warning("store: %s cannot serve ranges for %s: %s", t.name, key, err)
-                    continue
-                if r is not None:
-                    return r
-            elif t.contains(key):
-                data = self.get(key)
-                if data is not None:
-                    return BytesRangeReader(data, name=str(key))
+            rd = getattr(t, "range_entry", None)
+            if rd is None:
+                if t.contains(phys):
+                    e2 = self.get_entry(key)
+                    if e2 is not None:
+                        return BytesRangeReader(e2.data, name=str(key))
+                continue
+            try:
+                got = rd(phys)
+            except KvcError as err:
+                log.warning("store: %s cannot serve ranges for %s: %s", t.name, key, err)
+                continue
+            if got is None:
+                continue
+            inner, sealed = got
+            try:
+                seal = self._ns(key).open(phys, sealed, f"entry {key}")
+                return AuthRangeReader(inner, seal, name=str(key))
+            except KvcFormatError as err:
+                inner.close()
+                self._reject(t, f"entry {key}", err)
         return None
 
     def rm(self, key: StoreKey) -> bool:
         """Delete ``key`` from every writable tier.  True if any tier held it.
 
-        Raises :class:`KvcStoreError` if some tier could not be reached (a
-        surviving copy would come back through back-fill).
+        Only the caller's own entry can be named: another tenant's entry with
+        the same logical key has another physical key.  Raises
+        :class:`KvcStoreError` if some tier could not be reached (a surviving
+        copy would come back through back-fill).
         """
-        self._check_key(key)
+        phys = self.physical(key)
         removed = False
         errors = []
         for t in self.tiers:
             if not t.writable:
                 continue
             try:
-                removed = t.delete(key) or removed
+                removed = t.delete(phys) or removed
             except KvcStoreError as e:
                 errors.append(f"{t.name}: {e}")
         if errors:
             raise KvcStoreError(f"store rm of {key} incomplete: " + "; ".join(errors))
         return removed
 
+    def _scan(self, t: Tier) -> Iterable[tuple[EntryInfo, Seal | None]]:
+        """Entries of tier ``t`` in the caller's partitions, with their verified seal (None: fails).
+
+        An entry's partition is the tag of the namespace its header claims;
+        entries in other tenants' partitions are skipped unread.
+        """
+        for info in t.ls(with_meta=True):
+            sealed = info.meta
+            try:
+                ks = sealed.get("key") if isinstance(sealed, dict) else None
+                logical = StoreKey.from_str(ks) if isinstance(ks, str) else None
+            except KvcInputError:
+                logical = None
+            if logical is None:
+                continue
+            ns = self._ns(logical)
+            if info.key.namespace != ns.tag:
+                continue  # another tenant's partition: not even its seal is examined
+            try:
+                yield info, ns.open(info.key, sealed, f"entry {logical}")
+            except KvcFormatError as err:
+                log.debug("store: %s: %s", t.name, err)
+                yield info, None
+
+    def _own(self, t: Tier) -> Iterable[tuple[EntryInfo, Seal]]:
+        """The caller's authentic entries in tier ``t`` (header seal verified)."""
+        for info, seal in self._scan(t):
+            if seal is not None:
+                yield info, seal
+
     def ls(self, *, with_meta: bool = False, model: str | None = None, codec: str | None = None,
            namespace: str | None = None) -> list[EntryInfo]:
-        """Entries of all listable tiers, merged by key (``tier`` = comma-joined tier names)."""
+        """The caller's entries in all listable tiers, merged by key (``tier`` = comma-joined names)."""
         merged: dict[StoreKey, EntryInfo] = {}
         for t in self.tiers:
             if not t.can_list:
                 continue
             was_up = t.available()
             try:
-                for info in t.ls(with_meta=with_meta):
-                    k = info.key
+                for info, seal in self._own(t):
+                    k = seal.key
                     if (model and k.model != model) or (codec and k.codec != codec) or \
                             (namespace and k.namespace != namespace):
                         continue
                     if k in merged:
                         merged[k].tier += "," + info.tier
                     else:
-                        merged[k] = info
+                        merged[k] = EntryInfo(k, info.size, info.tier, dict(seal.meta) if with_meta else None,
+                                              info.mtime)
             except KvcStoreError as e:  # an outage already warned about is not repeated
                 (log.warning if was_up and t.available() else log.info)(
                     "store: cannot list %s: %s", t.name, e)
         return sorted(merged.values(), key=lambda i: i.key)
 
     def stats(self) -> dict[str, Any]:
-        return {"url": self.url, "hits": self.hits, "misses": self.misses,
-                "put_failures": self.put_failures, "tiers": [t.stats() for t in self.tiers]}
+        """Counters per tier; ``entries``/``bytes`` count only the caller's entries."""
+        tiers = []
+        for t in self.tiers:
+            d = t.stats()
+            d.pop("entries", None)
+            d.pop("bytes", None)
+            if t.can_list:
+                try:
+                    own = [info for info, _ in self._own(t)]
+                    d["entries"], d["bytes"] = len(own), sum(i.size for i in own)
+                except KvcStoreError as e:
+                    d["entries"], d["bytes"], d["error"] = None, None, str(e)
+            else:
+                d["entries"] = d["bytes"] = None
+            tiers.append(d)
+        return {"url": self.url, "tenant_key": self.key.id, "key_source": self.key.source,
+                "hits": self.hits, "misses": self.misses, "put_failures": self.put_failures,
+                "rejected": self.rejected, "tiers": tiers}
 
     def gc(self, grace_s: float = 3600.0) -> dict[str, Any]:
-        """Per-tier maintenance: leftover temp files, corrupt entries, size caps."""
+        """Tier hygiene plus a full check of the caller's own entries.
+
+        Per tier: the tier's own ``gc`` (leftover temp files, files no one can
+        read), then every entry in the caller's partitions is read and
+        verified against its seal; those that fail (tampered, forged at the
+        caller's names) are deleted (``auth_removed``).  Other tenants'
+        partitions are never read, moved or deleted.
+        """
         out: dict[str, Any] = {}
         for t in self.tiers:
             try:
-                out[t.name] = t.gc(grace_s=grace_s)
+                r = dict(t.gc(grace_s=grace_s))
+                if t.can_list and t.writable and t.persistent:
+                    r["auth_checked"] = r["auth_removed"] = 0
+                    for info, seal in list(self._scan(t)):
+                        r["auth_checked"] += 1
+                        e = t.get_entry(info.key) if seal is not None else None
+                        if seal is not None and e is None:
+                            continue  # vanished, or damaged and already quarantined by the tier
+                        if seal is None or self._unseal(t, seal.key, info.key, e) is None:
+                            t.delete(info.key)
+                            r["auth_removed"] += 1
+                out[t.name] = r
             except KvcStoreError as e:
                 out[t.name] = {"error": str(e)}
         return out

@@ -19,7 +19,13 @@ Persistent tiers (directory, Redis, HTTP) store an *envelope*::
     24+H D     data (the opaque payload, e.g. a .kvc file)
 
 The key inside the header is compared with the requested key on every read,
-so a file copied to the wrong name is a miss, not a wrong answer.
+so a file copied to the wrong name is a miss, not a wrong answer -- and a plain
+miss: a read never moves or deletes an entry whose header names another key
+(:class:`KeyMismatch`), because that entry may be someone else's.
+
+Tiers store *physical* keys and sealed metadata handed down by the
+:class:`~kvcodec.store.Store`; isolation and authentication live above this
+interface (``tenant.py``).  What a tier must do is in spec/store-keys.md §9.
 """
 
 from __future__ import annotations
@@ -43,7 +49,12 @@ ENVELOPE_VERSION = 1
 FIXED = struct.Struct("<4sBBHIQI")  # magic, version, flags, reserved, header_len, data_len, crc
 FIXED_SIZE = FIXED.size  # 24
 MAX_HEADER = 1 << 20
-MAX_META = 64 * 1024
+MAX_META = 64 * 1024          # user metadata (checked by the Store)
+MAX_TIER_META = MAX_HEADER - 4096  # what a tier accepts: user metadata + the seal
+
+
+class KeyMismatch(KvcFormatError):
+    """An intact envelope that holds another key than the one asked for: a miss, never quarantined."""
 
 try:  # C implementation ships with google-crc32c (a kvcodec dependency)
     import google_crc32c as _crc
@@ -115,7 +126,7 @@ class TierCounters:
                 ("hits", "misses", "puts", "put_errors", "errors", "corrupt", "evictions")}
 
 
-def check_meta(meta: Mapping[str, Any] | None) -> dict[str, Any]:
+def check_meta(meta: Mapping[str, Any] | None, limit: int = MAX_META) -> dict[str, Any]:
     """Validate that ``meta`` is a small JSON-serialisable dict; return a copy."""
     if meta is None:
         return {}
@@ -125,8 +136,8 @@ def check_meta(meta: Mapping[str, Any] | None) -> dict[str, Any]:
         s = json.dumps(dict(meta), sort_keys=True, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise KvcInputError(f"store metadata is not plain JSON: {e}") from None
-    if len(s) > MAX_META:
-        raise KvcInputError(f"store metadata too large: {len(s)} bytes > {MAX_META}")
+    if len(s) > limit:
+        raise KvcInputError(f"store metadata too large: {len(s)} bytes > {limit}")
     return json.loads(s)
 
 
@@ -205,7 +216,7 @@ def decode_envelope_parts(prefix: bytes, data: bytes, key: StoreKey | None = Non
     except KvcInputError as e:
         raise KvcFormatError(f"{what}: bad key in header: {e}") from None
     if key is not None and k != key:
-        raise KvcFormatError(f"{what}: holds key {k.to_str()}, expected {key.to_str()}")
+        raise KeyMismatch(f"{what}: holds key {k.to_str()}, expected {key.to_str()}")
     created = h.get("created")
     return Entry(k, data, h.get("meta", {}), float(created) if isinstance(created, (int, float)) else None)
 
@@ -258,6 +269,10 @@ class Tier:
         raise NotImplementedError
 
     # optional
+    # range_entry(key) -> (RangeReader over the payload, header meta) | None: piecewise reads
+    # (directory, http); the Store wraps it in an AuthRangeReader.  Tiers without it are
+    # range-read through a verified whole get.
+
     def get(self, key: StoreKey) -> bytes | None:
         e = self.get_entry(key)
         return None if e is None else e.data
@@ -331,7 +346,7 @@ class MemoryTier(Tier):
     def put(self, key: StoreKey, data: bytes, meta: Mapping[str, Any] | None = None,
             created: float | None = None) -> None:
         data = as_bytes(data)
-        meta = check_meta(meta)
+        meta = check_meta(meta, MAX_TIER_META)
         if not self.fits(len(data)):
             return
         e = Entry(key, data, meta, time.time() if created is None else created)

@@ -1,0 +1,88 @@
+"""``kvc store`` as two tenants with their own key files, and odd ids on the command line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cliutil import run_kvc
+
+GOOD = "kvc1:m:c:default:300:" + "0" * 64
+ODD_KEYS = [
+    "kvc1:m:c:default:\u0663\u0660\u0660:" + "0" * 64,       # Arabic-Indic digits
+    "kvc1:m:c:default:\u00b2:" + "0" * 64,                  # superscript two (isdigit, not int)
+    "kvc1:m:c:default:" + "9" * 5000 + ":" + "0" * 64,      # past int()'s digit limit
+    "kvc1:m:c:default\n:300:" + "0" * 64,                   # a newline inside the namespace
+    "kvc1:m:c:de\udcfffault:300:" + "0" * 64,               # a lone surrogate
+    "kvc1:m:c:default:300:" + "\uff10" * 64,                # fullwidth zeros as the digest
+    "kvc1:m:c:default:-1:" + "0" * 64,
+    "kvc1:" + "m" * 200 + ":c:default:1:" + "0" * 64,
+    "",
+]
+
+
+@pytest.mark.parametrize("bad", ODD_KEYS)
+@pytest.mark.parametrize("cmd", ["get", "rm"])
+def test_odd_store_ids_are_one_line_errors(bad, cmd, tmp_path, capsys):
+    args = ["store", cmd, bad, "--store", str(tmp_path / "st")] + (["-o", str(tmp_path / "o")] if cmd == "get" else [])
+    code, out, err = run_kvc(args, capsys)
+    assert code == 2, err
+    assert err.startswith("kvc: error:") and err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:\u0666\u0663\u0667\u0669/0", "http://[::1/x/",
+                                 "file:///tmp/x?max_bytes=\u0661\u0660M", "mem://?max_bytes=1\u00b2"])
+def test_odd_store_urls_are_one_line_errors(url, capsys):
+    code, _, err = run_kvc(["store", "ls", "--store", url], capsys)
+    assert code == 2 and err.startswith("kvc: error:") and err.count("\n") == 1, err
+
+
+def test_key_file_errors(tmp_path, capsys):
+    code, out, _ = run_kvc(["store", "keygen", "-o", str(tmp_path / "a.key"), "--json"], capsys)
+    assert code == 0 and len(json.loads(out)["key_id"]) == 16
+    code, _, err = run_kvc(["store", "keygen", "-o", str(tmp_path / "a.key")], capsys)
+    assert code == 2 and "refusing to replace" in err
+    code, _, err = run_kvc(["store", "ls", "--store", str(tmp_path / "st"), "--key-file",
+                            str(tmp_path / "missing.key")], capsys)
+    assert code == 2 and "no such store key file" in err
+
+
+@pytest.mark.model
+def test_cli_tenants_see_only_their_own_entries(lm, small_cache, tmp_path, capsys):
+    from kvcodec.format import encode_kvc_bytes, get_plan
+
+    plan = get_plan("lossless", small_cache)
+    f = tmp_path / "c.kvc"
+    f.write_bytes(encode_kvc_bytes(small_cache, plan.pipelines, preset=plan.preset))
+    url = str(tmp_path / "st")
+    ka, kb = str(tmp_path / "a.key"), str(tmp_path / "b.key")
+    for k in (ka, kb):
+        assert run_kvc(["store", "keygen", "-o", k], capsys)[0] == 0
+
+    def run(who, *args):
+        return run_kvc(list(args) + ["--store", url, "--key-file", who], capsys)
+
+    code, out, _ = run(kb, "store", "put", str(f), "--namespace", "tenant-b", "--json")
+    assert code == 0
+    key_b = json.loads(out)["key"]
+    code, out, _ = run(ka, "store", "put", str(f), "--json")      # same file, A's own entry
+    assert code == 0
+    key_a = json.loads(out)["key"]
+    assert json.loads(run(ka, "store", "ls", "--json")[1]) and \
+        [r["key"] for r in json.loads(run(ka, "store", "ls", "--json")[1])] == [key_a]
+    assert [r["key"] for r in json.loads(run(kb, "store", "ls", "--json")[1])] == [key_b]
+    assert json.loads(run(ka, "store", "ls", "--namespace", "tenant-b", "--json")[1]) == []
+    # A names B's key: a miss, and A's rm removes nothing
+    code, _, err = run(ka, "store", "get", key_b, "-o", str(tmp_path / "x.kvc"))
+    assert code == 8 and "no entry" in err and not (tmp_path / "x.kvc").exists()
+    code, _, err = run(ka, "store", "rm", key_b)
+    assert code == 8 and "no entry" in err
+    # A's gc and stats cover A only; B still has its entry
+    code, out, _ = run(ka, "store", "gc", "--json")
+    assert code == 0 and json.loads(out)["directory"]["auth_checked"] == 1
+    stats = json.loads(run(ka, "store", "stats", "--json")[1])
+    assert [t["entries"] for t in stats["tiers"] if t["kind"] == "directory"] == [1]
+    code, _, _ = run(kb, "store", "get", key_b, "-o", str(tmp_path / "back.kvc"))
+    assert code == 0 and (tmp_path / "back.kvc").read_bytes() == f.read_bytes()
