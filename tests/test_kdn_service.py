@@ -63,7 +63,14 @@ class Service:
             return e.code, dict(e.headers), e.read()
 
     def stored(self) -> list:
-        return Store.open(str(self.store_dir), memory_bytes=0).ls() if self.store_dir.exists() else []
+        """Every entry on the service's backing directory, all tenants (tier level: physical names)."""
+        from kvcodec.store.directory import DirectoryTier
+
+        return list(DirectoryTier(self.store_dir).ls()) if self.store_dir.exists() else []
+
+    def put_raw(self, key: StoreKey, data: bytes, token: str = TOK_A, **headers: str) -> int:
+        """A PUT with the key in clear, as curl would send it."""
+        return self.request("PUT", path_of(key), token=token, body=data, headers=headers)[0]
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -100,8 +107,7 @@ def path_of(key: StoreKey) -> str:
 
 def test_put_get_range_etag(service, entry):
     key, data, _ = entry
-    st = Store.open(service.url(TOK_A), memory_bytes=0)
-    assert st.put(key, data, {"doc": "gpl3"}).stored_in == ["kdn"]
+    assert service.put_raw(key, data, **{"X-Kvc-Meta": '{"doc":"gpl3"}'}) == 201
     s, h, body = service.request("GET", path_of(key))
     assert s == 200 and body == data and h["Accept-Ranges"] == "bytes"
     etag = h["ETag"]
@@ -120,7 +126,10 @@ def test_put_get_range_etag(service, entry):
     assert s == 416 and h["Content-Range"] == f"bytes */{len(data)}"
     s, h, body = service.request("HEAD", path_of(key))
     assert s == 200 and body == b"" and int(h["Content-Length"]) == len(data)
-    # the client tier: whole entry, then a layer-by-layer load over Range requests
+    # the client tier (a Store: sealed entries under physical names): whole entry, then a
+    # layer-by-layer load over Range requests
+    st = Store.open(service.url(TOK_A), memory_bytes=0)
+    assert st.put(key, data, {"doc": "gpl3"}).stored_in == ["kdn"]
     fresh = Store.open(service.url(TOK_A), memory_bytes=0)
     assert fresh.get(key) == data and fresh.get_meta(key) == {"doc": "gpl3"}
     from kvcodec.format import KvcReader
@@ -128,7 +137,9 @@ def test_put_get_range_etag(service, entry):
     rd = fresh.reader(key)
     with KvcReader(rd) as r:
         k3, v3 = r.read_layer(3)
-    assert rd.requests < 20 and rd.bytes_fetched < len(data), "one layer must not fetch the whole entry"
+    http = rd.inner  # the sealed reader verifies whole (>= 1 MiB) blocks, fetched by Range requests
+    assert type(http).__name__ == "HttpRangeReader" and 1 <= http.requests < 20
+    assert http.bytes_fetched <= len(data) + 1
     with KvcReader(data) as r:
         k3w, v3w = r.read_layer(3)
     assert np.array_equal(k3.numpy(), k3w.numpy()) and np.array_equal(v3.numpy(), v3w.numpy())
@@ -136,6 +147,7 @@ def test_put_get_range_etag(service, entry):
 
 def test_lookup_contains_ls_delete(service, entry, lm):
     key, data, cache = entry
+    assert service.put_raw(key, data) == 201  # lookups by token ids find entries stored under clear keys
     st = Store.open(service.url(TOK_A), memory_bytes=0)
     st.put(key, data)
     ids = [int(x) for x in cache.token_ids]
@@ -157,6 +169,7 @@ def test_lookup_contains_ls_delete(service, entry, lm):
     assert st.longest_prefix(ids, model=lm.fingerprint.id, codec="balanced-test", namespace="a") == (key, 300)
     assert [r.key for r in st.ls()] == [key]
     assert st.rm(key) and not st.contains(key) and not st.rm(key)
+    assert service.request("DELETE", path_of(key))[0] == 204 and service.request("DELETE", path_of(key))[0] == 404
     # the vLLM connector chains keys with its own chunk_tokens (a divisor of the entry's token count)
     from kvcodec.vllm.config import chunk_keys
 
@@ -166,28 +179,32 @@ def test_lookup_contains_ls_delete(service, entry, lm):
 
 
 def test_auth_and_isolation(service, entry):
-    key, data, _ = entry
-    Store.open(service.url(TOK_A), memory_bytes=0).put(key, data)
-    before = [r.key for r in service.stored()]
+    key, data, cache = entry
+    assert service.put_raw(key, data) == 201
     s, h, _ = service.request("GET", path_of(key), token=None)
     assert s == 401 and "Bearer" in h["WWW-Authenticate"]
     assert service.request("GET", path_of(key), token="not-a-valid-token")[0] == 401
-    assert service.request("GET", path_of(key), token=TOK_B)[0] == 403, "tenant b must not read a's entry"
+    assert service.request("GET", path_of(key), token=TOK_B)[0] == 403, "tenant b must not read a's namespace"
     assert service.request("DELETE", path_of(key), token=TOK_B)[0] == 403
-    assert service.request("PUT", path_of(key), token=TOK_B, body=data)[0] == 403
-    assert service.request("PUT", path_of(key), token=TOK_A_RO, body=data)[0] == 403, "read-only token"
+    assert service.put_raw(key, data, token=TOK_B) == 403
+    assert service.put_raw(key, data, token=TOK_A_RO) == 403, "read-only token"
     assert service.request("GET", path_of(key), token=TOK_A_RO)[0] == 200
+    # Store clients: each token is its own tenant view on the server, even for the same client key
+    a = Store.open(service.url(TOK_A), memory_bytes=0)
     b = Store.open(service.url(TOK_B), memory_bytes=0)
-    assert b.ls() == [] and b.get(key) is None
-    with pytest.raises(KvcStoreError, match="403"):
-        b.put(key, data)
+    assert a.put(key, data).ok
+    before = {r.key for r in service.stored()}
+    assert b.ls() == [] and b.get(key) is None and not b.contains(key), "b sees nothing of a's"
+    assert b.rm(key) is False and a.get(key) == data, "b cannot delete a's entry"
+    kb = StoreKey.for_tokens(cache.token_ids, model=key.model, codec=key.codec, namespace="b")
+    assert b.put(kb, data).ok and b.get(kb) == data
+    assert [r.key for r in a.ls()] == [key], "a's listing does not show b's entry"
     with pytest.raises(KvcStoreError, match="401"):
         Store.open(service.url("wrong-token-123"), memory_bytes=0).put(key, data)
-    # tenant b's own namespace works, and a's listing does not show it
-    kb = StoreKey.for_tokens(entry[2].token_ids, model=key.model, codec=key.codec, namespace="b")
-    assert b.put(kb, data).ok and b.get(kb) == data
-    assert kb not in [r.key for r in Store.open(service.url(TOK_A)).ls()]
-    assert {r.key for r in service.stored()} == set(before) | {kb}
+    with pytest.raises(KvcStoreError, match="403"):
+        Store.open(service.url(TOK_A_RO), memory_bytes=0).put(kb, data)
+    assert len({r.key for r in service.stored()} - before) == 1, "only b's own put added an entry"
+    assert b.rm(kb) and a.rm(key)
 
 
 def test_malformed_requests_are_clean_4xx_and_store_nothing(service, entry):
@@ -285,8 +302,7 @@ def test_put_from_one_process_ask_from_another(tmp_path):
         assert first["source"] == "prefill" and first["stored"]["stored_in"] == ["memory", "kdn"]
         second = ask("Who may copy it?")
         assert second["source"] == "store" and second["cached_tokens"] == second["context_tokens"] > 100
-        keys = [r.key for r in svc.stored()]
-        assert len(keys) == 1 and keys[0].namespace == "a"
+        assert len(svc.stored()) == 1
         with urllib.request.urlopen(svc.base + "/metrics") as r:
             assert 'kvc_get_total{result="hit"} 1.0' in r.read().decode()
     finally:

@@ -40,6 +40,11 @@ class Backend:
     stop: Callable[[], None]
 
 
+def phys(k: StoreKey) -> StoreKey:
+    """The name ``k`` has on the tiers (this process's tenant key, spec/store-keys.md §8)."""
+    return Store.open("mem://").physical(k)
+
+
 @pytest.fixture(params=["directory", "redis", "redis-cluster", "s3"])
 def backend(request, tmp_path):
     kind = request.param
@@ -50,7 +55,7 @@ def backend(request, tmp_path):
         t = DirectoryTier(d)
 
         def corrupt(k: StoreKey) -> None:
-            p = t.path_for(k)
+            p = t.path_for(phys(k))
             b = bytearray(open(p, "rb").read())
             b[-1] ^= 1
             open(p, "wb").write(bytes(b))
@@ -64,7 +69,7 @@ def backend(request, tmp_path):
         r = redis.Redis(port=srv.port)
 
         def corrupt(k: StoreKey) -> None:
-            n = "kvc:" + k.to_str()
+            n = "kvc:" + phys(k).to_str()
             b = bytearray(r.get(n))
             b[-1] ^= 1
             r.set(n, bytes(b))
@@ -78,7 +83,7 @@ def backend(request, tmp_path):
         rc = Client(host="127.0.0.1", port=c.ports[0])
 
         def corrupt(k: StoreKey) -> None:
-            n = "kvc:" + k.to_str()
+            n = "kvc:" + phys(k).to_str()
             b = bytearray(rc.get(n))
             b[-1] ^= 1
             rc.set(n, bytes(b))
@@ -90,7 +95,7 @@ def backend(request, tmp_path):
     cl = srv.client()
 
     def corrupt(k: StoreKey) -> None:
-        n = "store/" + k.to_str()
+        n = "store/" + phys(k).to_str()
         b = bytearray(cl.get_object(Bucket=srv.bucket, Key=n)["Body"].read())
         b[-1] ^= 1
         cl.put_object(Bucket=srv.bucket, Key=n, Body=bytes(b))

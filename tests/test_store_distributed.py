@@ -19,6 +19,11 @@ def key(i: int, ns: str = "default") -> StoreKey:
     return StoreKey.for_tokens(list(range(i, i + 256)), model="m", codec="c", namespace=ns)
 
 
+def name(k: StoreKey) -> str:
+    """The Redis name of ``k``'s entry (its physical key under this process's tenant key)."""
+    return "kvc:" + Store.open("mem://").physical(k).to_str()
+
+
 def blob(i: int, n: int = 20_000) -> bytes:
     return bytes((i * 11 + j * 5) & 0xFF for j in range(n))
 
@@ -29,7 +34,7 @@ def test_cluster_spreads_entries_and_survives_a_dead_master(redis_cluster, tmp_p
     keys = [key(i) for i in range(30)]
     for i, k in enumerate(keys):
         assert st.put(k, blob(i)).ok
-    owner = {k: c.node_of("kvc:" + k.to_str()) for k in keys}
+    owner = {k: c.node_of(name(k)) for k in keys}
     assert len(set(owner.values())) == 3, "30 entries should land on all three masters"
     victim = c.ports[1]
     c.kill(victim)
@@ -63,7 +68,7 @@ def test_cluster_slot_migration_during_reads(redis_cluster):  # noqa: F811
     keys = [key(i) for i in range(40)]
     for i, k in enumerate(keys):
         st.put(k, blob(i))
-    before = {k: c.node_of("kvc:" + k.to_str()) for k in keys}
+    before = {k: c.node_of(name(k)) for k in keys}
     src = before[keys[0]]
     dst = next(p for p in c.ports if p != src)
     errors: list[str] = []
@@ -89,7 +94,7 @@ def test_cluster_slot_migration_during_reads(redis_cluster):  # noqa: F811
         t.join()
     assert not errors
     assert misses[0] == 0, f"{misses[0]} reads missed during the migration (the client must follow MOVED/ASK)"
-    moved = [k for k in keys if c.node_of("kvc:" + k.to_str()) != before[k]]
+    moved = [k for k in keys if c.node_of(name(k)) != before[k]]
     assert moved and all(before[k] == src for k in moved), "the reshard moved entries off the source master"
     after = Store.open(c.url, memory_bytes=0)
     assert all(after.get(k) == blob(i) for i, k in enumerate(keys)), "every entry readable after the migration"
@@ -102,7 +107,7 @@ def test_s3_multipart_and_conditional_put(s3_server):  # noqa: F811
     st = Store.open(url, memory_bytes=0)
     big = bytes(range(256)) * (45_000)  # 11.5 MB: three parts
     assert st.put(key(1), big).ok
-    head = srv.client().head_object(Bucket=srv.bucket, Key="store/" + key(1).to_str())
+    head = srv.client().head_object(Bucket=srv.bucket, Key="store/" + Store.open("mem://").physical(key(1)).to_str())
     assert head["ETag"].strip('"').endswith("-3"), head["ETag"]  # S3's multipart ETag names the part count
     assert Store.open(url, memory_bytes=0).get(key(1)) == big
     # First writer wins: an equal key is an equal prefix, so a second put is a no-op, not a rewrite.

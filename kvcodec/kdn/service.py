@@ -23,6 +23,17 @@ carries its token ids, its model fingerprint id is the key's model, and its
 token ids hash (``spec/store-keys.md``) to the key's digest.  Anything else
 is a 4xx with a one-line JSON error and nothing stored.
 
+Tenants: each bearer token names a tenant, and each tenant gets its own view
+of the backing tiers: a :class:`~kvcodec.store.Store` whose tenant key is
+derived from the server's own key and the tenant's name (spec/store-keys.md
+§8).  So a token can name, read, list and delete only its tenant's entries,
+whatever keys it sends.  Clients that are Stores themselves (``kvc+http://``)
+send *physical* keys and sealed metadata (their own tenant key, above the
+Tier interface); the service stores them as opaque names inside the tenant's
+view and verifies the ``.kvc`` against the logical key named in the seal.
+Keys sent in clear (logical keys, e.g. by curl) must also be in one of the
+token's namespaces.
+
 The store is synchronous (directory, Redis, S3 tiers); every store call runs
 in a worker thread with a deadline, so one slow tier never stalls the event
 loop.  Request bodies are capped (``max_body``) and must arrive within
@@ -34,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from email.utils import formatdate
@@ -45,7 +57,8 @@ from ..errors import KvcError, KvcFormatError, KvcInputError, KvcStoreError
 from ..store import Store, StoreKey
 from ..store.kdn import API, CONTENT_TYPE, H_CRC, H_CREATED, H_META, MAX_CONTAINS, MAX_META_HEADER
 from ..store.keys import DEFAULT_CHUNK, chunk_hashes, prefix_keys
-from ..store.tiers import check_meta, crc32c
+from ..store.tenant import PHYS_MODEL, TenantKey
+from ..store.tiers import MAX_TIER_META, MemoryTier, check_meta, crc32c
 from .auth import Principal, TokenTable
 from .metrics import Metrics
 
@@ -68,6 +81,7 @@ class ServiceConfig:
     verify_timeout: float = 300.0    # seconds to verify (decode) one put
     verify: bool = True              # decode every chunk of a put (False: structure + CRCs only)
     models: list[str] = field(default_factory=list)  # models whose tokenizers serve text lookups
+    memory_bytes: int = 64 << 20     # in-process LRU per tenant view
 
 
 class HttpError(Exception):
@@ -87,10 +101,14 @@ def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) ->
 class KdnService:
     """State of one ``kvc serve``: the store, the token table, metrics and (optional) tokenizers."""
 
-    def __init__(self, store: Store, tokens: TokenTable, config: ServiceConfig | None = None) -> None:
+    def __init__(self, store: Store, tokens: TokenTable, config: ServiceConfig | None = None,
+                 server_key: TenantKey | None = None) -> None:
         from ..format import KvcReader  # noqa: F401  (imports torch: at start, not in the first put)
 
-        self.store = store
+        self.store = store  # the backing tiers; requests go through per-tenant views (store_for)
+        self.server_key = server_key or store.key
+        self._views: dict[str, Store] = {}
+        self._views_lock = threading.Lock()
         self.tokens = tokens
         self.config = config or ServiceConfig()
         self.metrics = Metrics()
@@ -98,6 +116,17 @@ class KdnService:
         self._tokenizers: dict[str, Any] = {}  # fingerprint id -> tokenizer
         for m in self.config.models:
             self._add_model(m)
+
+    def store_for(self, p: Principal) -> Store:
+        """The tenant's view of the backing tiers: a Store whose tenant key is derived for ``p.tenant``."""
+        with self._views_lock:
+            st = self._views.get(p.tenant)
+            if st is None:
+                secret = self.server_key.namespace(f"kdn-tenant.{p.tenant}").name_key
+                persistent = [t for t in self.store.tiers if not isinstance(t, MemoryTier)]
+                st = self._views[p.tenant] = Store([MemoryTier(self.config.memory_bytes)] + persistent,
+                                                   url=self.store.url, key=TenantKey(secret, f"kdn tenant {p.tenant}"))
+            return st
 
     def _add_model(self, name: str) -> None:
         from ..model import load_model
@@ -109,7 +138,8 @@ class KdnService:
     # -- app ------------------------------------------------------------------
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body,
-                              middlewares=[self._errors_mw, self._auth_mw])
+                              middlewares=[self._errors_mw, self._auth_mw],
+                              handler_args={"max_field_size": MAX_META_HEADER + 1024})
         app[SERVICE] = self
         r = app.router
         r.add_get("/healthz", self.healthz)
@@ -125,7 +155,7 @@ class KdnService:
         return app
 
     async def _close(self, app: web.Application) -> None:
-        self.store.close()
+        self.store.close()  # the views share these tiers
 
     # -- middlewares ----------------------------------------------------------------
     @web.middleware
@@ -187,11 +217,14 @@ class KdnService:
         except KvcInputError as e:
             raise HttpError(400, str(e)) from None
         p: Principal = request[PRINCIPAL]
-        self._allow(p, key.namespace, write)
+        if key.model == PHYS_MODEL:  # an opaque name from a sealing client: isolation is the tenant's view
+            self._allow(p, None, write)
+        else:
+            self._allow(p, key.namespace, write)
         return key, p
 
-    def _allow(self, p: Principal, namespace: str, write: bool = False) -> None:
-        if not p.may_use(namespace):
+    def _allow(self, p: Principal, namespace: str | None, write: bool = False) -> None:
+        if namespace is not None and not p.may_use(namespace):
             self.metrics.auth_failure("namespace")
             raise HttpError(403, f"tenant {p.tenant!r} may not use namespace {namespace!r}")
         if write and not p.write:
@@ -244,12 +277,13 @@ class KdnService:
         return _json({"tenant": p.tenant, "namespaces": list(p.namespaces), "write": p.write})
 
     async def put(self, request: web.Request) -> web.Response:
-        key, _ = self._key(request, write=True)
+        key, p = self._key(request, write=True)
+        st = self.store_for(p)
         meta_s = request.headers.get(H_META, "{}")
         if len(meta_s) > MAX_META_HEADER:
             raise HttpError(400, f"{H_META} larger than {MAX_META_HEADER} bytes")
         try:
-            meta = check_meta(json.loads(meta_s))
+            meta = check_meta(json.loads(meta_s), MAX_TIER_META)
         except ValueError as e:
             raise HttpError(400, f"{H_META} is not JSON: {e}") from None
         data = await self._body(request, self.config.max_body)
@@ -263,17 +297,28 @@ class KdnService:
         if inm is not None:
             if inm.strip() != "*":
                 raise HttpError(400, "PUT supports only If-None-Match: *")
-            if (await self._run(self.store.contains_many, [key]))[0]:
+            if (await self._run(st.contains_many, [key]))[0]:
                 raise HttpError(412, f"{key} already exists")
         try:
-            await self._run(self.check_entry, key, data, timeout=self.config.verify_timeout)
+            await self._run(self.check_entry, self._logical(key, meta), data, timeout=self.config.verify_timeout)
         except KvcError as e:
             self.metrics.put("rejected")
             raise HttpError(422, f"entry refused: {e}") from None
-        res = await self._run(self.store.put, key, data, meta)
+        res = await self._run(st.put, key, data, meta)
         self.metrics.put("ok", len(data))
         return _json({"key": key.to_str(), "bytes": len(data), "stored_in": res.stored_in, "failed": res.failed},
                      201, {"Location": request.path})
+
+    @staticmethod
+    def _logical(key: StoreKey, meta: dict[str, Any]) -> StoreKey:
+        """The key whose tokens the entry must hold: ``key``, or for a physical key the one its seal names."""
+        if key.model != PHYS_MODEL:
+            return key
+        try:
+            return StoreKey.from_str(meta["key"])
+        except (KeyError, TypeError, KvcInputError):
+            raise HttpError(422, "an entry under a physical key must carry its seal (metadata naming the "
+                                 "logical key)") from None
 
     def check_entry(self, key: StoreKey, data: bytes) -> None:
         """Raise :class:`KvcError` unless ``data`` is a sound ``.kvc`` whose token ids hash to ``key``."""
@@ -298,8 +343,8 @@ class KdnService:
         raise KvcInputError("the .kvc's token ids do not hash to the key's digest (spec/store-keys.md)")
 
     async def get(self, request: web.Request) -> web.StreamResponse:
-        key, _ = self._key(request)
-        e = await self._run(self.store.get_entry, key)
+        key, p = self._key(request)
+        e = await self._run(self.store_for(p).get_entry, key)
         if e is None:
             self.metrics.get(False)
             raise HttpError(404, f"no entry {key}")
@@ -337,8 +382,8 @@ class KdnService:
         return web.Response(status=200, body=data, headers=headers)
 
     async def delete(self, request: web.Request) -> web.Response:
-        key, _ = self._key(request, write=True)
-        if not await self._run(self.store.rm, key):
+        key, p = self._key(request, write=True)
+        if not await self._run(self.store_for(p).rm, key):
             raise HttpError(404, f"no entry {key}")
         return web.Response(status=204)
 
@@ -348,9 +393,8 @@ class KdnService:
         ns = request.query.get("namespace")
         if ns is not None:
             self._allow(p, ns)
-        rows = []
-        for n in ([ns] if ns else p.namespaces):
-            rows += await self._run(lambda n=n: self.store.ls(with_meta=with_meta, namespace=n))
+        st = self.store_for(p)
+        rows = await self._run(lambda: st.ls(with_meta=with_meta, namespace=ns))
         return _json({"entries": [{**r.to_dict(), "tier": "kdn"} for r in rows]})
 
     async def contains(self, request: web.Request) -> web.Response:
@@ -361,8 +405,8 @@ class KdnService:
             raise HttpError(400, f"'keys' must be a list of at most {MAX_CONTAINS} key strings")
         keys = [StoreKey.from_str(k) for k in ks]
         for k in keys:
-            self._allow(p, k.namespace)
-        found = await self._run(self.store.contains_many, keys)
+            self._allow(p, None if k.model == PHYS_MODEL else k.namespace)
+        found = await self._run(self.store_for(p).contains_many, keys)
         return _json({"found": found})
 
     async def lookup(self, request: web.Request) -> web.Response:
@@ -396,7 +440,7 @@ class KdnService:
                     not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
                 raise HttpError(400, f"'token_ids' must be a list of at most {MAX_LOOKUP_TOKENS} integers")
         cands = prefix_keys(ids, model=model, codec=codec, namespace=ns, chunk=chunk) if ids else []
-        found = await self._run(self.store.contains_many, cands) if cands else []
+        found = await self._run(self.store_for(p).contains_many, cands) if cands else []
         entries = [{"key": k.to_str(), "n_tokens": k.n_tokens, "url": f"{API}/entries/{k.to_str()}"}
                    for k, ok in zip(cands, found) if ok]
         n = entries[0]["n_tokens"] if entries else 0
@@ -435,7 +479,7 @@ def _resolve_range(sl: slice, size: int) -> tuple[int | None, int]:
 
 
 def make_app(store_url: str, tokens: TokenTable, config: ServiceConfig | None = None) -> web.Application:
-    """The aiohttp application of a service over ``Store.open(store_url)``."""
+    """The aiohttp application of a service over ``Store.open(store_url)`` (its key: the server's tenant key)."""
     if store_url.lower().startswith(("kvc+http://", "kvc+https://")):
         raise KvcInputError("the service's own store cannot be another kvc+http service")
     return KdnService(Store.open(store_url), tokens, config).app()

@@ -21,9 +21,10 @@ Availability: a refused connection or timeout marks the service down for
 ``retry_interval`` seconds (one warning per outage); meanwhile reads are
 misses and writes raise :class:`KvcStoreError`, exactly like the Redis tier.
 
-Query options: ``timeout`` (seconds, default 10), ``put_timeout`` (seconds,
-default 300: the server decodes every chunk of a put before answering),
-``retry_interval`` (seconds, default 1).
+Query options: ``timeout`` (seconds, default 10: connect and read), ``put_timeout``
+(seconds, default 300: the server decodes every chunk of a put before
+answering; also the total deadline of a get), ``max_entry`` (default 1G: the
+largest entry body a get accepts), ``retry_interval`` (seconds, default 1).
 """
 
 from __future__ import annotations
@@ -36,11 +37,12 @@ from http.client import HTTPException
 from typing import Any, Iterable, Iterator, Mapping
 from urllib.parse import parse_qsl, quote, urlsplit, urlunsplit
 
-from ..errors import KvcInputError, KvcStoreError
+from ..errors import KvcError, KvcInputError, KvcStoreError
 from .keys import StoreKey
-from .ranged import HttpRangeReader
+from .store import parse_size
+from .ranged import HttpLimits, HttpRangeReader, http_request
 from .outage import OutageGuard
-from .tiers import Entry, EntryInfo, Tier, as_bytes, check_meta, crc32c, log
+from .tiers import MAX_TIER_META, Entry, EntryInfo, Tier, as_bytes, check_meta, crc32c, log
 
 TOKEN_ENV = "KVC_TOKEN"
 API = "/v1"
@@ -49,8 +51,9 @@ H_META = "X-Kvc-Meta"
 H_CRC = "X-Kvc-Crc32c"
 H_CREATED = "X-Kvc-Created"
 CONTENT_TYPE = "application/vnd.kvcodec.kvc"
-MAX_META_HEADER = 7000  # bytes of JSON metadata carried in one header (servers cap header fields at 8 KiB)
+MAX_META_HEADER = 60 << 10  # JSON metadata in one header: under http.client's 64 KiB line limit (a seal holds 64 hex per MiB of entry)
 MAX_CONTAINS = 4096     # keys per /v1/contains request
+MAX_REPLY = 64 << 20    # bytes read from a JSON answer (a listing of many entries)
 
 
 def entry_path(key: StoreKey) -> str:
@@ -73,6 +76,7 @@ class KdnTier(Tier):
         try:
             self.timeout = float(q.pop("timeout", 10.0))
             self.put_timeout = float(q.pop("put_timeout", 300.0))
+            self.max_entry = parse_size(q.pop("max_entry", "1G"))
             self.retry_interval = float(q.pop("retry_interval", 1.0))
         except ValueError as e:
             raise KvcInputError(f"bad kvc+http option: {e}") from None
@@ -90,6 +94,8 @@ class KdnTier(Tier):
         self.base = urlunsplit((scheme[4:], netloc, "", "", ""))
         super().__init__(name or "kdn", f"{scheme}://{netloc}")
         self.guard = OutageGuard(f"kdn {self.url}", self.retry_interval)
+        self.limits = HttpLimits(connect=min(self.timeout, 5.0), read=self.timeout,
+                                 total=max(self.timeout, self.put_timeout))
 
     # -- transport ----------------------------------------------------------------
     def _headers(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -108,10 +114,10 @@ class KdnTier(Tier):
         try:
             try:
                 with urllib.request.urlopen(req, timeout=timeout or self.timeout) as resp:
-                    out = resp.status, resp.headers, resp.read()
+                    out = resp.status, resp.headers, resp.read(MAX_REPLY)
             except urllib.error.HTTPError as e:
                 with e:
-                    out = e.code, e.headers, e.read()
+                    out = e.code, e.headers, e.read(MAX_REPLY)
         except urllib.error.URLError as e:
             raise self.guard.failed(f"cannot connect: {e.reason}") from None
         except (HTTPException, OSError) as e:
@@ -128,36 +134,50 @@ class KdnTier(Tier):
         return self.guard.up
 
     # -- Tier interface ----------------------------------------------------------
+    def _fetch(self, method: str, key: StoreKey) -> Any:
+        """A bounded GET/HEAD of an entry (connect/read/total deadlines, body at most ``max_entry``)."""
+        self.guard.check(method)
+        try:
+            r = http_request(self.base + entry_path(key), method=method, headers=self._headers(),
+                             limits=self.limits, max_body=self.max_entry, body_statuses=(200,))
+        except KvcStoreError as e:
+            if "deadline" in str(e) or "connect" in str(e) or "transfer" in str(e):
+                raise self.guard.failed(str(e)) from None
+            raise
+        if r.status >= 500:
+            raise KvcStoreError(f"kdn {self.url}: {method} {key}: HTTP {r.status}")
+        self.guard.ok()
+        return r
+
     def get_entry(self, key: StoreKey) -> Entry | None:
         try:
-            status, headers, body = self._request("GET", entry_path(key))
-        except KvcStoreError:
+            r = self._fetch("GET", key)
+        except KvcError as e:
+            if self.guard.up:
+                log.warning("store: %s", e)
             self.counters.add(errors=1, misses=1)
             return None
-        if status == 404:
+        if r.status == 404:
             self.counters.add(misses=1)
             return None
-        if status != 200:
-            log.warning("%s", self._refused(f"get {key}", status, body))
+        if r.status != 200:
+            log.warning("store: kdn %s: get %s refused: HTTP %d", self.url, key, r.status)
             self.counters.add(errors=1, misses=1)
             return None
-        want = headers.get(H_CRC)
+        body = r.body
+        want = r.headers.get(H_CRC)
         if want is None or f"{crc32c(body):08x}" != want.strip().lower():
             log.warning("store: kdn %s: payload of %s fails its checksum (%s); a miss", self.url, key, want)
             self.counters.add(corrupt=1, misses=1)
             return None
-        try:
-            meta = json.loads(headers.get(H_META) or "{}")
-            created = float(headers.get(H_CREATED) or 0) or None
-        except ValueError:
-            meta, created = {}, None
+        meta, created = _meta_of(r.headers)
         self.counters.add(hits=1)
-        return Entry(key, body, meta if isinstance(meta, dict) else {}, created)
+        return Entry(key, body, meta, created)
 
     def put(self, key: StoreKey, data: bytes, meta: Mapping[str, Any] | None = None,
             created: float | None = None) -> None:
         data = as_bytes(data)
-        m = json.dumps(check_meta(meta), sort_keys=True, separators=(",", ":"))
+        m = json.dumps(check_meta(meta, MAX_TIER_META), sort_keys=True, separators=(",", ":"))
         if len(m) > MAX_META_HEADER:
             raise KvcInputError(f"metadata of {len(m)} bytes is too large for the kdn service (max {MAX_META_HEADER})")
         try:
@@ -216,14 +236,15 @@ class KdnTier(Tier):
             raise KvcStoreError(f"kdn {self.url}: malformed listing: {e}") from None
         yield from infos
 
-    def reader(self, key: StoreKey) -> HttpRangeReader | None:
-        """Range reader over the payload (``Range`` + ``If-Range`` on the entry URL); ``None`` on 404."""
-        try:
-            return HttpRangeReader(self.base + entry_path(key), timeout=self.timeout, headers=self._headers())
-        except KvcStoreError as e:
-            if "HTTP 404" in str(e):
-                return None
-            raise
+    def range_entry(self, key: StoreKey) -> tuple[HttpRangeReader, dict[str, Any]] | None:
+        """``(range reader over the payload, meta)``: a HEAD, then ``Range`` + ``If-Range`` reads; None on 404."""
+        r = self._fetch("HEAD", key)
+        if r.status == 404:
+            return None
+        if r.status != 200:
+            raise KvcStoreError(f"kdn {self.url}: head {key} refused: HTTP {r.status}")
+        meta, _ = _meta_of(r.headers)
+        return HttpRangeReader(self.base + entry_path(key), headers=self._headers(), limits=self.limits), meta
 
     def whoami(self) -> dict[str, Any]:
         """The tenant and namespaces the server maps this tier's token to."""
@@ -237,6 +258,15 @@ class KdnTier(Tier):
         d["outages"] = self.guard.outages
         d["last_error"] = self.guard.last_error
         return d
+
+
+def _meta_of(headers: Any) -> tuple[dict[str, Any], float | None]:
+    try:
+        meta = json.loads(headers.get(H_META) or "{}")
+        created = float(headers.get(H_CREATED) or 0) or None
+    except ValueError:
+        return {}, None
+    return (meta if isinstance(meta, dict) else {}), created
 
 
 def _reason(body: bytes) -> str:

@@ -21,7 +21,7 @@ multipart completion), so readers never see a partial entry; every read
 checks the envelope's CRC32C and the key inside it; a damaged object is a
 miss and is deleted; namespaces are part of the object name and of the
 key digest; an unreachable server makes reads misses and writes reported
-failures.  ``reader(key)`` reads the payload by ``Range`` GETs pinned to the
+failures.  ``range_entry(key)`` reads the payload by ``Range`` GETs pinned to the
 object's ETag (``If-Match``), so a replaced object is detected mid-read.
 """
 
@@ -38,6 +38,8 @@ from .tiers import (
     FIXED_SIZE,
     Entry,
     EntryInfo,
+    MAX_TIER_META,
+    KeyMismatch,
     Tier,
     as_bytes,
     check_meta,
@@ -146,6 +148,10 @@ class S3Tier(Tier):
             return None
         try:
             e = decode_envelope(buf, key, what=f"s3 {self.bucket}/{name}")
+        except KeyMismatch as err:  # intact but another key's: a miss, never deleted (it may be someone's)
+            self.counters.add(misses=1)
+            log.warning("store: %s", err)
+            return None
         except KvcFormatError as err:
             self.counters.add(corrupt=1, misses=1)
             log.warning("store: %s; deleting it", err)
@@ -159,7 +165,7 @@ class S3Tier(Tier):
 
     def put(self, key: StoreKey, data: bytes, meta: Mapping[str, Any] | None = None,
             created: float | None = None) -> None:
-        env = encode_envelope(key, as_bytes(data), check_meta(meta), created)
+        env = encode_envelope(key, as_bytes(data), check_meta(meta, MAX_TIER_META), created)
         try:
             if len(env) >= self.multipart:
                 self._put_multipart(self.name_of(key), env)
@@ -271,8 +277,8 @@ class S3Tier(Tier):
         names = self._names()
         return len(names), sum(s for _, s in names)
 
-    def reader(self, key: StoreKey) -> "S3RangeReader | None":
-        """Range reader over the payload (``None`` if the object does not exist)."""
+    def range_entry(self, key: StoreKey) -> "tuple[S3RangeReader, dict[str, Any]] | None":
+        """``(range reader over the payload, meta)``; ``None`` if absent or holding another key."""
         name = self.name_of(key)
         head = self._call("head", self.s3.head_object, Bucket=self.bucket, Key=name)
         if head is None:
@@ -281,10 +287,11 @@ class S3Tier(Tier):
         hl, dl, _ = parse_fixed(rr.read(0, FIXED_SIZE), rr.name)
         h = parse_header(rr.read(FIXED_SIZE, hl), rr.name)
         if h["key"] != key.to_str():
-            raise KvcFormatError(f"{rr.name}: holds key {h['key']}, expected {key.to_str()}")
+            return None
         if FIXED_SIZE + hl + dl != rr.size:
             raise KvcFormatError(f"{rr.name}: object is {rr.size} bytes, envelope says {FIXED_SIZE + hl + dl}")
-        return S3RangeReader(self, name, int(head["ContentLength"]), head["ETag"], base=FIXED_SIZE + hl, length=dl)
+        return (S3RangeReader(self, name, int(head["ContentLength"]), head["ETag"], base=FIXED_SIZE + hl, length=dl),
+                h.get("meta", {}))
 
     def stats(self) -> dict[str, Any]:
         d = super().stats()
