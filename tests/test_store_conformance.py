@@ -20,6 +20,7 @@ import pytest
 
 from kvcodec.errors import KvcStoreError
 from kvcodec.store import Store, StoreKey
+from kvcodec.store.tenant import TenantKey
 from store_fixtures import redis_cluster, redis_server, s3_server  # noqa: F401  (fixtures)
 
 
@@ -42,7 +43,7 @@ class Backend:
 
 def phys(k: StoreKey) -> StoreKey:
     """The name ``k`` has on the tiers (this process's tenant key, spec/store-keys.md §8)."""
-    return Store.open("mem://").physical(k)
+    return TenantKey.default().namespace(k.namespace).physical(k)
 
 
 @pytest.fixture(params=["directory", "redis", "redis-cluster", "s3"])
