@@ -4,7 +4,7 @@ URL: ``redis+cluster://[[user]:password@]host:port[?options]`` (``rediss+cluster
 for TLS).  ``host:port`` is any node; the client discovers the others and
 follows ``MOVED`` / ``ASK`` redirections, so slot migrations (resharding)
 are invisible to callers.  Options are those of :class:`RedisTier`
-(``timeout``, ``prefix``, ``ttl``, ``retry_interval``) plus ``nodes``: more
+(``timeout``, ``prefix``, ``ttl``) plus ``nodes``: more
 startup nodes, ``host:port`` joined by ``+`` (commas separate store tiers).
 
 Each entry is one Redis string (the checksummed envelope of
@@ -12,8 +12,9 @@ Each entry is one Redis string (the checksummed envelope of
 its slot, and a read verifies the checksum and the key exactly as on a
 single Redis node.
 
-Node failure: ``retry_interval`` defaults to 0 here, because one dead master
-owns only its slots -- the tier must keep serving the others.  A read of a
+Node failure: one dead master owns only its slots, so the tier keeps serving
+the others: a failure is never turned into a tier-wide outage (no calls are
+skipped; warnings are rate-limited).  A read of a
 key on a dead master is a miss (counted in ``errors``), a write to it raises
 :class:`KvcStoreError` (the store reports it), and ``contains_many`` answers
 per key, so a lookup still finds prefixes held by live masters.  Run the
@@ -23,15 +24,19 @@ answering while a slot range is uncovered.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+import time
+from typing import Any, Callable, Iterable, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from ..errors import KvcInputError, KvcStoreError
 from .keys import StoreKey
 from .redis_tier import RedisTier, redact
+from .tiers import log
 
 
 _LAZY = object()
+WARN_EVERY = 30.0  # seconds between two warnings about unreachable nodes
+T = TypeVar("T")
 
 
 class RedisClusterTier(RedisTier):
@@ -51,7 +56,6 @@ class RedisClusterTier(RedisTier):
         if p.path not in ("", "/", "/0"):
             raise KvcInputError("a Redis Cluster has only database 0; drop the path from the URL")
         q = dict(parse_qsl(p.query, keep_blank_values=True))
-        q.setdefault("retry_interval", "0")
         startup: list[Any] = []
         for hp in filter(None, q.pop("nodes", "").split("+")):
             host, _, port = hp.rpartition(":")
@@ -81,6 +85,7 @@ class RedisClusterTier(RedisTier):
         from redis.exceptions import ClusterDownError, ClusterError, RedisClusterException, SlotNotCoveredError
 
         self._errors = self._errors + (ClusterDownError, ClusterError, SlotNotCoveredError, RedisClusterException)
+        self._last_warn = -WARN_EVERY
 
     @property
     def r(self) -> Any:
@@ -96,6 +101,32 @@ class RedisClusterTier(RedisTier):
     def close(self) -> None:
         if self._client is not None:
             super().close()
+
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        """Like :meth:`RedisTier._call`, but a failing node is not a tier-wide outage.
+
+        One dead master owns only its slots, so the tier stays *available*
+        (live masters keep answering) and calls are never skipped; failures
+        raise :class:`KvcStoreError` (reads turn them into misses) and are
+        logged at most once per ``WARN_EVERY`` seconds instead of once per call.
+        """
+        try:
+            out = fn()
+        except self._errors as e:
+            self.last_error = f"{type(e).__name__}: {e}"
+            now = time.monotonic()
+            with self._lock:
+                warn, self._last_warn = now - self._last_warn >= WARN_EVERY, (
+                    now if now - self._last_warn >= WARN_EVERY else self._last_warn)
+                if warn:
+                    self.outages += 1
+            if warn:
+                log.warning("store: redis cluster %s: a node is unreachable (%s); its keys are misses and "
+                            "writes to its slots are reported as failed", self.url, self.last_error)
+            raise KvcStoreError(f"redis cluster {self.url}: {what} failed: {self.last_error}") from None
+        except self._redis_mod.exceptions.RedisError as e:
+            raise KvcStoreError(f"redis cluster {self.url}: {what} failed: {type(e).__name__}: {e}") from None
+        return out
 
     def contains_many(self, keys: Iterable[StoreKey]) -> list[bool]:
         """One pipelined round per node; if a node is down, per key (live masters still answer)."""
