@@ -23,3 +23,5 @@ run lossless $PY benchmarks/bench_lossless.py --tokens 2048
 run store   $PY benchmarks/bench_store.py
 run prune   $PY benchmarks/bench_prune.py --tokens 1024
 run blend   $PY benchmarks/bench_blend.py
+run load    $PY benchmarks/bench_load.py --engines 8 --requests 3 --docs 12 --doc-tokens 200 --json "$R/load.json"
+run kdn_scale_model $PY benchmarks/kdn_scale_model.py
