@@ -494,4 +494,7 @@ def serve(store_url: str, tokens: TokenTable, *, host: str = "127.0.0.1", port: 
         if ready is not None:
             ready(f"http://{host}:{port}")
 
-    web.run_app(app, host=host, port=port, print=announce, access_log=None, shutdown_timeout=5.0)
+    try:
+        web.run_app(app, host=host, port=port, print=announce, access_log=None, shutdown_timeout=5.0)
+    except OSError as e:  # address in use, no permission, unknown host
+        raise KvcInputError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None

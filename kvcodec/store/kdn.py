@@ -39,6 +39,7 @@ from urllib.parse import parse_qsl, quote, urlsplit, urlunsplit
 
 from ..errors import KvcError, KvcInputError, KvcStoreError
 from .keys import StoreKey
+from .redis_tier import redact
 from .store import parse_size
 from .ranged import HttpLimits, HttpRangeReader, http_request
 from .outage import OutageGuard
@@ -69,9 +70,9 @@ class KdnTier(Tier):
         p = urlsplit(url)
         scheme = p.scheme.lower()
         if scheme not in ("kvc+http", "kvc+https"):
-            raise KvcInputError(f"not a kvc+http(s) URL: {url!r}")
+            raise KvcInputError(f"not a kvc+http(s) URL: {redact(url)!r}")
         if not p.hostname:
-            raise KvcInputError(f"kvc+http URL needs a host: {url!r}")
+            raise KvcInputError(f"kvc+http URL needs a host: {redact(url)!r}")
         q = dict(parse_qsl(p.query))
         try:
             self.timeout = float(q.pop("timeout", 10.0))
