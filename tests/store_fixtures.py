@@ -223,15 +223,28 @@ class RedisCluster:
         self.procs[port] = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_port(port, proc=self.procs[port])
 
-    def start(self) -> None:
-        for p in self.ports:
-            self.start_node(p)
-        out = subprocess.run([self.cli, "--cluster", "create", *[f"127.0.0.1:{p}" for p in self.ports],
-                              "--cluster-replicas", "0", "--cluster-yes"],
-                             capture_output=True, text=True, timeout=60)
-        if out.returncode != 0:
-            raise RuntimeError(f"redis-cli --cluster create failed: {out.stdout[-500:]} {out.stderr[-500:]}")
-        self.wait_ok()
+    def start(self, attempts: int = 3) -> None:
+        """Start the nodes and join them; on a port race with another process, retry on fresh ports."""
+        for attempt in range(attempts):
+            try:
+                for p in self.ports:
+                    self.start_node(p)
+                time.sleep(0.2)
+                dead = [p for p, proc in self.procs.items() if proc.poll() is not None]
+                if dead:
+                    raise RuntimeError(f"cluster nodes on ports {dead} exited (port taken?)")
+                out = subprocess.run([self.cli, "--cluster", "create", *[f"127.0.0.1:{p}" for p in self.ports],
+                                      "--cluster-replicas", "0", "--cluster-yes"],
+                                     capture_output=True, text=True, timeout=60)
+                if out.returncode != 0:
+                    raise RuntimeError(f"redis-cli --cluster create failed: {out.stdout[-500:]} {out.stderr[-500:]}")
+                self.wait_ok()
+                return
+            except RuntimeError:
+                self.stop()
+                if attempt == attempts - 1:
+                    raise
+                self.ports = [free_cluster_port() for _ in self.ports]
 
     def info(self, port: int) -> dict[str, str]:
         out = subprocess.run([self.cli, "-p", str(port), "cluster", "info"], capture_output=True, text=True, timeout=10)
