@@ -126,10 +126,20 @@ def rm_command(key, store_url, key_file, as_json):
 @key_option
 @json_option
 def stats_command(store_url, key_file, as_json):
-    """The caller's entries and bytes, hits and misses per tier."""
+    """The caller's entries and bytes, hits and misses per tier (--json: every counter)."""
     with _open(store_url, key_file) as st:
         stats = st.stats()
-    emit_json(stats) if as_json else click.echo("\n".join(f"{k}: {v}" for k, v in stats.items()))
+    if as_json:
+        emit_json(stats)
+        return
+    click.echo(f"store {stats['url']}  tenant key {stats['tenant_key']} ({stats['key_source']})")
+    click.echo(f"hits {stats['hits']}  misses {stats['misses']}  put failures {stats['put_failures']}  "
+               f"refused (failed authentication) {stats['rejected']}")
+    for t in stats["tiers"]:
+        own = "?" if t.get("entries") is None else f"{t['entries']:,} entries, {t['bytes']:,} bytes"
+        err = f"  error: {t['error']}" if t.get("error") else ""
+        click.echo(f"  {t['name']:<12} {t['kind']:<10} {own:<32} hits {t['hits']}  misses {t['misses']}  "
+                   f"corrupt {t['corrupt']}  evictions {t['evictions']}{err}")
 
 
 @store_group.command("gc")

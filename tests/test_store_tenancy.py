@@ -120,6 +120,13 @@ def test_memory_tier_cross_tenant():
     assert a.get(kb) == blob(9) and b.get(kb) == blob(1)
 
 
+def test_for_key_shares_tiers_not_the_lru(tmp_path):
+    a = Store.open(f"file://{tmp_path}/s?fsync=0", key=A, memory_bytes=10_000)
+    b = a.for_key(B)
+    assert b.tiers[1] is a.tiers[1] and b.memory is not a.memory and b.memory.max_bytes == 10_000
+    _cross_tenant(a, b)
+
+
 def test_directory_cross_tenant(tmp_path):
     url = f"file://{tmp_path}/s?fsync=0"
     _cross_tenant(Store.open(url, key=A), Store.open(url, key=B))
@@ -336,3 +343,76 @@ def test_layout1_store_is_set_aside_not_served(tmp_path, caplog):
     assert st.ls() == [] and [n for n in os.listdir(root) if n.startswith("objects.layout1.")]
     st.put(key(1), blob(1))
     assert Store.open(str(root), key=A).get(key(1)) == blob(1)
+
+
+def test_hostile_envelopes_at_the_callers_name_are_misses(tmp_path):
+    """Deep JSON, huge numbers, odd types in header and seal: a miss, never a traceback."""
+    import json
+    import struct
+
+    from kvcodec.store.tiers import FIXED, MAGIC, crc32c_extend, crc32c
+
+    st = Store.open(f"file://{tmp_path}/s?fsync=0", key=A)
+    k = key(1)
+    st.put(k, blob(1))
+    phys = st.physical(k)
+    tier: DirectoryTier = st.tier("directory")  # type: ignore[assignment]
+    sealed = decode_envelope(open(tier.path_for(phys), "rb").read()).meta
+
+    def raw(header: bytes, data: bytes = b"x") -> bytes:
+        head0 = FIXED.pack(MAGIC, 1, 0, 0, len(header), len(data), 0)[:20]
+        return head0 + struct.pack("<I", crc32c_extend(crc32c_extend(crc32c(head0), header), data)) + header + data
+
+    ks = phys.to_str()
+    headers = [
+        b"[" * 100_000 + b"]" * 100_000,
+        json.dumps({"key": ks, "meta": {}, "created": 10 ** 400}).encode(),
+        json.dumps({"key": ks, "meta": {"a": "[" * 10}, "created": True}).encode(),
+        b'{"key": "' + ks.encode() + b'", "meta": ' + b'{"a":' * 5000 + b"1" + b"}" * 5000 + b"}",
+        json.dumps({"key": ks, "meta": {**sealed, "size": 10 ** 30}}).encode(),
+        json.dumps({"key": ks, "meta": {**sealed, "hashes": 5}}).encode(),
+        json.dumps({"key": ks, "meta": {**sealed, "v": True}}).encode(),
+        json.dumps({"key": ks, "meta": {**sealed, "mac": "\u00e9" * 64}}).encode(),
+        json.dumps({"key": ks, "meta": {**sealed, "mac": 12}}).encode(),
+        json.dumps({"key": ks, "meta": [1, 2]}).encode(),
+        json.dumps({"key": 7, "meta": {}}).encode(),
+        b'{"key": "' + ks.encode() + b'", "meta": {"k": "\\udcff"}}',
+    ]
+    for h in headers:
+        with open(tier.path_for(phys), "wb") as f:
+            f.write(raw(h))
+        st.memory.clear()
+        assert st.get(k) is None and st.reader(k) is None
+        assert st.ls() == [] or all(r.key != k for r in st.ls())
+        st.stats()
+        st.gc(grace_s=0)
+    with pytest.raises(KvcInputError):
+        st.put(k, b"x", _deep(5000))
+
+
+def _deep(n: int) -> dict:
+    d: dict = {}
+    cur = d
+    for _ in range(n):
+        cur["a"] = {}
+        cur = cur["a"]
+    return d
+
+
+def test_foreign_files_at_an_entry_name_are_misses(tmp_path):
+    """A symlink, FIFO or directory planted at the caller's entry name: a quick miss, never a hang."""
+    st = Store.open(f"file://{tmp_path}/s?fsync=0", key=A, memory_bytes=0)
+    k = key(1)
+    st.put(k, blob(1))
+    tier: DirectoryTier = st.tier("directory")  # type: ignore[assignment]
+    p = tier.path_for(st.physical(k))
+    target = tmp_path / "elsewhere.kve"
+    shutil.copy(p, target)
+    for plant in ("symlink", "fifo", "dir"):
+        os.unlink(p) if os.path.lexists(p) and not os.path.isdir(p) else None
+        if os.path.isdir(p):
+            os.rmdir(p)
+        {"symlink": lambda: os.symlink(target, p), "fifo": lambda: os.mkfifo(p), "dir": lambda: os.mkdir(p)}[plant]()
+        assert st.get(k) is None and st.reader(k) is None, plant
+        assert st.ls() == [], plant
+        assert "error" not in st.gc(grace_s=0)["directory"], plant

@@ -58,7 +58,7 @@ from ..store import Store, StoreKey
 from ..store.kdn import API, CONTENT_TYPE, H_CRC, H_CREATED, H_META, MAX_CONTAINS, MAX_META_HEADER
 from ..store.keys import DEFAULT_CHUNK, chunk_hashes, prefix_keys
 from ..store.tenant import PHYS_MODEL, TenantKey
-from ..store.tiers import MAX_TIER_META, MemoryTier, check_meta, crc32c
+from ..store.tiers import MAX_TIER_META, check_meta, crc32c
 from .auth import Principal, TokenTable
 from .metrics import Metrics
 
@@ -81,7 +81,6 @@ class ServiceConfig:
     verify_timeout: float = 300.0    # seconds to verify (decode) one put
     verify: bool = True              # decode every chunk of a put (False: structure + CRCs only)
     models: list[str] = field(default_factory=list)  # models whose tokenizers serve text lookups
-    memory_bytes: int = 64 << 20     # in-process LRU per tenant view
 
 
 class HttpError(Exception):
@@ -123,9 +122,7 @@ class KdnService:
             st = self._views.get(p.tenant)
             if st is None:
                 secret = self.server_key.namespace(f"kdn-tenant.{p.tenant}").name_key
-                persistent = [t for t in self.store.tiers if not isinstance(t, MemoryTier)]
-                st = self._views[p.tenant] = Store([MemoryTier(self.config.memory_bytes)] + persistent,
-                                                   url=self.store.url, key=TenantKey(secret, f"kdn tenant {p.tenant}"))
+                st = self._views[p.tenant] = self.store.for_key(TenantKey(secret, f"kdn tenant {p.tenant}"))
             return st
 
     def _add_model(self, name: str) -> None:
@@ -482,7 +479,8 @@ def make_app(store_url: str, tokens: TokenTable, config: ServiceConfig | None = 
     """The aiohttp application of a service over ``Store.open(store_url)`` (its key: the server's tenant key)."""
     if store_url.lower().startswith(("kvc+http://", "kvc+https://")):
         raise KvcInputError("the service's own store cannot be another kvc+http service")
-    return KdnService(Store.open(store_url), tokens, config).app()
+    # Each tenant view gets an in-process LRU of this size (Store.for_key).
+    return KdnService(Store.open(store_url, memory_bytes=64 << 20), tokens, config).app()
 
 
 def serve(store_url: str, tokens: TokenTable, *, host: str = "127.0.0.1", port: int = 8470,

@@ -36,8 +36,8 @@ from .tiers import Entry, EntryInfo, MemoryTier, Tier
 __all__ = [
     "DEFAULT_CHUNK", "StoreKey", "chunk_hashes", "longest_prefix", "prefix_keys", "root_digest",
     "token_bytes", "RangeReader", "FileRangeReader", "HttpRangeReader", "BytesRangeReader",
-    "open_range_reader", "HttpLimits", "TenantKey", "Store", "PutResult", "parse_size", "Entry", "EntryInfo", "MemoryTier",
-    "Tier", "DirectoryTier", "RedisTier", "HttpTier",
+    "open_range_reader", "HttpLimits", "TenantKey", "Store", "PutResult", "parse_size", "Entry", "EntryInfo",
+    "MemoryTier", "Tier", "DirectoryTier", "RedisTier", "HttpTier",
 ]
 
 

@@ -81,8 +81,13 @@ def _fsync_dir(path: str) -> None:
 
 
 def _open_regular(path: str) -> BinaryIO:
-    """Open ``path`` for reading without blocking on a FIFO or device planted at an entry's name."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    """Open ``path`` for reading without following a symlink or blocking on a FIFO planted at an entry's name.
+
+    Entries are only ever created by rename of a regular temp file, so
+    anything else at an entry's name is foreign: an ``OSError``.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+    fd = os.open(path, flags)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise IsADirectoryError(errno.EISDIR, "not a regular file", path)
@@ -467,7 +472,12 @@ class DirectoryTier(Tier):
                 pass
         if verify:
             for path, st in list(self._entry_files()):
-                r = self._read_file(path)
+                try:
+                    r = self._read_file(path)
+                except KvcStoreError as e:  # e.g. a symlink planted at an entry name: report, go on
+                    log.warning("store %s: gc: %s", self.root, e)
+                    out["unreadable"] = out.get("unreadable", 0) + 1
+                    continue
                 if r is None:
                     continue
                 prefix, data, size, st2 = r

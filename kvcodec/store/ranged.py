@@ -38,7 +38,7 @@ from ..errors import KvcFormatError, KvcInputError, KvcStoreError
 __all__ = ["RangeReader", "FileRangeReader", "HttpRangeReader", "BytesRangeReader", "open_range_reader",
            "HttpLimits", "http_request"]
 
-_CONTENT_RANGE_RE = re.compile(r"^\s*bytes\s+(\d+)-(\d+)/(\d+|\*)\s*$", re.I)
+_CONTENT_RANGE_RE = re.compile(r"\s*bytes\s+([0-9]{1,19})-([0-9]{1,19})/([0-9]{1,19}|\*)\s*", re.I | re.ASCII)
 
 
 @dataclass(frozen=True)
@@ -353,9 +353,9 @@ class HttpRangeReader(RangeReader):
 
     def _parse_content_range(self, headers: Mapping[str, str]) -> tuple[int, int, int | None]:
         cr = headers.get("Content-Range")
-        m = _CONTENT_RANGE_RE.match(cr or "")
+        m = _CONTENT_RANGE_RE.fullmatch(cr or "")
         if not m:
-            raise KvcStoreError(f"{self.url}: 206 response with bad Content-Range {cr!r}")
+            raise KvcStoreError(f"{self.url}: 206 response with bad Content-Range {ascii((cr or '')[:80])}")
         total = None if m.group(3) == "*" else int(m.group(3))
         return int(m.group(1)), int(m.group(2)), total
 

@@ -7,7 +7,8 @@ always in front)::
     /abs/dir | rel/dir | file:///abs/dir[?max_bytes=10G&fsync=0]
     redis://[:password@]host:port/db[?timeout=2&prefix=kvc:&ttl=S&retry_interval=1]
     rediss://...                        Redis over TLS
-    http(s)://host/base/                read-only published directory store
+    http(s)://host/base/[?timeout=30&connect_timeout=5&deadline=300&max_bytes=4G]
+                                        read-only published directory store
     kvc+http(s)://[:TOKEN@]host:port    a shared ``kvc serve`` (token also from $KVC_TOKEN)
     redis+cluster://[:password@]host:port[?...]   a Redis Cluster (any node; the rest is discovered)
     s3://bucket/prefix?endpoint_url=...  an S3-compatible object store (boto3)
@@ -197,6 +198,15 @@ class Store:
         raise KvcInputError(
             f"unsupported store tier {ascii(part)}: use a directory, file://, mem://, "
             "redis://, rediss://, redis+cluster://, s3://, kvc+http(s):// or http(s)://")
+
+    def for_key(self, key: TenantKey) -> "Store":
+        """The same persistent tiers acting for another tenant, with its own in-process LRU.
+
+        For services that act for many tenants: one Store per tenant key over
+        shared tier objects (connections, directory handles).  The LRU is not
+        shared, so one tenant's traffic never evicts another's cached entries.
+        """
+        return Store([MemoryTier(self.memory.max_bytes)] + self.tiers[1:], url=self.url, key=key)
 
     @staticmethod
     def _dir_tier(part: str, fsync: bool | None, max_bytes: int | str | None) -> Tier:

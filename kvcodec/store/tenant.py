@@ -29,6 +29,7 @@ import hashlib
 import hmac
 import json
 import os
+import re
 import secrets
 import stat
 import threading
@@ -53,6 +54,7 @@ ENV_KEY = "KVC_STORE_KEY"
 ENV_KEY_FILE = "KVC_STORE_KEY_FILE"
 _DOMAIN_NS = b"kvcodec.store.namespace.v2\x00"
 _DOMAIN_ENTRY = b"kvcodec.store.entry.v2\x00"
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 def default_key_path() -> Path:
@@ -137,16 +139,19 @@ class NamespaceKeys:
 
     def open(self, phys: StoreKey, sealed: Any, what: str) -> Seal:
         """Verify a seal read from ``phys``; raise :class:`KvcFormatError` if it is not ours or damaged."""
-        if not isinstance(sealed, dict) or sealed.get("v") != SEAL_VERSION or not isinstance(sealed.get("mac"), str):
+        if not isinstance(sealed, dict):
+            raise KvcFormatError(f"{what}: no kvcodec v{SEAL_VERSION} seal")
+        mac = sealed.get("mac")
+        if sealed.get("v") != SEAL_VERSION or not isinstance(mac, str) or not _HEX64.fullmatch(mac):
             raise KvcFormatError(f"{what}: no kvcodec v{SEAL_VERSION} seal")
         body = {k: v for k, v in sealed.items() if k != "mac"}
         if set(body) != {"v", "key", "meta", "size", "block", "hashes"}:
             raise KvcFormatError(f"{what}: seal has unexpected fields")
         try:
             want = self._mac(phys, body)
-        except (TypeError, ValueError) as e:
-            raise KvcFormatError(f"{what}: seal is not canonical JSON: {e}") from None
-        if not hmac.compare_digest(want, sealed["mac"]):
+        except (TypeError, ValueError, RecursionError) as e:
+            raise KvcFormatError(f"{what}: seal is not canonical JSON: {type(e).__name__}") from None
+        if not hmac.compare_digest(want, mac):
             raise KvcFormatError(f"{what}: seal does not authenticate (another tenant's entry, or forged)")
         # Authentic from here on: the fields were written by a holder of this key.
         try:

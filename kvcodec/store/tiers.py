@@ -134,8 +134,8 @@ def check_meta(meta: Mapping[str, Any] | None, limit: int = MAX_META) -> dict[st
         raise KvcInputError(f"store metadata must be a dict, got {type(meta).__name__}")
     try:
         s = json.dumps(dict(meta), sort_keys=True, allow_nan=False)
-    except (TypeError, ValueError) as e:
-        raise KvcInputError(f"store metadata is not plain JSON: {e}") from None
+    except (TypeError, ValueError, RecursionError) as e:
+        raise KvcInputError(f"store metadata is not plain JSON: {type(e).__name__}: {e}") from None
     if len(s) > limit:
         raise KvcInputError(f"store metadata too large: {len(s)} bytes > {limit}")
     return json.loads(s)
@@ -188,8 +188,8 @@ def parse_fixed(buf: bytes, what: str = "entry") -> tuple[int, int, int]:
 def parse_header(hbytes: bytes, what: str = "entry") -> dict[str, Any]:
     try:
         h = json.loads(hbytes.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise KvcFormatError(f"{what}: header is not JSON: {e}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise KvcFormatError(f"{what}: header is not JSON: {type(e).__name__}: {e}") from None
     if not isinstance(h, dict) or not isinstance(h.get("key"), str) or not isinstance(h.get("meta", {}), dict):
         raise KvcFormatError(f"{what}: header lacks key/meta")
     return h
@@ -218,7 +218,8 @@ def decode_envelope_parts(prefix: bytes, data: bytes, key: StoreKey | None = Non
     if key is not None and k != key:
         raise KeyMismatch(f"{what}: holds key {k.to_str()}, expected {key.to_str()}")
     created = h.get("created")
-    return Entry(k, data, h.get("meta", {}), float(created) if isinstance(created, (int, float)) else None)
+    ok = isinstance(created, (int, float)) and not isinstance(created, bool) and abs(created) < 1e12
+    return Entry(k, data, h.get("meta", {}), float(created) if ok else None)
 
 
 def decode_envelope(buf: bytes | memoryview, key: StoreKey | None = None, what: str = "entry") -> Entry:
