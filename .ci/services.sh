@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Make the redis-server and nginx binaries available for the store tests.
+# Make the redis-server, redis-cli and nginx binaries available for the store tests
+# (redis-cli joins the Redis Cluster the tests start; moto's S3 server comes from
+# PyPI through .ci/setup).
 # Idempotent and quiet; starts nothing: the tests start their own servers on
 # random loopback ports and stop them.  Without root (or apt) it only warns,
 # and the tests marked requires_redis / requires_nginx skip with a reason.
 set -euo pipefail
 need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
+command -v redis-cli >/dev/null 2>&1 || need+=(redis-tools)
 command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || need+=(nginx)
 [ ${#need[@]} -eq 0 ] && exit 0
 SUDO=""

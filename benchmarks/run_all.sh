@@ -24,3 +24,5 @@ run store   $PY benchmarks/bench_store.py
 run fingerprint $PY benchmarks/bench_fingerprint.py --repeats 3 --json "$R/fingerprint.json"
 run prune   $PY benchmarks/bench_prune.py --tokens 1024
 run blend   $PY benchmarks/bench_blend.py
+run load    $PY benchmarks/bench_load.py --engines 8 --requests 3 --docs 12 --doc-tokens 200 --json "$R/load.json"
+run kdn_scale_model $PY benchmarks/kdn_scale_model.py

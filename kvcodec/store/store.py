@@ -9,6 +9,9 @@ always in front)::
     rediss://...                        Redis over TLS
     http(s)://host/base/[?timeout=30&connect_timeout=5&deadline=300&max_bytes=4G]
                                         read-only published directory store
+    kvc+http(s)://[:TOKEN@]host:port    a shared ``kvc serve`` (token also from $KVC_TOKEN)
+    redis+cluster://[:password@]host:port[?...]   a Redis Cluster (any node; the rest is discovered)
+    s3://bucket/prefix?endpoint_url=...  an S3-compatible object store (boto3)
 
 e.g. ``"/var/cache/kvc,redis://127.0.0.1:6379/0"``.
 
@@ -174,6 +177,18 @@ class Store:
             from .redis_tier import RedisTier
 
             return RedisTier(part)
+        if low.startswith(("kvc+http://", "kvc+https://")):
+            from .kdn import KdnTier
+
+            return KdnTier(part)
+        if low.startswith(("redis+cluster://", "rediss+cluster://")):
+            from .redis_cluster import RedisClusterTier
+
+            return RedisClusterTier(part)
+        if low.startswith("s3://"):
+            from .s3 import S3Tier
+
+            return S3Tier(part)
         if low.startswith(("http://", "https://")):
             from .http import HttpTier
 
@@ -182,7 +197,7 @@ class Store:
             return cls._dir_tier(part, fsync, max_bytes)
         raise KvcInputError(
             f"unsupported store tier {ascii(part)}: use a directory, file://, mem://, "
-            "redis://, rediss:// or http(s)://")
+            "redis://, rediss://, redis+cluster://, s3://, kvc+http(s):// or http(s)://")
 
     def for_key(self, key: TenantKey) -> "Store":
         """The same persistent tiers acting for another tenant, with its own in-process LRU.

@@ -1,0 +1,310 @@
+"""``kvc serve`` end to end: a real service process, real .kvc entries of the embedded model.
+
+Covers the protocol (put / get / ranges / ETags / conditional requests /
+lookup / ls / delete), bearer-token auth and namespace isolation, clean 4xx on
+malformed requests with nothing stored, metrics and health, the
+``kvc+http://`` client tier (layer-by-layer ranged loads, outage = clean
+miss), and the issue's done-when: a put from one process and an ``ask`` from
+another process hit the same service.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvcodec.errors import KvcStoreError
+from kvcodec.store import Store, StoreKey
+from store_fixtures import free_port, subprocess_env, wait_port
+
+pytestmark = pytest.mark.model
+
+TOK_A, TOK_A_RO, TOK_B = "tok-a-0123456789", "tok-a-readonly-99", "tok-b-0123456789"
+
+
+class Service:
+    def __init__(self, tmp: Path, max_body: str = "2M") -> None:
+        self.port = free_port()
+        self.store_dir = tmp / "kdn-store"
+        tokens = tmp / "tokens.json"
+        tokens.write_text(json.dumps({"tokens": [
+            {"token": TOK_A, "tenant": "a"},
+            {"token": TOK_A_RO, "tenant": "a", "write": False},
+            {"token": TOK_B, "tenant": "b"},
+        ]}))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvcodec", "serve", "--store", str(self.store_dir), "--port", str(self.port),
+             "--tokens", str(tokens), "--max-body", max_body],
+            env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        wait_port(self.port, timeout=120, proc=self.proc)
+        self.base = f"http://127.0.0.1:{self.port}"
+
+    def url(self, token: str | None = None) -> str:
+        return f"kvc+http://{':' + token + '@' if token else ''}127.0.0.1:{self.port}"
+
+    def request(self, method: str, path: str, token: str | None = TOK_A, body: bytes | None = None,
+                headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+        h = dict(headers or {})
+        if token:
+            h["Authorization"] = f"Bearer {token}"
+        req = urllib.request.Request(self.base + path, data=body, method=method, headers=h)
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, dict(r.headers), r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, dict(e.headers), e.read()
+
+    def stored(self) -> list:
+        """Every entry on the service's backing directory, all tenants (tier level: physical names)."""
+        from kvcodec.store.directory import DirectoryTier
+
+        return list(DirectoryTier(self.store_dir).ls()) if self.store_dir.exists() else []
+
+    def put_raw(self, key: StoreKey, data: bytes, token: str = TOK_A, **headers: str) -> int:
+        """A PUT with the key in clear, as curl would send it."""
+        return self.request("PUT", path_of(key), token=token, body=data, headers=headers)[0]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    s = Service(tmp_path_factory.mktemp("kdn"))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def entry(lm, real_cache):
+    """A real 300-token .kvc (preset balanced) of the GPL-3 text and its key in namespace a."""
+    from kvcodec.format import encode_kvc_bytes, get_plan
+
+    cache = real_cache(300)
+    plan = get_plan("balanced", cache, lm=lm)
+    data = encode_kvc_bytes(cache, plan.pipelines, attachments=plan.attachments, preset=plan.preset)
+    key = StoreKey.for_tokens(cache.token_ids, model=lm.fingerprint.id, codec="balanced-test", namespace="a")
+    return key, data, cache
+
+
+def path_of(key: StoreKey) -> str:
+    return f"/v1/entries/{key.to_str()}"
+
+
+def test_put_get_range_etag(service, entry):
+    key, data, _ = entry
+    assert service.put_raw(key, data, **{"X-Kvc-Meta": '{"doc":"gpl3"}'}) == 201
+    s, h, body = service.request("GET", path_of(key))
+    assert s == 200 and body == data and h["Accept-Ranges"] == "bytes"
+    etag = h["ETag"]
+    assert json.loads(h["X-Kvc-Meta"]) == {"doc": "gpl3"}
+    s, h2, body = service.request("GET", path_of(key), headers={"If-None-Match": etag})
+    assert s == 304 and body == b"" and h2["ETag"] == etag
+    s, h, body = service.request("GET", path_of(key), headers={"Range": "bytes=100-1099"})
+    assert s == 206 and body == data[100:1100] and h["Content-Range"] == f"bytes 100-1099/{len(data)}"
+    s, _, body = service.request("GET", path_of(key), headers={"Range": "bytes=-10"})
+    assert s == 206 and body == data[-10:]
+    s, _, body = service.request("GET", path_of(key), headers={"Range": "bytes=5-9", "If-Range": etag})
+    assert s == 206 and body == data[5:10]
+    s, _, body = service.request("GET", path_of(key), headers={"Range": "bytes=5-9", "If-Range": '"stale"'})
+    assert s == 200 and body == data, "a stale If-Range must send the whole current entry"
+    s, h, _ = service.request("GET", path_of(key), headers={"Range": f"bytes={len(data)}-"})
+    assert s == 416 and h["Content-Range"] == f"bytes */{len(data)}"
+    s, h, body = service.request("HEAD", path_of(key))
+    assert s == 200 and body == b"" and int(h["Content-Length"]) == len(data)
+    # the client tier (a Store: sealed entries under physical names): whole entry, then a
+    # layer-by-layer load over Range requests
+    st = Store.open(service.url(TOK_A), memory_bytes=0)
+    assert st.put(key, data, {"doc": "gpl3"}).stored_in == ["kdn"]
+    fresh = Store.open(service.url(TOK_A), memory_bytes=0)
+    assert fresh.get(key) == data and fresh.get_meta(key) == {"doc": "gpl3"}
+    from kvcodec.format import KvcReader
+
+    rd = fresh.reader(key)
+    with KvcReader(rd) as r:
+        k3, v3 = r.read_layer(3)
+    http = rd.inner  # the sealed reader verifies whole (>= 1 MiB) blocks, fetched by Range requests
+    assert type(http).__name__ == "HttpRangeReader" and 1 <= http.requests < 20
+    assert http.bytes_fetched <= len(data) + 1
+    with KvcReader(data) as r:
+        k3w, v3w = r.read_layer(3)
+    assert np.array_equal(k3.numpy(), k3w.numpy()) and np.array_equal(v3.numpy(), v3w.numpy())
+
+
+def test_lookup_contains_ls_delete(service, entry, lm):
+    key, data, cache = entry
+    assert service.put_raw(key, data) == 201  # lookups by token ids find entries stored under clear keys
+    st = Store.open(service.url(TOK_A), memory_bytes=0)
+    st.put(key, data)
+    ids = [int(x) for x in cache.token_ids]
+    q = {"model": lm.fingerprint.id, "codec": "balanced-test", "token_ids": ids + [11, 12, 13]}
+    # 300 tokens is not a chunk boundary of 303: the longest cached chunk-boundary prefix is absent
+    s, _, b = service.request("POST", "/v1/lookup", body=json.dumps(q).encode())
+    assert s == 200 and json.loads(b)["n_tokens"] == 0
+    q["token_ids"] = ids
+    s, _, b = service.request("POST", "/v1/lookup", body=json.dumps(q).encode())
+    ans = json.loads(b)
+    assert s == 200 and ans["n_tokens"] == 300 and ans["key"] == key.to_str()
+    assert [e["n_tokens"] for e in ans["entries"]] == [300]
+    s, _, b = service.request("POST", "/v1/lookup", body=json.dumps({**q, "text": "hello", "token_ids": None}).encode())
+    assert s == 400
+    del q["token_ids"]
+    s, _, b = service.request("POST", "/v1/lookup", body=json.dumps({**q, "text": "hello"}).encode())
+    assert s == 422 and "tokenizer" in json.loads(b)["error"]
+    assert st.contains_many([key, StoreKey.for_tokens([1, 2], model=key.model, codec="x", namespace="a")]) == [True, False]
+    assert st.longest_prefix(ids, model=lm.fingerprint.id, codec="balanced-test", namespace="a") == (key, 300)
+    assert [r.key for r in st.ls()] == [key]
+    assert st.rm(key) and not st.contains(key) and not st.rm(key)
+    assert service.request("DELETE", path_of(key))[0] == 204 and service.request("DELETE", path_of(key))[0] == 404
+    # the vLLM connector chains keys with its own chunk_tokens (a divisor of the entry's token count)
+    from kvcodec.vllm.config import chunk_keys
+
+    vkey = chunk_keys(ids, 300, model=key.model, codec=key.codec, namespace="a", chunk_tokens=100)[-1]
+    assert vkey != key and st.put(vkey, data).ok and st.get(vkey) == data
+    assert st.rm(vkey)
+
+
+def test_auth_and_isolation(service, entry):
+    key, data, cache = entry
+    assert service.put_raw(key, data) == 201
+    s, h, _ = service.request("GET", path_of(key), token=None)
+    assert s == 401 and "Bearer" in h["WWW-Authenticate"]
+    assert service.request("GET", path_of(key), token="not-a-valid-token")[0] == 401
+    assert service.request("GET", path_of(key), token=TOK_B)[0] == 403, "tenant b must not read a's namespace"
+    assert service.request("DELETE", path_of(key), token=TOK_B)[0] == 403
+    assert service.put_raw(key, data, token=TOK_B) == 403
+    assert service.put_raw(key, data, token=TOK_A_RO) == 403, "read-only token"
+    assert service.request("GET", path_of(key), token=TOK_A_RO)[0] == 200
+    # Store clients: each token is its own tenant view on the server, even for the same client key
+    a = Store.open(service.url(TOK_A), memory_bytes=0)
+    b = Store.open(service.url(TOK_B), memory_bytes=0)
+    assert a.put(key, data).ok
+    before = {r.key for r in service.stored()}
+    assert b.ls() == [] and b.get(key) is None and not b.contains(key), "b sees nothing of a's"
+    assert b.rm(key) is False and a.get(key) == data, "b cannot delete a's entry"
+    kb = StoreKey.for_tokens(cache.token_ids, model=key.model, codec=key.codec, namespace="b")
+    assert b.put(kb, data).ok and b.get(kb) == data
+    assert [r.key for r in a.ls()] == [key], "a's listing does not show b's entry"
+    with pytest.raises(KvcStoreError, match="401"):
+        Store.open(service.url("wrong-token-123"), memory_bytes=0).put(key, data)
+    with pytest.raises(KvcStoreError, match="403"):
+        Store.open(service.url(TOK_A_RO), memory_bytes=0).put(kb, data)
+    assert len({r.key for r in service.stored()} - before) == 1, "only b's own put added an entry"
+    assert b.rm(kb) and a.rm(key)
+
+
+def test_malformed_requests_are_clean_4xx_and_store_nothing(service, entry):
+    key, data, cache = entry
+    service.request("DELETE", path_of(key))
+    before = [r.key for r in service.stored()]
+
+    def put(k: str, body: bytes, **h: str) -> tuple[int, str]:
+        s, _, b = service.request("PUT", f"/v1/entries/{k}", body=body, headers=h)
+        return s, json.loads(b).get("error", "") if b else ""
+
+    ks = key.to_str()
+    assert put(ks, b"not a kvc file at all")[0] == 422
+    assert put(ks, data[: len(data) // 2])[0] == 422                               # truncated
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 1
+    assert put(ks, bytes(flipped))[0] == 422                                       # damaged chunk
+    wrong = StoreKey.for_tokens(list(cache.token_ids[:299]) + [5], model=key.model, codec=key.codec, namespace="a")
+    s, msg = put(wrong.to_str(), data)
+    assert s == 422 and "token" in msg                                             # tokens do not hash to the key
+    other_model = StoreKey.for_tokens(cache.token_ids, model="0" * 32, codec=key.codec, namespace="a")
+    assert put(other_model.to_str(), data)[0] == 422                               # fingerprint is not the key's
+    assert put("kvc1:bad:key", data)[0] == 400
+    assert put(ks, data, **{"X-Kvc-Crc32c": "00000000"})[0] == 400                 # damaged in transit
+    assert put(ks, data, **{"X-Kvc-Meta": "{not json"})[0] == 400
+    assert put(ks, b"")[0] == 400
+    assert put(ks, b"x" * (3 << 20))[0] == 413                                     # over --max-body 2M
+    s, _, b = service.request("POST", "/v1/contains", body=b"{oops")
+    assert s == 400 and "JSON" in json.loads(b)["error"]
+    assert service.request("POST", "/v1/contains", body=b'{"keys": "nope"}')[0] == 400
+    assert service.request("GET", "/v1/nothing-here")[0] == 404
+    assert service.request("POST", path_of(key), body=b"x")[0] == 405
+    assert {r.key for r in service.stored()} == set(before), "no malformed request may store anything"
+    assert service.proc.poll() is None
+
+
+def test_health_and_metrics(service, entry):
+    key, data, _ = entry
+    st = Store.open(service.url(TOK_A), memory_bytes=0)
+    st.put(key, data)
+    st.get(key)
+    st.get(StoreKey.for_tokens([9, 9, 9], model=key.model, codec=key.codec, namespace="a"))
+    s, _, b = service.request("GET", "/healthz", token=None)
+    assert s == 200 and json.loads(b)["status"] == "ok"
+    s, h, b = service.request("GET", "/metrics", token=None)
+    text = b.decode()
+    assert s == 200 and h["Content-Type"].startswith("text/plain")
+    vals = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, v = line.rpartition(" ")
+            vals[name] = float(v)
+    assert vals['kvc_get_total{result="hit"}'] >= 1 and vals['kvc_get_total{result="miss"}'] >= 1
+    assert vals["kvc_bytes_served_total"] >= len(data)
+    assert vals["kvc_bytes_stored_total"] >= len(data)
+    assert 0 < vals["kvc_hit_ratio"] < 1
+    assert any(k.startswith("kvc_request_seconds_bucket") for k in vals)
+
+
+def test_client_outage_is_a_clean_miss(tmp_path, entry):
+    key, data, _ = entry
+    svc = Service(tmp_path)
+    try:
+        st = Store.open(f"{tmp_path}/local,{svc.url(TOK_A)}?retry_interval=0.2")
+        assert st.put(key, data).ok
+    finally:
+        svc.stop()
+    st.memory.clear()
+    assert st.get(key) == data                          # the local tier still has it
+    remote_only = Store.open(svc.url(TOK_A) + "?timeout=1", memory_bytes=0)
+    assert remote_only.get(key) is None                 # service down: a miss
+    with pytest.raises(KvcStoreError, match="every persistent tier"):
+        remote_only.put(key, data)
+
+
+@pytest.mark.slow
+def test_put_from_one_process_ask_from_another(tmp_path):
+    """The done-when: one process stores (kvc ask prefills and puts), another process's ask hits."""
+    from kvcodec.texts import load_text
+
+    svc = Service(tmp_path, max_body="64M")
+    try:
+        doc = tmp_path / "doc.txt"
+        doc.write_text(load_text("gpl3")[:1500])
+        env = subprocess_env(KVC_TOKEN=TOK_A)
+
+        def ask(question: str) -> dict:
+            out = subprocess.run([sys.executable, "-m", "kvcodec", "ask", "--doc", str(doc), "--store",
+                                  svc.url(), "--namespace", "a", "--max-new-tokens", "4", "--json", question],
+                                 env=env, capture_output=True, text=True, timeout=600)
+            assert out.returncode == 0, out.stderr[-2000:]
+            return json.loads(out.stdout)
+
+        first = ask("What is this license?")
+        assert first["source"] == "prefill" and first["stored"]["stored_in"] == ["memory", "kdn"]
+        second = ask("Who may copy it?")
+        assert second["source"] == "store" and second["cached_tokens"] == second["context_tokens"] > 100
+        assert len(svc.stored()) == 1
+        with urllib.request.urlopen(svc.base + "/metrics") as r:
+            assert 'kvc_get_total{result="hit"} 1.0' in r.read().decode()
+    finally:
+        svc.stop()
+    assert os.path.isdir(svc.store_dir)

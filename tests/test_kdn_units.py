@@ -1,0 +1,101 @@
+"""KDN service pieces that need no model or server: token files, URL parsing, ranges, chunk sizes, CLI errors."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from cliutil import run_kvc
+from kvcodec.errors import KvcInputError
+from kvcodec.kdn.auth import TokenTable, token_hash
+from kvcodec.kdn.service import _resolve_range, chunk_candidates
+from kvcodec.store import Store, StoreKey
+from kvcodec.store.keys import chunk_hashes
+
+
+def test_token_file(tmp_path):
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps({"tokens": [
+        {"token": "alpha-token-1", "tenant": "a"},
+        {"token_sha256": token_hash("beta-token-22"), "tenant": "b", "namespaces": ["b", "shared"], "write": False},
+    ]}))
+    t = TokenTable.from_file(f)
+    a, b = t.lookup("alpha-token-1"), t.lookup("beta-token-22")
+    assert a.tenant == "a" and a.namespaces == ("a",) and a.write
+    assert b.namespaces == ("b", "shared") and not b.write and b.may_use("shared") and not b.may_use("a")
+    assert t.lookup("alpha-token-2") is None
+    for bad in ({"tokens": [{"token": "short", "tenant": "a"}]},
+                {"tokens": [{"token": "alpha-token-1", "token_sha256": "0" * 64, "tenant": "a"}]},
+                {"tokens": [{"token": "alpha-token-1", "tenant": "a/b"}]},
+                {"tokens": [{"token": "alpha-token-1", "tenant": "a", "write": "yes"}]},
+                {"tokens": [{"token": "alpha-token-1", "tenant": "a", "extra": 1}]},
+                {"tokens": [{"token": "alpha-token-1", "tenant": "a"}, {"token": "alpha-token-1", "tenant": "b"}]},
+                {"tokens": []}, [], "x"):
+        f.write_text(json.dumps(bad))
+        with pytest.raises(KvcInputError):
+            TokenTable.from_file(f)
+    f.write_text("{not json")
+    with pytest.raises(KvcInputError, match="JSON"):
+        TokenTable.from_file(f)
+
+
+def test_kdn_urls_never_show_the_token():
+    st = Store.open("kvc+http://:s3cret-token@127.0.0.1:9/?timeout=0.2")
+    assert "s3cret" not in st.url and "s3cret" not in str(st.stats())
+    assert st.tier("kdn").token == "s3cret-token"
+    for bad in ("kvc+http://:s3cret-token@/x", "kvc+http://127.0.0.1:9/path", "kvc+http://127.0.0.1:9?bogus=1",
+                "kvc+http://127.0.0.1:99999", "kvc+http://127.0.0.1:9?timeout=nan"):
+        with pytest.raises(KvcInputError) as e:
+            Store.open(bad)
+        assert "s3cret" not in str(e.value)
+
+
+def test_kdn_down_is_a_miss_and_a_reported_put(tmp_path):
+    port = socket.socket()
+    port.bind(("127.0.0.1", 0))
+    p = port.getsockname()[1]
+    port.close()  # nothing listens there
+    st = Store.open(f"{tmp_path}/local,kvc+http://127.0.0.1:{p}?timeout=0.5&retry_interval=5")
+    k = StoreKey.for_tokens([1, 2, 3], model="m", codec="c")
+    assert st.get(k) is None and st.contains_many([k]) == [False]
+    res = st.put(k, b"payload")
+    assert res.tiers["directory"] == "ok" and "unreachable" in res.failed["kdn"]
+    assert st.get(k) == b"payload"
+
+
+def test_range_resolution():
+    assert _resolve_range(slice(0, 10), 100) == (0, 10)
+    assert _resolve_range(slice(90, None), 100) == (90, 100)
+    assert _resolve_range(slice(90, 500), 100) == (90, 100)
+    assert _resolve_range(slice(-10, None), 100) == (90, 100)
+    assert _resolve_range(slice(-500, None), 100) == (0, 100)
+    assert _resolve_range(slice(100, None), 100)[0] is None
+    assert _resolve_range(slice(0, None), 0)[0] is None
+
+
+def test_chunk_candidates_cover_every_chunking_that_keys_use():
+    ids = list(range(1000, 1768))
+    assert chunk_candidates(768)[0] == 256
+    for chunk in (256, 48, 96, 768, 16):
+        digest = chunk_hashes(ids, chunk, model="m", codec="c", namespace="n")[-1]
+        assert chunk in chunk_candidates(len(ids)) and digest
+    assert 100 not in chunk_candidates(768)
+
+
+def test_serve_cli_errors(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("KVC_SERVE_TOKEN", raising=False)
+    code, _, err = run_kvc(["serve", "--store", str(tmp_path / "s")], capsys)
+    assert code == 2 and "KVC_SERVE_TOKEN" in err and len(err.strip().splitlines()) == 1
+    (tmp_path / "t.json").write_text('{"tokens": [{"token": "short", "tenant": "a"}]}')
+    code, _, err = run_kvc(["serve", "--store", str(tmp_path / "s"), "--tokens", str(tmp_path / "t.json")], capsys)
+    assert code == 2 and "8-512" in err
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        monkeypatch.setenv("KVC_SERVE_TOKEN", "long-enough-token")
+        code, _, err = run_kvc(["serve", "--store", str(tmp_path / "s"), "--port", str(s.getsockname()[1])], capsys)
+    assert code == 2 and "cannot listen" in err
+    code, _, err = run_kvc(["serve", "--store", "kvc+http://127.0.0.1:1"], capsys)
+    assert code == 2 and "another kvc+http service" in err
