@@ -339,31 +339,20 @@ def try_decode(pipeline: Pipeline, payload: Any, sides: list[SideData], sizes: l
 
 
 def _lossless(shuffle: Any, payload: Any, sides: list[SideData], sizes: list[int], spec: ArraySpec) -> np.ndarray | None:
-    import zstandard
-
-    from ..format.lossless import ZSTD_MAX_WINDOW
+    from ..format.lossless import zstd_decompress_exact
 
     if any(sides):
         return None
     n = int(np.prod(spec.shape, dtype=np.int64))
     nbytes = n * np.dtype(spec.dtype).itemsize
-    zsize = sizes[-1]
-    if zsize != nbytes or (shuffle is not None and sizes[0] != nbytes):
+    if sizes[-1] != nbytes or (shuffle is not None and sizes[0] != nbytes):
         return None
-    try:
-        dobj = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW).decompressobj()
-        raw = dobj.decompress(payload)
-        if dobj.unused_data or not dobj.eof:
-            return None
-    except zstandard.ZstdError:
-        return None
-    if len(raw) != nbytes:
-        return None
+    raw = zstd_decompress_exact(payload, nbytes)  # capped at the declared size (KvcFormatError -> None)
     src = np.frombuffer(raw, dtype=np.uint8)
-    out = np.empty(spec.shape, dtype=spec.dtype)
     if shuffle is None:
-        out.reshape(-1).view(np.uint8)[:] = src
+        out = src.view(spec.dtype).reshape(spec.shape)
     else:
+        out = np.empty(spec.shape, dtype=spec.dtype)
         _unshuffle(src, out.reshape(-1).view(np.uint8), shuffle.elementsize)
     if np.dtype(spec.dtype).byteorder == ">":  # pragma: no cover - big-endian hosts
         return None

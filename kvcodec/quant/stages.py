@@ -381,7 +381,7 @@ class QuantizeStage(ArrayToArray):
                 raise KvcCodecError(f"codec 'quantize': step must be a positive finite number, got {step!r}")
             self.step = float(step)
             self.max_bits = _int(max_bits, "max_bits", "quantize", 1, 8)
-            if not isinstance(deadzone, (int, float)) or not 0.0 <= deadzone < 0.5:
+            if isinstance(deadzone, bool) or not isinstance(deadzone, (int, float)) or not 0.0 <= deadzone < 0.5:
                 raise KvcCodecError(f"codec 'quantize': deadzone must be in [0, 0.5), got {deadzone!r}")
             self.deadzone = float(deadzone)
         else:
@@ -393,6 +393,8 @@ class QuantizeStage(ArrayToArray):
                 raise KvcCodecError(f"codec 'quantize': axis must be 'channel' or 'token', got {axis!r}")
             self.axis = axis
             self.group = _int(group, "group", "quantize", 1, 1 << 30)
+            if not isinstance(symmetric, (bool, np.bool_)):
+                raise KvcCodecError(f"codec 'quantize': symmetric must be true or false, got {symmetric!r}")
             self.symmetric = bool(symmetric)
 
     def get_config(self) -> dict[str, Any]:
