@@ -45,7 +45,15 @@ class Cast(ArrayToArray):
     def encode(self, arr: np.ndarray, ctx: ChunkContext) -> tuple[np.ndarray, SideData]:
         if arr.dtype.kind != "f":
             raise KvcCodecError(f"codec 'cast' needs floating-point input, got {arr.dtype}")
-        return np.ascontiguousarray(arr.astype(self.dtype)), {}
+        with np.errstate(over="ignore"):
+            out = np.ascontiguousarray(arr.astype(self.dtype))
+        # NaN and +-inf are stored as they are (exact); a finite value that becomes inf is not
+        overflow = np.isinf(out) & np.isfinite(arr)
+        if overflow.any():
+            big = float(np.abs(arr[overflow].astype(np.float64)).max())
+            raise KvcCodecError(f"codec 'cast': a value of magnitude {big:.4g} overflows {self.dtype} "
+                                f"(max {float(np.finfo(self.dtype).max):.6g}); use the lossless preset for this cache")
+        return out, {}
 
     def decode(self, arr: np.ndarray, side: SideData, spec: ArraySpec, ctx: ChunkContext) -> np.ndarray:
         if spec.dtype not in CAST_DTYPES:

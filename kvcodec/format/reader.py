@@ -491,9 +491,22 @@ class KvcReader:
             gaps.append((hd.data_start + end, hd.data_start + align_up(end)))
         return [(a, b) for a, b in gaps if b > a]
 
-    def verify(self, strict: bool = False, backend: str | None = None) -> list[str]:
-        """Check every CRC, padding byte, blob and chunk (decoding each). Returns problems; ``strict`` raises the first."""
+    def verify(self, strict: bool = False, backend: str | None = None, expected: list[bytes] | None = None) -> list[str]:
+        """Check every CRC, padding byte, blob and chunk (decoding each). Returns problems; ``strict`` raises the first.
+
+        ``expected`` (the writer's read-back check): the SHA-256 of what each chunk
+        must decode to; any other result is a problem.
+        """
         problems: list[str] = []
+        if expected is not None and len(expected) != len(self.entries):
+            raise KvcFormatError(f"file has {len(self.entries)} chunks, {len(expected)} were written")
+
+        def chunk(j: int) -> None:
+            arr = self.read_chunk(j, backend)
+            if expected is not None:
+                got = hashlib.sha256(np.ascontiguousarray(arr).view(np.uint8).data).digest()
+                if got != expected[j]:
+                    raise KvcFormatError(f"chunk {j} decodes to different values than were encoded")
 
         def check(fn: Callable[[], Any]) -> None:
             try:
@@ -512,7 +525,7 @@ class KvcReader:
         check(lambda: self.positions)
         check(lambda: self.attachments)
         for j in range(len(self.entries)):
-            check(lambda j=j: self.read_chunk(j, backend))
+            check(lambda j=j: chunk(j))
         return problems
 
     def sizes(self) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import io
 import json
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
@@ -21,9 +21,9 @@ import google_crc32c
 import numpy as np
 import torch
 
-from ..errors import KvcCodecError, KvcInputError
+from ..errors import KvcCodecError, KvcError, KvcFormatError, KvcInputError
 from ..kvcache import KVCache, atomic_replace, token_ids_sha256
-from ..stages import Pipeline
+from ..stages import ArraySpec, Pipeline
 from .container import (
     ALIGN, DTYPE_BY_NAME, FOOTER_SIZE, MAX_BLOB_BYTES, MAX_BLOB_NDIM, MAX_CHUNK_DECODED_BYTES, MAX_PIPELINES,
     MAX_STAGES, MAX_TOKENS, STAGE_SLACK, VERSION_MAJOR, VERSION_MINOR, Footer, IndexEntry, Preamble, align_up,
@@ -47,11 +47,13 @@ class ExternalAttachment:
     sha256: str
     dtype: str
     shape: tuple[int, ...]
+    # the array itself when the writer has it (never stored in the file): lets the writer read its output back
+    array: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(cls, arr: np.ndarray) -> "ExternalAttachment":
         arr = np.asarray(arr)
-        return cls(array_sha256(arr), arr.dtype.name, tuple(int(d) for d in arr.shape))
+        return cls(array_sha256(arr), arr.dtype.name, tuple(int(d) for d in arr.shape), arr)
 
 
 def array_sha256(arr: np.ndarray) -> str:
@@ -136,7 +138,20 @@ def write_kvc_stream(
     store_token_ids: bool = True,
     writer: str | None = None,
 ) -> int:
-    """Write ``cache`` as `.kvc` to the binary stream ``f`` (sequential writes only); return bytes written."""
+    """Write ``cache`` as `.kvc` to the binary stream ``f`` (sequential writes only); return bytes written.
+
+    The low-level, *unverified* writer (a pipe cannot be read back): :func:`write_kvc`
+    and :func:`encode_kvc_bytes` verify what they wrote.
+    """
+    return _write(cache, f, pipelines, attachments, chunk_tokens, chunk_heads, preset, meta, store_token_ids, writer, None)
+
+
+def _write(
+    cache: KVCache, f: BinaryIO, pipelines: PipelineSpec, attachments: dict[str, np.ndarray | ExternalAttachment] | None,
+    chunk_tokens: int | None, chunk_heads: int | None, preset: str | None, meta: dict[str, Any] | None,
+    store_token_ids: bool, writer: str | None, expect: "_Expectation | None",
+) -> int:
+    """The writer; with ``expect``, also records what every chunk must decode to (see :class:`_Expectation`)."""
     cache.validate()
     fp = cache.fingerprint
     T, H, L = cache.num_tokens, fp.num_kv_heads, fp.num_layers
@@ -152,6 +167,8 @@ def write_kvc_stream(
     if biggest > MAX_CHUNK_DECODED_BYTES:
         raise KvcInputError(f"a chunk would hold {biggest} bytes (limit {MAX_CHUNK_DECODED_BYTES}); use chunk_tokens")
     table, pid = _resolve_pipelines(pipelines, L)
+    if expect is not None:
+        expect.pipelines = table
     merged_meta = dict(cache.meta)
     merged_meta.update(meta or {})
 
@@ -179,6 +196,8 @@ def write_kvc_stream(
             raise KvcInputError(f"attachment name {name!r} must be 1-128 chars of [A-Za-z0-9_.-/]")
         a = (attachments or {})[name]
         if isinstance(a, ExternalAttachment):
+            if expect is not None and a.array is not None:
+                expect.external[name] = a.array
             att_header[name] = {"external": True, "sha256": a.sha256, "dtype": a.dtype, "shape": list(a.shape)}
             continue
         arr = _check_array_blob(name, a)
@@ -237,6 +256,8 @@ def write_kvc_stream(
                     if any(s > limit for s in sizes):
                         raise KvcCodecError(f"chunk {j}: an intermediate byte string of {max(sizes)} bytes exceeds the limit {limit}")
                     parts = pack_chunk(bytes(payload), sides, sizes)
+                    if expect is not None:
+                        expect.add(p, arr, payload, sides, sizes, ctx)
                     crc = 0
                     start = out.pos
                     for part in parts:
@@ -254,6 +275,73 @@ def write_kvc_stream(
     return out.pos
 
 
+class _Expectation:
+    """What each chunk of a file being written must decode to, for the read-back check.
+
+    For a pipeline without array->array stages (raw / shuffle / zstd / rans
+    over raw values) that is the input itself, bit for bit; otherwise it is
+    the normative stage-by-stage ``Pipeline.decode`` of the encoder's own
+    in-memory output. The read-back then decodes the *file* through the
+    reader (container parsing, side-data round trip, the fused decoders) and
+    must reproduce those bytes exactly. Only a SHA-256 per chunk is kept.
+    """
+
+    def __init__(self) -> None:
+        self.digests: list[bytes] = []
+        self.pipelines: list[Pipeline] = []
+        self.external: dict[str, np.ndarray] = {}
+
+    def add(self, p: Pipeline, arr: np.ndarray, payload: bytes, sides: list, sizes: list[int], ctx: Any) -> None:
+        from .lossless import Raw
+
+        if not p.array_stages and isinstance(p.bytes_stage, Raw):  # raw [-> shuffle] [-> zstd]: lossless by definition
+            expected = arr
+        else:
+            spec = ArraySpec(tuple(arr.shape), arr.dtype.name)
+            try:
+                expected = p.decode(payload, sides, sizes, spec, ctx)
+            except KvcError as exc:
+                raise KvcCodecError(f"chunk {len(self.digests)} (layer {ctx.layer} {ctx.kind.upper()}): "
+                                    f"the encoder's output does not decode: {exc}") from None
+        self.digests.append(hashlib.sha256(np.ascontiguousarray(expected).view(np.uint8).data).digest())
+
+    def resolver(self) -> Callable[[str, Any], np.ndarray | None]:
+        """Attachment resolver for the read-back: the arrays the encoder itself used, then the default resolver."""
+        from .presets import default_attachment_resolver
+
+        known: dict[str, np.ndarray] = dict(self.external)
+        for p in self.pipelines:
+            for st in p.stages:
+                known.update(getattr(st, "encoder_attachments", None) or {})
+        fallback = default_attachment_resolver()
+
+        def resolve(name: str, info: Any) -> np.ndarray | None:
+            a = known.get(name)
+            if a is not None and array_sha256(a) == info.sha256:
+                return a
+            return fallback(name, info) if fallback is not None else None
+
+        return resolve
+
+    def check(self, source: Any, cache: KVCache, what: str) -> None:
+        """Read ``source`` back with :class:`KvcReader`: structure, every CRC, padding, blob and chunk, bit for bit."""
+        from .reader import KvcReader
+
+        try:
+            with KvcReader(source, self.resolver(), max_decoded_bytes=_declared_bytes(cache)) as r:
+                r.verify(strict=True, backend="cpu", expected=self.digests)
+                pos = r.positions
+                if (pos is None) != (cache.positions is None) or (pos is not None and not np.array_equal(pos, cache.positions)):
+                    raise KvcFormatError("positions read back differently")
+        except KvcError as exc:
+            raise KvcCodecError(f"{what}: the written file does not read back as written ({exc}); nothing was kept") from None
+
+
+def _declared_bytes(cache: KVCache) -> int:
+    itemsize = 4 if cache.dtype == torch.bfloat16 else torch.empty(0, dtype=cache.dtype).element_size()
+    return max(1, cache.num_elements * itemsize)
+
+
 def write_kvc(
     cache: KVCache,
     dest: str | os.PathLike | BinaryIO,
@@ -264,12 +352,30 @@ def write_kvc(
     meta: dict[str, Any] | None = None,
     chunk_heads: int | None = None,
     store_token_ids: bool = True,
+    verify: bool = True,
 ) -> int:
-    """Write ``cache`` to ``dest`` (a path, atomically, or a binary file object). Returns bytes written."""
+    """Write ``cache`` to ``dest`` (a path, atomically, or a binary file object). Returns bytes written.
+
+    ``verify`` (default on) reads the result back before it counts as written:
+    for a path, the temp file is read and decoded bit-exactly (see
+    :class:`_Expectation`) *before* the atomic rename, so a file the reader
+    would reject never appears at ``dest``; a file object is read back when it
+    is readable and seekable (e.g. ``BytesIO``), otherwise it cannot be.
+    """
     kw = dict(attachments=attachments, chunk_tokens=chunk_tokens, chunk_heads=chunk_heads, preset=preset, meta=meta,
-              store_token_ids=store_token_ids)
+              store_token_ids=store_token_ids, writer=None)
     if not isinstance(dest, (str, os.PathLike)):
-        return write_kvc_stream(cache, dest, pipelines, **kw)
+        readable = verify and _readable(dest)
+        start = dest.tell() if readable else 0
+        expect = _Expectation() if readable else None
+        n = _write(cache, dest, pipelines, expect=expect, **kw)
+        if expect is not None:
+            end = dest.tell()
+            dest.seek(start)
+            data = dest.read(n)
+            dest.seek(end)
+            expect.check(data, cache, "output stream")
+        return n
     path = Path(dest)
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
@@ -279,12 +385,22 @@ def write_kvc(
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
     tmp = Path(tmp_name)
     try:
+        expect = _Expectation() if verify else None
         with os.fdopen(fd, "wb") as f:
-            n = write_kvc_stream(cache, f, pipelines, **kw)
+            n = _write(cache, f, pipelines, expect=expect, **kw)
+        if expect is not None:
+            expect.check(tmp, cache, str(path))
         atomic_replace(tmp, path)
         return n
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _readable(f: Any) -> bool:
+    try:
+        return bool(f.readable() and f.seekable())
+    except (AttributeError, OSError, ValueError):
+        return False
 
 
 def encode_kvc_bytes(
@@ -297,9 +413,13 @@ def encode_kvc_bytes(
     chunk_heads: int | None = None,
     store_token_ids: bool = True,
     writer: str | None = None,
+    verify: bool = True,
 ) -> bytes:
-    """The `.kvc` bytes of ``cache`` (same arguments as :func:`write_kvc`)."""
+    """The `.kvc` bytes of ``cache`` (same arguments as :func:`write_kvc`; verified the same way)."""
     buf = io.BytesIO()
-    write_kvc_stream(cache, buf, pipelines, attachments=attachments, chunk_tokens=chunk_tokens, chunk_heads=chunk_heads,
-                     preset=preset, meta=meta, store_token_ids=store_token_ids, writer=writer)
-    return buf.getvalue()
+    expect = _Expectation() if verify else None
+    _write(cache, buf, pipelines, attachments, chunk_tokens, chunk_heads, preset, meta, store_token_ids, writer, expect)
+    data = buf.getvalue()
+    if expect is not None:
+        expect.check(data, cache, "encoded bytes")
+    return data
