@@ -161,17 +161,21 @@ def _bad_constant(name: str) -> Any:
     raise KvcFormatError(f"header JSON contains {name}, which is not allowed")
 
 
-def _too_deep(obj: Any, limit: int = MAX_JSON_DEPTH) -> bool:
-    stack = [(obj, 1)]
-    while stack:
-        o, d = stack.pop()
-        if isinstance(o, dict):
-            o = o.values()
-        elif not isinstance(o, list):
-            continue
-        if d > limit:
-            return True
-        stack.extend((v, d + 1) for v in o if isinstance(v, (dict, list)))
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKETS = str.maketrans("", "", "".join(chr(c) for c in range(128) if chr(c) not in "[]{}"))
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
+
+
+def _too_deep(text: str, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Nesting depth of JSON text over ``limit``? Checked on the text before parsing (no recursion at all)."""
+    depth = 0
+    for ch in _JSON_STRING.sub("", text).translate(_NOT_BRACKETS):
+        if ch in "[{":
+            depth += 1
+            if depth > limit:
+                return True
+        elif ch in "]}":
+            depth -= 1
     return False
 
 
@@ -187,19 +191,23 @@ def load_header(b: bytes | memoryview) -> dict[str, Any]:
     no NaN / Infinity (nor numbers that overflow to them), no lone surrogates, depth <= 64, an object."""
     try:
         text = bytes(b).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise KvcFormatError(f"header (offset {PREAMBLE_SIZE}) is not valid UTF-8 JSON: {str(exc)[:200]}") from None
+    if _too_deep(text):
+        raise KvcFormatError(f"header JSON nests deeper than {MAX_JSON_DEPTH} levels")
+    try:
         obj = json.loads(text, object_pairs_hook=_no_dupes, parse_constant=_bad_constant, parse_float=_finite_float)
     except KvcFormatError:
         raise
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:
         raise KvcFormatError(f"header (offset {PREAMBLE_SIZE}) is not valid UTF-8 JSON: {str(exc)[:200]}") from None
-    if _too_deep(obj):
-        raise KvcFormatError(f"header JSON nests deeper than {MAX_JSON_DEPTH} levels")
     if not isinstance(obj, dict):
         raise KvcFormatError(f"header (offset {PREAMBLE_SIZE}) must be a JSON object")
-    try:  # "\ud800" escapes decode to lone surrogates, which no UTF-8 consumer (terminal, JSON, store) can take
-        json.dumps(obj, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        raise KvcFormatError("header JSON contains a lone UTF-16 surrogate escape (not a Unicode character)") from None
+    if _SURROGATE_ESCAPE.search(text):  # an escape like \ud800 may decode to a lone surrogate (a valid pair is fine)
+        try:
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise KvcFormatError("header JSON contains a lone UTF-16 surrogate escape (not a Unicode character)") from None
     return obj
 
 
