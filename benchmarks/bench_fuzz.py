@@ -64,6 +64,7 @@ _PRE = struct.Struct("<8sHHIQQ")
 _IDX = struct.Struct("<IBBHIIIIQQII")
 _IDX_BITS = [32, 8, 8, 16, 32, 32, 32, 32, 64, 64, 32, 32]
 _HEAD = struct.Struct("<BBHIQ")
+_ZEROS = bytes(64)
 _SIDE = struct.Struct("<BBBB")
 INTERESTING = [0, 1, 2, 3, 7, 8, 15, 16, 31, 32, 63, 64, 127, 128, 255, 256, 4095, 4096, 4097, 65535, 65536,
                2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**63 - 1, 2**63, 2**64 - 1]
@@ -129,17 +130,26 @@ class Parts:
         self.header_bytes: bytes | None = None  # raw header text override
         self.touched: set[int] | None = set()  # chunks whose records changed (None: anything may be affected)
         self._crcs: dict[int, tuple[bytearray, int]] = {id(r): (r, crc(r)) for r in self.records}  # the seed's own
+        self.own = True  # header is private to this object (else shared with the seed: must not be written)
+        self._hbytes = json.dumps(self.header, sort_keys=True, separators=(",", ":")).encode()
 
     def copy(self) -> "Parts":
         """Copy-on-write: the header and index are copied, records / blobs shared until an operator replaces one."""
         c = object.__new__(Parts)
         c.__dict__.update(self.__dict__)
-        c.header = json.loads(json.dumps(self.header))
+        c.own = False
         c.index = [list(e) for e in self.index]
         c.blobs = list(self.blobs)
         c.records = list(self.records)
         c.touched = set()
         return c
+
+    def own_header(self) -> dict:
+        """The header, made private to this copy (before an operator edits it)."""
+        if not self.own:
+            self.header = json.loads(json.dumps(self.header))
+            self.own = True
+        return self.header
 
     def record(self, j: int) -> bytearray:
         """Chunk record ``j``, made private to this copy (mutable), and noted as touched."""
@@ -154,7 +164,7 @@ class Parts:
 
     def build(self, fix_crcs: bool = True, relayout: bool = True) -> bytes:
         hdr = self.header
-        if relayout and isinstance(hdr, dict) and isinstance(hdr.get("blobs"), list):
+        if relayout and self.own and isinstance(hdr, dict) and isinstance(hdr.get("blobs"), list):
             off = 0
             for b, raw in zip(hdr["blobs"], self.blobs):
                 if isinstance(b, dict):
@@ -170,20 +180,24 @@ class Parts:
             if fix_crcs:
                 e[10] = self._crc(rec)
             off = -(-(off + len(rec)) // 64) * 64
-        hb = self.header_bytes if self.header_bytes is not None else json.dumps(
-            hdr, sort_keys=True, separators=(",", ":")).encode()
+        if self.header_bytes is not None:
+            hb = self.header_bytes
+        elif not self.own:  # untouched header (and blobs unchanged): the seed's bytes
+            hb = self._hbytes
+        else:
+            hb = json.dumps(hdr, sort_keys=True, separators=(",", ":")).encode()
         head = _PRE.pack(b"\x89KVC\r\n\x1a\n", self.major, self.minor, len(hb), self.req, self.opt) + hb
-        out = bytearray(head + crc(head).to_bytes(4, "little"))
-        out += bytes((-len(out)) % 64)
+        first = head + crc(head).to_bytes(4, "little")
+        pieces = [first, bytes((-len(first)) % 64)]
+        pos = len(first) + len(pieces[1])
         for raw in self.blobs + self.records:
-            out += raw
-            out += bytes((-len(out)) % 64)
-        ioff = len(out)
+            pad = (-len(raw)) % 64
+            pieces += (raw, _ZEROS[:pad])
+            pos += len(raw) + pad
         idx = b"".join(_IDX.pack(*[v % (1 << bits) for v, bits in zip(e, _IDX_BITS)]) for e in self.index)
-        out += idx
-        f = struct.pack("<QQI", ioff, len(self.index), crc(idx))
-        out += f + crc(f).to_bytes(4, "little") + b"\x89KVCEND\n"
-        return bytes(out)
+        f = struct.pack("<QQI", pos, len(self.index), crc(idx))
+        pieces += (idx, f, crc(f).to_bytes(4, "little"), b"\x89KVCEND\n")
+        return b"".join(pieces)
 
 
 def _paths(obj: Any, prefix: tuple = ()) -> list[tuple]:
@@ -231,6 +245,7 @@ SPECIAL_F32 = [struct.pack("<f", v) for v in (float("inf"), float("-inf"), float
 
 
 def _mut_header(rng: random.Random, p: Parts, donor: Parts) -> str:
+    p.own_header()
     r = rng.random()
     if r < 0.6:
         paths = [q for q in _paths(p.header) if q]
@@ -371,9 +386,9 @@ def _mut_record(rng: random.Random, p: Parts, donor: Parts) -> str:
 def _mut_blob(rng: random.Random, p: Parts) -> str:
     if not p.blobs:
         return _mut_record(rng, p, p)
+    p.own_header()  # the blob's CRC in the header changes
     k = rng.randrange(len(p.blobs))
     p.blobs[k] = b = bytearray(p.blobs[k])
-    p.touched = None
     if not b:
         return "blob.empty"
     for _ in range(rng.randint(1, 4)):
@@ -382,16 +397,17 @@ def _mut_blob(rng: random.Random, p: Parts) -> str:
     return "blob"
 
 
-FULL_EVERY = 20  # every 20th mutated file is decoded completely, whatever the mutation touched
+FULL_EVERY = 50  # every 50th mutated file is decoded completely, whatever the mutation touched
 
 
 def mutate(i: int, seed: int, seeds: list[tuple[str, bytes]], parsed: list[Parts]) -> tuple[str, str, bytes, list[int] | None]:
     """Mutation ``i`` of run ``seed``: (seed file name, operator, mutated bytes, chunks to decode). Deterministic.
 
     The chunk list names every chunk the mutation can have changed (its record,
-    or its pipeline's config) plus two random ones; None means all of them
-    (header sections, blobs -- positions and attachments feed every chunk --,
-    raw flips, truncations, and every ``FULL_EVERY``-th mutation).
+    its index entry, or its pipeline's config; for a raw flip the chunk holding
+    the byte) plus two random ones (blobs -- positions, attachments -- feed every
+    chunk; a replaced header section may change any); None means all of them
+    (truncations, extensions, the footer, and every ``FULL_EVERY``-th mutation).
     """
     rng = random.Random(seed * 1_000_003 + i)
     si = i % len(seeds)
@@ -401,7 +417,10 @@ def mutate(i: int, seed: int, seeds: list[tuple[str, bytes]], parsed: list[Parts
         b = bytearray(data)
         at = rng.randrange(len(b))
         b[at] ^= 1 << rng.randrange(8)
-        return name, "flip.nocrc", bytes(b), None
+        p0 = parsed[si]
+        dstart = len(data) - 32 - 48 * len(p0.index) - sum(-(-len(x) // 64) * 64 for x in p0.blobs + p0.records)
+        hit = [j for j, e in enumerate(p0.index) if dstart + e[8] <= at < dstart + e[8] + e[9]]
+        return name, "flip.nocrc", bytes(b), None if i % FULL_EVERY == 0 else hit + [rng.randrange(len(p0.index))]
     if r < 0.05:
         return name, "truncate", data[: rng.randrange(len(data))], None
     if r < 0.06:
@@ -418,7 +437,7 @@ def mutate(i: int, seed: int, seeds: list[tuple[str, bytes]], parsed: list[Parts
             changed = {k for k, (a, b) in enumerate(zip(pl_old, pl_new)) if a != b}
             p.touched = {j for j, e in enumerate(p.index) if e[3] in changed}
         else:
-            p.touched = None
+            p.touched = set()  # the two random chunks below
     elif r < 0.42:
         op = _mut_index(rng, p)
         relayout = rng.random() < 0.5  # half keep the mutated offsets / lengths
@@ -450,7 +469,7 @@ def consume(data: bytes, resolver: Any, rng: random.Random, chunks: list[int] | 
     """What a consumer does with a file: open (the whole structure is validated), then verify everything
     (``chunks`` None: every padding byte, blob, attachment and chunk decoded, and one layer read as tensors)
     or read the blobs and decode the given chunks."""
-    from kvcodec.errors import KvcError
+    from kvcodec.errors import KvcError, KvcFormatError
     from kvcodec.format import KvcReader
 
     try:
@@ -460,6 +479,9 @@ def consume(data: bytes, resolver: Any, rng: random.Random, chunks: list[int] | 
                 r.read_layer(rng.randrange(r.num_layers), backend="cpu")
             else:
                 r.token_ids, r.positions, r.attachments
+                for a, b in r._gaps():  # padding bytes, as verify() checks them
+                    if any(bytes(r._src.read(a, b - a))):
+                        raise KvcFormatError(f"non-zero padding in bytes [{a}, {b})")
                 for j in chunks:
                     if j < r.num_chunks:
                         r.read_chunk(j, backend="cpu")

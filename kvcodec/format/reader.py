@@ -13,6 +13,8 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
@@ -139,7 +141,7 @@ def parse_header(obj: dict[str, Any], pre: Preamble) -> KvcHeader:
     for i, pj in enumerate(pls):
         want(isinstance(pj, list) and 1 <= len(pj) <= MAX_STAGES, f"{h}: pipeline {i} must be a list of 1-{MAX_STAGES} stages")
         try:
-            pipelines.append(Pipeline.from_json(pj))
+            pipelines.append(_pipeline(pj))
         except KvcFormatError as exc:
             raise KvcFormatError(f"{h}: pipeline {i}: {exc}") from None
         except KvcCodecError as exc:
@@ -202,6 +204,27 @@ def parse_header(obj: dict[str, Any], pre: Preamble) -> KvcHeader:
         token_ids_blob=tb, positions_blob=pb, pipelines=pipelines, codec=codec, attachments=attachments, blobs=blobs,
         chunking=chunking, meta=meta, raw=obj,
     )
+
+
+_PIPELINES: "OrderedDict[str, Pipeline]" = OrderedDict()
+_PIPELINES_LOCK = threading.Lock()
+
+
+def _pipeline(pj: list) -> Pipeline:
+    """``Pipeline.from_json``, memoised on the JSON's repr (a store reads the same few pipelines over and over;
+    decoders never mutate a pipeline, so instances can be shared). ``repr`` tells 1, 1.0 and true apart."""
+    key = repr(pj)
+    with _PIPELINES_LOCK:
+        hit = _PIPELINES.get(key)
+        if hit is not None:
+            _PIPELINES.move_to_end(key)
+            return hit
+    p = Pipeline.from_json(pj)
+    with _PIPELINES_LOCK:
+        _PIPELINES[key] = p
+        while len(_PIPELINES) > 1024:
+            _PIPELINES.popitem(last=False)
+    return p
 
 
 def check_layout(hd: KvcHeader, entries: list[IndexEntry], index_offset: int) -> None:
