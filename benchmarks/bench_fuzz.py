@@ -547,6 +547,7 @@ class _Slot:
         self.next = 0
         self.since = time.monotonic()
         self.ready = False
+        self.rss = 0
 
 
 def run(seeds_dir: Path, n: int, workers: int, seed: int, progress: bool = True, checkpoint: Path | None = None) -> dict[str, Any]:
@@ -562,14 +563,15 @@ def run(seeds_dir: Path, n: int, workers: int, seed: int, progress: bool = True,
     foreign: list[dict[str, Any]] = []
     crashes: list[dict[str, Any]] = []
     slow: list[dict[str, Any]] = []
+    jumps: list[dict[str, Any]] = []
     peak_kb = base_kb = 0
     done = 0
     t_start = time.monotonic()
     last_print = t_start
 
     def summary() -> dict[str, Any]:
-        return _summary(done, seed, workers, time.monotonic() - t_start, by_seed, outcomes, by_op, foreign, crashes, slow,
-                        peak_kb, base_kb)
+        return dict(_summary(done, seed, workers, time.monotonic() - t_start, by_seed, outcomes, by_op, foreign, crashes,
+                             slow, peak_kb, base_kb), rss_jumps=jumps[:20])
 
     def assign(s: _Slot) -> None:
         if pending:
@@ -606,6 +608,7 @@ def run(seeds_dir: Path, n: int, workers: int, seed: int, progress: bool = True,
                     continue
                 if msg[0] == "ready":
                     s.ready = True
+                    s.rss = msg[1]
                     base_kb = max(base_kb, msg[1])
                     assign(s)
                     continue
@@ -617,6 +620,9 @@ def run(seeds_dir: Path, n: int, workers: int, seed: int, progress: bool = True,
                 by_seed[name] += 1
                 if out.startswith("other:"):
                     foreign.append({"mutation": idx, "seed_file": name, "op": op, "error": detail})
+                if rss - s.rss > 16 << 10:  # ru_maxrss grew by > 16 MB during this one mutation
+                    jumps.append({"mutation": idx, "seed_file": name, "op": op, "mb": round((rss - s.rss) / 1024, 1)})
+                s.rss = max(s.rss, rss)
                 if dt > SLOW_S:
                     slow.append({"mutation": idx, "seed_file": name, "op": op, "seconds": round(dt, 2)})
                 s.next = idx + 1

@@ -305,84 +305,48 @@ def _cache_from(layout: _Layout, arrays: dict[str, np.ndarray], meta: Any, path:
 def load_h5(path: str | os.PathLike, max_decoded_bytes: int | None = None) -> KVCache:
     """Read a capture; every structural problem is a KvcFormatError, nothing is allocated before it is checked.
 
-    Only regular files are opened (through a file object: the HDF5 library never
-    re-opens the path); corrupt HDF5 metadata of any kind is a KvcFormatError.
+    The HDF5 library runs in a sandbox process (:mod:`kvcodec.h5sandbox`): on
+    corrupt metadata it can crash, which must not take kvcodec down. Only
+    regular files are opened; the declared shapes, the per-file limit and the
+    ratio of declared to stored bytes are checked before any data is read.
     """
-    import h5py
-
-    from .errors import KvcError
-    from .limits import max_decoded_bytes as limit_of, open_regular
+    from .h5sandbox import H5Sandbox
+    from .limits import max_decoded_bytes as limit_of
 
     path = Path(path)
     limit = limit_of(max_decoded_bytes)
-    fobj = os.fdopen(open_regular(path, "a capture"), "rb")
-    try:
+    with H5Sandbox(path) as h5:
+        desc = h5.desc
+        attrs = desc.get("attrs") or {}
+        if attrs.get("format") != H5_FORMAT:
+            raise KvcFormatError(f"{path}: not a kvcodec capture (format attribute missing)")
+        if attrs.get("format_version") != H5_VERSION:
+            raise KvcFormatError(f"{path}: unsupported capture version {attrs.get('format_version')!r:.40}")
+        fp = _fingerprint(attrs.get("fingerprint"), path)
         try:
-            f = h5py.File(fobj, "r")
-        except Exception as exc:  # h5py raises OSError, but corrupt superblocks surface in other types too
-            raise KvcFormatError(f"{path}: not a readable HDF5 file ({str(exc)[:120]})") from None
-        with f:
-            return _load_h5(f, path, limit)
-    except KvcError:
-        raise
-    except MemoryError:
-        raise KvcFormatError(f"{path}: malformed capture (needs more memory than is available)") from None
-    except Exception as exc:  # corrupt HDF5 metadata: KeyError, OSError, RuntimeError, ValueError, ...
-        raise KvcFormatError(f"{path}: malformed capture ({type(exc).__name__}: {str(exc)[:160]})") from None
-    finally:
-        fobj.close()
-
-
-def _load_h5(f: Any, path: Path, limit: int) -> KVCache:
-    import h5py
-
-    if _attr_str(f.attrs.get("format")) != H5_FORMAT:
-        raise KvcFormatError(f"{path}: not a kvcodec capture (format attribute missing)")
-    version = f.attrs.get("format_version")
-    if not isinstance(version, (int, np.integer)) or isinstance(version, (bool, np.bool_)) or int(version) != H5_VERSION:
-        raise KvcFormatError(f"{path}: unsupported capture version {version!r:.40}")
-    fp = _fingerprint(f.attrs.get("fingerprint"), path)
-    meta_text = _attr_str(f.attrs.get("meta", "{}"))
-    try:
-        meta = json.loads(meta_text) if isinstance(meta_text, str) else None
-    except ValueError:
-        raise KvcFormatError(f"{path}: meta attribute is not JSON") from None
-    dtype_name = _attr_str(f.attrs.get("dtype", ""))
-    datasets: dict[str, Any] = {}
-
-    def dataset(name: str, h5name: str) -> None:
-        obj = f.get(h5name)
-        if obj is None:
-            return
-        if not isinstance(obj, h5py.Dataset):
-            raise KvcFormatError(f"{path}: {h5name} is not a dataset")
-        datasets[name] = obj
-
-    dataset("token_ids", "token_ids")
-    dataset("positions", "positions")
-    layers = f.get("layers")
-    if not isinstance(layers, h5py.Group) or len(layers) != fp.num_layers:
-        raise KvcFormatError(f"{path}: expected {fp.num_layers} layer groups")
-    for i in range(fp.num_layers):
-        dataset(f"layers.{i}.key", f"layers/{i}/key")
-        dataset(f"layers.{i}.value", f"layers/{i}/value")
-    want_kind = {"token_ids": "iu", "positions": "iu"}
-    for name, ds in datasets.items():
-        kind = want_kind.get(name, "uf")
-        if ds.dtype.kind not in kind or ds.dtype.itemsize > 8:
-            raise KvcFormatError(f"{path}: dataset {name!r} has unsupported dtype {ds.dtype}")
-    if not isinstance(dtype_name, str):
-        raise KvcFormatError(f"{path}: dtype attribute is not a string")
-    layout = _check_layout(path, fp, dtype_name, {n: tuple(ds.shape) for n, ds in datasets.items()},
-                           {n: ds.dtype.itemsize for n, ds in datasets.items()}, limit)
-    for name, ds in datasets.items():
-        _check_not_sparse(path, ds.size * ds.dtype.itemsize, ds.id.get_storage_size(), f"dataset {name!r}")
-    arrays = {name: np.asarray(ds[()]) for name, ds in datasets.items()}
+            meta = json.loads(attrs.get("meta") or "{}")
+        except ValueError:
+            raise KvcFormatError(f"{path}: meta attribute is not JSON") from None
+        dtype_name = attrs.get("dtype")
+        if not isinstance(dtype_name, str):
+            raise KvcFormatError(f"{path}: dtype attribute is not a string")
+        if desc.get("n_layers") != fp.num_layers:
+            raise KvcFormatError(f"{path}: expected {fp.num_layers} layer groups")
+        sets = desc.get("datasets") or {}
+        dtypes: dict[str, np.dtype] = {}
+        shapes: dict[str, tuple[int, ...]] = {}
+        for name, d in sets.items():
+            kinds = "iu" if name in ("token_ids", "positions") else "uf"
+            if d.get("error") or d.get("dtype") is None or np.dtype(d["dtype"]).kind not in kinds:
+                raise KvcFormatError(f"{path}: dataset {name!r} is not a {'integer' if kinds == 'iu' else 'float'} array")
+            dtypes[name] = np.dtype(d["dtype"])
+            shapes[name] = tuple(int(x) for x in d["shape"])
+        layout = _check_layout(path, fp, dtype_name, shapes, {n: dt.itemsize for n, dt in dtypes.items()}, limit)
+        for name, d in sets.items():
+            declared = int(np.prod(shapes[name], dtype=object)) * dtypes[name].itemsize
+            _check_not_sparse(path, declared, int(d.get("storage", 0)), f"dataset {name!r}")
+        arrays = h5.fetch({name: (dtypes[name], shapes[name]) for name in sets})
     return _cache_from(layout, arrays, meta, path)
-
-
-def _attr_str(v: Any) -> Any:
-    return v.decode("utf-8", "strict") if isinstance(v, bytes) else v
 
 
 # -- safetensors -----------------------------------------------------------
