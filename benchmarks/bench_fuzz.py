@@ -74,8 +74,9 @@ HOSTILE_JSON: list[Any] = [None, True, False, 0, 1, -1, 64.0, 1.5, 1e308, -1e308
 
 
 # --------------------------------------------------------------------------- seeds
-def make_seeds(out: Path, tokens: int) -> None:
-    """Write the seed files (needs the embedded model; run in a child process)."""
+def make_seeds(out: Path, tokens: int, lm: Any = None) -> None:
+    """Write the seed files (needs the embedded model: ``lm``, else loaded here -- the benchmark runs this in a
+    child process so the model never enters the fuzzing processes)."""
     import numpy as np
     import torch
 
@@ -86,7 +87,7 @@ def make_seeds(out: Path, tokens: int) -> None:
     from kvcodec.texts import load_text
 
     out.mkdir(parents=True, exist_ok=True)
-    lm = load_model("smollm2")
+    lm = lm or load_model("smollm2")
     ids = tokenize(lm.tokenizer, load_text("gpl3"))[:tokens]
     cache = capture(lm, token_ids=ids)
 

@@ -23,3 +23,5 @@ run lossless $PY benchmarks/bench_lossless.py --tokens 2048
 run store   $PY benchmarks/bench_store.py
 run prune   $PY benchmarks/bench_prune.py --tokens 1024
 run blend   $PY benchmarks/bench_blend.py
+run verify  $PY benchmarks/bench_verify.py --tokens 2048 --repeat 3 --json "$R/verify.json"
+run fuzz    nice -n 19 $PY benchmarks/bench_fuzz.py --n 100000 --workers 2 --seed 1 --json "$R/fuzz.json"

