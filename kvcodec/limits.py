@@ -89,7 +89,3 @@ def open_regular(path: str | os.PathLike[str], what: str = "input") -> int:
         raise
     return fd
 
-
-def check_regular(path: str | os.PathLike[str], what: str = "input") -> None:
-    """Raise KvcInputError unless ``path`` is a regular file (for libraries that open paths themselves)."""
-    os.close(open_regular(path, what))
