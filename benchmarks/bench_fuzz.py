@@ -514,14 +514,29 @@ def _resolver(seeds: list[tuple[str, bytes]]) -> dict[str, Any]:
     return out
 
 
-def _worker(conn: Any, seeds_dir: str, seed: int) -> None:
+def _peak_rss_kb() -> int:
+    """This process's peak RSS (kB): VmHWM, the high-water mark of its own address space. Not ru_maxrss:
+    Linux carries that across fork + exec, so a worker spawned by a big parent (pytest with the model
+    loaded) would report the parent's peak."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
     import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def _worker(conn: Any, seeds_dir: str, seed: int) -> None:
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     seeds = _load_seeds(Path(seeds_dir))
     parsed = [Parts(d) for _, d in seeds]
     resolver = _resolver(seeds)
-    conn.send(("ready", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
+    conn.send(("ready", _peak_rss_kb()))
     while True:
         task = conn.recv()
         if task is None:
@@ -537,7 +552,7 @@ def _worker(conn: Any, seeds_dir: str, seed: int) -> None:
                 out = "other:" + type(exc).__name__
                 detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()[:300]
             dt, cpu = time.perf_counter() - t0, time.process_time() - c0
-            conn.send((i, name, op, out, dt, cpu, detail, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
+            conn.send((i, name, op, out, dt, cpu, detail, _peak_rss_kb()))
 
 
 # --------------------------------------------------------------------------- the pool
@@ -626,7 +641,7 @@ def run(seeds_dir: Path, n: int, workers: int, seed: int, progress: bool = True,
                 by_seed[name] += 1
                 if out.startswith("other:"):
                     foreign.append({"mutation": idx, "seed_file": name, "op": op, "error": detail})
-                if rss - s.rss > 16 << 10:  # ru_maxrss grew by > 16 MB during this one mutation
+                if rss - s.rss > 16 << 10:  # the peak RSS grew by > 16 MB during this one mutation
                     jumps.append({"mutation": idx, "seed_file": name, "op": op, "mb": round((rss - s.rss) / 1024, 1)})
                 s.rss = max(s.rss, rss)
                 if cpu > SLOW_S:
