@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .atomic import atomic_path, atomic_write_bytes, io_error_in  # noqa: F401  (atomic_write_bytes: kvc store get -o)
-from .errors import KvcFormatError, KvcInputError
+from .errors import KvcFormatError
 from .fingerprint import ModelFingerprint
 
 H5_FORMAT = "kvcodec-capture"
@@ -168,49 +168,147 @@ def _from_numpy(a: np.ndarray, dtype_name: str) -> torch.Tensor:
     return torch.from_numpy(a.copy())
 
 
-def load_h5(path: str | os.PathLike) -> KVCache:
-    """Read a capture; every structural problem is a KvcFormatError."""
-    import h5py
+# -- loading untrusted captures ----------------------------------------------
+# A capture declares its tensors' shapes before any data; everything below checks
+# those declarations (against the fingerprint, each other, the per-file limit
+# and the bytes really stored) before a single tensor is allocated.
+SPARSE_RATIO = 64  # a dataset / file may declare at most this many bytes per byte it really stores
+_SPARSE_FLOOR = 1 << 20  # ... once it declares more than this
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """The validated declarations of a capture: what will be allocated, checked before it is."""
+
+    fingerprint: ModelFingerprint
+    dtype_name: str
+    tokens: int
+    n_context: int
+
+
+def _fingerprint(text: Any, path: Path) -> ModelFingerprint:
+    from .fingerprint import FINGERPRINT_VERSION
+    from .format.container import check_fingerprint_json
+
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "strict")
+    if not isinstance(text, str):
+        raise KvcFormatError(f"{path}: fingerprint attribute is not a string")
+    try:
+        obj = json.loads(text)
+    except ValueError as exc:
+        raise KvcFormatError(f"{path}: fingerprint is not JSON ({str(exc)[:80]})") from None
+    try:
+        check_fingerprint_json(obj, FINGERPRINT_VERSION)
+    except KvcFormatError as exc:
+        raise KvcFormatError(f"{path}: {str(exc).removeprefix('header: ')}") from None
+    return ModelFingerprint.from_json(obj)
+
+
+def _check_layout(path: Path, fp: ModelFingerprint, dtype_name: str, shapes: dict[str, tuple[int, ...]],
+                  itemsizes: dict[str, int], limit: int) -> _Layout:
+    """Check every declared shape of a capture (names as in the safetensors layout) before reading data."""
+    if dtype_name not in _DTYPES:
+        raise KvcFormatError(f"{path}: unsupported dtype {dtype_name!r}")
+    ids = shapes.get("token_ids")
+    if ids is None or len(ids) != 1:
+        raise KvcFormatError(f"{path}: token_ids must be a 1-D dataset")
+    n_ctx = ids[0]
+    k0 = shapes.get("layers.0.key")
+    if k0 is None or len(k0) != 3:
+        raise KvcFormatError(f"{path}: layer 0 key must be a (kv_heads, tokens, head_dim) dataset")
+    T = k0[1]
+    for i in range(fp.num_layers):
+        want = (fp.num_kv_heads, T, fp.head_dims[i])
+        for kind in ("key", "value"):
+            got = shapes.get(f"layers.{i}.{kind}")
+            if got is None:
+                raise KvcFormatError(f"{path}: layer {i} is missing its {kind} dataset")
+            if tuple(got) != want:
+                raise KvcFormatError(f"{path}: layer {i} {kind} has shape {tuple(got)}, expected {want}")
+    if T <= 0:
+        raise KvcFormatError(f"{path}: cache holds no tokens")
+    pos = shapes.get("positions")
+    if pos is None and T != n_ctx:
+        raise KvcFormatError(f"{path}: {T} tokens stored but {n_ctx} token ids and no positions")
+    if pos is not None and tuple(pos) not in ((T,), (fp.num_layers, fp.num_kv_heads, T)):
+        raise KvcFormatError(f"{path}: positions have shape {tuple(pos)}, expected ({T},) or "
+                             f"({fp.num_layers}, {fp.num_kv_heads}, {T})")
+    total = sum(int(np.prod(shp, dtype=object)) * itemsizes[name] for name, shp in shapes.items())
+    if total > limit:
+        from .limits import MAX_DECODED_ENV
+
+        raise KvcFormatError(f"{path}: capture declares {total:,} bytes of tensors, over the limit of {limit:,} "
+                             f"(raise ${MAX_DECODED_ENV} to read it)")
+    return _Layout(fp, dtype_name, T, n_ctx)
+
+
+def _check_not_sparse(path: Path, declared: int, stored: int, what: str) -> None:
+    if declared > _SPARSE_FLOOR and stored * SPARSE_RATIO < declared:
+        raise KvcFormatError(f"{path}: {what} declares {declared:,} bytes but stores only {stored:,} "
+                             f"(a sparse or bomb-like capture; at most {SPARSE_RATIO}x is accepted)")
+
+
+def _cache_from(layout: _Layout, arrays: dict[str, np.ndarray], meta: Any, path: Path) -> KVCache:
+    if not isinstance(meta, dict):
+        raise KvcFormatError(f"{path}: meta must be a JSON object")
+    ids = arrays["token_ids"]
+    if ids.dtype.kind not in "iu":
+        raise KvcFormatError(f"{path}: token_ids must be integers, got {ids.dtype}")
+    pos = arrays.get("positions")
+    if pos is not None and pos.dtype.kind not in "iu":
+        raise KvcFormatError(f"{path}: positions must be integers, got {pos.dtype}")
+    fp = layout.fingerprint
+    keys = [_from_numpy(arrays[f"layers.{i}.key"], layout.dtype_name) for i in range(fp.num_layers)]
+    values = [_from_numpy(arrays[f"layers.{i}.value"], layout.dtype_name) for i in range(fp.num_layers)]
+    return KVCache(keys, values, ids, fp, pos, meta)
+
+
+def load_h5(path: str | os.PathLike, max_decoded_bytes: int | None = None) -> KVCache:
+    """Read a capture; every structural problem is a KvcFormatError, nothing is allocated before it is checked.
+
+    The HDF5 library runs in a sandbox process (:mod:`kvcodec.h5sandbox`): on
+    corrupt metadata it can crash, which must not take kvcodec down. Only
+    regular files are opened; the declared shapes, the per-file limit and the
+    ratio of declared to stored bytes are checked before any data is read.
+    """
+    from .h5sandbox import H5Sandbox
+    from .limits import max_decoded_bytes as limit_of
 
     path = Path(path)
-    if not path.is_file():
-        raise KvcInputError(f"no such file: {path}")
-    try:
-        f = h5py.File(path, "r")
-    except OSError as exc:
-        raise KvcFormatError(f"{path}: not a readable HDF5 file ({exc})") from None
-    try:
-        with f:
-            if f.attrs.get("format") != H5_FORMAT:
-                raise KvcFormatError(f"{path}: not a kvcodec capture (format attribute missing)")
-            if int(f.attrs.get("format_version", -1)) != H5_VERSION:
-                raise KvcFormatError(f"{path}: unsupported capture version {f.attrs.get('format_version')}")
-            fp = ModelFingerprint.from_json(json.loads(f.attrs["fingerprint"]))
-            meta = json.loads(f.attrs.get("meta", "{}"))
-            dtype_name = str(f.attrs.get("dtype", ""))
-            if dtype_name not in _DTYPES:
-                raise KvcFormatError(f"{path}: unsupported dtype {dtype_name!r}")
-            token_ids = _read_ds(f, "token_ids", max_elems=1 << 24)
-            positions = _read_ds(f, "positions", max_elems=1 << 32) if "positions" in f else None
-            if "layers" not in f or len(f["layers"]) != fp.num_layers:
-                raise KvcFormatError(f"{path}: expected {fp.num_layers} layer groups")
-            keys, values = [], []
-            for i in range(fp.num_layers):
-                g = f["layers"].get(str(i))
-                if g is None or "key" not in g or "value" not in g:
-                    raise KvcFormatError(f"{path}: layer {i} is missing its key or value dataset")
-                keys.append(_from_numpy(_read_ds(g, "key", 1 << 32), dtype_name))
-                values.append(_from_numpy(_read_ds(g, "value", 1 << 32), dtype_name))
-            return KVCache(keys, values, token_ids, fp, positions, meta)
-    except (KeyError, ValueError, TypeError, json.JSONDecodeError) as exc:
-        raise KvcFormatError(f"{path}: malformed capture ({exc})") from None
-
-
-def _read_ds(group: Any, name: str, max_elems: int) -> np.ndarray:
-    ds = group[name]
-    if not hasattr(ds, "shape") or ds.size > max_elems:
-        raise KvcFormatError(f"dataset {name!r} is missing or too large")
-    return ds[()]
+    limit = limit_of(max_decoded_bytes)
+    with H5Sandbox(path) as h5:
+        desc = h5.desc
+        attrs = desc.get("attrs") or {}
+        if attrs.get("format") != H5_FORMAT:
+            raise KvcFormatError(f"{path}: not a kvcodec capture (format attribute missing)")
+        if attrs.get("format_version") != H5_VERSION:
+            raise KvcFormatError(f"{path}: unsupported capture version {attrs.get('format_version')!r:.40}")
+        fp = _fingerprint(attrs.get("fingerprint"), path)
+        try:
+            meta = json.loads(attrs.get("meta") or "{}")
+        except ValueError:
+            raise KvcFormatError(f"{path}: meta attribute is not JSON") from None
+        dtype_name = attrs.get("dtype")
+        if not isinstance(dtype_name, str):
+            raise KvcFormatError(f"{path}: dtype attribute is not a string")
+        if desc.get("n_layers") != fp.num_layers:
+            raise KvcFormatError(f"{path}: expected {fp.num_layers} layer groups")
+        sets = desc.get("datasets") or {}
+        dtypes: dict[str, np.dtype] = {}
+        shapes: dict[str, tuple[int, ...]] = {}
+        for name, d in sets.items():
+            kinds = "iu" if name in ("token_ids", "positions") else "uf"
+            if d.get("error") or d.get("dtype") is None or np.dtype(d["dtype"]).kind not in kinds:
+                raise KvcFormatError(f"{path}: dataset {name!r} is not a {'integer' if kinds == 'iu' else 'float'} array")
+            dtypes[name] = np.dtype(d["dtype"])
+            shapes[name] = tuple(int(x) for x in d["shape"])
+        layout = _check_layout(path, fp, dtype_name, shapes, {n: dt.itemsize for n, dt in dtypes.items()}, limit)
+        for name, d in sets.items():
+            declared = int(np.prod(shapes[name], dtype=object)) * dtypes[name].itemsize
+            _check_not_sparse(path, declared, int(d.get("storage", 0)), f"dataset {name!r}")
+        arrays = h5.fetch({name: (dtypes[name], shapes[name]) for name in sets})
+    return _cache_from(layout, arrays, meta, path)
 
 
 # -- safetensors -----------------------------------------------------------
@@ -233,27 +331,96 @@ def save_safetensors(cache: KVCache, path: str | os.PathLike) -> None:
             raise io_error_in(exc, f"cannot write {path}") from None
 
 
-def load_safetensors(path: str | os.PathLike) -> KVCache:
-    from safetensors import safe_open
+_ST_DTYPES = {"F16": ("float16", 2), "F32": ("float32", 4), "BF16": ("bfloat16", 2), "I32": ("int32", 4),
+              "I64": ("int64", 8), "U16": ("uint16", 2)}
+_ST_MAX_HEADER = 100 << 20  # the safetensors format's own header limit
+
+
+def load_safetensors(path: str | os.PathLike, max_decoded_bytes: int | None = None) -> KVCache:
+    """Read a safetensors capture without memory-mapping it (a file shrinking under a map is a SIGBUS).
+
+    The header (tensor names, dtypes, shapes, offsets) is checked against the
+    fingerprint, the file's real size, the per-file limit and the bytes the
+    file really occupies on disk before the data is read with positional reads;
+    the ``safetensors`` library then builds the tensors from those bytes.
+    """
+    from safetensors.torch import load as st_load
+
+    from .errors import KvcError
+    from .limits import max_decoded_bytes as limit_of, open_regular
 
     path = Path(path)
-    if not path.is_file():
-        raise KvcInputError(f"no such file: {path}")
+    limit = limit_of(max_decoded_bytes)
+    fd = open_regular(path, "a capture")
     try:
-        with safe_open(str(path), framework="pt") as f:
-            md = f.metadata() or {}
-            if md.get("format") != H5_FORMAT:
-                raise KvcFormatError(f"{path}: not a kvcodec capture")
-            fp = ModelFingerprint.from_json(json.loads(md["fingerprint"]))
-            names = set(f.keys())
-            keys = [f.get_tensor(f"layers.{i}.key") for i in range(fp.num_layers)]
-            values = [f.get_tensor(f"layers.{i}.value") for i in range(fp.num_layers)]
-            positions = f.get_tensor("positions").numpy() if "positions" in names else None
-            return KVCache(keys, values, f.get_tensor("token_ids").numpy(), fp, positions, json.loads(md.get("meta", "{}")))
-    except KvcFormatError:
-        raise
+        st = os.fstat(fd)
+        size = st.st_size
+        head = _pread_exact(fd, 0, 8, path, size) if size >= 8 else b""
+        if len(head) != 8:
+            raise KvcFormatError(f"{path}: too short for a safetensors file")
+        n = int.from_bytes(head, "little")
+        if n > _ST_MAX_HEADER or 8 + n > size:
+            raise KvcFormatError(f"{path}: safetensors header of {n} bytes does not fit in the {size}-byte file")
+        try:
+            hdr = json.loads(_pread_exact(fd, 8, n, path, size).decode("utf-8"))
+        except ValueError as exc:
+            raise KvcFormatError(f"{path}: safetensors header is not UTF-8 JSON ({str(exc)[:80]})") from None
+        if not isinstance(hdr, dict):
+            raise KvcFormatError(f"{path}: safetensors header is not an object")
+        md = hdr.get("__metadata__") or {}
+        if not isinstance(md, dict) or md.get("format") != H5_FORMAT:
+            raise KvcFormatError(f"{path}: not a kvcodec capture")
+        fp = _fingerprint(md.get("fingerprint"), path)
+        shapes: dict[str, tuple[int, ...]] = {}
+        itemsizes: dict[str, int] = {}
+        kinds: dict[str, str] = {}
+        for name, info in hdr.items():
+            if name == "__metadata__":
+                continue
+            if not isinstance(info, dict) or info.get("dtype") not in _ST_DTYPES:
+                raise KvcFormatError(f"{path}: tensor {name!r:.60} has an unsupported dtype")
+            shp = info.get("shape")
+            if not isinstance(shp, list) or len(shp) > 4 or not all(type(d) is int and 0 <= d < 1 << 40 for d in shp):
+                raise KvcFormatError(f"{path}: tensor {name!r:.60} has a bad shape")
+            shapes[name] = tuple(shp)
+            kinds[name], itemsizes[name] = _ST_DTYPES[info["dtype"]]
+        dtype_name = kinds.get("layers.0.key", "")
+        layout = _check_layout(path, fp, dtype_name, shapes, itemsizes, limit)
+        if size > _SPARSE_FLOOR and st.st_blocks and st.st_blocks * 512 * SPARSE_RATIO < size:
+            raise KvcFormatError(f"{path}: a sparse file ({size:,} bytes, {st.st_blocks * 512:,} on disk); refusing to read it")
+        data = _pread_exact(fd, 0, size, path, size)
+    finally:
+        os.close(fd)
+    try:
+        tensors = st_load(data)  # validates offsets / sizes against the buffer itself
     except Exception as exc:  # safetensors raises its own error types for bad headers
-        raise KvcFormatError(f"{path}: malformed safetensors capture ({exc})") from None
+        raise KvcFormatError(f"{path}: malformed safetensors capture ({str(exc)[:160]})") from None
+    del data
+    try:
+        meta = json.loads(md.get("meta", "{}"))
+    except (TypeError, ValueError):
+        raise KvcFormatError(f"{path}: meta is not JSON") from None
+    arrays: dict[str, np.ndarray] = {}
+    for name, t in tensors.items():
+        arrays[name] = t.view(torch.uint16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+    try:
+        return _cache_from(layout, arrays, meta, path)
+    except KvcError:
+        raise
+    except (KeyError, ValueError, TypeError) as exc:
+        raise KvcFormatError(f"{path}: malformed safetensors capture ({str(exc)[:160]})") from None
+
+
+def _pread_exact(fd: int, offset: int, length: int, path: Path, size: int) -> bytes:
+    parts: list[bytes] = []
+    got = 0
+    while got < length:
+        b = os.pread(fd, min(length - got, 1 << 30), offset + got)
+        if not b:
+            raise KvcFormatError(f"{path}: short read at offset {offset + got} (the file shrank below {size} bytes)")
+        parts.append(b)
+        got += len(b)
+    return b"".join(parts)
 
 
 def load_capture(path: str | os.PathLike) -> KVCache:

@@ -159,7 +159,7 @@ def stage_from_json(obj: Any) -> Stage:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         raise KvcFormatError(f"codec entry must be an object with a name, got {obj!r:.200}")
     name, version, config = obj["name"], obj.get("version", 1), obj.get("config", {})
-    if not isinstance(version, int) or not isinstance(config, dict):
+    if not isinstance(version, int) or isinstance(version, bool) or not isinstance(config, dict):
         raise KvcFormatError(f"codec {name!r}: version must be an int and config an object")
     cls = REGISTRY.get((name, version))
     if cls is None:

@@ -29,7 +29,9 @@ def test_cast_stage_rejects_bad_config_and_widening():
     with pytest.raises(KvcCodecError):
         Cast("int8")
     c = Cast("float16")
-    y, side = c.encode(np.array([[[1.0, 65520.0, 1e-8]]], np.float32), ChunkContext())
-    assert y.dtype == np.float16 and side == {} and np.isinf(y[0, 0, 1]) and y[0, 0, 2] == 0
+    with pytest.raises(KvcCodecError, match="overflows float16"):  # a finite value never becomes a stored inf
+        c.encode(np.array([[[1.0, 65520.0, 1e-8]]], np.float32), ChunkContext())
+    y, side = c.encode(np.array([[[1.0, 65504.0, 1e-8, np.inf]]], np.float32), ChunkContext())
+    assert y.dtype == np.float16 and side == {} and y[0, 0, 1] == 65504 and y[0, 0, 2] == 0 and np.isinf(y[0, 0, 3])
     with pytest.raises(KvcFormatError):
-        c.decode(y, {}, ArraySpec((1, 1, 3), "int32"), ChunkContext())
+        c.decode(y, {}, ArraySpec((1, 1, 4), "int32"), ChunkContext())

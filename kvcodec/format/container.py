@@ -161,33 +161,71 @@ def _bad_constant(name: str) -> Any:
     raise KvcFormatError(f"header JSON contains {name}, which is not allowed")
 
 
-def _too_deep(obj: Any, limit: int = MAX_JSON_DEPTH) -> bool:
-    stack = [(obj, 1)]
-    while stack:
-        o, d = stack.pop()
-        if isinstance(o, dict):
-            o = o.values()
-        elif not isinstance(o, list):
-            continue
-        if d > limit:
-            return True
-        stack.extend((v, d + 1) for v in o if isinstance(v, (dict, list)))
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKETS = str.maketrans("", "", "".join(chr(c) for c in range(128) if chr(c) not in "[]{}"))
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
+
+
+def _too_deep(text: str, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Nesting depth of JSON text over ``limit``? Checked on the text before parsing (no recursion at all)."""
+    depth = 0
+    for ch in _JSON_STRING.sub("", text).translate(_NOT_BRACKETS):
+        if ch in "[{":
+            depth += 1
+            if depth > limit:
+                return True
+        elif ch in "]}":
+            depth -= 1
     return False
 
 
+def _finite_float(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):  # 1e400 parses to inf: as forbidden as the Infinity literal
+        raise KvcFormatError(f"header JSON number {text[:40]} overflows a double")
+    return v
+
+
 def load_header(b: bytes | memoryview) -> dict[str, Any]:
+    """Parse header bytes under the JSON rules of spec section 4: strict UTF-8, no duplicate keys,
+    no NaN / Infinity (nor numbers that overflow to them), no lone surrogates, depth <= 64, an object."""
     try:
         text = bytes(b).decode("utf-8")
-        obj = json.loads(text, object_pairs_hook=_no_dupes, parse_constant=_bad_constant)
+    except UnicodeDecodeError as exc:
+        raise KvcFormatError(f"header (offset {PREAMBLE_SIZE}) is not valid UTF-8 JSON: {str(exc)[:200]}") from None
+    if _too_deep(text):
+        raise KvcFormatError(f"header JSON nests deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        obj = json.loads(text, object_pairs_hook=_no_dupes, parse_constant=_bad_constant, parse_float=_finite_float)
     except KvcFormatError:
         raise
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:
         raise KvcFormatError(f"header (offset {PREAMBLE_SIZE}) is not valid UTF-8 JSON: {str(exc)[:200]}") from None
-    if _too_deep(obj):
-        raise KvcFormatError(f"header JSON nests deeper than {MAX_JSON_DEPTH} levels")
     if not isinstance(obj, dict):
         raise KvcFormatError(f"header (offset {PREAMBLE_SIZE}) must be a JSON object")
+    if _SURROGATE_ESCAPE.search(text):  # an escape like \ud800 may decode to a lone surrogate (a valid pair is fine)
+        try:
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise KvcFormatError("header JSON contains a lone UTF-16 surrogate escape (not a Unicode character)") from None
     return obj
+
+
+def check_fingerprint_json(m: Any, max_version: int) -> None:
+    """Type-check the header's ``model`` object (spec 4.1) exactly: ints are JSON integers (not 64.0,
+    not true), strings are strings, ``version`` is a known fingerprint scheme (1 .. ``max_version``)."""
+    want(isinstance(m, dict), "header: 'model' must be an object")
+    for k in ("architecture", "rope", "tokenizer_sha256", "weights_sha256", "dtype"):
+        want(isinstance(m.get(k), str), f"header: model.{k} must be a string")
+    want(is_int(m.get("num_layers"), 1, 4096), "header: model.num_layers must be an int in [1, 4096]")
+    want(is_int(m.get("num_kv_heads"), 1, 4096), "header: model.num_kv_heads must be an int in [1, 4096]")
+    hd = m.get("head_dims")
+    want(isinstance(hd, list) and len(hd) == m["num_layers"] and all(is_int(d, 1, 65536) for d in hd),
+         "header: model.head_dims must be num_layers ints in [1, 65536]")
+    v = m.get("version")
+    want(is_int(v), "header: model.version (fingerprint scheme) must be an int")
+    want(1 <= v <= max_version,
+         f"header: model fingerprint version {v} is not one this reader knows (1..{max_version}); upgrade kvcodec")
 
 
 # -- index / footer ----------------------------------------------------------

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import KvcError, KvcFormatError
+from ..errors import KvcCodecError, KvcError, KvcFormatError
 from ..stages import ArraySpec, ChunkContext, Pipeline, SideData
 
 BACKENDS = ("cpu", "gpu", "auto")
@@ -54,6 +54,8 @@ def decode_chunk(
                 out = pipeline.decode(payload, sides, sizes, spec, ctx)
     except KvcFormatError as exc:
         raise type(exc)(f"{where}: {exc}") from exc
+    except KvcCodecError as exc:  # a stage refusing what the file asks of it: the file is at fault
+        raise KvcFormatError(f"{where}: {exc}") from exc
     except KvcError:
         raise
     except MemoryError:

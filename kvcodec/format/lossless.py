@@ -45,7 +45,15 @@ class Cast(ArrayToArray):
     def encode(self, arr: np.ndarray, ctx: ChunkContext) -> tuple[np.ndarray, SideData]:
         if arr.dtype.kind != "f":
             raise KvcCodecError(f"codec 'cast' needs floating-point input, got {arr.dtype}")
-        return np.ascontiguousarray(arr.astype(self.dtype)), {}
+        with np.errstate(over="ignore"):
+            out = np.ascontiguousarray(arr.astype(self.dtype))
+        # NaN and +-inf are stored as they are (exact); a finite value that becomes inf is not
+        overflow = np.isinf(out) & np.isfinite(arr)
+        if overflow.any():
+            big = float(np.abs(arr[overflow].astype(np.float64)).max())
+            raise KvcCodecError(f"codec 'cast': a value of magnitude {big:.4g} overflows {self.dtype} "
+                                f"(max {float(np.finfo(self.dtype).max):.6g}); use the lossless preset for this cache")
+        return out, {}
 
     def decode(self, arr: np.ndarray, side: SideData, spec: ArraySpec, ctx: ChunkContext) -> np.ndarray:
         if spec.dtype not in CAST_DTYPES:
@@ -150,22 +158,41 @@ class Zstd(BytesToBytes):
         return cctx.compress(bytes(data))
 
     def decode(self, data: bytes | memoryview, max_size: int, ctx: ChunkContext) -> bytes:
-        out = bytearray()
-        try:
-            dctx = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW)
-            with dctx.stream_reader(bytes(data), read_across_frames=True) as r:
-                while True:
-                    piece = r.read(min(1 << 20, max_size + 1 - len(out)))
-                    if not piece:
-                        break
-                    out += piece
-                    if len(out) > max_size:
-                        raise KvcFormatError(f"codec 'zstd': output exceeds the declared {max_size} bytes")
-        except zstandard.ZstdError as exc:
-            raise KvcFormatError(f"codec 'zstd': corrupt stream: {exc}") from None
-        if len(out) != max_size:
-            raise KvcFormatError(f"codec 'zstd': produced {len(out)} bytes, declared {max_size}")
-        return bytes(out)
+        return bytes(zstd_decompress_exact(data, max_size))
+
+
+def zstd_decompress_exact(data: bytes | memoryview, size: int) -> bytearray:
+    """Decompress one zstd frame (plus trailing empty frames) to exactly ``size`` bytes.
+
+    The only zstd decompression in kvcodec (the ``zstd`` stage and the fused
+    lossless decoder both call it): the output buffer is the *declared* size,
+    which the container already bounded, and decompression stops one byte past
+    it -- a frame's own content-size field is never trusted, so a 49 KB bomb
+    cannot expand to gigabytes. Fewer or more bytes, a window over 8 MiB or a
+    corrupt stream are a :class:`KvcFormatError`.
+    """
+    if size < 0:
+        raise KvcFormatError(f"codec 'zstd': negative declared size {size}")
+    out = bytearray(size)
+    view = memoryview(out)
+    got = 0
+    try:
+        dctx = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW)
+        with dctx.stream_reader(bytes(data), read_across_frames=True) as r:
+            while got < size:
+                n = r.readinto(view[got : min(size, got + (1 << 22))])
+                if not n:
+                    break
+                got += n
+            if got == size and r.read(1):
+                raise KvcFormatError(f"codec 'zstd': output exceeds the declared {size} bytes")
+    except zstandard.ZstdError as exc:
+        raise KvcFormatError(f"codec 'zstd': corrupt stream: {exc}") from None
+    finally:
+        view.release()
+    if got != size:
+        raise KvcFormatError(f"codec 'zstd': produced {got} bytes, declared {size}")
+    return out
 
 
 def lossless_pipeline(tensor_dtype: str = "float16", level: int = 3, shuffle: bool = True) -> Pipeline:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
@@ -20,15 +22,17 @@ import numpy as np
 import torch
 
 from ..errors import KvcCodecError, KvcError, KvcFormatError, KvcInputError
-from ..fingerprint import ModelFingerprint
+from ..fingerprint import FINGERPRINT_VERSION, ModelFingerprint
 from ..kvcache import KVCache, token_ids_sha256
 from ..stages import ArraySpec, Pipeline
 from .container import (
     DTYPE_BY_NAME, FOOTER_SIZE, HEADER_CRC_SIZE, INDEX_ENTRY_SIZE, KINDS, MAX_BLOB_BYTES, MAX_BLOB_NDIM,
     MAX_CHUNK_DECODED_BYTES, MAX_PIPELINES, MAX_STAGES, MAX_TOKENS, PREAMBLE_SIZE, STAGE_SLACK, TENSOR_DTYPES,
-    Footer, IndexEntry, KvcUnknownCodecError, Preamble, align_up, check_blob_name, crc32c, data_start, is_int,
+    Footer, IndexEntry, KvcUnknownCodecError, Preamble, align_up, check_blob_name, check_fingerprint_json, crc32c,
+    data_start, is_int,
     load_header, np_le, parse_chunk, parse_index, pipeline_dtype, want,
 )
+from ..limits import MAX_DECODED_ENV, max_decoded_bytes as max_decoded_bytes_limit
 from .decode import chunk_context, decode_chunk, resolve_backend
 from .source import open_source
 
@@ -105,13 +109,16 @@ def _shape(x: Any, what: str) -> tuple[int, ...]:
 def parse_header(obj: dict[str, Any], pre: Preamble) -> KvcHeader:
     """Validate header JSON (already CRC-checked) into a KvcHeader; every problem is a KvcFormatError."""
     h = "header"
+    check_fingerprint_json(obj.get("model"), FINGERPRINT_VERSION)
     fp = ModelFingerprint.from_json(obj.get("model"))
     t = obj.get("tensors")
     want(isinstance(t, dict), f"{h}: 'tensors' must be an object")
     dtype = t.get("dtype")
     want(_is_name(dtype, TENSOR_DTYPES), f"{h}: tensor dtype {dtype!r:.40} is not one of {TENSOR_DTYPES}")
-    want(t.get("layers") == fp.num_layers and t.get("kv_heads") == fp.num_kv_heads
-         and t.get("head_dims") == list(fp.head_dims), f"{h}: tensor shapes disagree with the model fingerprint")
+    hd = t.get("head_dims")
+    want(is_int(t.get("layers")) and t["layers"] == fp.num_layers and is_int(t.get("kv_heads")) and t["kv_heads"] == fp.num_kv_heads
+         and isinstance(hd, list) and all(is_int(d) for d in hd) and hd == list(fp.head_dims),
+         f"{h}: tensor shapes disagree with the model fingerprint")
     T = t.get("tokens")
     want(is_int(T, 1, MAX_TOKENS), f"{h}: tensors.tokens must be an int in [1, {MAX_TOKENS}]")
     c = obj.get("context")
@@ -134,7 +141,7 @@ def parse_header(obj: dict[str, Any], pre: Preamble) -> KvcHeader:
     for i, pj in enumerate(pls):
         want(isinstance(pj, list) and 1 <= len(pj) <= MAX_STAGES, f"{h}: pipeline {i} must be a list of 1-{MAX_STAGES} stages")
         try:
-            pipelines.append(Pipeline.from_json(pj))
+            pipelines.append(_pipeline(pj))
         except KvcFormatError as exc:
             raise KvcFormatError(f"{h}: pipeline {i}: {exc}") from None
         except KvcCodecError as exc:
@@ -150,7 +157,7 @@ def parse_header(obj: dict[str, Any], pre: Preamble) -> KvcHeader:
         want(_is_name(b.get("dtype"), DTYPE_BY_NAME), f"{h}: blob {i} has unsupported dtype {b.get('dtype')!r:.40}")
         shape = _shape(b.get("shape"), f"{h}: blob {i}")
         n = math.prod(shape) * np.dtype(b["dtype"]).itemsize
-        want(n <= MAX_BLOB_BYTES and b.get("length") == n, f"{h}: blob {i} length {b.get('length')!r:.40} != {n} (or over the limit)")
+        want(n <= MAX_BLOB_BYTES and is_int(b.get("length")) and b["length"] == n, f"{h}: blob {i} length {b.get('length')!r:.40} != {n} (or over the limit)")
         want(is_int(b.get("offset")) and is_int(b.get("crc32c"), 0, (1 << 32) - 1), f"{h}: blob {i} needs int offset and crc32c")
         blobs.append(BlobInfo(b["dtype"], shape, b["offset"], n, b["crc32c"]))
 
@@ -161,7 +168,9 @@ def parse_header(obj: dict[str, Any], pre: Preamble) -> KvcHeader:
         want(check_blob_name(name) and isinstance(a, dict), f"{h}: bad attachment entry {name!r:.60}")
         asha = a.get("sha256")
         want(isinstance(asha, str) and bool(_HEX64.match(asha)), f"{h}: attachment {name!r} sha256 must be 64 hex digits")
-        if a.get("external") is True:
+        ext = a.get("external", False)
+        want(isinstance(ext, bool), f"{h}: attachment {name!r} 'external' must be true or false")
+        if ext:
             want(_is_name(a.get("dtype"), DTYPE_BY_NAME), f"{h}: attachment {name!r} has unsupported dtype")
             attachments[name] = AttachmentInfo(name, asha, a["dtype"], _shape(a.get("shape"), f"{h}: attachment {name!r}"), None)
         else:
@@ -183,15 +192,39 @@ def parse_header(obj: dict[str, Any], pre: Preamble) -> KvcHeader:
     meta = obj.get("meta", {})
     want(isinstance(meta, dict), f"{h}: 'meta' must be an object")
     chunking = obj.get("chunking", {})
+    want(isinstance(chunking, dict) and all(chunking.get(k) is None or is_int(chunking[k], 1) for k in ("tokens", "heads")),
+         f"{h}: 'chunking' must be an object of null or positive int 'tokens' / 'heads'")
     writer = obj.get("writer", "")
+    want(isinstance(writer, str), f"{h}: 'writer' must be a string")
     return KvcHeader(
         version=(pre.major, pre.minor), required_features=pre.required_features, optional_features=pre.optional_features,
         header_length=pre.header_length, data_start=data_start(pre.header_length),
-        writer=writer if isinstance(writer, str) else "", fingerprint=fp, dtype=dtype, num_layers=fp.num_layers,
+        writer=writer, fingerprint=fp, dtype=dtype, num_layers=fp.num_layers,
         kv_heads=fp.num_kv_heads, head_dims=fp.head_dims, num_tokens=T, num_context_tokens=N, token_ids_sha256=sha,
         token_ids_blob=tb, positions_blob=pb, pipelines=pipelines, codec=codec, attachments=attachments, blobs=blobs,
-        chunking=chunking if isinstance(chunking, dict) else {}, meta=meta, raw=obj,
+        chunking=chunking, meta=meta, raw=obj,
     )
+
+
+_PIPELINES: "OrderedDict[str, Pipeline]" = OrderedDict()
+_PIPELINES_LOCK = threading.Lock()
+
+
+def _pipeline(pj: list) -> Pipeline:
+    """``Pipeline.from_json``, memoised on the JSON's repr (a store reads the same few pipelines over and over;
+    decoders never mutate a pipeline, so instances can be shared). ``repr`` tells 1, 1.0 and true apart."""
+    key = repr(pj)
+    with _PIPELINES_LOCK:
+        hit = _PIPELINES.get(key)
+        if hit is not None:
+            _PIPELINES.move_to_end(key)
+            return hit
+    p = Pipeline.from_json(pj)
+    with _PIPELINES_LOCK:
+        _PIPELINES[key] = p
+        while len(_PIPELINES) > 1024:
+            _PIPELINES.popitem(last=False)
+    return p
 
 
 def check_layout(hd: KvcHeader, entries: list[IndexEntry], index_offset: int) -> None:
@@ -247,10 +280,12 @@ def check_layout(hd: KvcHeader, entries: list[IndexEntry], index_offset: int) ->
 class KvcReader:
     """Random access to a `.kvc` file. ``source``: bytes, path, binary file, or object with size + read(offset, length)."""
 
-    def __init__(self, source: Any, attachment_resolver: Resolver | None = None) -> None:
-        """``attachment_resolver`` finds external attachments; default: the per-model calibration store."""
+    def __init__(self, source: Any, attachment_resolver: Resolver | None = None, max_decoded_bytes: int | None = None) -> None:
+        """``attachment_resolver`` finds external attachments; default: the per-model calibration store.
+        ``max_decoded_bytes`` caps the total output the header may declare (default: :func:`kvcodec.limits.max_decoded_bytes`)."""
         from .presets import default_attachment_resolver
 
+        self._max_decoded = max_decoded_bytes_limit(max_decoded_bytes)
         self._src = open_source(source)
         self._resolver = attachment_resolver or default_attachment_resolver()
         self._attachments: dict[str, np.ndarray] | None = None
@@ -285,6 +320,11 @@ class KvcReader:
         if data_start(hlen) > footer.index_offset:
             raise KvcFormatError(f"header (length {hlen}) overlaps the index at offset {footer.index_offset}")
         self.header = parse_header(load_header(hb[PREAMBLE_SIZE : PREAMBLE_SIZE + hlen]), pre)
+        declared = self.header.num_elements * np.dtype(pipeline_dtype(self.header.dtype)).itemsize
+        if declared > self._max_decoded:
+            raise KvcFormatError(
+                f"file declares {declared:,} bytes of decoded K/V, over the limit of {self._max_decoded:,} "
+                f"(raise ${MAX_DECODED_ENV} to read it)")
         check_layout(self.header, entries, footer.index_offset)
         self.entries = entries
         self.footer = footer
@@ -474,9 +514,21 @@ class KvcReader:
             gaps.append((hd.data_start + end, hd.data_start + align_up(end)))
         return [(a, b) for a, b in gaps if b > a]
 
-    def verify(self, strict: bool = False, backend: str | None = None) -> list[str]:
-        """Check every CRC, padding byte, blob and chunk (decoding each). Returns problems; ``strict`` raises the first."""
+    def verify(self, strict: bool = False, backend: str | None = None,
+               expected: "list[Callable[[np.ndarray], bool]] | None" = None) -> list[str]:
+        """Check every CRC, padding byte, blob and chunk (decoding each). Returns problems; ``strict`` raises the first.
+
+        ``expected`` (the writer's read-back check): per chunk, a predicate its
+        decoded array must satisfy (bit equality with what was encoded).
+        """
         problems: list[str] = []
+        if expected is not None and len(expected) != len(self.entries):
+            raise KvcFormatError(f"file has {len(self.entries)} chunks, {len(expected)} were written")
+
+        def chunk(j: int) -> None:
+            arr = self.read_chunk(j, backend)
+            if expected is not None and not expected[j](arr):
+                raise KvcFormatError(f"chunk {j} decodes to different values than were encoded")
 
         def check(fn: Callable[[], Any]) -> None:
             try:
@@ -495,7 +547,7 @@ class KvcReader:
         check(lambda: self.positions)
         check(lambda: self.attachments)
         for j in range(len(self.entries)):
-            check(lambda j=j: self.read_chunk(j, backend))
+            check(lambda j=j: chunk(j))
         return problems
 
     def sizes(self) -> dict[str, Any]:
@@ -524,9 +576,10 @@ def _arr_sha(arr: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(arr, dtype=np_le(arr.dtype.name)).tobytes()).hexdigest()
 
 
-def read_kvc(source: Any, backend: str | None = None, model: Any = None, attachment_resolver: Resolver | None = None) -> KVCache:
+def read_kvc(source: Any, backend: str | None = None, model: Any = None, attachment_resolver: Resolver | None = None,
+             max_decoded_bytes: int | None = None) -> KVCache:
     """Read a whole `.kvc` file as a KVCache (checking ``model`` compatibility first if given)."""
-    with KvcReader(source, attachment_resolver) as r:
+    with KvcReader(source, attachment_resolver, max_decoded_bytes) as r:
         return r.read_cache(backend=backend, model=model)
 
 

@@ -4,8 +4,9 @@ Every source exposes ``size`` and ``read(offset, length) -> bytes-like`` and
 raises :class:`KvcFormatError` on a short read. Accepted inputs:
 
 * ``bytes`` / ``bytearray`` / ``memoryview``
-* a path (``str`` / ``os.PathLike``): memory-mapped, so reading one layer of a
-  large file touches only that layer's pages
+* a path (``str`` / ``os.PathLike``) of a regular file: positional reads, so
+  reading one layer of a large file reads only that layer's bytes (never
+  memory-mapped: a file shrinking under a mapping is a SIGBUS)
 * a binary file object with ``seek``/``read``
 * any object with an integer ``size`` and ``read(offset, length)`` (e.g. the
   store's ``FileRangeReader`` / HTTP ``RangeReader``)
@@ -14,7 +15,6 @@ raises :class:`KvcFormatError` on a short read. Accepted inputs:
 from __future__ import annotations
 
 import io
-import mmap
 import os
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -55,48 +55,48 @@ class BytesSource(_Base):
         return self._mv[offset : offset + length]
 
 
-class MmapSource(_Base):
-    def __init__(self, path: Path) -> None:
-        self.name = str(path)
-        try:
-            self._f = open(path, "rb")
-        except FileNotFoundError:
-            raise KvcInputError(f"no such file: {path}") from None
-        except IsADirectoryError:
-            raise KvcInputError(f"{path} is a directory, not a .kvc file") from None
-        except OSError as exc:
-            raise KvcInputError(f"cannot open {path}: {exc.strerror}") from None
-        self.size = os.fstat(self._f.fileno()).st_size
-        self._mm: mmap.mmap | None = None
-        self._mv: memoryview | None = None
-        if self.size:
-            try:
-                self._mm = mmap.mmap(self._f.fileno(), 0, access=mmap.ACCESS_READ)
-                self._mv = memoryview(self._mm)
-            except (OSError, ValueError):  # e.g. a FIFO or a filesystem without mmap: fall back to reads
-                self._mm = None
+class PathSource(_Base):
+    """A local file read with ``os.pread``, never memory-mapped.
 
-    def read(self, offset: int, length: int) -> bytes | memoryview:
+    A mapped file that shrinks under the reader kills the process with SIGBUS
+    on the next touch of a vanished page; positional reads instead come back
+    short, which is a :class:`KvcFormatError`. Only regular files are opened
+    (a FIFO would block, a device could be endless): see
+    :func:`kvcodec.limits.open_regular`. The size is fixed at open.
+    """
+
+    def __init__(self, path: Path) -> None:
+        from ..limits import open_regular
+
+        self.name = str(path)
+        self._fd: int | None = open_regular(path, "a .kvc file")
+        self.size = os.fstat(self._fd).st_size
+
+    def read(self, offset: int, length: int) -> bytes:
         self._check(offset, length)
-        if self._mv is not None:
-            return self._mv[offset : offset + length]
-        self._f.seek(offset)
-        b = self._f.read(length)
-        if len(b) != length:
-            raise KvcFormatError(f"short read in {self.name}: wanted {length} bytes at offset {offset}, got {len(b)}")
-        return b
+        if self._fd is None:
+            raise KvcInputError(f"{self.name}: reader is closed")
+        if length == 0:
+            return b""
+        parts: list[bytes] = []
+        got = 0
+        while got < length:
+            try:
+                b = os.pread(self._fd, min(length - got, 1 << 30), offset + got)
+            except OSError as exc:
+                raise KvcFormatError(f"read error in {self.name} at offset {offset + got}: {exc.strerror or exc}") from None
+            if not b:
+                raise KvcFormatError(
+                    f"short read in {self.name}: wanted {length} bytes at offset {offset}, got {got} "
+                    f"(the file shrank to less than its {self.size} bytes while being read)")
+            parts.append(b)
+            got += len(b)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def close(self) -> None:
-        if self._mv is not None:
-            self._mv.release()
-            self._mv = None
-        if self._mm is not None:
-            try:
-                self._mm.close()
-            except BufferError:  # arrays still view the map; it closes when they go
-                pass
-            self._mm = None
-        self._f.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 class FileObjectSource(_Base):
@@ -149,7 +149,7 @@ def open_source(source: Any) -> _Base:
     if isinstance(source, (bytes, bytearray, memoryview)):
         return BytesSource(source)
     if isinstance(source, (str, os.PathLike)):
-        return MmapSource(Path(source))
+        return PathSource(Path(source))
     if hasattr(source, "size") and callable(getattr(source, "read", None)) and not hasattr(source, "seek"):
         return RangeObjectSource(source)
     if callable(getattr(source, "read", None)) and callable(getattr(source, "seek", None)):

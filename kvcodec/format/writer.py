@@ -12,17 +12,17 @@ import hashlib
 import io
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable
 
 import google_crc32c
 import numpy as np
 import torch
 
-from ..errors import KvcCodecError, KvcInputError
-from ..atomic import atomic_file
+from ..atomic import atomic_path
+from ..errors import KvcCodecError, KvcError, KvcFormatError, KvcInputError
 from ..kvcache import KVCache, token_ids_sha256
-from ..stages import Pipeline
+from ..stages import ArraySpec, Pipeline
 from .container import (
     ALIGN, DTYPE_BY_NAME, FOOTER_SIZE, MAX_BLOB_BYTES, MAX_BLOB_NDIM, MAX_CHUNK_DECODED_BYTES, MAX_PIPELINES,
     MAX_STAGES, MAX_TOKENS, STAGE_SLACK, VERSION_MAJOR, VERSION_MINOR, Footer, IndexEntry, Preamble, align_up,
@@ -46,11 +46,13 @@ class ExternalAttachment:
     sha256: str
     dtype: str
     shape: tuple[int, ...]
+    # the array itself when the writer has it (never stored in the file): lets the writer read its output back
+    array: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(cls, arr: np.ndarray) -> "ExternalAttachment":
         arr = np.asarray(arr)
-        return cls(array_sha256(arr), arr.dtype.name, tuple(int(d) for d in arr.shape))
+        return cls(array_sha256(arr), arr.dtype.name, tuple(int(d) for d in arr.shape), arr)
 
 
 def array_sha256(arr: np.ndarray) -> str:
@@ -135,7 +137,20 @@ def write_kvc_stream(
     store_token_ids: bool = True,
     writer: str | None = None,
 ) -> int:
-    """Write ``cache`` as `.kvc` to the binary stream ``f`` (sequential writes only); return bytes written."""
+    """Write ``cache`` as `.kvc` to the binary stream ``f`` (sequential writes only); return bytes written.
+
+    The low-level, *unverified* writer (a pipe cannot be read back): :func:`write_kvc`
+    and :func:`encode_kvc_bytes` verify what they wrote.
+    """
+    return _write(cache, f, pipelines, attachments, chunk_tokens, chunk_heads, preset, meta, store_token_ids, writer, None)
+
+
+def _write(
+    cache: KVCache, f: BinaryIO, pipelines: PipelineSpec, attachments: dict[str, np.ndarray | ExternalAttachment] | None,
+    chunk_tokens: int | None, chunk_heads: int | None, preset: str | None, meta: dict[str, Any] | None,
+    store_token_ids: bool, writer: str | None, expect: "_Expectation | None",
+) -> int:
+    """The writer; with ``expect``, also records what every chunk must decode to (see :class:`_Expectation`)."""
     cache.validate()
     fp = cache.fingerprint
     T, H, L = cache.num_tokens, fp.num_kv_heads, fp.num_layers
@@ -151,6 +166,8 @@ def write_kvc_stream(
     if biggest > MAX_CHUNK_DECODED_BYTES:
         raise KvcInputError(f"a chunk would hold {biggest} bytes (limit {MAX_CHUNK_DECODED_BYTES}); use chunk_tokens")
     table, pid = _resolve_pipelines(pipelines, L)
+    if expect is not None:
+        expect.pipelines = table
     merged_meta = dict(cache.meta)
     merged_meta.update(meta or {})
 
@@ -178,6 +195,8 @@ def write_kvc_stream(
             raise KvcInputError(f"attachment name {name!r} must be 1-128 chars of [A-Za-z0-9_.-/]")
         a = (attachments or {})[name]
         if isinstance(a, ExternalAttachment):
+            if expect is not None and a.array is not None:
+                expect.external[name] = a.array
             att_header[name] = {"external": True, "sha256": a.sha256, "dtype": a.dtype, "shape": list(a.shape)}
             continue
         arr = _check_array_blob(name, a)
@@ -236,6 +255,8 @@ def write_kvc_stream(
                     if any(s > limit for s in sizes):
                         raise KvcCodecError(f"chunk {j}: an intermediate byte string of {max(sizes)} bytes exceeds the limit {limit}")
                     parts = pack_chunk(bytes(payload), sides, sizes)
+                    if expect is not None:
+                        expect.add(p, arr, payload, sides, sizes, ctx)
                     crc = 0
                     start = out.pos
                     for part in parts:
@@ -253,6 +274,97 @@ def write_kvc_stream(
     return out.pos
 
 
+class _Expectation:
+    """What each chunk of a file being written must decode to, for the read-back check.
+
+    For a pipeline without array->array stages over ``raw`` (raw / shuffle /
+    zstd: lossless by definition) that is the input itself, bit for bit,
+    compared directly with the cache's tensor (no copy is kept); otherwise it
+    is the normative stage-by-stage ``Pipeline.decode`` of the encoder's own
+    in-memory output, of which only a CRC32C is kept. The read-back then
+    decodes the *file* through the reader (container parsing, side-data round
+    trip, the fused decoders) and must reproduce those bytes exactly.
+    """
+
+    def __init__(self, cache: KVCache) -> None:
+        self.cache = cache
+        self.checks: list[Callable[[np.ndarray], bool]] = []
+        self.pipelines: list[Pipeline] = []
+        self.external: dict[str, np.ndarray] = {}
+        self._tensor: tuple[tuple[int, str], np.ndarray] | None = None
+
+    def _input(self, layer: int, kind: str) -> np.ndarray:
+        key = (layer, kind)
+        if self._tensor is None or self._tensor[0] != key:
+            t = (self.cache.keys if kind == "k" else self.cache.values)[layer].detach().cpu()
+            self._tensor = (key, (t.float() if t.dtype == torch.bfloat16 else t).contiguous().numpy())
+        return self._tensor[1]
+
+    def add(self, p: Pipeline, arr: np.ndarray, payload: bytes, sides: list, sizes: list[int], ctx: Any) -> None:
+        from .lossless import Raw
+
+        if not p.array_stages and isinstance(p.bytes_stage, Raw):
+            layer, kind, t0, h0 = ctx.layer, ctx.kind, ctx.token_start, ctx.extra["head_start"]
+            t1, h1 = ctx.extra["token_end"], ctx.extra["head_end"]
+
+            def same_as_input(out: np.ndarray) -> bool:
+                want = self._input(layer, kind)[h0:h1, t0:t1, :]
+                return out.shape == want.shape and out.dtype == want.dtype and np.array_equal(
+                    np.ascontiguousarray(out).view(np.uint8), np.ascontiguousarray(want).view(np.uint8))
+
+            self.checks.append(same_as_input)
+            return
+        spec = ArraySpec(tuple(arr.shape), arr.dtype.name)
+        try:
+            expected = np.ascontiguousarray(p.decode(payload, sides, sizes, spec, ctx))
+        except KvcError as exc:
+            raise KvcCodecError(f"chunk {len(self.checks)} (layer {ctx.layer} {ctx.kind.upper()}): "
+                                f"the encoder's output does not decode: {exc}") from None
+        want = (expected.shape, expected.dtype, crc32c(expected.view(np.uint8).data))
+
+        def same_as_reference(out: np.ndarray, want: tuple = want) -> bool:
+            out = np.ascontiguousarray(out)
+            return (out.shape, out.dtype) == want[:2] and crc32c(out.view(np.uint8).data) == want[2]
+
+        self.checks.append(same_as_reference)
+
+    def resolver(self) -> Callable[[str, Any], np.ndarray | None]:
+        """Attachment resolver for the read-back: the arrays the encoder itself used, then the default resolver."""
+        from .presets import default_attachment_resolver
+
+        known: dict[str, np.ndarray] = dict(self.external)
+        for p in self.pipelines:
+            for st in p.stages:
+                known.update(getattr(st, "encoder_attachments", None) or {})
+        fallback = default_attachment_resolver()
+
+        def resolve(name: str, info: Any) -> np.ndarray | None:
+            a = known.get(name)
+            if a is not None and array_sha256(a) == info.sha256:
+                return a
+            return fallback(name, info) if fallback is not None else None
+
+        return resolve
+
+    def check(self, source: Any, cache: KVCache, what: str) -> None:
+        """Read ``source`` back with :class:`KvcReader`: structure, every CRC, padding, blob and chunk, bit for bit."""
+        from .reader import KvcReader
+
+        try:
+            with KvcReader(source, self.resolver(), max_decoded_bytes=_declared_bytes(cache)) as r:
+                r.verify(strict=True, backend="cpu", expected=self.checks)
+                pos = r.positions
+                if (pos is None) != (cache.positions is None) or (pos is not None and not np.array_equal(pos, cache.positions)):
+                    raise KvcFormatError("positions read back differently")
+        except KvcError as exc:
+            raise KvcCodecError(f"{what}: the written file does not read back as written ({exc}); nothing was kept") from None
+
+
+def _declared_bytes(cache: KVCache) -> int:
+    itemsize = 4 if cache.dtype == torch.bfloat16 else torch.empty(0, dtype=cache.dtype).element_size()
+    return max(1, cache.num_elements * itemsize)
+
+
 def write_kvc(
     cache: KVCache,
     dest: str | os.PathLike | BinaryIO,
@@ -263,14 +375,46 @@ def write_kvc(
     meta: dict[str, Any] | None = None,
     chunk_heads: int | None = None,
     store_token_ids: bool = True,
+    verify: bool = True,
 ) -> int:
-    """Write ``cache`` to ``dest`` (a path, atomically, or a binary file object). Returns bytes written."""
+    """Write ``cache`` to ``dest`` (a path, atomically, or a binary file object). Returns bytes written.
+
+    ``verify`` (default on) reads the result back before it counts as written:
+    for a path, the temp file is read and decoded bit-exactly (see
+    :class:`_Expectation`) *before* the atomic rename, so a file the reader
+    would reject never appears at ``dest``; a file object is read back when it
+    is readable and seekable (e.g. ``BytesIO``), otherwise it cannot be.
+    """
     kw = dict(attachments=attachments, chunk_tokens=chunk_tokens, chunk_heads=chunk_heads, preset=preset, meta=meta,
-              store_token_ids=store_token_ids)
+              store_token_ids=store_token_ids, writer=None)
     if not isinstance(dest, (str, os.PathLike)):
-        return write_kvc_stream(cache, dest, pipelines, **kw)
-    with atomic_file(dest, "wb") as f:
-        return write_kvc_stream(cache, f, pipelines, **kw)
+        readable = verify and _readable(dest)
+        start = dest.tell() if readable else 0
+        expect = _Expectation(cache) if readable else None
+        n = _write(cache, dest, pipelines, expect=expect, **kw)
+        if expect is not None:
+            end = dest.tell()
+            dest.seek(start)
+            data = dest.read(n)
+            dest.seek(end)
+            expect.check(data, cache, "output stream")
+        return n
+    # atomic_path refuses outputs that are not regular files or lack a directory, and renames
+    # only on a clean exit: a file that fails the read-back never appears at ``dest``.
+    with atomic_path(dest) as tmp:
+        expect = _Expectation(cache) if verify else None
+        with open(tmp, "wb") as f:
+            n = _write(cache, f, pipelines, expect=expect, **kw)
+        if expect is not None:
+            expect.check(tmp, cache, str(dest))
+    return n
+
+
+def _readable(f: Any) -> bool:
+    try:
+        return bool(f.readable() and f.seekable())
+    except (AttributeError, OSError, ValueError):
+        return False
 
 
 def encode_kvc_bytes(
@@ -283,9 +427,13 @@ def encode_kvc_bytes(
     chunk_heads: int | None = None,
     store_token_ids: bool = True,
     writer: str | None = None,
+    verify: bool = True,
 ) -> bytes:
-    """The `.kvc` bytes of ``cache`` (same arguments as :func:`write_kvc`)."""
+    """The `.kvc` bytes of ``cache`` (same arguments as :func:`write_kvc`; verified the same way)."""
     buf = io.BytesIO()
-    write_kvc_stream(cache, buf, pipelines, attachments=attachments, chunk_tokens=chunk_tokens, chunk_heads=chunk_heads,
-                     preset=preset, meta=meta, store_token_ids=store_token_ids, writer=writer)
-    return buf.getvalue()
+    expect = _Expectation(cache) if verify else None
+    _write(cache, buf, pipelines, attachments, chunk_tokens, chunk_heads, preset, meta, store_token_ids, writer, expect)
+    data = buf.getvalue()
+    if expect is not None:
+        expect.check(data, cache, "encoded bytes")
+    return data

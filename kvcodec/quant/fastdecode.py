@@ -34,6 +34,7 @@ rounds exactly as the spec says. Skipping zero coefficients is exact (see
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
 from typing import Any
 
@@ -211,24 +212,36 @@ def _unshuffle(src, out, es):  # pragma: no cover - numba
 
 # --------------------------------------------------------------------------- caches
 class _LRU:
-    def __init__(self, n: int) -> None:
+    """A thread-safe LRU bounded by entry count *and* by the bytes of the arrays it holds (``max_bytes``),
+    so a long-lived reader of many large or many different files keeps a bounded cache."""
+
+    def __init__(self, n: int, max_bytes: int = 256 << 20) -> None:
         self.n = n
-        self.d: OrderedDict[Any, Any] = OrderedDict()
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self.d: OrderedDict[Any, tuple[Any, int]] = OrderedDict()
         self.lock = threading.Lock()
 
     def get(self, key: Any) -> Any:
         with self.lock:
             v = self.d.get(key)
-            if v is not None:
-                self.d.move_to_end(key)
-            return v
+            if v is None:
+                return None
+            self.d.move_to_end(key)
+            return v[0]
 
     def put(self, key: Any, v: Any) -> None:
+        size = sum(a.nbytes for a in (v if isinstance(v, tuple) else (v,)) if isinstance(a, np.ndarray))
+        if size > self.max_bytes:
+            return
         with self.lock:
-            self.d[key] = v
-            self.d.move_to_end(key)
-            while len(self.d) > self.n:
-                self.d.popitem(last=False)
+            old = self.d.pop(key, None)
+            if old is not None:
+                self.bytes -= old[1]
+            self.d[key] = (v, size)
+            self.bytes += size
+            while len(self.d) > self.n or self.bytes > self.max_bytes:
+                self.bytes -= self.d.popitem(last=False)[1][1]
 
 
 _ROPE = _LRU(64)
@@ -276,13 +289,22 @@ def _matrices(tr: Any, H: int, D: int, ctx: ChunkContext) -> tuple[np.ndarray, n
         key = ("pca", id(B), id(M), row, ctx.kind, ctx.layer, int(ctx.extra.get("head_start", 0)), H, D, K)
         ref = (B, M)
     hit = _MATS.get(key)
-    if hit is not None and all(a is b for a, b in zip(hit[2], ref)):
+    if hit is not None and all(w() is b for w, b in zip(hit[2], ref)):
         return hit[0], hit[1]
     b, m = tr.matrices(H, D, ctx)  # validates (raises KvcFormatError)
     bt = np.ascontiguousarray(np.swapaxes(np.asarray(b, np.float32), 1, 2))
     m = np.ascontiguousarray(m, np.float32)
-    _MATS.put(key, (bt, m, ref))
+    # weak references: the cache must not keep every file's attachment arrays alive (ids are only
+    # compared while the arrays still exist, so a reused id cannot alias)
+    _MATS.put(key, (bt, m, tuple(_weak(a) for a in ref)))
     return bt, m
+
+
+def _weak(a: Any) -> Any:
+    try:
+        return weakref.ref(a)
+    except TypeError:  # not weak-referenceable: an always-miss reference
+        return lambda: None
 
 
 # --------------------------------------------------------------------------- dispatch
@@ -339,31 +361,20 @@ def try_decode(pipeline: Pipeline, payload: Any, sides: list[SideData], sizes: l
 
 
 def _lossless(shuffle: Any, payload: Any, sides: list[SideData], sizes: list[int], spec: ArraySpec) -> np.ndarray | None:
-    import zstandard
-
-    from ..format.lossless import ZSTD_MAX_WINDOW
+    from ..format.lossless import zstd_decompress_exact
 
     if any(sides):
         return None
     n = int(np.prod(spec.shape, dtype=np.int64))
     nbytes = n * np.dtype(spec.dtype).itemsize
-    zsize = sizes[-1]
-    if zsize != nbytes or (shuffle is not None and sizes[0] != nbytes):
+    if sizes[-1] != nbytes or (shuffle is not None and sizes[0] != nbytes):
         return None
-    try:
-        dobj = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW).decompressobj()
-        raw = dobj.decompress(payload)
-        if dobj.unused_data or not dobj.eof:
-            return None
-    except zstandard.ZstdError:
-        return None
-    if len(raw) != nbytes:
-        return None
+    raw = zstd_decompress_exact(payload, nbytes)  # capped at the declared size (KvcFormatError -> None)
     src = np.frombuffer(raw, dtype=np.uint8)
-    out = np.empty(spec.shape, dtype=spec.dtype)
     if shuffle is None:
-        out.reshape(-1).view(np.uint8)[:] = src
+        out = src.view(spec.dtype).reshape(spec.shape)
     else:
+        out = np.empty(spec.shape, dtype=spec.dtype)
         _unshuffle(src, out.reshape(-1).view(np.uint8), shuffle.elementsize)
     if np.dtype(spec.dtype).byteorder == ">":  # pragma: no cover - big-endian hosts
         return None

@@ -74,6 +74,18 @@ def _lossless_plan() -> EncodePlan:
     return EncodePlan(lambda layer, kind: pipe, {}, LOSSLESS, None, {})
 
 
+def keep_dtype(cache: Any, layer: int, kind: str) -> str:
+    """float16 for the kept sink tokens unless this tensor's values could overflow it (then float32).
+
+    The kept rows are pre-RoPE keys (a rotation mixes channel pairs, so a
+    component can grow by up to sqrt(2)) or values; a file must never hold an
+    fp16 side array that overflowed, which its reader would reject.
+    """
+    t = (cache.keys if kind == "k" else cache.values)[layer]
+    amax = float(t.detach().abs().max()) if t.numel() else 0.0
+    return "float16" if amax * math.sqrt(2.0) < float(np.finfo(np.float16).max) else "float32"
+
+
 def layer_steps(cal: Calibration, step0: float) -> np.ndarray:
     """Quantizer step per (layer, kind) [L, 2] from the global knob and measured sensitivities."""
     w = np.maximum(cal.sensitivity.astype(np.float64), 1e-12)
@@ -158,7 +170,7 @@ def transform_plan(cache: Any, step0: float, sink: int = 4, group: int = 8, cal:
         if kind == "k" and rope_cfg is not None:
             st.append(RopeStage(**rope_cfg))
         if sink:
-            st.append(KeepStage(sink=sink, recent=0, dtype="float16"))
+            st.append(KeepStage(sink=sink, recent=0, dtype=keep_dtype(cache, layer, kind)))
         tr = TransformStage(basis=basis, k=int(ks[layer, ki]), attachment="pca")
         if cal is not None:
             tr.encoder_attachments = cal.attachments

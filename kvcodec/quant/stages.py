@@ -154,7 +154,15 @@ class KeepStage(ArrayToArray):
         _check3(arr, "keep", _FLOATS)
         H, T, D = arr.shape
         s, r = self.counts(T)
-        kept = np.concatenate([arr[:, :s], arr[:, T - r :]], axis=1).astype(self.dtype)
+        src = np.concatenate([arr[:, :s], arr[:, T - r :]], axis=1)
+        if not np.isfinite(src).all():
+            raise KvcCodecError("codec 'keep': the kept sink/recent tokens contain NaN or inf (lossy presets need a finite cache)")
+        with np.errstate(over="ignore"):
+            kept = src.astype(self.dtype)
+        if not np.isfinite(kept).all():  # finite input that overflows float16 would make a file its reader rejects
+            big = float(np.abs(src.astype(np.float64)).max())
+            raise KvcCodecError(f"codec 'keep': kept tokens reach {big:.4g}, beyond the {self.dtype} range; "
+                                f"use keep dtype float32 (kvcodec's presets pick it automatically)")
         return np.ascontiguousarray(arr[:, s : T - r], dtype=np.float32), {"kept": kept}
 
     def kept_side(self, side: SideData, spec: ArraySpec) -> np.ndarray:
@@ -347,6 +355,13 @@ def quantize_minmax_decode(sym: np.ndarray, scale: np.ndarray, zero: np.ndarray 
     return sym.astype(np.float32) * sc + ze
 
 
+def _fp16_side_ok(side: np.ndarray, amax: np.ndarray) -> None:
+    """Refuse at encode what the decoder would refuse: float16 scale / zero side data that overflowed."""
+    if not np.isfinite(side).all():
+        raise KvcCodecError(f"codec 'quantize': values up to {float(np.max(amax)):.4g} overflow the float16 scale / zero "
+                            f"side data (|x| must stay below 65504); this cache's range is too large for minmax mode")
+
+
 def _round(x: np.ndarray) -> np.ndarray:
     return np.rint(x)  # round half to even
 
@@ -381,7 +396,7 @@ class QuantizeStage(ArrayToArray):
                 raise KvcCodecError(f"codec 'quantize': step must be a positive finite number, got {step!r}")
             self.step = float(step)
             self.max_bits = _int(max_bits, "max_bits", "quantize", 1, 8)
-            if not isinstance(deadzone, (int, float)) or not 0.0 <= deadzone < 0.5:
+            if isinstance(deadzone, bool) or not isinstance(deadzone, (int, float)) or not 0.0 <= deadzone < 0.5:
                 raise KvcCodecError(f"codec 'quantize': deadzone must be in [0, 0.5), got {deadzone!r}")
             self.deadzone = float(deadzone)
         else:
@@ -393,6 +408,8 @@ class QuantizeStage(ArrayToArray):
                 raise KvcCodecError(f"codec 'quantize': axis must be 'channel' or 'token', got {axis!r}")
             self.axis = axis
             self.group = _int(group, "group", "quantize", 1, 1 << 30)
+            if not isinstance(symmetric, (bool, np.bool_)):
+                raise KvcCodecError(f"codec 'quantize': symmetric must be true or false, got {symmetric!r}")
             self.symmetric = bool(symmetric)
 
     def get_config(self) -> dict[str, Any]:
@@ -434,9 +451,12 @@ class QuantizeStage(ArrayToArray):
         # widen the step where the range would not fit max_bits
         need = amax / (lim + 0.49)
         step = np.maximum(step, need)
-        step16 = step.astype(np.float16)
-        step16 = np.where(step16.astype(np.float64) < step, np.nextafter(step16, np.float16(np.inf)), step16).astype(np.float16)
-        step16 = np.minimum(step16, np.float16(65504.0))
+        with np.errstate(over="ignore"):
+            step16 = step.astype(np.float16)
+            step16 = np.where(step16.astype(np.float64) < step, np.nextafter(step16, np.float16(np.inf)), step16).astype(np.float16)
+        if not np.isfinite(step16).all():  # the step is stored as float16: its range bounds what max_bits can code
+            raise KvcCodecError(f"codec 'quantize': values up to {float(amax.max()):.4g} need a step over float16's 65504 "
+                                f"at max_bits={self.max_bits}; this cache's range is too large for a lossy preset")
         st = step16.astype(np.float32)
         if not self.deadzone:  # one numba pass, same bits as the numpy branch below
             from .fastencode import quantize_step_symbols
@@ -473,16 +493,21 @@ class QuantizeStage(ArrayToArray):
             expand = lambda a: np.repeat(a, g, axis=2)[:, :, :C]  # noqa: E731
         if self.symmetric:
             half = (1 << (hb - 1)) - 1
-            scale = (amx / half).astype(np.float16)
-            scale = np.where(scale.astype(np.float32) * half < amx, np.nextafter(scale, np.float16(np.inf)), scale).astype(np.float16)
+            with np.errstate(over="ignore"):
+                scale = (amx / half).astype(np.float16)
+                scale = np.where(scale.astype(np.float32) * half < amx, np.nextafter(scale, np.float16(np.inf)), scale).astype(np.float16)
+            _fp16_side_ok(scale, amx)
             sc = expand(scale.astype(np.float32))
             with np.errstate(divide="ignore", invalid="ignore"):
                 q = np.where(sc > 0, _round(x / sc), 0)
             s = np.clip(q + (1 << (hb - 1)), 0, levels)
             return s.astype(np.uint8), {"scale": scale}
-        zero = mn.astype(np.float16)
-        zero = np.where(zero.astype(np.float32) > mn, np.nextafter(zero, np.float16(-np.inf)), zero).astype(np.float16)
-        scale = ((mx - zero.astype(np.float32)) / levels).astype(np.float16)
+        with np.errstate(over="ignore"):
+            zero = mn.astype(np.float16)
+            zero = np.where(zero.astype(np.float32) > mn, np.nextafter(zero, np.float16(-np.inf)), zero).astype(np.float16)
+            scale = ((mx - zero.astype(np.float32)) / levels).astype(np.float16)
+        _fp16_side_ok(zero, amx)
+        _fp16_side_ok(scale, amx)
         sc, ze = expand(scale.astype(np.float32)), expand(zero.astype(np.float32))
         with np.errstate(divide="ignore", invalid="ignore"):
             q = np.where(sc > 0, _round((x - ze) / sc), 0)

@@ -1,0 +1,91 @@
+"""Resource bounds for untrusted input: how much a file may make us allocate, and which files we open.
+
+Every reader of untrusted bytes (``.kvc`` files, HDF5 / safetensors captures)
+goes through here so that the rules are the same everywhere:
+
+* :func:`max_decoded_bytes` -- the per-file limit on the total *declared*
+  output (all K/V tensors of a file, as the header states them), checked
+  before anything is allocated. A tiny, perfectly valid file can legally
+  declare terabytes (a constant tensor entropy-codes to almost nothing), so a
+  limit on the declaration is the only defence. Default 16 GiB (a 32k-token
+  Llama-3-8B cache in fp16 is 4 GiB); ``$KVCODEC_MAX_DECODED_BYTES`` or the
+  readers' ``max_decoded_bytes=`` argument change it.
+* :func:`open_regular` -- open a path for reading only if it is a regular
+  file: a FIFO would block forever, a device could be endless, a directory is
+  a user mistake. The check is race-free (``O_NONBLOCK`` open, then ``fstat``
+  of the very descriptor that will be read).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from .errors import KvcInputError
+
+DEFAULT_MAX_DECODED_BYTES = 16 << 30
+MAX_DECODED_ENV = "KVCODEC_MAX_DECODED_BYTES"
+
+
+def max_decoded_bytes(override: int | None = None) -> int:
+    """The per-file declared-output limit in bytes: ``override``, else ``$KVCODEC_MAX_DECODED_BYTES``, else 16 GiB."""
+    if override is not None:
+        if isinstance(override, bool) or not isinstance(override, int) or override <= 0:
+            raise KvcInputError(f"max_decoded_bytes must be a positive integer, got {override!r}")
+        return override
+    env = os.environ.get(MAX_DECODED_ENV)
+    if env is None or env.strip() == "":
+        return DEFAULT_MAX_DECODED_BYTES
+    s = env.strip()
+    if not (s.isascii() and s.isdigit()) or int(s) <= 0:
+        raise KvcInputError(f"${MAX_DECODED_ENV} must be a positive integer number of bytes, got {env!r}")
+    return int(s)
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "not a regular file"
+
+
+def open_regular(path: str | os.PathLike[str], what: str = "input") -> int:
+    """A read-only file descriptor of ``path``, which must be a regular file (KvcInputError otherwise).
+
+    ``stat`` first, so devices and FIFOs are never opened at all; then the open
+    itself is non-blocking and the descriptor is ``fstat``-ed, so a path
+    swapped for a FIFO in between cannot block us either.
+    """
+    p = Path(path)
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        raise KvcInputError(f"no such file: {p}") from None
+    except OSError as exc:
+        raise KvcInputError(f"cannot open {p}: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise KvcInputError(f"{p} is {_kind(st.st_mode)}, not a regular file; refusing to read it as {what}")
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+    try:
+        fd = os.open(p, flags)
+    except FileNotFoundError:
+        raise KvcInputError(f"no such file: {p}") from None
+    except OSError as exc:
+        raise KvcInputError(f"cannot open {p}: {exc.strerror or exc}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise KvcInputError(f"{p} is {_kind(st.st_mode)}, not a regular file; refusing to read it as {what}")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
