@@ -19,7 +19,7 @@ import google_crc32c
 import numpy as np
 import torch
 
-from ..atomic import atomic_path
+from ..atomic import atomic_file
 from ..errors import KvcCodecError, KvcError, KvcFormatError, KvcInputError
 from ..kvcache import KVCache, token_ids_sha256
 from ..stages import ArraySpec, Pipeline
@@ -401,12 +401,12 @@ def write_kvc(
         return n
     # atomic_path refuses outputs that are not regular files or lack a directory, and renames
     # only on a clean exit: a file that fails the read-back never appears at ``dest``.
-    with atomic_path(dest) as tmp:
-        expect = _Expectation(cache) if verify else None
-        with open(tmp, "wb") as f:
-            n = _write(cache, f, pipelines, expect=expect, **kw)
+    expect = _Expectation(cache) if verify else None
+    with atomic_file(dest, "wb") as f:
+        n = _write(cache, f, pipelines, expect=expect, **kw)
         if expect is not None:
-            expect.check(tmp, cache, str(dest))
+            f.flush()
+            expect.check(f.name, cache, str(dest))  # the temp file, still unrenamed
     return n
 
 
