@@ -114,7 +114,7 @@ def main() -> None:
 
             @torch.inference_mode()
             def prefill_path():
-                out = lm.model(input_ids=torch.as_tensor(np.concatenate([ids, q])).unsqueeze(0), use_cache=True)
+                out = lm.model(input_ids=torch.as_tensor(np.concatenate([ids, q])).unsqueeze(0), use_cache=True, logits_to_keep=1)
                 return int(out.logits[0, -1].argmax())
 
             def kvc_path(source_fn):

@@ -94,7 +94,7 @@ def query_moments(lm: Any, token_ids: np.ndarray, sink: int = DEFAULT_SINK) -> n
         hooks.append(layer.self_attn.q_proj.register_forward_hook(hook))
     try:
         with torch.inference_mode():
-            lm.model(input_ids=torch.as_tensor(np.asarray(token_ids, np.int64))[None], use_cache=False)
+            lm.model(input_ids=torch.as_tensor(np.asarray(token_ids, np.int64))[None], use_cache=False, logits_to_keep=1)
     finally:
         for h in hooks:
             h.remove()
