@@ -160,45 +160,33 @@ class _Moments:
                 self.s1[l, ki] += x.sum(axis=1)
                 self.s2[l, ki] += np.einsum("htd,hte->hde", x, x, optimize=True)
 
-    def mean_cov(self, l: int, ki: int) -> tuple[np.ndarray, np.ndarray]:
-        n = self.n[l, ki]
-        m = self.s1[l, ki] / n
-        return m, self.s2[l, ki] / n - m[:, :, None] * m[:, None, :]
-
 
 def compute_pca(mom: _Moments, metrics: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(basis fp16 [L,2,H,D,D], mean fp32 [L,2,H,D], eigval fp32 [L,2,H,D]) from accumulated moments.
 
     With ``metrics`` M [L,2,H,D,D] the PCA is done in the weighted space z = M^(1/2) x:
     basis = M^(-1/2) V (not orthonormal), so a uniform error on the coefficients
-    is a uniform error in the metric (e.g. attention-output) space.
+    is a uniform error in the metric (e.g. attention-output) space. All
+    (layer, kind, head) blocks go through one batched eigh: thousands of tiny
+    LAPACK calls cost more in dispatch and BLAS thread hand-offs than in maths.
     """
     L, _, H, D = mom.s1.shape
-    basis = np.zeros((L, 2, H, D, D), np.float16)
-    mean = np.zeros((L, 2, H, D), np.float32)
-    eig = np.zeros((L, 2, H, D), np.float32)
-    for l in range(L):
-        for ki in range(2):
-            m, covs = mom.mean_cov(l, ki)
-            for h in range(H):
-                cov = covs[h]
-                if metrics is not None:
-                    mw, mv = np.linalg.eigh(metrics[l, ki, h])
-                    S = (mv * np.sqrt(mw)) @ mv.T
-                    Si = (mv / np.sqrt(mw)) @ mv.T
-                    cov = S @ cov @ S
-                w, v = np.linalg.eigh((cov + cov.T) / 2)
-                order = np.argsort(-w, kind="stable")
-                w, v = w[order], v[:, order]
-                # deterministic sign: largest-magnitude entry of each column positive
-                sgn = np.sign(v[np.argmax(np.abs(v), axis=0), np.arange(D)])
-                v = v * np.where(sgn == 0, 1, sgn)
-                if metrics is not None:
-                    v = Si @ v
-                basis[l, ki, h] = v.astype(np.float16)
-                eig[l, ki, h] = np.maximum(w, 0)
-            mean[l, ki] = m.astype(np.float32)
-    return basis, mean, eig
+    mean = mom.s1 / mom.n[:, :, None, None]
+    cov = mom.s2 / mom.n[:, :, None, None, None] - mean[..., :, None] * mean[..., None, :]
+    if metrics is not None:
+        mw, mv = np.linalg.eigh(metrics)
+        S = (mv * np.sqrt(mw)[..., None, :]) @ np.swapaxes(mv, -1, -2)
+        Si = (mv / np.sqrt(mw)[..., None, :]) @ np.swapaxes(mv, -1, -2)
+        cov = S @ cov @ S
+    w, v = np.linalg.eigh((cov + np.swapaxes(cov, -1, -2)) / 2)
+    w, v = w[..., ::-1], v[..., ::-1]  # decreasing variance (eigh returns ascending)
+    # deterministic sign: largest-magnitude entry of each column positive
+    idx = np.argmax(np.abs(v), axis=-2)[..., None, :]
+    sgn = np.sign(np.take_along_axis(v, idx, axis=-2))
+    v = v * np.where(sgn == 0, 1, sgn)
+    if metrics is not None:
+        v = Si @ v
+    return v.astype(np.float16), mean.astype(np.float32), np.maximum(w, 0).astype(np.float32)
 
 
 def measure_sensitivity(lm: Any, cache: Any, continuation: np.ndarray, sink: int = DEFAULT_SINK,
@@ -392,12 +380,16 @@ def _load_shipped(path: Path) -> Calibration:
 
 
 def load_calibration(fingerprint_id: str) -> Calibration | None:
-    """The user's calibration of this model, else the shipped one, else None."""
-    path = calibration_dir(fingerprint_id) / f"calib-v{CALIB_VERSION}.safetensors"
-    if path.is_file():
-        return load_calibration_file(path)
+    """The shipped calibration of this model, else the user's, else None.
+
+    Shipped first: it is pinned and the same on every machine, so a model that
+    ships one encodes identically everywhere.
+    """
     shipped = shipped_calibration_path(fingerprint_id)
-    return _load_shipped(shipped) if shipped is not None else None
+    if shipped is not None:
+        return _load_shipped(shipped)
+    path = calibration_dir(fingerprint_id) / f"calib-v{CALIB_VERSION}.safetensors"
+    return load_calibration_file(path) if path.is_file() else None
 
 
 def calibration_files() -> list[Path]:
