@@ -89,7 +89,7 @@ def main() -> None:
     for k, v in timings.items():
         print(f"| {k[:-2]} | {v:.1f} |")
     if args.save:
-        C.save_calibration_file(cal, Path(args.save))
+        C.write_calibration_file(cal, lm.fingerprint.id, Path(args.save))
     cals = {"new": cal}
     if args.reference:
         cals["reference"] = C.load_calibration_file(Path(args.reference))

@@ -1,24 +1,84 @@
 """Model fingerprints: a cache must never load into a different model.
 
 Two models with the same shapes accept each other's KV silently and produce
-garbage, so every capture and `.kvc` file carries a small record of the model
-it came from. Identity is decided by the architecture, shapes, RoPE settings,
-a tokenizer hash and a hash of a few K/V projection weights; the compute
-dtype is recorded but is *not* part of identity (an fp32 and a bf16 load of
-the same checkpoint are the same model; the cache's own dtype is stored with
-the tensors).
+garbage, and a fine-tuned model has exactly the shapes of its base. So every
+capture and `.kvc` file carries a record of the model it came from, and
+version 2 of that record identifies the weights *exactly*:
+
+* ``weights_sha256``: sha256 over every tensor of the checkpoint's
+  safetensors files, in canonical (name) order, each as a length-prefixed
+  record ``[name, dtype, shape, nbytes]`` followed by its raw bytes as stored.
+  Streaming (bounded memory: one read buffer), independent of sharding and of
+  the order tensors sit in the files. One changed element anywhere changes it.
+* ``config_sha256``: sha256 of the config fields that change what the model
+  computes (:data:`CONFIG_FIELDS`: head layout, RoPE incl. scaling and
+  per-layer-type parameters, sliding windows / layer types, biases, norms).
+* ``tokenizer_sha256``: vocabulary (by id), BPE merges and special tokens.
+* ``rope``: canonical JSON of the RoPE parameters (the codec's RoPE stage reads it).
+
+Hashing ~0.5 GB takes about a second, so the weights digest is cached per
+model directory under ``cache_root()/fingerprints/``, keyed by the identity of
+the weight files (path, size, mtime_ns, ctime_ns, inode, device) and
+authenticated with an HMAC whose key is a per-machine secret file
+(``fingerprint.key``, mode 0600). An entry whose MAC or file identity does not
+match is ignored and recomputed; a key file with unsafe permissions disables
+the cache (every open re-hashes) instead of trusting it.
+
+The compute dtype is recorded but is *not* part of identity (an fp32 and a
+bf16 load of the same directory are the same model). Models that exist only
+in memory (no directory) are hashed from their state dict under a separate
+domain: their id never equals a directory's.
+
+Version-1 fingerprints (a hash of a few K/V projections) cannot tell a
+fine-tuned model from its base: files carrying one still parse and decode
+standalone, but every check against a model refuses them (spec/kvc-v1.md §4.1).
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
+import math
+import os
+import re
+import secrets
+import stat
+import sys
+import threading
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from pathlib import Path
+from typing import Any, Mapping
 
-from .errors import KvcFormatError, KvcModelMismatchError
+from .errors import KvcFormatError, KvcModelMismatchError, KvcModelNotFoundError
+from .paths import cache_root
 
-FINGERPRINT_VERSION = 1
+FINGERPRINT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+
+# Config fields (of the text config) that change the model's computation; absent/None ones are omitted.
+CONFIG_FIELDS = (
+    "model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",
+    "intermediate_size", "vocab_size", "hidden_act", "hidden_activation", "rms_norm_eps", "layer_norm_eps",
+    "layer_norm_epsilon", "attention_bias", "mlp_bias", "qkv_bias", "sliding_window", "sliding_window_pattern",
+    "layer_types", "use_sliding_window", "max_window_layers", "attention_chunk_size", "no_rope_layers",
+    "partial_rotary_factor", "max_position_embeddings", "original_max_position_embeddings", "rope_local_base_freq",
+    "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar", "tie_word_embeddings",
+    "use_qk_norm", "qk_layernorm", "attention_multiplier", "residual_multiplier", "embedding_multiplier",
+    "logits_scaling", "scale_embedding", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+    "v_head_dim",
+)
+
+_HEX64 = re.compile(r"[0-9a-f]{64}\Z")
+_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,128}\Z")
+_MAX_ROPE_CHARS = 1 << 16
+_MAX_JSON_FILE = 64 << 20  # config.json / index.json / cache entries larger than this are refused
+_WEIGHTS_DOMAIN = b"kvcodec-weights-v2\0"
+_MEMORY_DOMAIN = b"kvcodec-weights-in-memory-v2\0"
+
+
+def _is_int(v: Any) -> bool:
+    return type(v) is int  # noqa: E721 - bool and float are not ints here
 
 
 @dataclass(frozen=True)
@@ -32,54 +92,75 @@ class ModelFingerprint:
     weights_sha256: str
     dtype: str = "float32"
     version: int = FINGERPRINT_VERSION
+    config_sha256: str = ""  # version 2 only: sha256 of the canonical cache-relevant config
 
-    _IDENTITY = ("architecture", "num_layers", "num_kv_heads", "head_dims", "rope", "tokenizer_sha256", "weights_sha256", "version")
+    def _identity(self) -> tuple[str, ...]:
+        base = ("architecture", "num_layers", "num_kv_heads", "head_dims", "rope", "tokenizer_sha256", "weights_sha256")
+        return (*base, "version") if self.version == 1 else (*base, "config_sha256", "version")
 
     @property
     def id(self) -> str:
         """Short stable hex id over the identity fields (used in store keys)."""
-        ident = {k: getattr(self, k) for k in self._IDENTITY}
+        ident = {k: getattr(self, k) for k in self._identity()}
         return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:32]
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["head_dims"] = list(self.head_dims)
+        if self.version == 1:  # byte-identical to what v1 writers wrote
+            del d["config_sha256"]
         return d
 
     @classmethod
     def from_json(cls, obj: Any) -> "ModelFingerprint":
+        """Parse strictly: exact types (no 64.0 or true for ints), known version, hex digests in v2."""
         if not isinstance(obj, dict):
             raise KvcFormatError("model fingerprint must be a JSON object")
-        names = {f.name for f in fields(cls)}
-        missing = names - set(obj) - {"dtype", "version"}
+        version = obj.get("version")
+        if not _is_int(version) or version not in READABLE_VERSIONS:
+            raise KvcFormatError(f"unsupported model fingerprint version {str(version)[:20]!r} (this kvcodec reads {READABLE_VERSIONS})")
+        required = {f.name for f in fields(cls)} - {"dtype"} - ({"config_sha256"} if version == 1 else set())
+        missing = required - set(obj)
         if missing:
             raise KvcFormatError(f"model fingerprint lacks {sorted(missing)}")
-        try:
-            kw = {k: obj[k] for k in names if k in obj}
-            kw["head_dims"] = tuple(int(x) for x in kw["head_dims"])
-            fp = cls(**kw)
-            ok = (
-                isinstance(fp.architecture, str)
-                and isinstance(fp.num_layers, int)
-                and isinstance(fp.num_kv_heads, int)
-                and 0 < fp.num_layers <= 4096
-                and 0 < fp.num_kv_heads <= 4096
-                and len(fp.head_dims) == fp.num_layers
-                and all(0 < d <= 65536 for d in fp.head_dims)
-                and all(isinstance(getattr(fp, k), str) for k in ("rope", "tokenizer_sha256", "weights_sha256", "dtype"))
-            )
-        except (TypeError, ValueError) as exc:
-            raise KvcFormatError(f"bad model fingerprint: {exc}") from None
+        kw = {f.name: obj[f.name] for f in fields(cls) if f.name in obj}
+        hd = kw["head_dims"]
+        strs = ("architecture", "rope", "tokenizer_sha256", "weights_sha256", "dtype", "config_sha256")
+        ok = (
+            _is_int(kw["num_layers"]) and 0 < kw["num_layers"] <= 4096
+            and _is_int(kw["num_kv_heads"]) and 0 < kw["num_kv_heads"] <= 4096
+            and isinstance(hd, list) and len(hd) == kw["num_layers"] and all(_is_int(d) and 0 < d <= 65536 for d in hd)
+            and all(isinstance(kw.get(k, ""), str) for k in strs)
+        )
         if not ok:
-            raise KvcFormatError("model fingerprint fields out of range")
-        return fp
+            raise KvcFormatError("model fingerprint fields have wrong types or are out of range")
+        if not _NAME.match(kw["architecture"]) or not _NAME.match(kw.get("dtype", "float32")):
+            raise KvcFormatError("model fingerprint architecture/dtype must be 1-128 chars of [A-Za-z0-9_.-]")
+        if len(kw["rope"]) > _MAX_ROPE_CHARS or not kw["rope"].isascii():
+            raise KvcFormatError("model fingerprint rope must be ASCII JSON of at most 64 KiB")
+        if version >= 2:
+            if not all(_HEX64.match(kw[k]) for k in ("tokenizer_sha256", "weights_sha256", "config_sha256")):
+                raise KvcFormatError("model fingerprint v2 digests must be 64 lowercase hex digits")
+            try:
+                rope_ok = isinstance(json.loads(kw["rope"]), dict)
+            except ValueError:
+                rope_ok = False
+            if not rope_ok:
+                raise KvcFormatError("model fingerprint rope must be a JSON object")
+        kw["head_dims"] = tuple(hd)
+        return cls(**kw)
 
     def same_model(self, other: "ModelFingerprint") -> bool:
-        return all(getattr(self, k) == getattr(other, k) for k in self._IDENTITY)
+        return self.version == other.version and all(getattr(self, k) == getattr(other, k) for k in self._identity())
 
     def check_compatible(self, other: "ModelFingerprint", what: str = "cache") -> None:
-        """Raise KvcModelMismatchError naming the first differing field."""
-        for k in self._IDENTITY:
+        """Raise KvcModelMismatchError unless ``other`` (the cache's) is provably this model (``self``)."""
+        if other.version != FINGERPRINT_VERSION or self.version != FINGERPRINT_VERSION:
+            raise KvcModelMismatchError(
+                f"this {what} carries a version-{other.version} model fingerprint, which cannot prove which weights "
+                f"it belongs to; re-encode it from the model with this kvcodec (fingerprint version {FINGERPRINT_VERSION})"
+            )
+        for k in self._identity():
             a, b = getattr(self, k), getattr(other, k)
             if a != b:
                 raise KvcModelMismatchError(
@@ -92,48 +173,405 @@ def _short(v: Any) -> str:
     return s if len(s) <= 40 else s[:37] + "..."
 
 
-def _hash_tokenizer(tokenizer: Any) -> str:
+# --------------------------------------------------------------------------- config and tokenizer
+def _text_config(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
+    tc = cfg.get("text_config")
+    return tc if isinstance(tc, dict) else cfg
+
+
+def canonical_rope(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """RoPE parameters in one shape whatever the config's vintage.
+
+    transformers >= 5 writes ``rope_parameters`` (possibly nested per layer
+    type); older configs have ``rope_theta`` + ``rope_scaling``. The latter is
+    flattened into the same dict (``type`` -> ``rope_type``).
+    """
+    c = _text_config(cfg)
+    rp = c.get("rope_parameters")
+    if isinstance(rp, dict) and rp:
+        out = dict(rp)
+    else:
+        out = {}
+        if c.get("rope_theta") is not None:
+            out["rope_theta"] = c["rope_theta"]
+        sc = c.get("rope_scaling")
+        if isinstance(sc, dict):
+            for k, v in sc.items():
+                out["rope_type" if k == "type" else k] = v
+        out.setdefault("rope_type", "default")
+    if c.get("partial_rotary_factor") is not None and "full_attention" not in out:
+        out.setdefault("partial_rotary_factor", c["partial_rotary_factor"])
+    return out
+
+
+def cache_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The :data:`CONFIG_FIELDS` of a config dict (raw config.json or ``config.to_dict()``) plus canonical RoPE."""
+    c = _text_config(cfg)
+    out = {k: c[k] for k in CONFIG_FIELDS if c.get(k) is not None}
+    out["rope"] = canonical_rope(cfg)
+    return out
+
+
+def _json_sha256(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, ensure_ascii=True, default=str).encode()).hexdigest()
+
+
+def tokenizer_sha256(tokenizer: Any) -> str:
+    """sha256 of the vocabulary (by id), the BPE merges and the special tokens.
+
+    Only content that survives a tokenizers/transformers upgrade is hashed
+    (merges are normalised to ``"a b"``), so the vLLM connector's venv and
+    kvcodec's agree on the same directory.
+    """
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
     special = sorted(str(t) for t in getattr(tokenizer, "all_special_tokens", []))
-    h = hashlib.sha256()
-    h.update(json.dumps([vocab, special], ensure_ascii=False).encode())
-    return h.hexdigest()
+    merges: list[str] = []
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        model = json.loads(backend.to_str()).get("model") or {}
+        merges = [" ".join(m) if isinstance(m, list) else str(m) for m in model.get("merges") or []]
+    blob = json.dumps({"vocab": vocab, "special": special, "merges": merges}, ensure_ascii=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _hash_weights(model: Any) -> str:
-    """Hash the first and last layer's K/V projections (cast to fp32 bytes)."""
+def _head_layout(c: Mapping[str, Any]) -> tuple[int, int, int]:
+    """(layers, kv heads, head_dim) from a text config dict, validated."""
+    try:
+        n_layers, n_heads = c["num_hidden_layers"], c["num_attention_heads"]
+        n_kv = c.get("num_key_value_heads") or n_heads
+        head_dim = c.get("head_dim") or c["hidden_size"] // n_heads
+    except (KeyError, TypeError, ZeroDivisionError) as exc:
+        raise KvcModelNotFoundError(f"model config lacks a usable head layout ({exc})") from None
+    if not all(_is_int(x) and 0 < x <= 65536 for x in (n_layers, n_heads, n_kv, head_dim)) or n_layers > 4096:
+        raise KvcModelNotFoundError("model config has an invalid head layout")
+    return n_layers, n_kv, head_dim
+
+
+def _make(cfg: Mapping[str, Any], tokenizer: Any, weights: str, dtype: str) -> ModelFingerprint:
+    c = _text_config(cfg)
+    n_layers, n_kv, head_dim = _head_layout(c)
+    cc = cache_config(cfg)
+    return ModelFingerprint(
+        architecture=str(c.get("model_type") or "unknown"),
+        num_layers=n_layers,
+        num_kv_heads=n_kv,
+        head_dims=tuple([head_dim] * n_layers),
+        rope=json.dumps(cc["rope"], sort_keys=True, default=str),
+        tokenizer_sha256=tokenizer_sha256(tokenizer),
+        weights_sha256=weights,
+        dtype=dtype,
+        config_sha256=_json_sha256(cc),
+    )
+
+
+# --------------------------------------------------------------------------- safetensors, streamed
+_ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+                "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
+_MAX_ST_HEADER = 100 << 20  # the safetensors format's own limit
+_READ_BYTES = 4 << 20
+_SAFE_INDEX = "model.safetensors.index.json"
+_PICKLE_GLOBS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: Path
+    start: int  # absolute byte offsets in ``file``
+    end: int
+
+
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_JSON_FILE:
+            raise KvcModelNotFoundError(f"{path}: {what} is not a regular file of at most 64 MiB")
+        with open(path, "rb") as f:
+            return json.loads(f.read(_MAX_JSON_FILE + 1))
+    except (OSError, ValueError) as exc:
+        raise KvcModelNotFoundError(f"{path}: unreadable {what} ({exc})") from None
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of an HF model directory (per its index, else ``*.safetensors``).
+
+    Pickle checkpoints are refused: kvcodec never unpickles.
+    """
+    idx = model_dir / _SAFE_INDEX
+    if idx.exists():
+        wm = _read_json(idx, "safetensors index")
+        wm = wm.get("weight_map") if isinstance(wm, dict) else None
+        if not isinstance(wm, dict) or not wm or not all(isinstance(v, str) for v in wm.values()):
+            raise KvcModelNotFoundError(f"{idx}: no weight_map")
+        names = sorted(set(wm.values()))
+        if any(n != Path(n).name or n in (".", "..") or not n.endswith(".safetensors") for n in names):
+            raise KvcModelNotFoundError(f"{idx}: weight files must be plain *.safetensors names in the directory")
+        files = [model_dir / n for n in names]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        pickles = [p.name for g in _PICKLE_GLOBS for p in model_dir.glob(g)]
+        why = f" (found {pickles[0]}: pickle checkpoints are refused, convert it to safetensors)" if pickles else ""
+        raise KvcModelNotFoundError(f"{model_dir} holds no .safetensors weights{why}")
+    for p in files:
+        try:
+            ok = stat.S_ISREG(os.stat(p).st_mode)
+        except OSError:
+            ok = False
+        if not ok:
+            raise KvcModelNotFoundError(f"{p}: weight file missing or not a regular file")
+    return files
+
+
+def _tensors_of(path: Path, f: Any, size: int) -> list[_Tensor]:
+    """Parse and bound-check one safetensors header (sizes checked against the real file size)."""
+    def bad(why: str) -> KvcModelNotFoundError:
+        return KvcModelNotFoundError(f"{path}: truncated or corrupt safetensors file ({why})")
+
+    head = f.read(8)
+    if len(head) != 8:
+        raise bad("shorter than its 8-byte header length")
+    n = int.from_bytes(head, "little")
+    if n > _MAX_ST_HEADER or 8 + n > size:
+        raise bad(f"header length {n} does not fit the {size}-byte file")
+    try:
+        hdr = json.loads(f.read(n))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad(f"header is not JSON: {exc}") from None
+    if not isinstance(hdr, dict):
+        raise bad("header is not a JSON object")
+    base, data_len = 8 + n, size - 8 - n
+    out = []
+    for name, t in hdr.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(t, dict):
+            raise bad(f"tensor {name!r:.60} entry is not an object")
+        dt, shape, offs = t.get("dtype"), t.get("shape"), t.get("data_offsets")
+        if dt not in _ST_ITEMSIZE or not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise bad(f"tensor {name!r:.60} has an unsupported dtype or shape")
+        if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(o) for o in offs) and 0 <= offs[0] <= offs[1] <= data_len):
+            raise bad(f"tensor {name!r:.60} lies outside the file")
+        if offs[1] - offs[0] != math.prod(shape) * _ST_ITEMSIZE[dt]:
+            raise bad(f"tensor {name!r:.60} size disagrees with its shape")
+        out.append(_Tensor(name, dt, tuple(shape), path, base + offs[0], base + offs[1]))
+    return out
+
+
+def _stat_key(files: list[Path]) -> list[list[Any]]:
+    """What identifies the weight files' contents without reading them (ctime changes on any write or utime)."""
+    out = []
+    for p in files:
+        st = os.stat(p)
+        out.append([str(p), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev])
+    return out
+
+
+def _hash_files(files: list[Path]) -> str:
+    """The streamed weights digest (see module doc); memory = one read buffer + the headers."""
+    handles = {}
+    try:
+        tensors: dict[str, _Tensor] = {}
+        for p in files:
+            f = handles[p] = open(p, "rb")
+            for t in _tensors_of(p, f, os.fstat(f.fileno()).st_size):
+                if t.name in tensors:
+                    raise KvcModelNotFoundError(f"{p}: tensor {t.name!r:.60} appears in two weight files")
+                tensors[t.name] = t
+        if not tensors:
+            raise KvcModelNotFoundError(f"{files[0].parent}: the safetensors files hold no tensors")
+        h = hashlib.sha256(_WEIGHTS_DOMAIN)
+        buf = memoryview(bytearray(_READ_BYTES))
+        for name in sorted(tensors):
+            t = tensors[name]
+            rec = json.dumps([t.name, t.dtype, list(t.shape), t.end - t.start], ensure_ascii=True).encode()
+            h.update(len(rec).to_bytes(8, "little") + rec)
+            f = handles[t.file]
+            f.seek(t.start)
+            left = t.end - t.start
+            while left:
+                k = f.readinto(buf[: min(left, _READ_BYTES)])
+                if not k:
+                    raise KvcModelNotFoundError(f"{t.file}: truncated while reading tensor {name!r:.60}")
+                h.update(buf[:k])
+                left -= k
+        return h.hexdigest()
+    except OSError as exc:
+        raise KvcModelNotFoundError(f"cannot read model weights: {exc}") from None
+    finally:
+        for f in handles.values():
+            f.close()
+
+
+# --------------------------------------------------------------------------- the authenticated cache
+_KEY_FILE = "fingerprint.key"
+_CACHE_SCHEME = "kvcodec-weights-cache-v2"
+_memo: dict[str, tuple[list[list[Any]], str]] = {}
+_memo_lock = threading.Lock()
+_warned: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _warned:
+        _warned.add(msg)
+        print(f"kvc: warning: {msg}", file=sys.stderr)
+
+
+def _secret() -> bytes | None:
+    """The per-machine HMAC key (created 0600 on first use); None (cache disabled) if it cannot be trusted."""
+    path = cache_root() / _KEY_FILE
+    try:
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{_KEY_FILE}.{os.getpid()}.{secrets.token_hex(4)}")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            try:
+                os.write(fd, secrets.token_bytes(32))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            try:
+                os.link(tmp, path)  # atomic and never clobbers a key another process made first
+            except FileExistsError:
+                pass
+            finally:
+                os.unlink(tmp)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            st = os.fstat(fd)
+            key = os.read(fd, 64)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        _warn_once(f"fingerprint cache disabled: cannot use key file {path} ({exc})")
+        return None
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077 or len(key) != 32:
+        _warn_once(f"fingerprint cache disabled: key file {path} is not a private 32-byte file of this user (mode 0600)")
+        return None
+    return key
+
+
+def _mac(key: bytes, entry: Mapping[str, Any]) -> str:
+    body = json.dumps({k: v for k, v in entry.items() if k != "mac"}, sort_keys=True, ensure_ascii=True).encode()
+    return hmac.new(key, body, hashlib.sha256).hexdigest()
+
+
+def _cache_path(model_dir: Path) -> Path:
+    return cache_root() / "fingerprints" / (hashlib.sha256(str(model_dir).encode("utf-8", "surrogateescape")).hexdigest()[:32] + ".json")
+
+
+def _cached(model_dir: Path, key: list[list[Any]], secret: bytes) -> str | None:
+    path = _cache_path(model_dir)
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > 1 << 20:
+            return None
+        entry = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(entry, dict) or not isinstance(entry.get("mac"), str):
+        return None
+    if not hmac.compare_digest(entry["mac"], _mac(secret, entry)):
+        return None
+    if entry.get("scheme") != _CACHE_SCHEME or entry.get("dir") != str(model_dir) or entry.get("files") != key:
+        return None
+    digest = entry.get("weights_sha256")
+    return digest if isinstance(digest, str) and _HEX64.match(digest) else None
+
+
+def _store(model_dir: Path, key: list[list[Any]], digest: str, secret: bytes) -> None:
+    entry: dict[str, Any] = {"scheme": _CACHE_SCHEME, "dir": str(model_dir), "files": key, "weights_sha256": digest}
+    entry["mac"] = _mac(secret, entry)
+    path = _cache_path(model_dir)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(entry, f, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as exc:  # a read-only cache dir costs speed, never correctness
+        _warn_once(f"cannot write the fingerprint cache ({exc})")
+
+
+def weights_identity(model_dir: str | Path) -> list[list[Any]]:
+    """The stat identity of a directory's weight files (load_model compares it before and after loading)."""
+    d = Path(model_dir).resolve()
+    return _stat_key(weight_files(d))
+
+
+def weights_sha256(model_dir: str | Path, use_cache: bool = True) -> str:
+    """The weights digest of an HF model directory: cached (memo, then the HMAC'd file), else streamed.
+
+    Refuses (KvcModelNotFoundError) pickle-only directories, truncated or
+    corrupt safetensors, and weights that change while being hashed.
+    """
+    d = Path(model_dir).resolve()
+    files = weight_files(d)
+    key = _stat_key(files)
+    memo_key = str(d)
+    if use_cache:
+        with _memo_lock:
+            hit = _memo.get(memo_key)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+    secret = _secret() if use_cache else None
+    digest = _cached(d, key, secret) if secret is not None else None
+    if digest is None:
+        digest = _hash_files(files)
+        if _stat_key(files) != key:
+            raise KvcModelNotFoundError(f"{d}: the weight files changed while they were being hashed; try again")
+        if secret is not None:
+            _store(d, key, digest, secret)
+    if use_cache:
+        with _memo_lock:
+            _memo[memo_key] = (key, digest)
+    return digest
+
+
+# --------------------------------------------------------------------------- entry points
+def fingerprint_dir(model_dir: str | Path, tokenizer: Any = None, dtype: str = "float32") -> ModelFingerprint:
+    """The fingerprint of an HF model directory: raw config.json, the tokenizer and the safetensors files.
+
+    ``tokenizer`` defaults to ``AutoTokenizer`` on the directory. This is the
+    only way a directory is fingerprinted (LoadedModel, the vLLM connector).
+    """
+    d = Path(model_dir)
+    cfg = _read_json(d / "config.json", "config.json")
+    if not isinstance(cfg, dict):
+        raise KvcModelNotFoundError(f"{d}/config.json is not a JSON object")
+    weights = weights_sha256(d)
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(d, local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise KvcModelNotFoundError(f"cannot load the tokenizer of {d}: {exc}") from None
+    return _make(cfg, tokenizer, weights, dtype)
+
+
+def _module_weights_sha256(model: Any) -> str:
+    """Digest of a model that exists only in memory: its state dict, one tensor at a time."""
     import torch
 
-    named = [(n, p) for n, p in model.named_parameters() if n.endswith(("k_proj.weight", "v_proj.weight"))]
-    if not named:
-        named = list(model.named_parameters())[:4]
-    picked = named[:2] + named[-2:]
-    h = hashlib.sha256()
-    for name, p in picked:
-        h.update(name.encode())
-        h.update(p.detach().to(torch.float32).contiguous().numpy().tobytes())
+    codes = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+             torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+    h = hashlib.sha256(_MEMORY_DOMAIN)
+    sd = model.state_dict()
+    for name in sorted(sd):
+        t = sd[name].detach().cpu().contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+        rec = json.dumps([name, codes.get(t.dtype, str(t.dtype)), list(t.shape), len(raw)]).encode()
+        h.update(len(rec).to_bytes(8, "little") + rec)
+        h.update(raw)
     return h.hexdigest()
 
 
 def fingerprint_model(model: Any, tokenizer: Any) -> ModelFingerprint:
-    """Compute the fingerprint of a loaded HF causal LM."""
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    n_layers = int(cfg.num_hidden_layers)
-    n_heads = int(cfg.num_attention_heads)
-    n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads)
-    rope = getattr(cfg, "rope_parameters", None) or {
-        "rope_theta": getattr(cfg, "rope_theta", None),
-        "rope_scaling": getattr(cfg, "rope_scaling", None),
-    }
+    """The fingerprint of a model that exists only in memory (no directory): hashed from its state dict."""
+    cfg = model.config.to_dict()
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    return ModelFingerprint(
-        architecture=str(cfg.model_type),
-        num_layers=n_layers,
-        num_kv_heads=n_kv,
-        head_dims=tuple([head_dim] * n_layers),
-        rope=json.dumps(rope, sort_keys=True, default=str),
-        tokenizer_sha256=_hash_tokenizer(tokenizer),
-        weights_sha256=_hash_weights(model),
-        dtype=dtype,
-    )
+    return _make(cfg, tokenizer, _module_weights_sha256(model), dtype)

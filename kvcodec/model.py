@@ -20,6 +20,8 @@ from functools import cached_property
 from pathlib import Path
 
 from .errors import KvcModelNotFoundError
+from .fingerprint import ModelFingerprint, fingerprint_dir, fingerprint_model, weights_identity, weights_sha256
+from .paths import cache_root
 
 DEFAULT_MODEL = "smollm2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -36,18 +38,12 @@ class LoadedModel:
     path: Path
 
     @cached_property
-    def fingerprint(self):  # -> ModelFingerprint
-        from .fingerprint import fingerprint_model
-
+    def fingerprint(self) -> ModelFingerprint:
+        """From the model directory's files when there is one (cached per directory), else from memory."""
+        dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+        if (Path(self.path) / "config.json").is_file():
+            return fingerprint_dir(self.path, self.tokenizer, dtype=dtype)
         return fingerprint_model(self.model, self.tokenizer)
-
-
-def cache_root() -> Path:
-    """Where converted models live: $KVCODEC_CACHE, else $XDG_CACHE_HOME/kvcodec."""
-    env = os.environ.get("KVCODEC_CACHE")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvcodec"
 
 
 def _gguf_path() -> Path:
@@ -109,13 +105,22 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "float32") -> LoadedModel
     from transformers.utils import logging as hf_logging
 
     path = resolve_model_dir(name)
+    # Hash (or find the cached digest of) the safetensors first: this refuses pickle-only, truncated
+    # and corrupt checkpoints before transformers touches them, and pins what the fingerprint describes.
+    before = weights_identity(path)
+    weights_sha256(path)
     hf_logging.disable_progress_bar()
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), local_files_only=True,
+                                                     use_safetensors=True)
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise KvcModelNotFoundError(f"cannot load model from {path}: {exc}") from None
     finally:
         hf_logging.enable_progress_bar()
+    if weights_identity(path) != before:
+        raise KvcModelNotFoundError(f"{path}: the weight files changed while the model was loading; try again")
     model.eval()
-    return LoadedModel(model=model, tokenizer=tok, name=name, path=path)
+    lm = LoadedModel(model=model, tokenizer=tok, name=name, path=path)
+    lm.fingerprint  # noqa: B018 - computed now, so a bad config/tokenizer fails here, not mid-run
+    return lm

@@ -36,7 +36,7 @@ def main() -> None:
     for old in C.SHIPPED_DIR.glob("*.safetensors"):
         if old.name != f"{lm.fingerprint.id}.safetensors":
             print(f"note: {old} belongs to another fingerprint; delete it and its pin if it is stale", file=sys.stderr)
-    path = C.save_calibration_file(cal, C.SHIPPED_DIR / f"{lm.fingerprint.id}.safetensors")
+    path = C.write_calibration_file(cal, lm.fingerprint.id, C.SHIPPED_DIR / f"{lm.fingerprint.id}.safetensors")
     sha = hashlib.sha256(path.read_bytes()).hexdigest()
     print(f"wrote {path} ({path.stat().st_size:,} bytes) in {timings['total_s']:.0f} s")
     print(f'pin it in kvcodec/quant/calibrate.py: SHIPPED_SHA256 = {{"{path.name}": "{sha}"}}')

@@ -8,7 +8,7 @@ import torch
 from kvcodec.fingerprint import ModelFingerprint
 from kvcodec.kvcache import KVCache
 
-SYNTH_FP = ModelFingerprint("synthetic", 2, 2, (8, 8), "{}", "0" * 64, "1" * 64)
+SYNTH_FP = ModelFingerprint("synthetic", 2, 2, (8, 8), "{}", "0" * 64, "1" * 64, config_sha256="2" * 64)
 
 
 def synthetic_cache(dtype=torch.float16, T: int = 8, n_ctx: int | None = None, positions=None) -> KVCache:

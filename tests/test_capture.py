@@ -73,10 +73,13 @@ def test_capture_refuses_a_different_model(lm, other_lm, small_cache, tmp_path):
 
 
 def test_fingerprint_is_stable_and_json_roundtrips(lm):
-    from kvcodec.fingerprint import fingerprint_model
+    from kvcodec.fingerprint import fingerprint_dir, fingerprint_model
 
-    again = fingerprint_model(lm.model, lm.tokenizer)
+    again = fingerprint_dir(lm.path, lm.tokenizer)
     assert again == lm.fingerprint and again.id == lm.fingerprint.id
+    # the same weights known only in memory get their own (stable) id, never the directory's
+    mem = fingerprint_model(lm.model, lm.tokenizer)
+    assert mem == fingerprint_model(lm.model, lm.tokenizer) and mem.id != lm.fingerprint.id
     assert ModelFingerprint.from_json(json.loads(json.dumps(lm.fingerprint.to_json()))) == lm.fingerprint
     with pytest.raises(KvcFormatError):
         ModelFingerprint.from_json({"architecture": "llama"})

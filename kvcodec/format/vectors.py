@@ -29,7 +29,7 @@ from .reader import KvcReader
 from .writer import encode_kvc_bytes
 
 VECTOR_DIR = Path(__file__).resolve().parents[2] / "spec" / "vectors" / "kvc"
-SYNTH_FP = ModelFingerprint("synthetic", 2, 2, (4, 4), '{"rope_theta": 10000.0}', "a" * 64, "b" * 64, "float32")
+SYNTH_FP = ModelFingerprint("synthetic", 2, 2, (4, 4), '{"rope_theta": 10000.0}', "a" * 64, "b" * 64, "float32", version=1)  # the vectors are v1
 
 
 def _synthetic(dtype: torch.dtype, T: int, n_ctx: int | None = None, positions: Any = None, fp: ModelFingerprint = SYNTH_FP) -> KVCache:

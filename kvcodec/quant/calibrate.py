@@ -2,10 +2,19 @@
 
 Computed once per model from a fixed calibration corpus that is disjoint from
 the benchmark texts, stored under ``cache_root()/calibration/<fingerprint id>/``
-as a safetensors file (format ``kvcodec-calibration`` version 1, see
+as a safetensors file (format ``kvcodec-calibration`` version 2, see
 spec/codec-v1.md section "Calibration file"). ``.kvc`` files reference the
 bases by name + sha256 as external attachments; :func:`resolve_attachment`
-finds them again.
+finds them again through a per-sha256 index (one small pointer file per
+attachment), so opening a file reads one calibration, however many models
+are calibrated.
+
+A calibration steers every quantizer step and basis, so a wrong one encodes
+garbage that still decodes: each file is bound to the fingerprint id of its
+model and carries the sha256 of its own content, and every load checks both
+plus its shapes against the model (:func:`load_calibration_file`,
+:meth:`Calibration.check_for`). A swapped, tampered, layer-reversed or short
+calibration is a one-line KvcError at encode and at decode, never used.
 """
 
 from __future__ import annotations
@@ -13,6 +22,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import secrets
+import stat
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -21,13 +34,13 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ..errors import KvcFormatError, KvcInputError
+from ..errors import KvcFormatError, KvcInputError, KvcModelMismatchError
 from ..stages import ChunkContext
 from .rope import rope_config_from_fingerprint
 from .stages import RopeStage
 
 CALIB_FORMAT = "kvcodec-calibration"
-CALIB_VERSION = 1
+CALIB_VERSION = 2
 # Calibration corpus: Python reference chapters and licenses NOT used by the benchmarks.
 CALIB_PYDOC_TOPICS = ("formatstrings", "string-methods", "typesseq", "debugger")
 CALIB_TEXTS = ("pydoc:" + ",".join(CALIB_PYDOC_TOPICS), "gfdl13", "mpl2")
@@ -57,6 +70,19 @@ class Calibration:
         L, _, H, D, K = self.basis.shape
         return {"pca.basis": self.basis.reshape(2 * L, H, D, K), "pca.mean": self.mean.reshape(2 * L, H, D)}
 
+    def check_for(self, fingerprint: Any) -> None:
+        """Refuse (one-line KvcError) a calibration that is not this model's or does not fit its shapes."""
+        fid = self.meta.get("fingerprint_id")
+        if fid != fingerprint.id:
+            where = f" ({self.path})" if self.path else ""
+            raise KvcModelMismatchError(f"calibration{where} belongs to model {str(fid)[:40]}, not to this model "
+                                        f"{fingerprint.id}; rebuild it: kvc calibrate --model MODEL --force")
+        L, _, H, D, _ = self.basis.shape
+        want = (fingerprint.num_layers, fingerprint.num_kv_heads, fingerprint.head_dims[0])
+        if (L, H, D) != want or self.sensitivity.shape != (L, 2):
+            raise KvcFormatError(f"calibration has {L} layers x {H} KV heads x head_dim {D}, the model "
+                                 f"{want[0]} x {want[1]} x {want[2]}; rebuild it: kvc calibrate --model MODEL --force")
+
     def truncated(self, k: np.ndarray | int) -> dict[str, np.ndarray]:
         """Attachments with only the first max(k) basis columns (option (c))."""
         kmax = int(np.max(k))
@@ -64,10 +90,20 @@ class Calibration:
         return {"pca.basis": np.ascontiguousarray(a["pca.basis"][..., :kmax]), "pca.mean": a["pca.mean"]}
 
 
-def calibration_dir(fingerprint_id: str) -> Path:
-    from ..model import cache_root
+_FID = re.compile(r"[0-9a-f]{32}\Z")
+_SHA = re.compile(r"[0-9a-f]{64}\Z")
 
-    return cache_root() / "calibration" / fingerprint_id
+
+def calibration_root() -> Path:
+    from ..paths import cache_root
+
+    return cache_root() / "calibration"
+
+
+def calibration_dir(fingerprint_id: str) -> Path:
+    if not isinstance(fingerprint_id, str) or not _FID.match(fingerprint_id):  # it becomes a path component
+        raise KvcInputError(f"bad model fingerprint id {str(fingerprint_id)[:40]!r}")
+    return calibration_root() / fingerprint_id
 
 
 def _pre_rope(cache: Any, layer: int, kind: str) -> np.ndarray:
@@ -315,47 +351,149 @@ def build_calibration(lm: Any, texts: tuple[str, ...] = CALIB_TEXTS, context: in
     return Calibration(basis, mean, eig, sens, meta)
 
 
-def save_calibration_file(cal: Calibration, path: Path) -> Path:
-    """Write ``cal`` to ``path`` atomically (temp file + rename)."""
+_TENSORS = ("pca.basis", "pca.mean", "pca.eigval", "sens.kl_per_mse")
+_DTYPES = {"pca.basis": np.float16, "pca.mean": np.float32, "pca.eigval": np.float32, "sens.kl_per_mse": np.float32}
+_MAX_CALIB_BYTES = 512 << 20  # 128 layers x 8 KV heads x 256^2 fp16 bases is 268 MB; anything larger is not ours
+_INDEX = "sha256"  # <calibration_root>/sha256/<attachment sha256>.json -> which calibration holds it
+
+
+def content_sha256(tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> str:
+    """The calibration's own checksum: meta (less this field) + every tensor's dtype, shape and bytes, by name."""
+    h = hashlib.sha256(b"kvcodec-calibration-v2\0")
+    body = json.dumps({k: v for k, v in meta.items() if k != "content_sha256"}, sort_keys=True, ensure_ascii=True).encode()
+    h.update(len(body).to_bytes(8, "little") + body)
+    for name in sorted(tensors):
+        a = np.ascontiguousarray(tensors[name])
+        rec = json.dumps([name, a.dtype.str, list(a.shape)]).encode()
+        h.update(len(rec).to_bytes(8, "little") + rec)
+        h.update(a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes())
+    return h.hexdigest()
+
+
+def _tensors(cal: Calibration) -> dict[str, np.ndarray]:
+    return {"pca.basis": cal.basis, "pca.mean": cal.mean, "pca.eigval": cal.eigval, "sens.kl_per_mse": cal.sensitivity}
+
+
+def _atomic_write(path: Path, write: Any) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def write_calibration_file(cal: Calibration, fingerprint_id: str, path: Path) -> Path:
+    """Write the calibration file (bound to ``fingerprint_id``, with its content sha256) at ``path``, atomically.
+
+    The bytes depend only on the calibration (no time stamps), so a
+    deterministic build gives a byte-identical, sha256-pinnable file.
+    """
     from safetensors.numpy import save_file
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
-    meta = dict(cal.meta, **{"sha256." + k: array_sha256(v) for k, v in cal.attachments.items()})
-    try:
-        save_file({"pca.basis": cal.basis, "pca.mean": cal.mean, "pca.eigval": cal.eigval, "sens.kl_per_mse": cal.sensitivity},
-                  str(tmp), metadata={"kvcodec": json.dumps(meta, sort_keys=True)})
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    cal.path = path
+    tensors = {k: np.ascontiguousarray(v, dtype=_DTYPES[k]) for k, v in _tensors(cal).items()}
+    meta = dict(cal.meta, format=CALIB_FORMAT, version=CALIB_VERSION, fingerprint_id=fingerprint_id)
+    meta.pop("content_sha256", None)
+    meta.update({"sha256." + k: array_sha256(v) for k, v in cal.attachments.items()})
+    meta["content_sha256"] = content_sha256(tensors, meta)
+    _atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata={"kvcodec": json.dumps(meta, sort_keys=True)}))
+    cal.meta, cal.path = meta, path
     return path
 
 
 def save_calibration(cal: Calibration, fingerprint_id: str) -> Path:
-    return save_calibration_file(cal, calibration_dir(fingerprint_id) / f"calib-v{CALIB_VERSION}.safetensors")
+    """Write the calibration into the user's cache and index its attachments."""
+    path = write_calibration_file(cal, fingerprint_id, calibration_dir(fingerprint_id) / f"calib-v{CALIB_VERSION}.safetensors")
+    meta = cal.meta
+    idx = calibration_root() / _INDEX
+    idx.mkdir(parents=True, exist_ok=True)
+    for name in cal.attachments:
+        ptr = json.dumps({"fingerprint_id": fingerprint_id, "name": name}, sort_keys=True)
+        _atomic_write(idx / f"{meta['sha256.' + name]}.json", lambda tmp, ptr=ptr: tmp.write_text(ptr))
+    _memo_clear()
+    return path
 
 
-def load_calibration_file(path: Path) -> Calibration:
-    from safetensors.numpy import load_file
-    from safetensors import safe_open
+_memo: dict[str, tuple[tuple[int, ...], Calibration]] = {}
+_memo_lock = threading.Lock()
+_MEMO_SIZE = 4
 
-    try:
-        with safe_open(str(path), framework="np") as f:
-            meta = json.loads((f.metadata() or {}).get("kvcodec", "{}"))
-        t = load_file(str(path))
-    except Exception as exc:  # noqa: BLE001 - safetensors raises its own types
-        raise KvcFormatError(f"{path}: unreadable calibration file ({exc})") from None
-    if meta.get("format") != CALIB_FORMAT or meta.get("version") != CALIB_VERSION:
-        raise KvcFormatError(f"{path}: not a kvcodec calibration v{CALIB_VERSION} file")
-    try:
-        cal = Calibration(t["pca.basis"], t["pca.mean"], t["pca.eigval"], t["sens.kl_per_mse"], meta, path)
-    except KeyError as exc:
-        raise KvcFormatError(f"{path}: calibration lacks {exc}") from None
+
+def _memo_clear() -> None:
+    with _memo_lock:
+        _memo.clear()
+
+
+def _read_calibration(path: Path, st: os.stat_result) -> Calibration:
+    """Read + verify one calibration file (format, version, content sha256, dtypes, shapes, finite values)."""
+    from safetensors.numpy import load as st_load
+
+    def bad(why: str) -> KvcFormatError:
+        return KvcFormatError(f"{path}: {why}; rebuild it: kvc calibrate --model MODEL --force")
+
+    if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_CALIB_BYTES:
+        raise bad("calibration is not a regular file of at most 512 MiB")
+    try:  # read, not mmap: a file that shrinks under us must not SIGBUS
+        with open(path, "rb") as f:
+            data = f.read(_MAX_CALIB_BYTES + 1)
+        n = int.from_bytes(data[:8], "little")
+        if len(data) > _MAX_CALIB_BYTES or len(data) < 8 or 8 + n > len(data):
+            raise ValueError("size does not fit its header")
+        hdr = json.loads(data[8 : 8 + n])
+        meta = json.loads(hdr["__metadata__"]["kvcodec"])
+        t = st_load(data)
+    except Exception as exc:  # noqa: BLE001 - safetensors/JSON raise their own types on truncated or hostile files
+        raise bad(f"unreadable (truncated or corrupt) calibration file ({str(exc)[:120]})") from None
+    if not isinstance(meta, dict) or meta.get("format") != CALIB_FORMAT or type(meta.get("version")) is not int:
+        raise bad(f"not a {CALIB_FORMAT} file")
+    if meta["version"] != CALIB_VERSION:
+        raise bad(f"calibration version {meta['version']}, this kvcodec reads version {CALIB_VERSION}")
+    if set(t) != set(_TENSORS) or any(t[k].dtype != _DTYPES[k] for k in _TENSORS):
+        raise bad(f"calibration must hold exactly {list(_TENSORS)} with dtypes float16/float32")
+    if not isinstance(meta.get("content_sha256"), str) or content_sha256(t, meta) != meta["content_sha256"]:
+        raise bad("calibration fails its content sha256 (tampered or corrupt)")
+    if not isinstance(meta.get("fingerprint_id"), str) or not _FID.match(meta["fingerprint_id"]):
+        raise bad("calibration does not name the model fingerprint it belongs to")
+    cal = Calibration(t["pca.basis"], t["pca.mean"], t["pca.eigval"], t["sens.kl_per_mse"], meta, path)
+    if cal.basis.ndim != 5:
+        raise bad("calibration arrays have inconsistent shapes")
     L, two, H, D, D2 = cal.basis.shape
-    if two != 2 or D != D2 or cal.mean.shape != (L, 2, H, D) or cal.sensitivity.shape != (L, 2):
-        raise KvcFormatError(f"{path}: calibration arrays have inconsistent shapes")
+    if (two != 2 or D != D2 or min(L, H, D) < 1 or cal.mean.shape != (L, 2, H, D) or cal.eigval.shape != (L, 2, H, D)
+            or cal.sensitivity.shape != (L, 2)):
+        raise bad("calibration arrays have inconsistent shapes")
+    if not all(np.isfinite(a).all() for a in _tensors(cal).values()):
+        raise bad("calibration holds non-finite values")
+    if any(meta.get("sha256." + k) != array_sha256(v) for k, v in cal.attachments.items()):
+        raise bad("calibration attachment sha256 entries do not match its arrays")
+    for a in _tensors(cal).values():
+        a.setflags(write=False)  # shared through the memo
+    return cal
+
+
+def load_calibration_file(path: Path, fingerprint_id: str | None = None) -> Calibration:
+    """A verified calibration (memoised by file identity); with ``fingerprint_id``, refused unless bound to it."""
+    path = Path(path)
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise KvcFormatError(f"{path}: cannot read calibration ({exc.strerror})") from None
+    key = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
+    with _memo_lock:
+        hit = _memo.get(str(path))
+    if hit is not None and hit[0] == key:
+        cal = hit[1]
+    else:
+        cal = _read_calibration(path, st)
+        with _memo_lock:
+            if len(_memo) >= _MEMO_SIZE:
+                _memo.pop(next(iter(_memo)))
+            _memo[str(path)] = (key, cal)
+    if fingerprint_id is not None and cal.meta["fingerprint_id"] != fingerprint_id:
+        raise KvcModelMismatchError(f"{path}: calibration belongs to model {cal.meta['fingerprint_id']}, not "
+                                    f"{fingerprint_id} (swapped file); rebuild it: kvc calibrate --model MODEL --force")
     return cal
 
 
@@ -372,69 +510,85 @@ def shipped_calibration_path(fingerprint_id: str) -> Path | None:
     return path if path.name in SHIPPED_SHA256 and path.is_file() else None
 
 
+_shipped_ok: dict[str, tuple[int, int, int]] = {}
+
+
 def _load_shipped(path: Path) -> Calibration:
-    data = path.read_bytes()
-    if hashlib.sha256(data).hexdigest() != SHIPPED_SHA256[path.name]:
-        raise KvcFormatError(f"{path}: shipped calibration does not match its pinned sha256 (reinstall kvcodec)")
-    return load_calibration_file(path)
+    """A shipped calibration, its bytes checked against the pin once per process (and again if the file changes)."""
+    st = os.stat(path)
+    key = (st.st_size, st.st_mtime_ns, st.st_ino)
+    if _shipped_ok.get(str(path)) != key:
+        if hashlib.sha256(path.read_bytes()).hexdigest() != SHIPPED_SHA256[path.name]:
+            raise KvcFormatError(f"{path}: shipped calibration does not match its pinned sha256 (reinstall kvcodec)")
+        _shipped_ok[str(path)] = key
+    return load_calibration_file(path, path.stem)
+
+
+def _shipped_attachment(name: str, sha256: str) -> np.ndarray | None:
+    """An attachment of a shipped calibration, by the sha256 its metadata records (no scan: one file per shipped model)."""
+    for fname in SHIPPED_SHA256:
+        path = shipped_calibration_path(fname.removesuffix(".safetensors"))
+        if path is None:
+            continue
+        cal = _load_shipped(path)
+        if cal.meta.get("sha256." + name) == sha256:
+            return cal.attachments[name]
+    return None
 
 
 def load_calibration(fingerprint_id: str) -> Calibration | None:
-    """The shipped calibration of this model, else the user's, else None.
+    """The shipped calibration of this model, else the user's, else None (verified and bound to the model).
 
     Shipped first: it is pinned and the same on every machine, so a model that
-    ships one encodes identically everywhere.
+    ships one encodes identically everywhere and never calibrates.
     """
     shipped = shipped_calibration_path(fingerprint_id)
     if shipped is not None:
         return _load_shipped(shipped)
     path = calibration_dir(fingerprint_id) / f"calib-v{CALIB_VERSION}.safetensors"
-    return load_calibration_file(path) if path.is_file() else None
-
-
-def calibration_files() -> list[Path]:
-    """Every calibration file an external attachment may come from: the user's, then the shipped ones."""
-    from ..model import cache_root
-
-    root = cache_root() / "calibration"
-    user = sorted(root.glob(f"*/calib-v{CALIB_VERSION}.safetensors")) if root.is_dir() else []
-    return user + [SHIPPED_DIR / n for n in sorted(SHIPPED_SHA256) if (SHIPPED_DIR / n).is_file()]
+    return load_calibration_file(path, fingerprint_id) if os.path.lexists(path) else None
 
 
 def get_calibration(lm: Any = None, fingerprint_id: str | None = None, build: bool = True) -> Calibration:
-    """The model's calibration, building and caching it on first use (needs ``lm``)."""
+    """The model's calibration, building and caching it on first use (needs ``lm``); checked against ``lm``."""
     fid = fingerprint_id or lm.fingerprint.id
     cal = load_calibration(fid)
-    if cal is not None:
-        return cal
-    if lm is None or not build:
-        raise KvcInputError(f"no calibration for model {fid}; encode once with the model (it calibrates on first use)")
-    cal = build_calibration(lm)
-    save_calibration(cal, fid)
+    if cal is None:
+        if lm is None or not build:
+            raise KvcInputError(f"no calibration for model {fid}; build it: kvc calibrate --model MODEL")
+        cal = build_calibration(lm)
+        save_calibration(cal, fid)
+    if lm is not None:
+        cal.check_for(lm.fingerprint)
     return cal
 
 
 def resolve_attachment(name: str, sha256: str) -> np.ndarray | None:
-    """Find an external attachment by name + sha256 among the stored calibrations.
+    """Find an external attachment by name + sha256: one index lookup, one (verified) calibration read.
 
-    Also accepts truncated bases: a ``pca.basis`` whose first K columns hash to
-    ``sha256`` for some K is returned truncated. None if nothing matches.
+    None if no calibration on this machine holds it (including a calibration
+    rebuilt since); a calibration that fails its checks raises instead of being
+    skipped, so a tampered file is never silently bypassed or used.
     """
-    for path in calibration_files():
-        try:
-            cal = load_calibration_file(path)
-        except KvcFormatError:
-            continue
-        arr = cal.attachments.get(name)
-        if arr is None:
-            continue
-        if array_sha256(arr) == sha256:
-            return arr
-        if name == "pca.basis":
-            for k in range(1, arr.shape[-1]):
-                t = np.ascontiguousarray(arr[..., :k])
-                if array_sha256(t) == sha256:
-                    return t
-    return None
+    if not isinstance(sha256, str) or not _SHA.match(sha256):
+        return None
+    shipped = _shipped_attachment(name, sha256)
+    if shipped is not None:
+        return shipped
+    ptr = calibration_root() / _INDEX / f"{sha256}.json"
+    try:
+        st = os.stat(ptr)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > 4096:
+            return None
+        entry = json.loads(ptr.read_bytes())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(entry, dict) or entry.get("name") != name or not isinstance(entry.get("fingerprint_id"), str) \
+            or not _FID.match(entry["fingerprint_id"]):
+        return None
+    path = calibration_dir(entry["fingerprint_id"]) / f"calib-v{CALIB_VERSION}.safetensors"
+    cal = load_calibration_file(path, entry["fingerprint_id"]) if os.path.lexists(path) else None
+    arr = cal.attachments.get(name) if cal is not None else None
+    return arr if arr is not None and array_sha256(arr) == sha256 else None
 
 

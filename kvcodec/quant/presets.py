@@ -114,6 +114,7 @@ def transform_plan(cache: Any, step0: float, sink: int = 4, group: int = 8, cal:
         rope_cfg = None  # unsupported RoPE variant: code post-RoPE keys
     if basis == "pca":
         assert cal is not None
+        cal.check_for(fp)  # also a calibration handed in by the caller: never encode with another model's
         steps = layer_steps(cal, step0)
         ks = kept_coefficients(cal, steps, group)
     else:

@@ -30,8 +30,8 @@ the connector slices its last chunk out of it.
 
 Model identity: ``model`` is :class:`kvcodec.fingerprint.ModelFingerprint`'s
 ``id``, computed from the HF model directory vLLM serves
-(:func:`fingerprint_from_dir`), equal to ``fingerprint_model`` on the same
-directory loaded with transformers. Every loaded entry is re-checked: its
+(:func:`fingerprint_from_dir`: every weight tensor, config, tokenizer), equal
+to ``load_model(dir).fingerprint``. Every loaded entry is re-checked: its
 ``.kvc`` fingerprint, token ids and positions must match the request, else
 the chunk counts as a miss (logged), never as KV.
 """
@@ -192,7 +192,6 @@ def lookup_prefix(store: Any, token_ids: Sequence[int], *, model: str, codec: st
 
 
 # --------------------------------------------------------------------------- model identity
-_SAFE_INDEX = "model.safetensors.index.json"
 _NUM_RE = re.compile(r"(\d+)")
 
 
@@ -200,71 +199,19 @@ def _natural(name: str) -> tuple:
     return tuple(int(p) if p.isdigit() else p for p in _NUM_RE.split(name))
 
 
-class _DirModel:
-    """Just enough of a transformers model for ``fingerprint_model``: config + K/V projections."""
-
-    def __init__(self, path: Path, config: Any) -> None:
-        self.config = config
-        self._path = path
-        self._params = self._kv_params()
-
-    def _files(self) -> list[Path]:
-        idx = self._path / _SAFE_INDEX
-        if idx.is_file():
-            wm = json.loads(idx.read_text()).get("weight_map", {})
-            return sorted({self._path / f for f in wm.values()})
-        files = sorted(self._path.glob("*.safetensors"))
-        if not files:
-            raise KvcModelNotFoundError(f"{self._path} holds no .safetensors weights (needed for the model fingerprint)")
-        return files
-
-    def _kv_params(self) -> list[tuple[str, Any]]:
-        from safetensors import safe_open
-
-        where: dict[str, Path] = {}
-        for f in self._files():
-            with safe_open(str(f), framework="pt") as sf:
-                for k in sf.keys():
-                    if k.endswith(("k_proj.weight", "v_proj.weight")):
-                        where[k] = f
-        if not where:
-            raise KvcModelNotFoundError(f"{self._path}: no k_proj/v_proj weights found; set "
-                                        "kv_connector_extra_config.model_id to a documented id instead")
-        names = sorted(where, key=_natural)
-        # fingerprint_model hashes named[:2] + named[-2:] of the k/v projections in module order
-        # (layer 0 k, v ... last layer k, v); yielding just those (deduplicated) gives the same pick.
-        out = []
-        for n in dict.fromkeys(names[:2] + names[-2:]):
-            with safe_open(str(where[n]), framework="pt") as sf:
-                out.append((n, sf.get_tensor(n)))
-        return out
-
-    def named_parameters(self):
-        yield from self._params
-
-    def parameters(self):
-        for _, p in self.named_parameters():
-            yield p
-
-
 def fingerprint_from_dir(path: str | Path, tokenizer: Any = None) -> Any:
-    """``ModelFingerprint`` of an HF model directory without loading the model.
+    """``ModelFingerprint`` of the HF model directory vLLM serves, without loading the model.
 
-    Reads config and tokenizer through transformers and only the first and
-    last layer's k_proj/v_proj tensors from the safetensors files; equal to
-    ``fingerprint_model(AutoModelForCausalLM.from_pretrained(path), tokenizer)``
-    for checkpoints whose safetensors names are the module names (LLaMA-like).
+    The one directory fingerprint (:func:`kvcodec.fingerprint.fingerprint_dir`):
+    every safetensors tensor, the cache-relevant config and the tokenizer, so it
+    equals ``load_model(path).fingerprint`` and a fine-tuned look-alike differs.
     """
-    from transformers import AutoConfig, AutoTokenizer
-
-    from ..fingerprint import fingerprint_model
+    from ..fingerprint import fingerprint_dir
 
     path = Path(path)
     if not (path / "config.json").is_file():
         raise KvcModelNotFoundError(f"{path} is not an HF model directory (no config.json)")
-    cfg = AutoConfig.from_pretrained(path, local_files_only=True)
-    tok = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(path, local_files_only=True)
-    return fingerprint_model(_DirModel(path, cfg), tok)
+    return fingerprint_dir(path, tokenizer)
 
 
 def config_digest(cfg: ConnectorConfig) -> str:
