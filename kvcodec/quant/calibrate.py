@@ -34,7 +34,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ..errors import KvcFormatError, KvcInputError, KvcModelMismatchError
+from ..errors import KvcCodecError, KvcFormatError, KvcInputError, KvcModelMismatchError
 from ..stages import ChunkContext
 from .rope import rope_config_from_fingerprint
 from .stages import RopeStage
@@ -107,9 +107,13 @@ def calibration_dir(fingerprint_id: str) -> Path:
 
 
 def _pre_rope(cache: Any, layer: int, kind: str) -> np.ndarray:
+    """Keys as the plans code them: pre-RoPE, or as they are when the model's RoPE variant has no rope stage."""
     x = (cache.keys if kind == "k" else cache.values)[layer].float().numpy()
     if kind == "k":
-        rc = rope_config_from_fingerprint(cache.fingerprint.rope, x.shape[-1])
+        try:
+            rc = rope_config_from_fingerprint(cache.fingerprint.rope, x.shape[-1])
+        except KvcCodecError:  # transform_plan then codes post-RoPE keys too
+            return x
         x, _ = RopeStage(**rc).encode(x, ChunkContext(layer=layer, kind="k", positions=cache.positions))
     return x
 
@@ -273,7 +277,11 @@ def measure_sensitivity(lm: Any, cache: Any, continuation: np.ndarray, sink: int
 def _layer_progress(lm: Any, step: Any) -> Iterator[None]:
     """Calls ``step(1 / L)`` after each decoder layer's forward pass (progress within one prefill)."""
     layers = lm.model.model.layers
-    hooks = [layer.register_forward_hook(lambda *a: step(1.0 / len(layers))) for layer in layers]
+
+    def hook(*args: Any) -> None:  # returns None: a forward hook's return value replaces the layer's output
+        step(1.0 / len(layers))
+
+    hooks = [layer.register_forward_hook(hook) for layer in layers]
     try:
         yield
     finally:
@@ -537,16 +545,16 @@ def _shipped_attachment(name: str, sha256: str) -> np.ndarray | None:
 
 
 def load_calibration(fingerprint_id: str) -> Calibration | None:
-    """The shipped calibration of this model, else the user's, else None (verified and bound to the model).
+    """The user's calibration of this model, else the one shipped with kvcodec, else None (verified, bound to it).
 
-    Shipped first: it is pinned and the same on every machine, so a model that
-    ships one encodes identically everywhere and never calibrates.
+    One a user built on purpose (``kvc calibrate``) wins; a model that ships
+    one (the embedded default) therefore never calibrates on a fresh machine.
     """
-    shipped = shipped_calibration_path(fingerprint_id)
-    if shipped is not None:
-        return _load_shipped(shipped)
     path = calibration_dir(fingerprint_id) / f"calib-v{CALIB_VERSION}.safetensors"
-    return load_calibration_file(path, fingerprint_id) if os.path.lexists(path) else None
+    if os.path.lexists(path):
+        return load_calibration_file(path, fingerprint_id)
+    shipped = shipped_calibration_path(fingerprint_id)
+    return _load_shipped(shipped) if shipped is not None else None
 
 
 def get_calibration(lm: Any = None, fingerprint_id: str | None = None, build: bool = True) -> Calibration:
@@ -564,7 +572,7 @@ def get_calibration(lm: Any = None, fingerprint_id: str | None = None, build: bo
 
 
 def resolve_attachment(name: str, sha256: str) -> np.ndarray | None:
-    """Find an external attachment by name + sha256: one index lookup, one (verified) calibration read.
+    """Find an external attachment by name + sha256: one index lookup (else the shipped calibrations), one verified read.
 
     None if no calibration on this machine holds it (including a calibration
     rebuilt since); a calibration that fails its checks raises instead of being
@@ -572,9 +580,6 @@ def resolve_attachment(name: str, sha256: str) -> np.ndarray | None:
     """
     if not isinstance(sha256, str) or not _SHA.match(sha256):
         return None
-    shipped = _shipped_attachment(name, sha256)
-    if shipped is not None:
-        return shipped
     ptr = calibration_root() / _INDEX / f"{sha256}.json"
     try:
         st = os.stat(ptr)
@@ -582,12 +587,11 @@ def resolve_attachment(name: str, sha256: str) -> np.ndarray | None:
             return None
         entry = json.loads(ptr.read_bytes())
     except (OSError, ValueError):
-        return None
+        return _shipped_attachment(name, sha256)
     if not isinstance(entry, dict) or entry.get("name") != name or not isinstance(entry.get("fingerprint_id"), str) \
             or not _FID.match(entry["fingerprint_id"]):
         return None
-    path = calibration_dir(entry["fingerprint_id"]) / f"calib-v{CALIB_VERSION}.safetensors"
-    cal = load_calibration_file(path, entry["fingerprint_id"]) if os.path.lexists(path) else None
+    cal = load_calibration(entry["fingerprint_id"])
     arr = cal.attachments.get(name) if cal is not None else None
     return arr if arr is not None and array_sha256(arr) == sha256 else None
 
