@@ -40,6 +40,19 @@ from kvcodec.quant import presets as P  # noqa: E402
 from kvcodec.texts import load_text  # noqa: E402
 
 
+def load_reference(path: Path, fingerprint_id: str) -> C.Calibration:
+    """A calibration file of this model from any recipe or file version (v1 files predate fingerprint v2).
+
+    Read without the v2 loader's identity checks, which a v1 file cannot pass,
+    and bound to this model's id: the caller vouches that it is this model's.
+    """
+    from safetensors.numpy import load_file
+
+    t = load_file(str(path))
+    return C.Calibration(t["pca.basis"], t["pca.mean"], t["pca.eigval"], t["sens.kl_per_mse"],
+                         {"fingerprint_id": fingerprint_id, "reference": str(path)}, path)
+
+
 def quality_rows(lm, cals: dict[str, C.Calibration], texts: list[str], presets: list[str], ctx: int, cont: int) -> list[dict]:
     from kvcodec.quant.importance import cache_importance
 
@@ -92,7 +105,7 @@ def main() -> None:
         C.write_calibration_file(cal, lm.fingerprint.id, Path(args.save))
     cals = {"new": cal}
     if args.reference:
-        cals["reference"] = C.load_calibration_file(Path(args.reference))
+        cals["reference"] = load_reference(Path(args.reference), lm.fingerprint.id)
         ref, new = np.log(cals["reference"].sensitivity.ravel()), np.log(cal.sensitivity.ravel())
         print(f"\nsensitivity vs reference: corr(log) {np.corrcoef(ref, new)[0, 1]:.3f}, "
               f"implied step ratio new/ref (after the presets' geometric-mean normalisation) "

