@@ -165,11 +165,12 @@ def main() -> None:
             print(f"| {k[:-2]} | {v:.1f} |")
     ref_cost = reference_cost(lm, timings) if args.reference_cost else None
     if ref_cost:
+        vs = (f" vs {timings['total_s']:.0f} s measured for the new recipe ({ref_cost['total_s'] / timings['total_s']:.1f}x)"
+              if timings else "")
         print(f"\nearlier recipe, estimated from unit costs measured in this run: prefill of 2048 tokens "
               f"{ref_cost['prefill_2048_s']:.1f} s, one noise probe {ref_cost['probe_s']:.1f} s -> "
               f"{ref_cost['captures_s']:.0f} s captures + {ref_cost['probes_s']:.0f} s for {ref_cost['probes']} probes "
-              f"= {ref_cost['total_s']:.0f} s total vs {timings['total_s']:.0f} s measured for the new recipe "
-              f"({ref_cost['total_s'] / timings['total_s']:.1f}x)")
+              f"= {ref_cost['total_s']:.0f} s total{vs}")
     if args.save:
         C.write_calibration_file(cal, lm.fingerprint.id, Path(args.save))
     cals = {"new": cal}
