@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,6 +13,9 @@ import torch
 
 from kvcodec.errors import KvcFormatError
 from kvcodec.quant import calibrate as C
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cliutil import run_kvc  # noqa: E402
 
 
 def test_shipped_calibration_matches_its_pin():
@@ -109,3 +114,20 @@ def test_shipped_dir_copy_is_found_by_fingerprint(tmp_path, monkeypatch):
     assert C.shipped_calibration_path(name.removesuffix(".safetensors")) == d / name
     assert C.shipped_calibration_path("0" * 32) is None
     assert C.load_calibration("0" * 32) is None
+
+
+@pytest.mark.model
+def test_kvc_calibrate_reports_the_shipped_calibration(lm, tmp_path, monkeypatch, capsys):
+    """`kvc calibrate` on the embedded model in a fresh home finds the shipped file and builds nothing."""
+    import json
+
+    from kvcodec.model import cache_root
+
+    (tmp_path / "models").symlink_to(cache_root() / "models")  # the converted model, but no calibration
+    monkeypatch.setenv("KVCODEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(C, "build_calibration", lambda *a, **k: pytest.fail("calibrated the embedded model"))
+    code, out, err = run_kvc(["calibrate", "--json"], capsys)
+    assert code == 0, err
+    rep = json.loads(out)
+    assert rep["built"] is False and rep["fingerprint"] == lm.fingerprint.id
+    assert rep["path"].startswith(str(C.SHIPPED_DIR))
