@@ -68,7 +68,13 @@ def load_reference(path: Path, fingerprint_id: str) -> C.Calibration:
 
 
 def reference_cost(lm, timings: dict[str, float], repeats: int = 2) -> dict[str, float]:
-    """Unit costs of the earlier recipe measured now, and its estimated total (see the module docstring)."""
+    """Unit costs of both recipes measured now, side by side, and the earlier recipe's estimated total.
+
+    Earlier recipe: 4 prefills of 2048 tokens (3 corpus captures + the query-moment pass) + 2L + 1 noise
+    probes (a 128-token continuation over the 2048-token cache each). New recipe, for comparison at the
+    same moment: 3 prefills of 1024 tokens + the Fisher pass (one forward, SENS_SAMPLES backward passes).
+    The PCA/moment phases (no model passes) are added as measured for the new recipe when it was built.
+    """
     ids = tokenize(lm.tokenizer, load_text("gpl3"))
     t0 = time.perf_counter()
     cache = capture(lm, token_ids=ids[:2048])
@@ -79,10 +85,19 @@ def reference_cost(lm, timings: dict[str, float], repeats: int = 2) -> dict[str,
         t0 = time.perf_counter()
         continue_logits(lm, cache, cont)
         probes.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    small = capture(lm, token_ids=ids[:1024])
+    t_pre1k = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    C.measure_sensitivity(lm, small, ids[1024:1024 + C.SENS_CONTINUATION])
+    t_fisher = time.perf_counter() - t0
     n = 2 * lm.fingerprint.num_layers + 1
     probe = float(np.median(probes))
-    out = {"prefill_2048_s": t_pre, "probe_s": probe, "probes": n, "captures_s": 4 * t_pre, "probes_s": n * probe}
-    out["total_s"] = out["captures_s"] + out["probes_s"] + timings.get("pca_s", 0.0) + timings.get("moments_s", 0.0)
+    rest = timings.get("pca_s", 0.0) + timings.get("moments_s", 0.0)
+    out = {"prefill_2048_s": t_pre, "probe_s": probe, "probes": n, "captures_s": 4 * t_pre, "probes_s": n * probe,
+           "prefill_1024_s": t_pre1k, "fisher_s": t_fisher, "new_model_passes_s": 3 * t_pre1k + t_fisher}
+    out["total_s"] = out["captures_s"] + out["probes_s"] + rest
+    out["old_model_passes_s"] = out["captures_s"] + out["probes_s"]
     return out
 
 
@@ -144,7 +159,7 @@ def main() -> None:
     ap.add_argument("--continuation", type=int, default=256)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--save", default=None, help="write the new calibration here")
-    ap.add_argument("--reference-cost", action="store_true", help="time the earlier recipe's unit costs in this run")
+    ap.add_argument("--reference-cost", action="store_true", help="time both recipes' model passes in this run")
     ap.add_argument("--json", dest="json_out", default=None)
     args = ap.parse_args()
     if args.threads:
@@ -171,6 +186,9 @@ def main() -> None:
               f"{ref_cost['prefill_2048_s']:.1f} s, one noise probe {ref_cost['probe_s']:.1f} s -> "
               f"{ref_cost['captures_s']:.0f} s captures + {ref_cost['probes_s']:.0f} s for {ref_cost['probes']} probes "
               f"= {ref_cost['total_s']:.0f} s total{vs}")
+        print(f"model passes only, same moment: earlier recipe {ref_cost['old_model_passes_s']:.0f} s vs new recipe "
+              f"{ref_cost['new_model_passes_s']:.0f} s (3 prefills of 1024 tokens {3 * ref_cost['prefill_1024_s']:.0f} s + "
+              f"Fisher pass {ref_cost['fisher_s']:.0f} s): {ref_cost['old_model_passes_s'] / ref_cost['new_model_passes_s']:.1f}x")
     if args.save:
         C.write_calibration_file(cal, lm.fingerprint.id, Path(args.save))
     cals = {"new": cal}
