@@ -78,11 +78,22 @@ def get_cache(text: str, tokens: int):
 
 
 def kernel_uses_zmm() -> bool | None:
-    """Whether the compiled fused decode kernel touches any 512-bit register (None if it was not compiled)."""
+    """Whether the compiled fused decode kernel touches any 512-bit register.
+
+    None when numba cannot tell: the kernel was not compiled in this process, or
+    it was loaded from numba's on-disk cache, whose code numba does not disassemble
+    (set NUMBA_CACHE_DIR to an empty directory to force a compile and get an answer).
+    """
+    import warnings
+
     from kvcodec.quant.fastdecode import _decode_kernel
 
-    asm = _decode_kernel.inspect_asm()
-    return any("zmm" in a for a in asm.values()) if asm else None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        asm = _decode_kernel.inspect_asm()
+    if not asm or any("cached code" in str(w.message) for w in caught):
+        return None
+    return any("zmm" in a for a in asm.values())
 
 
 def host_simd_flags() -> str:
