@@ -14,7 +14,9 @@ def test_prefill_keeps_only_the_last_logits_and_they_are_the_full_ones(lm, gpl3_
     past, last = prefill(lm, ids)
     _, full = prefill(lm, ids, logits_to_keep=0)
     assert last.shape == (1, full.shape[-1]) and full.shape[0] == len(ids)
-    torch.testing.assert_close(last[0], full[-1], rtol=1e-5, atol=1e-5)
+    # one row vs 96 rows through the LM head take different BLAS kernels: equal up to fp32 summation order
+    torch.testing.assert_close(last[0], full[-1], rtol=1e-4, atol=3e-3)
+    assert int(last[0].argmax()) == int(full[-1].argmax())
     assert past.get_seq_length() == len(ids)
 
 
