@@ -17,18 +17,33 @@ decode time / raw-read time) are what to compare on a loaded machine. Decode is
 ``KvcReader(path).read_cache()`` (CRC checks, header, attachments, every chunk,
 torch tensors); encode is ``write_kvc`` to memory with a prepared plan.
 Targets: decode >= 200 MB/s, encode >= 30 MB/s on one core.
+
+``--target avx2`` compiles the numba kernels for an AVX2-only CPU (Haswell:
+AVX2, FMA, F16C, BMI2; every AVX-512 feature off) through ``NUMBA_CPU_NAME`` /
+``NUMBA_CPU_FEATURES``, so an AVX-512 machine measures what an AVX2-only one
+runs; the JIT cache keys on the target, so both builds coexist. The script
+checks the decode kernel's assembly and reports whether it uses any 512-bit
+(zmm) register.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
+# The numba target must be chosen before numba is imported (argparse runs later).
+TARGETS = {"host": None, "avx2": ("haswell", "+avx,+avx2,+fma,+f16c,+bmi,+bmi2,+lzcnt,+popcnt,+movbe,+sse4.2,"
+                                   "-avx512f,-avx512bw,-avx512cd,-avx512dq,-avx512vl,-avx512vbmi,-avx512vnni")}
+_target = sys.argv[sys.argv.index("--target") + 1] if "--target" in sys.argv[:-1] else "host"
+if _target not in TARGETS:
+    raise SystemExit(f"--target must be one of {', '.join(TARGETS)}")
+if TARGETS[_target] is not None:
+    os.environ["NUMBA_CPU_NAME"], os.environ["NUMBA_CPU_FEATURES"] = TARGETS[_target]
 os.environ.setdefault("NUMBA_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
 import io  # noqa: E402
 import json  # noqa: E402
-import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -62,6 +77,33 @@ def get_cache(text: str, tokens: int):
     return c
 
 
+def kernel_uses_zmm() -> bool | None:
+    """Whether the compiled fused decode kernel touches any 512-bit register.
+
+    None when numba cannot tell: the kernel was not compiled in this process, or
+    it was loaded from numba's on-disk cache, whose code numba does not disassemble
+    (set NUMBA_CACHE_DIR to an empty directory to force a compile and get an answer).
+    """
+    import warnings
+
+    from kvcodec.quant.fastdecode import _decode_kernel
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        asm = _decode_kernel.inspect_asm()
+    if not asm or any("cached code" in str(w.message) for w in caught):
+        return None
+    return any("zmm" in a for a in asm.values())
+
+
+def host_simd_flags() -> str:
+    try:
+        flags = next(ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return "unknown"
+    return " ".join(f for f in flags if f in ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vbmi2"))
+
+
 def best(fn, repeat: int) -> float:
     ts = []
     for _ in range(repeat):
@@ -81,6 +123,8 @@ def main() -> None:
     ap.add_argument("--model", action="store_true",
                     help="plan with the model as `kvc encode --model` does: token-importance classes (tokenscale) "
                          "for balanced/small; the scoring pass runs before the timed encode")
+    ap.add_argument("--target", choices=list(TARGETS), default="host",
+                    help="numba target: host (this CPU) or avx2 (an AVX2-only Haswell-class CPU)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -138,12 +182,16 @@ def main() -> None:
             "decode_vs_raw": t_dec / t_raw_b, "encode_vs_raw": t_enc / t_raw_b, "raw_read_s_after": t_raw2,
         }
     res["loadavg_end"] = os.getloadavg()[0]
+    res["target"] = {"name": args.target, "numba_cpu": os.environ.get("NUMBA_CPU_NAME", "host"),
+                     "decode_kernel_uses_zmm": kernel_uses_zmm(), "host_flags": host_simd_flags()}
     for f in tmp.iterdir():
         f.unlink()
     tmp.rmdir()
     if args.json:
         print(json.dumps(res, indent=2))
         return
+    print(f"numba target {args.target} ({res['target']['numba_cpu']}); decode kernel uses zmm (AVX-512) registers: "
+          f"{res['target']['decode_kernel_uses_zmm']}; host CPU flags: {res['target']['host_flags']}")
     print(f"cache: {args.text} {args.tokens} tokens, {mb:.1f} MB fp16; load average {res['loadavg_start']:.1f} -> {res['loadavg_end']:.1f}")
     print(f"baselines: raw fp16 .npy read {res['raw_read_mb_s']:.0f} MB/s ({t_raw * 1e3:.1f} ms), "
           f"in-memory from_numpy+clone {res['memcpy_mb_s']:.0f} MB/s")

@@ -11,7 +11,11 @@ For each context length N, on the same machine and in the same run:
   and Redis when ``redis-server`` is installed; a fresh ``Store`` object per
   query so the in-process LRU does not help).
 
-Each timing is the median of ``--repeats`` runs after one warm-up. The first
+Each timing is the median of ``--repeats`` runs after one warm-up (*warm*).
+``--cold`` also times the first call in a fresh process (:func:`kvcodec.ttft.cold_ttft`,
+model load excluded, reported apart) for prefill and for the `.kvc` on disk:
+what every ``kvc ask`` process pays. Prefill computes only the last
+position's logits (``logits_to_keep=1``) on every path. The first
 token of every path is compared with prefill's (the `.kvc` path under a lossy
 preset may legitimately differ; the table says whether it matched). Also
 reports file size and bits/element, showing that prefill cost grows
@@ -26,7 +30,6 @@ import argparse
 import json
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,6 +43,7 @@ from kvcodec.atomic import atomic_write_text
 from kvcodec.capture import capture, tokenize
 from kvcodec.format import encode_kvc_bytes, get_plan
 from kvcodec.hf import greedy_from, load_cache
+from kvcodec.ttft import cold_ttft, median_time, ttft_prefill
 from kvcodec.model import load_model
 from kvcodec.store import Store, StoreKey
 from kvcodec.texts import load_text
@@ -56,16 +60,6 @@ def long_ids(tok, n: int) -> np.ndarray:
         if len(ids) >= n:
             return ids[:n]
     raise SystemExit(f"not enough text for {n} tokens")
-
-
-def median_time(fn, repeats: int) -> tuple[float, object]:
-    fn()  # warm-up
-    times, out = [], None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
 
 
 def start_redis() -> tuple[subprocess.Popen | None, str | None]:
@@ -94,6 +88,7 @@ def main() -> None:
     ap.add_argument("--preset", default="balanced")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--cold", action="store_true", help="also time the first call in a fresh process")
     ap.add_argument("--json", dest="json_out", default=None)
     args = ap.parse_args()
     if args.threads:
@@ -113,18 +108,13 @@ def main() -> None:
             path = tmp / f"doc{n}.kvc"
             path.write_bytes(data)
 
-            @torch.inference_mode()
-            def prefill_path():
-                out = lm.model(input_ids=torch.as_tensor(np.concatenate([ids, q])).unsqueeze(0), use_cache=True)
-                return int(out.logits[0, -1].argmax())
-
             def kvc_path(source_fn):
                 def run():
                     loaded = load_cache(source_fn(), lm)
                     return greedy_from(lm, loaded.cache, loaded.next_position, q, 1)[0][0]
                 return run
 
-            t_prefill, tok_prefill = median_time(prefill_path, args.repeats)
+            t_prefill, tok_prefill = median_time(lambda: ttft_prefill(lm, ids, q), args.repeats)
             row = {
                 "tokens": n, "preset": args.preset, "kvc_bytes": len(data), "fp16_bytes": cache.nbytes_fp16,
                 "bits_per_element": len(data) * 8 / cache.num_elements, "prefill_s": t_prefill,
@@ -147,6 +137,13 @@ def main() -> None:
                 row[f"{name}_s"] = t
                 row[f"{name}_speedup"] = t_prefill / t
                 row[f"{name}_first_token_matches"] = tok == tok_prefill
+            if args.cold:
+                threads = torch.get_num_threads()
+                cp = cold_ttft("prefill", args.model, ids, q, threads=threads)
+                ck = cold_ttft("kvc", args.model, ids, q, kvc=path, threads=threads)
+                row.update(cold_prefill_s=cp["ttft_s"], cold_disk_s=ck["ttft_s"], cold_speedup=cp["ttft_s"] / ck["ttft_s"],
+                           cold_over_warm_disk=ck["ttft_s"] / row["disk_s"], cold_first_token_matches=ck["token"] == cp["token"],
+                           cold_model_load_s=ck["model_load_s"])
             rows.append(row)
             print(json.dumps(row), file=sys.stderr)
     finally:
@@ -161,6 +158,13 @@ def main() -> None:
     for r in rows:
         cells = " | ".join(f"{r[c + '_s']:.3f} ({r[c + '_speedup']:.1f}x{'' if r[c + '_first_token_matches'] else ', 1st token differs'})" for c in cols)
         print(f"| {r['tokens']} | {r['kvc_bytes']:,} | {r['bits_per_element']:.2f} | {r['prefill_s']:.3f} | {cells} |")
+    if args.cold:
+        print("\ncold: first call in a fresh process (model load excluded)\n")
+        print("| tokens | cold prefill s | cold .kvc (disk) s | speed-up | cold / warm .kvc |")
+        print("|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['tokens']} | {r['cold_prefill_s']:.3f} | {r['cold_disk_s']:.3f} | {r['cold_speedup']:.1f}x"
+                  f"{'' if r['cold_first_token_matches'] else ' (1st token differs)'} | {r['cold_over_warm_disk']:.2f}x |")
     if args.json_out:
         atomic_write_text(args.json_out, json.dumps({"machine": machine(), "rows": rows}, indent=2))
 

@@ -15,9 +15,12 @@ run() { local name=$1; shift; if [ ${#sel[@]} -eq 0 ] || [[ " ${sel[*]} " == *" 
 { uname -a; lscpu | grep -E "Model name|^CPU\(s\)"; $PY -c "import torch, numpy; print('torch', torch.__version__, 'numpy', numpy.__version__)"; } > "$R/machine.txt"
 run curve   $PY benchmarks/bench_curve.py --out benchmarks --capture-dir /tmp/kvc-cache --target-kl 1e-3 --threads 1
 run codec   $PY benchmarks/bench_codec.py --json "$R/codec.json"
-run ttft    $PY benchmarks/bench_ttft.py --tokens 1024,2048,4096,8192 --preset balanced --repeats 3 --threads 1 --json "$R/ttft.json"
+run ttft    $PY benchmarks/bench_ttft.py --tokens 1024,2048,4096,8192 --preset balanced --repeats 3 --threads 1 --cold --json "$R/ttft.json"
+run coldstart $PY benchmarks/bench_coldstart.py --tokens 2048,4096 --repeats 3 --profile --json "$R/coldstart.json"
+run calibration $PY benchmarks/bench_calibration.py --texts '' --reference-cost --json "$R/calibration.json"
 run speed   $PY benchmarks/bench_speed.py --tokens 4096 --repeat 5 --json
 run speed_model $PY benchmarks/bench_speed.py --tokens 4096 --repeat 5 --model --json
+run speed_avx2 $PY benchmarks/bench_speed.py --tokens 4096 --repeat 5 --target avx2 --json
 run entropy $PY benchmarks/bench_entropy.py --real-kv 1024
 run lossless $PY benchmarks/bench_lossless.py --tokens 2048
 run store   $PY benchmarks/bench_store.py

@@ -133,7 +133,8 @@ def greedy_from(
         raise KvcInputError("max_new_tokens must be at least 1")
     eos = getattr(lm.tokenizer, "eos_token_id", None)
     pos = torch.arange(next_position, next_position + len(ids)).unsqueeze(0)
-    logits = lm.model(input_ids=torch.as_tensor(ids).unsqueeze(0), past_key_values=cache, position_ids=pos, use_cache=True).logits
+    logits = lm.model(input_ids=torch.as_tensor(ids).unsqueeze(0), past_key_values=cache, position_ids=pos, use_cache=True,
+                      logits_to_keep=1).logits
     out: list[int] = []
     first_at = 0.0
     nxt = next_position + len(ids)

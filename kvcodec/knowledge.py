@@ -242,7 +242,8 @@ class KnowledgeBase:
         rest = ids[n_cached:]
         if rest.size:  # prefill what the store did not have (all of it on a miss)
             pos = torch.arange(n_cached, len(ids)).unsqueeze(0)
-            out = self.lm.model(input_ids=torch.as_tensor(rest).unsqueeze(0), past_key_values=past, position_ids=pos, use_cache=True)
+            out = self.lm.model(input_ids=torch.as_tensor(rest).unsqueeze(0), past_key_values=past, position_ids=pos, use_cache=True,
+                                logits_to_keep=1)
             past = out.past_key_values
         # DynamicLayer.update concatenates into new tensors, so these references stay the context's KV.
         context_kv = [(layer.keys[0], layer.values[0]) for layer in past.layers] if (store_new and rest.size) else None

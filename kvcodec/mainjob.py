@@ -7,34 +7,37 @@ curve (kvcodec presets next to the baselines) written as JSON + PNG.
 
 from __future__ import annotations
 
-import statistics
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
 from .atomic import check_output, ensure_output_dir
 from .capture import capture, select_context, tokenize
 from .curve import eval_kvc_file, run_curve
 from .format import KvcReader, get_plan, write_kvc
-from .hf import greedy_from, load_cache
 from .model import load_model
 from .texts import load_text
+from .ttft import cold_ttft, median_time, ttft_kvc, ttft_prefill
 
 DEMO_METHODS = ["kvcodec", "fp16+zstd", "int8", "kivi", "cachegen"]
 QUESTION = "\n\nIn one sentence, what is this document about?"
 
 
-def _median_time(fn: Callable[[], Any], repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def cpu_summary() -> str:
+    """CPU model and its vector extensions (the fused decoder's speed depends on AVX2 vs AVX-512)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        import platform
+
+        return platform.processor() or platform.machine()
+    name = next((ln.split(":", 1)[1].strip() for ln in info if ln.startswith("model name")), "unknown CPU")
+    flags = next((ln.split(":", 1)[1].split() for ln in info if ln.startswith("flags")), [])
+    simd = "AVX-512" if "avx512f" in flags else ("AVX2" if "avx2" in flags else "no AVX2")
+    return f"{name}, {simd}, {os.cpu_count()} cores"
 
 
 def run_main_job(
@@ -66,21 +69,18 @@ def run_main_job(
     log("evaluating against the exact cache ...")
     report["quality"] = eval_kvc_file(lm, path, all_ids, continuation=continuation)
 
-    log("timing time-to-first-token ...")
+    log("timing time-to-first-token (warm, then cold in fresh processes) ...")
     q = tokenize(lm.tokenizer, QUESTION)
-
-    @torch.inference_mode()
-    def by_prefill() -> int:
-        return int(lm.model(input_ids=torch.as_tensor(np.concatenate([ids, q])).unsqueeze(0)).logits[0, -1].argmax())
-
-    def by_kvc() -> int:
-        loaded = load_cache(path.read_bytes(), lm)
-        return greedy_from(lm, loaded.cache, loaded.next_position, q, 1)[0][0]
-
-    t_pre, t_kvc = _median_time(by_prefill, repeats), _median_time(by_kvc, repeats)
+    t_pre, tok_pre = median_time(lambda: ttft_prefill(lm, ids, q), repeats)
+    t_kvc, tok_kvc = median_time(lambda: ttft_kvc(lm, path, q), repeats)
+    cold_pre = cold_ttft("prefill", model, ids, q, threads=torch.get_num_threads())
+    cold_kvc = cold_ttft("kvc", model, ids, q, kvc=path, threads=torch.get_num_threads())
     report["ttft"] = {"prefill_s": t_pre, "kvc_s": t_kvc, "speedup": t_pre / t_kvc,
-                      "first_token_matches": by_prefill() == by_kvc(), "repeats": repeats,
-                      "torch_threads": torch.get_num_threads()}
+                      "cold_prefill_s": cold_pre["ttft_s"], "cold_kvc_s": cold_kvc["ttft_s"],
+                      "cold_speedup": cold_pre["ttft_s"] / cold_kvc["ttft_s"],
+                      "cold_model_load_s": cold_kvc["model_load_s"],
+                      "first_token_matches": tok_pre == tok_kvc == cold_pre["token"] == cold_kvc["token"],
+                      "repeats": repeats, "torch_threads": torch.get_num_threads(), "cpu": cpu_summary()}
     if curve:
         log("sweeping the rate/quality curve (kvcodec presets and baselines) ...")
         res = run_curve(model, [text], max_tokens=max_tokens, continuation=continuation, methods=DEMO_METHODS,
@@ -102,8 +102,11 @@ def render(report: dict[str, Any]) -> str:
         f"verify     {report['verify']}",
         f"quality    KL {q['kl_mean']:.4f}, dPPL {q['dppl_percent']:+.2f} %, top-1 {q['top1_agreement']:.3f}, "
         f"greedy match {q['greedy_match']:.2f} ({q['continuation_tokens']} continuation tokens)",
-        f"TTFT       prefill {t['prefill_s'] * 1000:.0f} ms vs load .kvc + decode {t['kvc_s'] * 1000:.0f} ms "
+        f"TTFT warm  prefill {t['prefill_s'] * 1000:.0f} ms vs load .kvc + decode {t['kvc_s'] * 1000:.0f} ms "
         f"= {t['speedup']:.1f}x faster (first token {'identical' if t['first_token_matches'] else 'differs'})",
+        f"TTFT cold  prefill {t['cold_prefill_s'] * 1000:.0f} ms vs load .kvc + decode {t['cold_kvc_s'] * 1000:.0f} ms "
+        f"= {t['cold_speedup']:.1f}x faster (first call in a fresh process, after its {t['cold_model_load_s']:.1f} s model load)",
+        f"machine    {t['cpu']}; torch threads {t['torch_threads']}",
     ]
     if "curve" in report:
         lines.append(f"curve      {report['curve']['png']} ({report['curve']['json']})")

@@ -79,7 +79,7 @@ def test_ratio_one_equals_full_prefill(lm, pieces, chunk_caches):
     texts, query = pieces
     order = ["C", "A", "B"]
     ids = np.concatenate([texts[k] for k in order] + [query])
-    past, full_logits = prefill(lm, ids)
+    past, full_logits = prefill(lm, ids, logits_to_keep=0)
     res = blend(lm, [chunk_caches[k] for k in order], query, recompute_ratio=1.0, return_query_logits=True)
     assert np.array_equal(res.cache.token_ids, ids)
     assert res.next_position == len(ids)
@@ -117,7 +117,7 @@ def test_partial_blend_selects_queries_and_is_closer_than_naive(lm, pieces, chun
     order = ["B", "A", "C"]
     chunks = [chunk_caches[k] for k in order]
     n_ctx = sum(len(texts[k]) for k in order)
-    _, full_logits = prefill(lm, np.concatenate([texts[k] for k in order] + [query]))
+    _, full_logits = prefill(lm, np.concatenate([texts[k] for k in order] + [query]), logits_to_keep=0)
     ref = torch.log_softmax(full_logits[-1].double(), -1)
 
     def kl(logits):

@@ -95,7 +95,7 @@ def attention_scores(lm: Any, token_ids: np.ndarray, window: int | None = DEFAUL
         raise KvcInputError(f"the H2O query window must be >= 1, got {window}")
     ids = torch.as_tensor(np.asarray(token_ids, dtype=np.int64)).reshape(1, -1)
     with tapped(lm, _Collector(window, lm.fingerprint.num_kv_heads)) as col:
-        out = lm.model(input_ids=ids, use_cache=True)
+        out = lm.model(input_ids=ids, use_cache=True, logits_to_keep=1)
     return out.past_key_values, col.result(lm.fingerprint.num_layers)
 
 
@@ -254,8 +254,8 @@ def masked_prefill_logits(lm: Any, token_ids: np.ndarray, context_len: int, kept
     _STATE.masked = (context_len, visible)
     cfg._attn_implementation = MASKED_NAME
     try:
-        out = lm.model(input_ids=ids, use_cache=False)
+        out = lm.model(input_ids=ids, use_cache=False, logits_to_keep=torch.arange(context_len, ids.shape[1]))
     finally:
         cfg._attn_implementation = old
         _STATE.masked = None
-    return out.logits[0, context_len:].float()
+    return out.logits[0].float()

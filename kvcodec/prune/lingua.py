@@ -54,7 +54,7 @@ def segment_relevance(lm: Any, token_ids: np.ndarray, bounds: list[tuple[int, in
     for a, b in bounds:
         seg = torch.as_tensor(np.asarray(token_ids[a:b], dtype=np.int64))
         x = torch.cat([seg, q])[None]
-        logits = lm.model(input_ids=x, use_cache=False).logits[0, len(seg) - 1 : -1].float()
+        logits = lm.model(input_ids=x, use_cache=False, logits_to_keep=len(q) + 1).logits[0, :-1].float()
         lp = (logits.gather(1, q[:, None]).squeeze(1) - torch.logsumexp(logits, -1)).mean()
         out.append(float(lp))
     return np.asarray(out)

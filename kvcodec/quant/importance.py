@@ -71,7 +71,7 @@ def attention_importance(lm: Any, token_ids: np.ndarray, window: int | None = DE
     if ids.shape[1] == 0:
         raise KvcInputError("no tokens to score")
     with torch.inference_mode(), tapped(lm, _Collector(window)) as col:
-        lm.model(input_ids=ids, use_cache=False)
+        lm.model(input_ids=ids, use_cache=False, logits_to_keep=1)
     L = lm.fingerprint.num_layers
     src = col.a2 if squared else col.a1
     missing = [i for i in range(L) if i not in src]

@@ -1,0 +1,225 @@
+"""Calibration cost per phase, and quality of the presets with a new vs a reference calibration (issue 21).
+
+Builds the model's calibration with :func:`kvcodec.quant.calibrate.build_calibration`
+(timing each phase: corpus captures, moment accumulation, PCA, Fisher
+sensitivity), then encodes real 2048-token caches with each preset under both
+the new calibration and a reference calibration file (``--reference``, e.g. one
+built by an earlier version), and evaluates them against the exact cache on the
+following tokens with the library's evaluator (what ``kvc eval`` reports).
+Both calibrations are embedded in the encoded bytes (``calibration="embedded"``)
+so decoding needs no lookup; the bits/element column counts the `.kvc` without
+the embedded bases (what a file referencing the calibration externally holds).
+
+    python benchmarks/bench_calibration.py --reference OLD.safetensors --texts gpl3,lgpl21 --json out.json
+    python benchmarks/bench_calibration.py --model /path/to/hf-dir --texts ''     # cost for another model
+    python benchmarks/bench_calibration.py --new kvcodec/data/calibration/<id>.safetensors --reference OLD --rate-match
+
+``--new FILE`` evaluates that calibration instead of building one (no cost
+table). ``--rate-match`` also encodes with the new calibration at 0.85 x the
+preset's step0 and reports the new calibration's KL / dPPL interpolated (KL in
+log space, linearly in bits/element) at the reference's bits/element: presets
+land at slightly different rates under different calibrations, and quality is
+only comparable at equal rate.
+
+``--reference-cost`` also times, in the same run, the unit costs of the earlier
+recipe (one 2048-token prefill; one 128-token continuation forward over a
+2048-token cache, i.e. one noise probe) and reports its estimated total: 4
+prefills (3 corpus captures + the query-moment pass) + 2L + 1 probes, the PCA
+phase taken as measured for the new recipe.
+
+``--save PATH`` writes the new calibration file (the shipped one is built by
+scripts/build_calibration.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvcodec.capture import capture, tokenize  # noqa: E402
+from kvcodec.evaluate import continue_logits, evaluate, greedy  # noqa: E402
+from kvcodec.model import load_model  # noqa: E402
+from kvcodec.quant import calibrate as C  # noqa: E402
+from kvcodec.quant import presets as P  # noqa: E402
+from kvcodec.texts import load_text  # noqa: E402
+
+
+def load_reference(path: Path, fingerprint_id: str) -> C.Calibration:
+    """A calibration file of this model from any recipe or file version (v1 files predate fingerprint v2).
+
+    Read without the v2 loader's identity checks, which a v1 file cannot pass,
+    and bound to this model's id: the caller vouches that it is this model's.
+    """
+    from safetensors.numpy import load_file
+
+    t = load_file(str(path))
+    return C.Calibration(t["pca.basis"], t["pca.mean"], t["pca.eigval"], t["sens.kl_per_mse"],
+                         {"fingerprint_id": fingerprint_id, "reference": str(path)}, path)
+
+
+def reference_cost(lm, timings: dict[str, float], repeats: int = 2) -> dict[str, float]:
+    """Unit costs of both recipes measured now, side by side, and the earlier recipe's estimated total.
+
+    Earlier recipe: 4 prefills of 2048 tokens (3 corpus captures + the query-moment pass) + 2L + 1 noise
+    probes (a 128-token continuation over the 2048-token cache each). New recipe, for comparison at the
+    same moment: 3 prefills of 1024 tokens + the Fisher pass (one forward, SENS_SAMPLES backward passes).
+    The PCA/moment phases (no model passes) are added as measured for the new recipe when it was built.
+    """
+    ids = tokenize(lm.tokenizer, load_text("gpl3"))
+    t0 = time.perf_counter()
+    cache = capture(lm, token_ids=ids[:2048])
+    t_pre = time.perf_counter() - t0
+    cont = ids[2048:2048 + C.SENS_CONTINUATION]
+    probes = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        continue_logits(lm, cache, cont)
+        probes.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    small = capture(lm, token_ids=ids[:1024])
+    t_pre1k = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    C.measure_sensitivity(lm, small, ids[1024:1024 + C.SENS_CONTINUATION])
+    t_fisher = time.perf_counter() - t0
+    n = 2 * lm.fingerprint.num_layers + 1
+    probe = float(np.median(probes))
+    rest = timings.get("pca_s", 0.0) + timings.get("moments_s", 0.0)
+    out = {"prefill_2048_s": t_pre, "probe_s": probe, "probes": n, "captures_s": 4 * t_pre, "probes_s": n * probe,
+           "prefill_1024_s": t_pre1k, "fisher_s": t_fisher, "new_model_passes_s": 3 * t_pre1k + t_fisher}
+    out["total_s"] = out["captures_s"] + out["probes_s"] + rest
+    out["old_model_passes_s"] = out["captures_s"] + out["probes_s"]
+    return out
+
+
+def quality_rows(lm, cals: dict[str, C.Calibration], texts: list[str], presets: list[str], ctx: int, cont: int,
+                 rate_match: bool = False) -> list[dict]:
+    from kvcodec.quant.importance import cache_importance
+
+    rows = []
+    for name in texts:
+        ids = tokenize(lm.tokenizer, load_text(name))
+        cache = capture(lm, token_ids=ids[:ctx])
+        follow = ids[ctx : ctx + cont]
+        exact_logits = continue_logits(lm, cache, follow)
+        exact_greedy = greedy(lm, cache, int(follow[0]), 16)
+        imp = cache_importance(lm, cache, window=P.TOKENSCALE_DEFAULT["window"])
+        for preset in presets:
+            runs = [(label, cal, 1.0) for label, cal in cals.items()]
+            if rate_match:
+                runs.append(("new@0.85", cals["new"], 0.85))
+            for label, cal, scale in runs:
+                step0 = P.PRESETS[preset]["step0"] * scale
+                plan = P.get_plan(preset, cache, lm=lm, cal=cal, calibration="embedded", importance=imp, step0=step0)
+                data = P.encode_bytes(cache, plan)
+                emb = sum(a.nbytes for a in plan.attachments.values())
+                q = evaluate(lm, cache, P.decode_bytes(data), follow, exact_logits=exact_logits, exact_greedy=exact_greedy)
+                row = {"text": name, "preset": preset, "calibration": label,
+                       "bits_per_element": (len(data) - emb) * 8 / cache.num_elements, **q.to_json()}
+                rows.append(row)
+                print(json.dumps(row), file=sys.stderr, flush=True)
+    return rows
+
+
+def rate_matched(rows: list[dict]) -> list[dict]:
+    """The new calibration's KL (log-linear) and dPPL (linear) interpolated in bits/element at the reference's rate."""
+    out = []
+    for text in dict.fromkeys(r["text"] for r in rows):
+        for preset in dict.fromkeys(r["preset"] for r in rows):
+            got = {r["calibration"]: r for r in rows if r["text"] == text and r["preset"] == preset}
+            if not {"reference", "new", "new@0.85"} <= set(got):
+                continue
+            a, b, ref = got["new"], got["new@0.85"], got["reference"]
+            t = (ref["bits_per_element"] - a["bits_per_element"]) / (b["bits_per_element"] - a["bits_per_element"])
+            out.append({"text": text, "preset": preset, "bits_per_element": ref["bits_per_element"], "t": t,
+                        "kl_reference": ref["kl_mean"], "dppl_reference": ref["dppl_percent"],
+                        "kl_new": float(np.exp(np.log(a["kl_mean"]) + t * (np.log(b["kl_mean"]) - np.log(a["kl_mean"])))),
+                        "dppl_new": a["dppl_percent"] + t * (b["dppl_percent"] - a["dppl_percent"])})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--reference", default=None, help="reference calibration file to compare quality with")
+    ap.add_argument("--new", dest="new_file", default=None, help="evaluate this calibration file instead of building one")
+    ap.add_argument("--rate-match", action="store_true", help="also compare at the reference's bits/element (needs --reference)")
+    ap.add_argument("--texts", default="gpl3,lgpl21", help="evaluation texts (none: cost only)")
+    ap.add_argument("--presets", default="balanced,small")
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--continuation", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--save", default=None, help="write the new calibration here")
+    ap.add_argument("--reference-cost", action="store_true", help="time both recipes' model passes in this run")
+    ap.add_argument("--json", dest="json_out", default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lm = load_model(args.model)
+    cfg = lm.model.config.get_text_config()
+    timings: dict[str, float] = {}
+    if args.new_file:
+        cal = C.load_calibration_file(Path(args.new_file), lm.fingerprint.id)
+    else:
+        cal = C.build_calibration(lm, timings=timings)
+    params = sum(p.numel() for p in lm.model.parameters())
+    if timings:
+        print(f"\ncalibration of {args.model}: {params / 1e6:.0f}M parameters, {cfg.num_hidden_layers} layers, "
+              f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}")
+        print("| phase | seconds |\n|---|---|")
+        for k, v in timings.items():
+            print(f"| {k[:-2]} | {v:.1f} |")
+    ref_cost = reference_cost(lm, timings) if args.reference_cost else None
+    if ref_cost:
+        vs = (f" vs {timings['total_s']:.0f} s measured for the new recipe ({ref_cost['total_s'] / timings['total_s']:.1f}x)"
+              if timings else "")
+        print(f"\nearlier recipe, estimated from unit costs measured in this run: prefill of 2048 tokens "
+              f"{ref_cost['prefill_2048_s']:.1f} s, one noise probe {ref_cost['probe_s']:.1f} s -> "
+              f"{ref_cost['captures_s']:.0f} s captures + {ref_cost['probes_s']:.0f} s for {ref_cost['probes']} probes "
+              f"= {ref_cost['total_s']:.0f} s total{vs}")
+        print(f"model passes only, same moment: earlier recipe {ref_cost['old_model_passes_s']:.0f} s vs new recipe "
+              f"{ref_cost['new_model_passes_s']:.0f} s (3 prefills of 1024 tokens {3 * ref_cost['prefill_1024_s']:.0f} s + "
+              f"Fisher pass {ref_cost['fisher_s']:.0f} s): {ref_cost['old_model_passes_s'] / ref_cost['new_model_passes_s']:.1f}x")
+    if args.save:
+        C.write_calibration_file(cal, lm.fingerprint.id, Path(args.save))
+    cals = {"new": cal}
+    if args.reference:
+        cals["reference"] = load_reference(Path(args.reference), lm.fingerprint.id)
+        ref, new = np.log(cals["reference"].sensitivity.ravel()), np.log(cal.sensitivity.ravel())
+        print(f"\nsensitivity vs reference: corr(log) {np.corrcoef(ref, new)[0, 1]:.3f}, "
+              f"implied step ratio new/ref (after the presets' geometric-mean normalisation) "
+              f"{np.exp(-0.5 * ((new - new.mean()) - (ref - ref.mean()))).min():.2f} .. "
+              f"{np.exp(-0.5 * ((new - new.mean()) - (ref - ref.mean()))).max():.2f}")
+    texts = [t for t in args.texts.split(",") if t]
+    rows = quality_rows(lm, cals, texts, args.presets.split(","), args.tokens, args.continuation,
+                        rate_match=args.rate_match and "reference" in cals) if texts else []
+    if rows:
+        print(f"\n| text | preset | calibration | bits/el | KL | dPPL % | top-1 |\n|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['text']} | {r['preset']} | {r['calibration']} | {r['bits_per_element']:.3f} | {r['kl_mean']:.4f} | "
+                  f"{r['dppl_percent']:+.2f} | {r['top1_agreement']:.3f} |")
+    matched = rate_matched(rows) if args.rate_match else []
+    if matched:
+        print("\nat equal rate (new calibration interpolated to the reference's bits/element):\n")
+        print("| text | preset | bits/el | KL reference | KL new | dPPL % reference | dPPL % new |\n|---|---|---|---|---|---|---|")
+        for m in matched:
+            print(f"| {m['text']} | {m['preset']} | {m['bits_per_element']:.3f} | {m['kl_reference']:.4f} | {m['kl_new']:.4f} | "
+                  f"{m['dppl_reference']:+.2f} | {m['dppl_new']:+.2f} |")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"rate_matched": matched,
+            "model": args.model, "parameters": params, "layers": int(cfg.num_hidden_layers), "timings": timings,
+            "reference_cost": ref_cost, "torch_threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+            "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""``kvc calibrate``: build a model's codec calibration once, with progress."""
+
+from __future__ import annotations
+
+import click
+
+from .options import emit_json, json_option, model_option
+
+
+@click.command("calibrate")
+@model_option
+@click.option("--force", is_flag=True, help="Rebuild even if the model already has a calibration.")
+@json_option
+def calibrate_command(model, force, as_json) -> None:
+    """Build MODEL's PCA bases and sensitivities (the lossy presets need them; encode builds them on first use)."""
+    import time
+
+    from kvcodec.model import load_model
+    from kvcodec.quant.calibrate import build_calibration, load_calibration, save_calibration
+
+    lm = load_model(model)
+    fid = lm.fingerprint.id
+    cal = None if force else load_calibration(fid)
+    timings: dict[str, float] = {}
+    built = cal is None
+    if cal is None:
+        t0 = time.perf_counter()
+        cal = build_calibration(lm, timings=timings)
+        save_calibration(cal, fid)
+        timings.setdefault("total_s", time.perf_counter() - t0)
+    report = {"model": model, "fingerprint": fid, "path": str(cal.path), "built": built, "timings": timings}
+    if as_json:
+        emit_json(report)
+    elif built:
+        click.echo(f"calibrated {model} in {timings['total_s']:.0f} s -> {cal.path}")
+    else:
+        click.echo(f"{model} already has a calibration: {cal.path} (--force rebuilds it)")
+
+
+COMMANDS = [calibrate_command]
