@@ -16,6 +16,7 @@ run() { local name=$1; shift; if [ ${#sel[@]} -eq 0 ] || [[ " ${sel[*]} " == *" 
 run curve   $PY benchmarks/bench_curve.py --out benchmarks --capture-dir /tmp/kvc-cache --target-kl 1e-3 --threads 1
 run codec   $PY benchmarks/bench_codec.py --json "$R/codec.json"
 run ttft    $PY benchmarks/bench_ttft.py --tokens 1024,2048,4096,8192 --preset balanced --repeats 3 --threads 1 --json "$R/ttft.json"
+run llamacpp bash -c "bash .ci/llama.sh && $PY benchmarks/bench_llamacpp.py --tokens 2048 --threads 1 --repeats 3 --json $R/llamacpp.json"
 run speed   $PY benchmarks/bench_speed.py --tokens 4096 --repeat 5 --json
 run speed_model $PY benchmarks/bench_speed.py --tokens 4096 --repeat 5 --model --json
 run entropy $PY benchmarks/bench_entropy.py --real-kv 1024

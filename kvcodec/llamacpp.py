@@ -132,6 +132,98 @@ def to_llama_keys(k: np.ndarray, rope_type: int) -> np.ndarray:
     return np.ascontiguousarray(k.reshape(h, t, d).transpose(1, 0, 2)).reshape(t, h * d)
 
 
+def from_llama_keys(rows: np.ndarray, n_head_kv: int, rope_type: int) -> np.ndarray:
+    """Inverse of :func:`to_llama_keys`: llama.cpp K rows [T, H*D] -> HF keys [H, T, D]."""
+    t = rows.shape[0]
+    k = rows.reshape(t, n_head_kv, -1).transpose(1, 0, 2)
+    if rope_type == ROPE_NORM:
+        h, _, d = k.shape
+        k = k.reshape(h, t, d // 2, 2).swapaxes(2, 3).reshape(h, t, d)
+    return np.ascontiguousarray(k)
+
+
+def read_state(buf: bytes | bytearray | memoryview, shape: LlamaShape) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
+    """Parse an fp16 sequence state (``llama_state_seq_get_data``) into HF-layout K/V [H, T, D] per layer and positions.
+
+    The inverse of :func:`state_bytes`; every size is checked against the buffer.
+    """
+    mv = memoryview(buf).cast("B")
+
+    def take(fmt: str, off: int) -> tuple[tuple, int]:
+        n = struct.calcsize(fmt)
+        if off + n > len(mv):
+            raise KvcInputError("llama.cpp state is truncated")
+        return struct.unpack_from(fmt, mv, off), off + n
+
+    (n_stream, t), off = take("<II", 0)
+    if n_stream != 1 or t == 0:
+        raise KvcInputError(f"expected one stream with cells, got {n_stream} stream(s), {t} cells")
+    if off + 12 * t > len(mv):
+        raise KvcInputError("llama.cpp state is truncated")
+    meta = np.frombuffer(mv, dtype=[("pos", "<i4"), ("n", "<u4"), ("seq", "<i4")], count=t, offset=off)
+    if np.any(meta["n"] != 1):
+        raise KvcInputError("llama.cpp state cells belong to several sequences")
+    off += 12 * t
+    (v_trans, n_layer), off = take("<II", off)
+    hd = shape.n_head_kv * shape.head_dim
+    if n_layer != shape.n_layer or bool(v_trans) != shape.v_trans:
+        raise KvcInputError(f"llama.cpp state has {n_layer} layers, v_trans {v_trans}; the model {shape.n_layer}, {int(shape.v_trans)}")
+
+    def block(off: int, header: str, expect: tuple) -> tuple[np.ndarray, int]:
+        got, off = take(header, off)
+        if got != expect:
+            raise KvcInputError(f"llama.cpp state layer header {got} is not the fp16 {expect}")
+        if off + t * hd * 2 > len(mv):
+            raise KvcInputError("llama.cpp state is truncated")
+        return np.frombuffer(mv, dtype=np.float16, count=t * hd, offset=off), off + t * hd * 2
+
+    keys, values = [], []
+    for _ in range(n_layer):
+        a, off = block(off, "<iQ", (GGML_TYPE_F16, hd * 2))
+        keys.append(from_llama_keys(a.reshape(t, hd), shape.n_head_kv, shape.rope_type))
+    for _ in range(n_layer):
+        if shape.v_trans:
+            a, off = block(off, "<iII", (GGML_TYPE_F16, 2, hd))
+            rows = a.reshape(hd, t).T
+        else:
+            a, off = block(off, "<iQ", (GGML_TYPE_F16, hd * 2))
+            rows = a.reshape(t, hd)
+        values.append(np.ascontiguousarray(rows.reshape(t, shape.n_head_kv, shape.head_dim).transpose(1, 0, 2)))
+    if off != len(mv):
+        raise KvcInputError(f"llama.cpp state has {len(mv) - off} trailing bytes")
+    return keys, values, meta["pos"].astype(np.int64)
+
+
+def capture_llamacpp(llm: Any, token_ids: np.ndarray, identity: ModelFingerprint | None = None) -> Any:
+    """Prefill ``token_ids`` in llama.cpp (fp16 KV) and return its KV cache as a :class:`KVCache` (HF layout, fp16).
+
+    The cache carries the GGUF's fingerprint, so its `.kvc` loads back into
+    llama.cpp (and into the HF conversion of the same GGUF).
+    """
+    import torch
+
+    from .kvcache import KVCache
+
+    lc = _llama_cpp()
+    shape = LlamaShape.of(llm)
+    ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+    if ids.size == 0 or ids.size >= shape.n_ctx:
+        raise KvcInputError(f"need 1..{shape.n_ctx - 1} tokens for this llama.cpp context, got {ids.size}")
+    if shape.type_k != GGML_TYPE_F16 or shape.type_v != GGML_TYPE_F16:
+        raise KvcInputError("capture needs an fp16 KV cache")
+    lc.llama_memory_clear(lc.llama_get_memory(llm.ctx), True)
+    llm.n_tokens = 0
+    llm.eval(ids.tolist())
+    n = lc.llama_state_seq_get_size(llm.ctx, 0)
+    buf = (ctypes.c_uint8 * n)()
+    got = lc.llama_state_seq_get_data(llm.ctx, buf, n, 0)
+    keys, values, pos = read_state(memoryview(buf)[:got], shape)
+    if not np.array_equal(pos, np.arange(ids.size)):
+        raise KvcInputError("llama.cpp's sequence does not hold exactly these tokens at positions 0..n-1")
+    fp = identity or gguf_fingerprint(llm.model_path)
+    return KVCache([torch.from_numpy(k) for k in keys], [torch.from_numpy(v) for v in values], ids, fp, meta={"engine": "llama.cpp"})
+
+
 def state_bytes(reader: Any, shape: LlamaShape, backend: str | None = None) -> bytearray:
     """The sequence-state bytes of the whole `.kvc` for ``llama_state_seq_set_data`` (see the module doc)."""
     t = int(reader.header.num_tokens)
