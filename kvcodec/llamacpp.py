@@ -102,7 +102,8 @@ class LlamaShape:
         return cls(
             n_layer=lc.llama_model_n_layer(model), n_head_kv=lc.llama_model_n_head_kv(model),
             head_dim=lc.llama_model_n_embd(model) // n_head, n_vocab=lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model)),
-            n_ctx=llm.n_ctx(), rope_type=lc.llama_model_rope_type(model), v_trans=not bool(llm.context_params.flash_attn),
+            # llama.cpp may pad n_ctx; llama-cpp-python's token buffer keeps the size asked for
+            n_ctx=min(llm.n_ctx(), len(llm.input_ids)), rope_type=lc.llama_model_rope_type(model), v_trans=not bool(llm.context_params.flash_attn),
             type_k=int(llm.context_params.type_k), type_v=int(llm.context_params.type_v),
         )
 
