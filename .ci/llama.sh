@@ -2,7 +2,7 @@
 # Install llama-cpp-python into ./.venv: the llama.cpp anchor in benchmarks/bench_llamacpp.py
 # and the tests of the .kvc -> llama.cpp loader (kvcodec/llamacpp.py) need the real library.
 # PyPI ships it as source only: pip builds llama.cpp with cmake for this CPU (CPU backend,
-# GGML_NATIVE), ~15 min on 2 busy cores. So the wheel is built once per
+# GGML_NATIVE): 56 min measured on this 2-core box under heavy load. So the wheel is built once per
 # (version, Python, CPU flags) and kept under the user cache dir; later runs install it in seconds.
 # Idempotent; called by .ci/run after .ci/setup.
 set -euo pipefail
