@@ -9,7 +9,6 @@ is checked there, not the answer's sense).
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import pytest
