@@ -58,18 +58,9 @@ from kvcodec.format import KvcReader, encode_kvc_bytes, get_plan  # noqa: E402
 from kvcodec.hf import greedy_from, load_cache  # noqa: E402
 from kvcodec.llamacpp import gguf_fingerprint, load_kvc  # noqa: E402
 from kvcodec.model import _gguf_path, load_model  # noqa: E402
+from kvcodec.ttft import median_time  # noqa: E402
 
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8}  # ggml_type ids
-
-
-def median_time(fn, repeats: int) -> tuple[float, object]:
-    fn()
-    times, out = [], None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
 
 
 class Engine:
