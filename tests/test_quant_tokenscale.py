@@ -194,3 +194,35 @@ def test_token_multipliers_normalised_and_monotone():
     assert abs((ww * m * m).sum() / ww.sum() - 1) < 0.5  # equal weighted noise power (up to class rounding)
     order = np.argsort(ww)
     assert (np.diff(cls[order].astype(int)) <= 0).all()  # more important -> finer step
+
+
+# ------------------------------------------------------------------ merged pipelines (issue 18's bug)
+def test_equal_config_layers_keep_their_own_encoder_classes(small_cache):
+    """Layers whose pipelines share one config share one header entry, but each layer must be
+    encoded with its own stage object: ``tokenscale``'s token classes live outside the config.
+    Before the fix every merged layer was encoded with layer 0's classes (a silent quality loss)."""
+    from kvcodec.format import KvcReader, encode_kvc_bytes
+
+    L = small_cache.num_layers
+    T = small_cache.keys[0].shape[1]
+    table = np.array([1.0, 2.0, 4.0, 8.0], np.float32)
+
+    def make(layer: int) -> Pipeline:
+        st = TokenScaleStage(bits=2)
+        st.encoder_classes = ((np.arange(T) + layer) % 4).astype(np.uint8)  # a different class map per layer
+        st.encoder_table = table
+        return Pipeline([st, QuantizeStage(mode="step", step=0.05), RansStage(channel_group=8)])
+
+    objs = {(layer, kind): make(layer) for layer in range(L) for kind in ("k", "v")}
+    data = encode_kvc_bytes(small_cache, lambda layer, kind: objs[(layer, kind)], chunk_tokens=T)
+    with KvcReader(data) as r:
+        assert len(r.header.pipelines) == 1  # one config: merged in the header
+        got = r.read_cache()
+    for layer in (0, 1, L - 1):
+        for kind, src, dst in (("k", small_cache.keys, got.keys), ("v", small_cache.values, got.values)):
+            x = src[layer].float().numpy()
+            p = objs[(layer, kind)]
+            ctx = ChunkContext(layer=layer, kind=kind, token_start=0)
+            payload, sides, sizes = p.encode(x, ctx)
+            want = p.decode(payload, sides, sizes, ArraySpec(x.shape, "float32"), ctx)
+            np.testing.assert_array_equal(dst[layer].float().numpy(), want.astype(np.float32))

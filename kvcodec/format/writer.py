@@ -104,10 +104,21 @@ def _check_array_blob(name: str, arr: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np_le(arr.dtype.name))
 
 
-def _resolve_pipelines(pipelines: PipelineSpec, n_layers: int) -> tuple[list[Pipeline], dict[tuple[int, str], int]]:
+def _resolve_pipelines(
+    pipelines: PipelineSpec, n_layers: int,
+) -> tuple[list[Pipeline], dict[tuple[int, str], int], dict[tuple[int, str], Pipeline]]:
+    """The header's pipeline table (one entry per distinct config), each layer's table index, and
+    each layer's own pipeline object.
+
+    Why both: the table dedupes by config (what the file records and the decoder needs), but a
+    stage may carry encoder-only inputs outside its config (``tokenscale``'s per-layer token
+    classes). Encoding a layer with another layer's equal-config object would silently weight it
+    by that layer's classes, so every layer is encoded with the object its spec gave it.
+    """
     table: list[Pipeline] = []
     keys: dict[str, int] = {}
     ids: dict[tuple[int, str], int] = {}
+    objs: dict[tuple[int, str], Pipeline] = {}
     for layer in range(n_layers):
         for kind in ("k", "v"):
             p = pipelines(layer, kind) if callable(pipelines) and not isinstance(pipelines, Pipeline) else pipelines
@@ -120,9 +131,10 @@ def _resolve_pipelines(pipelines: PipelineSpec, n_layers: int) -> tuple[list[Pip
                 keys[key] = len(table)
                 table.append(p)
             ids[(layer, kind)] = keys[key]
+            objs[(layer, kind)] = p
     if len(table) > MAX_PIPELINES:
         raise KvcCodecError(f"{len(table)} distinct pipelines exceed the limit {MAX_PIPELINES}")
-    return table, ids
+    return table, ids, objs
 
 
 def write_kvc_stream(
@@ -165,7 +177,7 @@ def _write(
     biggest = max(h1 - h0 for h0, h1 in h_ranges) * max(t1 - t0 for t0, t1 in t_ranges) * max(fp.head_dims) * itemsize
     if biggest > MAX_CHUNK_DECODED_BYTES:
         raise KvcInputError(f"a chunk would hold {biggest} bytes (limit {MAX_CHUNK_DECODED_BYTES}); use chunk_tokens")
-    table, pid = _resolve_pipelines(pipelines, L)
+    table, pid, layer_pipeline = _resolve_pipelines(pipelines, L)
     if expect is not None:
         expect.pipelines = table
     merged_meta = dict(cache.meta)
@@ -239,7 +251,7 @@ def _write(
     entries: list[IndexEntry] = []
     for layer in range(L):
         for kind, tensor in (("k", cache.keys[layer]), ("v", cache.values[layer])):
-            p = table[pid[(layer, kind)]]
+            p = layer_pipeline[(layer, kind)]
             t = tensor.detach().cpu()
             if t.dtype == torch.bfloat16:
                 t = t.float()
