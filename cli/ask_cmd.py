@@ -29,6 +29,7 @@ def ask_command(model, docs, store_url, preset, namespace, max_new_tokens, no_st
     from kvcodec.format.presets import available_presets
     from kvcodec.knowledge import KnowledgeBase, read_docs
     from kvcodec.model import load_model
+    from kvcodec.warmup import prewarm
 
     if not blend and click.get_current_context().get_parameter_source("recompute_ratio") == click.core.ParameterSource.COMMANDLINE:
         raise KvcInputError("--recompute-ratio only applies with --blend")
@@ -41,6 +42,7 @@ def ask_command(model, docs, store_url, preset, namespace, max_new_tokens, no_st
     if not question.strip():
         raise KvcInputError("the question is empty")
     texts = read_docs(list(docs))
+    prewarm()  # the codec's one-time costs, paid while the model loads (kvcodec/warmup.py)
     kb = KnowledgeBase(load_model(model), store_url, preset=preset, namespace=namespace)
     if blend:
         ans = kb.ask_blended(texts, question, max_new_tokens=max_new_tokens, recompute_ratio=recompute_ratio,

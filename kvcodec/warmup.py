@@ -8,15 +8,38 @@ next to the sources; every later process only loads it. A user's first
 ``python -m kvcodec.warmup`` once. numba keys its cache on the argument types,
 so the warm-up runs the real encode and decode paths (every preset family, the
 HF lazy loader) on a small real cache of the embedded model, which also
-converts that model once.
+converts that model once. It also keeps one small `.kvc` per preset family in
+``cache_root()/warmup`` for :func:`prewarm`.
+
+:func:`prewarm` is the per-process half (issue 21). A fresh ``kvc ask`` pays,
+before its first token, for importing the codec stack (numba, the quant
+stages: about 1.5 s of CPU here) and for loading the cached kernels on the
+first layer decode (about 0.6 s). Neither depends on the entry being asked
+about, so the CLI starts :func:`prewarm` in a background thread before it
+loads the model (seconds): by the time ``ask`` opens the entry, those costs
+have been paid in parallel with the model load instead of in front of the
+first token.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
+import threading
 import time
+from pathlib import Path
 
 import numpy as np
+
+from .paths import cache_root
+
+log = logging.getLogger(__name__)
+PRESETS = ("lossless", "near-lossless", "balanced")  # small uses balanced's kernels
+
+
+def warmup_dir() -> Path:
+    """Where :func:`warm` keeps its small `.kvc` files for :func:`prewarm`."""
+    return cache_root() / "warmup"
 
 
 def warm(model: str = "smollm2", tokens: int = 64) -> dict[str, float]:
@@ -24,6 +47,7 @@ def warm(model: str = "smollm2", tokens: int = 64) -> dict[str, float]:
     import torch
 
     from .capture import capture
+    from .atomic import atomic_write_bytes, ensure_output_dir
     from .format import KvcReader, encode_kvc_bytes, get_plan
     from .hf import load_cache
     from .model import load_model
@@ -35,12 +59,14 @@ def warm(model: str = "smollm2", tokens: int = 64) -> dict[str, float]:
     out["model_s"] = time.perf_counter() - t0
     cache = capture(lm, text=load_text("gpl3"), max_tokens=tokens)
     q = np.asarray([int(cache.token_ids[-1])], np.int64)
-    for preset in ("lossless", "near-lossless", "balanced"):  # small uses balanced's kernels
+    ensure_output_dir(warmup_dir())
+    for preset in PRESETS:
         t1 = time.perf_counter()
         plan = get_plan(preset, cache, lm=lm)
         data = encode_kvc_bytes(cache, plan.pipelines, attachments=plan.attachments, preset=plan.preset)
         with KvcReader(data) as r:
             r.read_cache()
+        atomic_write_bytes(warmup_dir() / f"{preset}.kvc", data)
         loaded = load_cache(data, lm)
         with torch.inference_mode():
             lm.model(input_ids=torch.as_tensor(q)[None], past_key_values=loaded.cache,
@@ -48,6 +74,35 @@ def warm(model: str = "smollm2", tokens: int = 64) -> dict[str, float]:
         out[f"{preset}_s"] = time.perf_counter() - t1
     out["total_s"] = time.perf_counter() - t0
     return out
+
+
+def _prewarm_files(files: list[Path]) -> None:
+    try:
+        from .format import KvcReader  # the codec stack is imported by the first file's stages
+
+        for path in files:
+            with KvcReader(str(path)) as r:
+                for i in range(r.header.num_layers):
+                    r.read_layer(i)
+    except Exception as exc:  # an optimisation only: a missing calibration or a stale file costs speed, never output
+        log.debug("prewarm stopped: %s", exc)
+
+
+def prewarm() -> threading.Thread | None:
+    """Pay a fresh process's one-time decode costs in a background (daemon) thread.
+
+    Decodes the small `.kvc` files :func:`warm` left (importing the codec stack
+    and loading the compiled kernels as a side effect). Results are discarded,
+    and failures are logged at debug level only: the real decode redoes every
+    check. Returns the thread, or None when setup left no files.
+    """
+    d = warmup_dir()
+    files = [d / f"{p}.kvc" for p in PRESETS if (d / f"{p}.kvc").is_file()]
+    if not files:
+        return None
+    t = threading.Thread(target=_prewarm_files, args=(files,), name="kvc-prewarm", daemon=True)
+    t.start()
+    return t
 
 
 if __name__ == "__main__":  # python -m kvcodec.warmup
