@@ -52,7 +52,7 @@ BASELINE_FAMILIES = ("fp16", "fp16+zstd", "int8", "kivi", "cachegen")
 PEER_FAMILIES = ("hf-quanto", "hf-hqq")
 ALL_FAMILIES = ("kvcodec", "kvcodec-kl", *BASELINE_FAMILIES, *PEER_FAMILIES, "h2o")
 # not in "all": the lossy presets at their fixed step0 without the encode-time quality check
-EXTRA_FAMILIES = ("kvcodec-fixed",)
+EXTRA_FAMILIES = ("kvcodec-fixed", "kvcodec-embedded")
 DEFAULT_TARGET_KLS = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2)
 DEFAULT_H2O_BUDGETS = ("h2o:0.2", "h2o:0.35", "h2o:0.5", "h2o:0.75")
 CSV_FIELDS = (
@@ -124,8 +124,10 @@ def _baseline(name: str) -> Callable[[Any, TextCase], tuple[KVCache, Any]]:
     return build
 
 
-def _preset(name: str, guard: bool = True) -> Callable[[Any, TextCase], tuple[KVCache, Any]]:
+def _preset(name: str, guard: bool = True, embedded: bool = False) -> Callable[[Any, TextCase], tuple[KVCache, Any]]:
     def build(lm: Any, case: TextCase) -> tuple[KVCache, Any]:
+        if embedded:  # the calibration travels inside the file (self-contained; its bytes are in file_bytes)
+            return case.cache, quant_presets.get_plan(name, case.cache, lm=lm, calibration="embedded")
         if not guard:  # the preset's fixed step0, no encode-time quality check (what issue 15 measured)
             return case.cache, quant_presets.get_plan(name, case.cache, lm=lm, guard=False)
         return case.cache, codec_plan(name, case.cache, lm=lm)
@@ -202,7 +204,8 @@ def select_methods(selected: list[str] | None = None, target_kls: list[float] | 
             out.methods.append(m)
 
     bl_family = {"fp16": ["fp16"], "fp16+zstd": ["fp16+zstd"], "int8": ["int8"], "kivi": ["kivi2", "kivi4"],
-                 "cachegen": ["cachegen-lo", "cachegen", "cachegen-hi"]}
+                 "cachegen": ["cachegen-lo", "cachegen", "cachegen-hi", "cachegen-ctx-lo", "cachegen-ctx", "cachegen-ctx-hi"],
+                 "kivi-window": ["kivi2-window", "kivi4-window"]}
     bl_of = {name: fam for fam, names in bl_family.items() for name in names}
     for s in sel:
         if s in bl_family:
@@ -233,6 +236,12 @@ def select_methods(selected: list[str] | None = None, target_kls: list[float] | 
             for sp in specs:
                 add(Method(fam, sp.name, None, roundtrip=_hf_quant(sp.name),
                            note="real library (transformers QuantizedCache); bits = codes + 16-bit scales/zeros"))
+        elif s == "kvcodec-embedded" or s.startswith("kvcodec-embedded:"):
+            for n in list(quant_presets.PRESETS) if s == "kvcodec-embedded" else [s.split(":", 1)[1]]:
+                if n not in quant_presets.PRESETS:
+                    raise KvcInputError(f"kvcodec-embedded: {n!r} is not a lossy preset ({', '.join(quant_presets.PRESETS)})")
+                add(Method("kvcodec-embedded", n, _preset(n, embedded=True),
+                           note="calibration embedded in the file (its bytes are charged to this one file)"))
         elif s == "kvcodec-kl":
             for kl in target_kls or DEFAULT_TARGET_KLS:
                 add(Method("kvcodec-kl", f"kl<={kl:g}", _target(float(kl)),
@@ -295,6 +304,13 @@ def kv_elements(cache: KVCache) -> int:
     return 2 * fp.num_kv_heads * sum(fp.head_dims) * cache.num_context_tokens
 
 
+def charged_bits(row: dict[str, Any], store_docs: int = 1) -> float:
+    """bits/element of a row with its external (per-model) calibration charged: all to this file
+    (``store_docs=1``) or amortised over a store of ``store_docs`` documents of this size."""
+    ext = int(row.get("external_bytes") or 0)
+    return float(row["bits_per_element"]) + ext * 8.0 / store_docs / int(row["kv_elements"])
+
+
 def rate_fields(file_bytes: int, cache: KVCache) -> dict[str, float]:
     bpe = file_bytes * 8 / kv_elements(cache)
     return {"bits_per_element": bpe, "ratio_vs_fp16": 16.0 / bpe, "file_bytes": int(file_bytes), "kv_elements": kv_elements(cache)}
@@ -347,6 +363,9 @@ def measure(lm: Any, case: TextCase, method: Method, workdir: str | os.PathLike,
     row: dict[str, Any] = {"text": case.name, "family": method.family, "method": method.setting}
     row.update(rate_fields(size, case.cache))
     row["external_bytes"] = external_bytes(plan)
+    guard = (getattr(plan, "params", None) or {}).get("guard")
+    if guard is not None:  # the encode-time quality check: every step0 tried, its bytes and probe quality
+        row["guard"] = guard
     row.update(q.to_json())
     row.update(context_tokens=case.cache.num_context_tokens, stored_tokens=decoded.num_tokens,
                encode_s=round(t_enc, 3), decode_s=round(t_dec, 3), eval_s=round(t_eval, 3))

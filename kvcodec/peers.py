@@ -17,10 +17,13 @@ favour where a choice exists:
   them in fp32, which would charge them double);
 * nothing for tensor headers or Python objects.
 
-Axes: HF's defaults (``axis_key=0, axis_value=0``: groups of ``group``
-consecutive channels of one token for quanto) and KIVI's (keys per channel,
-grouped along tokens; values per token): quanto ``axis_key=-1, axis_value=0``,
-HQQ ``axis_key=0, axis_value=1`` (HQQ's axis numbering is its own).
+Axes ``hf``: what HF's KV-cache documentation recommends, quanto
+``axis_key=axis_value=0`` and HQQ ``axis_key=axis_value=1`` (both: groups of
+``group`` consecutive channels of one token; HQQ's constructor default 0
+groups elements strided across the tensor, a weaker setting we do not use).
+Axes ``kivi``: KIVI's (keys per channel, values per token): quanto
+``axis_key=-1, axis_value=0`` (key groups of ``group`` consecutive tokens of
+one channel), HQQ ``axis_key=0, axis_value=1``.
 
 A missing library is reported with a reason (:func:`available`), never faked.
 """
@@ -40,7 +43,7 @@ BACKENDS = ("quanto", "hqq")
 # (axis_key, axis_value) per backend for HF's default axes and for KIVI's axes.
 AXES: dict[str, dict[str, tuple[int, int]]] = {
     "quanto": {"hf": (0, 0), "kivi": (-1, 0)},
-    "hqq": {"hf": (0, 0), "kivi": (0, 1)},
+    "hqq": {"hf": (1, 1), "kivi": (0, 1)},
 }
 PACKAGE = {"quanto": "optimum.quanto", "hqq": "hqq"}
 PIP = {"quanto": "optimum-quanto==0.2.7", "hqq": "hqq==0.2.8.post1"}
