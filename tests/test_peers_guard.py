@@ -55,17 +55,17 @@ def test_guard_meets_a_target_the_fixed_knob_misses(lm, stdio_cache):
     assert m["dppl_percent"] <= target.margin * target.dppl_percent
 
 
-@pytest.mark.model
-def test_presets_are_guarded_with_the_model_and_unchanged_without(lm, stdio_cache):
-    from kvcodec.quant.presets import PRESET_TARGETS, PRESETS, get_plan
+def test_presets_are_guarded_with_the_model_and_unchanged_without(monkeypatch, small_cache):
+    """get_plan routes a lossy preset through the guard exactly when it has the model and no explicit step0."""
+    from kvcodec.quant import presets
 
-    plan = get_plan("balanced", stdio_cache, lm=lm)
-    g = plan.params["guard"]
-    t = PRESET_TARGETS["balanced"]
-    assert g["checked"] and g["tries"][-1]["kl_mean"] <= t.margin * t.kl
-    assert plan.params["step0"] <= PRESETS["balanced"]["step0"]
-    assert "guard" not in get_plan("balanced", stdio_cache).params  # no model: the golden-vector path
-    assert get_plan("balanced", stdio_cache, lm=lm, step0=0.5).params["step0"] == 0.5  # an explicit knob is the caller's
+    calls = []
+    monkeypatch.setattr(presets, "guarded_plan", lambda cache, lm, name, args, target: calls.append((name, args["step0"], target)) or "guarded")
+    assert presets.get_plan("balanced", small_cache, lm=object()) == "guarded"
+    assert calls == [("balanced", presets.PRESETS["balanced"]["step0"], presets.PRESET_TARGETS["balanced"])]
+    assert "guard" not in presets.get_plan("balanced", small_cache).params  # no model: the golden-vector path
+    assert presets.get_plan("balanced", small_cache, step0=0.5).params["step0"] == 0.5
+    assert len(calls) == 1
 
 
 @pytest.mark.model
