@@ -14,9 +14,19 @@ measures the file it is about to write instead of trusting the knob:
    file's bytes give a reader);
 3. compare with the exact prefix on the same probe: mean KL, ΔPPL and, where
    the target asks for it, the greedy continuation;
-4. accept when every measure is within ``margin`` x the target (the margin
-   absorbs the difference between the probe and the continuation a reader
-   will actually ask about); otherwise shrink ``step0`` and repeat.
+4. accept when the probe's KL is within ``margin`` x the target and an
+   upper confidence bound on ΔPPL is within the target; otherwise shrink
+   ``step0`` and repeat.
+
+Why a bound and not a margin on ΔPPL: ΔPPL on a continuation is the mean of
+per-token log-likelihood differences, whose spread (about sqrt(2 KL) per
+token) makes a 256-token ΔPPL swing by ~0.5 % at balanced's KL whatever the
+codec does (issue 15's held-out run: probe ΔPPL within half the target,
+continuation +1.05 %). So the probe's per-token differences d_t give
+``mean(d) + z * std(d) / sqrt(REF_TOKENS)``: the ΔPPL a ``REF_TOKENS``-token
+continuation of similar text would exceed with probability ~2 % (z = 2,
+normal approximation). It is a statistical bound, not a proof: a
+continuation unlike the document's own tail can still do worse.
 
 The first acceptable ``step0`` is the largest tried, so a text the preset
 already suits pays one probe (no extra bits), and a hard text pays bits
@@ -35,6 +45,8 @@ import numpy as np
 from ..errors import KvcCodecError
 
 PROBE_TOKENS = 256  # probe continuation length (tokens inside the context)
+REF_TOKENS = 256  # continuation length the ΔPPL promise is stated for (kvc eval's default)
+Z = 2.0  # one-sided normal quantile of the ΔPPL bound (~2.3 % exceedance)
 MIN_PROBE_TOKENS = 16  # a shorter context is encoded at the preset's knob, unchecked (reported as such)
 SHRINK = 0.75  # step0 factor per failed try
 MAX_TRIES = 10  # 0.75^9 = 0.075: from balanced's knob down past near-lossless's
@@ -47,7 +59,7 @@ class QualityTarget:
     kl: float
     dppl_percent: float
     greedy_tokens: int = 0  # >0: that many greedy tokens must be identical to the exact cache's
-    margin: float = 0.5  # the probe must meet margin x kl and margin x dppl_percent
+    margin: float = 0.5  # the probe must meet margin x kl (ΔPPL: a confidence bound, see the module docstring)
 
 
 def prefix_cache(cache: Any, n: int) -> Any:
@@ -93,22 +105,34 @@ def guarded_plan(cache: Any, lm: Any, preset: str, args: dict[str, Any], target:
         plan = transform_plan(cache, step0, cal=cal, lm=lm, preset=preset, **args)
         data = encode_bytes(cache, plan)
         dec = prefix_cache(decode_bytes(data), T - n)
-        m = compare_logits(exact_logits, continue_logits(lm, dec, probe), probe)
+        dec_logits = continue_logits(lm, dec, probe)
+        m = compare_logits(exact_logits, dec_logits, probe)
+        bound = dppl_bound(exact_logits, dec_logits, probe)
         same = True
         if target.greedy_tokens:
             same = greedy(lm, dec, int(probe[0]), target.greedy_tokens) == exact_greedy
-        ok = (m["kl_mean"] <= target.margin * target.kl and m["dppl_percent"] <= target.margin * target.dppl_percent
-              and same)
+        ok = m["kl_mean"] <= target.margin * target.kl and bound <= target.dppl_percent and same
         tries.append({"step0": step0, "bytes": len(data), "kl_mean": m["kl_mean"], "dppl_percent": m["dppl_percent"],
-                      "greedy_identical": same if target.greedy_tokens else None, "ok": ok})
+                      "dppl_bound_percent": bound, "greedy_identical": same if target.greedy_tokens else None, "ok": ok})
         if verbose:
             print(f"guard {preset}: step0={step0:.4g} bytes={len(data)} kl={m['kl_mean']:.3g} "
-                  f"dppl={m['dppl_percent']:+.3f}% greedy={same} ok={ok}", flush=True)
+                  f"dppl={m['dppl_percent']:+.3f}% bound={bound:+.3f}% greedy={same} ok={ok}", flush=True)
         if ok:
             plan.params["guard"] = {"checked": True, "target": asdict(target), "probe_tokens": n, "tries": tries,
                                     "check_s": round(time.perf_counter() - t_start, 3)}
             return plan
         step0 *= SHRINK
     raise KvcCodecError(f"preset {preset}: no step0 down to {step0 / SHRINK:.3g} met its quality target "
-                        f"(KL <= {target.margin * target.kl:g}, dPPL <= {target.margin * target.dppl_percent:g} % "
+                        f"(KL <= {target.margin * target.kl:g}, dPPL bound <= {target.dppl_percent:g} % "
                         f"on the context's last {n} tokens)")
+
+
+def dppl_bound(exact_logits: Any, dec_logits: Any, tokens: np.ndarray, z: float = Z, ref_tokens: int = REF_TOKENS) -> float:
+    """Upper bound (%) on the ΔPPL of a ``ref_tokens``-token continuation like ``tokens``: exp(mean + z sem) - 1."""
+    import torch
+
+    tgt = torch.as_tensor(np.asarray(tokens[1:], np.int64))[:, None]
+    d = (torch.log_softmax(exact_logits[:-1].double(), -1).gather(1, tgt)
+         - torch.log_softmax(dec_logits[:-1].double(), -1).gather(1, tgt))[:, 0]  # nll_decoded - nll_exact per token
+    sem = float(d.std()) / float(np.sqrt(ref_tokens)) if d.numel() > 1 else 0.0
+    return 100.0 * float(np.expm1(float(d.mean()) + z * sem))
