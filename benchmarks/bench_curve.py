@@ -149,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--capture-dir", default=None, help="exact captures cache [$KVCODEC_CACHE/captures]")
     ap.add_argument("--quick", action="store_true", help="512-token contexts, fewer methods")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--report-from", default=None,
+                    help="comma-separated curve.json files of earlier runs (same model and settings): merge their rows "
+                         "and write the report without measuring anything")
     a = ap.parse_args(argv)
 
     import torch
@@ -165,12 +168,18 @@ def main(argv: list[str] | None = None) -> int:
     if a.quick:
         max_tokens, methods = 512, "kvcodec,fp16,int8,kivi,cachegen"
     t0 = time.perf_counter()
-    res = run_curve(
-        a.model, texts, max_tokens=max_tokens, continuation=a.continuation, methods=methods.split(","),
-        target_kls=[float(x) for x in a.target_kl.split(",") if x.strip()],
-        json_out=out / "curve.json", capture_dir=a.capture_dir or "default", progress=not a.no_progress,
-    )
-    wall = time.perf_counter() - t0
+    if a.report_from:
+        parts = [json.loads(Path(f).read_text()) for f in a.report_from.split(",")]
+        res = dict(parts[0], rows=[r for p in parts for r in p["rows"]], notes=sorted({n for p in parts for n in p["notes"]}))
+        res["settings"] = dict(parts[0]["settings"], texts=list(dict.fromkeys(r["text"] for r in res["rows"])))
+        wall = sum(p.get("bench", {}).get("wall_s", 0.0) for p in parts)
+    else:
+        res = run_curve(
+            a.model, texts, max_tokens=max_tokens, continuation=a.continuation, methods=methods.split(","),
+            target_kls=[float(x) for x in a.target_kl.split(",") if x.strip()],
+            json_out=out / "curve.json", capture_dir=a.capture_dir or "default", progress=not a.no_progress,
+        )
+        wall = time.perf_counter() - t0
     write_csv(res["rows"], out / "curve.csv")
     plot_curve(res, out / "curve.png")
     every = peers_vs_kvcodec(res["rows"])
@@ -178,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     res["peers_vs_kvcodec"], res["best_peer_ratios"] = every, ratios
     res["bench"] = {"wall_s": round(wall, 1), "threads": a.threads, "note": "measured on a shared 2-core machine; timings are noisy"}
     atomic_write_text(out / "curve.json", json.dumps(res, indent=2, sort_keys=True, default=float) + "\n")
+    max_tokens = res["settings"].get("max_tokens", max_tokens)
     md = [f"# kvcodec vs peers: {a.model}, {max_tokens}-token contexts, {a.continuation}-token continuations", "",
           "bits/elem = real .kvc file bytes x 8 / K+V elements of the full context (real peers: codes + 16-bit "
           "scales/zeros as the library stores them); KL = mean KL(exact || decoded) "
