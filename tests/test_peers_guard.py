@@ -85,3 +85,19 @@ def test_real_peer_bits_and_roundtrip(real_cache, name):
         assert a.shape == b.shape and not np.array_equal(a.numpy(), b.numpy())
         rng = float(a.abs().max())
         assert float((a - b).abs().max()) <= rng * (1.0 if spec.nbits == 2 else 0.25)
+
+
+def test_peer_families_are_selected_or_skipped_with_a_reason(monkeypatch):
+    """Real peers run when their library is installed; a missing one is a printed note, never a faked row."""
+    from kvcodec import peers
+    from kvcodec.curve import select_methods
+
+    got = select_methods(["hf-quanto", "hf-hqq:hqq4-g64-kivi"])
+    for backend, n in (("quanto", 8), ("hqq", 1)):
+        ms = [m for m in got.methods if m.family == f"hf-{backend}"]
+        if peers.available(backend) is None:
+            assert len(ms) == n and all(m.roundtrip is not None and m.build is None for m in ms)
+    monkeypatch.setattr(peers, "available", lambda backend: f"{backend} is not installed")
+    got = select_methods(["hf-quanto", "hf-hqq", "int8"])
+    assert [m.key for m in got.methods] == ["int8/int8"]
+    assert got.notes == ["hf-quanto skipped: quanto is not installed", "hf-hqq skipped: hqq is not installed"]
