@@ -42,7 +42,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import KvcCodecError
+import logging
+
+log = logging.getLogger("kvcodec.guard")
 
 PROBE_TOKENS = 256  # probe continuation length (tokens inside the context)
 REF_TOKENS = 256  # continuation length the ΔPPL promise is stated for (kvc eval's default)
@@ -101,7 +103,7 @@ def guarded_plan(cache: Any, lm: Any, preset: str, args: dict[str, Any], target:
 
         args["importance"] = cache_importance(lm, cache, window={**TOKENSCALE_DEFAULT, **args["tokenscale"]}["window"])
     tries: list[dict[str, Any]] = []
-    for _ in range(MAX_TRIES):
+    for i in range(MAX_TRIES):
         plan = transform_plan(cache, step0, cal=cal, lm=lm, preset=preset, **args)
         data = encode_bytes(cache, plan)
         dec = prefix_cache(decode_bytes(data), T - n)
@@ -117,14 +119,16 @@ def guarded_plan(cache: Any, lm: Any, preset: str, args: dict[str, Any], target:
         if verbose:
             print(f"guard {preset}: step0={step0:.4g} bytes={len(data)} kl={m['kl_mean']:.3g} "
                   f"dppl={m['dppl_percent']:+.3f}% bound={bound:+.3f}% greedy={same} ok={ok}", flush=True)
-        if ok:
-            plan.params["guard"] = {"checked": True, "target": asdict(target), "probe_tokens": n, "tries": tries,
-                                    "check_s": round(time.perf_counter() - t_start, 3)}
+        if ok or i == MAX_TRIES - 1:
+            plan.params["guard"] = {"checked": True, "met": ok, "target": asdict(target), "probe_tokens": n,
+                                    "tries": tries, "check_s": round(time.perf_counter() - t_start, 3)}
+            if not ok:  # e.g. a near-tie in the probe's greedy tokens that no step flips back: best effort, said so
+                log.warning(f"preset {preset}: no step0 down to {step0:.3g} met its quality target on the context's last "
+                            f"{n} tokens (KL <= {target.margin * target.kl:g}, dPPL bound <= {target.dppl_percent:g} %"
+                            f"{', identical greedy tokens' if target.greedy_tokens else ''}); encoded at that step")
             return plan
         step0 *= SHRINK
-    raise KvcCodecError(f"preset {preset}: no step0 down to {step0 / SHRINK:.3g} met its quality target "
-                        f"(KL <= {target.margin * target.kl:g}, dPPL bound <= {target.dppl_percent:g} % "
-                        f"on the context's last {n} tokens)")
+    raise AssertionError("unreachable")
 
 
 def dppl_bound(exact_logits: Any, dec_logits: Any, tokens: np.ndarray, z: float = Z, ref_tokens: int = REF_TOKENS) -> float:
