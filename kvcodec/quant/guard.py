@@ -1,4 +1,4 @@
-"""Quality targets that hold by construction: a per-file check on the real model at encode time.
+"""Quality targets checked on every file: a per-file probe on the real model at encode time (a statistical bound, not a proof).
 
 A preset's fixed rate knob (``step0``) was tuned on a few texts; on a text it
 has never seen it can miss its promise (issue 15: ``balanced`` gave ΔPPL
