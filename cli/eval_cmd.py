@@ -64,8 +64,10 @@ def _floats(ctx: click.Context, param: click.Parameter, value: str | None) -> li
 @click.option("--max-tokens", type=int, default=2048, show_default=True, help="Context tokens per text.")
 @click.option("--continuation", type=int, default=256, show_default=True, help="Continuation tokens scored per text.")
 @click.option("--methods", default="all", show_default=True,
-              help="Comma-separated families (kvcodec, kvcodec-kl, fp16, fp16+zstd, int8, kivi, cachegen, h2o) "
-                   "or settings (kivi2, cachegen-hi, kvcodec:NAME, h2o:0.25).")
+              help="Comma-separated families (kvcodec, kvcodec-kl, fp16, fp16+zstd, int8, kivi, cachegen, h2o, "
+                   "real peers hf-quanto and hf-hqq; not in 'all': kvcodec-fixed, kvcodec-embedded, kivi-window) "
+                   "or settings (kivi2, cachegen-ctx, kvcodec:NAME, hf-quanto:quanto4-g32-kivi, h2o:0.25). "
+                   "Texts: names from kvcodec.texts (HELD_OUT: never tuned on) or paths.")
 @click.option("--target-kl", "target_kl", callback=_floats, default=None,
               help="Comma-separated KL targets for the kvcodec-kl family (if the codec has plan_for_target).")
 @click.option("--h2o", "h2o_budgets", default=None, help="Semicolon-separated H2O budgets for the h2o family [default: h2o:0.2;h2o:0.35;h2o:0.5;h2o:0.75].")

@@ -43,11 +43,16 @@ from .format import KvcReader, write_kvc
 from .format import presets as format_presets
 from .kvcache import KVCache, token_ids_sha256
 from .quant import presets as quant_presets
+from .quant.guard import prefix_cache
 
 PLOT_FORMATS = (".png", ".svg", ".pdf")  # what --plot writes (matplotlib backends without extra deps)
 SCHEMA = "kvcodec-curve/1"
 BASELINE_FAMILIES = ("fp16", "fp16+zstd", "int8", "kivi", "cachegen")
-ALL_FAMILIES = ("kvcodec", "kvcodec-kl", *BASELINE_FAMILIES, "h2o")
+# real peer libraries (kvcodec/peers.py): run their own code, skipped with a reason when not installed
+PEER_FAMILIES = ("hf-quanto", "hf-hqq")
+ALL_FAMILIES = ("kvcodec", "kvcodec-kl", *BASELINE_FAMILIES, *PEER_FAMILIES, "h2o")
+# not in "all": the lossy presets at their fixed step0 without the encode-time quality check
+EXTRA_FAMILIES = ("kvcodec-fixed", "kvcodec-embedded")
 DEFAULT_TARGET_KLS = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2)
 DEFAULT_H2O_BUDGETS = ("h2o:0.2", "h2o:0.35", "h2o:0.5", "h2o:0.75")
 CSV_FIELDS = (
@@ -94,8 +99,10 @@ class Method:
     family: str
     setting: str
     # (lm, case) -> (cache to encode, plan with .pipelines/.attachments/.preset[/.chunk_tokens])
-    build: Callable[[Any, TextCase], tuple[KVCache, Any]]
+    build: Callable[[Any, TextCase], tuple[KVCache, Any]] | None
     note: str = ""
+    # peers that are not .kvc encoders: (lm, case) -> (the cache the peer attends to, bits it stores)
+    roundtrip: Callable[[Any, TextCase], tuple[KVCache, int]] | None = None
 
     @property
     def key(self) -> str:
@@ -117,20 +124,18 @@ def _baseline(name: str) -> Callable[[Any, TextCase], tuple[KVCache, Any]]:
     return build
 
 
-def _preset(name: str) -> Callable[[Any, TextCase], tuple[KVCache, Any]]:
+def _preset(name: str, guard: bool = True, embedded: bool = False) -> Callable[[Any, TextCase], tuple[KVCache, Any]]:
     def build(lm: Any, case: TextCase) -> tuple[KVCache, Any]:
+        if embedded:  # the calibration travels inside the file (self-contained; its bytes are in file_bytes)
+            return case.cache, quant_presets.get_plan(name, case.cache, lm=lm, calibration="embedded")
+        if not guard:  # the preset's fixed step0, no encode-time quality check (what issue 15 measured)
+            return case.cache, quant_presets.get_plan(name, case.cache, lm=lm, guard=False)
         return case.cache, codec_plan(name, case.cache, lm=lm)
 
     return build
 
 
 TUNE_TOKENS = 256
-
-
-def prefix_cache(cache: KVCache, n: int) -> KVCache:
-    """The exact cache of the first ``n`` context tokens (a causal model's KV prefix is the prefix's KV)."""
-    return KVCache([k[:, :n].contiguous() for k in cache.keys], [v[:, :n].contiguous() for v in cache.values],
-                   cache.token_ids[:n], cache.fingerprint, None, dict(cache.meta))
 
 
 def _target(kl: float) -> Callable[[Any, TextCase], tuple[KVCache, Any]]:
@@ -154,6 +159,15 @@ def _target(kl: float) -> Callable[[Any, TextCase], tuple[KVCache, Any]]:
         return c, plan
 
     return build
+
+
+def _hf_quant(name: str) -> Callable[[Any, TextCase], tuple[KVCache, int]]:
+    def roundtrip(lm: Any, case: TextCase) -> tuple[KVCache, int]:
+        from .peers import HFQuantSpec, hf_quantized_roundtrip
+
+        return hf_quantized_roundtrip(case.cache, HFQuantSpec.parse(name))
+
+    return roundtrip
 
 
 def _h2o(spec: str) -> Callable[[Any, TextCase], tuple[KVCache, Any]]:
@@ -190,7 +204,8 @@ def select_methods(selected: list[str] | None = None, target_kls: list[float] | 
             out.methods.append(m)
 
     bl_family = {"fp16": ["fp16"], "fp16+zstd": ["fp16+zstd"], "int8": ["int8"], "kivi": ["kivi2", "kivi4"],
-                 "cachegen": ["cachegen-lo", "cachegen", "cachegen-hi"]}
+                 "cachegen": ["cachegen-lo", "cachegen", "cachegen-hi", "cachegen-ctx-lo", "cachegen-ctx", "cachegen-ctx-hi"],
+                 "kivi-window": ["kivi2-window", "kivi4-window"]}
     bl_of = {name: fam for fam, names in bl_family.items() for name in names}
     for s in sel:
         if s in bl_family:
@@ -201,6 +216,32 @@ def select_methods(selected: list[str] | None = None, target_kls: list[float] | 
         elif s == "kvcodec" or s.startswith("kvcodec:"):
             for n in codec_presets() if s == "kvcodec" else [s.split(":", 1)[1]]:
                 add(Method("kvcodec", n, _preset(n)))
+        elif s == "kvcodec-fixed" or s.startswith("kvcodec-fixed:"):
+            for n in list(quant_presets.PRESETS) if s == "kvcodec-fixed" else [s.split(":", 1)[1]]:
+                if n not in quant_presets.PRESETS:
+                    raise KvcInputError(f"kvcodec-fixed: {n!r} is not a lossy preset ({', '.join(quant_presets.PRESETS)})")
+                add(Method("kvcodec-fixed", n, _preset(n, guard=False),
+                           note="the preset's fixed step0, without the encode-time quality check"))
+        elif s in PEER_FAMILIES or s.split(":", 1)[0] in PEER_FAMILIES:
+            from .peers import DEFAULT_SPECS, HFQuantSpec, available
+
+            fam = s.split(":", 1)[0]
+            backend = fam.removeprefix("hf-")
+            reason = available(backend)
+            if reason is not None:
+                if not any(backend in n for n in out.notes):
+                    out.notes.append(f"{fam} skipped: {reason}")
+                continue
+            specs = [sp for sp in DEFAULT_SPECS if sp.backend == backend] if ":" not in s else [HFQuantSpec.parse(s.split(":", 1)[1])]
+            for sp in specs:
+                add(Method(fam, sp.name, None, roundtrip=_hf_quant(sp.name),
+                           note="real library (transformers QuantizedCache); bits = codes + 16-bit scales/zeros"))
+        elif s == "kvcodec-embedded" or s.startswith("kvcodec-embedded:"):
+            for n in list(quant_presets.PRESETS) if s == "kvcodec-embedded" else [s.split(":", 1)[1]]:
+                if n not in quant_presets.PRESETS:
+                    raise KvcInputError(f"kvcodec-embedded: {n!r} is not a lossy preset ({', '.join(quant_presets.PRESETS)})")
+                add(Method("kvcodec-embedded", n, _preset(n, embedded=True),
+                           note="calibration embedded in the file (its bytes are charged to this one file)"))
         elif s == "kvcodec-kl":
             for kl in target_kls or DEFAULT_TARGET_KLS:
                 add(Method("kvcodec-kl", f"kl<={kl:g}", _target(float(kl)),
@@ -263,6 +304,13 @@ def kv_elements(cache: KVCache) -> int:
     return 2 * fp.num_kv_heads * sum(fp.head_dims) * cache.num_context_tokens
 
 
+def charged_bits(row: dict[str, Any], store_docs: int = 1) -> float:
+    """bits/element of a row with its external (per-model) calibration charged: all to this file
+    (``store_docs=1``) or amortised over a store of ``store_docs`` documents of this size."""
+    ext = int(row.get("external_bytes") or 0)
+    return float(row["bits_per_element"]) + ext * 8.0 / store_docs / int(row["kv_elements"])
+
+
 def rate_fields(file_bytes: int, cache: KVCache) -> dict[str, float]:
     bpe = file_bytes * 8 / kv_elements(cache)
     return {"bits_per_element": bpe, "ratio_vs_fp16": 16.0 / bpe, "file_bytes": int(file_bytes), "kv_elements": kv_elements(cache)}
@@ -290,6 +338,9 @@ def measure(lm: Any, case: TextCase, method: Method, workdir: str | os.PathLike,
     if case.exact_logits is None:
         case.exact_logits = continue_logits(lm, case.cache, case.continuation)
         case.exact_greedy = greedy(lm, case.cache, int(case.continuation[0]), greedy_tokens) if greedy_tokens else []
+    if method.roundtrip is not None:
+        return _measure_roundtrip(lm, case, method, greedy_tokens)
+    assert method.build is not None
     t0 = time.perf_counter()
     to_encode, plan = method.build(lm, case)
     tag = hashlib.sha256(method.key.encode()).hexdigest()[:12]
@@ -312,9 +363,36 @@ def measure(lm: Any, case: TextCase, method: Method, workdir: str | os.PathLike,
     row: dict[str, Any] = {"text": case.name, "family": method.family, "method": method.setting}
     row.update(rate_fields(size, case.cache))
     row["external_bytes"] = external_bytes(plan)
+    guard = (getattr(plan, "params", None) or {}).get("guard")
+    if guard is not None:  # the encode-time quality check: every step0 tried, its bytes and probe quality
+        row["guard"] = guard
     row.update(q.to_json())
     row.update(context_tokens=case.cache.num_context_tokens, stored_tokens=decoded.num_tokens,
                encode_s=round(t_enc, 3), decode_s=round(t_dec, 3), eval_s=round(t_eval, 3))
+    if method.note:
+        row["note"] = method.note
+    return row
+
+
+def _measure_roundtrip(lm: Any, case: TextCase, method: Method, greedy_tokens: int) -> dict[str, Any]:
+    """A real peer library: its own quantize/dequantize, bits from what it stores (no .kvc file)."""
+    from .evaluate import evaluate
+
+    assert method.roundtrip is not None
+    t0 = time.perf_counter()
+    decoded, bits = method.roundtrip(lm, case)
+    t_enc = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    q = evaluate(lm, case.cache, decoded, case.continuation, greedy_tokens=greedy_tokens,
+                 exact_logits=case.exact_logits, exact_greedy=case.exact_greedy)
+    t_eval = time.perf_counter() - t0
+    n = kv_elements(case.cache)
+    row: dict[str, Any] = {"text": case.name, "family": method.family, "method": method.setting,
+                           "bits_per_element": bits / n, "ratio_vs_fp16": 16.0 * n / bits, "file_bytes": None,
+                           "stored_bits": int(bits), "kv_elements": n, "external_bytes": 0, "real_library": True}
+    row.update(q.to_json())
+    row.update(context_tokens=case.cache.num_context_tokens, stored_tokens=decoded.num_tokens,
+               encode_s=round(t_enc, 3), decode_s=None, eval_s=round(t_eval, 3))
     if method.note:
         row["note"] = method.note
     return row

@@ -17,7 +17,7 @@ from kvcodec.baselines.stages import CacheGenStage, KiviStage, pack_bits, renorm
 from kvcodec.errors import KvcFormatError, KvcInputError
 from kvcodec.stages import ArraySpec, ChunkContext, Pipeline
 
-N_TOKENS = 200  # > 128 fp16 recent tokens, and 72 quantized tokens = 2 full key groups + a partial one
+N_TOKENS = 200  # > 128 fp16 recent values (72 quantized = 2 full groups + a partial one); keys: 128 quantized, 72 fp16
 
 
 @pytest.fixture(scope="module")
@@ -81,10 +81,12 @@ def _minmax_qdq(g, bits):
     return q.astype(np.float32) * s + z
 
 
-def ref_kivi(x, bits, kind, group=32, residual=128):
+def ref_kivi(x, bits, kind, group=32, residual=128, layout="code"):
+    """KIVI's code: keys quantized in whole blocks of `residual` tokens (the last T % residual fp16), the last
+    `residual` values fp16; layout "window": the last `residual` tokens of both fp16."""
     H, T, D = x.shape
     x = x.astype(np.float32)
-    tq = max(T - residual, 0)
+    tq = T - T % residual if (layout == "code" and kind == "k") else max(T - residual, 0)
     out = np.empty_like(x)
     out[:, tq:] = ref_fp16(x[:, tq:])
     for h in range(H):
@@ -116,7 +118,7 @@ def ref_cachegen(x, bins):
 
 # -- round trips through real files ----------------------------------------------------------
 @pytest.mark.model
-@pytest.mark.parametrize("name", ["fp16", "fp16+zstd", "int8", "kivi2", "kivi4", "cachegen"])
+@pytest.mark.parametrize("name", ["fp16", "fp16+zstd", "int8", "kivi2", "kivi4", "kivi2-window", "cachegen", "cachegen-ctx"])
 def test_decode_equals_reference(name, cache, files):
     _, dec = files[name]
     L = cache.num_layers
@@ -126,20 +128,22 @@ def test_decode_equals_reference(name, cache, files):
         elif name == "int8":
             want = ref_int8(x)
         elif name.startswith("kivi"):
-            want = ref_kivi(x, int(name[-1]), kind)
+            want = ref_kivi(x, int(name[4]), kind, layout="window" if name.endswith("window") else "code")
         else:
-            want = ref_cachegen(x, cachegen_bins(layer, kind, L))
+            want = ref_cachegen(x, cachegen_bins(layer, kind, L))  # the table granularity changes only the coding
         assert y.dtype == np.float32 and y.shape == x.shape
         np.testing.assert_array_equal(y, want, err_msg=f"{name} layer {layer} {kind}")
 
 
 @pytest.mark.model
 @pytest.mark.parametrize("name", ["kivi2", "kivi4"])
-def test_kivi_keeps_last_128_tokens_fp16(name, cache, files):
+def test_kivi_fp16_tokens_as_kivis_code(name, cache, files):
+    """The last 128 values and the last 200 % 128 = 72 keys are fp16; everything older is quantized."""
     _, dec = files[name]
-    for (_, _, x), (_, _, y) in zip(tensors(cache), tensors(dec)):
-        np.testing.assert_array_equal(y[:, -128:], ref_fp16(x[:, -128:]))
-        assert not np.array_equal(y[:, :-128], ref_fp16(x[:, :-128]))  # the older tokens really are quantized
+    for (_, kind, x), (_, _, y) in zip(tensors(cache), tensors(dec)):
+        n = 128 if kind == "v" else N_TOKENS % 128
+        np.testing.assert_array_equal(y[:, -n:], ref_fp16(x[:, -n:]))
+        assert not np.array_equal(y[:, :-n], ref_fp16(x[:, :-n]))  # the older tokens really are quantized
 
 
 @pytest.mark.model
@@ -157,13 +161,15 @@ def test_sizes_are_real_file_bytes(cache, files):
     assert sizes["fp16"] > 16.0
     assert sizes["fp16+zstd"] < sizes["fp16"]
     assert 8.25 < sizes["int8"] < 9.0  # 8 bits + a 16-bit scale per 64 channels
-    # KIVI: 128 fp16 tokens of 200, the 72 others at b bits + fp16 scale/zero per group of 32
+    # KIVI: values 128 fp16 tokens of 200, keys 72; the others at b bits + fp16 scale/zero per group of 32
     for b in (2, 4):
-        floor = (128 * 16 + 72 * (b + 2 * 16 / 32)) / N_TOKENS
+        floor = ((128 + 72) * 16 + (72 + 128) * (b + 2 * 16 / 32)) / (2 * N_TOKENS)
         assert floor < sizes[f"kivi{b}"] < floor + 0.5
+        assert sizes[f"kivi{b}"] < sizes[f"kivi{b}-window"]
     # CacheGen: the 33-entry int16 CDF per channel alone costs 33*16/200 bits per element here
     assert sizes["cachegen"] > 33 * 16 / N_TOKENS
     assert sizes["cachegen-lo"] < sizes["cachegen"] < sizes["cachegen-hi"]
+    assert sizes["cachegen-ctx"] <= sizes["cachegen"]  # one table per context (200 tokens < 256: one table both ways)
 
 
 @pytest.mark.model
@@ -212,8 +218,9 @@ def test_kivi_shapes_and_constant_groups(T, mode):
     rng = np.random.default_rng(T)
     x = rng.standard_normal((2, T, 64)).astype(np.float32)
     x[:, : min(T, 40), :5] = 0.5  # constant groups: scale 0, decode to the zero point
-    y = _roundtrip([KiviStage(2, mode)], x, kind="k" if mode == "key" else "v")
-    np.testing.assert_array_equal(y, ref_kivi(x, 2, "k" if mode == "key" else "v"))
+    for layout in ("code", "window"):
+        y = _roundtrip([KiviStage(2, mode, layout=layout)], x, kind="k" if mode == "key" else "v")
+        np.testing.assert_array_equal(y, ref_kivi(x, 2, "k" if mode == "key" else "v", layout=layout))
 
 
 def test_int8_and_cachegen_zero_rows():

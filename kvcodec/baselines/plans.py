@@ -14,9 +14,14 @@ Baselines:
 ``fp16``       cast to fp16, raw
 ``fp16+zstd``  cast to fp16, raw, zstd (level 3)
 ``int8``       per-token int8 (absmax per (head, token), fp16 scale), raw
-``kivi2``      KIVI 2-bit: K per channel / V per token, groups of 32, fp16
-               scale + zero, last 128 tokens fp16, bit-packed
+``kivi2``      KIVI 2-bit laid out as KIVI's code does after prefill: K per
+               channel / V per token, groups of 32, fp16 scale + zero,
+               bit-packed; fp16: the last ``T % 128`` keys and the last 128
+               values
 ``kivi4``      same with 4 bits
+``kivi2-window`` / ``kivi4-window``
+               the first reimplementation: last 128 keys *and* values fp16
+               (overcharges KIVI's keys; kept for comparison)
 ``cachegen``   CacheGen as shipped in LMCache: per-token scale over all heads
                and channels; K 32 bins in layers 0-9 and 16 after, V 32 bins
                in layers 0-1 and 16 after -- kept *literally* (LMCache's
@@ -27,6 +32,14 @@ Baselines:
 ``cachegen-hi`` / ``cachegen-lo``
                the same codec with all bin counts doubled / halved (not a
                shipped setting: extra points for rate-distortion curves)
+``cachegen-ctx``, ``cachegen-ctx-hi``, ``cachegen-ctx-lo``
+               the same quantizer with one CDF table per context (as the
+               CacheGen authors' artifact builds it) instead of LMCache's
+               per-256-token tables, at the three bin levels above
+
+All of these are reimplementations: neither KIVI nor CacheGen ships an
+installable library. Real libraries (HF QuantizedCache with quanto / HQQ) run
+their own code in :mod:`kvcodec.peers`.
 =============  ==============================================================
 """
 
@@ -42,7 +55,8 @@ from ..stages import Pipeline, Stage, stage_from_json
 from ..format.lossless import Cast
 from . import stages as bl
 
-BASELINES = ("fp16", "fp16+zstd", "int8", "kivi2", "kivi4", "cachegen", "cachegen-hi", "cachegen-lo")
+BASELINES = ("fp16", "fp16+zstd", "int8", "kivi2", "kivi4", "kivi2-window", "kivi4-window", "cachegen", "cachegen-hi",
+             "cachegen-lo", "cachegen-ctx", "cachegen-ctx-hi", "cachegen-ctx-lo")
 
 
 class PipelineTable(dict):
@@ -97,18 +111,22 @@ def get_baseline_plan(name: str, cache: Any, **kw: Any) -> BaselinePlan:
         ]
     elif name == "int8":
         make = lambda l, k: [bl.Int8TokenStage(), _lossless("raw")]  # noqa: E731
-    elif name in ("kivi2", "kivi4"):
-        bits = int(name[-1])
+    elif name.startswith("kivi"):
+        bits = int(name[4])
+        layout = "window" if name.endswith("-window") else "code"
         group, residual = int(kw.get("group", 32)), int(kw.get("residual", 128))
-        meta.update(bits=bits, group=group, residual=residual)
-        make = lambda l, k: [bl.KiviStage(bits, "key" if k == "k" else "value", group, residual)]  # noqa: E731
+        meta.update(bits=bits, group=group, residual=residual, layout=layout)
+        make = lambda l, k: [bl.KiviStage(bits, "key" if k == "k" else "value", group, residual, layout)]  # noqa: E731
     else:
         split = kw.get("split", "literal")
-        scale = {"cachegen": 1.0, "cachegen-hi": 2.0, "cachegen-lo": 0.5}[name]
-        meta.update(split=split, bins_scale=scale)
+        level = name.removeprefix("cachegen").removeprefix("-ctx")
+        scale = {"": 1.0, "-hi": 2.0, "-lo": 0.5}[level]
+        chunk = max(1, cache.num_tokens) if name.startswith("cachegen-ctx") else 256  # one table per context vs LMCache's 256
+        meta.update(split=split, bins_scale=scale, table_tokens=chunk)
         # LMCache keeps all CDFs in one tensor sized for the largest bin count (+1): 33 entries as shipped.
         entries = max(cachegen_bins(l, k, L, split, scale) for l in range(L) for k in ("k", "v")) + 1
         meta.update(cdf_entries=entries)
-        make = lambda l, k: [bl.CacheGenStage(bins=cachegen_bins(l, k, L, split, scale), cdf_entries=entries)]  # noqa: E731
+        make = lambda l, k: [bl.CacheGenStage(bins=cachegen_bins(l, k, L, split, scale), chunk_tokens=chunk,  # noqa: E731
+                                              cdf_entries=entries)]
     pipelines = PipelineTable({(l, k): Pipeline(make(l, k)) for l in range(L) for k in ("k", "v")})
     return BaselinePlan(pipelines=pipelines, preset=f"baseline:{name}", chunk_tokens=cache.num_tokens, meta=meta)

@@ -131,25 +131,40 @@ def _group_starts(n: int, group: int) -> np.ndarray:
 
 @register
 class KiviStage(ArrayToBytes):
-    """KIVI-style asymmetric group quantization with an fp16 recent window, bit-packed."""
+    """KIVI-style asymmetric group quantization with an fp16 recent window, bit-packed.
+
+    ``layout="code"`` keeps in fp16 what KIVI's code keeps after prefill: the
+    last ``T % residual`` keys (keys are quantized in whole groups of
+    ``residual`` tokens) and the last ``residual`` values. ``layout="window"``
+    (the first reimplementation, kept so its files still decode) keeps the last
+    ``residual`` tokens of both, which overcharges KIVI's keys.
+    """
 
     name = "bl_kivi"
     version = 1
 
-    def __init__(self, bits: int = 2, mode: str = "key", group: int = 32, residual: int = 128) -> None:
+    def __init__(self, bits: int = 2, mode: str = "key", group: int = 32, residual: int = 128, layout: str = "window") -> None:
         if bits not in (1, 2, 4, 8):
             raise KvcCodecError(f"codec 'bl_kivi': bits must be 1, 2, 4 or 8, got {bits!r}")
         if mode not in ("key", "value"):
             raise KvcCodecError(f"codec 'bl_kivi': mode must be 'key' or 'value', got {mode!r}")
         if not isinstance(group, int) or group <= 0 or not isinstance(residual, int) or residual < 0:
             raise KvcCodecError(f"codec 'bl_kivi': bad group {group!r} / residual {residual!r}")
-        self.bits, self.mode, self.group, self.residual = bits, mode, group, residual
+        if layout not in ("window", "code"):
+            raise KvcCodecError(f"codec 'bl_kivi': layout must be 'window' or 'code', got {layout!r}")
+        self.bits, self.mode, self.group, self.residual, self.layout = bits, mode, group, residual, layout
 
     def get_config(self) -> dict[str, Any]:
-        return {"bits": self.bits, "mode": self.mode, "group": self.group, "residual": self.residual}
+        cfg: dict[str, Any] = {"bits": self.bits, "mode": self.mode, "group": self.group, "residual": self.residual}
+        if self.layout != "window":  # files written before the option keep their exact config
+            cfg["layout"] = self.layout
+        return cfg
 
     def _layout(self, H: int, T: int, D: int) -> tuple[int, tuple[int, int, int]]:
-        tq = max(T - self.residual, 0)
+        if self.layout == "code" and self.mode == "key":
+            tq = T - T % self.residual if self.residual else T
+        else:
+            tq = max(T - self.residual, 0)
         n_groups = (len(_group_starts(tq, self.group)), D) if self.mode == "key" else (tq, len(_group_starts(D, self.group)))
         return tq, (H, *n_groups)
 

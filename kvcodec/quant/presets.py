@@ -32,6 +32,7 @@ from .rope import rope_config_from_fingerprint
 from .importance import token_multipliers
 from .stages import KeepStage, QuantizeStage, RopeStage, TransformStage
 from .tokenscale import TokenScaleStage
+from .guard import QualityTarget, guarded_plan
 
 # step0 of each preset (in units of the cache's values; SmolLM2-135M-tuned by
 # bench_codec.py measurements, valid for any model because the per-layer steps
@@ -47,6 +48,13 @@ LOSSLESS = "lossless"
 # `window` context queries; classes of `log2_step` (log2 of the step multiplier) from `min_log2` up.
 TOKENSCALE_DEFAULT: dict[str, Any] = {"window": 512, "bits": 4, "log2_step": 0.5, "min_log2": -2.0, "power": 0.25,
                                        "max_log2": 2.0, "kinds": "kv"}
+# What each lossy preset promises on a continuation of the document (see kvcodec/quant/guard.py). With the
+# model at hand, get_plan checks every file against its preset's target and lowers step0 until it holds.
+PRESET_TARGETS: dict[str, QualityTarget] = {
+    "near-lossless": QualityTarget(kl=2e-4, dppl_percent=0.2, greedy_tokens=16),
+    "balanced": QualityTarget(kl=0.01, dppl_percent=1.0),
+    "small": QualityTarget(kl=0.05, dppl_percent=2.5),
+}
 KEEP_VAR_FRACTION = 0.02  # drop a PCA coefficient when its variance < this x step^2
 
 
@@ -189,14 +197,23 @@ def transform_plan(cache: Any, step0: float, sink: int = 4, group: int = 8, cal:
     return EncodePlan(pipes, attachments, preset, attachment_resolver, params)
 
 
-def get_plan(name: str, cache: Any, lm: Any = None, **kw: Any) -> EncodePlan:
-    """Plan of a named preset: lossless, near-lossless, balanced, small."""
+def get_plan(name: str, cache: Any, lm: Any = None, guard: bool = True, **kw: Any) -> EncodePlan:
+    """Plan of a named preset: lossless, near-lossless, balanced, small.
+
+    With the model (``lm``) and ``guard``, the file is checked against the
+    preset's :data:`PRESET_TARGETS` entry at encode time and ``step0`` lowered
+    until it holds (kvcodec/quant/guard.py); an explicit ``step0`` override is
+    the caller's choice and is not checked. Without the model (golden vectors,
+    engines that only have the cache) the preset's ``step0`` is used as is.
+    """
     if name == LOSSLESS:
         return _lossless_plan()
     if name not in PRESETS:
         raise KvcInputError(f"unknown preset {name!r} (known: lossless, {', '.join(PRESETS)})")
     args = dict(PRESETS[name])
     args.update(kw)
+    if guard and lm is not None and "step0" not in kw and name in PRESET_TARGETS:
+        return guarded_plan(cache, lm, name, args, PRESET_TARGETS[name])
     return transform_plan(cache, preset=name, lm=lm, **args)
 
 
