@@ -156,3 +156,17 @@ def test_ask_from_the_store_and_blend(mlm, tmp_path):
     again = KnowledgeBase(mlm, url, preset="lossless").ask_blended([b, a], "Which licenses are these?", max_new_tokens=4)
     assert again.cached_tokens == again.context_tokens - len(KnowledgeBase(mlm, url).question_ids("Which licenses are these?")) \
         or again.cached_tokens > 0
+
+
+def test_token_importance_uses_each_layers_mask(mlm, doc):
+    """A sliding layer's keys that no future query can see get importance 0; full layers keep theirs."""
+    from kvcodec.quant.importance import cache_importance
+
+    cache, _ = doc
+    imp = cache_importance(mlm, cache, window=256)
+    n = cache.num_tokens
+    assert imp.shape == (mlm.fingerprint.num_layers, n) and np.isfinite(imp).all()
+    for l, sw in enumerate(mlm.attention_windows):
+        hidden = 0 if sw is None else max(0, n - sw + 1)  # keys no query at position >= n can see
+        assert (imp[l, :hidden] == 0).all(), f"layer {l}: an invisible token has importance"
+        assert (imp[l, max(4, hidden):] > 0).mean() > 0.9, f"layer {l}: visible tokens scored 0"
