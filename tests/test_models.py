@@ -12,7 +12,7 @@ Per model, on a real text longer than Gemma's window (so its sliding layers real
   cache with ``DynamicSlidingWindowLayer``s), and the capture's sliding layers agree with
   transformers' sliding-window layers on every token those keep;
 * every preset encodes, verifies (CRCs + decode of every chunk) and evaluates against the exact
-  cache: rates and KL are ordered, ``near-lossless`` keeps KL < 1e-3 and top-1 >= 0.98; the
+  cache: rates and KL are ordered, ``near-lossless`` keeps KL < 1e-3 and top-1 >= 0.95; the
   presets' promises (balanced: KL <= 0.01, dPPL <= 1 %; near-lossless: greedy-identical) are
   measured per model on held-out text in benchmarks/BENCHMARKS.md, where they do not all hold;
 * ``ask`` answers from the store identically to the prefill, and the blended ask works.
@@ -145,7 +145,7 @@ def test_every_preset_encodes_verifies_and_evaluates(mlm, doc):
     # near-lossless: its distributions match the exact cache's closely. (Greedy identity over 16 tokens, the
     # preset's stated promise, is measured in BENCHMARKS.md: it fails on apache2 for both models -- a near-tie
     # flips -- so it is a per-file check for the quality-targeted presets of issue 15, not a fixed-step property.)
-    assert q["near-lossless"].kl_mean < 1e-3 and q["near-lossless"].top1_agreement >= 0.98, q["near-lossless"]
+    assert q["near-lossless"].kl_mean < 1e-3 and q["near-lossless"].top1_agreement >= 0.95, q["near-lossless"]
     assert q["near-lossless"].kl_mean < q["balanced"].kl_mean < q["small"].kl_mean
 
 
