@@ -138,7 +138,7 @@ def test_every_preset_encodes_verifies_and_evaluates(mlm, doc):
         bits[name] = len(data) * 8 / cache.num_elements
         q[name] = evaluate(mlm, cache, dec, cont, greedy_tokens=GREEDY, exact_logits=exact_logits, exact_greedy=exact_greedy)
         print(f"{mlm.name} {name}: {bits[name]:.2f} bits/el, KL {q[name].kl_mean:.2e}, dPPL {q[name].dppl_percent:+.2f} %, "
-              f"greedy {q[name].greedy_match:.2f}")
+              f"top-1 {q[name].top1_agreement:.3f}, greedy {q[name].greedy_match:.2f}")
     assert q["lossless"].kl_mean == 0.0 and q["lossless"].greedy_match == 1.0
     assert bits["lossless"] > bits["fp16"] > bits["near-lossless"] > bits["balanced"] > bits["small"]
     assert q["fp16"].kl_mean < 1e-4
