@@ -15,7 +15,8 @@ Per model, on a real text longer than Gemma's window (so its sliding layers real
   cache: rates and KL are ordered, ``near-lossless`` keeps KL < 1e-3 and top-1 >= 0.95; the
   presets' promises (balanced: KL <= 0.01, dPPL <= 1 %; near-lossless: greedy-identical) are
   measured per model on held-out text in benchmarks/BENCHMARKS.md, where they do not all hold;
-* ``ask`` answers from the store identically to the prefill, and the blended ask works.
+* ``ask`` answers from the store identically to the prefill; the blended ask works on SmolLM2
+  and is refused with one clear error on Gemma 3 (CacheBlend drives LLaMA-style layers only).
 
 A model with no calibration on the machine is calibrated here, in memory, with a cheap setting
 (one text, 512 tokens of context; stated in BENCHMARKS.md); the shipped SmolLM2 calibration is
@@ -159,6 +160,14 @@ def test_ask_from_the_store_and_blend(mlm, tmp_path):
     second = KnowledgeBase(mlm, url, preset="lossless").ask([a], "What is this document?", max_new_tokens=8)
     assert first.source == "prefill" and second.source == "store"
     assert second.cached_tokens == second.context_tokens and second.answer_ids == first.answer_ids
+    if type(mlm.model).__name__ == "Gemma3ForCausalLM":
+        # CacheBlend drives LLaMA-style decoder layers only (kvcodec/blend.py): Gemma 3 gets one clear error
+        # naming the model class, not a crash. Blend on Gemma 3 is NOT implemented (issue 19 left open here).
+        from kvcodec.errors import KvcInputError
+
+        with pytest.raises(KvcInputError, match="Gemma3ForCausalLM"):
+            KnowledgeBase(mlm, url, preset="lossless").ask_blended([a, b], "Which licenses are these?", max_new_tokens=4)
+        return
     blended = KnowledgeBase(mlm, url, preset="lossless").ask_blended([a, b], "Which licenses are these?", max_new_tokens=4)
     assert blended.source == "blend" and len(blended.answer_ids) == 4
     again = KnowledgeBase(mlm, url, preset="lossless").ask_blended([b, a], "Which licenses are these?", max_new_tokens=4)
