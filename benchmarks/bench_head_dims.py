@@ -64,7 +64,7 @@ def real_channels(text: str, tokens: int) -> np.ndarray:
 def pca(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """basis [D, D] (columns by descending variance) and mean [D] of rows x [T, D]."""
     m = x.mean(0)
-    w, v = np.linalg.eigh(np.cov((x - m).T))
+    _, v = np.linalg.eigh(np.cov((x - m).T))
     return v[:, ::-1].copy(), m
 
 

@@ -28,8 +28,8 @@ import numpy as np
 from ..errors import KvcCodecError, KvcInputError
 from ..stages import Pipeline
 from .calibrate import Calibration, get_calibration, resolve_attachment
-from .rope import layer_rope_config
 from .importance import token_multipliers
+from .rope import layer_rope_config
 from .stages import KeepStage, QuantizeStage, RopeStage, TransformStage
 from .tokenscale import TokenScaleStage
 
