@@ -2,6 +2,7 @@
 
     python benchmarks/bench_speed.py                      # 4096-token gpl3 SmolLM2 cache, all presets
     python benchmarks/bench_speed.py --tokens 2048 --presets balanced --repeat 5 --json
+    python benchmarks/bench_speed.py --lm gemma3-270m --tokens 1024      # another shipped model (head_dim 256)
 
 Single thread (``torch.set_num_threads(1)``, ``NUMBA_NUM_THREADS=1``). Throughput
 is MB/s of fp16 K/V (the cache as float16: layers x K/V x heads x tokens x
@@ -61,16 +62,16 @@ from kvcodec.quant import presets as P  # noqa: E402
 CACHE_DIR = Path(os.environ.get("KVC_BENCH_CACHE", "/tmp/kvc-cache"))
 
 
-def get_cache(text: str, tokens: int):
+def get_cache(text: str, tokens: int, model: str = "smollm2"):
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    h5 = CACHE_DIR / f"speed-{text}-{tokens}.h5"
+    h5 = CACHE_DIR / (f"speed-{text}-{tokens}.h5" if model == "smollm2" else f"speed-{model}-{text}-{tokens}.h5")
     if h5.exists():
         return load_h5(h5)
     from kvcodec.capture import capture, tokenize
     from kvcodec.model import load_model
     from kvcodec.texts import load_text
 
-    lm = load_model()
+    lm = load_model(model)
     ids = tokenize(lm.tokenizer, load_text(text))[:tokens]
     c = capture(lm, token_ids=ids)
     save_h5(c, h5)
@@ -123,13 +124,14 @@ def main() -> None:
     ap.add_argument("--model", action="store_true",
                     help="plan with the model as `kvc encode --model` does: token-importance classes (tokenscale) "
                          "for balanced/small; the scoring pass runs before the timed encode")
+    ap.add_argument("--lm", default="smollm2", help="the model whose cache is coded: a shipped model's name or a local HF dir")
     ap.add_argument("--target", choices=list(TARGETS), default="host",
                     help="numba target: host (this CPU) or avx2 (an AVX2-only Haswell-class CPU)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = ap.parse_args()
     torch.set_num_threads(1)
 
-    cache = get_cache(args.text, args.tokens).to(torch.float16)
+    cache = get_cache(args.text, args.tokens, args.lm).to(torch.float16)
     arrays = [t.numpy() for t in cache.keys] + [t.numpy() for t in cache.values]
     nbytes = sum(a.nbytes for a in arrays)
     mb = nbytes / 1e6
@@ -141,7 +143,7 @@ def main() -> None:
     if args.model:
         from kvcodec.model import load_model
 
-        lm = load_model()
+        lm = load_model(args.lm)
 
     def raw_read():
         a = np.load(raw)
@@ -151,7 +153,7 @@ def main() -> None:
     t_raw = best(raw_read, max(3, args.repeat))
     t_mem = best(lambda: [torch.from_numpy(a).clone() for a in arrays], max(3, args.repeat))
 
-    res: dict = {"text": args.text, "tokens": args.tokens, "model_plan": bool(args.model), "fp16_mb": mb, "loadavg_start": os.getloadavg()[0],
+    res: dict = {"lm": args.lm, "text": args.text, "tokens": args.tokens, "model_plan": bool(args.model), "fp16_mb": mb, "loadavg_start": os.getloadavg()[0],
                  "raw_read_s": t_raw, "raw_read_mb_s": mb / t_raw, "memcpy_s": t_mem, "memcpy_mb_s": mb / t_mem, "presets": {}}
     for name in [p for p in args.presets.split(",") if p]:
         plan = P.get_plan(name, cache, lm=lm)

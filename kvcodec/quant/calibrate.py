@@ -34,9 +34,9 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ..errors import KvcCodecError, KvcFormatError, KvcInputError, KvcModelMismatchError
+from ..errors import KvcFormatError, KvcInputError, KvcModelMismatchError
 from ..stages import ChunkContext
-from .rope import rope_config_from_fingerprint
+from .rope import layer_rope_config
 from .stages import RopeStage
 
 CALIB_FORMAT = "kvcodec-calibration"
@@ -110,9 +110,8 @@ def _pre_rope(cache: Any, layer: int, kind: str) -> np.ndarray:
     """Keys as the plans code them: pre-RoPE, or as they are when the model's RoPE variant has no rope stage."""
     x = (cache.keys if kind == "k" else cache.values)[layer].float().numpy()
     if kind == "k":
-        try:
-            rc = rope_config_from_fingerprint(cache.fingerprint.rope, x.shape[-1])
-        except KvcCodecError:  # transform_plan then codes post-RoPE keys too
+        rc = layer_rope_config(cache.fingerprint, layer, x.shape[-1])
+        if rc is None:  # transform_plan then codes this layer's post-RoPE keys too
             return x
         x, _ = RopeStage(**rc).encode(x, ChunkContext(layer=layer, kind="k", positions=cache.positions))
     return x

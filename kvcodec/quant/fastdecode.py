@@ -12,8 +12,10 @@ Supported (array stages in this order, each optional unless noted)::
 
 and, for the lossless preset, ``raw -> [shuffle] -> zstd``.
 
-Further limits of the fused path: head_dim 32, 64 or 128; rANS channel groups
-of 1, 2, 4, 8 or a multiple of 16. Anything else takes the generic decode.
+Further limits of the fused path: head_dim in :data:`HEAD_DIMS` (32, 64, 80, 96, 128,
+256: every size real models use); rANS channel groups of 1, 2, 4, 8 or a multiple of
+16. Anything else takes the generic decode. With head_dim 80 the RoPE rotation takes
+the scalar loop (its half, 40, is not on a 16-lane boundary).
 
 One numba kernel (``nogil``: the reader's prefetch thread overlaps the model)
 decodes a whole chunk head by head, with the 16-lane vector steps of
@@ -43,14 +45,16 @@ from numba import njit
 
 from ..errors import KvcError
 from ..stages import ArraySpec, ChunkContext, Pipeline, SideData
-from .simd import f16_bits16, rans16, row
+from .simd import ROW_BLOCKS, f16_bits16, rans16, row
 
-__all__ = ["try_decode", "supported", "rope_tables_cached", "f32_to_f16_bits"]
+__all__ = ["try_decode", "supported", "rope_tables_cached", "f32_to_f16_bits", "HEAD_DIMS"]
 
 _L = 1 << 16
 _PROB_BITS = 12
 _M = 1 << _PROB_BITS
 _LANES = 32
+#: head_dims the fused kernel decodes (16-lane blocks of :data:`kvcodec.quant.simd.ROW_BLOCKS`).
+HEAD_DIMS = tuple(16 * nb for nb in ROW_BLOCKS)
 
 
 # --------------------------------------------------------------------------- kernels
@@ -75,7 +79,7 @@ def _decode_kernel(freqs, cums, states, n_symbols, word_start, n_words, words, n
                    stepf, lim, bt, mean, kept, n_sink, n_recent, tscale, has_ts,
                    rope_dim, cos, sin, out16, out32, want16, ybuf):  # pragma: no cover - numba
     """Whole chunk. words: uint16 with 16 zero words after the ``nwords`` of the stream; g in
-    {1, 2, 4, 8} or a multiple of 16; bt [H, K, D] (basis transposed, D in 32, 64, 128), mean [H, D],
+    {1, 2, 4, 8} or a multiple of 16; bt [H, K, D] (basis transposed, D in HEAD_DIMS), mean [H, D],
     kept f32 [H, s+r, D], tscale f32 [Tc] (has_ts), cos/sin f32 [Hr, T, rope_dim] (Hr = 1: shared),
     out16 uint16 [H, T, D] (want16) or out32 f32 [H, T, D], ybuf f32 scratch of >= Tc * ceil16(K).
     Returns 0 or an error code
@@ -102,7 +106,7 @@ def _decode_kernel(freqs, cums, states, n_symbols, word_start, n_words, words, n
     o16, o32 = out16.reshape(-1), out32.reshape(-1)
     A = freqs.shape[1]
     nctx_h = K // g
-    vec_rope = 1 if rope_dim == D else 0
+    vec_rope = 1 if rope_dim == D and nb % 2 == 0 else 0  # odd nb: D/2 mid-vector, scalar rotation
     half = rope_dim // 2
     one = np.float32(1.0)
     for h in range(H):
@@ -389,7 +393,7 @@ def _lossy(pipeline: Pipeline, s: tuple, payload: Any, sides: list[SideData], sp
     qspec = specs[-1]
     Hq, Tc, K = qspec.shape
     g = rs.channel_group if rs.channel_group is not None else K
-    if K == 0 or Tc < 0 or K > D or g <= 0 or K % g or D not in (32, 64, 128) or not (g in (1, 2, 4, 8) or g % 16 == 0):
+    if K == 0 or Tc < 0 or K > D or g <= 0 or K % g or D not in HEAD_DIMS or not (g in (1, 2, 4, 8) or g % 16 == 0):
         return None
     ix = ch.index()
     # rope: no side data; tables

@@ -15,7 +15,10 @@ the context are the proxy (what the end of the document attends to is what the
 next tokens resemble, as in SnapKV). Scores come from one extra prefill with an
 attention function that recomputes ``softmax(QK^T)`` for those queries from the
 very post-RoPE tensors the layer used, summed over every query head of the layer
-(the classes are shared by all heads and by K and V of a layer).
+(the classes are shared by all heads and by K and V of a layer), under the layer's
+own mask: a sliding-window layer's queries see only their last ``window`` keys, and
+its keys that no future query can see (``k <= T - window``) get importance 0, so
+they fall into the coarsest step class.
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ _CHUNK = 128
 
 
 class _Collector:
-    def __init__(self, window: int | None) -> None:
+    def __init__(self, window: int | None, attention_windows: list[int | None] | None = None) -> None:
         self.window = window
+        self.attention_windows = attention_windows or []
         self.a2: dict[int, Any] = {}
         self.a1: dict[int, Any] = {}
 
@@ -50,13 +54,21 @@ class _Collector:
         a2 = torch.zeros(tk, dtype=torch.float64)
         a1 = torch.zeros(tk, dtype=torch.float64)
         kpos = torch.arange(tk)
+        sw = self.attention_windows[layer] if layer < len(self.attention_windows) else None
         for a in range(start, tq, _CHUNK):
             b = min(tq, a + _CHUNK)
             logits = torch.matmul(q[:, a:b], k_rep.transpose(1, 2)) * scaling
-            logits = logits.masked_fill(kpos[None, :] > torch.arange(a, b)[:, None], float("-inf"))
+            qpos = torch.arange(a, b)[:, None]
+            hidden = kpos[None, :] > qpos
+            if sw is not None:  # the layer's own mask: a sliding layer's query sees only its last `sw` keys
+                hidden = hidden | (kpos[None, :] <= qpos - sw)
+            logits = logits.masked_fill(hidden, float("-inf"))
             p = torch.softmax(logits, dim=-1)
             a2 += (p * p).sum((0, 1)).double()
             a1 += p.sum((0, 1)).double()
+        if sw is not None:  # no future query (position >= tq) can see keys k <= tq - sw: no importance at all
+            a2[: max(0, tq - sw + 1)] = 0.0
+            a1[: max(0, tq - sw + 1)] = 0.0
         n = (tq - start) * hq
         self.a2[layer] = (a2 / n).numpy()
         self.a1[layer] = (a1 / n).numpy()
@@ -70,7 +82,7 @@ def attention_importance(lm: Any, token_ids: np.ndarray, window: int | None = DE
     ids = torch.as_tensor(np.asarray(token_ids, dtype=np.int64)).reshape(1, -1)
     if ids.shape[1] == 0:
         raise KvcInputError("no tokens to score")
-    with torch.inference_mode(), tapped(lm, _Collector(window)) as col:
+    with torch.inference_mode(), tapped(lm, _Collector(window, getattr(lm, "attention_windows", None))) as col:
         lm.model(input_ids=ids, use_cache=False, logits_to_keep=1)
     L = lm.fingerprint.num_layers
     src = col.a2 if squared else col.a1

@@ -28,8 +28,8 @@ import numpy as np
 from ..errors import KvcCodecError, KvcInputError
 from ..stages import Pipeline
 from .calibrate import Calibration, get_calibration, resolve_attachment
-from .rope import rope_config_from_fingerprint
 from .importance import token_multipliers
+from .rope import layer_rope_config
 from .stages import KeepStage, QuantizeStage, RopeStage, TransformStage
 from .tokenscale import TokenScaleStage
 from .guard import QualityTarget, guarded_plan
@@ -128,10 +128,6 @@ def transform_plan(cache: Any, step0: float, sink: int = 4, group: int = 8, cal:
         raise KvcCodecError("transform presets need one head_dim for all layers")
     if basis == "pca" and cal is None:
         cal = get_calibration(lm, fingerprint_id=fp.id, build=lm is not None)
-    try:
-        rope_cfg = rope_config_from_fingerprint(fp.rope, D)
-    except KvcCodecError:
-        rope_cfg = None  # unsupported RoPE variant: code post-RoPE keys
     if basis == "pca":
         assert cal is not None
         cal.check_for(fp)  # also a calibration handed in by the caller: never encode with another model's
@@ -175,7 +171,8 @@ def transform_plan(cache: Any, step0: float, sink: int = 4, group: int = 8, cal:
     def pipes(layer: int, kind: str) -> Pipeline:
         ki = 0 if kind == "k" else 1
         st: list[Any] = []
-        if kind == "k" and rope_cfg is not None:
+        rope_cfg = layer_rope_config(fp, layer, D) if kind == "k" else None  # None: unsupported variant, post-RoPE keys
+        if rope_cfg is not None:
             st.append(RopeStage(**rope_cfg))
         if sink:
             st.append(KeepStage(sink=sink, recent=0, dtype=keep_dtype(cache, layer, kind)))

@@ -36,24 +36,52 @@ def rope_tables(positions: np.ndarray, theta: float, dim: int) -> tuple[np.ndarr
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
-def rope_config_from_fingerprint(rope_json: str, head_dim: int) -> dict[str, Any]:
-    """The ``rope`` stage config for a model fingerprint's ``rope`` JSON.
+def rope_config_from_fingerprint(rope_json: str, head_dim: int, layer: int | None = None) -> dict[str, Any]:
+    """The ``rope`` stage config of ``layer`` for a model fingerprint's ``rope`` JSON.
 
-    Only plain (``default``) RoPE without scaling is supported; anything else
-    raises KvcCodecError (the plan then simply codes post-RoPE keys).
+    The JSON is flat (one set of parameters for every layer) or nested per
+    layer type (``{"sliding_attention": {...}, "full_attention": {...},
+    "layer_types": [...]}``, e.g. Gemma 3: local layers theta 1e4, global
+    layers 1e6); the nested form needs ``layer``. Only plain (``default``)
+    RoPE without scaling maps to the stage (its tables are a function of
+    theta and dim alone); anything else raises KvcCodecError naming the
+    feature, and the plan then codes that layer's post-RoPE keys.
     """
     try:
         r = json.loads(rope_json)
     except (TypeError, json.JSONDecodeError) as exc:
         raise KvcFormatError(f"bad rope JSON in fingerprint: {exc}") from None
+    if not isinstance(r, dict):
+        raise KvcFormatError("bad rope JSON in fingerprint: not an object")
+    nested = {k: v for k, v in r.items() if isinstance(v, dict)}
+    if nested:
+        types = r.get("layer_types")
+        if layer is None:
+            raise KvcCodecError("per-layer-type RoPE parameters: the rope stage needs the layer")
+        if not isinstance(types, list) or not 0 <= layer < len(types) or not isinstance(types[layer], str) \
+                or types[layer] not in nested:
+            raise KvcCodecError(f"per-layer-type RoPE parameters name no parameters for layer {layer}")
+        r = {"partial_rotary_factor": r.get("partial_rotary_factor"), **nested[types[layer]]}
     theta = r.get("rope_theta")
     rtype = r.get("rope_type", "default")
     if r.get("rope_scaling") not in (None, {}) or rtype not in (None, "default"):
         raise KvcCodecError(f"rope type {rtype!r} / scaling {r.get('rope_scaling')!r} not supported by the rope stage")
-    if not isinstance(theta, (int, float)) or theta <= 0:
+    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
         raise KvcCodecError(f"rope_theta missing or invalid: {theta!r}")
-    dim = int(round(head_dim * float(r.get("partial_rotary_factor", 1.0) or 1.0)))
+    prf = r.get("partial_rotary_factor")
+    dim = int(round(head_dim * float(prf if isinstance(prf, (int, float)) and 0 < prf <= 1 else 1.0)))
+    if dim <= 0 or dim % 2:
+        raise KvcCodecError(f"partial rotary dim {dim} of head_dim {head_dim} is not a positive even number")
     return {"theta": float(theta), "dim": dim}
+
+
+def layer_rope_config(fingerprint: Any, layer: int, head_dim: int) -> dict[str, Any] | None:
+    """``layer``'s rope stage config, or None where the model's RoPE variant has no rope stage
+    (scaled RoPE, ...): the plans then code that layer's keys post-RoPE, losslessly consistent."""
+    try:
+        return rope_config_from_fingerprint(fingerprint.rope, head_dim, layer)
+    except KvcCodecError:
+        return None
 
 
 def positions_for(ctx_positions: np.ndarray | None, layer: int, heads: int, tokens: int, token_start: int) -> np.ndarray:

@@ -205,14 +205,15 @@ def _emit_row(nb: int, context, b: ir.IRBuilder, ty, args) -> None:
     xs = [b.fadd(b.load(accs[j]), _load(b, meanp, b.add(a_moff, _I64(W * j)), _v(_F32))) for j in range(nb)]
     for j in range(nb):
         b.store(xs[j], accs[j])
-    with b.if_then(b.icmp_signed("!=", a_rope, _I64(0))):
-        cp, sp = _ptr(context, b, ty[11], a_cos), _ptr(context, b, ty[12], a_sin)
-        h = nb // 2
-        for j in range(nb):
-            c = _load(b, cp, b.add(a_csoff, _I64(W * j)), _v(_F32))
-            s = _load(b, sp, b.add(a_csoff, _I64(W * j)), _v(_F32))
-            other = b.fneg(xs[j + h]) if j < h else xs[j - h]
-            b.store(b.fadd(b.fmul(xs[j], c), b.fmul(other, s)), accs[j])
+    if nb % 2 == 0:  # odd nb (head_dim 80): D/2 is mid-vector, so the caller rotates in its scalar loop
+        with b.if_then(b.icmp_signed("!=", a_rope, _I64(0))):
+            cp, sp = _ptr(context, b, ty[11], a_cos), _ptr(context, b, ty[12], a_sin)
+            h = nb // 2
+            for j in range(nb):
+                c = _load(b, cp, b.add(a_csoff, _I64(W * j)), _v(_F32))
+                s = _load(b, sp, b.add(a_csoff, _I64(W * j)), _v(_F32))
+                other = b.fneg(xs[j + h]) if j < h else xs[j - h]
+                b.store(b.fadd(b.fmul(xs[j], c), b.fmul(other, s)), accs[j])
     outp = _ptr(context, b, ty[14], a_out)
     for j in range(nb):
         r = b.load(accs[j])
@@ -221,31 +222,41 @@ def _emit_row(nb: int, context, b: ir.IRBuilder, ty, args) -> None:
         _store(b, r, outp, b.add(a_ooff, _I64(W * j)))
 
 
+#: Supported row widths in 16-lane blocks: head_dim 32, 64, 80, 96, 128, 256 (every size real models use).
+ROW_BLOCKS = (2, 4, 5, 6, 8, 16)
+
+
+def _emit_dispatch(nbs: list[int], context, b: ir.IRBuilder, a_nb: ir.Value, ty, rest) -> None:
+    """``if nb == nbs[0]: row(nbs[0]) elif ...``; the last entry is the fall-through (callers pass only
+    supported widths). Each width is its own straight-line IR: the accumulators stay in registers."""
+    if len(nbs) == 1:
+        _emit_row(nbs[0], context, b, ty, rest)
+        return
+    with b.if_else(b.icmp_signed("==", a_nb, _I64(nbs[0]))) as (hit, other):
+        with hit:
+            _emit_row(nbs[0], context, b, ty, rest)
+        with other:
+            _emit_dispatch(nbs[1:], context, b, a_nb, ty, rest)
+
+
 @intrinsic
 def row(typingctx, nb, y, yoff, kp, ts, idx, val, bt, btoff, mean, moff, rope, cos, sin, csoff, out, ooff):
-    """One token row of ``D = 16 * nb`` values (``nb`` in 2, 4, 8: head_dim 32, 64, 128).
+    """One token row of ``D = 16 * nb`` values (``nb`` in :data:`ROW_BLOCKS`: head_dim 32 to 256).
 
     The nonzero ``y[yoff + k] * ts`` (``k < kp``, a multiple of 16) are compacted into
     ``idx``/``val``; ``acc = acc + y_k * B[k]`` over them (B rows at ``bt[btoff + k * D:]``),
     k ascending, product and sum rounded separately, then ``+ mean[moff:]``; with ``rope`` != 0
-    (RoPE over all ``D``, tables at ``cos/sin[csoff:]``) ``x[d] * cos + (-x[d + D/2]) * sin`` /
+    (RoPE over all ``D``, tables at ``cos/sin[csoff:]``; only for even ``nb``, where ``D/2`` falls on a
+    vector boundary -- the caller rotates odd widths such as 80 in its scalar loop) ``x[d] * cos + (-x[d + D/2]) * sin`` /
     ``x[d] * cos + x[d - D/2] * sin``; written to ``out[ooff:]`` as float16 bits (uint16 ``out``)
-    or float32. One intrinsic for the three sizes: a numba-level dispatch function would take
+    or float32. One intrinsic for all sizes: a numba-level dispatch function would take
     array references (atomic refcounts) on every row.
     """
     sig = types.void(nb, y, yoff, kp, ts, idx, val, bt, btoff, mean, moff, rope, cos, sin, csoff, out, ooff)
 
     def codegen(context, b, signature, args):
         a_nb, rest, ty = args[0], args[1:], signature.args[1:]
-        with b.if_else(b.icmp_signed("==", a_nb, _I64(4))) as (four, other):
-            with four:
-                _emit_row(4, context, b, ty, rest)
-            with other:
-                with b.if_else(b.icmp_signed("==", a_nb, _I64(8))) as (eight, two):
-                    with eight:
-                        _emit_row(8, context, b, ty, rest)
-                    with two:
-                        _emit_row(2, context, b, ty, rest)
+        _emit_dispatch(list(ROW_BLOCKS), context, b, a_nb, ty, rest)
         return context.get_dummy_value()
 
     return sig, codegen

@@ -1,0 +1,150 @@
+"""Fused CPU decode throughput at every head_dim the fast path supports (issue 19).
+
+    python benchmarks/bench_head_dims.py                     # 1024 tokens of gpl3, best of 5
+    python benchmarks/bench_head_dims.py --tokens 512 --repeat 9 --json
+
+Why synthetic head sizes from a real cache: the machine has real models with
+head_dim 64 (SmolLM2) and 256 (Gemma 3) only. The K/V values here are the
+embedded model's real cache (``--tokens`` of ``--text``, float16), all layers'
+K and V channels concatenated per token and regrouped into heads of ``D``
+channels, so the value statistics are real at every ``D``; each head gets its
+own PCA basis (from the data, as calibration would) and the chunks go through
+the transform pipeline of the lossy presets (rope -> keep(4 sink) -> PCA
+transform -> quantize(step) -> rANS), with the step set so every ``D`` codes
+at about ``--bits`` bits per element (the balanced preset's range).
+
+Measured single-thread (``NUMBA_NUM_THREADS=1``, ``torch`` 1 thread), best of
+``--repeat``: MB/s of fp16 K/V out of the fused decoder
+(:func:`kvcodec.quant.fastdecode.try_decode`, chunk decode only: no file I/O,
+CRCs or torch tensors -- ``bench_speed.py`` measures the whole reader on a real
+file) against the generic, normative ``Pipeline.decode`` of the same chunks in
+the same run (``speedup``). Each figure is also given per second of the thread's
+own CPU time (``time.thread_time``): on a machine shared with other jobs the wall
+time includes waiting for a core, the CPU time does not (it still suffers shared
+caches and memory bandwidth), so it is the better estimate of a quiet core's
+speed -- but an estimate; quote it as such. Every fused output is checked bit-identical to the
+generic one before it is timed. On a shared machine the best-of-N is the
+least-disturbed run; say so when quoting it.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("NUMBA_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvcodec.entropy.rans_stage import RansStage  # noqa: E402
+from kvcodec.quant import fastdecode as F  # noqa: E402
+from kvcodec.quant.stages import KeepStage, QuantizeStage, RopeStage, TransformStage  # noqa: E402
+from kvcodec.stages import ArraySpec, ChunkContext, Pipeline  # noqa: E402
+
+
+def real_channels(text: str, tokens: int) -> np.ndarray:
+    """[T, C] float32: every layer's K and V channels of the embedded model's real cache, per token."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_speed import get_cache
+
+    c = get_cache(text, tokens).to(torch.float16)
+    parts = [t.float().numpy() for t in (*c.keys, *c.values)]  # each [H, T, d]
+    x = np.concatenate([p.transpose(1, 0, 2).reshape(p.shape[1], -1) for p in parts], axis=1)
+    return x
+
+
+def pca(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """basis [D, D] (columns by descending variance) and mean [D] of rows x [T, D]."""
+    m = x.mean(0)
+    _, v = np.linalg.eigh(np.cov((x - m).T))
+    return v[:, ::-1].copy(), m
+
+
+def chunks_for(x: np.ndarray, D: int, heads: int) -> list[np.ndarray]:
+    """[heads, T, D] float16 chunks of x's channels regrouped into heads of D."""
+    T, C = x.shape
+    n = C // D
+    h = x[:, : n * D].reshape(T, n, D).transpose(1, 0, 2)
+    return [np.ascontiguousarray(h[i:i + heads]).astype(np.float16) for i in range(0, n - heads + 1, heads)]
+
+
+def bench_dim(x: np.ndarray, D: int, heads: int, bits: float, repeat: int) -> dict:
+    chunks = chunks_for(x, D, heads)
+    T = chunks[0].shape[1]
+    rows = []
+    for ch in chunks:  # one attachment row per chunk: "layer" j, kind k
+        bs, ms = zip(*(pca(ch[h].astype(np.float64)) for h in range(heads)))
+        rows.append((np.stack(bs).astype(np.float16), np.stack(ms).astype(np.float16)))
+    att = {"pca.basis": np.stack([r[0] for r in rows] + [rows[0][0]]), "pca.mean": np.stack([r[1] for r in rows] + [rows[0][1]])}
+    step = 0.05
+    for _ in range(3):  # set the step so this D codes at about `bits` bits per element
+        pipe = Pipeline([RopeStage(theta=10000.0, dim=D), KeepStage(sink=4), TransformStage(k=None),
+                         QuantizeStage(mode="step", step=step, max_bits=8), RansStage(channel_group=8)])
+        enc = [pipe.encode(c, ChunkContext(layer=j // 2, kind="k" if j % 2 == 0 else "v", attachments=att))
+               for j, c in enumerate(chunks)]
+        got = sum(len(p) for p, _, _ in enc) * 8 / sum(c.size for c in chunks)
+        step *= 2.0 ** (got - bits)
+    spec = ArraySpec(chunks[0].shape, "float16")
+    ctxs = [ChunkContext(layer=j // 2, kind="k" if j % 2 == 0 else "v", attachments=att) for j in range(len(chunks))]
+    for (p, s, z), ctx in zip(enc, ctxs):
+        fast = F.try_decode(pipe, p, s, z, spec, ctx)
+        ref = pipe.decode(p, s, z, spec, ctx)
+        assert fast is not None, f"fused path declined head_dim {D}"
+        assert np.array_equal(fast.view(np.uint16), ref.view(np.uint16)), f"head_dim {D}: fused != generic"
+
+    def run(fn) -> tuple[float, float]:
+        """(best wall seconds, best thread-CPU seconds) over ``repeat`` runs."""
+        best, best_cpu = float("inf"), float("inf")
+        for _ in range(repeat):
+            t0, c0 = time.perf_counter(), time.thread_time()
+            for (p, s, z), ctx in zip(enc, ctxs):
+                fn(p, s, z, spec, ctx)
+            best, best_cpu = min(best, time.perf_counter() - t0), min(best_cpu, time.thread_time() - c0)
+        return best, best_cpu
+
+    mb = sum(c.nbytes for c in chunks) / 1e6
+    t_fast, c_fast = run(lambda *a: F.try_decode(pipe, *a))
+    t_gen, c_gen = run(lambda *a: pipe.decode(*a))
+    return {"head_dim": D, "chunks": len(chunks), "heads_per_chunk": heads, "tokens": T, "fp16_mb": mb, "bits_per_element": got,
+            "fused_s": t_fast, "fused_mb_s": mb / t_fast, "fused_cpu_s": c_fast, "fused_mb_per_cpu_s": mb / c_fast,
+            "generic_s": t_gen, "generic_mb_s": mb / t_gen, "generic_mb_per_cpu_s": mb / c_gen, "speedup": t_gen / t_fast}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--text", default="gpl3")
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--bits", type=float, default=2.0, help="target bits per element of the coded chunks")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--head-dims", default=",".join(str(d) for d in F.HEAD_DIMS))
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    x = real_channels(a.text, a.tokens)
+    res = {"text": a.text, "tokens": a.tokens, "repeat": a.repeat, "loadavg_start": os.getloadavg()[0], "dims": []}
+    for D in (int(d) for d in a.head_dims.split(",")):
+        heads = max(1, 256 // D)  # ~ the same bytes per chunk at every D
+        res["dims"].append(bench_dim(x, D, heads, a.bits, a.repeat))
+        if not a.json:
+            r = res["dims"][-1]
+            print(f"head_dim {D:4d}: {r['bits_per_element']:.2f} bits/el, fused {r['fused_mb_s']:7.1f} MB/s "
+                  f"({r['fused_mb_per_cpu_s']:.1f} MB per thread-CPU s), "
+                  f"generic {r['generic_mb_s']:6.1f} MB/s ({r['speedup']:.1f}x), {r['chunks']} chunks of {heads}x{r['tokens']}x{D}",
+                  flush=True)
+    res["loadavg_end"] = os.getloadavg()[0]
+    if a.json:
+        print(json.dumps(res, indent=2))
+    else:
+        print(f"load average {res['loadavg_start']:.1f} -> {res['loadavg_end']:.1f} (best of {a.repeat}, single thread)")
+
+
+if __name__ == "__main__":
+    main()
