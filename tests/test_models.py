@@ -26,6 +26,7 @@ used as shipped. The lossy files embed their bases, so the test leaves the user'
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import numpy as np
 import pytest
@@ -123,7 +124,12 @@ def test_every_preset_encodes_verifies_and_evaluates(mlm, doc):
     from kvcodec.evaluate import continue_logits, evaluate, greedy
     from kvcodec.format import KvcReader, encode_kvc_bytes, get_plan
     from kvcodec.format.reader import verify_kvc
+    from kvcodec.model import DEFAULT_MODEL
 
+    if mlm.name != DEFAULT_MODEL and not os.environ.get("KVC_FULL_MATRIX"):
+        # Building a calibration for a model without a shipped one is minutes of CPU (5 min for Gemma 3 with the
+        # default recipe, ~25 min for this test under load): over CI's time budget. Run it with KVC_FULL_MATRIX=1.
+        pytest.skip(f"{mlm.name}: the lossy presets need a calibration built here (minutes); set KVC_FULL_MATRIX=1")
     cache, cont = doc
     cal = _calibration(mlm)
     exact_logits = continue_logits(mlm, cache, cont)
@@ -131,7 +137,9 @@ def test_every_preset_encodes_verifies_and_evaluates(mlm, doc):
     bits, q = {}, {}
     for name in PRESETS:
         lossy = name not in ("lossless", "fp16")
-        plan = get_plan(name, cache, lm=mlm, cal=cal, calibration="embedded") if lossy else get_plan(name, cache)
+        # guard=False: this checks the presets' plumbing at their fixed knobs; the per-file quality check
+        # (kvcodec/quant/guard.py) has its own tests and would multiply this test's encodes.
+        plan = get_plan(name, cache, lm=mlm, cal=cal, calibration="embedded", guard=False) if lossy else get_plan(name, cache)
         data = encode_kvc_bytes(cache, plan.pipelines, attachments=plan.attachments, preset=plan.preset)
         assert verify_kvc(data) == [], name
         with KvcReader(data) as r:
