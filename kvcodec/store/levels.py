@@ -10,8 +10,9 @@ them.  The design reuses the store as it is:
   ``K`` (codec field ``levels-v1``): canonical JSON listing the levels (in
   ascending quality), the chunk boundaries and each chunk's size per level;
 * each **level chunk** (a `.kvc` of one chunk's tokens at one preset, holding
-  the whole prefix's token ids and the chunk's positions) is an ordinary
-  entry under a key derived from ``K``, the level name and the chunk index.
+  the prefix's token ids and the chunk's positions) is an ordinary entry under
+  the standard prefix key of the tokens up to the chunk's end, with codec
+  ``levels-v1.<level>``.
 
 Both go through :meth:`Store.put`, so every level chunk is sealed and named by
 the tenant key exactly like any other entry (tenant isolation, tamper
