@@ -553,9 +553,10 @@ class _Run:
                 return f"no byte for {self.s.stall_s:.1f} s (stalled link)"
             if self.deadline is not None and self.s.fixed is None:
                 elapsed = now - r.started
-                rate = r.received / elapsed if r.received and elapsed > 0 else None
-                left = (r.size - r.received) / rate if rate else float("inf")
-                if elapsed > 0.05 and now + left + self._rest_s(it.i, self.bw()) > self.deadline and left > n_text:
+                if not r.received or elapsed <= 0.05:
+                    return None  # no rate to judge by yet: only the stall rule applies
+                left = (r.size - r.received) * elapsed / r.received
+                if now + left + self._rest_s(it.i, self.bw()) > self.deadline and left > n_text:
                     return (f"transfer too slow ({r.received:,}/{r.size:,} bytes in {elapsed:.2f} s): "
                             f"text prefill ({n_text:.2f} s est) ends sooner")
             return None
