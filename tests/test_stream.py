@@ -77,12 +77,16 @@ def test_quality_is_monotone_in_the_level(lm, entry, exact_logits):
     assert [c.choice for c in top.report.chunks] == ["near-lossless"] * 2
 
 
-def _measured_speeds(lm, st, ids) -> tuple[Speeds, float]:
-    """Priors measured here (this box, now): the text baseline's prefill rate and the decode rate."""
+@pytest.fixture(scope="module")
+def measured(lm, entry):
+    """Priors measured here (this box, now): the text baseline's prefill rate and the decode rate; and the
+    text baseline's load time."""
+    d, ids, _ = entry
+    st = Store.open(str(d), key=KEY)
     t = AdaptiveStreamer(lm, st, fixed=TEXT, speeds=Speeds()).load(ids, budget_s=None)
     dec = AdaptiveStreamer(lm, st, fixed="near-lossless", speeds=Speeds()).load(ids, budget_s=None)
     d_spt = dec.report.load_s / N
-    return Speeds(Priors(prefill_s_per_token=t.report.load_s / N, decode_s_per_token={lv: d_spt for lv in LEVELS})), \
+    return Priors(prefill_s_per_token=t.report.load_s / N, decode_s_per_token={lv: d_spt for lv in LEVELS}), \
         t.report.load_s
 
 
@@ -120,10 +124,11 @@ def kdn(lm, entry, tmp_path_factory):
         svc.stop()
 
 
-def test_budget_respected_on_a_shaped_link(lm, entry, kdn, exact_logits):
+def test_budget_respected_on_a_shaped_link(lm, entry, kdn, measured):
     """100 Mbit/s, 2 ms: a budget of 60 % of a plain prefill is met by streaming levels; a prefill misses it."""
     d, ids, _ = entry
-    speeds, t_text = _measured_speeds(lm, Store.open(str(d), key=KEY), ids)
+    priors, t_text = measured
+    speeds = Speeds(priors)
     budget = 0.6 * t_text
     q = lm.tokenizer("What does this license say?")["input_ids"]
     with ShapedLink(kdn.port, rate_bps=100e6, latency_s=0.002) as link:
@@ -137,10 +142,11 @@ def test_budget_respected_on_a_shaped_link(lm, entry, kdn, exact_logits):
     assert t_text > budget  # the baseline of always prefilling misses this budget (by construction, on this box)
 
 
-def test_fallback_to_text_when_no_level_fits(lm, entry, kdn, exact_logits):
+def test_fallback_to_text_when_no_level_fits(lm, entry, kdn, measured, exact_logits):
     """50 kbit/s: even the smallest chunk takes ~1 min; a budget that fits prefilling gets text, not levels."""
     d, ids, _ = entry
-    speeds, t_text = _measured_speeds(lm, Store.open(str(d), key=KEY), ids)
+    priors, t_text = measured
+    speeds = Speeds(priors)
     with ShapedLink(kdn.port, rate_bps=50e3, latency_s=0.002) as link:
         st = Store.open(kdn.url(link.port), key=KEY)
         speeds.bw[st.url] = [50e3 / 8]
