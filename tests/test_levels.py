@@ -118,3 +118,21 @@ def test_every_level_is_sealed_and_tenant_isolated(tmp_path):
     tier_a.put(a.physical(keys[1]), b"X" + e.data[1:], e.meta)
     a.memory.delete(a.physical(keys[1]))
     assert a.get(keys[1]) is None and a.get(keys[0]) == b"chunk-0"
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["encode", "--levels", "tiny", "--text", "gpl3"], "unknown level"),
+    (["encode", "--levels", "small", "--text", "gpl3", "-o", "x.kvc"], "--levels encodes --text"),
+    (["encode", "--levels", "small", "--text", "gpl3", "--level-chunk-tokens", "300"], "multiple of 256"),
+    (["encode", "--text", "gpl3"], "give -o"),
+    (["encode", "--text", "gpl3", "-o", "x.kvc", "--store", "/tmp/x"], "apply to --levels"),
+    (["ask", "--doc", "gpl3", "--ttft-budget", "0", "q"], "--ttft-budget must be positive"),
+    (["ask", "--doc", "gpl3", "--ttft-budget", "1", "--blend", "q"], "neither --blend"),
+])
+def test_cli_refuses_bad_level_arguments_in_one_line(args, msg, capsys, tmp_path, monkeypatch):
+    from cliutil import run_kvc
+
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_kvc(args, capsys)
+    assert code == 2 and msg in err and err.count("\n") == 1, err
+    assert not (tmp_path / "x.kvc").exists()
