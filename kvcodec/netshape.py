@@ -106,6 +106,12 @@ class ShapedLink:
     def _run(self) -> None:
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
+
+        def quiet(lp: asyncio.AbstractEventLoop, ctx: dict) -> None:  # connections cancelled at stop are expected
+            if not isinstance(ctx.get("exception"), (asyncio.CancelledError, ConnectionError)):
+                lp.default_exception_handler(ctx)
+
+        loop.set_exception_handler(quiet)
         self._loop = loop
         burst = None if self.rate is None else max(PIECE, self.rate * 0.005)
         self._down = None if self.rate is None else TokenBucket(self.rate, burst)

@@ -33,8 +33,9 @@ Estimators (defaults documented in ``spec/levels-v1.md`` §6):
   a prior from :class:`Priors` replaced by an exponential moving average of
   what this process measured.
 
-A stalled or dropped link is detected by the main thread (no byte for
-``stall_s``, or past the last moment a text fallback would still fit): the
+A stalled or dropped link is detected by the main thread (no new piece for
+``stall_s`` plus twice a piece's transfer time at the estimated bandwidth, or a
+transfer so slow that its text would be ready sooner and it would miss the budget): the
 chunk is prefilled from text and every later chunk too (``link_failed``).
 """
 
@@ -60,6 +61,7 @@ from .store.ranged import RangeReader
 log = logging.getLogger("kvcodec.stream")
 
 TEXT = "text"
+STALL_FLOOR_BPS = 10e6 / 8  # bandwidth assumed by the stall rule before any estimate
 
 
 # ----------------------------------------------------------------------------- writing
@@ -549,8 +551,11 @@ class _Run:
             r = it.reader
             if r is None or r.finished is not None:
                 return None
-            if now - r.last_progress > self.s.stall_s:
-                return f"no byte for {self.s.stall_s:.1f} s (stalled link)"
+            # bytes arrive a piece (a seal block, >= 1 MiB) at a time: allow the piece's transfer at the
+            # estimated bandwidth (10 Mbit/s before any estimate) on top of stall_s
+            stall = self.s.stall_s + 2 * r.piece / (self.bw() or STALL_FLOOR_BPS)
+            if now - r.last_progress > stall:
+                return f"no byte for {stall:.1f} s (stalled link)"
             if self.deadline is not None and self.s.fixed is None:
                 elapsed = now - r.started
                 if not r.received or elapsed <= 0.05:
