@@ -43,15 +43,15 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from kvcodec.atomic import atomic_write_text  # noqa: E402
-from kvcodec.capture import capture, tokenize  # noqa: E402
-from kvcodec.evaluate import compare_logits, continue_logits  # noqa: E402
-from kvcodec.model import load_model  # noqa: E402
-from kvcodec.netshape import ShapedLink  # noqa: E402
-from kvcodec.store import Store, TenantKey  # noqa: E402
-from kvcodec.store.levels import manifest_key  # noqa: E402
-from kvcodec.stream import SPEEDS, TEXT, AdaptiveStreamer, encode_levels, read_manifest  # noqa: E402
-from kvcodec.texts import load_text  # noqa: E402
+from kvcodec.atomic import atomic_write_text
+from kvcodec.capture import capture, tokenize
+from kvcodec.evaluate import compare_logits, continue_logits
+from kvcodec.model import load_model
+from kvcodec.netshape import ShapedLink
+from kvcodec.store import Store, TenantKey
+from kvcodec.store.levels import manifest_key
+from kvcodec.stream import SPEEDS, TEXT, AdaptiveStreamer, encode_levels, read_manifest
+from kvcodec.texts import load_text
 
 TOK = "tok-bench-stream-0123456789"
 LINKS = [("10 Mbit/s", 10e6, None), ("100 Mbit/s", 100e6, None), ("1 Gbit/s", 1e9, None),
@@ -138,7 +138,11 @@ def main(tokens: int, levels: str, budget_frac: float, fixed: str, continuation:
 
 def quality(lm, st: Store, ids: np.ndarray, choices: list[str], ex_logits, cont) -> float:
     """KL of the cache made of exactly these per-chunk choices (levels from the store, text prefilled)."""
-    from kvcodec.stream import Speeds, _Run, StreamReport  # one code path: the streamer's own assembly
+    from kvcodec.stream import (  # one code path: the streamer's own assembly
+        Speeds,
+        StreamReport,
+        _Run,
+    )
 
     s = AdaptiveStreamer(lm, st, speeds=Speeds())
     man = read_manifest(st, manifest_key(ids, model=lm.fingerprint.id))

@@ -55,7 +55,15 @@ from .errors import KvcError, KvcFormatError, KvcInputError, KvcStoreError
 from .kvcache import KVCache
 from .model import LoadedModel
 from .store import Store, StoreKey
-from .store.levels import LEVEL_RANK, ChunkLevels, LevelManifest, level_keys, level_meta, manifest_key, parse_levels
+from .store.levels import (
+    LEVEL_RANK,
+    ChunkLevels,
+    LevelManifest,
+    level_keys,
+    level_meta,
+    manifest_key,
+    parse_levels,
+)
 from .store.ranged import RangeReader
 
 log = logging.getLogger("kvcodec.stream")

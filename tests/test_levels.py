@@ -10,8 +10,15 @@ import pytest
 
 from kvcodec.errors import KvcFormatError, KvcInputError
 from kvcodec.store import Store, StoreKey, TenantKey
-from kvcodec.store.levels import (LEVELS_CODEC, ChunkLevels, LevelManifest, level_keys, level_meta, manifest_key,
-                                  parse_levels)
+from kvcodec.store.levels import (
+    LEVELS_CODEC,
+    ChunkLevels,
+    LevelManifest,
+    level_keys,
+    level_meta,
+    manifest_key,
+    parse_levels,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 VEC = ROOT / "spec" / "vectors" / "levels"

@@ -17,13 +17,27 @@ import sys
 import numpy as np
 import pytest
 import torch
+from store_fixtures import (
+    NginxServer,
+    find_binary,
+    free_port,
+    redis_server,
+    subprocess_env,
+    wait_port,
+)
 
 from kvcodec.evaluate import compare_logits, continue_logits
 from kvcodec.netshape import ShapedLink
 from kvcodec.store import Store, TenantKey
 from kvcodec.store.levels import manifest_key
-from kvcodec.stream import TEXT, AdaptiveStreamer, Priors, Speeds, encode_levels, read_manifest
-from store_fixtures import NginxServer, find_binary, free_port, redis_server, subprocess_env, wait_port  # noqa: F401
+from kvcodec.stream import (
+    TEXT,
+    AdaptiveStreamer,
+    Priors,
+    Speeds,
+    encode_levels,
+    read_manifest,
+)
 
 pytestmark = pytest.mark.model
 
@@ -55,9 +69,9 @@ def _kl(lm, got, ids, exact_logits) -> float:
 
 def _copy(src: Store, dst: Store, ids, model: str) -> None:
     """Put the entry's manifest and every level chunk from ``src`` into ``dst`` (same tenant key)."""
-    k = manifest_key(ids, model=model, namespace="default")
-    m = read_manifest(src, k)
-    for k in [k] + [x for lv in m.levels for x in m.level_keys(ids, lv)]:
+    top = manifest_key(ids, model=model, namespace="default")
+    m = read_manifest(src, top)
+    for k in [top] + [x for lv in m.levels for x in m.level_keys(ids, lv)]:
         e = src.get_entry(k)
         dst.put(k, e.data, e.meta)
 

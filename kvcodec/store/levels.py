@@ -27,9 +27,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import KvcFormatError, KvcInputError
 import numpy as np
 
+from ..errors import KvcFormatError, KvcInputError
 from .keys import DEFAULT_CHUNK, StoreKey, chunk_hashes
 
 LEVELS_CODEC = "levels-v1"
