@@ -20,10 +20,13 @@ from .options import emit_json, json_option, model_option
                    "later asks with the documents in any order or subset load each one from the store.")
 @click.option("--recompute-ratio", type=float, default=0.15, show_default=True,
               help="--blend: fraction of context tokens recomputed (0..1; 1 = a full prefill).")
+@click.option("--ttft-budget", type=float, default=None,
+              help="Stream the documents' multi-level entry (kvc encode --levels) within this many seconds to the first "
+                   "token: each chunk at the highest level that fits, else from its text; --json reports every choice.")
 @json_option
 @click.argument("question")
-def ask_command(model, docs, store_url, preset, namespace, max_new_tokens, no_store, blend, recompute_ratio, as_json,
-                question) -> None:
+def ask_command(model, docs, store_url, preset, namespace, max_new_tokens, no_store, blend, recompute_ratio, ttft_budget,
+                as_json, question) -> None:
     """Answer QUESTION about the documents; the first call prefills and stores, later calls load."""
     from kvcodec.errors import KvcInputError
     from kvcodec.format.presets import available_presets
@@ -41,9 +44,26 @@ def ask_command(model, docs, store_url, preset, namespace, max_new_tokens, no_st
         raise KvcInputError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     if not question.strip():
         raise KvcInputError("the question is empty")
+    if ttft_budget is not None and (blend or no_store):
+        raise KvcInputError("--ttft-budget streams a stored multi-level entry; it takes neither --blend nor --no-store")
+    if ttft_budget is not None and not ttft_budget > 0:
+        raise KvcInputError(f"--ttft-budget must be positive seconds, got {ttft_budget:g}")
     texts = read_docs(list(docs))
     prewarm()  # the codec's one-time costs, paid while the model loads (kvcodec/warmup.py)
     kb = KnowledgeBase(load_model(model), store_url, preset=preset, namespace=namespace)
+    if ttft_budget is not None:
+        ans, report = kb.ask_streamed(texts, question, ttft_budget, max_new_tokens=max_new_tokens)
+        if as_json:
+            emit_json(dict(ans.to_json(), stream=report))
+            return
+        click.echo(ans.answer)
+        ok = "within" if report["within_budget"] else "OVER"
+        click.echo(f"[stream: TTFT {ans.ttft_s * 1000:.0f} ms, {ok} the {ttft_budget * 1000:.0f} ms budget; "
+                   f"chunks {report['level_counts']}; {100 * report['text_share']:.0f}% from text"
+                   + (f"; link failed: {report['link_failed']}" if report["link_failed"] else "") + "]", err=True)
+        for c in report["chunks"]:
+            click.echo(f"[chunk {c['chunk']} [{c['start']}, {c['end']}): {c['choice']} - {c['reason']}]", err=True)
+        return
     if blend:
         ans = kb.ask_blended(texts, question, max_new_tokens=max_new_tokens, recompute_ratio=recompute_ratio,
                              store_new=not no_store)

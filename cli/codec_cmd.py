@@ -202,7 +202,15 @@ def parse_codec_config(value: str) -> tuple[str, dict[str, Any]]:
 
 @click.command("encode")
 @click.argument("input_path", metavar="[IN]", required=False, type=click.Path(dir_okay=False))
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Output .kvc file (written atomically).")
+@click.option("-o", "--output", default=None, type=click.Path(dir_okay=False),
+              help="Output .kvc file (written atomically). Required unless --levels.")
+@click.option("--levels", default=None,
+              help="Multi-level entry (spec/levels-v1.md): encode --text as `kvc ask --doc` sees it, every chunk at each "
+                   "of these presets (e.g. small,balanced,near-lossless), and put it in --store under one logical key.")
+@click.option("--store", "store_url", default=None, help="--levels: the store URL (default: the user cache).")
+@click.option("--namespace", default="default", show_default=True, help="--levels: the store namespace.")
+@click.option("--level-chunk-tokens", type=int, default=256, show_default=True,
+              help="--levels: tokens per streamed chunk (a multiple of 256).")
 @click.option("--preset", default="lossless", show_default=True,
               help="lossless | zstd | raw | fp16, or a lossy preset (near-lossless, balanced, small).")
 @click.option("--config", "config", default=None,
@@ -224,7 +232,8 @@ def parse_codec_config(value: str) -> tuple[str, dict[str, Any]]:
 @click.option("--chunk-tokens", type=int, default=None, help="Tokens per chunk (default: one chunk per layer and K/V).")
 @click.option("--chunk-heads", type=int, default=None, help="KV heads per chunk (default: all).")
 @json_option
-def encode_command(input_path: str | None, output: str, preset: str, config: str | None, prune_spec: str | None,
+def encode_command(input_path: str | None, output: str | None, levels: str | None, store_url: str | None,
+                   namespace: str, level_chunk_tokens: int, preset: str, config: str | None, prune_spec: str | None,
                    model: str | None, target_kl: float | None, target_dppl: float | None, text_path: str | None,
                    max_tokens: int | None, continuation: int, chunk_tokens: int | None, chunk_heads: int | None,
                    as_json: bool) -> None:
@@ -246,6 +255,18 @@ def encode_command(input_path: str | None, output: str, preset: str, config: str
 
     preset_given = click.get_current_context().get_parameter_source("preset") not in (
         click.core.ParameterSource.DEFAULT, None)
+    if levels is not None:
+        if input_path is not None or output is not None or preset_given or config or prune_spec or \
+                target_kl is not None or target_dppl is not None or chunk_tokens or chunk_heads or max_tokens:
+            raise KvcInputError("--levels encodes --text (and --model) into --store; it takes none of IN, -o, "
+                                "--preset, --config, --prune, --target-*, --max-tokens, --chunk-tokens, --chunk-heads")
+        _encode_levels(text_path, levels, store_url, namespace, level_chunk_tokens, model, as_json)
+        return
+    if output is None:
+        raise KvcInputError("give -o OUT.kvc (or --levels to write a multi-level entry into a store)")
+    if store_url is not None or click.get_current_context().get_parameter_source("namespace") == \
+            click.core.ParameterSource.COMMANDLINE:
+        raise KvcInputError("--store and --namespace apply to --levels")
     overrides: dict[str, Any] = {}
     if config is not None:
         if preset_given:
@@ -372,6 +393,36 @@ def encode_command(input_path: str | None, output: str, preset: str, config: str
                   f"PPL {target_info['dppl_percent']:+.3f}% on {len(cont)} continuation tokens")  # type: ignore[arg-type]
     click.echo(f"{output}: {n:,} bytes, {info['bits_per_element']:.3f} bits per KV element, "
                f"ratio vs fp16 {info['ratio_vs_fp16']:.2f}x (preset {plan_preset}{extra})")
+
+
+def _encode_levels(text_path: str | None, levels: str, store_url: str | None, namespace: str, chunk_tokens: int,
+                   model: str | None, as_json: bool) -> None:
+    """``kvc encode --levels``: the multi-level entry of a document, as ``kvc ask --doc`` builds its context."""
+    from kvcodec.capture import check_fits
+    from kvcodec.errors import KvcInputError
+    from kvcodec.knowledge import KnowledgeBase, read_docs
+    from kvcodec.model import DEFAULT_MODEL, load_model
+    from kvcodec.store.levels import parse_levels
+    from kvcodec.stream import encode_levels
+
+    names = parse_levels(levels)  # refuse bad names before loading anything
+    if text_path is None:
+        raise KvcInputError("--levels needs --text (the document)")
+    if chunk_tokens < 256 or chunk_tokens % 256:
+        raise KvcInputError(f"--level-chunk-tokens must be a positive multiple of 256, got {chunk_tokens}")
+    docs = read_docs([text_path])
+    kb = KnowledgeBase(load_model(model or DEFAULT_MODEL), store_url, namespace=namespace)
+    ids, _ = kb.context_ids(docs)
+    check_fits(kb.lm, len(ids), "the document")
+    say = (lambda m: None) if as_json else (lambda m: click.echo(f"kvc: {m} ...", err=True))
+    info = encode_levels(kb.lm, kb.store, ids, names, chunk_tokens=chunk_tokens, namespace=namespace, progress=say)
+    info["store"] = kb.store.url
+    if as_json:
+        emit_json(info)
+        return
+    click.echo(f"{info['key']}: {info['tokens']:,} tokens in {info['chunks']} chunks of {chunk_tokens} -> {kb.store.url}")
+    for lv, d in info["levels"].items():
+        click.echo(f"  {lv:14s} {d['bytes']:>12,} bytes  {d['bits_per_element']:6.3f} bits/element  encode {d['encode_s']:.1f} s")
 
 
 @click.command("decode")

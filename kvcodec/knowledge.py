@@ -60,7 +60,8 @@ def key_for_file(reader: KvcReader, namespace: str = "default") -> StoreKey:
 class Answer:
     answer: str
     answer_ids: list[int]
-    source: str  # "store" (whole context loaded), "store+prefill" (prefix loaded), "prefill", or "blend" (chunks blended)
+    source: str  # "store" (whole context loaded), "store+prefill" (prefix loaded), "prefill", "blend" (chunks blended)
+    # or "stream" (multi-level entry streamed under a TTFT budget)
     context_tokens: int
     cached_tokens: int
     ttft_s: float
@@ -259,6 +260,32 @@ class KnowledgeBase:
             unreadable=unreadable,
         )
         return _Answered(answer, context_kv)
+
+    # -- adaptive streaming under a TTFT budget (issue 17) ----------------------
+    @torch.inference_mode()
+    def ask_streamed(self, docs: list[str], question: str, budget_s: float | None, max_new_tokens: int = 48,
+                     fixed: str | None = None) -> tuple[Answer, dict[str, Any]]:
+        """Answer from the documents' multi-level entry, streamed under ``budget_s`` (:mod:`kvcodec.stream`).
+
+        Each chunk comes at the highest level that fits the budget, or from its
+        text; the second value is the per-chunk report (choices and reasons).
+        """
+        from .stream import AdaptiveStreamer
+
+        if max_new_tokens < 1:
+            raise KvcInputError("max_new_tokens must be at least 1")
+        if budget_s is not None and not budget_s > 0:
+            raise KvcInputError(f"the TTFT budget must be positive seconds, got {budget_s!r}")
+        ids, _ = self.context_ids(docs)
+        q = self.question_ids(question)
+        check_fits(self.lm, len(ids) + len(q) + max_new_tokens, "the documents + question + answer")
+        out, rep = AdaptiveStreamer(self.lm, self.store, fixed=fixed).answer(
+            ids, q, budget_s=budget_s, max_new_tokens=max_new_tokens, namespace=self.namespace)
+        cached = sum(c.end - c.start for c in rep.chunks if c.choice != "text")
+        ans = Answer(answer=self.lm.tokenizer.decode(out, skip_special_tokens=True).strip(), answer_ids=out,
+                     source="stream", context_tokens=int(len(ids)), cached_tokens=int(cached),
+                     ttft_s=float(rep.ttft_s or 0.0), prefill_ttft_s=None, timings={"load_s": rep.load_s})
+        return ans, rep.to_json()
 
     # -- blended answers (issue 9) ---------------------------------------------
     def chunk_cache(self, ids: np.ndarray, unreadable: list[dict[str, str]] | None = None) -> KVCache | None:

@@ -318,8 +318,18 @@ class KdnService:
                                  "logical key)") from None
 
     def check_entry(self, key: StoreKey, data: bytes) -> None:
-        """Raise :class:`KvcError` unless ``data`` is a sound ``.kvc`` whose token ids hash to ``key``."""
+        """Raise :class:`KvcError` unless ``data`` is a sound ``.kvc`` whose token ids hash to ``key``.
+
+        A multi-level manifest (codec ``levels-v1``, spec/levels-v1.md) holds no
+        token ids: it must parse, validate and name ``key``; its level chunks are
+        ordinary ``.kvc`` entries checked as above.
+        """
         from ..format import KvcReader
+        from ..store.levels import LEVELS_CODEC, LevelManifest
+
+        if key.codec == LEVELS_CODEC:
+            LevelManifest.from_bytes(data, key)
+            return
 
         with KvcReader(data) as r:
             if self.config.verify:
