@@ -28,7 +28,11 @@ Estimators (defaults documented in ``spec/levels-v1.md`` §6):
   inflate it: it is what adaptive-bitrate players (FESTIVE, Jiang et al. 2012)
   and CacheGen use for the same decision. Before any sample, the last
   estimate this process measured for the same store URL is used; with none
-  at all, the first chunk is fetched at the smallest level as a probe.
+  at all, the manifest fetch's rate (its bytes over its wall time, latency
+  included, so a lower bound on the link's rate) plans the first chunk, which
+  is then fetched at the highest level that fits even at that pessimistic
+  rate; only when the caller supplied the manifest (nothing timed) is the
+  first chunk fetched at the smallest level as a probe.
 * **decode and prefill speed**: seconds per token, per level for decoding,
   a prior from :class:`Priors` replaced by an exponential moving average of
   what this process measured.
@@ -387,15 +391,19 @@ class AdaptiveStreamer:
         t0 = time.perf_counter() if t0 is None else t0
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         key = manifest_key(ids, model=self.lm.fingerprint.id, namespace=namespace)
+        floor_bw = None
         if manifest is None:
+            tm = time.perf_counter()
             manifest = read_manifest(self.store, key)
+            if manifest is not None:  # a lower bound on the link's rate: latency included, tiny payload
+                floor_bw = len(manifest.to_bytes()) / max(time.perf_counter() - tm, 1e-6)
         if manifest is None:
             raise KvcInputError(f"no multi-level entry for these {len(ids)} tokens in {self._url} "
                                 "(write one with kvc encode --levels)")
         if self.fixed is not None and self.fixed != TEXT and self.fixed not in manifest.levels:
             raise KvcInputError(f"level {self.fixed!r} is not in the entry (has {', '.join(manifest.levels)})")
         report = StreamReport(key.to_str(), budget_s, list(manifest.levels), [])
-        run = _Run(self, manifest, ids, budget_s, question_tokens, t0, report)
+        run = _Run(self, manifest, ids, budget_s, question_tokens, t0, report, floor_bw)
         past = run.go()
         report.load_s = time.perf_counter() - t0
         return Streamed(past, len(ids), report)
@@ -422,8 +430,9 @@ class _Run:
     """One request: the planner thread and the main-thread consumer share this state."""
 
     def __init__(self, s: AdaptiveStreamer, m: LevelManifest, ids: np.ndarray, budget_s: float | None,
-                 q_tokens: int, t0: float, report: StreamReport) -> None:
+                 q_tokens: int, t0: float, report: StreamReport, floor_bw: float | None = None) -> None:
         self.s, self.m, self.ids, self.budget, self.q_tokens, self.t0, self.report = s, m, ids, budget_s, q_tokens, t0, report
+        self.floor_bw = floor_bw  # bytes/s of the manifest fetch: used only until the first chunk's sample
         self.deadline = None if budget_s is None else t0 + budget_s
         self.items: queue.Queue[_Item | None] = queue.Queue()
         self.lock = threading.Lock()
@@ -461,6 +470,9 @@ class _Run:
         now = time.perf_counter()
         left = float("inf") if self.deadline is None else self.deadline - now
         bw = self.bw()
+        floor = False
+        if not bw and self.floor_bw:  # no chunk sample yet: plan with the manifest fetch's (pessimistic) rate
+            bw, floor = self.floor_bw, True
         with self.lock:
             compute_free = max(now, self.done_at) + self.pending_est
         text_end = compute_free - now + self._prefill_s(c.n_tokens)
@@ -470,7 +482,8 @@ class _Run:
             fetch = c.bytes[lv] / bw if bw else float("nan")
             ests[lv] = max(fetch, compute_free - now + dec) if bw else float("nan")
         rest = self._rest_s(i, bw)
-        bw_txt = f"{bw * 8 / 1e6:.1f} Mbit/s (harmonic mean of {len(self.samples[-self.s.window:])})" if bw else "none yet"
+        bw_txt = (f"{bw * 8 / 1e6:.1f} Mbit/s (lower bound: the manifest fetch)" if floor else
+                  f"{bw * 8 / 1e6:.1f} Mbit/s (harmonic mean of {len(self.samples[-self.s.window:])})" if bw else "none yet")
 
         def item(choice: str, reason: str) -> _Item:
             ch = ChunkChoice(i, c.start, c.end, choice, reason, bw, left, {k: round(v, 4) for k, v in ests.items()
