@@ -50,6 +50,11 @@ SCHEMA = "kvcodec-curve/1"
 BASELINE_FAMILIES = ("fp16", "fp16+zstd", "int8", "kivi", "cachegen")
 # real peer libraries (kvcodec/peers.py): run their own code, skipped with a reason when not installed
 PEER_FAMILIES = ("hf-quanto", "hf-hqq")
+# kvcodec's lossy presets in another configuration: family -> (keyword arguments of _preset, row note)
+_PRESET_VARIANTS: dict[str, tuple[dict[str, bool], str]] = {
+    "kvcodec-fixed": ({"guard": False}, "the preset's fixed step0, without the encode-time quality check"),
+    "kvcodec-embedded": ({"embedded": True}, "calibration embedded in the file (its bytes are charged to this one file)"),
+}
 ALL_FAMILIES = ("kvcodec", "kvcodec-kl", *BASELINE_FAMILIES, *PEER_FAMILIES, "h2o")
 # not in "all": the lossy presets at their fixed step0 without the encode-time quality check
 EXTRA_FAMILIES = ("kvcodec-fixed", "kvcodec-embedded")
@@ -216,12 +221,13 @@ def select_methods(selected: list[str] | None = None, target_kls: list[float] | 
         elif s == "kvcodec" or s.startswith("kvcodec:"):
             for n in codec_presets() if s == "kvcodec" else [s.split(":", 1)[1]]:
                 add(Method("kvcodec", n, _preset(n)))
-        elif s == "kvcodec-fixed" or s.startswith("kvcodec-fixed:"):
-            for n in list(quant_presets.PRESETS) if s == "kvcodec-fixed" else [s.split(":", 1)[1]]:
+        elif s.split(":", 1)[0] in _PRESET_VARIANTS:
+            fam = s.split(":", 1)[0]
+            kw, note = _PRESET_VARIANTS[fam]
+            for n in list(quant_presets.PRESETS) if s == fam else [s.split(":", 1)[1]]:
                 if n not in quant_presets.PRESETS:
-                    raise KvcInputError(f"kvcodec-fixed: {n!r} is not a lossy preset ({', '.join(quant_presets.PRESETS)})")
-                add(Method("kvcodec-fixed", n, _preset(n, guard=False),
-                           note="the preset's fixed step0, without the encode-time quality check"))
+                    raise KvcInputError(f"{fam}: {n!r} is not a lossy preset ({', '.join(quant_presets.PRESETS)})")
+                add(Method(fam, n, _preset(n, **kw), note=note))
         elif s in PEER_FAMILIES or s.split(":", 1)[0] in PEER_FAMILIES:
             from .peers import DEFAULT_SPECS, HFQuantSpec, available
 
@@ -236,12 +242,6 @@ def select_methods(selected: list[str] | None = None, target_kls: list[float] | 
             for sp in specs:
                 add(Method(fam, sp.name, None, roundtrip=_hf_quant(sp.name),
                            note="real library (transformers QuantizedCache); bits = codes + 16-bit scales/zeros"))
-        elif s == "kvcodec-embedded" or s.startswith("kvcodec-embedded:"):
-            for n in list(quant_presets.PRESETS) if s == "kvcodec-embedded" else [s.split(":", 1)[1]]:
-                if n not in quant_presets.PRESETS:
-                    raise KvcInputError(f"kvcodec-embedded: {n!r} is not a lossy preset ({', '.join(quant_presets.PRESETS)})")
-                add(Method("kvcodec-embedded", n, _preset(n, embedded=True),
-                           note="calibration embedded in the file (its bytes are charged to this one file)"))
         elif s == "kvcodec-kl":
             for kl in target_kls or DEFAULT_TARGET_KLS:
                 add(Method("kvcodec-kl", f"kl<={kl:g}", _target(float(kl)),
