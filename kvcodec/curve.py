@@ -18,12 +18,16 @@ Methods come in families: ``kvcodec`` (the codec's presets), ``kvcodec-kl``
 pruning alone, kept tokens stored as fp16).
 
 Results are resumable: rows already present in the JSON output (same model
-fingerprint, context tokens, continuation and method) are reused.
+fingerprint, context tokens, continuation, method and kvcodec source code) are
+reused. The code digest is part of the key because a preset's name does not
+pin what it does: a row computed by older code is recomputed, never shown as
+the current code's result.
 """
 
 from __future__ import annotations
 
 import csv
+import functools
 import hashlib
 import io
 import json
@@ -399,9 +403,19 @@ def _measure_roundtrip(lm: Any, case: TextCase, method: Method, greedy_tokens: i
 
 
 # -- the sweep ----------------------------------------------------------------------------
+@functools.cache
+def code_digest() -> str:
+    """sha256 (16 hex) of the kvcodec package's Python sources: which code computed a row."""
+    root = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*.py")):
+        h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
 def _row_key(row: dict[str, Any]) -> tuple:
     return (row.get("fingerprint"), row.get("tokens_sha256"), row.get("continuation_tokens"), row.get("greedy_tokens"),
-            row.get("family"), row.get("method"))
+            row.get("family"), row.get("method"), row.get("code"))
 
 
 def load_previous(path: str | os.PathLike | None) -> dict[tuple, dict[str, Any]]:
@@ -485,7 +499,7 @@ def run_curve(
                     case = load_case(lm, text, max_tokens, continuation, capture_dir)
                 base = {"fingerprint": lm.fingerprint.id, "tokens_sha256": case.tokens_sha,
                         "continuation_tokens": int(case.continuation.size), "greedy_tokens": greedy_tokens,
-                        "family": m.family, "method": m.setting}
+                        "family": m.family, "method": m.setting, "code": code_digest()}
                 row = previous.get(_row_key(base))
                 if row is None:
                     try:
