@@ -6,8 +6,15 @@ model is small). Select or skip them with ``-m model`` / ``-m 'not model'``.
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
+import os
+
+# The Triton tests run the kernels under the interpreter, and TRITON_INTERPRET must be set before anything
+# imports triton (see test_cuda_rans.py). Collecting other test modules already imports it (kvcodec.knowledge
+# -> transformers -> torch._dynamo -> triton), so it is set here, before any test module is collected.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")
