@@ -112,8 +112,10 @@ class S3Tier(Tier):
             self.guard.ok()
             if code in ("NoSuchKey", "404", "NotFound") or status == 404:
                 return None
-            raise KvcStoreError(f"s3 {self.url}: {op} failed: {code or status}: "
-                                f"{e.response.get('Error', {}).get('Message', '')}".rstrip(": ")) from None
+            err = KvcStoreError(f"s3 {self.url}: {op} failed: {code or status}: "
+                                f"{e.response.get('Error', {}).get('Message', '')}".rstrip(": "))
+            err.s3_code, err.s3_status = code, status  # callers classify on these, never on the message text
+            raise err from None
         except self._transport as e:
             raise self.guard.failed(f"{type(e).__name__}: {e}") from None
         except self._bex.BotoCoreError as e:
@@ -183,10 +185,12 @@ class S3Tier(Tier):
                 self._call(op, fn, IfNoneMatch="*", **kw)
                 return
             except KvcStoreError as e:
-                msg = str(e)
-                if "PreconditionFailed" in msg or "412" in msg or "ConditionalRequestConflict" in msg:
+                # The server's answer, not the message: a transport failure's message holds the URL, whose
+                # HMAC-derived object name may well contain "412" (an outage once read as success that way).
+                code, status = getattr(e, "s3_code", None), getattr(e, "s3_status", None)
+                if code in ("PreconditionFailed", "ConditionalRequestConflict") or status == 412:
                     return
-                if "NotImplemented" in msg or "501" in msg:
+                if code == "NotImplemented" or status == 501:
                     log.warning("store: %s does not support conditional writes; writing unconditionally", self.url)
                     self.conditional = False
                 else:
@@ -323,7 +327,7 @@ class S3RangeReader(RangeReader):
             resp = self.tier._call("range get", self.tier.s3.get_object, Bucket=self.tier.bucket, Key=self.key_name,
                                    Range=f"bytes={first}-{first + length - 1}", IfMatch=self.etag)
         except KvcStoreError as e:
-            if "PreconditionFailed" in str(e) or "412" in str(e):
+            if getattr(e, "s3_code", None) == "PreconditionFailed" or getattr(e, "s3_status", None) == 412:
                 raise KvcStoreError(f"{self.name}: object changed during the read") from None
             raise
         if resp is None:
