@@ -84,7 +84,8 @@ def make_seeds(out: Path, tokens: int, lm: Any = None) -> None:
     import torch
 
     from kvcodec.capture import capture, tokenize
-    from kvcodec.format import get_plan, write_kvc
+    from kvcodec.format import write_kvc
+    from kvcodec.plans import get_plan
     from kvcodec.model import load_model
     from kvcodec.prune import apply_prune
     from kvcodec.texts import load_text
@@ -501,7 +502,7 @@ def _load_seeds(d: Path) -> list[tuple[str, bytes]]:
 def _resolver(seeds: list[tuple[str, bytes]]) -> dict[str, Any]:
     """name -> array of the external calibration attachments the seeds reference (resolved once, as a mapping)."""
     from kvcodec.format import KvcReader
-    from kvcodec.quant.presets import attachment_resolver
+    from kvcodec.attachments import default_resolver as attachment_resolver
 
     out: dict[str, Any] = {}
     for _, data in seeds:

@@ -160,19 +160,12 @@ def _positive(ctx: click.Context, param: click.Parameter, value: float | None) -
     return value
 
 
-CONFIG_KEYS = {"preset", "step0", "sink", "group", "basis", "deadzone", "calibration", "tokenscale", "level"}
-
-
 def parse_codec_config(value: str) -> tuple[str, dict[str, Any]]:
-    """(preset, overrides) of ``--config``: a JSON object, inline or in a file.
-
-    ``{"preset": "balanced", "step0": 0.25, "sink": 8, "tokenscale": null}`` -- a preset and
-    the parameters of its plan to change (lossy presets: step0, sink, group, basis, deadzone,
-    calibration, tokenscale; lossless / zstd / fp16: level).
-    """
+    """(preset, overrides) of ``--config``: a JSON object, inline or in a file, checked by :func:`kvcodec.plans.parse_config`."""
     import json
 
     from kvcodec.errors import KvcInputError
+    from kvcodec.plans import parse_config
 
     src = Path(value)
     text = src.read_text(encoding="utf-8") if not value.lstrip().startswith("{") and src.is_file() else value
@@ -180,24 +173,7 @@ def parse_codec_config(value: str) -> tuple[str, dict[str, Any]]:
         cfg = json.loads(text)
     except ValueError as exc:
         raise KvcInputError(f"--config is neither a JSON object nor a JSON file ({exc})") from None
-    if not isinstance(cfg, dict) or not isinstance(cfg.get("preset"), str):
-        raise KvcInputError('--config must be a JSON object with a "preset" name, e.g. {"preset": "balanced", "step0": 0.25}')
-    unknown = set(cfg) - CONFIG_KEYS
-    if unknown:
-        raise KvcInputError(f"--config: unknown keys {sorted(unknown)} (known: {', '.join(sorted(CONFIG_KEYS))})")
-    over = {k: v for k, v in cfg.items() if k != "preset"}
-    checks = {"step0": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
-              "sink": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
-              "group": lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
-              "basis": lambda v: v in ("pca", "hadamard"),
-              "deadzone": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1,
-              "calibration": lambda v: v in ("external", "embedded"),
-              "tokenscale": lambda v: v is None or isinstance(v, dict),
-              "level": lambda v: isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 22}
-    for k, v in over.items():
-        if not checks[k](v):
-            raise KvcInputError(f"--config: bad value for {k!r}: {v!r}")
-    return cfg["preset"], over
+    return parse_config(cfg, "--config")
 
 
 @click.command("encode")
@@ -249,8 +225,8 @@ def encode_command(input_path: str | None, output: str | None, levels: str | Non
     """
     from kvcodec.atomic import check_input, check_output
     from kvcodec.errors import KvcInputError
-    from kvcodec.format import get_plan, write_kvc
-    from kvcodec.format.presets import BUILTIN_PRESETS, available_presets
+    from kvcodec.format import write_kvc
+    from kvcodec.plans import get_plan, preset_info
     from kvcodec.kvcache import load_capture
 
     preset_given = click.get_current_context().get_parameter_source("preset") not in (
@@ -285,15 +261,14 @@ def encode_command(input_path: str | None, output: str | None, levels: str | Non
         from kvcodec.prune import parse_prune
 
         budget = parse_prune(prune_spec)  # refuse a bad spec before loading anything
-    if preset not in available_presets():  # refuse a bad name before loading a model for it
-        raise KvcInputError(f"unknown preset {preset!r} (available: {', '.join(available_presets())})")
+    lossy = preset_info(preset, "--preset").lossy  # refuse a bad name before loading a model for it
     targeted = target_kl is not None or target_dppl is not None
     if target_kl is not None and target_dppl is not None:
         raise KvcInputError("give only one of --target-kl and --target-dppl")
     if targeted:
         if overrides:
             raise KvcInputError("--target-kl/--target-dppl choose step0 themselves; give them --preset, not --config overrides")
-        if preset_given and preset in BUILTIN_PRESETS:
+        if preset_given and not lossy:
             raise KvcInputError(f"--target-kl/--target-dppl tune the lossy codec; they cannot be used with --preset {preset}")
         if text_path is None:
             raise KvcInputError("--target-kl/--target-dppl need --text (the capture's text: the tokens after the "
@@ -302,10 +277,6 @@ def encode_command(input_path: str | None, output: str | None, levels: str | Non
             raise KvcInputError(f"--continuation must be at least 2, got {continuation}")
     elif text_path is not None and input_path is not None:
         raise KvcInputError("with a capture IN, --text is only used with --target-kl or --target-dppl")
-    if overrides and preset in BUILTIN_PRESETS and set(overrides) - {"level"}:
-        raise KvcInputError(f"--config: preset {preset} takes only 'level'")
-    if overrides.get("level") is not None and preset not in ("lossless", "zstd", "fp16"):
-        raise KvcInputError(f"--config: 'level' is a zstd setting; preset {preset} has none")
 
     check_output(output, inputs=[input_path, text_path, config, model])  # before minutes of capture/encode work
     lm = None
@@ -358,7 +329,8 @@ def encode_command(input_path: str | None, output: str | None, levels: str | Non
 
     target_info = None
     if targeted:
-        from kvcodec.quant.presets import PRESETS, plan_for_target
+        from kvcodec.quant.codecplan import plan_for_target
+        from kvcodec.quant.presets import PRESETS
 
         kw = {k: v for k, v in PRESETS.get(preset, {}).items() if k != "step0"} if preset_given else {}
         qplan, target_info = plan_for_target(cache, get_lm(), target_kl=target_kl, target_dppl=target_dppl,
@@ -366,7 +338,7 @@ def encode_command(input_path: str | None, output: str | None, levels: str | Non
         name = f"target-kl-{target_kl:g}" if target_kl is not None else f"target-dppl-{target_dppl:g}"
         pipelines, attachments, plan_preset = qplan.pipelines, qplan.attachments, name
     else:
-        plan = get_plan(preset, cache, **overrides) if preset in BUILTIN_PRESETS else get_plan(preset, cache, lm=get_lm(), **overrides)
+        plan = get_plan(preset, cache, lm=get_lm() if lossy else None, **overrides)
         pipelines, attachments, plan_preset = plan.pipelines, plan.attachments, plan.preset
         if overrides:
             plan_preset = f"{plan.preset}+config"

@@ -17,7 +17,8 @@ import torch
 from .atomic import check_output, ensure_output_dir
 from .capture import capture, select_context, tokenize
 from .curve import eval_kvc_file, run_curve
-from .format import KvcReader, get_plan, write_kvc
+from .format import KvcReader, write_kvc
+from .plans import get_plan
 from .model import load_model
 from .texts import load_text
 from .ttft import cold_ttft, median_time, ttft_kvc, ttft_prefill

@@ -38,7 +38,8 @@ def cache(lm, gpl3_ids):
 @pytest.fixture(scope="module")
 def kvc_files(cache, tmp_path_factory):
     from kvcodec.baselines import get_baseline_plan
-    from kvcodec.format import get_plan, write_kvc
+    from kvcodec.format import write_kvc
+    from kvcodec.plans import get_plan
 
     d = tmp_path_factory.mktemp("eval")
     out = {}

@@ -54,7 +54,8 @@ def test_other_codec_namespace_or_model_miss(lm, other_lm, tmp_path):
 
 
 def test_cli_store_put_ls_get_rm(lm, small_cache, tmp_path, capsys):
-    from kvcodec.format import encode_kvc_bytes, get_plan
+    from kvcodec.format import encode_kvc_bytes
+    from kvcodec.plans import get_plan
 
     plan = get_plan("lossless", small_cache)
     f = tmp_path / "c.kvc"

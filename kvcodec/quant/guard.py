@@ -81,7 +81,7 @@ def guarded_plan(cache: Any, lm: Any, preset: str, args: dict[str, Any], target:
     """
     from ..evaluate import compare_logits, continue_logits, greedy
     from .calibrate import get_calibration
-    from .presets import TOKENSCALE_DEFAULT, decode_bytes, encode_bytes, transform_plan
+    from .codecplan import TOKENSCALE_DEFAULT, decode_bytes, encode_bytes, transform_plan
 
     t_start = time.perf_counter()
     args = dict(args)
