@@ -12,7 +12,7 @@ import pytest
 import zstandard
 
 from kvcodec.format import KvcReader
-from kvcodec.format.vectors import VECTOR_DIR, cache_from_vector, encode_case, stacked
+from scripts.make_vectors import VECTOR_DIR, cache_from_vector, encode_case, stacked
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # works with and without tests/__init__.py
 import independent_reader  # noqa: E402

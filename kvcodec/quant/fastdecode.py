@@ -281,8 +281,6 @@ def _weak(a: Any) -> Any:
 # --------------------------------------------------------------------------- dispatch
 def _structure(pipeline: Pipeline) -> tuple | None:
     """("lossless", shuffle | None) or ("lossy", TransformChain) for a supported pipeline, else None."""
-    from .chain import match_chain
-
     st = pipeline.stages
     if st and type(st[0]).__name__ == "Raw":
         from ..format.lossless import Raw, Shuffle, Zstd
@@ -291,6 +289,8 @@ def _structure(pipeline: Pipeline) -> tuple | None:
                 and (len(st) == 2 or type(st[1]) is Shuffle)):
             return ("lossless", st[1] if len(st) == 3 else None)
         return None
+    from .chain import match_chain  # not before: a lossless file needs none of the lossy stages
+
     chain = match_chain(pipeline)
     return None if chain is None else ("lossy", chain)
 
