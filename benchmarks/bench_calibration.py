@@ -44,7 +44,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvcodec.capture import capture, tokenize  # noqa: E402
 from kvcodec.evaluate import continue_logits, evaluate, greedy  # noqa: E402
@@ -205,7 +204,7 @@ def main() -> None:
     rows = quality_rows(lm, cals, texts, args.presets.split(","), args.tokens, args.continuation,
                         rate_match=args.rate_match and "reference" in cals) if texts else []
     if rows:
-        print(f"\n| text | preset | calibration | bits/el | KL | dPPL % | top-1 |\n|---|---|---|---|---|---|---|")
+        print("\n| text | preset | calibration | bits/el | KL | dPPL % | top-1 |\n|---|---|---|---|---|---|---|")
         for r in rows:
             print(f"| {r['text']} | {r['preset']} | {r['calibration']} | {r['bits_per_element']:.3f} | {r['kl_mean']:.4f} | "
                   f"{r['dppl_percent']:+.2f} | {r['top1_agreement']:.3f} |")

@@ -20,14 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvcodec.atomic import atomic_write_text  # noqa: E402
 from kvcodec.capture import capture, tokenize  # noqa: E402

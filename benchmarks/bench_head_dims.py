@@ -35,14 +35,11 @@ os.environ.setdefault("NUMBA_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvcodec.entropy.rans_stage import RansStage  # noqa: E402
 from kvcodec.quant import fastdecode as F  # noqa: E402
@@ -52,7 +49,6 @@ from kvcodec.stages import ArraySpec, ChunkContext, Pipeline  # noqa: E402
 
 def real_channels(text: str, tokens: int) -> np.ndarray:
     """[T, C] float32: every layer's K and V channels of the embedded model's real cache, per token."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_speed import get_cache
 
     c = get_cache(text, tokens).to(torch.float16)

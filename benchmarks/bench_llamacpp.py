@@ -49,7 +49,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_ttft import QUESTION, long_ids  # noqa: E402
 
 from kvcodec.capture import capture, tokenize  # noqa: E402

@@ -36,7 +36,6 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from kvcodec.capture import capture, tokenize  # noqa: E402
 from kvcodec.evaluate import continue_logits, greedy  # noqa: E402

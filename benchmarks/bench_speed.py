@@ -52,7 +52,6 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvcodec.format.reader import KvcReader  # noqa: E402
 from kvcodec.format.writer import write_kvc  # noqa: E402

@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import struct
-import sys
 import tracemalloc
 from pathlib import Path
 
@@ -27,7 +26,6 @@ from kvcodec.kvcache import load_capture, load_h5, load_safetensors, save_h5, sa
 from kvcodec.limits import MAX_DECODED_ENV
 from kvcodec.quant import fastdecode
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # works with and without tests/__init__.py
 from formatutil import assert_same_cache, crc, header_obj, split, assemble, synthetic_cache, with_header  # noqa: E402
 
 FIELDS = struct.Struct("<IBBHIIIIQQII")

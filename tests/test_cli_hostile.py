@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,6 @@ from kvcodec.format import write_kvc
 from kvcodec.plans import get_plan
 from kvcodec.kvcache import save_capture
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # works with and without tests/__init__.py
 from cliutil import run_kvc  # noqa: E402
 from formatutil import synthetic_cache  # noqa: E402
 

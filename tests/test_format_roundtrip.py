@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import io
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +15,6 @@ from kvcodec.format import (
 from kvcodec.format.decode import resolve_backend
 from kvcodec.kvcache import KVCache
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # works with and without tests/__init__.py
 from formatutil import RangeObj, assert_same_cache, synthetic_cache  # noqa: E402
 
 PIPES = {

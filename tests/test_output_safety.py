@@ -26,7 +26,6 @@ from kvcodec.format import KvcReader, write_kvc
 from kvcodec.plans import get_plan
 from kvcodec.kvcache import save_capture
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # works with and without tests/__init__.py
 from cliutil import run_kvc  # noqa: E402
 from formatutil import synthetic_cache  # noqa: E402
 
