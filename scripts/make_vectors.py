@@ -191,6 +191,16 @@ def codec_cases() -> dict[str, dict[str, Any]]:
         "quantize_step_clip": {"stage": {"name": "quantize", "version": 1, "config": {"mode": "step", "step": 0.01, "max_bits": 4}}, "ctx": {}, "input": x32},
         "quantize_minmax_channel": {"stage": {"name": "quantize", "version": 1, "config": {"mode": "minmax", "bits": 2, "axis": "channel", "group": 6, "symmetric": False}}, "ctx": {}, "input": x32},
         "quantize_minmax_token_sym": {"stage": {"name": "quantize", "version": 1, "config": {"mode": "minmax", "bits": [4, 3], "axis": "token", "group": 3, "symmetric": True}}, "ctx": {}, "input": x32},
+        # the container's cast stage (preset fp16), added by issue 18
+        "cast_f16": {"stage": {"name": "cast", "version": 1, "config": {"dtype": "float16"}}, "ctx": {}, "input": x32},
+        # the baselines' stages (comparison only, spec/codec-v1.md "Baseline stages"), added by issue 18
+        "bl_int8_token": {"stage": {"name": "bl_int8_token", "version": 1, "config": {}}, "ctx": {}, "input": x32},
+        "bl_kivi_key": {"stage": {"name": "bl_kivi", "version": 1, "config": {"bits": 2, "mode": "key", "group": 4, "residual": 8,
+                                                                             "layout": "code"}}, "ctx": {}, "input": x32},
+        "bl_kivi_value": {"stage": {"name": "bl_kivi", "version": 1, "config": {"bits": 4, "mode": "value", "group": 4, "residual": 8}},
+                          "ctx": {}, "input": x16},
+        "bl_cachegen": {"stage": {"name": "bl_cachegen", "version": 1, "config": {"bins": 16, "chunk_tokens": 8, "cdf_entries": 17,
+                                                                                 "precision": 16}}, "ctx": {}, "input": x32},
     }
 
 
@@ -210,7 +220,8 @@ def write_codec_vectors(root: Path = CODEC_DIR) -> None:
                 "side": sorted(side), "attach": sorted(attach)}
         (d / "case.json").write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
         np.save(d / "input.npy", x)
-        np.save(d / "encoded.npy", enc)
+        # an array->bytes stage's output is stored as its bytes (uint8)
+        np.save(d / "encoded.npy", np.frombuffer(enc, np.uint8) if isinstance(enc, (bytes, bytearray, memoryview)) else enc)
         np.save(d / "decoded.npy", dec)
         for k, v in side.items():
             np.save(d / f"side.{k}.npy", v)
