@@ -11,88 +11,6 @@ import click
 from .options import emit_json, json_option
 
 
-def _stage_str(s: Any) -> str:
-    cfg = s.get_config()
-    return s.name + ("(" + ", ".join(f"{k}={v}" for k, v in sorted(cfg.items())) + ")" if cfg else "")
-
-
-def pipeline_str(p: Any) -> str:
-    return " -> ".join(_stage_str(s) for s in p.stages)
-
-
-def _ranges(xs: list[int]) -> str:
-    out, start = [], None
-    for i, x in enumerate(xs):
-        if start is None:
-            start = x
-        if i + 1 == len(xs) or xs[i + 1] != x + 1:
-            out.append(str(start) if start == x else f"{start}-{x}")
-            start = None
-    return ",".join(out)
-
-
-def info_dict(r: Any, path: str) -> dict[str, Any]:
-    """Everything ``kvc info`` reports, as plain data."""
-    hd = r.header
-    sz = r.sizes()
-    elems = hd.num_elements
-    # kept fraction: the prune record when the file has one (lingua files hold the pruned text's ids and no
-    # positions, so only the record knows the original context), else stored / context tokens of a pruned file
-    rec = hd.meta.get("prune") if isinstance(hd.meta, dict) else None
-    rec = rec if isinstance(rec, dict) else {}
-    kept: float | None = None
-    if isinstance(rec.get("kept_fraction"), (int, float)) and not isinstance(rec.get("kept_fraction"), bool):
-        kept = float(rec["kept_fraction"])
-    elif hd.pruned and hd.num_context_tokens:
-        kept = hd.num_tokens / hd.num_context_tokens
-    orig_ctx = hd.num_context_tokens
-    if isinstance(rec.get("context_tokens"), int) and not isinstance(rec.get("context_tokens"), bool) and rec["context_tokens"] > 0:
-        orig_ctx = rec["context_tokens"]
-    positions = None
-    if hd.pruned:
-        positions = "per-token" if hd.blobs[hd.positions_blob].shape == (hd.num_tokens,) else "per-layer-head"
-    elif kept is not None:
-        positions = str(rec.get("positions") or "renumbered")
-    ctx_elems = 2 * hd.kv_heads * sum(hd.head_dims) * orig_ctx
-    use: dict[int, dict[str, list[int]]] = {}
-    for e in r.entries:
-        use.setdefault(e.pipeline, {"k": [], "v": []})
-        lst = use[e.pipeline][e.kind]
-        if not lst or lst[-1] != e.layer:
-            lst.append(e.layer)
-    pipelines = [
-        {"id": i, "pipeline": pipeline_str(p), "stages": p.to_json(),
-         "k_layers": _ranges(use.get(i, {}).get("k", [])), "v_layers": _ranges(use.get(i, {}).get("v", []))}
-        for i, p in enumerate(hd.pipelines)
-    ]
-    return {
-        "file": path,
-        "bytes": sz["file"],
-        "version": f"{hd.version[0]}.{hd.version[1]}",
-        "writer": hd.writer,
-        "model": {"architecture": hd.fingerprint.architecture, "fingerprint": hd.fingerprint.id,
-                  "fingerprint_version": hd.fingerprint.version, "layers": hd.num_layers, "kv_heads": hd.kv_heads, "head_dim": sorted(set(hd.head_dims))},
-        "dtype": hd.dtype,
-        "context_tokens": hd.num_context_tokens,
-        "stored_tokens": hd.num_tokens,
-        "kept_fraction": kept,
-        "original_context_tokens": orig_ctx,
-        "positions": positions,
-        "token_ids": "stored" if hd.token_ids_blob is not None else "hash only",
-        "chunks": len(r.entries),
-        "codec": hd.codec,
-        "pipelines": pipelines,
-        "attachments": {n: {"dtype": a.dtype, "shape": list(a.shape), "external": a.blob is None} for n, a in hd.attachments.items()},
-        "kv_elements": elems,
-        "bits_per_element": sz["file"] * 8 / elems,
-        "ratio_vs_fp16": elems * 2 / sz["file"],
-        "context_kv_elements": ctx_elems,
-        "bits_per_context_element": None if kept is None else sz["file"] * 8 / ctx_elems,
-        "sizes": sz,
-        "meta": hd.meta,
-    }
-
-
 def render_info(d: dict[str, Any]) -> str:
     from kvcodec.fingerprint import FINGERPRINT_VERSION
 
@@ -138,20 +56,6 @@ def render_info(d: dict[str, Any]) -> str:
 
 
 PRUNE_HELP = "h2o:0.25 | h2o:heavy=0.1,recent=0.1 | lingua:0.5"
-
-
-def context_elements(cache: Any) -> int:
-    """K+V elements of the cache's *original* context: what a pruned cache is charged against.
-
-    For an unpruned cache this is ``cache.num_elements``; a pruned one counts
-    every context token (lingua: the original text's, from ``meta["prune"]``).
-    """
-    fp = cache.fingerprint
-    rec = cache.meta.get("prune")
-    n = cache.num_context_tokens
-    if isinstance(rec, dict) and isinstance(rec.get("context_tokens"), int):
-        n = rec["context_tokens"]
-    return 2 * fp.num_kv_heads * sum(fp.head_dims) * n
 
 
 def _positive(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
@@ -228,6 +132,7 @@ def encode_command(input_path: str | None, output: str | None, levels: str | Non
     from kvcodec.format import write_kvc
     from kvcodec.plans import get_plan, preset_info
     from kvcodec.kvcache import load_capture
+    from kvcodec.rate import PruneRecord, bits_per_element, context_elements
 
     preset_given = click.get_current_context().get_parameter_source("preset") not in (
         click.core.ParameterSource.DEFAULT, None)
@@ -348,10 +253,11 @@ def encode_command(input_path: str | None, output: str | None, levels: str | Non
     n = write_kvc(cache, output, pipelines, attachments=attachments or None,
                   chunk_tokens=chunk_tokens, chunk_heads=chunk_heads, preset=plan_preset, meta=meta)
     info: dict[str, Any] = {"input": input_path if input_path is not None else text_path, "output": output, "preset": plan_preset, "bytes": n, "kv_elements": elems,
-                            "bits_per_element": n * 8 / elems, "ratio_vs_fp16": elems * 2 / n}
-    rec = cache.meta.get("prune") if budget is not None else None
-    if rec is not None:
-        info["prune"] = {k: rec.get(k) for k in ("method", "spec", "context_tokens", "kept_tokens", "kept_fraction", "positions")}
+                            "bits_per_element": bits_per_element(n, elems), "ratio_vs_fp16": elems * 2 / n}
+    prec = PruneRecord.from_meta(cache.meta) if budget is not None else None
+    if prec is not None:
+        info["prune"] = prec.to_json()
+    rec = cache.meta.get("prune") if prec is not None else None
     if target_info is not None:
         info["target"] = meta["target"]  # type: ignore[index]
     if as_json:
@@ -428,7 +334,7 @@ def info_command(path: str, as_json: bool) -> None:
     from kvcodec.format import KvcReader
 
     with KvcReader(check_input(path)) as r:
-        d = info_dict(r, path)
+        d = r.describe(path)
     if as_json:
         emit_json(d)
     else:

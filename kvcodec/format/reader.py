@@ -540,6 +540,12 @@ class KvcReader:
             check(lambda j=j: chunk(j))
         return problems
 
+    def describe(self, name: str | None = None) -> dict[str, Any]:
+        """Everything ``kvc info`` reports (header, model, rates, pipelines per layer, sizes) as plain data."""
+        from .describe import describe
+
+        return describe(self, name if name is not None else "<bytes>")
+
     def sizes(self) -> dict[str, Any]:
         """Bytes per section and per layer/kind (everything in the file is counted once)."""
         hd = self.header
