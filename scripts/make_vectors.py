@@ -204,39 +204,40 @@ def codec_cases() -> dict[str, dict[str, Any]]:
     }
 
 
+def _write_case(d: Path, meta_file: str, case: dict[str, Any], x: np.ndarray, enc: Any, side: dict[str, np.ndarray],
+                dec: np.ndarray, attach: dict[str, np.ndarray], extra: dict[str, Any] | None = None) -> None:
+    """One codec-stage case directory (the layout spec/codec-v1.md and kvcodec.quant.vectors.load_case read)."""
+    meta: dict[str, Any] = {"stage": case["stage"], "ctx": case.get("ctx", {}), "spec": {"shape": list(x.shape), "dtype": str(x.dtype)},
+                            "side": sorted(side), "attach": sorted(attach), **(extra or {})}
+    d.mkdir(parents=True)
+    (d / meta_file).write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
+    np.save(d / "input.npy", x)
+    # an array->bytes stage's output is stored as its bytes (uint8)
+    np.save(d / "encoded.npy", np.frombuffer(enc, np.uint8) if isinstance(enc, (bytes, bytearray, memoryview)) else enc)
+    np.save(d / "decoded.npy", dec)
+    for k, v in side.items():
+        np.save(d / f"side.{k}.npy", v)
+    for k, v in attach.items():
+        np.save(d / f"attach.{k}.npy", v)
+    print(f"wrote {d}")
 
 
 def write_codec_vectors(root: Path = CODEC_DIR) -> None:
     """Write the codec-stage vectors that do not exist yet (an existing case directory is never touched)."""
     for name, case in codec_cases().items():
-        d = root / name
-        if d.exists():
+        if (root / name).exists():
             continue
-        d.mkdir(parents=True)
         x = case["input"]
-        attach = {k: v for k, v in case.get("attach", {}).items()}
+        attach = dict(case.get("attach", {}))
         enc, side, dec = V.run_case(case, x, attach)
-        meta = {"stage": case["stage"], "ctx": case.get("ctx", {}), "spec": {"shape": list(x.shape), "dtype": str(x.dtype)},
-                "side": sorted(side), "attach": sorted(attach)}
-        (d / "case.json").write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
-        np.save(d / "input.npy", x)
-        # an array->bytes stage's output is stored as its bytes (uint8)
-        np.save(d / "encoded.npy", np.frombuffer(enc, np.uint8) if isinstance(enc, (bytes, bytearray, memoryview)) else enc)
-        np.save(d / "decoded.npy", dec)
-        for k, v in side.items():
-            np.save(d / f"side.{k}.npy", v)
-        for k, v in attach.items():
-            np.save(d / f"attach.{k}.npy", v)
-        print(f"wrote {d}")
+        _write_case(root / name, "case.json", case, x, enc, side, dec, attach)
 
 
 def write_tokenscale_vectors(root: Path = CODEC_DIR) -> None:
     """Write the tokenscale vectors that do not exist yet (their encoder inputs are part of the vector)."""
     for name, case in vector_cases().items():
-        d = root / name
-        if d.exists():
+        if (root / name).exists():
             continue
-        d.mkdir(parents=True)
         st = stage_from_json(case["stage"])
         x = case["input"]
         if "classes" in case:
@@ -244,17 +245,8 @@ def write_tokenscale_vectors(root: Path = CODEC_DIR) -> None:
         ctx = ChunkContext()
         enc, side = st.encode(x, ctx)
         dec = st.decode(enc, side, ArraySpec(tuple(x.shape), str(x.dtype)), ctx)
-        meta: dict[str, Any] = {"stage": case["stage"], "ctx": {}, "spec": {"shape": list(x.shape), "dtype": str(x.dtype)},
-                                "side": sorted(side), "attach": []}
-        if "classes" in case:
-            meta["encoder"] = {"classes": case["classes"].tolist(), "table": case["table"].tolist()}
-        (d / case["meta"]).write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
-        np.save(d / "input.npy", x)
-        np.save(d / "encoded.npy", enc)
-        np.save(d / "decoded.npy", dec)
-        for k, v in side.items():
-            np.save(d / f"side.{k}.npy", v)
-        print(f"wrote {d}")
+        extra = {"encoder": {"classes": case["classes"].tolist(), "table": case["table"].tolist()}} if "classes" in case else None
+        _write_case(root / name, case["meta"], {**case, "ctx": {}}, x, enc, side, dec, {}, extra)
 
 
 # --------------------------------------------------------------------------- rans (spec/vectors/rans)
