@@ -10,9 +10,10 @@ import torch
 
 from kvcodec.errors import KvcFormatError, KvcInputError, KvcModelMismatchError, KvcBackendError
 from kvcodec.format import (
-    ExternalAttachment, KvcReader, encode_kvc_bytes, get_plan, lossless_pipeline, raw_pipeline, read_kvc, write_kvc,
+    ExternalAttachment, KvcReader, encode_kvc_bytes, lossless_pipeline, raw_pipeline, read_kvc, write_kvc,
 )
 from kvcodec.format.decode import resolve_backend
+from kvcodec.plans import get_plan
 from kvcodec.kvcache import KVCache
 
 from formatutil import RangeObj, assert_same_cache, synthetic_cache  # noqa: E402
