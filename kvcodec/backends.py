@@ -97,11 +97,23 @@ def backend(name: str) -> Backend:
 
 
 def select(pipeline: Pipeline, spec: ArraySpec, device: Device = "cpu") -> list[Backend]:
-    """The backends of ``device`` that support this pipeline and chunk spec, fastest first (the reference last)."""
+    """The backends of ``device`` that support this pipeline and chunk spec, fastest first (the reference last).
+
+    Memoised on the pipeline object (its stages never change once built; the reader shares one
+    instance per distinct pipeline), so a file's chunks pay the static checks once per shape.
+    """
+    memo: dict[tuple, list[Backend]] = pipeline.__dict__.setdefault("_backend_choice", {})
+    key = (spec.shape, spec.dtype, device)
+    hit = memo.get(key)
+    if hit is not None:
+        return hit
     eligible = [b for b in BACKENDS if b.device == device and (b.reference or b.supports(pipeline, spec))]
     if not eligible:
         raise KvcBackendError(f"no decoder backend for device {device!r}")
-    return sorted(eligible, key=lambda b: -b.rank)
+    chosen = sorted(eligible, key=lambda b: -b.rank)
+    if len(memo) < 64:
+        memo[key] = chosen
+    return chosen
 
 
 def strict() -> bool:
