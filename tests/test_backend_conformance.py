@@ -127,6 +127,7 @@ def test_real_cache_every_preset_every_backend(used, lm, small_cache):
         assert _check_file(buf.getvalue(), used, gpu_layers=GPU_LAYERS if on_gpu else 0) > 0
 
 
+@pytest.mark.model  # needs the real-cache run above (the golden vectors hold no lossy chain for the fused GPU kernel)
 def test_every_registered_backend_was_exercised(used):
     """Runs after the three above (file order): each backend that can run here decoded something."""
     runnable = {b.name for b in _backends("cpu") + _backends("gpu") if b.name != "reference"}
