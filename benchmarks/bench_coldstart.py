@@ -81,6 +81,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="also profile one cold process per length")
     ap.add_argument("--json", dest="json_out", default=None)
     args = ap.parse_args()
+    from kvcodec.allocator import tune_allocator
+
+    tune_allocator()  # as the `kvc` command does (kvcodec/allocator.py): warm and cold processes tuned alike
     env = dict(os.environ)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -92,6 +92,9 @@ def main() -> None:
     ap.add_argument("--cold", action="store_true", help="also time the first call in a fresh process")
     ap.add_argument("--json", dest="json_out", default=None)
     args = ap.parse_args()
+    from kvcodec.allocator import tune_allocator
+
+    tune_allocator()  # as the `kvc` command does (kvcodec/allocator.py): warm and cold processes tuned alike
     if args.threads:
         torch.set_num_threads(args.threads)
 

@@ -41,6 +41,9 @@ def _show_warnings() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from kvcodec.allocator import tune_allocator
+
+    tune_allocator()  # reuse freed tensor memory across requests (kvcodec/allocator.py says why)
     _show_warnings()
     try:
         rv = cli.main(args=argv, prog_name="kvc", standalone_mode=False)

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .capture import check_fits, tokenize
+from .capture import check_fits, full_cache, tokenize
 from .chat import ChatFormat
 from .errors import KvcError, KvcInputError
 from .format import KvcReader, encode_kvc_bytes
@@ -242,7 +242,10 @@ class KnowledgeBase:
         rest = ids[n_cached:]
         if rest.size:  # prefill what the store did not have (all of it on a miss)
             pos = torch.arange(n_cached, len(ids)).unsqueeze(0)
-            out = self.lm.model(input_ids=torch.as_tensor(rest).unsqueeze(0), past_key_values=past, position_ids=pos, use_cache=True,
+            # a miss starts from full_cache(): transformers' own cache would keep only a sliding layer's window,
+            # and the context stored below must hold every token in every layer (kvcodec.capture.full_cache)
+            out = self.lm.model(input_ids=torch.as_tensor(rest).unsqueeze(0),
+                                past_key_values=past if past is not None else full_cache(), position_ids=pos, use_cache=True,
                                 logits_to_keep=1)
             past = out.past_key_values
         # DynamicLayer.update concatenates into new tensors, so these references stay the context's KV.

@@ -84,6 +84,9 @@ def cold_ttft(kind: str, model: str, ids: np.ndarray, question: np.ndarray, kvc:
 def _child(spec_path: str) -> None:
     t_start = time.perf_counter()
     spec = json.loads(Path(spec_path).read_text())
+    from .allocator import tune_allocator
+
+    tune_allocator()  # as the `kvc` command does, so cold and warm (kvc demo's own process) are tuned alike
     import torch
 
     from .model import load_model

@@ -129,6 +129,7 @@ class _QueryMoments:
         self.nq, self.nkv = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
         self.D = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.nq)
         self.layers = lm.model.model.layers
+        self._model = lm.model
         self.sink = sink
         self.moments: np.ndarray | None = None
         self._hooks: list[Any] = []
@@ -136,12 +137,21 @@ class _QueryMoments:
     def __enter__(self) -> "_QueryMoments":
         self.moments = np.zeros((len(self.layers), self.nkv, self.D))
         for i, layer in enumerate(self.layers):
-            self._hooks.append(layer.self_attn.q_proj.register_forward_hook(self._hook(i)))
+            att = layer.self_attn
+            # separate q projection (LLaMA, Qwen, Gemma, Mistral) or the first nq*D outputs of a fused one (Phi-3)
+            proj = getattr(att, "q_proj", None) or getattr(att, "qkv_proj", None)
+            if proj is None:
+                raise KvcInputError(f"cannot calibrate {type(self._model).__name__}: layer {i}'s attention "
+                                    f"({type(att).__name__}) has neither q_proj nor a fused qkv_proj")
+            self._hooks.append(proj.register_forward_hook(self._hook(i, getattr(att, "q_norm", None))))
         return self
 
-    def _hook(self, i: int) -> Any:
+    def _hook(self, i: int, q_norm: Any) -> Any:
         def hook(mod: Any, inp: Any, o: Any) -> None:
-            q = o[0].detach().double().reshape(o.shape[1], self.nq, self.D)[self.sink:]
+            q = o[0, :, : self.nq * self.D].detach().reshape(o.shape[1], self.nq, self.D)
+            if q_norm is not None:  # Qwen3/Gemma3 normalise each query head before RoPE: the keys meet these
+                q = q_norm(q)
+            q = q.double()[self.sink:]
             # HF repeat_kv: kv head h serves q heads h*r..h*r+r-1
             assert self.moments is not None
             self.moments[i] = (q**2).mean(0).reshape(self.nkv, self.nq // self.nkv, self.D).mean(1).numpy()
@@ -166,7 +176,11 @@ def attention_metrics(lm: Any, qm: np.ndarray, reg: float = 0.01) -> np.ndarray:
     out = np.zeros((L, 2, H, D, D))
     h2 = D // 2
     for l in range(L):
-        wo = lm.model.model.layers[l].self_attn.o_proj.weight.detach().double().numpy()
+        att = lm.model.model.layers[l].self_attn
+        if not hasattr(att, "o_proj"):
+            raise KvcInputError(f"cannot calibrate {type(lm.model).__name__}: layer {l}'s attention "
+                                f"({type(att).__name__}) has no o_proj output projection")
+        wo = att.o_proj.weight.detach().double().numpy()
         for h in range(H):
             d = qm[l, h]
             d = np.concatenate([(d[:h2] + d[h2:]) / 2] * 2)
