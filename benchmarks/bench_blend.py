@@ -38,7 +38,6 @@ import click
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvcodec.blend import blend  # noqa: E402
 from kvcodec.capture import capture, tokenize  # noqa: E402

@@ -44,13 +44,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvcodec.capture import capture, tokenize  # noqa: E402
 from kvcodec.evaluate import continue_logits, evaluate, greedy  # noqa: E402
 from kvcodec.model import load_model  # noqa: E402
 from kvcodec.quant import calibrate as C  # noqa: E402
-from kvcodec.quant import presets as P  # noqa: E402
+from kvcodec.plans import get_plan  # noqa: E402
+from kvcodec.quant import codecplan as P  # noqa: E402
+from kvcodec.quant.presets import PRESETS  # noqa: E402
 from kvcodec.texts import load_text  # noqa: E402
 
 
@@ -118,8 +119,8 @@ def quality_rows(lm, cals: dict[str, C.Calibration], texts: list[str], presets: 
             if rate_match:
                 runs.append(("new@0.85", cals["new"], 0.85))
             for label, cal, scale in runs:
-                step0 = P.PRESETS[preset]["step0"] * scale
-                plan = P.get_plan(preset, cache, lm=lm, cal=cal, calibration="embedded", importance=imp, step0=step0)
+                step0 = PRESETS[preset]["step0"] * scale
+                plan = get_plan(preset, cache, lm=lm, cal=cal, calibration="embedded", importance=imp, step0=step0)
                 data = P.encode_bytes(cache, plan)
                 emb = sum(a.nbytes for a in plan.attachments.values())
                 q = evaluate(lm, cache, P.decode_bytes(data), follow, exact_logits=exact_logits, exact_greedy=exact_greedy)
@@ -203,7 +204,7 @@ def main() -> None:
     rows = quality_rows(lm, cals, texts, args.presets.split(","), args.tokens, args.continuation,
                         rate_match=args.rate_match and "reference" in cals) if texts else []
     if rows:
-        print(f"\n| text | preset | calibration | bits/el | KL | dPPL % | top-1 |\n|---|---|---|---|---|---|---|")
+        print("\n| text | preset | calibration | bits/el | KL | dPPL % | top-1 |\n|---|---|---|---|---|---|---|")
         for r in rows:
             print(f"| {r['text']} | {r['preset']} | {r['calibration']} | {r['bits_per_element']:.3f} | {r['kl_mean']:.4f} | "
                   f"{r['dppl_percent']:+.2f} | {r['top1_agreement']:.3f} |")

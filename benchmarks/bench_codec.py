@@ -20,21 +20,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvcodec.atomic import atomic_write_text  # noqa: E402
 from kvcodec.capture import capture, tokenize  # noqa: E402
 from kvcodec.evaluate import continue_logits, evaluate, greedy  # noqa: E402
 from kvcodec.kvcache import load_h5, save_h5  # noqa: E402
 from kvcodec.model import load_model  # noqa: E402
-from kvcodec.quant import presets as P  # noqa: E402
+from kvcodec.quant import codecplan as P  # noqa: E402
+from kvcodec.quant.calibrate import get_calibration  # noqa: E402
+from kvcodec.quant.presets import PRESETS  # noqa: E402
+from kvcodec.rate import bits_per_element  # noqa: E402
 from kvcodec.texts import DEFAULT_BENCH_TEXTS, load_text  # noqa: E402
 
 CACHE_DIR = Path(os.environ.get("KVC_BENCH_CACHE", "/tmp/kvc-cache"))
@@ -71,7 +72,7 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("KVC_THREADS", "1")))
     lm = load_model()
-    cal = P.get_calibration(lm)
+    cal = get_calibration(lm)
     rows = []
     for text in a.texts.split(","):
         cache, cont = get_capture(lm, text)
@@ -79,7 +80,7 @@ def main() -> None:
         ex_greedy = greedy(lm, cache, int(cont[0]), a.greedy) if a.greedy else None
         ts_sweep = json.loads(a.tokenscale) if a.tokenscale else None
         runs = [(f"step0={s}", {"step0": float(s), "tokenscale": ts_sweep}) for s in a.sweep.split(",") if s] or \
-            [(p, dict(P.PRESETS[p])) for p in a.presets.split(",")]
+            [(p, dict(PRESETS[p])) for p in a.presets.split(",")]
         importance = None
         for label, args in runs:
             args.update({k: v for k, v in (("group", a.group), ("sink", a.sink), ("deadzone", a.deadzone)) if v is not None})
@@ -100,8 +101,8 @@ def main() -> None:
             q = evaluate(lm, cache, dec, cont, greedy_tokens=a.greedy, exact_logits=ex_logits, exact_greedy=ex_greedy)
             ext = P.external_bytes(plan)
             row = {"text": text, "preset": label, "basis": a.basis, "calibration": a.calibration if a.basis == "pca" else "none",
-                   "bytes": len(data), "bits_per_element": P.bits_per_element(len(data), cache),
-                   "bits_per_element_with_ext": P.bits_per_element(len(data) + ext, cache), "ext_bytes": ext,
+                   "bytes": len(data), "bits_per_element": bits_per_element(len(data), cache.num_elements),
+                   "bits_per_element_with_ext": bits_per_element(len(data) + ext, cache.num_elements), "ext_bytes": ext,
                    "kl": q.kl_mean, "dppl_percent": q.dppl_percent, "top1": q.top1_agreement, "greedy": q.greedy_match,
                    "encode_s": t1 - t0, "decode_s": t2 - t1, **{k: v for k, v in plan.params.items() if k not in ("basis", "calibration")}}
             rows.append(row)

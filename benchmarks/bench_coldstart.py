@@ -35,7 +35,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_ttft import long_ids  # noqa: E402
 

@@ -84,7 +84,8 @@ def make_seeds(out: Path, tokens: int, lm: Any = None) -> None:
     import torch
 
     from kvcodec.capture import capture, tokenize
-    from kvcodec.format import get_plan, write_kvc
+    from kvcodec.format import write_kvc
+    from kvcodec.plans import get_plan
     from kvcodec.model import load_model
     from kvcodec.prune import apply_prune
     from kvcodec.texts import load_text
@@ -482,7 +483,7 @@ def consume(data: bytes, resolver: Any, rng: random.Random, chunks: list[int] | 
                 r.verify(strict=True, backend="cpu")
                 r.read_layer(rng.randrange(r.num_layers), backend="cpu")
             else:
-                r.token_ids, r.positions, r.attachments
+                _ = (r.token_ids, r.positions, r.attachments)  # each property parses and checks its blob
                 for a, b in r._gaps():  # padding bytes, as verify() checks them
                     if any(bytes(r._src.read(a, b - a))):
                         raise KvcFormatError(f"non-zero padding in bytes [{a}, {b})")
@@ -501,7 +502,7 @@ def _load_seeds(d: Path) -> list[tuple[str, bytes]]:
 def _resolver(seeds: list[tuple[str, bytes]]) -> dict[str, Any]:
     """name -> array of the external calibration attachments the seeds reference (resolved once, as a mapping)."""
     from kvcodec.format import KvcReader
-    from kvcodec.quant.presets import attachment_resolver
+    from kvcodec.attachments import default_resolver as attachment_resolver
 
     out: dict[str, Any] = {}
     for _, data in seeds:

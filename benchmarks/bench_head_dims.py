@@ -15,7 +15,7 @@ at about ``--bits`` bits per element (the balanced preset's range).
 
 Measured single-thread (``NUMBA_NUM_THREADS=1``, ``torch`` 1 thread), best of
 ``--repeat``: MB/s of fp16 K/V out of the fused decoder
-(:func:`kvcodec.quant.fastdecode.try_decode`, chunk decode only: no file I/O,
+(:func:`kvcodec.quant.fastdecode.decode`, chunk decode only: no file I/O,
 CRCs or torch tensors -- ``bench_speed.py`` measures the whole reader on a real
 file) against the generic, normative ``Pipeline.decode`` of the same chunks in
 the same run (``speedup``). Each figure is also given per second of the thread's
@@ -35,14 +35,11 @@ os.environ.setdefault("NUMBA_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvcodec.entropy.rans_stage import RansStage  # noqa: E402
 from kvcodec.quant import fastdecode as F  # noqa: E402
@@ -52,7 +49,6 @@ from kvcodec.stages import ArraySpec, ChunkContext, Pipeline  # noqa: E402
 
 def real_channels(text: str, tokens: int) -> np.ndarray:
     """[T, C] float32: every layer's K and V channels of the embedded model's real cache, per token."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_speed import get_cache
 
     c = get_cache(text, tokens).to(torch.float16)
@@ -95,7 +91,7 @@ def bench_dim(x: np.ndarray, D: int, heads: int, bits: float, repeat: int) -> di
     spec = ArraySpec(chunks[0].shape, "float16")
     ctxs = [ChunkContext(layer=j // 2, kind="k" if j % 2 == 0 else "v", attachments=att) for j in range(len(chunks))]
     for (p, s, z), ctx in zip(enc, ctxs):
-        fast = F.try_decode(pipe, p, s, z, spec, ctx)
+        fast = F.decode(pipe, p, s, z, spec, ctx) if F.supports(pipe, spec) else None
         ref = pipe.decode(p, s, z, spec, ctx)
         assert fast is not None, f"fused path declined head_dim {D}"
         assert np.array_equal(fast.view(np.uint16), ref.view(np.uint16)), f"head_dim {D}: fused != generic"
@@ -111,7 +107,7 @@ def bench_dim(x: np.ndarray, D: int, heads: int, bits: float, repeat: int) -> di
         return best, best_cpu
 
     mb = sum(c.nbytes for c in chunks) / 1e6
-    t_fast, c_fast = run(lambda *a: F.try_decode(pipe, *a))
+    t_fast, c_fast = run(lambda *a: F.decode(pipe, *a))
     t_gen, c_gen = run(lambda *a: pipe.decode(*a))
     return {"head_dim": D, "chunks": len(chunks), "heads_per_chunk": heads, "tokens": T, "fp16_mb": mb, "bits_per_element": got,
             "fused_s": t_fast, "fused_mb_s": mb / t_fast, "fused_cpu_s": c_fast, "fused_mb_per_cpu_s": mb / c_fast,

@@ -49,12 +49,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_ttft import QUESTION, long_ids  # noqa: E402
 
 from kvcodec.capture import capture, tokenize  # noqa: E402
 from kvcodec.evaluate import compare_logits, continue_logits  # noqa: E402
-from kvcodec.format import KvcReader, encode_kvc_bytes, get_plan  # noqa: E402
+from kvcodec.format import KvcReader, encode_kvc_bytes  # noqa: E402
+from kvcodec.plans import get_plan
 from kvcodec.hf import greedy_from, load_cache  # noqa: E402
 from kvcodec.llamacpp import gguf_fingerprint, load_kvc  # noqa: E402
 from kvcodec.model import _gguf_path, load_model  # noqa: E402

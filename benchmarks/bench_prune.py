@@ -36,7 +36,6 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from kvcodec.capture import capture, tokenize  # noqa: E402
 from kvcodec.evaluate import continue_logits, greedy  # noqa: E402
@@ -89,8 +88,9 @@ def lingua_cache(lm: Any, ids: np.ndarray, info: np.ndarray, spec: str, relevanc
 
 def encode_decode(cache: KVCache, preset: str) -> tuple[int, KVCache]:
     """(.kvc bytes, decoded cache) for a preset name or ``step0=X`` (the codec's rate knob)."""
-    from kvcodec.format import KvcReader, get_plan, write_kvc
-    from kvcodec.quant.presets import attachment_resolver
+    from kvcodec.format import KvcReader, write_kvc
+    from kvcodec.plans import get_plan
+    from kvcodec.attachments import default_resolver as attachment_resolver
 
     if preset.startswith("step0="):
         plan = get_plan("balanced", cache, step0=float(preset.split("=", 1)[1]))

@@ -48,13 +48,11 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import click
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvcodec.atomic import atomic_write_text  # noqa: E402
 from kvcodec.capture import capture  # noqa: E402
@@ -151,7 +149,7 @@ def main(n_facts: int, top_k: int, kb_chunks: int, ft_steps: int, seed: int, jso
 
     # -- requests --------------------------------------------------------------------------------
     rows = []
-    for n, (sent, q, a, where) in enumerate(planted):
+    for n, (_sent, q, a, where) in enumerate(planted):
         got = retriever.retrieve(bm25s.tokenize([q], stopwords="en", show_progress=False), k=top_k,
                                  show_progress=False)[0][0]
         docs = [chunks[int(i)] for i in got]
@@ -198,7 +196,7 @@ def finetune(lm, chunks: list[str], steps: int, rng: random.Random):
     order: list[int] = []
     losses = []
     t0, c0 = time.perf_counter(), time.process_time()
-    for step in range(steps):
+    for _step in range(steps):
         if not order:
             order = list(range(len(chunks)))
             rng.shuffle(order)

@@ -52,12 +52,12 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvcodec.format.reader import KvcReader  # noqa: E402
 from kvcodec.format.writer import write_kvc  # noqa: E402
 from kvcodec.kvcache import load_h5, save_h5  # noqa: E402
-from kvcodec.quant import presets as P  # noqa: E402
+from kvcodec.attachments import default_resolver  # noqa: E402
+from kvcodec.plans import get_plan  # noqa: E402
 
 CACHE_DIR = Path(os.environ.get("KVC_BENCH_CACHE", "/tmp/kvc-cache"))
 
@@ -156,7 +156,7 @@ def main() -> None:
     res: dict = {"lm": args.lm, "text": args.text, "tokens": args.tokens, "model_plan": bool(args.model), "fp16_mb": mb, "loadavg_start": os.getloadavg()[0],
                  "raw_read_s": t_raw, "raw_read_mb_s": mb / t_raw, "memcpy_s": t_mem, "memcpy_mb_s": mb / t_mem, "presets": {}}
     for name in [p for p in args.presets.split(",") if p]:
-        plan = P.get_plan(name, cache, lm=lm)
+        plan = get_plan(name, cache, lm=lm)
         buf = io.BytesIO()
 
         def enc():
@@ -170,7 +170,7 @@ def main() -> None:
         path.write_bytes(buf.getvalue())
 
         def dec():
-            with KvcReader(path, attachment_resolver=P.attachment_resolver) as r:
+            with KvcReader(path, attachment_resolver=default_resolver) as r:
                 return r.read_cache(backend="cpu")
 
         dec()  # warm: JIT, page cache, calibration attachments

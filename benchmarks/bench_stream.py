@@ -40,7 +40,6 @@ from pathlib import Path
 import click
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from kvcodec.atomic import atomic_write_text

@@ -41,7 +41,8 @@ import torch
 
 from kvcodec.atomic import atomic_write_text
 from kvcodec.capture import capture, tokenize
-from kvcodec.format import encode_kvc_bytes, get_plan
+from kvcodec.format import encode_kvc_bytes
+from kvcodec.plans import get_plan
 from kvcodec.hf import greedy_from, load_cache
 from kvcodec.ttft import cold_ttft, median_time, ttft_prefill
 from kvcodec.model import load_model

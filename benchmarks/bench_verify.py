@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from kvcodec.capture import capture, tokenize
-from kvcodec.format import get_plan, write_kvc
+from kvcodec.format import write_kvc
+from kvcodec.plans import get_plan
 from kvcodec.model import load_model
 from kvcodec.texts import load_text
 

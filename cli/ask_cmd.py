@@ -29,7 +29,7 @@ def ask_command(model, docs, store_url, preset, namespace, max_new_tokens, no_st
                 as_json, question) -> None:
     """Answer QUESTION about the documents; the first call prefills and stores, later calls load."""
     from kvcodec.errors import KvcInputError
-    from kvcodec.format.presets import available_presets
+    from kvcodec.plans import available_presets
     from kvcodec.knowledge import KnowledgeBase, read_docs
     from kvcodec.model import load_model
     from kvcodec.warmup import prewarm

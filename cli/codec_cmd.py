@@ -11,88 +11,6 @@ import click
 from .options import emit_json, json_option
 
 
-def _stage_str(s: Any) -> str:
-    cfg = s.get_config()
-    return s.name + ("(" + ", ".join(f"{k}={v}" for k, v in sorted(cfg.items())) + ")" if cfg else "")
-
-
-def pipeline_str(p: Any) -> str:
-    return " -> ".join(_stage_str(s) for s in p.stages)
-
-
-def _ranges(xs: list[int]) -> str:
-    out, start = [], None
-    for i, x in enumerate(xs):
-        if start is None:
-            start = x
-        if i + 1 == len(xs) or xs[i + 1] != x + 1:
-            out.append(str(start) if start == x else f"{start}-{x}")
-            start = None
-    return ",".join(out)
-
-
-def info_dict(r: Any, path: str) -> dict[str, Any]:
-    """Everything ``kvc info`` reports, as plain data."""
-    hd = r.header
-    sz = r.sizes()
-    elems = hd.num_elements
-    # kept fraction: the prune record when the file has one (lingua files hold the pruned text's ids and no
-    # positions, so only the record knows the original context), else stored / context tokens of a pruned file
-    rec = hd.meta.get("prune") if isinstance(hd.meta, dict) else None
-    rec = rec if isinstance(rec, dict) else {}
-    kept: float | None = None
-    if isinstance(rec.get("kept_fraction"), (int, float)) and not isinstance(rec.get("kept_fraction"), bool):
-        kept = float(rec["kept_fraction"])
-    elif hd.pruned and hd.num_context_tokens:
-        kept = hd.num_tokens / hd.num_context_tokens
-    orig_ctx = hd.num_context_tokens
-    if isinstance(rec.get("context_tokens"), int) and not isinstance(rec.get("context_tokens"), bool) and rec["context_tokens"] > 0:
-        orig_ctx = rec["context_tokens"]
-    positions = None
-    if hd.pruned:
-        positions = "per-token" if hd.blobs[hd.positions_blob].shape == (hd.num_tokens,) else "per-layer-head"
-    elif kept is not None:
-        positions = str(rec.get("positions") or "renumbered")
-    ctx_elems = 2 * hd.kv_heads * sum(hd.head_dims) * orig_ctx
-    use: dict[int, dict[str, list[int]]] = {}
-    for e in r.entries:
-        use.setdefault(e.pipeline, {"k": [], "v": []})
-        lst = use[e.pipeline][e.kind]
-        if not lst or lst[-1] != e.layer:
-            lst.append(e.layer)
-    pipelines = [
-        {"id": i, "pipeline": pipeline_str(p), "stages": p.to_json(),
-         "k_layers": _ranges(use.get(i, {}).get("k", [])), "v_layers": _ranges(use.get(i, {}).get("v", []))}
-        for i, p in enumerate(hd.pipelines)
-    ]
-    return {
-        "file": path,
-        "bytes": sz["file"],
-        "version": f"{hd.version[0]}.{hd.version[1]}",
-        "writer": hd.writer,
-        "model": {"architecture": hd.fingerprint.architecture, "fingerprint": hd.fingerprint.id,
-                  "fingerprint_version": hd.fingerprint.version, "layers": hd.num_layers, "kv_heads": hd.kv_heads, "head_dim": sorted(set(hd.head_dims))},
-        "dtype": hd.dtype,
-        "context_tokens": hd.num_context_tokens,
-        "stored_tokens": hd.num_tokens,
-        "kept_fraction": kept,
-        "original_context_tokens": orig_ctx,
-        "positions": positions,
-        "token_ids": "stored" if hd.token_ids_blob is not None else "hash only",
-        "chunks": len(r.entries),
-        "codec": hd.codec,
-        "pipelines": pipelines,
-        "attachments": {n: {"dtype": a.dtype, "shape": list(a.shape), "external": a.blob is None} for n, a in hd.attachments.items()},
-        "kv_elements": elems,
-        "bits_per_element": sz["file"] * 8 / elems,
-        "ratio_vs_fp16": elems * 2 / sz["file"],
-        "context_kv_elements": ctx_elems,
-        "bits_per_context_element": None if kept is None else sz["file"] * 8 / ctx_elems,
-        "sizes": sz,
-        "meta": hd.meta,
-    }
-
-
 def render_info(d: dict[str, Any]) -> str:
     from kvcodec.fingerprint import FINGERPRINT_VERSION
 
@@ -140,39 +58,18 @@ def render_info(d: dict[str, Any]) -> str:
 PRUNE_HELP = "h2o:0.25 | h2o:heavy=0.1,recent=0.1 | lingua:0.5"
 
 
-def context_elements(cache: Any) -> int:
-    """K+V elements of the cache's *original* context: what a pruned cache is charged against.
-
-    For an unpruned cache this is ``cache.num_elements``; a pruned one counts
-    every context token (lingua: the original text's, from ``meta["prune"]``).
-    """
-    fp = cache.fingerprint
-    rec = cache.meta.get("prune")
-    n = cache.num_context_tokens
-    if isinstance(rec, dict) and isinstance(rec.get("context_tokens"), int):
-        n = rec["context_tokens"]
-    return 2 * fp.num_kv_heads * sum(fp.head_dims) * n
-
-
 def _positive(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
     if value is not None and not value > 0:
         raise click.BadParameter(f"must be positive, got {value}")
     return value
 
 
-CONFIG_KEYS = {"preset", "step0", "sink", "group", "basis", "deadzone", "calibration", "tokenscale", "level"}
-
-
 def parse_codec_config(value: str) -> tuple[str, dict[str, Any]]:
-    """(preset, overrides) of ``--config``: a JSON object, inline or in a file.
-
-    ``{"preset": "balanced", "step0": 0.25, "sink": 8, "tokenscale": null}`` -- a preset and
-    the parameters of its plan to change (lossy presets: step0, sink, group, basis, deadzone,
-    calibration, tokenscale; lossless / zstd / fp16: level).
-    """
+    """(preset, overrides) of ``--config``: a JSON object, inline or in a file, checked by :func:`kvcodec.plans.parse_config`."""
     import json
 
     from kvcodec.errors import KvcInputError
+    from kvcodec.plans import parse_config
 
     src = Path(value)
     text = src.read_text(encoding="utf-8") if not value.lstrip().startswith("{") and src.is_file() else value
@@ -180,24 +77,7 @@ def parse_codec_config(value: str) -> tuple[str, dict[str, Any]]:
         cfg = json.loads(text)
     except ValueError as exc:
         raise KvcInputError(f"--config is neither a JSON object nor a JSON file ({exc})") from None
-    if not isinstance(cfg, dict) or not isinstance(cfg.get("preset"), str):
-        raise KvcInputError('--config must be a JSON object with a "preset" name, e.g. {"preset": "balanced", "step0": 0.25}')
-    unknown = set(cfg) - CONFIG_KEYS
-    if unknown:
-        raise KvcInputError(f"--config: unknown keys {sorted(unknown)} (known: {', '.join(sorted(CONFIG_KEYS))})")
-    over = {k: v for k, v in cfg.items() if k != "preset"}
-    checks = {"step0": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
-              "sink": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
-              "group": lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
-              "basis": lambda v: v in ("pca", "hadamard"),
-              "deadzone": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1,
-              "calibration": lambda v: v in ("external", "embedded"),
-              "tokenscale": lambda v: v is None or isinstance(v, dict),
-              "level": lambda v: isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 22}
-    for k, v in over.items():
-        if not checks[k](v):
-            raise KvcInputError(f"--config: bad value for {k!r}: {v!r}")
-    return cfg["preset"], over
+    return parse_config(cfg, "--config")
 
 
 @click.command("encode")
@@ -249,9 +129,10 @@ def encode_command(input_path: str | None, output: str | None, levels: str | Non
     """
     from kvcodec.atomic import check_input, check_output
     from kvcodec.errors import KvcInputError
-    from kvcodec.format import get_plan, write_kvc
-    from kvcodec.format.presets import BUILTIN_PRESETS, available_presets
+    from kvcodec.format import write_kvc
+    from kvcodec.plans import get_plan, preset_info
     from kvcodec.kvcache import load_capture
+    from kvcodec.rate import PruneRecord, bits_per_element, context_elements
 
     preset_given = click.get_current_context().get_parameter_source("preset") not in (
         click.core.ParameterSource.DEFAULT, None)
@@ -285,15 +166,14 @@ def encode_command(input_path: str | None, output: str | None, levels: str | Non
         from kvcodec.prune import parse_prune
 
         budget = parse_prune(prune_spec)  # refuse a bad spec before loading anything
-    if preset not in available_presets():  # refuse a bad name before loading a model for it
-        raise KvcInputError(f"unknown preset {preset!r} (available: {', '.join(available_presets())})")
+    lossy = preset_info(preset, "--preset").lossy  # refuse a bad name before loading a model for it
     targeted = target_kl is not None or target_dppl is not None
     if target_kl is not None and target_dppl is not None:
         raise KvcInputError("give only one of --target-kl and --target-dppl")
     if targeted:
         if overrides:
             raise KvcInputError("--target-kl/--target-dppl choose step0 themselves; give them --preset, not --config overrides")
-        if preset_given and preset in BUILTIN_PRESETS:
+        if preset_given and not lossy:
             raise KvcInputError(f"--target-kl/--target-dppl tune the lossy codec; they cannot be used with --preset {preset}")
         if text_path is None:
             raise KvcInputError("--target-kl/--target-dppl need --text (the capture's text: the tokens after the "
@@ -302,10 +182,6 @@ def encode_command(input_path: str | None, output: str | None, levels: str | Non
             raise KvcInputError(f"--continuation must be at least 2, got {continuation}")
     elif text_path is not None and input_path is not None:
         raise KvcInputError("with a capture IN, --text is only used with --target-kl or --target-dppl")
-    if overrides and preset in BUILTIN_PRESETS and set(overrides) - {"level"}:
-        raise KvcInputError(f"--config: preset {preset} takes only 'level'")
-    if overrides.get("level") is not None and preset not in ("lossless", "zstd", "fp16"):
-        raise KvcInputError(f"--config: 'level' is a zstd setting; preset {preset} has none")
 
     check_output(output, inputs=[input_path, text_path, config, model])  # before minutes of capture/encode work
     lm = None
@@ -358,7 +234,8 @@ def encode_command(input_path: str | None, output: str | None, levels: str | Non
 
     target_info = None
     if targeted:
-        from kvcodec.quant.presets import PRESETS, plan_for_target
+        from kvcodec.quant.codecplan import plan_for_target
+        from kvcodec.quant.presets import PRESETS
 
         kw = {k: v for k, v in PRESETS.get(preset, {}).items() if k != "step0"} if preset_given else {}
         qplan, target_info = plan_for_target(cache, get_lm(), target_kl=target_kl, target_dppl=target_dppl,
@@ -366,7 +243,7 @@ def encode_command(input_path: str | None, output: str | None, levels: str | Non
         name = f"target-kl-{target_kl:g}" if target_kl is not None else f"target-dppl-{target_dppl:g}"
         pipelines, attachments, plan_preset = qplan.pipelines, qplan.attachments, name
     else:
-        plan = get_plan(preset, cache, **overrides) if preset in BUILTIN_PRESETS else get_plan(preset, cache, lm=get_lm(), **overrides)
+        plan = get_plan(preset, cache, lm=get_lm() if lossy else None, **overrides)
         pipelines, attachments, plan_preset = plan.pipelines, plan.attachments, plan.preset
         if overrides:
             plan_preset = f"{plan.preset}+config"
@@ -376,10 +253,11 @@ def encode_command(input_path: str | None, output: str | None, levels: str | Non
     n = write_kvc(cache, output, pipelines, attachments=attachments or None,
                   chunk_tokens=chunk_tokens, chunk_heads=chunk_heads, preset=plan_preset, meta=meta)
     info: dict[str, Any] = {"input": input_path if input_path is not None else text_path, "output": output, "preset": plan_preset, "bytes": n, "kv_elements": elems,
-                            "bits_per_element": n * 8 / elems, "ratio_vs_fp16": elems * 2 / n}
-    rec = cache.meta.get("prune") if budget is not None else None
-    if rec is not None:
-        info["prune"] = {k: rec.get(k) for k in ("method", "spec", "context_tokens", "kept_tokens", "kept_fraction", "positions")}
+                            "bits_per_element": bits_per_element(n, elems), "ratio_vs_fp16": elems * 2 / n}
+    prec = PruneRecord.from_meta(cache.meta) if budget is not None else None
+    if prec is not None:
+        info["prune"] = prec.to_json()
+    rec = cache.meta.get("prune") if prec is not None else None
     if target_info is not None:
         info["target"] = meta["target"]  # type: ignore[index]
     if as_json:
@@ -456,7 +334,7 @@ def info_command(path: str, as_json: bool) -> None:
     from kvcodec.format import KvcReader
 
     with KvcReader(check_input(path)) as r:
-        d = info_dict(r, path)
+        d = r.describe(path)
     if as_json:
         emit_json(d)
     else:

@@ -31,7 +31,7 @@ This module imports neither Triton nor the kernels until a GPU decode runs.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -41,12 +41,6 @@ BACKENDS = ("cpu", "gpu", "auto")
 ENV_VAR = "KVCODEC_BACKEND"
 NO_DEVICE_MSG = "no CUDA device; set TRITON_INTERPRET=1 to run the kernels on the CPU"
 
-# stage name -> fn(stage, x: torch.Tensor, side, spec, ctx) -> torch.Tensor (filled by dequant_kernels)
-GPU_STAGES: dict[str, Callable[..., Any]] = {}
-# names of the stages that ran on the CPU in the last GPU decode (for tests / logging)
-last_fallbacks: list[str] = []
-# how the last GPU decode ran its array stages: ["fused"] (one kernel for the transform chain) or ["stages"]
-last_path: list[str] = []
 
 
 def interpret_mode() -> bool:
@@ -97,8 +91,26 @@ def gpu_device() -> Any:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _register_builtin_gpu_stages() -> None:
-    from . import dequant_kernels  # noqa: F401  (fills GPU_STAGES)
+def supports_fused(pipeline: Any, spec: Any) -> bool:
+    """Whether the fused Triton kernel decodes ``pipeline`` at chunk spec ``spec`` (static: shape and dtypes only)."""
+    from ..quant.chain import match_chain
+
+    return len(spec.shape) == 3 and spec.dtype in ("float16", "float32") and match_chain(pipeline) is not None
+
+
+def supports_stages(pipeline: Any, spec: Any) -> bool:
+    """The stage-by-stage GPU decoder takes every pipeline (stages without a kernel run on the CPU)."""
+    return True
+
+
+def decode_fused(pipeline: Any, payload: Any, sides: Any, sizes: Any, spec: Any, ctx: Any) -> Any:
+    """The ``triton-fused`` backend: rANS kernel, then one kernel for all inverse stages of the chain."""
+    return _decode(pipeline, payload, sides, sizes, spec, ctx, fused=True)
+
+
+def decode_stages(pipeline: Any, payload: Any, sides: Any, sizes: Any, spec: Any, ctx: Any) -> Any:
+    """The ``triton-stages`` backend: each stage's kernel (or its CPU implementation) in turn."""
+    return _decode(pipeline, payload, sides, sizes, spec, ctx, fused=False)
 
 
 def decode_chunk_gpu(
@@ -109,22 +121,27 @@ def decode_chunk_gpu(
     spec: Any,
     ctx: Any,
     backend: str | None = "gpu",
+    trace: list[str] | None = None,
 ) -> Any:
     """GPU twin of ``Pipeline.decode`` (same checks, same errors, same bits).
 
     Returns a torch tensor of ``spec.shape`` / ``spec.dtype`` on the GPU device.
     ``backend`` is accepted for signature compatibility with ``decode_chunk``;
-    ``"cpu"`` simply runs the CPU pipeline and returns its result as a tensor.
+    ``"cpu"`` simply runs the CPU pipeline and returns its result as a tensor. ``trace``, when
+    given, receives the backend that ran and the names of stages that ran on the CPU.
     """
     import torch
 
     if backend is not None and resolve_backend(backend) == "cpu":
         return torch.from_numpy(np.ascontiguousarray(pipeline.decode(payload, sides, sizes, spec, ctx)))
-    return _decode(pipeline, payload, sides, sizes, spec, ctx)
+    from ..backends import decode_with
+
+    return decode_with(pipeline, payload, sides, sizes, spec, ctx, device="gpu", trace=trace)
 
 
 def decode_chunk_into(pipeline: Any, payload: bytes | memoryview, sides: list[dict[str, np.ndarray]], sizes: list[int],
-                      spec: Any, ctx: Any, dst: Any, token_start: int = 0, block_table: Any = None) -> None:
+                      spec: Any, ctx: Any, dst: Any, token_start: int = 0, block_table: Any = None,
+                      trace: list[str] | None = None) -> None:
     """Decode a chunk on the GPU straight into an engine's KV tensor.
 
     ``dst``: an HF per-layer tensor (1, H, T_cap, D) (tokens from ``token_start``), or with
@@ -133,7 +150,8 @@ def decode_chunk_into(pipeline: Any, payload: bytes | memoryview, sides: list[di
     (``Pipeline.decode``) cast to ``dst.dtype``. Transform-codec chunks are written by the fused
     kernel; other pipelines decode, then go through the layout writers.
     """
-    out = _decode(pipeline, payload, sides, sizes, spec, ctx, dst=dst, token_start=token_start, block_table=block_table)
+    out = _decode(pipeline, payload, sides, sizes, spec, ctx, fused=supports_fused(pipeline, spec), dst=dst,
+                  token_start=token_start, block_table=block_table, trace=trace)
     if out is None:
         return
     from .dequant_kernels import store_hf, store_paged
@@ -145,18 +163,18 @@ def decode_chunk_into(pipeline: Any, payload: bytes | memoryview, sides: list[di
 
 
 def _decode(pipeline: Any, payload: Any, sides: list[dict[str, np.ndarray]], sizes: list[int], spec: Any, ctx: Any,
-            dst: Any = None, token_start: int = 0, block_table: Any = None) -> Any:
-    """Decode on the GPU device. With ``dst``: write into it when the fused kernel applies and return
-    None, else return the decoded tensor for the caller to store."""
+            fused: bool, dst: Any = None, token_start: int = 0, block_table: Any = None,
+            trace: list[str] | None = None) -> Any:
+    """Decode on the GPU device, with the fused chain kernel (``fused``) or stage by stage. With ``dst``:
+    write into it when the fused kernel runs and return None, else return the decoded tensor."""
     import torch
 
     from ..entropy.rans_stage import RansStage
     from ..quant.chain import match_chain
+    from .dequant_kernels import GPU_STAGES
 
     device = gpu_device()
-    _register_builtin_gpu_stages()
-    last_fallbacks.clear()
-    last_path[:] = ["stages"]
+    trace = trace if trace is not None else []
 
     n_arr = len(pipeline.array_stages)
     if len(sides) != len(pipeline.stages) or len(sizes) != len(pipeline.byte_stages):
@@ -175,33 +193,27 @@ def _decode(pipeline: Any, payload: Any, sides: list[dict[str, np.ndarray]], siz
 
         x = decode_stage(np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray) else data, specs[-1].shape, bs.channel_group, device)
     else:
-        last_fallbacks.append(bs.name)
+        trace.append(f"cpu:{bs.name}")
         x = torch.from_numpy(np.ascontiguousarray(bs.decode(data, sides[n_arr], specs[-1], ctx))).to(device)
     want = specs[-1]
     if tuple(x.shape) != want.shape or str(x.dtype).removeprefix("torch.") != want.dtype:
         raise KvcFormatError(f"codec {bs.name!r} returned {x.dtype}{tuple(x.shape)}, expected {want}")
-    chain = match_chain(pipeline)
-    if chain is not None and spec.dtype in ("float16", "float32") and len(spec.shape) == 3:
+    if fused:
         from .dequant_kernels import fused_decode
 
-        last_path[:] = ["fused"]
+        chain = match_chain(pipeline)
+        if chain is None or not supports_fused(pipeline, spec):
+            raise KvcBackendError("the fused GPU decoder does not support this pipeline")
+        trace.append("fused")
         out = fused_decode(chain, x, sides, specs, spec, ctx, dst=dst, token_start=token_start, block_table=block_table)
         return None if dst is not None else out
+    trace.append("stages")
     for i in reversed(range(n_arr)):
         st = pipeline.array_stages[i]
         fn = GPU_STAGES.get(st.name)
         out = fn(st, x, sides[i], specs[i], ctx) if fn is not None else NotImplemented
         if out is NotImplemented:  # no GPU implementation (or not for this config): CPU fallback
-            last_fallbacks.append(st.name)
+            trace.append(f"cpu:{st.name}")
             out = torch.from_numpy(np.ascontiguousarray(st.decode(x.cpu().numpy(), sides[i], specs[i], ctx))).to(device)
         x = out
     return x
-
-
-def decode_chunk(pipeline: Any, payload: Any, sides: Any, sizes: Any, spec: Any, ctx: Any, backend: str | None = None) -> Any:
-    """Backend switch for callers outside the format module: numpy (cpu) or torch tensor (gpu)."""
-    if resolve_backend(backend) == "cpu":
-        from ..stages import ArraySpec  # noqa: F401
-
-        return pipeline.decode(payload, sides, sizes, spec, ctx)
-    return decode_chunk_gpu(pipeline, payload, sides, sizes, spec, ctx, "gpu")

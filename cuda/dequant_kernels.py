@@ -35,7 +35,6 @@ or a vLLM-like paged cache (num_blocks, block_size, H, D) with a block table.
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -44,7 +43,7 @@ import triton
 import triton.language as tl
 
 from ..errors import KvcFormatError
-from .backend import GPU_STAGES
+from ..lru import BoundedLRU
 from .rans_kernel import check_interpreter, interpret_mode
 
 BLOCK = 512
@@ -341,7 +340,7 @@ def _cast(x: torch.Tensor, dtype: str) -> torch.Tensor:
     return x if x.dtype == want else x.to(want)
 
 
-_MAT_CACHE: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+_MAT_CACHE: BoundedLRU[tuple[torch.Tensor, torch.Tensor]] = BoundedLRU(256, max_bytes=1 << 30)
 
 
 def _digest(*arrays: np.ndarray) -> str:
@@ -356,14 +355,12 @@ def _digest(*arrays: np.ndarray) -> str:
 def _device_matrices(b: np.ndarray, m: np.ndarray, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(B transposed [H, K, D], mean [H, D]) float32 on ``dev``, cached by content."""
     key = (str(dev), _digest(b, m))
-    if key in _MAT_CACHE:
-        _MAT_CACHE.move_to_end(key)
-        return _MAT_CACHE[key]
+    hit = _MAT_CACHE.get(key)
+    if hit is not None:
+        return hit
     bt_d = _dev(np.swapaxes(b, 1, 2), dev, np.float32)
     m_d = _dev(m, dev, np.float32)
-    _MAT_CACHE[key] = (bt_d, m_d)
-    while len(_MAT_CACHE) > 256:
-        _MAT_CACHE.popitem(last=False)
+    _MAT_CACHE.put(key, (bt_d, m_d))
     return bt_d, m_d
 
 
@@ -405,7 +402,7 @@ def gpu_keep(stage: Any, x: torch.Tensor, side: dict, spec: Any, ctx: Any) -> to
     return _cast(out, spec.dtype)
 
 
-_ROPE_CACHE: OrderedDict[tuple, tuple[np.ndarray, torch.Tensor, torch.Tensor]] = OrderedDict()
+_ROPE_CACHE: BoundedLRU[tuple[np.ndarray, torch.Tensor, torch.Tensor]] = BoundedLRU(64, max_bytes=1 << 30)
 
 
 def _device_rope_tables(stage: Any, H: int, T: int, ctx: Any, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -417,13 +414,9 @@ def _device_rope_tables(stage: Any, H: int, T: int, ctx: Any, dev: torch.device)
     cos, sin = rope_tables_cached(positions_for(ctx.positions, ctx.layer, H, T, ctx.token_start), stage.theta, stage.dim)
     key = (str(dev), id(cos))
     hit = _ROPE_CACHE.get(key)
-    if hit is not None and hit[0] is cos:
-        _ROPE_CACHE.move_to_end(key)
-    else:
+    if hit is None or hit[0] is not cos:
         hit = (cos, _dev(cos, dev), _dev(sin, dev))
-        _ROPE_CACHE[key] = hit
-        while len(_ROPE_CACHE) > 64:
-            _ROPE_CACHE.popitem(last=False)
+        _ROPE_CACHE.put(key, hit)
     return hit[1], hit[2], 0 if cos.shape[0] == 1 else T * stage.dim
 
 
@@ -445,8 +438,9 @@ def gpu_rope(stage: Any, y: torch.Tensor, side: dict, spec: Any, ctx: Any) -> to
     return out
 
 
-GPU_STAGES.update({"quantize": gpu_quantize, "tokenscale": gpu_tokenscale, "transform": gpu_transform, "keep": gpu_keep,
-                   "rope": gpu_rope})
+# stage name -> fn(stage, x: torch.Tensor, side, spec, ctx) -> torch.Tensor (or NotImplemented for a config it lacks)
+GPU_STAGES: dict[str, Any] = {"quantize": gpu_quantize, "tokenscale": gpu_tokenscale, "transform": gpu_transform,
+                              "keep": gpu_keep, "rope": gpu_rope}
 
 
 # --------------------------------------------------------------------------- the fused chain

@@ -44,9 +44,11 @@ import numpy as np
 from .atomic import atomic_path, atomic_write_text, check_output, check_outputs_differ
 from .errors import KvcError, KvcInputError
 from .format import KvcReader, write_kvc
-from .format import presets as format_presets
 from .kvcache import KVCache, token_ids_sha256
-from .quant import presets as quant_presets
+from .attachments import default_resolver
+from .plans import get_plan
+from .quant import codecplan
+from .quant.presets import PRESETS as LOSSY_PRESETS
 from .quant.guard import prefix_cache
 
 PLOT_FORMATS = (".png", ".svg", ".pdf")  # what --plot writes (matplotlib backends without extra deps)
@@ -77,16 +79,12 @@ def codec_presets() -> list[str]:
 
     ``raw`` (fp32 as is) and ``zstd`` (lossless minus shuffle) are left out of sweeps.
     """
-    return ["lossless", "fp16"] + [n for n in quant_presets.PRESETS if n not in ("lossless", "fp16")]
+    return ["lossless", "fp16"] + [n for n in LOSSY_PRESETS if n not in ("lossless", "fp16")]
 
 
 def codec_plan(name: str, cache: KVCache, lm: Any = None) -> Any:
-    """The plan of preset ``name``: lossy presets straight from ``kvcodec.quant.presets`` (they use the
-    model for calibration and token importance and hand the reader an attachment resolver), the rest
-    from the format's preset table."""
-    if name in quant_presets.PRESETS:
-        return quant_presets.get_plan(name, cache, lm=lm)
-    return format_presets.get_plan(name, cache)
+    """The plan of preset ``name`` (lossy presets use the model for the quality guard and token importance)."""
+    return get_plan(name, cache, lm=lm)
 
 
 # -- method registry ----------------------------------------------------------------------
@@ -136,9 +134,9 @@ def _baseline(name: str) -> Callable[[Any, TextCase], tuple[KVCache, Any]]:
 def _preset(name: str, guard: bool = True, embedded: bool = False) -> Callable[[Any, TextCase], tuple[KVCache, Any]]:
     def build(lm: Any, case: TextCase) -> tuple[KVCache, Any]:
         if embedded:  # the calibration travels inside the file (self-contained; its bytes are in file_bytes)
-            return case.cache, quant_presets.get_plan(name, case.cache, lm=lm, calibration="embedded")
+            return case.cache, get_plan(name, case.cache, lm=lm, calibration="embedded")
         if not guard:  # the preset's fixed step0, no encode-time quality check (what issue 15 measured)
-            return case.cache, quant_presets.get_plan(name, case.cache, lm=lm, guard=False)
+            return case.cache, get_plan(name, case.cache, lm=lm, guard=False)
         return case.cache, codec_plan(name, case.cache, lm=lm)
 
     return build
@@ -162,8 +160,8 @@ def _target(kl: float) -> Callable[[Any, TextCase], tuple[KVCache, Any]]:
         if c.positions is not None or n_tune < 2:
             raise KvcInputError("target-KL tuning needs an unpruned cache of at least 8 tokens")
         tune = prefix_cache(c, c.num_tokens - n_tune)
-        _, info = quant_presets.plan_for_target(tune, lm, target_kl=kl, continuation=c.token_ids[c.num_tokens - n_tune:])
-        plan = quant_presets.transform_plan(c, info["step0"], lm=lm, preset=f"target-kl-{kl:g}")
+        _, info = codecplan.plan_for_target(tune, lm, target_kl=kl, continuation=c.token_ids[c.num_tokens - n_tune:])
+        plan = codecplan.transform_plan(c, info["step0"], lm=lm, preset=f"target-kl-{kl:g}")
         plan.params = dict(getattr(plan, "params", {}) or {}, tuned_kl=info.get("kl_mean"), tuned_on="context tail")
         return c, plan
 
@@ -228,9 +226,9 @@ def select_methods(selected: list[str] | None = None, target_kls: list[float] | 
         elif s.split(":", 1)[0] in _PRESET_VARIANTS:
             fam = s.split(":", 1)[0]
             kw, note = _PRESET_VARIANTS[fam]
-            for n in list(quant_presets.PRESETS) if s == fam else [s.split(":", 1)[1]]:
-                if n not in quant_presets.PRESETS:
-                    raise KvcInputError(f"{fam}: {n!r} is not a lossy preset ({', '.join(quant_presets.PRESETS)})")
+            for n in list(LOSSY_PRESETS) if s == fam else [s.split(":", 1)[1]]:
+                if n not in LOSSY_PRESETS:
+                    raise KvcInputError(f"{fam}: {n!r} is not a lossy preset ({', '.join(LOSSY_PRESETS)})")
                 add(Method(fam, n, _preset(n, **kw), note=note))
         elif s in PEER_FAMILIES or s.split(":", 1)[0] in PEER_FAMILIES:
             from .peers import DEFAULT_SPECS, HFQuantSpec, available
@@ -637,7 +635,7 @@ def eval_kvc_file(lm: Any, path: str | os.PathLike, text_ids: np.ndarray, contin
     if not path.is_file():
         raise _In(f"no such file: {path}")
     size = path.stat().st_size
-    with KvcReader(str(path), attachment_resolver=quant_presets.attachment_resolver) as r:
+    with KvcReader(str(path), attachment_resolver=default_resolver) as r:
         lm.fingerprint.check_compatible(r.fingerprint, what=".kvc file")
         ids = r.token_ids
         n_ctx = int(r.header.num_context_tokens)

@@ -6,6 +6,8 @@ non-zero exit code; anything else escaping is a bug.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class KvcError(Exception):
     """Base class of every error kvcodec raises on purpose."""
@@ -59,3 +61,14 @@ class KvcIOError(KvcError):
     """The system refused an I/O operation: disk full, read-only filesystem, permission denied."""
 
     exit_code = 9
+
+
+def want(cond: bool, msg: str) -> None:
+    """Raise :class:`KvcFormatError` ``msg`` unless ``cond`` (the header/field checks of every reader)."""
+    if not cond:
+        raise KvcFormatError(msg)
+
+
+def is_int(x: Any, lo: int = 0, hi: int = (1 << 63) - 1) -> bool:
+    """``x`` is a JSON integer (not a bool, not 3.0) in [lo, hi]."""
+    return isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi

@@ -29,7 +29,8 @@ import torch
 from .capture import check_fits, full_cache, tokenize
 from .chat import ChatFormat
 from .errors import KvcError, KvcInputError
-from .format import KvcReader, encode_kvc_bytes, get_plan
+from .format import KvcReader, encode_kvc_bytes
+from .plans import get_plan
 from .hf import greedy_from, load_cache
 from .kvcache import KVCache
 from .model import LoadedModel, cache_root

@@ -187,8 +187,7 @@ class _Layout:
 
 
 def _fingerprint(text: Any, path: Path) -> ModelFingerprint:
-    from .fingerprint import FINGERPRINT_VERSION
-    from .format.container import check_fingerprint_json
+    from .fingerprint import FINGERPRINT_VERSION, check_fingerprint_json
 
     if isinstance(text, bytes):
         text = text.decode("utf-8", "strict")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, Callable, ClassVar, Literal, Union
 
 import numpy as np
 
@@ -153,9 +153,33 @@ def register(cls: type[Stage]) -> type[Stage]:
     return cls
 
 
+# Built-in stage name -> the module that defines and registers it. Why names and not imports: a
+# reader meets stages by name in a file's header (numcodecs finds codecs through entry points the
+# same way), so a stage's module is imported only when a file uses it -- opening a lossless file
+# does not import the lossy codec -- and this interface module does not import the modules that
+# implement it (no import cycle). tests/test_stage_checklist.py checks this table against REGISTRY.
+BUILTIN_STAGES: dict[str, str] = {
+    "cast": "kvcodec.format.lossless", "raw": "kvcodec.format.lossless", "shuffle": "kvcodec.format.lossless",
+    "zstd": "kvcodec.format.lossless",
+    "rans": "kvcodec.entropy.rans_stage",
+    "rope": "kvcodec.quant.stages", "keep": "kvcodec.quant.stages", "transform": "kvcodec.quant.stages",
+    "quantize": "kvcodec.quant.stages", "tokenscale": "kvcodec.quant.tokenscale",
+    "bl_int8_token": "kvcodec.baselines.stages", "bl_kivi": "kvcodec.baselines.stages",
+    "bl_cachegen": "kvcodec.baselines.stages",
+}
+
+
+def load_builtin_stages(names: Any = None) -> None:
+    """Import the modules registering the built-in stages ``names`` (all of them by default)."""
+    import importlib
+
+    wanted = BUILTIN_STAGES if names is None else [n for n in names if n in BUILTIN_STAGES]
+    for module in sorted({BUILTIN_STAGES[n] for n in wanted}):
+        importlib.import_module(module)
+
+
 def stage_from_json(obj: Any) -> Stage:
     """Instantiate a stage from its header JSON; unknown codecs are named."""
-    _ensure_builtin_stages()
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         raise KvcFormatError(f"codec entry must be an object with a name, got {obj!r:.200}")
     name, version, config = obj["name"], obj.get("version", 1), obj.get("config", {})
@@ -163,6 +187,10 @@ def stage_from_json(obj: Any) -> Stage:
         raise KvcFormatError(f"codec {name!r}: version must be an int and config an object")
     cls = REGISTRY.get((name, version))
     if cls is None:
+        load_builtin_stages([name] if name in BUILTIN_STAGES else None)
+        cls = REGISTRY.get((name, version))
+    if cls is None:
+        load_builtin_stages()
         known = sorted(f"{n} v{v}" for n, v in REGISTRY)
         raise KvcCodecError(f"unknown codec {name!r} version {version} (known: {', '.join(known)})")
     return cls.from_config(config)
@@ -250,21 +278,24 @@ class Pipeline:
         return arr
 
 
-_BUILTINS_LOADED = False
+PipelineSpec = Union[Pipeline, Callable[[int, str], Pipeline]]
 
 
-def _ensure_builtin_stages() -> None:
-    """Import the modules that register the built-in stages (lazily, once: they import this module).
+@dataclass
+class Plan:
+    """What the writer needs to encode one cache: the ONE plan type (built by :func:`kvcodec.plans.get_plan`).
 
-    Every stage a reader may meet: the format's lossless stages, rANS, the
-    lossy codec's stages (tokenscale included) and the baselines' ``bl_*``.
+    ``pipelines`` is one pipeline for every tensor or a ``(layer, kind) -> Pipeline``
+    function; ``attachments`` maps name -> array (stored in the file) or
+    :class:`~kvcodec.format.writer.ExternalAttachment` (referenced by sha256);
+    ``params`` records the plan's settings (written under ``meta["plan"]`` by callers
+    that want them); ``chunk_tokens`` is a layout the plan requires (the baselines' KIVI
+    window needs a whole tensor per chunk), None for the writer's default.
     """
-    global _BUILTINS_LOADED
-    if _BUILTINS_LOADED:
-        return
-    from .baselines import stages as _baselines  # noqa: F401
-    from .entropy import rans_stage  # noqa: F401
-    from .format import lossless  # noqa: F401
-    from .quant import stages as _quant, tokenscale  # noqa: F401
 
-    _BUILTINS_LOADED = True
+    pipelines: PipelineSpec
+    attachments: dict[str, Any] = field(default_factory=dict)
+    preset: str | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+    chunk_tokens: int | None = None
+    meta: dict[str, Any] = field(default_factory=dict)

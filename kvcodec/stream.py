@@ -89,7 +89,8 @@ def encode_levels(
     (the exact KV of ``ids``) skips the prefill.
     """
     from .capture import capture
-    from .format import encode_kvc_bytes, get_plan
+    from .format import encode_kvc_bytes
+    from .plans import get_plan
 
     names = parse_levels(levels)
     if not isinstance(chunk_tokens, int) or chunk_tokens < 256 or chunk_tokens % 256:

@@ -48,7 +48,8 @@ def warm(model: str = "smollm2", tokens: int = 64) -> dict[str, float]:
 
     from .capture import capture
     from .atomic import atomic_write_bytes, ensure_output_dir
-    from .format import KvcReader, encode_kvc_bytes, get_plan
+    from .format import KvcReader, encode_kvc_bytes
+    from .plans import get_plan
     from .hf import load_cache
     from .model import load_model
     from .texts import load_text

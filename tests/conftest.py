@@ -12,6 +12,9 @@ import os
 # imports triton (see test_cuda_rans.py). Collecting other test modules already imports it (kvcodec.knowledge
 # -> transformers -> torch._dynamo -> triton), so it is set here, before any test module is collected.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# A decoder backend that applies but fails on a chunk its reference decodes raises in tests (kvcodec/backends.py);
+# in production it warns once and the reference's result is used.
+os.environ.setdefault("KVCODEC_STRICT_BACKENDS", "1")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

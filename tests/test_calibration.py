@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import shutil
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +12,6 @@ import torch
 from kvcodec.errors import KvcFormatError
 from kvcodec.quant import calibrate as C
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cliutil import run_kvc  # noqa: E402
 
 

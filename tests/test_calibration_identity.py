@@ -181,7 +181,7 @@ def _model_cal(fp, seed: int = 0, layers: int | None = None) -> Calibration:
 @pytest.mark.model
 @pytest.mark.parametrize("case", ["layer_reversed", "short", "swapped", "truncated_file"])
 def test_encode_refuses_a_bad_calibration(case, small_cache):
-    from kvcodec.quant.presets import get_plan
+    from kvcodec.plans import get_plan
 
     fp = small_cache.fingerprint
     path = save_calibration(_model_cal(fp), fp.id)
@@ -203,7 +203,7 @@ def test_encode_refuses_a_bad_calibration(case, small_cache):
 
 @pytest.mark.model
 def test_encode_refuses_a_calibration_handed_in_for_another_model(small_cache):
-    from kvcodec.quant.presets import transform_plan
+    from kvcodec.quant.codecplan import transform_plan
 
     cal = _model_cal(small_cache.fingerprint)
     cal.meta["fingerprint_id"] = FID_B
@@ -214,7 +214,8 @@ def test_encode_refuses_a_calibration_handed_in_for_another_model(small_cache):
 @pytest.mark.model
 @pytest.mark.parametrize("case", ["layer_reversed", "swapped", "truncated_file", "short"])
 def test_decode_refuses_a_bad_calibration(case, small_cache):
-    from kvcodec.format import KvcReader, get_plan, write_kvc
+    from kvcodec.format import KvcReader, write_kvc
+    from kvcodec.plans import get_plan
 
     fp = small_cache.fingerprint
     path = save_calibration(_model_cal(fp), fp.id)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import h5py
@@ -16,7 +15,6 @@ from kvcodec.errors import KvcError, KvcFormatError, KvcInputError, KvcModelMism
 from kvcodec.fingerprint import ModelFingerprint
 from kvcodec.kvcache import KVCache, load_capture, load_h5, save_capture, save_h5
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # works with and without tests/__init__.py
 from cliutil import run_kvc as run_cli  # noqa: E402
 
 pytestmark = pytest.mark.model

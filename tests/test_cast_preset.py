@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from kvcodec.errors import KvcCodecError, KvcFormatError
-from kvcodec.format import KvcReader, encode_kvc_bytes, get_plan
+from kvcodec.format import KvcReader, encode_kvc_bytes
+from kvcodec.plans import get_plan
 from kvcodec.format.lossless import Cast
 from kvcodec.stages import ArraySpec, ChunkContext
 

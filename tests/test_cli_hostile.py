@@ -11,17 +11,16 @@ from __future__ import annotations
 import json
 import os
 import struct
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from kvcodec.errors import KvcModelNotFoundError
-from kvcodec.format import get_plan, write_kvc
+from kvcodec.format import write_kvc
+from kvcodec.plans import get_plan
 from kvcodec.kvcache import save_capture
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # works with and without tests/__init__.py
 from cliutil import run_kvc  # noqa: E402
 from formatutil import synthetic_cache  # noqa: E402
 

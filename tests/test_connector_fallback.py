@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +22,6 @@ from kvcodec.vllm.entries import (
     usable_run,
 )
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # works with and without tests/__init__.py
 from formatutil import header_obj, split, with_header  # noqa: E402
 
 pytestmark = pytest.mark.model

@@ -38,15 +38,19 @@ def _same(gpu, cpu) -> None:
     np.testing.assert_array_equal(_bits(g), _bits(cpu))
 
 
-def _check_pipeline(pipe: Pipeline, x: np.ndarray, ctx: ChunkContext, expect_fallbacks=()):
+def _check_pipeline(pipe: Pipeline, x: np.ndarray, ctx: ChunkContext, expect_fallbacks=(), expect_path=None):
+    """GPU decode == CPU decode; ``expect_path``: "fused" or "stages" (the registry's pick, from the decode's trace)."""
     from kvcodec.cuda import backend
 
     payload, sides, sizes = pipe.encode(x, ctx)
     spec = ArraySpec(tuple(x.shape), str(x.dtype))
     cpu = pipe.decode(payload, sides, sizes, spec, ctx)
-    gpu = backend.decode_chunk_gpu(pipe, payload, sides, sizes, spec, ctx, "gpu")
+    trace: list[str] = []
+    gpu = backend.decode_chunk_gpu(pipe, payload, sides, sizes, spec, ctx, "gpu", trace=trace)
     _same(gpu, cpu)
-    assert sorted(backend.last_fallbacks) == sorted(expect_fallbacks)
+    assert sorted(t.removeprefix("cpu:") for t in trace if t.startswith("cpu:")) == sorted(expect_fallbacks)
+    if expect_path is not None:
+        assert expect_path in trace and f"triton-{expect_path}" in trace, trace
     return payload, sides, sizes, spec, cpu
 
 
@@ -121,8 +125,10 @@ def test_minmax_pipelines(chunks):
 @pytest.mark.model
 def test_every_preset(chunks, small_cache, lm):
     """Each named preset's pipelines (PCA calibration if one is cached, else Hadamard at the preset's settings)."""
-    presets = pytest.importorskip("kvcodec.quant.presets")
     from kvcodec.errors import KvcError
+    from kvcodec.plans import get_plan
+    from kvcodec.quant import presets
+    from kvcodec.quant.codecplan import transform_plan
 
     try:
         from kvcodec.quant.calibrate import get_calibration
@@ -130,22 +136,20 @@ def test_every_preset(chunks, small_cache, lm):
         cal = get_calibration(lm, build=False)
     except (KvcError, ImportError):
         cal = None
-    for name in [presets.LOSSLESS, *presets.PRESETS]:
-        if name == presets.LOSSLESS:
-            plan, att = presets.get_plan(name, small_cache), {}
+    for name in ["lossless", *presets.PRESETS]:
+        if name == "lossless":
+            plan, att = get_plan(name, small_cache), {}
         elif cal is not None:
-            plan = presets.transform_plan(small_cache, cal=cal, preset=name, **presets.PRESETS[name])
+            plan = transform_plan(small_cache, cal=cal, preset=name, **presets.PRESETS[name])
             att = cal.attachments
         else:
-            plan = presets.transform_plan(small_cache, basis="hadamard", preset=name, **presets.PRESETS[name])
+            plan = transform_plan(small_cache, basis="hadamard", preset=name, **presets.PRESETS[name])
             att = {}
         for layer, kind, x in chunks[:2]:
             pipe = plan.pipelines(layer, kind)
             fb = [s.name for s in pipe.stages if s.name not in ("rans", "quantize", "transform", "keep", "rope") and s.kind != "bytes->bytes"]
-            _check_pipeline(pipe, x, ChunkContext(layer=layer, kind=kind, attachments=att), expect_fallbacks=fb)
-            from kvcodec.cuda import backend
-
-            assert backend.last_path == (["stages"] if name == presets.LOSSLESS else ["fused"])
+            _check_pipeline(pipe, x, ChunkContext(layer=layer, kind=kind, attachments=att), expect_fallbacks=fb,
+                            expect_path="stages" if name == "lossless" else "fused")
 
 
 @pytest.mark.model
@@ -296,7 +300,6 @@ def _tokenscale(n_tokens: int, skip: int):
                                   "one_token", "all_kept", "short", "per_head_pos", "group16"])
 def test_fused_chain_bit_exact(case, chunks, pca_attachments):
     """Every shape of the fused chain on real KV: one kernel, bit-identical to Pipeline.decode."""
-    from kvcodec.cuda import backend
 
     layer, kind, x = chunks[0] if case != "values" else chunks[1]
     H = x.shape[0]
@@ -326,8 +329,7 @@ def test_fused_chain_bit_exact(case, chunks, pca_attachments):
         kw.update(g=16, k=32)
     pipe = _chain(**kw)
     ctx = ChunkContext(layer=layer, kind=kind, attachments=pca_attachments, token_start=11, positions=positions)
-    _check_pipeline(pipe, x, ctx)
-    assert backend.last_path == ["fused"]
+    _check_pipeline(pipe, x, ctx, expect_path="fused")
 
 
 @pytest.mark.model
@@ -336,7 +338,6 @@ def test_fused_chain_every_head_dim(D, chunks):
     """Every head_dim the CPU fast path covers (issue 19) decodes bit-exactly in the fused Triton chain:
     the real K/V channels of two layers regrouped into heads of D, a PCA basis per head from the data,
     full RoPE (80: its half is not a power of two) and partial RoPE."""
-    from kvcodec.cuda import backend
     from kvcodec.quant.fastdecode import HEAD_DIMS
 
     assert D in HEAD_DIMS
@@ -353,8 +354,7 @@ def test_fused_chain_every_head_dim(D, chunks):
     xs = np.ascontiguousarray(x).astype(np.float16)
     for rope_dim in (D, D // 2) if D in (80, 256) else (D,):  # partial RoPE where the half splits oddly
         pipe = _chain(rope_dim=rope_dim, k=D // 2 + 8, step=0.02)
-        _check_pipeline(pipe, xs, ChunkContext(layer=0, kind="k", attachments=att, token_start=5))
-        assert backend.last_path == ["fused"]
+        _check_pipeline(pipe, xs, ChunkContext(layer=0, kind="k", attachments=att, token_start=5), expect_path="fused")
 
 
 @pytest.mark.model
@@ -372,8 +372,9 @@ def test_fused_chain_into_layouts(chunks, pca_attachments):
     cpu = torch.from_numpy(pipe.decode(payload, sides, sizes, spec, ctx))
     for dt in (torch.float16, torch.bfloat16, torch.float32):
         hf = torch.zeros((1, H, Tn + 5, D), dtype=dt)
-        backend.decode_chunk_into(pipe, payload, sides, sizes, spec, ctx, hf, token_start=3)
-        assert backend.last_path == ["fused"]
+        trace: list[str] = []
+        backend.decode_chunk_into(pipe, payload, sides, sizes, spec, ctx, hf, token_start=3, trace=trace)
+        assert trace == ["fused"]
         assert torch.equal(hf[0, :, 3 : 3 + Tn].contiguous().view(torch.uint8), cpu.to(dt).contiguous().view(torch.uint8))
         assert not hf[0, :, :3].any() and not hf[0, :, 3 + Tn :].any()
         cache = torch.zeros((8, 4, H, D), dtype=dt)
@@ -419,10 +420,8 @@ def test_fused_chain_malformed_like_cpu(chunks, pca_attachments):
 
 def test_tokenscale_stage_outside_a_chain():
     """tokenscale has its own GPU stage when the pipeline is not a transform chain."""
-    from kvcodec.cuda import backend
     from kvcodec.quant.stages import QuantizeStage
 
     x = (np.random.default_rng(4).standard_normal((2, 13, 16)) * 3).astype(np.float16)
     pipe = Pipeline([_tokenscale(13, 0), QuantizeStage(mode="step", step=0.05), RansStage()])
-    _check_pipeline(pipe, x, ChunkContext())
-    assert backend.last_path == ["stages"]
+    _check_pipeline(pipe, x, ChunkContext(), expect_path="stages")

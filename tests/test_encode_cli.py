@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +11,6 @@ import torch
 
 from kvcodec.kvcache import save_capture
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # works with and without tests/__init__.py
 from cliutil import run_kvc as run_main  # noqa: E402
 from formatutil import synthetic_cache  # noqa: E402
 

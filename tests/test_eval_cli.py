@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # works with and without tests/__init__.py
 from cliutil import run_kvc as run_cli  # noqa: E402
 
 pytestmark = pytest.mark.model
@@ -38,7 +35,8 @@ def cache(lm, gpl3_ids):
 @pytest.fixture(scope="module")
 def kvc_files(cache, tmp_path_factory):
     from kvcodec.baselines import get_baseline_plan
-    from kvcodec.format import get_plan, write_kvc
+    from kvcodec.format import write_kvc
+    from kvcodec.plans import get_plan
 
     d = tmp_path_factory.mktemp("eval")
     out = {}

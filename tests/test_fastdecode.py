@@ -18,7 +18,7 @@ import pytest
 
 import kvcodec.quant.fastdecode as F
 from kvcodec.entropy.rans_stage import RansStage
-from kvcodec.errors import KvcFormatError
+from kvcodec.errors import KvcError, KvcFormatError
 from kvcodec.format import KvcReader
 from kvcodec.format.decode import decode_chunk
 from kvcodec.quant.stages import KeepStage, QuantizeStage, RopeStage, TransformStage
@@ -63,7 +63,7 @@ def _both(pipe: Pipeline, arr: np.ndarray, ctx: ChunkContext, dec_ctx: ChunkCont
     payload, sides, sizes = pipe.encode(arr, ctx)
     spec = ArraySpec(arr.shape, arr.dtype.name)
     dctx = dec_ctx or ctx
-    fast = F.try_decode(pipe, payload, sides, sizes, spec, dctx)
+    fast = F.decode(pipe, payload, sides, sizes, spec, dctx) if F.supports(pipe, spec) else None
     ref = pipe.decode(payload, sides, sizes, spec, dctx)
     return fast, ref, (payload, sides, sizes, spec, dctx)
 
@@ -115,7 +115,6 @@ def test_synthetic_pipelines_bit_identical(variant):
     if variant != "values":
         stages = [rope] + stages
     pipe = Pipeline(stages)
-    assert F.supported(pipe)
     positions = None
     if variant == "pos1d":
         positions = np.sort(np.random.default_rng(3).choice(5000, T, replace=False)).astype(np.int64)
@@ -145,7 +144,6 @@ def test_every_head_dim_bit_identical(D, variant):
     if variant != "values_f32":
         stages = [RopeStage(theta=1000000.0, dim=D if variant != "partial_rope" else D // 2)] + stages
     pipe = Pipeline(stages)
-    assert F.supported(pipe)
     ctx = ChunkContext(layer=1, kind="v" if variant == "values_f32" else "k", token_start=77, attachments=att)
     fast, ref, _ = _both(pipe, arr, ctx)
     assert fast is not None, f"fused path declined head_dim {D}"
@@ -165,10 +163,11 @@ def test_unsupported_head_dim_takes_the_generic_path():
 
 def test_fast_path_declines_unsupported():
     minmax = Pipeline([QuantizeStage(mode="minmax", bits=4, axis="channel", group=8), RansStage()])
-    assert not F.supported(minmax)
     arr = np.random.default_rng(0).integers(0, 16, (2, 16, 8)).astype(np.float16)
-    p, s, z = minmax.encode(arr, ChunkContext())
-    assert F.try_decode(minmax, p, s, z, ArraySpec(arr.shape, "float16"), ChunkContext()) is None
+    assert not F.supports(minmax, ArraySpec(arr.shape, "float16"))
+    from kvcodec.backends import select
+
+    assert [b.name for b in select(minmax, ArraySpec(arr.shape, "float16"))] == ["reference"]
 
 
 @pytest.mark.parametrize("mutate", ["bits_too_small", "step_nan", "kept_inf", "payload_flip", "extra_side", "basis_nan"])
@@ -198,7 +197,9 @@ def test_malformed_chunks_fall_back_to_the_generic_error(mutate):
         b[0, 0, 0, 0] = np.nan
         ctx = ChunkContext(layer=0, kind="k", attachments={"pca.basis": b, "pca.mean": att["pca.mean"]})
     spec = ArraySpec(arr.shape, "float16")
-    assert F.try_decode(pipe, bytes(payload), sides, sizes, spec, ctx) is None
+    assert F.supports(pipe, spec)
+    with pytest.raises((KvcError, ValueError)):  # the fused decoder refuses it too (the registry then asks the reference)
+        F.decode(pipe, bytes(payload), sides, sizes, spec, ctx)
     with pytest.raises(KvcFormatError) as generic:
         pipe.decode(bytes(payload), sides, sizes, spec, ctx)
     with pytest.raises(KvcFormatError) as hooked:
@@ -208,8 +209,10 @@ def test_malformed_chunks_fall_back_to_the_generic_error(mutate):
 
 # --------------------------------------------------------------------------- files
 def _decode_all(r: KvcReader, fast: bool, monkeypatch) -> list[np.ndarray]:
-    if not fast:
-        monkeypatch.setattr(F, "try_decode", lambda *a: None)
+    if not fast:  # the registry picks the reference only (its choice is memoised per pipeline, so patch the pick)
+        import kvcodec.backends as B
+
+        monkeypatch.setattr(B, "select", lambda *a, **k: [B.backend("reference")])
     out = [r.read_chunk(j, "cpu") for j in range(r.num_chunks)]
     monkeypatch.undo()
     return out
@@ -218,27 +221,27 @@ def _decode_all(r: KvcReader, fast: bool, monkeypatch) -> list[np.ndarray]:
 def _compare_file(data: bytes, monkeypatch, resolver=None, expect_fast: bool = True) -> None:
     r = KvcReader(data, attachment_resolver=resolver)
     hits = []
-    orig = F.try_decode
+    orig = F.decode
 
     def spy(*a):
-        out = orig(*a)
-        hits.append(out is not None)
+        out = orig(*a)  # a failure raises (KVCODEC_STRICT_BACKENDS=1 in conftest): never a silent fallback
+        hits.append(True)
         return out
 
-    monkeypatch.setattr(F, "try_decode", spy)
+    monkeypatch.setattr(F, "decode", spy)
     fast = [r.read_chunk(j, "cpu") for j in range(r.num_chunks)]
     monkeypatch.undo()
     ref = _decode_all(r, False, monkeypatch)
     for j, (a, b) in enumerate(zip(fast, ref)):
         assert _same(a, b), f"chunk {j} differs"
     if expect_fast:
-        assert all(hits), f"fused path declined {hits.count(False)} of {len(hits)} chunks"
+        assert len(hits) == r.num_chunks, f"fused path took {len(hits)} of {r.num_chunks} chunks"
 
 
 def test_kvc_golden_vectors(monkeypatch):
     d = ROOT / "spec" / "vectors" / "kvc"
     manifest = json.loads((d / "manifest.json").read_text())
-    for name, v in manifest["vectors"].items():
+    for _name, v in manifest["vectors"].items():
         data = (d / v["file"]).read_bytes()
         _compare_file(data, monkeypatch, expect_fast=False)
 
@@ -248,32 +251,30 @@ def test_real_cache_every_preset_bit_identical(real_cache, monkeypatch):
     import torch
 
     from kvcodec.format.writer import write_kvc
-    from kvcodec.quant import presets as P
+    from kvcodec.attachments import default_resolver
+    from kvcodec.plans import get_plan
 
     c = real_cache(128)
     c16 = c.to(torch.float16)
     import io
 
     for name in ("balanced", "near-lossless", "small", "lossless"):
-        plan = P.get_plan(name, c16)
+        plan = get_plan(name, c16)
         for chunking in ({"chunk_tokens": 50, "chunk_heads": 2},) if name != "balanced" else ({}, {"chunk_tokens": 50, "chunk_heads": 2}):
             buf = io.BytesIO()
             write_kvc(c16, buf, plan.pipelines, attachments=plan.attachments, preset=plan.preset, **chunking)
-            _compare_file(buf.getvalue(), monkeypatch, P.attachment_resolver)
-    # token-importance classes (tokenscale stage), when the preset code supports them
-    import inspect
-
-    if "tokenscale" in inspect.signature(P.transform_plan).parameters:
-        imp = np.random.default_rng(0).random((c16.fingerprint.num_layers, c16.num_tokens))
-        plan = P.get_plan("balanced", c16, tokenscale={}, importance=imp)
-        buf = io.BytesIO()
-        write_kvc(c16, buf, plan.pipelines, attachments=plan.attachments, preset=plan.preset, chunk_tokens=50)
-        _compare_file(buf.getvalue(), monkeypatch, P.attachment_resolver)
+            _compare_file(buf.getvalue(), monkeypatch, default_resolver)
+    # token-importance classes (tokenscale stage)
+    imp = np.random.default_rng(0).random((c16.fingerprint.num_layers, c16.num_tokens))
+    plan = get_plan("balanced", c16, tokenscale={}, importance=imp)
+    buf = io.BytesIO()
+    write_kvc(c16, buf, plan.pipelines, attachments=plan.attachments, preset=plan.preset, chunk_tokens=50)
+    _compare_file(buf.getvalue(), monkeypatch, default_resolver)
     # float32 cache (the capture's own dtype) through the balanced plan
-    plan = P.get_plan("balanced", c)
+    plan = get_plan("balanced", c)
     buf = io.BytesIO()
     write_kvc(c, buf, plan.pipelines, attachments=plan.attachments, preset=plan.preset, chunk_tokens=64)
-    _compare_file(buf.getvalue(), monkeypatch, P.attachment_resolver)
+    _compare_file(buf.getvalue(), monkeypatch, default_resolver)
 
 
 # --------------------------------------------------------------------------- other CPUs

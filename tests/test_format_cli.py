@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +13,6 @@ from click.testing import CliRunner
 from kvcodec.cli.main import cli
 from kvcodec.kvcache import load_capture, save_capture
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # works with and without tests/__init__.py
 from cliutil import run_kvc as run_main  # noqa: E402
 from formatutil import assert_same_cache, synthetic_cache  # noqa: E402
 

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import json
 import struct
-import sys
 import tracemalloc
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,7 +19,6 @@ from hypothesis import strategies as st
 from kvcodec.errors import KvcCodecError, KvcFormatError
 from kvcodec.format import KvcReader, KvcUnknownCodecError, encode_kvc_bytes, lossless_pipeline, raw_pipeline, verify_kvc
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # works with and without tests/__init__.py
 from formatutil import assemble, assert_same_cache, crc, header_obj, split, synthetic_cache, with_header  # noqa: E402
 
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

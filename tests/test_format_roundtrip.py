@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import io
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,12 +10,12 @@ import torch
 
 from kvcodec.errors import KvcFormatError, KvcInputError, KvcModelMismatchError, KvcBackendError
 from kvcodec.format import (
-    ExternalAttachment, KvcReader, encode_kvc_bytes, get_plan, lossless_pipeline, raw_pipeline, read_kvc, write_kvc,
+    ExternalAttachment, KvcReader, encode_kvc_bytes, lossless_pipeline, raw_pipeline, read_kvc, write_kvc,
 )
 from kvcodec.format.decode import resolve_backend
+from kvcodec.plans import get_plan
 from kvcodec.kvcache import KVCache
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # works with and without tests/__init__.py
 from formatutil import RangeObj, assert_same_cache, synthetic_cache  # noqa: E402
 
 PIPES = {

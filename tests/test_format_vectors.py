@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import zstandard
 
 from kvcodec.format import KvcReader
-from kvcodec.format.vectors import VECTOR_DIR, cache_from_vector, encode_case, stacked
+from scripts.make_vectors import VECTOR_DIR, cache_from_vector, encode_case, stacked
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # works with and without tests/__init__.py
 import independent_reader  # noqa: E402
 
 MANIFEST = json.loads((VECTOR_DIR / "manifest.json").read_text())

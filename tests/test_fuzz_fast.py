@@ -4,13 +4,10 @@ real cache, in a worker process. Only KvcError may come out; no crash, no run ov
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import bench_fuzz  # noqa: E402
+from benchmarks import bench_fuzz  # noqa: E402
 
 
 @pytest.mark.model

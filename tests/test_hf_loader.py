@@ -8,7 +8,8 @@ import torch
 
 from kvcodec.capture import capture, prefill
 from kvcodec.errors import KvcModelMismatchError
-from kvcodec.format import encode_kvc_bytes, get_plan
+from kvcodec.format import encode_kvc_bytes
+from kvcodec.plans import get_plan
 from kvcodec.hf import LazyKvcLayer, generate, greedy_from, load_cache
 
 pytestmark = pytest.mark.model

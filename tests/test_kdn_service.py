@@ -92,7 +92,8 @@ def service(tmp_path_factory):
 @pytest.fixture(scope="module")
 def entry(lm, real_cache):
     """A real 300-token .kvc (preset balanced) of the GPL-3 text and its key in namespace a."""
-    from kvcodec.format import encode_kvc_bytes, get_plan
+    from kvcodec.format import encode_kvc_bytes
+    from kvcodec.plans import get_plan
 
     cache = real_cache(300)
     plan = get_plan("balanced", cache, lm=lm)

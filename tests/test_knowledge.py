@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 from kvcodec.knowledge import KnowledgeBase, codec_id
 from kvcodec.store import Store
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # works with and without tests/__init__.py
 from cliutil import run_kvc  # noqa: E402
 
 pytestmark = pytest.mark.model
@@ -54,7 +51,8 @@ def test_other_codec_namespace_or_model_miss(lm, other_lm, tmp_path):
 
 
 def test_cli_store_put_ls_get_rm(lm, small_cache, tmp_path, capsys):
-    from kvcodec.format import encode_kvc_bytes, get_plan
+    from kvcodec.format import encode_kvc_bytes
+    from kvcodec.plans import get_plan
 
     plan = get_plan("lossless", small_cache)
     f = tmp_path / "c.kvc"

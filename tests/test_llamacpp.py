@@ -24,7 +24,8 @@ else:
 
 from kvcodec.capture import capture, tokenize  # noqa: E402
 from kvcodec.errors import KvcInputError, KvcModelMismatchError  # noqa: E402
-from kvcodec.format import encode_kvc_bytes, get_plan  # noqa: E402
+from kvcodec.format import encode_kvc_bytes  # noqa: E402
+from kvcodec.plans import get_plan
 from kvcodec.llamacpp import LlamaShape, capture_llamacpp, check_target, gguf_fingerprint, load_kvc  # noqa: E402
 from kvcodec.model import _gguf_path  # noqa: E402
 

@@ -52,7 +52,8 @@ def _offset_of(path: Path, name: str) -> tuple[int, str]:
 def base(lm, gpl3_ids, tmp_path_factory):
     """What the original model made: a lossless .kvc, a store entry for DOC, a chunk cache."""
     from kvcodec.capture import capture
-    from kvcodec.format import get_plan, write_kvc
+    from kvcodec.format import write_kvc
+    from kvcodec.plans import get_plan
     from kvcodec.knowledge import KnowledgeBase
 
     d = tmp_path_factory.mktemp("base")
@@ -135,7 +136,8 @@ def test_blend_refuses(lookalike, base):
     with pytest.raises(KvcModelMismatchError):
         blend(lookalike, [base["chunk"]], q)
     # and through the store: the original's chunk entry under the look-alike's key
-    from kvcodec.format import encode_kvc_bytes, get_plan
+    from kvcodec.format import encode_kvc_bytes
+    from kvcodec.plans import get_plan
 
     kb = KnowledgeBase(lookalike, store=base["store"], preset="lossless")
     chunk = base["chunk"]

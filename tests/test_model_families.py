@@ -65,7 +65,8 @@ def family_dirs(tmp_path_factory):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_flow(family, family_dirs, tmp_path):
     from kvcodec.capture import capture, tokenize
-    from kvcodec.format import KvcReader, get_plan, write_kvc
+    from kvcodec.format import KvcReader, write_kvc
+    from kvcodec.plans import get_plan
     from kvcodec.knowledge import KnowledgeBase
     from kvcodec.model import load_model
     from kvcodec.texts import load_text

@@ -94,7 +94,8 @@ def _greedy_live(lm, ids: np.ndarray, first: int, n: int) -> tuple[list[int], ob
 
 
 def test_lossless_roundtrip_continues_like_the_live_cache(mlm, doc):
-    from kvcodec.format import KvcReader, encode_kvc_bytes, get_plan
+    from kvcodec.format import KvcReader, encode_kvc_bytes
+    from kvcodec.plans import get_plan
     from kvcodec.hf import greedy_from, load_cache
 
     cache, cont = doc
@@ -122,7 +123,8 @@ def test_lossless_roundtrip_continues_like_the_live_cache(mlm, doc):
 
 def test_every_preset_encodes_verifies_and_evaluates(mlm, doc):
     from kvcodec.evaluate import continue_logits, evaluate, greedy
-    from kvcodec.format import KvcReader, encode_kvc_bytes, get_plan
+    from kvcodec.format import KvcReader, encode_kvc_bytes
+    from kvcodec.plans import get_plan
     from kvcodec.format.reader import verify_kvc
     from kvcodec.model import DEFAULT_MODEL
 

@@ -23,10 +23,9 @@ import torch
 from kvcodec import atomic
 from kvcodec.errors import KvcInputError, KvcIOError
 from kvcodec.format import KvcReader, write_kvc
-from kvcodec.format.presets import get_plan
+from kvcodec.plans import get_plan
 from kvcodec.kvcache import save_capture
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # works with and without tests/__init__.py
 from cliutil import run_kvc  # noqa: E402
 from formatutil import synthetic_cache  # noqa: E402
 

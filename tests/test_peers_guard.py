@@ -41,7 +41,7 @@ def _probe_quality(lm, cache, plan, n):
     """Independent re-measurement: the file's decoded prefix continued on the context's last n tokens."""
     from kvcodec.evaluate import compare_logits, continue_logits
     from kvcodec.quant.guard import prefix_cache
-    from kvcodec.quant.presets import decode_bytes, encode_bytes
+    from kvcodec.quant.codecplan import decode_bytes, encode_bytes
 
     T = cache.num_tokens
     probe = cache.token_ids[T - n:]
@@ -70,14 +70,15 @@ def test_guard_meets_a_target_the_fixed_knob_misses(lm, stdio_cache):
 
 def test_presets_are_guarded_with_the_model_and_unchanged_without(monkeypatch, small_cache):
     """get_plan routes a lossy preset through the guard exactly when it has the model and no explicit step0."""
-    from kvcodec.quant import presets
+    from kvcodec.plans import get_plan
+    from kvcodec.quant import guard, presets
 
     calls = []
-    monkeypatch.setattr(presets, "guarded_plan", lambda cache, lm, name, args, target: calls.append((name, args["step0"], target)) or "guarded")
-    assert presets.get_plan("balanced", small_cache, lm=object()) == "guarded"
+    monkeypatch.setattr(guard, "guarded_plan", lambda cache, lm, name, args, target: calls.append((name, args["step0"], target)) or "guarded")
+    assert get_plan("balanced", small_cache, lm=object()) == "guarded"
     assert calls == [("balanced", presets.PRESETS["balanced"]["step0"], presets.PRESET_TARGETS["balanced"])]
-    assert "guard" not in presets.get_plan("balanced", small_cache).params  # no model: the golden-vector path
-    assert presets.get_plan("balanced", small_cache, step0=0.5).params["step0"] == 0.5
+    assert "guard" not in get_plan("balanced", small_cache).params  # no model: the golden-vector path
+    assert get_plan("balanced", small_cache, step0=0.5).params["step0"] == 0.5
     assert len(calls) == 1
 
 

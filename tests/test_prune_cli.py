@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,7 +10,6 @@ import torch
 
 from kvcodec.kvcache import load_h5, save_h5
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # works with and without tests/__init__.py
 from cliutil import run_kvc as run  # noqa: E402
 
 

@@ -136,7 +136,7 @@ def test_concurrent_writers_and_readers_one_directory(tmp_path):
                               env=subprocess_env(), text=True)
              for mode, seed in (("write", 1), ("write", 2), ("read", 3), ("read", 4))]
     outs = [p.communicate(timeout=60) for p in procs]
-    for p, (out, err) in zip(procs, outs):
+    for p, (_out, err) in zip(procs, outs):
         assert p.returncode == 0, f"worker failed (3 = torn read): {p.returncode}\n{err[-2000:]}"
         assert "corrupt" not in err, err[-2000:]
     reads = [o.strip().splitlines()[-1].split() for o, _ in outs[2:]]

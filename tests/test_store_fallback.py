@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,7 +19,6 @@ from kvcodec.format import KvcReader
 from kvcodec.knowledge import KnowledgeBase
 from kvcodec.store import Store
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # works with and without tests/__init__.py
 from cliutil import run_kvc  # noqa: E402
 from formatutil import header_obj, split, with_header  # noqa: E402
 

@@ -21,7 +21,6 @@ from store_fixtures import (
     NginxServer,
     find_binary,
     free_port,
-    redis_server,
     subprocess_env,
     wait_port,
 )

@@ -23,7 +23,8 @@ def test_prefill_keeps_only_the_last_logits_and_they_are_the_full_ones(lm, gpl3_
 def test_cold_kvc_ttft_answers_like_prefill(lm, gpl3_ids, tmp_path):
     """A fresh process loads a lossless `.kvc` and produces exactly prefill's first token."""
     from kvcodec.capture import capture
-    from kvcodec.format import get_plan, write_kvc
+    from kvcodec.format import write_kvc
+    from kvcodec.plans import get_plan
     from kvcodec.ttft import cold_ttft, ttft_kvc, ttft_prefill
 
     ids, q = gpl3_ids[:128], gpl3_ids[128:136]

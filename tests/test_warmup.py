@@ -20,7 +20,8 @@ def test_no_files_no_thread(tmp_path, monkeypatch):
 
 def test_prewarm_decodes_the_setup_files(tmp_path, monkeypatch, small_cache, lm):
     """A real balanced `.kvc` in the warm-up dir is decoded (codec stack imported) without error."""
-    from kvcodec.format import KvcReader, encode_kvc_bytes, get_plan
+    from kvcodec.format import KvcReader, encode_kvc_bytes
+    from kvcodec.plans import get_plan
 
     plan = get_plan("balanced", small_cache, lm=lm)
     d = tmp_path / "warmup"

@@ -5,6 +5,6 @@ decode a baseline file.
 """
 
 from . import stages  # noqa: F401  (registers the bl_* stages)
-from .plans import BASELINES, BaselinePlan, get_baseline_plan
+from .plans import BASELINES, get_baseline_plan
 
-__all__ = ["BASELINES", "BaselinePlan", "get_baseline_plan"]
+__all__ = ["BASELINES", "get_baseline_plan"]

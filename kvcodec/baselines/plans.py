@@ -1,6 +1,6 @@
-"""Plan factories for the baselines: ``get_baseline_plan(name, cache)``.
+"""The baselines' plans: ``kvcodec.plans.get_plan("baseline:NAME", cache)`` builds them here.
 
-A plan has the shape of ``kvcodec.quant.presets.get_plan``'s result:
+The plan is the one :class:`~kvcodec.stages.Plan` type:
 ``.pipelines`` (one :class:`~kvcodec.stages.Pipeline` per (layer, kind),
 keyed ``(layer, "k"|"v")`` and callable as ``pipelines(layer, kind)``, which
 is what ``write_kvc`` takes), ``.attachments`` (none), ``.preset`` (the
@@ -45,13 +45,10 @@ their own code in :mod:`kvcodec.peers`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import numpy as np
-
 from ..errors import KvcInputError
-from ..stages import Pipeline, Stage, stage_from_json
+from ..stages import Pipeline, Plan, Stage, stage_from_json
 from ..format.lossless import Cast
 from . import stages as bl
 
@@ -64,15 +61,6 @@ class PipelineTable(dict):
 
     def __call__(self, layer: int, kind: str) -> Pipeline:
         return self[(layer, kind)]
-
-
-@dataclass
-class BaselinePlan:
-    pipelines: PipelineTable
-    preset: str
-    attachments: dict[str, np.ndarray] = field(default_factory=dict)
-    chunk_tokens: int | None = None
-    meta: dict[str, Any] = field(default_factory=dict)
 
 
 def _lossless(name: str) -> Stage:
@@ -91,7 +79,7 @@ def cachegen_bins(layer: int, kind: str, num_layers: int, split: str = "literal"
     return max(4, bins + (bins % 2))
 
 
-def get_baseline_plan(name: str, cache: Any, **kw: Any) -> BaselinePlan:
+def get_baseline_plan(name: str, cache: Any, **kw: Any) -> Plan:
     """Plan encoding ``cache`` (a KVCache) with baseline ``name``.
 
     Keyword options: ``zstd_level`` (fp16+zstd), ``residual`` and ``group``
@@ -129,4 +117,4 @@ def get_baseline_plan(name: str, cache: Any, **kw: Any) -> BaselinePlan:
         make = lambda l, k: [bl.CacheGenStage(bins=cachegen_bins(l, k, L, split, scale), chunk_tokens=chunk,  # noqa: E731
                                               cdf_entries=entries)]
     pipelines = PipelineTable({(l, k): Pipeline(make(l, k)) for l in range(L) for k in ("k", "v")})
-    return BaselinePlan(pipelines=pipelines, preset=f"baseline:{name}", chunk_tokens=cache.num_tokens, meta=meta)
+    return Plan(pipelines=pipelines, preset=f"baseline:{name}", chunk_tokens=cache.num_tokens, meta=meta)

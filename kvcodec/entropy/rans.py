@@ -22,17 +22,14 @@ Public API
 ``size_breakdown(buf)``                 payload / table / flush / padding byte split
 ``empirical_entropy_bits(symbols)``     ideal code length per context
 
-``python -m kvcodec.entropy.rans --write-vectors`` (re)writes the golden
-vectors under ``spec/vectors/rans/``; tests only ever read them.
+``python scripts/make_vectors.py rans --write`` writes the golden vectors under
+``spec/vectors/rans/`` (never over existing ones); tests only ever read them.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 from numba import njit
@@ -44,7 +41,6 @@ __all__ = [
     "RansStream", "SizeBreakdown",
     "normalize_freqs", "count_symbols", "encode_contexts", "parse_header", "decode",
     "decode_contexts", "decode_reference", "size_breakdown", "empirical_entropy_bits",
-    "write_vectors",
 ]
 
 PROB_BITS = 12
@@ -685,86 +681,3 @@ def table_code_length_bits(symbols: np.ndarray, freqs: np.ndarray) -> np.ndarray
     f = freqs.astype(np.float64)
     with np.errstate(divide="ignore"):
         return np.where(counts > 0, counts * (PROB_BITS - np.log2(np.where(f > 0, f, 1))), 0.0).sum(axis=1)
-
-
-# --------------------------------------------------------------------------- golden vectors
-
-VECTOR_DIR = Path(__file__).resolve().parents[2] / "spec" / "vectors" / "rans"
-
-
-def _renorm_example() -> np.ndarray:
-    """40 symbols, mostly 0, with rare symbols in lanes 0, 3 and 5 (spec worked example 2)."""
-    sym = np.zeros(40, dtype=np.uint8)
-    sym[[0, 32, 3, 35, 5]] = [1, 2, 2, 1, 1]
-    return sym.reshape(1, 40, 1)
-
-
-# explicit tables for vectors coded with encode_contexts(symbols, freqs) instead of the stage default
-_VECTOR_FREQS = {"renorm": [[4064, 16, 16]]}
-
-
-def _vector_inputs() -> dict[str, tuple[np.ndarray, int | None, str]]:
-    """Small, deterministic stage inputs (H, T, D) covering the corner cases."""
-    rng = np.random.default_rng(20250101)
-
-    def laplace(shape, scale):
-        return np.clip(np.round(rng.laplace(0, scale, size=shape)) + 8, 0, 15).astype(np.uint8)
-
-    return {
-        "renorm": (_renorm_example(), None, "explicit table [4064, 16, 16]: two renormalisation words; spec worked example 2"),
-        "tiny": (np.array([[[0, 1, 0, 2], [0, 0, 1, 0]]], dtype=np.uint8), None, "1 head, 2 tokens, 4 channels; the worked example of spec/rans-v1.md"),
-        "single_symbol": (np.full((2, 5, 8), 7, dtype=np.uint8), None, "one distinct symbol: f = 4096, no words, all states L"),
-        "partial_step": (laplace((1, 33, 1), 2.0), None, "33 symbols: a full step plus a 1-lane step"),
-        "laplace_groups": (laplace((2, 64, 16), 1.5), 4, "2 heads x 4 channel groups of 4, 4-bit Laplace"),
-        "all_symbols": (rng.permutation(np.arange(1024) % 256).astype(np.uint8).reshape(1, 32, 32), None, "all 256 symbols, uniform: two-byte LEB128 frequencies"),
-        "skewed": (np.where(rng.random((3, 100, 3)) < 0.995, 0, rng.integers(1, 256, (3, 100, 3))).astype(np.uint8), None, "very skewed: rare symbols get f = 1"),
-    }
-
-
-def write_vectors(directory: Path = VECTOR_DIR) -> dict:
-    """Deliberately (re)write the golden vectors (stage inputs + encoded streams + manifest)."""
-    from ..stages import ChunkContext
-    from .rans_stage import RansStage, to_contexts
-
-    directory.mkdir(parents=True, exist_ok=True)
-    manifest = {"format": "rans", "version": 1, "vectors": []}
-    for name, (arr, g, desc) in _vector_inputs().items():
-        stage = RansStage(channel_group=g)
-        freqs = _VECTOR_FREQS.get(name)
-        if freqs is None:
-            data, side = stage.encode(arr, ChunkContext())
-            assert not side
-        else:
-            data = encode_contexts(to_contexts(arr, g), np.asarray(freqs, dtype=np.uint32))
-        np.save(directory / f"{name}.npy", arr, allow_pickle=False)
-        (directory / f"{name}.bin").write_bytes(data)
-        manifest["vectors"].append({
-            "name": name, "description": desc, "shape": list(arr.shape), "dtype": "uint8",
-            "config": stage.get_config(), "input": f"{name}.npy", "encoded": f"{name}.bin",
-            **({"freqs": freqs} if freqs is not None else {}),
-            "encoded_bytes": len(data),
-            "input_sha256": hashlib.sha256(np.ascontiguousarray(arr).tobytes()).hexdigest(),
-            "encoded_sha256": hashlib.sha256(data).hexdigest(),
-        })
-    (directory / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    return manifest
-
-
-def _main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="python -m kvcodec.entropy.rans", description=__doc__.splitlines()[0])
-    ap.add_argument("--write-vectors", action="store_true", help=f"rewrite the golden vectors in {VECTOR_DIR}")
-    ap.add_argument("--dir", type=Path, default=VECTOR_DIR)
-    args = ap.parse_args(argv)
-    if not args.write_vectors:
-        ap.print_help()
-        return 0
-    m = write_vectors(args.dir)
-    for v in m["vectors"]:
-        print(f"{v['name']:16s} {str(tuple(v['shape'])):16s} -> {v['encoded_bytes']:6d} bytes  {v['encoded_sha256'][:16]}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(_main())

@@ -3,7 +3,6 @@
 from .container import MAGIC, VERSION_MAJOR, VERSION_MINOR, IndexEntry, KvcUnknownCodecError
 from .decode import decode_chunk, resolve_backend
 from .lossless import Raw, Shuffle, Zstd, lossless_pipeline, raw_pipeline
-from .presets import Plan, available_presets, get_plan
 from .reader import AttachmentInfo, BlobInfo, KvcHeader, KvcReader, read_kvc, verify_kvc
 from .writer import ExternalAttachment, array_sha256, encode_kvc_bytes, write_kvc, write_kvc_stream
 
@@ -11,7 +10,6 @@ __all__ = [
     "MAGIC", "VERSION_MAJOR", "VERSION_MINOR", "IndexEntry", "KvcUnknownCodecError",
     "decode_chunk", "resolve_backend",
     "Raw", "Shuffle", "Zstd", "lossless_pipeline", "raw_pipeline",
-    "Plan", "available_presets", "get_plan",
     "AttachmentInfo", "BlobInfo", "KvcHeader", "KvcReader", "read_kvc", "verify_kvc",
     "ExternalAttachment", "array_sha256", "encode_kvc_bytes", "write_kvc", "write_kvc_stream",
 ]

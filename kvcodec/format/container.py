@@ -211,23 +211,6 @@ def load_header(b: bytes | memoryview) -> dict[str, Any]:
     return obj
 
 
-def check_fingerprint_json(m: Any, max_version: int) -> None:
-    """Type-check the header's ``model`` object (spec 4.1) exactly: ints are JSON integers (not 64.0,
-    not true), strings are strings, ``version`` is a known fingerprint scheme (1 .. ``max_version``)."""
-    want(isinstance(m, dict), "header: 'model' must be an object")
-    for k in ("architecture", "rope", "tokenizer_sha256", "weights_sha256", "dtype"):
-        want(isinstance(m.get(k), str), f"header: model.{k} must be a string")
-    want(is_int(m.get("num_layers"), 1, 4096), "header: model.num_layers must be an int in [1, 4096]")
-    want(is_int(m.get("num_kv_heads"), 1, 4096), "header: model.num_kv_heads must be an int in [1, 4096]")
-    hd = m.get("head_dims")
-    want(isinstance(hd, list) and len(hd) == m["num_layers"] and all(is_int(d, 1, 65536) for d in hd),
-         "header: model.head_dims must be num_layers ints in [1, 65536]")
-    v = m.get("version")
-    want(is_int(v), "header: model.version (fingerprint scheme) must be an int")
-    want(1 <= v <= max_version,
-         f"header: model fingerprint version {v} is not one this reader knows (1..{max_version}); upgrade kvcodec")
-
-
 # -- index / footer ----------------------------------------------------------
 class IndexEntry(NamedTuple):
     layer: int
@@ -382,14 +365,5 @@ def parse_chunk(b: bytes | memoryview, n_stages: int, n_byte_stages: int, j: int
 
 
 # -- header field helpers ----------------------------------------------------
-def want(cond: bool, msg: str) -> None:
-    if not cond:
-        raise KvcFormatError(msg)
-
-
-def is_int(x: Any, lo: int = 0, hi: int = (1 << 63) - 1) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi
-
-
 def check_blob_name(name: Any) -> bool:
     return isinstance(name, str) and bool(_BLOB_NAME_RE.match(name))

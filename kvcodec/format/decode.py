@@ -1,17 +1,22 @@
-"""The one place every chunk is decoded, and the backend switch.
+"""The one place every chunk is decoded: the device switch and the error contract.
 
 ``backend`` is ``"cpu"``, ``"gpu"`` or ``"auto"`` (argument, then
 ``$KVCODEC_BACKEND``, then ``"auto"``); the rules live in
 :func:`kvcodec.cuda.backend.resolve_backend` (``"auto"`` picks the GPU only
 with CUDA and Triton; ``"gpu"`` without either is a :class:`KvcBackendError`,
 except under ``TRITON_INTERPRET=1``, where the real kernels run on CPU
-tensors). The GPU path must return exactly what the CPU path returns.
+tensors). Which implementation decodes a chunk on that device is the decoder
+registry's choice (:mod:`kvcodec.backends`). The GPU path must return exactly
+what the CPU path returns.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
+from ..backends import decode_with
 from ..errors import KvcCodecError, KvcError, KvcFormatError
 from ..stages import ArraySpec, ChunkContext, Pipeline, SideData
 
@@ -19,10 +24,12 @@ BACKENDS = ("cpu", "gpu", "auto")
 
 
 def resolve_backend(backend: str | None) -> str:
-    """Map None/"auto"/"cpu"/"gpu" to the concrete backend used ("cpu" or "gpu")."""
-    from ..cuda.backend import resolve_backend as resolve  # imports no Triton
+    """Map None/"auto"/"cpu"/"gpu" to the concrete device used ("cpu" or "gpu")."""
+    import importlib
 
-    return resolve(backend)
+    # by name (the GPU package is a plugin of the container, like the stages); imports no Triton
+    resolve: Any = importlib.import_module("kvcodec.cuda.backend").resolve_backend
+    return str(resolve(backend))
 
 
 def decode_chunk(
@@ -40,18 +47,9 @@ def decode_chunk(
     a :class:`KvcFormatError` naming the chunk; the original exception is chained.
     """
     where = f"chunk {ctx.extra.get('chunk', '?')} (layer {ctx.layer} {ctx.kind.upper()})"
-    b = resolve_backend(backend)
+    device = resolve_backend(backend)
     try:
-        if b == "gpu":
-            from ..cuda.backend import decode_chunk_gpu
-
-            out = decode_chunk_gpu(pipeline, payload, sides, sizes, spec, ctx)
-        else:
-            from ..quant.fastdecode import try_decode  # fused bit-identical path; None -> generic
-
-            out = try_decode(pipeline, payload, sides, sizes, spec, ctx)
-            if out is None:
-                out = pipeline.decode(payload, sides, sizes, spec, ctx)
+        out = decode_with(pipeline, payload, sides, sizes, spec, ctx, device="gpu" if device == "gpu" else "cpu")
     except KvcFormatError as exc:
         raise type(exc)(f"{where}: {exc}") from exc
     except KvcCodecError as exc:  # a stage refusing what the file asks of it: the file is at fault

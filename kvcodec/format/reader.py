@@ -13,24 +13,23 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 import torch
 
-from ..errors import KvcCodecError, KvcError, KvcFormatError, KvcInputError
-from ..fingerprint import FINGERPRINT_VERSION, ModelFingerprint
+from ..attachments import default_resolver
+from ..lru import BoundedLRU
+from ..errors import KvcCodecError, KvcError, KvcFormatError, KvcInputError, is_int, want
+from ..fingerprint import FINGERPRINT_VERSION, ModelFingerprint, check_fingerprint_json
 from ..kvcache import KVCache, token_ids_sha256
 from ..stages import ArraySpec, Pipeline
 from .container import (
     DTYPE_BY_NAME, FOOTER_SIZE, HEADER_CRC_SIZE, INDEX_ENTRY_SIZE, KINDS, MAX_BLOB_BYTES, MAX_BLOB_NDIM,
     MAX_CHUNK_DECODED_BYTES, MAX_PIPELINES, MAX_STAGES, MAX_TOKENS, PREAMBLE_SIZE, STAGE_SLACK, TENSOR_DTYPES,
-    Footer, IndexEntry, KvcUnknownCodecError, Preamble, align_up, check_blob_name, check_fingerprint_json, crc32c,
-    data_start, is_int,
-    load_header, np_le, parse_chunk, parse_index, pipeline_dtype, want,
+    Footer, IndexEntry, KvcUnknownCodecError, Preamble, align_up, check_blob_name, crc32c,
+    data_start, load_header, np_le, parse_chunk, parse_index, pipeline_dtype,
 )
 from ..limits import MAX_DECODED_ENV, max_decoded_bytes as max_decoded_bytes_limit
 from .decode import chunk_context, decode_chunk, resolve_backend
@@ -206,25 +205,18 @@ def parse_header(obj: dict[str, Any], pre: Preamble) -> KvcHeader:
     )
 
 
-_PIPELINES: "OrderedDict[str, Pipeline]" = OrderedDict()
-_PIPELINES_LOCK = threading.Lock()
+_PIPELINES: BoundedLRU[Pipeline] = BoundedLRU(1024)
 
 
 def _pipeline(pj: list) -> Pipeline:
     """``Pipeline.from_json``, memoised on the JSON's repr (a store reads the same few pipelines over and over;
     decoders never mutate a pipeline, so instances can be shared). ``repr`` tells 1, 1.0 and true apart."""
     key = repr(pj)
-    with _PIPELINES_LOCK:
-        hit = _PIPELINES.get(key)
-        if hit is not None:
-            _PIPELINES.move_to_end(key)
-            return hit
-    p = Pipeline.from_json(pj)
-    with _PIPELINES_LOCK:
-        _PIPELINES[key] = p
-        while len(_PIPELINES) > 1024:
-            _PIPELINES.popitem(last=False)
-    return p
+    hit = _PIPELINES.get(key)
+    if hit is None:
+        hit = Pipeline.from_json(pj)
+        _PIPELINES.put(key, hit)
+    return hit
 
 
 def check_layout(hd: KvcHeader, entries: list[IndexEntry], index_offset: int) -> None:
@@ -283,11 +275,9 @@ class KvcReader:
     def __init__(self, source: Any, attachment_resolver: Resolver | None = None, max_decoded_bytes: int | None = None) -> None:
         """``attachment_resolver`` finds external attachments; default: the per-model calibration store.
         ``max_decoded_bytes`` caps the total output the header may declare (default: :func:`kvcodec.limits.max_decoded_bytes`)."""
-        from .presets import default_attachment_resolver
-
         self._max_decoded = max_decoded_bytes_limit(max_decoded_bytes)
         self._src = open_source(source)
-        self._resolver = attachment_resolver or default_attachment_resolver()
+        self._resolver = attachment_resolver or default_resolver
         self._attachments: dict[str, np.ndarray] | None = None
         self._token_ids: np.ndarray | None = None
         self._positions: np.ndarray | None = None
@@ -549,6 +539,12 @@ class KvcReader:
         for j in range(len(self.entries)):
             check(lambda j=j: chunk(j))
         return problems
+
+    def describe(self, name: str | None = None) -> dict[str, Any]:
+        """Everything ``kvc info`` reports (header, model, rates, pipelines per layer, sizes) as plain data."""
+        from .describe import describe
+
+        return describe(self, name if name is not None else "<bytes>")
 
     def sizes(self) -> dict[str, Any]:
         """Bytes per section and per layer/kind (everything in the file is counted once)."""

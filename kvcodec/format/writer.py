@@ -22,16 +22,13 @@ import torch
 from ..atomic import atomic_file
 from ..errors import KvcCodecError, KvcError, KvcFormatError, KvcInputError
 from ..kvcache import KVCache, token_ids_sha256
-from ..stages import ArraySpec, Pipeline
+from ..stages import ArraySpec, Pipeline, PipelineSpec
 from .container import (
     ALIGN, DTYPE_BY_NAME, FOOTER_SIZE, MAX_BLOB_BYTES, MAX_BLOB_NDIM, MAX_CHUNK_DECODED_BYTES, MAX_PIPELINES,
     MAX_STAGES, MAX_TOKENS, STAGE_SLACK, VERSION_MAJOR, VERSION_MINOR, Footer, IndexEntry, Preamble, align_up,
     check_blob_name, crc32c, dump_header, np_le, pack_chunk, pipeline_dtype,
 )
 from .decode import chunk_context
-
-PipelineSpec = Pipeline | Callable[[int, str], Pipeline]
-
 
 def writer_version() -> str:
     from .. import __version__
@@ -342,13 +339,13 @@ class _Expectation:
 
     def resolver(self) -> Callable[[str, Any], np.ndarray | None]:
         """Attachment resolver for the read-back: the arrays the encoder itself used, then the default resolver."""
-        from .presets import default_attachment_resolver
+        from ..attachments import default_resolver
 
         known: dict[str, np.ndarray] = dict(self.external)
         for p in self.pipelines:
             for st in p.stages:
                 known.update(getattr(st, "encoder_attachments", None) or {})
-        fallback = default_attachment_resolver()
+        fallback = default_resolver
 
         def resolve(name: str, info: Any) -> np.ndarray | None:
             a = known.get(name)

@@ -343,7 +343,7 @@ def build_calibration(lm: Any, texts: tuple[str, ...] = CALIB_TEXTS, context: in
         qm = None
         for i, (ctx, _) in enumerate(ids_all):
             t1 = time.time()
-            with _layer_progress(lm, lambda frac, n=len(ctx): bar.update(n * frac)):
+            with _layer_progress(lm, lambda frac, n=len(ctx): bar.update(n * frac)):  # noqa: B008 (binds this text's length)
                 if i == 0:
                     with _QueryMoments(lm, sink) as qhook:
                         cache = capture(lm, token_ids=ctx)

@@ -1,10 +1,10 @@
 """Fused CPU chunk decoder for the transform-codec pipelines (bit-identical fast path).
 
-``decode_chunk`` (kvcodec/format/decode.py) calls :func:`try_decode` first; it
-returns the decoded chunk for the pipelines it fully supports and ``None`` for
-everything else (and for anything it finds malformed), so the generic
-``Pipeline.decode`` -- the normative definition, spec/codec-v1.md -- runs and
-raises its own, exact error.
+The ``numba-fused`` backend of the decoder registry (kvcodec/backends.py): :func:`supports`
+says statically which pipelines and chunk specs it decodes, :func:`decode` decodes them and
+raises on anything malformed; the registry then runs the reference ``Pipeline.decode`` -- the
+normative definition, spec/codec-v1.md -- which raises its own, exact error (or, if it
+decodes the chunk, reports the fused decoder's failure as a bug).
 
 Supported (array stages in this order, each optional unless noted)::
 
@@ -37,17 +37,17 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 from numba import njit
 
-from ..errors import KvcError
+from ..errors import KvcBackendError, KvcError, KvcFormatError
+from ..lru import BoundedLRU
 from ..stages import ArraySpec, ChunkContext, Pipeline, SideData
 from .simd import ROW_BLOCKS, f16_bits16, rans16, row
 
-__all__ = ["try_decode", "supported", "rope_tables_cached", "f32_to_f16_bits", "HEAD_DIMS"]
+__all__ = ["supports", "decode", "rope_tables_cached", "f32_to_f16_bits", "HEAD_DIMS"]
 
 _L = 1 << 16
 _PROB_BITS = 12
@@ -215,41 +215,8 @@ def _unshuffle(src, out, es):  # pragma: no cover - numba
 
 
 # --------------------------------------------------------------------------- caches
-class _LRU:
-    """A thread-safe LRU bounded by entry count *and* by the bytes of the arrays it holds (``max_bytes``),
-    so a long-lived reader of many large or many different files keeps a bounded cache."""
-
-    def __init__(self, n: int, max_bytes: int = 256 << 20) -> None:
-        self.n = n
-        self.max_bytes = max_bytes
-        self.bytes = 0
-        self.d: OrderedDict[Any, tuple[Any, int]] = OrderedDict()
-        self.lock = threading.Lock()
-
-    def get(self, key: Any) -> Any:
-        with self.lock:
-            v = self.d.get(key)
-            if v is None:
-                return None
-            self.d.move_to_end(key)
-            return v[0]
-
-    def put(self, key: Any, v: Any) -> None:
-        size = sum(a.nbytes for a in (v if isinstance(v, tuple) else (v,)) if isinstance(a, np.ndarray))
-        if size > self.max_bytes:
-            return
-        with self.lock:
-            old = self.d.pop(key, None)
-            if old is not None:
-                self.bytes -= old[1]
-            self.d[key] = (v, size)
-            self.bytes += size
-            while len(self.d) > self.n or self.bytes > self.max_bytes:
-                self.bytes -= self.d.popitem(last=False)[1][1]
-
-
-_ROPE = _LRU(64)
-_MATS = _LRU(512)
+_ROPE: BoundedLRU[tuple] = BoundedLRU(64)
+_MATS: BoundedLRU[tuple] = BoundedLRU(512)
 
 
 def rope_tables_cached(pos: np.ndarray, theta: float, dim: int) -> tuple[np.ndarray, np.ndarray]:
@@ -314,8 +281,6 @@ def _weak(a: Any) -> Any:
 # --------------------------------------------------------------------------- dispatch
 def _structure(pipeline: Pipeline) -> tuple | None:
     """("lossless", shuffle | None) or ("lossy", TransformChain) for a supported pipeline, else None."""
-    from .chain import match_chain
-
     st = pipeline.stages
     if st and type(st[0]).__name__ == "Raw":
         from ..format.lossless import Raw, Shuffle, Zstd
@@ -324,100 +289,103 @@ def _structure(pipeline: Pipeline) -> tuple | None:
                 and (len(st) == 2 or type(st[1]) is Shuffle)):
             return ("lossless", st[1] if len(st) == 3 else None)
         return None
+    from .chain import match_chain  # not before: a lossless file needs none of the lossy stages
+
     chain = match_chain(pipeline)
     return None if chain is None else ("lossy", chain)
 
 
-_STRUCT: dict[int, tuple[Pipeline, tuple | None]] = {}
+def supports(pipeline: Pipeline, spec: ArraySpec) -> bool:
+    """Whether the fused kernel decodes chunks of ``pipeline`` with (input) spec ``spec``.
 
-
-def supported(pipeline: Pipeline) -> bool:
-    """True when :func:`try_decode` has a fused path for ``pipeline``."""
-    return _struct(pipeline) is not None
-
-
-def _struct(pipeline: Pipeline) -> tuple | None:
-    hit = _STRUCT.get(id(pipeline))
-    if hit is not None and hit[0] is pipeline:
-        return hit[1]
+    Static only -- stage types and order, configs, shapes and dtypes, never the chunk's data --
+    so the decoder registry (kvcodec/backends.py) can pick this backend before decoding, and a
+    failure of :func:`decode` on a chunk the reference decodes is a bug, not a fallback.
+    """
     s = _structure(pipeline)
-    if len(_STRUCT) > 4096:
-        _STRUCT.clear()
-    _STRUCT[id(pipeline)] = (pipeline, s)
-    return s
-
-
-def try_decode(pipeline: Pipeline, payload: Any, sides: list[SideData], sizes: list[int], spec: ArraySpec,
-               ctx: ChunkContext) -> np.ndarray | None:
-    """The decoded chunk (exactly ``Pipeline.decode``'s result), or None: not supported or not valid
-    (the generic path then decodes, or raises the spec's error)."""
-    s = _struct(pipeline)
     if s is None or len(spec.shape) != 3 or spec.dtype not in ("float16", "float32"):
-        return None
-    if len(sides) != len(pipeline.stages) or len(sizes) != len(pipeline.byte_stages):
-        return None
+        return False
+    if np.dtype(spec.dtype).byteorder == ">":  # pragma: no cover - big-endian hosts
+        return False
+    if s[0] == "lossless":
+        return True
+    ch = s[1]
+    D = spec.shape[2]
     try:
-        if s[0] == "lossless":
-            return _lossless(s[1], payload, sides, sizes, spec)
-        return _lossy(pipeline, s, payload, sides, spec, ctx)
-    except (KvcError, ValueError, TypeError, MemoryError):
-        return None
+        qspec = pipeline.specs(spec)[-1]
+    except KvcError:
+        return False
+    K = qspec.shape[-1]
+    g = ch.rans.channel_group if ch.rans.channel_group is not None else K
+    return (len(qspec.shape) == 3 and 0 < K <= D and g > 0 and K % g == 0 and D in HEAD_DIMS
+            and (g in (1, 2, 4, 8) or g % 16 == 0) and (ch.rope is None or ch.rope.dim <= D))
 
 
-def _lossless(shuffle: Any, payload: Any, sides: list[SideData], sizes: list[int], spec: ArraySpec) -> np.ndarray | None:
+def decode(pipeline: Pipeline, payload: Any, sides: list[SideData], sizes: list[int], spec: ArraySpec,
+           ctx: ChunkContext) -> np.ndarray:
+    """The decoded chunk, bit-identical to ``Pipeline.decode``, for a pipeline :func:`supports` accepts.
+
+    Raises :class:`KvcFormatError` on anything it finds malformed; the registry then lets the
+    reference decode the chunk, which raises the spec's exact error.
+    """
+    s = _structure(pipeline)
+    if s is None:
+        raise KvcBackendError("the fused CPU decoder does not support this pipeline")
+    if len(sides) != len(pipeline.stages) or len(sizes) != len(pipeline.byte_stages):
+        raise KvcFormatError("chunk side data does not match its codec pipeline")
+    if s[0] == "lossless":
+        return _lossless(s[1], payload, sides, sizes, spec)
+    return _lossy(pipeline, s[1], payload, sides, spec, ctx)
+
+
+def _lossless(shuffle: Any, payload: Any, sides: list[SideData], sizes: list[int], spec: ArraySpec) -> np.ndarray:
     from ..format.lossless import zstd_decompress_exact
 
     if any(sides):
-        return None
+        raise KvcFormatError("lossless chunk with side data")
     n = int(np.prod(spec.shape, dtype=np.int64))
     nbytes = n * np.dtype(spec.dtype).itemsize
     if sizes[-1] != nbytes or (shuffle is not None and sizes[0] != nbytes):
-        return None
-    raw = zstd_decompress_exact(payload, nbytes)  # capped at the declared size (KvcFormatError -> None)
+        raise KvcFormatError("lossless chunk sizes do not match its spec")
+    raw = zstd_decompress_exact(payload, nbytes)  # capped at the declared size
     src = np.frombuffer(raw, dtype=np.uint8)
     if shuffle is None:
-        out = src.view(spec.dtype).reshape(spec.shape)
-    else:
-        out = np.empty(spec.shape, dtype=spec.dtype)
-        _unshuffle(src, out.reshape(-1).view(np.uint8), shuffle.elementsize)
-    if np.dtype(spec.dtype).byteorder == ">":  # pragma: no cover - big-endian hosts
-        return None
+        return src.view(spec.dtype).reshape(spec.shape)
+    out = np.empty(spec.shape, dtype=spec.dtype)
+    _unshuffle(src, out.reshape(-1).view(np.uint8), shuffle.elementsize)
     return out
 
 
-def _lossy(pipeline: Pipeline, s: tuple, payload: Any, sides: list[SideData], spec: ArraySpec, ctx: ChunkContext) -> np.ndarray | None:
-    ch = s[1]
+def _lossy(pipeline: Pipeline, ch: Any, payload: Any, sides: list[SideData], spec: ArraySpec, ctx: ChunkContext) -> np.ndarray:
     rope, keep, tr, ts, qz, rs = ch.rope, ch.keep, ch.transform, ch.tokenscale, ch.quantize, ch.rans
     H, T, D = spec.shape
     specs = pipeline.specs(spec)  # input spec of each array stage + the bytes stage
     qspec = specs[-1]
     Hq, Tc, K = qspec.shape
     g = rs.channel_group if rs.channel_group is not None else K
-    if K == 0 or Tc < 0 or K > D or g <= 0 or K % g or D not in HEAD_DIMS or not (g in (1, 2, 4, 8) or g % 16 == 0):
-        return None
     ix = ch.index()
     # rope: no side data; tables
     rope_dim = 0
     cos = sin = _EMPTY3
     if rope is not None:
-        if sides[ix["rope"]] or rope.dim > D:
-            return None
+        if sides[ix["rope"]]:
+            raise KvcFormatError("codec 'rope' has no side data")
         if T:
             from .rope import positions_for
 
             cos, sin = rope_tables_cached(positions_for(ctx.positions, ctx.layer, H, T, ctx.token_start), rope.theta, rope.dim)
             rope_dim = rope.dim
-    # keep, transform, tokenscale, quantize: the stages' own validation (KvcFormatError -> None in try_decode)
+    # keep, transform, tokenscale, quantize: the stages' own validation
     n_sink = n_recent = 0
     kept = _EMPTY3
     if keep is not None:
         n_sink, n_recent = keep.counts(T)
         kept = np.ascontiguousarray(keep.kept_side(sides[ix["keep"]], specs[ix["keep"]]), dtype=np.float32)
     if sides[ix["transform"]]:
-        return None
+        raise KvcFormatError("codec 'transform' has no side data")
     bt, mean = _matrices(tr, H, D, ctx)
     if bt is None or bt.shape != (H, K, D):
-        return None
+        raise KvcFormatError("codec 'transform': attachment missing or of the wrong shape")
     tscale = _EMPTY1
     has_ts = ts is not None
     if has_ts:
@@ -426,8 +394,10 @@ def _lossy(pipeline: Pipeline, s: tuple, payload: Any, sides: list[SideData], sp
     stepf = step.astype(np.float32)
     lim = np.left_shift(np.int64(1), bits.astype(np.int64))
     if sides[ix["rans"]]:
-        return None
+        raise KvcFormatError("codec 'rans' has no side data")
     stream = rs.parse(payload, qspec)
+    if stream.n_contexts != H * (K // g):
+        raise KvcFormatError("codec 'rans': context count does not match the chunk")
     nwords = int(stream.words.size)
     words = np.zeros(nwords + 16, np.uint16)  # 16 readable words past any position the kernel accepts
     words[:nwords] = stream.words
@@ -435,13 +405,11 @@ def _lossy(pipeline: Pipeline, s: tuple, payload: Any, sides: list[SideData], sp
     out = np.empty((H, T, D), dtype=np.uint16 if want16 else np.float32)
     o16 = out if want16 else _EMPTY3U
     o32 = _EMPTY3 if want16 else out
-    if stream.n_contexts != H * (K // g):
-        return None
     code = _decode_kernel(stream.freqs, stream.cums, stream.states, stream.n_symbols, stream.word_start, stream.n_words,
                           words, nwords, g, stepf, lim, bt, mean, kept, n_sink, n_recent, tscale, has_ts,
                           rope_dim, cos, sin, o16, o32, want16, _scratch(Tc * (-(-K // 16) * 16)))
     if code != 0:
-        return None
+        raise KvcFormatError(f"codec 'rans': malformed stream (fused decoder code {code})")
     return out.view(np.float16) if want16 else out
 
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .fastdecode import _LRU
+from ..lru import BoundedLRU
 
-_TABLES64 = _LRU(32)
+_TABLES64: BoundedLRU[tuple] = BoundedLRU(32)
 
 
 def rope_tables64(pos: np.ndarray, theta: float, dim: int) -> tuple[np.ndarray, np.ndarray]:

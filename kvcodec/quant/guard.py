@@ -76,12 +76,12 @@ def guarded_plan(cache: Any, lm: Any, preset: str, args: dict[str, Any], target:
                  probe_tokens: int = PROBE_TOKENS, verbose: bool = False) -> Any:
     """The plan of ``preset`` at the largest ``step0`` (from ``args['step0']`` down) whose file meets ``target`` on the probe.
 
-    Returns an :class:`~kvcodec.quant.presets.EncodePlan` whose ``params['guard']``
+    Returns a :class:`~kvcodec.stages.Plan` whose ``params['guard']``
     records the probe, every try and the encode time the check cost.
     """
     from ..evaluate import compare_logits, continue_logits, greedy
     from .calibrate import get_calibration
-    from .presets import TOKENSCALE_DEFAULT, decode_bytes, encode_bytes, transform_plan
+    from .codecplan import TOKENSCALE_DEFAULT, decode_bytes, encode_bytes, transform_plan
 
     t_start = time.perf_counter()
     args = dict(args)

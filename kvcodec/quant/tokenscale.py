@@ -148,37 +148,3 @@ def vector_cases() -> dict[str, dict[str, Any]]:
                                "classes": cls, "table": table},
     }
 
-
-def write_vectors(root: Any = None) -> None:
-    """Write ONLY this stage's vector directories (never the other stages').
-
-    ``python -c "from kvcodec.quant.tokenscale import write_vectors; write_vectors()"``
-    """
-    import json
-    from pathlib import Path
-
-    from ..stages import stage_from_json
-
-    root = Path(__file__).resolve().parents[2] / "spec" / "vectors" / "codec" if root is None else Path(root)
-    for name, case in vector_cases().items():
-        d = root / name
-        d.mkdir(parents=True, exist_ok=True)
-        st = stage_from_json(case["stage"])
-        x = case["input"]
-        if "classes" in case:
-            st.encoder_classes, st.encoder_table = case["classes"], case["table"]
-        ctx = ChunkContext()
-        enc, side = st.encode(x, ctx)
-        dec = st.decode(enc, side, ArraySpec(tuple(x.shape), str(x.dtype)), ctx)
-        meta: dict[str, Any] = {"stage": case["stage"], "ctx": {}, "spec": {"shape": list(x.shape), "dtype": str(x.dtype)},
-                                "side": sorted(side), "attach": []}
-        if "classes" in case:
-            meta["encoder"] = {"classes": case["classes"].tolist(), "table": case["table"].tolist()}
-        (d / case["meta"]).write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
-        np.save(d / "input.npy", x)
-        np.save(d / "encoded.npy", enc)
-        np.save(d / "decoded.npy", dec)
-        for k, v in side.items():
-            np.save(d / f"side.{k}.npy", v)
-        print(f"wrote {d}")
-

@@ -29,7 +29,8 @@ from .keys import (
     token_bytes,
 )
 from .ranged import BytesRangeReader, FileRangeReader, HttpLimits, HttpRangeReader, RangeReader, open_range_reader
-from .store import PutResult, Store, parse_size
+from .options import parse_size
+from .store import PutResult, Store
 from .tenant import TenantKey
 from .tiers import Entry, EntryInfo, MemoryTier, Tier
 

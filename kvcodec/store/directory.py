@@ -471,7 +471,7 @@ class DirectoryTier(Tier):
             except FileNotFoundError:
                 pass
         if verify:
-            for path, st in list(self._entry_files()):
+            for path, _st in list(self._entry_files()):
                 try:
                     r = self._read_file(path)
                 except KvcStoreError as e:  # e.g. a symlink planted at an entry name: report, go on

@@ -40,7 +40,7 @@ class HttpTier(Tier):
     can_list = False
 
     def __init__(self, url: str, *, name: str | None = None) -> None:
-        from .store import parse_size
+        from .options import parse_size
 
         try:
             p = urlsplit(url)

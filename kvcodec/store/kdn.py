@@ -40,7 +40,7 @@ from urllib.parse import parse_qsl, quote, urlsplit, urlunsplit
 from ..errors import KvcError, KvcInputError, KvcStoreError
 from .keys import StoreKey
 from .redis_tier import redact
-from .store import parse_size
+from .options import parse_size
 from .ranged import HttpLimits, HttpRangeReader, http_request
 from .outage import OutageGuard
 from .tiers import MAX_TIER_META, Entry, EntryInfo, Tier, as_bytes, check_meta, crc32c, log

@@ -63,7 +63,7 @@ class S3Tier(Tier):
             import botocore.exceptions as bex
         except ImportError:  # pragma: no cover
             raise KvcStoreError("the s3 tier needs boto3: pip install 'kvcodec[store]'") from None
-        from .store import _flag, parse_size
+        from .options import parse_flag, parse_size
 
         p = urlsplit(url)
         if p.scheme.lower() != "s3" or not p.netloc:
@@ -80,7 +80,7 @@ class S3Tier(Tier):
             timeout = float(q.pop("timeout", 10.0))
             self.multipart = parse_size(q.pop("multipart", "8M"))
             self.part_size = parse_size(q.pop("part_size", "8M"))
-            self.conditional = _flag(q.pop("conditional", "1"))
+            self.conditional = parse_flag(q.pop("conditional", "1"))
             retry = float(q.pop("retry_interval", 1.0))
         except ValueError as e:
             raise KvcInputError(f"bad s3 URL option: {e}") from None

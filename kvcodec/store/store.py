@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
@@ -42,6 +41,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 from ..errors import KvcError, KvcFormatError, KvcInputError, KvcStoreError
 from .keys import DEFAULT_CHUNK, StoreKey, longest_prefix
+from .options import parse_flag, parse_size
 from .ranged import BytesRangeReader, RangeReader
 from .tenant import AuthRangeReader, NamespaceKeys, Seal, TenantKey
 from .tiers import Entry, EntryInfo, MemoryTier, Tier, as_bytes, check_meta
@@ -49,36 +49,12 @@ from .tiers import Entry, EntryInfo, MemoryTier, Tier, as_bytes, check_meta
 log = logging.getLogger("kvcodec.store")
 
 DEFAULT_MEMORY_BYTES = 256 << 20
-_SIZE_RE = re.compile(r"\s*([0-9]{1,15}(?:\.[0-9]{1,6})?)\s*([kmgt]?)(i?b?)\s*", re.I | re.ASCII)
-
-
-def parse_size(s: str | int) -> int:
-    """``"512M"``, ``"10GiB"``, ``"1.5g"``, ``"1000"`` -> bytes (binary multiples)."""
-    if isinstance(s, int) and not isinstance(s, bool):
-        if s < 0:
-            raise KvcInputError(f"bad size {s}: must be >= 0")
-        return s
-    m = _SIZE_RE.fullmatch(str(s))
-    if not m:
-        raise KvcInputError(f"bad size {ascii(str(s)[:40])}: use e.g. 1000, 512M, 10G (ASCII digits)")
-    mult = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
-    return int(float(m.group(1)) * mult)
-
-
 def _redact(url: str) -> str:
     if "@" in url and "://" in url:
         from .redis_tier import redact
 
         return redact(url)
     return url
-
-
-def _flag(v: str) -> bool:
-    if v.lower() in ("1", "true", "yes", "on"):
-        return True
-    if v.lower() in ("0", "false", "no", "off"):
-        return False
-    raise KvcInputError(f"bad boolean option {v!r}")
 
 
 @dataclass
@@ -226,7 +202,7 @@ class Store:
         kw["max_bytes"] = parse_size(mb) if mb is not None else (
             parse_size(max_bytes) if max_bytes is not None else None)
         fs = opts.pop("fsync", None)
-        kw["fsync"] = _flag(fs) if fs is not None else (True if fsync is None else fsync)
+        kw["fsync"] = parse_flag(fs) if fs is not None else (True if fsync is None else fsync)
         if opts:
             raise KvcInputError(f"unknown directory store options {sorted(opts)}")
         if not path:

@@ -102,10 +102,9 @@ class ConnectorConfig:
         preset = extra.get("preset", DEFAULT_PRESET)
         if not isinstance(preset, str) or not preset:
             raise KvcInputError(f"kvcodec connector: preset must be a preset name, got {preset!r}")
-        from ..format.presets import available_presets
+        from ..plans import preset_info
 
-        if preset not in available_presets():
-            raise KvcInputError(f"kvcodec connector: unknown preset {preset!r} (available: {', '.join(available_presets())})")
+        preset_info(preset, "kvcodec connector")  # the one preset table (the connector has no model: fixed step0)
         ns = extra.get("namespace", "default")
         from ..store.keys import _check_id
 

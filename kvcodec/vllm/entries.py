@@ -181,7 +181,8 @@ def check_entry(r: Any, fp: Any, ids: list[int], start: int, end: int) -> str | 
 def encode_chunk(fp: Any, preset: str, ids: list[int], start: int, end: int, keys: list[torch.Tensor],
                  values: list[torch.Tensor]) -> bytes:
     """`.kvc` bytes of the K/V of tokens [start, end) of the prefix ``ids[:end]`` (a pruned-cache file)."""
-    from ..format import encode_kvc_bytes, get_plan
+    from ..format import encode_kvc_bytes
+    from ..plans import get_plan
     from ..kvcache import KVCache
 
     pos = np.arange(start, end, dtype=np.int64) if start > 0 else None

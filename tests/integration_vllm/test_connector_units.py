@@ -91,7 +91,7 @@ def test_chunk_entry_roundtrip_and_checks(preset):
     for i, k, v in decode_chunk_layers(r, 256, 512):  # [T, H, D]
         assert torch.equal(k, ks[i].transpose(0, 1)) and torch.equal(v, vs[i].transpose(0, 1))
     # a later part of the chunk (vLLM's own prefix cache covered the start)
-    for i, k, v in decode_chunk_layers(KvcReader(data), 384, 512):
+    for i, k, _v in decode_chunk_layers(KvcReader(data), 384, 512):
         assert torch.equal(k, ks[i].transpose(0, 1)[128:])
     # never served to another model, another prefix, or another chunk
     assert "another model" in check_entry(KvcReader(data), OTHER, ids, 256, 512)
@@ -110,7 +110,7 @@ def test_first_chunk_and_whole_prefix_entries():
     kw, vw = _chunk_kv(512, seed=1)
     whole = encode_chunk(FP, "lossless", ids, 0, 512, kw, vw)
     assert check_entry(KvcReader(whole), FP, ids, 256, 512) is None
-    for i, k, v in decode_chunk_layers(KvcReader(whole), 256, 512):
+    for i, _k, v in decode_chunk_layers(KvcReader(whole), 256, 512):
         assert torch.equal(v, vw[i].transpose(0, 1)[256:])
 
 

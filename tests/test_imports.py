@@ -1,0 +1,97 @@
+"""The import structure: no cycles, the container independent of the codec, opening a file stays light.
+
+``lint-imports`` (import-linter, contracts in pyproject.toml) checks the modules under kvcodec/.
+The ``kvcodec.cuda`` and ``kvcodec.cli`` packages live in cuda/ and cli/ (setuptools package-dir),
+where the import graph tool does not look, so the two AST checks below cover them: nothing in
+kvcodec/ imports them statically (the decoder registry and the device switch name the GPU package,
+like a plugin), and their own modules import each other without cycles.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_import_contracts_hold():
+    """No import cycles among kvcodec's packages/modules; format/ imports neither quant/ nor the model."""
+    lint = Path(sys.executable).with_name("lint-imports")
+    r = subprocess.run([str(lint), "--config", str(ROOT / "pyproject.toml")], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert "0 broken" in r.stdout
+
+
+def _imports(path: Path, package: str) -> set[str]:
+    """Absolute names of the modules ``path`` (module of ``package``) imports, at any depth of the file."""
+    out: set[str] = set()
+    parts = package.split(".")
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            out.add(base)
+            out.update(f"{base}.{a.name}" for a in node.names)
+    return out
+
+
+def test_nothing_in_the_package_imports_the_gpu_or_cli_packages_statically():
+    bad = []
+    for f in sorted((ROOT / "kvcodec").rglob("*.py")):
+        mod = "kvcodec." + ".".join(f.relative_to(ROOT / "kvcodec").with_suffix("").parts)
+        pkg = mod if f.name == "__init__.py" else mod.rsplit(".", 1)[0]
+        for name in _imports(f, pkg.removesuffix(".__init__")):
+            if (name.startswith(("kvcodec.cuda", "kvcodec.cli")) and mod != "kvcodec.__main__"):
+                bad.append(f"{mod} imports {name}")
+    assert not bad, bad
+
+
+def test_no_cycles_inside_the_gpu_and_cli_packages():
+    for pkg_dir, pkg in ((ROOT / "cuda", "kvcodec.cuda"), (ROOT / "cli", "kvcodec.cli")):
+        mods = {f"{pkg}.{f.stem}": f for f in pkg_dir.glob("*.py") if f.name != "__init__.py"}
+        edges = {m: {n for n in _imports(f, pkg) if n in mods and n != m} for m, f in mods.items()}
+        # a cycle exists iff some module reaches itself
+        for start in mods:
+            seen, todo = set(), list(edges[start])
+            while todo:
+                n = todo.pop()
+                assert n != start, f"import cycle through {start}"
+                if n not in seen:
+                    seen.add(n)
+                    todo.extend(edges[n])
+
+
+def test_opening_a_lossless_file_does_not_import_the_lossy_codec(tmp_path):
+    """Reading a lossless .kvc imports neither the lossy presets, the calibration store, the GPU code nor numba's
+    fused decoder's planner (kvcodec.plans) -- the container stands on its own."""
+    from kvcodec.format import write_kvc
+    from kvcodec.format.lossless import lossless_pipeline
+    from kvcodec.kvcache import KVCache
+    from kvcodec.fingerprint import ModelFingerprint
+    import numpy as np
+    import torch
+
+    fp = ModelFingerprint("synthetic", 2, 2, (8, 8), '{"rope_theta": 10000.0}', "a" * 64, "b" * 64, "float16", version=1)
+    ks = [torch.randn(2, 5, 8).half() for _ in range(2)]
+    c = KVCache(ks, [k + 1 for k in ks], np.arange(5), fp)
+    path = tmp_path / "x.kvc"
+    write_kvc(c, path, lossless_pipeline("float16"))
+    code = (
+        "import sys\n"
+        "from kvcodec.format import KvcReader\n"
+        f"r = KvcReader({str(path)!r}); r.read_chunk(0, 'cpu'); r.close()\n"
+        "bad = [m for m in ('kvcodec.quant.presets', 'kvcodec.quant.codecplan', 'kvcodec.quant.calibrate', 'kvcodec.plans',"
+        " 'kvcodec.quant.stages', 'kvcodec.cuda.dequant_kernels', 'triton', 'kvcodec.model', 'transformers') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    env = {**os.environ, "KVCODEC_BACKEND": "cpu"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
