@@ -82,11 +82,6 @@ def codec_presets() -> list[str]:
     return ["lossless", "fp16"] + [n for n in LOSSY_PRESETS if n not in ("lossless", "fp16")]
 
 
-def codec_plan(name: str, cache: KVCache, lm: Any = None) -> Any:
-    """The plan of preset ``name`` (lossy presets use the model for the quality guard and token importance)."""
-    return get_plan(name, cache, lm=lm)
-
-
 # -- method registry ----------------------------------------------------------------------
 @dataclass
 class TextCase:
@@ -137,7 +132,7 @@ def _preset(name: str, guard: bool = True, embedded: bool = False) -> Callable[[
             return case.cache, get_plan(name, case.cache, lm=lm, calibration="embedded")
         if not guard:  # the preset's fixed step0, no encode-time quality check (what issue 15 measured)
             return case.cache, get_plan(name, case.cache, lm=lm, guard=False)
-        return case.cache, codec_plan(name, case.cache, lm=lm)
+        return case.cache, get_plan(name, case.cache, lm=lm)
 
     return build
 

@@ -17,10 +17,11 @@ import torch
 
 from .atomic import check_output, ensure_output_dir
 from .capture import select_context, tokenize
-from .curve import Method, TextCase, cached_capture, codec_plan, default_capture_dir, measure, run_curve
+from .curve import Method, TextCase, cached_capture, default_capture_dir, measure, run_curve
 from .format import KvcReader, write_kvc
 from .kvcache import token_ids_sha256
 from .model import load_model
+from .plans import get_plan
 from .texts import load_text
 from .ttft import cold_ttft, median_time, ttft_kvc, ttft_prefill
 
@@ -67,7 +68,7 @@ def run_main_job(
     log(f"encoding with preset {preset} ...")
     path = check_output(out_dir / f"{Path(text).name}-{len(ids)}-{preset}.kvc", inputs=[text])
     t0 = time.perf_counter()
-    plan = codec_plan(preset, cache, lm=lm)
+    plan = get_plan(preset, cache, lm=lm)
     write_kvc(cache, path, plan.pipelines, attachments=plan.attachments or None, preset=plan.preset)
     report.update(kvc_file=str(path), kvc_bytes=path.stat().st_size, encode_s=time.perf_counter() - t0,
                   kv_elements=cache.num_elements, fp16_bytes=cache.nbytes_fp16, tokens=len(ids))
