@@ -101,6 +101,7 @@ class TextCase:
     exact_logits: Any = None
     exact_greedy: list[int] | None = None
     scores: np.ndarray | None = None  # H2O attention scores, computed on demand
+    near_tie_at: int | None = None  # first exact greedy step with a top-2 margin under guard.NEAR_TIE (None: none)
 
 
 @dataclass
@@ -337,13 +338,16 @@ def read_kvc_cache(path: str | os.PathLike, attachment_resolver: Callable[..., A
 
 def measure(lm: Any, case: TextCase, method: Method, workdir: str | os.PathLike, greedy_tokens: int = 16) -> dict[str, Any]:
     """Encode, size, decode and evaluate one method on one text."""
-    from .evaluate import continue_logits, evaluate, greedy
+    from .evaluate import continue_logits, evaluate
+    from .quant.guard import first_near_tie, greedy_with_margins
 
     if case.exact_logits is None:
         case.exact_logits = continue_logits(lm, case.cache, case.continuation)
-        case.exact_greedy = greedy(lm, case.cache, int(case.continuation[0]), greedy_tokens) if greedy_tokens else []
+        case.exact_greedy, margins = (greedy_with_margins(lm, case.cache, int(case.continuation[0]), greedy_tokens)
+                                      if greedy_tokens else ([], []))
+        case.near_tie_at = first_near_tie(margins)
     if method.roundtrip is not None:
-        return _measure_roundtrip(lm, case, method, greedy_tokens)
+        return dict(_measure_roundtrip(lm, case, method, greedy_tokens), greedy_near_tie_at=case.near_tie_at)
     assert method.build is not None
     t0 = time.perf_counter()
     to_encode, plan = method.build(lm, case)
@@ -372,7 +376,8 @@ def measure(lm: Any, case: TextCase, method: Method, workdir: str | os.PathLike,
         row["guard"] = guard
     row.update(q.to_json())
     row.update(context_tokens=case.cache.num_context_tokens, stored_tokens=decoded.num_tokens,
-               encode_s=round(t_enc, 3), decode_s=round(t_dec, 3), eval_s=round(t_eval, 3))
+               encode_s=round(t_enc, 3), decode_s=round(t_dec, 3), eval_s=round(t_eval, 3),
+               greedy_near_tie_at=case.near_tie_at)
     if method.note:
         row["note"] = method.note
     return row
