@@ -53,7 +53,7 @@ PLOT_FORMATS = (".png", ".svg", ".pdf")  # what --plot writes (matplotlib backen
 SCHEMA = "kvcodec-curve/1"
 BASELINE_FAMILIES = ("fp16", "fp16+zstd", "int8", "kivi", "cachegen")
 # real peer libraries (kvcodec/peers.py): run their own code, skipped with a reason when not installed
-PEER_FAMILIES = ("hf-quanto", "hf-hqq")
+PEER_FAMILIES = ("hf-quanto", "hf-hqq", "kvpress")
 # kvcodec's lossy presets in another configuration: family -> (keyword arguments of _preset, row note)
 _PRESET_VARIANTS: dict[str, tuple[dict[str, bool], str]] = {
     "kvcodec-fixed": ({"guard": False}, "the preset's fixed step0, without the encode-time quality check"),
@@ -101,6 +101,7 @@ class TextCase:
     exact_logits: Any = None
     exact_greedy: list[int] | None = None
     scores: np.ndarray | None = None  # H2O attention scores, computed on demand
+    kvpress_kept: dict[str, np.ndarray] | None = None  # kvpress runner key -> kept indices, computed on demand
     near_tie_at: int | None = None  # first exact greedy step with a top-2 margin under guard.NEAR_TIE (None: none)
 
 
@@ -180,6 +181,19 @@ def _hf_quant(name: str) -> Callable[[Any, TextCase], tuple[KVCache, int]]:
     return roundtrip
 
 
+def _kvpress(name: str, every: list[str]) -> Callable[[Any, TextCase], tuple[KVCache, int]]:
+    """A kvpress press (real library, own venv): the presses of ``every`` run once per text, in one subprocess."""
+    def roundtrip(lm: Any, case: TextCase) -> tuple[KVCache, int]:
+        from .peers import KvpressSpec, kvpress_indices, kvpress_roundtrip
+
+        spec = KvpressSpec.parse(name)
+        if case.kvpress_kept is None or spec.runner_key not in case.kvpress_kept:
+            case.kvpress_kept = kvpress_indices(lm, case.cache, [KvpressSpec.parse(n) for n in every])
+        return kvpress_roundtrip(case.cache, case.kvpress_kept[spec.runner_key], spec)
+
+    return roundtrip
+
+
 def _h2o(spec: str) -> Callable[[Any, TextCase], tuple[KVCache, Any]]:
     def build(lm: Any, case: TextCase) -> tuple[KVCache, Any]:
         from .baselines import get_baseline_plan
@@ -207,6 +221,7 @@ def select_methods(selected: list[str] | None = None, target_kls: list[float] | 
         sel = [s for s in sel if s != "all"] + list(ALL_FAMILIES)
     out = MethodList()
     seen: set[str] = set()
+    kv_names: list[str] = []  # every kvpress setting selected: their presses run in one subprocess per text
 
     def add(m: Method) -> None:
         if m.key not in seen:
@@ -233,6 +248,20 @@ def select_methods(selected: list[str] | None = None, target_kls: list[float] | 
                 if n not in quant_presets.PRESETS:
                     raise KvcInputError(f"{fam}: {n!r} is not a lossy preset ({', '.join(quant_presets.PRESETS)})")
                 add(Method(fam, n, _preset(n, **kw), note=note))
+        elif s == "kvpress" or s.startswith("kvpress:"):
+            from .peers import DEFAULT_KVPRESS_SPECS, KvpressSpec, kvpress_available
+
+            reason = kvpress_available()
+            if reason is not None:
+                if not any(n.startswith("kvpress") for n in out.notes):
+                    out.notes.append(f"kvpress skipped: {reason}")
+                continue
+            names = [sp.name for sp in DEFAULT_KVPRESS_SPECS] if s == "kvpress" else [KvpressSpec.parse(s.split(":", 1)[1]).name]
+            kv_names.extend(names)
+            for n in names:
+                add(Method("kvpress", n, None, roundtrip=_kvpress(n, kv_names),
+                           note="real library (NVIDIA kvpress 0.5.5, own venv) picks the kept tokens; "
+                                "bits = kept fraction x 16, or the QuantizedCache's stored bits of the kept entries"))
         elif s in PEER_FAMILIES or s.split(":", 1)[0] in PEER_FAMILIES:
             from .peers import DEFAULT_SPECS, HFQuantSpec, available
 
