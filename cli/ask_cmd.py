@@ -50,7 +50,9 @@ def ask_command(model, docs, store_url, preset, namespace, max_new_tokens, no_st
         raise KvcInputError(f"--ttft-budget must be positive seconds, got {ttft_budget:g}")
     texts = read_docs(list(docs))
     prewarm()  # the codec's one-time costs, paid while the model loads (kvcodec/warmup.py)
-    kb = KnowledgeBase(load_model(model), store_url, preset=preset, namespace=namespace)
+    lm = load_model(model)
+    lm.warm_up()  # a fresh process's first forward pays one-time set-up: pay it here, not in the first token
+    kb = KnowledgeBase(lm, store_url, preset=preset, namespace=namespace)
     if ttft_budget is not None:
         ans, report = kb.ask_streamed(texts, question, ttft_budget, max_new_tokens=max_new_tokens)
         if as_json:

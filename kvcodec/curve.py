@@ -488,8 +488,16 @@ def run_curve(
     greedy_tokens: int = 16,
     progress: bool = True,
     lm: Any = None,
+    cases: dict[str, TextCase] | None = None,
+    plans: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Run the sweep; returns (and writes) ``{"schema", "model", "settings", "notes", "rows"}``."""
+    """Run the sweep; returns (and writes) ``{"schema", "model", "settings", "notes", "rows"}``.
+
+    ``cases`` (text -> :func:`load_case`'s result) and ``plans`` (method key ->
+    the plan of that method *for that case's cache*) are work the caller has
+    already done: ``kvc demo`` captured the document and encoded its preset
+    before the sweep, and redoing either would only cost minutes.
+    """
     from .model import load_model
 
     if not texts:
@@ -530,7 +538,9 @@ def run_curve(
             for m in chosen.methods:
                 bar.set_postfix_str(f"{text} {m.key}")
                 if case is None:
-                    case = load_case(lm, text, max_tokens, continuation, capture_dir)
+                    case = (cases or {}).get(text) or load_case(lm, text, max_tokens, continuation, capture_dir)
+                if plans and m.key in plans:
+                    m = Method(m.family, m.setting, lambda _lm, c, p=plans[m.key]: (c.cache, p), note=m.note)
                 base = {"fingerprint": lm.fingerprint.id, "tokens_sha256": case.tokens_sha,
                         "continuation_tokens": int(case.continuation.size), "greedy_tokens": greedy_tokens,
                         "family": m.family, "method": m.setting, "code": code_digest()}

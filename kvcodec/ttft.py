@@ -96,6 +96,7 @@ def _child(spec_path: str) -> None:
         prewarm()
     lm = load_model(spec["model"])
     lm.fingerprint  # noqa: B018 - computed once per process by both paths; not part of TTFT
+    lm.warm_up()  # both paths, as `kvc ask` does after loading the model: part of model load
     t1 = time.perf_counter()
     q = np.asarray(spec["question"], np.int64)
     if spec["kind"] == "prefill":

@@ -15,6 +15,19 @@ def test_eval_sets_load_and_are_disjoint():
     assert len({t[:2000] for t in texts.values()}) == len(texts)  # all different documents
 
 
+def test_held_out_texts_share_nothing_with_tuning_or_calibration():
+    """Held-out means never fitted on: no held-out document, nor any of its paragraphs, is in the
+    tuning set or in the calibration corpus (whose PCA bases and sensitivities every lossy file uses)."""
+    from kvcodec.quant.calibrate import CALIB_TEXTS
+    from kvcodec.texts import HELD_OUT, TUNING, load_text
+
+    seen = "\n".join(load_text(n) for n in (*TUNING, *CALIB_TEXTS))
+    for name in HELD_OUT:
+        paras = [p.strip() for p in load_text(name).split("\n\n") if len(p.strip()) > 200]
+        shared = [p[:60] for p in paras if p in seen]
+        assert not shared, f"held-out {name} shares paragraphs with tuning/calibration texts: {shared[:3]}"
+
+
 @pytest.fixture(scope="module")
 def stdio_cache(lm):
     """A real 256-token cache of a held-out text (a C header)."""

@@ -305,12 +305,12 @@ def build_calibration(lm: Any, texts: tuple[str, ...] = CALIB_TEXTS, context: in
     from tqdm import tqdm
 
     from ..capture import capture, tokenize
-    from ..texts import load_text, pydoc_text
+    from ..texts import load_text
 
     t0 = time.time()
     ids_all = []
     for name in texts:
-        txt = pydoc_text(tuple(name[6:].split(","))) if name.startswith("pydoc:") else load_text(name)
+        txt = load_text(name)
         ids = tokenize(lm.tokenizer, txt)
         n = min(context, len(ids) - SENS_CONTINUATION)
         if n < 256:

@@ -1,0 +1,32 @@
+"""The README's main job (``kvc demo``) end to end on the real model, at a size CI affords."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytestmark = pytest.mark.model
+
+
+def test_main_job_small(tmp_path, lm):
+    from kvcodec.format import KvcReader
+    from kvcodec.mainjob import render, run_main_job
+
+    rep = run_main_job(text="apache2", max_tokens=96, continuation=16, out_dir=tmp_path, repeats=1,
+                       methods=["kvcodec:balanced", "int8"])
+    with KvcReader(rep["kvc_file"]) as r:
+        assert r.verify() == [] and r.header.num_context_tokens == rep["tokens"] == 96
+    assert rep["verify"] == "ok"
+    # the demo's quality and the curve's kvcodec row are one measurement of one plan: same bytes, same numbers
+    rows = {(r["family"], r["method"]): r for r in json.loads((tmp_path / "curve.json").read_text())["rows"]}
+    main = rows[("kvcodec", "balanced")]
+    assert main["file_bytes"] == rep["kvc_bytes"] and "note" not in rep["quality"]
+    assert main["kl_mean"] == pytest.approx(rep["quality"]["kl_mean"], rel=1e-9)
+    assert rows[("int8", "int8")]["bits_per_element"] > main["bits_per_element"]
+    assert 0 <= rep["quality"]["kl_mean"] < 0.05
+    t = rep["ttft"]
+    assert t["prefill_s"] > 0 and t["kvc_s"] > 0 and t["cold_kvc_s"] > 0 and t["cold_prefill_s"] > 0
+    text = render(rep)
+    assert "TTFT warm" in text and "TTFT cold" in text and "kvcodec:balanced" in text
+    assert (tmp_path / "curve.png").stat().st_size > 0
