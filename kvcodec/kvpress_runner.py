@@ -43,6 +43,10 @@ def main(argv: list[str]) -> int:
     from kvpress.utils import compute_n_kept  # the helper ScorerPress.compress uses
     from transformers import AutoModelForCausalLM, DynamicCache
 
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # stderr carries only a failure's one line, not progress bars
+    hf_logging.disable_progress_bar()
     model_dir, ids_path, out_path, *specs = argv
     torch.set_num_threads(1)
     ids = torch.as_tensor(np.load(ids_path, allow_pickle=False).astype(np.int64))[None]
