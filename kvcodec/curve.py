@@ -55,7 +55,7 @@ PLOT_FORMATS = (".png", ".svg", ".pdf")  # what --plot writes (matplotlib backen
 SCHEMA = "kvcodec-curve/1"
 BASELINE_FAMILIES = ("fp16", "fp16+zstd", "int8", "kivi", "cachegen")
 # real peer libraries (kvcodec/peers.py): run their own code, skipped with a reason when not installed
-PEER_FAMILIES = ("hf-quanto", "hf-hqq")
+PEER_FAMILIES = ("hf-quanto", "hf-hqq", "kvpress")
 # kvcodec's lossy presets in another configuration: family -> (keyword arguments of _preset, row note)
 _PRESET_VARIANTS: dict[str, tuple[dict[str, bool], str]] = {
     "kvcodec-fixed": ({"guard": False}, "the preset's fixed step0, without the encode-time quality check"),
@@ -94,6 +94,8 @@ class TextCase:
     exact_logits: Any = None
     exact_greedy: list[int] | None = None
     scores: np.ndarray | None = None  # H2O attention scores, computed on demand
+    kvpress_kept: dict[str, np.ndarray] | None = None  # kvpress runner key -> kept indices, computed on demand
+    near_tie_at: int | None = None  # first exact greedy step with a top-2 margin under guard.NEAR_TIE (None: none)
 
 
 @dataclass
@@ -172,6 +174,19 @@ def _hf_quant(name: str) -> Callable[[Any, TextCase], tuple[KVCache, int]]:
     return roundtrip
 
 
+def _kvpress(name: str, every: list[str]) -> Callable[[Any, TextCase], tuple[KVCache, int]]:
+    """A kvpress press (real library, own venv): the presses of ``every`` run once per text, in one subprocess."""
+    def roundtrip(lm: Any, case: TextCase) -> tuple[KVCache, int]:
+        from .peers import KvpressSpec, kvpress_indices, kvpress_roundtrip
+
+        spec = KvpressSpec.parse(name)
+        if case.kvpress_kept is None or spec.runner_key not in case.kvpress_kept:
+            case.kvpress_kept = kvpress_indices(lm, case.cache, [KvpressSpec.parse(n) for n in every])
+        return kvpress_roundtrip(case.cache, case.kvpress_kept[spec.runner_key], spec)
+
+    return roundtrip
+
+
 def _h2o(spec: str) -> Callable[[Any, TextCase], tuple[KVCache, Any]]:
     def build(lm: Any, case: TextCase) -> tuple[KVCache, Any]:
         from .baselines import get_baseline_plan
@@ -199,6 +214,7 @@ def select_methods(selected: list[str] | None = None, target_kls: list[float] | 
         sel = [s for s in sel if s != "all"] + list(ALL_FAMILIES)
     out = MethodList()
     seen: set[str] = set()
+    kv_names: list[str] = []  # every kvpress setting selected: their presses run in one subprocess per text
 
     def add(m: Method) -> None:
         if m.key not in seen:
@@ -225,6 +241,20 @@ def select_methods(selected: list[str] | None = None, target_kls: list[float] | 
                 if n not in LOSSY_PRESETS:
                     raise KvcInputError(f"{fam}: {n!r} is not a lossy preset ({', '.join(LOSSY_PRESETS)})")
                 add(Method(fam, n, _preset(n, **kw), note=note))
+        elif s == "kvpress" or s.startswith("kvpress:"):
+            from .peers import DEFAULT_KVPRESS_SPECS, KvpressSpec, kvpress_available
+
+            reason = kvpress_available()
+            if reason is not None:
+                if not any(n.startswith("kvpress") for n in out.notes):
+                    out.notes.append(f"kvpress skipped: {reason}")
+                continue
+            names = [sp.name for sp in DEFAULT_KVPRESS_SPECS] if s == "kvpress" else [KvpressSpec.parse(s.split(":", 1)[1]).name]
+            kv_names.extend(names)
+            for n in names:
+                add(Method("kvpress", n, None, roundtrip=_kvpress(n, kv_names),
+                           note="real library (NVIDIA kvpress 0.5.5, own venv) picks the kept tokens; "
+                                "bits = kept fraction x 16, or the QuantizedCache's stored bits of the kept entries"))
         elif s in PEER_FAMILIES or s.split(":", 1)[0] in PEER_FAMILIES:
             from .peers import DEFAULT_SPECS, HFQuantSpec, available
 
@@ -330,13 +360,16 @@ def read_kvc_cache(path: str | os.PathLike, attachment_resolver: Callable[..., A
 
 def measure(lm: Any, case: TextCase, method: Method, workdir: str | os.PathLike, greedy_tokens: int = 16) -> dict[str, Any]:
     """Encode, size, decode and evaluate one method on one text."""
-    from .evaluate import continue_logits, evaluate, greedy
+    from .evaluate import continue_logits, evaluate
+    from .quant.guard import first_near_tie, greedy_with_margins
 
     if case.exact_logits is None:
         case.exact_logits = continue_logits(lm, case.cache, case.continuation)
-        case.exact_greedy = greedy(lm, case.cache, int(case.continuation[0]), greedy_tokens) if greedy_tokens else []
+        case.exact_greedy, margins = (greedy_with_margins(lm, case.cache, int(case.continuation[0]), greedy_tokens)
+                                      if greedy_tokens else ([], []))
+        case.near_tie_at = first_near_tie(margins)
     if method.roundtrip is not None:
-        return _measure_roundtrip(lm, case, method, greedy_tokens)
+        return dict(_measure_roundtrip(lm, case, method, greedy_tokens), greedy_near_tie_at=case.near_tie_at)
     assert method.build is not None
     t0 = time.perf_counter()
     to_encode, plan = method.build(lm, case)
@@ -365,7 +398,8 @@ def measure(lm: Any, case: TextCase, method: Method, workdir: str | os.PathLike,
         row["guard"] = guard
     row.update(q.to_json())
     row.update(context_tokens=case.cache.num_context_tokens, stored_tokens=decoded.num_tokens,
-               encode_s=round(t_enc, 3), decode_s=round(t_dec, 3), eval_s=round(t_eval, 3))
+               encode_s=round(t_enc, 3), decode_s=round(t_dec, 3), eval_s=round(t_eval, 3),
+               greedy_near_tie_at=case.near_tie_at)
     if method.note:
         row["note"] = method.note
     return row

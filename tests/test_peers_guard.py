@@ -37,35 +37,86 @@ def stdio_cache(lm):
     return capture(lm, token_ids=tokenize(lm.tokenizer, load_text("c-stdio"))[:256])
 
 
-def _probe_quality(lm, cache, plan, n):
-    """Independent re-measurement: the file's decoded prefix continued on the context's last n tokens."""
+def _probe_quality(lm, cache, step0, args, n):
+    """Independent re-measurement of the guard's probe: the context minus its last n tokens encoded as a
+    document of its own at ``step0``, decoded, continued on those n tokens, against the exact prefix."""
     from kvcodec.evaluate import compare_logits, continue_logits
     from kvcodec.quant.guard import prefix_cache
-    from kvcodec.quant.codecplan import decode_bytes, encode_bytes
+    from kvcodec.quant.codecplan import decode_bytes, encode_bytes, transform_plan
 
     T = cache.num_tokens
-    probe = cache.token_ids[T - n:]
-    dec = decode_bytes(encode_bytes(cache, plan))
-    return compare_logits(continue_logits(lm, prefix_cache(cache, T - n), probe),
-                          continue_logits(lm, prefix_cache(dec, T - n), probe), probe)
+    probe, prefix = cache.token_ids[T - n:], prefix_cache(cache, T - n)
+    dec = decode_bytes(encode_bytes(prefix, transform_plan(prefix, step0, lm=lm, **args)))
+    return compare_logits(continue_logits(lm, prefix, probe), continue_logits(lm, dec, probe), probe)
 
 
 @pytest.mark.model
 def test_guard_meets_a_target_the_fixed_knob_misses(lm, stdio_cache):
-    """A target tighter than the knob's quality forces step0 down; the written file then meets it."""
-    from kvcodec.quant.guard import QualityTarget, guarded_plan
+    """A target tighter than the knob's quality forces step0 down (predicted, not blind halving); the
+    step it writes meets the target when re-measured independently."""
+    from kvcodec.quant.guard import MAX_TRIES, QualityTarget, guarded_plan
     from kvcodec.quant.presets import PRESETS
 
     args = {k: v for k, v in PRESETS["balanced"].items() if k != "tokenscale"}
     target = QualityTarget(kl=4e-3, dppl_percent=1.0)
-    plan = guarded_plan(stdio_cache, lm, "balanced", args, target)
+    plan = guarded_plan(stdio_cache, lm, "balanced", dict(args), target)
     g = plan.params["guard"]
-    assert g["checked"] and g["tries"][-1]["ok"]
-    assert len(g["tries"]) >= 2 and not g["tries"][0]["ok"]  # the fixed knob missed it on this text
-    assert plan.params["step0"] < args["step0"]
-    m = _probe_quality(lm, stdio_cache, plan, g["probe_tokens"])
+    assert g["checked"] and g["met"] and g["tries"][-1]["ok"]
+    assert 2 <= len(g["tries"]) < MAX_TRIES and not g["tries"][0]["ok"]  # the fixed knob missed; prediction fixed it
+    assert plan.params["step0"] == g["tries"][-1]["step0"] < args["step0"]
+    m = _probe_quality(lm, stdio_cache, plan.params["step0"], {k: v for k, v in args.items() if k != "step0"},
+                       g["probe_tokens"])
+    assert m["kl_mean"] == pytest.approx(g["tries"][-1]["kl_mean"], rel=1e-6)
     assert m["kl_mean"] <= target.margin * target.kl
     assert m["dppl_percent"] <= g["tries"][-1]["dppl_bound_percent"] <= target.dppl_percent
+
+
+def test_dppl_bound_counts_both_samples_and_gives_no_credit_for_luck():
+    """The bound covers a continuation: probe noise plus continuation noise; a negative probe mean is not credited."""
+    import math
+
+    from kvcodec.quant.guard import REF_TOKENS, Z, ProbeStats
+
+    lucky = ProbeStats(kl=2e-3, d_mean=-0.008, d_std=0.07, n=256, greedy_ok=True)
+    half = Z * 0.07 * math.sqrt(1 / 256 + 1 / REF_TOKENS)
+    assert lucky.dppl_bound() == pytest.approx(100 * math.expm1(half))  # as if the mean were 0
+    worse = ProbeStats(kl=2e-3, d_mean=0.004, d_std=0.07, n=256, greedy_ok=True)
+    assert worse.dppl_bound() == pytest.approx(100 * math.expm1(0.004 + half))
+    short = ProbeStats(kl=2e-3, d_mean=0.004, d_std=0.07, n=64, greedy_ok=True)
+    assert short.dppl_bound() > worse.dppl_bound()  # a shorter probe knows the mean less well
+
+
+def test_step_prediction_follows_the_kl_law():
+    """After a miss, the predicted step meets the target under KL, mean(d) ∝ step², std(d) ∝ step."""
+    import math
+
+    from kvcodec.quant.guard import GREEDY_SHRINK, REF_TOKENS, Z, ProbeStats, QualityTarget
+
+    t = QualityTarget(kl=0.01, dppl_percent=1.0)
+    s = ProbeStats(kl=0.008, d_mean=0.003, d_std=0.09, n=256, greedy_ok=True)
+    assert not s.meets(t)
+    r = s.step_factor(t)
+    assert 0 < r < 1
+    pred = ProbeStats(kl=s.kl * r * r, d_mean=s.d_mean * r * r, d_std=s.d_std * r, n=256, greedy_ok=True)
+    assert pred.kl <= t.margin * t.kl * (1 + 1e-9)
+    assert pred.dppl_bound() <= t.dppl_percent * (1 + 1e-6)
+    assert max(pred.kl / (t.margin * t.kl), pred.dppl_bound() / t.dppl_percent) == pytest.approx(1.0, rel=1e-6)  # the largest such step
+    ok = ProbeStats(kl=1e-4, d_mean=0.0, d_std=0.01, n=256, greedy_ok=True)
+    assert ok.meets(t) and ok.step_factor(t) == 1.0
+    flip = ProbeStats(kl=1e-4, d_mean=0.0, d_std=0.01, n=256, greedy_ok=False)
+    assert not flip.meets(t) and flip.step_factor(t) == GREEDY_SHRINK
+    assert Z * 0.01 * math.sqrt(2 / REF_TOKENS) < 0.01  # (ok's bound is well inside the target)
+
+
+def test_greedy_promise_stops_at_the_first_near_tie():
+    """Identical greedy tokens are promised up to the exact run's first top-2 margin under NEAR_TIE."""
+    from kvcodec.quant.guard import NEAR_TIE, first_near_tie, greedy_promise_met
+
+    exact, margins = [5, 6, 7, 8], [1.0, 0.5, NEAR_TIE / 2, 2.0]
+    assert first_near_tie(margins) == 2 and first_near_tie([1.0, 1.0]) is None
+    assert greedy_promise_met(exact, [5, 6, 9, 9], margins)  # flipped at the near-tie: not promised
+    assert not greedy_promise_met(exact, [5, 4, 7, 8], margins)  # flipped at a clear margin: a miss
+    assert greedy_promise_met(exact, exact, [1.0] * 4) and not greedy_promise_met(exact, [5, 6, 7, 9], [1.0] * 4)
 
 
 def test_presets_are_guarded_with_the_model_and_unchanged_without(monkeypatch, small_cache):
@@ -115,3 +166,69 @@ def test_peer_families_are_selected_or_skipped_with_a_reason(monkeypatch):
     got = select_methods(["hf-quanto", "hf-hqq", "int8"])
     assert [m.key for m in got.methods] == ["int8/int8"]
     assert got.notes == ["hf-quanto skipped: quanto is not installed", "hf-hqq skipped: hqq is not installed"]
+
+
+def test_kvpress_specs_parse_and_refuse():
+    """kvpress settings round-trip through their names; a bad one is one KvcCodecError line."""
+    from kvcodec.errors import KvcCodecError
+    from kvcodec.peers import DEFAULT_KVPRESS_SPECS, KvpressSpec
+
+    for sp in DEFAULT_KVPRESS_SPECS:
+        assert KvpressSpec.parse(sp.name) == sp
+    assert KvpressSpec.parse("snapkv-0.25+quanto4-g32-kivi") == KvpressSpec("snapkv", 0.25, "quanto4-g32-kivi")
+    for bad in ("snapkv", "snapkv-1.5", "nopress-0.25", "snapkv-0.25+quanto3-g32-kivi", "snapkv-x"):
+        with pytest.raises(KvcCodecError):
+            KvpressSpec.parse(bad)
+
+
+@pytest.mark.model
+def test_kvpress_roundtrip_keeps_the_press_tokens_and_charges_them(real_cache):
+    """A press's kept indices gather the exact entries, per layer and head; bits = kept x 16 (or the quantizer's)."""
+    import torch
+
+    from kvcodec.peers import HFQuantSpec, KvpressSpec, available, kvpress_roundtrip
+
+    cache = real_cache(128)
+    L, H = cache.fingerprint.num_layers, cache.fingerprint.num_kv_heads
+    rng = np.random.default_rng(0)
+    kept = np.sort(np.stack([[rng.choice(128, 96, replace=False) for _ in range(H)] for _ in range(L)]), -1)
+    dec, bits = kvpress_roundtrip(cache, kept, KvpressSpec("snapkv", 0.25))
+    assert dec.num_tokens == 96 and np.array_equal(dec.positions, kept) and dec.next_position == 128
+    for l in (0, L - 1):
+        for h in range(H):
+            assert torch.equal(dec.keys[l][h], cache.keys[l][h, kept[l, h]])
+            assert torch.equal(dec.values[l][h], cache.values[l][h, kept[l, h]])
+    n_kept = sum(k.numel() + v.numel() for k, v in zip(dec.keys, dec.values))
+    assert bits == 16 * n_kept
+    if available("quanto") is None:
+        _, qbits = kvpress_roundtrip(cache, kept, KvpressSpec("snapkv", 0.25, "quanto4-g32-hf"))
+        assert qbits == n_kept * 4 + 2 * (n_kept // 32) * 16
+        assert HFQuantSpec.parse("quanto4-g32-hf").nbits == 4
+
+
+def test_kvpress_is_skipped_with_a_reason_when_its_venv_is_missing(monkeypatch, tmp_path):
+    """No .venv-kvpress: the kvpress family is a printed note, never a faked row."""
+    from kvcodec.curve import select_methods
+
+    monkeypatch.setenv("KVCODEC_KVPRESS_PYTHON", str(tmp_path / "missing" / "python"))
+    got = select_methods(["kvpress", "int8"])
+    assert [m.key for m in got.methods] == ["int8/int8"]
+    assert len(got.notes) == 1 and got.notes[0].startswith("kvpress skipped: kvpress venv not found") and ".ci/kvpress.sh" in got.notes[0]
+
+
+@pytest.mark.model
+def test_kvpress_runner_in_its_venv(lm, real_cache):
+    """The real library (own venv): every press keeps the fraction it promises, per layer and head, in range."""
+    from kvcodec.peers import KvpressSpec, kvpress_available, kvpress_indices
+
+    if kvpress_available() is not None:
+        pytest.skip(kvpress_available())
+    cache = real_cache(128)
+    specs = [KvpressSpec("expected_attention", 0.25), KvpressSpec("snapkv", 0.5), KvpressSpec("observed_attention", 0.25)]
+    got = kvpress_indices(lm, cache, specs)
+    L, H = cache.fingerprint.num_layers, cache.fingerprint.num_kv_heads
+    for sp in specs:
+        idx = got[sp.runner_key]
+        assert idx.shape == (L, H, int(128 * (1 - sp.ratio)))
+        assert all(len(np.unique(idx[l, h])) == idx.shape[-1] for l in range(L) for h in range(H))
+    assert not np.array_equal(got["expected_attention:0.25"], got["observed_attention:0.25"])  # different presses choose differently

@@ -4,45 +4,61 @@ A preset's fixed rate knob (``step0``) was tuned on a few texts; on a text it
 has never seen it can miss its promise (issue 15: ``balanced`` gave ΔPPL
 +1.39 % on one held-out text). The model is available whenever a lossy preset
 encodes (it needs it for calibration and token importance), so the encoder
-measures the file it is about to write instead of trusting the knob:
+measures the document it is about to write instead of trusting the knob.
 
-1. split the context: its last ``n`` tokens (the *probe*) are a real
-   continuation of the first ``T - n`` tokens, inside the document;
-2. encode the *whole* cache at the preset's ``step0``, decode it, and continue
-   the decoded cache's first ``T - n`` tokens on the probe with the model
-   (a causal model's KV prefix is the prefix's KV, so this is exactly what the
-   file's bytes give a reader);
-3. compare with the exact prefix on the same probe: mean KL, ΔPPL and, where
-   the target asks for it, the greedy continuation;
-4. accept when the probe's KL is within ``margin`` x the target and an
-   upper confidence bound on ΔPPL is within the target; otherwise shrink
-   ``step0`` and repeat.
+**The probe is the same experiment as the promise, out of sample.** The
+context's last ``n`` tokens (the *probe*) are a real continuation of its first
+``T - n`` tokens. Each try encodes that *prefix as a document of its own*
+(its own token importance: tokenscale scores the prefix's last queries, not
+the probe's), decodes it, continues it on the probe with the model and
+compares with the exact prefix. An earlier version encoded the whole context
+and cut the decoded prefix out of it: tokenscale had then fitted its step
+classes to the very queries the probe asks, and the probe's KL came out
+1.3-2.3x below the continuation's on every held-out text (the miss on mpl2).
 
-Why a bound and not a margin on ΔPPL: ΔPPL on a continuation is the mean of
-per-token log-likelihood differences, whose spread (about sqrt(2 KL) per
-token) makes a 256-token ΔPPL swing by ~0.5 % at balanced's KL whatever the
-codec does (issue 15's held-out run: probe ΔPPL within half the target,
-continuation +1.05 %). So the probe's per-token differences d_t give
-``mean(d) + z * std(d) / sqrt(REF_TOKENS)``: the ΔPPL a ``REF_TOKENS``-token
-continuation of similar text would exceed with probability ~2 % (z = 2,
-normal approximation). It is a statistical bound, not a proof: a
-continuation unlike the document's own tail can still do worse.
+**ΔPPL: a bound that covers the continuation.** ΔPPL on a continuation is the
+mean of per-token differences ``d_t = nll_decoded - nll_exact``, whose spread
+(about ``sqrt(2 KL)`` per token) makes a 256-token ΔPPL swing by ~0.5 % at
+balanced's KL whatever the codec does. The probe estimates the mean with its
+own noise, and the continuation adds its own, so the bound is
+``max(mean(d), 0) + z * std(d) * sqrt(1/n + 1/REF_TOKENS)``: a probe whose
+decoded cache happens to predict *better* than the exact one earns no credit
+(no codec does that on average), and both samples' noise is counted. With
+z = 2 a ``REF_TOKENS``-token continuation of similar text exceeds it with
+probability ~2 %; a continuation unlike the document can still do worse.
 
-The first acceptable ``step0`` is the largest tried, so a text the preset
-already suits pays one probe (no extra bits), and a hard text pays bits
-until it meets the target. Nothing in the file format changes: the chosen
-``step0`` is already in every stage config and in the plan's metadata.
+**Step prediction instead of blind shrinking.** Quantisation noise power is
+proportional to step^2, so KL and the mean of ``d`` scale as step^2 and the
+spread of ``d`` as step. After a miss the next step is the one this law says
+meets the target, times ``SAFETY``; a miss then costs one or two more tries,
+not up to ten. Below some step the quantiser's 8-bit limit widens the
+step of wide channels, so quality stops improving (KL ~5e-5 with SmolLM2): a
+try whose KL did not fall below ``FLOOR_KL_RATIO`` x the previous one's has
+hit that floor, and the check stops there and keeps the previous (larger)
+step instead of spending tries on bits that buy nothing.
+
+**Greedy tokens and near-ties.** ``near-lossless`` promises the exact cache's
+greedy tokens. Where the exact model's top-2 logit margin is below
+``NEAR_TIE`` no codec can promise it: rounding the exact cache to fp16 (what
+engines keep KV in) moves logits by up to ~0.012 on the held-out texts, so such
+a token can flip with any storage. The promise (and this check) is: greedy
+tokens identical up to the first token whose exact top-2 margin is below
+``NEAR_TIE``, all 16 when there is none.
+
+The chosen ``step0`` is then applied to the whole context (the caller encodes
+it once). Nothing in the file format changes: ``step0`` is already in every
+stage config and in the plan's metadata.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
-
-import logging
 
 log = logging.getLogger("kvcodec.guard")
 
@@ -50,8 +66,11 @@ PROBE_TOKENS = 256  # probe continuation length (tokens inside the context)
 REF_TOKENS = 256  # continuation length the ΔPPL promise is stated for (kvc eval's default)
 Z = 2.0  # one-sided normal quantile of the ΔPPL bound (~2.3 % exceedance)
 MIN_PROBE_TOKENS = 16  # a shorter context is encoded at the preset's knob, unchecked (reported as such)
-SHRINK = 0.75  # step0 factor per failed try
-MAX_TRIES = 10  # 0.75^9 = 0.075: from balanced's knob down past near-lossless's
+SAFETY = 0.9  # step factor under the KL ∝ step^2 law's prediction after a miss
+GREEDY_SHRINK = 0.5  # step factor after a greedy flip at a clear (non-tie) margin
+MAX_TRIES = 4  # with prediction a miss costs 1-2 tries; 4 leaves room for one bad prediction
+FLOOR_KL_RATIO = 0.8  # a smaller step that leaves KL above this x the last try's: the format's floor (max_bits)
+NEAR_TIE = 0.02  # top-2 logit margin under which a greedy token is not promised (fp16 storage moves logits ~0.012)
 
 
 @dataclass(frozen=True)
@@ -60,8 +79,39 @@ class QualityTarget:
 
     kl: float
     dppl_percent: float
-    greedy_tokens: int = 0  # >0: that many greedy tokens must be identical to the exact cache's
+    greedy_tokens: int = 0  # >0: that many greedy tokens identical to the exact cache's, up to the first near-tie
     margin: float = 0.5  # the probe must meet margin x kl (ΔPPL: a confidence bound, see the module docstring)
+
+
+@dataclass(frozen=True)
+class ProbeStats:
+    """One try's probe: KL, the per-token ΔPPL terms, and the greedy check."""
+
+    kl: float
+    d_mean: float  # mean of nll_decoded - nll_exact per probe token (nats)
+    d_std: float
+    n: int
+    greedy_ok: bool
+
+    def dppl_bound(self, z: float = Z, ref_tokens: int = REF_TOKENS) -> float:
+        """Upper bound (%) on a ``ref_tokens``-token continuation's ΔPPL (module docstring)."""
+        half = z * self.d_std * math.sqrt(1.0 / max(self.n, 1) + 1.0 / ref_tokens)
+        return 100.0 * math.expm1(max(self.d_mean, 0.0) + half)
+
+    def meets(self, target: QualityTarget) -> bool:
+        return self.kl <= target.margin * target.kl and self.dppl_bound() <= target.dppl_percent and self.greedy_ok
+
+    def step_factor(self, target: QualityTarget) -> float:
+        """Largest r <= 1 such that the step0 x r meets ``target`` under KL, mean(d) ∝ step^2, std(d) ∝ step."""
+        r = 1.0
+        if self.kl > 0:
+            r = min(r, math.sqrt(target.margin * target.kl / self.kl))
+        a, b, c = max(self.d_mean, 0.0), Z * self.d_std * math.sqrt(1.0 / max(self.n, 1) + 1.0 / REF_TOKENS), math.log1p(target.dppl_percent / 100.0)
+        if a > 0 or b > 0:  # a r^2 + b r = c
+            r = min(r, (2 * c / (b + math.sqrt(b * b + 4 * a * c))))
+        if not self.greedy_ok:
+            r = min(r, GREEDY_SHRINK)
+        return r
 
 
 def prefix_cache(cache: Any, n: int) -> Any:
@@ -72,16 +122,59 @@ def prefix_cache(cache: Any, n: int) -> Any:
                    cache.token_ids[:n], cache.fingerprint, None, dict(cache.meta))
 
 
+def greedy_with_margins(lm: Any, cache: Any, first_token: int, n: int) -> tuple[list[int], list[float]]:
+    """``n`` greedy tokens after feeding ``first_token`` to ``cache``, and each step's top-2 logit margin."""
+    import torch
+
+    past = cache.for_model(lm)
+    tok, pos, toks, margins = int(first_token), cache.next_position, [], []
+    with torch.inference_mode():
+        for _ in range(n):
+            logits = lm.model(input_ids=torch.tensor([[tok]]), past_key_values=past,
+                              position_ids=torch.tensor([[pos]]), use_cache=True).logits[0, -1]
+            top = torch.topk(logits.float(), 2).values
+            tok, pos = int(logits.argmax()), pos + 1
+            toks.append(tok)
+            margins.append(float(top[0] - top[1]))
+    return toks, margins
+
+
+def first_near_tie(margins: list[float], near_tie: float = NEAR_TIE) -> int | None:
+    """Index of the first greedy step whose exact top-2 margin is under ``near_tie`` (None: no near-tie)."""
+    return next((i for i, m in enumerate(margins) if m < near_tie), None)
+
+
+def greedy_promise_met(exact: list[int], got: list[int], exact_margins: list[float], near_tie: float = NEAR_TIE) -> bool:
+    """Identical up to the first near-tie of the exact run (that token and what follows are not promised)."""
+    tie = first_near_tie(exact_margins, near_tie)
+    upto = len(exact) if tie is None else tie
+    return list(got[:upto]) == list(exact[:upto])
+
+
+def probe_stats(exact_logits: Any, dec_logits: Any, tokens: np.ndarray, greedy_ok: bool = True) -> ProbeStats:
+    """KL and the per-token ΔPPL terms of a decoded prefix's logits against the exact prefix's on ``tokens``."""
+    import torch
+
+    lp_e = torch.log_softmax(exact_logits.double(), -1)
+    lp_d = torch.log_softmax(dec_logits.double(), -1)
+    kl = float((lp_e.exp() * (lp_e - lp_d)).sum(-1).clamp_min(0).mean())
+    tgt = torch.as_tensor(np.asarray(tokens[1:], np.int64))[:, None]
+    d = (lp_e[:-1].gather(1, tgt) - lp_d[:-1].gather(1, tgt))[:, 0]
+    return ProbeStats(kl=kl, d_mean=float(d.mean()), d_std=float(d.std()) if d.numel() > 1 else 0.0,
+                      n=int(d.numel()), greedy_ok=greedy_ok)
+
+
 def guarded_plan(cache: Any, lm: Any, preset: str, args: dict[str, Any], target: QualityTarget,
                  probe_tokens: int = PROBE_TOKENS, verbose: bool = False) -> Any:
-    """The plan of ``preset`` at the largest ``step0`` (from ``args['step0']`` down) whose file meets ``target`` on the probe.
+    """The plan of ``preset`` for ``cache`` at the largest ``step0`` (from ``args['step0']`` down) that meets ``target`` on the probe.
 
     Returns a :class:`~kvcodec.stages.Plan` whose ``params['guard']``
-    records the probe, every try and the encode time the check cost.
+    records the probe, every try and the time the check cost.
     """
-    from ..evaluate import compare_logits, continue_logits, greedy
+    from ..evaluate import continue_logits
     from .calibrate import get_calibration
     from .codecplan import TOKENSCALE_DEFAULT, decode_bytes, encode_bytes, transform_plan
+    from .importance import cache_importance
 
     t_start = time.perf_counter()
     args = dict(args)
@@ -94,49 +187,43 @@ def guarded_plan(cache: Any, lm: Any, preset: str, args: dict[str, Any], target:
                                 f"{4 * MIN_PROBE_TOKENS} tokens: encoded at the preset's step0 unchecked"}
         return plan
     probe = np.asarray(cache.token_ids[T - n:], np.int64)
-    exact_prefix = prefix_cache(cache, T - n)
-    exact_logits = continue_logits(lm, exact_prefix, probe)
-    exact_greedy = greedy(lm, exact_prefix, int(probe[0]), target.greedy_tokens) if target.greedy_tokens else []
-    cal = args.pop("cal", None) or get_calibration(lm, fingerprint_id=cache.fingerprint.id, build=True)
-    if args.get("tokenscale") is not None and args.get("importance") is None:  # score the context once, not per try
-        from .importance import cache_importance
-
-        args["importance"] = cache_importance(lm, cache, window={**TOKENSCALE_DEFAULT, **args["tokenscale"]}["window"])
+    prefix = prefix_cache(cache, T - n)
+    exact_logits = continue_logits(lm, prefix, probe)
+    exact_greedy, margins = greedy_with_margins(lm, prefix, int(probe[0]), target.greedy_tokens) if target.greedy_tokens else ([], [])
+    args["cal"] = args.get("cal") or get_calibration(lm, fingerprint_id=cache.fingerprint.id, build=True)
+    prefix_args = dict(args)
+    if args.get("tokenscale") is not None:  # the prefix's own importance: its last queries, not the probe's
+        window = {**TOKENSCALE_DEFAULT, **args["tokenscale"]}["window"]
+        prefix_args["importance"] = cache_importance(lm, prefix, window)
     tries: list[dict[str, Any]] = []
+    ok = False
     for i in range(MAX_TRIES):
-        plan = transform_plan(cache, step0, cal=cal, lm=lm, preset=preset, **args)
-        data = encode_bytes(cache, plan)
-        dec = prefix_cache(decode_bytes(data), T - n)
-        dec_logits = continue_logits(lm, dec, probe)
-        m = compare_logits(exact_logits, dec_logits, probe)
-        bound = dppl_bound(exact_logits, dec_logits, probe)
+        data = encode_bytes(prefix, transform_plan(prefix, step0, lm=lm, preset=preset, **prefix_args))
+        dec = decode_bytes(data)
         same = True
         if target.greedy_tokens:
-            same = greedy(lm, dec, int(probe[0]), target.greedy_tokens) == exact_greedy
-        ok = m["kl_mean"] <= target.margin * target.kl and bound <= target.dppl_percent and same
-        tries.append({"step0": step0, "bytes": len(data), "kl_mean": m["kl_mean"], "dppl_percent": m["dppl_percent"],
-                      "dppl_bound_percent": bound, "greedy_identical": same if target.greedy_tokens else None, "ok": ok})
+            got, _ = greedy_with_margins(lm, dec, int(probe[0]), target.greedy_tokens)
+            same = greedy_promise_met(exact_greedy, got, margins)
+        s = probe_stats(exact_logits, continue_logits(lm, dec, probe), probe, same)
+        ok = s.meets(target)
+        tries.append({"step0": step0, "probe_bytes": len(data), "kl_mean": s.kl, "dppl_percent": 100.0 * math.expm1(s.d_mean),
+                      "dppl_bound_percent": s.dppl_bound(), "greedy_ok": same if target.greedy_tokens else None, "ok": ok})
         if verbose:
-            print(f"guard {preset}: step0={step0:.4g} bytes={len(data)} kl={m['kl_mean']:.3g} "
-                  f"dppl={m['dppl_percent']:+.3f}% bound={bound:+.3f}% greedy={same} ok={ok}", flush=True)
+            print(f"guard {preset}: step0={step0:.4g} probe bytes={len(data)} kl={s.kl:.3g} "
+                  f"dppl={tries[-1]['dppl_percent']:+.3f}% bound={s.dppl_bound():+.3f}% greedy={same} ok={ok}", flush=True)
         if ok or i == MAX_TRIES - 1:
-            plan.params["guard"] = {"checked": True, "met": ok, "target": asdict(target), "probe_tokens": n,
-                                    "tries": tries, "check_s": round(time.perf_counter() - t_start, 3)}
-            if not ok:  # e.g. a near-tie in the probe's greedy tokens that no step flips back: best effort, said so
-                log.warning(f"preset {preset}: no step0 down to {step0:.3g} met its quality target on the context's last "
-                            f"{n} tokens (KL <= {target.margin * target.kl:g}, dPPL bound <= {target.dppl_percent:g} %"
-                            f"{', identical greedy tokens' if target.greedy_tokens else ''}); encoded at that step")
-            return plan
-        step0 *= SHRINK
-    raise AssertionError("unreachable")
-
-
-def dppl_bound(exact_logits: Any, dec_logits: Any, tokens: np.ndarray, z: float = Z, ref_tokens: int = REF_TOKENS) -> float:
-    """Upper bound (%) on the ΔPPL of a ``ref_tokens``-token continuation like ``tokens``: exp(mean + z sem) - 1."""
-    import torch
-
-    tgt = torch.as_tensor(np.asarray(tokens[1:], np.int64))[:, None]
-    d = (torch.log_softmax(exact_logits[:-1].double(), -1).gather(1, tgt)
-         - torch.log_softmax(dec_logits[:-1].double(), -1).gather(1, tgt))[:, 0]  # nll_decoded - nll_exact per token
-    sem = float(d.std()) / float(np.sqrt(ref_tokens)) if d.numel() > 1 else 0.0
-    return 100.0 * float(np.expm1(float(d.mean()) + z * sem))
+            break
+        if i and s.kl > FLOOR_KL_RATIO * tries[-2]["kl_mean"]:  # the format's quality floor: smaller steps buy nothing
+            step0 = tries[-2]["step0"]
+            tries[-1]["floor"] = True
+            break
+        step0 *= min(SAFETY * s.step_factor(target), SAFETY)
+    if not ok:
+        log.warning(f"preset {preset}: no step0 down to {tries[-1]['step0']:.3g} met its quality target on the context's last "
+                    f"{n} tokens (KL <= {target.margin * target.kl:g}, dPPL bound <= {target.dppl_percent:g} %"
+                    f"{', greedy tokens up to the first near-tie' if target.greedy_tokens else ''}); encoded at step0 {step0:.3g}")
+    plan = transform_plan(cache, step0, lm=lm, preset=preset, **args)  # the whole context, its own importance
+    plan.params["guard"] = {"checked": True, "met": ok, "target": asdict(target), "probe_tokens": n,
+                            "near_tie_at": first_near_tie(margins) if target.greedy_tokens else None,
+                            "tries": tries, "check_s": round(time.perf_counter() - t_start, 3)}
+    return plan

@@ -22,7 +22,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 # What each lossy preset promises on a continuation of the document (see kvcodec/quant/guard.py). With the
 # model at hand, get_plan checks every file against its preset's target and lowers step0 until it holds.
 PRESET_TARGETS: dict[str, QualityTarget] = {
-    "near-lossless": QualityTarget(kl=2e-4, dppl_percent=0.2, greedy_tokens=16),
+    "near-lossless": QualityTarget(kl=2e-4, dppl_percent=0.5, greedy_tokens=16),
     "balanced": QualityTarget(kl=0.01, dppl_percent=1.0),
     "small": QualityTarget(kl=0.05, dppl_percent=2.5),
 }

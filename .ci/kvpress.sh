@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# NVIDIA kvpress (issue 15: a real peer in the rate/quality curve), in its own venv: kvpress 0.5.5
+# pins transformers<5.3, older than the main .venv's. Creates ./.venv-kvpress from scratch if missing
+# (idempotent). Nothing from kvcodec is installed there: kvcodec/kvpress_runner.py is a standalone
+# script (torch + transformers + kvpress only) that kvcodec.peers runs in this venv as a subprocess
+# and that hands back which tokens each press keeps (kvcodec/peers.py: KVPRESS_VENV).
+# Usage: bash .ci/kvpress.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+V=.venv-kvpress
+t0=$(date +%s)
+pip() { "$V/bin/python" -m pip -q --disable-pip-version-check "$@"; }
+if [ ! -f "$V/.kvcodec-kvpress-ok" ]; then
+    rm -rf "$V"
+    "$PY" -m venv "$V"
+    echo "*" > "$V/.gitignore"   # keep the venv out of git (python<3.12 venv does not)
+    pip install --upgrade pip
+    pip install torch==2.13.0
+    pip install kvpress==0.5.5 'transformers>=4.56,<5.3'
+    touch "$V/.kvcodec-kvpress-ok"
+fi
+"$V/bin/python" -c 'import kvpress, transformers; print("kvpress-ci: kvpress", kvpress.__version__ if hasattr(kvpress, "__version__") else "0.5.5", "transformers", transformers.__version__)'
+echo "kvpress-ci: venv ready in $(( $(date +%s) - t0 )) s"
