@@ -103,14 +103,16 @@ def supports_stages(pipeline: Any, spec: Any) -> bool:
     return True
 
 
-def decode_fused(pipeline: Any, payload: Any, sides: Any, sizes: Any, spec: Any, ctx: Any) -> Any:
+def decode_fused(pipeline: Any, payload: Any, sides: Any, sizes: Any, spec: Any, ctx: Any,
+                 trace: list[str] | None = None) -> Any:
     """The ``triton-fused`` backend: rANS kernel, then one kernel for all inverse stages of the chain."""
-    return _decode(pipeline, payload, sides, sizes, spec, ctx, fused=True)
+    return _decode(pipeline, payload, sides, sizes, spec, ctx, fused=True, trace=trace)
 
 
-def decode_stages(pipeline: Any, payload: Any, sides: Any, sizes: Any, spec: Any, ctx: Any) -> Any:
+def decode_stages(pipeline: Any, payload: Any, sides: Any, sizes: Any, spec: Any, ctx: Any,
+                  trace: list[str] | None = None) -> Any:
     """The ``triton-stages`` backend: each stage's kernel (or its CPU implementation) in turn."""
-    return _decode(pipeline, payload, sides, sizes, spec, ctx, fused=False)
+    return _decode(pipeline, payload, sides, sizes, spec, ctx, fused=False, trace=trace)
 
 
 def decode_chunk_gpu(

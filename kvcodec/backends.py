@@ -62,8 +62,12 @@ class Backend:
         return bool(self._fn(self.supports_fn)(pipeline, spec))
 
     def decode(self, pipeline: Pipeline, payload: Any, sides: list[SideData], sizes: list[int], spec: ArraySpec,
-               ctx: ChunkContext) -> Any:
-        return self._fn(self.decode_fn)(pipeline, payload, sides, sizes, spec, ctx)
+               ctx: ChunkContext, trace: list[str] | None = None) -> Any:
+        """Decode one chunk; GPU backends also record their path in ``trace`` (kernel kind, CPU-run stages)."""
+        fn = self._fn(self.decode_fn)
+        if trace is not None and self.device == "gpu":
+            return fn(pipeline, payload, sides, sizes, spec, ctx, trace=trace)
+        return fn(pipeline, payload, sides, sizes, spec, ctx)
 
 
 BACKENDS: tuple[Backend, ...] = (
@@ -130,19 +134,19 @@ def decode_with(pipeline: Pipeline, payload: Any, sides: list[SideData], sizes: 
     chosen = select(pipeline, spec, device)
     first = chosen[0]
     if first.reference:
-        out = first.decode(pipeline, payload, sides, sizes, spec, ctx)
+        out = first.decode(pipeline, payload, sides, sizes, spec, ctx, trace)
         if trace is not None:
             trace.append(first.name)
         return out
     try:
-        out = first.decode(pipeline, payload, sides, sizes, spec, ctx)
+        out = first.decode(pipeline, payload, sides, sizes, spec, ctx, trace)
         if trace is not None:
             trace.append(first.name)
         return out
     except Exception as exc:  # judged below against the reference: the file's fault, or this backend's
         failure = exc
     ref = chosen[-1]
-    out = ref.decode(pipeline, payload, sides, sizes, spec, ctx)  # raises the spec's error for a bad chunk
+    out = ref.decode(pipeline, payload, sides, sizes, spec, ctx, trace)  # raises the spec's error for a bad chunk
     why = f"{type(failure).__name__}: {failure}" if not isinstance(failure, KvcError) else str(failure)
     if strict():
         raise KvcBackendError(f"decoder backend {first.name!r} failed on a chunk that {ref.name!r} decodes: {why}") from failure

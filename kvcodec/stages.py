@@ -299,3 +299,7 @@ class Plan:
     params: dict[str, Any] = field(default_factory=dict)
     chunk_tokens: int | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+
+    def pipeline(self, layer: int, kind: str) -> Pipeline:
+        """The pipeline of one tensor, whichever form ``pipelines`` takes."""
+        return self.pipelines if isinstance(self.pipelines, Pipeline) else self.pipelines(layer, kind)

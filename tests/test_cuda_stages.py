@@ -146,7 +146,7 @@ def test_every_preset(chunks, small_cache, lm):
             plan = transform_plan(small_cache, basis="hadamard", preset=name, **presets.PRESETS[name])
             att = {}
         for layer, kind, x in chunks[:2]:
-            pipe = plan.pipelines(layer, kind)
+            pipe = plan.pipeline(layer, kind)
             fb = [s.name for s in pipe.stages if s.name not in ("rans", "quantize", "transform", "keep", "rope") and s.kind != "bytes->bytes"]
             _check_pipeline(pipe, x, ChunkContext(layer=layer, kind=kind, attachments=att), expect_fallbacks=fb,
                             expect_path="stages" if name == "lossless" else "fused")
