@@ -31,7 +31,7 @@ TOK_A, TOK_A_RO, TOK_B = "tok-a-0123456789", "tok-a-readonly-99", "tok-b-0123456
 
 
 class Service:
-    def __init__(self, tmp: Path, max_body: str = "2M") -> None:
+    def __init__(self, tmp: Path, max_body: str = "8M") -> None:
         self.port = free_port()
         self.store_dir = tmp / "kdn-store"
         tokens = tmp / "tokens.json"
@@ -232,7 +232,7 @@ def test_malformed_requests_are_clean_4xx_and_store_nothing(service, entry):
     assert put(ks, data, **{"X-Kvc-Crc32c": "00000000"})[0] == 400                 # damaged in transit
     assert put(ks, data, **{"X-Kvc-Meta": "{not json"})[0] == 400
     assert put(ks, b"")[0] == 400
-    assert put(ks, b"x" * (3 << 20))[0] == 413                                     # over --max-body 2M
+    assert put(ks, b"x" * (9 << 20))[0] == 413                                     # over --max-body 8M
     s, _, b = service.request("POST", "/v1/contains", body=b"{oops")
     assert s == 400 and "JSON" in json.loads(b)["error"]
     assert service.request("POST", "/v1/contains", body=b'{"keys": "nope"}')[0] == 400
