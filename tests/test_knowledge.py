@@ -149,7 +149,9 @@ def test_balanced_entry_from_the_store_stays_within_the_preset_quality(lm, gpl3_
     kb = KnowledgeBase(lm, str(tmp_path / "st"), preset="balanced")
     exact = capture(lm, token_ids=gpl3_ids[:512])
     stored = kb.deposit(exact)
-    assert stored["bits_per_element"] < 4.0
+    # compressed (fp16 is 16): the encode-time check sizes the step from an out-of-sample probe, which at a
+    # 512-token context costs more bits than the preset's fixed knob did (about 4.8 here)
+    assert stored["bits_per_element"] < 6.0
     data = Store.open(str(tmp_path / "st")).get(kb.key(exact.token_ids))
     decoded = KvcReader(data).read_cache()
     q = evaluate(lm, exact, decoded, gpl3_ids[512:640], greedy_tokens=0)
