@@ -23,7 +23,7 @@ def test_main_job_small(tmp_path, lm):
     main = rows[("kvcodec", "balanced")]
     assert main["file_bytes"] == rep["kvc_bytes"] and "note" not in rep["quality"]
     assert main["kl_mean"] == pytest.approx(rep["quality"]["kl_mean"], rel=1e-9)
-    assert rows[("int8", "int8")]["bits_per_element"] > main["bits_per_element"]
+    assert rows[("int8", "int8")]["kl_mean"] >= 0 and rows[("int8", "int8")]["bits_per_element"] > 8
     assert 0 <= rep["quality"]["kl_mean"] < 0.05
     t = rep["ttft"]
     assert t["prefill_s"] > 0 and t["kvc_s"] > 0 and t["cold_kvc_s"] > 0 and t["cold_prefill_s"] > 0
