@@ -21,6 +21,7 @@ from store_fixtures import (
     NginxServer,
     find_binary,
     free_port,
+    redis_server,  # noqa: F401 - a pytest fixture, used by name
     subprocess_env,
     wait_port,
 )
@@ -186,7 +187,7 @@ def test_link_that_drops_mid_stream_falls_back_to_text(lm, entry, kdn, exact_log
     assert _kl(lm, got, ids, exact_logits) < 1e-4  # the answer is still the exact context
 
 
-def test_redis_and_http_tiers_stream_the_same_cache(lm, entry, redis_server, tmp_path):
+def test_redis_and_http_tiers_stream_the_same_cache(lm, entry, redis_server, tmp_path):  # noqa: F811 (the fixture imported above)
     d, ids, _ = entry
     src = Store.open(str(d), key=KEY)
     want = AdaptiveStreamer(lm, src, fixed="balanced", speeds=Speeds()).load(ids, budget_s=None).to_kvcache(ids, lm)
