@@ -482,14 +482,14 @@ def run_curve(
     progress: bool = True,
     lm: Any = None,
     cases: dict[str, TextCase] | None = None,
-    plans: dict[str, Any] | None = None,
+    measured: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Run the sweep; returns (and writes) ``{"schema", "model", "settings", "notes", "rows"}``.
 
-    ``cases`` (text -> :func:`load_case`'s result) and ``plans`` (method key ->
-    the plan of that method *for that case's cache*) are work the caller has
-    already done: ``kvc demo`` captured the document and encoded its preset
-    before the sweep, and redoing either would only cost minutes.
+    ``cases`` (text -> :func:`load_case`'s result) and ``measured`` (method key -> the row
+    :func:`measure` returned for that method *on that case*) are work the caller has already
+    done: ``kvc demo`` captured the document and measured its preset before the sweep, and
+    redoing either would only cost minutes.
     """
     from .model import load_model
 
@@ -532,15 +532,13 @@ def run_curve(
                 bar.set_postfix_str(f"{text} {m.key}")
                 if case is None:
                     case = (cases or {}).get(text) or load_case(lm, text, max_tokens, continuation, capture_dir)
-                if plans and m.key in plans:
-                    m = Method(m.family, m.setting, lambda _lm, c, p=plans[m.key]: (c.cache, p), note=m.note)
                 base = {"fingerprint": lm.fingerprint.id, "tokens_sha256": case.tokens_sha,
                         "continuation_tokens": int(case.continuation.size), "greedy_tokens": greedy_tokens,
                         "family": m.family, "method": m.setting, "code": code_digest()}
                 row = previous.get(_row_key(base))
                 if row is None:
                     try:
-                        row = measure(lm, case, m, work, greedy_tokens)
+                        row = dict(measured[m.key]) if measured and m.key in measured else measure(lm, case, m, work, greedy_tokens)
                     except KvcError as exc:
                         row = {"text": text, "family": m.family, "method": m.setting, "error": str(exc)}
                         print(f"kvc curve: {text} {m.key}: {exc}", file=sys.stderr)

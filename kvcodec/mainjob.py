@@ -78,7 +78,7 @@ def run_main_job(
 
     log("evaluating against the exact cache ...")
     # the same measurement as every curve row (kvcodec.curve.measure: encode this plan, decode, continue
-    # the decoded cache on the text's next tokens); the curve below reuses this row's exact-side logits
+    # the decoded cache on the text's next tokens); the curve below reuses this row and its exact-side logits
     main = Method("kvcodec", preset, lambda _lm, c: (c.cache, plan))
     with tempfile.TemporaryDirectory(prefix="kvc-demo-") as work:
         row = measure(lm, case, main, work)
@@ -104,7 +104,7 @@ def run_main_job(
         methods = methods if f"kvcodec:{preset}" in methods else [f"kvcodec:{preset}", *methods]
         res = run_curve(model, [text], max_tokens=max_tokens, continuation=continuation, methods=methods,
                         json_out=out_dir / "curve.json", plot_out=out_dir / "curve.png", lm=lm, progress=False,
-                        cases={text: case}, plans={main.key: plan})
+                        cases={text: case}, measured={main.key: row})
         report["curve"] = {"json": str(out_dir / "curve.json"), "png": str(out_dir / "curve.png"),
                            "rows": [{k: r.get(k) for k in ("family", "method", "bits_per_element", "kl_mean", "dppl_percent")}
                                     for r in res["rows"]]}
