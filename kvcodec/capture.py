@@ -70,15 +70,23 @@ def model_cache(lm: LoadedModel) -> Any:
 
 
 @torch.inference_mode()
-def prefill(lm: LoadedModel, token_ids: np.ndarray, logits_to_keep: int = 1) -> tuple[Any, torch.Tensor]:
+def prefill(lm: LoadedModel, token_ids: np.ndarray, logits_to_keep: int = 1,
+            full_layers: bool = False) -> tuple[Any, torch.Tensor]:
     """Full prefill. Returns (HF DynamicCache, logits [logits_to_keep, vocab]).
 
     Only the last ``logits_to_keep`` positions get logits (0: all of them, for
     tests that compare every position): the full-vocabulary projection of
     every position costs up to 2.6x the rest of a prefill and nobody reads it.
+    ``full_layers`` keeps every token in every layer, sliding-window layers
+    included (the masks apply each layer's window themselves, so logits are the
+    same): for consumers that cut the cache into token ranges (the stream's
+    level chunks), where a later range's prefill needs the earlier tokens.
     """
+    from transformers import DynamicCache
+
     ids = torch.as_tensor(np.asarray(token_ids, dtype=np.int64)).unsqueeze(0)
-    out = lm.model(input_ids=ids, past_key_values=model_cache(lm), use_cache=True, logits_to_keep=logits_to_keep)
+    past = DynamicCache() if full_layers else model_cache(lm)
+    out = lm.model(input_ids=ids, past_key_values=past, use_cache=True, logits_to_keep=logits_to_keep)
     return out.past_key_values, out.logits[0]
 
 
@@ -111,8 +119,10 @@ def capture(
     text: str | None = None,
     token_ids: np.ndarray | None = None,
     max_tokens: int | None = None,
+    full_layers: bool = False,
 ) -> KVCache:
-    """KV cache of ``text`` (or ``token_ids``), truncated to ``max_tokens``."""
+    """KV cache of ``text`` (or ``token_ids``), truncated to ``max_tokens``; a sliding-window layer keeps only
+    its window unless ``full_layers`` (:func:`prefill`)."""
     ids = context_ids(lm, text, token_ids, max_tokens)
-    past, _ = prefill(lm, ids)
+    past, _ = prefill(lm, ids, full_layers=full_layers)
     return cache_from_hf(past, ids, lm, meta={"model": lm.name})

@@ -271,9 +271,12 @@ def _check_layout(path: Path, fp: ModelFingerprint, dtype_name: str, shapes: dic
     k0 = shapes.get("layers.0.key")
     if k0 is None or len(k0) != 3:
         raise KvcFormatError(f"{path}: layer 0 key must be a (kv_heads, tokens, head_dim) dataset")
-    T = k0[1]
+    pos = shapes.get("positions")
+    T = k0[1] if pos is not None else n_ctx  # unpruned: a sliding-window layer may keep only its last tokens
     for i in range(fp.num_layers):
-        want = (fp.num_kv_heads, T, fp.head_dims[i])
+        k = shapes.get(f"layers.{i}.key")
+        t_i = k[1] if k is not None and len(k) == 3 and 1 <= k[1] <= T and pos is None else T
+        want = (fp.num_kv_heads, t_i, fp.head_dims[i])
         for kind in ("key", "value"):
             got = shapes.get(f"layers.{i}.{kind}")
             if got is None:
@@ -282,9 +285,6 @@ def _check_layout(path: Path, fp: ModelFingerprint, dtype_name: str, shapes: dic
                 raise KvcFormatError(f"{path}: layer {i} {kind} has shape {tuple(got)}, expected {want}")
     if T <= 0:
         raise KvcFormatError(f"{path}: cache holds no tokens")
-    pos = shapes.get("positions")
-    if pos is None and T != n_ctx:
-        raise KvcFormatError(f"{path}: {T} tokens stored but {n_ctx} token ids and no positions")
     if pos is not None and tuple(pos) not in ((T,), (fp.num_layers, fp.num_kv_heads, T)):
         raise KvcFormatError(f"{path}: positions have shape {tuple(pos)}, expected ({T},) or "
                              f"({fp.num_layers}, {fp.num_kv_heads}, {T})")

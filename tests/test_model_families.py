@@ -24,9 +24,9 @@ FAMILIES = {
     # k/v biases, GQA
     "qwen2": dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2),
     # sliding window on every layer (no layer_types), MQA, head_dim != hidden/heads
-    "mistral": dict(model_type="mistral", num_attention_heads=4, num_key_value_heads=1, sliding_window=48, head_dim=32),
+    "mistral": dict(model_type="mistral", num_attention_heads=4, num_key_value_heads=1, sliding_window=16, head_dim=32),
     # hybrid sliding/global layers
-    "gemma2": dict(model_type="gemma2", num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=48),
+    "gemma2": dict(model_type="gemma2", num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=16),
     # fused qkv projection, partial rotary
     "phi3": dict(model_type="phi3", num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.5),
     # per-head q/k norms
@@ -74,7 +74,12 @@ def test_family_flow(family, family_dirs, tmp_path):
     lm = load_model(str(family_dirs[family]))
     ids = tokenize(lm.tokenizer, load_text("c-stdio"))[:N_TOKENS]
     cache = capture(lm, token_ids=ids)
-    assert all(k.shape[1] == N_TOKENS for k in cache.keys)  # every layer keeps every token, sliding or not
+    # the ragged layout: a sliding-window layer keeps exactly what transformers' own cache keeps (its last window - 1)
+    want = tuple(N_TOKENS if w is None else w - 1 for w in lm.attention_windows)
+    assert cache.layer_tokens == want
+    if family in ("mistral", "gemma2"):
+        assert cache.ragged
+        _continues_like_a_fresh_prefill(lm, cache, ids)
     for preset in ("lossless", "balanced"):
         plan = get_plan(preset, cache, lm=lm)
         p = tmp_path / f"{preset}.kvc"
@@ -96,3 +101,29 @@ def test_family_flow(family, family_dirs, tmp_path):
     assert first.source == "prefill" and again.source == "store"
     assert again.answer_ids == first.answer_ids
     assert np.array_equal(np.asarray(again.answer_ids), np.asarray(first.answer_ids))
+
+
+def _continues_like_a_fresh_prefill(lm, cache, ids):
+    """The lossless `.kvc` of a ragged capture, loaded into transformers (its sliding layers as
+    ``DynamicSlidingWindowLayer``s), gives bit-identical logits to the live prefill cache at every step of a
+    continuation that runs far past the window, and the same greedy tokens."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    from kvcodec.format import encode_kvc_bytes
+    from kvcodec.hf import load_cache
+    from kvcodec.plans import get_plan
+
+    plan = get_plan("lossless", cache)
+    data = encode_kvc_bytes(cache, plan.pipelines, attachments=plan.attachments, preset=plan.preset)
+    loaded = load_cache(data, lm)
+    sliding = [isinstance(layer, DynamicSlidingWindowLayer) for layer in loaded.cache.layers]
+    assert sliding == [w is not None for w in lm.attention_windows]
+    with torch.inference_mode():
+        live = lm.model(input_ids=torch.as_tensor(ids)[None], use_cache=True, logits_to_keep=1).past_key_values
+        tok = 7
+        for step in range(40):  # 40 > the window: every stored token of a sliding layer is pushed out
+            pos = torch.tensor([[len(ids) + step]])
+            a = lm.model(input_ids=torch.tensor([[tok]]), past_key_values=live, position_ids=pos, use_cache=True).logits
+            b = lm.model(input_ids=torch.tensor([[tok]]), past_key_values=loaded.cache, position_ids=pos, use_cache=True).logits
+            assert torch.equal(a, b), f"step {step}: logits differ"
+            tok = int(a[0, -1].argmax())
