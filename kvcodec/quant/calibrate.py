@@ -113,7 +113,9 @@ def _pre_rope(cache: Any, layer: int, kind: str) -> np.ndarray:
         rc = layer_rope_config(cache.fingerprint, layer, x.shape[-1])
         if rc is None:  # transform_plan then codes this layer's post-RoPE keys too
             return x
-        x, _ = RopeStage(**rc).encode(x, ChunkContext(layer=layer, kind="k", positions=cache.positions))
+        # token_start: a sliding-window layer's first stored token is not token 0 (the ragged layout)
+        x, _ = RopeStage(**rc).encode(x, ChunkContext(layer=layer, kind="k", token_start=cache.layer_offset(layer),
+                                                      positions=cache.positions))
     return x
 
 
