@@ -7,7 +7,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from .cachelayout import cache_windows
 from .errors import KvcInputError
 from .kvcache import KVCache
 from .model import LoadedModel
@@ -64,6 +63,8 @@ def model_cache(lm: LoadedModel) -> Any:
     as after the prefill. Refuses models whose cache holds no per-token K/V.
     """
     from transformers import DynamicCache
+
+    from .cachelayout import cache_windows
 
     cache_windows(lm.model.config)  # refuses unsupported layer types with one line
     return DynamicCache(config=lm.model.config)
