@@ -283,3 +283,24 @@ def test_ragged_layers_roundtrip(chunk_tokens, pipe):
     flat = encode_kvc_bytes(synthetic_cache(T=12), p, chunk_tokens=chunk_tokens)
     with KvcReader(flat) as r:
         assert r.header.required_features == 0 and "layer_tokens" not in r.header.raw["tensors"]
+
+
+@pytest.mark.parametrize("suffix", [".h5", ".safetensors"])
+def test_ragged_capture_files_roundtrip(tmp_path, suffix):
+    """`kvc capture` files carry the ragged layout too (each layer's dataset its own token count), and a
+    layer declaring more tokens than the context is refused before anything is read."""
+    from formatutil import ragged_cache
+
+    from kvcodec.kvcache import load_capture, save_capture
+
+    c = ragged_cache()
+    p = tmp_path / f"c{suffix}"
+    save_capture(c, p)
+    back = load_capture(p)
+    assert_same_cache(c, back)
+    assert back.layer_tokens == (5, 12)
+    bad = KVCache([k[:, :3] for k in c.keys], [v[:, :3] for v in c.values], c.token_ids[:3], c.fingerprint)
+    bad.token_ids = c.token_ids[:2]  # a layer of 3 tokens in a 2-token context: written unchecked, refused on load
+    save_capture(bad, tmp_path / f"bad{suffix}")
+    with pytest.raises(KvcFormatError):
+        load_capture(tmp_path / f"bad{suffix}")
