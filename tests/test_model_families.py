@@ -24,9 +24,9 @@ FAMILIES = {
     # k/v biases, GQA
     "qwen2": dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2),
     # sliding window on every layer (no layer_types), MQA, head_dim != hidden/heads
-    "mistral": dict(model_type="mistral", num_attention_heads=4, num_key_value_heads=1, sliding_window=16, head_dim=32),
+    "mistral": dict(model_type="mistral", num_attention_heads=4, num_key_value_heads=1, sliding_window=48, head_dim=32),
     # hybrid sliding/global layers
-    "gemma2": dict(model_type="gemma2", num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=16),
+    "gemma2": dict(model_type="gemma2", num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=48),
     # fused qkv projection, partial rotary
     "phi3": dict(model_type="phi3", num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.5),
     # per-head q/k norms
@@ -93,7 +93,8 @@ def test_family_flow(family, family_dirs, tmp_path):
                 assert torch.equal(a, b)
         else:
             assert all(torch.isfinite(a).all() for a in dec.keys + dec.values)
-            assert p.stat().st_size < (tmp_path / "lossless.kvc").stat().st_size / 3
+            with KvcReader(p) as r1, KvcReader(tmp_path / "lossless.kvc") as r0:  # K/V payload bytes: a tiny file
+                assert r1.sizes()["chunks"] < r0.sizes()["chunks"] / 3          # is mostly header
     kb = KnowledgeBase(lm, str(tmp_path / "store"), preset="lossless")
     doc = lm.tokenizer.decode(ids)
     first = kb.ask([doc], "What is this?", max_new_tokens=8)
@@ -121,7 +122,7 @@ def _continues_like_a_fresh_prefill(lm, cache, ids):
     with torch.inference_mode():
         live = lm.model(input_ids=torch.as_tensor(ids)[None], use_cache=True, logits_to_keep=1).past_key_values
         tok = 7
-        for step in range(40):  # 40 > the window: every stored token of a sliding layer is pushed out
+        for step in range(60):  # 60 > the window: every stored token of a sliding layer is pushed out
             pos = torch.tensor([[len(ids) + step]])
             a = lm.model(input_ids=torch.tensor([[tok]]), past_key_values=live, position_ids=pos, use_cache=True).logits
             b = lm.model(input_ids=torch.tensor([[tok]]), past_key_values=loaded.cache, position_ids=pos, use_cache=True).logits
