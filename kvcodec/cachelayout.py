@@ -72,8 +72,8 @@ class _Lazy:
     ``fetch`` returns batch-1 tensors [1, H, t, D]: the layer's last t tokens, t >= what the layer keeps.
     """
 
-    keys: torch.Tensor
-    values: torch.Tensor
+    keys: Any  # set by the transformers layer class this is mixed into
+    values: Any
 
     def _setup(self, fetch: Fetch, n: int, keep: int) -> None:
         self._fetch: Fetch | None = fetch
@@ -143,4 +143,17 @@ def cache_for(lm: Any, cache: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]
     [1, H, t, D] tensors (e.g. cast to the model's dtype, or autograd leaves), used as given."""
     windows = cache_windows(lm.model.config)
     check_layer_tokens(windows, cache.layer_tokens, cache.num_tokens, "the cache")
-    return hf_cache(windows, [lambda k=k, v=v: (k, v) for k, v in pairs], cache.num_tokens)
+    return hf_cache(windows, [_given(k, v) for k, v in pairs], cache.num_tokens)
+
+
+def _given(k: torch.Tensor, v: torch.Tensor) -> Fetch:
+    return lambda: (k, v)
+
+
+@torch.inference_mode()
+def prefill_kv(model: Any, token_ids: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the K/V [H, t, D] (batch 1) a fresh prefill of ``token_ids`` leaves in the model's own cache."""
+    cache = DynamicCache(config=model.config)
+    ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(1, -1)
+    model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return [(layer.keys[0].detach().clone(), layer.values[0].detach().clone()) for layer in cache.layers]

@@ -173,10 +173,11 @@ class KVCache:
         if lm is None:
             raise KvcInputError("the prefix of a cache with sliding-window layers needs the model (their earlier tokens "
                                 "were dropped)")
-        from .capture import capture
+        from .cachelayout import prefill_kv
 
-        out = capture(lm, token_ids=self.token_ids[:n])
-        out.meta = dict(self.meta)
+        lm.fingerprint.check_compatible(self.fingerprint)
+        kv = prefill_kv(lm.model, self.token_ids[:n])
+        out = KVCache([k for k, _ in kv], [v for _, v in kv], self.token_ids[:n], self.fingerprint, None, dict(self.meta))
         return out if out.dtype == self.dtype else out.to(self.dtype)
 
     def to(self, dtype: torch.dtype) -> "KVCache":
