@@ -153,7 +153,9 @@ def _given(k: torch.Tensor, v: torch.Tensor) -> Fetch:
 @torch.inference_mode()
 def prefill_kv(model: Any, token_ids: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, the K/V [H, t, D] (batch 1) a fresh prefill of ``token_ids`` leaves in the model's own cache."""
+    cache_windows(model.config)  # refuses layer types without per-token K/V
     cache = DynamicCache(config=model.config)
     ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(1, -1)
     model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    return [(layer.keys[0].detach().clone(), layer.values[0].detach().clone()) for layer in cache.layers]
+    layers: list[Any] = list(cache.layers)  # attention layers only (cache_windows refuses the others)
+    return [(layer.keys[0].detach().clone(), layer.values[0].detach().clone()) for layer in layers]
