@@ -114,14 +114,6 @@ class ProbeStats:
         return r
 
 
-def prefix_cache(cache: Any, n: int) -> Any:
-    """The cache of the first ``n`` context tokens (a causal model's KV prefix is the prefix's KV)."""
-    from ..kvcache import KVCache
-
-    return KVCache([k[:, :n].contiguous() for k in cache.keys], [v[:, :n].contiguous() for v in cache.values],
-                   cache.token_ids[:n], cache.fingerprint, None, dict(cache.meta))
-
-
 def greedy_with_margins(lm: Any, cache: Any, first_token: int, n: int) -> tuple[list[int], list[float]]:
     """``n`` greedy tokens after feeding ``first_token`` to ``cache``, and each step's top-2 logit margin."""
     import torch
@@ -187,7 +179,7 @@ def guarded_plan(cache: Any, lm: Any, preset: str, args: dict[str, Any], target:
                                 f"{4 * MIN_PROBE_TOKENS} tokens: encoded at the preset's step0 unchecked"}
         return plan
     probe = np.asarray(cache.token_ids[T - n:], np.int64)
-    prefix = prefix_cache(cache, T - n)
+    prefix = cache.prefix(T - n, lm)
     exact_logits = continue_logits(lm, prefix, probe)
     exact_greedy, margins = greedy_with_margins(lm, prefix, int(probe[0]), target.greedy_tokens) if target.greedy_tokens else ([], [])
     args["cal"] = args.get("cal") or get_calibration(lm, fingerprint_id=cache.fingerprint.id, build=True)
