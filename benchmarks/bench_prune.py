@@ -43,7 +43,7 @@ from kvcodec.kvcache import KVCache, load_h5, save_h5  # noqa: E402
 from kvcodec.model import load_model  # noqa: E402
 from kvcodec.prune import evaluate_pruned, h2o_prune, parse_prune  # noqa: E402
 from kvcodec.prune.h2o import attention_scores  # noqa: E402
-from kvcodec.kvcache import token_ids_sha256 as ids_sha256  # noqa: E402
+from kvcodec.fingerprint import token_ids_sha256 as ids_sha256  # noqa: E402
 from kvcodec.prune.lingua import pack_mask, segment_relevance, select_lingua, self_information  # noqa: E402
 from kvcodec.texts import DEFAULT_BENCH_TEXTS, load_text  # noqa: E402
 

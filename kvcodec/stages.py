@@ -20,8 +20,9 @@ output bit for bit.
 from __future__ import annotations
 
 import json
-from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from abc import ABC, ABCMeta, abstractmethod
+from collections.abc import Mapping
+from dataclasses import FrozenInstanceError, dataclass, field
 from typing import Any, Callable, ClassVar, Literal, Union
 
 import numpy as np
@@ -30,6 +31,10 @@ from .errors import KvcCodecError, KvcFormatError
 
 StageKind = Literal["array->array", "array->bytes", "bytes->bytes"]
 SideData = dict[str, np.ndarray]
+# Encoder-only inputs of one tensor's pipeline, keyed by stage name (e.g. ``"tokenscale"`` ->
+# :class:`kvcodec.quant.tokenscale.TokenClasses`). Not config: never in the file, absent on decode.
+EncoderInputs = Mapping[str, Any]
+EncoderInputsSpec = Callable[[int, str], EncoderInputs]
 
 
 @dataclass(frozen=True)
@@ -62,7 +67,9 @@ class ChunkContext:
     ``layer`` and ``kind`` ("k" or "v") let stages pick per-layer settings;
     ``positions`` are the original token positions of the chunk's tokens (for
     RoPE); ``attachments`` are file-level blobs (e.g. calibration matrices)
-    keyed by name.
+    keyed by name, stored or external alike; ``encoder`` holds this tensor's
+    encoder-only inputs (:data:`EncoderInputs`), handed in by the writer from the
+    plan -- stages hold none themselves, so one stage object may encode any layer.
     """
 
     layer: int = 0
@@ -71,10 +78,35 @@ class ChunkContext:
     positions: np.ndarray | None = None
     attachments: dict[str, np.ndarray] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    encoder: EncoderInputs = field(default_factory=dict)
 
 
-class Stage(ABC):
-    """One step of a codec pipeline. Subclasses set name/version/kind."""
+class _FrozenAfterInit(ABCMeta):
+    """Seals every stage once its ``__init__`` (the config validation) has run."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        obj = super().__call__(*args, **kwargs)
+        object.__setattr__(obj, "_sealed", True)
+        return obj
+
+
+class Stage(ABC, metaclass=_FrozenAfterInit):
+    """One step of a codec pipeline. Subclasses set name/version/kind.
+
+    A stage is pure configuration, immutable once built (as zarr v3 codecs are frozen
+    dataclasses): ``__init__`` validates the config and sets attributes, after which any
+    assignment raises :class:`dataclasses.FrozenInstanceError`. Why: the writer stores one
+    pipeline per distinct config and may encode several layers with one stage object, so
+    per-layer encoder inputs travel in :attr:`ChunkContext.encoder`, never on the stage.
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_sealed"):
+            raise FrozenInstanceError(f"codec {self.name!r}: a stage is immutable configuration (cannot set {name!r})")
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError(f"codec {self.name!r}: a stage is immutable configuration (cannot delete {name!r})")
 
     name: ClassVar[str]
     version: ClassVar[int] = 1
@@ -290,7 +322,9 @@ class Plan:
     :class:`~kvcodec.format.writer.ExternalAttachment` (referenced by sha256);
     ``params`` records the plan's settings (written under ``meta["plan"]`` by callers
     that want them); ``chunk_tokens`` is a layout the plan requires (the baselines' KIVI
-    window needs a whole tensor per chunk), None for the writer's default.
+    window needs a whole tensor per chunk), None for the writer's default;
+    ``encoder_inputs`` gives each (layer, kind) its encoder-only inputs (tokenscale's token
+    classes), which the writer passes to that tensor's chunks in :attr:`ChunkContext.encoder`.
     """
 
     pipelines: PipelineSpec
@@ -299,7 +333,9 @@ class Plan:
     params: dict[str, Any] = field(default_factory=dict)
     chunk_tokens: int | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    encoder_inputs: EncoderInputsSpec | None = None
 
     def pipeline(self, layer: int, kind: str) -> Pipeline:
         """The pipeline of one tensor, whichever form ``pipelines`` takes."""
         return self.pipelines if isinstance(self.pipelines, Pipeline) else self.pipelines(layer, kind)
+

@@ -36,7 +36,7 @@ from kvcodec.format.writer import encode_kvc_bytes
 from kvcodec.kvcache import KVCache
 from kvcodec.plans import get_plan
 from kvcodec.quant import vectors as V
-from kvcodec.quant.tokenscale import vector_cases
+from kvcodec.quant.tokenscale import TokenClasses, vector_cases
 from kvcodec.stages import ArraySpec, ChunkContext, stage_from_json
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -240,9 +240,7 @@ def write_tokenscale_vectors(root: Path = CODEC_DIR) -> None:
             continue
         st = stage_from_json(case["stage"])
         x = case["input"]
-        if "classes" in case:
-            st.encoder_classes, st.encoder_table = case["classes"], case["table"]
-        ctx = ChunkContext()
+        ctx = ChunkContext(encoder={"tokenscale": TokenClasses(case["classes"], case["table"])} if "classes" in case else {})
         enc, side = st.encode(x, ctx)
         dec = st.decode(enc, side, ArraySpec(tuple(x.shape), str(x.dtype)), ctx)
         extra = {"encoder": {"classes": case["classes"].tolist(), "table": case["table"].tolist()}} if "classes" in case else None
