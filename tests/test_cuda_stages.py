@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 import torch  # noqa: E402
 
 from kvcodec.entropy.rans_stage import RansStage  # noqa: E402
-from kvcodec.errors import KvcFormatError  # noqa: E402
+from kvcodec.errors import KvcFormatError, KvcInputError  # noqa: E402
 from kvcodec.stages import ArraySpec, ChunkContext, Pipeline  # noqa: E402
 
 pytestmark = pytest.mark.triton
@@ -242,7 +242,7 @@ def test_layout_writers_hf_and_paged():
     hf = torch.zeros((1, 1, 1, 2), dtype=torch.bfloat16)
     store_hf(nan, hf)
     assert torch.isnan(hf).all()  # NaN payload bits are platform-specific (torch CPU gives 0xFFFF here); decoded KV is never NaN
-    with pytest.raises(ValueError):
+    with pytest.raises(KvcInputError):
         store_paged(x, torch.zeros((2, 4, H, D)), torch.tensor([0, 1]), 0)
 
 
@@ -388,7 +388,7 @@ def test_fused_chain_into_layouts(chunks, pca_attachments):
         got = torch.stack([cache[table[(2 + t) // 4], (2 + t) % 4] for t in range(Tn)], dim=1)
         assert torch.equal(got.contiguous().view(torch.uint8), cpu.to(dt).contiguous().view(torch.uint8))
         assert int((cache != 0).sum()) == int((cpu.to(dt) != 0).sum())
-    with pytest.raises(ValueError):
+    with pytest.raises(KvcInputError):
         backend.decode_chunk_into(pipe, payload, sides, sizes, spec, ctx, torch.zeros((1, H, Tn - 1, D), dtype=torch.float16))
 
 

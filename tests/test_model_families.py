@@ -65,7 +65,7 @@ def family_dirs(tmp_path_factory):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_flow(family, family_dirs, tmp_path):
     from kvcodec.capture import capture, tokenize
-    from kvcodec.format import KvcReader, write_kvc
+    from kvcodec.format import KvcReader, WriteOptions, write_kvc
     from kvcodec.plans import get_plan
     from kvcodec.knowledge import KnowledgeBase
     from kvcodec.model import load_model
@@ -78,7 +78,7 @@ def test_family_flow(family, family_dirs, tmp_path):
     for preset in ("lossless", "balanced"):
         plan = get_plan(preset, cache, lm=lm)
         p = tmp_path / f"{preset}.kvc"
-        write_kvc(cache, p, plan.pipelines, attachments=plan.attachments, preset=plan.preset)
+        write_kvc(cache, p, plan.pipelines, WriteOptions.for_plan(plan))
         with KvcReader(p) as r:
             assert r.verify() == []
             dec = r.read_cache()

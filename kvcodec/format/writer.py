@@ -33,6 +33,10 @@ from .decode import chunk_context
 if TYPE_CHECKING:  # the writer takes a KVCache (torch tensors), but importing the container must not import torch
     from ..kvcache import KVCache
 
+# stages whose encoder needs per-tensor inputs (WriteOptions.encoder_inputs): writing them without any is refused
+ENCODER_INPUT_STAGES = frozenset({"tokenscale"})
+
+
 def writer_version() -> str:
     from .. import __version__
 
@@ -201,6 +205,11 @@ def _write(cache: KVCache, f: BinaryIO, pipelines: PipelineSpec, opts: WriteOpti
     if biggest > MAX_CHUNK_DECODED_BYTES:
         raise KvcInputError(f"a chunk would hold {biggest} bytes (limit {MAX_CHUNK_DECODED_BYTES}); use chunk_tokens")
     table, pid = _resolve_pipelines(pipelines, L)
+    if opts.encoder_inputs is None and any(s.name in ENCODER_INPUT_STAGES for p in table for s in p.stages):
+        # a plan's per-layer inputs dropped on the way (plan.pipelines passed without WriteOptions.for_plan(plan))
+        # would encode every token alike and lose quality silently
+        raise KvcCodecError("a pipeline has a tokenscale stage but no encoder inputs were given: "
+                            "pass WriteOptions.for_plan(plan) (or encoder_inputs=)")
     merged_meta = dict(cache.meta)
     merged_meta.update(meta or {})
 
