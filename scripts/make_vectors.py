@@ -186,10 +186,10 @@ def check_vectors(vdir: Path = VECTOR_DIR) -> list[str]:
 def lossy_cases() -> dict[str, dict[str, Any]]:
     """name -> how the vector's real cache is made and encoded (a preset with overrides, no model: no guard)."""
     return {
-        # the lossy chain: rope, keep, transform (Hadamard), [tokenscale,] quantize, rans
-        "smollm2_24tok_balanced_hadamard": {"text": "gpl3", "tokens": 24, "preset": "balanced",
-                                            "overrides": {"basis": "hadamard"}},
-        # + tokenscale: per-layer token classes from the model's attention (an encoder input of the plan)
+        # the lossy chain: rope, keep, transform (Hadamard), tokenscale, quantize, rans
+        # tokenscale's per-layer token classes come from the model's attention (an encoder input of the plan).
+        # One vector: each is ~0.4 MB (SmolLM2's 60 tensors each carry 24 rANS contexts' 128-byte lane states),
+        # and this one already holds every stage of the lossy presets' chain.
         "smollm2_24tok_small_hadamard_tokenscale": {"text": "gpl3", "tokens": 24, "preset": "small", "importance": True,
                                                     "overrides": {"basis": "hadamard"}},
     }
