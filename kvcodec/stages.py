@@ -12,9 +12,11 @@ small named numpy arrays that the container stores inside the chunk next to
 the payload and hands back on decode. Side data names are namespaced by the
 container per stage index, so two stages may both use ``"scale"``.
 
-The CPU implementation is the definition of a stage. GPU implementations
-subclass it and override only ``encode``/``decode``; they must match the CPU
-output bit for bit.
+The CPU implementation is the definition of a stage. Faster decoders (the fused
+numba decoder, the Triton kernels) are not subclasses: they are backends of the
+decoder registry (:mod:`kvcodec.backends`), which must match this reference bit
+for bit (tests/test_backend_conformance.py). Stages are immutable configuration;
+what only the encoder needs (token classes, ...) arrives in :attr:`ChunkContext.encoder`.
 """
 
 from __future__ import annotations
