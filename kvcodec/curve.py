@@ -359,8 +359,13 @@ def read_kvc_cache(path: str | os.PathLike, attachment_resolver: Callable[..., A
         return r.read_cache()
 
 
-def measure(lm: Any, case: TextCase, method: Method, workdir: str | os.PathLike, greedy_tokens: int = 16) -> dict[str, Any]:
-    """Encode, size, decode and evaluate one method on one text."""
+def measure(lm: Any, case: TextCase, method: Method, workdir: str | os.PathLike, greedy_tokens: int = 16,
+            encoded: tuple[Path, Any, float] | None = None) -> dict[str, Any]:
+    """Encode, size, decode and evaluate one method on one text.
+
+    ``encoded``: (path, plan, encode seconds) of a file the caller already wrote with this
+    method's plan (the demo's own file): it is measured as it is, not encoded a second time.
+    """
     from .evaluate import continue_logits, evaluate
     from .quant.guard import first_near_tie, greedy_with_margins
 
@@ -371,18 +376,22 @@ def measure(lm: Any, case: TextCase, method: Method, workdir: str | os.PathLike,
         case.near_tie_at = first_near_tie(margins)
     if method.roundtrip is not None:
         return dict(_measure_roundtrip(lm, case, method, greedy_tokens), greedy_near_tie_at=case.near_tie_at)
-    assert method.build is not None
-    t0 = time.perf_counter()
-    to_encode, plan = method.build(lm, case)
-    tag = hashlib.sha256(method.key.encode()).hexdigest()[:12]
-    path = Path(workdir) / f"{case.tokens_sha[:12]}-{tag}.kvc"
-    write_kvc(to_encode, path, plan.pipelines, WriteOptions.for_plan(plan, meta={"curve_method": method.key}))
-    t_enc = time.perf_counter() - t0
+    if encoded is not None:
+        path, plan, t_enc = encoded
+    else:
+        assert method.build is not None
+        t0 = time.perf_counter()
+        to_encode, plan = method.build(lm, case)
+        tag = hashlib.sha256(method.key.encode()).hexdigest()[:12]
+        path = Path(workdir) / f"{case.tokens_sha[:12]}-{tag}.kvc"
+        write_kvc(to_encode, path, plan.pipelines, WriteOptions.for_plan(plan, meta={"curve_method": method.key}))
+        t_enc = time.perf_counter() - t0
     size = path.stat().st_size
     t0 = time.perf_counter()
     decoded = read_kvc_cache(path, getattr(plan, "attachment_resolver", None))
     t_dec = time.perf_counter() - t0
-    path.unlink(missing_ok=True)
+    if encoded is None:
+        path.unlink(missing_ok=True)
     t0 = time.perf_counter()
     q = evaluate(lm, case.cache, decoded, case.continuation, greedy_tokens=greedy_tokens,
                  exact_logits=case.exact_logits, exact_greedy=case.exact_greedy)

@@ -154,11 +154,13 @@ def transform_plan(cache: Any, step0: float, sink: int = 4, group: int = 8, cal:
 
 
 # --------------------------------------------------------------------------- measure
-def encode_bytes(cache: Any, plan: Plan) -> bytes:
+def encode_bytes(cache: Any, plan: Plan, verify: bool = True) -> bytes:
+    """The `.kvc` bytes of ``cache`` under ``plan``; ``verify=False`` skips the writer's read-back
+    (for bytes that are decoded right away and never stored, e.g. the quality guard's probes)."""
     from ..format.writer import WriteOptions, write_kvc
 
     buf = io.BytesIO()
-    write_kvc(cache, buf, plan.pipelines, WriteOptions.for_plan(plan, meta={"plan": plan.params}))
+    write_kvc(cache, buf, plan.pipelines, WriteOptions.for_plan(plan, meta={"plan": plan.params}), verify=verify)
     return buf.getvalue()
 
 
@@ -202,7 +204,7 @@ def plan_for_target(cache: Any, lm: Any, target_kl: float | None = None, target_
 
     def measure(step0: float) -> tuple[bool, dict[str, Any]]:
         plan = transform_plan(cache, step0, cal=cal, lm=lm, preset="target", **kw)
-        data = encode_bytes(cache, plan)
+        data = encode_bytes(cache, plan, verify=False)  # decoded right below, never stored
         dec = decode_bytes(data)
         m = compare_logits(exact, continue_logits(lm, dec, continuation), continuation)
         ok = m["kl_mean"] <= target_kl if target_kl is not None else abs(m["dppl_percent"]) <= target_dppl

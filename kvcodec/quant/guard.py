@@ -198,7 +198,8 @@ def guarded_plan(cache: Any, lm: Any, preset: str, args: dict[str, Any], target:
     tries: list[dict[str, Any]] = []
     ok = False
     for i in range(MAX_TRIES):
-        data = encode_bytes(prefix, transform_plan(prefix, step0, lm=lm, preset=preset, **prefix_args))
+        # not read back by the writer: decoded right below by the reader, and never stored
+        data = encode_bytes(prefix, transform_plan(prefix, step0, lm=lm, preset=preset, **prefix_args), verify=False)
         dec = decode_bytes(data)
         same = True
         if target.greedy_tokens:

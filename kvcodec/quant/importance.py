@@ -12,9 +12,9 @@ to a few log2 classes (the ``tokenscale`` stage, spec/codec-v1.md).
 
 The future queries are unknown at encode time; the last ``window`` queries of
 the context are the proxy (what the end of the document attends to is what the
-next tokens resemble, as in SnapKV). Scores come from one extra prefill with an
-attention function that recomputes ``softmax(QK^T)`` for those queries from the
-very post-RoPE tensors the layer used, summed over every query head of the layer
+next tokens resemble, as in SnapKV). Scores come from a forward of those queries
+over the cache (one extra prefill where there is no cache) with an attention
+function that recomputes ``softmax(QK^T)`` for those queries from the very post-RoPE tensors the layer used, summed over every query head of the layer
 (the classes are shared by all heads and by K and V of a layer), under the layer's
 own mask: a sliding-window layer's queries see only their last ``window`` keys, and
 its keys that no future query can see (``k <= T - window``) get importance 0, so
@@ -35,8 +35,18 @@ _CHUNK = 128
 
 
 class _Collector:
-    def __init__(self, window: int | None, attention_windows: list[int | None] | None = None) -> None:
+    """Per layer, the mean ``a`` and ``a^2`` of the context's last ``window`` queries over every key position.
+
+    Queries and keys are placed by absolute position: both end at the context's
+    last token ``total - 1`` (a causal layer's last key is its last query's own),
+    so the same collector serves a full prefill (queries = keys = the context)
+    and a forward of only the last queries over the cached prefix (keys = past
+    + those queries; a sliding-window cache layer may hand over fewer keys).
+    """
+
+    def __init__(self, window: int | None, total: int, attention_windows: list[int | None] | None = None) -> None:
         self.window = window
+        self.total = total
         self.attention_windows = attention_windows or []
         self.a2: dict[int, Any] = {}
         self.a1: dict[int, Any] = {}
@@ -47,43 +57,36 @@ class _Collector:
         q, k = query[0].float(), key[0].float()
         hq, tq, _ = q.shape
         hkv, tk, _ = k.shape
-        if tq != tk:
-            raise KvcInputError("importance scoring expects one prefill without a past cache")
+        T = self.total
+        if not tq <= tk <= T:
+            raise KvcInputError(f"importance scoring got {tq} queries over {tk} keys of a {T}-token context")
+        q0, k0 = T - tq, T - tk  # absolute positions of the first query and the first key
         k_rep = k.repeat_interleave(hq // hkv, dim=0)
-        start = 0 if self.window is None else max(0, tq - self.window)
-        a2 = torch.zeros(tk, dtype=torch.float64)
-        a1 = torch.zeros(tk, dtype=torch.float64)
-        kpos = torch.arange(tk)
+        start = q0 if self.window is None else max(q0, T - self.window)
+        a2 = torch.zeros(T, dtype=torch.float64)
+        a1 = torch.zeros(T, dtype=torch.float64)
+        kpos = torch.arange(k0, T)
         sw = self.attention_windows[layer] if layer < len(self.attention_windows) else None
-        for a in range(start, tq, _CHUNK):
-            b = min(tq, a + _CHUNK)
-            logits = torch.matmul(q[:, a:b], k_rep.transpose(1, 2)) * scaling
+        for a in range(start, T, _CHUNK):
+            b = min(T, a + _CHUNK)
+            logits = torch.matmul(q[:, a - q0:b - q0], k_rep.transpose(1, 2)) * scaling
             qpos = torch.arange(a, b)[:, None]
             hidden = kpos[None, :] > qpos
             if sw is not None:  # the layer's own mask: a sliding layer's query sees only its last `sw` keys
                 hidden = hidden | (kpos[None, :] <= qpos - sw)
             logits = logits.masked_fill(hidden, float("-inf"))
             p = torch.softmax(logits, dim=-1)
-            a2 += (p * p).sum((0, 1)).double()
-            a1 += p.sum((0, 1)).double()
-        if sw is not None:  # no future query (position >= tq) can see keys k <= tq - sw: no importance at all
-            a2[: max(0, tq - sw + 1)] = 0.0
-            a1[: max(0, tq - sw + 1)] = 0.0
-        n = (tq - start) * hq
+            a2[k0:] += (p * p).sum((0, 1)).double()
+            a1[k0:] += p.sum((0, 1)).double()
+        if sw is not None:  # no future query (position >= T) can see keys k <= T - sw: no importance at all
+            a2[: max(0, T - sw + 1)] = 0.0
+            a1[: max(0, T - sw + 1)] = 0.0
+        n = (T - start) * hq
         self.a2[layer] = (a2 / n).numpy()
         self.a1[layer] = (a1 / n).numpy()
 
 
-def attention_importance(lm: Any, token_ids: np.ndarray, window: int | None = DEFAULT_WINDOW,
-                         squared: bool = True) -> np.ndarray:
-    """Mean over the last ``window`` queries and all query heads of ``a^2`` (or ``a``) per (layer, key token) [L, T] float64."""
-    import torch
-
-    ids = torch.as_tensor(np.asarray(token_ids, dtype=np.int64)).reshape(1, -1)
-    if ids.shape[1] == 0:
-        raise KvcInputError("no tokens to score")
-    with torch.inference_mode(), tapped(lm, _Collector(window, getattr(lm, "attention_windows", None))) as col:
-        lm.model(input_ids=ids, use_cache=False, logits_to_keep=1)
+def _scores(lm: Any, col: _Collector, squared: bool) -> np.ndarray:
     L = lm.fingerprint.num_layers
     src = col.a2 if squared else col.a1
     missing = [i for i in range(L) if i not in src]
@@ -92,11 +95,47 @@ def attention_importance(lm: Any, token_ids: np.ndarray, window: int | None = DE
     return np.stack([src[i] for i in range(L)])
 
 
+def attention_importance(lm: Any, token_ids: np.ndarray, window: int | None = DEFAULT_WINDOW,
+                         squared: bool = True) -> np.ndarray:
+    """Mean over the last ``window`` queries and all query heads of ``a^2`` (or ``a``) per (layer, key token) [L, T] float64.
+
+    One prefill of the whole context (no cache at hand: see :func:`cache_importance`).
+    """
+    import torch
+
+    ids = torch.as_tensor(np.asarray(token_ids, dtype=np.int64)).reshape(1, -1)
+    if ids.shape[1] == 0:
+        raise KvcInputError("no tokens to score")
+    with torch.inference_mode(), tapped(lm, _Collector(window, ids.shape[1], getattr(lm, "attention_windows", None))) as col:
+        lm.model(input_ids=ids, use_cache=False, logits_to_keep=1)
+    return _scores(lm, col, squared)
+
+
 def cache_importance(lm: Any, cache: Any, window: int | None = DEFAULT_WINDOW) -> np.ndarray | None:
-    """:func:`attention_importance` of an unpruned cache's context, or None when it cannot apply (pruned cache)."""
+    """:func:`attention_importance` of an unpruned cache's context, or None when it cannot apply (pruned cache).
+
+    Why not a prefill: the cache already holds every key, and the scores need
+    only the last ``window`` queries. So the model runs just those tokens over
+    the cache's own prefix (a causal model's KV prefix is the prefix's KV):
+    ``window / T`` of a prefill's work (a quarter at 2K tokens), the same
+    queries and keys up to float rounding.
+    """
     if cache.positions is not None or cache.num_tokens != cache.num_context_tokens:
         return None
-    return attention_importance(lm, cache.token_ids, window)
+    T = int(cache.num_tokens)
+    if window is None or window >= T:
+        return attention_importance(lm, cache.token_ids, window)
+    import torch
+
+    from .guard import prefix_cache
+
+    start = T - window
+    past = prefix_cache(cache, start).for_model(lm)
+    ids = torch.as_tensor(np.asarray(cache.token_ids[start:], dtype=np.int64)).reshape(1, -1)
+    with torch.inference_mode(), tapped(lm, _Collector(window, T, getattr(lm, "attention_windows", None))) as col:
+        lm.model(input_ids=ids, past_key_values=past, position_ids=torch.arange(start, T).reshape(1, -1),
+                 use_cache=True, logits_to_keep=1)
+    return _scores(lm, col, True)
 
 
 def token_multipliers(w: np.ndarray, sink: int, n_classes: int = 16, log2_step: float = 0.5,
