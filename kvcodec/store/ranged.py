@@ -175,6 +175,11 @@ class RangeReader(ByteSource):
     def open(source: str | os.PathLike[str], **kwargs: Any) -> "RangeReader":
         return open_range_reader(source, **kwargs)
 
+    def read(self, offset: int, length: int) -> bytes:
+        """Exactly ``length`` bytes starting at ``offset`` (as ``bytes``; the checks are ByteSource's)."""
+        data = super().read(offset, length)
+        return data if isinstance(data, bytes) else bytes(data)
+
     def __enter__(self) -> "RangeReader":
         return self
 
