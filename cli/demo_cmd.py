@@ -12,7 +12,8 @@ from .options import emit_json, json_option, model_option
 @click.command("demo")
 @model_option
 @click.option("--text", "text_path", default="gpl3", show_default=True, help="Document (file or corpus name).")
-@click.option("--max-tokens", type=int, default=2048, show_default=True, help="Context tokens to capture.")
+# kvcodec.mainjob.DEMO_TOKENS (not imported here: that module loads torch; tests/test_mainjob.py keeps them equal)
+@click.option("--max-tokens", type=int, default=1024, show_default=True, help="Context tokens to capture.")
 @click.option("--continuation", type=int, default=256, show_default=True, help="Tokens used to measure quality.")
 @click.option("--preset", default="balanced", show_default=True)
 @click.option("--out-dir", type=click.Path(file_okay=False), default="kvc-demo", show_default=True)

@@ -11,6 +11,8 @@ other value is a local HF model directory. Nothing here touches the network.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import importlib.util
 import os
@@ -21,6 +23,7 @@ import time
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import Any, Iterator
 
 from .errors import KvcModelNotFoundError
 from .fingerprint import ModelFingerprint, fingerprint_dir, fingerprint_model, weights_identity, weights_sha256
@@ -168,6 +171,38 @@ def _gguf_path() -> Path:
     return shipped_gguf(SHIPPED[DEFAULT_MODEL])
 
 
+@contextlib.contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """Within one conversion, parse the GGUF once and build each tensor-name map once.
+
+    Why: transformers' GGUF loading constructs a ``gguf.GGUFReader`` (which
+    decodes every metadata field, the ~49k-entry vocabulary and merges
+    included) separately for the config, the weights and the tokenizer, and
+    rebuilds gguf's tensor-name map for each of the model's ~400 modules: about
+    two thirds of converting the embedded model (issue 21: the first run). Both
+    are pure functions of their arguments, and the reader only maps the file
+    read-only, so one instance of each serves the whole conversion. The patch
+    lives only inside this block.
+    """
+    import gguf
+
+    orig_reader, orig_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[Any, Any] = {}
+
+    def reader(path: Any, *args: Any, **kwargs: Any) -> Any:
+        key = (os.fspath(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = orig_reader(path, *args, **kwargs)
+        return readers[key]
+
+    gguf.GGUFReader = reader  # type: ignore[misc,assignment]
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(orig_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = orig_reader, orig_map  # type: ignore[misc]
+
+
 def _convert_gguf(gguf: Path, dest: Path) -> None:
     """Dequantise the GGUF into an fp32 HF directory at ``dest``, atomically."""
     import torch
@@ -177,8 +212,9 @@ def _convert_gguf(gguf: Path, dest: Path) -> None:
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=dest.parent))
     try:
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        with _gguf_parsed_once():
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         # The weights are dequantised now; drop the GGUF marker so HF can save them.
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config

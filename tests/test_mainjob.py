@@ -30,3 +30,12 @@ def test_main_job_small(tmp_path, lm):
     text = render(rep)
     assert "TTFT warm" in text and "TTFT cold" in text and "kvcodec:balanced" in text
     assert (tmp_path / "curve.png").stat().st_size > 0
+    assert set(rep["phases_s"]) == {"model_load", "capture", "encode", "evaluate", "ttft", "curve"}
+    assert all(v >= 0 for v in rep["phases_s"].values()) and "time " in text
+
+
+def test_demo_cli_default_is_the_library_default():
+    from kvcodec.cli.demo_cmd import demo_command
+    from kvcodec.mainjob import DEMO_TOKENS
+
+    assert next(p.default for p in demo_command.params if p.name == "max_tokens") == DEMO_TOKENS

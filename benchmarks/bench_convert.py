@@ -1,0 +1,58 @@
+"""GGUF -> HF conversion of the embedded model, with and without parsing the GGUF once (issue 21).
+
+transformers' GGUF loading builds a ``gguf.GGUFReader`` (every metadata field,
+the whole vocabulary) for the config, the weights and the tokenizer separately,
+and rebuilds gguf's tensor-name map per module; ``kvcodec.model._gguf_parsed_once``
+shares one of each within a conversion. This script converts the embedded
+SmolLM2 GGUF into temporary directories alternately without (``plain``) and with
+(``once``) that, in the same process, checks that every output file is
+byte-identical, and prints the seconds of each run and the median ratio.
+
+    python benchmarks/bench_convert.py --repeats 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from kvcodec import model as M
+
+
+def digest(d: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+    gguf, once = M._gguf_path(), M._gguf_parsed_once
+    times: dict[str, list[float]] = {"plain": [], "once": []}
+    outputs: dict[str, dict[str, str]] = {}
+    with tempfile.TemporaryDirectory() as work:
+        for i in range(args.repeats):
+            for mode in ("plain", "once"):
+                M._gguf_parsed_once = once if mode == "once" else contextlib.nullcontext  # type: ignore[assignment]
+                dest = Path(work) / f"{mode}-{i}"
+                t0 = time.perf_counter()
+                M._convert_gguf(gguf, dest)
+                times[mode].append(time.perf_counter() - t0)
+                outputs[mode] = digest(dest)
+                print(f"{mode}: {times[mode][-1]:.1f} s", flush=True)
+    M._gguf_parsed_once = once
+    same = outputs["plain"] == outputs["once"]
+    print(f"median plain {statistics.median(times['plain']):.1f} s, once {statistics.median(times['once']):.1f} s: "
+          f"{statistics.median(times['plain']) / statistics.median(times['once']):.2f}x faster; "
+          f"outputs byte-identical: {same}")
+    if not same:
+        raise SystemExit("outputs differ")
+
+
+if __name__ == "__main__":
+    main()
