@@ -50,7 +50,7 @@ from .attachments import default_resolver
 from .plans import get_plan
 from .quant import codecplan
 from .quant.presets import PRESETS as LOSSY_PRESETS
-from .quant.guard import prefix_cache
+from .quant.importance import prefix_cache
 
 PLOT_FORMATS = (".png", ".svg", ".pdf")  # what --plot writes (matplotlib backends without extra deps)
 SCHEMA = "kvcodec-curve/1"

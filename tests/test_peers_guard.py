@@ -41,7 +41,7 @@ def _probe_quality(lm, cache, step0, args, n):
     """Independent re-measurement of the guard's probe: the context minus its last n tokens encoded as a
     document of its own at ``step0``, decoded, continued on those n tokens, against the exact prefix."""
     from kvcodec.evaluate import compare_logits, continue_logits
-    from kvcodec.quant.guard import prefix_cache
+    from kvcodec.quant.importance import prefix_cache
     from kvcodec.quant.codecplan import decode_bytes, encode_bytes, transform_plan
 
     T = cache.num_tokens

@@ -114,14 +114,6 @@ class ProbeStats:
         return r
 
 
-def prefix_cache(cache: Any, n: int) -> Any:
-    """The cache of the first ``n`` context tokens (a causal model's KV prefix is the prefix's KV)."""
-    from ..kvcache import KVCache
-
-    return KVCache([k[:, :n].contiguous() for k in cache.keys], [v[:, :n].contiguous() for v in cache.values],
-                   cache.token_ids[:n], cache.fingerprint, None, dict(cache.meta))
-
-
 def greedy_with_margins(lm: Any, cache: Any, first_token: int, n: int) -> tuple[list[int], list[float]]:
     """``n`` greedy tokens after feeding ``first_token`` to ``cache``, and each step's top-2 logit margin."""
     import torch
@@ -174,7 +166,7 @@ def guarded_plan(cache: Any, lm: Any, preset: str, args: dict[str, Any], target:
     from ..evaluate import continue_logits
     from .calibrate import get_calibration
     from .codecplan import TOKENSCALE_DEFAULT, decode_bytes, encode_bytes, transform_plan
-    from .importance import cache_importance
+    from .importance import cache_importance, prefix_cache
 
     t_start = time.perf_counter()
     args = dict(args)

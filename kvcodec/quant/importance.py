@@ -111,6 +111,16 @@ def attention_importance(lm: Any, token_ids: np.ndarray, window: int | None = DE
     return _scores(lm, col, squared)
 
 
+def prefix_cache(cache: Any, n: int) -> Any:
+    """The cache of the first ``n`` context tokens (a causal model's KV prefix is the prefix's KV).
+
+    Here, where token importance needs it, and the quality guard imports it from here (no import cycle)."""
+    from ..kvcache import KVCache
+
+    return KVCache([k[:, :n].contiguous() for k in cache.keys], [v[:, :n].contiguous() for v in cache.values],
+                   cache.token_ids[:n], cache.fingerprint, None, dict(cache.meta))
+
+
 def cache_importance(lm: Any, cache: Any, window: int | None = DEFAULT_WINDOW) -> np.ndarray | None:
     """:func:`attention_importance` of an unpruned cache's context, or None when it cannot apply (pruned cache).
 
@@ -126,8 +136,6 @@ def cache_importance(lm: Any, cache: Any, window: int | None = DEFAULT_WINDOW) -
     if window is None or window >= T:
         return attention_importance(lm, cache.token_ids, window)
     import torch
-
-    from .guard import prefix_cache
 
     start = T - window
     past = prefix_cache(cache, start).for_model(lm)
