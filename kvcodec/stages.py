@@ -286,9 +286,9 @@ class Pipeline:
         data, side = self.bytes_stage.encode(arr, ctx)
         sides.append(side)
         sizes: list[int] = []
-        for s in self.byte_stages:
+        for b in self.byte_stages:
             sizes.append(len(data))
-            data = s.encode(data, ctx)
+            data = b.encode(data, ctx)
             sides.append({})
         return data, sides, sizes
 

@@ -398,7 +398,8 @@ class _Expectation:
             with KvcReader(source, self.resolver(), max_decoded_bytes=_declared_bytes(cache)) as r:
                 r.verify(strict=True, backend="cpu", expected=self.checks)
                 pos = r.positions
-                if (pos is None) != (cache.positions is None) or (pos is not None and not np.array_equal(pos, cache.positions)):
+                want = cache.positions
+                if (pos is None) != (want is None) or (pos is not None and want is not None and not np.array_equal(pos, want)):
                     raise KvcFormatError("positions read back differently")
         except KvcError as exc:
             raise KvcCodecError(f"{what}: the written file does not read back as written ({exc}); nothing was kept") from None
@@ -436,7 +437,7 @@ def write_kvc(cache: KVCache, dest: str | os.PathLike | BinaryIO, pipelines: Pip
     # only on a clean exit: a file that fails the read-back never appears at ``dest``.
     expect = _Expectation(cache) if verify else None
     with atomic_file(dest, "wb") as f:
-        n = _write(cache, f, pipelines, opts, expect)
+        n = _write(cache, f, pipelines, opts, expect)  # type: ignore[arg-type]  # atomic_file("wb") is binary
         if expect is not None:
             f.flush()
             expect.check(f.name, cache, str(dest))  # the temp file, still unrenamed

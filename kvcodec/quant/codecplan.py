@@ -207,7 +207,7 @@ def plan_for_target(cache: Any, lm: Any, target_kl: float | None = None, target_
         data = encode_bytes(cache, plan, verify=False)  # decoded right below, never stored
         dec = decode_bytes(data)
         m = compare_logits(exact, continue_logits(lm, dec, continuation), continuation)
-        ok = m["kl_mean"] <= target_kl if target_kl is not None else abs(m["dppl_percent"]) <= target_dppl
+        ok = m["kl_mean"] <= target_kl if target_kl is not None else abs(m["dppl_percent"]) <= (target_dppl or 0.0)
         info = {"step0": step0, "kl_mean": m["kl_mean"], "dppl_percent": m["dppl_percent"], "bytes": len(data)}
         if verbose:
             print(f"plan_for_target: step0={step0:.4g} bytes={len(data)} kl={m['kl_mean']:.3g} dppl={m['dppl_percent']:+.3f}% ok={ok}", flush=True)
