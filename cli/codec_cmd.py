@@ -27,6 +27,9 @@ def render_info(d: dict[str, Any]) -> str:
         orig = d.get("original_context_tokens")
         of = f" of {orig:,}" if orig is not None and orig != d["context_tokens"] else ""
         tok += f" (kept {100 * d['kept_fraction']:.1f}%{of}, {d['positions']} positions)"
+    if d.get("layer_tokens"):
+        lt = d["layer_tokens"]
+        tok += f" (sliding-window layers keep their window: {sum(t < d['stored_tokens'] for t in lt)} layers store {min(lt):,})"
     lines.append(tok + f"; token ids {d['token_ids']}")
     lines.append(f"tensors:     {d['dtype']}, {2 * m['layers']} tensors in {d['chunks']} chunks")
     lines.append(f"codec:       {d['codec'] or '(none given)'}")

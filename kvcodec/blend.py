@@ -153,9 +153,11 @@ def _model_parts(lm: Any) -> dict[str, Any]:
         ok = ok and all(hasattr(layer, n) for n in ("input_layernorm", "post_attention_layernorm", "mlp"))
         if not ok or hasattr(att, "q_norm") or hasattr(att, "k_norm"):
             raise KvcInputError(f"blend cannot drive layer {i} of {type(model).__name__} (not a LLaMA-style decoder layer)")
+    from .cachelayout import cache_windows
+
     cfg = model.config.get_text_config()
-    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
-        raise KvcInputError("blend does not support sliding-window attention")
+    if any(w is not None for w in cache_windows(model.config)):
+        raise KvcInputError("blend (CacheBlend) does not support sliding-window attention layers")
     return {"model": model, "base": base, "layers": base.layers, "rotary": base.rotary_emb, "config": cfg}
 
 

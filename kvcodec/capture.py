@@ -53,39 +53,46 @@ def check_fits(lm: LoadedModel, n_tokens: int, what: str = "the context") -> Non
                             "(use --max-tokens or a shorter text)")
 
 
-def full_cache() -> Any:
-    """An empty HF cache whose every layer keeps every token, also for sliding-window layers.
+def model_cache(lm: LoadedModel) -> Any:
+    """An empty HF cache of the layer classes a fresh prefill of ``lm`` uses (:mod:`kvcodec.cachelayout`).
 
-    Why: given the model's config, transformers builds a hybrid cache whose
-    sliding-window layers keep only their last ``window - 1`` tokens, so
-    layers would hold different token counts. The attention masks apply each
-    layer's window themselves (from the config, not from the cache class), so
-    a full layer gives bit-identical logits and generation continues exactly
-    (tests/test_models.py); the capture and every `.kvc` then keep one token
-    count for all layers. The cost: a sliding layer's tokens beyond its window
-    are stored although no later query can attend to them (issue 19's ragged
-    layout would drop them).
+    Why not a plain full cache: a sliding-window layer keeps only the last
+    ``window - 1`` tokens, the only ones any later query can attend to; storing
+    the others would cost bits for nothing (the ragged layout, spec/kvc-v1.md
+    §4.2), and the loader rebuilds exactly this cache so generation continues
+    as after the prefill. Refuses models whose cache holds no per-token K/V.
     """
     from transformers import DynamicCache
 
-    return DynamicCache()
+    from .cachelayout import cache_windows
+
+    cache_windows(lm.model.config)  # refuses unsupported layer types with one line
+    return DynamicCache(config=lm.model.config)
 
 
 @torch.inference_mode()
-def prefill(lm: LoadedModel, token_ids: np.ndarray, logits_to_keep: int = 1) -> tuple[Any, torch.Tensor]:
+def prefill(lm: LoadedModel, token_ids: np.ndarray, logits_to_keep: int = 1,
+            full_layers: bool = False) -> tuple[Any, torch.Tensor]:
     """Full prefill. Returns (HF DynamicCache, logits [logits_to_keep, vocab]).
 
     Only the last ``logits_to_keep`` positions get logits (0: all of them, for
     tests that compare every position): the full-vocabulary projection of
     every position costs up to 2.6x the rest of a prefill and nobody reads it.
+    ``full_layers`` keeps every token in every layer, sliding-window layers
+    included (the masks apply each layer's window themselves, so logits are the
+    same): for consumers that cut the cache into token ranges (the stream's
+    level chunks), where a later range's prefill needs the earlier tokens.
     """
+    from transformers import DynamicCache
+
     ids = torch.as_tensor(np.asarray(token_ids, dtype=np.int64)).unsqueeze(0)
-    out = lm.model(input_ids=ids, past_key_values=full_cache(), use_cache=True, logits_to_keep=logits_to_keep)
+    past = DynamicCache() if full_layers else model_cache(lm)
+    out = lm.model(input_ids=ids, past_key_values=past, use_cache=True, logits_to_keep=logits_to_keep)
     return out.past_key_values, out.logits[0]
 
 
 def cache_from_hf(past: Any, token_ids: np.ndarray, lm: LoadedModel, meta: dict | None = None) -> KVCache:
-    """Wrap an HF cache (batch 1) as a KVCache carrying the model fingerprint."""
+    """Wrap an HF cache (batch 1) as a KVCache carrying the model fingerprint (sliding layers: the tokens they keep)."""
     keys = [layer.keys[0].detach().clone() for layer in past.layers]
     values = [layer.values[0].detach().clone() for layer in past.layers]
     return KVCache(keys, values, token_ids, lm.fingerprint, meta=dict(meta or {}))
@@ -113,8 +120,10 @@ def capture(
     text: str | None = None,
     token_ids: np.ndarray | None = None,
     max_tokens: int | None = None,
+    full_layers: bool = False,
 ) -> KVCache:
-    """KV cache of ``text`` (or ``token_ids``), truncated to ``max_tokens``."""
+    """KV cache of ``text`` (or ``token_ids``), truncated to ``max_tokens``; a sliding-window layer keeps only
+    its window unless ``full_layers`` (:func:`prefill`)."""
     ids = context_ids(lm, text, token_ids, max_tokens)
-    past, _ = prefill(lm, ids)
+    past, _ = prefill(lm, ids, full_layers=full_layers)
     return cache_from_hf(past, ids, lm, meta={"model": lm.name})

@@ -50,7 +50,6 @@ from .attachments import default_resolver
 from .plans import get_plan
 from .quant import codecplan
 from .quant.presets import PRESETS as LOSSY_PRESETS
-from .quant.importance import prefix_cache
 
 PLOT_FORMATS = (".png", ".svg", ".pdf")  # what --plot writes (matplotlib backends without extra deps)
 SCHEMA = "kvcodec-curve/1"
@@ -157,7 +156,7 @@ def _target(kl: float) -> Callable[[Any, TextCase], tuple[KVCache, Any]]:
         n_tune = min(TUNE_TOKENS, c.num_tokens // 4)
         if c.positions is not None or n_tune < 2:
             raise KvcInputError("target-KL tuning needs an unpruned cache of at least 8 tokens")
-        tune = prefix_cache(c, c.num_tokens - n_tune)
+        tune = c.prefix(c.num_tokens - n_tune, lm)
         _, info = codecplan.plan_for_target(tune, lm, target_kl=kl, continuation=c.token_ids[c.num_tokens - n_tune:])
         plan = codecplan.transform_plan(c, info["step0"], lm=lm, preset=f"target-kl-{kl:g}")
         plan.params = dict(getattr(plan, "params", {}) or {}, tuned_kl=info.get("kl_mean"), tuned_on="context tail")

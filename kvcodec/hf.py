@@ -1,9 +1,11 @@
 """Load `.kvc` caches into HF transformers, decoding layer by layer.
 
 :func:`load_cache` returns a ``DynamicCache`` whose layers are
-:class:`LazyKvcLayer` objects: each knows its sequence length up front (so
-masks can be built before anything is decoded) and decodes its K/V on first
-use. A background thread decodes layers in order ahead of the model, so
+:class:`LazyKvcLayer` objects (:class:`LazyKvcSlidingLayer`, transformers'
+sliding-window layer class, for a model's sliding-window layers: the cache is
+the one a fresh prefill leaves, :mod:`kvcodec.cachelayout`): each knows its
+sequence length up front (so masks can be built before anything is decoded)
+and decodes its K/V on first use. A background thread decodes layers in order ahead of the model, so
 decoding layer i overlaps computing layer i-1 (the decoders spend their time
 in numpy/numba/zstd code that releases the GIL).
 
@@ -23,38 +25,12 @@ from typing import Any, Callable
 import numpy as np
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
+from .cachelayout import LazyKvcLayer, LazyKvcSlidingLayer, cache_windows, check_layer_tokens, hf_cache
 from .errors import KvcInputError
 from .model import LoadedModel
 
-
-class LazyKvcLayer(DynamicLayer):
-    """A DynamicLayer whose cached K/V are decoded from a `.kvc` on first use."""
-
-    def __init__(self, fetch: Callable[[], tuple[torch.Tensor, torch.Tensor]], seq_len: int) -> None:
-        super().__init__()
-        self._fetch: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = fetch
-        self._seq_len = seq_len
-
-    def materialize(self) -> None:
-        if self._fetch is None:
-            return
-        k, v = self._fetch()
-        self._fetch = None
-        self.dtype, self.device = k.dtype, k.device
-        self.keys, self.values = k, v
-        self.is_initialized = True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
-        self.materialize()
-        if self.keys.dtype != key_states.dtype or self.keys.device != key_states.device:
-            self.keys = self.keys.to(key_states.device, key_states.dtype)
-            self.values = self.values.to(value_states.device, value_states.dtype)
-        return super().update(key_states, value_states, *args, **kwargs)
-
-    def get_seq_length(self) -> int:
-        return self._seq_len if self._fetch is not None else super().get_seq_length()
+__all__ = ["LazyKvcLayer", "LazyKvcSlidingLayer", "LoadedKvc", "generate", "greedy_from", "load_cache"]
 
 
 @dataclass
@@ -79,6 +55,8 @@ def load_cache(source: Any, lm: LoadedModel, backend: str | None = None, prefetc
     dtype = next(lm.model.parameters()).dtype
     n_layers = reader.fingerprint.num_layers
     seq_len = reader.header.num_tokens
+    windows = cache_windows(lm.model.config)
+    check_layer_tokens(windows, reader.header.layer_tokens, seq_len, "the .kvc file")
 
     def decode(i: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = reader.read_layer(i, backend=backend)
@@ -100,9 +78,7 @@ def load_cache(source: Any, lm: LoadedModel, backend: str | None = None, prefetc
             return fetch
 
         fetchers = [make(i) for i in range(n_layers)]
-    cache = DynamicCache()
-    cache.layers = [LazyKvcLayer(f, seq_len) for f in fetchers]
-    cache.layer_class_to_replicate = None
+    cache = hf_cache(windows, fetchers, seq_len)
     return LoadedKvc(
         cache=cache, token_ids=reader.token_ids, next_position=reader.header.num_context_tokens, reader=reader
     )

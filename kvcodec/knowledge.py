@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .capture import check_fits, full_cache, tokenize
+from .capture import check_fits, model_cache, tokenize
 from .chat import ChatFormat
 from .errors import KvcError, KvcInputError
 from .format import KvcReader, WriteOptions, encode_kvc_bytes
@@ -214,10 +214,10 @@ class KnowledgeBase:
             timings = {"lookup_s": timings["lookup_s"], "failed_load_s": time.perf_counter() - t0 - timings["lookup_s"]}
         ans = self._answer(ids, q, None, 0, max_new_tokens, store_new, t0, timings, unreadable)
         if store_new and key is not None and key.n_tokens < len(ids) and ans.context_kv is not None:
-            # the evicted entry was a shorter prefix: put a good one back in its place (causal: a prefix's KV is a slice)
-            n = key.n_tokens
-            prefix = KVCache([k[:, :n] for k, _ in ans.context_kv], [v[:, :n] for _, v in ans.context_kv], ids[:n],
-                             self.lm.fingerprint)
+            # the evicted entry was a shorter prefix: put a good one back in its place (causal: a prefix's KV is a
+            # slice; a sliding-window layer's is prefilled again, KVCache.prefix)
+            full = KVCache([k for k, _ in ans.context_kv], [v for _, v in ans.context_kv], ids, self.lm.fingerprint)
+            prefix = full.prefix(key.n_tokens, self.lm)
             ans.answer.stored = dict(ans.answer.stored or {}, replaced=self._deposit_or_warn(prefix))
         return ans.answer
 
@@ -242,10 +242,9 @@ class KnowledgeBase:
         rest = ids[n_cached:]
         if rest.size:  # prefill what the store did not have (all of it on a miss)
             pos = torch.arange(n_cached, len(ids)).unsqueeze(0)
-            # a miss starts from full_cache(): transformers' own cache would keep only a sliding layer's window,
-            # and the context stored below must hold every token in every layer (kvcodec.capture.full_cache)
+            # a miss starts from the model's own cache (sliding-window layers keep their window: the ragged layout)
             out = self.lm.model(input_ids=torch.as_tensor(rest).unsqueeze(0),
-                                past_key_values=past if past is not None else full_cache(), position_ids=pos, use_cache=True,
+                                past_key_values=past if past is not None else model_cache(self.lm), position_ids=pos, use_cache=True,
                                 logits_to_keep=1)
             past = out.past_key_values
         # DynamicLayer.update concatenates into new tensors, so these references stay the context's KV.

@@ -6,6 +6,12 @@ them), the token ids of the context they encode, the model fingerprint, and
 optionally the original positions of the stored tokens (pruned caches keep
 fewer tokens than the context had).
 
+Layers may hold different token counts (the *ragged* layout, spec/kvc-v1.md
+§4.2): a sliding-window layer keeps only the last tokens the model can still
+attend to. Layer ``i`` holds the *last* ``layer_tokens[i]`` of the
+``num_tokens`` tokens (its stored token ``t`` is token ``num_tokens -
+layer_tokens[i] + t`` of the sequence). Only unpruned caches are ragged.
+
 HDF5 layout written by ``kvc capture`` and ``kvc decode`` (format version 1)::
 
     /                attrs: format="kvcodec-capture", format_version=1,
@@ -57,8 +63,23 @@ class KVCache:
 
     @property
     def num_tokens(self) -> int:
-        """Tokens stored in the tensors (fewer than the context if pruned)."""
-        return int(self.keys[0].shape[1])
+        """Tokens of the sequence the tensors store: the context's (fewer if pruned). A sliding-window
+        layer keeps only the last ``layer_tokens[i]`` of them."""
+        return self.num_context_tokens if self.positions is None else int(self.keys[0].shape[1])
+
+    @property
+    def layer_tokens(self) -> tuple[int, ...]:
+        """Tokens each layer stores (its last ones of the ``num_tokens``; fewer for sliding-window layers)."""
+        return tuple(int(k.shape[1]) for k in self.keys)
+
+    @property
+    def ragged(self) -> bool:
+        """True when some layer stores fewer tokens than ``num_tokens`` (spec/kvc-v1.md §4.2)."""
+        return min(self.layer_tokens) != self.num_tokens
+
+    def layer_offset(self, layer: int) -> int:
+        """Index, among the ``num_tokens`` stored tokens, of layer ``layer``'s first stored token."""
+        return self.num_tokens - int(self.keys[layer].shape[1])
 
     @property
     def num_context_tokens(self) -> int:
@@ -85,19 +106,25 @@ class KVCache:
         fp = self.fingerprint
         if len(self.keys) != fp.num_layers or len(self.values) != fp.num_layers:
             raise KvcFormatError(f"cache has {len(self.keys)} key / {len(self.values)} value layers, model has {fp.num_layers}")
-        t = int(self.keys[0].shape[1]) if self.keys and self.keys[0].dim() == 3 else -1
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            t = int(k.shape[1]) if k.dim() == 3 else -1
             want = (fp.num_kv_heads, t, fp.head_dims[i])
             for name, x in (("key", k), ("value", v)):
                 if tuple(x.shape) != want:
                     raise KvcFormatError(f"layer {i} {name} has shape {tuple(x.shape)}, expected {want}")
                 if x.dtype not in _DTYPES.values():
                     raise KvcFormatError(f"layer {i} {name} has unsupported dtype {x.dtype}")
-        if t <= 0:
-            raise KvcFormatError("cache holds no tokens")
-        if self.positions is None and t != self.num_context_tokens:
-            raise KvcFormatError(f"cache holds {t} tokens but has {self.num_context_tokens} token ids and no positions")
+            if t <= 0:
+                raise KvcFormatError(f"layer {i} holds no tokens")
+            if k.dtype != self.keys[0].dtype or v.dtype != self.keys[0].dtype:
+                raise KvcFormatError(f"layer {i} has dtype {k.dtype}/{v.dtype}, layer 0 {self.keys[0].dtype}")
+        t = self.num_tokens
+        if self.positions is None and max(self.layer_tokens) > t:
+            raise KvcFormatError(f"a layer holds {max(self.layer_tokens)} tokens but the cache has only "
+                                 f"{self.num_context_tokens} token ids and no positions")
         if self.positions is not None:
+            if self.ragged:
+                raise KvcFormatError("a pruned cache (with positions) must hold the same tokens in every layer")
             p = np.asarray(self.positions)
             if p.shape not in ((t,), (fp.num_layers, fp.num_kv_heads, t)):
                 raise KvcFormatError(f"positions have shape {p.shape}, expected ({t},) or ({fp.num_layers}, {fp.num_kv_heads}, {t})")
@@ -113,9 +140,38 @@ class KVCache:
         return DynamicCache([(cast(k).unsqueeze(0).clone(), cast(v).unsqueeze(0).clone()) for k, v in zip(self.keys, self.values)])
 
     def for_model(self, lm: Any) -> Any:
-        """A DynamicCache for ``lm`` (a LoadedModel), refusing a cache of another model."""
+        """A DynamicCache for ``lm`` (a LoadedModel) of the layer classes a fresh prefill would give it
+        (sliding-window layers included, :mod:`kvcodec.cachelayout`); refuses a cache of another model."""
+        from .cachelayout import cache_for
+
         lm.fingerprint.check_compatible(self.fingerprint)
-        return self.to_dynamic_cache(dtype=next(lm.model.parameters()).dtype)
+        dtype = next(lm.model.parameters()).dtype
+        return cache_for(lm, self, [(k.to(dtype).unsqueeze(0).clone(), v.to(dtype).unsqueeze(0).clone())
+                                    for k, v in zip(self.keys, self.values)])
+
+    def prefix(self, n: int, lm: Any = None) -> "KVCache":
+        """The cache of the first ``n`` context tokens of an unpruned cache.
+
+        A causal model's KV prefix is the prefix's KV, so full layers are sliced. A sliding-window layer
+        dropped the tokens the prefix's own window would keep, so a ragged cache's prefix is prefilled
+        again on ``lm`` (a KvcInputError without it).
+        """
+        from .errors import KvcInputError
+
+        if self.positions is not None or not 1 <= n <= self.num_tokens:
+            raise KvcInputError(f"a prefix of {n} tokens needs an unpruned cache of at least that many")
+        if not self.ragged:
+            return KVCache([k[:, :n].contiguous() for k in self.keys], [v[:, :n].contiguous() for v in self.values],
+                           self.token_ids[:n], self.fingerprint, None, dict(self.meta))
+        if lm is None:
+            raise KvcInputError("the prefix of a cache with sliding-window layers needs the model (their earlier tokens "
+                                "were dropped)")
+        from .cachelayout import prefill_kv
+
+        lm.fingerprint.check_compatible(self.fingerprint)
+        kv = prefill_kv(lm.model, self.token_ids[:n])
+        out = KVCache([k for k, _ in kv], [v for _, v in kv], self.token_ids[:n], self.fingerprint, None, dict(self.meta))
+        return out if out.dtype == self.dtype else out.to(self.dtype)
 
     def to(self, dtype: torch.dtype) -> "KVCache":
         return KVCache(
@@ -209,9 +265,12 @@ def _check_layout(path: Path, fp: ModelFingerprint, dtype_name: str, shapes: dic
     k0 = shapes.get("layers.0.key")
     if k0 is None or len(k0) != 3:
         raise KvcFormatError(f"{path}: layer 0 key must be a (kv_heads, tokens, head_dim) dataset")
-    T = k0[1]
+    pos = shapes.get("positions")
+    T = k0[1] if pos is not None else n_ctx  # unpruned: a sliding-window layer may keep only its last tokens
     for i in range(fp.num_layers):
-        want = (fp.num_kv_heads, T, fp.head_dims[i])
+        k = shapes.get(f"layers.{i}.key")
+        t_i = k[1] if k is not None and len(k) == 3 and 1 <= k[1] <= T and pos is None else T
+        want = (fp.num_kv_heads, t_i, fp.head_dims[i])
         for kind in ("key", "value"):
             got = shapes.get(f"layers.{i}.{kind}")
             if got is None:
@@ -220,9 +279,6 @@ def _check_layout(path: Path, fp: ModelFingerprint, dtype_name: str, shapes: dic
                 raise KvcFormatError(f"{path}: layer {i} {kind} has shape {tuple(got)}, expected {want}")
     if T <= 0:
         raise KvcFormatError(f"{path}: cache holds no tokens")
-    pos = shapes.get("positions")
-    if pos is None and T != n_ctx:
-        raise KvcFormatError(f"{path}: {T} tokens stored but {n_ctx} token ids and no positions")
     if pos is not None and tuple(pos) not in ((T,), (fp.num_layers, fp.num_kv_heads, T)):
         raise KvcFormatError(f"{path}: positions have shape {tuple(pos)}, expected ({T},) or "
                              f"({fp.num_layers}, {fp.num_kv_heads}, {T})")

@@ -279,6 +279,9 @@ def load_kvc(llm: Any, source: Any, backend: str | None = None, identity: ModelF
     ids = reader.token_ids
     if ids is None:
         raise KvcInputError("the .kvc stores no token ids; llama.cpp needs them to continue the sequence")
+    if reader.header.ragged:
+        raise KvcInputError("the .kvc's sliding-window layers store only their window (ragged layers); "
+                            "loading them into llama.cpp is not supported")
     check_target(fp, shape, int(reader.header.num_tokens), ids)
     buf = state_bytes(reader, shape, backend)
     ctx = llm.ctx

@@ -78,17 +78,11 @@ class LoadedModel:
     @cached_property
     def attention_windows(self) -> list[int | None]:
         """Per layer: the sliding window (a query at q sees keys k with q - k < window, transformers'
-        rule) or None for full causal attention. From ``layer_types`` + ``sliding_window``; a
-        sliding-window model without ``layer_types`` (e.g. Mistral) slides on every layer."""
-        cfg = self.model.config.get_text_config()
-        n = int(cfg.num_hidden_layers)
-        window = getattr(cfg, "sliding_window", None)
-        types = getattr(cfg, "layer_types", None)
-        if not isinstance(window, int) or window <= 0:
-            return [None] * n
-        if not types:
-            return [window if getattr(cfg, "use_sliding_window", True) else None] * n
-        return [window if t == "sliding_attention" else None for t in types]
+        rule) or None for full causal attention, as transformers builds the model's cache
+        (:func:`kvcodec.cachelayout.cache_windows`)."""
+        from .cachelayout import cache_windows
+
+        return cache_windows(self.model.config)
 
     def warm_up(self) -> float:
         """Run one short forward pass, then one more on its cache; returns the seconds it took.

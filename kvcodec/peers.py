@@ -241,6 +241,8 @@ def kvpress_roundtrip(cache: Any, kept: np.ndarray, spec: KvpressSpec) -> tuple[
 
     if cache.positions is not None:
         raise KvcCodecError("kvpress runs on a full (unpruned) context")
+    if cache.ragged:
+        raise KvcCodecError("kvpress pruning of a cache with sliding-window layers (ragged layout) is not supported")
     idx = torch.as_tensor(np.asarray(kept, np.int64))
     keys = [k.gather(1, idx[l][..., None].expand(-1, -1, k.shape[-1])).contiguous() for l, k in enumerate(cache.keys)]
     values = [v.gather(1, idx[l][..., None].expand(-1, -1, v.shape[-1])).contiguous() for l, v in enumerate(cache.values)]

@@ -98,10 +98,13 @@ def encode_levels(
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
     key = manifest_key(ids, model=lm.fingerprint.id, namespace=namespace)
     t0 = time.perf_counter()
-    if cache is None:
-        cache = capture(lm, token_ids=ids)
+    if cache is None:  # every token in every layer: a level chunk is a token range of all layers
+        cache = capture(lm, token_ids=ids, full_layers=True)
     elif not np.array_equal(cache.token_ids, ids) or cache.positions is not None:
         raise KvcInputError("the given cache is not the exact cache of these tokens")
+    elif cache.ragged:
+        raise KvcInputError("level chunks need every token in every layer; this cache's sliding-window layers keep "
+                            "only their window (capture it with full_layers=True)")
     lm.fingerprint.check_compatible(cache.fingerprint, what="cache")
     prefill_s = time.perf_counter() - t0
     chunks: list[ChunkLevels] = []

@@ -20,6 +20,13 @@ def synthetic_cache(dtype=torch.float16, T: int = 8, n_ctx: int | None = None, p
     return KVCache(ks, vs, np.arange(n_ctx or T) + 100, SYNTH_FP, positions)
 
 
+def ragged_cache(dtype=torch.float16) -> KVCache:
+    """12 context tokens; layer 0 a sliding-window layer that keeps its last 5, layer 1 keeps all 12."""
+    full = synthetic_cache(dtype, T=12)
+    return KVCache([full.keys[0][:, 7:].clone(), full.keys[1]], [full.values[0][:, 7:].clone(), full.values[1]],
+                   full.token_ids, SYNTH_FP)
+
+
 def assert_same_cache(a: KVCache, b: KVCache) -> None:
     assert a.fingerprint == b.fingerprint
     assert np.array_equal(a.token_ids, b.token_ids)

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from kvcodec.errors import KvcCodecError, KvcFormatError
 from kvcodec.format import KvcReader, KvcUnknownCodecError, encode_kvc_bytes, lossless_pipeline, raw_pipeline, verify_kvc
 
-from formatutil import assemble, assert_same_cache, crc, header_obj, split, synthetic_cache, with_header  # noqa: E402
+from formatutil import assemble, assert_same_cache, crc, header_obj, split, synthetic_cache, with_header  # noqa: E402,F401
 
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 MEM_LIMIT = 24 << 20
@@ -301,8 +301,10 @@ def test_versions_and_feature_bits(small_file):
     parts = split(small_file)
     with pytest.raises(KvcFormatError, match="major"):
         KvcReader(assemble(parts, major=2))
-    with pytest.raises(KvcFormatError, match=r"unknown feature bits \[0, 5\]"):
-        KvcReader(assemble(parts, req=0b100001))
+    with pytest.raises(KvcFormatError, match=r"unknown feature bits \[1, 5\]"):
+        KvcReader(assemble(parts, req=0b100010))
+    with pytest.raises(KvcFormatError, match="layer_tokens"):  # bit 0 (ragged layers) without its header key
+        KvcReader(assemble(parts, req=0b1))
     with KvcReader(assemble(parts, opt=0xFFFF, minor=7)) as r:  # unknown optional bits / newer minor: fine
         assert r.header.version == (1, 7)
         assert r.verify() == []
@@ -351,3 +353,49 @@ def test_layout_rules(small_file):
     pad[gap[0]] = 7
     assert any("padding" in p for p in verify_kvc(bytes(pad)))
     assert verify_kvc(small_file) == []
+
+
+# -- the ragged layout (spec section 4.2): lying layer_tokens -------------------------
+def ragged_file() -> bytes:
+    from formatutil import ragged_cache
+
+    return encode_kvc_bytes(ragged_cache(), lossless_pipeline("float16"), chunk_tokens=3, chunk_heads=1)
+
+
+@pytest.mark.parametrize("lie, match", [
+    ([12, 12], "layer_tokens"),        # not ragged at all, yet bit 0 set
+    ([5, 12, 3], "layer_tokens"),      # one count per layer
+    ([0, 12], "layer_tokens"),         # a layer with no tokens
+    ([13, 12], "layer_tokens"),        # more than the tensors' tokens
+    ([5.0, 12], "layer_tokens"),       # not an int
+    ("5,12", "layer_tokens"),
+    ([4, 12], "index entry|tile"),     # the chunks cover 5 tokens of layer 0
+    ([6, 12], "index entry|tile"),
+])
+def test_lying_layer_tokens_are_one_format_error(lie, match):
+    data = ragged_file()
+    obj = header_obj(data)
+    assert obj["tensors"]["layer_tokens"] == [5, 12] and split(data)["req"] == 1
+    obj["tensors"]["layer_tokens"] = lie
+    with pytest.raises(KvcFormatError, match=match):
+        open_and_verify(with_header(data, obj))
+
+
+def test_ragged_header_rules():
+    data = ragged_file()
+    parts = split(data)
+    with pytest.raises(KvcFormatError, match="layer_tokens"):  # layer_tokens without feature bit 0
+        KvcReader(assemble(parts, req=0))
+    obj = header_obj(data)
+    del obj["tensors"]["layer_tokens"]
+    with pytest.raises(KvcFormatError, match="layer_tokens"):
+        KvcReader(with_header(data, obj))
+    obj = header_obj(data)
+    obj["tensors"]["layer_tokens"] = [12, 5]  # chunks of layer 0 tile 5 tokens: now a tiling error, never a misread
+    with pytest.raises(KvcFormatError):
+        open_and_verify(with_header(data, obj))
+    obj = header_obj(data)
+    obj["positions"] = {"blob": 0}  # ragged + positions is not a layout
+    with pytest.raises(KvcFormatError, match="positions"):
+        KvcReader(with_header(data, obj))
+    assert only_format_errors(data) == "ok"

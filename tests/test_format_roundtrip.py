@@ -255,3 +255,52 @@ def test_backend_selection(monkeypatch):
     assert resolve_backend(None) == "cpu"
     with pytest.raises(KvcInputError):
         resolve_backend("tpu")
+
+
+@pytest.mark.parametrize("chunk_tokens, pipe", [(None, "raw"), (4, "lossless")])
+def test_ragged_layers_roundtrip(chunk_tokens, pipe):
+    """A sliding-window layer stores only its last tokens (spec section 4.2): exact round trip, its chunks sit at
+    the layer's own token range, element counts and the declared size count only what is stored."""
+    from formatutil import ragged_cache
+
+    from kvcodec.format import lossless_pipeline, raw_pipeline
+
+    c = ragged_cache()
+    assert c.ragged and c.layer_tokens == (5, 12) and c.num_tokens == 12 and c.layer_offset(0) == 7
+    assert c.num_elements == 2 * 2 * 8 * (5 + 12)
+    p = raw_pipeline("float16") if pipe == "raw" else lossless_pipeline("float16")
+    data = encode_kvc_bytes(c, p, chunk_tokens=chunk_tokens)
+    with KvcReader(data) as r:
+        assert r.header.required_features == 1 and r.header.layer_tokens == (5, 12)
+        assert r.header.num_elements == c.num_elements
+        assert {(e.token_start, e.token_end) for e in r.entries if e.layer == 0} == (
+            {(7, 12)} if chunk_tokens is None else {(7, 11), (11, 12)})
+        assert r.verify() == []
+        back = r.read_cache()
+    assert_same_cache(c, back)
+    assert back.layer_tokens == (5, 12)
+    # a file that is not ragged keeps bit 0 clear and no layer_tokens key (files stay as before)
+    flat = encode_kvc_bytes(synthetic_cache(T=12), p, chunk_tokens=chunk_tokens)
+    with KvcReader(flat) as r:
+        assert r.header.required_features == 0 and "layer_tokens" not in r.header.raw["tensors"]
+
+
+@pytest.mark.parametrize("suffix", [".h5", ".safetensors"])
+def test_ragged_capture_files_roundtrip(tmp_path, suffix):
+    """`kvc capture` files carry the ragged layout too (each layer's dataset its own token count), and a
+    layer declaring more tokens than the context is refused before anything is read."""
+    from formatutil import ragged_cache
+
+    from kvcodec.kvcache import load_capture, save_capture
+
+    c = ragged_cache()
+    p = tmp_path / f"c{suffix}"
+    save_capture(c, p)
+    back = load_capture(p)
+    assert_same_cache(c, back)
+    assert back.layer_tokens == (5, 12)
+    bad = KVCache([k[:, :3] for k in c.keys], [v[:, :3] for v in c.values], c.token_ids[:3], c.fingerprint)
+    bad.token_ids = c.token_ids[:2]  # a layer of 3 tokens in a 2-token context: written unchecked, refused on load
+    save_capture(bad, tmp_path / f"bad{suffix}")
+    with pytest.raises(KvcFormatError):
+        load_capture(tmp_path / f"bad{suffix}")

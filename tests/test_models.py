@@ -9,8 +9,9 @@ Per model, on a real text longer than Gemma's window (so its sliding layers real
 
 * capture -> ``.kvc`` lossless -> decode is bit-exact, and greedy generation from the loaded
   ``.kvc`` equals generation from transformers' own live prefill cache (for Gemma: its hybrid
-  cache with ``DynamicSlidingWindowLayer``s), and the capture's sliding layers agree with
-  transformers' sliding-window layers on every token those keep;
+  cache with ``DynamicSlidingWindowLayer``s, which the loader rebuilds); the capture's sliding
+  layers keep exactly the tokens transformers' sliding-window layers keep (the ragged layout),
+  bit-identically;
 * every preset encodes, verifies (CRCs + decode of every chunk) and evaluates against the exact
   cache: rates and KL are ordered, ``near-lossless`` keeps KL < 1e-3 and top-1 >= 0.95; the
   presets' promises (balanced: KL <= 0.01, dPPL <= 1 %; near-lossless: greedy-identical) are
@@ -100,16 +101,18 @@ def test_lossless_roundtrip_continues_like_the_live_cache(mlm, doc):
 
     cache, cont = doc
     live, past = _greedy_live(mlm, cache.token_ids, int(cont[0]), GREEDY)
-    # the capture's layers agree with transformers' cache layers on every token those keep
+    # the capture keeps exactly what transformers' cache keeps (the ragged layout: a sliding layer its last
+    # window - 1 tokens) and agrees with it on every token
     n = cache.num_tokens
+    assert cache.layer_tokens == tuple(n if w is None else min(n, w - 1) for w in mlm.attention_windows)
     for l, layer in enumerate(past.layers):  # (past now also holds the fed tokens: compare the context's)
         kept = layer.keys.shape[2] - len(live)
-        assert 0 < kept <= n
-        assert torch.equal(layer.keys[0, :, :kept], cache.keys[l][:, n - kept:])
-        assert torch.equal(layer.values[0, :, :kept], cache.values[l][:, n - kept:])
+        assert 0 < kept <= cache.layer_tokens[l]
+        assert torch.equal(layer.keys[0, :, :kept], cache.keys[l][:, cache.layer_tokens[l] - kept:])
+        assert torch.equal(layer.values[0, :, :kept], cache.values[l][:, cache.layer_tokens[l] - kept:])
     types = getattr(mlm.model.config.get_text_config(), "layer_types", None) or []
-    if "sliding_attention" in types:  # the test exercises real sliding: transformers dropped tokens there
-        assert min(layer.keys.shape[2] for layer in past.layers) - len(live) < n
+    if "sliding_attention" in types:  # the test exercises real sliding: the capture dropped tokens there
+        assert cache.ragged and min(cache.layer_tokens) < n
     plan = get_plan("lossless", cache)
     data = encode_kvc_bytes(cache, plan.pipelines, WriteOptions.for_plan(plan))
     with KvcReader(data) as r:

@@ -41,11 +41,10 @@ def _probe_quality(lm, cache, step0, args, n):
     """Independent re-measurement of the guard's probe: the context minus its last n tokens encoded as a
     document of its own at ``step0``, decoded, continued on those n tokens, against the exact prefix."""
     from kvcodec.evaluate import compare_logits, continue_logits
-    from kvcodec.quant.importance import prefix_cache
     from kvcodec.quant.codecplan import decode_bytes, encode_bytes, transform_plan
 
     T = cache.num_tokens
-    probe, prefix = cache.token_ids[T - n:], prefix_cache(cache, T - n)
+    probe, prefix = cache.token_ids[T - n:], cache.prefix(T - n)
     dec = decode_bytes(encode_bytes(prefix, transform_plan(prefix, step0, lm=lm, **args)))
     return compare_logits(continue_logits(lm, prefix, probe), continue_logits(lm, dec, probe), probe)
 

@@ -36,8 +36,9 @@ VERSION_MINOR = 0
 PREAMBLE = struct.Struct("<8sHHIQQ")  # magic, major, minor, header_length, required, optional
 PREAMBLE_SIZE = PREAMBLE.size  # 32
 HEADER_CRC_SIZE = 4
-# Feature bits understood by this reader (none are defined in v1.0).
-KNOWN_REQUIRED_FEATURES = 0
+# Feature bits understood by this reader (spec section 3).
+FEATURE_RAGGED = 1 << 0  # required bit 0: layers store different token counts (tensors.layer_tokens, section 4.2)
+KNOWN_REQUIRED_FEATURES = FEATURE_RAGGED
 KNOWN_OPTIONAL_FEATURES = 0
 
 # -- 7. index and footer ----------------------------------------------------

@@ -72,6 +72,7 @@ def describe(r: Any, path: str) -> dict[str, Any]:
         "dtype": hd.dtype,
         "context_tokens": hd.num_context_tokens,
         "stored_tokens": hd.num_tokens,
+        "layer_tokens": list(hd.layer_tokens) if hd.ragged else None,  # sliding-window layers keep their window only
         "kept_fraction": kept,
         "original_context_tokens": orig_ctx,
         "positions": positions,

@@ -24,7 +24,7 @@ from ..errors import KvcCodecError, KvcError, KvcFormatError, KvcInputError, is_
 from ..fingerprint import FINGERPRINT_VERSION, ModelFingerprint, check_fingerprint_json, token_ids_sha256
 from ..stages import ArraySpec, Pipeline
 from .container import (
-    DTYPE_BY_NAME, FOOTER_SIZE, HEADER_CRC_SIZE, INDEX_ENTRY_SIZE, KINDS, MAX_BLOB_BYTES, MAX_BLOB_NDIM,
+    DTYPE_BY_NAME, FEATURE_RAGGED, FOOTER_SIZE, HEADER_CRC_SIZE, INDEX_ENTRY_SIZE, KINDS, MAX_BLOB_BYTES, MAX_BLOB_NDIM,
     MAX_CHUNK_DECODED_BYTES, MAX_PIPELINES, MAX_STAGES, MAX_TOKENS, PREAMBLE_SIZE, STAGE_SLACK, TENSOR_DTYPES,
     Footer, IndexEntry, KvcUnknownCodecError, Preamble, align_up, check_blob_name, crc32c,
     data_start, load_header, np_le, parse_chunk, parse_index, pipeline_dtype,
@@ -76,7 +76,8 @@ class KvcHeader:
     num_layers: int
     kv_heads: int
     head_dims: tuple[int, ...]
-    num_tokens: int  # tokens stored in the tensors
+    num_tokens: int  # tokens stored in the tensors (the longest layer's count)
+    layer_tokens: tuple[int, ...]  # tokens each layer stores: its last ones of the num_tokens (spec section 4.2)
     num_context_tokens: int
     token_ids_sha256: str
     token_ids_blob: int | None
@@ -91,7 +92,15 @@ class KvcHeader:
 
     @property
     def num_elements(self) -> int:
-        return 2 * self.kv_heads * self.num_tokens * sum(self.head_dims)
+        return 2 * self.kv_heads * sum(t * d for t, d in zip(self.layer_tokens, self.head_dims))
+
+    @property
+    def ragged(self) -> bool:
+        return min(self.layer_tokens) != self.num_tokens
+
+    def layer_offset(self, layer: int) -> int:
+        """Index, among the ``num_tokens`` stored tokens, of layer ``layer``'s first stored token."""
+        return self.num_tokens - self.layer_tokens[layer]
 
     @property
     def pruned(self) -> bool:
@@ -123,6 +132,16 @@ def parse_header(obj: dict[str, Any], pre: Preamble) -> KvcHeader:
          f"{h}: tensor shapes disagree with the model fingerprint")
     T = t.get("tokens")
     want(is_int(T, 1, MAX_TOKENS), f"{h}: tensors.tokens must be an int in [1, {MAX_TOKENS}]")
+    lt = t.get("layer_tokens")
+    ragged = bool(pre.required_features & FEATURE_RAGGED)
+    want((lt is not None) == ragged, f"{h}: tensors.layer_tokens must be present exactly when required feature bit 0 is set")
+    if lt is None:
+        layer_tokens = (T,) * fp.num_layers
+    else:
+        want(isinstance(lt, list) and len(lt) == fp.num_layers and all(is_int(x, 1, T) for x in lt),
+             f"{h}: tensors.layer_tokens must be a list of {fp.num_layers} ints in [1, {T}]")
+        want(min(lt) < T, f"{h}: tensors.layer_tokens must not all equal tensors.tokens ({T})")
+        layer_tokens = tuple(lt)
     c = obj.get("context")
     want(isinstance(c, dict), f"{h}: 'context' must be an object")
     N = c.get("tokens")
@@ -134,6 +153,7 @@ def parse_header(obj: dict[str, Any], pre: Preamble) -> KvcHeader:
     p = obj.get("positions")
     want(p is None or (isinstance(p, dict) and is_int(p.get("blob"))), f"{h}: 'positions' must be null or {{\"blob\": n}}")
     pb = None if p is None else p["blob"]
+    want(pb is None or lt is None, f"{h}: a file with tensors.layer_tokens cannot carry positions")
     want(pb is not None or N == T, f"{h}: {T} stored tokens but {N} context tokens and no positions")
     want(pb is None or T <= N, f"{h}: more stored tokens ({T}) than context tokens ({N})")
 
@@ -202,7 +222,7 @@ def parse_header(obj: dict[str, Any], pre: Preamble) -> KvcHeader:
         version=(pre.major, pre.minor), required_features=pre.required_features, optional_features=pre.optional_features,
         header_length=pre.header_length, data_start=data_start(pre.header_length),
         writer=writer, fingerprint=fp, dtype=dtype, num_layers=fp.num_layers,
-        kv_heads=fp.num_kv_heads, head_dims=fp.head_dims, num_tokens=T, num_context_tokens=N, token_ids_sha256=sha,
+        kv_heads=fp.num_kv_heads, head_dims=fp.head_dims, num_tokens=T, layer_tokens=layer_tokens, num_context_tokens=N, token_ids_sha256=sha,
         token_ids_blob=tb, positions_blob=pb, pipelines=pipelines, codec=codec, attachments=attachments, blobs=blobs,
         chunking=chunking, meta=meta, raw=obj,
     )
@@ -236,8 +256,9 @@ def check_layout(hd: KvcHeader, entries: list[IndexEntry], index_offset: int) ->
     j, n, t1 = 0, len(entries), 0
     for layer in range(hd.num_layers):
         row = hd.head_dims[layer] * itemsize
+        start = hd.layer_offset(layer)
         for kind in KINDS:
-            t0, h0 = 0, 0
+            t0, h0 = start, 0
             while True:  # hot loop: plain ifs, messages built only on failure
                 if j >= n:
                     raise KvcFormatError(f"index ends before layer {layer} {kind.upper()} is complete (tokens from {t0}, heads from {h0})")

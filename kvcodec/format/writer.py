@@ -24,7 +24,7 @@ from ..errors import KvcCodecError, KvcError, KvcFormatError, KvcInputError
 from ..fingerprint import token_ids_sha256
 from ..stages import ArraySpec, EncoderInputsSpec, Pipeline, PipelineSpec, Plan
 from .container import (
-    ALIGN, DTYPE_BY_NAME, FOOTER_SIZE, MAX_BLOB_BYTES, MAX_BLOB_NDIM, MAX_CHUNK_DECODED_BYTES, MAX_PIPELINES,
+    ALIGN, DTYPE_BY_NAME, FEATURE_RAGGED, FOOTER_SIZE, MAX_BLOB_BYTES, MAX_BLOB_NDIM, MAX_CHUNK_DECODED_BYTES, MAX_PIPELINES,
     MAX_STAGES, MAX_TOKENS, STAGE_SLACK, VERSION_MAJOR, VERSION_MINOR, Footer, IndexEntry, Preamble, align_up,
     check_blob_name, crc32c, dump_header, np_le, pack_chunk, pipeline_dtype,
 )
@@ -199,9 +199,12 @@ def _write(cache: KVCache, f: BinaryIO, pipelines: PipelineSpec, opts: WriteOpti
     for name, v in (("chunk_tokens", chunk_tokens), ("chunk_heads", chunk_heads)):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
             raise KvcInputError(f"{name} must be a positive integer, got {v!r}")
-    t_ranges, h_ranges = _ranges(T, chunk_tokens), _ranges(H, chunk_heads)
+    h_ranges = _ranges(H, chunk_heads)
+    # layer i's chunks tile its stored tokens [T - layer_tokens[i], T) in the sequence's coordinates (spec §4.2)
+    offsets = [cache.layer_offset(i) for i in range(L)]
+    t_ranges = [[(a + off, b + off) for a, b in _ranges(T - off, chunk_tokens)] for off in offsets]
     itemsize = 2 if tdtype == "bfloat16" else np.dtype(tdtype).itemsize
-    biggest = max(h1 - h0 for h0, h1 in h_ranges) * max(t1 - t0 for t0, t1 in t_ranges) * max(fp.head_dims) * itemsize
+    biggest = max(h1 - h0 for h0, h1 in h_ranges) * max(t1 - t0 for r in t_ranges for t0, t1 in r) * max(fp.head_dims) * itemsize
     if biggest > MAX_CHUNK_DECODED_BYTES:
         raise KvcInputError(f"a chunk would hold {biggest} bytes (limit {MAX_CHUNK_DECODED_BYTES}); use chunk_tokens")
     table, pid = _resolve_pipelines(pipelines, L)
@@ -259,7 +262,8 @@ def _write(cache: KVCache, f: BinaryIO, pipelines: PipelineSpec, opts: WriteOpti
     header = {
         "writer": opts.writer or writer_version(),
         "model": fp.to_json(),
-        "tensors": {"dtype": tdtype, "layers": L, "kv_heads": H, "head_dims": list(fp.head_dims), "tokens": T},
+        "tensors": {"dtype": tdtype, "layers": L, "kv_heads": H, "head_dims": list(fp.head_dims), "tokens": T,
+                    **({"layer_tokens": list(cache.layer_tokens)} if cache.ragged else {})},
         "context": context,
         "positions": pos_entry,
         "pipelines": [p.to_json() for p in table],
@@ -270,7 +274,7 @@ def _write(cache: KVCache, f: BinaryIO, pipelines: PipelineSpec, opts: WriteOpti
         "meta": merged_meta,
     }
     hbytes = dump_header(header)
-    pre = Preamble(VERSION_MAJOR, VERSION_MINOR, len(hbytes), 0, 0).pack()
+    pre = Preamble(VERSION_MAJOR, VERSION_MINOR, len(hbytes), FEATURE_RAGGED if cache.ragged else 0, 0).pack()
     out = _Sink(f)
     out.write(pre)
     out.write(hbytes)
@@ -292,10 +296,11 @@ def _write(cache: KVCache, f: BinaryIO, pipelines: PipelineSpec, opts: WriteOpti
             if _is_bf16(t):
                 t = t.float()
             full = t.contiguous().numpy()
-            for t0, t1 in t_ranges:
+            off = offsets[layer]
+            for t0, t1 in t_ranges[layer]:
                 for h0, h1 in h_ranges:
                     j = len(entries)
-                    arr = np.ascontiguousarray(full[h0:h1, t0:t1, :])
+                    arr = np.ascontiguousarray(full[h0:h1, t0 - off:t1 - off, :])
                     assert arr.dtype.name == pipeline_dtype(tdtype)
                     ctx = chunk_context(layer, kind, t0, t1, h0, h1, positions, enc_arrays, j, inputs)
                     payload, sides, sizes = p.encode(arr, ctx)
@@ -355,7 +360,8 @@ class _Expectation:
             t1, h1 = ctx.extra["token_end"], ctx.extra["head_end"]
 
             def same_as_input(out: np.ndarray) -> bool:
-                want = self._input(layer, kind)[h0:h1, t0:t1, :]
+                off = self.cache.layer_offset(layer)
+                want = self._input(layer, kind)[h0:h1, t0 - off:t1 - off, :]
                 return out.shape == want.shape and out.dtype == want.dtype and np.array_equal(
                     np.ascontiguousarray(out).view(np.uint8), np.ascontiguousarray(want).view(np.uint8))
 

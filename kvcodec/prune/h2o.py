@@ -42,7 +42,6 @@ import numpy as np
 import torch
 
 from ..attention_tap import tapped
-from ..capture import full_cache
 from ..errors import KvcInputError
 from ..kvcache import KVCache
 from .budget import DEFAULT_WINDOW, H2OBudget
@@ -94,9 +93,15 @@ def attention_scores(lm: Any, token_ids: np.ndarray, window: int | None = DEFAUL
     """
     if window is not None and window < 1:
         raise KvcInputError(f"the H2O query window must be >= 1, got {window}")
+    from transformers import DynamicCache
+
+    windows = getattr(lm, "attention_windows", None) or []
+    if any(w is not None for w in windows):
+        raise KvcInputError("H2O token pruning of sliding-window models is not supported (their layers keep different "
+                            "tokens; use the lossy presets, whose token importance follows each layer's window)")
     ids = torch.as_tensor(np.asarray(token_ids, dtype=np.int64)).reshape(1, -1)
     with tapped(lm, _Collector(window, lm.fingerprint.num_kv_heads)) as col:
-        out = lm.model(input_ids=ids, past_key_values=full_cache(), use_cache=True, logits_to_keep=1)
+        out = lm.model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
     return out.past_key_values, col.result(lm.fingerprint.num_layers)
 
 
@@ -147,6 +152,8 @@ def gather_tokens(cache: KVCache, kept: np.ndarray) -> tuple[list[torch.Tensor],
 def _check_unpruned(cache: KVCache) -> None:
     if cache.positions is not None or cache.num_tokens != cache.num_context_tokens or "prune" in cache.meta:
         raise KvcInputError("this cache is already pruned; H2O needs the exact, unpruned capture")
+    if cache.ragged:
+        raise KvcInputError("H2O token pruning of a cache with sliding-window layers (ragged layout) is not supported")
 
 
 def h2o_prune(cache: KVCache, scores: np.ndarray, budget: H2OBudget) -> KVCache:

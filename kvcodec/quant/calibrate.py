@@ -113,7 +113,9 @@ def _pre_rope(cache: Any, layer: int, kind: str) -> np.ndarray:
         rc = layer_rope_config(cache.fingerprint, layer, x.shape[-1])
         if rc is None:  # transform_plan then codes this layer's post-RoPE keys too
             return x
-        x, _ = RopeStage(**rc).encode(x, ChunkContext(layer=layer, kind="k", positions=cache.positions))
+        # token_start: a sliding-window layer's first stored token is not token 0 (the ragged layout)
+        x, _ = RopeStage(**rc).encode(x, ChunkContext(layer=layer, kind="k", token_start=cache.layer_offset(layer),
+                                                      positions=cache.positions))
     return x
 
 
@@ -258,7 +260,8 @@ def measure_sensitivity(lm: Any, cache: Any, continuation: np.ndarray, sink: int
     of one forward pass. ``on_sample(i)`` is called after each sample (progress).
     """
     import torch
-    from transformers import DynamicCache
+
+    from ..cachelayout import cache_for
 
     lm.fingerprint.check_compatible(cache.fingerprint)
     continuation = np.asarray(continuation, np.int64).reshape(-1)
@@ -269,7 +272,7 @@ def measure_sensitivity(lm: Any, cache: Any, continuation: np.ndarray, sink: int
     # inference_mode(False): callers (e.g. ask -> deposit -> plan) may run under inference_mode.
     with torch.inference_mode(False), torch.enable_grad():
         leaves = [t.to(dtype).unsqueeze(0).clone().requires_grad_(True) for pair in zip(cache.keys, cache.values) for t in pair]
-        past = DynamicCache([(leaves[2 * l], leaves[2 * l + 1]) for l in range(L)])
+        past = cache_for(lm, cache, [(leaves[2 * l], leaves[2 * l + 1]) for l in range(L)])
         ids = torch.as_tensor(continuation)[None]
         pos = torch.arange(cache.next_position, cache.next_position + ids.shape[1])[None]
         logits = lm.model(input_ids=ids, past_key_values=past, position_ids=pos, use_cache=True).logits[0]

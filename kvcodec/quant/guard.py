@@ -166,7 +166,7 @@ def guarded_plan(cache: Any, lm: Any, preset: str, args: dict[str, Any], target:
     from ..evaluate import continue_logits
     from .calibrate import get_calibration
     from .codecplan import TOKENSCALE_DEFAULT, decode_bytes, encode_bytes, transform_plan
-    from .importance import cache_importance, prefix_cache
+    from .importance import cache_importance
 
     t_start = time.perf_counter()
     args = dict(args)
@@ -179,7 +179,7 @@ def guarded_plan(cache: Any, lm: Any, preset: str, args: dict[str, Any], target:
                                 f"{4 * MIN_PROBE_TOKENS} tokens: encoded at the preset's step0 unchecked"}
         return plan
     probe = np.asarray(cache.token_ids[T - n:], np.int64)
-    prefix = prefix_cache(cache, T - n)
+    prefix = cache.prefix(T - n, lm)
     exact_logits = continue_logits(lm, prefix, probe)
     exact_greedy, margins = greedy_with_margins(lm, prefix, int(probe[0]), target.greedy_tokens) if target.greedy_tokens else ([], [])
     args["cal"] = args.get("cal") or get_calibration(lm, fingerprint_id=cache.fingerprint.id, build=True)

@@ -111,16 +111,6 @@ def attention_importance(lm: Any, token_ids: np.ndarray, window: int | None = DE
     return _scores(lm, col, squared)
 
 
-def prefix_cache(cache: Any, n: int) -> Any:
-    """The cache of the first ``n`` context tokens (a causal model's KV prefix is the prefix's KV).
-
-    Here, where token importance needs it, and the quality guard imports it from here (no import cycle)."""
-    from ..kvcache import KVCache
-
-    return KVCache([k[:, :n].contiguous() for k in cache.keys], [v[:, :n].contiguous() for v in cache.values],
-                   cache.token_ids[:n], cache.fingerprint, None, dict(cache.meta))
-
-
 def cache_importance(lm: Any, cache: Any, window: int | None = DEFAULT_WINDOW) -> np.ndarray | None:
     """:func:`attention_importance` of an unpruned cache's context, or None when it cannot apply (pruned cache).
 
@@ -133,12 +123,14 @@ def cache_importance(lm: Any, cache: Any, window: int | None = DEFAULT_WINDOW) -
     if cache.positions is not None or cache.num_tokens != cache.num_context_tokens:
         return None
     T = int(cache.num_tokens)
-    if window is None or window >= T:
+    if window is None or window >= T or cache.ragged:
+        # ragged: a sliding-window layer dropped the tokens its prefix's window would hold, and rebuilding
+        # them is a prefill of nearly the whole context anyway (KVCache.prefix)
         return attention_importance(lm, cache.token_ids, window)
     import torch
 
     start = T - window
-    past = prefix_cache(cache, start).for_model(lm)
+    past = cache.prefix(start).for_model(lm)
     ids = torch.as_tensor(np.asarray(cache.token_ids[start:], dtype=np.int64)).reshape(1, -1)
     with torch.inference_mode(), tapped(lm, _Collector(window, T, getattr(lm, "attention_windows", None))) as col:
         lm.model(input_ids=ids, past_key_values=past, position_ids=torch.arange(start, T).reshape(1, -1),

@@ -150,6 +150,8 @@ def check_entry(r: Any, fp: Any, ids: list[int], start: int, end: int) -> str | 
         return f"written for another model (fingerprint {r.fingerprint.id}, this model {fp.id})"
     if h.kv_heads != fp.num_kv_heads or r.num_layers != fp.num_layers:
         return "shape differs from the model"
+    if h.ragged:
+        return "its sliding-window layers store only their window (ragged layers), which the vLLM connector does not load"
     stored_ids = r.token_ids
     want = np.asarray(ids[:end], dtype=np.int64)
     if stored_ids is not None:
