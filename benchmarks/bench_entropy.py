@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from kvcodec.entropy import rans
+from kvcodec.entropy import model, rans
 
 
 def laplace_contexts(n_ctx: int, n_sym: int, seed: int = 0) -> np.ndarray:
@@ -111,9 +111,9 @@ def bench_constriction(sym: np.ndarray, freqs: np.ndarray, repeat: int) -> dict 
 def run(name: str, sym: np.ndarray, repeat: int) -> dict:
     C, N = sym.shape
     n = C * N
-    ideal = float(rans.empirical_entropy_bits(sym).sum() / 8)
+    ideal = float(model.empirical_entropy_bits(sym).sum() / 8)
     ours = bench_ours(sym, repeat)
-    table_ideal = float(rans.table_code_length_bits(sym, ours["freqs"]).sum() / 8)
+    table_ideal = float(model.table_code_length_bits(sym, ours["freqs"]).sum() / 8)
     cons = bench_constriction(sym, ours["freqs"], repeat)
     rows = []
     for r in [ours, cons]:

@@ -22,7 +22,7 @@ import torch
 from kvcodec.capture import select_context, tokenize
 from kvcodec.curve import cached_capture, default_capture_dir
 from kvcodec.evaluate import continue_logits, evaluate
-from kvcodec.format.writer import write_kvc
+from kvcodec.format.writer import WriteOptions, write_kvc
 from kvcodec.model import load_model
 from kvcodec.plans import get_plan
 from kvcodec.quant.codecplan import decode_bytes
@@ -51,7 +51,7 @@ def main() -> None:
         step, chunk, basis = float(parts[0]), int(parts[1]) if parts[1] else None, parts[2] or "pca"
         plan = get_plan("near-lossless", cache, lm=lm, step0=step, **({"basis": basis} if basis != "pca" else {}))
         buf = io.BytesIO()
-        write_kvc(cache, buf, plan.pipelines, attachments=plan.attachments, preset=plan.preset, chunk_tokens=chunk)
+        write_kvc(cache, buf, plan.pipelines, WriteOptions.for_plan(plan, chunk_tokens=chunk))
         data = buf.getvalue()
         dec = decode_bytes(data)
         q = evaluate(lm, cache, dec, cont, exact_logits=exact, exact_greedy=greedy).to_json()

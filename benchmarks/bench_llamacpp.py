@@ -53,7 +53,7 @@ from bench_ttft import QUESTION, long_ids  # noqa: E402
 
 from kvcodec.capture import capture, tokenize  # noqa: E402
 from kvcodec.evaluate import compare_logits, continue_logits  # noqa: E402
-from kvcodec.format import KvcReader, encode_kvc_bytes  # noqa: E402
+from kvcodec.format import KvcReader, WriteOptions, encode_kvc_bytes  # noqa: E402
 from kvcodec.plans import get_plan
 from kvcodec.hf import greedy_from, load_cache  # noqa: E402
 from kvcodec.llamacpp import gguf_fingerprint, load_kvc  # noqa: E402
@@ -196,7 +196,7 @@ def main() -> None:
     identity = gguf_fingerprint(gguf)
     for preset in args.presets.split(","):
         plan = get_plan(preset, exact, lm=lm)
-        data = encode_kvc_bytes(exact, plan.pipelines, attachments=plan.attachments, preset=plan.preset)
+        data = encode_kvc_bytes(exact, plan.pipelines, WriteOptions.for_plan(plan))
         path = tmp / f"doc-{preset}.kvc"
         path.write_bytes(data)
 

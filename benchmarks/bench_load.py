@@ -44,7 +44,6 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
 
 QUESTIONS = [
     "What is this text about?",
@@ -144,7 +143,7 @@ class KdnBackend:
     name = "kvc serve (directory store behind it)"
 
     def __init__(self, work: Path) -> None:
-        from store_fixtures import free_port, subprocess_env, wait_port
+        from localservers import free_port, subprocess_env, wait_port
 
         self.port = free_port()
         self.proc = subprocess.Popen(
@@ -167,7 +166,7 @@ class ClusterBackend:
     name = "Redis Cluster (3 masters)"
 
     def __init__(self, work: Path) -> None:
-        from store_fixtures import RedisCluster, find_binary
+        from localservers import RedisCluster, find_binary
 
         server, cli = find_binary("redis-server"), find_binary("redis-cli")
         if not server or not cli:
@@ -199,7 +198,7 @@ def run_backend(kind: str, a: argparse.Namespace, docs: list[str], plan: list[li
     with tempfile.TemporaryDirectory() as td:
         work = Path(td)
         be = KdnBackend(work) if kind == "kdn" else ClusterBackend(work)
-        from store_fixtures import subprocess_env
+        from localservers import subprocess_env
 
         env = subprocess_env(OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
         procs = []

@@ -43,7 +43,7 @@ from kvcodec.kvcache import KVCache, load_h5, save_h5  # noqa: E402
 from kvcodec.model import load_model  # noqa: E402
 from kvcodec.prune import evaluate_pruned, h2o_prune, parse_prune  # noqa: E402
 from kvcodec.prune.h2o import attention_scores  # noqa: E402
-from kvcodec.kvcache import token_ids_sha256 as ids_sha256  # noqa: E402
+from kvcodec.fingerprint import token_ids_sha256 as ids_sha256  # noqa: E402
 from kvcodec.prune.lingua import pack_mask, segment_relevance, select_lingua, self_information  # noqa: E402
 from kvcodec.texts import DEFAULT_BENCH_TEXTS, load_text  # noqa: E402
 
@@ -88,7 +88,7 @@ def lingua_cache(lm: Any, ids: np.ndarray, info: np.ndarray, spec: str, relevanc
 
 def encode_decode(cache: KVCache, preset: str) -> tuple[int, KVCache]:
     """(.kvc bytes, decoded cache) for a preset name or ``step0=X`` (the codec's rate knob)."""
-    from kvcodec.format import KvcReader, write_kvc
+    from kvcodec.format import KvcReader, WriteOptions, write_kvc
     from kvcodec.plans import get_plan
     from kvcodec.attachments import default_resolver as attachment_resolver
 
@@ -97,7 +97,7 @@ def encode_decode(cache: KVCache, preset: str) -> tuple[int, KVCache]:
     else:
         plan = get_plan(preset, cache)
     buf = io.BytesIO()
-    write_kvc(cache, buf, plan.pipelines, attachments=plan.attachments or None, preset=plan.preset, meta=cache.meta)
+    write_kvc(cache, buf, plan.pipelines, WriteOptions.for_plan(plan), meta=cache.meta)
     data = buf.getvalue()
     dec = KvcReader(data, attachment_resolver=attachment_resolver).read_cache()
     if preset == "raw":

@@ -54,7 +54,7 @@ import torch  # noqa: E402
 
 
 from kvcodec.format.reader import KvcReader  # noqa: E402
-from kvcodec.format.writer import write_kvc  # noqa: E402
+from kvcodec.format.writer import WriteOptions, write_kvc  # noqa: E402
 from kvcodec.kvcache import load_h5, save_h5  # noqa: E402
 from kvcodec.attachments import default_resolver  # noqa: E402
 from kvcodec.plans import get_plan  # noqa: E402
@@ -162,7 +162,7 @@ def main() -> None:
         def enc():
             buf.seek(0)
             buf.truncate()
-            write_kvc(cache, buf, plan.pipelines, attachments=plan.attachments, preset=plan.preset)
+            write_kvc(cache, buf, plan.pipelines, WriteOptions.for_plan(plan))
 
         enc()  # warm (numba JIT / cache load)
         t_enc = best(enc, args.encode_repeat)

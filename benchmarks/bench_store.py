@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from kvcodec.store import HttpRangeReader, Store, StoreKey, TenantKey  # noqa: E402
-from store_fixtures import NginxServer, RedisServer, find_binary  # noqa: E402
+from localservers import NginxServer, RedisServer, find_binary  # noqa: E402
 
 
 def bench(label: str, url: str, payloads: list[bytes]) -> None:

@@ -40,7 +40,6 @@ from pathlib import Path
 import click
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from kvcodec.atomic import atomic_write_text
 from kvcodec.capture import capture, tokenize
@@ -58,7 +57,7 @@ LINKS = [("10 Mbit/s", 10e6, None), ("100 Mbit/s", 100e6, None), ("1 Gbit/s", 1e
 
 
 def start_service(tmp: Path) -> tuple[subprocess.Popen, int]:
-    from store_fixtures import free_port, subprocess_env, wait_port
+    from localservers import free_port, subprocess_env, wait_port
 
     port = free_port()
     (tmp / "tokens.json").write_text(json.dumps({"tokens": [{"token": TOK, "tenant": "bench"}]}))

@@ -41,7 +41,7 @@ import torch
 
 from kvcodec.atomic import atomic_write_text
 from kvcodec.capture import capture, tokenize
-from kvcodec.format import encode_kvc_bytes
+from kvcodec.format import WriteOptions, encode_kvc_bytes
 from kvcodec.plans import get_plan
 from kvcodec.hf import greedy_from, load_cache
 from kvcodec.ttft import cold_ttft, median_time, ttft_prefill
@@ -108,7 +108,7 @@ def main() -> None:
             ids = long_ids(lm.tokenizer, n)
             cache = capture(lm, token_ids=ids)
             plan = get_plan(args.preset, cache, lm=lm)
-            data = encode_kvc_bytes(cache, plan.pipelines, attachments=plan.attachments, preset=plan.preset)
+            data = encode_kvc_bytes(cache, plan.pipelines, WriteOptions.for_plan(plan))
             path = tmp / f"doc{n}.kvc"
             path.write_bytes(data)
 

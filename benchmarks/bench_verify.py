@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from kvcodec.capture import capture, tokenize
-from kvcodec.format import write_kvc
+from kvcodec.format import WriteOptions, write_kvc
 from kvcodec.plans import get_plan
 from kvcodec.model import load_model
 from kvcodec.texts import load_text
@@ -50,8 +50,8 @@ def main() -> None:
             for rep in range(a.repeat + 1):  # the first round warms numba / caches and is not counted
                 for verify in (False, True) if rep % 2 else (True, False):
                     t = time.perf_counter()
-                    size = write_kvc(cache, Path(td) / f"{preset}.kvc", plan.pipelines, attachments=plan.attachments or None,
-                                     preset=plan.preset, verify=verify)
+                    size = write_kvc(cache, Path(td) / f"{preset}.kvc", plan.pipelines, WriteOptions.for_plan(plan),
+                                     verify=verify)
                     if rep:
                         times[verify].append(time.perf_counter() - t)
             off, on = statistics.median(times[False]), statistics.median(times[True])

@@ -40,7 +40,12 @@ imp = np.load(imp_path)
 out = {}
 def h(name, plan, **kw):
     buf = io.BytesIO()
-    write_kvc(cache, buf, plan.pipelines, attachments=plan.attachments, preset=plan.preset, **kw)
+    try:  # encoder inputs (tokenscale's classes) travel in the write options since issue 18's pure-config stages
+        from kvcodec.format.writer import WriteOptions
+    except ImportError:  # an older checkout: the stages carry them
+        write_kvc(cache, buf, plan.pipelines, attachments=plan.attachments, preset=plan.preset, **kw)
+    else:
+        write_kvc(cache, buf, plan.pipelines, WriteOptions.for_plan(plan, **kw))
     out[name] = hashlib.sha256(buf.getvalue()).hexdigest()[:16] + f" {len(buf.getvalue())}"
 for p in ["lossless", "fp16", "zstd", "raw", "near-lossless", "balanced", "small"]:
     h(p, get_plan(p, cache))

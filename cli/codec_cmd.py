@@ -132,7 +132,7 @@ def encode_command(input_path: str | None, output: str | None, levels: str | Non
     """
     from kvcodec.atomic import check_input, check_output
     from kvcodec.errors import KvcInputError
-    from kvcodec.format import write_kvc
+    from kvcodec.format import WriteOptions, write_kvc
     from kvcodec.plans import get_plan, preset_info
     from kvcodec.kvcache import load_capture
     from kvcodec.rate import PruneRecord, bits_per_element, context_elements
@@ -244,17 +244,15 @@ def encode_command(input_path: str | None, output: str | None, levels: str | Non
         qplan, target_info = plan_for_target(cache, get_lm(), target_kl=target_kl, target_dppl=target_dppl,
                                              continuation=cont, **kw)
         name = f"target-kl-{target_kl:g}" if target_kl is not None else f"target-dppl-{target_dppl:g}"
-        pipelines, attachments, plan_preset = qplan.pipelines, qplan.attachments, name
+        plan, plan_preset = qplan, name
     else:
         plan = get_plan(preset, cache, lm=get_lm() if lossy else None, **overrides)
-        pipelines, attachments, plan_preset = plan.pipelines, plan.attachments, plan.preset
-        if overrides:
-            plan_preset = f"{plan.preset}+config"
+        plan_preset = f"{plan.preset}+config" if overrides else plan.preset
     meta = None if target_info is None else {"target": {"kl": target_kl, "dppl_percent": target_dppl, **target_info}}
     if overrides:
         meta = {"config": {"preset": preset, **overrides}}
-    n = write_kvc(cache, output, pipelines, attachments=attachments or None,
-                  chunk_tokens=chunk_tokens, chunk_heads=chunk_heads, preset=plan_preset, meta=meta)
+    n = write_kvc(cache, output, plan.pipelines, WriteOptions.for_plan(
+        plan, chunk_tokens=chunk_tokens, chunk_heads=chunk_heads, preset=plan_preset, meta=meta))
     info: dict[str, Any] = {"input": input_path if input_path is not None else text_path, "output": output, "preset": plan_preset, "bytes": n, "kv_elements": elems,
                             "bits_per_element": bits_per_element(n, elems), "ratio_vs_fp16": elems * 2 / n}
     prec = PruneRecord.from_meta(cache.meta) if budget is not None else None

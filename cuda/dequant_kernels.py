@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..errors import KvcFormatError
+from ..errors import KvcFormatError, KvcInputError
 from ..lru import BoundedLRU
 from .rans_kernel import check_interpreter, interpret_mode
 
@@ -518,17 +518,17 @@ def _layout(dst: torch.Tensor, H: int, T: int, D: int, token_start: int, block_t
     HF: dst (1, H, T_cap, D), any strides. Paged (``block_table`` given): dst (num_blocks, block_size, H, D)."""
     if block_table is None:
         if dst.dim() != 4 or dst.shape[0] != 1 or dst.shape[1] != H or dst.shape[3] != D or token_start < 0 or token_start + T > dst.shape[2]:
-            raise ValueError(f"HF destination {tuple(dst.shape)} cannot hold ({H}, {token_start}+{T}, {D})")
+            raise KvcInputError(f"HF destination {tuple(dst.shape)} cannot hold ({H}, {token_start}+{T}, {D})")
         return _dev(np.zeros(1, np.int32), device), (dst.stride(1), dst.stride(2), dst.stride(3), 1, 0)
     nb, bs, ch, cd = dst.shape
     if ch != H or cd != D:
-        raise ValueError(f"paged cache {tuple(dst.shape)} does not hold {H} heads x {D} channels")
+        raise KvcInputError(f"paged cache {tuple(dst.shape)} does not hold {H} heads x {D} channels")
     if token_start < 0 or _cdiv(token_start + T, bs) > block_table.numel():
-        raise ValueError("block table too short for the tokens written")
+        raise KvcInputError("block table too short for the tokens written")
     blk = block_table.to(device=device, dtype=torch.int32).contiguous()
     used = blk[token_start // bs : _cdiv(token_start + T, bs)]
     if used.numel() and (int(used.min()) < 0 or int(used.max()) >= nb):
-        raise ValueError("block table entry outside the paged cache")
+        raise KvcInputError("block table entry outside the paged cache")
     return blk, (dst.stride(2), dst.stride(1), dst.stride(3), bs, dst.stride(0))
 
 

@@ -42,11 +42,29 @@ import torch
 import triton
 import triton.language as tl
 
+from ..entropy import constants as K
 from ..entropy import rans
-from ..errors import KvcFormatError
+from ..errors import KvcBackendError, KvcFormatError
 
-N_LANES = 32
+N_LANES = K.N_LANES
 DEFAULT_CB = 4  # contexts per program (= warps per program)
+
+# The bitstream's constants, from the one module that states them (kvcodec/entropy/constants.py),
+# as Triton compile-time constants (a @jit function may read a global only if it is a constexpr).
+_LANES = tl.constexpr(K.N_LANES)
+_M = tl.constexpr(K.PROB_SCALE)
+_P = tl.constexpr(K.PROB_BITS)
+_SLOT = tl.constexpr(K.SLOT_MASK)
+_L = tl.constexpr(K.RANS_L)
+_W = tl.constexpr(K.WORD_BITS)
+_FC_FREQ = tl.constexpr((1 << K.FC_CUM_SHIFT) - 1)  # the freq bits of a binary-search entry
+_TF = tl.constexpr(K.TABLE_FREQ_SHIFT)
+_TC = tl.constexpr(K.TABLE_CUM_SHIFT)
+_FC = tl.constexpr(K.FC_CUM_SHIFT)
+_FC_SENTINEL = tl.constexpr(K.FC_SENTINEL)
+_E_OVERRUN = tl.constexpr(K.E_OVERRUN)
+_E_UNDERRUN = tl.constexpr(K.E_UNDERRUN)
+_E_FINAL = tl.constexpr(K.E_FINAL_STATE)
 
 
 # --------------------------------------------------------------------------- kernels (plain functions; see kernels())
@@ -74,55 +92,55 @@ def _rans_decode_kernel(
     pid = tl.program_id(0)
     ctx = pid * CB + tl.arange(0, CB)
     cmask = ctx < C
-    lanes = tl.arange(0, 32)
+    lanes = tl.arange(0, _LANES)
     ctx64 = ctx.to(tl.int64)
-    x = tl.load(state_ptr + ctx64[:, None] * 32 + lanes[None, :], mask=cmask[:, None], other=65536).to(tl.uint32, bitcast=True)
+    x = tl.load(state_ptr + ctx64[:, None] * _LANES + lanes[None, :], mask=cmask[:, None], other=_L).to(tl.uint32, bitcast=True)
     n = tl.load(nsym_ptr + ctx, mask=cmask, other=0)
     nw = tl.load(nwords_ptr + ctx, mask=cmask, other=0)
     wst = tl.load(wstart_ptr + ctx, mask=cmask, other=0)
     obase = tl.load(obase_ptr + ctx, mask=cmask, other=0)
     if TABLE:
-        tbase = ctx64 * 4096
+        tbase = ctx64 * _M
         fc0 = tl.zeros([CB], dtype=tl.uint32)
     else:
         tbase = ctx64 * A
         fc0 = tl.load(fc_ptr + tbase, mask=cmask, other=0).to(tl.uint32, bitcast=True)
-    steps = tl.max((n + 31) // 32, axis=0)
+    steps = tl.max((n + _LANES - 1) // _LANES, axis=0)
     p = tl.zeros([CB], dtype=tl.int32)
     for j in range(0, steps):
-        idx = j * 32 + lanes[None, :]  # [1, 32] symbol index within the context
+        idx = j * _LANES + lanes[None, :]  # [1, 32] symbol index within the context
         active = idx < n[:, None]  # [CB, 32]
-        slot = x & 4095
+        slot = x & _SLOT
         if TABLE:
             e = tl.load(tab_ptr + tbase[:, None] + slot.to(tl.int32), mask=active, other=0).to(tl.uint32, bitcast=True)
             sym = e & 255
-            xn = (((e >> 8) & 4095) + 1) * (x >> 12) + (e >> 20)
+            xn = (((e >> _TF) & _SLOT) + 1) * (x >> _P) + (e >> _TC)
         else:
             # largest s < A with cum_s <= slot (cum_0 = 0 always qualifies)
-            s = tl.zeros([CB, 32], dtype=tl.int32)
-            fcs = tl.broadcast_to(fc0[:, None], [CB, 32])
+            s = tl.zeros([CB, _LANES], dtype=tl.int32)
+            fcs = tl.broadcast_to(fc0[:, None], [CB, _LANES])
             for b in tl.static_range(LOG2A):
                 t = s + (1 << (LOG2A - 1 - b))
-                fct = tl.load(fc_ptr + tbase[:, None] + t, mask=active & (t < A), other=268435456).to(tl.uint32, bitcast=True)
-                acc = (fct >> 16) <= slot
+                fct = tl.load(fc_ptr + tbase[:, None] + t, mask=active & (t < A), other=_FC_SENTINEL).to(tl.uint32, bitcast=True)
+                acc = (fct >> _FC) <= slot
                 s = tl.where(acc, t, s)
                 fcs = tl.where(acc, fct, fcs)
             sym = s
-            xn = (fcs & 65535) * (x >> 12) + slot - (fcs >> 16)
+            xn = (fcs & _FC_FREQ) * (x >> _P) + slot - (fcs >> _FC)
         row = idx // G
         off = obase[:, None] + row.to(tl.int64) * ROW + (idx - row * G)
         tl.store(out_ptr + off, sym.to(tl.uint8), mask=active)
-        need = active & (xn < 65536)
+        need = active & (xn < _L)
         ni = need.to(tl.int32)
         rank = tl.cumsum(ni, axis=1) - ni
         widx = p[:, None] + rank
         w = tl.load(words_ptr + wst[:, None] + widx, mask=need & (widx < nw[:, None]), other=0)
         w32 = w.to(tl.uint16, bitcast=True).to(tl.uint32)
-        xn = tl.where(need, (xn << 16) | w32, xn)
+        xn = tl.where(need, (xn << _W) | w32, xn)
         x = tl.where(active, xn, x)
         p += tl.sum(ni, axis=1)
-    bad_state = tl.max((x != 65536).to(tl.int32), axis=1)
-    code = tl.where(p > nw, 6, tl.where(p < nw, 7, tl.where(bad_state > 0, 8, 0)))
+    bad_state = tl.max((x != _L).to(tl.int32), axis=1)
+    code = tl.where(p > nw, _E_OVERRUN, tl.where(p < nw, _E_UNDERRUN, tl.where(bad_state > 0, _E_FINAL, 0)))
     tl.store(err_ptr + ctx, code, mask=cmask)
 
 
@@ -140,12 +158,12 @@ def _build_table_kernel(
     fcs = tl.load(fc_ptr + base + s).to(tl.uint32, bitcast=True)
     for b in tl.static_range(LOG2A):
         t = s + (1 << (LOG2A - 1 - b))
-        fct = tl.load(fc_ptr + base + t, mask=t < A, other=268435456).to(tl.uint32, bitcast=True)
-        acc = (fct >> 16) <= slot.to(tl.uint32)
+        fct = tl.load(fc_ptr + base + t, mask=t < A, other=_FC_SENTINEL).to(tl.uint32, bitcast=True)
+        acc = (fct >> _FC) <= slot.to(tl.uint32)
         s = tl.where(acc, t, s)
         fcs = tl.where(acc, fct, fcs)
-    e = s.to(tl.uint32) | (((fcs & 65535) - 1) << 8) | ((slot.to(tl.uint32) - (fcs >> 16)) << 20)
-    tl.store(tab_ptr + c * 4096 + slot, e.to(tl.int32, bitcast=True))
+    e = s.to(tl.uint32) | (((fcs & _FC_FREQ) - 1) << _TF) | ((slot.to(tl.uint32) - (fcs >> _FC)) << _TC)
+    tl.store(tab_ptr + c * _M + slot, e.to(tl.int32, bitcast=True))
 
 
 _KERNELS: dict[bool, dict[str, object]] = {}
@@ -251,7 +269,7 @@ def decode_streams(
         outs = list(outs)
         for it, o in zip(items, outs):
             if tuple(o.shape) != tuple(it.shape) or o.dtype != torch.uint8 or not o.is_contiguous():
-                raise ValueError(f"output must be a contiguous uint8 tensor of shape {tuple(it.shape)}")
+                raise KvcBackendError(f"rans: output must be a contiguous uint8 tensor of shape {tuple(it.shape)}")
     # group items by (alphabet, G, D, lookup) -> one launch each
     groups: dict[tuple[int, int, int, bool], list[int]] = {}
     for i, (st, (n_ctx, n_sym, g)) in enumerate(zip(streams, metas)):
@@ -270,7 +288,7 @@ def decode_streams(
         for i in idxs:
             st = streams[i]
             H, T, _ = items[i].shape
-            fc = (st.freqs.astype(np.int64) | (st.cums.astype(np.int64) << 16)).astype(np.int32)
+            fc = (st.freqs.astype(np.int64) | (st.cums.astype(np.int64) << K.FC_CUM_SHIFT)).astype(np.int32)
             fc_l.append(fc)
             st_l.append(st.states.view(np.int32))
             ns_l.append(st.n_symbols)
@@ -299,12 +317,12 @@ def decode_streams(
             out_buf = torch.empty(out_off, dtype=torch.uint8, device=device)
         err_d = torch.zeros(n_ctx_total, dtype=torch.int32, device=device)
         log2a = _log2ceil(A)
-        tab_d = torch.empty((n_ctx_total, 4096), dtype=torch.int32, device=device) if use_table else fc_d
+        tab_d = torch.empty((n_ctx_total, K.PROB_SCALE), dtype=torch.int32, device=device) if use_table else fc_d
 
         def run(fc_d=fc_d, tab_d=tab_d, states_d=states_d, ns_d=ns_d, nw_d=nw_d, ws_d=ws_d, ob_d=ob_d, words_d=words_d,
                 out_buf=out_buf, err_d=err_d, n=n_ctx_total, A=A, g=g, D=D, log2a=log2a, use_table=use_table):
             if use_table:
-                k["build_table"][(n, 4096 // 1024)](fc_d, tab_d, A, LOG2A=log2a, BLOCK=1024, num_warps=4)
+                k["build_table"][(n, K.PROB_SCALE // 1024)](fc_d, tab_d, A, LOG2A=log2a, BLOCK=1024, num_warps=4)
             k["rans_decode"][(triton.cdiv(n, cb),)](
                 fc_d, tab_d, states_d, ns_d, nw_d, ws_d, ob_d, words_d, out_buf, err_d,
                 n, A, g, D, LOG2A=log2a, TABLE=use_table, CB=cb, num_warps=cb,
@@ -336,7 +354,7 @@ def decode_streams(
     if errors:
         i = min(errors)
         c, code = errors[i]
-        raise KvcFormatError(f"rans: context {c} {rans._DECODE_ERRORS[code]}")
+        raise KvcFormatError(f"rans: context {c} {rans.DECODE_ERRORS[code]}")
     return list(outs)
 
 

@@ -59,6 +59,7 @@ import torch
 
 from .errors import KvcInputError
 from .kvcache import KVCache
+from .quant.rope import rope_angles
 
 DEFAULT_RATIO = 0.15
 DEFAULT_SELECT_LAYER = 1
@@ -79,17 +80,9 @@ def rope_inv_freq(lm: Any) -> np.ndarray:
     return rot.inv_freq.detach().cpu().double().numpy()
 
 
-def theta_inv_freq(theta: float, dim: int) -> np.ndarray:
-    """float64 [dim/2]: theta ** (-(2i)/dim), for callers without a model."""
-    if dim <= 0 or dim % 2:
-        raise KvcInputError(f"rope dim must be a positive even number, got {dim}")
-    return 1.0 / (float(theta) ** (np.arange(0, dim, 2, dtype=np.float64) / float(dim)))
-
-
 def rotation_tables(offset: int, inv_freq: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin fp32 [dim] of a rotation by ``offset`` positions (computed in float64, HF half layout)."""
-    ang = float(offset) * np.asarray(inv_freq, dtype=np.float64)
-    ang = np.concatenate([ang, ang])
+    ang = rope_angles(offset, inv_freq)  # the codec's RoPE construction, with the model's own frequencies
     return torch.from_numpy(np.cos(ang).astype(np.float32)), torch.from_numpy(np.sin(ang).astype(np.float32))
 
 
@@ -470,5 +463,5 @@ def generate_blended(
 
 __all__ = [
     "BlendGeneration", "BlendResult", "DEFAULT_RATIO", "DEFAULT_SELECT_LAYER", "blend", "concat_chunks",
-    "continue_from", "generate_blended", "rerotate_keys", "rope_inv_freq", "rotation_tables", "theta_inv_freq",
+    "continue_from", "generate_blended", "rerotate_keys", "rope_inv_freq", "rotation_tables",
 ]

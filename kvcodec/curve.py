@@ -43,8 +43,9 @@ import numpy as np
 
 from .atomic import atomic_path, atomic_write_text, check_output, check_outputs_differ
 from .errors import KvcError, KvcInputError
-from .format import KvcReader, write_kvc
-from .kvcache import KVCache, token_ids_sha256
+from .format import KvcReader, WriteOptions, write_kvc
+from .fingerprint import token_ids_sha256
+from .kvcache import KVCache
 from .attachments import default_resolver
 from .plans import get_plan
 from .quant import codecplan
@@ -382,11 +383,7 @@ def measure(lm: Any, case: TextCase, method: Method, workdir: str | os.PathLike,
         to_encode, plan = method.build(lm, case)
         tag = hashlib.sha256(method.key.encode()).hexdigest()[:12]
         path = Path(workdir) / f"{case.tokens_sha[:12]}-{tag}.kvc"
-        write_kvc(
-            to_encode, path, plan.pipelines, attachments=getattr(plan, "attachments", None) or None,
-            chunk_tokens=getattr(plan, "chunk_tokens", None), preset=getattr(plan, "preset", None),
-            meta={"curve_method": method.key},
-        )
+        write_kvc(to_encode, path, plan.pipelines, WriteOptions.for_plan(plan, meta={"curve_method": method.key}))
         t_enc = time.perf_counter() - t0
     size = path.stat().st_size
     t0 = time.perf_counter()

@@ -51,6 +51,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+import numpy as np
+
 from .errors import KvcFormatError, KvcModelMismatchError, KvcModelNotFoundError, is_int, want
 from .paths import cache_root
 
@@ -76,6 +78,12 @@ _MAX_ROPE_CHARS = 1 << 16
 _MAX_JSON_FILE = 64 << 20  # config.json / index.json / cache entries larger than this are refused
 _WEIGHTS_DOMAIN = b"kvcodec-weights-v2\0"
 _MEMORY_DOMAIN = b"kvcodec-weights-in-memory-v2\0"
+
+
+def token_ids_sha256(ids: Any) -> str:
+    """sha256 hex of token ids as little-endian int64: the context hash of the .kvc header (spec/kvc-v1.md),
+    of pruning records and of capture caches. Here, not in kvcache.py, so the container hashes without torch."""
+    return hashlib.sha256(np.asarray(ids, dtype="<i8").tobytes()).hexdigest()
 
 
 def _is_int(v: Any) -> bool:

@@ -29,7 +29,7 @@ import torch
 from .capture import check_fits, model_cache, tokenize
 from .chat import ChatFormat
 from .errors import KvcError, KvcInputError
-from .format import KvcReader, encode_kvc_bytes
+from .format import KvcReader, WriteOptions, encode_kvc_bytes
 from .plans import get_plan
 from .hf import greedy_from, load_cache
 from .kvcache import KVCache
@@ -150,7 +150,7 @@ class KnowledgeBase:
         if prefill_ttft_s is not None:
             cache.meta["prefill_ttft_s"] = prefill_ttft_s
         plan = get_plan(self.preset, cache, lm=self.lm)
-        data = encode_kvc_bytes(cache, plan.pipelines, attachments=plan.attachments, preset=plan.preset, meta=cache.meta)
+        data = encode_kvc_bytes(cache, plan.pipelines, WriteOptions.for_plan(plan, meta=cache.meta))
         res = self.store.put(self.key(ids), data, {"preset": self.preset, "tokens": int(len(ids)), "prefill_ttft_s": prefill_ttft_s})
         return {
             "key": self.key(ids).to_str(), "bytes": len(data), "encode_s": time.perf_counter() - t0,

@@ -43,13 +43,6 @@ _DTYPES = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch
 
 
 
-def token_ids_sha256(ids: Any) -> str:
-    """sha256 hex of token ids as little-endian int64: the context hash of the .kvc header (spec/kvc-v1.md),
-    of pruning records and of capture caches."""
-    import hashlib
-
-    return hashlib.sha256(np.asarray(ids, dtype="<i8").tobytes()).hexdigest()
-
 @dataclass
 class KVCache:
     keys: list[torch.Tensor]

@@ -18,8 +18,8 @@ import torch
 from .atomic import check_output, ensure_output_dir
 from .capture import select_context, tokenize
 from .curve import Method, TextCase, cached_capture, default_capture_dir, measure, run_curve
-from .format import KvcReader, write_kvc
-from .kvcache import token_ids_sha256
+from .format import KvcReader, WriteOptions, write_kvc
+from .fingerprint import token_ids_sha256
 from .model import load_model
 from .plans import get_plan
 from .texts import load_text
@@ -77,7 +77,7 @@ def run_main_job(
     path = check_output(out_dir / f"{Path(text).name}-{len(ids)}-{preset}.kvc", inputs=[text])
     t0 = time.perf_counter()
     plan = get_plan(preset, cache, lm=lm)
-    write_kvc(cache, path, plan.pipelines, attachments=plan.attachments or None, preset=plan.preset)
+    write_kvc(cache, path, plan.pipelines, WriteOptions.for_plan(plan))
     report.update(kvc_file=str(path), kvc_bytes=path.stat().st_size, encode_s=time.perf_counter() - t0,
                   kv_elements=cache.num_elements, fp16_bytes=cache.nbytes_fp16, tokens=len(ids))
     with KvcReader(path) as r:

@@ -12,16 +12,19 @@ small named numpy arrays that the container stores inside the chunk next to
 the payload and hands back on decode. Side data names are namespaced by the
 container per stage index, so two stages may both use ``"scale"``.
 
-The CPU implementation is the definition of a stage. GPU implementations
-subclass it and override only ``encode``/``decode``; they must match the CPU
-output bit for bit.
+The CPU implementation is the definition of a stage. Faster decoders (the fused
+numba decoder, the Triton kernels) are not subclasses: they are backends of the
+decoder registry (:mod:`kvcodec.backends`), which must match this reference bit
+for bit (tests/test_backend_conformance.py). Stages are immutable configuration;
+what only the encoder needs (token classes, ...) arrives in :attr:`ChunkContext.encoder`.
 """
 
 from __future__ import annotations
 
 import json
-from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from abc import ABC, ABCMeta, abstractmethod
+from collections.abc import Mapping
+from dataclasses import FrozenInstanceError, dataclass, field
 from typing import Any, Callable, ClassVar, Literal, Union
 
 import numpy as np
@@ -30,6 +33,10 @@ from .errors import KvcCodecError, KvcFormatError
 
 StageKind = Literal["array->array", "array->bytes", "bytes->bytes"]
 SideData = dict[str, np.ndarray]
+# Encoder-only inputs of one tensor's pipeline, keyed by stage name (e.g. ``"tokenscale"`` ->
+# :class:`kvcodec.quant.tokenscale.TokenClasses`). Not config: never in the file, absent on decode.
+EncoderInputs = Mapping[str, Any]
+EncoderInputsSpec = Callable[[int, str], EncoderInputs]
 
 
 @dataclass(frozen=True)
@@ -62,7 +69,9 @@ class ChunkContext:
     ``layer`` and ``kind`` ("k" or "v") let stages pick per-layer settings;
     ``positions`` are the original token positions of the chunk's tokens (for
     RoPE); ``attachments`` are file-level blobs (e.g. calibration matrices)
-    keyed by name.
+    keyed by name, stored or external alike; ``encoder`` holds this tensor's
+    encoder-only inputs (:data:`EncoderInputs`), handed in by the writer from the
+    plan -- stages hold none themselves, so one stage object may encode any layer.
     """
 
     layer: int = 0
@@ -71,10 +80,35 @@ class ChunkContext:
     positions: np.ndarray | None = None
     attachments: dict[str, np.ndarray] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    encoder: EncoderInputs = field(default_factory=dict)
 
 
-class Stage(ABC):
-    """One step of a codec pipeline. Subclasses set name/version/kind."""
+class _FrozenAfterInit(ABCMeta):
+    """Seals every stage once its ``__init__`` (the config validation) has run."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        obj = super().__call__(*args, **kwargs)
+        object.__setattr__(obj, "_sealed", True)
+        return obj
+
+
+class Stage(ABC, metaclass=_FrozenAfterInit):
+    """One step of a codec pipeline. Subclasses set name/version/kind.
+
+    A stage is pure configuration, immutable once built (as zarr v3 codecs are frozen
+    dataclasses): ``__init__`` validates the config and sets attributes, after which any
+    assignment raises :class:`dataclasses.FrozenInstanceError`. Why: the writer stores one
+    pipeline per distinct config and may encode several layers with one stage object, so
+    per-layer encoder inputs travel in :attr:`ChunkContext.encoder`, never on the stage.
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_sealed"):
+            raise FrozenInstanceError(f"codec {self.name!r}: a stage is immutable configuration (cannot set {name!r})")
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError(f"codec {self.name!r}: a stage is immutable configuration (cannot delete {name!r})")
 
     name: ClassVar[str]
     version: ClassVar[int] = 1
@@ -252,9 +286,9 @@ class Pipeline:
         data, side = self.bytes_stage.encode(arr, ctx)
         sides.append(side)
         sizes: list[int] = []
-        for s in self.byte_stages:
+        for b in self.byte_stages:
             sizes.append(len(data))
-            data = s.encode(data, ctx)
+            data = b.encode(data, ctx)
             sides.append({})
         return data, sides, sizes
 
@@ -290,7 +324,9 @@ class Plan:
     :class:`~kvcodec.format.writer.ExternalAttachment` (referenced by sha256);
     ``params`` records the plan's settings (written under ``meta["plan"]`` by callers
     that want them); ``chunk_tokens`` is a layout the plan requires (the baselines' KIVI
-    window needs a whole tensor per chunk), None for the writer's default.
+    window needs a whole tensor per chunk), None for the writer's default;
+    ``encoder_inputs`` gives each (layer, kind) its encoder-only inputs (tokenscale's token
+    classes), which the writer passes to that tensor's chunks in :attr:`ChunkContext.encoder`.
     """
 
     pipelines: PipelineSpec
@@ -299,7 +335,9 @@ class Plan:
     params: dict[str, Any] = field(default_factory=dict)
     chunk_tokens: int | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    encoder_inputs: EncoderInputsSpec | None = None
 
     def pipeline(self, layer: int, kind: str) -> Pipeline:
         """The pipeline of one tensor, whichever form ``pipelines`` takes."""
         return self.pipelines if isinstance(self.pipelines, Pipeline) else self.pipelines(layer, kind)
+

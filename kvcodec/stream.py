@@ -89,7 +89,7 @@ def encode_levels(
     (the exact KV of ``ids``) skips the prefill.
     """
     from .capture import capture
-    from .format import encode_kvc_bytes
+    from .format import WriteOptions, encode_kvc_bytes
     from .plans import get_plan
 
     names = parse_levels(levels)
@@ -128,7 +128,7 @@ def encode_levels(
             t1 = time.perf_counter()
             kw = {"importance": importance[:, s:e]} if importance is not None and lv in ("small", "balanced") else {}
             plan = get_plan(lv, part, lm=lm, **kw)
-            data = encode_kvc_bytes(part, plan.pipelines, attachments=plan.attachments, preset=plan.preset)
+            data = encode_kvc_bytes(part, plan.pipelines, WriteOptions.for_plan(plan))
             encode_s[lv] += time.perf_counter() - t1
             store.put(keys[lv][i], data, level_meta(lv, s, e))
             sizes[lv] = len(data)

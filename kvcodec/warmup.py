@@ -48,7 +48,7 @@ def warm(model: str = "smollm2", tokens: int = 64) -> dict[str, float]:
 
     from .capture import capture
     from .atomic import atomic_write_bytes, ensure_output_dir
-    from .format import KvcReader, encode_kvc_bytes
+    from .format import KvcReader, WriteOptions, encode_kvc_bytes
     from .plans import get_plan
     from .hf import load_cache
     from .model import load_model
@@ -64,7 +64,7 @@ def warm(model: str = "smollm2", tokens: int = 64) -> dict[str, float]:
     for preset in PRESETS:
         t1 = time.perf_counter()
         plan = get_plan(preset, cache, lm=lm, guard=False)  # compiles the kernels; the quality check only adds encodes
-        data = encode_kvc_bytes(cache, plan.pipelines, attachments=plan.attachments, preset=plan.preset)
+        data = encode_kvc_bytes(cache, plan.pipelines, WriteOptions.for_plan(plan))
         with KvcReader(data) as r:
             r.read_cache()
         atomic_write_bytes(warmup_dir() / f"{preset}.kvc", data)

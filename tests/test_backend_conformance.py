@@ -22,7 +22,7 @@ import pytest
 
 from kvcodec.backends import BACKENDS, STRICT_ENV, Backend, backend, decode_with, select
 from kvcodec.errors import KvcBackendError
-from kvcodec.format import KvcReader, write_kvc
+from kvcodec.format import KvcReader, WriteOptions, write_kvc
 from kvcodec.format.container import parse_chunk, pipeline_dtype
 from kvcodec.format.decode import chunk_context
 from kvcodec.stages import ArraySpec, ChunkContext, Pipeline, stage_from_json
@@ -88,8 +88,9 @@ def used() -> set[str]:
     return set()
 
 
-def test_golden_kvc_vectors_every_backend(used):
-    d = ROOT / "spec" / "vectors" / "kvc"
+@pytest.mark.parametrize("subdir", ["kvc", "kvc-lossy"])
+def test_golden_kvc_vectors_every_backend(used, subdir):
+    d = ROOT / "spec" / "vectors" / subdir
     manifest = json.loads((d / "manifest.json").read_text())
     n = sum(_check_file((d / v["file"]).read_bytes(), used) for v in manifest["vectors"].values())
     assert n > 0
@@ -122,7 +123,7 @@ def test_real_cache_every_preset_every_backend(used, lm, small_cache):
     plans.append((get_plan("baseline:kivi2", small_cache), True))
     for plan, on_gpu in plans:
         buf = io.BytesIO()
-        write_kvc(small_cache, buf, plan.pipelines, attachments=plan.attachments or None, preset=plan.preset,
+        write_kvc(small_cache, buf, plan.pipelines, WriteOptions.for_plan(plan),
                   chunk_tokens=plan.chunk_tokens or 40)
         assert _check_file(buf.getvalue(), used, gpu_layers=GPU_LAYERS if on_gpu else 0) > 0
 

@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from kvcodec.blend import (
-    blend, concat_chunks, continue_from, generate_blended, rerotate_keys, rope_inv_freq, theta_inv_freq,
+    blend, concat_chunks, continue_from, generate_blended, rerotate_keys, rope_inv_freq,
 )
 from kvcodec.capture import capture, prefill
 from kvcodec.errors import KvcInputError
 from kvcodec.kvcache import KVCache
+from kvcodec.quant.rope import inv_freq
 
 pytestmark = pytest.mark.model
 
@@ -66,7 +67,7 @@ def test_rerotated_keys_equal_keys_computed_in_context(lm, pieces, chunk_caches)
     # Without re-rotation they would be far off (the test has teeth).
     assert (alone.keys[0] - ref).abs().max().item() > 100 * err
     # The theta-based float64 tables agree with the model's own to fp32 rounding.
-    k2 = rerotate_keys(alone.keys[0], len(a), theta_inv_freq(1e5, alone.keys[0].shape[-1]))
+    k2 = rerotate_keys(alone.keys[0], len(a), inv_freq(1e5, alone.keys[0].shape[-1]))
     assert (k2 - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item())
     # Rotations compose: by 7 then by len(a) - 7 == by len(a).
     inv = rope_inv_freq(lm)

@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 import torch  # noqa: E402
 
 from kvcodec.entropy.rans_stage import RansStage  # noqa: E402
-from kvcodec.errors import KvcFormatError  # noqa: E402
+from kvcodec.errors import KvcFormatError, KvcInputError  # noqa: E402
 from kvcodec.stages import ArraySpec, ChunkContext, Pipeline  # noqa: E402
 
 pytestmark = pytest.mark.triton
@@ -242,7 +242,7 @@ def test_layout_writers_hf_and_paged():
     hf = torch.zeros((1, 1, 1, 2), dtype=torch.bfloat16)
     store_hf(nan, hf)
     assert torch.isnan(hf).all()  # NaN payload bits are platform-specific (torch CPU gives 0xFFFF here); decoded KV is never NaN
-    with pytest.raises(ValueError):
+    with pytest.raises(KvcInputError):
         store_paged(x, torch.zeros((2, 4, H, D)), torch.tensor([0, 1]), 0)
 
 
@@ -288,11 +288,15 @@ def _chain(rope_dim=None, sink=4, recent=0, k=24, basis="pca", ts=None, keep_dty
 def _tokenscale(n_tokens: int, skip: int):
     from kvcodec.quant.tokenscale import TokenScaleStage
 
-    st = TokenScaleStage(bits=4)
-    st.encoder_classes = np.random.default_rng(5).integers(0, 5, 4096).astype(np.uint8)
-    st.encoder_table = np.array([0.25, 1.0, 2.0, 11.3137085, 45.254834], np.float32)  # a non-power of two rounds
-    st.encoder_skip = skip
-    return st
+    return TokenScaleStage(bits=4)
+
+
+def _ts_inputs(skip: int) -> dict:
+    """ChunkContext.encoder for a tokenscale stage after ``skip`` kept tokens."""
+    from kvcodec.quant.tokenscale import TokenClasses
+
+    classes = np.random.default_rng(5).integers(0, 5, 4096).astype(np.uint8)
+    return {"tokenscale": TokenClasses(classes, np.array([0.25, 1.0, 2.0, 11.3137085, 45.254834], np.float32), skip)}  # a non-power of two rounds
 
 
 @pytest.mark.model
@@ -328,7 +332,8 @@ def test_fused_chain_bit_exact(case, chunks, pca_attachments):
     elif case == "group16":
         kw.update(g=16, k=32)
     pipe = _chain(**kw)
-    ctx = ChunkContext(layer=layer, kind=kind, attachments=pca_attachments, token_start=11, positions=positions)
+    ctx = ChunkContext(layer=layer, kind=kind, attachments=pca_attachments, token_start=11, positions=positions,
+                       encoder=_ts_inputs(4))
     _check_pipeline(pipe, x, ctx, expect_path="fused")
 
 
@@ -366,7 +371,7 @@ def test_fused_chain_into_layouts(chunks, pca_attachments):
     layer, kind, x = chunks[0]
     H, Tn, D = x.shape
     pipe = _chain(rope_dim=64, ts=_tokenscale(T, 4))
-    ctx = ChunkContext(layer=layer, kind=kind, attachments=pca_attachments)
+    ctx = ChunkContext(layer=layer, kind=kind, attachments=pca_attachments, encoder=_ts_inputs(4))
     payload, sides, sizes = pipe.encode(x, ctx)
     spec = ArraySpec(x.shape, "float16")
     cpu = torch.from_numpy(pipe.decode(payload, sides, sizes, spec, ctx))
@@ -383,7 +388,7 @@ def test_fused_chain_into_layouts(chunks, pca_attachments):
         got = torch.stack([cache[table[(2 + t) // 4], (2 + t) % 4] for t in range(Tn)], dim=1)
         assert torch.equal(got.contiguous().view(torch.uint8), cpu.to(dt).contiguous().view(torch.uint8))
         assert int((cache != 0).sum()) == int((cpu.to(dt) != 0).sum())
-    with pytest.raises(ValueError):
+    with pytest.raises(KvcInputError):
         backend.decode_chunk_into(pipe, payload, sides, sizes, spec, ctx, torch.zeros((1, H, Tn - 1, D), dtype=torch.float16))
 
 
@@ -394,7 +399,7 @@ def test_fused_chain_malformed_like_cpu(chunks, pca_attachments):
 
     layer, kind, x = chunks[0]
     pipe = _chain(rope_dim=64, ts=_tokenscale(T, 4))
-    ctx = ChunkContext(layer=layer, kind=kind, attachments=pca_attachments)
+    ctx = ChunkContext(layer=layer, kind=kind, attachments=pca_attachments, encoder=_ts_inputs(4))
     payload, sides, sizes = pipe.encode(x, ctx)
     spec = ArraySpec(x.shape, "float16")
     i_keep, i_tr, i_ts, i_q = 1, 2, 3, 4
@@ -424,4 +429,4 @@ def test_tokenscale_stage_outside_a_chain():
 
     x = (np.random.default_rng(4).standard_normal((2, 13, 16)) * 3).astype(np.float16)
     pipe = Pipeline([_tokenscale(13, 0), QuantizeStage(mode="step", step=0.05), RansStage()])
-    _check_pipeline(pipe, x, ChunkContext(), expect_path="stages")
+    _check_pipeline(pipe, x, ChunkContext(encoder=_ts_inputs(0)), expect_path="stages")

@@ -19,7 +19,7 @@ import pytest
 import kvcodec.quant.fastdecode as F
 from kvcodec.entropy.rans_stage import RansStage
 from kvcodec.errors import KvcError, KvcFormatError
-from kvcodec.format import KvcReader
+from kvcodec.format import KvcReader, WriteOptions
 from kvcodec.format.decode import decode_chunk
 from kvcodec.quant.stages import KeepStage, QuantizeStage, RopeStage, TransformStage
 from kvcodec.stages import ArraySpec, ChunkContext, Pipeline
@@ -84,12 +84,14 @@ def _data(H=3, T=37, D=64, seed=2, dtype=np.float16) -> np.ndarray:
 
 def _ts_stage(T_coded: int, sink: int):
     ts_mod = pytest.importorskip("kvcodec.quant.tokenscale")
-    st = ts_mod.TokenScaleStage(bits=4)
-    rng = np.random.default_rng(5)
-    st.encoder_classes = rng.integers(0, 5, 4096).astype(np.uint8)
-    st.encoder_table = np.array([0.25, 1.0, 2.0, 11.3137085, 45.254834], np.float32)  # a non-power of two rounds
-    st.encoder_skip = sink
-    return st
+    return ts_mod.TokenScaleStage(bits=4)
+
+
+def _ts_inputs(sink: int) -> dict:
+    """ChunkContext.encoder of the tokenscale stage of :func:`_ts_stage` (classes after ``sink`` kept tokens)."""
+    ts_mod = pytest.importorskip("kvcodec.quant.tokenscale")
+    classes = np.random.default_rng(5).integers(0, 5, 4096).astype(np.uint8)
+    return {"tokenscale": ts_mod.TokenClasses(classes, np.array([0.25, 1.0, 2.0, 11.3137085, 45.254834], np.float32), sink)}  # a non-power of two rounds
 
 
 # --------------------------------------------------------------------------- synthetic pipelines
@@ -123,7 +125,7 @@ def test_synthetic_pipelines_bit_identical(variant):
     elif variant == "pos3d":
         positions = np.random.default_rng(4).integers(0, 9000, (2, H, T)).astype(np.int64)
     ctx = ChunkContext(layer=1, kind="k" if variant != "values" else "v", token_start=123, positions=positions,
-                       attachments=att, extra={"head_start": 0})
+                       attachments=att, extra={"head_start": 0}, encoder=_ts_inputs(4) if variant == "tokenscale" else {})
     fast, ref, _ = _both(pipe, arr, ctx)
     assert fast is not None, "fused path declined a supported pipeline"
     assert _same(fast, ref)
@@ -262,18 +264,18 @@ def test_real_cache_every_preset_bit_identical(real_cache, monkeypatch):
         plan = get_plan(name, c16)
         for chunking in ({"chunk_tokens": 50, "chunk_heads": 2},) if name != "balanced" else ({}, {"chunk_tokens": 50, "chunk_heads": 2}):
             buf = io.BytesIO()
-            write_kvc(c16, buf, plan.pipelines, attachments=plan.attachments, preset=plan.preset, **chunking)
+            write_kvc(c16, buf, plan.pipelines, WriteOptions.for_plan(plan), **chunking)
             _compare_file(buf.getvalue(), monkeypatch, default_resolver)
     # token-importance classes (tokenscale stage)
     imp = np.random.default_rng(0).random((c16.fingerprint.num_layers, c16.num_tokens))
     plan = get_plan("balanced", c16, tokenscale={}, importance=imp)
     buf = io.BytesIO()
-    write_kvc(c16, buf, plan.pipelines, attachments=plan.attachments, preset=plan.preset, chunk_tokens=50)
+    write_kvc(c16, buf, plan.pipelines, WriteOptions.for_plan(plan), chunk_tokens=50)
     _compare_file(buf.getvalue(), monkeypatch, default_resolver)
     # float32 cache (the capture's own dtype) through the balanced plan
     plan = get_plan("balanced", c)
     buf = io.BytesIO()
-    write_kvc(c, buf, plan.pipelines, attachments=plan.attachments, preset=plan.preset, chunk_tokens=64)
+    write_kvc(c, buf, plan.pipelines, WriteOptions.for_plan(plan), chunk_tokens=64)
     _compare_file(buf.getvalue(), monkeypatch, default_resolver)
 
 

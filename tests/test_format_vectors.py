@@ -10,7 +10,7 @@ import pytest
 import zstandard
 
 from kvcodec.format import KvcReader
-from scripts.make_vectors import VECTOR_DIR, cache_from_vector, encode_case, stacked
+from scripts.make_vectors import LOSSY_DIR, VECTOR_DIR, cache_from_vector, encode_case, lossy_decoded_digest, stacked
 
 import independent_reader  # noqa: E402
 
@@ -89,3 +89,35 @@ def test_independent_reader_rejects_corruption():
     bad[900] ^= 1
     with pytest.raises(independent_reader.SpecError):
         independent_reader.read(bytes(bad))
+
+
+# ------------------------------------------------------------------ lossy end-to-end vectors (spec/vectors/kvc-lossy)
+LOSSY = json.loads((LOSSY_DIR / "manifest.json").read_text())
+
+
+@pytest.mark.parametrize("name", sorted(LOSSY["vectors"]))
+def test_lossy_vector_decodes_exactly(name, monkeypatch):
+    """A real cache encoded with a lossy preset decodes to exactly the recorded tensors, through the
+    registry's pick and through the reference (the normative stage-by-stage decode) alike."""
+    import kvcodec.backends as B
+
+    v = LOSSY["vectors"][name]
+    data = (LOSSY_DIR / v["file"]).read_bytes()
+    assert hashlib.sha256(data).hexdigest() == v["sha256"], f"{v['file']} changed: vectors are never regenerated silently"
+    want = (v["decoded_sha256"], v["decoded_dtype"], v["decoded_shape"])
+    assert lossy_decoded_digest(data) == want
+    with KvcReader(data) as r:
+        assert r.verify() == []
+        stages = {s.name for p in r.header.pipelines for s in p.stages}
+    assert {"keep", "transform", "quantize", "rans"} <= stages
+    monkeypatch.setattr(B, "select", lambda *a, **k: [B.backend("reference")])
+    assert lossy_decoded_digest(data) == want
+
+
+def test_lossy_vectors_cover_the_lossy_chain():
+    """Between them the lossy vectors use every stage of the lossy presets' chain, tokenscale included."""
+    stages = set()
+    for v in LOSSY["vectors"].values():
+        with KvcReader((LOSSY_DIR / v["file"]).read_bytes()) as r:
+            stages |= {s.name for p in r.header.pipelines for s in p.stages}
+    assert {"rope", "keep", "transform", "tokenscale", "quantize", "rans"} <= stages

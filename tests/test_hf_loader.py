@@ -8,7 +8,7 @@ import torch
 
 from kvcodec.capture import capture, prefill
 from kvcodec.errors import KvcModelMismatchError
-from kvcodec.format import encode_kvc_bytes
+from kvcodec.format import WriteOptions, encode_kvc_bytes
 from kvcodec.plans import get_plan
 from kvcodec.hf import LazyKvcLayer, generate, greedy_from, load_cache
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.model
 
 def _kvc(cache, preset="lossless") -> bytes:
     plan = get_plan(preset, cache)
-    return encode_kvc_bytes(cache, plan.pipelines, attachments=plan.attachments, preset=plan.preset)
+    return encode_kvc_bytes(cache, plan.pipelines, WriteOptions.for_plan(plan))
 
 
 @pytest.mark.parametrize("prefetch", [True, False])

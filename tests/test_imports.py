@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -91,6 +93,32 @@ def test_opening_a_lossless_file_does_not_import_the_lossy_codec(tmp_path):
         "bad = [m for m in ('kvcodec.quant.presets', 'kvcodec.quant.codecplan', 'kvcodec.quant.calibrate', 'kvcodec.plans',"
         " 'kvcodec.quant.stages', 'kvcodec.cuda.dequant_kernels', 'triton', 'kvcodec.model', 'transformers') if m in sys.modules]\n"
         "assert not bad, bad\n"
+    )
+    env = {**os.environ, "KVCODEC_BACKEND": "cpu"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("vector", ["kvc/smollm2_8tok_f16_lossless.kvc", "kvc-lossy/smollm2_24tok_small_hadamard_tokenscale.kvc"])
+def test_opening_a_kvc_imports_no_torch(vector):
+    """Opening a real .kvc (lossless or lossy), describing it and decoding every chunk to numpy imports
+    neither torch nor the calibration store (no scan of the calibration cache); a lossless one also
+    none of the lossy codec. Only tensors (read_layer / read_cache) need torch."""
+    path = ROOT / "spec" / "vectors" / vector
+    lossless = vector.startswith("kvc/")
+    code = (
+        "import sys\n"
+        "from kvcodec.format import KvcReader\n"
+        f"r = KvcReader({str(path)!r})\n"
+        "r.describe()\n"
+        "assert r.verify() == []\n"
+        "for j in range(r.num_chunks): r.read_chunk(j, 'cpu')\n"
+        "r.close()\n"
+        "bad = [m for m in ('torch', 'kvcodec.kvcache', 'kvcodec.quant.calibrate', 'kvcodec.model', 'transformers', 'triton')"
+        " if m in sys.modules]\n"
+        + ("bad += [m for m in ('kvcodec.quant.stages', 'kvcodec.quant.tokenscale', 'kvcodec.plans') if m in sys.modules]\n"
+           if lossless else "assert 'kvcodec.quant.stages' in sys.modules  # the lossy file did decode through its stages\n")
+        + "assert not bad, bad\n"
     )
     env = {**os.environ, "KVCODEC_BACKEND": "cpu"}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)

@@ -11,7 +11,7 @@ from kvcodec.errors import KvcCodecError, KvcFormatError
 from kvcodec.quant import vectors as V
 from kvcodec.quant.importance import token_multipliers
 from kvcodec.quant.stages import QuantizeStage
-from kvcodec.quant.tokenscale import TokenScaleStage, pack_classes, unpack_classes, vector_cases
+from kvcodec.quant.tokenscale import TokenClasses, TokenScaleStage, pack_classes, unpack_classes, vector_cases
 from kvcodec.stages import ArraySpec, ChunkContext, Pipeline, stage_from_json
 from kvcodec.entropy.rans_stage import RansStage
 
@@ -19,12 +19,9 @@ rng = np.random.default_rng(11)
 TABLE = np.exp2(-2.0 + np.arange(16)).astype(np.float32)  # powers of two: encode/decode exact
 
 
-def _stage(T, bits=4, skip=0, n=16):
-    st = TokenScaleStage(bits=bits)
-    st.encoder_classes = rng.integers(0, n, T + skip).astype(np.uint8)
-    st.encoder_table = TABLE[:n]
-    st.encoder_skip = skip
-    return st
+def _inputs(T, skip=0, n=16):
+    """Encoder inputs (ChunkContext.encoder) with random classes for T tokens after ``skip``."""
+    return {"tokenscale": TokenClasses(rng.integers(0, n, T + skip).astype(np.uint8), TABLE[:n], skip)}
 
 
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
@@ -44,10 +41,10 @@ def test_pack_layout_lsb_first():
 
 def test_roundtrip_exact_and_formula():
     x = rng.standard_normal((3, 40, 16)).astype(np.float32)
-    st = _stage(40, skip=4)
+    st, enc = TokenScaleStage(bits=4), _inputs(40, skip=4)
     ctx = ChunkContext(token_start=10)
-    y, side = st.encode(x, ChunkContext(token_start=0))
-    cls = st.encoder_classes[4:44]
+    y, side = st.encode(x, ChunkContext(token_start=0, encoder=enc))
+    cls = enc["tokenscale"].classes[4:44]
     np.testing.assert_array_equal(y, x / TABLE[cls][None, :, None])
     out = st.decode(y, side, ArraySpec(x.shape, "float32"), ctx)
     assert np.array_equal(out, x)  # power-of-two multipliers: divide and multiply are exact
@@ -57,21 +54,20 @@ def test_roundtrip_exact_and_formula():
 
 
 def test_token_start_indexes_encoder_classes():
-    st = _stage(10, skip=2)
-    st.encoder_classes = np.arange(30, dtype=np.uint8) % 16
+    st = TokenScaleStage(bits=4)
+    enc = {"tokenscale": TokenClasses(np.arange(30, dtype=np.uint8) % 16, TABLE, 2)}
     x = np.ones((1, 5, 2), np.float32)
-    y, side = st.encode(x, ChunkContext(token_start=20))
+    y, side = st.encode(x, ChunkContext(token_start=20, encoder=enc))
     assert np.array_equal(unpack_classes(side["class"], 4, 5)[:5], np.arange(22, 27) % 16)
 
 
 def test_pipeline_with_quantize_is_exact_and_saves_bits():
     x = rng.standard_normal((2, 256, 16)).astype(np.float32)
     st = TokenScaleStage(bits=2)
-    st.encoder_classes = np.repeat(np.array([0, 3], np.uint8), 128)
-    st.encoder_table = np.array([1.0, 2.0, 4.0, 8.0], np.float32)
+    enc = {"tokenscale": TokenClasses(np.repeat(np.array([0, 3], np.uint8), 128), np.array([1.0, 2.0, 4.0, 8.0], np.float32))}
     p_ts = Pipeline([st, QuantizeStage(mode="step", step=0.1), RansStage(channel_group=8)])
     p_u = Pipeline([QuantizeStage(mode="step", step=0.1), RansStage(channel_group=8)])
-    ctx = ChunkContext()
+    ctx = ChunkContext(encoder=enc)
     b1, b2 = p_ts.encode(x, ctx)[0], p_u.encode(x, ctx)[0]
     assert len(b1) < 0.9 * len(b2)  # half the tokens at 8x the step
     spec = ArraySpec(x.shape, "float32")
@@ -102,10 +98,11 @@ def test_golden(name):
     spec = ArraySpec(tuple(meta["spec"]["shape"]), meta["spec"]["dtype"])
     out = st.decode(enc, side, spec, ChunkContext())
     assert out.dtype == dec.dtype and np.array_equal(out.view(np.uint8), dec.view(np.uint8))
+    enc_in = {}
     if "encoder" in meta:
-        st.encoder_classes = np.array(meta["encoder"]["classes"], np.uint8)
-        st.encoder_table = np.array(meta["encoder"]["table"], np.float32)
-    e2, s2 = st.encode(x, ChunkContext())
+        enc_in = {"tokenscale": TokenClasses(np.array(meta["encoder"]["classes"], np.uint8),
+                                             np.array(meta["encoder"]["table"], np.float32))}
+    e2, s2 = st.encode(x, ChunkContext(encoder=enc_in))
     assert np.array_equal(e2, enc) and sorted(s2) == sorted(side)
     for k in side:
         assert np.array_equal(s2[k], side[k])
@@ -125,9 +122,9 @@ def test_classes_vector_is_nontrivial():
 
 # ------------------------------------------------------------------ malformed side data
 def _good(T=13, bits=4):
-    st = _stage(T, bits=bits, n=5)
+    st = TokenScaleStage(bits=bits)
     x = rng.standard_normal((2, T, 4)).astype(np.float32)
-    y, side = st.encode(x, ChunkContext())
+    y, side = st.encode(x, ChunkContext(encoder=_inputs(T, n=5)))
     return TokenScaleStage(bits=bits), y, side, ArraySpec(x.shape, "float32")
 
 
@@ -179,9 +176,9 @@ def test_bad_config(bits):
 
 def test_encoder_class_out_of_table():
     st = TokenScaleStage(bits=4)
-    st.encoder_classes, st.encoder_table = np.array([0, 5], np.uint8), np.ones(3, np.float32)
+    enc = {"tokenscale": TokenClasses(np.array([0, 5], np.uint8), np.ones(3, np.float32))}
     with pytest.raises(KvcCodecError):
-        st.encode(np.ones((1, 2, 2), np.float32), ChunkContext())
+        st.encode(np.ones((1, 2, 2), np.float32), ChunkContext(encoder=enc))
 
 
 # ------------------------------------------------------------------ class mapping
@@ -198,31 +195,42 @@ def test_token_multipliers_normalised_and_monotone():
 
 # ------------------------------------------------------------------ merged pipelines (issue 18's bug)
 def test_equal_config_layers_keep_their_own_encoder_classes(small_cache):
-    """Layers whose pipelines share one config share one header entry, but each layer must be
-    encoded with its own stage object: ``tokenscale``'s token classes live outside the config.
-    Before the fix every merged layer was encoded with layer 0's classes (a silent quality loss)."""
+    """Layers whose pipelines share one config share one header entry and here one stage object;
+    each layer must still be encoded with its own token classes, which travel in the write options'
+    ``encoder_inputs`` (the stage is pure configuration). Before the fix every merged layer was
+    encoded with layer 0's classes (a silent quality loss)."""
     from kvcodec.format import KvcReader, encode_kvc_bytes
 
     L = small_cache.num_layers
     T = small_cache.keys[0].shape[1]
     table = np.array([1.0, 2.0, 4.0, 8.0], np.float32)
+    shared = Pipeline([TokenScaleStage(bits=2), QuantizeStage(mode="step", step=0.05), RansStage(channel_group=8)])
 
-    def make(layer: int) -> Pipeline:
-        st = TokenScaleStage(bits=2)
-        st.encoder_classes = ((np.arange(T) + layer) % 4).astype(np.uint8)  # a different class map per layer
-        st.encoder_table = table
-        return Pipeline([st, QuantizeStage(mode="step", step=0.05), RansStage(channel_group=8)])
+    def inputs(layer: int, kind: str) -> dict:
+        return {"tokenscale": TokenClasses(((np.arange(T) + layer) % 4).astype(np.uint8), table)}  # differs per layer
 
-    objs = {(layer, kind): make(layer) for layer in range(L) for kind in ("k", "v")}
-    data = encode_kvc_bytes(small_cache, lambda layer, kind: objs[(layer, kind)], chunk_tokens=T)
+    data = encode_kvc_bytes(small_cache, shared, chunk_tokens=T, encoder_inputs=inputs)
     with KvcReader(data) as r:
         assert len(r.header.pipelines) == 1  # one config: merged in the header
         got = r.read_cache()
     for layer in (0, 1, L - 1):
         for kind, src, dst in (("k", small_cache.keys, got.keys), ("v", small_cache.values, got.values)):
             x = src[layer].float().numpy()
-            p = objs[(layer, kind)]
-            ctx = ChunkContext(layer=layer, kind=kind, token_start=0)
-            payload, sides, sizes = p.encode(x, ctx)
-            want = p.decode(payload, sides, sizes, ArraySpec(x.shape, "float32"), ctx)
+            ctx = ChunkContext(layer=layer, kind=kind, token_start=0, encoder=inputs(layer, kind))
+            payload, sides, sizes = shared.encode(x, ctx)
+            assert np.array_equal(sides[0]["class"], pack_classes(inputs(layer, kind)["tokenscale"].classes, 2))
+            want = shared.decode(payload, sides, sizes, ArraySpec(x.shape, "float32"), ctx)
             np.testing.assert_array_equal(dst[layer].float().numpy(), want.astype(np.float32))
+    # the layers' class maps differ, so a file that used one layer's classes for all would not match the above
+    assert not np.array_equal(got.keys[1].float().numpy(), small_cache.keys[1].float().numpy())
+
+
+def test_stages_are_immutable():
+    """A stage is configuration: nothing may be attached to it after construction (encoder inputs go in ctx)."""
+    from dataclasses import FrozenInstanceError
+
+    st = TokenScaleStage(bits=2)
+    with pytest.raises(FrozenInstanceError):
+        st.bits = 4
+    with pytest.raises(FrozenInstanceError):
+        st.encoder_classes = np.zeros(3, np.uint8)

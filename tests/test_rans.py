@@ -13,7 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcodec.entropy import rans
+from kvcodec.entropy import model, rans
+from kvcodec.entropy.constants import RANS_L
 from kvcodec.entropy.rans_stage import RansStage, from_contexts, overhead_split, to_contexts
 from kvcodec.errors import KvcCodecError, KvcFormatError
 from kvcodec.stages import ArraySpec, ChunkContext, Pipeline, stage_from_json
@@ -58,7 +59,7 @@ def test_roundtrip_lengths(n):
     s = rans.parse_header(buf, 3, n)
     np.testing.assert_array_equal(rans.decode_reference(s), sym.ravel())
     # lanes that get no symbol keep L
-    assert (s.states[:, min(n, 32):] == rans.RANS_L).all()
+    assert (s.states[:, min(n, 32):] == RANS_L).all()
 
 
 def test_roundtrip_single_symbol():
@@ -66,7 +67,7 @@ def test_roundtrip_single_symbol():
     buf = roundtrip(sym)
     s = rans.parse_header(buf)
     assert s.alphabet == 201 and (s.freqs[:, 200] == 4096).all() and (s.n_words == 0).all()
-    assert (s.states == rans.RANS_L).all()
+    assert (s.states == RANS_L).all()
 
 
 def test_roundtrip_all_256_symbols_and_skewed():
@@ -76,7 +77,7 @@ def test_roundtrip_all_256_symbols_and_skewed():
     skew = np.where(rng.random((4, 20000)) < 0.999, 3, rng.integers(0, 256, (4, 20000))).astype(np.uint8)
     buf = roundtrip(skew)
     f = rans.parse_header(buf).freqs
-    counts = rans.count_symbols(skew, f.shape[1])
+    counts = model.count_symbols(skew, f.shape[1])
     assert ((f > 0) == (counts > 0)).all()  # every present symbol gets >= 1, absent ones 0
     # contexts with different distributions side by side
     mixed = np.stack([rng.integers(0, 2, 3000), rng.integers(0, 256, 3000), np.full(3000, 9)]).astype(np.uint8)
@@ -141,10 +142,10 @@ def test_normalize_freqs_properties():
     counts[3] = rng.integers(0, 1000, 256) * (rng.random(256) < 0.3)
     counts[4] = np.arange(256)
     counts[5, :2] = [4095, 1]
-    f = rans.normalize_freqs(counts)
+    f = model.normalize_freqs(counts)
     assert (f.sum(axis=1) == 4096).all()
     assert ((f > 0) == (counts > 0)).all()
-    np.testing.assert_array_equal(f, rans.normalize_freqs(counts))  # deterministic
+    np.testing.assert_array_equal(f, model.normalize_freqs(counts))  # deterministic
     assert f[2, 5] == 4096 and f[1, 0] == 16
     # no single-unit move shortens the code (the optimality condition of the exchange step)
     for c in range(counts.shape[0]):
@@ -169,7 +170,7 @@ def test_size_within_1pct_of_entropy_laplace():
     for scale, bits in [(0.7, 2), (1.5, 4), (6.0, 6), (20.0, 8)]:
         sym = laplace_symbols(rng, (4, 1 << 16), scale, bits)
         buf = roundtrip(sym)
-        ideal = rans.empirical_entropy_bits(sym).sum() / 8
+        ideal = model.empirical_entropy_bits(sym).sum() / 8
         assert len(buf) <= 1.01 * ideal, (scale, bits, len(buf), ideal)
         payload_bits, table_bytes, flush_bytes = overhead_split(buf)
         assert flush_bytes == 4 * 128
@@ -189,7 +190,7 @@ def test_size_within_1pct_of_entropy_real_kv():
             lo, hi = x.min(axis=1, keepdims=True), x.max(axis=1, keepdims=True)
             q = np.round((x - lo) / np.maximum(hi - lo, 1e-8) * 15).astype(np.uint8)  # 4-bit per channel
             data = stage_roundtrip(q)  # contexts: one per head, 1024 x 64 = 64 Ki symbols
-            ideal = rans.empirical_entropy_bits(to_contexts(q)).sum() / 8
+            ideal = model.empirical_entropy_bits(to_contexts(q)).sum() / 8
             assert len(data) <= 1.01 * ideal
 
 
@@ -361,7 +362,7 @@ def test_wrong_n_words_lane_overrun_and_underrun():
     for tbl in ([4094, 1, 1], [4095, 1]):
         hdr_end = 6 + 8 + 2 + len(tbl) - 1
         assert hdr_end % 4
-        ok = _build([(1, 0, tbl)], len(tbl), [struct.pack("<32I", *([rans.RANS_L] * 32))])
+        ok = _build([(1, 0, tbl)], len(tbl), [struct.pack("<32I", *([RANS_L] * 32))])
         rans.parse_header(ok, 1, 1)
         bad = bytearray(ok)
         bad[hdr_end] = 1
@@ -455,9 +456,9 @@ def test_size_breakdown_accounts_for_every_byte():
     b = rans.size_breakdown(buf)
     assert b.total_bytes == len(buf) == b.header_bytes + b.table_bytes + b.flush_bytes + b.payload_bits // 8 + b.padding_bytes
     assert b.header_bytes == 6 + 8 * 5 and b.flush_bytes == 5 * 128 and 0 <= b.padding_bytes < 4 * 6
-    H = rans.empirical_entropy_bits(sym)
+    H = model.empirical_entropy_bits(sym)
     assert H.shape == (5,) and (H > 0).all()
-    assert rans.empirical_entropy_bits(np.zeros((2, 10), np.uint8)).tolist() == [0.0, 0.0]
+    assert model.empirical_entropy_bits(np.zeros((2, 10), np.uint8)).tolist() == [0.0, 0.0]
 
 
 # ----------------------------------------------------------------- golden vectors

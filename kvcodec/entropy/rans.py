@@ -1,4 +1,8 @@
-"""Interleaved rANS entropy coder, bitstream version 1 (see spec/rans-v1.md).
+"""Interleaved rANS entropy coder, bitstream version 1 (see spec/rans-v1.md): the coder.
+
+The probability model (counts -> 12-bit tables, ideal code lengths) is
+:mod:`kvcodec.entropy.model`; the bitstream constants are
+:mod:`kvcodec.entropy.constants` (shared with the Triton decoder).
 
 The normative definition of the bitstream is ``spec/rans-v1.md``; this module
 is its CPU implementation. In short:
@@ -13,14 +17,12 @@ is its CPU implementation. In short:
 
 Public API
 ----------
-``normalize_freqs(counts)``            counts [C, A] -> 12-bit tables [C, A]
 ``encode_contexts(symbols, freqs=None)`` symbols [C, N] uint8 -> stream bytes
 ``parse_header(buf, ...)``              validate a stream -> :class:`RansStream`
 ``decode(stream)``                      :class:`RansStream` -> flat uint8 symbols
 ``decode_contexts(buf, ...)``           bytes -> symbols [C, N] (parse + decode)
 ``decode_reference(stream)``            readable numpy decoder mirroring the GPU one
 ``size_breakdown(buf)``                 payload / table / flush / padding byte split
-``empirical_entropy_bits(symbols)``     ideal code length per context
 
 ``python scripts/make_vectors.py rans --write`` writes the golden vectors under
 ``spec/vectors/rans/`` (never over existing ones); tests only ever read them.
@@ -28,185 +30,23 @@ Public API
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 from numba import njit
 
 from ..errors import KvcFormatError
+from .constants import (
+    E_FINAL_STATE, E_FREQ_RANGE, E_FREQ_SUM, E_LEB_LONG, E_LEB_NONCANON, E_OVERRUN, E_TRUNC, E_UNDERRUN, N_LANES, OK,
+    PROB_BITS, PROB_SCALE, RANS_L, SLOT_MASK, STATE_BYTES, TABLE_CUM_SHIFT, TABLE_FREQ_SHIFT, WORD_BITS, WORD_MASK,
+    X_MAX_SHIFT,
+)
+from .model import count_symbols, cumulative, normalize_freqs
 
 __all__ = [
-    "PROB_BITS", "PROB_SCALE", "RANS_L", "N_LANES", "WORD_BITS",
-    "RansStream", "SizeBreakdown",
-    "normalize_freqs", "count_symbols", "encode_contexts", "parse_header", "decode",
-    "decode_contexts", "decode_reference", "size_breakdown", "empirical_entropy_bits",
+    "RansStream", "SizeBreakdown", "encode_contexts", "parse_header", "decode",
+    "decode_contexts", "decode_reference", "size_breakdown", "DECODE_ERRORS",
 ]
-
-PROB_BITS = 12
-PROB_SCALE = 1 << PROB_BITS  # M = 4096
-RANS_L = 1 << 16  # lower bound of the state interval
-WORD_BITS = 16
-N_LANES = 32
-_STATE_BYTES = 4 * N_LANES  # final states per context
-
-# error codes returned by the numba kernels
-_OK = 0
-_E_TRUNC = 1
-_E_LEB_LONG = 2
-_E_LEB_NONCANON = 3
-_E_FREQ_RANGE = 4
-_E_FREQ_SUM = 5
-_E_OVERRUN = 6
-_E_UNDERRUN = 7
-_E_FINAL_STATE = 8
-
-
-# --------------------------------------------------------------------------- tables
-
-
-@njit(cache=True)
-def _normalize_one(counts, out):  # pragma: no cover - numba
-    """Fill ``out`` (int64[A]) with a 12-bit table for ``counts`` (int64[A]).
-
-    Every present symbol gets >= 1; the result maximises sum(c_s * log f_s)
-    (= minimises the ideal code length) subject to sum(f) = 4096 and f_s >= 1
-    for present symbols: proportional start, greedy +-1 fix-up of the sum,
-    then 1-unit exchanges while one strictly shortens the code. Ties go to
-    the lowest symbol index, so the result is deterministic.
-    """
-    A = counts.shape[0]
-    total = 0
-    present = 0
-    last = -1
-    for s in range(A):
-        out[s] = 0
-        if counts[s] > 0:
-            total += counts[s]
-            present += 1
-            last = s
-    if present == 0:
-        return
-    if present == 1:
-        out[last] = PROB_SCALE
-        return
-    fsum = 0
-    for s in range(A):
-        if counts[s] > 0:
-            f = (counts[s] * PROB_SCALE) // total
-            if f < 1:
-                f = 1
-            out[s] = f
-            fsum += f
-    # fix the sum: add where the gain is largest / remove where the loss is smallest
-    while fsum < PROB_SCALE:
-        best = -1
-        bestv = -1.0
-        for s in range(A):
-            if counts[s] > 0:
-                v = counts[s] * math.log((out[s] + 1) / out[s])
-                if v > bestv:
-                    bestv = v
-                    best = s
-        out[best] += 1
-        fsum += 1
-    while fsum > PROB_SCALE:
-        best = -1
-        bestv = math.inf
-        for s in range(A):
-            if out[s] > 1:
-                v = counts[s] * math.log(out[s] / (out[s] - 1))
-                if v < bestv:
-                    bestv = v
-                    best = s
-        out[best] -= 1
-        fsum -= 1
-    # exchange 1 unit while it strictly helps (objective strictly increases -> terminates)
-    for _ in range(4 * PROB_SCALE):
-        # best unit to add; best unit to take from any *other* symbol. If some
-        # move t <- s helps, so does add <- s (gain(add) >= gain(t)), and s != add
-        # because loss(s) > gain(s) for every s: so this test is exhaustive.
-        add = -1
-        addv = -1.0
-        for s in range(A):
-            if counts[s] > 0:
-                v = counts[s] * math.log((out[s] + 1) / out[s])
-                if v > addv:
-                    addv = v
-                    add = s
-        rem = -1
-        remv = math.inf
-        for s in range(A):
-            if s != add and out[s] > 1:
-                w = counts[s] * math.log(out[s] / (out[s] - 1))
-                if w < remv:
-                    remv = w
-                    rem = s
-        if rem < 0 or addv <= remv * (1.0 + 1e-12):
-            break
-        out[add] += 1
-        out[rem] -= 1
-
-
-@njit(cache=True)
-def _normalize_all(counts, out):  # pragma: no cover - numba
-    for c in range(counts.shape[0]):
-        _normalize_one(counts[c], out[c])
-
-
-@njit(cache=True)
-def _histogram(symbols, out):  # pragma: no cover - numba
-    """out[c, :] += 256-bin histogram of symbols[c] (4 partial histograms to avoid store stalls)."""
-    C, N = symbols.shape
-    h = np.zeros((4, 256), dtype=np.int64)
-    for c in range(C):
-        h[:] = 0
-        row = symbols[c]
-        n4 = N & ~3
-        for i in range(0, n4, 4):
-            h[0, row[i]] += 1
-            h[1, row[i + 1]] += 1
-            h[2, row[i + 2]] += 1
-            h[3, row[i + 3]] += 1
-        for i in range(n4, N):
-            h[0, row[i]] += 1
-        for s in range(256):
-            out[c, s] = h[0, s] + h[1, s] + h[2, s] + h[3, s]
-
-
-def count_symbols(symbols: np.ndarray, alphabet: int | None = None) -> np.ndarray:
-    """Histogram per context: symbols [C, N] uint8 -> counts [C, A] int64
-    (``A`` defaults to max symbol + 1; symbols >= A are not counted)."""
-    symbols = np.ascontiguousarray(symbols, dtype=np.uint8)
-    C, N = symbols.shape
-    full = np.zeros((C, 256), dtype=np.int64)
-    _histogram(symbols, full)
-    if alphabet is None:
-        present = np.flatnonzero(full.any(axis=0))
-        alphabet = int(present[-1]) + 1 if present.size else 1
-    return np.ascontiguousarray(full[:, :alphabet])
-
-
-def normalize_freqs(counts: np.ndarray) -> np.ndarray:
-    """12-bit frequency tables [C, A] (uint32, each row sums to 4096) from counts [C, A].
-
-    A row with no symbols at all gets ``f_0 = 4096`` (any valid table will do).
-    Deterministic; encoder-only (the decoder accepts any valid table).
-    """
-    counts = np.ascontiguousarray(np.asarray(counts, dtype=np.int64))
-    if counts.ndim != 2 or counts.shape[1] < 1 or (counts < 0).any():
-        raise ValueError("counts must be a non-negative [C, A] array with A >= 1")
-    out = np.zeros(counts.shape, dtype=np.int64)
-    _normalize_all(counts, out)
-    empty = counts.sum(axis=1) == 0
-    out[empty, 0] = PROB_SCALE
-    return out.astype(np.uint32)
-
-
-def _cum(freqs: np.ndarray) -> np.ndarray:
-    cum = np.zeros(freqs.shape, dtype=np.uint32)
-    np.cumsum(freqs[:, :-1], axis=1, out=cum[:, 1:])
-    return cum
 
 
 # --------------------------------------------------------------------------- encoder
@@ -246,10 +86,10 @@ def _encode_body(symbols, freqs, cums, out, start, n_words):  # pragma: no cover
             s = row[i]
             f = np.int64(fr[s])
             x = st[lane]
-            if x >= (f << 20):  # x_max = ((L >> P) << 16) * f
+            if x >= (f << X_MAX_SHIFT):  # x_max = ((L >> P) << WORD_BITS) * f
                 wp -= 1
-                scratch[wp] = x & 0xFFFF
-                x >>= 16
+                scratch[wp] = x & WORD_MASK
+                x >>= WORD_BITS
             st[lane] = ((x // f) << PROB_BITS) + (x % f) + np.int64(cu[s])
         for k in range(N_LANES):
             x = st[k]
@@ -309,11 +149,11 @@ def encode_contexts(symbols: np.ndarray, freqs: np.ndarray | None = None) -> byt
         A = int(np.flatnonzero(freqs.any(axis=0)).max()) + 1 if C else A
         freqs = freqs[:, :A]
         freqs = freqs.astype(np.uint32)
-    cums = _cum(freqs)
+    cums = cumulative(freqs)
     leb = _leb128(freqs)
     header = 6 + 8 * C + leb.size
     body_start = _pad4(header)
-    cap = body_start + C * _pad4(_STATE_BYTES + 2 * N)
+    cap = body_start + C * _pad4(STATE_BYTES + 2 * N)
     out = np.zeros(cap, dtype=np.uint8)
     n_words = np.zeros(C, dtype=np.int64)
     end = _encode_body(symbols, freqs, cums, out, body_start, n_words)
@@ -372,7 +212,7 @@ def _parse_tables(buf, C, A, n_sym, n_words, freqs):  # pragma: no cover - numba
     pos = 6
     for c in range(C):
         if pos + 8 > n:
-            return _E_TRUNC, c, pos
+            return E_TRUNC, c, pos
         v = np.int64(0)
         for k in range(4):
             v |= np.int64(buf[pos + k]) << (8 * k)
@@ -385,28 +225,28 @@ def _parse_tables(buf, C, A, n_sym, n_words, freqs):  # pragma: no cover - numba
         total = 0
         for s in range(A):
             if pos >= n:
-                return _E_TRUNC, c, pos
+                return E_TRUNC, c, pos
             b0 = np.int64(buf[pos])
             if b0 < 128:
                 v = b0
                 pos += 1
             else:
                 if pos + 1 >= n:
-                    return _E_TRUNC, c, pos
+                    return E_TRUNC, c, pos
                 b1 = np.int64(buf[pos + 1])
                 if b1 >= 128:
-                    return _E_LEB_LONG, c, pos
+                    return E_LEB_LONG, c, pos
                 if b1 == 0:
-                    return _E_LEB_NONCANON, c, pos
+                    return E_LEB_NONCANON, c, pos
                 v = (b0 & 0x7F) | (b1 << 7)
                 pos += 2
             if v > PROB_SCALE:
-                return _E_FREQ_RANGE, c, pos
+                return E_FREQ_RANGE, c, pos
             freqs[c, s] = v
             total += v
         if total != PROB_SCALE:
-            return _E_FREQ_SUM, c, total
-    return _OK, C, pos
+            return E_FREQ_SUM, c, total
+    return OK, C, pos
 
 
 def _as_u8(buf: bytes | bytearray | memoryview | np.ndarray) -> np.ndarray:
@@ -451,13 +291,13 @@ def parse_header(
     nw = np.zeros(C, dtype=np.int64)
     freqs = np.zeros((C, A), dtype=np.uint32)
     code, c, pos = _parse_tables(b, C, A, ns, nw, freqs)
-    if code != _OK:
+    if code != OK:
         what = {
-            _E_TRUNC: f"truncated in the header of context {c} (offset {pos})",
-            _E_LEB_LONG: f"frequency of context {c} at offset {pos} is longer than 2 LEB128 bytes",
-            _E_LEB_NONCANON: f"frequency of context {c} at offset {pos} is a non-canonical LEB128",
-            _E_FREQ_RANGE: f"frequency of context {c} before offset {pos} exceeds 4096",
-            _E_FREQ_SUM: f"frequency table of context {c} sums to {pos}, not 4096",
+            E_TRUNC: f"truncated in the header of context {c} (offset {pos})",
+            E_LEB_LONG: f"frequency of context {c} at offset {pos} is longer than 2 LEB128 bytes",
+            E_LEB_NONCANON: f"frequency of context {c} at offset {pos} is a non-canonical LEB128",
+            E_FREQ_RANGE: f"frequency of context {c} before offset {pos} exceeds 4096",
+            E_FREQ_SUM: f"frequency table of context {c} sums to {pos}, not 4096",
         }[code]
         raise KvcFormatError(f"rans: {what}")
     if C and not freqs[:, A - 1].any():
@@ -475,7 +315,7 @@ def parse_header(
     if b[pos:_pad4(pos)].any():
         raise KvcFormatError("rans: nonzero padding after the header")
     body = _pad4(pos)
-    blk = (_STATE_BYTES + 2 * nw + 3) & ~3
+    blk = (STATE_BYTES + 2 * nw + 3) & ~3
     data_off = body + _excl_cumsum(blk)
     total = body + int(blk.sum())
     if total != n:
@@ -494,7 +334,7 @@ def parse_header(
             c, k = (int(v[0]) for v in np.nonzero(idle))
             raise KvcFormatError(f"rans: lane {k} of context {c} gets no symbol but its state is not L")
         pad_end = data_off + blk
-        pad_start = data_off + _STATE_BYTES + 2 * nw
+        pad_start = data_off + STATE_BYTES + 2 * nw
         has_pad = np.flatnonzero(pad_end > pad_start)
         if has_pad.size and (b[pad_start[has_pad]] | b[pad_start[has_pad] + 1]).any():
             raise KvcFormatError("rans: nonzero padding after a context's words")
@@ -502,8 +342,8 @@ def parse_header(
     np.cumsum(ns, out=sym_off[1:])
     return RansStream(
         n_contexts=C, alphabet=A, n_symbols=ns, sym_offsets=sym_off, n_words=nw, freqs=freqs,
-        cums=_cum(freqs) if C else np.zeros((0, A), np.uint32), states=states, data_offsets=data_off,
-        word_start=(data_off + _STATE_BYTES) // 2, words=words, nbytes=n,
+        cums=cumulative(freqs) if C else np.zeros((0, A), np.uint32), states=states, data_offsets=data_off,
+        word_start=(data_off + STATE_BYTES) // 2, words=words, nbytes=n,
     )
 
 
@@ -526,7 +366,7 @@ def _decode_kernel(freqs, cums, states, n_symbols, sym_offsets, n_words, word_st
             f = np.int64(freqs[c, s])
             cm = np.int64(cums[c, s])
             for k in range(f):
-                tab[cm + k] = np.uint32(s | ((f - 1) << 8) | (k << 20))
+                tab[cm + k] = np.uint32(s | ((f - 1) << TABLE_FREQ_SHIFT) | (k << TABLE_CUM_SHIFT))
         for k in range(N_LANES):
             st[k] = states[c, k]
         n = n_symbols[c]
@@ -538,29 +378,29 @@ def _decode_kernel(freqs, cums, states, n_symbols, sym_offsets, n_words, word_st
             x = st[lane]
             e = np.int64(tab[x & (PROB_SCALE - 1)])
             out[o + i] = e & 0xFF
-            x = (((e >> 8) & 0xFFF) + 1) * (x >> PROB_BITS) + (e >> 20)
+            x = (((e >> TABLE_FREQ_SHIFT) & SLOT_MASK) + 1) * (x >> PROB_BITS) + (e >> TABLE_CUM_SHIFT)
             if x < RANS_L:
                 q = p if p < last else last  # never read outside `words`; overrun is checked below
-                x = (x << 16) | np.int64(words[q])
+                x = (x << WORD_BITS) | np.int64(words[q])
                 p += 1
             st[lane] = x
         if p > pend:
             err[0] = c
-            return _E_OVERRUN
+            return E_OVERRUN
         if p < pend:
             err[0] = c
-            return _E_UNDERRUN
+            return E_UNDERRUN
         for k in range(N_LANES):
             if st[k] != RANS_L:
                 err[0] = c
-                return _E_FINAL_STATE
-    return _OK
+                return E_FINAL_STATE
+    return OK
 
 
-_DECODE_ERRORS = {
-    _E_OVERRUN: "reads past the end of its word stream",
-    _E_UNDERRUN: "leaves words unread",
-    _E_FINAL_STATE: "does not end in the initial state L (corrupt data)",
+DECODE_ERRORS = {
+    E_OVERRUN: "reads past the end of its word stream",
+    E_UNDERRUN: "leaves words unread",
+    E_FINAL_STATE: "does not end in the initial state L (corrupt data)",
 }
 
 
@@ -577,8 +417,8 @@ def decode(stream: RansStream) -> np.ndarray:
         stream.freqs, stream.cums, stream.states, stream.n_symbols, stream.sym_offsets,
         stream.n_words, stream.word_start, words, out, err,
     )
-    if code != _OK:
-        raise KvcFormatError(f"rans: context {int(err[0])} {_DECODE_ERRORS[code]}")
+    if code != OK:
+        raise KvcFormatError(f"rans: context {int(err[0])} {DECODE_ERRORS[code]}")
     return out
 
 
@@ -617,7 +457,7 @@ def decode_reference(stream: RansStream) -> np.ndarray:
         for j in range((n + N_LANES - 1) // N_LANES):
             k = min(N_LANES, n - j * N_LANES)  # active lanes 0..k-1
             xs = x[:k]
-            slot = xs & (PROB_SCALE - 1)
+            slot = xs & SLOT_MASK
             s = sym_of_slot[slot]
             out[o + j * N_LANES : o + j * N_LANES + k] = s
             xs = f[s] * (xs >> PROB_BITS) + slot - cum[s]
@@ -625,14 +465,14 @@ def decode_reference(stream: RansStream) -> np.ndarray:
             rank = np.cumsum(need) - need  # exclusive prefix sum = ballot popcount below the lane
             cnt = int(need.sum())
             if p + cnt > w.size:
-                raise KvcFormatError(f"rans: context {c} {_DECODE_ERRORS[_E_OVERRUN]}")
-            xs[need] = (xs[need] << 16) | w[p + rank[need]]
+                raise KvcFormatError(f"rans: context {c} {DECODE_ERRORS[E_OVERRUN]}")
+            xs[need] = (xs[need] << WORD_BITS) | w[p + rank[need]]
             p += cnt
             x[:k] = xs
         if p != w.size:
-            raise KvcFormatError(f"rans: context {c} {_DECODE_ERRORS[_E_UNDERRUN]}")
+            raise KvcFormatError(f"rans: context {c} {DECODE_ERRORS[E_UNDERRUN]}")
         if (x != RANS_L).any():
-            raise KvcFormatError(f"rans: context {c} {_DECODE_ERRORS[_E_FINAL_STATE]}")
+            raise KvcFormatError(f"rans: context {c} {DECODE_ERRORS[E_FINAL_STATE]}")
     return out
 
 
@@ -659,25 +499,6 @@ def size_breakdown(buf: bytes | bytearray | memoryview | np.ndarray) -> SizeBrea
     header = 6 + 8 * s.n_contexts
     pos = 6 + 8 * s.n_contexts + int(np.where(s.freqs >= 128, 2, 1).sum())
     table = pos - header
-    flush = _STATE_BYTES * s.n_contexts
+    flush = STATE_BYTES * s.n_contexts
     pad = s.nbytes - header - table - flush - 2 * words
-    return SizeBreakdown(s.nbytes, 16 * words, table, flush, header, pad, s.total_symbols)
-
-
-def empirical_entropy_bits(symbols: np.ndarray) -> np.ndarray:
-    """Ideal code length in bits of each context of ``symbols`` [C, N] under its
-    own empirical distribution: N * H(p_hat). Returns float64 [C]."""
-    symbols = np.asarray(symbols)
-    counts = count_symbols(symbols, 256).astype(np.float64)
-    n = counts.sum(axis=1, keepdims=True)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        terms = np.where(counts > 0, counts * np.log2(np.where(counts > 0, n / counts, 1.0)), 0.0)
-    return terms.sum(axis=1)
-
-
-def table_code_length_bits(symbols: np.ndarray, freqs: np.ndarray) -> np.ndarray:
-    """Ideal code length [C] of ``symbols`` [C, N] under 12-bit tables ``freqs``."""
-    counts = count_symbols(symbols, freqs.shape[1]).astype(np.float64)
-    f = freqs.astype(np.float64)
-    with np.errstate(divide="ignore"):
-        return np.where(counts > 0, counts * (PROB_BITS - np.log2(np.where(f > 0, f, 1))), 0.0).sum(axis=1)
+    return SizeBreakdown(s.nbytes, WORD_BITS * words, table, flush, header, pad, s.total_symbols)

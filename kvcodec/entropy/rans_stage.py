@@ -16,7 +16,8 @@ import numpy as np
 from ..errors import KvcCodecError, KvcFormatError
 from ..stages import ArraySpec, ArrayToBytes, ChunkContext, SideData, register
 from . import rans
-from .rans import SizeBreakdown, empirical_entropy_bits, size_breakdown
+from .model import empirical_entropy_bits
+from .rans import SizeBreakdown, size_breakdown
 
 __all__ = ["RansStage", "to_contexts", "from_contexts", "empirical_entropy_bits", "size_breakdown", "overhead_split", "SizeBreakdown"]
 

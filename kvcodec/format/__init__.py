@@ -4,12 +4,12 @@ from .container import MAGIC, VERSION_MAJOR, VERSION_MINOR, IndexEntry, KvcUnkno
 from .decode import decode_chunk, resolve_backend
 from .lossless import Raw, Shuffle, Zstd, lossless_pipeline, raw_pipeline
 from .reader import AttachmentInfo, BlobInfo, KvcHeader, KvcReader, read_kvc, verify_kvc
-from .writer import ExternalAttachment, array_sha256, encode_kvc_bytes, write_kvc, write_kvc_stream
+from .writer import ExternalAttachment, WriteOptions, array_sha256, encode_kvc_bytes, write_kvc, write_kvc_stream
 
 __all__ = [
     "MAGIC", "VERSION_MAJOR", "VERSION_MINOR", "IndexEntry", "KvcUnknownCodecError",
     "decode_chunk", "resolve_backend",
     "Raw", "Shuffle", "Zstd", "lossless_pipeline", "raw_pipeline",
     "AttachmentInfo", "BlobInfo", "KvcHeader", "KvcReader", "read_kvc", "verify_kvc",
-    "ExternalAttachment", "array_sha256", "encode_kvc_bytes", "write_kvc", "write_kvc_stream",
+    "ExternalAttachment", "WriteOptions", "array_sha256", "encode_kvc_bytes", "write_kvc", "write_kvc_stream",
 ]

@@ -14,16 +14,14 @@ import hashlib
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import numpy as np
-import torch
 
 from ..attachments import default_resolver
 from ..lru import BoundedLRU
 from ..errors import KvcCodecError, KvcError, KvcFormatError, KvcInputError, is_int, want
-from ..fingerprint import FINGERPRINT_VERSION, ModelFingerprint, check_fingerprint_json
-from ..kvcache import KVCache, token_ids_sha256
+from ..fingerprint import FINGERPRINT_VERSION, ModelFingerprint, check_fingerprint_json, token_ids_sha256
 from ..stages import ArraySpec, Pipeline
 from .container import (
     DTYPE_BY_NAME, FEATURE_RAGGED, FOOTER_SIZE, HEADER_CRC_SIZE, INDEX_ENTRY_SIZE, KINDS, MAX_BLOB_BYTES, MAX_BLOB_NDIM,
@@ -34,6 +32,11 @@ from .container import (
 from ..limits import MAX_DECODED_ENV, max_decoded_bytes as max_decoded_bytes_limit
 from .decode import chunk_context, decode_chunk, resolve_backend
 from .source import open_source
+
+if TYPE_CHECKING:  # torch only where tensors are made: opening a file, its header and its chunks need none
+    import torch
+
+    from ..kvcache import KVCache
 
 Resolver = Mapping[str, np.ndarray] | Callable[[str, "AttachmentInfo"], "np.ndarray | None"]
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -478,6 +481,8 @@ class KvcReader:
                 rows.append(group[0] if len(group) == 1 else np.concatenate(group, axis=0))
                 group = []
         full = rows[0] if len(rows) == 1 else np.concatenate(rows, axis=1)
+        import torch
+
         t = torch.from_numpy(np.ascontiguousarray(full))
         return t.to(torch.bfloat16) if self.header.dtype == "bfloat16" else t
 
@@ -510,6 +515,8 @@ class KvcReader:
             ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
             if token_ids_sha256(ids) != self.header.token_ids_sha256:
                 raise KvcInputError("the given token ids do not match the file's token_ids_sha256")
+        from ..kvcache import KVCache
+
         keys, values = [], []
         for _, k, v in self.iter_layers(backend):
             keys.append(k)

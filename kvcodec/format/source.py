@@ -1,15 +1,15 @@
 """Byte sources a `.kvc` reader can read from.
 
-Every source exposes ``size`` and ``read(offset, length) -> bytes-like`` and
-raises :class:`KvcFormatError` on a short read. Accepted inputs:
+Every source is a :class:`ByteSource` (one protocol and one error contract, shared with the
+store's range readers). Accepted inputs:
 
 * ``bytes`` / ``bytearray`` / ``memoryview``
 * a path (``str`` / ``os.PathLike``) of a regular file: positional reads, so
   reading one layer of a large file reads only that layer's bytes (never
   memory-mapped: a file shrinking under a mapping is a SIGBUS)
 * a binary file object with ``seek``/``read``
-* any object with an integer ``size`` and ``read(offset, length)`` (e.g. the
-  store's ``FileRangeReader`` / HTTP ``RangeReader``)
+* a :class:`ByteSource` (e.g. the store's ``FileRangeReader`` / ``HttpRangeReader``), used as is
+* any other object with an integer ``size`` and ``read(offset, length)`` (wrapped, every read checked)
 """
 
 from __future__ import annotations
@@ -17,31 +17,70 @@ from __future__ import annotations
 import io
 import os
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from ..errors import KvcFormatError, KvcInputError
 
 
-@runtime_checkable
-class RangeSource(Protocol):
-    size: int
+class ByteSource:
+    """The ONE byte-source type: ``size``, ``read(offset, length)``, ``close()`` (a context manager).
 
-    def read(self, offset: int, length: int) -> bytes: ...
+    The reader's sources below and the store's range readers (:class:`kvcodec.store.ranged.RangeReader`:
+    local files, HTTP, S3, tenant-scoped) all derive from it and implement only ``_read``, so they share
+    one error contract, enforced here:
 
+    * ``read`` returns exactly ``length`` bytes (a bytes-like object) or raises;
+    * a negative offset or length is the caller's bug: :class:`KvcInputError`;
+    * a range outside ``[0, size)`` or fewer bytes delivered than asked (a truncated or shrinking
+      file, a short HTTP body): :class:`KvcFormatError` ("short read");
+    * transport failures of remote sources: :class:`~kvcodec.errors.KvcStoreError` (raised by ``_read``).
+    """
 
-class _Base:
-    size: int
+    size: int = 0
     name: str = "<source>"
 
-    def _check(self, offset: int, length: int) -> None:
-        if offset < 0 or length < 0 or offset + length > self.size:
-            raise KvcFormatError(f"read of {length} bytes at offset {offset} runs past the end of the {self.size}-byte {self.name}")
+    def _read(self, offset: int, length: int) -> bytes | bytearray | memoryview:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def read(self, offset: int, length: int) -> bytes | bytearray | memoryview:
+        """Exactly ``length`` bytes starting at ``offset``."""
+        offset, length = int(offset), int(length)
+        if offset < 0 or length < 0:
+            raise KvcInputError(f"{self.name}: negative range offset={offset} length={length}")
+        if offset + length > self.size:
+            raise KvcFormatError(f"{self.name}: short read: {length} bytes at offset {offset} run past the end "
+                                 f"of the {self.size}-byte source (truncated?)")
+        if length == 0:
+            return b""
+        data = self._read(offset, length)
+        try:
+            n = memoryview(data).nbytes
+        except TypeError:
+            raise KvcFormatError(f"{self.name}: source returned {type(data).__name__}, not bytes") from None
+        if n != length:
+            raise KvcFormatError(f"{self.name}: short read at offset {offset}: wanted {length} bytes, got {n}")
+        return data
+
+    def read_all(self) -> bytes:
+        return bytes(self.read(0, self.size))
 
     def close(self) -> None:
         pass
 
+    def __enter__(self) -> "ByteSource":
+        return self
 
-class BytesSource(_Base):
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, size={self.size})"
+
+
+class BytesSource(ByteSource):
     def __init__(self, data: bytes | bytearray | memoryview) -> None:
         mv = memoryview(data)
         if not mv.readonly:
@@ -50,12 +89,11 @@ class BytesSource(_Base):
         self.size = len(self._mv)
         self.name = "buffer"
 
-    def read(self, offset: int, length: int) -> memoryview:
-        self._check(offset, length)
+    def _read(self, offset: int, length: int) -> memoryview:
         return self._mv[offset : offset + length]
 
 
-class PathSource(_Base):
+class PathSource(ByteSource):
     """A local file read with ``os.pread``, never memory-mapped.
 
     A mapped file that shrinks under the reader kills the process with SIGBUS
@@ -72,12 +110,9 @@ class PathSource(_Base):
         self._fd: int | None = open_regular(path, "a .kvc file")
         self.size = os.fstat(self._fd).st_size
 
-    def read(self, offset: int, length: int) -> bytes:
-        self._check(offset, length)
+    def _read(self, offset: int, length: int) -> bytes:
         if self._fd is None:
             raise KvcInputError(f"{self.name}: reader is closed")
-        if length == 0:
-            return b""
         parts: list[bytes] = []
         got = 0
         while got < length:
@@ -99,7 +134,7 @@ class PathSource(_Base):
             self._fd = None
 
 
-class FileObjectSource(_Base):
+class FileObjectSource(ByteSource):
     def __init__(self, f: Any) -> None:
         self._f = f
         self.name = str(getattr(f, "name", "file object"))
@@ -108,8 +143,7 @@ class FileObjectSource(_Base):
         except (OSError, ValueError, AttributeError) as exc:
             raise KvcInputError(f"the file object is not seekable ({exc}); reading .kvc from a pipe is not supported") from None
 
-    def read(self, offset: int, length: int) -> bytes:
-        self._check(offset, length)
+    def _read(self, offset: int, length: int) -> bytes:
         self._f.seek(offset)
         b = self._f.read(length)
         if not isinstance(b, (bytes, bytearray)) or len(b) != length:
@@ -118,7 +152,7 @@ class FileObjectSource(_Base):
         return bytes(b)
 
 
-class RangeObjectSource(_Base):
+class RangeObjectSource(ByteSource):
     """Wraps any object with ``size`` and ``read(offset, length)``; checks every read's length."""
 
     def __init__(self, obj: Any) -> None:
@@ -129,22 +163,12 @@ class RangeObjectSource(_Base):
         self.size = size
         self.name = str(getattr(obj, "url", None) or getattr(obj, "name", None) or type(obj).__name__)
 
-    def read(self, offset: int, length: int) -> bytes | memoryview:
-        self._check(offset, length)
-        if length == 0:
-            return b""
-        b = self._obj.read(offset, length)
-        try:
-            n = memoryview(b).nbytes
-        except TypeError:
-            raise KvcFormatError(f"range source {self.name} returned {type(b).__name__}, not bytes") from None
-        if n != length:
-            raise KvcFormatError(f"short read from {self.name}: wanted {length} bytes at offset {offset}, got {n}")
-        return b
+    def _read(self, offset: int, length: int) -> bytes | memoryview:
+        return self._obj.read(offset, length)  # its length is checked by ByteSource.read
 
 
-def open_source(source: Any) -> _Base:
-    if isinstance(source, _Base):
+def open_source(source: Any) -> ByteSource:
+    if isinstance(source, ByteSource):  # the store's range readers too
         return source
     if isinstance(source, (bytes, bytearray, memoryview)):
         return BytesSource(source)

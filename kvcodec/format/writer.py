@@ -12,23 +12,30 @@ import hashlib
 import io
 import json
 import os
-from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Callable
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable
 
 import google_crc32c
 import numpy as np
-import torch
 
 from ..atomic import atomic_file
 from ..errors import KvcCodecError, KvcError, KvcFormatError, KvcInputError
-from ..kvcache import KVCache, token_ids_sha256
-from ..stages import ArraySpec, Pipeline, PipelineSpec
+from ..fingerprint import token_ids_sha256
+from ..stages import ArraySpec, EncoderInputsSpec, Pipeline, PipelineSpec, Plan
 from .container import (
     ALIGN, DTYPE_BY_NAME, FEATURE_RAGGED, FOOTER_SIZE, MAX_BLOB_BYTES, MAX_BLOB_NDIM, MAX_CHUNK_DECODED_BYTES, MAX_PIPELINES,
     MAX_STAGES, MAX_TOKENS, STAGE_SLACK, VERSION_MAJOR, VERSION_MINOR, Footer, IndexEntry, Preamble, align_up,
     check_blob_name, crc32c, dump_header, np_le, pack_chunk, pipeline_dtype,
 )
 from .decode import chunk_context
+
+if TYPE_CHECKING:  # the writer takes a KVCache (torch tensors), but importing the container must not import torch
+    from ..kvcache import KVCache
+
+# stages whose encoder needs per-tensor inputs (WriteOptions.encoder_inputs): writing them without any is refused
+ENCODER_INPUT_STAGES = frozenset({"tokenscale"})
+
 
 def writer_version() -> str:
     from .. import __version__
@@ -56,6 +63,46 @@ def array_sha256(arr: np.ndarray) -> str:
     """sha256 of an array's C-order little-endian bytes (the identity of attachments)."""
     arr = np.asarray(arr)
     return hashlib.sha256(np.ascontiguousarray(arr, dtype=np_le(arr.dtype.name)).tobytes()).hexdigest()
+
+
+@dataclass(frozen=True)
+class WriteOptions:
+    """Everything the writer entry points take besides the cache, the destination and the pipelines.
+
+    ``attachments``: name -> array (stored) or :class:`ExternalAttachment` (referenced);
+    ``chunk_tokens`` / ``chunk_heads``: chunk layout (None: whole tensor); ``preset``: the
+    header's codec name; ``meta``: merged over the cache's meta; ``store_token_ids``: keep the
+    context's token ids in the file; ``writer``: the header's writer string (default: this
+    package's version); ``encoder_inputs``: (layer, kind) -> that tensor's encoder-only inputs
+    (:data:`kvcodec.stages.EncoderInputs`), passed to its chunks in ``ChunkContext.encoder``.
+    """
+
+    attachments: Mapping[str, np.ndarray | ExternalAttachment] | None = None
+    chunk_tokens: int | None = None
+    chunk_heads: int | None = None
+    preset: str | None = None
+    meta: Mapping[str, Any] | None = None
+    store_token_ids: bool = True
+    writer: str | None = None
+    encoder_inputs: EncoderInputsSpec | None = None
+
+    @classmethod
+    def for_plan(cls, plan: Plan, **kw: Any) -> "WriteOptions":
+        """The options that encode ``plan`` (its attachments, preset, layout, encoder inputs), ``kw`` on top."""
+        base: dict[str, Any] = {"attachments": plan.attachments or None, "preset": plan.preset,
+                                "chunk_tokens": plan.chunk_tokens, "encoder_inputs": plan.encoder_inputs}
+        base.update(kw)
+        return cls(**base)
+
+
+def _options(options: WriteOptions | None, kw: dict[str, Any]) -> WriteOptions:
+    """``options`` with the keyword arguments of an entry point on top (a misspelt name is a TypeError)."""
+    return replace(options or WriteOptions(), **kw) if kw else (options or WriteOptions())
+
+
+def _is_bf16(t: Any) -> bool:
+    """Whether a tensor (or cache) is bfloat16, which numpy lacks (written as float32 chunks)."""
+    return str(t.dtype) == "torch.bfloat16"
 
 
 def _tensor_dtype(cache: KVCache) -> str:
@@ -101,21 +148,17 @@ def _check_array_blob(name: str, arr: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np_le(arr.dtype.name))
 
 
-def _resolve_pipelines(
-    pipelines: PipelineSpec, n_layers: int,
-) -> tuple[list[Pipeline], dict[tuple[int, str], int], dict[tuple[int, str], Pipeline]]:
-    """The header's pipeline table (one entry per distinct config), each layer's table index, and
-    each layer's own pipeline object.
+def _resolve_pipelines(pipelines: PipelineSpec, n_layers: int) -> tuple[list[Pipeline], dict[tuple[int, str], int]]:
+    """The header's pipeline table (one entry per distinct config) and each tensor's table index.
 
-    Why both: the table dedupes by config (what the file records and the decoder needs), but a
-    stage may carry encoder-only inputs outside its config (``tokenscale``'s per-layer token
-    classes). Encoding a layer with another layer's equal-config object would silently weight it
-    by that layer's classes, so every layer is encoded with the object its spec gave it.
+    Every tensor is encoded with its table entry, so layers with equal configs share stage
+    objects: stages are immutable configuration and a tensor's encoder-only inputs come
+    from ``WriteOptions.encoder_inputs`` (tests/test_quant_tokenscale.py checks that layers
+    merged into one entry keep their own token classes).
     """
     table: list[Pipeline] = []
     keys: dict[str, int] = {}
     ids: dict[tuple[int, str], int] = {}
-    objs: dict[tuple[int, str], Pipeline] = {}
     for layer in range(n_layers):
         for kind in ("k", "v"):
             p = pipelines(layer, kind) if callable(pipelines) and not isinstance(pipelines, Pipeline) else pipelines
@@ -128,38 +171,25 @@ def _resolve_pipelines(
                 keys[key] = len(table)
                 table.append(p)
             ids[(layer, kind)] = keys[key]
-            objs[(layer, kind)] = p
     if len(table) > MAX_PIPELINES:
         raise KvcCodecError(f"{len(table)} distinct pipelines exceed the limit {MAX_PIPELINES}")
-    return table, ids, objs
+    return table, ids
 
 
-def write_kvc_stream(
-    cache: KVCache,
-    f: BinaryIO,
-    pipelines: PipelineSpec,
-    attachments: dict[str, np.ndarray | ExternalAttachment] | None = None,
-    chunk_tokens: int | None = None,
-    chunk_heads: int | None = None,
-    preset: str | None = None,
-    meta: dict[str, Any] | None = None,
-    store_token_ids: bool = True,
-    writer: str | None = None,
-) -> int:
+def write_kvc_stream(cache: KVCache, f: BinaryIO, pipelines: PipelineSpec, options: WriteOptions | None = None,
+                     **kw: Any) -> int:
     """Write ``cache`` as `.kvc` to the binary stream ``f`` (sequential writes only); return bytes written.
 
     The low-level, *unverified* writer (a pipe cannot be read back): :func:`write_kvc`
-    and :func:`encode_kvc_bytes` verify what they wrote.
+    and :func:`encode_kvc_bytes` verify what they wrote. ``kw`` are :class:`WriteOptions`
+    fields, applied over ``options``.
     """
-    return _write(cache, f, pipelines, attachments, chunk_tokens, chunk_heads, preset, meta, store_token_ids, writer, None)
+    return _write(cache, f, pipelines, _options(options, kw), None)
 
 
-def _write(
-    cache: KVCache, f: BinaryIO, pipelines: PipelineSpec, attachments: dict[str, np.ndarray | ExternalAttachment] | None,
-    chunk_tokens: int | None, chunk_heads: int | None, preset: str | None, meta: dict[str, Any] | None,
-    store_token_ids: bool, writer: str | None, expect: "_Expectation | None",
-) -> int:
+def _write(cache: KVCache, f: BinaryIO, pipelines: PipelineSpec, opts: WriteOptions, expect: "_Expectation | None") -> int:
     """The writer; with ``expect``, also records what every chunk must decode to (see :class:`_Expectation`)."""
+    attachments, chunk_tokens, chunk_heads, meta = opts.attachments, opts.chunk_tokens, opts.chunk_heads, opts.meta
     cache.validate()
     fp = cache.fingerprint
     T, H, L = cache.num_tokens, fp.num_kv_heads, fp.num_layers
@@ -177,9 +207,12 @@ def _write(
     biggest = max(h1 - h0 for h0, h1 in h_ranges) * max(t1 - t0 for r in t_ranges for t0, t1 in r) * max(fp.head_dims) * itemsize
     if biggest > MAX_CHUNK_DECODED_BYTES:
         raise KvcInputError(f"a chunk would hold {biggest} bytes (limit {MAX_CHUNK_DECODED_BYTES}); use chunk_tokens")
-    table, pid, layer_pipeline = _resolve_pipelines(pipelines, L)
-    if expect is not None:
-        expect.pipelines = table
+    table, pid = _resolve_pipelines(pipelines, L)
+    if opts.encoder_inputs is None and any(s.name in ENCODER_INPUT_STAGES for p in table for s in p.stages):
+        # a plan's per-layer inputs dropped on the way (plan.pipelines passed without WriteOptions.for_plan(plan))
+        # would encode every token alike and lose quality silently
+        raise KvcCodecError("a pipeline has a tokenscale stage but no encoder inputs were given: "
+                            "pass WriteOptions.for_plan(plan) (or encoder_inputs=)")
     merged_meta = dict(cache.meta)
     merged_meta.update(meta or {})
 
@@ -196,23 +229,28 @@ def _write(
     context: dict[str, Any] = {
         "tokens": cache.num_context_tokens,
         "token_ids_sha256": token_ids_sha256(cache.token_ids),
-        "token_ids_blob": add_blob(_small_int_array(cache.token_ids)) if store_token_ids else None,
+        "token_ids_blob": add_blob(_small_int_array(cache.token_ids)) if opts.store_token_ids else None,
     }
     positions = None if cache.positions is None else np.asarray(cache.positions, dtype=np.int64)
     pos_entry = None if positions is None else {"blob": add_blob(_small_int_array(positions))}
     att_header: dict[str, Any] = {}
     att_arrays: dict[str, np.ndarray] = {}
+    # what the encoder sees in ChunkContext.attachments: the stored arrays and the external ones it was
+    # given (a reader resolves those by sha256 and decodes with the same arrays)
+    enc_arrays: dict[str, np.ndarray] = {}
     for name in sorted(attachments or {}):
         if not check_blob_name(name):
             raise KvcInputError(f"attachment name {name!r} must be 1-128 chars of [A-Za-z0-9_.-/]")
         a = (attachments or {})[name]
         if isinstance(a, ExternalAttachment):
-            if expect is not None and a.array is not None:
-                expect.external[name] = a.array
+            if a.array is not None:
+                enc_arrays[name] = a.array
+                if expect is not None:
+                    expect.external[name] = a.array
             att_header[name] = {"external": True, "sha256": a.sha256, "dtype": a.dtype, "shape": list(a.shape)}
             continue
         arr = _check_array_blob(name, a)
-        att_arrays[name] = arr.astype(arr.dtype.newbyteorder("="), copy=False)
+        att_arrays[name] = enc_arrays[name] = arr.astype(arr.dtype.newbyteorder("="), copy=False)
         att_header[name] = {"blob": add_blob(arr), "sha256": array_sha256(arr)}
     off = 0
     for hb, arr in zip(header_blobs, blob_arrays):
@@ -222,14 +260,14 @@ def _write(
     first_chunk_offset = off
 
     header = {
-        "writer": writer or writer_version(),
+        "writer": opts.writer or writer_version(),
         "model": fp.to_json(),
         "tensors": {"dtype": tdtype, "layers": L, "kv_heads": H, "head_dims": list(fp.head_dims), "tokens": T,
                     **({"layer_tokens": list(cache.layer_tokens)} if cache.ragged else {})},
         "context": context,
         "positions": pos_entry,
         "pipelines": [p.to_json() for p in table],
-        "codec": preset,
+        "codec": opts.preset,
         "chunking": {"tokens": chunk_tokens, "heads": chunk_heads},
         "attachments": att_header,
         "blobs": header_blobs,
@@ -252,9 +290,10 @@ def _write(
     entries: list[IndexEntry] = []
     for layer in range(L):
         for kind, tensor in (("k", cache.keys[layer]), ("v", cache.values[layer])):
-            p = layer_pipeline[(layer, kind)]
+            p = table[pid[(layer, kind)]]
+            inputs = opts.encoder_inputs(layer, kind) if opts.encoder_inputs is not None else {}
             t = tensor.detach().cpu()
-            if t.dtype == torch.bfloat16:
+            if _is_bf16(t):
                 t = t.float()
             full = t.contiguous().numpy()
             off = offsets[layer]
@@ -263,7 +302,7 @@ def _write(
                     j = len(entries)
                     arr = np.ascontiguousarray(full[h0:h1, t0 - off:t1 - off, :])
                     assert arr.dtype.name == pipeline_dtype(tdtype)
-                    ctx = chunk_context(layer, kind, t0, t1, h0, h1, positions, att_arrays, j)
+                    ctx = chunk_context(layer, kind, t0, t1, h0, h1, positions, enc_arrays, j, inputs)
                     payload, sides, sizes = p.encode(arr, ctx)
                     limit = 2 * arr.size * itemsize + STAGE_SLACK
                     if any(s > limit for s in sizes):
@@ -303,7 +342,6 @@ class _Expectation:
     def __init__(self, cache: KVCache) -> None:
         self.cache = cache
         self.checks: list[Callable[[np.ndarray], bool]] = []
-        self.pipelines: list[Pipeline] = []
         self.external: dict[str, np.ndarray] = {}
         self._tensor: tuple[tuple[int, str], np.ndarray] | None = None
 
@@ -311,7 +349,7 @@ class _Expectation:
         key = (layer, kind)
         if self._tensor is None or self._tensor[0] != key:
             t = (self.cache.keys if kind == "k" else self.cache.values)[layer].detach().cpu()
-            self._tensor = (key, (t.float() if t.dtype == torch.bfloat16 else t).contiguous().numpy())
+            self._tensor = (key, (t.float() if _is_bf16(t) else t).contiguous().numpy())
         return self._tensor[1]
 
     def add(self, p: Pipeline, arr: np.ndarray, payload: bytes, sides: list, sizes: list[int], ctx: Any) -> None:
@@ -348,9 +386,6 @@ class _Expectation:
         from ..attachments import default_resolver
 
         known: dict[str, np.ndarray] = dict(self.external)
-        for p in self.pipelines:
-            for st in p.stages:
-                known.update(getattr(st, "encoder_attachments", None) or {})
         fallback = default_resolver
 
         def resolve(name: str, info: Any) -> np.ndarray | None:
@@ -369,44 +404,34 @@ class _Expectation:
             with KvcReader(source, self.resolver(), max_decoded_bytes=_declared_bytes(cache)) as r:
                 r.verify(strict=True, backend="cpu", expected=self.checks)
                 pos = r.positions
-                if (pos is None) != (cache.positions is None) or (pos is not None and not np.array_equal(pos, cache.positions)):
+                want = cache.positions
+                if (pos is None) != (want is None) or (pos is not None and want is not None and not np.array_equal(pos, want)):
                     raise KvcFormatError("positions read back differently")
         except KvcError as exc:
             raise KvcCodecError(f"{what}: the written file does not read back as written ({exc}); nothing was kept") from None
 
 
 def _declared_bytes(cache: KVCache) -> int:
-    itemsize = 4 if cache.dtype == torch.bfloat16 else torch.empty(0, dtype=cache.dtype).element_size()
+    itemsize = 4 if _is_bf16(cache) else cache.dtype.itemsize
     return max(1, cache.num_elements * itemsize)
 
 
-def write_kvc(
-    cache: KVCache,
-    dest: str | os.PathLike | BinaryIO,
-    pipelines: PipelineSpec,
-    attachments: dict[str, np.ndarray | ExternalAttachment] | None = None,
-    chunk_tokens: int | None = None,
-    preset: str | None = None,
-    meta: dict[str, Any] | None = None,
-    chunk_heads: int | None = None,
-    store_token_ids: bool = True,
-    verify: bool = True,
-) -> int:
+def write_kvc(cache: KVCache, dest: str | os.PathLike | BinaryIO, pipelines: PipelineSpec,
+              options: WriteOptions | None = None, *, verify: bool = True, **kw: Any) -> int:
     """Write ``cache`` to ``dest`` (a path, atomically, or a binary file object). Returns bytes written.
 
-    ``verify`` (default on) reads the result back before it counts as written:
-    for a path, the temp file is read and decoded bit-exactly (see
-    :class:`_Expectation`) *before* the atomic rename, so a file the reader
-    would reject never appears at ``dest``; a file object is read back when it
-    is readable and seekable (e.g. ``BytesIO``), otherwise it cannot be.
+    ``kw`` are :class:`WriteOptions` fields, applied over ``options``. ``verify`` (default
+    on) reads the result back before it counts as written: for a path, the temp file is
+    read and decoded bit-exactly (see :class:`_Expectation`) *before* the atomic rename, so
+    a file the reader would reject never appears at ``dest``; a file object is read back
+    when it is readable and seekable (e.g. ``BytesIO``), otherwise it cannot be.
     """
-    kw = dict(attachments=attachments, chunk_tokens=chunk_tokens, chunk_heads=chunk_heads, preset=preset, meta=meta,
-              store_token_ids=store_token_ids, writer=None)
+    opts = _options(options, kw)
     if not isinstance(dest, (str, os.PathLike)):
         readable = verify and _readable(dest)
         start = dest.tell() if readable else 0
         expect = _Expectation(cache) if readable else None
-        n = _write(cache, dest, pipelines, expect=expect, **kw)
+        n = _write(cache, dest, pipelines, opts, expect)
         if expect is not None:
             end = dest.tell()
             dest.seek(start)
@@ -418,7 +443,7 @@ def write_kvc(
     # only on a clean exit: a file that fails the read-back never appears at ``dest``.
     expect = _Expectation(cache) if verify else None
     with atomic_file(dest, "wb") as f:
-        n = _write(cache, f, pipelines, expect=expect, **kw)
+        n = _write(cache, f, pipelines, opts, expect)  # type: ignore[arg-type]  # atomic_file("wb") is binary
         if expect is not None:
             f.flush()
             expect.check(f.name, cache, str(dest))  # the temp file, still unrenamed
@@ -432,22 +457,12 @@ def _readable(f: Any) -> bool:
         return False
 
 
-def encode_kvc_bytes(
-    cache: KVCache,
-    pipelines: PipelineSpec,
-    attachments: dict[str, np.ndarray | ExternalAttachment] | None = None,
-    chunk_tokens: int | None = None,
-    preset: str | None = None,
-    meta: dict[str, Any] | None = None,
-    chunk_heads: int | None = None,
-    store_token_ids: bool = True,
-    writer: str | None = None,
-    verify: bool = True,
-) -> bytes:
+def encode_kvc_bytes(cache: KVCache, pipelines: PipelineSpec, options: WriteOptions | None = None, *,
+                     verify: bool = True, **kw: Any) -> bytes:
     """The `.kvc` bytes of ``cache`` (same arguments as :func:`write_kvc`; verified the same way)."""
     buf = io.BytesIO()
     expect = _Expectation(cache) if verify else None
-    _write(cache, buf, pipelines, attachments, chunk_tokens, chunk_heads, preset, meta, store_token_ids, writer, expect)
+    _write(cache, buf, pipelines, _options(options, kw), expect)
     data = buf.getvalue()
     if expect is not None:
         expect.check(data, cache, "encoded bytes")

@@ -33,7 +33,8 @@ import numpy as np
 import torch
 
 from ..errors import KvcInputError
-from ..kvcache import KVCache, token_ids_sha256
+from ..fingerprint import token_ids_sha256
+from ..kvcache import KVCache
 from .budget import LinguaBudget
 
 

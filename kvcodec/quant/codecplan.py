@@ -26,12 +26,12 @@ from typing import Any
 import numpy as np
 
 from ..errors import KvcCodecError, KvcInputError
-from ..stages import Pipeline, Plan
+from ..stages import EncoderInputs, Pipeline, Plan
 from .calibrate import Calibration, get_calibration
 from .importance import token_multipliers
 from .rope import layer_rope_config
 from .stages import KeepStage, QuantizeStage, RopeStage, TransformStage
-from .tokenscale import TokenScaleStage
+from .tokenscale import TokenClasses, TokenScaleStage
 
 # token-importance-weighted quantization (tokenscale stage): importance = mean a^2 over the last
 # `window` context queries; classes of `log2_step` (log2 of the step multiplier) from `min_log2` up.
@@ -134,33 +134,33 @@ def transform_plan(cache: Any, step0: float, sink: int = 4, group: int = 8, cal:
             st.append(RopeStage(**rope_cfg))
         if sink:
             st.append(KeepStage(sink=sink, recent=0, dtype=keep_dtype(cache, layer, kind)))
-        tr = TransformStage(basis=basis, k=int(ks[layer, ki]), attachment="pca")
-        if cal is not None:
-            tr.encoder_attachments = cal.attachments
-        st.append(tr)
+        st.append(TransformStage(basis=basis, k=int(ks[layer, ki]), attachment="pca"))
         if ts_classes is not None and ts_opts is not None and kind in ts_opts["kinds"]:
-            ts = TokenScaleStage(bits=ts_opts["bits"])
-            ts.encoder_classes, ts.encoder_table, ts.encoder_skip = ts_classes[layer], ts_table, sink
-            st.append(ts)
+            st.append(TokenScaleStage(bits=ts_opts["bits"]))
         st.append(QuantizeStage(mode="step", step=float(np.float32(steps[layer, ki])), max_bits=8, deadzone=deadzone))
         st.append(RansStage(channel_group=g))
         return Pipeline(st)
 
+    def inputs(layer: int, kind: str) -> EncoderInputs:
+        """Layer ``layer``'s token classes (the encoder input of its tokenscale stage; none without one)."""
+        if ts_classes is None or ts_table is None or ts_opts is None or kind not in ts_opts["kinds"]:
+            return {}
+        return {"tokenscale": TokenClasses(ts_classes[layer], ts_table, sink)}
+
     params = {"step0": step0, "sink": sink, "group": group, "calibration": calibration if basis == "pca" else "none",
               "basis": basis, "deadzone": deadzone,
               "tokenscale": ts_opts}
-    return Plan(pipes, attachments, preset, params)
+    return Plan(pipes, attachments, preset, params, encoder_inputs=inputs)
 
 
 # --------------------------------------------------------------------------- measure
 def encode_bytes(cache: Any, plan: Plan, verify: bool = True) -> bytes:
     """The `.kvc` bytes of ``cache`` under ``plan``; ``verify=False`` skips the writer's read-back
     (for bytes that are decoded right away and never stored, e.g. the quality guard's probes)."""
-    from ..format.writer import write_kvc
+    from ..format.writer import WriteOptions, write_kvc
 
     buf = io.BytesIO()
-    write_kvc(cache, buf, plan.pipelines, attachments=plan.attachments, preset=plan.preset, meta={"plan": plan.params},
-              verify=verify)
+    write_kvc(cache, buf, plan.pipelines, WriteOptions.for_plan(plan, meta={"plan": plan.params}), verify=verify)
     return buf.getvalue()
 
 
@@ -207,7 +207,7 @@ def plan_for_target(cache: Any, lm: Any, target_kl: float | None = None, target_
         data = encode_bytes(cache, plan, verify=False)  # decoded right below, never stored
         dec = decode_bytes(data)
         m = compare_logits(exact, continue_logits(lm, dec, continuation), continuation)
-        ok = m["kl_mean"] <= target_kl if target_kl is not None else abs(m["dppl_percent"]) <= target_dppl
+        ok = m["kl_mean"] <= target_kl if target_kl is not None else abs(m["dppl_percent"]) <= (target_dppl or 0.0)
         info = {"step0": step0, "kl_mean": m["kl_mean"], "dppl_percent": m["dppl_percent"], "bytes": len(data)}
         if verbose:
             print(f"plan_for_target: step0={step0:.4g} bytes={len(data)} kl={m['kl_mean']:.3g} dppl={m['dppl_percent']:+.3f}% ok={ok}", flush=True)

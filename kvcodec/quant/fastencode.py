@@ -15,13 +15,14 @@ import numpy as np
 from numba import njit
 
 from ..lru import BoundedLRU
+from .rope import inv_freq, rope_angles
 
 _TABLES64: BoundedLRU[tuple] = BoundedLRU(32)
 
 
 def rope_tables64(pos: np.ndarray, theta: float, dim: int) -> tuple[np.ndarray, np.ndarray]:
     """float64 cos, sin [Hp, T, dim] (Hp = 1 when the positions are shared by all heads), cached.
-    Same values as ``RopeStage.encode`` computes: ang = float64(p) * (1 / theta ** (arange(0, dim, 2) / dim))."""
+    The angles are :func:`kvcodec.quant.rope.rope_angles` (the stage's own), kept in float64."""
     p = np.asarray(pos)
     if p.ndim == 2 and p.shape[0] > 1 and (p == p[:1]).all():
         p = p[:1]
@@ -31,8 +32,7 @@ def rope_tables64(pos: np.ndarray, theta: float, dim: int) -> tuple[np.ndarray, 
     key = (p.shape, p.tobytes(), float(theta), int(dim))
     hit = _TABLES64.get(key)
     if hit is None:
-        ang = np.asarray(p, np.float64)[..., None] * (1.0 / (float(theta) ** (np.arange(0, dim, 2) / dim)))
-        ang = np.concatenate([ang, ang], -1)
+        ang = rope_angles(p, inv_freq(theta, dim))
         c, s = np.cos(ang), np.sin(ang)
         c.flags.writeable = False
         s.flags.writeable = False

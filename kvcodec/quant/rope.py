@@ -21,18 +21,24 @@ def inv_freq(theta: float, dim: int) -> np.ndarray:
     return 1.0 / (float(theta) ** (i / float(dim)))
 
 
-def rope_tables(positions: np.ndarray, theta: float, dim: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin float32 [..., dim] for integer ``positions`` [...].
+def rope_angles(positions: Any, freqs: np.ndarray) -> np.ndarray:
+    """float64 angles [..., 2 * len(freqs)] for ``positions`` [...]: the ONE RoPE table construction.
 
-    angle[p, i] = float64(p) * inv_freq[i] (float64), the half-table is
-    duplicated (HF layout: channels j and j + dim/2 share frequency j), then
-    cos/sin are taken in float64 and rounded to float32 (round-to-nearest-even).
+    angle[p, i] = float64(p) * freqs[i] (float64), the half-table duplicated (HF layout: channels
+    j and j + dim/2 share frequency j). The stage's tables (:func:`rope_tables`), the encoder's
+    float64 tables (:mod:`kvcodec.quant.fastencode`) and CacheBlend's re-rotation
+    (:mod:`kvcodec.blend`, with the model's own ``inv_freq``) all take cos/sin of these.
     """
+    ang = np.asarray(positions, dtype=np.float64)[..., None] * np.asarray(freqs, dtype=np.float64)
+    return np.concatenate([ang, ang], axis=-1)
+
+
+def rope_tables(positions: np.ndarray, theta: float, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin float32 [..., dim] for integer ``positions`` [...]: cos/sin of :func:`rope_angles`
+    taken in float64 and rounded to float32 (round-to-nearest-even)."""
     if dim <= 0 or dim % 2:
         raise KvcCodecError(f"rope dim must be a positive even number, got {dim}")
-    p = np.asarray(positions, dtype=np.float64)[..., None]
-    ang = p * inv_freq(theta, dim)
-    ang = np.concatenate([ang, ang], axis=-1)
+    ang = rope_angles(positions, inv_freq(theta, dim))
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 

@@ -252,8 +252,6 @@ class TransformStage(ArrayToArray):
         if not isinstance(attachment, str) or not attachment:
             raise KvcCodecError("codec 'transform': attachment must be a non-empty string")
         self.attachment = attachment
-        # not part of the config: arrays of *external* attachments for the encoder
-        self.encoder_attachments: dict[str, np.ndarray] = {}
 
     def get_config(self) -> dict[str, Any]:
         c: dict[str, Any] = {"basis": self.basis, "k": self.k}
@@ -274,9 +272,7 @@ class TransformStage(ArrayToArray):
             b = np.broadcast_to(hadamard(D)[:, :K], (H, D, K))
             return np.ascontiguousarray(b), np.zeros((H, D), np.float32)
         nb, nm = f"{self.attachment}.basis", f"{self.attachment}.mean"
-        att = ctx.attachments
-        if (nb not in att or nm not in att) and self.encoder_attachments:
-            att = self.encoder_attachments  # encode side: external attachments the writer does not pass on
+        att = ctx.attachments  # stored and external alike (the writer passes the external arrays it encodes with)
         if nb not in att or nm not in att:
             raise KvcFormatError(f"codec 'transform': attachment {nb!r} or {nm!r} is missing")
         B, M = np.asarray(att[nb]), np.asarray(att[nm])

@@ -10,14 +10,15 @@ multiply per element::
     x[h, t, c] = y[h, t, c] * mult[class[t]]
 
 The encoder divides by the multiplier (exact for the power-of-two tables the
-presets use). The classes are an encoder input: set ``encoder_classes``
-(uint8, indexed by the chunk's absolute token, i.e. ``ctx.token_start +
-encoder_skip + t``) on the stage instance before encoding; without them every
-token gets class 0 with multiplier 1.
+presets use). The classes are an encoder input, not config: a :class:`TokenClasses`
+under ``ctx.encoder["tokenscale"]`` (the plan's ``encoder_inputs`` for that layer,
+which the writer hands to the tensor's chunks); without one every token gets class 0
+with multiplier 1.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -52,6 +53,20 @@ def unpack_classes(packed: np.ndarray, bits: int, T: int) -> np.ndarray:
     return ((packed[:, None] >> shifts[None, :]) & np.uint8((1 << bits) - 1)).reshape(-1)
 
 
+@dataclass(frozen=True)
+class TokenClasses:
+    """The encoder input of one tensor's ``tokenscale`` stage.
+
+    ``classes``: uint8 class per absolute token of the cache (token ``ctx.token_start + skip + t``
+    of the chunk's stage input is ``classes[...]``); ``table``: float32 class -> multiplier;
+    ``skip``: tokens removed by earlier stages (keep's sinks) before this one.
+    """
+
+    classes: np.ndarray
+    table: np.ndarray
+    skip: int = 0
+
+
 @register
 class TokenScaleStage(ArrayToArray):
     """Per-token step multiplier classes. Config: ``bits`` (1, 2, 4 or 8: width of a packed class)."""
@@ -63,9 +78,6 @@ class TokenScaleStage(ArrayToArray):
         if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or int(bits) not in _BITS:
             raise KvcCodecError(f"codec 'tokenscale': bits must be one of {_BITS}, got {bits!r}")
         self.bits = int(bits)
-        self.encoder_classes: np.ndarray | None = None  # uint8 per absolute token (encode only)
-        self.encoder_table: np.ndarray | None = None  # float32 multipliers (encode only)
-        self.encoder_skip = 0  # tokens removed by earlier stages (keep's sinks) before this one
 
     def get_config(self) -> dict[str, Any]:
         return {"bits": self.bits}
@@ -79,12 +91,15 @@ class TokenScaleStage(ArrayToArray):
         if arr.ndim != 3 or arr.dtype.name not in ("float16", "float32"):
             raise KvcCodecError(f"codec 'tokenscale' takes (heads, tokens, channels) float16/float32 arrays, got {arr.dtype}{arr.shape}")
         H, T, C = arr.shape
-        if self.encoder_classes is None or self.encoder_table is None:
+        inputs = ctx.encoder.get(self.name)
+        if inputs is None:
             cls, table = np.zeros(T, np.uint8), np.ones(1, np.float32)
         else:
-            a = ctx.token_start + self.encoder_skip
-            cls = np.asarray(self.encoder_classes, np.uint8)[a : a + T]
-            table = np.asarray(self.encoder_table, np.float32)
+            if not isinstance(inputs, TokenClasses):
+                raise KvcCodecError(f"codec 'tokenscale': encoder input is a {type(inputs).__name__}, not TokenClasses")
+            a = ctx.token_start + inputs.skip
+            cls = np.asarray(inputs.classes, np.uint8)[a : a + T]
+            table = np.asarray(inputs.table, np.float32)
             if cls.shape != (T,):
                 raise KvcCodecError(f"codec 'tokenscale': encoder classes cover {cls.shape[0]} of the chunk's {T} tokens")
         if table.ndim != 1 or not 1 <= table.size <= min(MAX_CLASSES, 1 << self.bits) or not (np.isfinite(table).all() and (table > 0).all()):

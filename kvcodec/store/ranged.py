@@ -34,6 +34,7 @@ from typing import Any, Mapping
 from urllib.parse import urlsplit
 
 from ..errors import KvcFormatError, KvcInputError, KvcStoreError
+from ..format.source import ByteSource
 
 __all__ = ["RangeReader", "FileRangeReader", "HttpRangeReader", "BytesRangeReader", "open_range_reader",
            "HttpLimits", "http_request"]
@@ -157,8 +158,9 @@ def http_request(url: str, *, method: str = "GET", headers: Mapping[str, str] | 
         conn.close()
 
 
-class RangeReader:
-    """Abstract random-access reader: ``size`` and ``read(offset, length)``.
+class RangeReader(ByteSource):
+    """Abstract random-access reader: the container's :class:`~kvcodec.format.source.ByteSource`
+    (``size``, ``read(offset, length)``, one error contract); subclasses implement ``_read``.
 
     Use :meth:`open` (or :func:`open_range_reader`) to get a reader for a
     local path, ``file://`` URL or ``http(s)://`` URL.  Readers are context
@@ -173,49 +175,13 @@ class RangeReader:
     def open(source: str | os.PathLike[str], **kwargs: Any) -> "RangeReader":
         return open_range_reader(source, **kwargs)
 
-    # -- to implement ---------------------------------------------------------
-    def _read(self, offset: int, length: int) -> bytes:  # pragma: no cover
-        raise NotImplementedError
-
-    # -- shared -------------------------------------------------------------
     def read(self, offset: int, length: int) -> bytes:
-        """Exactly ``length`` bytes starting at ``offset``."""
-        offset, length = int(offset), int(length)
-        if offset < 0 or length < 0:
-            raise KvcInputError(f"{self.name}: negative range offset={offset} length={length}")
-        if length == 0:
-            if offset > self.size:
-                raise KvcFormatError(f"{self.name}: offset {offset} is past the end ({self.size} bytes)")
-            return b""
-        if offset + length > self.size:
-            raise KvcFormatError(
-                f"{self.name}: short read: wanted bytes {offset}..{offset + length - 1} "
-                f"but the object has {self.size} bytes (truncated?)"
-            )
-        data = self._read(offset, length)
-        if len(data) != length:
-            raise KvcFormatError(
-                f"{self.name}: short read at offset {offset}: wanted {length} bytes, got {len(data)}"
-            )
-        return data
-
-    def read_all(self) -> bytes:
-        return self.read(0, self.size)
-
-    def close(self) -> None:
-        pass
+        """Exactly ``length`` bytes starting at ``offset`` (as ``bytes``; the checks are ByteSource's)."""
+        data = super().read(offset, length)
+        return data if isinstance(data, bytes) else bytes(data)
 
     def __enter__(self) -> "RangeReader":
         return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.name!r}, size={self.size})"
 
 
 class BytesRangeReader(RangeReader):
