@@ -25,7 +25,7 @@ answering while a slot range is uncovered.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, Callable, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from ..errors import KvcInputError, KvcStoreError
@@ -128,22 +128,8 @@ class RedisClusterTier(RedisTier):
             raise KvcStoreError(f"redis cluster {self.url}: {what} failed: {type(e).__name__}: {e}") from None
         return out
 
-    def contains_many(self, keys: Iterable[StoreKey]) -> list[bool]:
-        """One pipelined round per node; if a node is down, per key (live masters still answer)."""
-        keys = list(keys)
-        if not keys:
-            return []
-
-        def run() -> list[Any]:
-            pipe = self.r.pipeline(transaction=False)
-            for k in keys:
-                pipe.exists(self.rkey(k))
-            return pipe.execute()
-
-        try:
-            return [bool(x) for x in self._call("exists", run)]
-        except KvcStoreError:
-            self.counters.add(errors=1)
+    def _contains_after_failure(self, keys: list[StoreKey]) -> list[bool]:
+        """A node is down: ask per key, so the live masters still answer for their slots."""
         return [self.contains(k) for k in keys]
 
     def _scan(self) -> list[bytes]:

@@ -33,11 +33,9 @@ from .tiers import (
     Entry,
     MAX_TIER_META,
     EntryInfo,
-    KeyMismatch,
     Tier,
     as_bytes,
     check_meta,
-    decode_envelope,
     encode_envelope,
     log,
     parse_fixed,
@@ -172,25 +170,8 @@ class RedisTier(Tier):
         except KvcStoreError:
             self.counters.add(errors=1, misses=1)
             return None
-        if buf is None:
-            self.counters.add(misses=1)
-            return None
-        try:
-            e = decode_envelope(buf, key, what=f"redis {self.rkey(key)}")
-        except KeyMismatch as err:  # intact but another key's: a miss, never deleted
-            self.counters.add(misses=1)
-            log.warning("store: %s; treated as a miss", err)
-            return None
-        except KvcFormatError as err:
-            self.counters.add(corrupt=1, misses=1)
-            log.warning("store: %s; deleting it", err)
-            try:
-                self._call("delete", lambda: self.r.delete(self.rkey(key)))
-            except KvcStoreError:
-                pass
-            return None
-        self.counters.add(hits=1)
-        return e
+        return self._entry_or_drop(buf, key, f"redis {self.rkey(key)}",
+                                   lambda: self._call("delete", lambda: self.r.delete(self.rkey(key))))
 
     def put(self, key: StoreKey, data: bytes, meta: Mapping[str, Any] | None = None,
             created: float | None = None) -> None:
@@ -224,7 +205,11 @@ class RedisTier(Tier):
             return [bool(x) for x in self._call("exists", run)]
         except KvcStoreError:
             self.counters.add(errors=1)
-            return [False] * len(keys)
+            return self._contains_after_failure(keys)
+
+    def _contains_after_failure(self, keys: list[StoreKey]) -> list[bool]:
+        """What ``contains_many`` answers when its pipelined round failed: all misses (the server is down)."""
+        return [False] * len(keys)
 
     def delete(self, key: StoreKey) -> bool:
         return bool(self._call("delete", lambda: self.r.delete(self.rkey(key))))

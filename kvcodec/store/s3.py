@@ -39,11 +39,9 @@ from .tiers import (
     Entry,
     EntryInfo,
     MAX_TIER_META,
-    KeyMismatch,
     Tier,
     as_bytes,
     check_meta,
-    decode_envelope,
     encode_envelope,
     log,
     parse_fixed,
@@ -145,25 +143,8 @@ class S3Tier(Tier):
                 log.warning("store: %s", e)
             self.counters.add(errors=1, misses=1)
             return None
-        if buf is None:
-            self.counters.add(misses=1)
-            return None
-        try:
-            e = decode_envelope(buf, key, what=f"s3 {self.bucket}/{name}")
-        except KeyMismatch as err:  # intact but another key's: a miss, never deleted (it may be someone's)
-            self.counters.add(misses=1)
-            log.warning("store: %s", err)
-            return None
-        except KvcFormatError as err:
-            self.counters.add(corrupt=1, misses=1)
-            log.warning("store: %s; deleting it", err)
-            try:
-                self._call("delete", self.s3.delete_object, Bucket=self.bucket, Key=name)
-            except KvcStoreError:
-                pass
-            return None
-        self.counters.add(hits=1)
-        return e
+        return self._entry_or_drop(buf, key, f"s3 {self.bucket}/{name}",
+                                   lambda: self._call("delete", self.s3.delete_object, Bucket=self.bucket, Key=name))
 
     def put(self, key: StoreKey, data: bytes, meta: Mapping[str, Any] | None = None,
             created: float | None = None) -> None:

@@ -37,7 +37,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from ..errors import KvcFormatError, KvcInputError, KvcStoreError
 from .keys import StoreKey
@@ -277,6 +277,34 @@ class Tier:
     def get(self, key: StoreKey) -> bytes | None:
         e = self.get_entry(key)
         return None if e is None else e.data
+
+    def _entry_or_drop(self, buf: bytes | None, key: StoreKey, what: str, delete: Callable[[], Any]) -> Entry | None:
+        """A remote tier's raw value for ``key`` as an entry, or a counted miss.
+
+        The one policy every remote tier applies to what it read: no value is a
+        miss; an intact envelope of *another* key is a miss and never deleted (it
+        may be someone's); a corrupt one is deleted (best effort, ``delete``) so the
+        next ask prefills and replaces it.
+        """
+        if buf is None:
+            self.counters.add(misses=1)
+            return None
+        try:
+            e = decode_envelope(buf, key, what=what)
+        except KeyMismatch as err:
+            self.counters.add(misses=1)
+            log.warning("store: %s; treated as a miss", err)
+            return None
+        except KvcFormatError as err:
+            self.counters.add(corrupt=1, misses=1)
+            log.warning("store: %s; deleting it", err)
+            try:
+                delete()
+            except KvcStoreError:
+                pass
+            return None
+        self.counters.add(hits=1)
+        return e
 
     def contains_many(self, keys: Iterable[StoreKey]) -> list[bool]:
         return [self.contains(k) for k in keys]
