@@ -292,7 +292,13 @@ def default_capture_dir() -> Path:
 
 
 def cached_capture(lm: Any, ids: np.ndarray, capture_dir: str | os.PathLike | None) -> KVCache:
-    """The exact cache of ``ids``, from ``capture_dir`` when it was captured before (keyed by fingerprint + token hash)."""
+    """The exact cache of ``ids``, from ``capture_dir`` when it was captured before (keyed by fingerprint + token hash).
+
+    A stored capture is reused only if it is what :func:`~kvcodec.capture.capture` gives now, its
+    per-layer token counts included: one stored before the ragged layout (every layer every token)
+    would otherwise be measured in place of the sliding-window layers' real, shorter tensors.
+    """
+    from .cachelayout import kept_tokens
     from .capture import capture
     from .kvcache import load_h5, save_h5
 
@@ -304,7 +310,9 @@ def cached_capture(lm: Any, ids: np.ndarray, capture_dir: str | os.PathLike | No
     if path.is_file():
         try:
             c = load_h5(path)
-            if lm.fingerprint.same_model(c.fingerprint) and np.array_equal(c.token_ids, ids) and c.positions is None:
+            layout = tuple(kept_tokens(w, len(ids)) for w in lm.attention_windows)
+            if (lm.fingerprint.same_model(c.fingerprint) and np.array_equal(c.token_ids, ids) and c.positions is None
+                    and tuple(c.layer_tokens) == layout):
                 return c
         except KvcError:
             pass  # a stale or broken entry is recomputed
