@@ -128,3 +128,23 @@ def _continues_like_a_fresh_prefill(lm, cache, ids):
             b = lm.model(input_ids=torch.tensor([[tok]]), past_key_values=loaded.cache, position_ids=pos, use_cache=True).logits
             assert torch.equal(a, b), f"step {step}: logits differ"
             tok = int(a[0, -1].argmax())
+
+
+def test_capture_cache_refreshes_a_capture_of_another_layout(family_dirs, tmp_path):
+    """A stored capture whose layers all hold every token (the layout before ragged sliding
+    layers) is captured again, not measured as if it were today's capture."""
+    from kvcodec.capture import capture
+    from kvcodec.curve import cached_capture
+    from kvcodec.kvcache import KVCache, save_h5
+    from kvcodec.model import load_model
+
+    lm = load_model(str(family_dirs["gemma2"]))
+    ids = np.arange(5, 5 + N_TOKENS, dtype=np.int64)
+    fresh = cached_capture(lm, ids, tmp_path)
+    assert fresh.ragged and min(fresh.layer_tokens) < N_TOKENS
+    [stored] = list(tmp_path.glob("*.h5"))
+    full = capture(lm, token_ids=ids, full_layers=True)
+    assert not full.ragged
+    save_h5(KVCache(full.keys, full.values, full.token_ids, full.fingerprint, None, dict(full.meta)), stored)
+    again = cached_capture(lm, ids, tmp_path)
+    assert tuple(again.layer_tokens) == tuple(fresh.layer_tokens)
