@@ -35,6 +35,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_process(proc: subprocess.Popen | None) -> None:
+    """Terminate a server process; kill it if it has not exited 10 s later."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:  # pragma: no cover
+        proc.kill()
+        proc.wait()
+
+
 def wait_port(port: int, timeout: float = 10.0, proc: subprocess.Popen | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -81,13 +93,7 @@ class RedisServer:
         wait_port(self.port, proc=self.proc)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:  # pragma: no cover
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self.proc = None
 
 # -- nginx ------------------------------------------------------------------------------
@@ -141,13 +147,7 @@ class NginxServer:
             raise RuntimeError(f"nginx did not start: {e}: {err}") from None
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:  # pragma: no cover
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self.proc = None
 
 PY = sys.executable
@@ -258,14 +258,7 @@ class RedisCluster:
 
     def stop(self) -> None:
         for port in list(self.procs):
-            p = self.procs.pop(port)
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:  # pragma: no cover
-                    p.kill()
-                    p.wait()
+            stop_process(self.procs.pop(port))
 
 # -- S3 (moto's standalone server) -------------------------------------------------------
 
@@ -302,13 +295,7 @@ class S3Server:
             self.client().create_bucket(Bucket=self.bucket)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:  # pragma: no cover
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self.proc = None
 
 
