@@ -92,7 +92,10 @@ def used() -> set[str]:
 def test_golden_kvc_vectors_every_backend(used, subdir):
     d = ROOT / "spec" / "vectors" / subdir
     manifest = json.loads((d / "manifest.json").read_text())
-    n = sum(_check_file((d / v["file"]).read_bytes(), used) for v in manifest["vectors"].values())
+    # the lossy vector's 60 chunks run one chain; the Triton interpreter takes ~4 s a chunk on CI's CPU,
+    # so the GPU backends check the first two layers' chunks (K and V) and the CPU backends all of them
+    gpu_layers = 2 if subdir == "kvc-lossy" else None
+    n = sum(_check_file((d / v["file"]).read_bytes(), used, gpu_layers) for v in manifest["vectors"].values())
     assert n > 0
 
 
