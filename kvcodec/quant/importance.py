@@ -86,7 +86,12 @@ class _Collector:
         self.a1[layer] = (a1 / n).numpy()
 
 
-def _scores(lm: Any, col: _Collector, squared: bool) -> np.ndarray:
+def _tapped_scores(lm: Any, ids: Any, window: int | None, total: int, squared: bool, **forward: Any) -> np.ndarray:
+    """One forward of ``ids`` (over ``forward``'s past, if any) with the attention tap; [L, total] scores."""
+    import torch
+
+    with torch.inference_mode(), tapped(lm, _Collector(window, total, getattr(lm, "attention_windows", None))) as col:
+        lm.model(input_ids=ids, logits_to_keep=1, **forward)
     L = lm.fingerprint.num_layers
     src = col.a2 if squared else col.a1
     missing = [i for i in range(L) if i not in src]
@@ -106,9 +111,7 @@ def attention_importance(lm: Any, token_ids: np.ndarray, window: int | None = DE
     ids = torch.as_tensor(np.asarray(token_ids, dtype=np.int64)).reshape(1, -1)
     if ids.shape[1] == 0:
         raise KvcInputError("no tokens to score")
-    with torch.inference_mode(), tapped(lm, _Collector(window, ids.shape[1], getattr(lm, "attention_windows", None))) as col:
-        lm.model(input_ids=ids, use_cache=False, logits_to_keep=1)
-    return _scores(lm, col, squared)
+    return _tapped_scores(lm, ids, window, ids.shape[1], squared, use_cache=False)
 
 
 def cache_importance(lm: Any, cache: Any, window: int | None = DEFAULT_WINDOW) -> np.ndarray | None:
@@ -132,10 +135,8 @@ def cache_importance(lm: Any, cache: Any, window: int | None = DEFAULT_WINDOW) -
     start = T - window
     past = cache.prefix(start).for_model(lm)
     ids = torch.as_tensor(np.asarray(cache.token_ids[start:], dtype=np.int64)).reshape(1, -1)
-    with torch.inference_mode(), tapped(lm, _Collector(window, T, getattr(lm, "attention_windows", None))) as col:
-        lm.model(input_ids=ids, past_key_values=past, position_ids=torch.arange(start, T).reshape(1, -1),
-                 use_cache=True, logits_to_keep=1)
-    return _scores(lm, col, True)
+    return _tapped_scores(lm, ids, window, T, True, past_key_values=past,
+                          position_ids=torch.arange(start, T).reshape(1, -1), use_cache=True)
 
 
 def token_multipliers(w: np.ndarray, sink: int, n_classes: int = 16, log2_step: float = 0.5,
