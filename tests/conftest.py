@@ -15,6 +15,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # A decoder backend that applies but fails on a chunk its reference decodes raises in tests (kvcodec/backends.py);
 # in production it warns once and the reference's result is used.
 os.environ.setdefault("KVCODEC_STRICT_BACKENDS", "1")
+# Tests that compare two forward passes bit for bit need MKL to use the same number of threads in both:
+# with MKL_DYNAMIC (its default) it may take fewer on a loaded machine, which changes reduction order.
+os.environ.setdefault("MKL_DYNAMIC", "FALSE")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
