@@ -17,10 +17,18 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
 from .errors import KvcInputError, KvcModelMismatchError
+from .hfimport import cache_utils
+
+cache_utils()  # first, so transformers' cache classes import without hqq's cost (kvcodec/hfimport.py)
+from transformers import DynamicCache  # noqa: E402
+from transformers.cache_utils import (  # noqa: E402
+    DYNAMIC_LAYER_TYPE_MAPPING,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    get_layer_types_and_kwargs,
+)
 
 
 def cache_windows(config: Any) -> list[int | None]:

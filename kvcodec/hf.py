@@ -24,9 +24,8 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from transformers import DynamicCache
 
-from .cachelayout import LazyKvcLayer, LazyKvcSlidingLayer, cache_windows, check_layer_tokens, hf_cache
+from .cachelayout import DynamicCache, LazyKvcLayer, LazyKvcSlidingLayer, cache_windows, check_layer_tokens, hf_cache
 from .errors import KvcInputError
 from .model import LoadedModel
 

@@ -200,6 +200,10 @@ def _gguf_parsed_once() -> Iterator[None]:
 def _convert_gguf(gguf: Path, dest: Path) -> None:
     """Dequantise the GGUF into an fp32 HF directory at ``dest``, atomically."""
     import torch
+
+    from .hfimport import models
+
+    models()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"kvc: converting {gguf.name} to an HF directory at {dest} (once, ~30 s per 100M parameters)", file=sys.stderr)
@@ -325,6 +329,10 @@ def check_weights(path: Path) -> list[Path]:
 def load_model(name: str = DEFAULT_MODEL, dtype: str = "float32") -> LoadedModel:
     """Load model and tokenizer for inference on the CPU (eval mode, no grad)."""
     import torch
+
+    from .hfimport import models
+
+    models()  # before transformers imports them without us (kvcodec/hfimport.py)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 

@@ -105,8 +105,11 @@ def available(backend: str) -> str | None:
 
 
 def _layer(spec: HFQuantSpec) -> Any:
-    from transformers.cache_utils import HQQQuantizedLayer, QuantoQuantizedLayer
+    from .hfimport import cache_utils, hqq_quantizer
 
+    if spec.backend == "hqq":
+        hqq_quantizer()
+    HQQQuantizedLayer, QuantoQuantizedLayer = cache_utils().HQQQuantizedLayer, cache_utils().QuantoQuantizedLayer
     ak, av = AXES[spec.backend][spec.axes]
     cls = QuantoQuantizedLayer if spec.backend == "quanto" else HQQQuantizedLayer
     return cls(nbits=spec.nbits, axis_key=ak, axis_value=av, q_group_size=spec.group, residual_length=128)
