@@ -4,11 +4,13 @@ Encodes one text's 1024-token context with the `near-lossless` plan at several
 settings, *without* the encode-time check (explicit ``step0``), and evaluates
 each on the next 256 tokens against the exact cache: bits/element (file bytes),
 KL, ΔPPL, top-1, greedy match (16 tokens) and the largest logit change over the
-continuation. Settings are ``STEP[:CHUNK_TOKENS][:hadamard][:SINK]``; the exact run's
+continuation. Settings are ``STEP[:CHUNK_TOKENS][:hadamard][:SINK][:MAX_BITS]`` (MAX_BITS over 8:
+quantize v2's 16-bit codes); the exact run's
 16 greedy top-2 margins are printed first (a flip at a margin well above 0.02
 is a real miss, not a near-tie).
 
     python benchmarks/bench_floor.py --text apache2 0.02 0.01 0.005 0.02:64 0.005:32 0.005::hadamard 0.02:::32 0.02:::128
+    python benchmarks/bench_floor.py --text apache2 0.02::::16 0.005::::16 0.002::::16
 """
 
 from __future__ import annotations
@@ -26,13 +28,13 @@ from kvcodec.format.writer import WriteOptions, write_kvc
 from kvcodec.model import load_model
 from kvcodec.plans import get_plan
 from kvcodec.quant.codecplan import decode_bytes
-from kvcodec.quant.guard import greedy_with_margins
+from kvcodec.quant.guard import greedy_with_margins, max_rival_gain
 from kvcodec.texts import load_text
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("settings", nargs="+", help="STEP[:CHUNK_TOKENS][:hadamard][:SINK]")
+    ap.add_argument("settings", nargs="+", help="STEP[:CHUNK_TOKENS][:hadamard][:SINK][:MAX_BITS]")
     ap.add_argument("--text", default="apache2")
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=1)
@@ -47,11 +49,13 @@ def main() -> None:
     greedy, margins = greedy_with_margins(lm, cache, int(cont[0]), 16)
     print(json.dumps({"text": args.text, "exact_top2_margins": [round(m, 3) for m in margins]}))
     for s in args.settings:
-        parts = (s.split(":") + ["", "", ""])[:4]
+        parts = (s.split(":") + ["", "", "", ""])[:5]
         step, chunk, basis = float(parts[0]), int(parts[1]) if parts[1] else None, parts[2] or "pca"
         kw = {"basis": basis} if basis != "pca" else {}
         if parts[3]:
             kw["sink"] = int(parts[3])  # tokens kept exact at the start of the context
+        if parts[4]:
+            kw["max_bits"] = int(parts[4])
         plan = get_plan("near-lossless", cache, lm=lm, step0=step, **kw)
         buf = io.BytesIO()
         write_kvc(cache, buf, plan.pipelines, WriteOptions.for_plan(plan, chunk_tokens=chunk))
@@ -59,9 +63,11 @@ def main() -> None:
         dec = decode_bytes(data)
         q = evaluate(lm, cache, dec, cont, exact_logits=exact, exact_greedy=greedy).to_json()
         print(json.dumps({"step0": step, "chunk_tokens": chunk, "basis": basis, "sink": kw.get("sink", 4),
+                          "max_bits": kw.get("max_bits", 8),
                           "bits_per_element": round(len(data) * 8 / cache.num_elements, 3),
                           **{k: q[k] for k in ("kl_mean", "dppl_percent", "top1_agreement", "greedy_match")},
-                          "max_abs_logit_change": round(float((continue_logits(lm, dec, cont) - exact).abs().max()), 4)}),
+                          "max_abs_logit_change": round(float((continue_logits(lm, dec, cont) - exact).abs().max()), 4),
+                          "max_rival_gain": round(max_rival_gain(exact, continue_logits(lm, dec, cont)), 4)}),
               flush=True)
 
 

@@ -95,7 +95,8 @@ def supports_fused(pipeline: Any, spec: Any) -> bool:
     """Whether the fused Triton kernel decodes ``pipeline`` at chunk spec ``spec`` (static: shape and dtypes only)."""
     from ..quant.chain import match_chain
 
-    return len(spec.shape) == 3 and spec.dtype in ("float16", "float32") and match_chain(pipeline) is not None
+    chain = match_chain(pipeline)  # quantize v2 (16-bit codes as byte planes): no fused kernel, stage by stage
+    return len(spec.shape) == 3 and spec.dtype in ("float16", "float32") and chain is not None and chain.quantize.version == 1
 
 
 def supports_stages(pipeline: Any, spec: Any) -> bool:

@@ -305,7 +305,9 @@ def _dev(a: np.ndarray, device: torch.device, dtype: Any = None) -> torch.Tensor
     return t.to(device)
 
 
-def gpu_quantize(stage: Any, x: torch.Tensor, side: dict, spec: Any, ctx: Any) -> torch.Tensor:
+def gpu_quantize(stage: Any, x: torch.Tensor, side: dict, spec: Any, ctx: Any) -> Any:
+    if stage.version != 1:  # v2's 16-bit byte planes: no kernel, the backend runs the CPU definition
+        return NotImplemented
     H, T, C = spec.shape
     if tuple(x.shape) != (H, T, C) or x.dtype != torch.uint8:
         raise KvcFormatError(f"codec 'quantize': got {str(x.dtype).removeprefix('torch.')}{tuple(x.shape)}, expected uint8{spec.shape}")

@@ -36,7 +36,7 @@ __all__ = ["PRESETS", "BASELINE_PREFIX", "Plan", "PresetInfo", "available_preset
            "get_plan", "parse_config", "preset_info"]
 
 BASELINE_PREFIX = "baseline:"
-_LOSSY_KEYS = frozenset({"step0", "sink", "group", "basis", "deadzone", "calibration", "tokenscale"})
+_LOSSY_KEYS = frozenset({"step0", "sink", "group", "basis", "deadzone", "calibration", "tokenscale", "max_bits"})
 _ZSTD_KEYS = frozenset({"level"})
 
 
@@ -105,6 +105,7 @@ _CHECKS: dict[str, tuple[Any, str]] = {
     "group": (lambda v: _int(v) and v > 0, "an integer > 0"),
     "basis": (lambda v: v in ("pca", "hadamard"), "'pca' or 'hadamard'"),
     "deadzone": (lambda v: _number(v) and 0 <= v < 0.5, "a number in [0, 0.5)"),
+    "max_bits": (lambda v: _int(v) and 1 <= v <= 16, "an integer in [1, 16] (over 8: quantize v2's 16-bit codes)"),
     "calibration": (lambda v: v in ("external", "embedded"), "'external' or 'embedded'"),
     "tokenscale": (_tokenscale_ok, "null or an object with keys from window, bits, log2_step, min_log2, power, max_log2, kinds"),
     "level": (_level_ok, "an integer zstd level in [-7, 19]"),

@@ -74,6 +74,7 @@ log = logging.getLogger("kvcodec.stream")
 
 TEXT = "text"
 STALL_FLOOR_BPS = 10e6 / 8  # bandwidth assumed by the stall rule before any estimate
+FIRST_PIECE_GRACE_S = 0.25  # before a second piece arrives, a transfer is judged only after this long
 
 
 # ----------------------------------------------------------------------------- writing
@@ -182,6 +183,8 @@ class ProgressiveReader(RangeReader):
         self.finished: float | None = None
         self.last_progress = self.started
         self.received = 0
+        self.first_at: float | None = None  # when the first piece arrived, and its size: see rate_since_first
+        self.first_bytes = 0
 
     def fill(self) -> None:
         try:
@@ -195,6 +198,8 @@ class ProgressiveReader(RangeReader):
                     self._have[p] = buf
                     self.received += len(buf)
                     self.last_progress = time.perf_counter()
+                    if self.first_at is None:
+                        self.first_at, self.first_bytes = self.last_progress, len(buf)
                     self._cond.notify_all()
             with self._cond:
                 self.finished = time.perf_counter()
@@ -582,10 +587,16 @@ class _Run:
             if now - r.last_progress > stall:
                 return f"no byte for {stall:.1f} s (stalled link)"
             if self.deadline is not None and self.s.fixed is None:
-                elapsed = now - r.started
-                if not r.received or elapsed <= 0.05:
-                    return None  # no rate to judge by yet: only the stall rule applies
-                left = (r.size - r.received) * elapsed / r.received
+                # the rate after the first piece: the first one's time is mostly the request's setup and
+                # latency (a 0.3 MB tail piece read 3.7 MB/s on a 12.5 MB/s link), which says little about
+                # how fast the rest arrives; before a second piece, judge only a transfer that is already slow
+                if r.first_at is not None and r.received > r.first_bytes:
+                    elapsed, got = now - r.first_at, r.received - r.first_bytes
+                else:
+                    elapsed, got = now - r.started, r.received
+                    if not got or elapsed <= FIRST_PIECE_GRACE_S:
+                        return None  # no rate to judge by yet: only the stall rule applies
+                left = (r.size - r.received) * elapsed / got
                 if now + left + self._rest_s(it.i, self.bw()) > self.deadline and left > n_text:
                     return (f"transfer too slow ({r.received:,}/{r.size:,} bytes in {elapsed:.2f} s): "
                             f"text prefill ({n_text:.2f} s est) ends sooner")

@@ -266,6 +266,9 @@ def codec_cases() -> dict[str, dict[str, Any]]:
                           "ctx": {"layer": 1, "kind": "v"}, "input": x32, "attach": {"pca.basis": basis, "pca.mean": mean}},
         "quantize_step": {"stage": {"name": "quantize", "version": 1, "config": {"mode": "step", "step": 0.1, "max_bits": 8}}, "ctx": {}, "input": x32},
         "quantize_step_clip": {"stage": {"name": "quantize", "version": 1, "config": {"mode": "step", "step": 0.01, "max_bits": 4}}, "ctx": {}, "input": x32},
+        # quantize v2 (16-bit codes as two byte planes), added by issue 15: wide, widened (max_bits 10) and narrow channels
+        "quantize_v2_step": {"stage": {"name": "quantize", "version": 2, "config": {"step": 0.0005, "max_bits": 16}}, "ctx": {}, "input": x32},
+        "quantize_v2_step_clip": {"stage": {"name": "quantize", "version": 2, "config": {"step": 0.001, "max_bits": 10}}, "ctx": {}, "input": x32},
         "quantize_minmax_channel": {"stage": {"name": "quantize", "version": 1, "config": {"mode": "minmax", "bits": 2, "axis": "channel", "group": 6, "symmetric": False}}, "ctx": {}, "input": x32},
         "quantize_minmax_token_sym": {"stage": {"name": "quantize", "version": 1, "config": {"mode": "minmax", "bits": [4, 3], "axis": "token", "group": 3, "symmetric": True}}, "ctx": {}, "input": x32},
         # the container's cast stage (preset fp16), added by issue 18

@@ -118,6 +118,26 @@ def test_greedy_promise_stops_at_the_first_near_tie():
     assert greedy_promise_met(exact, exact, [1.0] * 4) and not greedy_promise_met(exact, [5, 6, 7, 9], [1.0] * 4)
 
 
+def test_rival_gain_bounds_where_a_greedy_token_can_flip():
+    """max_rival_gain: the largest gain of any token on the exact top-1; a flip needs more than the margin."""
+    import torch
+
+    from kvcodec.quant.guard import NEAR_TIE, ProbeStats, QualityTarget, max_rival_gain
+
+    exact = torch.tensor([[3.0, 2.9, 0.0], [0.0, 1.0, 5.0]])
+    dec = exact + torch.tensor([[0.00, 0.07, 0.0], [0.0, 0.02, -0.01]])  # row 0: token 1 gains 0.07 on token 0
+    assert max_rival_gain(exact, dec) == pytest.approx(0.07)
+    assert max_rival_gain(exact, exact + 0.5) == pytest.approx(0.0)  # a common shift moves no ranking
+    flipped = exact.clone()
+    flipped[0, 1] = 3.05  # the 0.1 margin is overtaken: the gain must exceed it
+    assert int(flipped[0].argmax()) != int(exact[0].argmax()) and max_rival_gain(exact, flipped) > 0.1
+    t = QualityTarget(kl=2e-4, dppl_percent=0.5, greedy_tokens=16, rival_gain=NEAR_TIE)
+    hi = ProbeStats(kl=1e-7, d_mean=0.0, d_std=1e-4, n=256, greedy_ok=True, rival_gain=0.05)
+    assert not hi.meets(t) and hi.step_factor(t) == pytest.approx(NEAR_TIE / 0.05)  # gains scale as the step
+    lo = ProbeStats(kl=1e-7, d_mean=0.0, d_std=1e-4, n=256, greedy_ok=True, rival_gain=0.01)
+    assert lo.meets(t)
+
+
 def test_presets_are_guarded_with_the_model_and_unchanged_without(monkeypatch, small_cache):
     """get_plan routes a lossy preset through the guard exactly when it has the model and no explicit step0."""
     from kvcodec.plans import get_plan

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvcodec.errors import KvcCodecError, KvcFormatError
+from kvcodec.errors import KvcCodecError, KvcError, KvcFormatError
 from kvcodec.quant import vectors as V
 from kvcodec.quant.rope import rope_tables
 from kvcodec.quant.stages import (
@@ -245,3 +245,47 @@ def test_balanced_meets_kl_on_real_cache(lm, gpl3_ids):
     assert m["kl_mean"] <= 0.01
     # the encode-time check's out-of-sample probe costs bits at a 512-token context (about 4.8 here)
     assert bits_per_element(len(data), cache.num_elements) < 6.0
+
+
+# ------------------------------------------------------------------ quantize v2 (16-bit codes, two byte planes)
+def test_quantize_v2_formula_and_what_v1_cannot_code():
+    """v2 codes a channel whose range exceeds 127 steps at the configured step (v1 widens that step)."""
+    from kvcodec.quant.stages import WideQuantizeStage
+
+    x = _x((2, 50, 16))
+    x[:, :, 0] *= 200.0  # a wide coefficient channel
+    st = WideQuantizeStage(step=0.001, max_bits=16)
+    enc, side = st.encode(x, ChunkContext())
+    assert enc.dtype == np.uint8 and enc.shape == (2, 50, 32)
+    s = (enc[:, :, :16].astype(np.int64) << 8) | enc[:, :, 16:]
+    q = (s >> 1) ^ -(s & 1)
+    out = st.decode(enc, side, ArraySpec(x.shape, "float32"), ChunkContext())
+    assert np.array_equal(out, q.astype(np.float32) * side["step"].astype(np.float32)[:, None, :])
+    assert np.abs(out - x).max() <= 0.5 * float(side["step"].astype(np.float32).max()) + 1e-6
+    assert side["bits"][:, 0].min() > 8  # the wide channel needs more than v1's 8 bits
+    v1 = QuantizeStage(mode="step", step=0.001, max_bits=8)
+    e1, s1 = v1.encode(x, ChunkContext())
+    err1 = np.abs(v1.decode(e1, s1, ArraySpec(x.shape, "float32"), ChunkContext()) - x)[:, :, 0].max()
+    assert err1 > 50 * np.abs(out - x)[:, :, 0].max()
+
+
+def test_quantize_v2_refuses_bad_input():
+    from kvcodec.quant.stages import WideQuantizeStage
+
+    x = _x((2, 30, 8))
+    st = WideQuantizeStage(step=0.01, max_bits=12)
+    enc, side = st.encode(x, ChunkContext())
+    spec = ArraySpec(x.shape, "float32")
+    bad = enc.copy()
+    bad[0, 0, 0] = 0xFF  # high byte beyond the channel's bit width
+    with pytest.raises(KvcFormatError, match="bit width"):
+        st.decode(bad, side, spec, ChunkContext())
+    with pytest.raises(KvcFormatError):
+        st.decode(enc[:, :, :8], side, spec, ChunkContext())  # one plane only
+    with pytest.raises(KvcFormatError):
+        st.decode(enc, {**side, "bits": np.full_like(side["bits"], 13)}, spec, ChunkContext())  # bits > max_bits
+    for cfg in ({"step": 0.1, "max_bits": 17}, {"step": 0.0, "max_bits": 8}, {"step": 0.1, "mode": "step"}):
+        with pytest.raises(KvcError):
+            stage_from_json({"name": "quantize", "version": 2, "config": cfg})
+    with pytest.raises(KvcCodecError):
+        st.encode(np.full((1, 2, 8), np.nan, np.float32), ChunkContext())

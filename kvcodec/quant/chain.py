@@ -1,6 +1,6 @@
 """The transform-codec pipeline shape that the fused decoders (CPU and GPU) run in one pass.
 
-    [rope] -> [keep] -> transform -> [tokenscale] -> quantize(step) -> rans
+    [rope] -> [keep] -> transform -> [tokenscale] -> quantize(step; v1, or v2's 16-bit codes) -> rans
 
 (array stages in encode order; bracketed ones optional). Every lossy preset
 builds this shape (kvcodec/quant/presets.py). A pipeline of any other shape is
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..entropy.rans_stage import RansStage
 from ..stages import Pipeline
-from .stages import KeepStage, QuantizeStage, RopeStage, TransformStage
+from .stages import KeepStage, QuantizeStage, RopeStage, TransformStage, WideQuantizeStage
 from .tokenscale import TokenScaleStage
 
 __all__ = ["TransformChain", "match_chain"]
@@ -40,7 +40,9 @@ class TransformChain:
 def match_chain(pipeline: Pipeline) -> TransformChain | None:
     """The pipeline's :class:`TransformChain`, or None when it has another shape."""
     st = list(pipeline.stages)
-    if len(st) < 3 or type(st[-1]) is not RansStage or type(st[-2]) is not QuantizeStage or st[-2].mode != "step":
+    q = st[-2] if len(st) >= 3 else None
+    if (not isinstance(q, QuantizeStage) or type(q) not in (QuantizeStage, WideQuantizeStage) or q.mode != "step"
+            or type(st[-1]) is not RansStage):
         return None
     rans, quantize = st.pop(), st.pop()
     tokenscale = st.pop() if st and type(st[-1]) is TokenScaleStage else None

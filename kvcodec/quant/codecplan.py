@@ -30,7 +30,7 @@ from ..stages import EncoderInputs, Pipeline, Plan
 from .calibrate import Calibration, get_calibration
 from .importance import token_multipliers
 from .rope import layer_rope_config
-from .stages import KeepStage, QuantizeStage, RopeStage, TransformStage
+from .stages import KeepStage, QuantizeStage, RopeStage, TransformStage, WideQuantizeStage
 from .tokenscale import TokenClasses, TokenScaleStage
 
 # token-importance-weighted quantization (tokenscale stage): importance = mean a^2 over the last
@@ -72,11 +72,14 @@ def kept_coefficients(cal: Calibration, steps: np.ndarray, group: int, frac: flo
 
 def transform_plan(cache: Any, step0: float, sink: int = 4, group: int = 8, cal: Calibration | None = None,
                    calibration: str = "external", basis: str = "pca", preset: str = "custom", deadzone: float = 0.0,
-                   lm: Any = None, tokenscale: dict[str, Any] | None = None, importance: np.ndarray | None = None) -> Plan:
+                   lm: Any = None, tokenscale: dict[str, Any] | None = None, importance: np.ndarray | None = None,
+                   max_bits: int = 8) -> Plan:
     """The transform-codec plan at rate knob ``step0``.
 
     ``calibration``: "external" (reference the per-model calibration by sha256),
     "embedded" (store the truncated bases in the file) or "none" (Hadamard).
+    ``max_bits`` over 8 codes with ``quantize`` v2 (16-bit codes as two byte planes; the
+    fused fast decoders take only v1, so such files decode stage by stage).
     """
     from ..entropy.rans_stage import RansStage
 
@@ -137,7 +140,9 @@ def transform_plan(cache: Any, step0: float, sink: int = 4, group: int = 8, cal:
         st.append(TransformStage(basis=basis, k=int(ks[layer, ki]), attachment="pca"))
         if ts_classes is not None and ts_opts is not None and kind in ts_opts["kinds"]:
             st.append(TokenScaleStage(bits=ts_opts["bits"]))
-        st.append(QuantizeStage(mode="step", step=float(np.float32(steps[layer, ki])), max_bits=8, deadzone=deadzone))
+        step = float(np.float32(steps[layer, ki]))
+        st.append(QuantizeStage(mode="step", step=step, max_bits=max_bits, deadzone=deadzone) if max_bits <= 8
+                  else WideQuantizeStage(step=step, max_bits=max_bits, deadzone=deadzone))
         st.append(RansStage(channel_group=g))
         return Pipeline(st)
 
@@ -150,6 +155,8 @@ def transform_plan(cache: Any, step0: float, sink: int = 4, group: int = 8, cal:
     params = {"step0": step0, "sink": sink, "group": group, "calibration": calibration if basis == "pca" else "none",
               "basis": basis, "deadzone": deadzone,
               "tokenscale": ts_opts}
+    if max_bits != 8:  # recorded only where it differs: files of 8-bit plans keep their bytes
+        params["max_bits"] = max_bits
     return Plan(pipes, attachments, preset, params, encoder_inputs=inputs)
 
 

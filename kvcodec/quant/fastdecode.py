@@ -77,8 +77,11 @@ def f32_to_f16_bits(x, out):  # pragma: no cover - numba
 @njit(cache=True, nogil=True)
 def _decode_kernel(freqs, cums, states, n_symbols, word_start, n_words, words, nwords, g,
                    stepf, lim, bt, mean, kept, n_sink, n_recent, tscale, has_ts,
-                   rope_dim, cos, sin, out16, out32, want16, ybuf):  # pragma: no cover - numba
-    """Whole chunk. words: uint16 with 16 zero words after the ``nwords`` of the stream; g in
+                   rope_dim, cos, sin, out16, out32, want16, ybuf, wide, hbuf):  # pragma: no cover - numba
+    """Whole chunk. ``wide``: quantize v2, whose rANS contexts code 2K byte channels (high bytes
+    of the K coefficient channels, then the low bytes): the high plane decodes into ``hbuf`` and
+    the low plane into ``ybuf`` (as unzigzag(byte), step 1), then each code ``s = hi << 8 | lo``
+    is checked against its bit width and dequantized in place, ``f32(unzigzag(s)) * step``. words: uint16 with 16 zero words after the ``nwords`` of the stream; g in
     {1, 2, 4, 8} or a multiple of 16; bt [H, K, D] (basis transposed, D in HEAD_DIMS), mean [H, D],
     kept f32 [H, s+r, D], tscale f32 [Tc] (has_ts), cos/sin f32 [Hr, T, rope_dim] (Hr = 1: shared),
     out16 uint16 [H, T, D] (want16) or out32 f32 [H, T, D], ybuf f32 scratch of >= Tc * ceil16(K).
@@ -105,13 +108,16 @@ def _decode_kernel(freqs, cums, states, n_symbols, word_start, n_words, words, n
     btf, meanf, cosf, sinf = bt.reshape(-1), mean.reshape(-1), cos.reshape(-1), sin.reshape(-1)
     o16, o32 = out16.reshape(-1), out32.reshape(-1)
     A = freqs.shape[1]
-    nctx_h = K // g
+    nctx_h = (2 * K if wide else K) // g
+    nplane = K // g  # contexts per byte plane (wide)
     vec_rope = 1 if rope_dim == D and nb % 2 == 0 else 0  # odd nb: D/2 mid-vector, scalar rotation
     half = rope_dim // 2
     one = np.float32(1.0)
     for h in range(H):
         for j in range(nctx_h):
             c = h * nctx_h + j
+            hi_plane = wide and j < nplane
+            yb = hbuf if hi_plane else ybuf
             for s in range(A):
                 f = np.int64(freqs[c, s])
                 e = np.uint32(s | ((f - 1) << 8))
@@ -120,10 +126,10 @@ def _decode_kernel(freqs, cums, states, n_symbols, word_start, n_words, words, n
                     tab[cm + k] = e | np.uint32(k << 20)
             for k in range(_LANES):
                 st[k] = np.uint32(states[c, k])
-            c0 = j * g
+            c0 = (j % nplane if wide else j) * g
             for k in range(P):
-                stepv[k] = stepf[h, c0 + k % g]
-                limv[k] = lim[h, c0 + k % g]
+                stepv[k] = one if wide else stepf[h, c0 + k % g]
+                limv[k] = 256 if wide else lim[h, c0 + k % g]
             n = n_symbols[c]
             p = word_start[c]
             pend = p + n_words[c]
@@ -132,7 +138,7 @@ def _decode_kernel(freqs, cums, states, n_symbols, word_start, n_words, words, n
                 if p > nwords:
                     return 1
                 i0 = m * 16
-                p = rans16(st, (m & 1) * 16, tab, words, p, stepv, limv, i0 % P, bad, ybuf,
+                p = rans16(st, (m & 1) * 16, tab, words, p, stepv, limv, i0 % P, bad, yb,
                            (i0 // g) * kp + c0 + i0 % g, g, kp)
             for i in range(ng * 16, n):  # the last n % 16 symbols, one by one
                 lane = i & (_LANES - 1)
@@ -146,14 +152,26 @@ def _decode_kernel(freqs, cums, states, n_symbols, word_start, n_words, words, n
                 st[lane] = np.uint32(x)
                 t = i // g
                 ch = c0 + i - t * g
-                if sym >= lim[h, ch]:
-                    bad[0] = 1
-                ybuf[t * kp + ch] = np.float32((sym >> 1) ^ -(sym & 1)) * stepf[h, ch]
+                if wide:
+                    yb[t * kp + ch] = np.float32((sym >> 1) ^ -(sym & 1))
+                else:
+                    if sym >= lim[h, ch]:
+                        bad[0] = 1
+                    yb[t * kp + ch] = np.float32((sym >> 1) ^ -(sym & 1)) * stepf[h, ch]
             if p != pend:
                 return 1
             for k in range(_LANES):
                 if st[k] != _L:
                     return 1
+        if wide:  # join the planes: s = hi << 8 | lo (both stored as unzigzag(byte), exact in float32)
+            for t in range(Tc):
+                for k in range(K):
+                    qh = np.int64(hbuf[t * kp + k])
+                    ql = np.int64(ybuf[t * kp + k])
+                    sv = ((2 * qh if qh >= 0 else -2 * qh - 1) << 8) | (2 * ql if ql >= 0 else -2 * ql - 1)
+                    if sv >= lim[h, k]:
+                        bad[0] = 1
+                    ybuf[t * kp + k] = np.float32((sv >> 1) ^ -(sv & 1)) * stepf[h, k]
         for k in range(16):
             if bad[k] != 0:
                 return 2
@@ -312,12 +330,13 @@ def supports(pipeline: Pipeline, spec: ArraySpec) -> bool:
     ch = s[1]
     D = spec.shape[2]
     try:
-        qspec = pipeline.specs(spec)[-1]
+        specs = pipeline.specs(spec)
     except KvcError:
         return False
-    K = qspec.shape[-1]
-    g = ch.rans.channel_group if ch.rans.channel_group is not None else K
-    return (len(qspec.shape) == 3 and 0 < K <= D and g > 0 and K % g == 0 and D in HEAD_DIMS
+    qspec, sspec = specs[ch.index()["quantize"]], specs[-1]
+    K, S = qspec.shape[-1], sspec.shape[-1]  # coefficients, rANS channels (2K for quantize v2)
+    g = ch.rans.channel_group if ch.rans.channel_group is not None else S
+    return (len(qspec.shape) == 3 and 0 < K <= D and g > 0 and K % g == 0 and S % g == 0 and D in HEAD_DIMS
             and (g in (1, 2, 4, 8) or g % 16 == 0) and (ch.rope is None or ch.rope.dim <= D))
 
 
@@ -360,10 +379,11 @@ def _lossy(pipeline: Pipeline, ch: Any, payload: Any, sides: list[SideData], spe
     rope, keep, tr, ts, qz, rs = ch.rope, ch.keep, ch.transform, ch.tokenscale, ch.quantize, ch.rans
     H, T, D = spec.shape
     specs = pipeline.specs(spec)  # input spec of each array stage + the bytes stage
-    qspec = specs[-1]
-    Hq, Tc, K = qspec.shape
-    g = rs.channel_group if rs.channel_group is not None else K
     ix = ch.index()
+    qspec = specs[ix["quantize"]]  # quantize's input: the coefficients (v2 codes them as 2K byte channels)
+    sspec = specs[-1]  # the rANS stage's input
+    Hq, Tc, K = qspec.shape
+    g = rs.channel_group if rs.channel_group is not None else sspec.shape[2]
     # rope: no side data; tables
     rope_dim = 0
     cos = sin = _EMPTY3
@@ -395,8 +415,9 @@ def _lossy(pipeline: Pipeline, ch: Any, payload: Any, sides: list[SideData], spe
     lim = np.left_shift(np.int64(1), bits.astype(np.int64))
     if sides[ix["rans"]]:
         raise KvcFormatError("codec 'rans' has no side data")
-    stream = rs.parse(payload, qspec)
-    if stream.n_contexts != H * (K // g):
+    wide = qz.version == 2
+    stream = rs.parse(payload, sspec)
+    if stream.n_contexts != H * (sspec.shape[2] // g):
         raise KvcFormatError("codec 'rans': context count does not match the chunk")
     nwords = int(stream.words.size)
     words = np.zeros(nwords + 16, np.uint16)  # 16 readable words past any position the kernel accepts
@@ -405,9 +426,12 @@ def _lossy(pipeline: Pipeline, ch: Any, payload: Any, sides: list[SideData], spe
     out = np.empty((H, T, D), dtype=np.uint16 if want16 else np.float32)
     o16 = out if want16 else _EMPTY3U
     o32 = _EMPTY3 if want16 else out
+    n_y = Tc * (-(-K // 16) * 16)
+    ybuf = _scratch(n_y)
+    hbuf = np.empty(n_y, np.float32) if wide else _EMPTY1
     code = _decode_kernel(stream.freqs, stream.cums, stream.states, stream.n_symbols, stream.word_start, stream.n_words,
                           words, nwords, g, stepf, lim, bt, mean, kept, n_sink, n_recent, tscale, has_ts,
-                          rope_dim, cos, sin, o16, o32, want16, _scratch(Tc * (-(-K // 16) * 16)))
+                          rope_dim, cos, sin, o16, o32, want16, ybuf, wide, hbuf)
     if code != 0:
         raise KvcFormatError(f"codec 'rans': malformed stream (fused decoder code {code})")
     return out.view(np.float16) if want16 else out

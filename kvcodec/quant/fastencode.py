@@ -11,6 +11,8 @@ No fastmath: every product / sum / quotient rounds exactly as in numpy.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from numba import njit
 
@@ -89,14 +91,14 @@ def _quantize_step(x, st, lim, sym, qmax, nz):  # pragma: no cover - numba
                 m = q if q >= 0 else -q - 1
                 if m > qmax[h, c]:
                     qmax[h, c] = m
-                sym[h, t, c] = np.uint8(2 * q if q >= 0 else -2 * q - 1)
+                sym[h, t, c] = 2 * q if q >= 0 else -2 * q - 1  # < 2**(bits of lim + 1): fits sym's dtype
 
 
-def quantize_step_symbols(x: np.ndarray, st: np.ndarray, lim: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(zigzag symbols uint8 [H, T, C], max(q, -q-1) int32 [H, C], any(q != 0) bool [H, C]) of
-    ``q = clip(rint(x / st), -lim-1, lim)``; x float32 [H, T, C], st float32 [H, C]."""
+def quantize_step_symbols(x: np.ndarray, st: np.ndarray, lim: int, sym_dtype: Any = np.uint8) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(zigzag symbols ``sym_dtype`` [H, T, C], max(q, -q-1) int32 [H, C], any(q != 0) bool [H, C]) of
+    ``q = clip(rint(x / st), -lim-1, lim)``; x float32 [H, T, C], st float32 [H, C]; ``2 * lim + 1`` must fit ``sym_dtype``."""
     H, T, C = x.shape
-    sym = np.empty((H, T, C), np.uint8)
+    sym = np.empty((H, T, C), sym_dtype)
     qmax = np.zeros((H, C), np.int32)
     nz = np.zeros((H, C), np.bool_)
     _quantize_step(np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(st, dtype=np.float32), int(lim), sym, qmax, nz)

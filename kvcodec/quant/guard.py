@@ -45,6 +45,18 @@ a token can flip with any storage. The promise (and this check) is: greedy
 tokens identical up to the first token whose exact top-2 margin is below
 ``NEAR_TIE``, all 16 when there is none.
 
+**Greedy tokens by construction: the rival gain.** A 16-token greedy check on
+the probe is a sample of 16 margins; the continuation a user asks has others.
+A greedy token can flip only where some token's logit gains more on the exact
+top-1 token's than the exact top-2 margin (:func:`max_rival_gain`). So
+``near-lossless`` also bounds the largest such gain over all probe positions
+(256 positions x the vocabulary) by ``NEAR_TIE``: flips are then confined to
+near-ties, which the promise exempts. The bound is a maximum over 256 probe
+positions standing for a 16-token greedy run, which is its margin. Gains scale with the step, so a miss predicts the
+next step linearly. This needs codes finer than 8 bits on wide coefficient
+channels (``quantize`` v2, ``max_bits`` 16): with v1 the gain floors at ~0.3
+(benchmarks/results/floor.txt).
+
 The chosen ``step0`` is then applied to the whole context (the caller encodes
 it once). Nothing in the file format changes: ``step0`` is already in every
 stage config and in the plan's metadata.
@@ -81,6 +93,7 @@ class QualityTarget:
     dppl_percent: float
     greedy_tokens: int = 0  # >0: that many greedy tokens identical to the exact cache's, up to the first near-tie
     margin: float = 0.5  # the probe must meet margin x kl (ΔPPL: a confidence bound, see the module docstring)
+    rival_gain: float = 0.0  # >0: the probe's max_rival_gain must stay under this (0: not checked)
 
 
 @dataclass(frozen=True)
@@ -92,6 +105,7 @@ class ProbeStats:
     d_std: float
     n: int
     greedy_ok: bool
+    rival_gain: float = 0.0  # max_rival_gain of the probe
 
     def dppl_bound(self, z: float = Z, ref_tokens: int = REF_TOKENS) -> float:
         """Upper bound (%) on a ``ref_tokens``-token continuation's ΔPPL (module docstring)."""
@@ -99,7 +113,8 @@ class ProbeStats:
         return 100.0 * math.expm1(max(self.d_mean, 0.0) + half)
 
     def meets(self, target: QualityTarget) -> bool:
-        return self.kl <= target.margin * target.kl and self.dppl_bound() <= target.dppl_percent and self.greedy_ok
+        return (self.kl <= target.margin * target.kl and self.dppl_bound() <= target.dppl_percent and self.greedy_ok
+                and (not target.rival_gain or self.rival_gain <= target.rival_gain))
 
     def step_factor(self, target: QualityTarget) -> float:
         """Largest r <= 1 such that the step0 x r meets ``target`` under KL, mean(d) ∝ step^2, std(d) ∝ step."""
@@ -109,6 +124,8 @@ class ProbeStats:
         a, b, c = max(self.d_mean, 0.0), Z * self.d_std * math.sqrt(1.0 / max(self.n, 1) + 1.0 / REF_TOKENS), math.log1p(target.dppl_percent / 100.0)
         if a > 0 or b > 0:  # a r^2 + b r = c
             r = min(r, (2 * c / (b + math.sqrt(b * b + 4 * a * c))))
+        if target.rival_gain and self.rival_gain > 0:  # logit changes scale as the step
+            r = min(r, target.rival_gain / self.rival_gain)
         if not self.greedy_ok:
             r = min(r, GREEDY_SHRINK)
         return r
@@ -143,6 +160,18 @@ def greedy_promise_met(exact: list[int], got: list[int], exact_margins: list[flo
     return list(got[:upto]) == list(exact[:upto])
 
 
+def max_rival_gain(exact_logits: Any, dec_logits: Any) -> float:
+    """Largest gain of any token's logit over the exact top-1 token's, decoded vs exact, over all positions.
+
+    A greedy token can flip only where this exceeds the exact top-2 margin, so a
+    probe whose gain stays under ``NEAR_TIE`` bounds the flips to near-ties.
+    """
+
+    g = (dec_logits.double() - exact_logits.double())
+    top = exact_logits.argmax(-1, keepdim=True)
+    return float((g.max(-1).values - g.gather(-1, top)[..., 0]).max()) if g.numel() else 0.0
+
+
 def probe_stats(exact_logits: Any, dec_logits: Any, tokens: np.ndarray, greedy_ok: bool = True) -> ProbeStats:
     """KL and the per-token ΔPPL terms of a decoded prefix's logits against the exact prefix's on ``tokens``."""
     import torch
@@ -153,7 +182,7 @@ def probe_stats(exact_logits: Any, dec_logits: Any, tokens: np.ndarray, greedy_o
     tgt = torch.as_tensor(np.asarray(tokens[1:], np.int64))[:, None]
     d = (lp_e[:-1].gather(1, tgt) - lp_d[:-1].gather(1, tgt))[:, 0]
     return ProbeStats(kl=kl, d_mean=float(d.mean()), d_std=float(d.std()) if d.numel() > 1 else 0.0,
-                      n=int(d.numel()), greedy_ok=greedy_ok)
+                      n=int(d.numel()), greedy_ok=greedy_ok, rival_gain=max_rival_gain(exact_logits, dec_logits))
 
 
 def guarded_plan(cache: Any, lm: Any, preset: str, args: dict[str, Any], target: QualityTarget,
@@ -200,10 +229,11 @@ def guarded_plan(cache: Any, lm: Any, preset: str, args: dict[str, Any], target:
         s = probe_stats(exact_logits, continue_logits(lm, dec, probe), probe, same)
         ok = s.meets(target)
         tries.append({"step0": step0, "probe_bytes": len(data), "kl_mean": s.kl, "dppl_percent": 100.0 * math.expm1(s.d_mean),
-                      "dppl_bound_percent": s.dppl_bound(), "greedy_ok": same if target.greedy_tokens else None, "ok": ok})
+                      "dppl_bound_percent": s.dppl_bound(), "greedy_ok": same if target.greedy_tokens else None,
+                      "rival_gain": s.rival_gain, "ok": ok})
         if verbose:
             print(f"guard {preset}: step0={step0:.4g} probe bytes={len(data)} kl={s.kl:.3g} "
-                  f"dppl={tries[-1]['dppl_percent']:+.3f}% bound={s.dppl_bound():+.3f}% greedy={same} ok={ok}", flush=True)
+                  f"dppl={tries[-1]['dppl_percent']:+.3f}% bound={s.dppl_bound():+.3f}% greedy={same} rival={s.rival_gain:.3g} ok={ok}", flush=True)
         if ok or i == MAX_TRIES - 1:
             break
         if i and s.kl > FLOOR_KL_RATIO * tries[-2]["kl_mean"]:  # the format's quality floor: smaller steps buy nothing
@@ -214,7 +244,9 @@ def guarded_plan(cache: Any, lm: Any, preset: str, args: dict[str, Any], target:
     if not ok:
         log.warning(f"preset {preset}: no step0 down to {tries[-1]['step0']:.3g} met its quality target on the context's last "
                     f"{n} tokens (KL <= {target.margin * target.kl:g}, dPPL bound <= {target.dppl_percent:g} %"
-                    f"{', greedy tokens up to the first near-tie' if target.greedy_tokens else ''}); encoded at step0 {step0:.3g}")
+                    f"{', greedy tokens up to the first near-tie' if target.greedy_tokens else ''}"
+                    f"{f', logit gain of a rival token <= {target.rival_gain:g}' if target.rival_gain else ''}); "
+                    f"encoded at step0 {step0:.3g}")
     plan = transform_plan(cache, step0, lm=lm, preset=preset, **args)  # the whole context, its own importance
     plan.params["guard"] = {"checked": True, "met": ok, "target": asdict(target), "probe_tokens": n,
                             "near_tie_at": first_near_tie(margins) if target.greedy_tokens else None,

@@ -440,8 +440,10 @@ class QuantizeStage(ArrayToArray):
         return self._enc_step(x) if self.mode == "step" else self._enc_minmax(x)
 
     def _enc_step(self, x: np.ndarray) -> tuple[np.ndarray, SideData]:
+        """(zigzag symbols, uint8 for max_bits <= 8 else uint16 [H, T, C]; side data step, bits)."""
         H, T, C = x.shape
         lim = (1 << (self.max_bits - 1)) - 1  # |q| <= lim keeps zigzag < 2**max_bits
+        sym_dtype = np.uint8 if self.max_bits <= 8 else np.uint16
         amax = np.abs(x).max(axis=1) if T else np.zeros((H, C), np.float32)
         step = np.full((H, C), self.step, np.float64)
         # widen the step where the range would not fit max_bits
@@ -457,14 +459,14 @@ class QuantizeStage(ArrayToArray):
         if not self.deadzone:  # one numba pass, same bits as the numpy branch below
             from .fastencode import quantize_step_symbols
 
-            sym, qmax, nz = quantize_step_symbols(x, st, lim)
+            sym, qmax, nz = quantize_step_symbols(x, st, lim, sym_dtype)
         else:
             r = x / st[:, None, :]
             q = np.sign(r) * np.floor(np.abs(r) + (0.5 - self.deadzone))
             q = np.clip(q, -lim - 1, lim).astype(np.int32)
             qmax = np.maximum(q.max(axis=1), -q.min(axis=1) - 1) if T else np.zeros((H, C), np.int32)
             nz = (q != 0).any(axis=1) if T else np.zeros((H, C), bool)
-            sym = zigzag(q).astype(np.uint8)
+            sym = zigzag(q).astype(sym_dtype)
         # bits: smallest b with -2**(b-1) <= q <= 2**(b-1)-1 ; all-zero channel -> 0
         bits = np.where(nz, np.ceil(np.log2(np.maximum(qmax, 0).astype(np.float64) + 1.0)).astype(np.int64) + 1, 0)
         bits = np.minimum(bits, self.max_bits)
@@ -554,4 +556,68 @@ class QuantizeStage(ArrayToArray):
             out = np.concatenate([quantize_minmax_decode(arr[h : h + 1], scale[h : h + 1], None if zero is None else zero[h : h + 1],
                                                          self.axis, self.group, int(hb[h])) for h in range(H)], 0)
         return out.astype(spec.dtype)
+
+
+@register
+class WideQuantizeStage(QuantizeStage):
+    """``quantize`` v2: v1's ``step`` mode with codes of up to 16 bits, written as two byte planes.
+
+    Why a second version: v1 codes at most 8 bits per coefficient, so a
+    coefficient channel whose range exceeds 127 steps gets its step widened to
+    fit. That is invisible at ``balanced``'s steps but sets ``near-lossless``'s
+    quality floor: below step0 ~0.02 KL stops falling (~4e-5 on SmolLM2) and
+    greedy tokens flip at clear margins (issue 15; benchmarks/results/floor.txt).
+    The rANS coder stays a byte coder: the high bytes and the low bytes are
+    separate channels, so each gets its own tables (the high plane of a narrow
+    channel is all zeros and costs almost nothing; the low plane of a wide one
+    is close to uniform, which is what its information is).
+
+    Config ``step`` (> 0), ``max_bits`` (1..16), optional ``deadzone``. Side data
+    as v1 (``step`` float16 [H, C], ``bits`` uint8 [H, C] <= max_bits). Output
+    uint8 [H, T, 2C]: channel c < C holds ``s >> 8``, channel C + c holds
+    ``s & 255`` of the symbol ``s = zigzag(q) < 2**bits[h, c]``.
+    """
+
+    version = 2
+
+    def __init__(self, step: float | None = None, max_bits: int = 16, deadzone: float = 0.0) -> None:
+        if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step) or step <= 0:
+            raise KvcCodecError(f"codec 'quantize': step must be a positive finite number, got {step!r}")
+        self.mode = "step"
+        self.step = float(step)
+        self.max_bits = _int(max_bits, "max_bits", "quantize", 1, 16)
+        if isinstance(deadzone, bool) or not isinstance(deadzone, (int, float)) or not 0.0 <= deadzone < 0.5:
+            raise KvcCodecError(f"codec 'quantize': deadzone must be in [0, 0.5), got {deadzone!r}")
+        self.deadzone = float(deadzone)
+
+    def get_config(self) -> dict[str, Any]:
+        c: dict[str, Any] = {"step": self.step, "max_bits": self.max_bits}
+        if self.deadzone:
+            c["deadzone"] = self.deadzone
+        return c
+
+    def resolve_spec(self, spec: ArraySpec) -> ArraySpec:
+        H, T, C = spec.shape
+        return ArraySpec((H, T, 2 * C), "uint8")
+
+    def encode(self, arr: np.ndarray, ctx: ChunkContext) -> tuple[np.ndarray, SideData]:
+        _check3(arr, "quantize", _FLOATS)
+        x = arr.astype(np.float32)
+        if not np.isfinite(x).all():
+            raise KvcCodecError("codec 'quantize': input contains NaN or inf")
+        sym, side = self._enc_step(x)
+        s = sym.astype(np.uint16)
+        return np.ascontiguousarray(np.concatenate([s >> 8, s & 0xFF], axis=2).astype(np.uint8)), side
+
+    def decode(self, arr: np.ndarray, side: SideData, spec: ArraySpec, ctx: ChunkContext) -> np.ndarray:
+        H, T, C = spec.shape
+        if arr.shape != (H, T, 2 * C) or arr.dtype != np.uint8:
+            raise KvcFormatError(f"codec 'quantize': got {arr.dtype}{arr.shape}, expected uint8{(H, T, 2 * C)}")
+        step, bits = self.step_side(side, spec)
+        s = (arr[:, :, :C].astype(np.uint32) << 8) | arr[:, :, C:]
+        if T and (s.max(axis=1) >= (np.uint32(1) << bits.astype(np.uint32))).any():
+            raise KvcFormatError("codec 'quantize': symbol outside its channel's bit width")
+        return quantize_step_decode(s, step).astype(spec.dtype)
+
+
 from . import tokenscale as _tokenscale  # noqa: E402,F401  (registers the tokenscale stage)
