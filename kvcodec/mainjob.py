@@ -148,6 +148,10 @@ def render(report: dict[str, Any]) -> str:
     if "curve" in report:
         lines.append(f"curve      {report['curve']['png']} ({report['curve']['json']})")
         lines.append("           method                   bits/el   KL        dPPL %")
-        for r in sorted(report["curve"]["rows"], key=lambda r: r["bits_per_element"] or 0):
-            lines.append(f"           {r['family'] + ':' + r['method']:<24} {r['bits_per_element']:7.2f}   {r['kl_mean']:.2e}  {r['dppl_percent']:+7.2f}")
+        for r in sorted(report["curve"]["rows"], key=lambda r: r.get("bits_per_element") or 0):
+            name = f"{r['family'] + ':' + r['method']:<24}"
+            if r.get("bits_per_element") is None or r.get("kl_mean") is None:  # a row that failed or was skipped
+                lines.append(f"           {name} skipped: {r.get('error') or r.get('reason') or 'not measured'}")
+                continue
+            lines.append(f"           {name} {r['bits_per_element']:7.2f}   {r['kl_mean']:.2e}  {r['dppl_percent']:+7.2f}")
     return "\n".join(lines)

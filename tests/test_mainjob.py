@@ -32,6 +32,11 @@ def test_main_job_small(tmp_path, lm):
     assert (tmp_path / "curve.png").stat().st_size > 0
     assert set(rep["phases_s"]) == {"model_load", "capture", "encode", "evaluate", "ttft", "curve"}
     assert all(v >= 0 for v in rep["phases_s"].values()) and "time " in text
+    # a peer the machine lacks is a skipped row with its reason, not a crash of the demo's report
+    skipped = {"family": "cachegen", "method": "cachegen-ctx", "bits_per_element": None, "kl_mean": None,
+               "error": "codec 'bl_cachegen' needs constriction==0.5.0"}
+    more = dict(rep, curve=dict(rep["curve"], rows=rep["curve"]["rows"] + [skipped]))
+    assert "cachegen:cachegen-ctx" in render(more) and "skipped: codec 'bl_cachegen' needs" in render(more)
 
 
 def test_demo_cli_default_is_the_library_default():
