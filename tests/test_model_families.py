@@ -5,7 +5,8 @@ randomly initialised model saved as a local HF directory (safetensors + the embe
 tokenizer). Random weights say nothing about quality; they do exercise every code path that
 depends on the architecture, and the checks are exact: the lossless `.kvc` decodes bit-exactly,
 generation from the stored entry equals generation from the prefill (also past a sliding
-window), and a lossy preset calibrates, encodes and verifies with no model-specific code.
+window), a lossy preset calibrates, encodes and verifies with no model-specific code, and CacheBlend
+runs through each family's own forward.
 Quality per real model is in benchmarks/BENCHMARKS.md ("Model matrix").
 """
 
@@ -102,6 +103,35 @@ def test_family_flow(family, family_dirs, tmp_path):
     assert first.source == "prefill" and again.source == "store"
     assert again.answer_ids == first.answer_ids
     assert np.array_equal(np.asarray(again.answer_ids), np.asarray(first.answer_ids))
+    _blends_through_its_own_forward(lm, ids)
+    blended = kb.ask_blended([doc, lm.tokenizer.decode(ids[:40])], "What is this?", max_new_tokens=4)
+    assert blended.source == "blend" and 1 <= len(blended.answer_ids) <= 4
+
+
+def _blends_through_its_own_forward(lm, ids):
+    """CacheBlend drives any family through its own forward: two chunk caches (the first longer than the
+    sliding windows, so its sliding layers are ragged) re-rotated with the fingerprint's RoPE and recomputed
+    at ratio 1 give the prefill's query logits and cache (measured bit-equal on these 2-layer models; fp32
+    tolerance asserted), and a partial blend continues from a cache of the prefill's layout."""
+    from kvcodec.blend import blend
+    from kvcodec.cachelayout import prefill_kv
+    from kvcodec.capture import capture
+
+    chunks = [capture(lm, token_ids=ids[:70]), capture(lm, token_ids=ids[70:112])]
+    q = ids[112:]
+    with torch.inference_mode():
+        ref = lm.model(input_ids=torch.as_tensor(ids)[None]).logits[0, 112:].float()
+    one = blend(lm, chunks, q, recompute_ratio=1.0, return_query_logits=True)
+    assert (one.query_logits - ref).abs().max().item() <= 1e-4
+    want = prefill_kv(lm.model, ids)
+    assert one.cache.layer_tokens == tuple(k.shape[1] for k, _ in want)
+    for (k, v), bk, bv in zip(want, one.cache.keys, one.cache.values):
+        assert (bk.float() - k.float()).abs().max().item() <= 1e-4 and (bv.float() - v.float()).abs().max().item() <= 1e-4
+    part = blend(lm, chunks, q, recompute_ratio=0.3)
+    with torch.inference_mode():
+        nxt = lm.model(input_ids=torch.tensor([[int(part.logits_last.argmax())]]), past_key_values=part.dynamic_cache(lm),
+                       position_ids=torch.tensor([[len(ids)]]), use_cache=True).logits
+    assert torch.isfinite(nxt).all()
 
 
 def _continues_like_a_fresh_prefill(lm, cache, ids):
