@@ -216,6 +216,7 @@ class _BlendLayer(DynamicLayer):
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         super().__init__()
+        self.store_k, self.store_v = keys, values  # typed handles on the same tensors transformers reads
         self.keys, self.values = keys, values
         self.dtype, self.device = keys.dtype, keys.device
         self.is_initialized = True
@@ -226,9 +227,9 @@ class _BlendLayer(DynamicLayer):
         if self.tap is not None:
             self.tap(key_states)
         if self.rows is not None:
-            self.keys[:, :, self.rows] = key_states.to(self.keys.dtype)
-            self.values[:, :, self.rows] = value_states.to(self.values.dtype)
-        return self.keys, self.values
+            self.store_k[:, :, self.rows] = key_states.to(self.store_k.dtype)
+            self.store_v[:, :, self.rows] = value_states.to(self.store_v.dtype)
+        return self.store_k, self.store_v
 
 
 class _Forward:
@@ -438,7 +439,7 @@ def blend(
             raise KvcInputError(f"blend could not tap layer {sel} of {type(lm.model).__name__} (its decoder layers "
                                 "take no hidden_states or use no cache update)")
         # Select at sel: squared deviation of fresh vs cached keys of the context tokens (where cached).
-        cached = fwd.layers_kv[sel].keys[0, :, :n_ctx].float()
+        cached = fwd.layers_kv[sel].store_k[0, :, :n_ctx].float()
         dev = (fresh["k"][0, :, :n_ctx].float() - cached).pow(2).sum(dim=(0, 2))
         dev = torch.where(placed.stored[sel][:n_ctx], dev, torch.zeros_like(dev))
         deviation = dev.numpy().astype(np.float64)
@@ -466,8 +467,8 @@ def blend(
     timings["recompute_s"] = t_end - t_sel  # with the model's head: one forward
     timings["total_s"] = t_end - t0
 
-    K = [layer.keys[0] for layer in fwd.layers_kv]
-    V = [layer.values[0] for layer in fwd.layers_kv]
+    K = [layer.store_k[0] for layer in fwd.layers_kv]
+    V = [layer.store_v[0] for layer in fwd.layers_kv]
     meta = {"blend": {"chunk_lengths": placed.lengths, "recompute_ratio": r, "select_layer": sel, "query_tokens": n_q}}
     cache = KVCache(_ragged(K, placed.windows, T), _ragged(V, placed.windows, T), all_ids.numpy(), lm.fingerprint,
                     meta=meta)
