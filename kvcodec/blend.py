@@ -48,8 +48,8 @@ generation at ``next_position = T``.
 the concatenated tokens (fp32 rounding apart); ``recompute_ratio = 0``
 recomputes nothing of the context (not even the early layers) and equals
 feeding the query onto the naive concatenation of the re-rotated caches.
-Refused with one :class:`KvcInputError` line: RoPE variants other than plain
-RoPE (scaled, YaRN, ...: re-positioning needs plain rotations), cache layers
+Refused with one :class:`KvcInputError` line: RoPE whose frequencies depend on
+the sequence length (dynamic NTK, LongRoPE: no rotation re-positions it), cache layers
 without per-token K/V, and attention implementations that take no explicit
 mask (flash attention).
 
@@ -85,20 +85,45 @@ DEFAULT_SELECT_LAYER = 1
 def layer_inv_freqs(lm: Any) -> list[np.ndarray]:
     """Per layer, the float64 [rotary_dim/2] inverse frequencies its keys were rotated with.
 
-    From the model fingerprint's RoPE parameters (flat or nested per layer
-    type) exactly as the codec's rope stage reads them, so blend and codec
-    agree on every layer's rotation. Only plain RoPE can be re-positioned by
-    a rotation; any other variant is refused naming the layer.
+    Plain RoPE: from the model fingerprint's parameters (flat or nested per
+    layer type) exactly as the codec's rope stage reads them, so blend and
+    codec agree on every layer's rotation. Statically rescaled RoPE (linear,
+    llama3, YaRN), which the rope stage does not model, is still a rotation
+    by ``position * inv_freq`` (YaRN's attention factor scales cos and sin
+    alike, so it rides along with the stored keys): its frequencies come from
+    transformers' own initialiser for the variant. Variants whose frequencies
+    depend on the sequence length (dynamic NTK, LongRoPE) cannot be
+    re-positioned by a rotation and are refused naming the layer and type.
     """
     fp = lm.fingerprint
     out: list[np.ndarray] = []
     for i in range(fp.num_layers):
         cfg = layer_rope_config(fp, i, fp.head_dims[i])
-        if cfg is None:
-            raise KvcInputError(f"blend re-positions chunk keys with plain RoPE; layer {i} of this model uses another "
-                                f"RoPE variant ({fp.rope})")
-        out.append(inv_freq(cfg["theta"], cfg["dim"]))
+        out.append(inv_freq(cfg["theta"], cfg["dim"]) if cfg is not None else _scaled_inv_freq(lm, i))
     return out
+
+
+_STATIC_SCALED_ROPE = ("linear", "llama3", "yarn")
+
+
+def _scaled_inv_freq(lm: Any, layer: int) -> np.ndarray:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    tc = lm.model.config.get_text_config(decoder=True)
+    params = getattr(tc, "rope_parameters", None)
+    types = getattr(tc, "layer_types", None)
+    layer_type = None
+    if isinstance(params, dict) and isinstance(types, (list, tuple)) and layer < len(types) \
+            and isinstance(params.get(types[layer]), dict):
+        layer_type, params = types[layer], params[types[layer]]
+    rtype = params.get("rope_type", "default") if isinstance(params, dict) else None
+    if rtype not in _STATIC_SCALED_ROPE:
+        raise KvcInputError(f"blend re-positions chunk keys by a RoPE rotation; layer {layer} uses RoPE type {rtype!r}, "
+                            "whose frequencies depend on the sequence length (supported: default, "
+                            f"{', '.join(_STATIC_SCALED_ROPE)})")
+    kw = {"layer_type": layer_type} if layer_type is not None else {}
+    inv, _ = ROPE_INIT_FUNCTIONS[rtype](tc, None, **kw)
+    return inv.detach().cpu().double().numpy()
 
 
 def rotation_tables(offset: int, freqs: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:

@@ -119,6 +119,7 @@ def _blends_through_its_own_forward(lm, ids):
 
     chunks = [capture(lm, token_ids=ids[:70]), capture(lm, token_ids=ids[70:112])]
     q = ids[112:]
+    _rerotation_matches_layer0(lm, chunks, ids[:112])
     with torch.inference_mode():
         ref = lm.model(input_ids=torch.as_tensor(ids)[None]).logits[0, 112:].float()
     one = blend(lm, chunks, q, recompute_ratio=1.0, return_query_logits=True)
@@ -158,6 +159,57 @@ def _continues_like_a_fresh_prefill(lm, cache, ids):
             b = lm.model(input_ids=torch.tensor([[tok]]), past_key_values=loaded.cache, position_ids=pos, use_cache=True).logits
             assert torch.equal(a, b), f"step {step}: logits differ"
             tok = int(a[0, -1].argmax())
+
+
+def _rerotation_matches_layer0(lm, chunks, ids):
+    """The naive concatenation's layer-0 keys (re-rotated chunk keys) equal the prefill's: layer 0's K depend on
+    the token and its position only, so this checks the per-layer RoPE frequencies blend re-positions with."""
+    from kvcodec.blend import concat_chunks
+    from kvcodec.cachelayout import prefill_kv
+
+    naive, want = concat_chunks(lm, chunks), prefill_kv(lm.model, ids)
+    assert naive.keys[0].shape == want[0][0].shape
+    err = (naive.keys[0] - want[0][0].float()).abs().max().item()
+    assert err <= 1e-4 * max(1.0, want[0][0].abs().max().item()), err
+    assert (chunks[1].keys[0][:, -8:].float() - want[0][0][:, -8:].float()).abs().max().item() > 100 * err  # has teeth
+
+
+SCALED_ROPE = {
+    "linear": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64, "rope_theta": 500000.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "rope_theta": 10000.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0},
+}
+
+
+def test_blend_rerotates_statically_scaled_rope(tmp_path):
+    """CacheBlend re-positions keys of linear / llama3 / YaRN scaled RoPE (transformers' own frequencies) exactly;
+    dynamic NTK (frequencies depend on the sequence length) is refused with one line naming it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kvcodec.blend import blend
+    from kvcodec.capture import capture, tokenize
+    from kvcodec.errors import KvcInputError
+    from kvcodec.model import load_model, shipped_model_dir
+    from kvcodec.texts import load_text
+
+    tok = shipped_model_dir("smollm2")
+    for name, rp in SCALED_ROPE.items():
+        cfg = AutoConfig.for_model("llama", **SMALL, num_attention_heads=4, num_key_value_heads=2, rope_parameters=rp)
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / name)
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(tok / f, tmp_path / name / f)
+        lm = load_model(str(tmp_path / name))
+        ids = tokenize(lm.tokenizer, load_text("c-stdio"))[:120]
+        chunks = [capture(lm, token_ids=ids[:70]), capture(lm, token_ids=ids[70:112])]
+        if name == "dynamic":
+            with pytest.raises(KvcInputError, match="'dynamic'"):
+                blend(lm, chunks, ids[112:])
+            continue
+        _rerotation_matches_layer0(lm, chunks, ids[:112])
+        assert torch.isfinite(blend(lm, chunks, ids[112:], recompute_ratio=0.3).logits_last).all()
 
 
 def test_capture_cache_refreshes_a_capture_of_another_layout(family_dirs, tmp_path):
