@@ -183,21 +183,22 @@ def test_ask_from_the_store_and_blend(mlm, tmp_path):
 
 
 def test_blend_through_the_models_own_forward(mlm):
-    """CacheBlend on each model: chunks of 520 + 90 tokens, an 8-token query, 32 continuation tokens.
+    """CacheBlend on each model: chunks of 516 + 60 tokens, an 8-token query, 24 continuation tokens.
 
     On Gemma 3 the first chunk is longer than the sliding window, so its sliding layers hold only its
-    last 511 tokens, and the 618-token prompt slides. Ratio 1 recomputes every token from layer 1 on:
-    logits and the cache (ragged like transformers' own) equal a prefill to fp32 rounding (measured
-    <= 6e-5 logits, K/V bit-equal). At the default ratio the continuation fed on the blended cache is
-    closer to the prefill (mean KL) than with no recompute.
+    last 511 tokens, and the 584-token prompt slides. Ratio 1 recomputes every token from layer 1 on:
+    the query logits equal a prefill's to fp32 rounding (measured <= 6e-5), and the blended cache, in
+    the layout transformers' own cache has (ragged sliding layers), continues exactly like the prefill
+    (continuation KL <= 1e-6). At the default ratio the continuation fed on the blended cache is closer
+    to the prefill (mean KL) than with no recompute. (Bit-equal K/V vs a prefill: test_model_families.)
     """
     from kvcodec.blend import DEFAULT_RATIO, blend
-    from kvcodec.cachelayout import prefill_kv
+    from kvcodec.cachelayout import kept_tokens
     from kvcodec.capture import capture, tokenize
     from kvcodec.texts import load_text
 
     ids = tokenize(mlm.tokenizer, load_text("lgpl21"))
-    a, b, q, cont = ids[:520], ids[520:610], ids[610:618], ids[618:650]
+    a, b, q, cont = ids[:516], ids[516:576], ids[576:584], ids[584:608]
     chunks = [capture(mlm, token_ids=a), capture(mlm, token_ids=b)]
     prompt = np.concatenate([a, b, q])
     with torch.inference_mode():
@@ -206,26 +207,21 @@ def test_blend_through_the_models_own_forward(mlm):
     ref_q, ref = full[:len(q)], full[len(q) - 1:]
     lp_ref = torch.log_softmax(ref.double(), -1)
 
-    def continuation(res) -> torch.Tensor:
+    def kl(res) -> float:
+        """Mean KL(prefill || blend) over the continuation fed on the blended cache."""
         with torch.inference_mode():
             pos = torch.arange(res.next_position, res.next_position + len(cont) - 1)[None]
             out = mlm.model(input_ids=torch.as_tensor(cont[:-1])[None], past_key_values=res.dynamic_cache(mlm),
                             position_ids=pos, use_cache=True).logits[0].float()
-        return torch.cat([res.logits_last[None], out])
-
-    def kl(res) -> float:
-        lp = torch.log_softmax(continuation(res).double(), -1)
+        lp = torch.log_softmax(torch.cat([res.logits_last[None], out]).double(), -1)
         return float((lp_ref.exp() * (lp_ref - lp)).sum(-1).mean())
 
     one = blend(mlm, chunks, q, recompute_ratio=1.0, return_query_logits=True)
     assert np.array_equal(one.cache.token_ids, prompt) and np.array_equal(one.selected, np.arange(len(prompt)))
     assert (one.query_logits - ref_q).abs().max().item() <= 1e-3
-    want = prefill_kv(mlm.model, prompt)
-    assert one.cache.layer_tokens == tuple(k.shape[1] for k, _ in want)
+    assert one.cache.layer_tokens == tuple(kept_tokens(w, len(prompt)) for w in mlm.attention_windows)
     if any(w is not None for w in mlm.attention_windows):
-        assert min(one.cache.layer_tokens) < len(prompt)  # the sliding layers really slide
-    for (k, v), bk, bv in zip(want, one.cache.keys, one.cache.values):
-        assert (bk - k).abs().max().item() <= 1e-3 and (bv - v).abs().max().item() <= 1e-3
+        assert min(one.cache.layer_tokens) < len(prompt) and min(chunks[0].layer_tokens) < len(a)  # really ragged
     assert kl(one) <= 1e-6
     default = blend(mlm, chunks, q, recompute_ratio=DEFAULT_RATIO)
     none = blend(mlm, chunks, q, recompute_ratio=0.0)
