@@ -21,6 +21,7 @@ reported.
 
     python benchmarks/bench_blend.py                 # Markdown table
     python benchmarks/bench_blend.py --json          # one JSON document
+    python benchmarks/bench_blend.py --model gemma3-270m   # any model of the matrix (issue 19)
 """
 
 from __future__ import annotations
@@ -172,6 +173,8 @@ def markdown(results: list[dict]) -> str:
 
 
 @click.command()
+@click.option("--model", "model_name", default=None,
+              help="shipped model name or HF directory (default: the embedded SmolLM2)")
 @click.option("--texts", default="gpl3,pydoc", show_default=True, help="comma-separated kvcodec.texts names or paths")
 @click.option("--chunks", "n_chunks", default=6, show_default=True)
 @click.option("--chunk-tokens", default=256, show_default=True)
@@ -185,21 +188,21 @@ def markdown(results: list[dict]) -> str:
               help="torch threads (0: torch default). 1 by default: on the shared 2-core box, 2 threads under load "
                    "oversubscribe and make small ops several times slower")
 @click.option("--json", "as_json", is_flag=True)
-def main(texts, n_chunks, chunk_tokens, question_tokens, continuation_tokens, ratios, select_layer, repeats, seed, threads, as_json):
+def main(model_name, texts, n_chunks, chunk_tokens, question_tokens, continuation_tokens, ratios, select_layer, repeats, seed, threads, as_json):
     if threads:
         torch.set_num_threads(threads)
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
-    lm = load_model()
+    lm = load_model(model_name) if model_name else load_model()
     ratio_list = [float(x) for x in ratios.split(",") if x.strip()]
     results = [run_text(lm, t.strip(), n_chunks, chunk_tokens, question_tokens, continuation_tokens,
                         ratio_list, repeats, seed, select_layer, log) for t in texts.split(",") if t.strip()]
-    env = {"torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "load_avg": os.getloadavg(),
+    env = {"model": model_name or "smollm2 (embedded)", "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "load_avg": os.getloadavg(),
            "platform": platform.platform(), "torch": torch.__version__, "select_layer": select_layer, "repeats": repeats}
     if as_json:
         print(json.dumps({"env": env, "results": results}, indent=2))
     else:
         print(markdown(results))
-        print(f"\nCPU, {env['torch_threads']} torch threads, load average at end {env['load_avg'][0]:.2f} "
+        print(f"\nModel {env['model']}; CPU, {env['torch_threads']} torch threads, load average at end {env['load_avg'][0]:.2f} "
               f"(shared machine: TTFT is noisy), select layer {select_layer}, {repeats} repeats.")
 
 

@@ -5,7 +5,8 @@ randomly initialised model saved as a local HF directory (safetensors + the embe
 tokenizer). Random weights say nothing about quality; they do exercise every code path that
 depends on the architecture, and the checks are exact: the lossless `.kvc` decodes bit-exactly,
 generation from the stored entry equals generation from the prefill (also past a sliding
-window), and a lossy preset calibrates, encodes and verifies with no model-specific code.
+window), a lossy preset calibrates, encodes and verifies with no model-specific code, and CacheBlend
+runs through each family's own forward.
 Quality per real model is in benchmarks/BENCHMARKS.md ("Model matrix").
 """
 
@@ -102,6 +103,36 @@ def test_family_flow(family, family_dirs, tmp_path):
     assert first.source == "prefill" and again.source == "store"
     assert again.answer_ids == first.answer_ids
     assert np.array_equal(np.asarray(again.answer_ids), np.asarray(first.answer_ids))
+    _blends_through_its_own_forward(lm, ids)
+    blended = kb.ask_blended([doc, lm.tokenizer.decode(ids[:40])], "What is this?", max_new_tokens=4)
+    assert blended.source == "blend" and 1 <= len(blended.answer_ids) <= 4
+
+
+def _blends_through_its_own_forward(lm, ids):
+    """CacheBlend drives any family through its own forward: two chunk caches (the first longer than the
+    sliding windows, so its sliding layers are ragged) re-rotated with the fingerprint's RoPE and recomputed
+    at ratio 1 give the prefill's query logits and cache (measured bit-equal on these 2-layer models; fp32
+    tolerance asserted), and a partial blend continues from a cache of the prefill's layout."""
+    from kvcodec.blend import blend
+    from kvcodec.cachelayout import prefill_kv
+    from kvcodec.capture import capture
+
+    chunks = [capture(lm, token_ids=ids[:70]), capture(lm, token_ids=ids[70:112])]
+    q = ids[112:]
+    _rerotation_matches_layer0(lm, chunks, ids[:112])
+    with torch.inference_mode():
+        ref = lm.model(input_ids=torch.as_tensor(ids)[None]).logits[0, 112:].float()
+    one = blend(lm, chunks, q, recompute_ratio=1.0, return_query_logits=True)
+    assert (one.query_logits - ref).abs().max().item() <= 1e-4
+    want = prefill_kv(lm.model, ids)
+    assert one.cache.layer_tokens == tuple(k.shape[1] for k, _ in want)
+    for (k, v), bk, bv in zip(want, one.cache.keys, one.cache.values):
+        assert (bk.float() - k.float()).abs().max().item() <= 1e-4 and (bv.float() - v.float()).abs().max().item() <= 1e-4
+    part = blend(lm, chunks, q, recompute_ratio=0.3)
+    with torch.inference_mode():
+        nxt = lm.model(input_ids=torch.tensor([[int(part.logits_last.argmax())]]), past_key_values=part.dynamic_cache(lm),
+                       position_ids=torch.tensor([[len(ids)]]), use_cache=True).logits
+    assert torch.isfinite(nxt).all()
 
 
 def _continues_like_a_fresh_prefill(lm, cache, ids):
@@ -128,6 +159,57 @@ def _continues_like_a_fresh_prefill(lm, cache, ids):
             b = lm.model(input_ids=torch.tensor([[tok]]), past_key_values=loaded.cache, position_ids=pos, use_cache=True).logits
             assert torch.equal(a, b), f"step {step}: logits differ"
             tok = int(a[0, -1].argmax())
+
+
+def _rerotation_matches_layer0(lm, chunks, ids):
+    """The naive concatenation's layer-0 keys (re-rotated chunk keys) equal the prefill's: layer 0's K depend on
+    the token and its position only, so this checks the per-layer RoPE frequencies blend re-positions with."""
+    from kvcodec.blend import concat_chunks
+    from kvcodec.cachelayout import prefill_kv
+
+    naive, want = concat_chunks(lm, chunks), prefill_kv(lm.model, ids)
+    assert naive.keys[0].shape == want[0][0].shape
+    err = (naive.keys[0] - want[0][0].float()).abs().max().item()
+    assert err <= 1e-4 * max(1.0, want[0][0].abs().max().item()), err
+    assert (chunks[1].keys[0][:, -8:].float() - want[0][0][:, -8:].float()).abs().max().item() > 100 * err  # has teeth
+
+
+SCALED_ROPE = {
+    "linear": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64, "rope_theta": 500000.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "rope_theta": 10000.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0},
+}
+
+
+def test_blend_rerotates_statically_scaled_rope(tmp_path):
+    """CacheBlend re-positions keys of linear / llama3 / YaRN scaled RoPE (transformers' own frequencies) exactly;
+    dynamic NTK (frequencies depend on the sequence length) is refused with one line naming it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kvcodec.blend import blend
+    from kvcodec.capture import capture, tokenize
+    from kvcodec.errors import KvcInputError
+    from kvcodec.model import load_model, shipped_model_dir
+    from kvcodec.texts import load_text
+
+    tok = shipped_model_dir("smollm2")
+    for name, rp in SCALED_ROPE.items():
+        cfg = AutoConfig.for_model("llama", **SMALL, num_attention_heads=4, num_key_value_heads=2, rope_parameters=rp)
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / name)
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(tok / f, tmp_path / name / f)
+        lm = load_model(str(tmp_path / name))
+        ids = tokenize(lm.tokenizer, load_text("c-stdio"))[:120]
+        chunks = [capture(lm, token_ids=ids[:70]), capture(lm, token_ids=ids[70:112])]
+        if name == "dynamic":
+            with pytest.raises(KvcInputError, match="'dynamic'"):
+                blend(lm, chunks, ids[112:])
+            continue
+        _rerotation_matches_layer0(lm, chunks, ids[:112])
+        assert torch.isfinite(blend(lm, chunks, ids[112:], recompute_ratio=0.3).logits_last).all()
 
 
 def test_capture_cache_refreshes_a_capture_of_another_layout(family_dirs, tmp_path):

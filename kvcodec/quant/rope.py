@@ -27,7 +27,7 @@ def rope_angles(positions: Any, freqs: np.ndarray) -> np.ndarray:
     angle[p, i] = float64(p) * freqs[i] (float64), the half-table duplicated (HF layout: channels
     j and j + dim/2 share frequency j). The stage's tables (:func:`rope_tables`), the encoder's
     float64 tables (:mod:`kvcodec.quant.fastencode`) and CacheBlend's re-rotation
-    (:mod:`kvcodec.blend`, with the model's own ``inv_freq``) all take cos/sin of these.
+    (:mod:`kvcodec.blend`, per layer from :func:`layer_rope_config`) all take cos/sin of these.
     """
     ang = np.asarray(positions, dtype=np.float64)[..., None] * np.asarray(freqs, dtype=np.float64)
     return np.concatenate([ang, ang], axis=-1)
