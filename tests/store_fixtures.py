@@ -70,7 +70,7 @@ def redis_cluster(tmp_path):
 def s3_server(monkeypatch):
     binary = find_moto()
     if binary is None:
-        pytest.skip("moto_server not found (pip install 'moto[server]'; .ci/setup installs it)")
+        pytest.skip("moto_server not found (pip install 'moto[server]'; `bash .ci/setup test` installs it)")
     for k, v in S3_ENV.items():
         monkeypatch.setenv(k, v)
     srv = S3Server(binary)

