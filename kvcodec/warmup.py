@@ -24,7 +24,6 @@ first token.
 from __future__ import annotations
 
 import logging
-import subprocess
 import sys
 import threading
 import time
@@ -107,34 +106,9 @@ def prewarm() -> threading.Thread | None:
     return t
 
 
-def build_peer_extension() -> subprocess.Popen | None:
-    """Compile optimum-quanto's C++ extension in a child process; None when quanto is not installed.
-
-    Why: quanto compiles it (torch.utils.cpp_extension, g++) on its first use, into its own
-    package directory. Inside the first ``kvc demo`` that was 55-59 s of the HF-quanto
-    peer's row (issue 21, BENCHMARKS.md "The main job"); here it overlaps the warm-up's
-    model conversion and kernel compilation on the other core. A child process, not a
-    thread: importing optimum.quanto imports transformers, and two threads importing
-    transformers at once broke one of them. A failure only costs that time later, so
-    the caller logs it and goes on.
-    """
-    import importlib.util
-
-    if importlib.util.find_spec("optimum") is None or importlib.util.find_spec("optimum.quanto") is None:
-        return None
-    code = "from optimum.quanto.library.extensions import cpp; cpp.ext.lib"  # the property compiles and loads it
-    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-
-
 if __name__ == "__main__":  # python -m kvcodec.warmup
-    peer = build_peer_extension()
     # Only the embedded model: another shipped model converts on its first use (kvcodec.model.resolve_model_dir),
     # so the README's first command does not pay for models the demo never loads.
     res = warm()
-    if peer is not None:
-        _, err = peer.communicate()
-        if peer.returncode:
-            print(f"kvc: warning: optimum-quanto's C++ extension was not prebuilt ({(err.strip().splitlines() or ['?'])[-1]}); "
-                  "the demo's quanto peer builds it", file=sys.stderr)
     print(f"kvc: warm-up done in {res['total_s']:.0f} s (model {res['model_s']:.0f} s; JIT cache of the codec kernels built)",
           file=sys.stderr)

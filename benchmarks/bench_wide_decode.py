@@ -1,0 +1,74 @@
+"""Decode speed of near-lossless (quantize v2's 16-bit codes) vs balanced: fused CPU decoder vs the reference.
+
+gpl3, 1024 tokens, SmolLM2, fp32 and fp16 caches; every chunk of each file is decoded by the
+``reference`` and the ``numba-fused`` backends (best of 3, MB/s of fp16-equivalent bytes) and the
+two outputs are compared bit for bit. Run with one thread::
+
+    OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1 python benchmarks/bench_wide_decode.py
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvcodec.backends import backend
+from kvcodec.capture import select_context, tokenize
+from kvcodec.curve import cached_capture, default_capture_dir
+from kvcodec.format import KvcReader
+from kvcodec.format.container import parse_chunk, pipeline_dtype
+from kvcodec.format.decode import chunk_context
+from kvcodec.model import load_model
+from kvcodec.plans import get_plan
+from kvcodec.quant.codecplan import encode_bytes
+from kvcodec.stages import ArraySpec
+from kvcodec.texts import load_text
+
+
+def chunks_of(data: bytes) -> list[tuple[Any, ...]]:
+    """Every chunk's (pipeline, payload, sides, sizes, spec, ctx): what a backend decodes."""
+    out = []
+    with KvcReader(data) as r:
+        for j in range(r.num_chunks):
+            e = r.chunk_info(j)
+            pipe = r.header.pipelines[e.pipeline]
+            payload, sides, sizes = parse_chunk(r.read_chunk_record(j), len(pipe.stages), len(pipe.byte_stages), j)
+            ctx = chunk_context(e.layer, e.kind, e.token_start, e.token_end, e.head_start, e.head_end, r.positions,
+                                r.attachments, j)
+            spec = ArraySpec((e.heads, e.tokens, r.header.head_dims[e.layer]), pipeline_dtype(r.header.dtype))
+            out.append((pipe, bytes(payload), sides, sizes, spec, ctx))
+    return out
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    lm = load_model("smollm2")
+    ids = select_context(tokenize(lm.tokenizer, load_text("gpl3")), 1024, min_follow=256)
+    cache = cached_capture(lm, ids, default_capture_dir())
+    for dtype in (torch.float32, torch.float16):
+        c = cache.to(dtype)
+        for preset, step0 in (("near-lossless", 0.004), ("balanced", 0.33)):
+            data = encode_bytes(c, get_plan(preset, c, lm=lm, step0=step0))
+            chunks = chunks_of(data)
+            res = {}
+            for name in ("reference", "numba-fused"):
+                b = backend(name)
+                assert all(b.supports(ch[0], ch[4]) for ch in chunks), name
+                best, outs = float("inf"), []
+                for _ in range(3):
+                    t = time.perf_counter()
+                    outs = [b.decode(*ch) for ch in chunks]
+                    best = min(best, time.perf_counter() - t)
+                res[name] = (outs, best)
+            same = all(np.array_equal(np.asarray(a).view(np.uint8), np.asarray(f).view(np.uint8))
+                       for a, f in zip(res["reference"][0], res["numba-fused"][0]))
+            mb = {k: round(c.num_elements * 2 / v[1] / 1e6, 1) for k, v in res.items()}
+            print(f"{str(dtype):14s} {preset:14s} bits/el {len(data) * 8 / c.num_elements:6.3f}  MB/s {mb}  identical {same}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
