@@ -19,28 +19,16 @@ from kvcodec.backends import backend
 from kvcodec.capture import select_context, tokenize
 from kvcodec.curve import cached_capture, default_capture_dir
 from kvcodec.format import KvcReader
-from kvcodec.format.container import parse_chunk, pipeline_dtype
-from kvcodec.format.decode import chunk_context
 from kvcodec.model import load_model
 from kvcodec.plans import get_plan
 from kvcodec.quant.codecplan import encode_bytes
-from kvcodec.stages import ArraySpec
 from kvcodec.texts import load_text
 
 
 def chunks_of(data: bytes) -> list[tuple[Any, ...]]:
     """Every chunk's (pipeline, payload, sides, sizes, spec, ctx): what a backend decodes."""
-    out = []
     with KvcReader(data) as r:
-        for j in range(r.num_chunks):
-            e = r.chunk_info(j)
-            pipe = r.header.pipelines[e.pipeline]
-            payload, sides, sizes = parse_chunk(r.read_chunk_record(j), len(pipe.stages), len(pipe.byte_stages), j)
-            ctx = chunk_context(e.layer, e.kind, e.token_start, e.token_end, e.head_start, e.head_end, r.positions,
-                                r.attachments, j)
-            spec = ArraySpec((e.heads, e.tokens, r.header.head_dims[e.layer]), pipeline_dtype(r.header.dtype))
-            out.append((pipe, bytes(payload), sides, sizes, spec, ctx))
-    return out
+        return [r.chunk_inputs(j) for j in range(r.num_chunks)]
 
 
 def main() -> None:

@@ -23,8 +23,6 @@ import pytest
 from kvcodec.backends import BACKENDS, STRICT_ENV, Backend, backend, decode_with, select
 from kvcodec.errors import KvcBackendError
 from kvcodec.format import KvcReader, WriteOptions, write_kvc
-from kvcodec.format.container import parse_chunk, pipeline_dtype
-from kvcodec.format.decode import chunk_context
 from kvcodec.stages import ArraySpec, ChunkContext, Pipeline, stage_from_json
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,13 +70,8 @@ def _check_file(data: bytes, used: set[str], gpu_layers: int | None = None) -> i
     n = 0
     with KvcReader(data) as r:
         for j in range(r.num_chunks):
-            e = r.chunk_info(j)
-            pipe = r.header.pipelines[e.pipeline]
-            payload, sides, sizes = parse_chunk(r.read_chunk_record(j), len(pipe.stages), len(pipe.byte_stages), j)
-            ctx = chunk_context(e.layer, e.kind, e.token_start, e.token_end, e.head_start, e.head_end, r.positions,
-                                r.attachments, j)
-            spec = ArraySpec((e.heads, e.tokens, r.header.head_dims[e.layer]), pipeline_dtype(r.header.dtype))
-            _check_chunk(pipe, payload, sides, sizes, spec, ctx, used, gpu=gpu_layers is None or e.layer < gpu_layers)
+            layer = r.chunk_info(j).layer
+            _check_chunk(*r.chunk_inputs(j), used, gpu=gpu_layers is None or layer < gpu_layers)
             n += 1
     return n
 

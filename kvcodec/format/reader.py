@@ -455,6 +455,14 @@ class KvcReader:
         The dtype is the pipeline dtype: the tensor dtype, except bfloat16
         which comes back as (exactly equal) float32.
         """
+        return decode_chunk(*self.chunk_inputs(j), backend)
+
+    def chunk_inputs(self, j: int) -> tuple[Any, Any, list[Any], list[int], ArraySpec, Any]:
+        """Chunk ``j`` as a decoder backend takes it: (pipeline, payload, side data, stage sizes, spec, context).
+
+        Its record is CRC-checked and its declared stage sizes bounded here, so the
+        conformance harness and benchmarks feed backends exactly what :meth:`read_chunk` does.
+        """
         e = self.chunk_info(j)
         hd = self.header
         pipeline = hd.pipelines[e.pipeline]
@@ -468,7 +476,7 @@ class KvcReader:
                 raise KvcFormatError(f"chunk {j}: declared stage size {s} exceeds the limit {limit}")
         ctx = chunk_context(e.layer, e.kind, e.token_start, e.token_end, e.head_start, e.head_end,
                             self.positions, self.attachments, j)
-        return decode_chunk(pipeline, payload, sides, sizes, spec, ctx, backend)
+        return pipeline, payload, sides, sizes, spec, ctx
 
     def _read_tensor(self, layer: int, kind: str, backend: str | None) -> torch.Tensor:
         js = self._by_tensor[(layer, kind)]
