@@ -147,9 +147,13 @@ def test_every_preset(chunks, small_cache, lm):
             att = {}
         for layer, kind, x in chunks[:2]:
             pipe = plan.pipeline(layer, kind)
-            fb = [s.name for s in pipe.stages if s.name not in ("rans", "quantize", "transform", "keep", "rope") and s.kind != "bytes->bytes"]
+            # quantize v2 (near-lossless's 16-bit codes): no Triton kernel, so the stage-by-stage path with that
+            # stage's CPU definition (kvcodec/cuda/backend.py), still bit-identical
+            wide = any(s.name == "quantize" and s.version == 2 for s in pipe.stages)
+            fb = [s.name for s in pipe.stages if (s.name not in ("rans", "quantize", "transform", "keep", "rope") or
+                                                  (wide and s.name == "quantize")) and s.kind != "bytes->bytes"]
             _check_pipeline(pipe, x, ChunkContext(layer=layer, kind=kind, attachments=att), expect_fallbacks=fb,
-                            expect_path="stages" if name == "lossless" else "fused")
+                            expect_path="stages" if name == "lossless" or wide else "fused")
 
 
 @pytest.mark.model
