@@ -74,12 +74,12 @@ BACKENDS: tuple[Backend, ...] = (
     Backend("reference", "cpu", 0, "kvcodec.backends", "_supports_all", "_reference_decode", reference=True,
             summary="every pipeline: each stage's numpy decode (the codec's definition, spec/codec-v1.md)"),
     Backend("numba-fused", "cpu", 10, "kvcodec.quant.fastdecode", "supports", "decode",
-            summary="raw[-shuffle]-zstd, and [rope] [keep] transform [tokenscale] quantize(step) rans with head_dim "
+            summary="raw[-shuffle]-zstd, and [rope] [keep] transform [tokenscale] quantize(step, v1/v2) rans with head_dim "
                     "32/64/80/96/128/256, rANS groups 1/2/4/8/16k; float16/float32 chunks"),
     Backend("triton-stages", "gpu", 0, "kvcodec.cuda.backend", "supports_stages", "decode_stages", reference=True,
             summary="every pipeline: rANS kernel, per-stage Triton kernels, CPU for stages without one"),
     Backend("triton-fused", "gpu", 10, "kvcodec.cuda.backend", "supports_fused", "decode_fused",
-            summary="[rope] [keep] transform [tokenscale] quantize(step) rans, float16/float32 chunks: one kernel"),
+            summary="[rope] [keep] transform [tokenscale] quantize(step, v1) rans, float16/float32 chunks: one kernel"),
 )
 
 

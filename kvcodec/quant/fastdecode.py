@@ -10,6 +10,8 @@ Supported (array stages in this order, each optional unless noted)::
 
     [rope] -> [keep] -> [tokenscale] -> transform (required) -> quantize(step) (required) -> rans
 
+(``quantize`` v1, or v2's 16-bit codes in two byte planes, which the kernel joins after rANS)
+
 and, for the lossless preset, ``raw -> [shuffle] -> zstd``.
 
 Further limits of the fused path: head_dim in :data:`HEAD_DIMS` (32, 64, 80, 96, 128,
@@ -81,7 +83,8 @@ def _decode_kernel(freqs, cums, states, n_symbols, word_start, n_words, words, n
     """Whole chunk. ``wide``: quantize v2, whose rANS contexts code 2K byte channels (high bytes
     of the K coefficient channels, then the low bytes): the high plane decodes into ``hbuf`` and
     the low plane into ``ybuf`` (as unzigzag(byte), step 1), then each code ``s = hi << 8 | lo``
-    is checked against its bit width and dequantized in place, ``f32(unzigzag(s)) * step``. words: uint16 with 16 zero words after the ``nwords`` of the stream; g in
+    is checked against its bit width and dequantized in place, ``f32(unzigzag(s)) * step``.
+    words: uint16 with 16 zero words after the ``nwords`` of the stream; g in
     {1, 2, 4, 8} or a multiple of 16; bt [H, K, D] (basis transposed, D in HEAD_DIMS), mean [H, D],
     kept f32 [H, s+r, D], tscale f32 [Tc] (has_ts), cos/sin f32 [Hr, T, rope_dim] (Hr = 1: shared),
     out16 uint16 [H, T, D] (want16) or out32 f32 [H, T, D], ybuf f32 scratch of >= Tc * ceil16(K).
