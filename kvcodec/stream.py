@@ -183,7 +183,7 @@ class ProgressiveReader(RangeReader):
         self.finished: float | None = None
         self.last_progress = self.started
         self.received = 0
-        self.first_at: float | None = None  # when the first piece arrived, and its size: see rate_since_first
+        self.first_at: float | None = None  # when the first piece arrived, and its size (the give-up rule's rate)
         self.first_bytes = 0
 
     def fill(self) -> None:

@@ -52,8 +52,8 @@ top-1 token's than the exact top-2 margin (:func:`max_rival_gain`). So
 ``near-lossless`` also bounds the largest such gain over all probe positions
 (256 positions x the vocabulary) by ``NEAR_TIE``: flips are then confined to
 near-ties, which the promise exempts. The bound is a maximum over 256 probe
-positions standing for a 16-token greedy run, which is its margin. Gains scale with the step, so a miss predicts the
-next step linearly. This needs codes finer than 8 bits on wide coefficient
+positions standing for a 16-token greedy run, which is its margin. Gains scale
+with the step, so a miss predicts the next step linearly. This needs codes finer than 8 bits on wide coefficient
 channels (``quantize`` v2, ``max_bits`` 16): with v1 the gain floors at ~0.3
 (benchmarks/results/floor.txt).
 
@@ -166,8 +166,7 @@ def max_rival_gain(exact_logits: Any, dec_logits: Any) -> float:
     A greedy token can flip only where this exceeds the exact top-2 margin, so a
     probe whose gain stays under ``NEAR_TIE`` bounds the flips to near-ties.
     """
-
-    g = (dec_logits.double() - exact_logits.double())
+    g = dec_logits.double() - exact_logits.double()
     top = exact_logits.argmax(-1, keepdim=True)
     return float((g.max(-1).values - g.gather(-1, top)[..., 0]).max()) if g.numel() else 0.0
 

@@ -388,13 +388,7 @@ class QuantizeStage(ArrayToArray):
             raise KvcCodecError(f"codec 'quantize': mode must be 'step' or 'minmax', got {mode!r}")
         self.mode = mode
         if mode == "step":
-            if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step) or step <= 0:
-                raise KvcCodecError(f"codec 'quantize': step must be a positive finite number, got {step!r}")
-            self.step = float(step)
-            self.max_bits = _int(max_bits, "max_bits", "quantize", 1, 8)
-            if isinstance(deadzone, bool) or not isinstance(deadzone, (int, float)) or not 0.0 <= deadzone < 0.5:
-                raise KvcCodecError(f"codec 'quantize': deadzone must be in [0, 0.5), got {deadzone!r}")
-            self.deadzone = float(deadzone)
+            self._set_step(step, max_bits, deadzone, 8)
         else:
             blist = bits if isinstance(bits, list) else [bits]
             for b in blist:
@@ -407,6 +401,16 @@ class QuantizeStage(ArrayToArray):
             if not isinstance(symmetric, (bool, np.bool_)):
                 raise KvcCodecError(f"codec 'quantize': symmetric must be true or false, got {symmetric!r}")
             self.symmetric = bool(symmetric)
+
+    def _set_step(self, step: Any, max_bits: Any, deadzone: Any, max_bits_limit: int) -> None:
+        """Validate and set step mode's config (v1 codes up to 8 bits, v2 up to 16)."""
+        if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step) or step <= 0:
+            raise KvcCodecError(f"codec 'quantize': step must be a positive finite number, got {step!r}")
+        self.step = float(step)
+        self.max_bits = _int(max_bits, "max_bits", "quantize", 1, max_bits_limit)
+        if isinstance(deadzone, bool) or not isinstance(deadzone, (int, float)) or not 0.0 <= deadzone < 0.5:
+            raise KvcCodecError(f"codec 'quantize': deadzone must be in [0, 0.5), got {deadzone!r}")
+        self.deadzone = float(deadzone)
 
     def get_config(self) -> dict[str, Any]:
         if self.mode == "step":
@@ -581,14 +585,8 @@ class WideQuantizeStage(QuantizeStage):
     version = 2
 
     def __init__(self, step: float | None = None, max_bits: int = 16, deadzone: float = 0.0) -> None:
-        if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step) or step <= 0:
-            raise KvcCodecError(f"codec 'quantize': step must be a positive finite number, got {step!r}")
         self.mode = "step"
-        self.step = float(step)
-        self.max_bits = _int(max_bits, "max_bits", "quantize", 1, 16)
-        if isinstance(deadzone, bool) or not isinstance(deadzone, (int, float)) or not 0.0 <= deadzone < 0.5:
-            raise KvcCodecError(f"codec 'quantize': deadzone must be in [0, 0.5), got {deadzone!r}")
-        self.deadzone = float(deadzone)
+        self._set_step(step, max_bits, deadzone, 16)
 
     def get_config(self) -> dict[str, Any]:
         c: dict[str, Any] = {"step": self.step, "max_bits": self.max_bits}
@@ -601,11 +599,7 @@ class WideQuantizeStage(QuantizeStage):
         return ArraySpec((H, T, 2 * C), "uint8")
 
     def encode(self, arr: np.ndarray, ctx: ChunkContext) -> tuple[np.ndarray, SideData]:
-        _check3(arr, "quantize", _FLOATS)
-        x = arr.astype(np.float32)
-        if not np.isfinite(x).all():
-            raise KvcCodecError("codec 'quantize': input contains NaN or inf")
-        sym, side = self._enc_step(x)
+        sym, side = super().encode(arr, ctx)  # v1's step mode, codes up to max_bits wide
         s = sym.astype(np.uint16)
         return np.ascontiguousarray(np.concatenate([s >> 8, s & 0xFF], axis=2).astype(np.uint8)), side
 
