@@ -84,7 +84,7 @@ def _decode_kernel(freqs, cums, states, n_symbols, word_start, n_words, words, n
     of the K coefficient channels, then the low bytes): the high plane decodes into ``hbuf`` and
     the low plane into ``ybuf`` (as unzigzag(byte), step 1), then each code ``s = hi << 8 | lo``
     is checked against its bit width and dequantized in place, ``f32(unzigzag(s)) * step``.
-    words: uint16 with 16 zero words after the ``nwords`` of the stream; g in
+    words: uint32 (the stream's 16-bit words, widened) with 16 zero words after the ``nwords`` of the stream; g in
     {1, 2, 4, 8} or a multiple of 16; bt [H, K, D] (basis transposed, D in HEAD_DIMS), mean [H, D],
     kept f32 [H, s+r, D], tscale f32 [Tc] (has_ts), cos/sin f32 [Hr, T, rope_dim] (Hr = 1: shared),
     out16 uint16 [H, T, D] (want16) or out32 f32 [H, T, D], ybuf f32 scratch of >= Tc * ceil16(K).
@@ -137,12 +137,22 @@ def _decode_kernel(freqs, cums, states, n_symbols, word_start, n_words, words, n
             p = word_start[c]
             pend = p + n_words[c]
             ng = n // 16
+            # symbol i0 = 16 m sits at row i0 // g, column c0 + i0 % g; kept incrementally (no
+            # division in the loop): g >= 16 walks the columns of a row, g < 16 takes 16 // g rows
+            col = 0
+            yrow = c0
+            rstep = (16 // g) * kp if g < 16 else kp
             for m in range(ng):
                 if p > nwords:
                     return 1
-                i0 = m * 16
-                p = rans16(st, (m & 1) * 16, tab, words, p, stepv, limv, i0 % P, bad, yb,
-                           (i0 // g) * kp + c0 + i0 % g, g, kp)
+                p = rans16(st, (m & 1) * 16, tab, words, p, stepv, limv, col, bad, yb, yrow + col, g, kp)
+                if g >= 16:
+                    col += 16
+                    if col == g:
+                        col = 0
+                        yrow += rstep
+                else:
+                    yrow += rstep
             for i in range(ng * 16, n):  # the last n % 16 symbols, one by one
                 lane = i & (_LANES - 1)
                 x = np.int64(st[lane])
@@ -423,7 +433,7 @@ def _lossy(pipeline: Pipeline, ch: Any, payload: Any, sides: list[SideData], spe
     if stream.n_contexts != H * (sspec.shape[2] // g):
         raise KvcFormatError("codec 'rans': context count does not match the chunk")
     nwords = int(stream.words.size)
-    words = np.zeros(nwords + 16, np.uint16)  # 16 readable words past any position the kernel accepts
+    words = np.zeros(nwords + 16, np.uint32)  # widened (see simd.rans16); 16 readable words past any position the kernel accepts
     words[:nwords] = stream.words
     want16 = spec.dtype == "float16"
     out = np.empty((H, T, D), dtype=np.uint16 if want16 else np.float32)

@@ -6,7 +6,7 @@ renormalisation words for 16 rANS lanes at once, and register-resident
 accumulators for the inverse transform. LLVM lowers every operation used here
 (``masked.gather``, ``masked.expandload``, ``masked.compressstore``, vector
 integer and ``fmul``/``fadd`` ops) on any target: to single instructions with
-AVX-512 (``vpgatherdd``, ``vpexpandw``, ``vcompressps``), to shorter vectors or
+AVX-512 (``vpgatherqd``, ``vpexpandd``, ``vcompressps``), to shorter vectors or
 scalar code elsewhere (tested with numba's ``generic`` and ``haswell`` targets). The results are the same everywhere:
 
 * integer steps are exact;
@@ -120,8 +120,8 @@ def rans16(typingctx, st, lane0, tab, words, p, stepv, limv, voff, bad, y, yoff,
     """Decode symbols ``i0 .. i0 + 15`` of one rANS context (lanes ``lane0 .. lane0 + 15`` of
     ``st``, uint32[32]); returns the new word position.
 
-    ``tab`` (uint32[4096]) packs ``sym | (freq - 1) << 8 | (slot - cum) << 20``; ``words`` must
-    hold 16 readable entries past ``p``. Each lane: ``x = freq * (x >> 12) + slot - cum``; lanes with
+    ``tab`` (uint32[4096]) packs ``sym | (freq - 1) << 8 | (slot - cum) << 20``; ``words`` (the
+    stream's 16-bit words, widened to uint32) must hold 16 readable entries past ``p``. Each lane: ``x = freq * (x >> 12) + slot - cum``; lanes with
     ``x < 2**16`` take the next words in lane order (``x = x << 16 | word``). The value
     ``f32(unzigzag(sym)) * stepv[voff + k]`` goes to ``y`` (float32, rows of ``ystride``):
     for ``g >= 16`` lanes ``0..15`` at ``y[yoff + k]``, for ``g`` in {1, 2, 4, 8} lane ``k`` at
@@ -144,9 +144,11 @@ def rans16(typingctx, st, lane0, tab, words, p, stepv, limv, voff, bad, y, yoff,
         freq = b.add(b.and_(b.lshr(e, _ci(8)), _ci(0xFFF)), _ci(1))
         x2 = b.add(b.mul(freq, b.lshr(x, _ci(12))), b.lshr(e, _ci(20)))
         need = b.icmp_unsigned("<", x2, _ci(1 << 16))
-        expand = _decl(b, "llvm.masked.expandload.v16i16", _v(_I16), [ir.PointerType(_I16), _v(_I1), _v(_I16)])
-        w = b.call(expand, [b.gep(_ptr(context, b, ty[3], a_words), [a_p]), need, ir.Constant(_v(_I16), [0] * W)])
-        x3 = b.select(need, b.or_(b.shl(x2, _ci(16)), b.zext(w, _v(_I32))), x2)
+        # words widened to uint32 by the caller: AVX-512F expands 32-bit lanes in one instruction
+        # (vpexpandd); a 16-bit expand needs VBMI2, and without it LLVM emits 16 branches
+        expand = _decl(b, "llvm.masked.expandload.v16i32", _v(_I32), [ir.PointerType(_I32), _v(_I1), _v(_I32)])
+        w = b.call(expand, [b.gep(_ptr(context, b, ty[3], a_words), [a_p]), need, ir.Constant(_v(_I32), [0] * W)])
+        x3 = b.select(need, b.or_(b.shl(x2, _ci(16)), w), x2)
         b.store(x3, b.bitcast(b.gep(stp, [a_lane0]), _v(_I32).as_pointer()), align=4)
         # dequantize: f32(zigzag^-1(sym)) * step, one rounding
         q = b.xor(b.lshr(sym, _ci(1)), b.sub(_ci(0), b.and_(sym, _ci(1))))
