@@ -37,6 +37,17 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 # --------------------------------------------------------------------------- float16 rounding
+def test_simd_pin_matches_simd_module():
+    """numba caches the kernel keyed on fastdecode.py's contents only: its pin of simd.py must
+    change with simd.py, or an edited intrinsic would keep running from a stale cache."""
+    import hashlib
+
+    from kvcodec.quant import simd
+
+    assert hashlib.sha256(Path(simd.__file__).read_bytes()).hexdigest() == F.SIMD_SHA256, \
+        "simd.py changed: update SIMD_SHA256 in kvcodec/quant/fastdecode.py"
+
+
 def test_f16_conversion_matches_numpy():
     rng = np.random.default_rng(0)
     parts = [
@@ -149,6 +160,30 @@ def test_every_head_dim_bit_identical(D, variant):
     ctx = ChunkContext(layer=1, kind="v" if variant == "values_f32" else "k", token_start=77, attachments=att)
     fast, ref, _ = _both(pipe, arr, ctx)
     assert fast is not None, f"fused path declined head_dim {D}"
+    assert _same(fast, ref)
+
+
+@pytest.mark.parametrize("D", [64, 256])
+@pytest.mark.parametrize("basis_dtype", [np.float16, np.float32])
+def test_dense_and_sparse_rows_bit_identical(D, basis_dtype):
+    """A chunk whose token rows alternate between almost all-nonzero coefficients (the dense loop)
+    and almost all-zero ones (compaction, then the sparse loop), with a float16-exact basis (read
+    as float16) and a float32 one (read as float32): every combination equals the generic decode."""
+    H, T = 2, 40
+    rng = np.random.default_rng(D)
+    x = rng.standard_normal((H, T, D)).astype(np.float32) * 2.0
+    x[:, 1::2] *= 0.002  # odd tokens quantize to (nearly) all-zero coefficients
+    att = _pca(H=H, D=D, dtype=basis_dtype, seed=D + 7)
+    att["pca.mean"][:] = 0
+    step = 0.05
+    pipe = Pipeline([TransformStage(k=None), QuantizeStage(mode="step", step=step, max_bits=8), RansStage(channel_group=8)])
+    ctx = ChunkContext(layer=1, kind="v", token_start=0, attachments=att)
+    b = att["pca.basis"][3].astype(np.float64)  # layer 1, kind v
+    y = np.einsum("htd,hdk->htk", x.astype(np.float64), np.linalg.pinv(b).transpose(0, 2, 1))
+    density = (np.abs(y) >= step / 2).mean(-1)
+    assert density[:, 0::2].min() > F.DENSE_OF_8 / 8 and density[:, 1::2].max() < F.DENSE_OF_8 / 8, "rows of both kinds"
+    fast, ref, _ = _both(pipe, x.astype(np.float16), ctx)
+    assert fast is not None
     assert _same(fast, ref)
 
 

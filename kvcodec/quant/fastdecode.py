@@ -23,9 +23,10 @@ One numba kernel (``nogil``: the reader's prefetch thread overlaps the model)
 decodes a whole chunk head by head, with the 16-lane vector steps of
 :mod:`kvcodec.quant.simd`: rANS for 16 lanes at a time (table gather,
 expand-load of the renormalisation words) -> zigzag -> dequant into per-head
-coefficient rows; then per token row the nonzero coefficients (times the
-token's scale) are compacted and the inverse transform accumulates
-``acc = acc + y[k] * B[d, k]`` over them, k ascending, product and sum rounded
+coefficient rows; then per token row the coefficients (times the token's
+scale; in a sparse row only the nonzero ones, compacted first, see
+:data:`DENSE_OF_8`) go through the inverse transform, which accumulates
+``acc = acc + y[k] * B[d, k]`` (B read as float16 when every value is one) over them, k ascending, product and sum rounded
 separately, in vector registers, mean added last; RoPE with the cached float32
 tables (``t1 = x*cos``, ``t2 = r*sin``, ``t1 + t2``) and the cast to float16
 (IEEE round-to-nearest-even, in integer ops). Kept sink/recent rows and partial
@@ -55,6 +56,17 @@ _L = 1 << 16
 _PROB_BITS = 12
 _M = 1 << _PROB_BITS
 _LANES = 32
+#: sha256 of simd.py. numba keys its on-disk cache of the kernel on this file's contents only
+#: (numba 0.68: a hash of the source, not its mtime), so an edit of simd.py must change this file
+#: too, or a stale kernel loads; tests/test_fastdecode.py checks the pin.
+SIMD_SHA256 = "116b0613c402e1e39db0120d75682db2f74c45158c2496d8da9fdbe304c011f8"
+
+#: A token row takes the dense loop (every coefficient, no compaction) when at least this many
+#: eighths of its coefficients are nonzero. Balanced rows are ~70 % nonzero at head_dim 64; an
+#: interleaved A/B of thresholds 9 (never) / 5 / 3 / 0 (always) on the kernel calls of real
+#: 2048-token files and 2-bit synthetic heads was best at 5 everywhere (+5-10 %).
+DENSE_OF_8 = 5
+
 #: head_dims the fused kernel decodes (16-lane blocks of :data:`kvcodec.quant.simd.ROW_BLOCKS`).
 HEAD_DIMS = tuple(16 * nb for nb in ROW_BLOCKS)
 
@@ -78,14 +90,15 @@ def f32_to_f16_bits(x, out):  # pragma: no cover - numba
 
 @njit(cache=True, nogil=True)
 def _decode_kernel(freqs, cums, states, n_symbols, word_start, n_words, words, nwords, g,
-                   stepf, lim, bt, mean, kept, n_sink, n_recent, tscale, has_ts,
-                   rope_dim, cos, sin, out16, out32, want16, ybuf, wide, hbuf):  # pragma: no cover - numba
+                   stepf, lim, bt, bh, use_h, mean, kept, n_sink, n_recent, tscale, has_ts,
+                   rope_dim, cos, sin, out16, out32, want16, ybuf, wide, hbuf, dense8):  # pragma: no cover - numba
     """Whole chunk. ``wide``: quantize v2, whose rANS contexts code 2K byte channels (high bytes
     of the K coefficient channels, then the low bytes): the high plane decodes into ``hbuf`` and
     the low plane into ``ybuf`` (as unzigzag(byte), step 1), then each code ``s = hi << 8 | lo``
     is checked against its bit width and dequantized in place, ``f32(unzigzag(s)) * step``.
     words: uint32 (the stream's 16-bit words, widened) with 16 zero words after the ``nwords`` of the stream; g in
-    {1, 2, 4, 8} or a multiple of 16; bt [H, K, D] (basis transposed, D in HEAD_DIMS), mean [H, D],
+    {1, 2, 4, 8} or a multiple of 16; bt [H, K, D] (basis transposed, D in HEAD_DIMS) float32 and,
+    with use_h, bh: the same values as float16 bits (the rows then read those), mean [H, D],
     kept f32 [H, s+r, D], tscale f32 [Tc] (has_ts), cos/sin f32 [Hr, T, rope_dim] (Hr = 1: shared),
     out16 uint16 [H, T, D] (want16) or out32 f32 [H, T, D], ybuf f32 scratch of >= Tc * ceil16(K).
     Returns 0 or an error code
@@ -108,7 +121,7 @@ def _decode_kernel(freqs, cums, states, n_symbols, word_start, n_words, words, n
     val = np.empty(kp, dtype=np.float32)
     acc = np.empty(D, dtype=np.float32)
     rot = np.empty(D, dtype=np.float32)
-    btf, meanf, cosf, sinf = bt.reshape(-1), mean.reshape(-1), cos.reshape(-1), sin.reshape(-1)
+    btf, bhf, meanf, cosf, sinf = bt.reshape(-1), bh.reshape(-1), mean.reshape(-1), cos.reshape(-1), sin.reshape(-1)
     o16, o32 = out16.reshape(-1), out32.reshape(-1)
     A = freqs.shape[1]
     nctx_h = (2 * K if wide else K) // g
@@ -201,13 +214,13 @@ def _decode_kernel(freqs, cums, states, n_symbols, word_start, n_words, words, n
                 ts = tscale[tt] if has_ts else one
                 if rope_dim == 0 or vec_rope:
                     if want16:
-                        row(nb, ybuf, tt * kp, kp, ts, idx, val, btf, h * K * D, meanf, h * D, vec_rope, cosf, sinf,
-                             cso, o16, oo)
+                        row(nb, ybuf, tt * kp, kp, K, ts, idx, val, btf, bhf, use_h, h * K * D, meanf, h * D, vec_rope, cosf, sinf,
+                             cso, o16, oo, dense8)
                     else:
-                        row(nb, ybuf, tt * kp, kp, ts, idx, val, btf, h * K * D, meanf, h * D, vec_rope, cosf, sinf,
-                             cso, o32, oo)
+                        row(nb, ybuf, tt * kp, kp, K, ts, idx, val, btf, bhf, use_h, h * K * D, meanf, h * D, vec_rope, cosf, sinf,
+                             cso, o32, oo, dense8)
                     continue
-                row(nb, ybuf, tt * kp, kp, ts, idx, val, btf, h * K * D, meanf, h * D, 0, cosf, sinf, cso, acc, 0)
+                row(nb, ybuf, tt * kp, kp, K, ts, idx, val, btf, bhf, use_h, h * K * D, meanf, h * D, 0, cosf, sinf, cso, acc, 0, dense8)
             # kept rows, and partial RoPE: scalar RoPE and cast
             if rope_dim > 0:
                 for d in range(half):
@@ -276,8 +289,12 @@ def rope_tables_cached(pos: np.ndarray, theta: float, dim: int) -> tuple[np.ndar
     return hit
 
 
-def _matrices(tr: Any, H: int, D: int, ctx: ChunkContext) -> tuple[np.ndarray, np.ndarray]:
-    """(bt [H, K, D], mean [H, D]) float32 of a transform stage, cached per attachment arrays / row / heads."""
+def _matrices(tr: Any, H: int, D: int, ctx: ChunkContext) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(bt [H, K, D] float32, the same as float16 bits [H, K, D] uint16 or None, mean [H, D] float32)
+    of a transform stage, cached per attachment arrays / row / heads.
+
+    The float16 copy exists when every basis value is a float16 (calibrated bases are stored as
+    float16): the kernel then streams half the bytes per coefficient, and widening is exact."""
     K = D if tr.k is None else tr.k
     if tr.basis == "hadamard":
         key: Any = ("had", H, D, K)
@@ -286,20 +303,22 @@ def _matrices(tr: Any, H: int, D: int, ctx: ChunkContext) -> tuple[np.ndarray, n
         nb, nm = f"{tr.attachment}.basis", f"{tr.attachment}.mean"
         B, M = ctx.attachments.get(nb), ctx.attachments.get(nm)
         if B is None or M is None:
-            return None, None  # type: ignore[return-value]
+            return None, None, None  # type: ignore[return-value]
         row = 2 * ctx.layer + (0 if ctx.kind == "k" else 1)
         key = ("pca", id(B), id(M), row, ctx.kind, ctx.layer, int(ctx.extra.get("head_start", 0)), H, D, K)
         ref = (B, M)
     hit = _MATS.get(key)
-    if hit is not None and all(w() is b for w, b in zip(hit[2], ref)):
-        return hit[0], hit[1]
+    if hit is not None and all(w() is b for w, b in zip(hit[3], ref)):
+        return hit[0], hit[1], hit[2]
     b, m = tr.matrices(H, D, ctx)  # validates (raises KvcFormatError)
     bt = np.ascontiguousarray(np.swapaxes(np.asarray(b, np.float32), 1, 2))
     m = np.ascontiguousarray(m, np.float32)
+    bh16 = bt.astype(np.float16)
+    bh = bh16.view(np.uint16) if np.array_equal(bh16.astype(np.float32), bt) else None
     # weak references: the cache must not keep every file's attachment arrays alive (ids are only
     # compared while the arrays still exist, so a reused id cannot alias)
-    _MATS.put(key, (bt, m, tuple(_weak(a) for a in ref)))
-    return bt, m
+    _MATS.put(key, (bt, bh, m, tuple(_weak(a) for a in ref)))
+    return bt, bh, m
 
 
 def _weak(a: Any) -> Any:
@@ -416,7 +435,7 @@ def _lossy(pipeline: Pipeline, ch: Any, payload: Any, sides: list[SideData], spe
         kept = np.ascontiguousarray(keep.kept_side(sides[ix["keep"]], specs[ix["keep"]]), dtype=np.float32)
     if sides[ix["transform"]]:
         raise KvcFormatError("codec 'transform' has no side data")
-    bt, mean = _matrices(tr, H, D, ctx)
+    bt, bh, mean = _matrices(tr, H, D, ctx)
     if bt is None or bt.shape != (H, K, D):
         raise KvcFormatError("codec 'transform': attachment missing or of the wrong shape")
     tscale = _EMPTY1
@@ -443,8 +462,8 @@ def _lossy(pipeline: Pipeline, ch: Any, payload: Any, sides: list[SideData], spe
     ybuf = _scratch(n_y)
     hbuf = np.empty(n_y, np.float32) if wide else _EMPTY1
     code = _decode_kernel(stream.freqs, stream.cums, stream.states, stream.n_symbols, stream.word_start, stream.n_words,
-                          words, nwords, g, stepf, lim, bt, mean, kept, n_sink, n_recent, tscale, has_ts,
-                          rope_dim, cos, sin, o16, o32, want16, ybuf, wide, hbuf)
+                          words, nwords, g, stepf, lim, bt, _EMPTY3U if bh is None else bh, int(bh is not None), mean, kept, n_sink, n_recent, tscale, has_ts,
+                          rope_dim, cos, sin, o16, o32, want16, ybuf, wide, hbuf, DENSE_OF_8)
     if code != 0:
         raise KvcFormatError(f"codec 'rans': malformed stream (fused decoder code {code})")
     return out.view(np.float16) if want16 else out

@@ -17,8 +17,9 @@ scalar code elsewhere (tested with numba's ``generic`` and ``haswell`` targets).
   the spec's cast, with no dependence on F16C.
 
 numba's on-disk cache of the kernels that call these intrinsics is keyed on
-the calling module's source (kvcodec/quant/fastdecode.py), not on this one:
-after editing this file, touch fastdecode.py (an installed release rewrites both).
+the contents of the calling module (kvcodec/quant/fastdecode.py), not on this
+one: after editing this file, update ``SIMD_SHA256`` there (the test suite
+checks the pin), or a stale kernel would load from the cache.
 
 Skipping zero coefficients in the transform is exact: ``acc`` starts at +0 and
 can never become -0 (x + y is -0 in round-to-nearest only if both are -0),
@@ -95,6 +96,23 @@ def _f16_bits(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
     r = b.select(b.icmp_unsigned(">=", a, _ci(0x477FF000)), _ci(0x7C00), r)
     r = b.select(b.icmp_unsigned(">", a, _ci(0x7F800000)), nan, r)
     return b.trunc(b.or_(sign, r), _v(_I16))
+
+
+def _f16_to_f32(b: ir.IRBuilder, h: ir.Value, f16c: bool) -> ir.Value:
+    """<16 x float> of <16 x i16> float16 bits: exact (every float16 is a float32). With F16C one
+    ``vcvtph2ps``; without it LLVM would call a runtime helper the JIT cannot resolve, so integer
+    ops: normal and inf/NaN by rebiasing the exponent, subnormals as ``mantissa * 2**-24``."""
+    if f16c:
+        return b.fpext(b.bitcast(h, _v(ir.HalfType())), _v(_F32))
+    u = b.zext(h, _v(_I32))
+    sign = b.shl(b.and_(u, _ci(0x8000)), _ci(16))
+    a = b.and_(u, _ci(0x7FFF))
+    normal = b.add(b.shl(a, _ci(13)), _ci((127 - 15) << 23))
+    special = b.or_(_ci(0x7F800000), b.shl(b.and_(a, _ci(0x3FF)), _ci(13)))
+    sub = b.bitcast(b.fmul(b.sitofp(a, _v(_F32)), ir.Constant(_v(_F32), [2.0 ** -24] * W)), _v(_I32))
+    r = b.select(b.icmp_unsigned(">=", a, _ci(0x7C00)), special, normal)
+    r = b.select(b.icmp_unsigned("<", a, _ci(0x400)), sub, r)
+    return b.bitcast(b.or_(sign, r), _v(_F32))
 
 
 @intrinsic
@@ -175,51 +193,77 @@ def rans16(typingctx, st, lane0, tab, words, p, stepv, limv, voff, bad, y, yoff,
 def _emit_row(nb: int, context, b: ir.IRBuilder, ty, args) -> None:
     """IR of one token row for ``D = 16 * nb`` (see :func:`row`)."""
     D = W * nb
-    (a_y, a_yoff, a_kp, a_ts, a_idx, a_val, a_bt, a_btoff, a_mean, a_moff, a_rope, a_cos, a_sin, a_csoff,
-     a_out, a_ooff) = args
-    yp, idxp, valp = (_ptr(context, b, ty[i], a) for i, a in ((0, a_y), (4, a_idx), (5, a_val)))
+    (a_y, a_yoff, a_kp, a_kc, a_ts, a_idx, a_val, a_bt, a_bh, a_half, a_btoff, a_mean, a_moff, a_rope, a_cos, a_sin,
+     a_csoff, a_out, a_ooff, a_dense8) = args
+    yp, idxp, valp = (_ptr(context, b, ty[i], a) for i, a in ((0, a_y), (5, a_idx), (6, a_val)))
     cf = _decl(b, "llvm.masked.compressstore.v16f32", ir.VoidType(), [_v(_F32), ir.PointerType(_F32), _v(_I1)])
     ci = _decl(b, "llvm.masked.compressstore.v16i32", ir.VoidType(), [_v(_I32), ir.PointerType(_I32), _v(_I1)])
     tsv = _splat(b, a_ts)
-    n_ptr = cgutils.alloca_once(b, _I64)
-    b.store(_I64(0), n_ptr)
+    zero = ir.Constant(_v(_F32), [0.0] * W)
+    nblk = b.sdiv(a_kp, _I64(W))
     accs = [cgutils.alloca_once(b, _v(_F32)) for _ in range(nb)]
     for acc in accs:
-        b.store(ir.Constant(_v(_F32), [0.0] * W), acc)
-    with cgutils.for_range(b, b.sdiv(a_kp, _I64(W))) as loop:
+        b.store(zero, acc)
+    # dense rows (most coefficients nonzero) skip the compaction: its compress-stores, and the
+    # loads that read them straight back, cost more than multiplying the few zeros
+    cnt_ptr = cgutils.alloca_once(b, _I64)
+    b.store(_I64(0), cnt_ptr)
+    with cgutils.for_range(b, nblk) as loop:
+        v = b.fmul(_load(b, yp, b.add(a_yoff, b.mul(loop.index, _I64(W))), _v(_F32)), tsv)
+        b.store(b.add(b.load(cnt_ptr), _popcount(b, b.fcmp_unordered("!=", v, zero))), cnt_ptr)
+    dense = b.icmp_signed(">=", b.mul(b.load(cnt_ptr), _I64(8)), b.mul(a_kc, a_dense8))
+    n_ptr = cgutils.alloca_once(b, _I64)
+    b.store(_I64(0), n_ptr)
+    with b.if_then(b.not_(dense)), cgutils.for_range(b, nblk) as loop:
         off = b.mul(loop.index, _I64(W))
         v = b.fmul(_load(b, yp, b.add(a_yoff, off), _v(_F32)), tsv)
-        nz = b.fcmp_unordered("!=", v, ir.Constant(_v(_F32), [0.0] * W))
+        nz = b.fcmp_unordered("!=", v, zero)
         n = b.load(n_ptr)
         b.call(cf, [v, b.gep(valp, [n]), nz])
         ks = b.add(ir.Constant(_v(_I32), list(range(W))), _splat(b, b.trunc(off, _I32)))
         b.call(ci, [ks, b.gep(idxp, [n]), nz])
         b.store(b.add(n, _popcount(b, nz)), n_ptr)
-    btp = _ptr(context, b, ty[6], a_bt)
-    with cgutils.for_range(b, b.load(n_ptr)) as loop:
-        k = b.zext(b.load(b.gep(idxp, [loop.index])), _I64)
-        yv = _splat(b, b.load(b.gep(valp, [loop.index])))
+    btp, bhp = _ptr(context, b, ty[7], a_bt), _ptr(context, b, ty[8], a_bh)
+    f16c = "+f16c" in getattr(context.codegen(), "_tm_features", "")
+
+    def accumulate(k: ir.Value, yv: ir.Value, use_half: bool) -> None:
         base = b.add(a_btoff, b.mul(k, _I64(D)))
         for j in range(nb):
-            bv = _load(b, btp, b.add(base, _I64(W * j)), _v(_F32))
+            off = b.add(base, _I64(W * j))
+            if use_half:
+                bv = _f16_to_f32(b, _load(b, bhp, off, _v(_I16)), f16c)
+            else:
+                bv = _load(b, btp, off, _v(_F32))
             b.store(b.fadd(b.load(accs[j]), b.fmul(yv, bv)), accs[j])
-    meanp = _ptr(context, b, ty[8], a_mean)
+
+    with b.if_else(b.icmp_signed("!=", a_half, _I64(0))) as (half, single):
+        for use_half, blk in ((True, half), (False, single)):
+            with blk, b.if_else(dense) as (all_k, nonzero_k):
+                # the row's kc coefficients (not the padded kp: B has kc rows), zeros included: exact,
+                # see the module doc
+                with all_k, cgutils.for_range(b, a_kc) as loop:
+                    y1 = b.fmul(b.load(b.gep(yp, [b.add(a_yoff, loop.index)])), a_ts)
+                    accumulate(loop.index, _splat(b, y1), use_half)
+                with nonzero_k, cgutils.for_range(b, b.load(n_ptr)) as loop:
+                    k = b.zext(b.load(b.gep(idxp, [loop.index])), _I64)
+                    accumulate(k, _splat(b, b.load(b.gep(valp, [loop.index]))), use_half)
+    meanp = _ptr(context, b, ty[11], a_mean)
     xs = [b.fadd(b.load(accs[j]), _load(b, meanp, b.add(a_moff, _I64(W * j)), _v(_F32))) for j in range(nb)]
     for j in range(nb):
         b.store(xs[j], accs[j])
     if nb % 2 == 0:  # odd nb (head_dim 80): D/2 is mid-vector, so the caller rotates in its scalar loop
         with b.if_then(b.icmp_signed("!=", a_rope, _I64(0))):
-            cp, sp = _ptr(context, b, ty[11], a_cos), _ptr(context, b, ty[12], a_sin)
+            cp, sp = _ptr(context, b, ty[14], a_cos), _ptr(context, b, ty[15], a_sin)
             h = nb // 2
             for j in range(nb):
                 c = _load(b, cp, b.add(a_csoff, _I64(W * j)), _v(_F32))
                 s = _load(b, sp, b.add(a_csoff, _I64(W * j)), _v(_F32))
                 other = b.fneg(xs[j + h]) if j < h else xs[j - h]
                 b.store(b.fadd(b.fmul(xs[j], c), b.fmul(other, s)), accs[j])
-    outp = _ptr(context, b, ty[14], a_out)
+    outp = _ptr(context, b, ty[17], a_out)
     for j in range(nb):
         r = b.load(accs[j])
-        if ty[14].dtype == types.uint16:
+        if ty[17].dtype == types.uint16:
             r = _f16_bits(b, r)
         _store(b, r, outp, b.add(a_ooff, _I64(W * j)))
 
@@ -242,11 +286,15 @@ def _emit_dispatch(nbs: list[int], context, b: ir.IRBuilder, a_nb: ir.Value, ty,
 
 
 @intrinsic
-def row(typingctx, nb, y, yoff, kp, ts, idx, val, bt, btoff, mean, moff, rope, cos, sin, csoff, out, ooff):
+def row(typingctx, nb, y, yoff, kp, kc, ts, idx, val, bt, bh, half, btoff, mean, moff, rope, cos, sin, csoff, out, ooff, dense8):
     """One token row of ``D = 16 * nb`` values (``nb`` in :data:`ROW_BLOCKS`: head_dim 32 to 256).
 
-    The nonzero ``y[yoff + k] * ts`` (``k < kp``, a multiple of 16) are compacted into
-    ``idx``/``val``; ``acc = acc + y_k * B[k]`` over them (B rows at ``bt[btoff + k * D:]``),
+    The row's coefficients are ``y[yoff + k] * ts`` for ``k < kc`` (B has ``kc`` rows; columns
+    ``kc <= k < kp``, ``kp`` a multiple of 16, must be 0). When at least ``dense8`` eighths of them
+    are nonzero, all ``kc`` go through the sum in order; otherwise the nonzero ones are compacted into
+    ``idx``/``val`` first. ``acc = acc + y_k * B[k]`` over them (B rows at ``bt[btoff + k * D:]``, float32,
+    or with ``half`` != 0 at ``bh[btoff + k * D:]``, the same values as float16 bits: half the bytes
+    to stream from L2 per coefficient, widened exactly),
     k ascending, product and sum rounded separately, then ``+ mean[moff:]``; with ``rope`` != 0
     (RoPE over all ``D``, tables at ``cos/sin[csoff:]``; only for even ``nb``, where ``D/2`` falls on a
     vector boundary -- the caller rotates odd widths such as 80 in its scalar loop) ``x[d] * cos + (-x[d + D/2]) * sin`` /
@@ -254,7 +302,7 @@ def row(typingctx, nb, y, yoff, kp, ts, idx, val, bt, btoff, mean, moff, rope, c
     or float32. One intrinsic for all sizes: a numba-level dispatch function would take
     array references (atomic refcounts) on every row.
     """
-    sig = types.void(nb, y, yoff, kp, ts, idx, val, bt, btoff, mean, moff, rope, cos, sin, csoff, out, ooff)
+    sig = types.void(nb, y, yoff, kp, kc, ts, idx, val, bt, bh, half, btoff, mean, moff, rope, cos, sin, csoff, out, ooff, dense8)
 
     def codegen(context, b, signature, args):
         a_nb, rest, ty = args[0], args[1:], signature.args[1:]
