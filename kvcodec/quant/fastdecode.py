@@ -289,7 +289,7 @@ def rope_tables_cached(pos: np.ndarray, theta: float, dim: int) -> tuple[np.ndar
     return hit
 
 
-def _matrices(tr: Any, H: int, D: int, ctx: ChunkContext) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+def _matrices(tr: Any, H: int, D: int, ctx: ChunkContext) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
     """(bt [H, K, D] float32, the same as float16 bits [H, K, D] uint16 or None, mean [H, D] float32)
     of a transform stage, cached per attachment arrays / row / heads.
 
