@@ -212,15 +212,18 @@ def _decode_kernel(freqs, cums, states, n_symbols, word_start, n_words, words, n
             else:
                 tt = t - n_sink
                 ts = tscale[tt] if has_ts else one
-                if rope_dim == 0 or vec_rope:
-                    if want16:
-                        row(nb, ybuf, tt * kp, kp, K, ts, idx, val, btf, bhf, use_h, h * K * D, meanf, h * D, vec_rope, cosf, sinf,
-                             cso, o16, oo, dense8)
-                    else:
-                        row(nb, ybuf, tt * kp, kp, K, ts, idx, val, btf, bhf, use_h, h * K * D, meanf, h * D, vec_rope, cosf, sinf,
-                             cso, o32, oo, dense8)
+                direct = rope_dim == 0 or vec_rope  # the row writes its output itself
+                if direct and want16:
+                    row(nb, ybuf, tt * kp, kp, K, ts, idx, val, btf, bhf, use_h, h * K * D, meanf, h * D, vec_rope, cosf, sinf,
+                        cso, o16, oo, dense8)
                     continue
-                row(nb, ybuf, tt * kp, kp, K, ts, idx, val, btf, bhf, use_h, h * K * D, meanf, h * D, 0, cosf, sinf, cso, acc, 0, dense8)
+                # one float32 call site for both the direct float32 output and the scalar loop's acc: every
+                # call site inlines the row code for all six widths, which is most of the kernel's compile time
+                dst, doff = (o32, oo) if direct else (acc, 0)
+                row(nb, ybuf, tt * kp, kp, K, ts, idx, val, btf, bhf, use_h, h * K * D, meanf, h * D, vec_rope if direct else 0,
+                    cosf, sinf, cso, dst, doff, dense8)
+                if direct:
+                    continue
             # kept rows, and partial RoPE: scalar RoPE and cast
             if rope_dim > 0:
                 for d in range(half):
