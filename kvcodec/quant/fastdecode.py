@@ -62,9 +62,9 @@ _LANES = 32
 SIMD_SHA256 = "116b0613c402e1e39db0120d75682db2f74c45158c2496d8da9fdbe304c011f8"
 
 #: A token row takes the dense loop (every coefficient, no compaction) when at least this many
-#: eighths of its coefficients are nonzero. Balanced rows are ~70 % nonzero at head_dim 64; an
-#: interleaved A/B of thresholds 9 (never) / 5 / 3 / 0 (always) on the kernel calls of real
-#: 2048-token files and 2-bit synthetic heads was best at 5 everywhere (+5-10 %).
+#: eighths of its coefficients are nonzero. Balanced rows are ~70 % nonzero at head_dim 64;
+#: benchmarks/bench_dense_threshold.py (an interleaved A/B of 9 = never / 5 / 3 / 0 = always on
+#: the kernel calls of real files and 2-bit synthetic heads) measured 5 best or tied everywhere.
 DENSE_OF_8 = 5
 
 #: head_dims the fused kernel decodes (16-lane blocks of :data:`kvcodec.quant.simd.ROW_BLOCKS`).
