@@ -106,15 +106,9 @@ def prewarm() -> threading.Thread | None:
     return t
 
 
-if __name__ == "__main__":  # python -m kvcodec.warmup [--convert-only]
+if __name__ == "__main__":  # python -m kvcodec.warmup (.ci/setup)
     # Only the embedded model: another shipped model converts on its first use (kvcodec.model.resolve_model_dir),
     # so the README's first command does not pay for models the demo never loads.
-    if sys.argv[1:] == ["--convert-only"]:  # .ci/setup runs this beside pip (the conversion needs only the hf extra)
-        from .model import resolve_model_dir
-
-        t = time.perf_counter()
-        print(f"kvc: embedded model at {resolve_model_dir()} ({time.perf_counter() - t:.0f} s)", file=sys.stderr)
-        sys.exit(0)
     res = warm()
     print(f"kvc: warm-up done in {res['total_s']:.0f} s (model {res['model_s']:.0f} s; JIT cache of the codec kernels built)",
           file=sys.stderr)
