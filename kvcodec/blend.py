@@ -75,7 +75,7 @@ import torch
 from .cachelayout import DynamicCache, DynamicLayer, cache_windows, check_layer_tokens, kept_tokens
 from .errors import KvcInputError
 from .kvcache import KVCache
-from .quant.rope import inv_freq, layer_rope_config, rope_angles
+from .quant.rope import inv_freq, layer_applies_rope, layer_rope_config, rope_angles
 
 DEFAULT_RATIO = 0.15
 DEFAULT_SELECT_LAYER = 1
@@ -83,7 +83,7 @@ DEFAULT_SELECT_LAYER = 1
 
 # -- RoPE re-rotation --------------------------------------------------------
 def layer_inv_freqs(lm: Any) -> list[np.ndarray]:
-    """Per layer, the float64 [rotary_dim/2] inverse frequencies its keys were rotated with.
+    """Per layer, the float64 [rotary_dim/2] inverse frequencies its keys were rotated with (none for NoPE).
 
     Plain RoPE: from the model fingerprint's parameters (flat or nested per
     layer type) exactly as the codec's rope stage reads them, so blend and
@@ -98,6 +98,9 @@ def layer_inv_freqs(lm: Any) -> list[np.ndarray]:
     fp = lm.fingerprint
     out: list[np.ndarray] = []
     for i in range(fp.num_layers):
+        if not layer_applies_rope(fp.rope, i):  # a NoPE layer: its keys carry no position, nothing to re-rotate
+            out.append(np.zeros(0, np.float64))
+            continue
         cfg = layer_rope_config(fp, i, fp.head_dims[i])
         out.append(inv_freq(cfg["theta"], cfg["dim"]) if cfg is not None else _scaled_inv_freq(lm, i))
     return out
@@ -144,7 +147,7 @@ def rerotate_keys(keys: torch.Tensor, offset: int, freqs: np.ndarray) -> torch.T
     Channels beyond the rotary dim (partial rotary) are left untouched.
     """
     k = keys.to(torch.float32)
-    if offset == 0:
+    if offset == 0 or len(freqs) == 0:  # len 0: a NoPE layer (layer_inv_freqs)
         return k.clone()
     cos, sin = rotation_tables(offset, freqs)
     d = cos.shape[0]

@@ -213,6 +213,10 @@ def canonical_rope(cfg: Mapping[str, Any]) -> dict[str, Any]:
         out.setdefault("rope_type", "default")
     if c.get("partial_rotary_factor") is not None and "full_attention" not in out:
         out.setdefault("partial_rotary_factor", c["partial_rotary_factor"])
+    if isinstance(c.get("no_rope_layers"), list):
+        # SmolLM3, Llama 4: per layer 1 = RoPE, 0 = none (NoPE). Which layers rotate is part of the RoPE: the
+        # rope stage must not un-rotate, nor CacheBlend re-rotate, a NoPE layer's keys (kvcodec.quant.rope)
+        out["no_rope_layers"] = list(c["no_rope_layers"])
     return out
 
 

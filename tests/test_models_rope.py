@@ -61,3 +61,33 @@ def test_flat_partial_rotary_and_legacy_configs():
     assert layer_rope_config(odd, 0, 64) is None  # 19.2 -> 19 channels: not a rotation the stage can express
     with pytest.raises(KvcFormatError):
         rope_config_from_fingerprint("[1, 2]", 64)
+
+
+def test_nope_layers_have_no_rope_stage_and_no_rerotation():
+    """SmolLM3-style no_rope_layers (1 = RoPE, 0 = none) are part of the canonical RoPE; a NoPE layer gets no
+    rope stage (its keys are coded as they are) and CacheBlend does not re-rotate it."""
+    import numpy as np
+    import torch
+
+    from kvcodec.blend import rerotate_keys
+    from kvcodec.quant.rope import layer_applies_rope
+
+    rope = canonical_rope({"rope_parameters": {"rope_theta": 2e6, "rope_type": "default"}, "no_rope_layers": [1, 0, 1]})
+    assert rope["no_rope_layers"] == [1, 0, 1]
+    fp = SimpleNamespace(rope=json.dumps(rope))
+    assert [layer_applies_rope(fp.rope, i) for i in range(3)] == [True, False, True]
+    assert layer_rope_config(fp, 0, 64) == {"theta": 2e6, "dim": 64}
+    assert layer_rope_config(fp, 1, 64) is None
+    with pytest.raises(KvcCodecError, match="applies no RoPE"):
+        rope_config_from_fingerprint(fp.rope, 64, 1)
+    with pytest.raises(KvcCodecError, match="depends on the layer"):
+        rope_config_from_fingerprint(fp.rope, 64)
+    with pytest.raises(KvcFormatError, match="layer 3"):  # a list that does not name the layer is not guessed
+        layer_applies_rope(fp.rope, 3)
+    with pytest.raises(KvcFormatError, match="layer 0"):
+        layer_applies_rope({"no_rope_layers": ["yes"]}, 0)
+    k = torch.randn(2, 5, 64)
+    assert torch.equal(rerotate_keys(k, 7, np.zeros(0)), k)
+    # models without the field are unchanged (their fingerprints too)
+    assert "no_rope_layers" not in canonical_rope({"rope_theta": 1e4})
+    assert layer_applies_rope(json.dumps(canonical_rope({"rope_theta": 1e4})), None)
