@@ -120,6 +120,9 @@ def _scaled_inv_freq(lm: Any, layer: int) -> np.ndarray:
             and isinstance(params.get(types[layer]), dict):
         layer_type, params = types[layer], params[types[layer]]
     rtype = params.get("rope_type", "default") if isinstance(params, dict) else None
+    if rtype in (None, "default"):  # the rope stage found no plain RoPE parameters either
+        raise KvcInputError(f"blend re-positions chunk keys by a RoPE rotation; layer {layer}'s config names no "
+                            "RoPE parameters (positions from learned or absolute embeddings cannot be re-positioned)")
     if rtype not in _STATIC_SCALED_ROPE:
         raise KvcInputError(f"blend re-positions chunk keys by a RoPE rotation; layer {layer} uses RoPE type {rtype!r}, "
                             "whose frequencies depend on the sequence length (supported: default, "

@@ -69,7 +69,8 @@ CONFIG_FIELDS = (
     "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar", "tie_word_embeddings",
     "use_qk_norm", "qk_layernorm", "attention_multiplier", "residual_multiplier", "embedding_multiplier",
     "logits_scaling", "scale_embedding", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
-    "v_head_dim",
+    "v_head_dim", "n_layer", "n_head", "n_embd", "n_inner", "n_positions", "activation_function", "num_kv_heads",
+    "multi_query", "new_decoder_architecture", "parallel_attn", "alibi",
 )
 
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
@@ -250,12 +251,29 @@ def tokenizer_sha256(tokenizer: Any) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
+# The same quantity under each family's config.json name (transformers maps them through a config class's
+# attribute_map; a raw config.json has only the family's own): GPT-2 and friends say n_layer/n_head/n_embd.
+_LAYERS = ("num_hidden_layers", "n_layer", "num_layers")
+_HEADS = ("num_attention_heads", "n_head", "num_heads")
+_KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num")
+_HIDDEN = ("hidden_size", "n_embd", "d_model")
+
+
+def _first(c: Mapping[str, Any], names: tuple[str, ...]) -> Any:
+    for k in names:
+        if k in c:
+            return c[k]
+    raise KeyError(names[0])
+
+
 def _head_layout(c: Mapping[str, Any]) -> tuple[int, int, int]:
     """(layers, kv heads, head_dim) from a text config dict, validated."""
     try:
-        n_layers, n_heads = c["num_hidden_layers"], c["num_attention_heads"]
-        n_kv = c.get("num_key_value_heads") or n_heads
-        head_dim = c.get("head_dim") or c["hidden_size"] // n_heads
+        n_layers, n_heads = _first(c, _LAYERS), _first(c, _HEADS)
+        n_kv = next((c[k] for k in _KV_HEADS if c.get(k)), None) or n_heads
+        if c.get("multi_query") and not c.get("new_decoder_architecture"):  # Falcon's multi-query layout
+            n_kv = 1
+        head_dim = c.get("head_dim") or _first(c, _HIDDEN) // n_heads
     except (KeyError, TypeError, ZeroDivisionError) as exc:
         raise KvcModelNotFoundError(f"model config lacks a usable head layout ({exc})") from None
     if not all(_is_int(x) and 0 < x <= 65536 for x in (n_layers, n_heads, n_kv, head_dim)) or n_layers > 4096:

@@ -35,10 +35,19 @@ FAMILIES = {
     # layers without RoPE (NoPE: no_rope_layers[i] == 0), here layer 0, whose keys the re-rotation check compares
     "smollm3": dict(model_type="smollm3", num_attention_heads=4, num_key_value_heads=2, no_rope_layers=[0, 1],
                     pad_token_id=None, bos_token_id=None, eos_token_id=None),
+    # one q/k norm over all heads' projections (not per head)
+    "olmo2": dict(model_type="olmo2", num_attention_heads=4, num_key_value_heads=2),
+    # multi-query attention named Falcon's way (multi_query, no num_key_value_heads), fused qkv, parallel attention
+    "falcon": dict(model_type="falcon", num_attention_heads=4, new_decoder_architecture=False, multi_query=True),
+    # learned absolute positions, no RoPE, config.json names n_layer/n_head/n_embd: capture, codec and store work;
+    # blend cannot re-position such chunks and must say so in one line
+    "gpt2": dict(model_type="gpt2", n_head=4),
     # MHA at head_dim 128, stored in bfloat16
     "llama-bf16": dict(model_type="llama", num_attention_heads=2, num_key_value_heads=2, head_dim=128,
                        torch_dtype="bfloat16"),
 }
+# decoder layers outside `.model.layers` (GPT-2 and Falcon: `.transformer.h`): lossless works, calibration refuses
+OTHER_LAYOUTS = ("falcon", "gpt2")
 N_TOKENS = 120  # > the sliding windows above
 
 
@@ -85,6 +94,12 @@ def test_family_flow(family, family_dirs, tmp_path):
         assert cache.ragged
         _continues_like_a_fresh_prefill(lm, cache, ids)
     for preset in ("lossless", "balanced"):
+        if preset != "lossless" and family in OTHER_LAYOUTS:  # no lossy calibration: one line naming why
+            from kvcodec.errors import KvcInputError
+
+            with pytest.raises(KvcInputError, match="cannot calibrate .*not at .model.layers"):
+                get_plan(preset, cache, lm=lm)
+            continue
         plan = get_plan(preset, cache, lm=lm)
         p = tmp_path / f"{preset}.kvc"
         write_kvc(cache, p, plan.pipelines, WriteOptions.for_plan(plan))
@@ -106,6 +121,14 @@ def test_family_flow(family, family_dirs, tmp_path):
     assert first.source == "prefill" and again.source == "store"
     assert again.answer_ids == first.answer_ids
     assert np.array_equal(np.asarray(again.answer_ids), np.asarray(first.answer_ids))
+    if family in OTHER_LAYOUTS:  # blend refuses in one line: GPT-2 has no RoPE to re-position by, Falcon's layers
+        from kvcodec.blend import blend  # are not where blend drives them
+        from kvcodec.errors import KvcInputError
+
+        chunks = [capture(lm, token_ids=ids[:70]), capture(lm, token_ids=ids[70:112])]
+        with pytest.raises(KvcInputError, match="names no RoPE parameters|cannot find the .* decoder layers"):
+            blend(lm, chunks, ids[112:], recompute_ratio=0.3)
+        return
     _blends_through_its_own_forward(lm, ids)
     blended = kb.ask_blended([doc, lm.tokenizer.decode(ids[:40])], "What is this?", max_new_tokens=4)
     assert blended.source == "blend" and 1 <= len(blended.answer_ids) <= 4

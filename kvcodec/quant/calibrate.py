@@ -128,6 +128,24 @@ def _pre_rope(cache: Any, layer: int, kind: str) -> np.ndarray:
     return x
 
 
+def decoder_layers(lm: Any) -> Any:
+    """The decoder layers of a transformers causal LM in the common layout (``.model.layers``: LLaMA, Qwen,
+    Gemma, Mistral, Phi-3, OLMo, SmolLM3, ...), which the calibration hooks into; other layouts get one line."""
+    layers = getattr(getattr(lm.model, "model", None), "layers", None)
+    if layers is None:
+        raise KvcInputError(f"cannot calibrate {type(lm.model).__name__}: its decoder layers are not at .model.layers "
+                            "(GPT-2/Falcon-style module layouts); the lossless and fp16 presets need no calibration")
+    return layers
+
+
+def _self_attn(model: Any, layer: Any, i: int) -> Any:
+    att = getattr(layer, "self_attn", None)
+    if att is None:
+        raise KvcInputError(f"cannot calibrate {type(model).__name__}: decoder layer {i} "
+                            f"({type(layer).__name__}) has no self_attn module")
+    return att
+
+
 class _QueryMoments:
     """Collects E[q^2] of the pre-RoPE queries per (layer, kv head, channel) during any forward pass.
 
@@ -139,7 +157,7 @@ class _QueryMoments:
         cfg = lm.model.config.get_text_config()
         self.nq, self.nkv = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
         self.D = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.nq)
-        self.layers = lm.model.model.layers
+        self.layers = decoder_layers(lm)
         self._model = lm.model
         self.sink = sink
         self.moments: np.ndarray | None = None
@@ -148,7 +166,7 @@ class _QueryMoments:
     def __enter__(self) -> "_QueryMoments":
         self.moments = np.zeros((len(self.layers), self.nkv, self.D))
         for i, layer in enumerate(self.layers):
-            att = layer.self_attn
+            att = _self_attn(self._model, layer, i)
             # separate q projection (LLaMA, Qwen, Gemma, Mistral) or the first nq*D outputs of a fused one (Phi-3)
             proj = getattr(att, "q_proj", None) or getattr(att, "qkv_proj", None)
             if proj is None:
@@ -159,9 +177,14 @@ class _QueryMoments:
 
     def _hook(self, i: int, q_norm: Any) -> Any:
         def hook(mod: Any, inp: Any, o: Any) -> None:
-            q = o[0, :, : self.nq * self.D].detach().reshape(o.shape[1], self.nq, self.D)
-            if q_norm is not None:  # Qwen3/Gemma3 normalise each query head before RoPE: the keys meet these
-                q = q_norm(q)
+            q = o[0, :, : self.nq * self.D].detach()
+            if q_norm is not None:  # the keys meet the normalised queries
+                w = getattr(q_norm, "weight", None)
+                if w is not None and w.numel() == self.nq * self.D:  # OLMo 2: one norm over all query heads
+                    q = q_norm(q)
+                else:  # Qwen3, Gemma 3: each query head normalised on its own
+                    q = q_norm(q.reshape(o.shape[1], self.nq, self.D))
+            q = q.reshape(o.shape[1], self.nq, self.D)
             q = q.double()[self.sink:]
             # HF repeat_kv: kv head h serves q heads h*r..h*r+r-1
             assert self.moments is not None
@@ -187,7 +210,7 @@ def attention_metrics(lm: Any, qm: np.ndarray, reg: float = 0.01) -> np.ndarray:
     out = np.zeros((L, 2, H, D, D))
     h2 = D // 2
     for l in range(L):
-        att = lm.model.model.layers[l].self_attn
+        att = _self_attn(lm.model, decoder_layers(lm)[l], l)
         if not hasattr(att, "o_proj"):
             raise KvcInputError(f"cannot calibrate {type(lm.model).__name__}: layer {l}'s attention "
                                 f"({type(att).__name__}) has no o_proj output projection")
@@ -301,7 +324,7 @@ def measure_sensitivity(lm: Any, cache: Any, continuation: np.ndarray, sink: int
 @contextmanager
 def _layer_progress(lm: Any, step: Any) -> Iterator[None]:
     """Calls ``step(1 / L)`` after each decoder layer's forward pass (progress within one prefill)."""
-    layers = lm.model.model.layers
+    layers = decoder_layers(lm)
 
     def hook(*args: Any) -> None:  # returns None: a forward hook's return value replaces the layer's output
         step(1.0 / len(layers))
