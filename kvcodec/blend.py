@@ -72,7 +72,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from .cachelayout import DynamicCache, DynamicLayer, cache_windows, check_layer_tokens, kept_tokens
+from .cachelayout import DynamicCache, DynamicLayer, cache_windows, check_layer_tokens, decoder_layers, kept_tokens
 from .errors import KvcInputError
 from .kvcache import KVCache
 from .quant.rope import inv_freq, layer_applies_rope, layer_rope_config, rope_angles
@@ -274,8 +274,7 @@ class _Forward:
             raise KvcInputError(f"blend needs an attention implementation that takes an explicit mask (sdpa or eager), "
                                 f"the model uses {impl!r}")
         self.additive = impl == "eager"
-        decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else None
-        layers = getattr(decoder, "layers", None)
+        layers = decoder_layers(self.model)
         if layers is None or len(layers) != len(K):
             raise KvcInputError(f"blend cannot find the {len(K)} decoder layers of {type(self.model).__name__}")
         self.layers = layers

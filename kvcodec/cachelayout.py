@@ -31,6 +31,14 @@ from transformers.cache_utils import (  # noqa: E402
 )
 
 
+
+def decoder_layers(model: Any) -> Any | None:
+    """The decoder layers of a transformers causal LM (``get_decoder().layers``: LLaMA, Qwen, Gemma, Mistral,
+    Phi-3, OLMo, SmolLM3, ...), or None for layouts without them (GPT-2, Falcon: ``.transformer.h``).
+    The one look-up for CacheBlend, which drives them, and the calibration, which hooks into them."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    return getattr(decoder, "layers", None)
+
 def cache_windows(config: Any) -> list[int | None]:
     """Per layer: the window of its sliding-window cache layer (it keeps the last ``window - 1`` tokens;
     a query at position q sees keys at q - window < k <= q), or None for a layer that keeps every token."""

@@ -128,10 +128,10 @@ def _pre_rope(cache: Any, layer: int, kind: str) -> np.ndarray:
     return x
 
 
-def decoder_layers(lm: Any) -> Any:
-    """The decoder layers of a transformers causal LM in the common layout (``.model.layers``: LLaMA, Qwen,
-    Gemma, Mistral, Phi-3, OLMo, SmolLM3, ...), which the calibration hooks into; other layouts get one line."""
-    layers = getattr(getattr(lm.model, "model", None), "layers", None)
+def _decoder_layers(lm: Any) -> Any:
+    from ..cachelayout import decoder_layers
+
+    layers = decoder_layers(lm.model)
     if layers is None:
         raise KvcInputError(f"cannot calibrate {type(lm.model).__name__}: its decoder layers are not at .model.layers "
                             "(GPT-2/Falcon-style module layouts); the lossless and fp16 presets need no calibration")
@@ -157,7 +157,7 @@ class _QueryMoments:
         cfg = lm.model.config.get_text_config()
         self.nq, self.nkv = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
         self.D = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.nq)
-        self.layers = decoder_layers(lm)
+        self.layers = _decoder_layers(lm)
         self._model = lm.model
         self.sink = sink
         self.moments: np.ndarray | None = None
@@ -210,7 +210,7 @@ def attention_metrics(lm: Any, qm: np.ndarray, reg: float = 0.01) -> np.ndarray:
     out = np.zeros((L, 2, H, D, D))
     h2 = D // 2
     for l in range(L):
-        att = _self_attn(lm.model, decoder_layers(lm)[l], l)
+        att = _self_attn(lm.model, _decoder_layers(lm)[l], l)
         if not hasattr(att, "o_proj"):
             raise KvcInputError(f"cannot calibrate {type(lm.model).__name__}: layer {l}'s attention "
                                 f"({type(att).__name__}) has no o_proj output projection")
@@ -324,7 +324,7 @@ def measure_sensitivity(lm: Any, cache: Any, continuation: np.ndarray, sink: int
 @contextmanager
 def _layer_progress(lm: Any, step: Any) -> Iterator[None]:
     """Calls ``step(1 / L)`` after each decoder layer's forward pass (progress within one prefill)."""
-    layers = decoder_layers(lm)
+    layers = _decoder_layers(lm)
 
     def hook(*args: Any) -> None:  # returns None: a forward hook's return value replaces the layer's output
         step(1.0 / len(layers))
