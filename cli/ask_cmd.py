@@ -31,8 +31,8 @@ def ask_command(model, docs, store_url, preset, namespace, max_new_tokens, no_st
     from kvcodec.errors import KvcInputError
     from kvcodec.plans import available_presets
     from kvcodec.knowledge import KnowledgeBase, read_docs
-    from kvcodec.model import load_model
-    from kvcodec.warmup import prewarm
+    from kvcodec.model import load_model, resolve_model_dir
+    from kvcodec.warmup import context_bytes, prewarm
 
     if not blend and click.get_current_context().get_parameter_source("recompute_ratio") == click.core.ParameterSource.COMMANDLINE:
         raise KvcInputError("--recompute-ratio only applies with --blend")
@@ -49,7 +49,9 @@ def ask_command(model, docs, store_url, preset, namespace, max_new_tokens, no_st
     if ttft_budget is not None and not ttft_budget > 0:
         raise KvcInputError(f"--ttft-budget must be positive seconds, got {ttft_budget:g}")
     texts = read_docs(list(docs))
-    prewarm()  # the codec's one-time costs, paid while the model loads (kvcodec/warmup.py)
+    # the codec's one-time costs and the context's first page faults (~4 characters a token), paid
+    # while the model loads (kvcodec/warmup.py)
+    prewarm(context_bytes(resolve_model_dir(model), sum(len(t) for t in texts) // 4))
     lm = load_model(model)
     lm.warm_up()  # a fresh process's first forward pays one-time set-up: pay it here, not in the first token
     kb = KnowledgeBase(lm, store_url, preset=preset, namespace=namespace)

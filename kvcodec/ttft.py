@@ -89,14 +89,14 @@ def _child(spec_path: str) -> None:
     tune_allocator()  # as the `kvc` command does, so cold and warm (kvc demo's own process) are tuned alike
     import torch
 
-    from .model import load_model
-    from .warmup import prewarm
+    from .model import load_model, resolve_model_dir
+    from .warmup import context_bytes, prewarm
 
     if spec["threads"]:
         torch.set_num_threads(int(spec["threads"]))
     t0 = time.perf_counter()
-    if spec["kind"] == "kvc":
-        prewarm()
+    if spec["kind"] == "kvc":  # as `kvc ask` does
+        prewarm(context_bytes(resolve_model_dir(spec["model"]), len(spec["ids"])))
     lm = load_model(spec["model"])
     lm.fingerprint  # noqa: B018 - computed once per process by both paths; not part of TTFT
     lm.warm_up()  # both paths, as `kvc ask` does after loading the model: part of model load

@@ -14,8 +14,9 @@ converts that model once. It also keeps one small `.kvc` per preset family in
 :func:`prewarm` is the per-process half (issue 21). A fresh ``kvc ask`` pays,
 before its first token, for importing the codec stack (numba, the quant
 stages: about 1.5 s of CPU here) and for loading the cached kernels on the
-first layer decode (about 0.6 s). Neither depends on the entry being asked
-about, so the CLI starts :func:`prewarm` in a background thread before it
+first layer decode (about 0.6 s), and for first-touching the pages its decoded
+K/V will occupy (about 0.3 s at 4K tokens). None of this depends on the entry's
+contents, so the CLI starts :func:`prewarm` in a background thread before it
 loads the model (seconds): by the time ``ask`` opens the entry, those costs
 have been paid in parallel with the model load instead of in front of the
 first token.
@@ -23,6 +24,7 @@ first token.
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import threading
@@ -77,7 +79,10 @@ def warm(model: str = "smollm2", tokens: int = 64) -> dict[str, float]:
     return out
 
 
-def _prewarm_files(files: list[Path]) -> None:
+def _prewarm(files: list[Path], prefault_bytes: int) -> None:
+    from .allocator import prefault
+
+    prefault(prefault_bytes)
     try:
         from .format import KvcReader  # the codec stack is imported by the first file's stages
 
@@ -89,19 +94,36 @@ def _prewarm_files(files: list[Path]) -> None:
         log.debug("prewarm stopped: %s", exc)
 
 
-def prewarm() -> threading.Thread | None:
-    """Pay a fresh process's one-time decode costs in a background (daemon) thread.
+def context_bytes(model_dir: Path, tokens: int) -> int:
+    """About how many bytes of fresh memory a request over ``tokens`` tokens of context touches: its
+    K/V as the attention reads them (float32, every query head after ``repeat_kv``). For the
+    embedded model that is 138 KB a token, as measured (~128,000-149,000 page faults at 4K tokens,
+    BENCHMARKS.md). 0 when the config cannot be read (then :func:`prewarm` faults nothing in)."""
+    try:
+        cfg = json.loads((model_dir / "config.json").read_text())
+        cfg = cfg.get("text_config", cfg)
+        heads = int(cfg["num_attention_heads"])
+        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+        per_token = int(cfg["num_hidden_layers"]) * 2 * heads * head_dim * 4
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return 0
+    return per_token * max(0, tokens)
 
-    Decodes the small `.kvc` files :func:`warm` left (importing the codec stack
-    and loading the compiled kernels as a side effect). Results are discarded,
-    and failures are logged at debug level only: the real decode redoes every
-    check. Returns the thread, or None when setup left no files.
+
+def prewarm(prefault_bytes: int = 0) -> threading.Thread | None:
+    """Pay a fresh process's one-time costs in a background (daemon) thread.
+
+    First faults ``prefault_bytes`` of heap pages in (:func:`kvcodec.allocator.prefault`; size it
+    with :func:`context_bytes`), then decodes the small `.kvc` files :func:`warm` left (importing
+    the codec stack and loading the compiled kernels as a side effect). Results are discarded,
+    and failures are logged at debug level only: the real decode redoes every check. Returns the
+    thread, or None when there is nothing to do.
     """
     d = warmup_dir()
     files = [d / f"{p}.kvc" for p in PRESETS if (d / f"{p}.kvc").is_file()]
-    if not files:
+    if not files and prefault_bytes <= 0:
         return None
-    t = threading.Thread(target=_prewarm_files, args=(files,), name="kvc-prewarm", daemon=True)
+    t = threading.Thread(target=_prewarm, args=(files, prefault_bytes), name="kvc-prewarm", daemon=True)
     t.start()
     return t
 

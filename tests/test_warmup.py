@@ -58,3 +58,19 @@ def test_damaged_file_is_ignored(tmp_path, monkeypatch, content, caplog):
     assert not t.is_alive()
     assert any("prewarm stopped" in r.getMessage() for r in caplog.records)
     assert (d / "balanced.kvc").read_bytes() == content  # never modified
+
+
+def test_context_bytes_from_the_model_config(tmp_path):
+    """prewarm's prefault size: the K/V the attention reads per token (float32, all query heads)."""
+    import json
+
+    cfg = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}  # SmolLM2-135M
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert warmup.context_bytes(tmp_path, 4096) == 30 * 2 * 9 * 64 * 4 * 4096
+    nested = {"text_config": dict(cfg, head_dim=256, num_attention_heads=4)}  # multimodal layout, explicit head_dim
+    (tmp_path / "config.json").write_text(json.dumps(nested))
+    assert warmup.context_bytes(tmp_path, 10) == 30 * 2 * 4 * 256 * 4 * 10
+    for bad in ("{", "[]", json.dumps({"num_hidden_layers": "x"})):
+        (tmp_path / "config.json").write_text(bad)
+        assert warmup.context_bytes(tmp_path, 10) == 0
+    assert warmup.context_bytes(tmp_path / "missing", 10) == 0
