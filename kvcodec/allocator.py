@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import platform
 
 import numpy as np
@@ -59,9 +60,18 @@ PREFAULT_MAX = DEFAULT_TRIM_THRESHOLD
 _PREFAULT_PIECE = 16 << 20  # under the mmap threshold: from the heap, so freed pages stay mapped
 
 
+def _available() -> int:
+    """Bytes of physical memory free now (no limit where the OS does not say)."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return PREFAULT_MAX * 4
+
+
 def prefault(nbytes: int) -> int:
-    """Fault ``nbytes`` (at most :data:`PREFAULT_MAX`) of heap pages in and free them again; returns
-    the bytes touched.
+    """Fault ``nbytes`` (at most :data:`PREFAULT_MAX`, and at most a quarter of the free physical
+    memory: a guess at the request's size must never be what exhausts the machine) of heap pages in
+    and free them again; returns the bytes touched.
 
     Why: a fresh process's first request first-touches every page of its decoded K/V and the
     attention's copies (~140 KB per token for the embedded model: ~0.3 s of page faults at 4K
@@ -69,7 +79,7 @@ def prefault(nbytes: int) -> int:
     (:func:`kvcodec.warmup.prewarm`), after :func:`tune_allocator` (one arena, a high trim
     threshold), the request then reuses pages that are already mapped. Only useful after
     :func:`tune_allocator`: without it the pages go back to the OS on free."""
-    n = max(0, min(int(nbytes), PREFAULT_MAX)) // _PREFAULT_PIECE
+    n = max(0, min(int(nbytes), PREFAULT_MAX, _available() // 4)) // _PREFAULT_PIECE
     pieces = [np.ones(_PREFAULT_PIECE, np.uint8) for _ in range(n)]  # ones, not empty/zeros: a write faults the page
     del pieces
     return n * _PREFAULT_PIECE

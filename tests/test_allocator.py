@@ -83,3 +83,10 @@ def test_prefault_is_bounded():
     assert prefault(1 << 20) == 0  # under one piece: nothing
     assert prefault(40 << 20) == 32 << 20
     assert PREFAULT_MAX == 1 << 30  # prefault(n) touches min(n, PREFAULT_MAX)
+
+
+def test_prefault_leaves_most_free_memory_alone(monkeypatch):
+    import kvcodec.allocator as al
+
+    monkeypatch.setattr(al, "_available", lambda: 100 << 20)
+    assert al.prefault(1 << 30) == 16 << 20  # a quarter of 100 MiB, in 16 MiB pieces
