@@ -38,9 +38,12 @@ Estimators (defaults documented in ``spec/levels-v1.md`` §6):
   what this process measured.
 
 A stalled or dropped link is detected by the main thread (no new piece for
-``stall_s`` plus twice a piece's transfer time at the estimated bandwidth, or a
-transfer so slow that its text would be ready sooner and it would miss the budget): the
-chunk is prefilled from text and every later chunk too (``link_failed``).
+``stall_s`` plus twice a piece's transfer time at the estimated bandwidth): the
+chunk is prefilled from text and every later chunk too (``link_failed``). A
+transfer that works but is so slow that its text would be ready sooner and it
+would miss the budget is abandoned too, and that chunk is prefilled from text;
+the link is not failed: the rate it showed becomes a bandwidth sample, so later
+chunks are planned with it (a smaller level, or text).
 """
 
 from __future__ import annotations
@@ -185,6 +188,7 @@ class ProgressiveReader(RangeReader):
         self.received = 0
         self.first_at: float | None = None  # when the first piece arrived, and its size (the give-up rule's rate)
         self.first_bytes = 0
+        self.slow_Bps: float | None = None  # set when abandoned as too slow (not failed): the rate it showed
 
     def fill(self) -> None:
         try:
@@ -552,6 +556,8 @@ class _Run:
                             self.samples.append(tp)
                             self.s.speeds.bw.setdefault(self.s._url, []).append(tp)
                             del self.s.speeds.bw[self.s._url][:-self.s.window]
+                        elif it.reader.slow_Bps is not None:  # abandoned for the budget: the link works, slowly
+                            self.samples.append(it.reader.slow_Bps)
                         elif it.reader._error is not None:
                             self.fail_link(_one_line(it.reader._error))
                 else:
@@ -598,6 +604,7 @@ class _Run:
                         return None  # no rate to judge by yet: only the stall rule applies
                 left = (r.size - r.received) * elapsed / got
                 if now + left + self._rest_s(it.i, self.bw()) > self.deadline and left > n_text:
+                    r.slow_Bps = got / elapsed
                     return (f"transfer too slow ({r.received:,}/{r.size:,} bytes in {elapsed:.2f} s): "
                             f"text prefill ({n_text:.2f} s est) ends sooner")
             return None
@@ -625,7 +632,8 @@ class _Run:
                     it.reader.give_up(_one_line(e))
                     c.fell_back = f"{c.choice}: {_one_line(e)}"
                     c.choice = TEXT
-                    self.fail_link(_one_line(e))
+                    if it.reader.slow_Bps is None:  # too slow is not failed: plan() turns it into a sample
+                        self.fail_link(_one_line(e))
                     _truncate(past, pos)
                     t1 = time.perf_counter()
             if c.choice == TEXT:

@@ -156,6 +156,25 @@ def test_budget_respected_on_a_shaped_link(lm, entry, kdn, measured):
     assert t_text > budget  # the baseline of always prefilling misses this budget (by construction, on this box)
 
 
+def test_a_slow_transfer_is_not_a_failed_link(lm, entry, kdn, measured):
+    """The planner believes 100 Mbit/s; the link gives 12: the first chunk's transfer is abandoned as
+    too slow and prefilled from text, but the link is not failed: the rate it showed plans the next
+    chunk, and every give-up says why."""
+    d, ids, _ = entry
+    priors, t_text = measured
+    speeds = Speeds(priors)
+    q = lm.tokenizer("What does this license say?")["input_ids"]
+    with ShapedLink(kdn.port, rate_bps=12e6, latency_s=0.002) as link:
+        st = Store.open(kdn.url(link.port), key=KEY)
+        speeds.bw[st.url] = [100e6 / 8]  # a stale sample: the link was faster before
+        _, rep = AdaptiveStreamer(lm, st, speeds=speeds).answer(ids, q, budget_s=0.6 * t_text, max_new_tokens=1)
+    first, later = rep.chunks[0], rep.chunks[1:]
+    assert rep.link_failed is None, rep.to_json()
+    assert first.fell_back and "transfer too slow" in first.fell_back and first.choice == TEXT, rep.to_json()
+    assert later and all("link failed" not in c.reason for c in later), rep.to_json()
+    assert later[0].bandwidth_Bps < 0.5 * 100e6 / 8, rep.to_json()  # the slow rate now counts
+
+
 def test_fallback_to_text_when_no_level_fits(lm, entry, kdn, measured, exact_logits):
     """50 kbit/s: even the smallest chunk takes ~1 min; a budget that fits prefilling gets text, not levels."""
     d, ids, _ = entry
