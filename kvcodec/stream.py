@@ -553,17 +553,21 @@ class _Run:
                         if tp is not None:
                             it.choice.fetch_s = it.reader.finished - t1
                             it.choice.throughput_Bps = tp
-                            self.samples.append(tp)
-                            self.s.speeds.bw.setdefault(self.s._url, []).append(tp)
-                            del self.s.speeds.bw[self.s._url][:-self.s.window]
+                            self.saw_bandwidth(tp)
                         elif it.reader.slow_Bps is not None:  # abandoned for the budget: the link works, slowly
-                            self.samples.append(it.reader.slow_Bps)
+                            self.saw_bandwidth(it.reader.slow_Bps)
                         elif it.reader._error is not None:
                             self.fail_link(_one_line(it.reader._error))
                 else:
                     self.items.put(it)
         finally:
             self.items.put(None)
+
+    def saw_bandwidth(self, bps: float) -> None:
+        """A measured rate of this link: plans this request's later chunks and the process's later requests."""
+        self.samples.append(bps)
+        self.s.speeds.bw.setdefault(self.s._url, []).append(bps)
+        del self.s.speeds.bw[self.s._url][:-self.s.window]
 
     def fail_link(self, why: str) -> None:
         if self.link_failed is None:
