@@ -43,6 +43,7 @@ import torch  # noqa: E402
 
 from kvcodec.entropy.rans_stage import RansStage  # noqa: E402
 from kvcodec.quant import fastdecode as F  # noqa: E402
+from kvcodec.quant.blocks import channel_blocks  # noqa: E402
 from kvcodec.quant.stages import KeepStage, QuantizeStage, RopeStage, TransformStage  # noqa: E402
 from kvcodec.stages import ArraySpec, ChunkContext, Pipeline  # noqa: E402
 
@@ -57,11 +58,23 @@ def real_channels(text: str, tokens: int) -> np.ndarray:
     return x
 
 
-def pca(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """basis [D, D] (columns by descending variance) and mean [D] of rows x [T, D]."""
+def pca(x: np.ndarray, blocks: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """basis [D, D] (columns by descending variance) and mean [D] of rows x [T, D]; with ``blocks``
+    block-diagonal over :func:`kvcodec.quant.blocks.channel_blocks`, as calibration builds it."""
     m = x.mean(0)
-    _, v = np.linalg.eigh(np.cov((x - m).T))
-    return v[:, ::-1].copy(), m
+    cov = np.cov((x - m).T)
+    D = x.shape[1]
+    parts = channel_blocks(D) if blocks else [(0, D)]
+    v = np.zeros((D, D))
+    w = np.zeros(D)
+    col = 0
+    for c0, c1 in parts:
+        wb, vb = np.linalg.eigh(cov[c0:c1, c0:c1])
+        v[c0:c1, col:col + c1 - c0] = vb
+        w[col:col + c1 - c0] = wb
+        col += c1 - c0
+    order = np.argsort(-w, kind="stable")
+    return v[:, order], m
 
 
 def chunks_for(x: np.ndarray, D: int, heads: int) -> list[np.ndarray]:
@@ -72,12 +85,12 @@ def chunks_for(x: np.ndarray, D: int, heads: int) -> list[np.ndarray]:
     return [np.ascontiguousarray(h[i:i + heads]).astype(np.float16) for i in range(0, n - heads + 1, heads)]
 
 
-def bench_dim(x: np.ndarray, D: int, heads: int, bits: float, repeat: int) -> dict:
+def bench_dim(x: np.ndarray, D: int, heads: int, bits: float, repeat: int, blocks: bool = False) -> dict:
     chunks = chunks_for(x, D, heads)
     T = chunks[0].shape[1]
     rows = []
     for ch in chunks:  # one attachment row per chunk: "layer" j, kind k
-        bs, ms = zip(*(pca(ch[h].astype(np.float64)) for h in range(heads)))
+        bs, ms = zip(*(pca(ch[h].astype(np.float64), blocks) for h in range(heads)))
         rows.append((np.stack(bs).astype(np.float16), np.stack(ms).astype(np.float16)))
     att = {"pca.basis": np.stack([r[0] for r in rows] + [rows[0][0]]), "pca.mean": np.stack([r[1] for r in rows] + [rows[0][1]])}
     step = 0.05
@@ -121,14 +134,16 @@ def main() -> None:
     ap.add_argument("--bits", type=float, default=2.0, help="target bits per element of the coded chunks")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--head-dims", default=",".join(str(d) for d in F.HEAD_DIMS))
+    ap.add_argument("--basis", choices=("full", "blocks"), default="blocks",
+                    help="PCA over the whole head, or block-diagonal over its channel blocks (what calibration builds)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     torch.set_num_threads(1)
     x = real_channels(a.text, a.tokens)
-    res = {"text": a.text, "tokens": a.tokens, "repeat": a.repeat, "loadavg_start": os.getloadavg()[0], "dims": []}
+    res = {"text": a.text, "tokens": a.tokens, "repeat": a.repeat, "basis": a.basis, "loadavg_start": os.getloadavg()[0], "dims": []}
     for D in (int(d) for d in a.head_dims.split(",")):
         heads = max(1, 256 // D)  # ~ the same bytes per chunk at every D
-        res["dims"].append(bench_dim(x, D, heads, a.bits, a.repeat))
+        res["dims"].append(bench_dim(x, D, heads, a.bits, a.repeat, a.basis == "blocks"))
         if not a.json:
             r = res["dims"][-1]
             print(f"head_dim {D:4d}: {r['bits_per_element']:.2f} bits/el, fused {r['fused_mb_s']:7.1f} MB/s "

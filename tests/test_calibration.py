@@ -128,3 +128,55 @@ def test_kvc_calibrate_reports_the_shipped_calibration(lm, tmp_path, monkeypatch
     rep = json.loads(out)
     assert rep["built"] is False and rep["fingerprint"] == lm.fingerprint.id
     assert rep["path"].startswith(str(C.SHIPPED_DIR))
+
+
+def _moments(D: int, L: int = 2, H: int = 2, seed: int = 0):
+    from kvcodec.quant.calibrate import _Moments
+
+    rng = np.random.default_rng(seed)
+    mom = _Moments(L, H, D)
+    x = rng.standard_normal((2048, D)) @ rng.standard_normal((D, D)) + rng.standard_normal(D)
+    mom.n[:] = len(x)
+    mom.s1[:] = x.sum(0)
+    mom.s2[:] = x.T @ x
+    a = rng.standard_normal((L, 2, H, D, D))
+    return mom, a @ np.swapaxes(a, -1, -2) / D + np.eye(D)
+
+
+@pytest.mark.parametrize("D", [96, 128, 256])
+def test_wide_heads_get_a_block_diagonal_basis(D):
+    """head_dim > 64: every basis column lives on one channel block (the fused decoder then costs a
+    block's width per coefficient), columns ordered by decreasing variance, and each block's columns
+    are exactly the weighted PCA of that block alone."""
+    from kvcodec.quant.blocks import channel_blocks
+    from kvcodec.quant.calibrate import _weighted_pca, compute_pca
+
+    mom, met = _moments(D)
+    basis, mean, eig = compute_pca(mom, met)
+    blocks = channel_blocks(D)
+    assert len(blocks) > 1 and basis.shape == (2, 2, 2, D, D)
+    assert (np.diff(eig, axis=-1) <= 0).all()
+    b = basis.astype(np.float64)
+    owner = np.array([[j for j, (c0, c1) in enumerate(blocks) if np.any(b[0, 0, 0, c0:c1, k])] for k in range(D)], dtype=object)
+    assert all(len(o) == 1 for o in owner), "a column spans two blocks"
+    c0, c1 = blocks[1]
+    cols = [k for k in range(D) if owner[k] == [1]]
+    assert len(cols) == c1 - c0
+    cov = mom.s2[0, 0, 0] / mom.n[0, 0] - np.outer(mom.s1[0, 0, 0], mom.s1[0, 0, 0]) / mom.n[0, 0] ** 2
+    v, _ = _weighted_pca(cov[c0:c1, c0:c1], met[0, 0, 0, c0:c1, c0:c1])
+    assert np.array_equal(b[0, 0, 0, c0:c1][:, cols], v.astype(np.float16).astype(np.float64))
+    full, _, eig_full = compute_pca(mom, met, [(0, D)])  # kvc calibrate --basis full
+    assert np.count_nonzero(full[0, 0, 0]) > 0.9 * D * D
+
+
+def test_narrow_heads_keep_one_pca_per_head():
+    """head_dim <= 64 is one block: the basis is the whole-head PCA, bit for bit what it was before
+    blocks existed (the shipped SmolLM2 calibration, pinned by sha256, was built that way)."""
+    from kvcodec.quant.calibrate import _weighted_pca, compute_pca
+
+    mom, met = _moments(64)
+    basis, _, _ = compute_pca(mom, met)
+    cov = mom.s2 / mom.n[:, :, None, None, None] - (mom.s1 / mom.n[:, :, None, None])[..., :, None] * \
+        (mom.s1 / mom.n[:, :, None, None])[..., None, :]
+    v, _ = _weighted_pca(cov, met)
+    assert np.array_equal(basis.view(np.uint16), v.astype(np.float16).view(np.uint16))

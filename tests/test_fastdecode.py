@@ -42,10 +42,10 @@ def test_simd_pin_matches_simd_module():
     change with simd.py, or an edited intrinsic would keep running from a stale cache."""
     import hashlib
 
-    from kvcodec.quant import simd
+    from kvcodec.quant import blocks, simd
 
-    assert hashlib.sha256(Path(simd.__file__).read_bytes()).hexdigest() == F.SIMD_SHA256, \
-        "simd.py changed: update SIMD_SHA256 in kvcodec/quant/fastdecode.py"
+    got = hashlib.sha256(Path(simd.__file__).read_bytes() + Path(blocks.__file__).read_bytes()).hexdigest()
+    assert got == F.SIMD_SHA256, "simd.py or blocks.py changed: update SIMD_SHA256 in kvcodec/quant/fastdecode.py"
 
 
 def test_f16_conversion_matches_numpy():
@@ -185,6 +185,65 @@ def test_dense_and_sparse_rows_bit_identical(D, basis_dtype):
     fast, ref, _ = _both(pipe, x.astype(np.float16), ctx)
     assert fast is not None
     assert _same(fast, ref)
+
+
+def _structured_pca(H: int, D: int, kind: str, dtype, seed: int) -> dict[str, np.ndarray]:
+    """Bases of layer 1 (both kinds) with zero patterns: "blockdiag" (each column one channel block,
+    as calibration builds them, columns of the blocks interleaved), "partial" (each column nonzero
+    on a random set of 16-channel groups, so it falls in one or several blocks, some -0.0 entries),
+    "dense" (no zeros)."""
+    from kvcodec.quant.blocks import channel_blocks
+
+    rng = np.random.default_rng(seed)
+    att = _pca(H=H, D=D, dtype=np.float32, seed=seed)
+    b = att["pca.basis"].astype(np.float64)
+    if kind == "blockdiag":
+        b = np.zeros_like(b)
+        col = 0
+        for c0, c1 in channel_blocks(D):
+            q = np.linalg.qr(rng.standard_normal((b.shape[0], H, c1 - c0, c1 - c0)))[0]
+            b[..., c0:c1, col:col + c1 - c0] = q
+            col += c1 - c0
+        b = b[..., rng.permutation(D)]
+    elif kind == "partial":
+        keep = rng.random((b.shape[0], H, D // 16, D)) < 0.4
+        b = b * np.repeat(keep, 16, axis=2) + 2 * np.eye(D)  # + I: invertible (the encoder solves least squares)
+        b[b == 0] = -0.0 * rng.integers(0, 2, (b == 0).sum())  # +0 and -0: both add an exact zero
+    att["pca.basis"] = (b * 1.3).astype(dtype)
+    return att
+
+
+@pytest.mark.parametrize("D", [80, 96, 128, 256])
+@pytest.mark.parametrize("kind", ["blockdiag", "partial", "dense"])
+@pytest.mark.parametrize("variant", ["keys", "values_f32_basis", "tokenscale"])
+def test_block_structured_bases_bit_identical(D, kind, variant):
+    """A basis with zero blocks (head_dim > 64 calibrations are block-diagonal) decodes block by block,
+    each block's accumulators over only the columns nonzero on it: exact, because every skipped term
+    adds +-0 to a sum that is never -0. Bit-identical to the generic decode whatever the zero pattern,
+    and the blocked loop must actually run for block-diagonal bases (and not for dense ones)."""
+    H, T = 2, 45
+    arr = _data(H, T, D, seed=D + 3)
+    att = _structured_pca(H, D, kind, np.float32 if variant == "values_f32_basis" else np.float16, seed=D)
+    kk = D - 16 if variant == "tokenscale" else None
+    stages = [KeepStage(sink=4, dtype="float16"), TransformStage(k=kk), QuantizeStage(mode="step", step=0.03, max_bits=8),
+              RansStage(channel_group=8)]
+    if variant == "tokenscale":
+        stages.insert(2, _ts_stage(T - 4, 4))
+    if variant != "values_f32_basis":
+        stages.insert(0, RopeStage(theta=10000.0, dim=D))
+    pipe = Pipeline(stages)
+    ctx = ChunkContext(layer=1, kind="v" if variant == "values_f32_basis" else "k", token_start=9, attachments=att,
+                       encoder=_ts_inputs(4) if variant == "tokenscale" else {})
+    fast, ref, _ = _both(pipe, arr, ctx)
+    assert fast is not None
+    assert _same(fast, ref)
+    tr = pipe.stages[2 if variant != "values_f32_basis" else 1]
+    mats = F._matrices(tr, H, D, ctx)
+    blocked = bool((mats.pcnt[:, 0] >= 0).all())
+    if kind == "blockdiag":
+        assert blocked, "a block-diagonal basis must take the block-by-block loop"
+    if kind == "dense":
+        assert not (mats.pcnt[:, 0] >= 0).any(), "a dense basis decodes whole rows"
 
 
 def test_unsupported_head_dim_takes_the_generic_path():

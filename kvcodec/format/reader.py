@@ -10,7 +10,6 @@ on a ranged source touches only layer 0's bytes.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import re
 from dataclasses import dataclass, field
@@ -18,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import numpy as np
 
-from ..attachments import default_resolver
+from ..attachments import array_sha256, default_resolver
 from ..lru import BoundedLRU
 from ..errors import KvcCodecError, KvcError, KvcFormatError, KvcInputError, is_int, want
 from ..fingerprint import FINGERPRINT_VERSION, ModelFingerprint, check_fingerprint_json, token_ids_sha256
@@ -412,7 +411,7 @@ class KvcReader:
             out = {}
             for name, a in self.header.attachments.items():
                 arr = self._read_blob(a.blob, f"attachment {name!r}") if a.blob is not None else self._resolve(a)
-                if _arr_sha(arr) != a.sha256:
+                if array_sha256(arr) != a.sha256:
                     raise KvcFormatError(f"attachment {name!r} does not match its sha256")
                 out[name] = arr
             self._attachments = out
@@ -602,10 +601,6 @@ class KvcReader:
             "file": self.size, "header": header, "blobs": blobs, "chunks": chunks, "index": index,
             "footer": FOOTER_SIZE, "padding": padding, "layers": layers,
         }
-
-
-def _arr_sha(arr: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(arr, dtype=np_le(arr.dtype.name)).tobytes()).hexdigest()
 
 
 def read_kvc(source: Any, backend: str | None = None, model: Any = None, attachment_resolver: Resolver | None = None,

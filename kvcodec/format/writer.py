@@ -8,7 +8,6 @@ failing writer never leaves a partial file there.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Callable
 import google_crc32c
 import numpy as np
 
+from ..attachments import array_sha256
 from ..atomic import atomic_file
 from ..errors import KvcCodecError, KvcError, KvcFormatError, KvcInputError
 from ..fingerprint import token_ids_sha256
@@ -57,12 +57,6 @@ class ExternalAttachment:
     def of(cls, arr: np.ndarray) -> "ExternalAttachment":
         arr = np.asarray(arr)
         return cls(array_sha256(arr), arr.dtype.name, tuple(int(d) for d in arr.shape), arr)
-
-
-def array_sha256(arr: np.ndarray) -> str:
-    """sha256 of an array's C-order little-endian bytes (the identity of attachments)."""
-    arr = np.asarray(arr)
-    return hashlib.sha256(np.ascontiguousarray(arr, dtype=np_le(arr.dtype.name)).tobytes()).hexdigest()
 
 
 @dataclass(frozen=True)

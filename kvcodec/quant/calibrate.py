@@ -34,8 +34,10 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from ..attachments import array_sha256
 from ..errors import KvcFormatError, KvcInputError, KvcModelMismatchError
 from ..stages import ChunkContext
+from .blocks import channel_blocks
 from .rope import layer_rope_config
 from .stages import RopeStage
 
@@ -48,12 +50,6 @@ CALIB_CONTEXT = 1024
 SENS_CONTINUATION = 128
 SENS_SAMPLES = 4  # Hutchinson samples of the Fisher trace (one backward pass each)
 DEFAULT_SINK = 4
-
-
-def array_sha256(a: np.ndarray) -> str:
-    """sha256 of an array's little-endian C-order bytes (attachment identity)."""
-    a = np.ascontiguousarray(a)
-    return hashlib.sha256(a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes()).hexdigest()
 
 
 @dataclass
@@ -248,18 +244,45 @@ class _Moments:
                 self.s2[l, ki] += np.einsum("htd,hte->hde", x, x, optimize=True)
 
 
-def compute_pca(mom: _Moments, metrics: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def compute_pca(mom: _Moments, metrics: np.ndarray | None = None,
+                blocks: list[tuple[int, int]] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(basis fp16 [L,2,H,D,D], mean fp32 [L,2,H,D], eigval fp32 [L,2,H,D]) from accumulated moments.
 
     With ``metrics`` M [L,2,H,D,D] the PCA is done in the weighted space z = M^(1/2) x:
     basis = M^(-1/2) V (not orthonormal), so a uniform error on the coefficients
-    is a uniform error in the metric (e.g. attention-output) space. All
-    (layer, kind, head) blocks go through one batched eigh: thousands of tiny
-    LAPACK calls cost more in dispatch and BLAS thread hand-offs than in maths.
+    is a uniform error in the metric (e.g. attention-output) space.
+
+    Block-diagonal over ``blocks`` (default :func:`kvcodec.quant.blocks.channel_blocks`, one block
+    up to head_dim 64; ``[(0, D)]`` is one PCA over the whole head): each
+    column is a PCA direction of one channel block, in that block's metric M_bb (errors of
+    different blocks' coefficients are independent, so M's cross terms add nothing in
+    expectation), and the columns of all blocks are ordered by decreasing variance. Why: the
+    inverse transform then costs a block's width per coefficient instead of the head's
+    (decode at head_dim 256 ran at half the speed of 64); the price is the correlation
+    between blocks the basis no longer removes (BENCHMARKS.md, "Block-diagonal bases").
+    All (layer, kind, head) blocks go through one batched eigh: thousands of tiny LAPACK
+    calls cost more in dispatch and BLAS thread hand-offs than in maths.
     """
     L, _, H, D = mom.s1.shape
     mean = mom.s1 / mom.n[:, :, None, None]
     cov = mom.s2 / mom.n[:, :, None, None, None] - mean[..., :, None] * mean[..., None, :]
+    basis = np.zeros((L, 2, H, D, D))
+    eig = np.zeros((L, 2, H, D))
+    col = 0
+    for c0, c1 in channel_blocks(D) if blocks is None else blocks:
+        v, w = _weighted_pca(cov[..., c0:c1, c0:c1], None if metrics is None else metrics[..., c0:c1, c0:c1])
+        basis[..., c0:c1, col : col + c1 - c0] = v
+        eig[..., col : col + c1 - c0] = w
+        col += c1 - c0
+    order = np.argsort(-eig, axis=-1, kind="stable")  # the identity for one block: eigh's order, reversed
+    eig = np.take_along_axis(eig, order, axis=-1)
+    basis = np.take_along_axis(basis, order[..., None, :], axis=-1)
+    return basis.astype(np.float16), mean.astype(np.float32), np.maximum(eig, 0).astype(np.float32)
+
+
+def _weighted_pca(cov: np.ndarray, metrics: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """(basis [..., d, d] = M^(-1/2) V, variances [..., d]) of covariances ``cov`` [..., d, d] in the metric
+    ``metrics`` (None: identity), columns by decreasing variance, each column's largest-magnitude entry positive."""
     if metrics is not None:
         mw, mv = np.linalg.eigh(metrics)
         S = (mv * np.sqrt(mw)[..., None, :]) @ np.swapaxes(mv, -1, -2)
@@ -273,7 +296,7 @@ def compute_pca(mom: _Moments, metrics: np.ndarray | None = None) -> tuple[np.nd
     v = v * np.where(sgn == 0, 1, sgn)
     if metrics is not None:
         v = Si @ v
-    return v.astype(np.float16), mean.astype(np.float32), np.maximum(w, 0).astype(np.float32)
+    return v, w
 
 
 def measure_sensitivity(lm: Any, cache: Any, continuation: np.ndarray, sink: int = DEFAULT_SINK,
@@ -338,9 +361,12 @@ def _layer_progress(lm: Any, step: Any) -> Iterator[None]:
 
 
 def build_calibration(lm: Any, texts: tuple[str, ...] = CALIB_TEXTS, context: int = CALIB_CONTEXT,
-                      sink: int = DEFAULT_SINK, progress: bool = True, timings: dict[str, float] | None = None) -> Calibration:
+                      sink: int = DEFAULT_SINK, progress: bool = True, timings: dict[str, float] | None = None,
+                      full_basis: bool = False) -> Calibration:
     """Capture the calibration corpus, compute PCA and sensitivities, with a progress bar (ETA) on stderr.
 
+    ``full_basis``: one PCA over each whole head instead of the block-diagonal basis of
+    head_dim > 64 (:func:`compute_pca`): smaller files, slower decode.
     ``timings``, when given, receives the seconds spent per phase (capture,
     moments, pca, sensitivity, total); they are not part of the file, which
     must be byte-reproducible.
@@ -391,7 +417,8 @@ def build_calibration(lm: Any, texts: tuple[str, ...] = CALIB_TEXTS, context: in
             timings["moments_s"] = timings.get("moments_s", 0.0) + time.time() - t1
         t1 = time.time()
         assert qm is not None and first is not None
-        basis, mean, eig = compute_pca(mom, attention_metrics(lm, qm))
+        blocks = [(0, D)] if full_basis else channel_blocks(D)
+        basis, mean, eig = compute_pca(mom, attention_metrics(lm, qm), blocks)
         timings["pca_s"] = time.time() - t1
         t1 = time.time()
         with _layer_progress(lm, lambda frac: bar.update(SENS_CONTINUATION * frac)):  # the forward pass
@@ -404,6 +431,8 @@ def build_calibration(lm: Any, texts: tuple[str, ...] = CALIB_TEXTS, context: in
         "sensitivity": f"fisher-hutchinson-{SENS_SAMPLES}", "tokens": int(sum(len(c) for c, _ in ids_all)),
         "weighting": "attention-v1",
     }
+    if len(blocks) > 1:  # the recipe since the block-diagonal basis (absent: one PCA per head)
+        meta["channel_blocks"] = [list(b) for b in blocks]
     return Calibration(basis, mean, eig, sens, meta)
 
 
@@ -509,6 +538,7 @@ def _read_calibration(path: Path, st: os.stat_result) -> Calibration:
         raise bad(f"calibration version {meta['version']}, this kvcodec reads version {CALIB_VERSION}")
     if set(t) != set(_TENSORS) or any(t[k].dtype != _DTYPES[k] for k in _TENSORS):
         raise bad(f"calibration must hold exactly {list(_TENSORS)} with dtypes float16/float32")
+    t = {k: _read_only(v) for k, v in t.items()}  # shared through the memo: nobody may change them
     if not isinstance(meta.get("content_sha256"), str) or content_sha256(t, meta) != meta["content_sha256"]:
         raise bad("calibration fails its content sha256 (tampered or corrupt)")
     if not isinstance(meta.get("fingerprint_id"), str) or not _FID.match(meta["fingerprint_id"]):
@@ -524,9 +554,16 @@ def _read_calibration(path: Path, st: os.stat_result) -> Calibration:
         raise bad("calibration holds non-finite values")
     if any(meta.get("sha256." + k) != array_sha256(v) for k, v in cal.attachments.items()):
         raise bad("calibration attachment sha256 entries do not match its arrays")
-    for a in _tensors(cal).values():
-        a.setflags(write=False)  # shared through the memo
     return cal
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    """A read-only copy owning its bytes: safetensors' arrays view a buffer numpy can write through, and
+    views taken of an array before it is made read-only stay writable; this one's views never are (and
+    :func:`kvcodec.attachments.array_sha256` can memoise their identity)."""
+    a = np.array(a, copy=True, order="C")
+    a.setflags(write=False)
+    return a
 
 
 def load_calibration_file(path: Path, fingerprint_id: str | None = None) -> Calibration:

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from numba import njit
@@ -48,6 +48,7 @@ from numba import njit
 from ..errors import KvcBackendError, KvcError, KvcFormatError
 from ..lru import BoundedLRU
 from ..stages import ArraySpec, ChunkContext, Pipeline, SideData
+from .blocks import channel_blocks
 from .simd import ROW_BLOCKS, f16_bits16, rans16, row
 
 __all__ = ["supports", "decode", "rope_tables_cached", "f32_to_f16_bits", "HEAD_DIMS"]
@@ -56,16 +57,23 @@ _L = 1 << 16
 _PROB_BITS = 12
 _M = 1 << _PROB_BITS
 _LANES = 32
-#: sha256 of simd.py. numba keys its on-disk cache of the kernel on this file's contents only
-#: (numba 0.68: a hash of the source, not its mtime), so an edit of simd.py must change this file
-#: too, or a stale kernel loads; tests/test_fastdecode.py checks the pin.
-SIMD_SHA256 = "116b0613c402e1e39db0120d75682db2f74c45158c2496d8da9fdbe304c011f8"
+#: sha256 of simd.py's bytes followed by blocks.py's (the intrinsics' code depends on both). numba
+#: keys its on-disk cache of the kernel on this file's contents only (numba 0.68: a hash of the
+#: source, not its mtime), so an edit of either must change this file too, or a stale kernel loads;
+#: tests/test_fastdecode.py checks the pin.
+SIMD_SHA256 = "c4ca825899e4f6713897c928e392efd6cd39aafebff544c85e6bb1077143667a"
 
 #: A token row takes the dense loop (every coefficient, no compaction) when at least this many
 #: eighths of its coefficients are nonzero. Balanced rows are ~70 % nonzero at head_dim 64;
 #: benchmarks/bench_dense_threshold.py (an interleaved A/B of 9 = never / 5 / 3 / 0 = always on
 #: the kernel calls of real files and 2-bit synthetic heads) measured 5 best or tied everywhere.
 DENSE_OF_8 = 5
+
+#: A head of more than one channel block (:func:`kvcodec.quant.blocks.channel_blocks`) decodes block
+#: by block, every listed coefficient included, when that is at most this fraction of a whole row's
+#: K x D multiply-adds: a whole row skips its zero coefficients, 30-50 % of them at the presets'
+#: rates, so block-by-block pays only below that.
+BLOCKED_WORK = 0.6
 
 #: head_dims the fused kernel decodes (16-lane blocks of :data:`kvcodec.quant.simd.ROW_BLOCKS`).
 HEAD_DIMS = tuple(16 * nb for nb in ROW_BLOCKS)
@@ -91,7 +99,7 @@ def f32_to_f16_bits(x, out):  # pragma: no cover - numba
 @njit(cache=True, nogil=True)
 def _decode_kernel(freqs, cums, states, n_symbols, word_start, n_words, words, nwords, g,
                    stepf, lim, bt, bh, use_h, mean, kept, n_sink, n_recent, tscale, has_ts,
-                   rope_dim, cos, sin, out16, out32, want16, ybuf, wide, hbuf, dense8):  # pragma: no cover - numba
+                   rope_dim, cos, sin, out16, out32, want16, ybuf, wide, hbuf, dense8, plist, pcnt):  # pragma: no cover - numba
     """Whole chunk. ``wide``: quantize v2, whose rANS contexts code 2K byte channels (high bytes
     of the K coefficient channels, then the low bytes): the high plane decodes into ``hbuf`` and
     the low plane into ``ybuf`` (as unzigzag(byte), step 1), then each code ``s = hi << 8 | lo``
@@ -123,6 +131,8 @@ def _decode_kernel(freqs, cums, states, n_symbols, word_start, n_words, words, n
     rot = np.empty(D, dtype=np.float32)
     btf, bhf, meanf, cosf, sinf = bt.reshape(-1), bh.reshape(-1), mean.reshape(-1), cos.reshape(-1), sin.reshape(-1)
     o16, o32 = out16.reshape(-1), out32.reshape(-1)
+    plf, pcf = plist.reshape(-1), pcnt.reshape(-1)
+    nbk = pcnt.shape[1]
     A = freqs.shape[1]
     nctx_h = (2 * K if wide else K) // g
     nplane = K // g  # contexts per byte plane (wide)
@@ -215,13 +225,13 @@ def _decode_kernel(freqs, cums, states, n_symbols, word_start, n_words, words, n
                 direct = rope_dim == 0 or vec_rope  # the row writes its output itself
                 if direct and want16:
                     row(nb, ybuf, tt * kp, kp, K, ts, idx, val, btf, bhf, use_h, h * K * D, meanf, h * D, vec_rope, cosf, sinf,
-                        cso, o16, oo, dense8)
+                        cso, o16, oo, dense8, plf, h * nbk * K, pcf, h * nbk)
                     continue
                 # one float32 call site for both the direct float32 output and the scalar loop's acc: every
                 # call site inlines the row code for all six widths, which is most of the kernel's compile time
                 dst, doff = (o32, oo) if direct else (acc, 0)
                 row(nb, ybuf, tt * kp, kp, K, ts, idx, val, btf, bhf, use_h, h * K * D, meanf, h * D, vec_rope if direct else 0,
-                    cosf, sinf, cso, dst, doff, dense8)
+                    cosf, sinf, cso, dst, doff, dense8, plf, h * nbk * K, pcf, h * nbk)
                 if direct:
                     continue
             # kept rows, and partial RoPE: scalar RoPE and cast
@@ -292,9 +302,43 @@ def rope_tables_cached(pos: np.ndarray, theta: float, dim: int) -> tuple[np.ndar
     return hit
 
 
-def _matrices(tr: Any, H: int, D: int, ctx: ChunkContext) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
-    """(bt [H, K, D] float32, the same as float16 bits [H, K, D] uint16 or None, mean [H, D] float32)
-    of a transform stage, cached per attachment arrays / row / heads.
+class _Mats(NamedTuple):
+    """A transform stage's matrices as the kernel reads them (see :func:`_matrices`)."""
+
+    bt: np.ndarray  # [H, K, D] float32: the basis transposed
+    bh: np.ndarray | None  # the same values as float16 bits [H, K, D] uint16, when every one is a float16
+    mean: np.ndarray  # [H, D] float32
+    plist: np.ndarray  # [H, nblocks, K] int32: per channel block, the columns nonzero on it, ascending
+    pcnt: np.ndarray  # [H, nblocks] int64: how many; pcnt[h, 0] = -1: decode head h's rows whole
+
+
+def _block_lists(bt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(plist, pcnt) of :class:`_Mats` for ``bt`` [H, K, D]: per head and channel block
+    (:func:`kvcodec.quant.blocks.channel_blocks`), the basis columns with a nonzero entry in the block.
+
+    A head decodes block by block when that takes fewer multiply-adds than a whole row's
+    nonzero coefficients typically do (about half of them at the presets' rates): a
+    block-diagonal basis (calibration of head_dim > 64) costs a block's width per coefficient.
+    """
+    H, K, D = bt.shape
+    blocks = channel_blocks(D)
+    plist = np.zeros((H, len(blocks), K), np.int32)
+    pcnt = np.full((H, len(blocks)), -1, np.int64)
+    if len(blocks) == 1:
+        return plist, pcnt
+    for h in range(H):
+        cols = [np.flatnonzero((bt[h, :, c0:c1] != 0).any(axis=1)) for c0, c1 in blocks]
+        work = sum(len(c) * (c1 - c0) for c, (c0, c1) in zip(cols, blocks))
+        if work <= BLOCKED_WORK * K * D:
+            for j, c in enumerate(cols):
+                plist[h, j, : len(c)] = c
+                pcnt[h, j] = len(c)
+    return plist, pcnt
+
+
+def _matrices(tr: Any, H: int, D: int, ctx: ChunkContext) -> _Mats | None:
+    """The kernel's matrices of a transform stage (:class:`_Mats`), cached per attachment arrays / row / heads;
+    None when an attachment is missing.
 
     The float16 copy exists when every basis value is a float16 (calibrated bases are stored as
     float16): the kernel then streams half the bytes per coefficient, and widening is exact."""
@@ -306,22 +350,23 @@ def _matrices(tr: Any, H: int, D: int, ctx: ChunkContext) -> tuple[np.ndarray, n
         nb, nm = f"{tr.attachment}.basis", f"{tr.attachment}.mean"
         B, M = ctx.attachments.get(nb), ctx.attachments.get(nm)
         if B is None or M is None:
-            return None, None, None  # type: ignore[return-value]
+            return None
         row = 2 * ctx.layer + (0 if ctx.kind == "k" else 1)
         key = ("pca", id(B), id(M), row, ctx.kind, ctx.layer, int(ctx.extra.get("head_start", 0)), H, D, K)
         ref = (B, M)
     hit = _MATS.get(key)
-    if hit is not None and all(w() is b for w, b in zip(hit[3], ref)):
-        return hit[0], hit[1], hit[2]
+    if hit is not None and all(w() is b for w, b in zip(hit[1], ref)):
+        return hit[0]
     b, m = tr.matrices(H, D, ctx)  # validates (raises KvcFormatError)
     bt = np.ascontiguousarray(np.swapaxes(np.asarray(b, np.float32), 1, 2))
     m = np.ascontiguousarray(m, np.float32)
     bh16 = bt.astype(np.float16)
     bh = bh16.view(np.uint16) if np.array_equal(bh16.astype(np.float32), bt) else None
+    mats = _Mats(bt, bh, m, *_block_lists(bt))
     # weak references: the cache must not keep every file's attachment arrays alive (ids are only
     # compared while the arrays still exist, so a reused id cannot alias)
-    _MATS.put(key, (bt, bh, m, tuple(_weak(a) for a in ref)))
-    return bt, bh, m
+    _MATS.put(key, (mats, tuple(_weak(a) for a in ref)))
+    return mats
 
 
 def _weak(a: Any) -> Any:
@@ -438,8 +483,8 @@ def _lossy(pipeline: Pipeline, ch: Any, payload: Any, sides: list[SideData], spe
         kept = np.ascontiguousarray(keep.kept_side(sides[ix["keep"]], specs[ix["keep"]]), dtype=np.float32)
     if sides[ix["transform"]]:
         raise KvcFormatError("codec 'transform' has no side data")
-    bt, bh, mean = _matrices(tr, H, D, ctx)
-    if bt is None or bt.shape != (H, K, D):
+    mats = _matrices(tr, H, D, ctx)
+    if mats is None or mats.bt.shape != (H, K, D):
         raise KvcFormatError("codec 'transform': attachment missing or of the wrong shape")
     tscale = _EMPTY1
     has_ts = ts is not None
@@ -465,8 +510,9 @@ def _lossy(pipeline: Pipeline, ch: Any, payload: Any, sides: list[SideData], spe
     ybuf = _scratch(n_y)
     hbuf = np.empty(n_y, np.float32) if wide else _EMPTY1
     code = _decode_kernel(stream.freqs, stream.cums, stream.states, stream.n_symbols, stream.word_start, stream.n_words,
-                          words, nwords, g, stepf, lim, bt, _EMPTY3U if bh is None else bh, int(bh is not None), mean, kept, n_sink, n_recent, tscale, has_ts,
-                          rope_dim, cos, sin, o16, o32, want16, ybuf, wide, hbuf, DENSE_OF_8)
+                          words, nwords, g, stepf, lim, mats.bt, _EMPTY3U if mats.bh is None else mats.bh, int(mats.bh is not None),
+                          mats.mean, kept, n_sink, n_recent, tscale, has_ts, rope_dim, cos, sin, o16, o32, want16, ybuf, wide,
+                          hbuf, DENSE_OF_8, mats.plist, mats.pcnt)
     if code != 0:
         raise KvcFormatError(f"codec 'rans': malformed stream (fused decoder code {code})")
     return out.view(np.float16) if want16 else out

@@ -34,6 +34,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .blocks import channel_blocks
+
 __all__ = ["rans16", "row", "f16_bits16"]
 
 W = 16
@@ -194,7 +196,7 @@ def _emit_row(nb: int, context, b: ir.IRBuilder, ty, args) -> None:
     """IR of one token row for ``D = 16 * nb`` (see :func:`row`)."""
     D = W * nb
     (a_y, a_yoff, a_kp, a_kc, a_ts, a_idx, a_val, a_bt, a_bh, a_half, a_btoff, a_mean, a_moff, a_rope, a_cos, a_sin,
-     a_csoff, a_out, a_ooff, a_dense8) = args
+     a_csoff, a_out, a_ooff, a_dense8, a_plist, a_ploff, a_pcnt, a_pcoff) = args
     yp, idxp, valp = (_ptr(context, b, ty[i], a) for i, a in ((0, a_y), (5, a_idx), (6, a_val)))
     cf = _decl(b, "llvm.masked.compressstore.v16f32", ir.VoidType(), [_v(_F32), ir.PointerType(_F32), _v(_I1)])
     ci = _decl(b, "llvm.masked.compressstore.v16i32", ir.VoidType(), [_v(_I32), ir.PointerType(_I32), _v(_I1)])
@@ -204,31 +206,12 @@ def _emit_row(nb: int, context, b: ir.IRBuilder, ty, args) -> None:
     accs = [cgutils.alloca_once(b, _v(_F32)) for _ in range(nb)]
     for acc in accs:
         b.store(zero, acc)
-    # dense rows (most coefficients nonzero) skip the compaction: its compress-stores, and the
-    # loads that read them straight back, cost more than multiplying the few zeros
-    cnt_ptr = cgutils.alloca_once(b, _I64)
-    b.store(_I64(0), cnt_ptr)
-    with cgutils.for_range(b, nblk) as loop:
-        v = b.fmul(_load(b, yp, b.add(a_yoff, b.mul(loop.index, _I64(W))), _v(_F32)), tsv)
-        b.store(b.add(b.load(cnt_ptr), _popcount(b, b.fcmp_unordered("!=", v, zero))), cnt_ptr)
-    dense = b.icmp_signed(">=", b.mul(b.load(cnt_ptr), _I64(8)), b.mul(a_kc, a_dense8))
-    n_ptr = cgutils.alloca_once(b, _I64)
-    b.store(_I64(0), n_ptr)
-    with b.if_then(b.not_(dense)), cgutils.for_range(b, nblk) as loop:
-        off = b.mul(loop.index, _I64(W))
-        v = b.fmul(_load(b, yp, b.add(a_yoff, off), _v(_F32)), tsv)
-        nz = b.fcmp_unordered("!=", v, zero)
-        n = b.load(n_ptr)
-        b.call(cf, [v, b.gep(valp, [n]), nz])
-        ks = b.add(ir.Constant(_v(_I32), list(range(W))), _splat(b, b.trunc(off, _I32)))
-        b.call(ci, [ks, b.gep(idxp, [n]), nz])
-        b.store(b.add(n, _popcount(b, nz)), n_ptr)
     btp, bhp = _ptr(context, b, ty[7], a_bt), _ptr(context, b, ty[8], a_bh)
     f16c = "+f16c" in getattr(context.codegen(), "_tm_features", "")
 
-    def accumulate(k: ir.Value, yv: ir.Value, use_half: bool) -> None:
+    def accumulate(k: ir.Value, yv: ir.Value, use_half: bool, blocks: range = range(nb)) -> None:
         base = b.add(a_btoff, b.mul(k, _I64(D)))
-        for j in range(nb):
+        for j in blocks:
             off = b.add(base, _I64(W * j))
             if use_half:
                 bv = _f16_to_f32(b, _load(b, bhp, off, _v(_I16)), f16c)
@@ -236,17 +219,61 @@ def _emit_row(nb: int, context, b: ir.IRBuilder, ty, args) -> None:
                 bv = _load(b, btp, off, _v(_F32))
             b.store(b.fadd(b.load(accs[j]), b.fmul(yv, bv)), accs[j])
 
-    with b.if_else(b.icmp_signed("!=", a_half, _I64(0))) as (half, single):
-        for use_half, blk in ((True, half), (False, single)):
-            with blk, b.if_else(dense) as (all_k, nonzero_k):
-                # the row's kc coefficients (not the padded kp: B has kc rows), zeros included: exact,
-                # see the module doc
-                with all_k, cgutils.for_range(b, a_kc) as loop:
-                    y1 = b.fmul(b.load(b.gep(yp, [b.add(a_yoff, loop.index)])), a_ts)
-                    accumulate(loop.index, _splat(b, y1), use_half)
-                with nonzero_k, cgutils.for_range(b, b.load(n_ptr)) as loop:
-                    k = b.zext(b.load(b.gep(idxp, [loop.index])), _I64)
-                    accumulate(k, _splat(b, b.load(b.gep(valp, [loop.index]))), use_half)
+    def by_blocks() -> None:
+        """Block by block: block j's accumulators take, k ascending, the coefficients whose basis
+        column is nonzero on it (``plist[ploff + j * kc:]``, ``pcnt[pcoff + j]`` of them), zeros
+        included; every other coefficient would add an exact zero there."""
+        plp, pcp = _ptr(context, b, ty[20], a_plist), _ptr(context, b, ty[22], a_pcnt)
+        with b.if_else(b.icmp_signed("!=", a_half, _I64(0))) as (half, single):
+            for use_half, blk in ((True, half), (False, single)):
+                with blk:
+                    for j, (c0, c1) in enumerate(channel_blocks(D)):
+                        base = b.add(a_ploff, b.mul(_I64(j), a_kc))
+                        with cgutils.for_range(b, b.load(b.gep(pcp, [b.add(a_pcoff, _I64(j))]))) as loop:
+                            k = b.zext(b.load(b.gep(plp, [b.add(base, loop.index)])), _I64)
+                            y1 = b.fmul(b.load(b.gep(yp, [b.add(a_yoff, k)])), a_ts)
+                            accumulate(k, _splat(b, y1), use_half, range(c0 // W, c1 // W))
+
+    def flat() -> None:
+        # dense rows (most coefficients nonzero) skip the compaction: its compress-stores, and the
+        # loads that read them straight back, cost more than multiplying the few zeros
+        cnt_ptr = cgutils.alloca_once(b, _I64)
+        b.store(_I64(0), cnt_ptr)
+        with cgutils.for_range(b, nblk) as loop:
+            v = b.fmul(_load(b, yp, b.add(a_yoff, b.mul(loop.index, _I64(W))), _v(_F32)), tsv)
+            b.store(b.add(b.load(cnt_ptr), _popcount(b, b.fcmp_unordered("!=", v, zero))), cnt_ptr)
+        dense = b.icmp_signed(">=", b.mul(b.load(cnt_ptr), _I64(8)), b.mul(a_kc, a_dense8))
+        n_ptr = cgutils.alloca_once(b, _I64)
+        b.store(_I64(0), n_ptr)
+        with b.if_then(b.not_(dense)), cgutils.for_range(b, nblk) as loop:
+            off = b.mul(loop.index, _I64(W))
+            v = b.fmul(_load(b, yp, b.add(a_yoff, off), _v(_F32)), tsv)
+            nz = b.fcmp_unordered("!=", v, zero)
+            n = b.load(n_ptr)
+            b.call(cf, [v, b.gep(valp, [n]), nz])
+            ks = b.add(ir.Constant(_v(_I32), list(range(W))), _splat(b, b.trunc(off, _I32)))
+            b.call(ci, [ks, b.gep(idxp, [n]), nz])
+            b.store(b.add(n, _popcount(b, nz)), n_ptr)
+        with b.if_else(b.icmp_signed("!=", a_half, _I64(0))) as (half, single):
+            for use_half, blk in ((True, half), (False, single)):
+                with blk, b.if_else(dense) as (all_k, nonzero_k):
+                    # the row's kc coefficients (not the padded kp: B has kc rows), zeros included: exact,
+                    # see the module doc
+                    with all_k, cgutils.for_range(b, a_kc) as loop:
+                        y1 = b.fmul(b.load(b.gep(yp, [b.add(a_yoff, loop.index)])), a_ts)
+                        accumulate(loop.index, _splat(b, y1), use_half)
+                    with nonzero_k, cgutils.for_range(b, b.load(n_ptr)) as loop:
+                        k = b.zext(b.load(b.gep(idxp, [loop.index])), _I64)
+                        accumulate(k, _splat(b, b.load(b.gep(valp, [loop.index]))), use_half)
+    if len(channel_blocks(D)) == 1:
+        flat()
+    else:  # pcnt[pcoff] < 0: the head's basis has no block structure to skip
+        first = b.load(b.gep(_ptr(context, b, ty[22], a_pcnt), [a_pcoff]))
+        with b.if_else(b.icmp_signed(">=", first, _I64(0))) as (blocked, whole):
+            with blocked:
+                by_blocks()
+            with whole:
+                flat()
     meanp = _ptr(context, b, ty[11], a_mean)
     xs = [b.fadd(b.load(accs[j]), _load(b, meanp, b.add(a_moff, _I64(W * j)), _v(_F32))) for j in range(nb)]
     for j in range(nb):
@@ -286,7 +313,8 @@ def _emit_dispatch(nbs: list[int], context, b: ir.IRBuilder, a_nb: ir.Value, ty,
 
 
 @intrinsic
-def row(typingctx, nb, y, yoff, kp, kc, ts, idx, val, bt, bh, half, btoff, mean, moff, rope, cos, sin, csoff, out, ooff, dense8):
+def row(typingctx, nb, y, yoff, kp, kc, ts, idx, val, bt, bh, half, btoff, mean, moff, rope, cos, sin, csoff, out, ooff, dense8,
+        plist, ploff, pcnt, pcoff):
     """One token row of ``D = 16 * nb`` values (``nb`` in :data:`ROW_BLOCKS`: head_dim 32 to 256).
 
     The row's coefficients are ``y[yoff + k] * ts`` for ``k < kc`` (B has ``kc`` rows; columns
@@ -302,7 +330,8 @@ def row(typingctx, nb, y, yoff, kp, kc, ts, idx, val, bt, bh, half, btoff, mean,
     or float32. One intrinsic for all sizes: a numba-level dispatch function would take
     array references (atomic refcounts) on every row.
     """
-    sig = types.void(nb, y, yoff, kp, kc, ts, idx, val, bt, bh, half, btoff, mean, moff, rope, cos, sin, csoff, out, ooff, dense8)
+    sig = types.void(nb, y, yoff, kp, kc, ts, idx, val, bt, bh, half, btoff, mean, moff, rope, cos, sin, csoff, out, ooff, dense8,
+                     plist, ploff, pcnt, pcoff)
 
     def codegen(context, b, signature, args):
         a_nb, rest, ty = args[0], args[1:], signature.args[1:]
