@@ -9,6 +9,7 @@ external attachment.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import threading
 import weakref
@@ -35,7 +36,7 @@ def array_sha256(arr: Any) -> str:
     sha = hashlib.sha256(np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")).tobytes()).hexdigest()
     if frozen:
         key = id(arr)
-        ref = weakref.ref(arr, lambda _r, key=key: _forget(key, _r))
+        ref = weakref.ref(arr, functools.partial(_forget, key))
         with _MEMO_LOCK:
             _MEMO[key] = (ref, sha)
     return sha
