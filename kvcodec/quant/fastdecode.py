@@ -61,7 +61,7 @@ _LANES = 32
 #: keys its on-disk cache of the kernel on this file's contents only (numba 0.68: a hash of the
 #: source, not its mtime), so an edit of either must change this file too, or a stale kernel loads;
 #: tests/test_fastdecode.py checks the pin.
-SIMD_SHA256 = "c4ca825899e4f6713897c928e392efd6cd39aafebff544c85e6bb1077143667a"
+SIMD_SHA256 = "f9bd0cd8db1bff84fb855712a7f16c1643958f4031d3f342777396de23f9a178"
 
 #: A token row takes the dense loop (every coefficient, no compaction) when at least this many
 #: eighths of its coefficients are nonzero. Balanced rows are ~70 % nonzero at head_dim 64;
