@@ -261,3 +261,29 @@ def test_capture_cache_refreshes_a_capture_of_another_layout(family_dirs, tmp_pa
     save_h5(KVCache(full.keys, full.values, full.token_ids, full.fingerprint, None, dict(full.meta)), stored)
     again = cached_capture(lm, ids, tmp_path)
     assert tuple(again.layer_tokens) == tuple(fresh.layer_tokens)
+
+
+def test_kvc_calibrate_chooses_the_basis(family_dirs, tmp_path, monkeypatch, capsys):
+    """head_dim 128 (two 64-channel blocks): ``kvc calibrate`` builds the block-diagonal basis by default,
+    ``--basis full`` one PCA over the whole head; the report says which, and a request for the other
+    basis without ``--force`` says what the existing calibration has instead of silently ignoring it."""
+    import json
+
+    from cliutil import run_kvc
+    from kvcodec.quant.calibrate import load_calibration
+
+    monkeypatch.setenv("KVCODEC_CACHE", str(tmp_path / "cache"))
+    d = str(family_dirs["llama-bf16"])
+    code, out, err = run_kvc(["calibrate", "-m", d, "--basis", "full", "--json"], capsys)
+    rep = json.loads(out)
+    assert code == 0 and rep["built"] and rep["channel_blocks"] is None, err
+    full = load_calibration(rep["fingerprint"]).basis
+    assert np.count_nonzero(full) > 0.9 * full.size
+    code, out, _ = run_kvc(["calibrate", "-m", d], capsys)
+    assert code == 0 and "it has the full basis" in out
+    code, out, err = run_kvc(["calibrate", "-m", d, "--force", "--json"], capsys)
+    rep = json.loads(out)
+    assert code == 0 and rep["built"] and rep["channel_blocks"] == [[0, 64], [64, 128]], err
+    b = load_calibration(rep["fingerprint"]).basis.astype(np.float32)  # [L, 2, H, D, D]
+    on_lo, on_hi = (b[..., :64, :] != 0).any(-2), (b[..., 64:, :] != 0).any(-2)
+    assert not (on_lo & on_hi).any() and (on_lo | on_hi).all(), "every column lives on exactly one block"
