@@ -25,7 +25,8 @@ decodes a whole chunk head by head, with the 16-lane vector steps of
 expand-load of the renormalisation words) -> zigzag -> dequant into per-head
 coefficient rows; then per token row the coefficients (times the token's
 scale; in a sparse row only the nonzero ones, compacted first, see
-:data:`DENSE_OF_8`) go through the inverse transform, which accumulates
+:data:`DENSE_OF_8`; with a block-diagonal basis, block by block only the columns
+nonzero on that block, see :data:`BLOCKED_WORK`) go through the inverse transform, which accumulates
 ``acc = acc + y[k] * B[d, k]`` (B read as float16 when every value is one) over them, k ascending, product and sum rounded
 separately, in vector registers, mean added last; RoPE with the cached float32
 tables (``t1 = x*cos``, ``t2 = r*sin``, ``t1 + t2``) and the cast to float16
