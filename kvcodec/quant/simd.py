@@ -7,7 +7,9 @@ accumulators for the inverse transform. LLVM lowers every operation used here
 (``masked.gather``, ``masked.expandload``, ``masked.compressstore``, vector
 integer and ``fmul``/``fadd`` ops) on any target: to single instructions with
 AVX-512 (``vpgatherqd``, ``vpexpandd``, ``vcompressps``), to shorter vectors or
-scalar code elsewhere (tested with numba's ``generic`` and ``haswell`` targets). The results are the same everywhere:
+scalar code elsewhere (tested with numba's ``generic`` and ``haswell`` targets). Without
+AVX-512 the rANS step does not use the expand-load (LLVM would branch per lane on its
+mask) but an all-lanes gather at prefix-summed offsets, the same words. The results are the same everywhere:
 
 * integer steps are exact;
 * every float op is a single IEEE-754 binary32 operation with no fast-math flags,
@@ -21,10 +23,12 @@ the contents of the calling module (kvcodec/quant/fastdecode.py), not on this
 one: after editing this file, update ``SIMD_SHA256`` there (the test suite
 checks the pin), or a stale kernel would load from the cache.
 
-Skipping zero coefficients in the transform is exact: ``acc`` starts at +0 and
+Skipping zero terms in the transform is exact: ``acc`` starts at +0 and
 can never become -0 (x + y is -0 in round-to-nearest only if both are -0),
 so ``acc + y * b`` with ``y = 0`` and a finite ``b`` (bases are validated
-finite) leaves ``acc`` unchanged.
+finite), or with ``b = ±0`` and a finite ``y``, leaves ``acc`` unchanged: a row skips
+its zero coefficients, and a block-diagonal basis's block skips the columns that are
+zero on it (:mod:`kvcodec.quant.blocks`).
 """
 
 from __future__ import annotations
