@@ -2,6 +2,11 @@
 
     python benchmarks/bench_head_dims.py                     # 1024 tokens of gpl3, best of 5
     python benchmarks/bench_head_dims.py --tokens 512 --repeat 9 --json
+    python benchmarks/bench_head_dims.py --basis full        # one PCA per whole head (kvc calibrate --basis full)
+
+``--basis blocks`` (the default) builds each head's PCA block-diagonal over
+:func:`kvcodec.quant.blocks.channel_blocks`, as calibration does for head_dim > 64; the fused
+decoder then decodes those heads block by block. ``--basis full`` is the whole-head basis.
 
 Why synthetic head sizes from a real cache: the machine has real models with
 head_dim 64 (SmolLM2) and 256 (Gemma 3) only. The K/V values here are the

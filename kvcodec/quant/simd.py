@@ -340,7 +340,10 @@ def row(typingctx, nb, y, yoff, kp, kc, ts, idx, val, bt, bh, half, btoff, mean,
     The row's coefficients are ``y[yoff + k] * ts`` for ``k < kc`` (B has ``kc`` rows; columns
     ``kc <= k < kp``, ``kp`` a multiple of 16, must be 0). When at least ``dense8`` eighths of them
     are nonzero, all ``kc`` go through the sum in order; otherwise the nonzero ones are compacted into
-    ``idx``/``val`` first. ``acc = acc + y_k * B[k]`` over them (B rows at ``bt[btoff + k * D:]``, float32,
+    ``idx``/``val`` first. With ``pcnt[pcoff] >= 0`` (a head of several channel blocks whose basis is
+    block-structured, :func:`kvcodec.quant.blocks.channel_blocks`) instead each block ``j`` sums, in
+    order, the ``pcnt[pcoff + j]`` coefficients listed at ``plist[ploff + j * kc:]`` (the columns nonzero
+    on that block, zeros included). ``acc = acc + y_k * B[k]`` over them (B rows at ``bt[btoff + k * D:]``, float32,
     or with ``half`` != 0 at ``bh[btoff + k * D:]``, the same values as float16 bits: half the bytes
     to stream from L2 per coefficient, widened exactly),
     k ascending, product and sum rounded separately, then ``+ mean[moff:]``; with ``rope`` != 0
