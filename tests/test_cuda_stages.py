@@ -366,6 +366,34 @@ def test_fused_chain_every_head_dim(D, chunks):
         _check_pipeline(pipe, xs, ChunkContext(layer=0, kind="k", attachments=att, token_start=5), expect_path="fused")
 
 
+@pytest.mark.parametrize("D", [96, 256])
+def test_fused_chain_block_diagonal_basis(D, chunks):
+    """The block-diagonal bases calibration builds for head_dim > 64 (kvcodec/quant/blocks.py) decode
+    bit-exactly in the fused Triton chain too: it sums every term, the CPU's fast path skips the zero
+    ones, and a zero term adds an exact zero (spec/codec-v1.md, transform)."""
+    from kvcodec.quant.blocks import channel_blocks
+
+    allc = np.concatenate([x.transpose(1, 0, 2).reshape(T, -1) for _, _, x in chunks], axis=1).astype(np.float32)
+    H = min(2, allc.shape[1] // D)
+    x = allc[:, : H * D].reshape(T, H, D).transpose(1, 0, 2)
+    basis = np.zeros((2, H, D, D), np.float16)
+    mean = np.zeros((2, H, D), np.float16)
+    for h in range(H):
+        m = x[h].mean(0)
+        cov = np.cov((x[h] - m).T) + 1e-6 * np.eye(D)
+        v, w, col = np.zeros((D, D)), np.zeros(D), 0
+        for c0, c1 in channel_blocks(D):
+            wb, vb = np.linalg.eigh(cov[c0:c1, c0:c1])
+            v[c0:c1, col:col + c1 - c0], w[col:col + c1 - c0] = vb, wb
+            col += c1 - c0
+        basis[0, h], mean[0, h] = v[:, np.argsort(-w, kind="stable")], m
+    assert len(channel_blocks(D)) > 1 and (basis == 0).mean() > 0.4
+    att = {"pca.basis": basis, "pca.mean": mean}
+    pipe = _chain(rope_dim=D, k=D // 2 + 8, step=0.02)
+    _check_pipeline(pipe, np.ascontiguousarray(x).astype(np.float16), ChunkContext(layer=0, kind="k", attachments=att, token_start=5),
+                    expect_path="fused")
+
+
 @pytest.mark.model
 def test_fused_chain_into_layouts(chunks, pca_attachments):
     """decode_chunk_into writes the fused chain straight into HF and paged tensors (fp16, bf16, fp32):
