@@ -48,7 +48,7 @@ import torch  # noqa: E402
 
 from kvcodec.entropy.rans_stage import RansStage  # noqa: E402
 from kvcodec.quant import fastdecode as F  # noqa: E402
-from kvcodec.quant.blocks import channel_blocks  # noqa: E402
+from kvcodec.quant.calibrate import block_pca  # noqa: E402
 from kvcodec.quant.stages import KeepStage, QuantizeStage, RopeStage, TransformStage  # noqa: E402
 from kvcodec.stages import ArraySpec, ChunkContext, Pipeline  # noqa: E402
 
@@ -67,19 +67,7 @@ def pca(x: np.ndarray, blocks: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """basis [D, D] (columns by descending variance) and mean [D] of rows x [T, D]; with ``blocks``
     block-diagonal over :func:`kvcodec.quant.blocks.channel_blocks`, as calibration builds it."""
     m = x.mean(0)
-    cov = np.cov((x - m).T)
-    D = x.shape[1]
-    parts = channel_blocks(D) if blocks else [(0, D)]
-    v = np.zeros((D, D))
-    w = np.zeros(D)
-    col = 0
-    for c0, c1 in parts:
-        wb, vb = np.linalg.eigh(cov[c0:c1, c0:c1])
-        v[c0:c1, col:col + c1 - c0] = vb
-        w[col:col + c1 - c0] = wb
-        col += c1 - c0
-    order = np.argsort(-w, kind="stable")
-    return v[:, order], m
+    return block_pca(np.cov((x - m).T), None, None if blocks else [(0, x.shape[1])])[0], m
 
 
 def chunks_for(x: np.ndarray, D: int, heads: int) -> list[np.ndarray]:

@@ -341,6 +341,22 @@ def test_fused_chain_bit_exact(case, chunks, pca_attachments):
     _check_pipeline(pipe, x, ctx, expect_path="fused")
 
 
+def _heads_with_pca(chunks, D: int, blocks: list[tuple[int, int]]) -> tuple[np.ndarray, dict]:
+    """The real K/V channels of the test chunks regrouped into (up to 2) heads of D, float16 [H, T, D],
+    and a PCA attachment per head from the data (layer 0, keys), over ``blocks`` of channels."""
+    from kvcodec.quant.calibrate import block_pca
+
+    allc = np.concatenate([x.transpose(1, 0, 2).reshape(T, -1) for _, _, x in chunks], axis=1).astype(np.float32)
+    H = min(2, allc.shape[1] // D)
+    x = allc[:, : H * D].reshape(T, H, D).transpose(1, 0, 2)
+    basis = np.zeros((2, H, D, D), np.float16)
+    mean = np.zeros((2, H, D), np.float16)
+    for h in range(H):
+        m = x[h].mean(0)
+        basis[0, h], mean[0, h] = block_pca(np.cov((x[h] - m).T) + 1e-6 * np.eye(D), None, blocks)[0], m
+    return np.ascontiguousarray(x).astype(np.float16), {"pca.basis": basis, "pca.mean": mean}
+
+
 @pytest.mark.model
 @pytest.mark.parametrize("D", [32, 64, 80, 96, 128, 256])
 def test_fused_chain_every_head_dim(D, chunks):
@@ -350,17 +366,7 @@ def test_fused_chain_every_head_dim(D, chunks):
     from kvcodec.quant.fastdecode import HEAD_DIMS
 
     assert D in HEAD_DIMS
-    allc = np.concatenate([x.transpose(1, 0, 2).reshape(T, -1) for _, _, x in chunks], axis=1).astype(np.float32)
-    H = min(2, allc.shape[1] // D)
-    x = allc[:, : H * D].reshape(T, H, D).transpose(1, 0, 2)
-    basis = np.zeros((2, H, D, D), np.float16)
-    mean = np.zeros((2, H, D), np.float16)
-    for h in range(H):
-        m = x[h].mean(0)
-        _, vecs = np.linalg.eigh(np.cov((x[h] - m).T) + 1e-6 * np.eye(D))
-        basis[0, h], mean[0, h] = vecs[:, ::-1], m
-    att = {"pca.basis": basis, "pca.mean": mean}
-    xs = np.ascontiguousarray(x).astype(np.float16)
+    xs, att = _heads_with_pca(chunks, D, [(0, D)])
     for rope_dim in (D, D // 2) if D in (80, 256) else (D,):  # partial RoPE where the half splits oddly
         pipe = _chain(rope_dim=rope_dim, k=D // 2 + 8, step=0.02)
         _check_pipeline(pipe, xs, ChunkContext(layer=0, kind="k", attachments=att, token_start=5), expect_path="fused")
@@ -373,25 +379,10 @@ def test_fused_chain_block_diagonal_basis(D, chunks):
     ones, and a zero term adds an exact zero (spec/codec-v1.md, transform)."""
     from kvcodec.quant.blocks import channel_blocks
 
-    allc = np.concatenate([x.transpose(1, 0, 2).reshape(T, -1) for _, _, x in chunks], axis=1).astype(np.float32)
-    H = min(2, allc.shape[1] // D)
-    x = allc[:, : H * D].reshape(T, H, D).transpose(1, 0, 2)
-    basis = np.zeros((2, H, D, D), np.float16)
-    mean = np.zeros((2, H, D), np.float16)
-    for h in range(H):
-        m = x[h].mean(0)
-        cov = np.cov((x[h] - m).T) + 1e-6 * np.eye(D)
-        v, w, col = np.zeros((D, D)), np.zeros(D), 0
-        for c0, c1 in channel_blocks(D):
-            wb, vb = np.linalg.eigh(cov[c0:c1, c0:c1])
-            v[c0:c1, col:col + c1 - c0], w[col:col + c1 - c0] = vb, wb
-            col += c1 - c0
-        basis[0, h], mean[0, h] = v[:, np.argsort(-w, kind="stable")], m
-    assert len(channel_blocks(D)) > 1 and (basis == 0).mean() > 0.4
-    att = {"pca.basis": basis, "pca.mean": mean}
+    xs, att = _heads_with_pca(chunks, D, channel_blocks(D))
+    assert len(channel_blocks(D)) > 1 and (att["pca.basis"] == 0).mean() > 0.4
     pipe = _chain(rope_dim=D, k=D // 2 + 8, step=0.02)
-    _check_pipeline(pipe, np.ascontiguousarray(x).astype(np.float16), ChunkContext(layer=0, kind="k", attachments=att, token_start=5),
-                    expect_path="fused")
+    _check_pipeline(pipe, xs, ChunkContext(layer=0, kind="k", attachments=att, token_start=5), expect_path="fused")
 
 
 @pytest.mark.model

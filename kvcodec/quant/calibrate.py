@@ -263,11 +263,21 @@ def compute_pca(mom: _Moments, metrics: np.ndarray | None = None,
     All (layer, kind, head) blocks go through one batched eigh: thousands of tiny LAPACK
     calls cost more in dispatch and BLAS thread hand-offs than in maths.
     """
-    L, _, H, D = mom.s1.shape
     mean = mom.s1 / mom.n[:, :, None, None]
     cov = mom.s2 / mom.n[:, :, None, None, None] - mean[..., :, None] * mean[..., None, :]
-    basis = np.zeros((L, 2, H, D, D))
-    eig = np.zeros((L, 2, H, D))
+    basis, eig = block_pca(cov, metrics, blocks)
+    return basis.astype(np.float16), mean.astype(np.float32), np.maximum(eig, 0).astype(np.float32)
+
+
+def block_pca(cov: np.ndarray, metrics: np.ndarray | None = None,
+              blocks: list[tuple[int, int]] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(basis [..., D, D], variances [..., D]) of covariances ``cov`` [..., D, D]: the weighted PCA of
+    :func:`_weighted_pca` per channel block (default :func:`kvcodec.quant.blocks.channel_blocks`), each
+    column nonzero on its block only, the columns of all blocks by decreasing variance (see
+    :func:`compute_pca`; benchmarks and tests build their bases with it too)."""
+    D = cov.shape[-1]
+    basis = np.zeros(cov.shape)
+    eig = np.zeros(cov.shape[:-1])
     col = 0
     for c0, c1 in channel_blocks(D) if blocks is None else blocks:
         v, w = _weighted_pca(cov[..., c0:c1, c0:c1], None if metrics is None else metrics[..., c0:c1, c0:c1])
@@ -275,9 +285,7 @@ def compute_pca(mom: _Moments, metrics: np.ndarray | None = None,
         eig[..., col : col + c1 - c0] = w
         col += c1 - c0
     order = np.argsort(-eig, axis=-1, kind="stable")  # the identity for one block: eigh's order, reversed
-    eig = np.take_along_axis(eig, order, axis=-1)
-    basis = np.take_along_axis(basis, order[..., None, :], axis=-1)
-    return basis.astype(np.float16), mean.astype(np.float32), np.maximum(eig, 0).astype(np.float32)
+    return np.take_along_axis(basis, order[..., None, :], axis=-1), np.take_along_axis(eig, order, axis=-1)
 
 
 def _weighted_pca(cov: np.ndarray, metrics: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
