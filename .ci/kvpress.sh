@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # NVIDIA kvpress (issue 15: a real peer in the rate/quality curve), in its own venv: kvpress 0.5.5
 # pins transformers<5.3, older than the main .venv's. Creates ./.venv-kvpress from scratch if missing
-# (idempotent). Nothing from kvcodec is installed there: kvcodec/kvpress_runner.py is a standalone
-# script (torch + transformers + kvpress only) that kvcodec.peers runs in this venv as a subprocess
-# and that hands back which tokens each press keeps (kvcodec/peers.py: KVPRESS_VENV).
+# (idempotent). Nothing from kvcodec is installed there: kvcodec/eval/kvpress_runner.py is a standalone
+# script (torch + transformers + kvpress only) that kvcodec.eval.peers runs in this venv as a subprocess
+# and that hands back which tokens each press keeps (kvcodec/eval/peers.py: KVPRESS_VENV).
 # Usage: bash .ci/kvpress.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."

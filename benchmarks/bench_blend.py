@@ -40,10 +40,11 @@ import numpy as np
 import torch
 
 
-from kvcodec.blend import blend  # noqa: E402
-from kvcodec.capture import capture, tokenize  # noqa: E402
-from kvcodec.kvcache import KVCache, load_capture, save_capture  # noqa: E402
-from kvcodec.model import load_model  # noqa: E402
+from kvcodec.models.cachelayout import cache_for_model
+from kvcodec.runtime.blend import blend  # noqa: E402
+from kvcodec.models.capture import capture, tokenize  # noqa: E402
+from kvcodec.core.kvcache import KVCache, load_capture, save_capture  # noqa: E402
+from kvcodec.models.load import load_model  # noqa: E402
 from kvcodec.texts import load_text  # noqa: E402
 
 CACHE_DIR = Path(os.environ.get("KVC_BENCH_CACHE", "/tmp/kvc-cache"))
@@ -69,7 +70,7 @@ def chunk_cache(lm, ids: np.ndarray) -> KVCache:
 @torch.inference_mode()
 def continuation_logits(lm, cache: KVCache, first_logits: torch.Tensor, cont: np.ndarray) -> torch.Tensor:
     """[n_cont, vocab]: row i predicts cont[i] (row 0 is the TTFT logits)."""
-    past = cache.for_model(lm)
+    past = cache_for_model(lm, cache)
     ids = torch.as_tensor(cont[:-1]).unsqueeze(0)
     pos = torch.arange(cache.next_position, cache.next_position + ids.shape[1]).unsqueeze(0)
     out = lm.model(input_ids=ids, past_key_values=past, position_ids=pos, use_cache=True).logits[0].float()

@@ -1,6 +1,6 @@
 """Calibration cost per phase, and quality of the presets with a new vs a reference calibration (issue 21).
 
-Builds the model's calibration with :func:`kvcodec.quant.calibrate.build_calibration`
+Builds the model's calibration with :func:`kvcodec.calibration.build.build_calibration`
 (timing each phase: corpus captures, moment accumulation, PCA, Fisher
 sensitivity), then encodes real 2048-token caches with each preset under both
 the new calibration and a reference calibration file (``--reference``, e.g. one
@@ -45,17 +45,19 @@ import numpy as np
 import torch
 
 
-from kvcodec.capture import capture, tokenize  # noqa: E402
-from kvcodec.evaluate import continue_logits, evaluate, greedy  # noqa: E402
-from kvcodec.model import load_model  # noqa: E402
-from kvcodec.quant import calibrate as C  # noqa: E402
-from kvcodec.plans import get_plan  # noqa: E402
-from kvcodec.quant import codecplan as P  # noqa: E402
-from kvcodec.quant.presets import PRESETS  # noqa: E402
+from kvcodec.models.capture import capture, tokenize  # noqa: E402
+from kvcodec.models.quality import continue_logits, evaluate, greedy  # noqa: E402
+from kvcodec.models.load import load_model  # noqa: E402
+from kvcodec.calibration import build as C_build
+from kvcodec.calibration import record as C_record
+from kvcodec.calibration import store as C_store
+from kvcodec.plan.presets import get_plan  # noqa: E402
+from kvcodec.plan import pipelines as P  # noqa: E402
+from kvcodec.plan.settings import PRESETS  # noqa: E402
 from kvcodec.texts import load_text  # noqa: E402
 
 
-def load_reference(path: Path, fingerprint_id: str) -> C.Calibration:
+def load_reference(path: Path, fingerprint_id: str) -> C_record.Calibration:
     """A calibration file of this model from any recipe or file version (v1 files predate fingerprint v2).
 
     Read without the v2 loader's identity checks, which a v1 file cannot pass,
@@ -64,7 +66,7 @@ def load_reference(path: Path, fingerprint_id: str) -> C.Calibration:
     from safetensors.numpy import load_file
 
     t = load_file(str(path))
-    return C.Calibration(t["pca.basis"], t["pca.mean"], t["pca.eigval"], t["sens.kl_per_mse"],
+    return C_record.Calibration(t["pca.basis"], t["pca.mean"], t["pca.eigval"], t["sens.kl_per_mse"],
                          {"fingerprint_id": fingerprint_id, "reference": str(path)}, path)
 
 
@@ -80,7 +82,7 @@ def reference_cost(lm, timings: dict[str, float], repeats: int = 2) -> dict[str,
     t0 = time.perf_counter()
     cache = capture(lm, token_ids=ids[:2048])
     t_pre = time.perf_counter() - t0
-    cont = ids[2048:2048 + C.SENS_CONTINUATION]
+    cont = ids[2048:2048 + C_record.SENS_CONTINUATION]
     probes = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -90,7 +92,7 @@ def reference_cost(lm, timings: dict[str, float], repeats: int = 2) -> dict[str,
     small = capture(lm, token_ids=ids[:1024])
     t_pre1k = time.perf_counter() - t0
     t0 = time.perf_counter()
-    C.measure_sensitivity(lm, small, ids[1024:1024 + C.SENS_CONTINUATION])
+    C_build.measure_sensitivity(lm, small, ids[1024:1024 + C_record.SENS_CONTINUATION])
     t_fisher = time.perf_counter() - t0
     n = 2 * lm.fingerprint.num_layers + 1
     probe = float(np.median(probes))
@@ -102,9 +104,9 @@ def reference_cost(lm, timings: dict[str, float], repeats: int = 2) -> dict[str,
     return out
 
 
-def quality_rows(lm, cals: dict[str, C.Calibration], texts: list[str], presets: list[str], ctx: int, cont: int,
+def quality_rows(lm, cals: dict[str, C_record.Calibration], texts: list[str], presets: list[str], ctx: int, cont: int,
                  rate_match: bool = False) -> list[dict]:
-    from kvcodec.quant.importance import cache_importance
+    from kvcodec.plan.importance import cache_importance
 
     rows = []
     for name in texts:
@@ -169,9 +171,9 @@ def main() -> None:
     cfg = lm.model.config.get_text_config()
     timings: dict[str, float] = {}
     if args.new_file:
-        cal = C.load_calibration_file(Path(args.new_file), lm.fingerprint.id)
+        cal = C_store.load_calibration_file(Path(args.new_file), lm.fingerprint.id)
     else:
-        cal = C.build_calibration(lm, timings=timings)
+        cal = C_build.build_calibration(lm, timings=timings)
     params = sum(p.numel() for p in lm.model.parameters())
     if timings:
         print(f"\ncalibration of {args.model}: {params / 1e6:.0f}M parameters, {cfg.num_hidden_layers} layers, "
@@ -191,7 +193,7 @@ def main() -> None:
               f"{ref_cost['new_model_passes_s']:.0f} s (3 prefills of 1024 tokens {3 * ref_cost['prefill_1024_s']:.0f} s + "
               f"Fisher pass {ref_cost['fisher_s']:.0f} s): {ref_cost['old_model_passes_s'] / ref_cost['new_model_passes_s']:.1f}x")
     if args.save:
-        C.write_calibration_file(cal, lm.fingerprint.id, Path(args.save))
+        C_store.write_calibration_file(cal, lm.fingerprint.id, Path(args.save))
     cals = {"new": cal}
     if args.reference:
         cals["reference"] = load_reference(Path(args.reference), lm.fingerprint.id)

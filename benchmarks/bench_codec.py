@@ -28,13 +28,13 @@ import torch
 
 
 from kvcodec.atomic import atomic_write_text  # noqa: E402
-from kvcodec.capture import capture, tokenize  # noqa: E402
-from kvcodec.evaluate import continue_logits, evaluate, greedy  # noqa: E402
-from kvcodec.kvcache import load_h5, save_h5  # noqa: E402
-from kvcodec.model import load_model  # noqa: E402
-from kvcodec.quant import codecplan as P  # noqa: E402
-from kvcodec.quant.calibrate import get_calibration  # noqa: E402
-from kvcodec.quant.presets import PRESETS  # noqa: E402
+from kvcodec.models.capture import capture, tokenize  # noqa: E402
+from kvcodec.models.quality import continue_logits, evaluate, greedy  # noqa: E402
+from kvcodec.core.kvcache import load_h5, save_h5  # noqa: E402
+from kvcodec.models.load import load_model  # noqa: E402
+from kvcodec.plan import pipelines as P  # noqa: E402
+from kvcodec.calibration.build import get_calibration  # noqa: E402
+from kvcodec.plan.settings import PRESETS  # noqa: E402
 from kvcodec.rate import bits_per_element  # noqa: E402
 from kvcodec.texts import DEFAULT_BENCH_TEXTS, load_text  # noqa: E402
 
@@ -88,7 +88,7 @@ def main() -> None:
                 args.pop("tokenscale", None)
             if args.get("tokenscale") is not None:
                 if importance is None:
-                    from kvcodec.quant.importance import cache_importance
+                    from kvcodec.plan.importance import cache_importance
 
                     importance = cache_importance(lm, cache, window={**P.TOKENSCALE_DEFAULT, **args["tokenscale"]}["window"])
                 args["importance"] = importance

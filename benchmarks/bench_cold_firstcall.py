@@ -5,7 +5,7 @@ request (allocator tuning, the prewarm thread, model load and warm-up; the
 prewarm thread is joined so it cannot overlap), optionally first-touches
 ``--prefault-mb`` of heap memory in the main thread and frees it, then times
 three calls of decode + the question's forward over the decoded cache (the
-``.kvc`` TTFT path, :func:`kvcodec.ttft.ttft_kvc` without the file read).
+``.kvc`` TTFT path, :func:`kvcodec.runtime.ttft.ttft_kvc` without the file read).
 Runs alternate between the prefault settings so host noise hits them alike.
 If the first call's excess disappears when fresh memory was touched in
 advance, the excess is first-touch page faults, not the codec.
@@ -23,17 +23,17 @@ import time
 
 
 def child(kvc: str, prefault_mb: int, threads: int) -> None:
-    from kvcodec.allocator import tune_allocator
+    from kvcodec.runtime.allocator import tune_allocator
 
     tune_allocator()
     import numpy as np
     import torch
 
-    from kvcodec.capture import tokenize
-    from kvcodec.hf import greedy_from, load_cache
-    from kvcodec.mainjob import QUESTION
-    from kvcodec.model import load_model
-    from kvcodec.warmup import prewarm
+    from kvcodec.models.capture import tokenize
+    from kvcodec.integrations.hf import greedy_from, load_cache
+    from kvcodec.eval.demo import QUESTION
+    from kvcodec.models.load import load_model
+    from kvcodec.runtime.warmup import prewarm
 
     torch.set_num_threads(threads)
     th = prewarm()

@@ -38,8 +38,8 @@ import torch
 
 from bench_ttft import long_ids  # noqa: E402
 
-from kvcodec.knowledge import KnowledgeBase  # noqa: E402
-from kvcodec.model import load_model  # noqa: E402
+from kvcodec.runtime.knowledge import KnowledgeBase  # noqa: E402
+from kvcodec.models.load import load_model  # noqa: E402
 
 QUESTION = "What does this document say about warranties?"
 
@@ -81,9 +81,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="also profile one cold process per length")
     ap.add_argument("--json", dest="json_out", default=None)
     args = ap.parse_args()
-    from kvcodec.allocator import tune_allocator
+    from kvcodec.runtime.allocator import tune_allocator
 
-    tune_allocator()  # as the `kvc` command does (kvcodec/allocator.py): warm and cold processes tuned alike
+    tune_allocator()  # as the `kvc` command does (kvcodec/runtime/allocator.py): warm and cold processes tuned alike
     env = dict(os.environ)
     if args.threads:
         torch.set_num_threads(args.threads)

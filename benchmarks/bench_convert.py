@@ -2,7 +2,7 @@
 
 transformers' GGUF loading builds a ``gguf.GGUFReader`` (every metadata field,
 the whole vocabulary) for the config, the weights and the tokenizer separately,
-and rebuilds gguf's tensor-name map per module; ``kvcodec.model._gguf_parsed_once``
+and rebuilds gguf's tensor-name map per module; ``kvcodec.models.load._gguf_parsed_once``
 shares one of each within a conversion. This script converts the embedded
 SmolLM2 GGUF into temporary directories alternately without (``plain``) and with
 (``once``) that, in the same process, checks that every output file is
@@ -21,9 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvcodec import model as M
-
-
+from kvcodec.models import load as M
 def digest(d: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}
 

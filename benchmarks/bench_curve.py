@@ -4,7 +4,7 @@ Default texts: the HELD_OUT set of kvcodec/texts.py (never tuned on).
 
 Every method is encoded into a real .kvc file (bits/element = file bytes * 8
 / K+V elements of the full context), decoded and continued on the held-out
-256 tokens that follow the context (see kvcodec.curve). Writes
+256 tokens that follow the context (see kvcodec.eval.curve). Writes
 
 * ``OUT/curve.json`` (all rows; resumable: a re-run reuses measured rows),
 * ``OUT/curve.csv``, ``OUT/curve.png`` (KL vs bits/element, one panel per text),
@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 
 
-REAL_PEERS = ("hf-quanto", "hf-hqq", "kvpress")  # families that run the peer's own library (kvcodec/peers.py)
+REAL_PEERS = ("hf-quanto", "hf-hqq", "kvpress")  # families that run the peer's own library (kvcodec/eval/peers.py)
 OURS = ("kvcodec", "kvcodec-fixed", "kvcodec-embedded", "kvcodec-kl")
 STORE_DOCS = 100  # the store size the per-model calibration is amortised over
 
@@ -61,7 +61,7 @@ def _interp_bits(front: list[tuple[float, float]], kl: float) -> float | None:
 def peers_vs_kvcodec(rows: list[dict], families: tuple[str, ...] = REAL_PEERS) -> list[dict]:
     """Per text and peer point: kvcodec bits at the peer's KL (its frontier, log-log interpolated), three ways:
     calibration external (not charged), charged to this one file, amortised over STORE_DOCS documents."""
-    from kvcodec.curve import charged_bits, pareto
+    from kvcodec.eval.curve import charged_bits, pareto
 
     out = []
     ok = _ok(rows)
@@ -120,8 +120,8 @@ def ratio_table(items: list[dict], summary: bool = True) -> str:
 
 def preset_table(rows: list[dict]) -> str:
     """The presets against their targets, guarded (what ships) and at their fixed step0 (what issue 15 measured)."""
-    from kvcodec.curve import charged_bits
-    from kvcodec.quant.presets import PRESET_TARGETS
+    from kvcodec.eval.curve import charged_bits
+    from kvcodec.plan.settings import PRESET_TARGETS
 
     lines = ["| text | preset | mode | bits/el | bits/el (cal. amortised / one file) | KL | ΔPPL % | greedy | first near-tie | tries | target met | encode s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from kvcodec.atomic import atomic_write_text
-    from kvcodec.curve import plot_curve, run_curve, summary_table, write_csv
+    from kvcodec.eval.curve import plot_curve, run_curve, summary_table, write_csv
     from kvcodec.texts import HELD_OUT
 
     torch.set_num_threads(a.threads)

@@ -1,4 +1,4 @@
-"""Interleaved A/B of the fused decoder's dense-row threshold (issue 21; kvcodec.quant.fastdecode.DENSE_OF_8).
+"""Interleaved A/B of the fused decoder's dense-row threshold (issue 21; kvcodec.decode.cpu.fused.DENSE_OF_8).
 
     python benchmarks/bench_dense_threshold.py                         # balanced/small/near-lossless + synthetic heads
     python benchmarks/bench_dense_threshold.py --values 9,5,3,0 --repeat 11 --no-synthetic
@@ -30,8 +30,8 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-import kvcodec.quant.fastdecode as F  # noqa: E402
-from kvcodec.attachments import default_resolver  # noqa: E402
+import kvcodec.decode.cpu.fused as F  # noqa: E402
+from kvcodec.calibration.store import default_resolver  # noqa: E402
 from kvcodec.format.reader import KvcReader  # noqa: E402
 
 
@@ -69,8 +69,8 @@ def real_files(presets: list[str], tokens: int) -> list[tuple[str, Path]]:
     from bench_speed import get_cache
 
     from kvcodec.format.writer import WriteOptions, write_kvc
-    from kvcodec.model import load_model
-    from kvcodec.plans import get_plan
+    from kvcodec.models.load import load_model
+    from kvcodec.plan.presets import get_plan
 
     cache = get_cache("gpl3", tokens)
     lm = load_model("smollm2")
@@ -88,9 +88,9 @@ def real_files(presets: list[str], tokens: int) -> list[tuple[str, Path]]:
 def synthetic_calls(D: int, tokens: int) -> tuple[list[list], float]:
     import bench_head_dims as B
 
-    from kvcodec.entropy.rans_stage import RansStage
-    from kvcodec.quant.stages import KeepStage, QuantizeStage, RopeStage, TransformStage
-    from kvcodec.stages import ArraySpec, ChunkContext, Pipeline
+    from kvcodec.codecs.rans import RansStage
+    from kvcodec.codecs.transform import KeepStage, QuantizeStage, RopeStage, TransformStage
+    from kvcodec.core.stage import ArraySpec, ChunkContext, Pipeline
 
     x = B.real_channels("gpl3", tokens)
     heads = max(1, 256 // D)

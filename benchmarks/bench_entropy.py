@@ -31,9 +31,9 @@ def laplace_contexts(n_ctx: int, n_sym: int, seed: int = 0) -> np.ndarray:
 def real_kv_contexts(tokens: int) -> np.ndarray:
     """Real KV (SmolLM2-135M on the Python reference text), every layer's K and V quantized
     to 4 bits per (head, channel) with min/max over tokens; one context per head (g = D)."""
-    from kvcodec.capture import capture
-    from kvcodec.entropy.rans_stage import to_contexts
-    from kvcodec.model import load_model
+    from kvcodec.models.capture import capture
+    from kvcodec.codecs.rans import to_contexts
+    from kvcodec.models.load import load_model
     from kvcodec.texts import pydoc_text
 
     cache = capture(load_model(), text=pydoc_text(), max_tokens=tokens)

@@ -3,7 +3,7 @@
 Answers the same question from a directory store ``--asks`` times in one process (the
 entry is deposited first if missing) and prints, per ask, TTFT, minor page faults and
 user/system CPU seconds from ``getrusage``. ``--untuned`` skips
-``kvcodec.allocator.tune_allocator`` (what the ``kvc`` command does at start-up), to
+``kvcodec.runtime.allocator.tune_allocator`` (what the ``kvc`` command does at start-up), to
 compare the two allocator settings on the same entry.
 
     python benchmarks/bench_faults.py --tokens 4096 [--untuned]
@@ -28,15 +28,15 @@ def main() -> None:
     ap.add_argument("--untuned", action="store_true")
     ap.add_argument("--store", default=str(Path(tempfile.gettempdir()) / "kvc-bench-faults"))
     args = ap.parse_args()
-    from kvcodec.allocator import tune_allocator
+    from kvcodec.runtime.allocator import tune_allocator
 
     if not args.untuned:
         tune_allocator()
     torch.set_num_threads(1)
-    from kvcodec.knowledge import KnowledgeBase
-    from kvcodec.model import load_model
+    from kvcodec.runtime.knowledge import KnowledgeBase
+    from kvcodec.models.load import load_model
     from kvcodec.texts import load_text
-    from kvcodec.warmup import prewarm
+    from kvcodec.runtime.warmup import prewarm
 
     th = prewarm()
     lm = load_model("smollm2")

@@ -57,11 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", dest="json_path", default=None)
     a = ap.parse_args(argv)
 
-    from kvcodec.model import resolve_model_dir
+    from kvcodec.models.load import resolve_model_dir
 
     model_dir = resolve_model_dir(a.model)  # before KVCODEC_CACHE moves: the converted model stays where it is
     os.environ["KVCODEC_CACHE"] = tempfile.mkdtemp(prefix="kvc-bench-fp-")
-    import kvcodec.fingerprint as F
+    from kvcodec.models import fingerprint as F
 
     files = F.weight_files(model_dir.resolve())
     file_bytes = sum(p.stat().st_size for p in files)

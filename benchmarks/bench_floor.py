@@ -21,14 +21,14 @@ import json
 
 import torch
 
-from kvcodec.capture import select_context, tokenize
-from kvcodec.curve import cached_capture, default_capture_dir
-from kvcodec.evaluate import continue_logits, evaluate
+from kvcodec.models.capture import select_context, tokenize
+from kvcodec.eval.curve import cached_capture, default_capture_dir
+from kvcodec.models.quality import continue_logits, evaluate
 from kvcodec.format.writer import WriteOptions, write_kvc
-from kvcodec.model import load_model
-from kvcodec.plans import get_plan
-from kvcodec.quant.codecplan import decode_bytes
-from kvcodec.quant.guard import greedy_with_margins, max_rival_gain
+from kvcodec.models.load import load_model
+from kvcodec.plan.presets import get_plan
+from kvcodec.plan.pipelines import decode_bytes
+from kvcodec.plan.check import greedy_with_margins, max_rival_gain
 from kvcodec.texts import load_text
 
 

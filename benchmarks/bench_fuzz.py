@@ -83,10 +83,10 @@ def make_seeds(out: Path, tokens: int, lm: Any = None) -> None:
     import numpy as np
     import torch
 
-    from kvcodec.capture import capture, tokenize
+    from kvcodec.models.capture import capture, tokenize
     from kvcodec.format import WriteOptions, write_kvc
-    from kvcodec.plans import get_plan
-    from kvcodec.model import load_model
+    from kvcodec.plan.presets import get_plan
+    from kvcodec.models.load import load_model
     from kvcodec.prune import apply_prune
     from kvcodec.texts import load_text
 
@@ -502,7 +502,7 @@ def _load_seeds(d: Path) -> list[tuple[str, bytes]]:
 def _resolver(seeds: list[tuple[str, bytes]]) -> dict[str, Any]:
     """name -> array of the external calibration attachments the seeds reference (resolved once, as a mapping)."""
     from kvcodec.format import KvcReader
-    from kvcodec.attachments import default_resolver as attachment_resolver
+    from kvcodec.calibration.store import default_resolver as attachment_resolver
 
     out: dict[str, Any] = {}
     for _, data in seeds:

@@ -74,18 +74,18 @@ def main(argv: list[str] | None = None) -> int:
         args.tokens, args.chunk, args.source_tokens, args.iters = [64], 32, 32, 1
     dev = torch.device("cpu") if smoke else torch.device("cuda")
 
-    from kvcodec.capture import capture
-    from kvcodec.cuda.backend import decode_chunk_gpu, decode_chunk_into
-    from kvcodec.cuda.rans_kernel import RansItem, decode_streams
-    from kvcodec.entropy.rans_stage import RansStage
-    from kvcodec.model import load_model
-    from kvcodec.quant.rope import rope_config_from_fingerprint
-    from kvcodec.quant.stages import KeepStage, QuantizeStage, RopeStage, TransformStage
-    from kvcodec.stages import ArraySpec, ChunkContext, Pipeline
+    from kvcodec.models.capture import capture
+    from kvcodec.decode.triton.backend import decode_chunk_gpu, decode_chunk_into
+    from kvcodec.decode.triton.rans_kernel import RansItem, decode_streams
+    from kvcodec.codecs.rans import RansStage
+    from kvcodec.models.load import load_model
+    from kvcodec.codecs.rope_tables import rope_config_from_fingerprint
+    from kvcodec.codecs.transform import KeepStage, QuantizeStage, RopeStage, TransformStage
+    from kvcodec.core.stage import ArraySpec, ChunkContext, Pipeline
     from kvcodec.texts import load_text
 
     lm = load_model("smollm2")
-    from kvcodec.capture import tokenize
+    from kvcodec.models.capture import tokenize
 
     ids = tokenize(lm.tokenizer, load_text("gpl3"))[: args.source_tokens]
     src = capture(lm, token_ids=ids)

@@ -5,7 +5,7 @@
     python benchmarks/bench_head_dims.py --basis full        # one PCA per whole head (kvc calibrate --basis full)
 
 ``--basis blocks`` (the default) builds each head's PCA block-diagonal over
-:func:`kvcodec.quant.blocks.channel_blocks`, as calibration does for head_dim > 64; the fused
+:func:`kvcodec.codecs.blocks.channel_blocks`, as calibration does for head_dim > 64; the fused
 decoder then decodes those heads block by block. ``--basis full`` is the whole-head basis.
 
 Why synthetic head sizes from a real cache: the machine has real models with
@@ -20,7 +20,7 @@ at about ``--bits`` bits per element (the balanced preset's range).
 
 Measured single-thread (``NUMBA_NUM_THREADS=1``, ``torch`` 1 thread), best of
 ``--repeat``: MB/s of fp16 K/V out of the fused decoder
-(:func:`kvcodec.quant.fastdecode.decode`, chunk decode only: no file I/O,
+(:func:`kvcodec.decode.cpu.fused.decode`, chunk decode only: no file I/O,
 CRCs or torch tensors -- ``bench_speed.py`` measures the whole reader on a real
 file) against the generic, normative ``Pipeline.decode`` of the same chunks in
 the same run (``speedup``). Each figure is also given per second of the thread's
@@ -46,11 +46,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 
-from kvcodec.entropy.rans_stage import RansStage  # noqa: E402
-from kvcodec.quant import fastdecode as F  # noqa: E402
-from kvcodec.quant.calibrate import block_pca  # noqa: E402
-from kvcodec.quant.stages import KeepStage, QuantizeStage, RopeStage, TransformStage  # noqa: E402
-from kvcodec.stages import ArraySpec, ChunkContext, Pipeline  # noqa: E402
+from kvcodec.codecs.rans import RansStage  # noqa: E402
+from kvcodec.decode.cpu import fused as F  # noqa: E402
+from kvcodec.calibration.fit import block_pca  # noqa: E402
+from kvcodec.codecs.transform import KeepStage, QuantizeStage, RopeStage, TransformStage  # noqa: E402
+from kvcodec.core.stage import ArraySpec, ChunkContext, Pipeline  # noqa: E402
 
 
 def real_channels(text: str, tokens: int) -> np.ndarray:
@@ -65,7 +65,7 @@ def real_channels(text: str, tokens: int) -> np.ndarray:
 
 def pca(x: np.ndarray, blocks: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """basis [D, D] (columns by descending variance) and mean [D] of rows x [T, D]; with ``blocks``
-    block-diagonal over :func:`kvcodec.quant.blocks.channel_blocks`, as calibration builds it."""
+    block-diagonal over :func:`kvcodec.codecs.blocks.channel_blocks`, as calibration builds it."""
     m = x.mean(0)
     return block_pca(np.cov((x - m).T), None, None if blocks else [(0, x.shape[1])])[0], m
 

@@ -18,11 +18,11 @@ import time
 
 import numpy as np
 
-from kvcodec.capture import select_context, tokenize
-from kvcodec.curve import cached_capture, default_capture_dir
-from kvcodec.model import load_model
-from kvcodec.quant.codecplan import TOKENSCALE_DEFAULT
-from kvcodec.quant.importance import attention_importance, cache_importance, token_multipliers
+from kvcodec.models.capture import select_context, tokenize
+from kvcodec.eval.curve import cached_capture, default_capture_dir
+from kvcodec.models.load import load_model
+from kvcodec.plan.pipelines import TOKENSCALE_DEFAULT
+from kvcodec.plan.importance import attention_importance, cache_importance, token_multipliers
 from kvcodec.texts import load_text
 
 

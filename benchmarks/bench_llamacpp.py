@@ -12,14 +12,14 @@ tokens) and question, with ``--threads`` for torch and llama.cpp alike:
   question. Quantised V needs flash attention, so every llama.cpp context
   here has it on;
 * **kvcodec `.kvc` -> HF**: read the file + lazy layer-by-layer decode + the
-  question's forward pass (``kvcodec.hf``), per preset;
+  question's forward pass (``kvcodec.integrations.hf``), per preset;
 * **kvcodec `.kvc` -> llama.cpp**: read the file + decode into llama.cpp's
-  fp16 KV (``kvcodec.llamacpp.load_kvc``) + evaluate the question.
+  fp16 KV (``kvcodec.integrations.llamacpp.load_kvc``) + evaluate the question.
 
 Quality, each against its own engine's exact cache over ``--continuation``
 tokens of the same text: llama.cpp's states (and the `.kvc` loaded into
 llama.cpp) against llama.cpp's fp32 KV; kvcodec's presets in HF against
-HF's exact fp32 cache (``kvcodec.evaluate``). Greedy tokens (``--greedy``)
+HF's exact fp32 cache (``kvcodec.models.quality``). Greedy tokens (``--greedy``)
 from llama.cpp after loading each `.kvc` are compared with llama.cpp's own
 prefill.
 
@@ -51,14 +51,14 @@ import torch
 
 from bench_ttft import QUESTION, long_ids  # noqa: E402
 
-from kvcodec.capture import capture, tokenize  # noqa: E402
-from kvcodec.evaluate import compare_logits, continue_logits  # noqa: E402
+from kvcodec.models.capture import capture, tokenize  # noqa: E402
+from kvcodec.models.quality import compare_logits, continue_logits  # noqa: E402
 from kvcodec.format import KvcReader, WriteOptions, encode_kvc_bytes  # noqa: E402
-from kvcodec.plans import get_plan
-from kvcodec.hf import greedy_from, load_cache  # noqa: E402
-from kvcodec.llamacpp import gguf_fingerprint, load_kvc  # noqa: E402
-from kvcodec.model import _gguf_path, load_model  # noqa: E402
-from kvcodec.ttft import median_time  # noqa: E402
+from kvcodec.plan.presets import get_plan
+from kvcodec.integrations.hf import greedy_from, load_cache  # noqa: E402
+from kvcodec.integrations.llamacpp import gguf_fingerprint, load_kvc  # noqa: E402
+from kvcodec.models.load import _gguf_path, load_model  # noqa: E402
+from kvcodec.runtime.ttft import median_time  # noqa: E402
 
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8}  # ggml_type ids
 

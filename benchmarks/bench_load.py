@@ -4,7 +4,7 @@
                                     [--zipf 1.1] [--backend kdn,cluster] [--json OUT]
 
 Every engine is a separate process with the embedded model (SmolLM2-135M,
-one torch thread) running :meth:`kvcodec.knowledge.KnowledgeBase.ask`, the
+one torch thread) running :meth:`kvcodec.runtime.knowledge.KnowledgeBase.ask`, the
 code path of ``kvc ask``.  The workload:
 
 * documents: real texts (``kvcodec.texts``: the license texts and the Python
@@ -96,8 +96,8 @@ def engine_main(args: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from kvcodec.knowledge import KnowledgeBase
-    from kvcodec.model import load_model
+    from kvcodec.runtime.knowledge import KnowledgeBase
+    from kvcodec.models.load import load_model
     from kvcodec.store import Store
 
     class CountingStore(Store):

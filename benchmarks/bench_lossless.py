@@ -26,12 +26,12 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.capture:
-        from kvcodec.kvcache import load_capture
+        from kvcodec.core.kvcache import load_capture
 
         cache = load_capture(args.capture)
     else:
-        from kvcodec.capture import capture
-        from kvcodec.model import load_model
+        from kvcodec.models.capture import capture
+        from kvcodec.models.load import load_model
         from kvcodec.texts import load_text
 
         cache = capture(load_model("smollm2"), text=load_text(args.text), max_tokens=args.tokens)

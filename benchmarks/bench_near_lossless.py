@@ -1,7 +1,7 @@
 """`near-lossless` on held-out texts: greedy-identical by construction, and what it costs (issue 15).
 
 Per text: the guarded ``near-lossless`` plan (16-bit codes, ``quantize`` v2; the guard
-bounds the probe's rival-token logit gain by NEAR_TIE, see kvcodec/quant/guard.py) and,
+bounds the probe's rival-token logit gain by NEAR_TIE, see kvcodec/plan/check.py) and,
 side by side on the same cache, ``fp16`` (cast + shuffle + zstd, what engines keep) and
 the previous ``near-lossless`` (8-bit codes, ``max_bits=8``, its fixed step0 0.02). Each is
 a real .kvc file (bits/element = file bytes x 8 / K+V elements, calibration external),
@@ -23,14 +23,14 @@ from pathlib import Path
 
 import torch
 
-from kvcodec.capture import select_context, tokenize
-from kvcodec.curve import cached_capture, default_capture_dir
-from kvcodec.evaluate import continue_logits, evaluate
+from kvcodec.models.capture import select_context, tokenize
+from kvcodec.eval.curve import cached_capture, default_capture_dir
+from kvcodec.models.quality import continue_logits, evaluate
 from kvcodec.format import KvcReader
-from kvcodec.model import load_model
-from kvcodec.plans import get_plan
-from kvcodec.quant.codecplan import encode_bytes
-from kvcodec.quant.guard import greedy_with_margins, max_rival_gain
+from kvcodec.models.load import load_model
+from kvcodec.plan.presets import get_plan
+from kvcodec.plan.pipelines import encode_bytes
+from kvcodec.plan.check import greedy_with_margins, max_rival_gain
 from kvcodec.texts import HELD_OUT, load_text
 
 

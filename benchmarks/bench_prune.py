@@ -37,13 +37,14 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from kvcodec.capture import capture, tokenize  # noqa: E402
-from kvcodec.evaluate import continue_logits, greedy  # noqa: E402
-from kvcodec.kvcache import KVCache, load_h5, save_h5  # noqa: E402
-from kvcodec.model import load_model  # noqa: E402
+from kvcodec.models.cachelayout import cache_for_model
+from kvcodec.models.capture import capture, tokenize  # noqa: E402
+from kvcodec.models.quality import continue_logits, greedy  # noqa: E402
+from kvcodec.core.kvcache import KVCache, load_h5, save_h5  # noqa: E402
+from kvcodec.models.load import load_model  # noqa: E402
 from kvcodec.prune import evaluate_pruned, h2o_prune, parse_prune  # noqa: E402
 from kvcodec.prune.h2o import attention_scores  # noqa: E402
-from kvcodec.fingerprint import token_ids_sha256 as ids_sha256  # noqa: E402
+from kvcodec.digest import token_ids_sha256 as ids_sha256  # noqa: E402
 from kvcodec.prune.lingua import pack_mask, segment_relevance, select_lingua, self_information  # noqa: E402
 from kvcodec.texts import DEFAULT_BENCH_TEXTS, load_text  # noqa: E402
 
@@ -57,7 +58,7 @@ def cached_exact(lm: Any, name: str, ids: np.ndarray, window: int | None) -> tup
     h5, npy = CACHE / f"{key}.h5", CACHE / f"{key}.scores.npy"
     if h5.is_file() and npy.is_file():
         return load_h5(h5), np.load(npy)
-    from kvcodec.capture import cache_from_hf
+    from kvcodec.models.capture import cache_from_hf
 
     past, scores = attention_scores(lm, ids, window)
     cache = cache_from_hf(past, ids, lm, meta={"model": lm.name})
@@ -89,8 +90,8 @@ def lingua_cache(lm: Any, ids: np.ndarray, info: np.ndarray, spec: str, relevanc
 def encode_decode(cache: KVCache, preset: str) -> tuple[int, KVCache]:
     """(.kvc bytes, decoded cache) for a preset name or ``step0=X`` (the codec's rate knob)."""
     from kvcodec.format import KvcReader, WriteOptions, write_kvc
-    from kvcodec.plans import get_plan
-    from kvcodec.attachments import default_resolver as attachment_resolver
+    from kvcodec.plan.presets import get_plan
+    from kvcodec.calibration.store import default_resolver as attachment_resolver
 
     if preset.startswith("step0="):
         plan = get_plan("balanced", cache, step0=float(preset.split("=", 1)[1]))
@@ -177,7 +178,7 @@ def retrieval_context(lm: Any, seed: int, n_keys: int, tokens: int) -> tuple[np.
 
 @torch.inference_mode()
 def answer(lm: Any, cache: KVCache, prompt_ids: np.ndarray, n: int = 7) -> str:
-    past = cache.for_model(lm)
+    past = cache_for_model(lm, cache)
     pos0 = cache.next_position
     ids = torch.as_tensor(prompt_ids)[None]
     out = lm.model(input_ids=ids, past_key_values=past, position_ids=torch.arange(pos0, pos0 + ids.shape[1])[None], use_cache=True)

@@ -55,10 +55,10 @@ import torch
 
 
 from kvcodec.atomic import atomic_write_text  # noqa: E402
-from kvcodec.capture import capture  # noqa: E402
-from kvcodec.hf import greedy_from  # noqa: E402
-from kvcodec.knowledge import KnowledgeBase  # noqa: E402
-from kvcodec.model import load_model  # noqa: E402
+from kvcodec.models.capture import capture  # noqa: E402
+from kvcodec.integrations.hf import greedy_from  # noqa: E402
+from kvcodec.runtime.knowledge import KnowledgeBase  # noqa: E402
+from kvcodec.models.load import load_model  # noqa: E402
 from kvcodec.store import Store, TenantKey  # noqa: E402
 from kvcodec.texts import load_text  # noqa: E402
 

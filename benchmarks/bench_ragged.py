@@ -39,11 +39,11 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
 
-    from kvcodec.capture import capture, tokenize
+    from kvcodec.models.capture import capture, tokenize
     from kvcodec.format import KvcReader, WriteOptions, encode_kvc_bytes
-    from kvcodec.model import load_model
-    from kvcodec.plans import get_plan
-    from kvcodec.quant.importance import cache_importance
+    from kvcodec.models.load import load_model
+    from kvcodec.plan.presets import get_plan
+    from kvcodec.plan.importance import cache_importance
     from kvcodec.texts import load_text
 
     lm = load_model(args.lm)

@@ -55,9 +55,9 @@ import torch  # noqa: E402
 
 from kvcodec.format.reader import KvcReader  # noqa: E402
 from kvcodec.format.writer import WriteOptions, write_kvc  # noqa: E402
-from kvcodec.kvcache import load_h5, save_h5  # noqa: E402
-from kvcodec.attachments import default_resolver  # noqa: E402
-from kvcodec.plans import get_plan  # noqa: E402
+from kvcodec.core.kvcache import load_h5, save_h5  # noqa: E402
+from kvcodec.calibration.store import default_resolver  # noqa: E402
+from kvcodec.plan.presets import get_plan  # noqa: E402
 
 CACHE_DIR = Path(os.environ.get("KVC_BENCH_CACHE", "/tmp/kvc-cache"))
 
@@ -67,8 +67,8 @@ def get_cache(text: str, tokens: int, model: str = "smollm2"):
     h5 = CACHE_DIR / (f"speed-{text}-{tokens}.h5" if model == "smollm2" else f"speed-{model}-{text}-{tokens}.h5")
     if h5.exists():
         return load_h5(h5)
-    from kvcodec.capture import capture, tokenize
-    from kvcodec.model import load_model
+    from kvcodec.models.capture import capture, tokenize
+    from kvcodec.models.load import load_model
     from kvcodec.texts import load_text
 
     lm = load_model(model)
@@ -87,7 +87,7 @@ def kernel_uses_zmm() -> bool | None:
     """
     import warnings
 
-    from kvcodec.quant.fastdecode import _decode_kernel
+    from kvcodec.decode.cpu.fused import _decode_kernel
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -142,7 +142,7 @@ def main() -> None:
     L = cache.fingerprint.num_layers
     lm = None
     if args.model:
-        from kvcodec.model import load_model
+        from kvcodec.models.load import load_model
 
         lm = load_model(args.lm)
 

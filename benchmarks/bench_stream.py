@@ -10,7 +10,7 @@ the first chunk's near-lossless bytes.
 
 Methods, per link, all in the same process and run:
 
-* ``adaptive``: :class:`kvcodec.stream.AdaptiveStreamer` with the budget;
+* ``adaptive``: :class:`kvcodec.runtime.stream.AdaptiveStreamer` with the budget;
 * ``fixed:<level>``: every chunk at one level (no adaptation; the budget is
   only reported against), the "one fixed encoding" kvcodec streamed before;
 * ``prefill``: always prefilling the text (no network; run once).
@@ -42,13 +42,13 @@ import numpy as np
 
 
 from kvcodec.atomic import atomic_write_text
-from kvcodec.capture import capture, tokenize
-from kvcodec.evaluate import compare_logits, continue_logits
-from kvcodec.model import load_model
-from kvcodec.netshape import ShapedLink
+from kvcodec.models.capture import capture, tokenize
+from kvcodec.models.quality import compare_logits, continue_logits
+from kvcodec.models.load import load_model
+from kvcodec.eval.netshape import ShapedLink
 from kvcodec.store import Store, TenantKey
 from kvcodec.store.levels import manifest_key
-from kvcodec.stream import SPEEDS, TEXT, AdaptiveStreamer, encode_levels, read_manifest
+from kvcodec.runtime.stream import SPEEDS, TEXT, AdaptiveStreamer, encode_levels, read_manifest
 from kvcodec.texts import load_text
 
 TOK = "tok-bench-stream-0123456789"
@@ -136,7 +136,7 @@ def main(tokens: int, levels: str, budget_frac: float, fixed: str, continuation:
 
 def quality(lm, st: Store, ids: np.ndarray, choices: list[str], ex_logits, cont) -> float:
     """KL of the cache made of exactly these per-chunk choices (levels from the store, text prefilled)."""
-    from kvcodec.stream import (  # one code path: the streamer's own assembly
+    from kvcodec.runtime.stream import (  # one code path: the streamer's own assembly
         Speeds,
         StreamReport,
         _Run,
@@ -148,7 +148,7 @@ def quality(lm, st: Store, ids: np.ndarray, choices: list[str], ex_logits, cont)
     orig = run.decide
     run.decide = lambda i: _force(orig(i), choices[i], run)  # type: ignore[method-assign]
     past = run.go()
-    from kvcodec.kvcache import KVCache
+    from kvcodec.core.kvcache import KVCache
 
     kv = KVCache([la.keys[0] for la in past.layers], [la.values[0] for la in past.layers], ids, lm.fingerprint)
     return compare_logits(ex_logits, continue_logits(lm, kv, cont), cont)["kl_mean"]

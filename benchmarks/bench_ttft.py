@@ -12,7 +12,7 @@ For each context length N, on the same machine and in the same run:
   query so the in-process LRU does not help).
 
 Each timing is the median of ``--repeats`` runs after one warm-up (*warm*).
-``--cold`` also times the first call in a fresh process (:func:`kvcodec.ttft.cold_ttft`,
+``--cold`` also times the first call in a fresh process (:func:`kvcodec.runtime.ttft.cold_ttft`,
 model load excluded, reported apart) for prefill and for the `.kvc` on disk:
 what every ``kvc ask`` process pays. Prefill computes only the last
 position's logits (``logits_to_keep=1``) on every path. The first
@@ -40,12 +40,12 @@ import numpy as np
 import torch
 
 from kvcodec.atomic import atomic_write_text
-from kvcodec.capture import capture, tokenize
+from kvcodec.models.capture import capture, tokenize
 from kvcodec.format import WriteOptions, encode_kvc_bytes
-from kvcodec.plans import get_plan
-from kvcodec.hf import greedy_from, load_cache
-from kvcodec.ttft import cold_ttft, median_time, ttft_prefill
-from kvcodec.model import load_model
+from kvcodec.plan.presets import get_plan
+from kvcodec.integrations.hf import greedy_from, load_cache
+from kvcodec.runtime.ttft import cold_ttft, median_time, ttft_prefill
+from kvcodec.models.load import load_model
 from kvcodec.store import Store, StoreKey
 from kvcodec.texts import load_text
 
@@ -92,9 +92,9 @@ def main() -> None:
     ap.add_argument("--cold", action="store_true", help="also time the first call in a fresh process")
     ap.add_argument("--json", dest="json_out", default=None)
     args = ap.parse_args()
-    from kvcodec.allocator import tune_allocator
+    from kvcodec.runtime.allocator import tune_allocator
 
-    tune_allocator()  # as the `kvc` command does (kvcodec/allocator.py): warm and cold processes tuned alike
+    tune_allocator()  # as the `kvc` command does (kvcodec/runtime/allocator.py): warm and cold processes tuned alike
     if args.threads:
         torch.set_num_threads(args.threads)
 

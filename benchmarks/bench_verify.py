@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from kvcodec.capture import capture, tokenize
+from kvcodec.models.capture import capture, tokenize
 from kvcodec.format import WriteOptions, write_kvc
-from kvcodec.plans import get_plan
-from kvcodec.model import load_model
+from kvcodec.plan.presets import get_plan
+from kvcodec.models.load import load_model
 from kvcodec.texts import load_text
 
 

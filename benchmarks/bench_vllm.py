@@ -87,9 +87,8 @@ def main() -> None:
     from transformers import AutoTokenizer
     from vllm.config import KVTransferConfig
 
-    from kvcodec.model import resolve_model_dir
-    from kvcodec.vllm import connector as conn
-
+    from kvcodec.models.load import resolve_model_dir
+    from kvcodec.integrations.vllm import connector as conn
     model_dir = str(resolve_model_dir("smollm2"))
     tok = AutoTokenizer.from_pretrained(model_dir)
     prefix, qs = _ids(tok, a.prefix, a.suffix, a.reps + 2)
@@ -111,7 +110,7 @@ def main() -> None:
         tmp = tempfile.mkdtemp(prefix="kvc-bench-vllm-")
         url = tmp
     try:
-        cfg = KVTransferConfig(kv_connector="KvcodecConnector", kv_connector_module_path="kvcodec.vllm.connector",
+        cfg = KVTransferConfig(kv_connector="KvcodecConnector", kv_connector_module_path="kvcodec.integrations.vllm.connector",
                                kv_role="kv_both", kv_connector_extra_config={"store_url": url, "preset": a.preset,
                                                                             "chunk_tokens": a.chunk, "namespace": "bench"})
         llm = _engine(model_dir, max_len, cfg)

@@ -15,13 +15,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvcodec.backends import backend
-from kvcodec.capture import select_context, tokenize
-from kvcodec.curve import cached_capture, default_capture_dir
+from kvcodec.decode.registry import backend
+from kvcodec.models.capture import select_context, tokenize
+from kvcodec.eval.curve import cached_capture, default_capture_dir
 from kvcodec.format import KvcReader
-from kvcodec.model import load_model
-from kvcodec.plans import get_plan
-from kvcodec.quant.codecplan import encode_bytes
+from kvcodec.models.load import load_model
+from kvcodec.plan.presets import get_plan
+from kvcodec.plan.pipelines import encode_bytes
 from kvcodec.texts import load_text
 
 

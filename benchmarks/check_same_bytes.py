@@ -18,13 +18,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvcodec.baselines.plans import BASELINES, get_baseline_plan
+from kvcodec.plan.baseline_plans import BASELINES, get_baseline_plan
 from kvcodec.format.writer import write_kvc
-from kvcodec.kvcache import load_h5
+from kvcodec.core.kvcache import load_h5
 
 try:
-    from kvcodec.plans import get_plan
-except ImportError:  # a checkout from before kvcodec/plans.py (issue 18)
+    from kvcodec.plan.presets import get_plan
+except ImportError:  # a checkout from before kvcodec/plan/presets.py (issue 18)
     from kvcodec.format.presets import get_plan
 
 torch.set_num_threads(1)
@@ -32,8 +32,8 @@ CACHE_DIR = Path(os.environ.get("KVC_BENCH_CACHE", "/tmp/kvc-cache"))
 cache = load_h5(CACHE_DIR / "speed-gpl3-256.h5")
 imp_path = CACHE_DIR / "importance-gpl3-256.npy"
 if not imp_path.exists():
-    from kvcodec.model import load_model
-    from kvcodec.quant.importance import cache_importance
+    from kvcodec.models.load import load_model
+    from kvcodec.plan.importance import cache_importance
     lm = load_model("smollm2")
     np.save(imp_path, cache_importance(lm, cache, window=512))
 imp = np.load(imp_path)

@@ -4,7 +4,7 @@ Importing kvcodec is cheap and never needs a GPU, Triton or transformers;
 heavy modules load on first use.
 """
 
-from .errors import (
+from kvcodec.errors import (
     KvcBackendError,
     KvcCodecError,
     KvcError,

@@ -36,7 +36,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Iterable, Iterator
 
-from .errors import KvcInputError, KvcIOError
+from kvcodec.errors import KvcInputError, KvcIOError
 
 TEMP_SUFFIX = ".kvctmp"
 GRACE_S = 3600.0  # a temp younger than this is never collected (its writer may still be running)

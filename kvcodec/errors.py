@@ -72,3 +72,7 @@ def want(cond: bool, msg: str) -> None:
 def is_int(x: Any, lo: int = 0, hi: int = (1 << 63) - 1) -> bool:
     """``x`` is a JSON integer (not a bool, not 3.0) in [lo, hi]."""
     return isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi
+
+
+class KvcUnknownCodecError(KvcFormatError, KvcCodecError):
+    """A file names a codec stage this installation does not know (both a format and a codec error)."""

@@ -2,7 +2,7 @@
 
 The HDF5 C library segfaults on some corrupted files (found by
 ``tests/test_bounds.py``); no amount of checking in Python prevents that, so
-``kvcodec.kvcache.load_h5`` never opens HDF5 in its own process. The child
+``kvcodec.core.kvcache.load_h5`` never opens HDF5 in its own process. The child
 (``python -c ... kvcodec.h5sandbox`` on a descriptor the parent opened with
 :func:`kvcodec.limits.open_regular`, so it reads exactly the file the parent
 checked) imports only h5py and numpy and speaks a two-step protocol on its
@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import KvcFormatError
+from kvcodec.errors import KvcFormatError
 
 TIMEOUT_S = 300.0
 _MAX_DESC = 16 << 20
@@ -45,7 +45,7 @@ class H5Sandbox:
     """One HDF5 file opened by a child process: ``.desc`` (what it declares), ``.fetch(names)`` (the data)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        from .limits import open_regular
+        from kvcodec.limits import open_regular
 
         self.path = Path(path)
         fd = open_regular(self.path, "a capture")

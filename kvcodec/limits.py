@@ -22,7 +22,7 @@ import os
 import stat
 from pathlib import Path
 
-from .errors import KvcInputError
+from kvcodec.errors import KvcInputError
 
 DEFAULT_MAX_DECODED_BYTES = 16 << 30
 MAX_DECODED_ENV = "KVCODEC_MAX_DECODED_BYTES"

@@ -27,7 +27,7 @@ import gzip
 from pathlib import Path
 from typing import Callable
 
-from .errors import KvcInputError
+from kvcodec.errors import KvcInputError
 
 LICENSES = Path("/usr/share/common-licenses")
 NAMED: dict[str, str] = {
@@ -43,7 +43,7 @@ DEFAULT_BENCH_TEXTS = ("gpl3", "pydoc", "lgpl21")
 # Presets and codec constants are tuned on these only.
 TUNING: tuple[str, ...] = ("gpl3", "pydoc", "lgpl21")
 # Reported on, never tuned on, and disjoint from the calibration corpus
-# (kvcodec.quant.calibrate.CALIB_TEXTS: the PCA bases and sensitivities are fitted on
+# (kvcodec.calibration.record.CALIB_TEXTS: the PCA bases and sensitivities are fitted on
 # those, so MPL-2.0, GFDL-1.3 and the calibration's pydoc chapters cannot be held out;
 # tests/test_peers_guard.py checks the three sets are disjoint): a license, other Python
 # reference chapters, Python source, C headers, a changelog.

@@ -4,7 +4,7 @@
 
 The file is named by the model's fingerprint id (how ``get_calibration`` finds
 it) and pinned by the sha256 of its bytes in
-``kvcodec.quant.calibrate.SHIPPED_SHA256``: the script prints the line to put
+``kvcodec.calibration.store.SHIPPED_SHA256``: the script prints the line to put
 there. Rebuild after any change of the calibration algorithm or of the
 fingerprint; the build is deterministic for a given torch/numpy and thread
 count (``--threads``, default 2, is part of the recipe).
@@ -21,8 +21,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvcodec.model import DEFAULT_MODEL, load_model  # noqa: E402
-from kvcodec.quant import calibrate as C  # noqa: E402
+from kvcodec.models.load import DEFAULT_MODEL, load_model  # noqa: E402
+from kvcodec.calibration import build as C_build
+from kvcodec.calibration import store as C_store
 
 
 def main() -> None:
@@ -32,14 +33,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     lm = load_model(DEFAULT_MODEL)
     timings: dict[str, float] = {}
-    cal = C.build_calibration(lm, timings=timings)
-    for old in C.SHIPPED_DIR.glob("*.safetensors"):
+    cal = C_build.build_calibration(lm, timings=timings)
+    for old in C_store.SHIPPED_DIR.glob("*.safetensors"):
         if old.name != f"{lm.fingerprint.id}.safetensors":
             print(f"note: {old} belongs to another fingerprint; delete it and its pin if it is stale", file=sys.stderr)
-    path = C.write_calibration_file(cal, lm.fingerprint.id, C.SHIPPED_DIR / f"{lm.fingerprint.id}.safetensors")
+    path = C_store.write_calibration_file(cal, lm.fingerprint.id, C_store.SHIPPED_DIR / f"{lm.fingerprint.id}.safetensors")
     sha = hashlib.sha256(path.read_bytes()).hexdigest()
     print(f"wrote {path} ({path.stat().st_size:,} bytes) in {timings['total_s']:.0f} s")
-    print(f'pin it in kvcodec/quant/calibrate.py: SHIPPED_SHA256 = {{"{path.name}": "{sha}"}}')
+    print(f'pin it in kvcodec/calibration/store.py: SHIPPED_SHA256 = {{"{path.name}": "{sha}"}}')
 
 
 if __name__ == "__main__":

@@ -37,15 +37,15 @@ import torch
 import zstandard
 
 from kvcodec.entropy.rans import encode_contexts
-from kvcodec.entropy.rans_stage import RansStage, to_contexts
-from kvcodec.fingerprint import ModelFingerprint
+from kvcodec.codecs.rans import RansStage, to_contexts
+from kvcodec.core.fingerprint import ModelFingerprint
 from kvcodec.format.reader import KvcReader
 from kvcodec.format.writer import WriteOptions, encode_kvc_bytes
-from kvcodec.kvcache import KVCache
-from kvcodec.plans import get_plan
-from kvcodec.quant import vectors as V
-from kvcodec.quant.tokenscale import TokenClasses, vector_cases
-from kvcodec.stages import ArraySpec, ChunkContext, stage_from_json
+from kvcodec.core.kvcache import KVCache
+from kvcodec.plan.presets import get_plan
+from kvcodec.codecs import vectors as V
+from kvcodec.codecs.tokenscale import TokenClasses, vector_cases
+from kvcodec.core.stage import ArraySpec, ChunkContext, stage_from_json
 
 ROOT = Path(__file__).resolve().parents[1]
 VECTOR_DIR = ROOT / "spec" / "vectors" / "kvc"
@@ -97,8 +97,8 @@ def build_cache(name: str) -> KVCache:
     if name == "f16_lossless_idhash":
         return _synthetic(torch.float16, 7)
     if name == "smollm2_8tok_f16_lossless":
-        from kvcodec.capture import capture
-        from kvcodec.model import load_model
+        from kvcodec.models.capture import capture
+        from kvcodec.models.load import load_model
         from kvcodec.texts import load_text
 
         return capture(load_model("smollm2"), text=load_text("gpl3"), max_tokens=8).to(torch.float16)
@@ -197,10 +197,10 @@ def lossy_cases() -> dict[str, dict[str, Any]]:
 
 def _real_cache(text: str, tokens: int, importance: bool = False) -> tuple[KVCache, np.ndarray | None]:
     """A real SmolLM2 cache of ``tokens`` tokens of ``text`` (fp16) and, if asked, its token importance [L, T]."""
-    from kvcodec.capture import capture
-    from kvcodec.model import load_model
-    from kvcodec.quant.codecplan import TOKENSCALE_DEFAULT
-    from kvcodec.quant.importance import cache_importance
+    from kvcodec.models.capture import capture
+    from kvcodec.models.load import load_model
+    from kvcodec.plan.pipelines import TOKENSCALE_DEFAULT
+    from kvcodec.plan.importance import cache_importance
     from kvcodec.texts import load_text
 
     lm = load_model("smollm2")
@@ -286,7 +286,7 @@ def codec_cases() -> dict[str, dict[str, Any]]:
 
 def _write_case(d: Path, meta_file: str, case: dict[str, Any], x: np.ndarray, enc: Any, side: dict[str, np.ndarray],
                 dec: np.ndarray, attach: dict[str, np.ndarray], extra: dict[str, Any] | None = None) -> None:
-    """One codec-stage case directory (the layout spec/codec-v1.md and kvcodec.quant.vectors.load_case read)."""
+    """One codec-stage case directory (the layout spec/codec-v1.md and kvcodec.codecs.vectors.load_case read)."""
     meta: dict[str, Any] = {"stage": case["stage"], "ctx": case.get("ctx", {}), "spec": {"shape": list(x.shape), "dtype": str(x.dtype)},
                             "side": sorted(side), "attach": sorted(attach), **(extra or {})}
     d.mkdir(parents=True)

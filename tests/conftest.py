@@ -9,10 +9,10 @@ from __future__ import annotations
 import os
 
 # The Triton tests run the kernels under the interpreter, and TRITON_INTERPRET must be set before anything
-# imports triton (see test_cuda_rans.py). Collecting other test modules already imports it (kvcodec.knowledge
+# imports triton (see test_cuda_rans.py). Collecting other test modules already imports it (kvcodec.runtime.knowledge
 # -> transformers -> torch._dynamo -> triton), so it is set here, before any test module is collected.
 os.environ.setdefault("TRITON_INTERPRET", "1")
-# A decoder backend that applies but fails on a chunk its reference decodes raises in tests (kvcodec/backends.py);
+# A decoder backend that applies but fails on a chunk its reference decodes raises in tests (kvcodec/decode/registry.py);
 # in production it warns once and the reference's result is used.
 os.environ.setdefault("KVCODEC_STRICT_BACKENDS", "1")
 # Tests that compare two forward passes bit for bit need MKL to use the same number of threads in both:
@@ -25,14 +25,14 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session")
 def lm():
-    from kvcodec.model import load_model
+    from kvcodec.models.load import load_model
 
     return load_model("smollm2")
 
 
 @pytest.fixture(scope="session")
 def gpl3_ids(lm) -> np.ndarray:
-    from kvcodec.capture import tokenize
+    from kvcodec.models.capture import tokenize
     from kvcodec.texts import load_text
 
     return tokenize(lm.tokenizer, load_text("gpl3"))
@@ -41,7 +41,7 @@ def gpl3_ids(lm) -> np.ndarray:
 @pytest.fixture(scope="session")
 def small_cache(lm, gpl3_ids):
     """A real 64-token KV cache of the GPL-3 text."""
-    from kvcodec.capture import capture
+    from kvcodec.models.capture import capture
 
     return capture(lm, token_ids=gpl3_ids[:64])
 
@@ -49,7 +49,7 @@ def small_cache(lm, gpl3_ids):
 @pytest.fixture(scope="session")
 def real_cache(lm, gpl3_ids):
     """Factory ``real_cache(n)``: the real KV cache of the first n GPL-3 tokens, captured once per n."""
-    from kvcodec.capture import capture
+    from kvcodec.models.capture import capture
 
     memo: dict = {}
 
@@ -69,7 +69,7 @@ def other_lm(lm):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kvcodec.model import LoadedModel
+    from kvcodec.models.load import LoadedModel
 
     torch.manual_seed(0)
     cfg = LlamaConfig(

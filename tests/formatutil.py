@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvcodec.fingerprint import ModelFingerprint
-from kvcodec.kvcache import KVCache
+from kvcodec.core.fingerprint import ModelFingerprint
+from kvcodec.core.kvcache import KVCache
 
 SYNTH_FP = ModelFingerprint("synthetic", 2, 2, (8, 8), "{}", "0" * 64, "1" * 64, config_sha256="2" * 64)
 

@@ -46,7 +46,7 @@ def crash_writer(root: str, seed: int, nkeys: int, lo: int, hi: int, counter) ->
     """Put self-verifying entries forever; ``counter.value`` = puts completed."""
     import random
 
-    from kvcodec.store.directory import DirectoryTier
+    from kvcodec.store.tiers.directory import DirectoryTier
 
     rng = random.Random(seed)
     tier = DirectoryTier(root, fsync=True)

@@ -1,4 +1,4 @@
-"""kvcodec.allocator: a process reuses freed tensor memory instead of faulting it in again."""
+"""kvcodec.runtime.allocator: a process reuses freed tensor memory instead of faulting it in again."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ PROBE = """
 import resource, sys
 import numpy as np
 if sys.argv[1] == "tuned":
-    from kvcodec.allocator import tune_allocator
+    from kvcodec.runtime.allocator import tune_allocator
     assert tune_allocator()
 def faults_of_one_request():
     f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -37,7 +37,7 @@ def test_second_request_reuses_faulted_memory():
 
 
 def test_kvc_command_tunes_the_allocator(monkeypatch):
-    import kvcodec.allocator as al
+    import kvcodec.runtime.allocator as al
     from kvcodec.cli.main import main
 
     calls = []
@@ -50,9 +50,9 @@ def test_kvc_command_tunes_the_allocator(monkeypatch):
 FIRST = """
 import resource, sys, threading
 import numpy as np
-from kvcodec.allocator import prefault, tune_allocator
+from kvcodec.runtime.allocator import prefault, tune_allocator
 assert tune_allocator()
-if sys.argv[1] == "prefault":  # in another thread, as kvcodec.warmup.prewarm runs it while the model loads
+if sys.argv[1] == "prefault":  # in another thread, as kvcodec.runtime.warmup.prewarm runs it while the model loads
     t = threading.Thread(target=prefault, args=(160 << 20,))
     t.start()
     t.join()
@@ -77,7 +77,7 @@ def test_prefault_in_another_thread_serves_the_first_request():
 
 
 def test_prefault_is_bounded():
-    from kvcodec.allocator import PREFAULT_MAX, prefault
+    from kvcodec.runtime.allocator import PREFAULT_MAX, prefault
 
     assert prefault(-5) == 0
     assert prefault(1 << 20) == 0  # under one piece: nothing
@@ -86,7 +86,7 @@ def test_prefault_is_bounded():
 
 
 def test_prefault_leaves_most_free_memory_alone(monkeypatch):
-    import kvcodec.allocator as al
+    import kvcodec.runtime.allocator as al
 
     monkeypatch.setattr(al, "_available", lambda: 100 << 20)
     assert al.prefault(1 << 30) == 16 << 20  # a quarter of 100 MiB, in 16 MiB pieces

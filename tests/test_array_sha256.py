@@ -1,4 +1,4 @@
-"""kvcodec.attachments.array_sha256: the one attachment identity, memoised only where it cannot go stale."""
+"""kvcodec.digest.array_sha256: the one attachment identity, memoised only where it cannot go stale."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import hashlib
 
 import numpy as np
 
-from kvcodec.attachments import _MEMO, array_sha256
+from kvcodec.digest import _MEMO, array_sha256
 
 
 def _ref(a: np.ndarray) -> str:
@@ -52,8 +52,8 @@ def test_a_loaded_calibration_is_frozen_all_the_way_down():
     the attachment views files read, may be writable -- a write would change every later decode."""
     import pytest
 
-    from kvcodec.attachments import _frozen
-    from kvcodec.quant.calibrate import SHIPPED_DIR, SHIPPED_SHA256, load_calibration_file
+    from kvcodec.digest import _frozen
+    from kvcodec.calibration.store import SHIPPED_DIR, SHIPPED_SHA256, load_calibration_file
 
     cal = load_calibration_file(SHIPPED_DIR / next(iter(SHIPPED_SHA256)))
     for name, a in [*cal.attachments.items(), ("eigval", cal.eigval), ("sensitivity", cal.sensitivity)]:

@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvcodec.backends import BACKENDS, STRICT_ENV, Backend, backend, decode_with, select
+from kvcodec.decode.registry import BACKENDS, STRICT_ENV, Backend, backend, decode_with, select
 from kvcodec.errors import KvcBackendError
 from kvcodec.format import KvcReader, WriteOptions, write_kvc
-from kvcodec.stages import ArraySpec, ChunkContext, Pipeline, stage_from_json
+from kvcodec.core.stage import ArraySpec, ChunkContext, Pipeline, stage_from_json
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_LAYERS = 1  # Triton interpreter (slow): layer 0 of the real-cache files marked for the GPU backends
@@ -43,7 +43,7 @@ def _bits(x) -> np.ndarray:
 
 def _gpu_usable() -> bool:
     try:
-        from kvcodec.cuda.backend import gpu_device
+        from kvcodec.decode.triton.backend import gpu_device
 
         gpu_device()
     except Exception:
@@ -108,9 +108,9 @@ def test_golden_rans_vectors_every_backend(used):
 
 @pytest.mark.model
 def test_real_cache_every_preset_every_backend(used, lm, small_cache):
-    from kvcodec.baselines import BASELINES  # noqa: F401  (baseline names)
-    from kvcodec.plans import get_plan
-    from kvcodec.quant.importance import cache_importance
+    from kvcodec.plan.baselines import BASELINES  # noqa: F401  (baseline names)
+    from kvcodec.plan.presets import get_plan
+    from kvcodec.plan.importance import cache_importance
 
     imp = cache_importance(lm, small_cache)
     plans = [(get_plan(p, small_cache), p in ("lossless", "near-lossless")) for p in ("lossless", "fp16", "zstd", "raw", "near-lossless", "small")]
@@ -132,7 +132,7 @@ def test_every_registered_backend_was_exercised(used):
 
 
 def test_the_registry_picks_the_fastest_eligible_backend(small_cache):
-    from kvcodec.plans import get_plan
+    from kvcodec.plan.presets import get_plan
 
     spec = ArraySpec((small_cache.fingerprint.num_kv_heads, small_cache.num_tokens, 64), "float32")
     lossy = get_plan("balanced", small_cache).pipelines(0, "k")
@@ -144,7 +144,7 @@ def test_the_registry_picks_the_fastest_eligible_backend(small_cache):
 
 
 def _lossless_chunk():
-    from kvcodec.format.lossless import lossless_pipeline
+    from kvcodec.codecs.lossless import lossless_pipeline
 
     pipe = lossless_pipeline("float16")
     x = (np.arange(2 * 7 * 64, dtype=np.float32).reshape(2, 7, 64) / 100).astype(np.float16)
@@ -154,7 +154,7 @@ def _lossless_chunk():
 
 def test_a_failing_backend_raises_in_tests_and_warns_once_in_production(monkeypatch):
     """No silent fallback: a backend that applies but fails on a chunk the reference decodes is a bug."""
-    import kvcodec.quant.fastdecode as fd
+    import kvcodec.decode.cpu.fused as fd
 
     pipe, payload, sides, sizes, spec, x = _lossless_chunk()
     assert select(pipe, spec)[0].name == "numba-fused"
@@ -180,7 +180,7 @@ def test_a_failing_backend_raises_in_tests_and_warns_once_in_production(monkeypa
 def test_a_bad_chunk_gets_the_reference_error_not_a_backend_error(monkeypatch):
     """Malformed data that both the backend and the reference refuse is the file's fault: the spec's error."""
     from kvcodec.errors import KvcFormatError
-    from kvcodec.format.decode import decode_chunk
+    from kvcodec.decode.chunk import decode_chunk
 
     pipe, payload, sides, sizes, spec, _ = _lossless_chunk()
     bad = bytes(payload[:-7])

@@ -11,18 +11,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvcodec.baselines import BASELINES, get_baseline_plan
-from kvcodec.baselines.plans import cachegen_bins
-from kvcodec.baselines.stages import CacheGenStage, KiviStage, pack_bits, renorm_cdf, unpack_bits
+from kvcodec.plan.baselines import BASELINES, get_baseline_plan
+from kvcodec.plan.baseline_plans import cachegen_bins
+from kvcodec.codecs.baselines import CacheGenStage, KiviStage, pack_bits, renorm_cdf, unpack_bits
 from kvcodec.errors import KvcFormatError, KvcInputError
-from kvcodec.stages import ArraySpec, ChunkContext, Pipeline
+from kvcodec.core.stage import ArraySpec, ChunkContext, Pipeline
 
 N_TOKENS = 200  # > 128 fp16 recent values (72 quantized = 2 full groups + a partial one); keys: 128 quantized, 72 fp16
 
 
 @pytest.fixture(scope="module")
 def cache(lm, gpl3_ids):
-    from kvcodec.capture import capture
+    from kvcodec.models.capture import capture
 
     return capture(lm, token_ids=gpl3_ids[:N_TOKENS])
 
@@ -30,7 +30,7 @@ def cache(lm, gpl3_ids):
 @pytest.fixture(scope="module")
 def files(cache, tmp_path_factory):
     """Every baseline written to a real .kvc file and read back: name -> (path, decoded cache)."""
-    from kvcodec.curve import read_kvc_cache
+    from kvcodec.eval.curve import read_kvc_cache
     from kvcodec.format import WriteOptions, write_kvc
 
     d = tmp_path_factory.mktemp("baselines")
@@ -148,7 +148,7 @@ def test_kivi_fp16_tokens_as_kivis_code(name, cache, files):
 
 @pytest.mark.model
 def test_sizes_are_real_file_bytes(cache, files):
-    from kvcodec.curve import rate_fields
+    from kvcodec.eval.curve import rate_fields
     from kvcodec.format import KvcReader
 
     sizes = {}
@@ -178,7 +178,7 @@ def test_cachegen_stream_is_a_real_range_code(cache):
     x = cache.keys[3].numpy()
     st = CacheGenStage(bins=32)
     data, side = st.encode(x, ChunkContext(layer=3, kind="k"))
-    from kvcodec.baselines.stages import cachegen_quant
+    from kvcodec.codecs.baselines import cachegen_quant
 
     q, _ = cachegen_quant(x, 32)
     cdf = side["cdf"].view(np.uint16).astype(np.int64)
@@ -224,8 +224,8 @@ def test_kivi_shapes_and_constant_groups(T, mode):
 
 
 def test_int8_and_cachegen_zero_rows():
-    from kvcodec.baselines.stages import Int8TokenStage
-    from kvcodec.stages import stage_from_json
+    from kvcodec.codecs.baselines import Int8TokenStage
+    from kvcodec.core.stage import stage_from_json
 
     x = np.random.default_rng(0).standard_normal((3, 300, 64)).astype(np.float32)
     x[:, 5] = 0.0

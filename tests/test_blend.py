@@ -6,12 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from kvcodec.blend import (
+from kvcodec.models.cachelayout import cache_for_model
+from kvcodec.runtime.blend import (
     blend, concat_chunks, continue_from, generate_blended, layer_inv_freqs, rerotate_keys,
 )
-from kvcodec.capture import capture, prefill
+from kvcodec.models.capture import capture, prefill
 from kvcodec.errors import KvcInputError
-from kvcodec.kvcache import KVCache
+from kvcodec.core.kvcache import KVCache
 
 pytestmark = pytest.mark.model
 
@@ -102,7 +103,7 @@ def test_ratio_zero_equals_naive_concatenation_exactly(lm, pieces, chunk_caches)
     n = naive.num_tokens
     with torch.inference_mode():
         out = lm.model(
-            input_ids=torch.as_tensor(query).unsqueeze(0), past_key_values=naive.for_model(lm),
+            input_ids=torch.as_tensor(query).unsqueeze(0), past_key_values=cache_for_model(lm, naive),
             position_ids=torch.arange(n, n + len(query)).unsqueeze(0), use_cache=True,
         )
     res = blend(lm, chunks, query, recompute_ratio=0.0, return_query_logits=True)

@@ -21,11 +21,10 @@ from hypothesis import strategies as st
 
 from kvcodec.errors import KvcCodecError, KvcError, KvcFormatError, KvcInputError
 from kvcodec.format import KvcReader, encode_kvc_bytes, lossless_pipeline, write_kvc
-from kvcodec.format.lossless import fp16_pipeline
-from kvcodec.kvcache import load_capture, load_h5, load_safetensors, save_h5, save_safetensors
+from kvcodec.codecs.lossless import fp16_pipeline
+from kvcodec.core.kvcache import load_capture, load_h5, load_safetensors, save_h5, save_safetensors
 from kvcodec.limits import MAX_DECODED_ENV
-from kvcodec.quant import fastdecode
-
+from kvcodec.decode.cpu import fused as fastdecode
 from formatutil import assert_same_cache, crc, header_obj, split, assemble, synthetic_cache, with_header  # noqa: E402
 
 FIELDS = struct.Struct("<IBBHIIIIQQII")
@@ -88,8 +87,8 @@ def test_zstd_bomb_is_capped_on_the_fused_and_generic_paths(shuffle):
                 r.read_chunk(j)
             # the fused lossless decoder alone (before the generic path) must not expand it either
             from kvcodec.format.container import parse_chunk
-            from kvcodec.format.decode import chunk_context
-            from kvcodec.stages import ArraySpec
+            from kvcodec.decode.chunk import chunk_context
+            from kvcodec.core.stage import ArraySpec
 
             pipe = r.header.pipelines[e.pipeline]
             payload, sides, sizes = parse_chunk(r.read_chunk_record(j), len(pipe.stages), len(pipe.byte_stages), j)
@@ -357,7 +356,7 @@ def test_fp16_cast_refuses_overflow_and_keeps_nonfinite_exact():
 
 def test_writer_reads_back_before_the_rename(tmp_path, monkeypatch):
     """A decoder that disagrees with the encoder is caught by the read-back: nothing appears at dest."""
-    import kvcodec.quant.fastdecode as fd
+    import kvcodec.decode.cpu.fused as fd
 
     c = synthetic_cache(torch.float32, T=16)
     real = fd.decode
@@ -414,7 +413,7 @@ def _extreme(cache, kind: str, layer: int):
 def test_the_writer_never_produces_a_file_its_reader_rejects(real_cache, data):
     """Real-shaped caches with extreme values, every preset, chunked or not: either a one-line KvcError at
     encode, or a file that reads back (independently of the writer's own check) exactly as policy says."""
-    from kvcodec.plans import get_plan
+    from kvcodec.plan.presets import get_plan
 
     kind = data.draw(st.sampled_from(EXTREMES), label="values")
     preset = data.draw(st.sampled_from(["lossless", "fp16", "near-lossless", "balanced", "small"]), label="preset")

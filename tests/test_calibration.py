@@ -10,18 +10,19 @@ import pytest
 import torch
 
 from kvcodec.errors import KvcFormatError
-from kvcodec.quant import calibrate as C
-
+from kvcodec.calibration import build as C_build
+from kvcodec.calibration import record as C_record
+from kvcodec.calibration import store as C_store
 from cliutil import run_kvc  # noqa: E402
 
 
 def test_shipped_calibration_matches_its_pin():
-    assert C.SHIPPED_SHA256, "the embedded model's calibration must ship with the package"
-    for name, sha in C.SHIPPED_SHA256.items():
-        path = C.SHIPPED_DIR / name
+    assert C_store.SHIPPED_SHA256, "the embedded model's calibration must ship with the package"
+    for name, sha in C_store.SHIPPED_SHA256.items():
+        path = C_store.SHIPPED_DIR / name
         assert path.is_file(), f"{path} is pinned but missing"
         assert hashlib.sha256(path.read_bytes()).hexdigest() == sha
-        cal = C.load_calibration_file(path)
+        cal = C_store.load_calibration_file(path)
         assert cal.meta["fingerprint_id"] == path.stem
 
 
@@ -33,27 +34,27 @@ def test_embedded_model_never_calibrates(lm, tmp_path, monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("build_calibration ran for the embedded model")
 
-    monkeypatch.setattr(C, "build_calibration", refuse)
-    cal = C.get_calibration(lm)
-    assert cal.path is not None and cal.path.parent == C.SHIPPED_DIR
+    monkeypatch.setattr(C_build, "build_calibration", refuse)
+    cal = C_build.get_calibration(lm)
+    assert cal.path is not None and cal.path.parent == C_store.SHIPPED_DIR
     assert cal.path.name == f"{lm.fingerprint.id}.safetensors"
     # a .kvc that references it externally decodes in that fresh home too
     name, arr = "pca.mean", cal.attachments["pca.mean"]
-    got = C.resolve_attachment(name, C.array_sha256(arr))
+    got = C_store.resolve_attachment(name, C_store.array_sha256(arr))
     assert got is not None and np.array_equal(got, arr)
 
 
 def test_tampered_shipped_calibration_is_refused(tmp_path, monkeypatch):
-    (name, sha), = list(C.SHIPPED_SHA256.items())[:1]
+    (name, sha), = list(C_store.SHIPPED_SHA256.items())[:1]
     d = tmp_path / "ship"
     d.mkdir()
-    data = bytearray((C.SHIPPED_DIR / name).read_bytes())
+    data = bytearray((C_store.SHIPPED_DIR / name).read_bytes())
     data[-1] ^= 1
     (d / name).write_bytes(bytes(data))
-    monkeypatch.setattr(C, "SHIPPED_DIR", d)
+    monkeypatch.setattr(C_store, "SHIPPED_DIR", d)
     monkeypatch.setenv("KVCODEC_CACHE", str(tmp_path / "cache"))
     with pytest.raises(KvcFormatError, match="pinned sha256"):
-        C.load_calibration(name.removesuffix(".safetensors"))
+        C_store.load_calibration(name.removesuffix(".safetensors"))
 
 
 @pytest.mark.model
@@ -65,13 +66,13 @@ def test_fisher_sensitivity_predicts_measured_noise_kl(lm, real_cache, gpl3_ids)
     Both are random; they must agree within a factor of 2.5 (they differ by far more if
     the estimator's scale or block assignment is wrong, e.g. K/V swapped or 1/2 missing).
     """
-    from kvcodec.evaluate import compare_logits, continue_logits
-    from kvcodec.kvcache import KVCache
+    from kvcodec.models.quality import compare_logits, continue_logits
+    from kvcodec.core.kvcache import KVCache
 
-    n, m, sink = 256, 32, C.DEFAULT_SINK
+    n, m, sink = 256, 32, C_record.DEFAULT_SINK
     cache = real_cache(n)
     cont = gpl3_ids[n : n + m]
-    est = C.measure_sensitivity(lm, cache, cont, sink=sink, samples=16, seed=1)
+    est = C_build.measure_sensitivity(lm, cache, cont, sink=sink, samples=16, seed=1)
     assert est.shape == (cache.num_layers, 2) and np.all(est > 0)
     exact = continue_logits(lm, cache, cont)
     rng = np.random.default_rng(0)
@@ -96,21 +97,21 @@ def test_sensitivity_runs_under_inference_mode(lm, real_cache, gpl3_ids):
     """ask -> deposit -> plan may build a calibration inside torch.inference_mode: the backward passes still work."""
     cache = real_cache(64)
     with torch.inference_mode():
-        est = C.measure_sensitivity(lm, cache, gpl3_ids[64:72], samples=1)
+        est = C_build.measure_sensitivity(lm, cache, gpl3_ids[64:72], samples=1)
     assert np.all(np.isfinite(est)) and np.all(est > 0)
 
 
 def test_shipped_dir_copy_is_found_by_fingerprint(tmp_path, monkeypatch):
     """The lookup is by file name = fingerprint id (no scan of every calibration on the machine)."""
-    (name, sha), = list(C.SHIPPED_SHA256.items())[:1]
+    (name, sha), = list(C_store.SHIPPED_SHA256.items())[:1]
     d = tmp_path / "ship"
     d.mkdir()
-    shutil.copy(C.SHIPPED_DIR / name, d / name)
-    monkeypatch.setattr(C, "SHIPPED_DIR", d)
+    shutil.copy(C_store.SHIPPED_DIR / name, d / name)
+    monkeypatch.setattr(C_store, "SHIPPED_DIR", d)
     monkeypatch.setenv("KVCODEC_CACHE", str(tmp_path / "cache"))
-    assert C.shipped_calibration_path(name.removesuffix(".safetensors")) == d / name
-    assert C.shipped_calibration_path("0" * 32) is None
-    assert C.load_calibration("0" * 32) is None
+    assert C_store.shipped_calibration_path(name.removesuffix(".safetensors")) == d / name
+    assert C_store.shipped_calibration_path("0" * 32) is None
+    assert C_store.load_calibration("0" * 32) is None
 
 
 @pytest.mark.model
@@ -118,23 +119,23 @@ def test_kvc_calibrate_reports_the_shipped_calibration(lm, tmp_path, monkeypatch
     """`kvc calibrate` on the embedded model in a fresh home finds the shipped file and builds nothing."""
     import json
 
-    from kvcodec.model import cache_root
+    from kvcodec.models.load import cache_root
 
     (tmp_path / "models").symlink_to(cache_root() / "models")  # the converted model, but no calibration
     monkeypatch.setenv("KVCODEC_CACHE", str(tmp_path))
-    monkeypatch.setattr(C, "build_calibration", lambda *a, **k: pytest.fail("calibrated the embedded model"))
+    monkeypatch.setattr(C_build, "build_calibration", lambda *a, **k: pytest.fail("calibrated the embedded model"))
     code, out, err = run_kvc(["calibrate", "--json"], capsys)
     assert code == 0, err
     rep = json.loads(out)
     assert rep["built"] is False and rep["fingerprint"] == lm.fingerprint.id
-    assert rep["path"].startswith(str(C.SHIPPED_DIR))
+    assert rep["path"].startswith(str(C_store.SHIPPED_DIR))
 
 
 def _moments(D: int, L: int = 2, H: int = 2, seed: int = 0):
-    from kvcodec.quant.calibrate import _Moments
+    from kvcodec.calibration.fit import Moments
 
     rng = np.random.default_rng(seed)
-    mom = _Moments(L, H, D)
+    mom = Moments(L, H, D)
     x = rng.standard_normal((2048, D)) @ rng.standard_normal((D, D)) + rng.standard_normal(D)
     mom.n[:] = len(x)
     mom.s1[:] = x.sum(0)
@@ -148,8 +149,8 @@ def test_wide_heads_get_a_block_diagonal_basis(D):
     """head_dim > 64: every basis column lives on one channel block (the fused decoder then costs a
     block's width per coefficient), columns ordered by decreasing variance, and each block's columns
     are exactly the weighted PCA of that block alone."""
-    from kvcodec.quant.blocks import channel_blocks
-    from kvcodec.quant.calibrate import _weighted_pca, compute_pca
+    from kvcodec.codecs.blocks import channel_blocks
+    from kvcodec.calibration.fit import _weighted_pca, compute_pca
 
     mom, met = _moments(D)
     basis, mean, eig = compute_pca(mom, met)
@@ -172,7 +173,7 @@ def test_wide_heads_get_a_block_diagonal_basis(D):
 def test_narrow_heads_keep_one_pca_per_head():
     """head_dim <= 64 is one block: the basis is the whole-head PCA, bit for bit what it was before
     blocks existed (the shipped SmolLM2 calibration, pinned by sha256, was built that way)."""
-    from kvcodec.quant.calibrate import _weighted_pca, compute_pca
+    from kvcodec.calibration.fit import _weighted_pca, compute_pca
 
     mom, met = _moments(64)
     basis, _, _ = compute_pca(mom, met)

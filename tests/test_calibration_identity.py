@@ -13,17 +13,19 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-import kvcodec.quant.calibrate as C
+from kvcodec.calibration import record as C_record
+from kvcodec.calibration import store as C_store
 from kvcodec.errors import KvcError, KvcFormatError, KvcModelMismatchError
-from kvcodec.quant.calibrate import Calibration, load_calibration, resolve_attachment, save_calibration
+from kvcodec.calibration.record import Calibration
+from kvcodec.calibration.store import load_calibration, resolve_attachment, save_calibration
 
 
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("KVCODEC_CACHE", str(tmp_path / "cache"))
-    C._memo_clear()
+    C_store._memo_clear()
     yield
-    C._memo_clear()
+    C_store._memo_clear()
 
 
 def _cal(L: int = 3, H: int = 2, D: int = 8, seed: int = 0) -> Calibration:
@@ -58,7 +60,7 @@ def test_roundtrip_records_binding_and_checksum():
     save_calibration(_cal(), FID_A)
     cal = load_calibration(FID_A)
     assert cal.meta["fingerprint_id"] == FID_A and len(cal.meta["content_sha256"]) == 64
-    assert cal.meta["version"] == C.CALIB_VERSION
+    assert cal.meta["version"] == C_record.CALIB_VERSION
     sha = cal.meta["sha256.pca.basis"]
     assert np.array_equal(resolve_attachment("pca.basis", sha), cal.attachments["pca.basis"])
     assert resolve_attachment("pca.mean", sha) is None  # name must match too
@@ -82,7 +84,7 @@ def test_bad_calibration_is_refused_at_load(case):
     elif case == "layer_reversed_rechecksummed_meta_only":
         # reversed arrays with their attachment sha256 entries recomputed (but not the content checksum)
         def meta(m, t):
-            m["sha256.pca.basis"] = C.array_sha256(t["pca.basis"].reshape(-1, *t["pca.basis"].shape[2:]))
+            m["sha256.pca.basis"] = C_store.array_sha256(t["pca.basis"].reshape(-1, *t["pca.basis"].shape[2:]))
         _rewrite(path, _reverse_layers, meta)
     elif case == "truncated":
         data = path.read_bytes()
@@ -97,11 +99,11 @@ def test_bad_calibration_is_refused_at_load(case):
         def nan(t):
             t["pca.mean"][0, 0, 0, 0] = np.nan
         def resum(m, t):
-            m["content_sha256"] = C.content_sha256(t, m)
+            m["content_sha256"] = C_store.content_sha256(t, m)
         _rewrite(path, nan, resum)
     elif case == "swapped":  # model B's (valid) calibration copied over model A's
         path.write_bytes((path.parents[1] / FID_B / path.name).read_bytes())
-    C._memo_clear()
+    C_store._memo_clear()
     with pytest.raises(KvcError) as e:
         load_calibration(FID_A)
     assert "\n" not in str(e.value)
@@ -115,7 +117,7 @@ def test_tampered_calibration_raises_at_resolve_instead_of_being_skipped():
     path = save_calibration(_cal(), FID_A)
     sha = load_calibration(FID_A).meta["sha256.pca.mean"]
     _rewrite(path, _reverse_layers)
-    C._memo_clear()
+    C_store._memo_clear()
     with pytest.raises(KvcFormatError, match="content sha256"):
         resolve_attachment("pca.mean", sha)
 
@@ -127,9 +129,9 @@ def test_lookup_work_is_flat_in_the_number_of_calibrated_models(n_models, monkey
         save_calibration(_cal(seed=i), f"{i:032x}")
     target = f"{n_models - 1:032x}"  # the last one saved (a scan in name order would read every file first)
     sha = load_calibration(target).meta["sha256.pca.basis"]
-    C._memo_clear()
+    C_store._memo_clear()
     reads, content_hashes = [0], [0]
-    real_read, real_hash = C._read_calibration, C.content_sha256
+    real_read, real_hash = C_store._read_calibration, C_store.content_sha256
 
     def counting_read(*a):
         reads[0] += 1
@@ -139,8 +141,8 @@ def test_lookup_work_is_flat_in_the_number_of_calibrated_models(n_models, monkey
         content_hashes[0] += 1
         return real_hash(*a)
 
-    monkeypatch.setattr(C, "_read_calibration", counting_read)
-    monkeypatch.setattr(C, "content_sha256", counting_hash)
+    monkeypatch.setattr(C_store, "_read_calibration", counting_read)
+    monkeypatch.setattr(C_store, "content_sha256", counting_hash)
     opened = []
     real_open = open
 
@@ -162,7 +164,7 @@ def test_pointer_files_are_hints_not_trust():
     save_calibration(_cal(), FID_A)
     save_calibration(_cal(seed=1), FID_B)
     sha_b = load_calibration(FID_B).meta["sha256.pca.basis"]
-    ptr = C.calibration_root() / "sha256" / f"{sha_b}.json"
+    ptr = C_store.calibration_root() / "sha256" / f"{sha_b}.json"
     ptr.write_text(json.dumps({"fingerprint_id": FID_A, "name": "pca.basis"}))  # points at the wrong model
     assert resolve_attachment("pca.basis", sha_b) is None
     ptr.write_text(json.dumps({"fingerprint_id": "../../etc", "name": "pca.basis"}))
@@ -181,7 +183,7 @@ def _model_cal(fp, seed: int = 0, layers: int | None = None) -> Calibration:
 @pytest.mark.model
 @pytest.mark.parametrize("case", ["layer_reversed", "short", "swapped", "truncated_file"])
 def test_encode_refuses_a_bad_calibration(case, small_cache):
-    from kvcodec.plans import get_plan
+    from kvcodec.plan.presets import get_plan
 
     fp = small_cache.fingerprint
     path = save_calibration(_model_cal(fp), fp.id)
@@ -195,7 +197,7 @@ def test_encode_refuses_a_bad_calibration(case, small_cache):
         path.write_bytes(other.read_bytes())
     elif case == "truncated_file":
         path.write_bytes(path.read_bytes()[:1000])
-    C._memo_clear()
+    C_store._memo_clear()
     with pytest.raises(KvcError) as e:
         get_plan("balanced", small_cache)
     assert "\n" not in str(e.value)
@@ -203,7 +205,7 @@ def test_encode_refuses_a_bad_calibration(case, small_cache):
 
 @pytest.mark.model
 def test_encode_refuses_a_calibration_handed_in_for_another_model(small_cache):
-    from kvcodec.quant.codecplan import transform_plan
+    from kvcodec.plan.pipelines import transform_plan
 
     cal = _model_cal(small_cache.fingerprint)
     cal.meta["fingerprint_id"] = FID_B
@@ -215,7 +217,7 @@ def test_encode_refuses_a_calibration_handed_in_for_another_model(small_cache):
 @pytest.mark.parametrize("case", ["layer_reversed", "swapped", "truncated_file", "short"])
 def test_decode_refuses_a_bad_calibration(case, small_cache):
     from kvcodec.format import KvcReader, WriteOptions, write_kvc
-    from kvcodec.plans import get_plan
+    from kvcodec.plan.presets import get_plan
 
     fp = small_cache.fingerprint
     path = save_calibration(_model_cal(fp), fp.id)
@@ -236,7 +238,7 @@ def test_decode_refuses_a_bad_calibration(case, small_cache):
         path.write_bytes(path.read_bytes()[:1000])
     elif case == "short":
         save_calibration(_model_cal(fp, layers=fp.num_layers - 1), fp.id)
-    C._memo_clear()
+    C_store._memo_clear()
     with pytest.raises(KvcError) as e:
         with KvcReader(data) as r:
             r.read_cache()

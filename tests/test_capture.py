@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvcodec.capture import capture, prefill, select_context
+from kvcodec.models.cachelayout import cache_for_model
+from kvcodec.models.capture import capture, prefill, select_context
 from kvcodec.errors import KvcError, KvcFormatError, KvcInputError, KvcModelMismatchError
-from kvcodec.fingerprint import ModelFingerprint
-from kvcodec.kvcache import KVCache, load_capture, load_h5, save_capture, save_h5
+from kvcodec.core.fingerprint import ModelFingerprint
+from kvcodec.core.kvcache import KVCache, load_capture, load_h5, save_capture, save_h5
 
 from cliutil import run_kvc as run_cli  # noqa: E402
 
@@ -37,7 +38,7 @@ def test_capture_file_continues_like_full_prefill(lm, gpl3_ids, tmp_path, suffix
     with torch.inference_mode():
         out = lm.model(
             input_ids=torch.as_tensor(gpl3_ids[n_ctx : n_ctx + n_cont]).unsqueeze(0),
-            past_key_values=back.for_model(lm),
+            past_key_values=cache_for_model(lm, back),
             use_cache=True,
         )
     diff = (out.logits[0] - full_logits[n_ctx:]).abs().max().item()
@@ -66,12 +67,12 @@ def test_capture_refuses_a_different_model(lm, other_lm, small_cache, tmp_path):
     save_h5(small_cache, tmp_path / "c.h5")
     cache = load_h5(tmp_path / "c.h5")
     with pytest.raises(KvcModelMismatchError, match="different model"):
-        cache.for_model(other)
-    cache.for_model(lm)  # the right model is accepted
+        cache_for_model(other, cache)
+    cache_for_model(lm, cache)  # the right model is accepted
 
 
 def test_fingerprint_is_stable_and_json_roundtrips(lm):
-    from kvcodec.fingerprint import fingerprint_dir, fingerprint_model
+    from kvcodec.models.fingerprint import fingerprint_dir, fingerprint_model
 
     again = fingerprint_dir(lm.path, lm.tokenizer)
     assert again == lm.fingerprint and again.id == lm.fingerprint.id

@@ -8,9 +8,9 @@ import torch
 
 from kvcodec.errors import KvcCodecError, KvcFormatError
 from kvcodec.format import KvcReader, encode_kvc_bytes
-from kvcodec.plans import get_plan
-from kvcodec.format.lossless import Cast
-from kvcodec.stages import ArraySpec, ChunkContext
+from kvcodec.plan.presets import get_plan
+from kvcodec.codecs.lossless import Cast
+from kvcodec.core.stage import ArraySpec, ChunkContext
 
 pytestmark = pytest.mark.model
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvcodec.chat import ChatFormat
-from kvcodec.knowledge import KnowledgeBase
+from kvcodec.models.chat import ChatFormat
+from kvcodec.runtime.knowledge import KnowledgeBase
 
 DOC = open("/usr/share/common-licenses/Apache-2.0").read()[:600]
 DOC2 = open("/usr/share/common-licenses/MPL-2.0").read()[:400]
@@ -55,7 +55,7 @@ def gemma_lm(tmp_path_factory):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kvcodec.model import load_model
+    from kvcodec.models.load import load_model
 
     d = tmp_path_factory.mktemp("gemma-style")
     tok = _gemma_style_tokenizer(GEMMA_TEMPLATE)

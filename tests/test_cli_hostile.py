@@ -18,8 +18,8 @@ import torch
 
 from kvcodec.errors import KvcModelNotFoundError
 from kvcodec.format import write_kvc
-from kvcodec.plans import get_plan
-from kvcodec.kvcache import save_capture
+from kvcodec.plan.presets import get_plan
+from kvcodec.core.kvcache import save_capture
 
 from cliutil import run_kvc  # noqa: E402
 from formatutil import synthetic_cache  # noqa: E402
@@ -129,8 +129,7 @@ def test_check_weights_accepts_the_real_model_and_forces_safetensors(lm, monkeyp
     """The embedded model passes the pre-check, and transformers is told to load safetensors only."""
     from transformers import AutoModelForCausalLM
 
-    from kvcodec import model as m
-
+    from kvcodec.models import load as m
     assert [f.suffix for f in m.check_weights(lm.path)] == [".safetensors"]
     seen = {}
 

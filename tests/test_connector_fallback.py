@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from kvcodec.store import Store
-from kvcodec.vllm.config import chunk_keys
-from kvcodec.vllm.entries import (
+from kvcodec.integrations.vllm.config import chunk_keys
+from kvcodec.integrations.vllm.entries import (
     ChunkUnreadable, decode_chunk_layers, encode_chunk, entry_problem, evict_unreadable, fetch_chunk, next_layer,
     usable_run,
 )
@@ -51,7 +51,7 @@ def _load(st, key, fp, ids, i):
 
 
 def _warnings(caplog, key) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "kvcodec.vllm" and str(key) in r.getMessage()]
+    return [r.getMessage() for r in caplog.records if r.name == "kvcodec.integrations.vllm" and str(key) in r.getMessage()]
 
 
 def test_good_chunks_load_exactly(lm, small_cache, chunks):
@@ -65,7 +65,7 @@ def test_good_chunks_load_exactly(lm, small_cache, chunks):
 
 
 def test_scheduler_evicts_a_chunk_whose_header_does_not_fit(lm, small_cache, chunks, caplog):
-    caplog.set_level(logging.WARNING, logger="kvcodec.vllm")
+    caplog.set_level(logging.WARNING, logger="kvcodec.integrations.vllm")
     st, keys, ids = chunks
     other = list(ids)
     other[40] += 1  # chunk 1 of another prompt planted under this prompt's key
@@ -77,7 +77,7 @@ def test_scheduler_evicts_a_chunk_whose_header_does_not_fit(lm, small_cache, chu
 
 
 def test_loader_evicts_a_corrupt_chunk_behind_a_valid_header(lm, chunks, caplog):
-    caplog.set_level(logging.WARNING, logger="kvcodec.vllm")
+    caplog.set_level(logging.WARNING, logger="kvcodec.integrations.vllm")
     st, keys, ids = chunks
     data = bytearray(st.get(keys[0]))
     p = split(bytes(data))
@@ -93,7 +93,7 @@ def test_loader_evicts_a_corrupt_chunk_behind_a_valid_header(lm, chunks, caplog)
 
 
 def test_loader_survives_a_chunk_vanishing_after_lookup(lm, chunks, caplog):
-    caplog.set_level(logging.WARNING, logger="kvcodec.vllm")
+    caplog.set_level(logging.WARNING, logger="kvcodec.integrations.vllm")
     st, keys, ids = chunks
     assert usable_run(st, keys, lm.fingerprint, ids, C) == 2
     st.rm(keys[1])  # evicted by another process between the scheduler's lookup and the worker's load
@@ -106,7 +106,7 @@ def test_loader_survives_a_chunk_vanishing_after_lookup(lm, chunks, caplog):
 
 
 def test_loader_evicts_a_chunk_needing_a_calibration_this_machine_lacks(lm, small_cache, chunks, caplog):
-    caplog.set_level(logging.WARNING, logger="kvcodec.vllm")
+    caplog.set_level(logging.WARNING, logger="kvcodec.integrations.vllm")
     st, keys, ids = chunks
     data = encode_chunk(lm.fingerprint, "balanced", ids, 0, C, [k[:, :C] for k in small_cache.keys],
                         [v[:, :C] for v in small_cache.values])

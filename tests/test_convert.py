@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gguf
 
-from kvcodec.model import _gguf_parsed_once, _gguf_path
+from kvcodec.models.load import _gguf_parsed_once, _gguf_path
 
 
 def test_one_reader_and_one_name_map_per_conversion_then_restored():

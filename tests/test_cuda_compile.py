@@ -1,6 +1,6 @@
 """Compile every Triton kernel for sm_80 and sm_90 without a GPU; no spills in the rANS decoder or the fused chain.
 
-Runs ``python -m kvcodec.cuda.compile_check`` in a subprocess (with
+Runs ``python -m kvcodec.decode.triton.compile_check`` in a subprocess (with
 TRITON_INTERPRET unset: interpreted kernels cannot be compiled, and the
 interpreter tests set it for the whole pytest process). ptxas is the one
 Triton bundles; registers and spills come from ``ptxas -v``.
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.triton
 def test_compile_sm80_sm90_no_spills():
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-m", "kvcodec.cuda.compile_check", "--json"], capture_output=True, text=True, env=env, timeout=900)
+    r = subprocess.run([sys.executable, "-m", "kvcodec.decode.triton.compile_check", "--json"], capture_output=True, text=True, env=env, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads(r.stdout)
     print("\n" + "\n".join(f"{x['variant']:44s} sm_{x['arch']} regs={x['registers']:3d} spills={x['spill_stores']}/{x['spill_loads']} fma={x['fma_f32']}" for x in res))

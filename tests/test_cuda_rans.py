@@ -23,9 +23,9 @@ import pytest
 triton = pytest.importorskip("triton")
 
 from kvcodec.entropy import rans  # noqa: E402
-from kvcodec.entropy.rans_stage import RansStage  # noqa: E402
+from kvcodec.codecs.rans import RansStage  # noqa: E402
 from kvcodec.errors import KvcFormatError  # noqa: E402
-from kvcodec.stages import ArraySpec, ChunkContext  # noqa: E402
+from kvcodec.core.stage import ArraySpec, ChunkContext  # noqa: E402
 
 pytestmark = pytest.mark.triton
 
@@ -33,7 +33,7 @@ VEC = Path(__file__).resolve().parents[1] / "spec" / "vectors" / "rans"
 
 
 def _gpu(data, shape, g=None, table=None):
-    from kvcodec.cuda.rans_kernel import decode_stage
+    from kvcodec.decode.triton.rans_kernel import decode_stage
 
     return decode_stage(data, shape, g, "cpu", table=table).numpy()
 
@@ -101,7 +101,7 @@ def test_explicit_tables_with_zero_frequencies():
 
 
 def test_batched_launch_matches_single():
-    from kvcodec.cuda.rans_kernel import RansItem, decode_streams
+    from kvcodec.decode.triton.rans_kernel import RansItem, decode_streams
 
     rng = np.random.default_rng(1)
     arrs = [rng.integers(0, 16, size=(2, 9, 8), dtype=np.uint8), rng.integers(0, 4, size=(1, 33, 2), dtype=np.uint8),
@@ -124,7 +124,7 @@ def test_batched_launch_matches_single():
 @pytest.fixture(scope="module")
 def real_symbols(small_cache):
     """Quantized symbols of a real 16-token SmolLM2 cache (layers 0 and 7, K and V), as the codec makes them."""
-    from kvcodec.quant.stages import QuantizeStage
+    from kvcodec.codecs.transform import QuantizeStage
 
     out = []
     for layer in (0, 7):
@@ -144,7 +144,7 @@ def test_real_kv_symbols(real_symbols):
 
 @pytest.mark.model
 def test_real_kv_batched(real_symbols):
-    from kvcodec.cuda.rans_kernel import RansItem, decode_streams
+    from kvcodec.decode.triton.rans_kernel import RansItem, decode_streams
 
     items = [RansItem(RansStage(8).encode(s, ChunkContext())[0], s.shape, 8) for s in real_symbols]
     for s, o in zip(real_symbols, decode_streams(items, "cpu")):

@@ -18,9 +18,9 @@ pytest.importorskip("triton")
 
 import torch  # noqa: E402
 
-from kvcodec.entropy.rans_stage import RansStage  # noqa: E402
+from kvcodec.codecs.rans import RansStage  # noqa: E402
 from kvcodec.errors import KvcFormatError, KvcInputError  # noqa: E402
-from kvcodec.stages import ArraySpec, ChunkContext, Pipeline  # noqa: E402
+from kvcodec.core.stage import ArraySpec, ChunkContext, Pipeline  # noqa: E402
 
 pytestmark = pytest.mark.triton
 
@@ -40,8 +40,7 @@ def _same(gpu, cpu) -> None:
 
 def _check_pipeline(pipe: Pipeline, x: np.ndarray, ctx: ChunkContext, expect_fallbacks=(), expect_path=None):
     """GPU decode == CPU decode; ``expect_path``: "fused" or "stages" (the registry's pick, from the decode's trace)."""
-    from kvcodec.cuda import backend
-
+    from kvcodec.decode.triton import backend
     payload, sides, sizes = pipe.encode(x, ctx)
     spec = ArraySpec(tuple(x.shape), str(x.dtype))
     cpu = pipe.decode(payload, sides, sizes, spec, ctx)
@@ -73,7 +72,7 @@ def pca_attachments(small_cache):
     q, _ = np.linalg.qr(rng.standard_normal((L * 2 * H, D, D)))
     mean = 0.1 * rng.standard_normal((L * 2 * H, D))
     from kvcodec.errors import KvcFormatError as FE
-    from kvcodec.quant.stages import TransformStage
+    from kvcodec.codecs.transform import TransformStage
 
     for lead in ((2 * L,), (L, 2)):  # the attachment layout the stage reads: [2L, H, D, K] or [L, 2, H, D, K]
         att = {"pca.basis": q.reshape(*lead, H, D, D).astype(np.float16), "pca.mean": mean.reshape(*lead, H, D).astype(np.float16)}
@@ -86,7 +85,7 @@ def pca_attachments(small_cache):
 
 
 def _rope_cfg(cache):
-    from kvcodec.quant.rope import rope_config_from_fingerprint
+    from kvcodec.codecs.rope_tables import rope_config_from_fingerprint
 
     return rope_config_from_fingerprint(cache.fingerprint.rope, cache.fingerprint.head_dims[0])
 
@@ -94,7 +93,7 @@ def _rope_cfg(cache):
 @pytest.mark.model
 def test_transform_codec_pipelines(chunks, pca_attachments, small_cache):
     """rope -> keep -> transform (pca, hadamard) -> quantize(step) -> rans, as the presets build them."""
-    from kvcodec.quant.stages import KeepStage, QuantizeStage, RopeStage, TransformStage
+    from kvcodec.codecs.transform import KeepStage, QuantizeStage, RopeStage, TransformStage
 
     rope = _rope_cfg(small_cache)
     for layer, kind, x in chunks:
@@ -108,7 +107,7 @@ def test_transform_codec_pipelines(chunks, pca_attachments, small_cache):
 @pytest.mark.model
 def test_minmax_pipelines(chunks):
     """KIVI-like minmax quantization, every axis / symmetry, per-head bits."""
-    from kvcodec.quant.stages import QuantizeStage
+    from kvcodec.codecs.transform import QuantizeStage
 
     layer, kind, x = chunks[0]
     ctx = ChunkContext(layer=layer, kind=kind)
@@ -126,12 +125,12 @@ def test_minmax_pipelines(chunks):
 def test_every_preset(chunks, small_cache, lm):
     """Each named preset's pipelines (PCA calibration if one is cached, else Hadamard at the preset's settings)."""
     from kvcodec.errors import KvcError
-    from kvcodec.plans import get_plan
-    from kvcodec.quant import presets
-    from kvcodec.quant.codecplan import transform_plan
+    from kvcodec.plan.presets import get_plan
+    from kvcodec.plan import settings as presets
+    from kvcodec.plan.pipelines import transform_plan
 
     try:
-        from kvcodec.quant.calibrate import get_calibration
+        from kvcodec.calibration.build import get_calibration
 
         cal = get_calibration(lm, build=False)
     except (KvcError, ImportError):
@@ -159,7 +158,7 @@ def test_every_preset(chunks, small_cache, lm):
 @pytest.mark.model
 def test_positions_per_head_and_offsets(chunks, small_cache):
     """RoPE with a token offset and with per-(layer, head) positions (pruned caches)."""
-    from kvcodec.quant.stages import QuantizeStage, RopeStage
+    from kvcodec.codecs.transform import QuantizeStage, RopeStage
 
     layer, kind, x = chunks[0]
     H = x.shape[0]
@@ -172,7 +171,7 @@ def test_positions_per_head_and_offsets(chunks, small_cache):
 
 def test_unknown_stage_falls_back_to_cpu():
     """A stage without a GPU implementation runs on the CPU for that stage only."""
-    from kvcodec.quant.stages import QuantizeStage
+    from kvcodec.codecs.transform import QuantizeStage
 
     class Negate(QuantizeStage.__mro__[1]):  # an ArrayToArray stage the GPU backend does not know
         name = "test-negate"
@@ -191,8 +190,8 @@ def test_unknown_stage_falls_back_to_cpu():
 
 
 def test_malformed_side_data_and_payload_like_cpu():
-    from kvcodec.cuda import backend
-    from kvcodec.quant.stages import QuantizeStage
+    from kvcodec.decode.triton import backend
+    from kvcodec.codecs.transform import QuantizeStage
 
     rng = np.random.default_rng(1)
     x = rng.standard_normal((2, 8, 16)).astype(np.float16)
@@ -223,7 +222,7 @@ def test_malformed_side_data_and_payload_like_cpu():
 
 
 def test_layout_writers_hf_and_paged():
-    from kvcodec.cuda.dequant_kernels import store_hf, store_paged
+    from kvcodec.decode.triton.dequant_kernels import store_hf, store_paged
 
     rng = np.random.default_rng(3)
     H, Tn, D = 3, 21, 8
@@ -253,9 +252,9 @@ def test_layout_writers_hf_and_paged():
 @pytest.mark.model
 def test_decode_into_layouts(chunks, small_cache):
     """Decode a real chunk on the 'GPU' and write it into HF and paged tensors: equals the CPU decode."""
-    from kvcodec.cuda import backend
-    from kvcodec.cuda.dequant_kernels import store_hf, store_paged
-    from kvcodec.quant.stages import KeepStage, QuantizeStage, TransformStage
+    from kvcodec.decode.triton import backend
+    from kvcodec.decode.triton.dequant_kernels import store_hf, store_paged
+    from kvcodec.codecs.transform import KeepStage, QuantizeStage, TransformStage
 
     layer, kind, x = chunks[1]
     pipe = Pipeline([KeepStage(sink=4), TransformStage(basis="hadamard"), QuantizeStage(mode="step", step=0.1), RansStage(8)])
@@ -277,7 +276,7 @@ def test_decode_into_layouts(chunks, small_cache):
 
 # --------------------------------------------------------------------------- the fused transform chain
 def _chain(rope_dim=None, sink=4, recent=0, k=24, basis="pca", ts=None, keep_dtype="float16", g=8, step=0.05):
-    from kvcodec.quant.stages import KeepStage, QuantizeStage, RopeStage, TransformStage
+    from kvcodec.codecs.transform import KeepStage, QuantizeStage, RopeStage, TransformStage
 
     st = [RopeStage(theta=100000.0, dim=rope_dim)] if rope_dim else []
     if sink or recent:
@@ -290,14 +289,14 @@ def _chain(rope_dim=None, sink=4, recent=0, k=24, basis="pca", ts=None, keep_dty
 
 
 def _tokenscale(n_tokens: int, skip: int):
-    from kvcodec.quant.tokenscale import TokenScaleStage
+    from kvcodec.codecs.tokenscale import TokenScaleStage
 
     return TokenScaleStage(bits=4)
 
 
 def _ts_inputs(skip: int) -> dict:
     """ChunkContext.encoder for a tokenscale stage after ``skip`` kept tokens."""
-    from kvcodec.quant.tokenscale import TokenClasses
+    from kvcodec.codecs.tokenscale import TokenClasses
 
     classes = np.random.default_rng(5).integers(0, 5, 4096).astype(np.uint8)
     return {"tokenscale": TokenClasses(classes, np.array([0.25, 1.0, 2.0, 11.3137085, 45.254834], np.float32), skip)}  # a non-power of two rounds
@@ -344,7 +343,7 @@ def test_fused_chain_bit_exact(case, chunks, pca_attachments):
 def _heads_with_pca(chunks, D: int, blocks: list[tuple[int, int]]) -> tuple[np.ndarray, dict]:
     """The real K/V channels of the test chunks regrouped into (up to 2) heads of D, float16 [H, T, D],
     and a PCA attachment per head from the data (layer 0, keys), over ``blocks`` of channels."""
-    from kvcodec.quant.calibrate import block_pca
+    from kvcodec.calibration.fit import block_pca
 
     allc = np.concatenate([x.transpose(1, 0, 2).reshape(T, -1) for _, _, x in chunks], axis=1).astype(np.float32)
     H = min(2, allc.shape[1] // D)
@@ -363,7 +362,7 @@ def test_fused_chain_every_head_dim(D, chunks):
     """Every head_dim the CPU fast path covers (issue 19) decodes bit-exactly in the fused Triton chain:
     the real K/V channels of two layers regrouped into heads of D, a PCA basis per head from the data,
     full RoPE (80: its half is not a power of two) and partial RoPE."""
-    from kvcodec.quant.fastdecode import HEAD_DIMS
+    from kvcodec.decode.cpu.fused import HEAD_DIMS
 
     assert D in HEAD_DIMS
     xs, att = _heads_with_pca(chunks, D, [(0, D)])
@@ -374,10 +373,10 @@ def test_fused_chain_every_head_dim(D, chunks):
 
 @pytest.mark.parametrize("D", [96, 256])
 def test_fused_chain_block_diagonal_basis(D, chunks):
-    """The block-diagonal bases calibration builds for head_dim > 64 (kvcodec/quant/blocks.py) decode
+    """The block-diagonal bases calibration builds for head_dim > 64 (kvcodec/codecs/blocks.py) decode
     bit-exactly in the fused Triton chain too: it sums every term, the CPU's fast path skips the zero
     ones, and a zero term adds an exact zero (spec/codec-v1.md, transform)."""
-    from kvcodec.quant.blocks import channel_blocks
+    from kvcodec.codecs.blocks import channel_blocks
 
     xs, att = _heads_with_pca(chunks, D, channel_blocks(D))
     assert len(channel_blocks(D)) > 1 and (att["pca.basis"] == 0).mean() > 0.4
@@ -389,8 +388,7 @@ def test_fused_chain_block_diagonal_basis(D, chunks):
 def test_fused_chain_into_layouts(chunks, pca_attachments):
     """decode_chunk_into writes the fused chain straight into HF and paged tensors (fp16, bf16, fp32):
     each value is the CPU decode cast to the destination dtype, nothing else is touched."""
-    from kvcodec.cuda import backend
-
+    from kvcodec.decode.triton import backend
     layer, kind, x = chunks[0]
     H, Tn, D = x.shape
     pipe = _chain(rope_dim=64, ts=_tokenscale(T, 4))
@@ -418,8 +416,7 @@ def test_fused_chain_into_layouts(chunks, pca_attachments):
 @pytest.mark.model
 def test_fused_chain_malformed_like_cpu(chunks, pca_attachments):
     """Malformed side data reaching the fused kernel's host checks: the CPU decode's KvcFormatError, word for word."""
-    from kvcodec.cuda import backend
-
+    from kvcodec.decode.triton import backend
     layer, kind, x = chunks[0]
     pipe = _chain(rope_dim=64, ts=_tokenscale(T, 4))
     ctx = ChunkContext(layer=layer, kind=kind, attachments=pca_attachments, encoder=_ts_inputs(4))
@@ -448,7 +445,7 @@ def test_fused_chain_malformed_like_cpu(chunks, pca_attachments):
 
 def test_tokenscale_stage_outside_a_chain():
     """tokenscale has its own GPU stage when the pipeline is not a transform chain."""
-    from kvcodec.quant.stages import QuantizeStage
+    from kvcodec.codecs.transform import QuantizeStage
 
     x = (np.random.default_rng(4).standard_normal((2, 13, 16)) * 3).astype(np.float16)
     pipe = Pipeline([_tokenscale(13, 0), QuantizeStage(mode="step", step=0.05), RansStage()])

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvcodec.kvcache import save_capture
+from kvcodec.core.kvcache import save_capture
 
 from cliutil import run_kvc as run_main  # noqa: E402
 from formatutil import synthetic_cache  # noqa: E402
@@ -92,9 +92,9 @@ def one_thread():
 
 @pytest.fixture()
 def model_patched(lm, monkeypatch):
-    import kvcodec.model
+    import kvcodec.models.load
 
-    monkeypatch.setattr(kvcodec.model, "load_model", lambda *a, **k: lm)
+    monkeypatch.setattr(kvcodec.models.load, "load_model", lambda *a, **k: lm)
     return lm
 
 

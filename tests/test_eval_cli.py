@@ -19,24 +19,24 @@ REQUIRED = ("bits_per_element", "ratio_vs_fp16", "dppl_percent", "kl_mean", "top
 @pytest.fixture(autouse=True)
 def _reuse_loaded_model(lm, monkeypatch):
     """The CLI loads its model by name; hand it the session's (same name, same weights) to save the reloads."""
-    import kvcodec.model
+    import kvcodec.models.load
 
-    real = kvcodec.model.load_model
-    monkeypatch.setattr(kvcodec.model, "load_model", lambda name="smollm2", **kw: lm if name == "smollm2" and not kw else real(name, **kw))
+    real = kvcodec.models.load.load_model
+    monkeypatch.setattr(kvcodec.models.load, "load_model", lambda name="smollm2", **kw: lm if name == "smollm2" and not kw else real(name, **kw))
 
 
 @pytest.fixture(scope="module")
 def cache(lm, gpl3_ids):
-    from kvcodec.capture import capture
+    from kvcodec.models.capture import capture
 
     return capture(lm, token_ids=gpl3_ids[:N_CTX])
 
 
 @pytest.fixture(scope="module")
 def kvc_files(cache, tmp_path_factory):
-    from kvcodec.baselines import get_baseline_plan
+    from kvcodec.plan.baselines import get_baseline_plan
     from kvcodec.format import write_kvc
-    from kvcodec.plans import get_plan
+    from kvcodec.plan.presets import get_plan
 
     d = tmp_path_factory.mktemp("eval")
     out = {}
@@ -87,7 +87,7 @@ def test_eval_human_output(kvc_files, capsys):
 
 def test_eval_pruned_cache(lm, cache, tmp_path, capsys):
     h2o = pytest.importorskip("kvcodec.prune.h2o")
-    from kvcodec.baselines import get_baseline_plan
+    from kvcodec.plan.baselines import get_baseline_plan
     from kvcodec.format import write_kvc
     from kvcodec.prune.budget import parse_prune
 
@@ -165,14 +165,14 @@ def test_curve_cli_writes_outputs_and_resumes(tmp_path, capsys):
 
 
 def test_pareto_frontier():
-    from kvcodec.curve import pareto
+    from kvcodec.eval.curve import pareto
 
     assert pareto([(4, 0.1), (2, 0.5), (3, 0.6), (8, 0.01), (9, 0.02)]) == [(2, 0.5), (4, 0.1), (8, 0.01)]
 
 
 def test_every_family_is_selected():
-    from kvcodec.curve import codec_presets, select_methods
-    from kvcodec.quant.presets import PRESETS
+    from kvcodec.eval.curve import codec_presets, select_methods
+    from kvcodec.plan.settings import PRESETS
 
     got = select_methods(["h2o", "kvcodec-kl", "kvcodec", "int8"], target_kls=[1e-3], h2o_budgets=["h2o:0.5"])
     assert not got.notes

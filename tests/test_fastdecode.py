@@ -1,4 +1,4 @@
-"""The fused CPU decoder (kvcodec/quant/fastdecode.py) is bit-identical to ``Pipeline.decode``.
+"""The fused CPU decoder (kvcodec/decode/cpu/fused.py) is bit-identical to ``Pipeline.decode``.
 
 ``decode_chunk`` tries the fused path first; these tests decode the same chunks
 with the fused path and with the generic (normative) stage decodes and compare
@@ -16,13 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import kvcodec.quant.fastdecode as F
-from kvcodec.entropy.rans_stage import RansStage
+import kvcodec.decode.cpu.fused as F
+from kvcodec.codecs.rans import RansStage
 from kvcodec.errors import KvcError, KvcFormatError
 from kvcodec.format import KvcReader, WriteOptions
-from kvcodec.format.decode import decode_chunk
-from kvcodec.quant.stages import KeepStage, QuantizeStage, RopeStage, TransformStage
-from kvcodec.stages import ArraySpec, ChunkContext, Pipeline
+from kvcodec.decode.chunk import decode_chunk
+from kvcodec.codecs.transform import KeepStage, QuantizeStage, RopeStage, TransformStage
+from kvcodec.core.stage import ArraySpec, ChunkContext, Pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,10 +42,11 @@ def test_simd_pin_matches_simd_module():
     change with simd.py, or an edited intrinsic would keep running from a stale cache."""
     import hashlib
 
-    from kvcodec.quant import blocks, simd
+    from kvcodec.codecs import blocks
 
+    from kvcodec.decode.cpu import simd
     got = hashlib.sha256(Path(simd.__file__).read_bytes() + Path(blocks.__file__).read_bytes()).hexdigest()
-    assert got == F.SIMD_SHA256, "simd.py or blocks.py changed: update SIMD_SHA256 in kvcodec/quant/fastdecode.py"
+    assert got == F.SIMD_SHA256, "simd.py or blocks.py changed: update SIMD_SHA256 in kvcodec/decode/cpu/fused.py"
 
 
 def test_f16_conversion_matches_numpy():
@@ -94,13 +95,13 @@ def _data(H=3, T=37, D=64, seed=2, dtype=np.float16) -> np.ndarray:
 
 
 def _ts_stage(T_coded: int, sink: int):
-    ts_mod = pytest.importorskip("kvcodec.quant.tokenscale")
+    ts_mod = pytest.importorskip("kvcodec.codecs.tokenscale")
     return ts_mod.TokenScaleStage(bits=4)
 
 
 def _ts_inputs(sink: int) -> dict:
     """ChunkContext.encoder of the tokenscale stage of :func:`_ts_stage` (classes after ``sink`` kept tokens)."""
-    ts_mod = pytest.importorskip("kvcodec.quant.tokenscale")
+    ts_mod = pytest.importorskip("kvcodec.codecs.tokenscale")
     classes = np.random.default_rng(5).integers(0, 5, 4096).astype(np.uint8)
     return {"tokenscale": ts_mod.TokenClasses(classes, np.array([0.25, 1.0, 2.0, 11.3137085, 45.254834], np.float32), sink)}  # a non-power of two rounds
 
@@ -192,7 +193,7 @@ def _structured_pca(H: int, D: int, kind: str, dtype, seed: int) -> dict[str, np
     as calibration builds them, columns of the blocks interleaved), "partial" (each column nonzero
     on a random set of 16-channel groups, so it falls in one or several blocks, some -0.0 entries),
     "dense" (no zeros)."""
-    from kvcodec.quant.blocks import channel_blocks
+    from kvcodec.codecs.blocks import channel_blocks
 
     rng = np.random.default_rng(seed)
     att = _pca(H=H, D=D, dtype=np.float32, seed=seed)
@@ -261,7 +262,7 @@ def test_fast_path_declines_unsupported():
     minmax = Pipeline([QuantizeStage(mode="minmax", bits=4, axis="channel", group=8), RansStage()])
     arr = np.random.default_rng(0).integers(0, 16, (2, 16, 8)).astype(np.float16)
     assert not F.supports(minmax, ArraySpec(arr.shape, "float16"))
-    from kvcodec.backends import select
+    from kvcodec.decode.registry import select
 
     assert [b.name for b in select(minmax, ArraySpec(arr.shape, "float16"))] == ["reference"]
 
@@ -306,7 +307,7 @@ def test_malformed_chunks_fall_back_to_the_generic_error(mutate):
 # --------------------------------------------------------------------------- files
 def _decode_all(r: KvcReader, fast: bool, monkeypatch) -> list[np.ndarray]:
     if not fast:  # the registry picks the reference only (its choice is memoised per pipeline, so patch the pick)
-        import kvcodec.backends as B
+        import kvcodec.decode.registry as B
 
         monkeypatch.setattr(B, "select", lambda *a, **k: [B.backend("reference")])
     out = [r.read_chunk(j, "cpu") for j in range(r.num_chunks)]
@@ -347,8 +348,8 @@ def test_real_cache_every_preset_bit_identical(real_cache, monkeypatch):
     import torch
 
     from kvcodec.format.writer import write_kvc
-    from kvcodec.attachments import default_resolver
-    from kvcodec.plans import get_plan
+    from kvcodec.calibration.store import default_resolver
+    from kvcodec.plan.presets import get_plan
 
     c = real_cache(128)
     c16 = c.to(torch.float16)

@@ -14,9 +14,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import kvcodec.fingerprint as F
+from kvcodec.models import fingerprint as F
 from kvcodec.errors import KvcFormatError, KvcModelMismatchError, KvcModelNotFoundError
-from kvcodec.fingerprint import ModelFingerprint, cache_config, weights_sha256
+from kvcodec.core.fingerprint import ModelFingerprint
+from kvcodec.digest import json_sha256
+from kvcodec.models.fingerprint import cache_config, weights_sha256
 
 
 @pytest.fixture(autouse=True)
@@ -237,8 +239,8 @@ def test_config_fields_that_change_the_cache_change_config_sha(tmp_path):
             "rope_parameters": {"full_attention": {"rope_theta": 1e6, "rope_type": "linear", "factor": 8.0},
                                 "sliding_attention": {"rope_theta": 1e4, "rope_type": "default"}},
             "attention_bias": False, "transformers_version": "5.0", "use_cache": True}
-    ref = F._json_sha256(cache_config(base))
-    assert F._json_sha256(cache_config({**base, "transformers_version": "4.9", "use_cache": False})) == ref
+    ref = json_sha256(cache_config(base))
+    assert json_sha256(cache_config({**base, "transformers_version": "4.9", "use_cache": False})) == ref
     variants = [
         {"sliding_window": 1024},
         {"layer_types": ["sliding_attention"] * 3 + ["sliding_attention"]},
@@ -247,7 +249,7 @@ def test_config_fields_that_change_the_cache_change_config_sha(tmp_path):
         {"num_key_value_heads": 4}, {"head_dim": 32}, {"attention_bias": True},
     ]
     for v in variants:
-        assert F._json_sha256(cache_config({**base, **v})) != ref, v
+        assert json_sha256(cache_config({**base, **v})) != ref, v
     legacy = {"rope_theta": 5e5, "rope_scaling": {"type": "llama3", "factor": 8.0}}
     assert cache_config(legacy)["rope"] == {"rope_theta": 5e5, "rope_type": "llama3", "factor": 8.0}
     assert cache_config({"rope_theta": 1e4})["rope"] == {"rope_theta": 1e4, "rope_type": "default"}
@@ -269,7 +271,7 @@ def test_info_marks_a_v1_file(capsys):
 
 @pytest.mark.parametrize("case", ["pickle_only", "truncated"])
 def test_load_model_refuses_bad_checkpoints_before_transformers_reads_them(tmp_path, case, monkeypatch):
-    from kvcodec.model import load_model
+    from kvcodec.models.load import load_model
 
     d = _model_dir(tmp_path / "m")
     st = d / "model.safetensors"

@@ -11,7 +11,7 @@ import torch
 from click.testing import CliRunner
 
 from kvcodec.cli.main import cli
-from kvcodec.kvcache import load_capture, save_capture
+from kvcodec.core.kvcache import load_capture, save_capture
 
 from cliutil import run_kvc as run_main  # noqa: E402
 from formatutil import assert_same_cache, synthetic_cache  # noqa: E402

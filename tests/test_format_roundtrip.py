@@ -12,9 +12,9 @@ from kvcodec.errors import KvcFormatError, KvcInputError, KvcModelMismatchError,
 from kvcodec.format import (
     ExternalAttachment, KvcReader, encode_kvc_bytes, lossless_pipeline, raw_pipeline, read_kvc, write_kvc,
 )
-from kvcodec.format.decode import resolve_backend
-from kvcodec.plans import get_plan
-from kvcodec.kvcache import KVCache
+from kvcodec.decode.chunk import resolve_backend
+from kvcodec.plan.presets import get_plan
+from kvcodec.core.kvcache import KVCache
 
 from formatutil import RangeObj, assert_same_cache, synthetic_cache  # noqa: E402
 
@@ -291,7 +291,7 @@ def test_ragged_capture_files_roundtrip(tmp_path, suffix):
     layer declaring more tokens than the context is refused before anything is read."""
     from formatutil import ragged_cache
 
-    from kvcodec.kvcache import load_capture, save_capture
+    from kvcodec.core.kvcache import load_capture, save_capture
 
     c = ragged_cache()
     p = tmp_path / f"c{suffix}"

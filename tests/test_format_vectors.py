@@ -99,7 +99,7 @@ LOSSY = json.loads((LOSSY_DIR / "manifest.json").read_text())
 def test_lossy_vector_decodes_exactly(name, monkeypatch):
     """A real cache encoded with a lossy preset decodes to exactly the recorded tensors, through the
     registry's pick and through the reference (the normative stage-by-stage decode) alike."""
-    import kvcodec.backends as B
+    import kvcodec.decode.registry as B
 
     v = LOSSY["vectors"][name]
     data = (LOSSY_DIR / v["file"]).read_bytes()

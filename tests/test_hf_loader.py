@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvcodec.capture import capture, prefill
+from kvcodec.models.capture import capture, prefill
 from kvcodec.errors import KvcModelMismatchError
 from kvcodec.format import WriteOptions, encode_kvc_bytes
-from kvcodec.plans import get_plan
-from kvcodec.hf import LazyKvcLayer, generate, greedy_from, load_cache
+from kvcodec.plan.presets import get_plan
+from kvcodec.integrations.hf import LazyKvcLayer, generate, greedy_from, load_cache
 
 pytestmark = pytest.mark.model
 

@@ -1,7 +1,7 @@
 """The import structure: no cycles, the container independent of the codec, opening a file stays light.
 
 ``lint-imports`` (import-linter, contracts in pyproject.toml) checks the modules under kvcodec/.
-The ``kvcodec.cuda`` and ``kvcodec.cli`` packages live in cuda/ and cli/ (setuptools package-dir),
+The ``kvcodec.decode.triton`` and ``kvcodec.cli`` packages live in kvcodec/decode/triton/ and kvcodec/cli/ (setuptools package-dir),
 where the import graph tool does not look, so the two AST checks below cover them: nothing in
 kvcodec/ imports them statically (the decoder registry and the device switch name the GPU package,
 like a plugin), and their own modules import each other without cycles.
@@ -51,13 +51,13 @@ def test_nothing_in_the_package_imports_the_gpu_or_cli_packages_statically():
         mod = "kvcodec." + ".".join(f.relative_to(ROOT / "kvcodec").with_suffix("").parts)
         pkg = mod if f.name == "__init__.py" else mod.rsplit(".", 1)[0]
         for name in _imports(f, pkg.removesuffix(".__init__")):
-            if (name.startswith(("kvcodec.cuda", "kvcodec.cli")) and mod != "kvcodec.__main__"):
+            if (name.startswith(("kvcodec.decode.triton", "kvcodec.cli")) and mod != "kvcodec.__main__"):
                 bad.append(f"{mod} imports {name}")
     assert not bad, bad
 
 
 def test_no_cycles_inside_the_gpu_and_cli_packages():
-    for pkg_dir, pkg in ((ROOT / "cuda", "kvcodec.cuda"), (ROOT / "cli", "kvcodec.cli")):
+    for pkg_dir, pkg in ((ROOT / "cuda", "kvcodec.decode.triton"), (ROOT / "cli", "kvcodec.cli")):
         mods = {f"{pkg}.{f.stem}": f for f in pkg_dir.glob("*.py") if f.name != "__init__.py"}
         edges = {m: {n for n in _imports(f, pkg) if n in mods and n != m} for m, f in mods.items()}
         # a cycle exists iff some module reaches itself
@@ -73,11 +73,11 @@ def test_no_cycles_inside_the_gpu_and_cli_packages():
 
 def test_opening_a_lossless_file_does_not_import_the_lossy_codec(tmp_path):
     """Reading a lossless .kvc imports neither the lossy presets, the calibration store, the GPU code nor numba's
-    fused decoder's planner (kvcodec.plans) -- the container stands on its own."""
+    fused decoder's planner (kvcodec.plan.presets) -- the container stands on its own."""
     from kvcodec.format import write_kvc
-    from kvcodec.format.lossless import lossless_pipeline
-    from kvcodec.kvcache import KVCache
-    from kvcodec.fingerprint import ModelFingerprint
+    from kvcodec.codecs.lossless import lossless_pipeline
+    from kvcodec.core.kvcache import KVCache
+    from kvcodec.core.fingerprint import ModelFingerprint
     import numpy as np
     import torch
 
@@ -90,8 +90,8 @@ def test_opening_a_lossless_file_does_not_import_the_lossy_codec(tmp_path):
         "import sys\n"
         "from kvcodec.format import KvcReader\n"
         f"r = KvcReader({str(path)!r}); r.read_chunk(0, 'cpu'); r.close()\n"
-        "bad = [m for m in ('kvcodec.quant.presets', 'kvcodec.quant.codecplan', 'kvcodec.quant.calibrate', 'kvcodec.plans',"
-        " 'kvcodec.quant.stages', 'kvcodec.cuda.dequant_kernels', 'triton', 'kvcodec.model', 'transformers') if m in sys.modules]\n"
+        "bad = [m for m in ('kvcodec.plan.settings', 'kvcodec.plan.pipelines', 'kvcodec.calibration.build', 'kvcodec.plan.presets',"
+        " 'kvcodec.codecs.transform', 'kvcodec.decode.triton.dequant_kernels', 'triton', 'kvcodec.models.load', 'transformers') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )
     env = {**os.environ, "KVCODEC_BACKEND": "cpu"}
@@ -114,10 +114,10 @@ def test_opening_a_kvc_imports_no_torch(vector):
         "assert r.verify() == []\n"
         "for j in range(r.num_chunks): r.read_chunk(j, 'cpu')\n"
         "r.close()\n"
-        "bad = [m for m in ('torch', 'kvcodec.kvcache', 'kvcodec.quant.calibrate', 'kvcodec.model', 'transformers', 'triton')"
+        "bad = [m for m in ('torch', 'kvcodec.core.kvcache', 'kvcodec.calibration.build', 'kvcodec.models.load', 'transformers', 'triton')"
         " if m in sys.modules]\n"
-        + ("bad += [m for m in ('kvcodec.quant.stages', 'kvcodec.quant.tokenscale', 'kvcodec.plans') if m in sys.modules]\n"
-           if lossless else "assert 'kvcodec.quant.stages' in sys.modules  # the lossy file did decode through its stages\n")
+        + ("bad += [m for m in ('kvcodec.codecs.transform', 'kvcodec.codecs.tokenscale', 'kvcodec.plan.presets') if m in sys.modules]\n"
+           if lossless else "assert 'kvcodec.codecs.transform' in sys.modules  # the lossy file did decode through its stages\n")
         + "assert not bad, bad\n"
     )
     env = {**os.environ, "KVCODEC_BACKEND": "cpu"}

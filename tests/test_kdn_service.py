@@ -64,7 +64,7 @@ class Service:
 
     def stored(self) -> list:
         """Every entry on the service's backing directory, all tenants (tier level: physical names)."""
-        from kvcodec.store.directory import DirectoryTier
+        from kvcodec.store.tiers.directory import DirectoryTier
 
         return list(DirectoryTier(self.store_dir).ls()) if self.store_dir.exists() else []
 
@@ -93,7 +93,7 @@ def service(tmp_path_factory):
 def entry(lm, real_cache):
     """A real 300-token .kvc (preset balanced) of the GPL-3 text and its key in namespace a."""
     from kvcodec.format import WriteOptions, encode_kvc_bytes
-    from kvcodec.plans import get_plan
+    from kvcodec.plan.presets import get_plan
 
     cache = real_cache(300)
     plan = get_plan("balanced", cache, lm=lm)
@@ -172,7 +172,7 @@ def test_lookup_contains_ls_delete(service, entry, lm):
     assert st.rm(key) and not st.contains(key) and not st.rm(key)
     assert service.request("DELETE", path_of(key))[0] == 204 and service.request("DELETE", path_of(key))[0] == 404
     # the vLLM connector chains keys with its own chunk_tokens (a divisor of the entry's token count)
-    from kvcodec.vllm.config import chunk_keys
+    from kvcodec.integrations.vllm.config import chunk_keys
 
     vkey = chunk_keys(ids, 300, model=key.model, codec=key.codec, namespace="a", chunk_tokens=100)[-1]
     assert vkey != key and st.put(vkey, data).ok and st.get(vkey) == data

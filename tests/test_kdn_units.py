@@ -9,8 +9,8 @@ import pytest
 
 from cliutil import run_kvc
 from kvcodec.errors import KvcInputError
-from kvcodec.kdn.auth import TokenTable, token_hash
-from kvcodec.kdn.service import _resolve_range, chunk_candidates
+from kvcodec.service.auth import TokenTable, token_hash
+from kvcodec.service.app import _resolve_range, chunk_candidates
 from kvcodec.store import Store, StoreKey
 from kvcodec.store.keys import chunk_hashes
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvcodec.knowledge import KnowledgeBase, codec_id
+from kvcodec.runtime.knowledge import KnowledgeBase, codec_id
 from kvcodec.store import Store
 
 from cliutil import run_kvc  # noqa: E402
@@ -52,7 +52,7 @@ def test_other_codec_namespace_or_model_miss(lm, other_lm, tmp_path):
 
 def test_cli_store_put_ls_get_rm(lm, small_cache, tmp_path, capsys):
     from kvcodec.format import encode_kvc_bytes
-    from kvcodec.plans import get_plan
+    from kvcodec.plan.presets import get_plan
 
     plan = get_plan("lossless", small_cache)
     f = tmp_path / "c.kvc"
@@ -116,9 +116,9 @@ def test_blend_ratio_one_equals_a_prefill_ask(lm, tmp_path):
 
 
 def test_cli_ask_blend(lm, tmp_path, capsys, monkeypatch):
-    import kvcodec.model
+    import kvcodec.models.load
 
-    monkeypatch.setattr(kvcodec.model, "load_model", lambda *a, **k: lm)
+    monkeypatch.setattr(kvcodec.models.load, "load_model", lambda *a, **k: lm)
     (tmp_path / "a.txt").write_text(BLEND_A)
     (tmp_path / "b.txt").write_text(BLEND_B)
     url = str(tmp_path / "st")
@@ -142,8 +142,8 @@ def test_cli_ask_blend(lm, tmp_path, capsys, monkeypatch):
 
 def test_balanced_entry_from_the_store_stays_within_the_preset_quality(lm, gpl3_ids, tmp_path):
     """A `balanced` entry loaded from the store continues like the exact cache (KL <= 0.01, the preset's bound)."""
-    from kvcodec.capture import capture
-    from kvcodec.evaluate import evaluate
+    from kvcodec.models.capture import capture
+    from kvcodec.models.quality import evaluate
     from kvcodec.format import KvcReader
 
     kb = KnowledgeBase(lm, str(tmp_path / "st"), preset="balanced")

@@ -1,4 +1,4 @@
-"""Issue 20: one `.kvc` feeds llama.cpp (kvcodec.llamacpp), checked against llama.cpp's own prefill.
+"""Issue 20: one `.kvc` feeds llama.cpp (kvcodec.integrations.llamacpp), checked against llama.cpp's own prefill.
 
 The `.kvc` is captured by HF on the embedded model's fp32 conversion; llama.cpp
 runs the GGUF itself. Loading it must give llama.cpp the KV it would have
@@ -22,12 +22,12 @@ if os.environ.get("CI"):
 else:
     pytest.importorskip("llama_cpp")
 
-from kvcodec.capture import capture, tokenize  # noqa: E402
+from kvcodec.models.capture import capture, tokenize  # noqa: E402
 from kvcodec.errors import KvcInputError, KvcModelMismatchError  # noqa: E402
 from kvcodec.format import WriteOptions, encode_kvc_bytes  # noqa: E402
-from kvcodec.plans import get_plan
-from kvcodec.llamacpp import LlamaShape, capture_llamacpp, check_target, gguf_fingerprint, load_kvc  # noqa: E402
-from kvcodec.model import _gguf_path  # noqa: E402
+from kvcodec.plan.presets import get_plan
+from kvcodec.integrations.llamacpp import LlamaShape, capture_llamacpp, check_target, gguf_fingerprint, load_kvc  # noqa: E402
+from kvcodec.models.load import _gguf_path  # noqa: E402
 
 pytestmark = pytest.mark.model
 

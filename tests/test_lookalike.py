@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from cliutil import run_kvc
+from kvcodec.models.cachelayout import cache_for_model
 from kvcodec.errors import KvcModelMismatchError
 
 pytestmark = pytest.mark.model
@@ -51,10 +52,10 @@ def _offset_of(path: Path, name: str) -> tuple[int, str]:
 @pytest.fixture(scope="module")
 def base(lm, gpl3_ids, tmp_path_factory):
     """What the original model made: a lossless .kvc, a store entry for DOC, a chunk cache."""
-    from kvcodec.capture import capture
+    from kvcodec.models.capture import capture
     from kvcodec.format import write_kvc
-    from kvcodec.plans import get_plan
-    from kvcodec.knowledge import KnowledgeBase
+    from kvcodec.plan.presets import get_plan
+    from kvcodec.runtime.knowledge import KnowledgeBase
 
     d = tmp_path_factory.mktemp("base")
     cache = capture(lm, token_ids=gpl3_ids[:32])
@@ -73,7 +74,7 @@ def base(lm, gpl3_ids, tmp_path_factory):
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def lookalike(request, lm, tmp_path_factory):
     """The embedded model with one element of VARIANTS[param] changed, loaded from its own directory."""
-    from kvcodec.model import load_model
+    from kvcodec.models.load import load_model
 
     d = tmp_path_factory.mktemp(f"lookalike-{request.param}") / "model"
     shutil.copytree(lm.path, d)
@@ -105,16 +106,16 @@ def test_eval_refuses(lookalike, base, capsys):
 
 
 def test_hf_loader_refuses(lookalike, base):
-    from kvcodec.hf import load_cache
+    from kvcodec.integrations.hf import load_cache
 
     with pytest.raises(KvcModelMismatchError, match="weights_sha256"):
         load_cache(str(base["kvc"]), lookalike)
     with pytest.raises(KvcModelMismatchError):
-        base["cache"].for_model(lookalike)
+        cache_for_model(lookalike, base["cache"])
 
 
 def test_store_and_ask_never_use_the_originals_entry(lookalike, base):
-    from kvcodec.knowledge import KnowledgeBase
+    from kvcodec.runtime.knowledge import KnowledgeBase
 
     kb = KnowledgeBase(lookalike, store=base["store"], preset="lossless")
     ans = kb.ask([DOC], QUESTION, max_new_tokens=1, store_new=False)
@@ -129,15 +130,15 @@ def test_store_and_ask_never_use_the_originals_entry(lookalike, base):
 
 
 def test_blend_refuses(lookalike, base):
-    from kvcodec.blend import blend
-    from kvcodec.knowledge import KnowledgeBase
+    from kvcodec.runtime.blend import blend
+    from kvcodec.runtime.knowledge import KnowledgeBase
 
     q = np.asarray(lookalike.tokenizer(QUESTION)["input_ids"])
     with pytest.raises(KvcModelMismatchError):
         blend(lookalike, [base["chunk"]], q)
     # and through the store: the original's chunk entry under the look-alike's key
     from kvcodec.format import encode_kvc_bytes
-    from kvcodec.plans import get_plan
+    from kvcodec.plan.presets import get_plan
 
     kb = KnowledgeBase(lookalike, store=base["store"], preset="lossless")
     chunk = base["chunk"]
@@ -153,8 +154,8 @@ def test_blend_refuses(lookalike, base):
 
 def test_vllm_identity_check_refuses(lookalike, lm, base):
     from kvcodec.format import KvcReader
-    from kvcodec.vllm.config import fingerprint_from_dir
-    from kvcodec.vllm.entries import check_entry
+    from kvcodec.integrations.vllm.config import fingerprint_from_dir
+    from kvcodec.integrations.vllm.entries import check_entry
 
     fp = fingerprint_from_dir(lookalike.path)
     assert fp.id == lookalike.fingerprint.id and fp.id != lm.fingerprint.id
@@ -167,7 +168,7 @@ def test_vllm_identity_check_refuses(lookalike, lm, base):
 
 # --------------------------------------------------------------------------- v1 files and the directory fingerprint
 def test_directory_fingerprint_equals_loaded_model_and_vllm(lm):
-    from kvcodec.vllm.config import fingerprint_from_dir
+    from kvcodec.integrations.vllm.config import fingerprint_from_dir
 
     assert fingerprint_from_dir(lm.path) == lm.fingerprint
     assert lm.fingerprint.version == 2
@@ -176,7 +177,7 @@ def test_directory_fingerprint_equals_loaded_model_and_vllm(lm):
 def test_v1_files_decode_standalone_but_are_refused_against_the_model(lm, capsys):
     """spec/vectors holds a real SmolLM2 .kvc written with a version-1 fingerprint."""
     from kvcodec.format import KvcReader
-    from kvcodec.hf import load_cache
+    from kvcodec.integrations.hf import load_cache
 
     path = Path(__file__).resolve().parents[1] / "spec" / "vectors" / "kvc" / "smollm2_8tok_f16_lossless.kvc"
     with KvcReader(str(path)) as r:
@@ -203,7 +204,7 @@ def test_tokenizer_digest_is_cached_and_follows_the_tokenizer_files(lm, tmp_path
     import torch
     from safetensors.torch import save_file
 
-    import kvcodec.fingerprint as F
+    from kvcodec.models import fingerprint as F
 
     monkeypatch.setenv("KVCODEC_CACHE", str(tmp_path / "cache"))
     d = tmp_path / "m"

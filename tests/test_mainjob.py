@@ -11,7 +11,7 @@ pytestmark = pytest.mark.model
 
 def test_main_job_small(tmp_path, lm):
     from kvcodec.format import KvcReader
-    from kvcodec.mainjob import render, run_main_job
+    from kvcodec.eval.demo import render, run_main_job
 
     rep = run_main_job(text="apache2", max_tokens=96, continuation=16, out_dir=tmp_path, repeats=1,
                        methods=["kvcodec:balanced", "int8"])
@@ -41,6 +41,6 @@ def test_main_job_small(tmp_path, lm):
 
 def test_demo_cli_default_is_the_library_default():
     from kvcodec.cli.demo_cmd import demo_command
-    from kvcodec.mainjob import DEMO_TOKENS
+    from kvcodec.eval.demo import DEMO_TOKENS
 
     assert next(p.default for p in demo_command.params if p.name == "max_tokens") == DEMO_TOKENS

@@ -55,7 +55,7 @@ N_TOKENS = 120  # > the sliding windows above
 def family_dirs(tmp_path_factory):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from kvcodec.model import shipped_model_dir
+    from kvcodec.models.load import shipped_model_dir
 
     root = tmp_path_factory.mktemp("families")
     tok = shipped_model_dir("smollm2")
@@ -77,11 +77,11 @@ def family_dirs(tmp_path_factory):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_flow(family, family_dirs, tmp_path):
-    from kvcodec.capture import capture, tokenize
+    from kvcodec.models.capture import capture, tokenize
     from kvcodec.format import KvcReader, WriteOptions, write_kvc
-    from kvcodec.plans import get_plan
-    from kvcodec.knowledge import KnowledgeBase
-    from kvcodec.model import load_model
+    from kvcodec.plan.presets import get_plan
+    from kvcodec.runtime.knowledge import KnowledgeBase
+    from kvcodec.models.load import load_model
     from kvcodec.texts import load_text
 
     lm = load_model(str(family_dirs[family]))
@@ -122,7 +122,7 @@ def test_family_flow(family, family_dirs, tmp_path):
     assert again.answer_ids == first.answer_ids
     assert np.array_equal(np.asarray(again.answer_ids), np.asarray(first.answer_ids))
     if family in OTHER_LAYOUTS:  # blend refuses in one line: GPT-2 has no RoPE to re-position by, Falcon's layers
-        from kvcodec.blend import blend  # are not where blend drives them
+        from kvcodec.runtime.blend import blend  # are not where blend drives them
         from kvcodec.errors import KvcInputError
 
         chunks = [capture(lm, token_ids=ids[:70]), capture(lm, token_ids=ids[70:112])]
@@ -139,9 +139,9 @@ def _blends_through_its_own_forward(lm, ids):
     sliding windows, so its sliding layers are ragged) re-rotated with the fingerprint's RoPE and recomputed
     at ratio 1 give the prefill's query logits and cache (measured bit-equal on these 2-layer models; fp32
     tolerance asserted), and a partial blend continues from a cache of the prefill's layout."""
-    from kvcodec.blend import blend
-    from kvcodec.cachelayout import prefill_kv
-    from kvcodec.capture import capture
+    from kvcodec.runtime.blend import blend
+    from kvcodec.models.cachelayout import prefill_kv
+    from kvcodec.models.capture import capture
 
     chunks = [capture(lm, token_ids=ids[:70]), capture(lm, token_ids=ids[70:112])]
     q = ids[112:]
@@ -168,8 +168,8 @@ def _continues_like_a_fresh_prefill(lm, cache, ids):
     from transformers.cache_utils import DynamicSlidingWindowLayer
 
     from kvcodec.format import WriteOptions, encode_kvc_bytes
-    from kvcodec.hf import load_cache
-    from kvcodec.plans import get_plan
+    from kvcodec.integrations.hf import load_cache
+    from kvcodec.plan.presets import get_plan
 
     plan = get_plan("lossless", cache)
     data = encode_kvc_bytes(cache, plan.pipelines, WriteOptions.for_plan(plan))
@@ -190,9 +190,9 @@ def _continues_like_a_fresh_prefill(lm, cache, ids):
 def _rerotation_matches_layer0(lm, chunks, ids):
     """The naive concatenation's layer-0 keys (re-rotated chunk keys) equal the prefill's: layer 0's K depend on
     the token and its position only, so this checks the per-layer RoPE frequencies blend re-positions with."""
-    from kvcodec.blend import concat_chunks
-    from kvcodec.cachelayout import prefill_kv
-    from kvcodec.quant.rope import layer_applies_rope
+    from kvcodec.runtime.blend import concat_chunks
+    from kvcodec.models.cachelayout import prefill_kv
+    from kvcodec.codecs.rope_tables import layer_applies_rope
 
     naive, want = concat_chunks(lm, chunks), prefill_kv(lm.model, ids)
     assert naive.keys[0].shape == want[0][0].shape
@@ -219,10 +219,10 @@ def test_blend_rerotates_statically_scaled_rope(tmp_path):
     dynamic NTK (frequencies depend on the sequence length) is refused with one line naming it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from kvcodec.blend import blend
-    from kvcodec.capture import capture, tokenize
+    from kvcodec.runtime.blend import blend
+    from kvcodec.models.capture import capture, tokenize
     from kvcodec.errors import KvcInputError
-    from kvcodec.model import load_model, shipped_model_dir
+    from kvcodec.models.load import load_model, shipped_model_dir
     from kvcodec.texts import load_text
 
     tok = shipped_model_dir("smollm2")
@@ -246,10 +246,10 @@ def test_blend_rerotates_statically_scaled_rope(tmp_path):
 def test_capture_cache_refreshes_a_capture_of_another_layout(family_dirs, tmp_path):
     """A stored capture whose layers all hold every token (the layout before ragged sliding
     layers) is captured again, not measured as if it were today's capture."""
-    from kvcodec.capture import capture
-    from kvcodec.curve import cached_capture
-    from kvcodec.kvcache import KVCache, save_h5
-    from kvcodec.model import load_model
+    from kvcodec.models.capture import capture
+    from kvcodec.eval.curve import cached_capture
+    from kvcodec.core.kvcache import KVCache, save_h5
+    from kvcodec.models.load import load_model
 
     lm = load_model(str(family_dirs["gemma2"]))
     ids = np.arange(5, 5 + N_TOKENS, dtype=np.int64)
@@ -270,7 +270,7 @@ def test_kvc_calibrate_chooses_the_basis(family_dirs, tmp_path, monkeypatch, cap
     import json
 
     from cliutil import run_kvc
-    from kvcodec.quant.calibrate import load_calibration
+    from kvcodec.calibration.store import load_calibration
 
     monkeypatch.setenv("KVCODEC_CACHE", str(tmp_path / "cache"))
     d = str(family_dirs["llama-bf16"])

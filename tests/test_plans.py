@@ -1,4 +1,4 @@
-"""kvcodec.plans: one preset table, one override validator for the CLI, the library and the vLLM config."""
+"""kvcodec.plan.presets: one preset table, one override validator for the CLI, the library and the vLLM config."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kvcodec.errors import KvcInputError
-from kvcodec.plans import PRESETS, available_presets, check_overrides, get_plan, parse_config, preset_info
+from kvcodec.plan.presets import PRESETS, available_presets, check_overrides, get_plan, parse_config, preset_info
 
 
 @pytest.mark.parametrize("preset, over", [
@@ -59,7 +59,7 @@ def test_cli_config_uses_the_plans_validator(tmp_path):
 
 
 def test_vllm_config_uses_the_one_preset_table():
-    from kvcodec.vllm.config import ConnectorConfig
+    from kvcodec.integrations.vllm.config import ConnectorConfig
 
     with pytest.raises(KvcInputError, match="unknown preset"):
         ConnectorConfig.from_extra({"store_url": "/tmp/x", "preset": "turbo"})

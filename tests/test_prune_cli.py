@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvcodec.kvcache import load_h5, save_h5
+from kvcodec.core.kvcache import load_h5, save_h5
 
 from cliutil import run_kvc as run  # noqa: E402
 
@@ -21,9 +21,9 @@ def test_bad_spec_is_input_error(spec, capsys, tmp_path):
 
 @pytest.mark.model
 def test_prune_command_h2o(lm, small_cache, capsys, tmp_path, monkeypatch):
-    import kvcodec.model
+    import kvcodec.models.load
 
-    monkeypatch.setattr(kvcodec.model, "load_model", lambda *a, **k: lm)
+    monkeypatch.setattr(kvcodec.models.load, "load_model", lambda *a, **k: lm)
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kvcodec.errors import KvcInputError
-from kvcodec.evaluate import continue_logits
-from kvcodec.kvcache import KVCache, load_h5, save_h5
+from kvcodec.models.quality import continue_logits
+from kvcodec.core.kvcache import KVCache, load_h5, save_h5
 from kvcodec.prune import (
     SCORES_META_KEY,
     apply_prune,
@@ -54,7 +54,7 @@ def exact_logits(lm, scored, cont):
 
 
 def test_scoring_prefill_returns_the_exact_cache(lm, scored, gpl3_ids):
-    from kvcodec.capture import capture
+    from kvcodec.models.capture import capture
 
     cache, scores = scored
     ref = capture(lm, token_ids=gpl3_ids[:T])

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 
 from kvcodec.errors import KvcCodecError, KvcError, KvcFormatError
-from kvcodec.quant import vectors as V
-from kvcodec.quant.rope import rope_tables
-from kvcodec.quant.stages import (
+from kvcodec.codecs import vectors as V
+from kvcodec.codecs.rope_tables import rope_tables
+from kvcodec.codecs.transform import (
     KeepStage, QuantizeStage, RopeStage, TransformStage, hadamard, keep_decode, quantize_minmax_decode,
     quantize_step_decode, rope_decode, transform_decode, unzigzag, zigzag,
 )
-from kvcodec.stages import ArraySpec, ChunkContext, Pipeline, stage_from_json
+from kvcodec.core.stage import ArraySpec, ChunkContext, Pipeline, stage_from_json
 
 CASES = sorted(p for p in V.VECTOR_DIR.iterdir() if (p / "case.json").is_file())
 rng = np.random.default_rng(7)
@@ -135,7 +135,7 @@ def test_keep_exact_tokens():
 
 
 def test_full_pipeline_bit_exact_and_reproducible():
-    from kvcodec.entropy.rans_stage import RansStage
+    from kvcodec.codecs.rans import RansStage
 
     x = _x((3, 80, 64), np.float16, 2)
     p = Pipeline([RopeStage(1e5, 64), KeepStage(2, 0), TransformStage("hadamard", k=32), QuantizeStage("step", step=0.05), RansStage(8)])
@@ -230,10 +230,10 @@ def test_bad_configs(cfg):
 # ------------------------------------------------------------------ model
 @pytest.mark.model
 def test_balanced_meets_kl_on_real_cache(lm, gpl3_ids):
-    from kvcodec.capture import capture
-    from kvcodec.evaluate import compare_logits, continue_logits
-    from kvcodec.plans import get_plan
-    from kvcodec.quant.codecplan import decode_bytes, encode_bytes
+    from kvcodec.models.capture import capture
+    from kvcodec.models.quality import compare_logits, continue_logits
+    from kvcodec.plan.presets import get_plan
+    from kvcodec.plan.pipelines import decode_bytes, encode_bytes
     from kvcodec.rate import bits_per_element
 
     cache = capture(lm, token_ids=gpl3_ids[:512])
@@ -250,7 +250,7 @@ def test_balanced_meets_kl_on_real_cache(lm, gpl3_ids):
 # ------------------------------------------------------------------ quantize v2 (16-bit codes, two byte planes)
 def test_quantize_v2_formula_and_what_v1_cannot_code():
     """v2 codes a channel whose range exceeds 127 steps at the configured step (v1 widens that step)."""
-    from kvcodec.quant.stages import WideQuantizeStage
+    from kvcodec.codecs.transform import WideQuantizeStage
 
     x = _x((2, 50, 16))
     x[:, :, 0] *= 200.0  # a wide coefficient channel
@@ -270,7 +270,7 @@ def test_quantize_v2_formula_and_what_v1_cannot_code():
 
 
 def test_quantize_v2_refuses_bad_input():
-    from kvcodec.quant.stages import WideQuantizeStage
+    from kvcodec.codecs.transform import WideQuantizeStage
 
     x = _x((2, 30, 8))
     st = WideQuantizeStage(step=0.01, max_bits=12)

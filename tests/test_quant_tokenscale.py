@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from kvcodec.errors import KvcCodecError, KvcFormatError
-from kvcodec.quant import vectors as V
-from kvcodec.quant.importance import token_multipliers
-from kvcodec.quant.stages import QuantizeStage
-from kvcodec.quant.tokenscale import TokenClasses, TokenScaleStage, pack_classes, unpack_classes, vector_cases
-from kvcodec.stages import ArraySpec, ChunkContext, Pipeline, stage_from_json
-from kvcodec.entropy.rans_stage import RansStage
+from kvcodec.codecs import vectors as V
+from kvcodec.plan.importance import token_multipliers
+from kvcodec.codecs.transform import QuantizeStage
+from kvcodec.codecs.tokenscale import TokenClasses, TokenScaleStage, pack_classes, unpack_classes, vector_cases
+from kvcodec.core.stage import ArraySpec, ChunkContext, Pipeline, stage_from_json
+from kvcodec.codecs.rans import RansStage
 
 rng = np.random.default_rng(11)
 TABLE = np.exp2(-2.0 + np.arange(16)).astype(np.float32)  # powers of two: encode/decode exact

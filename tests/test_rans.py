@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 from kvcodec.entropy import model, rans
 from kvcodec.entropy.constants import RANS_L
-from kvcodec.entropy.rans_stage import RansStage, from_contexts, overhead_split, to_contexts
+from kvcodec.codecs.rans import RansStage, from_contexts, overhead_split, to_contexts
 from kvcodec.errors import KvcCodecError, KvcFormatError
-from kvcodec.stages import ArraySpec, ChunkContext, Pipeline, stage_from_json
+from kvcodec.core.stage import ArraySpec, ChunkContext, Pipeline, stage_from_json
 
 VEC = Path(__file__).resolve().parents[1] / "spec" / "vectors" / "rans"
 CTX = ChunkContext()
@@ -179,8 +179,8 @@ def test_size_within_1pct_of_entropy_laplace():
 
 @pytest.mark.skipif(os.environ.get("KVCODEC_SLOW_TESTS") != "1", reason="needs a model capture (~20 s); set KVCODEC_SLOW_TESTS=1")
 def test_size_within_1pct_of_entropy_real_kv():
-    from kvcodec.capture import capture
-    from kvcodec.model import load_model
+    from kvcodec.models.capture import capture
+    from kvcodec.models.load import load_model
     from kvcodec.texts import pydoc_text
 
     cache = capture(load_model(), text=pydoc_text(), max_tokens=1024)

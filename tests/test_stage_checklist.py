@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcodec.stages import BUILTIN_STAGES, REGISTRY, load_builtin_stages, stage_from_json
+from kvcodec.core.stage import BUILTIN_STAGES, REGISTRY, load_builtin_stages, stage_from_json
 
 ROOT = Path(__file__).resolve().parents[1]
 VECTORS = ROOT / "spec" / "vectors"

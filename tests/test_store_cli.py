@@ -52,7 +52,7 @@ def test_key_file_errors(tmp_path, capsys):
 @pytest.mark.model
 def test_cli_tenants_see_only_their_own_entries(lm, small_cache, tmp_path, capsys):
     from kvcodec.format import encode_kvc_bytes
-    from kvcodec.plans import get_plan
+    from kvcodec.plan.presets import get_plan
 
     plan = get_plan("lossless", small_cache)
     f = tmp_path / "c.kvc"

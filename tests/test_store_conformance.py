@@ -50,7 +50,7 @@ def phys(k: StoreKey) -> StoreKey:
 def backend(request, tmp_path):
     kind = request.param
     if kind == "directory":
-        from kvcodec.store.directory import DirectoryTier
+        from kvcodec.store.tiers.directory import DirectoryTier
 
         d = tmp_path / "dir"
         t = DirectoryTier(d)

@@ -10,8 +10,8 @@ import subprocess
 import sys
 import time
 
-from kvcodec.store.directory import DirectoryTier, TMP_SUFFIX
-from kvcodec.store.tiers import decode_envelope
+from kvcodec.store.tiers.directory import DirectoryTier, TMP_SUFFIX
+from kvcodec.store.tiers.base import decode_envelope
 from store_crash_worker import crash_payload_valid, crash_writer
 from store_fixtures import PY, subprocess_env
 
@@ -21,7 +21,7 @@ from store_fixtures import PY, subprocess_env
 WORKER = r'''
 import os, random, struct, sys, time
 from kvcodec.store import StoreKey
-from kvcodec.store.directory import DirectoryTier
+from kvcodec.store.tiers.directory import DirectoryTier
 
 BASE = random.Random(42).randbytes(4 << 20)
 
@@ -79,7 +79,7 @@ def test_sigkill_during_writes_leaves_only_complete_entries(tmp_path):
     root = str(tmp_path / "s")
     DirectoryTier(root)  # create
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["store_crash_worker", "kvcodec.store.directory"])
+    ctx.set_forkserver_preload(["store_crash_worker", "kvcodec.store.tiers.directory"])
     rng = random.Random(1234)
     kills = 0
     tmp_seen: set[str] = set()

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from kvcodec.format import KvcReader
-from kvcodec.knowledge import KnowledgeBase
+from kvcodec.runtime.knowledge import KnowledgeBase
 from kvcodec.store import Store
 
 from cliutil import run_kvc  # noqa: E402
@@ -67,12 +67,12 @@ def _good(store: Store, key) -> bytes:
 
 @pytest.fixture()
 def warnings(caplog):
-    caplog.set_level(logging.WARNING, logger="kvcodec.knowledge")
+    caplog.set_level(logging.WARNING, logger="kvcodec.runtime.knowledge")
     return caplog
 
 
 def _warned(caplog, key) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "kvcodec.knowledge" and key.to_str() in r.getMessage()]
+    return [r.getMessage() for r in caplog.records if r.name == "kvcodec.runtime.knowledge" and key.to_str() in r.getMessage()]
 
 
 @pytest.mark.parametrize("preset, damage", [("lossless", corrupt_chunk), ("balanced", unknown_calibration)])

@@ -14,7 +14,7 @@ import pytest
 
 from kvcodec.errors import KvcFormatError, KvcInputError, KvcStoreError
 from kvcodec.store import HttpRangeReader, Store, StoreKey, open_range_reader
-from kvcodec.store.directory import DirectoryTier
+from kvcodec.store.tiers.directory import DirectoryTier
 from store_fixtures import free_port, nginx_server  # noqa: F401  (fixture)
 
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcodec.errors import KvcInputError
-from kvcodec.store import Store, StoreKey, chunk_hashes, longest_prefix, prefix_keys, root_digest
+from kvcodec.store import Store, StoreKey, chunk_hashes, prefix_keys, root_digest
 from store_fixtures import PY, subprocess_env
 
 IDS = [(i * 7919 + 13) % 50000 for i in range(1000)]
@@ -96,10 +96,10 @@ def test_other_model_codec_tenant_miss():
     st = Store.open("mem://")
     k = StoreKey.for_tokens(IDS, model="m", codec="c", namespace="tenant-a")
     st.put(k, b"x")
-    assert longest_prefix(st, IDS, model="m", codec="c", namespace="tenant-a") == (k, 1000)
-    assert longest_prefix(st, IDS, model="m", codec="c", namespace="tenant-b") == (None, 0)
-    assert longest_prefix(st, IDS, model="m", codec="c2", namespace="tenant-a") == (None, 0)
-    assert longest_prefix(st, IDS, model="m2", codec="c", namespace="tenant-a") == (None, 0)
+    assert st.longest_prefix(IDS, model="m", codec="c", namespace="tenant-a") == (k, 1000)
+    assert st.longest_prefix(IDS, model="m", codec="c", namespace="tenant-b") == (None, 0)
+    assert st.longest_prefix(IDS, model="m", codec="c2", namespace="tenant-a") == (None, 0)
+    assert st.longest_prefix(IDS, model="m2", codec="c", namespace="tenant-a") == (None, 0)
 
 
 def test_prefix_keys_and_longest_prefix():
@@ -120,14 +120,6 @@ def test_prefix_keys_and_longest_prefix():
     # the full-length (partial last chunk) entry is found by the same token list
     st.put(ks[0], b"all")
     assert st.longest_prefix(IDS, model="m", codec="c")[1] == 1000
-    # keys are also usable with a plain contains() store
-    class Plain:
-        def __init__(self, s):
-            self.s = s
-
-        def contains(self, k):
-            return self.s.contains(k)
-    assert longest_prefix(Plain(st), IDS, model="m", codec="c")[1] == 1000
 
 
 @settings(max_examples=60, deadline=None)

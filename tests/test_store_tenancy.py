@@ -17,8 +17,8 @@ import pytest
 
 from kvcodec.errors import KvcFormatError, KvcInputError, KvcStoreError
 from kvcodec.store import MemoryTier, Store, StoreKey, TenantKey
-from kvcodec.store.directory import DirectoryTier
-from kvcodec.store.tiers import decode_envelope, encode_envelope
+from kvcodec.store.tiers.directory import DirectoryTier
+from kvcodec.store.tiers.base import decode_envelope, encode_envelope
 from store_fixtures import nginx_server, redis_server  # noqa: F401  (fixtures)
 
 A = TenantKey(b"A" * 32, "tenant-a")
@@ -350,7 +350,7 @@ def test_hostile_envelopes_at_the_callers_name_are_misses(tmp_path):
     import json
     import struct
 
-    from kvcodec.store.tiers import FIXED, MAGIC, crc32c_extend, crc32c
+    from kvcodec.store.tiers.base import FIXED, MAGIC, crc32c_extend, crc32c
 
     st = Store.open(f"file://{tmp_path}/s?fsync=0", key=A)
     k = key(1)

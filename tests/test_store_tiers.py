@@ -10,9 +10,9 @@ import pytest
 
 from kvcodec.errors import KvcFormatError, KvcInputError, KvcStoreError
 from kvcodec.store import FileRangeReader, MemoryTier, Store, StoreKey, open_range_reader, parse_size
-from kvcodec.store.directory import DirectoryTier
+from kvcodec.store.tiers.directory import DirectoryTier
 from kvcodec.store.tenant import AuthRangeReader
-from kvcodec.store.tiers import FIXED_SIZE, decode_envelope, encode_envelope
+from kvcodec.store.tiers.base import FIXED_SIZE, decode_envelope, encode_envelope
 
 
 def key(i: int, ns: str = "default") -> StoreKey:

@@ -26,11 +26,11 @@ from store_fixtures import (
     wait_port,
 )
 
-from kvcodec.evaluate import compare_logits, continue_logits
-from kvcodec.netshape import ShapedLink
+from kvcodec.models.quality import compare_logits, continue_logits
+from kvcodec.eval.netshape import ShapedLink
 from kvcodec.store import Store, TenantKey
 from kvcodec.store.levels import manifest_key
-from kvcodec.stream import (
+from kvcodec.runtime.stream import (
     TEXT,
     AdaptiveStreamer,
     Priors,

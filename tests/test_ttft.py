@@ -7,7 +7,7 @@ import torch
 
 @pytest.mark.model
 def test_prefill_keeps_only_the_last_logits_and_they_are_the_full_ones(lm, gpl3_ids):
-    from kvcodec.capture import prefill
+    from kvcodec.models.capture import prefill
 
     ids = gpl3_ids[:96]
     past, last = prefill(lm, ids)
@@ -22,10 +22,10 @@ def test_prefill_keeps_only_the_last_logits_and_they_are_the_full_ones(lm, gpl3_
 @pytest.mark.model
 def test_cold_kvc_ttft_answers_like_prefill(lm, gpl3_ids, tmp_path):
     """A fresh process loads a lossless `.kvc` and produces exactly prefill's first token."""
-    from kvcodec.capture import capture
+    from kvcodec.models.capture import capture
     from kvcodec.format import WriteOptions, write_kvc
-    from kvcodec.plans import get_plan
-    from kvcodec.ttft import cold_ttft, ttft_kvc, ttft_prefill
+    from kvcodec.plan.presets import get_plan
+    from kvcodec.runtime.ttft import cold_ttft, ttft_kvc, ttft_prefill
 
     ids, q = gpl3_ids[:128], gpl3_ids[128:136]
     cache = capture(lm, token_ids=ids)
@@ -40,7 +40,7 @@ def test_cold_kvc_ttft_answers_like_prefill(lm, gpl3_ids, tmp_path):
 
 
 def test_demo_render_reports_cold_and_warm_ttft():
-    from kvcodec.mainjob import render
+    from kvcodec.eval.demo import render
 
     report = {"model": "smollm2", "fingerprint": "f" * 32, "text": "gpl3", "tokens": 2048, "preset": "balanced",
               "kvc_bytes": 1000, "kv_elements": 4000, "fp16_bytes": 8000, "encode_s": 1.0, "kvc_file": "x.kvc",

@@ -1,4 +1,4 @@
-"""``kvcodec.warmup.prewarm``: a fresh process's one-time decode costs, paid in the background.
+"""``kvcodec.runtime.warmup.prewarm``: a fresh process's one-time decode costs, paid in the background.
 
 It is an optimisation only: with no warm-up files it does nothing, and a
 damaged file must neither raise nor change any result.
@@ -10,9 +10,7 @@ import logging
 
 import pytest
 
-from kvcodec import warmup
-
-
+from kvcodec.runtime import warmup
 def test_no_files_no_thread(tmp_path, monkeypatch):
     monkeypatch.setenv("KVCODEC_CACHE", str(tmp_path))
     assert warmup.prewarm() is None
@@ -21,7 +19,7 @@ def test_no_files_no_thread(tmp_path, monkeypatch):
 def test_prewarm_decodes_the_setup_files(tmp_path, monkeypatch, small_cache, lm):
     """A real balanced `.kvc` in the warm-up dir is decoded (codec stack imported) without error."""
     from kvcodec.format import KvcReader, WriteOptions, encode_kvc_bytes
-    from kvcodec.plans import get_plan
+    from kvcodec.plan.presets import get_plan
 
     plan = get_plan("balanced", small_cache, lm=lm)
     d = tmp_path / "warmup"
@@ -52,7 +50,7 @@ def test_damaged_file_is_ignored(tmp_path, monkeypatch, content, caplog):
     d.mkdir()
     (d / "balanced.kvc").write_bytes(content)
     monkeypatch.setenv("KVCODEC_CACHE", str(tmp_path))
-    with caplog.at_level(logging.DEBUG, logger="kvcodec.warmup"):
+    with caplog.at_level(logging.DEBUG, logger="kvcodec.runtime.warmup"):
         t = warmup.prewarm()
         t.join(60)
     assert not t.is_alive()

@@ -1,7 +1,7 @@
 """The constants of the rANS v1 bitstream (spec/rans-v1.md): the ONE place they are stated.
 
 The CPU coder (:mod:`kvcodec.entropy.rans`), the probability model
-(:mod:`kvcodec.entropy.model`) and the Triton decoder (``kvcodec.cuda.rans_kernel``) all
+(:mod:`kvcodec.entropy.model`) and the Triton decoder (``kvcodec.decode.triton.rans_kernel``) all
 import them from here, so a kernel cannot drift from the reference by a restated literal.
 Changing any value changes the bitstream: it would be rANS v2, never a silent edit.
 """

@@ -14,8 +14,8 @@ import math
 import numpy as np
 from numba import njit
 
-from ..errors import KvcCodecError
-from .constants import PROB_BITS, PROB_SCALE
+from kvcodec.errors import KvcCodecError
+from kvcodec.entropy.constants import PROB_BITS, PROB_SCALE
 
 __all__ = ["count_symbols", "normalize_freqs", "cumulative", "empirical_entropy_bits", "table_code_length_bits"]
 

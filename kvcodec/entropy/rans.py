@@ -35,13 +35,13 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
-from ..errors import KvcFormatError
-from .constants import (
+from kvcodec.errors import KvcFormatError
+from kvcodec.entropy.constants import (
     E_FINAL_STATE, E_FREQ_RANGE, E_FREQ_SUM, E_LEB_LONG, E_LEB_NONCANON, E_OVERRUN, E_TRUNC, E_UNDERRUN, N_LANES, OK,
     PROB_BITS, PROB_SCALE, RANS_L, SLOT_MASK, STATE_BYTES, TABLE_CUM_SHIFT, TABLE_FREQ_SHIFT, WORD_BITS, WORD_MASK,
     X_MAX_SHIFT,
 )
-from .model import count_symbols, cumulative, normalize_freqs
+from kvcodec.entropy.model import count_symbols, cumulative, normalize_freqs
 
 __all__ = [
     "RansStream", "SizeBreakdown", "encode_contexts", "parse_header", "decode",

@@ -1,10 +1,10 @@
 """The `.kvc` container format v1 (spec/kvc-v1.md): reader, writer, lossless stages."""
 
-from .container import MAGIC, VERSION_MAJOR, VERSION_MINOR, IndexEntry, KvcUnknownCodecError
-from .decode import decode_chunk, resolve_backend
-from .lossless import Raw, Shuffle, Zstd, lossless_pipeline, raw_pipeline
-from .reader import AttachmentInfo, BlobInfo, KvcHeader, KvcReader, read_kvc, verify_kvc
-from .writer import ExternalAttachment, WriteOptions, array_sha256, encode_kvc_bytes, write_kvc, write_kvc_stream
+from kvcodec.format.container import MAGIC, VERSION_MAJOR, VERSION_MINOR, IndexEntry, KvcUnknownCodecError
+from kvcodec.decode.chunk import decode_chunk, resolve_backend
+from kvcodec.codecs.lossless import Raw, Shuffle, Zstd, lossless_pipeline, raw_pipeline
+from kvcodec.format.reader import AttachmentInfo, BlobInfo, KvcHeader, KvcReader, read_kvc, verify_kvc
+from kvcodec.format.writer import ExternalAttachment, WriteOptions, array_sha256, encode_kvc_bytes, write_kvc, write_kvc_stream
 
 __all__ = [
     "MAGIC", "VERSION_MAJOR", "VERSION_MINOR", "IndexEntry", "KvcUnknownCodecError",

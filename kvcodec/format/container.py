@@ -26,7 +26,8 @@ from typing import Any, NamedTuple
 import google_crc32c
 import numpy as np
 
-from ..errors import KvcCodecError, KvcFormatError
+from kvcodec.core.dtypes import DTYPE_BY_NAME, DTYPE_CODES, np_le
+from kvcodec.errors import KvcCodecError, KvcFormatError
 
 # -- 3. preamble ------------------------------------------------------------
 MAGIC = b"\x89KVC\r\n\x1a\n"
@@ -67,19 +68,9 @@ MAX_PIPELINES = 65535
 STAGE_SLACK = 1 << 16  # intermediate byte strings may not exceed 2 * decoded + this
 MAX_JSON_DEPTH = 64
 
-# Side data and blob element types (code, JSON name); all little-endian.
-DTYPE_CODES: dict[int, str] = {
-    1: "uint8", 2: "int8", 3: "uint16", 4: "int16", 5: "uint32", 6: "int32",
-    7: "uint64", 8: "int64", 9: "float16", 10: "float32", 11: "float64",
-}
-DTYPE_BY_NAME = {v: k for k, v in DTYPE_CODES.items()}
 TENSOR_DTYPES = ("float16", "bfloat16", "float32")
 _SIDE_NAME_RE = re.compile(rb"^[A-Za-z0-9_.\-]{1,64}$")
 _BLOB_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-/]{1,128}$")
-
-
-class KvcUnknownCodecError(KvcFormatError, KvcCodecError):
-    """A file names a codec stage this installation does not know (both a format and a codec error)."""
 
 
 def align_up(n: int, a: int = ALIGN) -> int:
@@ -91,10 +82,6 @@ def crc32c(data: Any) -> int:
         return google_crc32c.value(data)
     except TypeError:  # writable buffers (bytearray, numpy) must be copied
         return google_crc32c.value(bytes(data))
-
-
-def np_le(dtype_name: str) -> np.dtype:
-    return np.dtype(dtype_name).newbyteorder("<")
 
 
 def pipeline_dtype(tensor_dtype: str) -> str:

@@ -17,25 +17,27 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import numpy as np
 
-from ..attachments import array_sha256, default_resolver
-from ..lru import BoundedLRU
-from ..errors import KvcCodecError, KvcError, KvcFormatError, KvcInputError, is_int, want
-from ..fingerprint import FINGERPRINT_VERSION, ModelFingerprint, check_fingerprint_json, token_ids_sha256
-from ..stages import ArraySpec, Pipeline
-from .container import (
+from kvcodec.calibration.store import default_resolver
+from kvcodec.digest import array_sha256
+from kvcodec.lru import BoundedLRU
+from kvcodec.errors import KvcCodecError, KvcError, KvcFormatError, KvcInputError, is_int, want
+from kvcodec.core.fingerprint import FINGERPRINT_VERSION, ModelFingerprint, check_fingerprint_json
+from kvcodec.digest import token_ids_sha256
+from kvcodec.core.stage import ArraySpec, Pipeline
+from kvcodec.format.container import (
     DTYPE_BY_NAME, FEATURE_RAGGED, FOOTER_SIZE, HEADER_CRC_SIZE, INDEX_ENTRY_SIZE, KINDS, MAX_BLOB_BYTES, MAX_BLOB_NDIM,
     MAX_CHUNK_DECODED_BYTES, MAX_PIPELINES, MAX_STAGES, MAX_TOKENS, PREAMBLE_SIZE, STAGE_SLACK, TENSOR_DTYPES,
     Footer, IndexEntry, KvcUnknownCodecError, Preamble, align_up, check_blob_name, crc32c,
     data_start, load_header, np_le, parse_chunk, parse_index, pipeline_dtype,
 )
-from ..limits import MAX_DECODED_ENV, max_decoded_bytes as max_decoded_bytes_limit
-from .decode import chunk_context, decode_chunk, resolve_backend
-from .source import open_source
+from kvcodec.limits import MAX_DECODED_ENV, max_decoded_bytes as max_decoded_bytes_limit
+from kvcodec.decode.chunk import chunk_context, decode_chunk, resolve_backend
+from kvcodec.core.source import open_source
 
 if TYPE_CHECKING:  # torch only where tensors are made: opening a file, its header and its chunks need none
     import torch
 
-    from ..kvcache import KVCache
+    from kvcodec.core.kvcache import KVCache
 
 Resolver = Mapping[str, np.ndarray] | Callable[[str, "AttachmentInfo"], "np.ndarray | None"]
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -522,7 +524,7 @@ class KvcReader:
             ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
             if token_ids_sha256(ids) != self.header.token_ids_sha256:
                 raise KvcInputError("the given token ids do not match the file's token_ids_sha256")
-        from ..kvcache import KVCache
+        from kvcodec.core.kvcache import KVCache
 
         keys, values = [], []
         for _, k, v in self.iter_layers(backend):
@@ -577,7 +579,7 @@ class KvcReader:
 
     def describe(self, name: str | None = None) -> dict[str, Any]:
         """Everything ``kvc info`` reports (header, model, rates, pipelines per layer, sizes) as plain data."""
-        from .describe import describe
+        from kvcodec.format.describe import describe
 
         return describe(self, name if name is not None else "<bytes>")
 

@@ -18,27 +18,27 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Callable
 import google_crc32c
 import numpy as np
 
-from ..attachments import array_sha256
-from ..atomic import atomic_file
-from ..errors import KvcCodecError, KvcError, KvcFormatError, KvcInputError
-from ..fingerprint import token_ids_sha256
-from ..stages import ArraySpec, EncoderInputsSpec, Pipeline, PipelineSpec, Plan
-from .container import (
+from kvcodec.digest import array_sha256
+from kvcodec.atomic import atomic_file
+from kvcodec.errors import KvcCodecError, KvcError, KvcFormatError, KvcInputError
+from kvcodec.digest import token_ids_sha256
+from kvcodec.core.stage import ArraySpec, EncoderInputsSpec, Pipeline, PipelineSpec, Plan
+from kvcodec.format.container import (
     ALIGN, DTYPE_BY_NAME, FEATURE_RAGGED, FOOTER_SIZE, MAX_BLOB_BYTES, MAX_BLOB_NDIM, MAX_CHUNK_DECODED_BYTES, MAX_PIPELINES,
     MAX_STAGES, MAX_TOKENS, STAGE_SLACK, VERSION_MAJOR, VERSION_MINOR, Footer, IndexEntry, Preamble, align_up,
     check_blob_name, crc32c, dump_header, np_le, pack_chunk, pipeline_dtype,
 )
-from .decode import chunk_context
+from kvcodec.decode.chunk import chunk_context
 
 if TYPE_CHECKING:  # the writer takes a KVCache (torch tensors), but importing the container must not import torch
-    from ..kvcache import KVCache
+    from kvcodec.core.kvcache import KVCache
 
 # stages whose encoder needs per-tensor inputs (WriteOptions.encoder_inputs): writing them without any is refused
 ENCODER_INPUT_STAGES = frozenset({"tokenscale"})
 
 
 def writer_version() -> str:
-    from .. import __version__
+    from kvcodec import __version__
 
     return f"kvcodec {__version__}"
 
@@ -68,7 +68,7 @@ class WriteOptions:
     header's codec name; ``meta``: merged over the cache's meta; ``store_token_ids``: keep the
     context's token ids in the file; ``writer``: the header's writer string (default: this
     package's version); ``encoder_inputs``: (layer, kind) -> that tensor's encoder-only inputs
-    (:data:`kvcodec.stages.EncoderInputs`), passed to its chunks in ``ChunkContext.encoder``.
+    (:data:`kvcodec.core.stage.EncoderInputs`), passed to its chunks in ``ChunkContext.encoder``.
     """
 
     attachments: Mapping[str, np.ndarray | ExternalAttachment] | None = None
@@ -347,7 +347,7 @@ class _Expectation:
         return self._tensor[1]
 
     def add(self, p: Pipeline, arr: np.ndarray, payload: bytes, sides: list, sizes: list[int], ctx: Any) -> None:
-        from .lossless import Raw
+        from kvcodec.codecs.lossless import Raw
 
         if not p.array_stages and isinstance(p.bytes_stage, Raw):
             layer, kind, t0, h0 = ctx.layer, ctx.kind, ctx.token_start, ctx.extra["head_start"]
@@ -377,7 +377,7 @@ class _Expectation:
 
     def resolver(self) -> Callable[[str, Any], np.ndarray | None]:
         """Attachment resolver for the read-back: the arrays the encoder itself used, then the default resolver."""
-        from ..attachments import default_resolver
+        from kvcodec.calibration.store import default_resolver
 
         known: dict[str, np.ndarray] = dict(self.external)
         fallback = default_resolver
@@ -392,7 +392,7 @@ class _Expectation:
 
     def check(self, source: Any, cache: KVCache, what: str) -> None:
         """Read ``source`` back with :class:`KvcReader`: structure, every CRC, padding, blob and chunk, bit for bit."""
-        from .reader import KvcReader
+        from kvcodec.format.reader import KvcReader
 
         try:
             with KvcReader(source, self.resolver(), max_decoded_bytes=_declared_bytes(cache)) as r:

@@ -23,10 +23,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import KvcInputError
-from ..kvcache import KVCache
-from .budget import H2OBudget, LinguaBudget, PruneBudget, parse_prune
-from .h2o import (
+from kvcodec.errors import KvcInputError
+from kvcodec.core.kvcache import KVCache
+from kvcodec.prune.budget import H2OBudget, LinguaBudget, PruneBudget, parse_prune
+from kvcodec.prune.h2o import (
     attention_scores,
     capture_with_scores,
     h2o_prune,
@@ -35,7 +35,7 @@ from .h2o import (
     scores_to_meta,
     select_h2o,
 )
-from .lingua import capture_lingua, lingua_select, original_indices, self_information
+from kvcodec.prune.lingua import capture_lingua, lingua_select, original_indices, self_information
 
 __all__ = [
     "H2OBudget", "LinguaBudget", "PruneBudget", "parse_prune", "apply_prune", "capture_with_scores",
@@ -49,7 +49,7 @@ SCORES_META_KEY = "h2o_scores"
 
 def _model_for(cache: KVCache, lm: Any) -> Any:
     if lm is None:
-        from ..model import DEFAULT_MODEL, load_model
+        from kvcodec.models.load import DEFAULT_MODEL, load_model
 
         lm = load_model(str(cache.meta.get("model") or DEFAULT_MODEL))
     lm.fingerprint.check_compatible(cache.fingerprint)
@@ -94,7 +94,7 @@ def apply_prune(
         budget.resolve(cache.num_tokens)
         lm = _model_for(cache, lm)
         kept, rec = lingua_select(lm, cache.token_ids, budget, question)
-        from ..capture import capture
+        from kvcodec.models.capture import capture
 
         new = capture(lm, token_ids=cache.token_ids[kept])
         if new.dtype != cache.dtype:
@@ -134,13 +134,13 @@ def evaluate_pruned(
     exact_logits: torch.Tensor | None = None,
     exact_greedy: list[int] | None = None,
 ) -> Any:
-    """:class:`kvcodec.evaluate.Quality` of ``pruned`` (H2O, lingua, or decoded) vs the exact cache.
+    """:class:`kvcodec.models.quality.Quality` of ``pruned`` (H2O, lingua, or decoded) vs the exact cache.
 
     The continuation is the original text's; each cache continues at its own
     ``next_position`` (the original context length for H2O, ``T_kept`` for
     lingua, whose text was renumbered).
     """
-    from ..evaluate import compare_caches
+    from kvcodec.models.quality import compare_caches
 
     continuation = np.asarray(continuation, dtype=np.int64).reshape(-1)
     if continuation.size < 2:

@@ -31,7 +31,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from ..errors import KvcInputError
+from kvcodec.errors import KvcInputError
 
 DEFAULT_WINDOW = 64
 DEFAULT_SEGMENT = 200

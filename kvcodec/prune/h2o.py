@@ -27,7 +27,7 @@ Why gathering is exact: keys are stored post-RoPE, i.e. already rotated at
 their original positions, so a kept key is bit-identical to what the full
 cache holds; RoPE attention depends only on ``pos(q) - pos(k)``, so new
 queries must be rotated at ``next_position + i`` (the original continuation
-positions), never at ``T_kept + i``. ``kvcodec.evaluate.continue_logits``
+positions), never at ``T_kept + i``. ``kvcodec.models.quality.continue_logits``
 does that; ``tests/test_prune_model.py`` checks both against a full prefill
 with a per-head attention mask hiding the dropped tokens.
 """
@@ -41,10 +41,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..attention_tap import tapped
-from ..errors import KvcInputError
-from ..kvcache import KVCache
-from .budget import DEFAULT_WINDOW, H2OBudget
+from kvcodec.models.attention_tap import tapped
+from kvcodec.errors import KvcInputError
+from kvcodec.core.kvcache import KVCache
+from kvcodec.prune.budget import DEFAULT_WINDOW, H2OBudget
 
 _STATE = threading.local()
 _CHUNK = 256
@@ -113,7 +113,7 @@ def capture_with_scores(
     window: int | None = DEFAULT_WINDOW,
 ) -> tuple[KVCache, np.ndarray]:
     """Exact KV cache of ``text`` (or ``token_ids``) plus H2O scores ``[layers, kv_heads, T]``."""
-    from ..capture import cache_from_hf, context_ids
+    from kvcodec.models.capture import cache_from_hf, context_ids
 
     ids = context_ids(lm, text, token_ids, max_tokens)
     past, scores = attention_scores(lm, ids, window)

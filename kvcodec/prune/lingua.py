@@ -32,10 +32,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import KvcInputError
-from ..fingerprint import token_ids_sha256
-from ..kvcache import KVCache
-from .budget import LinguaBudget
+from kvcodec.errors import KvcInputError
+from kvcodec.digest import token_ids_sha256
+from kvcodec.core.kvcache import KVCache
+from kvcodec.prune.budget import LinguaBudget
 
 
 @torch.inference_mode()
@@ -158,7 +158,7 @@ def lingua_select(
     lm: Any, token_ids: np.ndarray, budget: LinguaBudget, question: str | None = None
 ) -> tuple[np.ndarray, dict[str, Any]]:
     """(kept original indices, meta record) for ``token_ids`` under ``budget``."""
-    from ..capture import tokenize
+    from kvcodec.models.capture import tokenize
 
     ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
     n = len(ids)
@@ -202,8 +202,8 @@ def capture_lingua(
     question: str | None = None,
 ) -> KVCache:
     """Prune the text, then capture the pruned token sequence (positions renumbered)."""
-    from ..capture import capture, select_context, tokenize
-    from .budget import parse_prune
+    from kvcodec.models.capture import capture, select_context, tokenize
+    from kvcodec.prune.budget import parse_prune
 
     if isinstance(budget, str):
         budget = parse_prune(budget)

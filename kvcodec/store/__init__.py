@@ -19,23 +19,22 @@ Only ``keys``, ``ranged``, ``tenant`` and ``store`` are imported eagerly; redis-
 when a Redis tier is opened.
 """
 
-from .keys import (
+from kvcodec.store.keys import (
     DEFAULT_CHUNK,
     StoreKey,
     chunk_hashes,
-    longest_prefix,
     prefix_keys,
     root_digest,
     token_bytes,
 )
-from .ranged import BytesRangeReader, FileRangeReader, HttpLimits, HttpRangeReader, RangeReader, open_range_reader
-from .options import parse_size
-from .store import PutResult, Store
-from .tenant import TenantKey
-from .tiers import Entry, EntryInfo, MemoryTier, Tier
+from kvcodec.store.ranged import BytesRangeReader, FileRangeReader, HttpLimits, HttpRangeReader, RangeReader, open_range_reader
+from kvcodec.store.options import parse_size
+from kvcodec.store.store import PutResult, Store
+from kvcodec.store.tenant import TenantKey
+from kvcodec.store.tiers.base import Entry, EntryInfo, MemoryTier, Tier
 
 __all__ = [
-    "DEFAULT_CHUNK", "StoreKey", "chunk_hashes", "longest_prefix", "prefix_keys", "root_digest",
+    "DEFAULT_CHUNK", "StoreKey", "chunk_hashes", "prefix_keys", "root_digest",
     "token_bytes", "RangeReader", "FileRangeReader", "HttpRangeReader", "BytesRangeReader",
     "open_range_reader", "HttpLimits", "TenantKey", "Store", "PutResult", "parse_size", "Entry", "EntryInfo",
     "MemoryTier", "Tier", "DirectoryTier", "RedisTier", "HttpTier",
@@ -44,12 +43,12 @@ __all__ = [
 
 def __getattr__(name: str):  # lazy tier classes
     if name == "DirectoryTier":
-        from .directory import DirectoryTier
+        from kvcodec.store.tiers.directory import DirectoryTier
         return DirectoryTier
     if name == "RedisTier":
-        from .redis_tier import RedisTier
+        from kvcodec.store.tiers.redis import RedisTier
         return RedisTier
     if name == "HttpTier":
-        from .http import HttpTier
+        from kvcodec.store.tiers.http import HttpTier
         return HttpTier
     raise AttributeError(name)

@@ -33,12 +33,9 @@ import struct
 import sys
 from array import array
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import Any
 
-from ..errors import KvcInputError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .store import Store
+from kvcodec.errors import KvcInputError
 
 KEY_VERSION = 1
 DEFAULT_CHUNK = 256
@@ -241,43 +238,3 @@ def prefix_keys(
             keys.append(StoreKey(model, codec, namespace, n_i, h.hex()))
     keys.reverse()
     return keys
-
-
-def longest_prefix(
-    store: "Store | Any",
-    token_ids: Any,
-    *,
-    model: str,
-    codec: str,
-    namespace: str = "default",
-    chunk: int = DEFAULT_CHUNK,
-    min_tokens: int = 1,
-) -> tuple[StoreKey | None, int]:
-    """``(key, n_tokens)`` of the longest cached prefix of ``token_ids``.
-
-    Probes candidates from the longest down (a shorter prefix being cached does
-    not imply anything about longer ones, so this is not a binary search).
-    Uses ``store.contains_many`` when available (one round trip per tier),
-    else ``store.contains``.  Returns ``(None, 0)`` when nothing is cached.
-    """
-    cands = prefix_keys(token_ids, model=model, codec=codec, namespace=namespace,
-                        chunk=chunk, min_tokens=min_tokens)
-    if not cands:
-        return None, 0
-    many = getattr(store, "contains_many", None)
-    if many is not None:
-        found = many(cands)
-        for k, ok in zip(cands, found):
-            if ok:
-                return k, k.n_tokens
-        return None, 0
-    for k in cands:
-        if store.contains(k):
-            return k, k.n_tokens
-    return None, 0
-
-
-def iter_chunks(token_ids: Sequence[int], chunk: int = DEFAULT_CHUNK) -> Iterable[Sequence[int]]:
-    """The chunks ``chunk_hashes`` hashes, for callers that store per-chunk entries."""
-    for off in range(0, len(token_ids), chunk):
-        yield token_ids[off:off + chunk]

@@ -18,7 +18,7 @@ Both go through :meth:`Store.put`, so every level chunk is sealed and named by
 the tenant key exactly like any other entry (tenant isolation, tamper
 evidence and per-partition caps hold for every level), and any tier that
 stores entries stores multi-level entries.  This module is pure: no codec,
-no model (those live in :mod:`kvcodec.stream`).
+no model (those live in :mod:`kvcodec.runtime.stream`).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import KvcFormatError, KvcInputError
-from .keys import DEFAULT_CHUNK, StoreKey, chunk_hashes
+from kvcodec.errors import KvcFormatError, KvcInputError
+from kvcodec.store.keys import DEFAULT_CHUNK, StoreKey, chunk_hashes
 
 LEVELS_CODEC = "levels-v1"
 MANIFEST_FORMAT = "kvcodec-levels"

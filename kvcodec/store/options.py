@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from ..errors import KvcInputError
+from kvcodec.errors import KvcInputError
 
 _SIZE_RE = re.compile(r"\s*([0-9]{1,15}(?:\.[0-9]{1,6})?)\s*([kmgt]?)(i?b?)\s*", re.I | re.ASCII)
 

@@ -9,11 +9,13 @@ misses; writes report it, so a store with a local tier keeps working.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
-from ..errors import KvcStoreError
-from .tiers import log
+from kvcodec.errors import KvcStoreError
+
+log = logging.getLogger("kvcodec.store")
 
 
 class OutageGuard:

@@ -33,8 +33,8 @@ from http.client import HTTPConnection, HTTPException, HTTPSConnection, Incomple
 from typing import Any, Mapping
 from urllib.parse import urlsplit
 
-from ..errors import KvcFormatError, KvcInputError, KvcStoreError
-from ..format.source import ByteSource
+from kvcodec.errors import KvcFormatError, KvcInputError, KvcStoreError
+from kvcodec.core.source import ByteSource
 
 __all__ = ["RangeReader", "FileRangeReader", "HttpRangeReader", "BytesRangeReader", "open_range_reader",
            "HttpLimits", "http_request"]
@@ -159,7 +159,7 @@ def http_request(url: str, *, method: str = "GET", headers: Mapping[str, str] | 
 
 
 class RangeReader(ByteSource):
-    """Abstract random-access reader: the container's :class:`~kvcodec.format.source.ByteSource`
+    """Abstract random-access reader: the container's :class:`~kvcodec.core.source.ByteSource`
     (``size``, ``read(offset, length)``, one error contract); subclasses implement ``_read``.
 
     Use :meth:`open` (or :func:`open_range_reader`) to get a reader for a

@@ -39,19 +39,19 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from ..errors import KvcError, KvcFormatError, KvcInputError, KvcStoreError
-from .keys import DEFAULT_CHUNK, StoreKey, longest_prefix
-from .options import parse_flag, parse_size
-from .ranged import BytesRangeReader, RangeReader
-from .tenant import AuthRangeReader, NamespaceKeys, Seal, TenantKey
-from .tiers import Entry, EntryInfo, MemoryTier, Tier, as_bytes, check_meta
+from kvcodec.errors import KvcError, KvcFormatError, KvcInputError, KvcStoreError
+from kvcodec.store.keys import DEFAULT_CHUNK, StoreKey, prefix_keys
+from kvcodec.store.options import parse_flag, parse_size
+from kvcodec.store.ranged import BytesRangeReader, RangeReader
+from kvcodec.store.tenant import AuthRangeReader, NamespaceKeys, Seal, TenantKey
+from kvcodec.store.tiers.base import Entry, EntryInfo, MemoryTier, Tier, as_bytes, check_meta
 
 log = logging.getLogger("kvcodec.store")
 
 DEFAULT_MEMORY_BYTES = 256 << 20
 def _redact(url: str) -> str:
     if "@" in url and "://" in url:
-        from .redis_tier import redact
+        from kvcodec.store.tiers.redis import redact
 
         return redact(url)
     return url
@@ -150,23 +150,23 @@ class Store:
                 raise KvcInputError(f"unknown mem:// options {sorted(q)}")
             return size
         if low.startswith(("redis://", "rediss://", "unix://")):
-            from .redis_tier import RedisTier
+            from kvcodec.store.tiers.redis import RedisTier
 
             return RedisTier(part)
         if low.startswith(("kvc+http://", "kvc+https://")):
-            from .kdn import KdnTier
+            from kvcodec.store.tiers.kdn import KdnTier
 
             return KdnTier(part)
         if low.startswith(("redis+cluster://", "rediss+cluster://")):
-            from .redis_cluster import RedisClusterTier
+            from kvcodec.store.tiers.redis_cluster import RedisClusterTier
 
             return RedisClusterTier(part)
         if low.startswith("s3://"):
-            from .s3 import S3Tier
+            from kvcodec.store.tiers.s3 import S3Tier
 
             return S3Tier(part)
         if low.startswith(("http://", "https://")):
-            from .http import HttpTier
+            from kvcodec.store.tiers.http import HttpTier
 
             return HttpTier(part)
         if low.startswith("file://") or "://" not in part:
@@ -186,7 +186,7 @@ class Store:
 
     @staticmethod
     def _dir_tier(part: str, fsync: bool | None, max_bytes: int | str | None) -> Tier:
-        from .directory import DirectoryTier
+        from kvcodec.store.tiers.directory import DirectoryTier
 
         opts: dict[str, str] = {}
         if part.lower().startswith("file://"):
@@ -325,9 +325,17 @@ class Store:
 
     def longest_prefix(self, token_ids: Any, *, model: str, codec: str, namespace: str = "default",
                        chunk: int = DEFAULT_CHUNK, min_tokens: int = 1) -> tuple[StoreKey | None, int]:
-        """``(key, n_tokens)`` of the longest cached prefix (see :func:`keys.longest_prefix`)."""
-        return longest_prefix(self, token_ids, model=model, codec=codec, namespace=namespace,
-                              chunk=chunk, min_tokens=min_tokens)
+        """``(key, n_tokens)`` of the longest cached prefix of ``token_ids``, or ``(None, 0)``.
+
+        Probes every candidate (:func:`keys.prefix_keys`, longest first) in one ``contains_many``
+        round trip per tier: a shorter prefix being cached implies nothing about longer ones, so
+        this is not a binary search.
+        """
+        cands = prefix_keys(token_ids, model=model, codec=codec, namespace=namespace, chunk=chunk, min_tokens=min_tokens)
+        for k, ok in zip(cands, self.contains_many(cands) if cands else []):
+            if ok:
+                return k, k.n_tokens
+        return None, 0
 
     def reader(self, key: StoreKey) -> RangeReader | None:
         """A range reader over the payload of ``key`` without loading it whole.

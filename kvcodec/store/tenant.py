@@ -40,9 +40,9 @@ from typing import Any, Mapping
 
 from blake3 import blake3
 
-from ..errors import KvcFormatError, KvcInputError, KvcStoreError
-from .keys import StoreKey, _check_id
-from .ranged import RangeReader
+from kvcodec.errors import KvcFormatError, KvcInputError, KvcStoreError
+from kvcodec.store.keys import StoreKey, _check_id
+from kvcodec.store.ranged import RangeReader
 
 SEAL_VERSION = 2
 KEY_BYTES = 32

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from kvcodec.errors import KvcInputError
-from kvcodec.fingerprint import ModelFingerprint
+from kvcodec.core.fingerprint import ModelFingerprint
 from kvcodec.format import KvcReader
 from kvcodec.store import Store, StoreKey
-from kvcodec.vllm.config import (
+from kvcodec.integrations.vllm.config import (
     ConnectorConfig, chunk_keys, leading_run, lookup_prefix, matchable_tokens, savable_tokens,
 )
-from kvcodec.vllm.entries import check_entry, decode_chunk_layers, encode_chunk, learn_gather_map
+from kvcodec.integrations.vllm.entries import check_entry, decode_chunk_layers, encode_chunk, learn_gather_map
 
 FP = ModelFingerprint("llama", 2, 3, (64, 64), '{"rope_theta": 10000.0}', "a" * 64, "b" * 64, config_sha256="d" * 64)
 OTHER = ModelFingerprint("llama", 2, 3, (64, 64), '{"rope_theta": 10000.0}', "a" * 64, "c" * 64, config_sha256="d" * 64)
@@ -164,8 +164,8 @@ def test_layout_probe_refuses_a_non_copy_op():
 
 @pytest.mark.model
 def test_fingerprint_from_dir_equals_fingerprint_model(lm):
-    from kvcodec.model import resolve_model_dir
-    from kvcodec.vllm.config import fingerprint_from_dir
+    from kvcodec.models.load import resolve_model_dir
+    from kvcodec.integrations.vllm.config import fingerprint_from_dir
 
     fp = fingerprint_from_dir(resolve_model_dir("smollm2"), tokenizer=lm.tokenizer)
     assert fp == lm.fingerprint and fp.id == lm.fingerprint.id

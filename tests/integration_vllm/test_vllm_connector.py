@@ -29,7 +29,7 @@ CHUNK = 256
 
 @pytest.fixture(scope="module")
 def model_dir():
-    from kvcodec.model import resolve_model_dir
+    from kvcodec.models.load import resolve_model_dir
 
     return str(resolve_model_dir("smollm2"))
 
@@ -90,7 +90,7 @@ def connector_llm(model_dir, store_dir, reference):
     from vllm.config import KVTransferConfig
 
     cfg = KVTransferConfig(
-        kv_connector="KvcodecConnector", kv_connector_module_path="kvcodec.vllm.connector", kv_role="kv_both",
+        kv_connector="KvcodecConnector", kv_connector_module_path="kvcodec.integrations.vllm.connector", kv_role="kv_both",
         kv_connector_extra_config={"store_url": str(store_dir), "preset": "lossless", "namespace": "ci",
                                    "chunk_tokens": CHUNK},
     )
@@ -100,7 +100,7 @@ def connector_llm(model_dir, store_dir, reference):
 
 
 def _stats():
-    from kvcodec.vllm.connector import STATS
+    from kvcodec.integrations.vllm.connector import STATS
 
     return dict(STATS)
 
@@ -129,7 +129,7 @@ def test_loaded_kv_is_what_the_model_attends_to(connector_llm, prompts, referenc
 
     Shows the hit above really served the prefix from the store (vLLM did not recompute it).
     """
-    import kvcodec.vllm.connector as conn
+    import kvcodec.integrations.vllm.connector as conn
 
     real = conn.decode_chunk_layers
 
@@ -148,11 +148,11 @@ def test_entries_of_another_model_are_a_clean_miss(connector_llm, prompts, refer
     """Entries under the right keys whose `.kvc` says another model: rejected, never loaded as KV."""
     import torch
 
-    from kvcodec.fingerprint import ModelFingerprint
+    from kvcodec.core.fingerprint import ModelFingerprint
     from kvcodec.store import Store
-    from kvcodec.vllm.config import chunk_keys
-    from kvcodec.vllm.connector import _FPS
-    from kvcodec.vllm.entries import encode_chunk
+    from kvcodec.integrations.vllm.config import chunk_keys
+    from kvcodec.integrations.vllm.connector import _FPS
+    from kvcodec.integrations.vllm.entries import encode_chunk
 
     fp = next(iter(_FPS.values()))
     other = ModelFingerprint(**{**fp.to_json(), "head_dims": fp.head_dims, "weights_sha256": "0" * 64})
@@ -175,7 +175,7 @@ def test_misconfiguration_fails_clearly_at_startup(connector_llm, store_dir):
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from kvcodec.errors import KvcInputError
-    from kvcodec.vllm.connector import KvcodecConnector
+    from kvcodec.integrations.vllm.connector import KvcodecConnector
 
     vcfg = connector_llm.llm_engine.vllm_config
     extra = vcfg.kv_transfer_config.kv_connector_extra_config

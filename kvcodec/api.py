@@ -1,0 +1,1 @@
+"""kvcodec public API (filled below)."""

@@ -1,0 +1,300 @@
+"""Building a model's calibration: PCA bases of pre-RoPE K/V and per-layer sensitivities.
+
+Computed once per model from a fixed calibration corpus that is disjoint from
+the benchmark texts, stored under ``cache_root()/calibration/<fingerprint id>/``
+as a safetensors file (format ``kvcodec-calibration`` version 2, see
+spec/codec-v1.md section "Calibration file"). ``.kvc`` files reference the
+bases by name + sha256 as external attachments; :func:`resolve_attachment`
+finds them again through a per-sha256 index (one small pointer file per
+attachment), so opening a file reads one calibration, however many models
+are calibrated.
+
+A calibration steers every quantizer step and basis, so a wrong one encodes
+garbage that still decodes: each file is bound to the fingerprint id of its
+model and carries the sha256 of its own content, and every load checks both
+plus its shapes against the model (:func:`load_calibration_file`,
+:meth:`Calibration.check_for`). A swapped, tampered, layer-reversed or short
+calibration is a one-line KvcError at encode and at decode, never used.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import numpy as np
+
+from kvcodec.calibration.fit import Moments, compute_pca
+from kvcodec.calibration.record import (CALIB_CONTEXT, CALIB_FORMAT, CALIB_VERSION, CALIB_TEXTS, DEFAULT_SINK, SENS_CONTINUATION, SENS_SAMPLES,
+                                        Calibration)
+from kvcodec.calibration.store import load_calibration, save_calibration
+from kvcodec.codecs.blocks import channel_blocks
+from kvcodec.codecs.rope_tables import layer_rope_config
+from kvcodec.codecs.transform import RopeStage
+from kvcodec.core.stage import ChunkContext
+from kvcodec.errors import KvcInputError
+
+def _pre_rope(cache: Any, layer: int, kind: str) -> np.ndarray:
+    """Keys as the plans code them: pre-RoPE, or as they are when the model's RoPE variant has no rope stage."""
+    x = (cache.keys if kind == "k" else cache.values)[layer].float().numpy()
+    if kind == "k":
+        rc = layer_rope_config(cache.fingerprint, layer, x.shape[-1])
+        if rc is None:  # transform_plan then codes this layer's post-RoPE keys too
+            return x
+        # token_start: a sliding-window layer's first stored token is not token 0 (the ragged layout)
+        x, _ = RopeStage(**rc).encode(x, ChunkContext(layer=layer, kind="k", token_start=cache.layer_offset(layer),
+                                                      positions=cache.positions))
+    return x
+
+
+def _decoder_layers(lm: Any) -> Any:
+    from kvcodec.models.cachelayout import decoder_layers
+
+    layers = decoder_layers(lm.model)
+    if layers is None:
+        raise KvcInputError(f"cannot calibrate {type(lm.model).__name__}: its decoder layers are not at .model.layers "
+                            "(GPT-2/Falcon-style module layouts); the lossless and fp16 presets need no calibration")
+    return layers
+
+
+def _self_attn(model: Any, layer: Any, i: int) -> Any:
+    att = getattr(layer, "self_attn", None)
+    if att is None:
+        raise KvcInputError(f"cannot calibrate {type(model).__name__}: decoder layer {i} "
+                            f"({type(layer).__name__}) has no self_attn module")
+    return att
+
+
+class _QueryMoments:
+    """Collects E[q^2] of the pre-RoPE queries per (layer, kv head, channel) during any forward pass.
+
+    Hooked into the q projections while the first calibration text is
+    captured, so the attention metric costs no forward pass of its own.
+    """
+
+    def __init__(self, lm: Any, sink: int) -> None:
+        cfg = lm.model.config.get_text_config()
+        self.nq, self.nkv = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
+        self.D = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.nq)
+        self.layers = _decoder_layers(lm)
+        self._model = lm.model
+        self.sink = sink
+        self.moments: np.ndarray | None = None
+        self._hooks: list[Any] = []
+
+    def __enter__(self) -> "_QueryMoments":
+        self.moments = np.zeros((len(self.layers), self.nkv, self.D))
+        for i, layer in enumerate(self.layers):
+            att = _self_attn(self._model, layer, i)
+            # separate q projection (LLaMA, Qwen, Gemma, Mistral) or the first nq*D outputs of a fused one (Phi-3)
+            proj = getattr(att, "q_proj", None) or getattr(att, "qkv_proj", None)
+            if proj is None:
+                raise KvcInputError(f"cannot calibrate {type(self._model).__name__}: layer {i}'s attention "
+                                    f"({type(att).__name__}) has neither q_proj nor a fused qkv_proj")
+            self._hooks.append(proj.register_forward_hook(self._hook(i, getattr(att, "q_norm", None))))
+        return self
+
+    def _hook(self, i: int, q_norm: Any) -> Any:
+        def hook(mod: Any, inp: Any, o: Any) -> None:
+            q = o[0, :, : self.nq * self.D].detach()
+            if q_norm is not None:  # the keys meet the normalised queries
+                w = getattr(q_norm, "weight", None)
+                if w is not None and w.numel() == self.nq * self.D:  # OLMo 2: one norm over all query heads
+                    q = q_norm(q)
+                else:  # Qwen3, Gemma 3: each query head normalised on its own
+                    q = q_norm(q.reshape(o.shape[1], self.nq, self.D))
+            q = q.reshape(o.shape[1], self.nq, self.D)
+            q = q.double()[self.sink:]
+            # HF repeat_kv: kv head h serves q heads h*r..h*r+r-1
+            assert self.moments is not None
+            self.moments[i] = (q**2).mean(0).reshape(self.nkv, self.nq // self.nkv, self.D).mean(1).numpy()
+        return hook
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+
+def attention_metrics(lm: Any, qm: np.ndarray, reg: float = 0.01) -> np.ndarray:
+    """Distortion metric per (layer, kind, kv head) [L, 2, H, D, D], each normalised to trace D, + reg*I.
+
+    Keys (pre-RoPE): diagonal, channel pair (i, i+D/2) weighted by the mean of the
+    queries' E[q_i^2] and E[q_{i+D/2}^2] (``qm`` [L, H, D]; RoPE rotates within pairs).
+    Values: W_o^T W_o over the output-projection columns of the query heads that share the KV head.
+    """
+    L, H, D = qm.shape
+    cfg = lm.model.config.get_text_config()
+    r = int(cfg.num_attention_heads) // H
+    out = np.zeros((L, 2, H, D, D))
+    h2 = D // 2
+    for l in range(L):
+        att = _self_attn(lm.model, _decoder_layers(lm)[l], l)
+        if not hasattr(att, "o_proj"):
+            raise KvcInputError(f"cannot calibrate {type(lm.model).__name__}: layer {l}'s attention "
+                                f"({type(att).__name__}) has no o_proj output projection")
+        wo = att.o_proj.weight.detach().double().numpy()
+        for h in range(H):
+            d = qm[l, h]
+            d = np.concatenate([(d[:h2] + d[h2:]) / 2] * 2)
+            mk = np.diag(d)
+            blk = wo[:, h * r * D : (h + 1) * r * D]
+            mv = sum(blk[:, j * D : (j + 1) * D].T @ blk[:, j * D : (j + 1) * D] for j in range(r))
+            for ki, m in enumerate((mk, mv)):
+                m = m * (D / np.trace(m))
+                out[l, ki, h] = m + reg * np.eye(D)
+    return out
+
+
+def measure_sensitivity(lm: Any, cache: Any, continuation: np.ndarray, sink: int = DEFAULT_SINK,
+                        samples: int = SENS_SAMPLES, seed: int = 0, on_sample: Any = None) -> np.ndarray:
+    """KL per unit per-element noise power for each (layer, kind) [L, 2] (float32), from the Fisher information.
+
+    Why not one noisy forward pass per (layer, kind): that is 2L passes (60 for
+    SmolLM2, minutes on a CPU). For a small perturbation d of the cache,
+    KL(p || p_d) ~ 1/2 d^T F d with F = J^T H J per continuation position
+    (J = d logits / d kv, H = diag(p) - p p^T). Isotropic noise of power s^2
+    on the tokens >= sink of one (layer, kind) then gives E[KL] = 1/2 s^2 tr(F)
+    over that block, so the sensitivity is 1/2 tr(F) averaged over the
+    continuation positions. Hutchinson's estimator gives tr(F) of every block
+    at once: with z ~ N(0, H) drawn per position (z = sqrt(p) u - p (sqrt(p) . u),
+    u ~ N(0, I)), E ||J^T z||^2 = tr(J^T H J); each sample is one backward pass
+    of one forward pass. ``on_sample(i)`` is called after each sample (progress).
+    """
+    import torch
+
+    from kvcodec.models.cachelayout import cache_for
+
+    lm.fingerprint.check_compatible(cache.fingerprint)
+    continuation = np.asarray(continuation, np.int64).reshape(-1)
+    dtype = next(lm.model.parameters()).dtype
+    L = cache.num_layers
+    acc = np.zeros((L, 2))
+    gen = torch.Generator().manual_seed(seed)
+    # inference_mode(False): callers (e.g. ask -> deposit -> plan) may run under inference_mode.
+    with torch.inference_mode(False), torch.enable_grad():
+        leaves = [t.to(dtype).unsqueeze(0).clone().requires_grad_(True) for pair in zip(cache.keys, cache.values) for t in pair]
+        past = cache_for(lm, cache, [(leaves[2 * l], leaves[2 * l + 1]) for l in range(L)])
+        ids = torch.as_tensor(continuation)[None]
+        pos = torch.arange(cache.next_position, cache.next_position + ids.shape[1])[None]
+        logits = lm.model(input_ids=ids, past_key_values=past, position_ids=pos, use_cache=True).logits[0]
+        p = torch.softmax(logits.detach().double(), -1)
+        sp = p.sqrt()
+        for s in range(samples):
+            u = sp * torch.randn(p.shape, generator=gen, dtype=torch.float64)
+            z = u - p * u.sum(-1, keepdim=True)
+            grads = torch.autograd.grad(logits, leaves, grad_outputs=z.to(logits.dtype), retain_graph=s < samples - 1)
+            for i, g in enumerate(grads):
+                acc[i // 2, i % 2] += float((g[0, :, sink:].double() ** 2).sum())
+            if on_sample is not None:
+                on_sample(s)
+    return (0.5 * acc / (samples * len(continuation))).astype(np.float32)
+
+
+@contextmanager
+def _layer_progress(lm: Any, step: Any) -> Iterator[None]:
+    """Calls ``step(1 / L)`` after each decoder layer's forward pass (progress within one prefill)."""
+    layers = _decoder_layers(lm)
+
+    def hook(*args: Any) -> None:  # returns None: a forward hook's return value replaces the layer's output
+        step(1.0 / len(layers))
+
+    hooks = [layer.register_forward_hook(hook) for layer in layers]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def build_calibration(lm: Any, texts: tuple[str, ...] = CALIB_TEXTS, context: int = CALIB_CONTEXT,
+                      sink: int = DEFAULT_SINK, progress: bool = True, timings: dict[str, float] | None = None,
+                      full_basis: bool = False) -> Calibration:
+    """Capture the calibration corpus, compute PCA and sensitivities, with a progress bar (ETA) on stderr.
+
+    ``full_basis``: one PCA over each whole head instead of the block-diagonal basis of
+    head_dim > 64 (:func:`compute_pca`): smaller files, slower decode.
+    ``timings``, when given, receives the seconds spent per phase (capture,
+    moments, pca, sensitivity, total); they are not part of the file, which
+    must be byte-reproducible.
+
+    Cost on a 2-core CPU: one prefill per corpus text plus one forward and
+    ``SENS_SAMPLES`` backward passes over a 128-token continuation (see
+    benchmarks/bench_calibration.py for the measured split).
+    """
+    import sys
+
+    from tqdm import tqdm
+
+    from kvcodec.models.capture import capture, tokenize
+    from kvcodec.texts import load_text
+
+    t0 = time.time()
+    ids_all = []
+    for name in texts:
+        txt = load_text(name)
+        ids = tokenize(lm.tokenizer, txt)
+        n = min(context, len(ids) - SENS_CONTINUATION)
+        if n < 256:
+            raise KvcInputError(f"calibration text {name} is too short")
+        ids_all.append((ids[:n], ids[n : n + SENS_CONTINUATION]))
+    # progress in token-passes: a prefill of n tokens costs n; the sensitivity's forward pass
+    # costs ~1 and each backward pass ~2 continuation-lengths (measured, see bench_calibration.py)
+    work = [len(c) for c, _ in ids_all] + [SENS_CONTINUATION * (1 + 2 * SENS_SAMPLES)]
+    fp = lm.fingerprint
+    D = fp.head_dims[0]
+    mom = Moments(fp.num_layers, fp.num_kv_heads, D)
+    timings = {} if timings is None else timings
+    with tqdm(total=sum(work), desc=f"kvc: calibrating {lm.name}", unit="tok", unit_scale=True, file=sys.stderr,
+              disable=not progress, dynamic_ncols=True, leave=False) as bar:
+        first = None
+        qm = None
+        for i, (ctx, _) in enumerate(ids_all):
+            t1 = time.time()
+            with _layer_progress(lm, lambda frac, n=len(ctx): bar.update(n * frac)):  # noqa: B008 (binds this text's length)
+                if i == 0:
+                    with _QueryMoments(lm, sink) as qhook:
+                        cache = capture(lm, token_ids=ctx)
+                    qm, first = qhook.moments, cache
+                else:
+                    cache = capture(lm, token_ids=ctx)
+            timings["capture_s"] = timings.get("capture_s", 0.0) + time.time() - t1
+            t1 = time.time()
+            for l in range(cache.num_layers):
+                for ki, kind in enumerate("kv"):
+                    mom.add(l, ki, _pre_rope(cache, l, kind)[:, sink:])
+            timings["moments_s"] = timings.get("moments_s", 0.0) + time.time() - t1
+        t1 = time.time()
+        assert qm is not None and first is not None
+        blocks = [(0, D)] if full_basis else channel_blocks(D)
+        basis, mean, eig = compute_pca(mom, attention_metrics(lm, qm), blocks)
+        timings["pca_s"] = time.time() - t1
+        t1 = time.time()
+        with _layer_progress(lm, lambda frac: bar.update(SENS_CONTINUATION * frac)):  # the forward pass
+            sens = measure_sensitivity(lm, first, ids_all[0][1], sink, on_sample=lambda s: bar.update(2 * SENS_CONTINUATION))
+        timings["sensitivity_s"] = time.time() - t1
+    timings["total_s"] = time.time() - t0
+    meta = {
+        "format": CALIB_FORMAT, "version": CALIB_VERSION, "fingerprint_id": lm.fingerprint.id,
+        "texts": list(texts), "context": context, "sink": sink, "sens_continuation": SENS_CONTINUATION,
+        "sensitivity": f"fisher-hutchinson-{SENS_SAMPLES}", "tokens": int(sum(len(c) for c, _ in ids_all)),
+        "weighting": "attention-v1",
+    }
+    if len(blocks) > 1:  # the recipe since the block-diagonal basis (absent: one PCA per head)
+        meta["channel_blocks"] = [list(b) for b in blocks]
+    return Calibration(basis, mean, eig, sens, meta)
+
+
+def get_calibration(lm: Any = None, fingerprint_id: str | None = None, build: bool = True) -> Calibration:
+    """The model's calibration, building and caching it on first use (needs ``lm``); checked against ``lm``."""
+    fid = fingerprint_id or lm.fingerprint.id
+    cal = load_calibration(fid)
+    if cal is None:
+        if lm is None or not build:
+            raise KvcInputError(f"no calibration for model {fid}; build it: kvc calibrate --model MODEL")
+        cal = build_calibration(lm)
+        save_calibration(cal, fid)
+    if lm is not None:
+        cal.check_for(lm.fingerprint)
+    return cal

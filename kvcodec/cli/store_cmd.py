@@ -1,0 +1,169 @@
+"""``kvc store``: put, get, list, remove, inspect and clean the caller's store entries."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from kvcodec.cli.options import emit_json, json_option
+
+store_option = click.option("--store", "store_url", default=None, help="Store URL (default: the user cache store).")
+key_option = click.option(
+    "--key-file", type=click.Path(dir_okay=False), default=None,
+    help="Tenant key file (default: $KVC_STORE_KEY, $KVC_STORE_KEY_FILE, else ~/.config/kvcodec/store.key). "
+         "Only entries written with the same key are visible.")
+
+
+def _open(url: str | None, key_file: str | None):
+    from kvcodec.runtime.knowledge import default_store_url
+    from kvcodec.store import Store, TenantKey
+
+    key = TenantKey.load(key_file) if key_file else None
+    return Store.open(url or default_store_url(), key=key)
+
+
+def _key(text: str):
+    from kvcodec.store import StoreKey
+
+    return StoreKey.from_str(text)
+
+
+@click.group("store")
+def store_group() -> None:
+    """Manage a KV-cache store (directory, redis://..., or a comma-separated tier list).
+
+    Every command acts for one tenant, the holder of a store key: it can
+    name, read, list, delete and check only entries written with that key.
+    """
+
+
+@store_group.command("put")
+@click.argument("kvc_file", type=click.Path(dir_okay=False))
+@store_option
+@key_option
+@click.option("--namespace", default="default", show_default=True, help="Label within the tenant key.")
+@json_option
+def put_command(kvc_file, store_url, key_file, namespace, as_json):
+    """Verify KVC_FILE and store it under its content key."""
+    from kvcodec.errors import KvcFormatError, KvcInputError
+    from kvcodec.format import KvcReader
+    from kvcodec.runtime.knowledge import key_for_file
+
+    if not Path(kvc_file).is_file():
+        raise KvcInputError(f"{kvc_file}: no such regular file")
+    data = Path(kvc_file).read_bytes()
+    reader = KvcReader(data)
+    problems = reader.verify()
+    if problems:
+        raise KvcFormatError(f"{kvc_file} does not verify: {problems[0]}")
+    key = key_for_file(reader, namespace)
+    with _open(store_url, key_file) as st:
+        res = st.put(key, data, {"source": Path(kvc_file).name, "preset": reader.header.codec,
+                                 "tokens": reader.header.num_context_tokens})
+    out = {"key": key.to_str(), "bytes": len(data), "stored_in": res.stored_in, "failed": res.failed}
+    emit_json(out) if as_json else click.echo(f"{key.to_str()}  {len(data):,} bytes -> {', '.join(res.stored_in)}")
+    if res.failed:
+        click.echo(f"kvc: warning: not stored in {res.failed}", err=True)
+
+
+@store_group.command("get")
+@click.argument("key")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False))
+@store_option
+@key_option
+@json_option
+def get_command(key, output, store_url, key_file, as_json):
+    """Write the entry KEY to OUTPUT (atomically)."""
+    from kvcodec.errors import KvcStoreError
+    from kvcodec.core.kvcache import atomic_write_bytes
+
+    k = _key(key)
+    with _open(store_url, key_file) as st:
+        data = st.get(k)
+    if data is None:
+        raise KvcStoreError(f"no entry {k} for this tenant key in the store")
+    atomic_write_bytes(Path(output), data)
+    emit_json({"key": k.to_str(), "output": output, "bytes": len(data)}) if as_json else \
+        click.echo(f"{output}: {len(data):,} bytes")
+
+
+@store_group.command("ls")
+@store_option
+@key_option
+@click.option("--namespace", default=None, help="Only this namespace.")
+@click.option("--model", "model_id", default=None, help="Only this model fingerprint id.")
+@json_option
+def ls_command(store_url, key_file, namespace, model_id, as_json):
+    """List the caller's entries (other tenants' entries are never shown)."""
+    with _open(store_url, key_file) as st:
+        rows = st.ls(with_meta=True, namespace=namespace, model=model_id)
+    if as_json:
+        emit_json([r.to_dict() for r in rows])
+        return
+    for r in rows:
+        click.echo(f"{r.key.to_str()}  {r.size:,} bytes  [{r.tier}]")
+
+
+@store_group.command("rm")
+@click.argument("key")
+@store_option
+@key_option
+@json_option
+def rm_command(key, store_url, key_file, as_json):
+    """Remove the caller's entry KEY from every tier."""
+    from kvcodec.errors import KvcStoreError
+
+    k = _key(key)
+    with _open(store_url, key_file) as st:
+        if not st.rm(k):
+            raise KvcStoreError(f"no entry {k} for this tenant key in the store")
+    emit_json({"removed": k.to_str()}) if as_json else click.echo(f"removed {k}")
+
+
+@store_group.command("stats")
+@store_option
+@key_option
+@json_option
+def stats_command(store_url, key_file, as_json):
+    """The caller's entries and bytes, hits and misses per tier (--json: every counter)."""
+    with _open(store_url, key_file) as st:
+        stats = st.stats()
+    if as_json:
+        emit_json(stats)
+        return
+    click.echo(f"store {stats['url']}  tenant key {stats['tenant_key']} ({stats['key_source']})")
+    click.echo(f"hits {stats['hits']}  misses {stats['misses']}  put failures {stats['put_failures']}  "
+               f"refused (failed authentication) {stats['rejected']}")
+    for t in stats["tiers"]:
+        own = "?" if t.get("entries") is None else f"{t['entries']:,} entries, {t['bytes']:,} bytes"
+        err = f"  error: {t['error']}" if t.get("error") else ""
+        click.echo(f"  {t['name']:<12} {t['kind']:<10} {own:<32} hits {t['hits']}  misses {t['misses']}  "
+                   f"corrupt {t['corrupt']}  evictions {t['evictions']}{err}")
+
+
+@store_group.command("gc")
+@store_option
+@key_option
+@click.option("--grace", type=float, default=3600.0, show_default=True, help="Leave temp files younger than this (s).")
+@json_option
+def gc_command(store_url, key_file, grace, as_json):
+    """Remove leftover temp files and unreadable files; verify the caller's entries, drop those that fail."""
+    with _open(store_url, key_file) as st:
+        res = st.gc(grace_s=grace)
+    emit_json(res) if as_json else click.echo("\n".join(f"{k}: {v}" for k, v in res.items()))
+
+
+@store_group.command("keygen")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
+              help="New key file (mode 0600); an existing file is never replaced.")
+@json_option
+def keygen_command(output, as_json):
+    """Create a new tenant key file: give it to every process that should share entries."""
+    from kvcodec.store import TenantKey
+
+    k = TenantKey.generate(output)
+    emit_json({"key_file": output, "key_id": k.id}) if as_json else click.echo(f"{output}: new store key {k.id}")
+
+
+COMMANDS = [store_group]

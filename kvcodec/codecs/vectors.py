@@ -1,0 +1,42 @@
+"""Golden vectors of the codec stages (spec/vectors/codec/<case>/).
+
+Each case directory holds ``case.json`` ({"stage": {name, version, config},
+"ctx": {layer, kind, token_start}, "spec": {shape, dtype}}), ``input.npy``,
+``encoded.npy`` (the stage's output), ``side.<name>.npy`` (side data),
+``attach.<name>.npy`` (attachments) and ``decoded.npy`` (decode of
+encoded + side, the normative result). Written by ``scripts/make_vectors.py codec``
+(only the cases that do not exist yet); tests only read them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvcodec.core.stage import ArraySpec, ChunkContext, stage_from_json
+from kvcodec.codecs.transform import hadamard  # noqa: F401  (registers the stages)
+
+VECTOR_DIR = Path(__file__).resolve().parents[2] / "spec" / "vectors" / "codec"
+
+
+def ctx_of(case: dict[str, Any], attach: dict[str, np.ndarray]) -> ChunkContext:
+    c = case.get("ctx", {})
+    return ChunkContext(layer=c.get("layer", 0), kind=c.get("kind", "k"), token_start=c.get("token_start", 0), attachments=attach)
+
+
+def run_case(case: dict[str, Any], x: np.ndarray, attach: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray]:
+    st = stage_from_json(case["stage"])
+    ctx = ctx_of(case, attach)
+    enc, side = st.encode(x, ctx)
+    dec = st.decode(enc, side, ArraySpec(tuple(x.shape), str(x.dtype)), ctx)
+    return enc, side, dec
+
+
+def load_case(d: Path) -> tuple[dict[str, Any], np.ndarray, np.ndarray, dict[str, np.ndarray], dict[str, np.ndarray], np.ndarray]:
+    meta = json.loads((d / "case.json").read_text())
+    side = {k: np.load(d / f"side.{k}.npy") for k in meta["side"]}
+    attach = {k: np.load(d / f"attach.{k}.npy") for k in meta["attach"]}
+    return meta, np.load(d / "input.npy"), np.load(d / "encoded.npy"), side, attach, np.load(d / "decoded.npy")

@@ -1,0 +1,21 @@
+"""Element types of side data and blobs: the one code table the container and the codecs share (spec/kvc-v1.md).
+
+Why in core: the lossless codecs write side arrays with these codes and the container parses them;
+neither may import the other.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# Side data and blob element types (code, JSON name); all little-endian.
+DTYPE_CODES: dict[int, str] = {
+    1: "uint8", 2: "int8", 3: "uint16", 4: "int16", 5: "uint32", 6: "int32",
+    7: "uint64", 8: "int64", 9: "float16", 10: "float32", 11: "float64",
+}
+DTYPE_BY_NAME = {v: k for k, v in DTYPE_CODES.items()}
+
+
+def np_le(dtype_name: str) -> np.dtype:
+    """The little-endian numpy dtype named ``dtype_name`` (every on-disk array is little-endian)."""
+    return np.dtype(dtype_name).newbyteorder("<")

@@ -1,0 +1,56 @@
+"""The transform-codec pipeline shape that the fused decoders (CPU and GPU) run in one pass.
+
+    [rope] -> [keep] -> transform -> [tokenscale] -> quantize(step; v1, or v2's 16-bit codes) -> rans
+
+(array stages in encode order; bracketed ones optional). Every lossy preset
+builds this shape (kvcodec/plan/settings.py). A pipeline of any other shape is
+decoded stage by stage, which is the normative definition anyway; the fused
+decoders only reorganise the same operations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvcodec.codecs.rans import RansStage
+from kvcodec.core.stage import Pipeline
+from kvcodec.codecs.transform import KeepStage, QuantizeStage, RopeStage, TransformStage, WideQuantizeStage
+from kvcodec.codecs.tokenscale import TokenScaleStage
+
+__all__ = ["TransformChain", "match_chain"]
+
+
+@dataclass(frozen=True)
+class TransformChain:
+    """The stages of a fusable pipeline, by role."""
+
+    rope: RopeStage | None
+    keep: KeepStage | None
+    transform: TransformStage
+    tokenscale: TokenScaleStage | None
+    quantize: QuantizeStage
+    rans: RansStage
+
+    def index(self) -> dict[str, int]:
+        """Position in the pipeline (= in a chunk's side-data list) of each present role."""
+        roles = ("rope", "keep", "transform", "tokenscale", "quantize", "rans")
+        return {r: i for i, r in enumerate(r for r in roles if getattr(self, r) is not None)}
+
+
+def match_chain(pipeline: Pipeline) -> TransformChain | None:
+    """The pipeline's :class:`TransformChain`, or None when it has another shape."""
+    st = list(pipeline.stages)
+    q = st[-2] if len(st) >= 3 else None
+    if (not isinstance(q, QuantizeStage) or type(q) not in (QuantizeStage, WideQuantizeStage) or q.mode != "step"
+            or type(st[-1]) is not RansStage):
+        return None
+    rans, quantize = st.pop(), st.pop()
+    tokenscale = st.pop() if st and type(st[-1]) is TokenScaleStage else None
+    if not st or type(st[-1]) is not TransformStage:
+        return None
+    transform = st.pop()
+    rope = st.pop(0) if st and type(st[0]) is RopeStage else None
+    keep = st.pop(0) if st and type(st[0]) is KeepStage else None
+    if st:
+        return None
+    return TransformChain(rope, keep, transform, tokenscale, quantize, rans)

@@ -1,0 +1,158 @@
+"""The ONE decoder registry: every implementation of chunk decoding, what it supports, and the pick.
+
+Why: lossy decode exists as the numpy reference (the stages' own ``decode``, the definition of
+the codec), a fused numba kernel, Triton per-stage kernels and a fused Triton kernel. They used
+to be chosen by code that returned ``None`` to mean "try something else", so a broken fast path
+showed up only as a slowdown. Here each backend declares statically what it supports (chain
+shape, head_dim, dtype -- its ``supports(pipeline, spec)`` -- and its device) and
+:func:`select` picks the fastest eligible one, like zarr's codec-pipeline selection.
+
+When a backend that applies fails on a chunk, the device's reference decodes the chunk: if the
+reference fails too, the file is at fault and the reference's (the spec's) error is raised; if
+the reference succeeds, the backend has a bug -- it raises :class:`KvcBackendError` when
+``KVCODEC_STRICT_BACKENDS=1`` (tests/conftest.py sets it) and warns once otherwise, returning
+the reference's result. There is no silent fallback.
+
+Implementations live in their own modules and are imported by name when first used, so this
+registry (imported by the container reader) pulls in neither numba kernels nor Triton until a
+chunk needs them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
+
+from kvcodec.errors import KvcBackendError, KvcError
+from kvcodec.core.stage import ArraySpec, ChunkContext, Pipeline, SideData
+
+__all__ = ["BACKENDS", "Backend", "STRICT_ENV", "backend", "decode_with", "select", "strict"]
+
+STRICT_ENV = "KVCODEC_STRICT_BACKENDS"
+Device = Literal["cpu", "gpu"]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One decoder implementation.
+
+    ``module`` provides ``supports_fn(pipeline, spec) -> bool`` (static: stage types/configs,
+    shapes, dtypes) and ``decode_fn(pipeline, payload, sides, sizes, spec, ctx)``. ``rank``
+    orders eligible backends of a device (higher = faster). ``reference`` marks the device's
+    definition: it supports every pipeline and is what the others are checked against.
+    """
+
+    name: str
+    device: Device
+    rank: int
+    module: str
+    supports_fn: str
+    decode_fn: str
+    reference: bool = False
+    summary: str = ""
+
+    def _fn(self, attr: str) -> Callable[..., Any]:
+        fn: Callable[..., Any] = getattr(importlib.import_module(self.module), attr)
+        return fn
+
+    def supports(self, pipeline: Pipeline, spec: ArraySpec) -> bool:
+        return bool(self._fn(self.supports_fn)(pipeline, spec))
+
+    def decode(self, pipeline: Pipeline, payload: Any, sides: list[SideData], sizes: list[int], spec: ArraySpec,
+               ctx: ChunkContext, trace: list[str] | None = None) -> Any:
+        """Decode one chunk; GPU backends also record their path in ``trace`` (kernel kind, CPU-run stages)."""
+        fn = self._fn(self.decode_fn)
+        if trace is not None and self.device == "gpu":
+            return fn(pipeline, payload, sides, sizes, spec, ctx, trace=trace)
+        return fn(pipeline, payload, sides, sizes, spec, ctx)
+
+
+BACKENDS: tuple[Backend, ...] = (
+    Backend("reference", "cpu", 0, "kvcodec.decode.registry", "_supports_all", "_reference_decode", reference=True,
+            summary="every pipeline: each stage's numpy decode (the codec's definition, spec/codec-v1.md)"),
+    Backend("numba-fused", "cpu", 10, "kvcodec.decode.cpu.fused", "supports", "decode",
+            summary="raw[-shuffle]-zstd, and [rope] [keep] transform [tokenscale] quantize(step, v1/v2) rans with head_dim "
+                    "32/64/80/96/128/256, rANS groups 1/2/4/8/16k; float16/float32 chunks"),
+    Backend("triton-stages", "gpu", 0, "kvcodec.decode.triton.backend", "supports_stages", "decode_stages", reference=True,
+            summary="every pipeline: rANS kernel, per-stage Triton kernels, CPU for stages without one"),
+    Backend("triton-fused", "gpu", 10, "kvcodec.decode.triton.backend", "supports_fused", "decode_fused",
+            summary="[rope] [keep] transform [tokenscale] quantize(step, v1) rans, float16/float32 chunks: one kernel"),
+)
+
+
+def _supports_all(pipeline: Pipeline, spec: ArraySpec) -> bool:
+    return True
+
+
+def _reference_decode(pipeline: Pipeline, payload: Any, sides: list[SideData], sizes: list[int], spec: ArraySpec,
+                      ctx: ChunkContext) -> Any:
+    return pipeline.decode(payload, sides, sizes, spec, ctx)
+
+
+def backend(name: str) -> Backend:
+    """The registered backend called ``name``."""
+    for b in BACKENDS:
+        if b.name == name:
+            return b
+    raise KvcBackendError(f"unknown decoder backend {name!r} (known: {', '.join(b.name for b in BACKENDS)})")
+
+
+def select(pipeline: Pipeline, spec: ArraySpec, device: Device = "cpu") -> list[Backend]:
+    """The backends of ``device`` that support this pipeline and chunk spec, fastest first (the reference last).
+
+    Memoised on the pipeline object (its stages never change once built; the reader shares one
+    instance per distinct pipeline), so a file's chunks pay the static checks once per shape.
+    """
+    memo: dict[tuple, list[Backend]] = pipeline.__dict__.setdefault("_backend_choice", {})
+    key = (spec.shape, spec.dtype, device)
+    hit = memo.get(key)
+    if hit is not None:
+        return hit
+    eligible = [b for b in BACKENDS if b.device == device and (b.reference or b.supports(pipeline, spec))]
+    if not eligible:
+        raise KvcBackendError(f"no decoder backend for device {device!r}")
+    chosen = sorted(eligible, key=lambda b: -b.rank)
+    if len(memo) < 64:
+        memo[key] = chosen
+    return chosen
+
+
+def strict() -> bool:
+    """True when a failing backend must raise (``KVCODEC_STRICT_BACKENDS=1``, set by the test suite)."""
+    return os.environ.get(STRICT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def decode_with(pipeline: Pipeline, payload: Any, sides: list[SideData], sizes: list[int], spec: ArraySpec,
+                ctx: ChunkContext, device: Device = "cpu", trace: list[str] | None = None) -> Any:
+    """Decode one chunk with the fastest eligible backend of ``device`` (numpy array on cpu, torch tensor on gpu).
+
+    ``trace``, when given, receives the name of the backend whose result is returned.
+    """
+    chosen = select(pipeline, spec, device)
+    first = chosen[0]
+    if first.reference:
+        out = first.decode(pipeline, payload, sides, sizes, spec, ctx, trace)
+        if trace is not None:
+            trace.append(first.name)
+        return out
+    try:
+        out = first.decode(pipeline, payload, sides, sizes, spec, ctx, trace)
+        if trace is not None:
+            trace.append(first.name)
+        return out
+    except Exception as exc:  # judged below against the reference: the file's fault, or this backend's
+        failure = exc
+    ref = chosen[-1]
+    out = ref.decode(pipeline, payload, sides, sizes, spec, ctx, trace)  # raises the spec's error for a bad chunk
+    why = f"{type(failure).__name__}: {failure}" if not isinstance(failure, KvcError) else str(failure)
+    if strict():
+        raise KvcBackendError(f"decoder backend {first.name!r} failed on a chunk that {ref.name!r} decodes: {why}") from failure
+    warnings.warn(f"kvcodec: decoder backend {first.name!r} failed on a chunk that {ref.name!r} decodes; using "
+                  f"{ref.name!r} (slower). Please report it; KVCODEC_STRICT_BACKENDS=1 raises instead.",
+                  RuntimeWarning, stacklevel=2)
+    if trace is not None:
+        trace.append(ref.name)
+    return out

@@ -1,0 +1,207 @@
+"""Pure-python parts of the vLLM connector: `.kvc` chunk entries and the block-layout probe.
+
+No vLLM import here, so the main test suite covers these.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvcodec.errors import KvcError, KvcInputError
+from kvcodec.integrations.vllm.config import LAYOUT
+
+log = logging.getLogger("kvcodec.integrations.vllm")
+
+
+class ChunkUnreadable(KvcError):
+    """A stored chunk the connector found but cannot use; ``vanished``: it was gone when fetched."""
+
+    def __init__(self, key: Any, why: str, vanished: bool = False) -> None:
+        super().__init__(f"entry {key}: {why}")
+        self.key, self.why, self.vanished = key, why, vanished
+
+
+def evict_unreadable(store: Any, err: ChunkUnreadable) -> None:
+    """Warn once and delete an unusable chunk so the next request prefills and saves a good one in its place.
+
+    A chunk that vanished has nothing to delete. Never raises: the connector
+    must not take vLLM down over a store it could not clean.
+    """
+    log.warning("kvcodec connector: stored chunk %s is unusable (%s); evicting it, the tokens are computed instead",
+                err.key, err.why)
+    if err.vanished:
+        return
+    try:
+        store.rm(err.key)
+    except Exception as e:  # noqa: BLE001 - a third-party tier raising anything must not break the forward
+        log.warning("kvcodec connector: could not evict %s: %s", err.key, e)
+
+
+def entry_problem(store: Any, key: Any, fp: Any, ids: list[int], start: int, end: int) -> ChunkUnreadable | None:
+    """None if the stored entry's `.kvc` header (ranged read) fits this model and prefix, else why not."""
+    from kvcodec.format import KvcReader
+
+    try:
+        rd = store.reader(key)
+        if rd is None:
+            return ChunkUnreadable(key, "entry vanished", vanished=True)
+        with KvcReader(rd) as r:
+            why = check_entry(r, fp, ids, start, end)
+    except Exception as e:  # noqa: BLE001 - KvcError from the reader, anything from a third-party tier
+        return ChunkUnreadable(key, f"unreadable: {e}" if isinstance(e, KvcError) else f"unreadable: {type(e).__name__}: {e}")
+    return None if why is None else ChunkUnreadable(key, why)
+
+
+def usable_run(store: Any, keys: list[Any], fp: Any, ids: list[int], chunk_tokens: int) -> int:
+    """How many of ``keys`` (a leading run of stored chunks) pass the header check.
+
+    The first that does not is evicted (:func:`evict_unreadable`); it and every
+    later chunk are a miss, so vLLM computes them and the connector saves them.
+    """
+    for i, key in enumerate(keys):
+        bad = entry_problem(store, key, fp, ids, i * chunk_tokens, (i + 1) * chunk_tokens)
+        if bad is not None:
+            evict_unreadable(store, bad)
+            return i
+    return len(keys)
+
+
+def fetch_chunk(store: Any, key: Any, fp: Any, ids: list[int], start: int, end: int) -> Any:
+    """An open KvcReader of the stored chunk for tokens [start, end), or :class:`ChunkUnreadable`."""
+    from kvcodec.format import KvcReader
+
+    try:
+        data = store.get(key)
+    except KvcError as e:
+        raise ChunkUnreadable(key, f"store get failed: {e}") from None
+    if data is None:
+        raise ChunkUnreadable(key, "vanished from the store between lookup and load", vanished=True)
+    try:
+        r = KvcReader(data)
+    except KvcError as e:
+        raise ChunkUnreadable(key, str(e)) from None
+    why = check_entry(r, fp, ids, start, end)
+    if why:
+        r.close()
+        raise ChunkUnreadable(key, why)
+    return r
+
+
+def next_layer(it: Any, key: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The next (K, V) of a chunk's :func:`decode_chunk_layers` iterator; any failure is :class:`ChunkUnreadable`."""
+    try:
+        i, k, v = next(it)
+    except StopIteration:
+        raise ChunkUnreadable(key, f"ended before layer {layer}") from None
+    except KvcError as e:
+        raise ChunkUnreadable(key, f"layer {layer} undecodable: {e}") from None
+    if i != layer:
+        raise ChunkUnreadable(key, f"layer order {i} != {layer}")
+    return k, v
+
+
+def learn_gather_map(layer: Any, kv: torch.Tensor, block_size: int, heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    per_block = int(np.prod(kv.shape[1:]))
+    n = block_size * heads * head_dim
+    base = 128 if kv.dtype in (torch.bfloat16, torch.float16) else (1 << 22)
+    digits = 1
+    while base ** digits < n:
+        digits += 1
+    maps = []
+    slots = torch.arange(block_size, dtype=torch.int64)
+    idx = torch.arange(n, dtype=torch.int64).reshape(block_size, heads, head_dim)
+    for which in (0, 1):
+        where = torch.zeros(per_block, dtype=torch.int64)
+        hit = torch.zeros(per_block, dtype=torch.bool)
+        for dgt in range(digits):
+            scratch = torch.zeros((1,) + tuple(kv.shape[1:]), dtype=kv.dtype)
+            val = ((idx // base ** dgt) % base + 1).to(kv.dtype)  # 1..base, exact in the cache dtype
+            zero = torch.zeros_like(val)
+            k, v = (val, zero) if which == 0 else (zero, val)
+            layer.impl.do_kv_cache_update(layer, k, v, scratch, slots)
+            got = scratch.reshape(-1).to(torch.float64)
+            nz = got != 0
+            if dgt == 0:
+                hit = nz
+            elif not torch.equal(hit, nz):
+                raise KvcInputError("kvcodec connector: the cache-update op is not a plain scatter (layout probe failed)")
+            where += ((got - 1).clamp(min=0).to(torch.int64)) * base ** dgt
+        pos = torch.nonzero(hit).reshape(-1)
+        if pos.numel() != n:
+            raise KvcInputError(f"kvcodec connector: layout probe wrote {pos.numel()} of {n} elements; "
+                                "the backend does not store K/V as plain copies")
+        inv = torch.full((n,), -1, dtype=torch.int64)
+        inv[where[pos]] = pos
+        if (inv < 0).any():
+            raise KvcInputError("kvcodec connector: layout probe found a non-bijective layout")
+        maps.append(inv.reshape(block_size, heads, head_dim))
+    return maps[0], maps[1]
+
+
+# --------------------------------------------------------------------------- entries
+def check_entry(r: Any, fp: Any, ids: list[int], start: int, end: int) -> str | None:
+    """Why the `.kvc` behind reader ``r`` may not serve tokens [start, end) of ``ids`` (None if it may)."""
+    h = r.header
+    if not fp.same_model(r.fingerprint):
+        return f"written for another model (fingerprint {r.fingerprint.id}, this model {fp.id})"
+    if h.kv_heads != fp.num_kv_heads or r.num_layers != fp.num_layers:
+        return "shape differs from the model"
+    if h.ragged:
+        return "its sliding-window layers store only their window (ragged layers), which the vLLM connector does not load"
+    stored_ids = r.token_ids
+    want = np.asarray(ids[:end], dtype=np.int64)
+    if stored_ids is not None:
+        if stored_ids.shape != want.shape or not np.array_equal(stored_ids, want):
+            return "token ids differ from the request's prefix"
+    else:
+        from kvcodec.digest import token_ids_sha256
+
+        if token_ids_sha256(want) != h.token_ids_sha256:
+            return "token-id hash differs from the request's prefix"
+    if h.num_context_tokens != end:
+        return f"covers a context of {h.num_context_tokens} tokens, expected {end}"
+    if tuple(h.head_dims) != tuple(fp.head_dims):
+        return "head dims differ from the model"
+    ntok = int(h.num_tokens)
+    if ntok < end - start:
+        return f"holds {ntok} tokens, need {end - start}"
+    pos = r.positions
+    if pos is None:
+        if ntok != end:
+            return f"holds {ntok} tokens without positions, expected {end}"
+    else:
+        p = np.asarray(pos)
+        if p.shape != (ntok,) or not np.array_equal(p, np.arange(end - ntok, end)):
+            return "positions are not one contiguous run ending at the prefix end"
+    return None
+
+
+def encode_chunk(fp: Any, preset: str, ids: list[int], start: int, end: int, keys: list[torch.Tensor],
+                 values: list[torch.Tensor]) -> bytes:
+    """`.kvc` bytes of the K/V of tokens [start, end) of the prefix ``ids[:end]`` (a pruned-cache file)."""
+    from kvcodec.format import WriteOptions, encode_kvc_bytes
+    from kvcodec.plan.presets import get_plan
+    from kvcodec.core.kvcache import KVCache
+
+    pos = np.arange(start, end, dtype=np.int64) if start > 0 else None
+    cache = KVCache(keys, values, np.asarray(ids[:end], dtype=np.int64), fp, pos,
+                    {"source": "vllm", "layout": LAYOUT, "start": start, "end": end})
+    plan = get_plan(preset, cache)
+    return encode_kvc_bytes(cache, plan.pipelines, WriteOptions.for_plan(plan, meta=cache.meta))
+
+
+def decode_chunk_layers(r: Any, start: int, end: int):
+    """Yield (layer, K[T,H,D], V[T,H,D]) of tokens [start, end) from an entry (chunk or whole prefix)."""
+    ntok = int(r.header.num_tokens)
+    for i, k, v in r.iter_layers():
+        t = k.shape[1]
+        if t != ntok:
+            raise KvcInputError("decoded token count differs from the header")
+        off = t - (end - start)  # whole-prefix entries: take the tail
+        if off < 0:
+            raise KvcInputError(f"entry holds {t} tokens, need {end - start}")
+        yield i, k[:, off:].transpose(0, 1), v[:, off:].transpose(0, 1)

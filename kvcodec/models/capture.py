@@ -1,0 +1,129 @@
+"""Run prefill on a real model and keep the KV cache it produces."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvcodec.errors import KvcInputError
+from kvcodec.core.kvcache import KVCache
+from kvcodec.models.load import LoadedModel
+
+
+def tokenize(tokenizer: Any, text: str) -> np.ndarray:
+    """Token ids of ``text`` exactly as capture and eval see them (no special tokens)."""
+    if not text or not text.strip():
+        raise KvcInputError("the text is empty")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return np.asarray(ids, dtype=np.int64)
+
+
+def select_context(ids: np.ndarray, max_tokens: int | None, min_follow: int = 0) -> np.ndarray:
+    """First ``max_tokens`` ids, checking that the text is long enough.
+
+    ``min_follow`` asks for that many further tokens to remain after the
+    context (eval needs a continuation).
+    """
+    if max_tokens is not None and max_tokens <= 0:
+        raise KvcInputError(f"--max-tokens must be positive, got {max_tokens}")
+    n = len(ids) if max_tokens is None else max_tokens
+    if n + min_follow > len(ids):
+        need = f"{n} context tokens" + (f" + {min_follow} continuation tokens" if min_follow else "")
+        raise KvcInputError(f"the text has only {len(ids)} tokens, fewer than the requested {need}")
+    return ids[:n]
+
+
+def max_context(lm: LoadedModel) -> int | None:
+    """The model's context window (``max_position_embeddings``), or None if its config does not say."""
+    n = getattr(lm.model.config.get_text_config(), "max_position_embeddings", None)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+def check_fits(lm: LoadedModel, n_tokens: int, what: str = "the context") -> None:
+    """Refuse more tokens than the model's context window.
+
+    Why: past it a model's output is meaningless, and prefill memory grows
+    with the length, so a huge text must be an error, not hours of swapping.
+    """
+    limit = max_context(lm)
+    if limit is not None and n_tokens > limit:
+        raise KvcInputError(f"{what} has {n_tokens:,} tokens, more than the model's context window of {limit:,} "
+                            "(use --max-tokens or a shorter text)")
+
+
+def model_cache(lm: LoadedModel) -> Any:
+    """An empty HF cache of the layer classes a fresh prefill of ``lm`` uses (:mod:`kvcodec.models.cachelayout`).
+
+    Why not a plain full cache: a sliding-window layer keeps only the last
+    ``window - 1`` tokens, the only ones any later query can attend to; storing
+    the others would cost bits for nothing (the ragged layout, spec/kvc-v1.md
+    §4.2), and the loader rebuilds exactly this cache so generation continues
+    as after the prefill. Refuses models whose cache holds no per-token K/V.
+    """
+    from transformers import DynamicCache
+
+    from kvcodec.models.cachelayout import cache_windows
+
+    cache_windows(lm.model.config)  # refuses unsupported layer types with one line
+    return DynamicCache(config=lm.model.config)
+
+
+@torch.inference_mode()
+def prefill(lm: LoadedModel, token_ids: np.ndarray, logits_to_keep: int = 1,
+            full_layers: bool = False) -> tuple[Any, torch.Tensor]:
+    """Full prefill. Returns (HF DynamicCache, logits [logits_to_keep, vocab]).
+
+    Only the last ``logits_to_keep`` positions get logits (0: all of them, for
+    tests that compare every position): the full-vocabulary projection of
+    every position costs up to 2.6x the rest of a prefill and nobody reads it.
+    ``full_layers`` keeps every token in every layer, sliding-window layers
+    included (the masks apply each layer's window themselves, so logits are the
+    same): for consumers that cut the cache into token ranges (the stream's
+    level chunks), where a later range's prefill needs the earlier tokens.
+    """
+    from transformers import DynamicCache
+
+    ids = torch.as_tensor(np.asarray(token_ids, dtype=np.int64)).unsqueeze(0)
+    past = DynamicCache() if full_layers else model_cache(lm)
+    out = lm.model(input_ids=ids, past_key_values=past, use_cache=True, logits_to_keep=logits_to_keep)
+    return out.past_key_values, out.logits[0]
+
+
+def cache_from_hf(past: Any, token_ids: np.ndarray, lm: LoadedModel, meta: dict | None = None) -> KVCache:
+    """Wrap an HF cache (batch 1) as a KVCache carrying the model fingerprint (sliding layers: the tokens they keep)."""
+    keys = [layer.keys[0].detach().clone() for layer in past.layers]
+    values = [layer.values[0].detach().clone() for layer in past.layers]
+    return KVCache(keys, values, token_ids, lm.fingerprint, meta=dict(meta or {}))
+
+
+def context_ids(
+    lm: LoadedModel, text: str | None = None, token_ids: np.ndarray | None = None, max_tokens: int | None = None
+) -> np.ndarray:
+    """The validated context token ids of ``text`` or ``token_ids``, truncated to ``max_tokens``."""
+    if (text is None) == (token_ids is None):
+        raise KvcInputError("give exactly one of text or token_ids")
+    ids = tokenize(lm.tokenizer, text) if text is not None else np.asarray(token_ids, dtype=np.int64).reshape(-1)
+    if ids.size == 0:
+        raise KvcInputError("no tokens to capture")
+    vocab = int(lm.model.config.get_text_config().vocab_size)
+    if ids.min() < 0 or ids.max() >= vocab:
+        raise KvcInputError(f"token ids must lie in [0, {vocab})")
+    ids = select_context(ids, max_tokens)
+    check_fits(lm, len(ids))
+    return ids
+
+
+def capture(
+    lm: LoadedModel,
+    text: str | None = None,
+    token_ids: np.ndarray | None = None,
+    max_tokens: int | None = None,
+    full_layers: bool = False,
+) -> KVCache:
+    """KV cache of ``text`` (or ``token_ids``), truncated to ``max_tokens``; a sliding-window layer keeps only
+    its window unless ``full_layers`` (:func:`prefill`)."""
+    ids = context_ids(lm, text, token_ids, max_tokens)
+    past, _ = prefill(lm, ids, full_layers=full_layers)
+    return cache_from_hf(past, ids, lm, meta={"model": lm.name})

@@ -1,0 +1,530 @@
+"""Model fingerprints: a cache must never load into a different model.
+
+Two models with the same shapes accept each other's KV silently and produce
+garbage, and a fine-tuned model has exactly the shapes of its base. So every
+capture and `.kvc` file carries a record of the model it came from, and
+version 2 of that record identifies the weights *exactly*:
+
+* ``weights_sha256``: sha256 over every tensor of the checkpoint's
+  safetensors files, in canonical (name) order, each as a length-prefixed
+  record ``[name, dtype, shape, nbytes]`` followed by its raw bytes as stored.
+  Streaming (bounded memory: one read buffer), independent of sharding and of
+  the order tensors sit in the files. One changed element anywhere changes it.
+* ``config_sha256``: sha256 of the config fields that change what the model
+  computes (:data:`CONFIG_FIELDS`: head layout, RoPE incl. scaling and
+  per-layer-type parameters, sliding windows / layer types, biases, norms).
+* ``tokenizer_sha256``: vocabulary (by id), BPE merges and special tokens.
+* ``rope``: canonical JSON of the RoPE parameters (the codec's RoPE stage reads it).
+
+Hashing ~0.5 GB takes seconds, so the weights digest (and the tokenizer
+digest, which needs a 1.5 MB JSON parse) is cached per model directory under
+``cache_root()/fingerprints/``, keyed by the identity of the files it was
+computed from (path, size, mtime_ns, ctime_ns, inode, device) and
+authenticated with an HMAC whose key is a per-machine secret file
+(``fingerprint.key``, mode 0600). An entry whose MAC or file identity does not
+match is ignored and recomputed; a key file with unsafe permissions disables
+the cache (every open re-hashes) instead of trusting it.
+
+The compute dtype is recorded but is *not* part of identity (an fp32 and a
+bf16 load of the same directory are the same model). Models that exist only
+in memory (no directory) are hashed from their state dict under a separate
+domain: their id never equals a directory's.
+
+Version-1 fingerprints (a hash of a few K/V projections) cannot tell a
+fine-tuned model from its base: files carrying one still parse and decode
+standalone, but every check against a model refuses them (spec/kvc-v1.md §4.1).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import math
+import os
+import secrets
+import stat
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+
+from kvcodec.errors import KvcModelNotFoundError, is_int
+from kvcodec.core.fingerprint import HEX64, ModelFingerprint
+from kvcodec.digest import json_sha256
+from kvcodec.paths import cache_root
+
+# Config fields (of the text config) that change the model's computation; absent/None ones are omitted.
+CONFIG_FIELDS = (
+    "model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",
+    "intermediate_size", "vocab_size", "hidden_act", "hidden_activation", "rms_norm_eps", "layer_norm_eps",
+    "layer_norm_epsilon", "attention_bias", "mlp_bias", "qkv_bias", "sliding_window", "sliding_window_pattern",
+    "layer_types", "use_sliding_window", "max_window_layers", "attention_chunk_size", "no_rope_layers",
+    "partial_rotary_factor", "max_position_embeddings", "original_max_position_embeddings", "rope_local_base_freq",
+    "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar", "tie_word_embeddings",
+    "use_qk_norm", "qk_layernorm", "attention_multiplier", "residual_multiplier", "embedding_multiplier",
+    "logits_scaling", "scale_embedding", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+    "v_head_dim", "n_layer", "n_head", "n_embd", "n_inner", "n_positions", "activation_function", "num_kv_heads",
+    "multi_query", "new_decoder_architecture", "parallel_attn", "alibi",
+)
+
+_MAX_JSON_FILE = 64 << 20  # config.json / index.json / cache entries larger than this are refused
+_WEIGHTS_DOMAIN = b"kvcodec-weights-v2\0"
+_MEMORY_DOMAIN = b"kvcodec-weights-in-memory-v2\0"
+
+
+# --------------------------------------------------------------------------- config and tokenizer
+def _text_config(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
+    tc = cfg.get("text_config")
+    return tc if isinstance(tc, dict) else cfg
+
+
+def canonical_rope(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """RoPE parameters in one shape whatever the config's vintage.
+
+    transformers >= 5 writes ``rope_parameters`` (possibly nested per layer
+    type); older configs have ``rope_theta`` + ``rope_scaling``. The latter is
+    flattened into the same dict (``type`` -> ``rope_type``).
+    """
+    c = _text_config(cfg)
+    rp = c.get("rope_parameters")
+    if isinstance(rp, dict) and rp:
+        out = dict(rp)
+        if any(isinstance(v, dict) for v in out.values()) and isinstance(c.get("layer_types"), list):
+            # nested per layer type: which layer has which parameters is part of the RoPE (the rope stage reads it)
+            out["layer_types"] = list(c["layer_types"])
+    else:
+        out = {}
+        if c.get("rope_theta") is not None:
+            out["rope_theta"] = c["rope_theta"]
+        sc = c.get("rope_scaling")
+        if isinstance(sc, dict):
+            for k, v in sc.items():
+                out["rope_type" if k == "type" else k] = v
+        out.setdefault("rope_type", "default")
+    if c.get("partial_rotary_factor") is not None and "full_attention" not in out:
+        out.setdefault("partial_rotary_factor", c["partial_rotary_factor"])
+    if isinstance(c.get("no_rope_layers"), list):
+        # SmolLM3, Llama 4: per layer 1 = RoPE, 0 = none (NoPE). Which layers rotate is part of the RoPE: the
+        # rope stage must not un-rotate, nor CacheBlend re-rotate, a NoPE layer's keys (kvcodec.codecs.rope_tables)
+        out["no_rope_layers"] = list(c["no_rope_layers"])
+    return out
+
+
+def cache_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The :data:`CONFIG_FIELDS` of a config dict (raw config.json or ``config.to_dict()``) plus canonical RoPE."""
+    c = _text_config(cfg)
+    out = {k: c[k] for k in CONFIG_FIELDS if c.get(k) is not None}
+    out["rope"] = canonical_rope(cfg)
+    return out
+
+
+def tokenizer_sha256(tokenizer: Any) -> str:
+    """sha256 of the vocabulary (by id), the BPE merges and the special tokens.
+
+    Only content that survives a tokenizers/transformers upgrade is hashed
+    (merges are normalised to ``"a b"``), so the vLLM connector's venv and
+    kvcodec's agree on the same directory.
+    """
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    special = sorted(str(t) for t in getattr(tokenizer, "all_special_tokens", []))
+    merges: list[str] = []
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        model = json.loads(backend.to_str()).get("model") or {}
+        merges = [" ".join(m) if isinstance(m, list) else str(m) for m in model.get("merges") or []]
+    blob = json.dumps({"vocab": vocab, "special": special, "merges": merges}, ensure_ascii=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+# The same quantity under each family's config.json name (transformers maps them through a config class's
+# attribute_map; a raw config.json has only the family's own): GPT-2 and friends say n_layer/n_head/n_embd.
+_LAYERS = ("num_hidden_layers", "n_layer", "num_layers")
+_HEADS = ("num_attention_heads", "n_head", "num_heads")
+_KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num")
+_HIDDEN = ("hidden_size", "n_embd", "d_model")
+
+
+def _first(c: Mapping[str, Any], names: tuple[str, ...]) -> Any:
+    for k in names:
+        if k in c:
+            return c[k]
+    raise KeyError(names[0])
+
+
+def _head_layout(c: Mapping[str, Any]) -> tuple[int, int, int]:
+    """(layers, kv heads, head_dim) from a text config dict, validated."""
+    try:
+        n_layers, n_heads = _first(c, _LAYERS), _first(c, _HEADS)
+        n_kv = next((c[k] for k in _KV_HEADS if c.get(k)), None) or n_heads
+        if c.get("multi_query") and not c.get("new_decoder_architecture"):  # Falcon's multi-query layout
+            n_kv = 1
+        head_dim = c.get("head_dim") or _first(c, _HIDDEN) // n_heads
+    except (KeyError, TypeError, ZeroDivisionError) as exc:
+        raise KvcModelNotFoundError(f"model config lacks a usable head layout ({exc})") from None
+    if not all(is_int(x) and 0 < x <= 65536 for x in (n_layers, n_heads, n_kv, head_dim)) or n_layers > 4096:
+        raise KvcModelNotFoundError("model config has an invalid head layout")
+    return n_layers, n_kv, head_dim
+
+
+def _make(cfg: Mapping[str, Any], tokenizer_digest: str, weights: str, dtype: str) -> ModelFingerprint:
+    c = _text_config(cfg)
+    n_layers, n_kv, head_dim = _head_layout(c)
+    cc = cache_config(cfg)
+    return ModelFingerprint(
+        architecture=str(c.get("model_type") or "unknown"),
+        num_layers=n_layers,
+        num_kv_heads=n_kv,
+        head_dims=tuple([head_dim] * n_layers),
+        rope=json.dumps(cc["rope"], sort_keys=True, default=str),
+        tokenizer_sha256=tokenizer_digest,
+        weights_sha256=weights,
+        dtype=dtype,
+        config_sha256=json_sha256(cc),
+    )
+
+
+# --------------------------------------------------------------------------- safetensors, streamed
+_ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+                "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
+_MAX_ST_HEADER = 100 << 20  # the safetensors format's own limit
+_READ_BYTES = 4 << 20
+_NOTICE_BYTES = 2 << 30
+_SAFE_INDEX = "model.safetensors.index.json"
+_PICKLE_GLOBS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: Path
+    start: int  # absolute byte offsets in ``file``
+    end: int
+
+
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_JSON_FILE:
+            raise KvcModelNotFoundError(f"{path}: {what} is not a regular file of at most 64 MiB")
+        with open(path, "rb") as f:
+            return json.loads(f.read(_MAX_JSON_FILE + 1))
+    except (OSError, ValueError) as exc:
+        raise KvcModelNotFoundError(f"{path}: unreadable {what} ({exc})") from None
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of an HF model directory (per its index, else ``*.safetensors``).
+
+    Pickle checkpoints are refused: kvcodec never unpickles.
+    """
+    idx = model_dir / _SAFE_INDEX
+    if idx.exists():
+        wm = _read_json(idx, "safetensors index")
+        wm = wm.get("weight_map") if isinstance(wm, dict) else None
+        if not isinstance(wm, dict) or not wm or not all(isinstance(v, str) for v in wm.values()):
+            raise KvcModelNotFoundError(f"{idx}: no weight_map")
+        names = sorted(set(wm.values()))
+        if any(n != Path(n).name or n in (".", "..") or not n.endswith(".safetensors") for n in names):
+            raise KvcModelNotFoundError(f"{idx}: weight files must be plain *.safetensors names in the directory")
+        files = [model_dir / n for n in names]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        pickles = [p.name for g in _PICKLE_GLOBS for p in model_dir.glob(g)]
+        why = f" (found {pickles[0]}: pickle checkpoints are refused, convert it to safetensors)" if pickles else ""
+        raise KvcModelNotFoundError(f"{model_dir} holds no .safetensors weights{why}")
+    for p in files:
+        try:
+            ok = stat.S_ISREG(os.stat(p).st_mode)
+        except OSError:
+            ok = False
+        if not ok:
+            raise KvcModelNotFoundError(f"{p}: weight file missing or not a regular file")
+    return files
+
+
+def _tensors_of(path: Path, f: Any, size: int) -> list[_Tensor]:
+    """Parse and bound-check one safetensors header (sizes checked against the real file size)."""
+    def bad(why: str) -> KvcModelNotFoundError:
+        return KvcModelNotFoundError(f"{path}: truncated or corrupt safetensors file ({why})")
+
+    head = f.read(8)
+    if len(head) != 8:
+        raise bad("shorter than its 8-byte header length")
+    n = int.from_bytes(head, "little")
+    if n > _MAX_ST_HEADER or 8 + n > size:
+        raise bad(f"header length {n} does not fit the {size}-byte file")
+    try:
+        hdr = json.loads(f.read(n))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad(f"header is not JSON: {exc}") from None
+    if not isinstance(hdr, dict):
+        raise bad("header is not a JSON object")
+    base, data_len = 8 + n, size - 8 - n
+    out = []
+    for name, t in hdr.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(t, dict):
+            raise bad(f"tensor {name!r:.60} entry is not an object")
+        dt, shape, offs = t.get("dtype"), t.get("shape"), t.get("data_offsets")
+        if dt not in _ST_ITEMSIZE or not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
+            raise bad(f"tensor {name!r:.60} has an unsupported dtype or shape")
+        if not (isinstance(offs, list) and len(offs) == 2 and all(is_int(o) for o in offs) and 0 <= offs[0] <= offs[1] <= data_len):
+            raise bad(f"tensor {name!r:.60} lies outside the file")
+        if offs[1] - offs[0] != math.prod(shape) * _ST_ITEMSIZE[dt]:
+            raise bad(f"tensor {name!r:.60} size disagrees with its shape")
+        out.append(_Tensor(name, dt, tuple(shape), path, base + offs[0], base + offs[1]))
+    return out
+
+
+def _stat_key(files: list[Path]) -> list[list[Any]]:
+    """What identifies the weight files' contents without reading them (ctime changes on any write or utime)."""
+    out = []
+    for p in files:
+        st = os.stat(p)
+        out.append([str(p), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev])
+    return out
+
+
+def _hash_files(files: list[Path]) -> str:
+    """The streamed weights digest (see module doc); memory = one read buffer + the headers."""
+    handles = {}
+    try:
+        tensors: dict[str, _Tensor] = {}
+        for p in files:
+            f = handles[p] = open(p, "rb")
+            for t in _tensors_of(p, f, os.fstat(f.fileno()).st_size):
+                if t.name in tensors:
+                    raise KvcModelNotFoundError(f"{p}: tensor {t.name!r:.60} appears in two weight files")
+                tensors[t.name] = t
+        if not tensors:
+            raise KvcModelNotFoundError(f"{files[0].parent}: the safetensors files hold no tensors")
+        total = sum(t.end - t.start for t in tensors.values())
+        if total > _NOTICE_BYTES:  # minutes on a big model: say why the first load is slow
+            print(f"kvc: fingerprinting {total / 1e9:.1f} GB of weights in {files[0].parent} "
+                  "(once; cached afterwards) ...", file=sys.stderr, flush=True)
+        h = hashlib.sha256(_WEIGHTS_DOMAIN)
+        buf = memoryview(bytearray(_READ_BYTES))
+        for name in sorted(tensors):
+            t = tensors[name]
+            rec = json.dumps([t.name, t.dtype, list(t.shape), t.end - t.start], ensure_ascii=True).encode()
+            h.update(len(rec).to_bytes(8, "little") + rec)
+            f = handles[t.file]
+            f.seek(t.start)
+            left = t.end - t.start
+            while left:
+                k = f.readinto(buf[: min(left, _READ_BYTES)])
+                if not k:
+                    raise KvcModelNotFoundError(f"{t.file}: truncated while reading tensor {name!r:.60}")
+                h.update(buf[:k])
+                left -= k
+        return h.hexdigest()
+    except OSError as exc:
+        raise KvcModelNotFoundError(f"cannot read model weights: {exc}") from None
+    finally:
+        for f in handles.values():
+            f.close()
+
+
+# --------------------------------------------------------------------------- the authenticated cache
+_KEY_FILE = "fingerprint.key"
+_CACHE_SCHEME = "kvcodec-fingerprint-cache-v2"
+_memo: dict[str, tuple[list[list[Any]], str]] = {}
+_memo_lock = threading.Lock()
+_warned: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _warned:
+        _warned.add(msg)
+        print(f"kvc: warning: {msg}", file=sys.stderr)
+
+
+def _secret() -> bytes | None:
+    """The per-machine HMAC key (created 0600 on first use); None (cache disabled) if it cannot be trusted."""
+    path = cache_root() / _KEY_FILE
+    try:
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{_KEY_FILE}.{os.getpid()}.{secrets.token_hex(4)}")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            try:
+                os.write(fd, secrets.token_bytes(32))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            try:
+                os.link(tmp, path)  # atomic and never clobbers a key another process made first
+            except FileExistsError:
+                pass
+            finally:
+                os.unlink(tmp)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            st = os.fstat(fd)
+            key = os.read(fd, 64)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        _warn_once(f"fingerprint cache disabled: cannot use key file {path} ({exc})")
+        return None
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077 or len(key) != 32:
+        _warn_once(f"fingerprint cache disabled: key file {path} is not a private 32-byte file of this user (mode 0600)")
+        return None
+    return key
+
+
+def _mac(key: bytes, entry: Mapping[str, Any]) -> str:
+    body = json.dumps({k: v for k, v in entry.items() if k != "mac"}, sort_keys=True, ensure_ascii=True).encode()
+    return hmac.new(key, body, hashlib.sha256).hexdigest()
+
+
+def _cache_path(kind: str, model_dir: Path) -> Path:
+    name = hashlib.sha256(f"{kind}\0{model_dir}".encode("utf-8", "surrogateescape")).hexdigest()[:32]
+    return cache_root() / "fingerprints" / f"{name}.json"
+
+
+def _cached(kind: str, model_dir: Path, key: list[list[Any]], secret: bytes) -> str | None:
+    path = _cache_path(kind, model_dir)
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > 1 << 20:
+            return None
+        entry = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(entry, dict) or not isinstance(entry.get("mac"), str):
+        return None
+    if not hmac.compare_digest(entry["mac"], _mac(secret, entry)):
+        return None
+    if entry.get("scheme") != _CACHE_SCHEME or entry.get("kind") != kind or entry.get("dir") != str(model_dir) \
+            or entry.get("files") != key:
+        return None
+    digest = entry.get("sha256")
+    return digest if isinstance(digest, str) and HEX64.match(digest) else None
+
+
+def _store(kind: str, model_dir: Path, key: list[list[Any]], digest: str, secret: bytes) -> None:
+    entry: dict[str, Any] = {"scheme": _CACHE_SCHEME, "kind": kind, "dir": str(model_dir), "files": key, "sha256": digest}
+    entry["mac"] = _mac(secret, entry)
+    path = _cache_path(kind, model_dir)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(entry, f, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as exc:  # a read-only cache dir costs speed, never correctness
+        _warn_once(f"cannot write the fingerprint cache ({exc})")
+
+
+def _digest(kind: str, model_dir: Path, files: list[Path], compute: Any, use_cache: bool = True) -> str:
+    """``compute()`` of ``files``, cached by their identity: in-process memo, then the HMAC'd entry on disk."""
+    key = _stat_key(files)
+    memo_key = f"{kind}\0{model_dir}"
+    if use_cache:
+        with _memo_lock:
+            hit = _memo.get(memo_key)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+    secret = _secret() if use_cache else None
+    digest = _cached(kind, model_dir, key, secret) if secret is not None else None
+    if digest is None:
+        digest = compute()
+        if _stat_key(files) != key:
+            raise KvcModelNotFoundError(f"{model_dir}: the model files changed while they were being hashed; try again")
+        if secret is not None:
+            _store(kind, model_dir, key, digest, secret)
+    if use_cache:
+        with _memo_lock:
+            _memo[memo_key] = (key, digest)
+    return digest
+
+
+def weights_identity(model_dir: str | Path) -> list[list[Any]]:
+    """The stat identity of a directory's weight files (load_model compares it before and after loading)."""
+    d = Path(model_dir).resolve()
+    return _stat_key(weight_files(d))
+
+
+def weights_sha256(model_dir: str | Path, use_cache: bool = True) -> str:
+    """The weights digest of an HF model directory: cached (memo, then the HMAC'd file), else streamed.
+
+    Refuses (KvcModelNotFoundError) pickle-only directories, truncated or
+    corrupt safetensors, and weights that change while being hashed.
+    """
+    d = Path(model_dir).resolve()
+    files = weight_files(d)
+    return _digest("weights", d, files, lambda: _hash_files(files), use_cache)
+
+
+# Files a tokenizer is loaded from; their identity keys the cached tokenizer digest.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model", "chat_template.jinja")
+
+
+def _dir_tokenizer_sha256(d: Path, tokenizer: Any) -> str:
+    """The tokenizer digest of a directory, cached by its tokenizer files (loading it only on a miss)."""
+    files = [d / n for n in TOKENIZER_FILES if (d / n).is_file()]
+
+    def compute() -> str:
+        tok = tokenizer
+        if tok is None:
+            from transformers import AutoTokenizer
+
+            try:
+                tok = AutoTokenizer.from_pretrained(d, local_files_only=True)
+            except (OSError, ValueError) as exc:
+                raise KvcModelNotFoundError(f"cannot load the tokenizer of {d}: {exc}") from None
+        return tokenizer_sha256(tok)
+
+    if not files:
+        return compute()
+    return _digest("tokenizer", d, files, compute)
+
+
+# --------------------------------------------------------------------------- entry points
+def fingerprint_dir(model_dir: str | Path, tokenizer: Any = None, dtype: str = "float32") -> ModelFingerprint:
+    """The fingerprint of an HF model directory: raw config.json, its tokenizer and its safetensors files.
+
+    ``tokenizer``: the directory's tokenizer if the caller has loaded it
+    already (used only when the tokenizer digest is not cached); else it is
+    loaded from the directory when needed. This is the only way a directory
+    is fingerprinted (LoadedModel, the vLLM connector).
+    """
+    d = Path(model_dir).resolve()
+    cfg = _read_json(d / "config.json", "config.json")
+    if not isinstance(cfg, dict):
+        raise KvcModelNotFoundError(f"{d}/config.json is not a JSON object")
+    return _make(cfg, _dir_tokenizer_sha256(d, tokenizer), weights_sha256(d), dtype)
+
+
+def _module_weights_sha256(model: Any) -> str:
+    """Digest of a model that exists only in memory: its state dict, one tensor at a time."""
+    import torch
+
+    codes = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+             torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+    h = hashlib.sha256(_MEMORY_DOMAIN)
+    sd = model.state_dict()
+    for name in sorted(sd):
+        t = sd[name].detach().cpu().contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+        rec = json.dumps([name, codes.get(t.dtype, str(t.dtype)), list(t.shape), len(raw)]).encode()
+        h.update(len(rec).to_bytes(8, "little") + rec)
+        h.update(raw)
+    return h.hexdigest()
+
+
+def fingerprint_model(model: Any, tokenizer: Any) -> ModelFingerprint:
+    """The fingerprint of a model that exists only in memory (no directory): hashed from its state dict."""
+    cfg = model.config.to_dict()
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    return _make(cfg, tokenizer_sha256(tokenizer), _module_weights_sha256(model), dtype)

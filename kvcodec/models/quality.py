@@ -1,0 +1,139 @@
+"""Quality of a decoded KV cache, measured on the real model.
+
+The model continues the same continuation tokens twice: once from the exact
+cache, once from the decoded one. We compare the next-token distributions at
+every continuation position:
+
+* ``kl_mean``: mean KL(exact || decoded) in nats;
+* ``top1_agreement``: fraction of positions whose argmax token agrees;
+* ``dppl_percent``: relative change of perplexity of the continuation
+  (positions 1..N-1 are scored; position 0's target is the first
+  continuation token, whose logits come from the context and not the cache);
+* ``greedy_match``: fraction of ``greedy_tokens`` greedily generated tokens
+  (after the first continuation token) that are identical, counted up to the
+  first divergence — one early divergence ends the match.
+
+Pruned caches continue at their original positions (``next_position``), not
+at the number of stored tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvcodec.models.cachelayout import cache_for_model
+from kvcodec.errors import KvcInputError
+from kvcodec.core.kvcache import KVCache
+from kvcodec.models.load import LoadedModel
+
+
+@dataclass
+class Quality:
+    kl_mean: float
+    top1_agreement: float
+    ppl_exact: float
+    ppl_decoded: float
+    dppl_percent: float
+    greedy_match: float
+    continuation_tokens: int
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@torch.inference_mode()
+def continue_logits(lm: LoadedModel, cache: KVCache, continuation: np.ndarray) -> torch.Tensor:
+    """Logits [N, vocab] (fp32) of the continuation tokens fed after ``cache``."""
+    past = cache_for_model(lm, cache)
+    ids = torch.as_tensor(np.asarray(continuation, dtype=np.int64)).unsqueeze(0)
+    pos = torch.arange(cache.next_position, cache.next_position + ids.shape[1]).unsqueeze(0)
+    out = lm.model(input_ids=ids, past_key_values=past, position_ids=pos, use_cache=True)
+    return out.logits[0].float()
+
+
+@torch.inference_mode()
+def greedy(lm: LoadedModel, cache: KVCache, first_token: int, n: int) -> list[int]:
+    """``n`` greedy tokens generated after feeding ``first_token`` to ``cache``."""
+    past = cache_for_model(lm, cache)
+    tok, pos, out = int(first_token), cache.next_position, []
+    for _ in range(n):
+        logits = lm.model(
+            input_ids=torch.tensor([[tok]]), past_key_values=past, position_ids=torch.tensor([[pos]]), use_cache=True
+        ).logits[0, -1]
+        tok, pos = int(logits.argmax()), pos + 1
+        out.append(tok)
+    return out
+
+
+def compare_logits(exact: torch.Tensor, decoded: torch.Tensor, continuation: np.ndarray) -> dict[str, float]:
+    """KL, top-1 agreement and PPL from two logit matrices over the same tokens."""
+    lp_e = torch.log_softmax(exact.double(), -1)
+    lp_d = torch.log_softmax(decoded.double(), -1)
+    kl = (lp_e.exp() * (lp_e - lp_d)).sum(-1)
+    top1 = (exact.argmax(-1) == decoded.argmax(-1)).double().mean()
+    tgt = torch.as_tensor(np.asarray(continuation[1:], dtype=np.int64))
+    nll_e = -lp_e[:-1].gather(1, tgt[:, None]).mean()
+    nll_d = -lp_d[:-1].gather(1, tgt[:, None]).mean()
+    ppl_e, ppl_d = float(nll_e.exp()), float(nll_d.exp())
+    return {
+        "kl_mean": float(kl.clamp_min(0).mean()),
+        "top1_agreement": float(top1),
+        "ppl_exact": ppl_e,
+        "ppl_decoded": ppl_d,
+        "dppl_percent": 100.0 * (ppl_d - ppl_e) / ppl_e,
+    }
+
+
+def evaluate(
+    lm: LoadedModel,
+    exact: KVCache,
+    decoded: KVCache,
+    continuation: np.ndarray,
+    greedy_tokens: int = 16,
+    exact_logits: torch.Tensor | None = None,
+    exact_greedy: list[int] | None = None,
+) -> Quality:
+    """Quality of ``decoded`` against ``exact`` on ``continuation``.
+
+    Pass ``exact_logits`` / ``exact_greedy`` (from :func:`continue_logits` /
+    :func:`greedy` on the exact cache) when evaluating many decodings of one
+    cache, so the exact side is computed once.
+    """
+    continuation = np.asarray(continuation, dtype=np.int64).reshape(-1)
+    if continuation.size < 2:
+        raise KvcInputError("the continuation needs at least 2 tokens")
+    lm.fingerprint.check_compatible(decoded.fingerprint)
+    if not np.array_equal(exact.token_ids, decoded.token_ids):
+        raise KvcInputError("the decoded cache encodes different tokens than the exact cache")
+    return compare_caches(lm, exact, decoded, continuation, greedy_tokens, exact_logits, exact_greedy)
+
+
+def compare_caches(
+    lm: LoadedModel,
+    exact: KVCache,
+    other: KVCache,
+    continuation: np.ndarray,
+    greedy_tokens: int = 16,
+    exact_logits: torch.Tensor | None = None,
+    exact_greedy: list[int] | None = None,
+) -> Quality:
+    """The metrics, once the caller has checked that ``other`` stands for ``exact``'s context."""
+    if exact_logits is None:
+        exact_logits = continue_logits(lm, exact, continuation)
+    m = compare_logits(exact_logits, continue_logits(lm, other, continuation), continuation)
+    match = 1.0
+    if greedy_tokens > 0:
+        if exact_greedy is None:
+            exact_greedy = greedy(lm, exact, int(continuation[0]), greedy_tokens)
+        got = greedy(lm, other, int(continuation[0]), greedy_tokens)
+        same = 0
+        for a, b in zip(exact_greedy, got):
+            if a != b:
+                break
+            same += 1
+        match = same / greedy_tokens
+    return Quality(greedy_match=match, continuation_tokens=int(continuation.size), **m)

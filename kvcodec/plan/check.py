@@ -1,0 +1,254 @@
+"""Quality targets checked on every file: a per-file probe on the real model at encode time (a statistical bound, not a proof).
+
+A preset's fixed rate knob (``step0``) was tuned on a few texts; on a text it
+has never seen it can miss its promise (issue 15: ``balanced`` gave ΔPPL
++1.39 % on one held-out text). The model is available whenever a lossy preset
+encodes (it needs it for calibration and token importance), so the encoder
+measures the document it is about to write instead of trusting the knob.
+
+**The probe is the same experiment as the promise, out of sample.** The
+context's last ``n`` tokens (the *probe*) are a real continuation of its first
+``T - n`` tokens. Each try encodes that *prefix as a document of its own*
+(its own token importance: tokenscale scores the prefix's last queries, not
+the probe's), decodes it, continues it on the probe with the model and
+compares with the exact prefix. An earlier version encoded the whole context
+and cut the decoded prefix out of it: tokenscale had then fitted its step
+classes to the very queries the probe asks, and the probe's KL came out
+1.3-2.3x below the continuation's on every held-out text (the miss on mpl2).
+
+**ΔPPL: a bound that covers the continuation.** ΔPPL on a continuation is the
+mean of per-token differences ``d_t = nll_decoded - nll_exact``, whose spread
+(about ``sqrt(2 KL)`` per token) makes a 256-token ΔPPL swing by ~0.5 % at
+balanced's KL whatever the codec does. The probe estimates the mean with its
+own noise, and the continuation adds its own, so the bound is
+``max(mean(d), 0) + z * std(d) * sqrt(1/n + 1/REF_TOKENS)``: a probe whose
+decoded cache happens to predict *better* than the exact one earns no credit
+(no codec does that on average), and both samples' noise is counted. With
+z = 2 a ``REF_TOKENS``-token continuation of similar text exceeds it with
+probability ~2 %; a continuation unlike the document can still do worse.
+
+**Step prediction instead of blind shrinking.** Quantisation noise power is
+proportional to step^2, so KL and the mean of ``d`` scale as step^2 and the
+spread of ``d`` as step. After a miss the next step is the one this law says
+meets the target, times ``SAFETY``; a miss then costs one or two more tries,
+not up to ten. Below some step the quantiser's 8-bit limit widens the
+step of wide channels, so quality stops improving (KL ~5e-5 with SmolLM2): a
+try whose KL did not fall below ``FLOOR_KL_RATIO`` x the previous one's has
+hit that floor, and the check stops there and keeps the previous (larger)
+step instead of spending tries on bits that buy nothing.
+
+**Greedy tokens and near-ties.** ``near-lossless`` promises the exact cache's
+greedy tokens. Where the exact model's top-2 logit margin is below
+``NEAR_TIE`` no codec can promise it: rounding the exact cache to fp16 (what
+engines keep KV in) moves logits by up to ~0.012 on the held-out texts, so such
+a token can flip with any storage. The promise (and this check) is: greedy
+tokens identical up to the first token whose exact top-2 margin is below
+``NEAR_TIE``, all 16 when there is none.
+
+**Greedy tokens by construction: the rival gain.** A 16-token greedy check on
+the probe is a sample of 16 margins; the continuation a user asks has others.
+A greedy token can flip only where some token's logit gains more on the exact
+top-1 token's than the exact top-2 margin (:func:`max_rival_gain`). So
+``near-lossless`` also bounds the largest such gain over all probe positions
+(256 positions x the vocabulary) by ``NEAR_TIE``: flips are then confined to
+near-ties, which the promise exempts. The bound is a maximum over 256 probe
+positions standing for a 16-token greedy run, which is its margin. Gains scale
+with the step, so a miss predicts the next step linearly. This needs codes finer than 8 bits on wide coefficient
+channels (``quantize`` v2, ``max_bits`` 16): with v1 the gain floors at ~0.3
+(benchmarks/results/floor.txt).
+
+The chosen ``step0`` is then applied to the whole context (the caller encodes
+it once). Nothing in the file format changes: ``step0`` is already in every
+stage config and in the plan's metadata.
+"""
+
+from __future__ import annotations
+
+from kvcodec.models.cachelayout import cache_for_model, cache_prefix
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("kvcodec.guard")
+
+PROBE_TOKENS = 256  # probe continuation length (tokens inside the context)
+REF_TOKENS = 256  # continuation length the ΔPPL promise is stated for (kvc eval's default)
+Z = 2.0  # one-sided normal quantile of the ΔPPL bound (~2.3 % exceedance)
+MIN_PROBE_TOKENS = 16  # a shorter context is encoded at the preset's knob, unchecked (reported as such)
+SAFETY = 0.9  # step factor under the KL ∝ step^2 law's prediction after a miss
+GREEDY_SHRINK = 0.5  # step factor after a greedy flip at a clear (non-tie) margin
+MAX_TRIES = 4  # with prediction a miss costs 1-2 tries; 4 leaves room for one bad prediction
+FLOOR_KL_RATIO = 0.8  # a smaller step that leaves KL above this x the last try's: the format's floor (max_bits)
+NEAR_TIE = 0.02  # top-2 logit margin under which a greedy token is not promised (fp16 storage moves logits ~0.012)
+
+
+@dataclass(frozen=True)
+class QualityTarget:
+    """What a preset promises on a continuation of the document: mean KL (nats), ΔPPL (%), greedy tokens."""
+
+    kl: float
+    dppl_percent: float
+    greedy_tokens: int = 0  # >0: that many greedy tokens identical to the exact cache's, up to the first near-tie
+    margin: float = 0.5  # the probe must meet margin x kl (ΔPPL: a confidence bound, see the module docstring)
+    rival_gain: float = 0.0  # >0: the probe's max_rival_gain must stay under this (0: not checked)
+
+
+@dataclass(frozen=True)
+class ProbeStats:
+    """One try's probe: KL, the per-token ΔPPL terms, and the greedy check."""
+
+    kl: float
+    d_mean: float  # mean of nll_decoded - nll_exact per probe token (nats)
+    d_std: float
+    n: int
+    greedy_ok: bool
+    rival_gain: float = 0.0  # max_rival_gain of the probe
+
+    def dppl_bound(self, z: float = Z, ref_tokens: int = REF_TOKENS) -> float:
+        """Upper bound (%) on a ``ref_tokens``-token continuation's ΔPPL (module docstring)."""
+        half = z * self.d_std * math.sqrt(1.0 / max(self.n, 1) + 1.0 / ref_tokens)
+        return 100.0 * math.expm1(max(self.d_mean, 0.0) + half)
+
+    def meets(self, target: QualityTarget) -> bool:
+        return (self.kl <= target.margin * target.kl and self.dppl_bound() <= target.dppl_percent and self.greedy_ok
+                and (not target.rival_gain or self.rival_gain <= target.rival_gain))
+
+    def step_factor(self, target: QualityTarget) -> float:
+        """Largest r <= 1 such that the step0 x r meets ``target`` under KL, mean(d) ∝ step^2, std(d) ∝ step."""
+        r = 1.0
+        if self.kl > 0:
+            r = min(r, math.sqrt(target.margin * target.kl / self.kl))
+        a, b, c = max(self.d_mean, 0.0), Z * self.d_std * math.sqrt(1.0 / max(self.n, 1) + 1.0 / REF_TOKENS), math.log1p(target.dppl_percent / 100.0)
+        if a > 0 or b > 0:  # a r^2 + b r = c
+            r = min(r, (2 * c / (b + math.sqrt(b * b + 4 * a * c))))
+        if target.rival_gain and self.rival_gain > 0:  # logit changes scale as the step
+            r = min(r, target.rival_gain / self.rival_gain)
+        if not self.greedy_ok:
+            r = min(r, GREEDY_SHRINK)
+        return r
+
+
+def greedy_with_margins(lm: Any, cache: Any, first_token: int, n: int) -> tuple[list[int], list[float]]:
+    """``n`` greedy tokens after feeding ``first_token`` to ``cache``, and each step's top-2 logit margin."""
+    import torch
+
+    past = cache_for_model(lm, cache)
+    tok, pos, toks, margins = int(first_token), cache.next_position, [], []
+    with torch.inference_mode():
+        for _ in range(n):
+            logits = lm.model(input_ids=torch.tensor([[tok]]), past_key_values=past,
+                              position_ids=torch.tensor([[pos]]), use_cache=True).logits[0, -1]
+            top = torch.topk(logits.float(), 2).values
+            tok, pos = int(logits.argmax()), pos + 1
+            toks.append(tok)
+            margins.append(float(top[0] - top[1]))
+    return toks, margins
+
+
+def first_near_tie(margins: list[float], near_tie: float = NEAR_TIE) -> int | None:
+    """Index of the first greedy step whose exact top-2 margin is under ``near_tie`` (None: no near-tie)."""
+    return next((i for i, m in enumerate(margins) if m < near_tie), None)
+
+
+def greedy_promise_met(exact: list[int], got: list[int], exact_margins: list[float], near_tie: float = NEAR_TIE) -> bool:
+    """Identical up to the first near-tie of the exact run (that token and what follows are not promised)."""
+    tie = first_near_tie(exact_margins, near_tie)
+    upto = len(exact) if tie is None else tie
+    return list(got[:upto]) == list(exact[:upto])
+
+
+def max_rival_gain(exact_logits: Any, dec_logits: Any) -> float:
+    """Largest gain of any token's logit over the exact top-1 token's, decoded vs exact, over all positions.
+
+    A greedy token can flip only where this exceeds the exact top-2 margin, so a
+    probe whose gain stays under ``NEAR_TIE`` bounds the flips to near-ties.
+    """
+    g = dec_logits.double() - exact_logits.double()
+    top = exact_logits.argmax(-1, keepdim=True)
+    return float((g.max(-1).values - g.gather(-1, top)[..., 0]).max()) if g.numel() else 0.0
+
+
+def probe_stats(exact_logits: Any, dec_logits: Any, tokens: np.ndarray, greedy_ok: bool = True) -> ProbeStats:
+    """KL and the per-token ΔPPL terms of a decoded prefix's logits against the exact prefix's on ``tokens``."""
+    import torch
+
+    lp_e = torch.log_softmax(exact_logits.double(), -1)
+    lp_d = torch.log_softmax(dec_logits.double(), -1)
+    kl = float((lp_e.exp() * (lp_e - lp_d)).sum(-1).clamp_min(0).mean())
+    tgt = torch.as_tensor(np.asarray(tokens[1:], np.int64))[:, None]
+    d = (lp_e[:-1].gather(1, tgt) - lp_d[:-1].gather(1, tgt))[:, 0]
+    return ProbeStats(kl=kl, d_mean=float(d.mean()), d_std=float(d.std()) if d.numel() > 1 else 0.0,
+                      n=int(d.numel()), greedy_ok=greedy_ok, rival_gain=max_rival_gain(exact_logits, dec_logits))
+
+
+def guarded_plan(cache: Any, lm: Any, preset: str, args: dict[str, Any], target: QualityTarget,
+                 probe_tokens: int = PROBE_TOKENS, verbose: bool = False) -> Any:
+    """The plan of ``preset`` for ``cache`` at the largest ``step0`` (from ``args['step0']`` down) that meets ``target`` on the probe.
+
+    Returns a :class:`~kvcodec.core.stage.Plan` whose ``params['guard']``
+    records the probe, every try and the time the check cost.
+    """
+    from kvcodec.models.quality import continue_logits
+    from kvcodec.calibration.build import get_calibration
+    from kvcodec.plan.pipelines import TOKENSCALE_DEFAULT, decode_bytes, encode_bytes, transform_plan
+    from kvcodec.plan.importance import cache_importance
+
+    t_start = time.perf_counter()
+    args = dict(args)
+    step0 = float(args.pop("step0"))
+    T = int(cache.num_tokens)
+    n = min(probe_tokens, T // 4)
+    if cache.positions is not None or n < MIN_PROBE_TOKENS:
+        plan = transform_plan(cache, step0, lm=lm, preset=preset, **args)
+        plan.params["guard"] = {"checked": False, "reason": "pruned cache or context under "
+                                f"{4 * MIN_PROBE_TOKENS} tokens: encoded at the preset's step0 unchecked"}
+        return plan
+    probe = np.asarray(cache.token_ids[T - n:], np.int64)
+    prefix = cache_prefix(cache, T - n, lm)
+    exact_logits = continue_logits(lm, prefix, probe)
+    exact_greedy, margins = greedy_with_margins(lm, prefix, int(probe[0]), target.greedy_tokens) if target.greedy_tokens else ([], [])
+    args["cal"] = args.get("cal") or get_calibration(lm, fingerprint_id=cache.fingerprint.id, build=True)
+    prefix_args = dict(args)
+    if args.get("tokenscale") is not None:  # the prefix's own importance: its last queries, not the probe's
+        window = {**TOKENSCALE_DEFAULT, **args["tokenscale"]}["window"]
+        prefix_args["importance"] = cache_importance(lm, prefix, window)
+    tries: list[dict[str, Any]] = []
+    ok = False
+    for i in range(MAX_TRIES):
+        # not read back by the writer: decoded right below by the reader, and never stored
+        data = encode_bytes(prefix, transform_plan(prefix, step0, lm=lm, preset=preset, **prefix_args), verify=False)
+        dec = decode_bytes(data)
+        same = True
+        if target.greedy_tokens:
+            got, _ = greedy_with_margins(lm, dec, int(probe[0]), target.greedy_tokens)
+            same = greedy_promise_met(exact_greedy, got, margins)
+        s = probe_stats(exact_logits, continue_logits(lm, dec, probe), probe, same)
+        ok = s.meets(target)
+        tries.append({"step0": step0, "probe_bytes": len(data), "kl_mean": s.kl, "dppl_percent": 100.0 * math.expm1(s.d_mean),
+                      "dppl_bound_percent": s.dppl_bound(), "greedy_ok": same if target.greedy_tokens else None,
+                      "rival_gain": s.rival_gain, "ok": ok})
+        if verbose:
+            print(f"guard {preset}: step0={step0:.4g} probe bytes={len(data)} kl={s.kl:.3g} "
+                  f"dppl={tries[-1]['dppl_percent']:+.3f}% bound={s.dppl_bound():+.3f}% greedy={same} rival={s.rival_gain:.3g} ok={ok}", flush=True)
+        if ok or i == MAX_TRIES - 1:
+            break
+        if i and s.kl > FLOOR_KL_RATIO * tries[-2]["kl_mean"]:  # the format's quality floor: smaller steps buy nothing
+            step0 = tries[-2]["step0"]
+            tries[-1]["floor"] = True
+            break
+        step0 *= min(SAFETY * s.step_factor(target), SAFETY)
+    if not ok:
+        log.warning(f"preset {preset}: no step0 down to {tries[-1]['step0']:.3g} met its quality target on the context's last "
+                    f"{n} tokens (KL <= {target.margin * target.kl:g}, dPPL bound <= {target.dppl_percent:g} %"
+                    f"{', greedy tokens up to the first near-tie' if target.greedy_tokens else ''}"
+                    f"{f', logit gain of a rival token <= {target.rival_gain:g}' if target.rival_gain else ''}); "
+                    f"encoded at step0 {step0:.3g}")
+    plan = transform_plan(cache, step0, lm=lm, preset=preset, **args)  # the whole context, its own importance
+    plan.params["guard"] = {"checked": True, "met": ok, "target": asdict(target), "probe_tokens": n,
+                            "near_tie_at": first_near_tie(margins) if target.greedy_tokens else None,
+                            "tries": tries, "check_s": round(time.perf_counter() - t_start, 3)}
+    return plan

@@ -1,0 +1,236 @@
+"""The lossy transform-codec plans (what ``kvcodec.plan.presets.get_plan`` builds for near-lossless, balanced,
+small) and quality-targeted rate search.
+
+A plan maps every (layer, kind) to a codec :class:`~kvcodec.core.stage.Pipeline`
+plus the attachments the pipelines need. The lossy presets are transform
+codecs::
+
+    keys:   rope -> keep(sink) -> transform(pca, k) -> quantize(step) -> rans
+    values:         keep(sink) -> transform(pca, k) -> quantize(step) -> rans
+
+with one rate knob ``step0``: the quantizer step of (layer, kind) is
+``step0 / sqrt(w[l, kind] / wref)`` where ``w`` is the measured KL-per-MSE
+sensitivity from the model calibration (equal weighted distortion slopes =
+the rate-distortion optimum for entropy-coded uniform quantizers), and the
+transform keeps only the PCA coefficients whose calibration variance is not
+negligible at that step (reverse water-filling: coefficients far below the
+step cost no bits and are dropped).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from typing import Any
+
+import numpy as np
+
+from kvcodec.errors import KvcCodecError, KvcInputError
+from kvcodec.core.stage import EncoderInputs, Pipeline, Plan
+from kvcodec.calibration.build import get_calibration
+from kvcodec.calibration.record import Calibration
+from kvcodec.plan.importance import token_multipliers
+from kvcodec.codecs.rope_tables import layer_rope_config
+from kvcodec.codecs.transform import KeepStage, QuantizeStage, RopeStage, TransformStage, WideQuantizeStage
+from kvcodec.codecs.tokenscale import TokenClasses, TokenScaleStage
+
+# token-importance-weighted quantization (tokenscale stage): importance = mean a^2 over the last
+# `window` context queries; classes of `log2_step` (log2 of the step multiplier) from `min_log2` up.
+TOKENSCALE_DEFAULT: dict[str, Any] = {"window": 512, "bits": 4, "log2_step": 0.5, "min_log2": -2.0, "power": 0.25,
+                                       "max_log2": 2.0, "kinds": "kv"}
+KEEP_VAR_FRACTION = 0.02  # drop a PCA coefficient when its variance < this x step^2
+
+
+def keep_dtype(cache: Any, layer: int, kind: str) -> str:
+    """float16 for the kept sink tokens unless this tensor's values could overflow it (then float32).
+
+    The kept rows are pre-RoPE keys (a rotation mixes channel pairs, so a
+    component can grow by up to sqrt(2)) or values; a file must never hold an
+    fp16 side array that overflowed, which its reader would reject.
+    """
+    t = (cache.keys if kind == "k" else cache.values)[layer]
+    amax = float(t.detach().abs().max()) if t.numel() else 0.0
+    return "float16" if amax * math.sqrt(2.0) < float(np.finfo(np.float16).max) else "float32"
+
+
+def layer_steps(cal: Calibration, step0: float) -> np.ndarray:
+    """Quantizer step per (layer, kind) [L, 2] from the global knob and measured sensitivities."""
+    w = np.maximum(cal.sensitivity.astype(np.float64), 1e-12)
+    wref = math.exp(float(np.log(w).mean()))
+    return step0 / np.sqrt(w / wref)
+
+
+def kept_coefficients(cal: Calibration, steps: np.ndarray, group: int, frac: float = KEEP_VAR_FRACTION) -> np.ndarray:
+    """Coefficients kept per (layer, kind) [L, 2]: max over heads of #(eigval >= frac * step^2), rounded up to ``group``."""
+    L, _, H, D = cal.eigval.shape
+    k = np.zeros((L, 2), np.int64)
+    for l in range(L):
+        for ki in range(2):
+            n = int((cal.eigval[l, ki] >= frac * steps[l, ki] ** 2).sum(axis=-1).max())
+            k[l, ki] = min(D, max(group, -(-n // group) * group))
+    return k
+
+
+def transform_plan(cache: Any, step0: float, sink: int = 4, group: int = 8, cal: Calibration | None = None,
+                   calibration: str = "external", basis: str = "pca", preset: str = "custom", deadzone: float = 0.0,
+                   lm: Any = None, tokenscale: dict[str, Any] | None = None, importance: np.ndarray | None = None,
+                   max_bits: int = 8) -> Plan:
+    """The transform-codec plan at rate knob ``step0``.
+
+    ``calibration``: "external" (reference the per-model calibration by sha256),
+    "embedded" (store the truncated bases in the file) or "none" (Hadamard).
+    ``max_bits`` over 8 codes with ``quantize`` v2 (16-bit codes as two byte planes; the
+    fused fast decoders take only v1, so such files decode stage by stage).
+    """
+    from kvcodec.codecs.rans import RansStage
+
+    fp = cache.fingerprint
+    D = fp.head_dims[0]
+    if any(d != D for d in fp.head_dims):
+        raise KvcCodecError("transform presets need one head_dim for all layers")
+    if basis == "pca" and cal is None:
+        cal = get_calibration(lm, fingerprint_id=fp.id, build=lm is not None)
+    if basis == "pca":
+        assert cal is not None
+        cal.check_for(fp)  # also a calibration handed in by the caller: never encode with another model's
+        steps = layer_steps(cal, step0)
+        ks = kept_coefficients(cal, steps, group)
+    else:
+        steps = np.full((fp.num_layers, 2), float(step0))
+        ks = np.full((fp.num_layers, 2), D, np.int64)
+    attachments: dict[str, Any] = {}
+    if basis == "pca":
+        assert cal is not None
+        if calibration == "embedded":
+            attachments = cal.truncated(ks)
+        elif calibration == "external":
+            from kvcodec.format.writer import ExternalAttachment
+
+            attachments = {n: ExternalAttachment.of(a) for n, a in cal.attachments.items()}
+        else:
+            raise KvcInputError(f"calibration must be 'external' or 'embedded' for a PCA plan, got {calibration!r}")
+    g = group
+    ts_classes: list[np.ndarray] | None = None
+    ts_table: np.ndarray | None = None
+    ts_opts: dict[str, Any] | None = None
+    if tokenscale is not None:
+        ts_opts = dict(TOKENSCALE_DEFAULT)
+        ts_opts.update(tokenscale)
+        if importance is None and lm is not None:
+            from kvcodec.plan.importance import cache_importance
+
+            importance = cache_importance(lm, cache, window=ts_opts["window"])
+        if importance is not None and np.shape(importance) == (fp.num_layers, cache.num_tokens):
+            ts_classes = []
+            for l in range(fp.num_layers):
+                c, ts_table = token_multipliers(importance[l], sink, n_classes=1 << ts_opts["bits"], log2_step=ts_opts["log2_step"],
+                                                min_log2=ts_opts["min_log2"], power=ts_opts["power"],
+                                                max_log2=ts_opts["max_log2"])
+                ts_classes.append(np.concatenate([np.zeros(min(sink, cache.num_tokens), np.uint8), c]))
+        else:
+            ts_opts = None
+
+    def pipes(layer: int, kind: str) -> Pipeline:
+        ki = 0 if kind == "k" else 1
+        st: list[Any] = []
+        rope_cfg = layer_rope_config(fp, layer, D) if kind == "k" else None  # None: unsupported variant, post-RoPE keys
+        if rope_cfg is not None:
+            st.append(RopeStage(**rope_cfg))
+        if sink:
+            st.append(KeepStage(sink=sink, recent=0, dtype=keep_dtype(cache, layer, kind)))
+        st.append(TransformStage(basis=basis, k=int(ks[layer, ki]), attachment="pca"))
+        if ts_classes is not None and ts_opts is not None and kind in ts_opts["kinds"]:
+            st.append(TokenScaleStage(bits=ts_opts["bits"]))
+        step = float(np.float32(steps[layer, ki]))
+        st.append(QuantizeStage(mode="step", step=step, max_bits=max_bits, deadzone=deadzone) if max_bits <= 8
+                  else WideQuantizeStage(step=step, max_bits=max_bits, deadzone=deadzone))
+        st.append(RansStage(channel_group=g))
+        return Pipeline(st)
+
+    def inputs(layer: int, kind: str) -> EncoderInputs:
+        """Layer ``layer``'s token classes (the encoder input of its tokenscale stage; none without one)."""
+        if ts_classes is None or ts_table is None or ts_opts is None or kind not in ts_opts["kinds"]:
+            return {}
+        return {"tokenscale": TokenClasses(ts_classes[layer], ts_table, sink)}
+
+    params = {"step0": step0, "sink": sink, "group": group, "calibration": calibration if basis == "pca" else "none",
+              "basis": basis, "deadzone": deadzone,
+              "tokenscale": ts_opts}
+    if max_bits != 8:  # recorded only where it differs: files of 8-bit plans keep their bytes
+        params["max_bits"] = max_bits
+    return Plan(pipes, attachments, preset, params, encoder_inputs=inputs)
+
+
+# --------------------------------------------------------------------------- measure
+def encode_bytes(cache: Any, plan: Plan, verify: bool = True) -> bytes:
+    """The `.kvc` bytes of ``cache`` under ``plan``; ``verify=False`` skips the writer's read-back
+    (for bytes that are decoded right away and never stored, e.g. the quality guard's probes)."""
+    from kvcodec.format.writer import WriteOptions, write_kvc
+
+    buf = io.BytesIO()
+    write_kvc(cache, buf, plan.pipelines, WriteOptions.for_plan(plan, meta={"plan": plan.params}), verify=verify)
+    return buf.getvalue()
+
+
+def decode_bytes(data: bytes, plan: Plan | None = None) -> Any:
+    from kvcodec.format.reader import KvcReader
+
+    r = KvcReader(data)
+    return r.read_cache()
+
+
+def external_bytes(plan: Plan) -> int:
+    """Bytes of the external calibration a plan's file depends on (0 if none)."""
+    total = 0
+    for a in plan.attachments.values():
+        if not isinstance(a, np.ndarray):
+            total += int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+    return total
+
+
+def plan_for_target(cache: Any, lm: Any, target_kl: float | None = None, target_dppl: float | None = None,
+                    continuation: np.ndarray | None = None, iters: int = 7, lo: float = 0.005, hi: float = 1.0,
+                    verbose: bool = False, **kw: Any) -> tuple[Plan, dict[str, Any]]:
+    """Largest ``step0`` (fewest bits) whose decoded cache meets the quality target, by bisection on log(step0).
+
+    Quality is measured with the real model on ``continuation`` (tokens that
+    follow the cache). Returns (plan, {"step0", "kl_mean", "dppl_percent", "bytes"}).
+    """
+    from kvcodec.models.quality import compare_logits, continue_logits
+
+    if (target_kl is None) == (target_dppl is None):
+        raise KvcInputError("give exactly one of target_kl or target_dppl")
+    if continuation is None or len(continuation) < 2:
+        raise KvcInputError("plan_for_target needs a continuation of at least 2 tokens")
+    continuation = np.asarray(continuation, np.int64)
+    exact = continue_logits(lm, cache, continuation)
+    cal = kw.pop("cal", None) or get_calibration(lm)
+    if kw.get("tokenscale") is not None and kw.get("importance") is None:  # score the context once, not per probe
+        from kvcodec.plan.importance import cache_importance
+
+        kw["importance"] = cache_importance(lm, cache, window={**TOKENSCALE_DEFAULT, **kw["tokenscale"]}["window"])
+
+    def measure(step0: float) -> tuple[bool, dict[str, Any]]:
+        plan = transform_plan(cache, step0, cal=cal, lm=lm, preset="target", **kw)
+        data = encode_bytes(cache, plan, verify=False)  # decoded right below, never stored
+        dec = decode_bytes(data)
+        m = compare_logits(exact, continue_logits(lm, dec, continuation), continuation)
+        ok = m["kl_mean"] <= target_kl if target_kl is not None else abs(m["dppl_percent"]) <= (target_dppl or 0.0)
+        info = {"step0": step0, "kl_mean": m["kl_mean"], "dppl_percent": m["dppl_percent"], "bytes": len(data)}
+        if verbose:
+            print(f"plan_for_target: step0={step0:.4g} bytes={len(data)} kl={m['kl_mean']:.3g} dppl={m['dppl_percent']:+.3f}% ok={ok}", flush=True)
+        return ok, info
+
+    ok_lo, best = measure(lo)
+    if not ok_lo:
+        raise KvcInputError(f"quality target not reachable even at step0={lo} (kl={best['kl_mean']:.3g}, dppl={best['dppl_percent']:+.3f}%)")
+    a, b = math.log(lo), math.log(hi)
+    for _ in range(iters):
+        mid = 0.5 * (a + b)
+        ok, info = measure(math.exp(mid))
+        if ok:
+            a, best = mid, info
+        else:
+            b = mid
+    plan = transform_plan(cache, best["step0"], cal=cal, lm=lm, preset="target", **kw)
+    return plan, best

@@ -1,0 +1,188 @@
+"""Preset name (+ overrides) -> encoding :class:`~kvcodec.core.stage.Plan`: the ONE place presets are defined.
+
+Why one module: the CLI (``--config``), the library (:func:`get_plan`) and the vLLM
+connector's ``kv_connector_extra_config`` all name a preset and optionally change its
+settings. When each validated overrides with its own rules they disagreed (the CLI
+accepted zstd level 22, which the zstd stage refuses), so :func:`check_overrides`
+here is the only validator and every entry point calls it.
+
+Presets:
+
+* built in, lossless or casting: ``lossless`` (raw -> shuffle -> zstd), ``fp16`` (cast ->
+  raw -> shuffle -> zstd), ``zstd`` (raw -> zstd), ``raw``;
+* lossy transform codec (:mod:`kvcodec.plan.settings`): ``near-lossless``, ``balanced``,
+  ``small``. They *use* the model when given one (``uses_model``): the file is checked
+  against the preset's quality target and ``step0`` lowered until it holds
+  (:mod:`kvcodec.plan.check`), and ``balanced``/``small`` weight tokens by attention
+  importance. Without a model (golden vectors, engines that only hold the cache, the vLLM
+  connector) they encode at the preset's fixed ``step0`` with uniform steps (the guard's
+  record, ``params["guard"]``, is then absent);
+* baselines (:mod:`kvcodec.plan.baselines`), named ``baseline:NAME``.
+
+This module imports the codec modules lazily: choosing or validating a preset does not
+import torch-heavy encoders.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from kvcodec.errors import KvcInputError
+from kvcodec.core.stage import Plan
+
+__all__ = ["PRESETS", "BASELINE_PREFIX", "Plan", "PresetInfo", "available_presets", "check_overrides",
+           "get_plan", "parse_config", "preset_info"]
+
+BASELINE_PREFIX = "baseline:"
+_LOSSY_KEYS = frozenset({"step0", "sink", "group", "basis", "deadzone", "calibration", "tokenscale", "max_bits"})
+_ZSTD_KEYS = frozenset({"level"})
+
+
+@dataclass(frozen=True)
+class PresetInfo:
+    """What a preset is: whether it is lossy, whether it uses the model, which overrides it takes."""
+
+    name: str
+    lossy: bool
+    uses_model: bool
+    overrides: frozenset[str]
+
+
+PRESETS: dict[str, PresetInfo] = {
+    "lossless": PresetInfo("lossless", False, False, _ZSTD_KEYS),
+    "fp16": PresetInfo("fp16", False, False, _ZSTD_KEYS),
+    "zstd": PresetInfo("zstd", False, False, _ZSTD_KEYS),
+    "raw": PresetInfo("raw", False, False, frozenset()),
+    "near-lossless": PresetInfo("near-lossless", True, True, _LOSSY_KEYS),
+    "balanced": PresetInfo("balanced", True, True, _LOSSY_KEYS),
+    "small": PresetInfo("small", True, True, _LOSSY_KEYS),
+}
+CONFIG_KEYS = frozenset({"preset"}) | _LOSSY_KEYS | _ZSTD_KEYS
+
+
+def available_presets() -> list[str]:
+    """The preset names a user may give (baselines are named ``baseline:NAME`` and listed by kvcodec.plan.baselines)."""
+    return list(PRESETS)
+
+
+def preset_info(name: Any, where: str = "preset") -> PresetInfo:
+    """The preset's :class:`PresetInfo`; an unknown name is one :class:`KvcInputError` line."""
+    info = PRESETS.get(name) if isinstance(name, str) else None
+    if info is None:
+        raise KvcInputError(f"{where}: unknown preset {name!r} (available: {', '.join(PRESETS)})")
+    return info
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _tokenscale_ok(v: Any) -> bool:
+    if v is None:
+        return True
+    from kvcodec.plan.pipelines import TOKENSCALE_DEFAULT
+
+    return isinstance(v, dict) and set(v) <= set(TOKENSCALE_DEFAULT)
+
+
+def _level_ok(v: Any) -> bool:
+    from kvcodec.codecs.lossless import ZSTD_LEVELS
+
+    return _int(v) and v in ZSTD_LEVELS
+
+
+# The rules are the stages' own limits (QuantizeStage: deadzone in [0, 0.5); Zstd: ZSTD_LEVELS), checked here
+# before any work so a bad value is refused in one line instead of minutes into an encode.
+_CHECKS: dict[str, tuple[Any, str]] = {
+    "step0": (lambda v: _number(v) and v > 0, "a positive number"),
+    "sink": (lambda v: _int(v) and v >= 0, "an integer >= 0"),
+    "group": (lambda v: _int(v) and v > 0, "an integer > 0"),
+    "basis": (lambda v: v in ("pca", "hadamard"), "'pca' or 'hadamard'"),
+    "deadzone": (lambda v: _number(v) and 0 <= v < 0.5, "a number in [0, 0.5)"),
+    "max_bits": (lambda v: _int(v) and 1 <= v <= 16, "an integer in [1, 16] (over 8: quantize v2's 16-bit codes)"),
+    "calibration": (lambda v: v in ("external", "embedded"), "'external' or 'embedded'"),
+    "tokenscale": (_tokenscale_ok, "null or an object with keys from window, bits, log2_step, min_log2, power, max_log2, kinds"),
+    "level": (_level_ok, "an integer zstd level in [-7, 19]"),
+}
+
+
+def check_overrides(preset: str, overrides: dict[str, Any], where: str = "config") -> dict[str, Any]:
+    """Validate ``overrides`` of ``preset`` (the ONE validator: CLI, library and vLLM config); return a copy."""
+    info = preset_info(preset, where)
+    if not isinstance(overrides, dict):
+        raise KvcInputError(f"{where}: overrides must be an object, got {type(overrides).__name__}")
+    bad = sorted(set(overrides) - info.overrides)
+    if bad:
+        takes = ", ".join(sorted(info.overrides)) or "no overrides"
+        raise KvcInputError(f"{where}: preset {preset} does not take {bad} (it takes {takes})")
+    for k, v in overrides.items():
+        ok, what = _CHECKS[k]
+        if not ok(v):
+            raise KvcInputError(f"{where}: {k} must be {what}, got {v!r}")
+    return dict(overrides)
+
+
+def parse_config(cfg: Any, where: str = "config") -> tuple[str, dict[str, Any]]:
+    """(preset, checked overrides) of a ``{"preset": NAME, **overrides}`` object."""
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("preset"), str):
+        raise KvcInputError(f'{where} must be a JSON object with a "preset" name, e.g. {{"preset": "balanced", "step0": 0.25}}')
+    unknown = sorted(set(cfg) - CONFIG_KEYS)
+    if unknown:
+        raise KvcInputError(f"{where}: unknown keys {unknown} (known: {', '.join(sorted(CONFIG_KEYS))})")
+    over = {k: v for k, v in cfg.items() if k != "preset"}
+    return cfg["preset"], check_overrides(cfg["preset"], over, where)
+
+
+def _dtype(cache: Any) -> str:
+    return str(cache.dtype).removeprefix("torch.")
+
+
+def get_plan(name: str, cache: Any, lm: Any = None, guard: bool = True, *, cal: Any = None,
+             importance: Any = None, **overrides: Any) -> Plan:
+    """The plan of preset ``name`` (or ``baseline:NAME``) for ``cache``.
+
+    ``overrides`` are the preset's settings to change (checked by :func:`check_overrides`).
+    ``lm``, ``cal`` and ``importance`` are encoder inputs, not settings: the model (lossy
+    presets: quality guard unless ``guard=False`` or ``step0`` is given, and token
+    importance), a calibration to use instead of the model's cached one, and precomputed
+    per-(layer, token) importance [L, T] (so a caller scoring the context once can reuse it).
+    """
+    if isinstance(name, str) and name.startswith(BASELINE_PREFIX):
+        from kvcodec.plan.baseline_plans import get_baseline_plan
+
+        return get_baseline_plan(name.removeprefix(BASELINE_PREFIX), cache, **overrides)
+    info = preset_info(name)
+    overrides = check_overrides(name, overrides)
+    if not info.lossy:
+        from kvcodec.codecs.lossless import fp16_pipeline, lossless_pipeline, raw_pipeline
+
+        level = overrides.get("level", 3)
+        if name == "lossless":
+            return Plan(lossless_pipeline(_dtype(cache), level=level), {}, name)
+        if name == "fp16":
+            if _dtype(cache) == "bfloat16":
+                raise KvcInputError("preset 'fp16' would change a bfloat16 cache's range; use 'lossless'")
+            return Plan(fp16_pipeline(level=level), {}, name)
+        if name == "zstd":
+            return Plan(lossless_pipeline(_dtype(cache), level=level, shuffle=False), {}, name)
+        return Plan(raw_pipeline(_dtype(cache)), {}, name)
+    from kvcodec.plan import settings as lossy
+    args: dict[str, Any] = dict(lossy.PRESETS[name])
+    args.update(overrides)
+    if cal is not None:
+        args["cal"] = cal
+    if importance is not None:
+        args["importance"] = importance
+    if guard and lm is not None and "step0" not in overrides and name in lossy.PRESET_TARGETS:
+        from kvcodec.plan.check import guarded_plan
+
+        return guarded_plan(cache, lm, name, args, lossy.PRESET_TARGETS[name])
+    from kvcodec.plan.pipelines import transform_plan
+
+    return transform_plan(cache, preset=name, lm=lm, **args)

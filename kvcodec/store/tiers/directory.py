@@ -1,0 +1,502 @@
+"""Local directory tier: crash-safe, checksummed, per-partition size caps, multi-process safe.
+
+Layout 2 (spec/store-keys.md §7)::
+
+    <root>/kvstore.json                         marker {"format": "kvcodec-store", "layout": 2}
+    <root>/objects/<ns>/<d[:2]>/<d>.kve         one envelope per entry (ns = key namespace,
+                                                d = key digest); the Store passes physical
+                                                keys, so ns is a tenant's opaque tag
+    <root>/objects/<ns>/<d[:2]>/.<d>.<pid>.<rand>.tmp   in-flight writes
+    <root>/quarantine/<d>.kve.<time>.<rand>.bad          damaged entries moved aside
+
+Writes: temp file in the target directory, write, ``fsync``, ``os.replace``
+onto the final name, ``fsync`` the directory.  Readers see the old complete
+file, the new complete file, or nothing; a writer killed at any moment leaves
+at most a temp file, which ``gc()`` removes once older than a grace period.
+
+Reads open the file once and verify the envelope (size, crc32c, key) on the
+bytes of that open file.  A *damaged* entry (bad size, checksum, header) is
+a miss and is moved to ``quarantine/``.  An intact entry that holds another
+key is a plain miss and is left alone: a read never moves an entry it does
+not own.
+
+Size cap: ``max_bytes`` caps each partition (``<ns>``) separately, so one
+tenant's writes can only evict that tenant's own least-recently-used entries
+(a read bumps mtime).  A put larger than the cap is refused with
+:class:`KvcStoreError` -- the tier never writes an entry only to evict it
+(or everything else) at once.  Eviction never removes the entry just written.
+
+A layout-1 store (flat ``objects/<d[:2]>/``, namespace-label keys) is
+upgraded on open by renaming its ``objects/`` to ``objects.layout1.<time>``:
+its entries cannot be authenticated, so they are kept aside, never served.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import secrets
+import stat
+import threading
+import time
+from typing import Any, BinaryIO, Iterator, Mapping
+
+from kvcodec.errors import KvcFormatError, KvcInputError, KvcStoreError
+from kvcodec.store.keys import StoreKey
+from kvcodec.store.ranged import FileRangeReader
+from kvcodec.store.tiers.base import (
+    FIXED_SIZE,
+    MAX_TIER_META,
+    Entry,
+    EntryInfo,
+    KeyMismatch,
+    Tier,
+    as_bytes,
+    check_meta,
+    decode_envelope_parts,
+    encode_envelope_parts,
+    log,
+    parse_fixed,
+    parse_header,
+)
+
+MARKER = "kvstore.json"
+MARKER_CONTENT = {"format": "kvcodec-store", "layout": 2}
+SUFFIX = ".kve"
+TMP_SUFFIX = ".tmp"
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:  # pragma: no cover - platforms without dir fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def _open_regular(path: str) -> BinaryIO:
+    """Open ``path`` for reading without following a symlink or blocking on a FIFO planted at an entry's name.
+
+    Entries are only ever created by rename of a regular temp file, so
+    anything else at an entry's name is foreign: an ``OSError``.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+    fd = os.open(path, flags)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise IsADirectoryError(errno.EISDIR, "not a regular file", path)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+class DirectoryTier(Tier):
+    kind = "directory"
+
+    def __init__(self, root: str | os.PathLike[str], *, max_bytes: int | None = None,
+                 fsync: bool = True, low_water: float = 0.9, create: bool = True,
+                 name: str | None = None) -> None:
+        self.root = os.path.abspath(os.fspath(root))
+        super().__init__(name or "directory", "file://" + self.root)
+        self.max_bytes = None if max_bytes is None else int(max_bytes)
+        if self.max_bytes is not None and self.max_bytes <= 0:
+            raise KvcInputError("directory tier max_bytes must be positive")
+        if not 0.0 < low_water <= 1.0:
+            raise KvcInputError("low_water must be in (0, 1]")
+        self.fsync = bool(fsync)
+        self.low_water = float(low_water)
+        self.objects = os.path.join(self.root, "objects")
+        self.quarantine = os.path.join(self.root, "quarantine")
+        self._lock = threading.Lock()
+        self._init_root(create)
+        self._approx: dict[str, int] = {}  # partition -> bytes (measured by a scan, then tracked)
+
+    # -- setup ------------------------------------------------------------------
+    def _init_root(self, create: bool) -> None:
+        marker = os.path.join(self.root, MARKER)
+        if os.path.isfile(marker):
+            try:
+                with open(marker, encoding="utf-8") as f:
+                    m = json.load(f)
+            except (OSError, ValueError) as e:
+                raise KvcStoreError(f"{self.root}: unreadable store marker {MARKER}: {e}") from None
+            if not isinstance(m, dict) or m.get("format") != MARKER_CONTENT["format"]:
+                raise KvcStoreError(f"{self.root}: {MARKER} is not a kvcodec store marker")
+            if m.get("layout") == 1 and create:
+                self._upgrade_layout1(marker)
+            elif m.get("layout") != MARKER_CONTENT["layout"]:
+                raise KvcStoreError(f"{self.root}: unsupported store layout {m.get('layout')!r}")
+        else:
+            if not create:
+                raise KvcStoreError(f"{self.root}: not a kvcodec store (no {MARKER})")
+            if os.path.exists(self.root):
+                if not os.path.isdir(self.root):
+                    raise KvcStoreError(f"{self.root}: exists and is not a directory")
+                if any(n != MARKER and not n.startswith(".") for n in os.listdir(self.root)) and \
+                        not os.path.isdir(self.objects):
+                    raise KvcStoreError(
+                        f"{self.root}: directory is not empty and not a kvcodec store; "
+                        "refusing to use it (gc would delete foreign files)")
+            try:
+                os.makedirs(self.root, exist_ok=True)
+                self._atomic_write_small(marker, json.dumps(MARKER_CONTENT).encode() + b"\n")
+            except OSError as e:
+                raise KvcStoreError(f"{self.root}: cannot create store: {e.strerror or e}") from None
+        for d in (self.objects, self.quarantine):
+            try:
+                os.makedirs(d, exist_ok=True)
+            except OSError as e:
+                raise KvcStoreError(f"{d}: cannot create: {e.strerror or e}") from None
+
+    def _upgrade_layout1(self, marker: str) -> None:
+        """Move a layout-1 ``objects/`` aside (its entries cannot be authenticated) and mark layout 2."""
+        try:
+            dest = f"{self.objects}.layout1.{int(time.time())}.{secrets.token_hex(3)}"
+            try:
+                os.replace(self.objects, dest)
+                log.warning("store %s: layout-1 entries (no tenant keys) moved to %s; they are not served",
+                            self.root, dest)
+            except FileNotFoundError:  # none, or another process upgraded it just now
+                pass
+            self._atomic_write_small(marker, json.dumps(MARKER_CONTENT).encode() + b"\n")
+        except OSError as e:
+            raise KvcStoreError(f"{self.root}: cannot upgrade store layout: {e.strerror or e}") from None
+
+    def _atomic_write_small(self, path: str, data: bytes) -> None:
+        tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            if self.fsync:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+        if self.fsync:
+            _fsync_dir(os.path.dirname(path))
+
+    # -- paths ------------------------------------------------------------------
+    def path_for(self, key: StoreKey) -> str:
+        d = key.digest
+        return os.path.join(self.objects, key.namespace, d[:2], d + SUFFIX)
+
+    def _partitions(self) -> list[str]:
+        try:
+            with os.scandir(self.objects) as it:
+                return [de.path for de in it if de.is_dir(follow_symlinks=False) and not de.name.startswith(".")]
+        except FileNotFoundError:
+            return []
+
+    def _entry_files(self, partition: str | None = None) -> Iterator[tuple[str, os.stat_result]]:
+        """Entry files of one partition (namespace), or of all."""
+        parts = [os.path.join(self.objects, partition)] if partition is not None else self._partitions()
+        for part in parts:
+            yield from self._partition_files(part)
+
+    def _partition_files(self, part: str) -> Iterator[tuple[str, os.stat_result]]:
+        try:
+            subs = os.scandir(part)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        with subs:
+            for sub in subs:
+                if not sub.is_dir(follow_symlinks=False) or len(sub.name) != 2:
+                    continue
+                try:
+                    it = os.scandir(sub.path)
+                except FileNotFoundError:
+                    continue
+                with it:
+                    for de in it:
+                        if de.name.endswith(SUFFIX) and not de.name.startswith("."):
+                            try:
+                                yield de.path, de.stat(follow_symlinks=False)
+                            except FileNotFoundError:
+                                continue
+
+    # -- reads ------------------------------------------------------------------
+    def _quarantine(self, path: str, st: os.stat_result | None, why: str) -> None:
+        self.counters.add(corrupt=1)
+        log.warning("store %s: corrupt entry %s (%s); moved to quarantine", self.root, path, why)
+        try:
+            cur = os.stat(path)
+            if st is not None and (cur.st_ino, cur.st_dev) != (st.st_ino, st.st_dev):
+                return  # replaced by a writer meanwhile: leave the new file alone
+            dest = os.path.join(self.quarantine,
+                                f"{os.path.basename(path)}.{int(time.time())}.{secrets.token_hex(3)}.bad")
+            os.replace(path, dest)
+        except FileNotFoundError:
+            pass
+        except OSError as e:  # pragma: no cover - read-only store etc.
+            log.warning("store %s: cannot quarantine %s: %s", self.root, path, e)
+
+    def _read_file(self, path: str) -> tuple[bytes, bytes, int, os.stat_result] | None:
+        """``(prefix, data, file_size, stat)`` read from one open file (no whole-file copy)."""
+        try:
+            with _open_regular(path) as f:
+                st = os.fstat(f.fileno())
+                fixed = f.read(FIXED_SIZE)
+                try:
+                    hl, dl, _ = parse_fixed(fixed, path)
+                except KvcFormatError:
+                    return fixed, b"", st.st_size, st  # decode reports the damage
+                if FIXED_SIZE + hl + dl != st.st_size:
+                    return fixed, b"", st.st_size, st
+                prefix = fixed + f.read(hl)
+                data = f.read(dl)
+                return prefix, data, st.st_size, st
+        except (FileNotFoundError, IsADirectoryError):
+            return None
+        except OSError as e:
+            self.counters.add(errors=1)
+            raise KvcStoreError(f"{path}: read failed: {e.strerror or e}") from None
+
+    def get_entry(self, key: StoreKey) -> Entry | None:
+        path = self.path_for(key)
+        try:
+            r = self._read_file(path)
+        except KvcStoreError as e:
+            log.warning("store %s: %s", self.root, e)
+            self.counters.add(misses=1)
+            return None
+        if r is None:
+            self.counters.add(misses=1)
+            return None
+        prefix, data, size, st = r
+        try:
+            e = decode_envelope_parts(prefix, data, key, what=path, total=size)
+        except KeyMismatch as err:  # intact, but not the entry asked for: never touch it
+            log.warning("store %s: %s; treated as a miss", self.root, err)
+            self.counters.add(misses=1)
+            return None
+        except KvcFormatError as err:
+            self._quarantine(path, st, str(err))
+            self.counters.add(misses=1)
+            return None
+        try:
+            os.utime(path, None)  # last-used time for LRU eviction
+        except OSError:
+            pass
+        self.counters.add(hits=1)
+        return e
+
+    def contains(self, key: StoreKey) -> bool:
+        return os.path.isfile(self.path_for(key))
+
+    def range_entry(self, key: StoreKey) -> tuple[FileRangeReader, dict[str, Any]] | None:
+        """``(reader over the payload, header meta)`` of ``key`` without reading the payload.
+
+        No whole-entry checksum check: the Store verifies the seal in the meta
+        and every block it reads.  ``None`` when absent or holding another key.
+        """
+        path = self.path_for(key)
+        try:
+            with _open_regular(path) as f:
+                fixed = f.read(FIXED_SIZE)
+                hl, dl, _ = parse_fixed(fixed, path)
+                hb = f.read(hl)
+                if len(hb) != hl:
+                    raise KvcFormatError(f"{path}: truncated header")
+                h = parse_header(hb, path)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise KvcStoreError(f"{path}: read failed: {e.strerror or e}") from None
+        if h["key"] != key.to_str():
+            return None
+        return FileRangeReader(path, base=FIXED_SIZE + hl, length=dl), h.get("meta", {})
+
+    # -- writes -----------------------------------------------------------------
+    def put(self, key: StoreKey, data: bytes, meta: Mapping[str, Any] | None = None,
+            created: float | None = None) -> None:
+        data = as_bytes(data)
+        meta = check_meta(meta, MAX_TIER_META)
+        prefix, payload = encode_envelope_parts(key, data, meta, created)
+        size = len(prefix) + len(payload)
+        if self.max_bytes is not None and size > self.max_bytes:
+            self.counters.add(put_errors=1)
+            raise KvcStoreError(f"{self.root}: entry of {size:,} bytes is larger than the tier's cap of "
+                                f"{self.max_bytes:,} bytes; not stored (raise max_bytes)")
+        path = self.path_for(key)
+        d = os.path.dirname(path)
+        tmp = os.path.join(d, f".{key.digest}.{os.getpid()}.{secrets.token_hex(6)}{TMP_SUFFIX}")
+        try:
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o644)
+            except FileNotFoundError:
+                os.makedirs(d, exist_ok=True)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o644)
+            try:
+                with os.fdopen(fd, "wb", buffering=0) as f:
+                    for part in (prefix, payload):
+                        mv = memoryview(part)
+                        while mv:
+                            n = f.write(mv)
+                            mv = mv[n:]
+                    if self.fsync:
+                        os.fsync(f.fileno())
+                os.replace(tmp, path)
+            except BaseException:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+                raise
+            if self.fsync:
+                _fsync_dir(d)
+        except OSError as e:
+            self.counters.add(put_errors=1)
+            msg = e.strerror or str(e)
+            if e.errno == errno.ENOSPC:
+                msg = "no space left on device"
+            raise KvcStoreError(f"{self.root}: cannot write entry {key.digest[:16]}: {msg}") from None
+        self.counters.add(puts=1)
+        if self.max_bytes is not None:
+            ns = key.namespace
+            with self._lock:
+                known = ns in self._approx
+                self._approx[ns] = self._approx.get(ns, 0) + size
+                over = not known or self._approx[ns] > self.max_bytes
+            if over:
+                self.evict(ns, keep=path)
+
+    def evict(self, partition: str, keep: str | None = None) -> int:
+        """Delete partition ``partition``'s least-recently-used entries until under ``low_water * max_bytes``.
+
+        ``keep``: a path never evicted (the entry just written).  Other
+        partitions are never touched.
+        """
+        if self.max_bytes is None:
+            return 0
+        with self._lock:
+            files = list(self._entry_files(partition))
+            total = sum(st.st_size for _, st in files)
+            target = int(self.max_bytes * self.low_water)
+            n = 0
+            if total > self.max_bytes:
+                files.sort(key=lambda t: t[1].st_mtime)
+                for path, st in files:
+                    if total <= target:
+                        break
+                    if path == keep:
+                        continue
+                    try:
+                        os.unlink(path)
+                        n += 1
+                    except FileNotFoundError:
+                        pass
+                    total -= st.st_size
+            self._approx[partition] = total
+        if n:
+            self.counters.add(evictions=n)
+        return n
+
+    def delete(self, key: StoreKey) -> bool:
+        try:
+            os.unlink(self.path_for(key))
+            return True
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            raise KvcStoreError(f"{self.root}: cannot delete {key.digest[:16]}: {e.strerror or e}") from None
+
+    # -- listing / maintenance ------------------------------------------------------------
+    def _read_info(self, path: str, st: os.stat_result, with_meta: bool) -> EntryInfo | None:
+        try:
+            with _open_regular(path) as f:
+                hl, dl, _ = parse_fixed(f.read(FIXED_SIZE), path)
+                if FIXED_SIZE + hl + dl != st.st_size:
+                    return None
+                h = parse_header(f.read(hl), path)
+            k = StoreKey.from_str(h["key"])
+        except (OSError, KvcFormatError, KvcInputError):
+            return None
+        if path != self.path_for(k):
+            return None
+        return EntryInfo(k, dl, self.name, h.get("meta") if with_meta else None, st.st_mtime)
+
+    def ls(self, with_meta: bool = False) -> Iterator[EntryInfo]:
+        for path, st in self._entry_files():
+            info = self._read_info(path, st, with_meta)
+            if info is not None:
+                yield info
+
+    def usage(self) -> tuple[int, int]:
+        n = b = 0
+        for _, st in self._entry_files():
+            n += 1
+            b += st.st_size
+        return n, b
+
+    def gc(self, grace_s: float = 3600.0, verify: bool = True) -> dict[str, int]:
+        """Tier hygiene: temp files older than ``grace_s``, old quarantine, (``verify``) damaged files.
+
+        Returns counts: ``tmp_removed``, ``corrupt_removed`` (moved to
+        quarantine), ``quarantine_purged`` (quarantined files older than the
+        grace period, deleted), ``checked``.  A temp file younger than the
+        grace period may belong to a live writer and is kept.  Only files no
+        one can read are touched (bad checksum, size or header, or a file at
+        a name its header does not give); intact entries of any partition are
+        never moved, and ``gc`` evicts nothing (puts enforce each partition's cap).
+        """
+        now = time.time()
+        out = {"tmp_removed": 0, "corrupt_removed": 0, "checked": 0}
+        for dirpath, _dirs, names in os.walk(self.root):
+            for nm in names:
+                if not nm.endswith(TMP_SUFFIX):
+                    continue
+                p = os.path.join(dirpath, nm)
+                try:
+                    if now - os.stat(p).st_mtime >= grace_s:
+                        os.unlink(p)
+                        out["tmp_removed"] += 1
+                except FileNotFoundError:
+                    pass
+        try:
+            qnames = os.listdir(self.quarantine)
+        except FileNotFoundError:
+            qnames = []
+        out["quarantine_purged"] = 0
+        for nm in qnames:
+            p = os.path.join(self.quarantine, nm)
+            try:
+                if now - os.stat(p).st_mtime >= grace_s:
+                    os.unlink(p)
+                    out["quarantine_purged"] += 1
+            except FileNotFoundError:
+                pass
+        if verify:
+            for path, _st in list(self._entry_files()):
+                try:
+                    r = self._read_file(path)
+                except KvcStoreError as e:  # e.g. a symlink planted at an entry name: report, go on
+                    log.warning("store %s: gc: %s", self.root, e)
+                    out["unreadable"] = out.get("unreadable", 0) + 1
+                    continue
+                if r is None:
+                    continue
+                prefix, data, size, st2 = r
+                out["checked"] += 1
+                try:
+                    e = decode_envelope_parts(prefix, data, None, what=path, total=size)
+                    if self.path_for(e.key) != path:
+                        raise KvcFormatError(f"{path}: holds key {e.key.to_str()}, which lives elsewhere")
+                except KvcFormatError as err:
+                    self._quarantine(path, st2, str(err))
+                    out["corrupt_removed"] += 1
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        d = super().stats()
+        d["root"] = self.root
+        d["max_bytes"] = self.max_bytes
+        try:
+            d["quarantined"] = len(os.listdir(self.quarantine))
+        except OSError:
+            d["quarantined"] = None
+        return d

@@ -1,0 +1,281 @@
+"""Client tier of the KDN service (``kvc serve``): ``kvc+http://[:TOKEN@]host:port``.
+
+With this tier every existing store client (``kvc ask``, blend, the HF
+loader, the vLLM connector, ``kvc store``) talks to a shared ``kvc serve``
+instead of a local directory or Redis: ``Store.open("kvc+http://host:8470")``.
+The wire protocol is in ``spec/kdn-v1.md``; the server is :mod:`kvcodec.service`.
+
+Authentication: a bearer token, taken from the URL's password
+(``kvc+http://:TOKEN@host:port``; redacted in logs and stats) or else from
+the ``KVC_TOKEN`` environment variable.  The server maps the token to a
+tenant and the namespaces it may use; a key in another namespace is refused
+(HTTP 403), which this tier reports as a :class:`KvcStoreError` on writes and
+as a counted miss on reads.
+
+Integrity: the server sends the payload's CRC32C (``X-Kvc-Crc32c``) and this
+tier checks it, so a payload damaged in transit or in a proxy is a miss, not
+a wrong answer.  The server itself verifies every ``.kvc`` on put and checks
+that its token ids hash to the key it is stored under.
+
+Availability: a refused connection or timeout marks the service down for
+``retry_interval`` seconds (one warning per outage); meanwhile reads are
+misses and writes raise :class:`KvcStoreError`, exactly like the Redis tier.
+
+Query options: ``timeout`` (seconds, default 10: connect and read), ``put_timeout``
+(seconds, default 300: the server decodes every chunk of a put before
+answering; also the total deadline of a get), ``max_entry`` (default 1G: the
+largest entry body a get accepts), ``retry_interval`` (seconds, default 1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.request
+from http.client import HTTPException
+from typing import Any, Iterable, Iterator, Mapping
+from urllib.parse import parse_qsl, quote, urlsplit, urlunsplit
+
+from kvcodec.errors import KvcError, KvcInputError, KvcStoreError
+from kvcodec.store.keys import StoreKey
+from kvcodec.store.tiers.redis import redact
+from kvcodec.store.options import parse_size
+from kvcodec.store.ranged import HttpLimits, HttpRangeReader, http_request
+from kvcodec.store.outage import OutageGuard
+from kvcodec.store.tiers.base import MAX_TIER_META, Entry, EntryInfo, Tier, as_bytes, check_meta, crc32c, log
+
+TOKEN_ENV = "KVC_TOKEN"
+API = "/v1"
+# Header names shared with the server (kvcodec.service.app).
+H_META = "X-Kvc-Meta"
+H_CRC = "X-Kvc-Crc32c"
+H_CREATED = "X-Kvc-Created"
+CONTENT_TYPE = "application/vnd.kvcodec.kvc"
+MAX_META_HEADER = 60 << 10  # JSON metadata in one header: under http.client's 64 KiB line limit (a seal holds 64 hex per MiB of entry)
+MAX_CONTAINS = 4096     # keys per /v1/contains request
+MAX_REPLY = 64 << 20    # bytes read from a JSON answer (a listing of many entries)
+
+
+def entry_path(key: StoreKey) -> str:
+    return f"{API}/entries/{quote(key.to_str(), safe='')}"
+
+
+class KdnTier(Tier):
+    """A ``kvc serve`` instance as a store tier (see the module docstring)."""
+
+    kind = "kdn"
+
+    def __init__(self, url: str, *, name: str | None = None, token: str | None = None) -> None:
+        p = urlsplit(url)
+        scheme = p.scheme.lower()
+        if scheme not in ("kvc+http", "kvc+https"):
+            raise KvcInputError(f"not a kvc+http(s) URL: {redact(url)!r}")
+        if not p.hostname:
+            raise KvcInputError(f"kvc+http URL needs a host: {redact(url)!r}")
+        q = dict(parse_qsl(p.query))
+        try:
+            self.timeout = float(q.pop("timeout", 10.0))
+            self.put_timeout = float(q.pop("put_timeout", 300.0))
+            self.max_entry = parse_size(q.pop("max_entry", "1G"))
+            self.retry_interval = float(q.pop("retry_interval", 1.0))
+        except ValueError as e:
+            raise KvcInputError(f"bad kvc+http option: {e}") from None
+        if q:
+            raise KvcInputError(f"unknown kvc+http options {sorted(q)}")
+        if p.path not in ("", "/"):
+            raise KvcInputError(f"kvc+http URL takes no path: {p.path!r}")
+        self.token = token or p.password or os.environ.get(TOKEN_ENV) or None
+        try:
+            port = p.port
+        except ValueError as e:
+            raise KvcInputError(f"bad port in kvc+http URL: {e}") from None
+        host = p.hostname if ":" not in p.hostname else f"[{p.hostname}]"
+        netloc = f"{host}:{port}" if port else host
+        self.base = urlunsplit((scheme[4:], netloc, "", "", ""))
+        super().__init__(name or "kdn", f"{scheme}://{netloc}")
+        self.guard = OutageGuard(f"kdn {self.url}", self.retry_interval)
+        self.limits = HttpLimits(connect=min(self.timeout, 5.0), read=self.timeout,
+                                 total=max(self.timeout, self.put_timeout))
+
+    # -- transport ----------------------------------------------------------------
+    def _headers(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        h = {"Accept-Encoding": "identity"}
+        if self.token:
+            h["Authorization"] = f"Bearer {self.token}"
+        h.update(extra or {})
+        return h
+
+    def _request(self, method: str, path: str, body: bytes | None = None,
+                 headers: Mapping[str, str] | None = None, timeout: float | None = None
+                 ) -> tuple[int, Mapping[str, str], bytes]:
+        """``(status, headers, body)``; 4xx answers are returned, transport failures raise."""
+        self.guard.check(method)
+        req = urllib.request.Request(self.base + path, data=body, method=method, headers=self._headers(headers))
+        try:
+            try:
+                with urllib.request.urlopen(req, timeout=timeout or self.timeout) as resp:
+                    out = resp.status, resp.headers, resp.read(MAX_REPLY)
+            except urllib.error.HTTPError as e:
+                with e:
+                    out = e.code, e.headers, e.read(MAX_REPLY)
+        except urllib.error.URLError as e:
+            raise self.guard.failed(f"cannot connect: {e.reason}") from None
+        except (HTTPException, OSError) as e:
+            raise self.guard.failed(f"{type(e).__name__}: {e}") from None
+        if out[0] >= 500:
+            raise KvcStoreError(f"kdn {self.url}: {method} {path}: HTTP {out[0]} {_reason(out[2])}")
+        self.guard.ok()
+        return out
+
+    def _refused(self, what: str, status: int, body: bytes) -> KvcStoreError:
+        return KvcStoreError(f"kdn {self.url}: {what} refused: HTTP {status} {_reason(body)}")
+
+    def available(self) -> bool:
+        return self.guard.up
+
+    # -- Tier interface ----------------------------------------------------------
+    def _fetch(self, method: str, key: StoreKey) -> Any:
+        """A bounded GET/HEAD of an entry (connect/read/total deadlines, body at most ``max_entry``)."""
+        self.guard.check(method)
+        try:
+            r = http_request(self.base + entry_path(key), method=method, headers=self._headers(),
+                             limits=self.limits, max_body=self.max_entry, body_statuses=(200,))
+        except KvcStoreError as e:
+            if "deadline" in str(e) or "connect" in str(e) or "transfer" in str(e):
+                raise self.guard.failed(str(e)) from None
+            raise
+        if r.status >= 500:
+            raise KvcStoreError(f"kdn {self.url}: {method} {key}: HTTP {r.status}")
+        self.guard.ok()
+        return r
+
+    def get_entry(self, key: StoreKey) -> Entry | None:
+        try:
+            r = self._fetch("GET", key)
+        except KvcError as e:
+            if self.guard.up:
+                log.warning("store: %s", e)
+            self.counters.add(errors=1, misses=1)
+            return None
+        if r.status == 404:
+            self.counters.add(misses=1)
+            return None
+        if r.status != 200:
+            log.warning("store: kdn %s: get %s refused: HTTP %d", self.url, key, r.status)
+            self.counters.add(errors=1, misses=1)
+            return None
+        body = r.body
+        want = r.headers.get(H_CRC)
+        if want is None or f"{crc32c(body):08x}" != want.strip().lower():
+            log.warning("store: kdn %s: payload of %s fails its checksum (%s); a miss", self.url, key, want)
+            self.counters.add(corrupt=1, misses=1)
+            return None
+        meta, created = _meta_of(r.headers)
+        self.counters.add(hits=1)
+        return Entry(key, body, meta, created)
+
+    def put(self, key: StoreKey, data: bytes, meta: Mapping[str, Any] | None = None,
+            created: float | None = None) -> None:
+        data = as_bytes(data)
+        m = json.dumps(check_meta(meta, MAX_TIER_META), sort_keys=True, separators=(",", ":"))
+        if len(m) > MAX_META_HEADER:
+            raise KvcInputError(f"metadata of {len(m)} bytes is too large for the kdn service (max {MAX_META_HEADER})")
+        try:
+            status, _, body = self._request("PUT", entry_path(key), data, {
+                "Content-Type": CONTENT_TYPE, H_META: m, H_CRC: f"{crc32c(data):08x}"}, timeout=self.put_timeout)
+        except KvcStoreError:
+            self.counters.add(put_errors=1)
+            raise
+        if status not in (200, 201, 204):
+            self.counters.add(put_errors=1)
+            raise self._refused(f"put {key}", status, body)
+        self.counters.add(puts=1)
+
+    def contains(self, key: StoreKey) -> bool:
+        return self.contains_many([key])[0]
+
+    def contains_many(self, keys: Iterable[StoreKey]) -> list[bool]:
+        keys = list(keys)
+        out: list[bool] = []
+        for i in range(0, len(keys), MAX_CONTAINS):
+            part = keys[i:i + MAX_CONTAINS]
+            try:
+                status, _, body = self._request(
+                    "POST", f"{API}/contains", json.dumps({"keys": [k.to_str() for k in part]}).encode(),
+                    {"Content-Type": "application/json"})
+                if status != 200:
+                    raise self._refused("contains", status, body)
+                found = json.loads(body)["found"]
+                if not isinstance(found, list) or len(found) != len(part):
+                    raise KvcStoreError(f"kdn {self.url}: malformed contains answer")
+            except (KvcStoreError, ValueError, KeyError, TypeError) as e:
+                if not isinstance(e, KvcStoreError) or "unreachable" not in str(e):
+                    log.warning("store: kdn %s: contains failed: %s", self.url, e)
+                self.counters.add(errors=1)
+                found = [False] * len(part)
+            out.extend(bool(f) for f in found)
+        return out
+
+    def delete(self, key: StoreKey) -> bool:
+        status, _, body = self._request("DELETE", entry_path(key))
+        if status == 404:
+            return False
+        if status not in (200, 204):
+            raise self._refused(f"delete {key}", status, body)
+        return True
+
+    def ls(self, with_meta: bool = False) -> Iterator[EntryInfo]:
+        status, _, body = self._request("GET", f"{API}/entries?meta={int(with_meta)}")
+        if status != 200:
+            raise self._refused("ls", status, body)
+        try:
+            rows = json.loads(body)["entries"]
+            infos = [EntryInfo(StoreKey.from_str(r["key"]), int(r["size"]), self.name,
+                               r.get("meta") if with_meta else None, r.get("mtime")) for r in rows]
+        except (ValueError, KeyError, TypeError, KvcInputError) as e:
+            raise KvcStoreError(f"kdn {self.url}: malformed listing: {e}") from None
+        yield from infos
+
+    def range_entry(self, key: StoreKey) -> tuple[HttpRangeReader, dict[str, Any]] | None:
+        """``(range reader over the payload, meta)``: a HEAD, then ``Range`` + ``If-Range`` reads; None on 404."""
+        r = self._fetch("HEAD", key)
+        if r.status == 404:
+            return None
+        if r.status != 200:
+            raise KvcStoreError(f"kdn {self.url}: head {key} refused: HTTP {r.status}")
+        meta, _ = _meta_of(r.headers)
+        return HttpRangeReader(self.base + entry_path(key), headers=self._headers(), limits=self.limits), meta
+
+    def whoami(self) -> dict[str, Any]:
+        """The tenant and namespaces the server maps this tier's token to."""
+        status, _, body = self._request("GET", f"{API}/whoami")
+        if status != 200:
+            raise self._refused("whoami", status, body)
+        return json.loads(body)
+
+    def stats(self) -> dict[str, Any]:
+        d = super().stats()
+        d["outages"] = self.guard.outages
+        d["last_error"] = self.guard.last_error
+        return d
+
+
+def _meta_of(headers: Any) -> tuple[dict[str, Any], float | None]:
+    try:
+        meta = json.loads(headers.get(H_META) or "{}")
+        created = float(headers.get(H_CREATED) or 0) or None
+    except ValueError:
+        return {}, None
+    return (meta if isinstance(meta, dict) else {}), created
+
+
+def _reason(body: bytes) -> str:
+    """The server's one-line error message from a JSON error body (or the raw start of it)."""
+    try:
+        msg = json.loads(body).get("error")
+        if isinstance(msg, str):
+            return msg
+    except (ValueError, AttributeError):
+        pass
+    return body[:200].decode("utf-8", "replace").strip()

@@ -1,0 +1,277 @@
+"""Redis tier (redis-py): one Redis string per entry holding the checksummed envelope.
+
+URL: ``redis://[[user]:password@]host:port/db`` or ``rediss://...`` (TLS), or
+``unix:///path/sock?db=N``.  Extra query options understood here:
+
+* ``timeout`` (seconds, default 2): socket connect and I/O timeout;
+* ``prefix`` (default ``kvc:``): prefix of Redis key names;
+* ``ttl`` (seconds, default none): expiry set on every put;
+* ``retry_interval`` (seconds, default 1): after a failure, calls within this
+  interval fail fast without touching the network.
+
+Other query options are passed to ``redis.Redis.from_url`` unchanged.
+
+Availability: a connection failure or timeout marks the tier *down* and logs
+one warning for the outage (logger ``kvcodec.store``).  While down, reads
+are misses and ``put``/``delete`` raise :class:`KvcStoreError` (the store
+reports it; local tiers keep their copy).  After ``retry_interval`` the next
+call tries again; the first success logs "reachable again" and clears the state.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from kvcodec.errors import KvcFormatError, KvcInputError, KvcStoreError
+from kvcodec.store.keys import StoreKey
+from kvcodec.store.tiers.base import (
+    FIXED_SIZE,
+    Entry,
+    MAX_TIER_META,
+    EntryInfo,
+    Tier,
+    as_bytes,
+    check_meta,
+    encode_envelope,
+    log,
+    parse_fixed,
+    parse_header,
+)
+
+T = TypeVar("T")
+_OWN_OPTS = ("timeout", "prefix", "ttl", "retry_interval")
+
+
+def _number(text: str, what: str, positive: bool = False, integer: bool = False) -> float:
+    """A finite number written in ASCII (``float`` alone accepts Arabic-Indic digits, nan and inf)."""
+    pat = r"[0-9]{1,12}" if integer else r"[0-9]{1,12}(\.[0-9]{1,9})?"
+    if not re.fullmatch(pat, str(text).strip()):
+        raise ValueError(f"{what}={ascii(str(text)[:40])} is not a {'whole ' if integer else ''}number "
+                         "in ASCII digits")
+    v = float(text)
+    if positive and v <= 0:
+        raise ValueError(f"{what} must be > 0")
+    return v
+
+
+def redact(url: str) -> str:
+    """The URL with any password replaced by ``***``."""
+    p = urlsplit(url)
+    if p.password is None:
+        return url
+    user = p.username or ""
+    host = p.hostname or ""
+    if p.port:
+        host = f"{host}:{p.port}"
+    return urlunsplit((p.scheme, f"{user}:***@{host}", p.path, p.query, p.fragment))
+
+
+class RedisTier(Tier):
+    kind = "redis"
+
+    def __init__(self, url: str, *, name: str | None = None, client: Any = None) -> None:
+        try:
+            import redis
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
+        except ImportError:  # pragma: no cover
+            raise KvcStoreError("the redis tier needs redis-py: pip install 'kvcodec[store]'") from None
+        self._redis_mod = redis
+        try:
+            p = urlsplit(url)
+            _ = p.port  # validates: ASCII digits in range
+        except ValueError as e:
+            raise KvcInputError(f"bad redis URL {ascii(url.split('@')[-1])}: {e}") from None
+        if p.scheme not in ("redis", "rediss", "unix"):
+            raise KvcInputError(f"not a redis URL: {redact(url)!r}")
+        q = dict(parse_qsl(p.query, keep_blank_values=True))
+        try:
+            timeout = _number(q.pop("timeout", "2"), "timeout", positive=True)
+            ttl = q.pop("ttl", None)
+            self.ttl = None if ttl in (None, "", "0") else int(_number(ttl, "ttl", positive=True, integer=True))
+            self.retry_interval = _number(q.pop("retry_interval", "1"), "retry_interval")
+        except ValueError as e:
+            raise KvcInputError(f"bad redis URL option in {redact(url)!r}: {e}") from None
+        self.prefix = q.pop("prefix", "kvc:")
+        if any(c in self.prefix for c in "*?[]\\"):
+            raise KvcInputError(f"redis key prefix {self.prefix!r} must not contain glob characters")
+        clean = urlunsplit((p.scheme, p.netloc, p.path, urlencode(q), p.fragment))
+        super().__init__(name or "redis", redact(url))
+        if client is not None:
+            self.r = client
+        else:
+            try:
+                self.r = redis.Redis.from_url(
+                    clean, socket_timeout=timeout, socket_connect_timeout=timeout,
+                    retry=Retry(NoBackoff(), 1), health_check_interval=0)
+            except ValueError as e:
+                raise KvcInputError(f"bad redis URL {redact(url)!r}: {e}") from None
+        self._errors: tuple[type[BaseException], ...] = (
+            redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+        self._lock = threading.Lock()
+        self._down_since: float | None = None
+        self._next_try = 0.0
+        self.last_error: str | None = None
+        self.outages = 0
+
+    # -- availability ------------------------------------------------------------
+    def available(self) -> bool:
+        return self._down_since is None
+
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        now = time.monotonic()
+        with self._lock:
+            if self._down_since is not None and now < self._next_try:
+                raise KvcStoreError(f"redis {self.url} is unreachable ({self.last_error}); {what} skipped")
+        try:
+            out = fn()
+        except self._errors as e:
+            first = False
+            with self._lock:
+                self.last_error = f"{type(e).__name__}: {e}"
+                self._next_try = time.monotonic() + self.retry_interval
+                if self._down_since is None:
+                    self._down_since = time.time()
+                    self.outages += 1
+                    first = True
+            if first:
+                log.warning("store: redis %s unreachable (%s); serving from other tiers, "
+                            "writes to redis are reported as failed until it returns",
+                            self.url, self.last_error)
+            raise KvcStoreError(f"redis {self.url} is unreachable ({self.last_error}); {what} failed") from None
+        except self._redis_mod.exceptions.RedisError as e:
+            raise KvcStoreError(f"redis {self.url}: {what} failed: {type(e).__name__}: {e}") from None
+        if self._down_since is not None:
+            with self._lock:
+                was = self._down_since
+                self._down_since = None
+            if was is not None:
+                log.warning("store: redis %s reachable again after %.1f s", self.url, time.time() - was)
+        return out
+
+    def ping(self) -> bool:
+        try:
+            return bool(self._call("ping", self.r.ping))
+        except KvcStoreError:
+            return False
+
+    # -- key names -------------------------------------------------------------------
+    def rkey(self, key: StoreKey) -> str:
+        return self.prefix + key.to_str()
+
+    # -- interface -------------------------------------------------------------------
+    def get_entry(self, key: StoreKey) -> Entry | None:
+        try:
+            buf = self._call("get", lambda: self.r.get(self.rkey(key)))
+        except KvcStoreError:
+            self.counters.add(errors=1, misses=1)
+            return None
+        return self._entry_or_drop(buf, key, f"redis {self.rkey(key)}",
+                                   lambda: self._call("delete", lambda: self.r.delete(self.rkey(key))))
+
+    def put(self, key: StoreKey, data: bytes, meta: Mapping[str, Any] | None = None,
+            created: float | None = None) -> None:
+        env = encode_envelope(key, as_bytes(data), check_meta(meta, MAX_TIER_META), created)
+        try:
+            self._call("put", lambda: self.r.set(self.rkey(key), env, ex=self.ttl))
+        except KvcStoreError:
+            self.counters.add(put_errors=1)
+            raise
+        self.counters.add(puts=1)
+
+    def contains(self, key: StoreKey) -> bool:
+        try:
+            return bool(self._call("exists", lambda: self.r.exists(self.rkey(key))))
+        except KvcStoreError:
+            self.counters.add(errors=1)
+            return False
+
+    def contains_many(self, keys: Iterable[StoreKey]) -> list[bool]:
+        keys = list(keys)
+        if not keys:
+            return []
+
+        def run() -> list[Any]:
+            pipe = self.r.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(self.rkey(k))
+            return pipe.execute()
+
+        try:
+            return [bool(x) for x in self._call("exists", run)]
+        except KvcStoreError:
+            self.counters.add(errors=1)
+            return self._contains_after_failure(keys)
+
+    def _contains_after_failure(self, keys: list[StoreKey]) -> list[bool]:
+        """What ``contains_many`` answers when its pipelined round failed: all misses (the server is down)."""
+        return [False] * len(keys)
+
+    def delete(self, key: StoreKey) -> bool:
+        return bool(self._call("delete", lambda: self.r.delete(self.rkey(key))))
+
+    def _scan(self) -> list[bytes]:
+        return list(self.r.scan_iter(match=self.prefix + "kvc1:*", count=1000))
+
+    def ls(self, with_meta: bool = False) -> Iterator[EntryInfo]:
+        names = self._call("scan", self._scan)
+        if not names:
+            return
+        plen = len(self.prefix)
+
+        def heads() -> list[Any]:
+            pipe = self.r.pipeline(transaction=False)
+            for n in names:
+                pipe.getrange(n, 0, FIXED_SIZE + 4095)
+            return pipe.execute()
+
+        hs = self._call("ls", heads)
+        for n, h in zip(names, hs):
+            try:
+                k = StoreKey.from_str(n.decode()[plen:])
+            except (KvcInputError, UnicodeDecodeError):
+                continue
+            if not h:
+                continue  # deleted meanwhile
+            try:
+                hl, dl, _ = parse_fixed(h)
+                meta = None
+                if with_meta:
+                    hb = h[FIXED_SIZE:FIXED_SIZE + hl]
+                    if len(hb) < hl:
+                        hb = self._call("ls", lambda: self.r.getrange(n, FIXED_SIZE, FIXED_SIZE + hl - 1))
+                    meta = parse_header(hb).get("meta")
+            except KvcFormatError:
+                continue
+            yield EntryInfo(k, dl, self.name, meta, None)
+
+    def usage(self) -> tuple[int, int]:
+        names = self._call("scan", self._scan)
+        if not names:
+            return 0, 0
+
+        def lens() -> list[Any]:
+            pipe = self.r.pipeline(transaction=False)
+            for n in names:
+                pipe.strlen(n)
+            return pipe.execute()
+
+        ls = self._call("stats", lens)
+        return sum(1 for x in ls if x), sum(int(x) for x in ls)
+
+    def stats(self) -> dict[str, Any]:
+        d = super().stats()
+        d["outages"] = self.outages
+        d["last_error"] = self.last_error
+        d["ttl"] = self.ttl
+        return d
+
+    def close(self) -> None:
+        try:
+            self.r.close()
+        except Exception:  # pragma: no cover
+            pass
