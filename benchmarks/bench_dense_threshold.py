@@ -11,7 +11,7 @@ while recording every call of the fused kernel (its exact arguments), then repla
 call. A threshold of 9 means never dense (always compact the nonzero coefficients), 0 always
 dense. With ``--synthetic`` (default) it does the same on 2-bit chunks of the real cache
 regrouped into heads of 64, 128 and 256 channels (bench_head_dims.py's construction). Every
-threshold decodes bit-identically (tests/test_fastdecode.py); only the time differs.
+threshold decodes bit-identically (tests/decode/test_fastdecode.py); only the time differs.
 Single thread.
 """
 

@@ -143,7 +143,7 @@ class KdnBackend:
     name = "kvc serve (directory store behind it)"
 
     def __init__(self, work: Path) -> None:
-        from localservers import free_port, subprocess_env, wait_port
+        from kvcodec.testing.servers import free_port, subprocess_env, wait_port
 
         self.port = free_port()
         self.proc = subprocess.Popen(
@@ -166,7 +166,7 @@ class ClusterBackend:
     name = "Redis Cluster (3 masters)"
 
     def __init__(self, work: Path) -> None:
-        from localservers import RedisCluster, find_binary
+        from kvcodec.testing.servers import RedisCluster, find_binary
 
         server, cli = find_binary("redis-server"), find_binary("redis-cli")
         if not server or not cli:
@@ -198,7 +198,7 @@ def run_backend(kind: str, a: argparse.Namespace, docs: list[str], plan: list[li
     with tempfile.TemporaryDirectory() as td:
         work = Path(td)
         be = KdnBackend(work) if kind == "kdn" else ClusterBackend(work)
-        from localservers import subprocess_env
+        from kvcodec.testing.servers import subprocess_env
 
         env = subprocess_env(OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
         procs = []

@@ -37,7 +37,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from kvcodec.models.cachelayout import cache_for_model
+from kvcodec.models.cachelayout import cache_for_model  # noqa: E402
 from kvcodec.models.capture import capture, tokenize  # noqa: E402
 from kvcodec.models.quality import continue_logits, greedy  # noqa: E402
 from kvcodec.core.kvcache import KVCache, load_h5, save_h5  # noqa: E402

@@ -20,7 +20,7 @@ from pathlib import Path
 
 
 from kvcodec.store import HttpRangeReader, Store, StoreKey, TenantKey  # noqa: E402
-from localservers import NginxServer, RedisServer, find_binary  # noqa: E402
+from kvcodec.testing.servers import NginxServer, RedisServer, find_binary  # noqa: E402
 
 
 def bench(label: str, url: str, payloads: list[bytes]) -> None:

@@ -45,7 +45,7 @@ from kvcodec.atomic import atomic_write_text
 from kvcodec.models.capture import capture, tokenize
 from kvcodec.models.quality import compare_logits, continue_logits
 from kvcodec.models.load import load_model
-from kvcodec.eval.netshape import ShapedLink
+from kvcodec.testing.netshape import ShapedLink
 from kvcodec.store import Store, TenantKey
 from kvcodec.store.levels import manifest_key
 from kvcodec.runtime.stream import SPEEDS, TEXT, AdaptiveStreamer, encode_levels, read_manifest
@@ -57,7 +57,7 @@ LINKS = [("10 Mbit/s", 10e6, None), ("100 Mbit/s", 100e6, None), ("1 Gbit/s", 1e
 
 
 def start_service(tmp: Path) -> tuple[subprocess.Popen, int]:
-    from localservers import free_port, subprocess_env, wait_port
+    from kvcodec.testing.servers import free_port, subprocess_env, wait_port
 
     port = free_port()
     (tmp / "tokens.json").write_text(json.dumps({"tokens": [{"token": TOK, "tenant": "bench"}]}))

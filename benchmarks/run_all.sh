@@ -31,4 +31,4 @@ run blend   $PY benchmarks/bench_blend.py
 run load    $PY benchmarks/bench_load.py --engines 8 --requests 3 --docs 12 --doc-tokens 200 --json "$R/load.json"
 run kdn_scale_model $PY benchmarks/kdn_scale_model.py
 run verify  $PY benchmarks/bench_verify.py --tokens 2048 --repeat 3 --json "$R/verify.json"
-run fuzz    nice -n 19 $PY benchmarks/bench_fuzz.py --n 100000 --workers 2 --seed 1 --json "$R/fuzz.json"
+run fuzz    nice -n 19 $PY kvcodec/testing/fuzz.py --n 100000 --workers 2 --seed 1 --json "$R/fuzz.json"

@@ -1,7 +1,7 @@
 """Read an untrusted HDF5 capture in a child process, so corrupt metadata cannot crash kvcodec.
 
 The HDF5 C library segfaults on some corrupted files (found by
-``tests/test_bounds.py``); no amount of checking in Python prevents that, so
+``tests/conformance/test_bounds.py``); no amount of checking in Python prevents that, so
 ``kvcodec.core.kvcache.load_h5`` never opens HDF5 in its own process. The child
 (``python -c ... kvcodec.h5sandbox`` on a descriptor the parent opened with
 :func:`kvcodec.limits.open_regular`, so it reads exactly the file the parent

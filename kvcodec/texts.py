@@ -45,7 +45,7 @@ TUNING: tuple[str, ...] = ("gpl3", "pydoc", "lgpl21")
 # Reported on, never tuned on, and disjoint from the calibration corpus
 # (kvcodec.calibration.record.CALIB_TEXTS: the PCA bases and sensitivities are fitted on
 # those, so MPL-2.0, GFDL-1.3 and the calibration's pydoc chapters cannot be held out;
-# tests/test_peers_guard.py checks the three sets are disjoint): a license, other Python
+# tests/plan/test_peers_guard.py checks the three sets are disjoint): a license, other Python
 # reference chapters, Python source, C headers, a changelog.
 HELD_OUT: tuple[str, ...] = ("apache2", "pydoc-exec", "py-argparse", "py-heapq", "c-stdio", "c-stdlib", "changelog-apt")
 EVAL_SET: tuple[str, ...] = TUNING + HELD_OUT

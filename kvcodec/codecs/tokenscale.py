@@ -145,7 +145,7 @@ class TokenScaleStage(ArrayToArray):
 
 # --------------------------------------------------------------------------- golden vectors
 def vector_cases() -> dict[str, dict[str, Any]]:
-    """Golden vectors of this stage (spec/vectors/codec/tokenscale*/, same file layout as kvcodec.codecs.vectors).
+    """Golden vectors of this stage (spec/vectors/codec/tokenscale*/, same file layout as kvcodec.testing.vectors).
 
     ``tokenscale`` (no encoder classes: class 0, multiplier 1) has a ``case.json``
     and is checked by the generic golden-vector test; ``tokenscale_classes``

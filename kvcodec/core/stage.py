@@ -15,7 +15,7 @@ container per stage index, so two stages may both use ``"scale"``.
 The CPU implementation is the definition of a stage. Faster decoders (the fused
 numba decoder, the Triton kernels) are not subclasses: they are backends of the
 decoder registry (:mod:`kvcodec.decode.registry`), which must match this reference bit
-for bit (tests/test_backend_conformance.py). Stages are immutable configuration;
+for bit (tests/conformance/test_backend_conformance.py). Stages are immutable configuration;
 what only the encoder needs (token classes, ...) arrives in :attr:`ChunkContext.encoder`.
 """
 
@@ -191,7 +191,7 @@ def register(cls: type[Stage]) -> type[Stage]:
 # reader meets stages by name in a file's header (numcodecs finds codecs through entry points the
 # same way), so a stage's module is imported only when a file uses it -- opening a lossless file
 # does not import the lossy codec -- and this interface module does not import the modules that
-# implement it (no import cycle). tests/test_stage_checklist.py checks this table against REGISTRY.
+# implement it (no import cycle). tests/conformance/test_stage_checklist.py checks this table against REGISTRY.
 BUILTIN_STAGES: dict[str, str] = {
     "cast": "kvcodec.codecs.lossless", "raw": "kvcodec.codecs.lossless", "shuffle": "kvcodec.codecs.lossless",
     "zstd": "kvcodec.codecs.lossless",

@@ -24,7 +24,7 @@ Public API
 ``decode_reference(stream)``            readable numpy decoder mirroring the GPU one
 ``size_breakdown(buf)``                 payload / table / flush / padding byte split
 
-``python scripts/make_vectors.py rans --write`` writes the golden vectors under
+``python kvcodec/testing/golden.py rans --write`` writes the golden vectors under
 ``spec/vectors/rans/`` (never over existing ones); tests only ever read them.
 """
 

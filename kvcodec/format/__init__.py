@@ -1,6 +1,7 @@
 """The `.kvc` container format v1 (spec/kvc-v1.md): reader, writer, lossless stages."""
 
-from kvcodec.format.container import MAGIC, VERSION_MAJOR, VERSION_MINOR, IndexEntry, KvcUnknownCodecError
+from kvcodec.errors import KvcUnknownCodecError
+from kvcodec.format.container import MAGIC, VERSION_MAJOR, VERSION_MINOR, IndexEntry
 from kvcodec.decode.chunk import decode_chunk, resolve_backend
 from kvcodec.codecs.lossless import Raw, Shuffle, Zstd, lossless_pipeline, raw_pipeline
 from kvcodec.format.reader import AttachmentInfo, BlobInfo, KvcHeader, KvcReader, read_kvc, verify_kvc

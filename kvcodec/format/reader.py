@@ -20,14 +20,14 @@ import numpy as np
 from kvcodec.calibration.store import default_resolver
 from kvcodec.digest import array_sha256
 from kvcodec.lru import BoundedLRU
-from kvcodec.errors import KvcCodecError, KvcError, KvcFormatError, KvcInputError, is_int, want
+from kvcodec.errors import KvcCodecError, KvcError, KvcFormatError, KvcInputError, is_int, want, KvcUnknownCodecError
 from kvcodec.core.fingerprint import FINGERPRINT_VERSION, ModelFingerprint, check_fingerprint_json
 from kvcodec.digest import token_ids_sha256
 from kvcodec.core.stage import ArraySpec, Pipeline
 from kvcodec.format.container import (
     DTYPE_BY_NAME, FEATURE_RAGGED, FOOTER_SIZE, HEADER_CRC_SIZE, INDEX_ENTRY_SIZE, KINDS, MAX_BLOB_BYTES, MAX_BLOB_NDIM,
     MAX_CHUNK_DECODED_BYTES, MAX_PIPELINES, MAX_STAGES, MAX_TOKENS, PREAMBLE_SIZE, STAGE_SLACK, TENSOR_DTYPES,
-    Footer, IndexEntry, KvcUnknownCodecError, Preamble, align_up, check_blob_name, crc32c,
+    Footer, IndexEntry, Preamble, align_up, check_blob_name, crc32c,
     data_start, load_header, np_le, parse_chunk, parse_index, pipeline_dtype,
 )
 from kvcodec.limits import MAX_DECODED_ENV, max_decoded_bytes as max_decoded_bytes_limit

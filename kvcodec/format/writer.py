@@ -147,7 +147,7 @@ def _resolve_pipelines(pipelines: PipelineSpec, n_layers: int) -> tuple[list[Pip
 
     Every tensor is encoded with its table entry, so layers with equal configs share stage
     objects: stages are immutable configuration and a tensor's encoder-only inputs come
-    from ``WriteOptions.encoder_inputs`` (tests/test_quant_tokenscale.py checks that layers
+    from ``WriteOptions.encoder_inputs`` (tests/codecs/test_quant_tokenscale.py checks that layers
     merged into one entry keep their own token classes).
     """
     table: list[Pipeline] = []

@@ -28,7 +28,7 @@ their original positions, so a kept key is bit-identical to what the full
 cache holds; RoPE attention depends only on ``pos(q) - pos(k)``, so new
 queries must be rotated at ``next_position + i`` (the original continuation
 positions), never at ``T_kept + i``. ``kvcodec.models.quality.continue_logits``
-does that; ``tests/test_prune_model.py`` checks both against a full prefill
+does that; ``tests/prune/test_prune_model.py`` checks both against a full prefill
 with a per-head attention mask hiding the dropped tokens.
 """
 

@@ -61,7 +61,7 @@ _LANES = 32
 #: sha256 of simd.py's bytes followed by blocks.py's (the intrinsics' code depends on both). numba
 #: keys its on-disk cache of the kernel on this file's contents only (numba 0.68: a hash of the
 #: source, not its mtime), so an edit of either must change this file too, or a stale kernel loads;
-#: tests/test_fastdecode.py checks the pin.
+#: tests/decode/test_fastdecode.py checks the pin.
 SIMD_SHA256 = "c49b84bc97cd81951e2c80cbb7c1a984162a70c2e8da20e1a1d029dc20a5daed"
 
 #: A token row takes the dense loop (every coefficient, no compaction) when at least this many

@@ -1,4 +1,4 @@
-"""The soak fuzz of benchmarks/bench_fuzz.py, small: 300 structure-aware mutations (checksums recomputed) with a
+"""The soak fuzz of kvcodec/testing/fuzz.py, small: 300 structure-aware mutations (checksums recomputed) with a
 fixed seed, over seed files of every preset plus pruned, chunked, embedded-calibration and id-hash files of a
 real cache, in a worker process. Only KvcError may come out; no crash, no run over 10 s, peak RSS <= 512 MB."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import bench_fuzz  # noqa: E402
+from kvcodec.testing import fuzz as bench_fuzz  # noqa: E402
 
 
 @pytest.mark.model

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 pytestmark = [pytest.mark.triton, pytest.mark.model, pytest.mark.slow]
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_gpu_benchmark_smoke():

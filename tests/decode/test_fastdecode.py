@@ -24,7 +24,7 @@ from kvcodec.decode.chunk import decode_chunk
 from kvcodec.codecs.transform import KeepStage, QuantizeStage, RopeStage, TransformStage
 from kvcodec.core.stage import ArraySpec, ChunkContext, Pipeline
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bits(a: np.ndarray) -> np.ndarray:

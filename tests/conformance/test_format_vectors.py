@@ -10,7 +10,7 @@ import pytest
 import zstandard
 
 from kvcodec.format import KvcReader
-from scripts.make_vectors import LOSSY_DIR, VECTOR_DIR, cache_from_vector, encode_case, lossy_decoded_digest, stacked
+from kvcodec.testing.golden import LOSSY_DIR, VECTOR_DIR, cache_from_vector, encode_case, lossy_decoded_digest, stacked
 
 import independent_reader  # noqa: E402
 

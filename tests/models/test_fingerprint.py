@@ -261,7 +261,7 @@ def test_info_marks_a_v1_file(capsys):
 
     from cliutil import run_kvc
 
-    path = Path(__file__).resolve().parents[1] / "spec" / "vectors" / "kvc" / "f16_raw_chunked.kvc"
+    path = Path(__file__).resolve().parents[2] / "spec" / "vectors" / "kvc" / "f16_raw_chunked.kvc"
     code, out, err = run_kvc(["info", str(path)], capsys)
     assert code == 0, err
     assert "fingerprint v1" in out and "re-encode" in out

@@ -1,4 +1,4 @@
-"""Crash-test writer for tests/test_store_crash.py (stdlib + kvcodec only, no pytest).
+"""Crash-test writer for tests/store/test_store_crash.py (stdlib + kvcodec only, no pytest).
 
 Run in multiprocessing forkserver children so each writer starts in milliseconds.
 """

@@ -1,7 +1,7 @@
 """CONTRIBUTING.md's "adding a stage" checklist, enforced for every registered stage.
 
 name + version, the name -> module table, a config that round-trips, golden vectors, a spec
-section. (Conformance of the fast decoders: tests/test_backend_conformance.py.)
+section. (Conformance of the fast decoders: tests/conformance/test_backend_conformance.py.)
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 from kvcodec.core.stage import BUILTIN_STAGES, REGISTRY, load_builtin_stages, stage_from_json
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 VECTORS = ROOT / "spec" / "vectors"
 
 load_builtin_stages()
@@ -59,7 +59,7 @@ def test_stage_checklist(key):
     assert re.fullmatch(r"[a-z][a-z0-9_]*", name) and isinstance(version, int) and version >= 1
     # vectors: at least one golden vector uses this stage at this version, and its config round-trips
     uses = [st for st in VECTOR_STAGES.get(name, []) if st.get("version", 1) == version]
-    assert uses, f"stage {name} v{version} has no golden vector (scripts/make_vectors.py)"
+    assert uses, f"stage {name} v{version} has no golden vector (kvcodec/testing/golden.py)"
     for st in uses:
         s = stage_from_json(st)
         assert type(s) is cls

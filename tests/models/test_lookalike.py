@@ -179,7 +179,7 @@ def test_v1_files_decode_standalone_but_are_refused_against_the_model(lm, capsys
     from kvcodec.format import KvcReader
     from kvcodec.integrations.hf import load_cache
 
-    path = Path(__file__).resolve().parents[1] / "spec" / "vectors" / "kvc" / "smollm2_8tok_f16_lossless.kvc"
+    path = Path(__file__).resolve().parents[2] / "spec" / "vectors" / "kvc" / "smollm2_8tok_f16_lossless.kvc"
     with KvcReader(str(path)) as r:
         assert r.fingerprint.version == 1
         assert r.read_cache().num_tokens == 8  # standalone decode still works

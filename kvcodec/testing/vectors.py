@@ -4,7 +4,7 @@ Each case directory holds ``case.json`` ({"stage": {name, version, config},
 "ctx": {layer, kind, token_start}, "spec": {shape, dtype}}), ``input.npy``,
 ``encoded.npy`` (the stage's output), ``side.<name>.npy`` (side data),
 ``attach.<name>.npy`` (attachments) and ``decoded.npy`` (decode of
-encoded + side, the normative result). Written by ``scripts/make_vectors.py codec``
+encoded + side, the normative result). Written by ``kvcodec/testing/golden.py codec``
 (only the cases that do not exist yet); tests only read them.
 """
 

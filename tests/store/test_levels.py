@@ -20,7 +20,7 @@ from kvcodec.store.levels import (
     parse_levels,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 VEC = ROOT / "spec" / "vectors" / "levels"
 
 

@@ -32,7 +32,7 @@ def test_spec_worked_example():
     assert hs == [h1, h2]
     k = StoreKey.for_tokens(ids, model="smol-fp", codec="cg-q4a", namespace="tenant-a")
     assert k.to_str() == f"kvc1:smol-fp:cg-q4a:tenant-a:300:{h2.hex()}"
-    with open(__import__("pathlib").Path(__file__).parents[1] / "spec" / "store-keys.md") as f:
+    with open(__import__("pathlib").Path(__file__).parents[2] / "spec" / "store-keys.md") as f:
         spec = f.read()
     assert h1.hex() in spec and h2.hex() in spec and h0.hex() in spec
 
@@ -166,7 +166,7 @@ def test_spec_tenant_example():
     assert TenantKey(s).namespace("tenant-a").physical(StoreKey.from_str(ks)).to_str() == phys
     # another secret, or another namespace under the same secret, names another object
     assert TenantKey(bytes(32)).namespace("tenant-a").physical(StoreKey.from_str(ks)).to_str() != phys
-    with open(__import__("pathlib").Path(__file__).parents[1] / "spec" / "store-keys.md") as f:
+    with open(__import__("pathlib").Path(__file__).parents[2] / "spec" / "store-keys.md") as f:
         spec = f.read()
     assert r.hex() in spec and phys in spec
 

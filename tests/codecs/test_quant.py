@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvcodec.errors import KvcCodecError, KvcError, KvcFormatError
-from kvcodec.codecs import vectors as V
+from kvcodec.testing import vectors as V
 from kvcodec.codecs.rope_tables import rope_tables
 from kvcodec.codecs.transform import (
     KeepStage, QuantizeStage, RopeStage, TransformStage, hadamard, keep_decode, quantize_minmax_decode,

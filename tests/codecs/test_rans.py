@@ -19,7 +19,7 @@ from kvcodec.codecs.rans import RansStage, from_contexts, overhead_split, to_con
 from kvcodec.errors import KvcCodecError, KvcFormatError
 from kvcodec.core.stage import ArraySpec, ChunkContext, Pipeline, stage_from_json
 
-VEC = Path(__file__).resolve().parents[1] / "spec" / "vectors" / "rans"
+VEC = Path(__file__).resolve().parents[2] / "spec" / "vectors" / "rans"
 CTX = ChunkContext()
 
 

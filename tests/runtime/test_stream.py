@@ -27,7 +27,7 @@ from store_fixtures import (
 )
 
 from kvcodec.models.quality import compare_logits, continue_logits
-from kvcodec.eval.netshape import ShapedLink
+from kvcodec.testing.netshape import ShapedLink
 from kvcodec.store import Store, TenantKey
 from kvcodec.store.levels import manifest_key
 from kvcodec.runtime.stream import (

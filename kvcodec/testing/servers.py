@@ -1,7 +1,7 @@
 """Real local servers for tests and benchmarks: redis-server, a redis cluster, nginx and moto's S3, on loopback ports.
 
 Here, not in tests/, so the benchmarks import it without a ``sys.path`` edit (a benchmark's own folder
-is on the path when it runs); the pytest fixtures around these servers are tests/store_fixtures.py.
+is on the path when it runs); the pytest fixtures around these servers are tests/_support/store_fixtures.py.
 Standard library only. CI installs the binaries via ``.ci/services.sh``.
 """
 

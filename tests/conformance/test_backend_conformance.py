@@ -6,7 +6,7 @@ a baseline. A backend is run on every chunk it declares it supports; the harness
 that each registered backend was exercised at least once, so a backend whose ``supports`` stops
 matching anything fails here instead of silently never running. GPU backends run their real
 Triton kernels under TRITON_INTERPRET=1 (tests/conftest.py) on layer 0 of three of the real-cache
-files (lossless, the tokenscale chain, a baseline: the interpreter is slow; tests/test_cuda_stages.py
+files (lossless, the tokenscale chain, a baseline: the interpreter is slow; tests/decode/test_cuda_stages.py
 covers the GPU kernels in depth); CPU backends run on every chunk of every file.
 """
 
@@ -25,7 +25,7 @@ from kvcodec.errors import KvcBackendError
 from kvcodec.format import KvcReader, WriteOptions, write_kvc
 from kvcodec.core.stage import ArraySpec, ChunkContext, Pipeline, stage_from_json
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GPU_LAYERS = 1  # Triton interpreter (slow): layer 0 of the real-cache files marked for the GPU backends
 
 

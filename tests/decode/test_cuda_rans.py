@@ -29,7 +29,7 @@ from kvcodec.core.stage import ArraySpec, ChunkContext  # noqa: E402
 
 pytestmark = pytest.mark.triton
 
-VEC = Path(__file__).resolve().parents[1] / "spec" / "vectors" / "rans"
+VEC = Path(__file__).resolve().parents[2] / "spec" / "vectors" / "rans"
 
 
 def _gpu(data, shape, g=None, table=None):

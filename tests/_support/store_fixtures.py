@@ -1,7 +1,7 @@
 """Pytest fixtures for real servers in the store tests: redis-server, a redis cluster, nginx, moto's S3.
 
 Import the fixtures into a test module (``from store_fixtures import redis_server``). The servers
-themselves are benchmarks/localservers.py (shared with the benchmarks); a missing binary skips the
+themselves are kvcodec/testing/servers.py (shared with the benchmarks); a missing binary skips the
 test with a clear reason (CI installs them via ``.ci/services.sh``).
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.localservers import (  # noqa: F401  (re-exported for the test modules)
+from kvcodec.testing.servers import (  # noqa: F401  (re-exported for the test modules)
     NGINX_CONF,
     NginxServer,
     PY,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvcodec.errors import KvcCodecError, KvcFormatError
-from kvcodec.codecs import vectors as V
+from kvcodec.testing import vectors as V
 from kvcodec.plan.importance import token_multipliers
 from kvcodec.codecs.transform import QuantizeStage
 from kvcodec.codecs.tokenscale import TokenClasses, TokenScaleStage, pack_classes, unpack_classes, vector_cases
