@@ -53,7 +53,7 @@ from kvcodec.calibration import record as C_record
 from kvcodec.calibration import store as C_store
 from kvcodec.plan.presets import get_plan  # noqa: E402
 from kvcodec.plan import pipelines as P  # noqa: E402
-from kvcodec.plan.settings import PRESETS  # noqa: E402
+from kvcodec.plan.presets import PRESETS  # noqa: E402
 from kvcodec.texts import load_text  # noqa: E402
 
 
@@ -121,7 +121,7 @@ def quality_rows(lm, cals: dict[str, C_record.Calibration], texts: list[str], pr
             if rate_match:
                 runs.append(("new@0.85", cals["new"], 0.85))
             for label, cal, scale in runs:
-                step0 = PRESETS[preset]["step0"] * scale
+                step0 = PRESETS[preset].settings["step0"] * scale
                 plan = get_plan(preset, cache, lm=lm, cal=cal, calibration="embedded", importance=imp, step0=step0)
                 data = P.encode_bytes(cache, plan)
                 emb = sum(a.nbytes for a in plan.attachments.values())

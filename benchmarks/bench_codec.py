@@ -33,8 +33,8 @@ from kvcodec.models.quality import continue_logits, evaluate, greedy  # noqa: E4
 from kvcodec.core.kvcache import load_h5, save_h5  # noqa: E402
 from kvcodec.models.load import load_model  # noqa: E402
 from kvcodec.plan import pipelines as P  # noqa: E402
-from kvcodec.calibration.build import get_calibration  # noqa: E402
-from kvcodec.plan.settings import PRESETS  # noqa: E402
+from kvcodec.calibration.build import ensure_calibration  # noqa: E402
+from kvcodec.plan.presets import PRESETS  # noqa: E402
 from kvcodec.rate import bits_per_element  # noqa: E402
 from kvcodec.texts import DEFAULT_BENCH_TEXTS, load_text  # noqa: E402
 
@@ -72,7 +72,7 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("KVC_THREADS", "1")))
     lm = load_model()
-    cal = get_calibration(lm)
+    cal = ensure_calibration(lm)
     rows = []
     for text in a.texts.split(","):
         cache, cont = get_capture(lm, text)
@@ -80,7 +80,7 @@ def main() -> None:
         ex_greedy = greedy(lm, cache, int(cont[0]), a.greedy) if a.greedy else None
         ts_sweep = json.loads(a.tokenscale) if a.tokenscale else None
         runs = [(f"step0={s}", {"step0": float(s), "tokenscale": ts_sweep}) for s in a.sweep.split(",") if s] or \
-            [(p, dict(PRESETS[p])) for p in a.presets.split(",")]
+            [(p, dict(PRESETS[p].settings)) for p in a.presets.split(",")]
         importance = None
         for label, args in runs:
             args.update({k: v for k, v in (("group", a.group), ("sink", a.sink), ("deadzone", a.deadzone)) if v is not None})

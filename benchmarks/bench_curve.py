@@ -121,14 +121,14 @@ def ratio_table(items: list[dict], summary: bool = True) -> str:
 def preset_table(rows: list[dict]) -> str:
     """The presets against their targets, guarded (what ships) and at their fixed step0 (what issue 15 measured)."""
     from kvcodec.eval.curve import charged_bits
-    from kvcodec.plan.settings import PRESET_TARGETS
+    from kvcodec.plan.presets import PRESETS
 
     lines = ["| text | preset | mode | bits/el | bits/el (cal. amortised / one file) | KL | ΔPPL % | greedy | first near-tie | tries | target met | encode s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in _ok(rows):
-        if r["family"] not in ("kvcodec", "kvcodec-fixed", "kvcodec-embedded") or r["method"] not in PRESET_TARGETS:
+        if r["family"] not in ("kvcodec", "kvcodec-fixed", "kvcodec-embedded") or PRESETS.get(r["method"]) is None or PRESETS[r["method"]].target is None:
             continue
-        t = PRESET_TARGETS[r["method"]]
+        t = PRESETS[r["method"]].target
         tie = r.get("greedy_near_tie_at")  # greedy tokens are promised up to the exact run's first near-tie
         same = round(r["greedy_match"] * t.greedy_tokens) if t.greedy_tokens else 0
         greedy_ok = not t.greedy_tokens or same == t.greedy_tokens or (tie is not None and same >= tie)

@@ -10,7 +10,7 @@ while recording every call of the fused kernel (its exact arguments), then repla
 ``--repeat`` times, each call once per threshold value in turn, keeping the best time per
 call. A threshold of 9 means never dense (always compact the nonzero coefficients), 0 always
 dense. With ``--synthetic`` (default) it does the same on 2-bit chunks of the real cache
-regrouped into heads of 64, 128 and 256 channels (bench_head_dims.py's construction). Every
+regrouped into heads of 64, 128 and 256 channels (bench_head_dims.py's construction: common.synthetic_chunks). Every
 threshold decodes bit-identically (tests/decode/test_fastdecode.py); only the time differs.
 Single thread.
 """
@@ -30,7 +30,9 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+import harness  # noqa: E402
 import kvcodec.decode.cpu.fused as F  # noqa: E402
+from common import get_cache, real_channels, synthetic_chunks  # noqa: E402
 from kvcodec.calibration.store import default_resolver  # noqa: E402
 from kvcodec.format.reader import KvcReader  # noqa: E402
 
@@ -53,7 +55,10 @@ def record(fn) -> list[list]:
 
 
 def ab(calls: list[list], values: list[int], repeat: int) -> dict[int, float]:
-    """Seconds per threshold: the sum over calls of each call's best time (the kernel's last argument is the threshold)."""
+    """Seconds per threshold: the sum over calls of each call's best time (the kernel's last argument is the threshold).
+
+    Timed call by call, interleaved across thresholds (not with harness.timeit, which times one function's
+    repeats back to back): the interleaving is what makes the A/B fair on a drifting machine."""
     best = {v: [float("inf")] * len(calls) for v in values}
     for _ in range(repeat):
         for i, a in enumerate(calls):
@@ -66,9 +71,7 @@ def ab(calls: list[list], values: list[int], repeat: int) -> dict[int, float]:
 
 
 def real_files(presets: list[str], tokens: int) -> list[tuple[str, Path]]:
-    from bench_speed import get_cache
-
-    from kvcodec.format.writer import WriteOptions, write_kvc
+    from kvcodec.format.writer import write_kvc
     from kvcodec.models.load import load_model
     from kvcodec.plan.presets import get_plan
 
@@ -79,50 +82,32 @@ def real_files(presets: list[str], tokens: int) -> list[tuple[str, Path]]:
     for p in presets:
         plan = get_plan(p, cache, lm=lm)
         buf = io.BytesIO()
-        write_kvc(cache, buf, plan.pipelines, WriteOptions.for_plan(plan))
+        write_kvc(cache, buf, plan)
         (d / f"{p}.kvc").write_bytes(buf.getvalue())
         out.append((p, d / f"{p}.kvc"))
     return out
 
 
 def synthetic_calls(D: int, tokens: int) -> tuple[list[list], float]:
-    import bench_head_dims as B
-
-    from kvcodec.codecs.rans import RansStage
-    from kvcodec.codecs.transform import KeepStage, QuantizeStage, RopeStage, TransformStage
-    from kvcodec.core.stage import ArraySpec, ChunkContext, Pipeline
-
-    x = B.real_channels("gpl3", tokens)
-    heads = max(1, 256 // D)
-    chunks = B.chunks_for(x, D, heads)[:8]
-    rows = []
-    for ch in chunks:
-        bs, ms = zip(*(B.pca(ch[h].astype(np.float64)) for h in range(heads)))
-        rows.append((np.stack(bs).astype(np.float16), np.stack(ms).astype(np.float16)))
-    att = {"pca.basis": np.stack([r[0] for r in rows] + [rows[0][0]]), "pca.mean": np.stack([r[1] for r in rows] + [rows[0][1]])}
-    step = 0.05
-    for _ in range(3):  # about 2 bits per element
-        pipe = Pipeline([RopeStage(theta=10000.0, dim=D), KeepStage(sink=4), TransformStage(k=None),
-                         QuantizeStage(mode="step", step=step, max_bits=8), RansStage(channel_group=8)])
-        ctxs = [ChunkContext(layer=j // 2, kind="k" if j % 2 == 0 else "v", attachments=att) for j in range(len(chunks))]
-        enc = [pipe.encode(c, ctx) for c, ctx in zip(chunks, ctxs)]
-        got = sum(len(p) for p, _, _ in enc) * 8 / sum(c.size for c in chunks)
-        step *= 2.0 ** (got - 2.0)
-    spec = ArraySpec(chunks[0].shape, "float16")
+    """The kernel's calls decoding 8 chunks of 2-bit synthetic heads of D (whole-head PCA bases)."""
+    x = real_channels("gpl3", tokens)
+    pipe, enc, ctxs, spec, chunks, _ = synthetic_chunks(x, D, max(1, 256 // D), 2.0, blocks=False, max_chunks=8)
     calls = record(lambda: [F.decode(pipe, p, s, z, spec, ctx) for (p, s, z), ctx in zip(enc, ctxs)])
     return calls, sum(c.nbytes for c in chunks) / 1e6
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--values", default="9,5,3,0", help="thresholds in eighths (9: never dense, 0: always)")
     ap.add_argument("--presets", default="balanced,small,near-lossless")
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--repeat", type=int, default=11)
     ap.add_argument("--no-synthetic", action="store_true")
-    a = ap.parse_args()
+    run = harness.cli(ap, argv, case="dense_threshold")
+    a = run.args
     torch.set_num_threads(1)
     values = [int(v) for v in a.values.split(",")]
+    rows: list[dict] = []
     print(f"load average {os.getloadavg()[0]:.1f}; MB/s of fp16 out, kernel only, best per call of {a.repeat}")
     for name, path in real_files([p for p in a.presets.split(",") if p], a.tokens):
         def dec(path=path):
@@ -132,13 +117,16 @@ def main() -> None:
         mb: list[float] = []
         calls = record(lambda: mb.append(dec()))
         t = ab(calls, values, a.repeat)
+        rows.append({"file": name, "fp16_mb": mb[0], "mb_s": {str(v): mb[0] / t[v] for v in values}})
         print(f"{name:14s} " + "  ".join(f"dense>={v}/8 {mb[0] / t[v]:6.1f}" for v in values), flush=True)
     if not a.no_synthetic:
         for D in (64, 128, 256):
             calls, mb_s = synthetic_calls(D, 1024)
             t = ab(calls, values, a.repeat)
+            rows.append({"file": f"synthetic D={D}", "fp16_mb": mb_s, "mb_s": {str(v): mb_s / t[v] for v in values}})
             print(f"synthetic D={D:<4d}" + "  ".join(f"dense>={v}/8 {mb_s / t[v]:6.1f}" for v in values), flush=True)
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
+    run.emit({"thresholds": values, "unit": "MB/s of fp16 out, kernel only, sum of each call's best", "rows": rows})
 
 
 if __name__ == "__main__":

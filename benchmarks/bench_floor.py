@@ -24,7 +24,7 @@ import torch
 from kvcodec.models.capture import select_context, tokenize
 from kvcodec.eval.curve import cached_capture, default_capture_dir
 from kvcodec.models.quality import continue_logits, evaluate
-from kvcodec.format.writer import WriteOptions, write_kvc
+from kvcodec.format.writer import write_kvc
 from kvcodec.models.load import load_model
 from kvcodec.plan.presets import get_plan
 from kvcodec.plan.pipelines import decode_bytes
@@ -58,7 +58,7 @@ def main() -> None:
             kw["max_bits"] = int(parts[4])
         plan = get_plan("near-lossless", cache, lm=lm, step0=step, **kw)
         buf = io.BytesIO()
-        write_kvc(cache, buf, plan.pipelines, WriteOptions.for_plan(plan, chunk_tokens=chunk))
+        write_kvc(cache, buf, plan, chunk_tokens=chunk)
         data = buf.getvalue()
         dec = decode_bytes(data)
         q = evaluate(lm, cache, dec, cont, exact_logits=exact, exact_greedy=greedy).to_json()

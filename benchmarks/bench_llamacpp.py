@@ -38,8 +38,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -49,16 +47,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench_ttft import QUESTION, long_ids  # noqa: E402
-
+import harness
+from common import QUESTION, long_ids
 from kvcodec.models.capture import capture, tokenize  # noqa: E402
 from kvcodec.models.quality import compare_logits, continue_logits  # noqa: E402
-from kvcodec.format import KvcReader, WriteOptions, encode_kvc_bytes  # noqa: E402
+from kvcodec.format import KvcReader, encode_kvc_bytes  # noqa: E402
 from kvcodec.plan.presets import get_plan
 from kvcodec.integrations.hf import greedy_from, load_cache  # noqa: E402
 from kvcodec.integrations.llamacpp import gguf_fingerprint, load_kvc  # noqa: E402
 from kvcodec.models.load import _gguf_path, load_model  # noqa: E402
-from kvcodec.runtime.ttft import median_time  # noqa: E402
 
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8}  # ggml_type ids
 
@@ -126,7 +123,13 @@ class Engine:
         return out
 
 
-def main() -> None:
+def median_time(fn, repeats: int) -> tuple[float, object]:
+    """(median seconds of ``repeats`` calls after one warm-up call, the last call's value) (harness.timeit)."""
+    t = harness.timeit(fn, repeats, warmup=1, cpu=None)
+    return t.median, t.value
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=1)
@@ -135,7 +138,8 @@ def main() -> None:
     ap.add_argument("--greedy", type=int, default=16)
     ap.add_argument("--presets", default="balanced,near-lossless,fp16")
     ap.add_argument("--json", dest="json_out", default=None)
-    args = ap.parse_args()
+    run = harness.cli(ap, argv, case="llamacpp")
+    args = run.args
     torch.set_num_threads(args.threads)
     gguf = _gguf_path()
     lm = load_model()
@@ -196,7 +200,7 @@ def main() -> None:
     identity = gguf_fingerprint(gguf)
     for preset in args.presets.split(","):
         plan = get_plan(preset, exact, lm=lm)
-        data = encode_kvc_bytes(exact, plan.pipelines, WriteOptions.for_plan(plan))
+        data = encode_kvc_bytes(exact, plan)
         path = tmp / f"doc-{preset}.kvc"
         path.write_bytes(data)
 
@@ -249,9 +253,10 @@ def main() -> None:
     print("\nprofile of the first preset's .kvc -> HF TTFT (stages run one after the other):\n")
     for k, v in profile.items():
         print(f"  {k:28s} {v * 1000:8.1f} ms")
+    doc = {"machine": machine(args.threads), "tokens": n, "continuation": c, "rows": rows, "profile": profile}
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"machine": machine(args.threads), "tokens": n, "continuation": c,
-                                                   "rows": rows, "profile": profile}, indent=2))
+        Path(args.json_out).write_text(json.dumps(doc, indent=2))
+    run.emit(doc)
 
 
 def _common_prefix(a: list[int], b: list[int]):
@@ -267,7 +272,7 @@ def _f(x, fmt: str = ".2e") -> str:
 
 @torch.inference_mode()
 def profile_kvc(lm, path: Path, q: np.ndarray, repeats: int) -> dict[str, float]:
-    """Median seconds of each stage of the `.kvc` -> HF path, run separately."""
+    """Median seconds of each stage of the `.kvc` -> HF path, run separately (laps of one clock per repeat)."""
     stages: dict[str, list[float]] = {}
 
     def note(k: str, t0: float) -> float:
@@ -305,8 +310,7 @@ def profile_kvc(lm, path: Path, q: np.ndarray, repeats: int) -> dict[str, float]
 def machine(threads: int) -> dict:
     import llama_cpp
 
-    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "threads": threads,
-            "torch": torch.__version__, "llama_cpp_python": llama_cpp.__version__, "python": platform.python_version()}
+    return {**harness.machine(), "threads": threads, "llama_cpp_python": llama_cpp.__version__}
 
 
 if __name__ == "__main__":

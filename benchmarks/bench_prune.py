@@ -89,7 +89,7 @@ def lingua_cache(lm: Any, ids: np.ndarray, info: np.ndarray, spec: str, relevanc
 
 def encode_decode(cache: KVCache, preset: str) -> tuple[int, KVCache]:
     """(.kvc bytes, decoded cache) for a preset name or ``step0=X`` (the codec's rate knob)."""
-    from kvcodec.format import KvcReader, WriteOptions, write_kvc
+    from kvcodec.format import KvcReader, write_kvc
     from kvcodec.plan.presets import get_plan
     from kvcodec.calibration.store import default_resolver as attachment_resolver
 
@@ -98,7 +98,7 @@ def encode_decode(cache: KVCache, preset: str) -> tuple[int, KVCache]:
     else:
         plan = get_plan(preset, cache)
     buf = io.BytesIO()
-    write_kvc(cache, buf, plan.pipelines, WriteOptions.for_plan(plan), meta=cache.meta)
+    write_kvc(cache, buf, plan, meta=cache.meta)
     data = buf.getvalue()
     dec = KvcReader(data, attachment_resolver=attachment_resolver).read_cache()
     if preset == "raw":

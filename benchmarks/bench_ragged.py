@@ -40,7 +40,7 @@ def main() -> None:
     torch.set_num_threads(1)
 
     from kvcodec.models.capture import capture, tokenize
-    from kvcodec.format import KvcReader, WriteOptions, encode_kvc_bytes
+    from kvcodec.format import KvcReader, encode_kvc_bytes
     from kvcodec.models.load import load_model
     from kvcodec.plan.presets import get_plan
     from kvcodec.plan.importance import cache_importance
@@ -70,7 +70,7 @@ def main() -> None:
                     imp[name] = cache_importance(lm, c)
                 plan = get_plan(preset, c, lm=lm, guard=False, importance=imp[name]) if lossy else get_plan(preset, c)
                 t0 = time.perf_counter()
-                data = encode_kvc_bytes(c, plan.pipelines, WriteOptions.for_plan(plan))
+                data = encode_kvc_bytes(c, plan)
                 enc = time.perf_counter() - t0
                 out[name] = (data, enc)
             data = out["ragged"][0]

@@ -46,36 +46,17 @@ import argparse  # noqa: E402
 import io  # noqa: E402
 import json  # noqa: E402
 import tempfile  # noqa: E402
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-
-from kvcodec.format.reader import KvcReader  # noqa: E402
-from kvcodec.format.writer import WriteOptions, write_kvc  # noqa: E402
-from kvcodec.core.kvcache import load_h5, save_h5  # noqa: E402
+import harness  # noqa: E402
+from common import get_cache  # noqa: E402  (the cache on disk: $KVC_BENCH_CACHE/speed-<text>-<tokens>.h5)
 from kvcodec.calibration.store import default_resolver  # noqa: E402
+from kvcodec.format.reader import KvcReader  # noqa: E402
+from kvcodec.format.writer import write_kvc  # noqa: E402
 from kvcodec.plan.presets import get_plan  # noqa: E402
-
-CACHE_DIR = Path(os.environ.get("KVC_BENCH_CACHE", "/tmp/kvc-cache"))
-
-
-def get_cache(text: str, tokens: int, model: str = "smollm2"):
-    CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    h5 = CACHE_DIR / (f"speed-{text}-{tokens}.h5" if model == "smollm2" else f"speed-{model}-{text}-{tokens}.h5")
-    if h5.exists():
-        return load_h5(h5)
-    from kvcodec.models.capture import capture, tokenize
-    from kvcodec.models.load import load_model
-    from kvcodec.texts import load_text
-
-    lm = load_model(model)
-    ids = tokenize(lm.tokenizer, load_text(text))[:tokens]
-    c = capture(lm, token_ids=ids)
-    save_h5(c, h5)
-    return c
 
 
 def kernel_uses_zmm() -> bool | None:
@@ -98,23 +79,17 @@ def kernel_uses_zmm() -> bool | None:
 
 
 def host_simd_flags() -> str:
-    try:
-        flags = next(ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return "unknown"
-    return " ".join(f for f in flags if f in ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vbmi2"))
+    flags = harness.machine()["simd"]
+    wanted = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vbmi2")
+    return " ".join(f for f in flags if f in wanted) or "unknown"
 
 
 def best(fn, repeat: int) -> float:
-    ts = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return min(ts)
+    """Best wall seconds of ``repeat`` runs (harness.timeit)."""
+    return harness.timeit(fn, repeat, cpu=None).min
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--text", default="gpl3")
     ap.add_argument("--tokens", type=int, default=4096)
@@ -128,7 +103,10 @@ def main() -> None:
     ap.add_argument("--target", choices=list(TARGETS), default="host",
                     help="numba target: host (this CPU) or avx2 (an AVX2-only Haswell-class CPU)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    args = ap.parse_args()
+    run = harness.cli(ap, argv, case="speed")
+    args = run.args
+    if args.target != _target:
+        raise SystemExit("--target must be given on the command line (numba reads it at import), not as a default")
     torch.set_num_threads(1)
 
     cache = get_cache(args.text, args.tokens, args.lm).to(torch.float16)
@@ -163,7 +141,7 @@ def main() -> None:
         def enc():
             buf.seek(0)
             buf.truncate()
-            write_kvc(cache, buf, plan.pipelines, WriteOptions.for_plan(plan))
+            write_kvc(cache, buf, plan)
 
         enc()  # warm (numba JIT / cache load)
         t_enc = best(enc, args.encode_repeat)
@@ -190,6 +168,7 @@ def main() -> None:
     for f in tmp.iterdir():
         f.unlink()
     tmp.rmdir()
+    run.emit(res)
     if args.json:
         print(json.dumps(res, indent=2))
         return

@@ -36,31 +36,24 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
+import harness
+from common import QUESTION, long_ids
 from kvcodec.atomic import atomic_write_text
 from kvcodec.models.capture import capture, tokenize
-from kvcodec.format import WriteOptions, encode_kvc_bytes
+from kvcodec.format import encode_kvc_bytes
 from kvcodec.plan.presets import get_plan
 from kvcodec.integrations.hf import greedy_from, load_cache
-from kvcodec.runtime.ttft import cold_ttft, median_time, ttft_prefill
+from kvcodec.runtime.ttft import cold_ttft, ttft_prefill
 from kvcodec.models.load import load_model
 from kvcodec.store import Store, StoreKey
-from kvcodec.texts import load_text
-
-QUESTION = "\n\nQuestion: What does this document say about warranties?\nAnswer:"
 
 
-def long_ids(tok, n: int) -> np.ndarray:
-    """At least n real tokens: license texts and the Python reference, concatenated."""
-    parts = []
-    for name in ("gpl3", "lgpl21", "pydoc", "gfdl13", "mpl2", "gpl2", "apache2"):
-        parts.append(tokenize(tok, load_text(name)))
-        ids = np.concatenate(parts)
-        if len(ids) >= n:
-            return ids[:n]
-    raise SystemExit(f"not enough text for {n} tokens")
+def median_time(fn, repeats: int) -> tuple[float, object]:
+    """(median seconds of ``repeats`` calls after one warm-up call, the last call's value) (harness.timeit)."""
+    t = harness.timeit(fn, repeats, warmup=1, cpu=None)
+    return t.median, t.value
 
 
 def start_redis() -> tuple[subprocess.Popen | None, str | None]:
@@ -82,7 +75,7 @@ def start_redis() -> tuple[subprocess.Popen | None, str | None]:
     return None, None
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--tokens", default="1024,2048,4096,8192")
@@ -91,7 +84,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--cold", action="store_true", help="also time the first call in a fresh process")
     ap.add_argument("--json", dest="json_out", default=None)
-    args = ap.parse_args()
+    run = harness.cli(ap, argv, case="ttft")
+    args = run.args
     from kvcodec.runtime.allocator import tune_allocator
 
     tune_allocator()  # as the `kvc` command does (kvcodec/runtime/allocator.py): warm and cold processes tuned alike
@@ -108,7 +102,7 @@ def main() -> None:
             ids = long_ids(lm.tokenizer, n)
             cache = capture(lm, token_ids=ids)
             plan = get_plan(args.preset, cache, lm=lm)
-            data = encode_kvc_bytes(cache, plan.pipelines, WriteOptions.for_plan(plan))
+            data = encode_kvc_bytes(cache, plan)
             path = tmp / f"doc{n}.kvc"
             path.write_bytes(data)
 
@@ -170,15 +164,8 @@ def main() -> None:
             print(f"| {r['tokens']} | {r['cold_prefill_s']:.3f} | {r['cold_disk_s']:.3f} | {r['cold_speedup']:.1f}x"
                   f"{'' if r['cold_first_token_matches'] else ' (1st token differs)'} | {r['cold_over_warm_disk']:.2f}x |")
     if args.json_out:
-        atomic_write_text(args.json_out, json.dumps({"machine": machine(), "rows": rows}, indent=2))
-
-
-def machine() -> dict:
-    import os
-    import platform
-
-    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "python": platform.python_version()}
+        atomic_write_text(args.json_out, json.dumps({"machine": harness.machine(), "rows": rows}, indent=2))
+    run.emit({"torch_threads": torch.get_num_threads(), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from kvcodec.models.capture import capture, tokenize
-from kvcodec.format import WriteOptions, write_kvc
+from kvcodec.format import write_kvc
 from kvcodec.plan.presets import get_plan
 from kvcodec.models.load import load_model
 from kvcodec.texts import load_text
@@ -50,7 +50,7 @@ def main() -> None:
             for rep in range(a.repeat + 1):  # the first round warms numba / caches and is not counted
                 for verify in (False, True) if rep % 2 else (True, False):
                     t = time.perf_counter()
-                    size = write_kvc(cache, Path(td) / f"{preset}.kvc", plan.pipelines, WriteOptions.for_plan(plan),
+                    size = write_kvc(cache, Path(td) / f"{preset}.kvc", plan,
                                      verify=verify)
                     if rep:
                         times[verify].append(time.perf_counter() - t)

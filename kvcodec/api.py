@@ -1,1 +1,254 @@
-"""kvcodec public API (filled below)."""
+"""kvcodec's public API, in the spirit of safetensors' two calls: :func:`encode` and :func:`open`.
+
+``encode`` is the whole encode workflow in one place: take a cache (or capture a text on a
+model), optionally prune it, resolve the model's calibration once, plan (a preset, overrides,
+or a quality target), and write one verified `.kvc` file. ``open`` returns the reader of a
+file. Everything else (``kvc encode``, ``kvc ask``, the KDN service, the vLLM connector, the
+benchmarks) is built on these and on the packages below them; the CLI only parses, calls
+this, and renders the :class:`Encoded` record.
+
+Loading a file straight into an engine lives with the engines: ``kvcodec.load_into`` is
+:func:`kvcodec.integrations.hf.load_into`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO, Callable
+
+import numpy as np
+
+from kvcodec.core.kvcache import KVCache
+from kvcodec.core.stage import Plan
+from kvcodec.errors import KvcInputError
+from kvcodec.format import KvcReader
+from kvcodec.rate import PruneRecord, bits_per_element, context_elements
+
+__all__ = ["Encoded", "encode", "open"]
+
+Source = KVCache | str | os.PathLike
+
+
+@dataclass
+class Encoded:
+    """What :func:`encode` wrote: sizes charged against the unpruned context, the plan, and what chose it."""
+
+    output: str | None  # the path written, None for bytes
+    preset: str  # the header's codec name: a preset, "<preset>+config" or "target-kl-<x>" / "target-dppl-<x>"
+    size: int  # bytes of the file
+    kv_elements: int  # K+V elements of the full, unpruned context: what every rate is charged against
+    plan: Plan
+    prune: PruneRecord | None = None
+    target: dict[str, Any] | None = None  # the rate search's record (--target-kl / --target-dppl)
+    data: bytes | None = None  # the file's bytes when no destination was given
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def bits_per_element(self) -> float:
+        return bits_per_element(self.size, self.kv_elements)
+
+    @property
+    def ratio_vs_fp16(self) -> float:
+        return self.kv_elements * 2 / self.size
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"output": self.output, "preset": self.preset, "bytes": self.size,
+                             "kv_elements": self.kv_elements, "bits_per_element": self.bits_per_element,
+                             "ratio_vs_fp16": self.ratio_vs_fp16}
+        if self.prune is not None:
+            d["prune"] = self.prune.to_json()
+        if self.target is not None:
+            d["target"] = self.target
+        return d
+
+
+def encode(
+    source: Source | None,
+    dest: str | os.PathLike | BinaryIO | None = None,
+    *,
+    preset: str | None = "balanced",
+    overrides: dict[str, Any] | None = None,
+    model: Any = None,
+    text: str | None = None,
+    max_tokens: int | None = None,
+    prune: Any = None,
+    target_kl: float | None = None,
+    target_dppl: float | None = None,
+    continuation: np.ndarray | None = None,
+    continuation_tokens: int = 256,
+    calibration: Any = None,
+    chunk_tokens: int | None = None,
+    chunk_heads: int | None = None,
+    verify: str = "file",
+    progress: Callable[[str], None] | None = None,
+) -> Encoded:
+    """Encode a KV cache into a `.kvc` file (``dest`` a path or binary file) or into bytes (``dest=None``).
+
+    ``source`` is a :class:`~kvcodec.core.kvcache.KVCache` or the path of a raw capture
+    (``.h5`` / ``.safetensors``); with ``source=None``, ``text`` (already loaded) is captured on
+    ``model`` first (its first ``max_tokens`` tokens). ``model`` is a loaded model, a name or a
+    model directory; lossy presets use it for their quality check and token importance, and it
+    must be the cache's model. ``preset`` + ``overrides`` choose the codec
+    (:func:`kvcodec.plan.presets.get_plan`); ``target_kl`` / ``target_dppl`` instead search the
+    lossy codec's rate knob on ``continuation`` (token ids that follow the context; by default
+    the ``continuation_tokens`` tokens of ``text`` after the context), keeping the preset's other
+    settings (``preset=None``: the plain transform codec). ``prune`` (a
+    spec string such as ``"h2o:0.5"`` or a parsed budget) drops tokens first; the rate is still
+    charged against the unpruned context. ``calibration`` is the model's calibration; when not
+    given for a lossy preset with a model, it is loaded, or built once (minutes, with progress).
+    ``verify`` is the writer's read-back policy (``"file"`` or ``"off"``).
+    """
+    from kvcodec.plan.presets import check_overrides, get_plan, preset_info
+
+    targeted = target_kl is not None or target_dppl is not None
+    if target_kl is not None and target_dppl is not None:
+        raise KvcInputError("give only one of target_kl and target_dppl")
+    if preset is None and not targeted:
+        raise KvcInputError("give a preset (preset=None is the plain transform codec of a target search)")
+    baseline = preset is not None and preset.startswith("baseline:")
+    info = None if preset is None or baseline else preset_info(preset)
+    overrides = check_overrides(info.name, dict(overrides or {}), "overrides") if info is not None else dict(overrides or {})
+    lossy = info is not None and info.lossy
+    if targeted and overrides:
+        raise KvcInputError("target_kl/target_dppl choose step0 themselves; give a preset, not overrides")
+    if targeted and preset is not None and not lossy:
+        raise KvcInputError(f"target_kl/target_dppl tune the lossy codec; they cannot be used with preset {preset}")
+    budget = _budget(prune)
+    say = progress or (lambda msg: None)
+    lm = None
+
+    def get_lm() -> Any:
+        """The model, loaded on first need: the one given, else the capture's recorded model, else the default."""
+        nonlocal lm
+        if lm is None:
+            from kvcodec.models.load import DEFAULT_MODEL
+
+            fallback = cache.meta.get("model") if cache is not None and not isinstance(source, KVCache) else None
+            lm = _model(model if model is not None else str(fallback or DEFAULT_MODEL))
+            if cache is not None:
+                lm.fingerprint.check_compatible(cache.fingerprint, what="capture")
+        return lm
+
+    cache: KVCache | None = None
+    if source is None:
+        if text is None:
+            raise KvcInputError("give a cache or capture path, or text= (and model=) to capture")
+        from kvcodec.models.capture import capture
+
+        say(f"capturing {'the first ' + str(max_tokens) + ' tokens of ' if max_tokens else ''}the text on the model")
+        cache = capture(get_lm(), text=text, max_tokens=max_tokens)
+    elif isinstance(source, KVCache):
+        cache = source
+    else:
+        from kvcodec.atomic import check_input
+        from kvcodec.core.kvcache import load_capture
+
+        check_input(source)
+        cache = load_capture(source)
+    if model is not None and not isinstance(model, str) and not isinstance(model, os.PathLike):
+        get_lm()  # a loaded model costs nothing: check it against the cache now
+    elems = context_elements(cache)  # the unpruned context's elements: what every rate is charged against
+    if targeted and continuation is None:
+        continuation = _continuation(get_lm(), cache.token_ids, text, continuation_tokens)
+
+    if budget is not None:
+        from kvcodec.prune import SCORES_META_KEY, H2OBudget, apply_prune
+
+        stored = cache.meta.get(SCORES_META_KEY)
+        want_w = "all" if getattr(budget, "window", None) is None else budget.window
+        has_scores = isinstance(budget, H2OBudget) and isinstance(stored, dict) and stored.get("window") == want_w
+        cache = apply_prune(cache, budget, lm=None if has_scores else get_lm())
+
+    use_model = targeted or (lossy and info is not None and info.uses_model and (model is not None or
+                                                                                not isinstance(source, KVCache)))
+    cal = calibration
+    if cal is None and (lossy or targeted) and use_model:
+        from kvcodec.calibration.build import ensure_calibration
+
+        cal = ensure_calibration(get_lm())  # resolved once for this encode, passed down
+    meta: dict[str, Any] | None = None
+    if targeted:
+        from kvcodec.plan.pipelines import plan_for_target
+
+        kw = {k: v for k, v in info.settings.items() if k != "step0"} if info is not None else {}
+        plan, target_info = plan_for_target(cache, get_lm(), target_kl=target_kl, target_dppl=target_dppl,
+                                            continuation=np.asarray(continuation, np.int64), cal=cal, **kw)
+        label = f"target-kl-{target_kl:g}" if target_kl is not None else f"target-dppl-{target_dppl:g}"
+        meta = {"target": {"kl": target_kl, "dppl_percent": target_dppl, **target_info}}
+    else:
+        assert preset is not None
+        plan = get_plan(preset, cache, lm=get_lm() if use_model else None, cal=cal, **overrides)
+        label = f"{plan.preset}+config" if overrides else str(plan.preset)
+        if overrides:
+            meta = {"config": {"preset": preset, **overrides}}
+    opts: dict[str, Any] = {"chunk_tokens": chunk_tokens if chunk_tokens is not None else plan.chunk_tokens,
+                            "chunk_heads": chunk_heads, "preset": label, "meta": meta}
+    say(f"encoding with {label}")
+    data = None
+    if dest is None:
+        from kvcodec.format import encode_kvc_bytes
+
+        data = encode_kvc_bytes(cache, plan, verify=verify, **opts)
+        n = len(data)
+    else:
+        from kvcodec.format import write_kvc
+
+        n = write_kvc(cache, dest, plan, verify=verify, **opts)
+    prec = PruneRecord.from_meta(cache.meta) if budget is not None else None
+    return Encoded(output=None if dest is None or not isinstance(dest, (str, os.PathLike)) else os.fspath(dest),
+                   preset=label, size=n, kv_elements=elems, plan=plan, prune=prec,
+                   target=None if meta is None else meta.get("target"), data=data, meta=meta or {})
+
+
+def open(source: str | os.PathLike | bytes | Any, *, model: Any = None, **kw: Any) -> KvcReader:  # noqa: A001
+    """The reader of a `.kvc` file (a path, bytes, or a range reader); use it as a context manager.
+
+    ``model`` (a loaded model or its fingerprint), when given, is checked against the file's
+    fingerprint before anything is decoded: a cache never loads into a different model. ``kw``
+    go to :class:`~kvcodec.format.KvcReader` (e.g. ``max_decoded_bytes``, ``attachment_resolver``).
+    """
+    r = KvcReader(source, **kw)
+    if model is not None:
+        try:
+            r.check_model(model)
+        except BaseException:
+            r.close()
+            raise
+    return r
+
+
+def _continuation(lm: Any, context: np.ndarray, text: str | None, n: int) -> np.ndarray:
+    """The ``n`` token ids of ``text`` that follow ``context`` (the continuation a rate search measures on)."""
+    if text is None:
+        raise KvcInputError("target_kl/target_dppl need the capture's text (text=) or continuation= token ids: the "
+                            "tokens after the context are the continuation the quality is measured on")
+    if n < 2:
+        raise KvcInputError(f"the continuation must be at least 2 tokens, got {n}")
+    from kvcodec.models.capture import tokenize
+
+    ids = tokenize(lm.tokenizer, text)
+    n_ctx = len(context)
+    if len(ids) < n_ctx or not np.array_equal(ids[:n_ctx], context):
+        raise KvcInputError(f"the text's first {n_ctx} tokens are not the capture's context")
+    if len(ids) < n_ctx + n:
+        raise KvcInputError(f"the text has only {len(ids) - n_ctx} tokens after the capture's {n_ctx}-token "
+                            f"context, fewer than --continuation {n}")
+    return ids[n_ctx : n_ctx + n]
+
+
+def _model(model: Any) -> Any:
+    """A loaded model from a LoadedModel, a model name or a local HF model directory."""
+    if hasattr(model, "fingerprint") and hasattr(model, "model"):
+        return model
+    from kvcodec.models.load import load_model
+
+    return load_model(str(model))
+
+
+def _budget(prune: Any) -> Any:
+    if prune is None or not isinstance(prune, str):
+        return prune
+    from kvcodec.prune import parse_prune
+
+    return parse_prune(prune)

@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/build_calibration.py            # writes kvcodec/data/calibration/<fingerprint id>.safetensors
 
-The file is named by the model's fingerprint id (how ``get_calibration`` finds
+The file is named by the model's fingerprint id (how ``load_calibration`` finds
 it) and pinned by the sha256 of its bytes in
 ``kvcodec.calibration.store.SHIPPED_SHA256``: the script prints the line to put
 there. Rebuild after any change of the calibration algorithm or of the

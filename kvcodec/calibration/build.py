@@ -286,15 +286,17 @@ def build_calibration(lm: Any, texts: tuple[str, ...] = CALIB_TEXTS, context: in
     return Calibration(basis, mean, eig, sens, meta)
 
 
-def get_calibration(lm: Any = None, fingerprint_id: str | None = None, build: bool = True) -> Calibration:
-    """The model's calibration, building and caching it on first use (needs ``lm``); checked against ``lm``."""
-    fid = fingerprint_id or lm.fingerprint.id
+def ensure_calibration(lm: Any) -> Calibration:
+    """``lm``'s calibration, built (with progress, minutes of forward passes) and saved the first time.
+
+    The one place a calibration is built on demand. Entry points that encode with a model
+    (:func:`kvcodec.api.encode`, ``kvc ask``, the demo, the curve) call it once and pass the
+    result down; the planner itself only loads one (:func:`kvcodec.calibration.store.require_calibration`).
+    """
+    fid = lm.fingerprint.id
     cal = load_calibration(fid)
     if cal is None:
-        if lm is None or not build:
-            raise KvcInputError(f"no calibration for model {fid}; build it: kvc calibrate --model MODEL")
         cal = build_calibration(lm)
         save_calibration(cal, fid)
-    if lm is not None:
-        cal.check_for(lm.fingerprint)
+    cal.check_for(lm.fingerprint)
     return cal

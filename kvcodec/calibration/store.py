@@ -250,6 +250,17 @@ def load_calibration(fingerprint_id: str) -> Calibration | None:
     return _load_shipped(shipped) if shipped is not None else None
 
 
+def require_calibration(fingerprint: Any) -> Calibration:
+    """The calibration of the model whose fingerprint is ``fingerprint`` (checked against it); a model with
+    none is one :class:`KvcInputError` line naming ``kvc calibrate``. Never builds one."""
+    cal = load_calibration(fingerprint.id)
+    if cal is None:
+        raise KvcInputError(f"no calibration for model {fingerprint.id} ({fingerprint.architecture}); build it once: "
+                            "kvc calibrate --model MODEL")
+    cal.check_for(fingerprint)
+    return cal
+
+
 def resolve_attachment(name: str, sha256: str) -> np.ndarray | None:
     """Find an external attachment by name + sha256: one index lookup (else the shipped calibrations), one verified read.
 

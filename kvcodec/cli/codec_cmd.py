@@ -130,12 +130,10 @@ def encode_command(input_path: str | None, output: str | None, levels: str | Non
     lossy --preset its other settings (sink, tokenscale, ...) are kept.
     --config names a preset and overrides its plan's parameters.
     """
-    from kvcodec.atomic import check_input, check_output
+    from kvcodec.atomic import check_output
     from kvcodec.errors import KvcInputError
-    from kvcodec.format import WriteOptions, write_kvc
-    from kvcodec.plan.presets import get_plan, preset_info
-    from kvcodec.core.kvcache import load_capture
-    from kvcodec.rate import PruneRecord, bits_per_element, context_elements
+    from kvcodec.plan.presets import preset_info
+    from kvcodec.texts import load_text
 
     preset_given = click.get_current_context().get_parameter_source("preset") not in (
         click.core.ParameterSource.DEFAULT, None)
@@ -187,91 +185,27 @@ def encode_command(input_path: str | None, output: str | None, levels: str | Non
         raise KvcInputError("with a capture IN, --text is only used with --target-kl or --target-dppl")
 
     check_output(output, inputs=[input_path, text_path, config, model])  # before minutes of capture/encode work
-    lm = None
+    from kvcodec import api
 
-    def get_lm() -> Any:
-        nonlocal lm
-        if lm is None:
-            from kvcodec.models.load import DEFAULT_MODEL, load_model
-
-            lm = load_model(model or (str(cache.meta.get("model") or DEFAULT_MODEL) if input_path else DEFAULT_MODEL))
-            if input_path is not None:
-                lm.fingerprint.check_compatible(cache.fingerprint, what="capture")
-        return lm
-
-    if input_path is None:
-        from kvcodec.models.capture import capture
-        from kvcodec.texts import load_text
-
-        text = load_text(text_path)
-        cache = capture(get_lm(), text=text, max_tokens=max_tokens)
-    else:
-        check_input(input_path)
-        cache = load_capture(input_path)
-    elems = context_elements(cache)  # the unpruned context's elements: what every rate is charged against
-
-    cont = None
-    if targeted:
-        import numpy as np
-
-        from kvcodec.models.capture import tokenize
-        from kvcodec.texts import load_text
-
-        text_ids = tokenize(get_lm().tokenizer, load_text(text_path))
-        ctx = cache.token_ids
-        n_ctx = len(ctx)
-        if len(text_ids) < n_ctx or not np.array_equal(text_ids[:n_ctx], ctx):
-            raise KvcInputError(f"the text's first {n_ctx} tokens are not the capture's context")
-        if len(text_ids) < n_ctx + continuation:
-            raise KvcInputError(f"the text has only {len(text_ids) - n_ctx} tokens after the capture's {n_ctx}-token "
-                                f"context, fewer than --continuation {continuation}")
-        cont = text_ids[n_ctx : n_ctx + continuation]
-
-    if budget is not None:
-        from kvcodec.prune import SCORES_META_KEY, H2OBudget, apply_prune
-
-        stored = cache.meta.get(SCORES_META_KEY)
-        want_w = "all" if getattr(budget, "window", None) is None else budget.window
-        has_scores = isinstance(budget, H2OBudget) and isinstance(stored, dict) and stored.get("window") == want_w
-        cache = apply_prune(cache, budget, lm=None if has_scores else get_lm())
-
-    target_info = None
-    if targeted:
-        from kvcodec.plan.pipelines import plan_for_target
-        from kvcodec.plan.settings import PRESETS
-
-        kw = {k: v for k, v in PRESETS.get(preset, {}).items() if k != "step0"} if preset_given else {}
-        qplan, target_info = plan_for_target(cache, get_lm(), target_kl=target_kl, target_dppl=target_dppl,
-                                             continuation=cont, **kw)
-        name = f"target-kl-{target_kl:g}" if target_kl is not None else f"target-dppl-{target_dppl:g}"
-        plan, plan_preset = qplan, name
-    else:
-        plan = get_plan(preset, cache, lm=get_lm() if lossy else None, **overrides)
-        plan_preset = f"{plan.preset}+config" if overrides else plan.preset
-    meta = None if target_info is None else {"target": {"kl": target_kl, "dppl_percent": target_dppl, **target_info}}
-    if overrides:
-        meta = {"config": {"preset": preset, **overrides}}
-    n = write_kvc(cache, output, plan.pipelines, WriteOptions.for_plan(
-        plan, chunk_tokens=chunk_tokens, chunk_heads=chunk_heads, preset=plan_preset, meta=meta))
-    info: dict[str, Any] = {"input": input_path if input_path is not None else text_path, "output": output, "preset": plan_preset, "bytes": n, "kv_elements": elems,
-                            "bits_per_element": bits_per_element(n, elems), "ratio_vs_fp16": elems * 2 / n}
-    prec = PruneRecord.from_meta(cache.meta) if budget is not None else None
-    if prec is not None:
-        info["prune"] = prec.to_json()
-    rec = cache.meta.get("prune") if prec is not None else None
-    if target_info is not None:
-        info["target"] = meta["target"]  # type: ignore[index]
+    enc = api.encode(
+        input_path, output, preset=preset if (preset_given or not targeted) else None, overrides=overrides, model=model,
+        text=load_text(text_path) if text_path is not None else None, max_tokens=max_tokens, prune=budget,
+        target_kl=target_kl, target_dppl=target_dppl, continuation_tokens=continuation, chunk_tokens=chunk_tokens,
+        chunk_heads=chunk_heads)
+    info = {"input": input_path if input_path is not None else text_path, **enc.to_json()}
     if as_json:
         emit_json(info)
         return
     extra = ""
-    if rec is not None:
+    if enc.prune is not None:
+        rec = enc.prune.to_json()
         extra += f"; pruned {rec['spec']}, kept {100 * rec['kept_fraction']:.1f}% of {rec['context_tokens']:,} tokens"
-    if target_info is not None:
-        extra += (f"; tuned step0 {target_info['step0']:.4g}: KL {target_info['kl_mean']:.3g} nats, "
-                  f"PPL {target_info['dppl_percent']:+.3f}% on {len(cont)} continuation tokens")  # type: ignore[arg-type]
-    click.echo(f"{output}: {n:,} bytes, {info['bits_per_element']:.3f} bits per KV element, "
-               f"ratio vs fp16 {info['ratio_vs_fp16']:.2f}x (preset {plan_preset}{extra})")
+    if enc.target is not None:
+        t = enc.target
+        extra += (f"; tuned step0 {t['step0']:.4g}: KL {t['kl_mean']:.3g} nats, "
+                  f"PPL {t['dppl_percent']:+.3f}% on {continuation} continuation tokens")
+    click.echo(f"{output}: {enc.size:,} bytes, {enc.bits_per_element:.3f} bits per KV element, "
+               f"ratio vs fp16 {enc.ratio_vs_fp16:.2f}x (preset {enc.preset}{extra})")
 
 
 def _encode_levels(text_path: str | None, levels: str, store_url: str | None, namespace: str, chunk_tokens: int,

@@ -3,7 +3,7 @@
     [rope] -> [keep] -> transform -> [tokenscale] -> quantize(step; v1, or v2's 16-bit codes) -> rans
 
 (array stages in encode order; bracketed ones optional). Every lossy preset
-builds this shape (kvcodec/plan/settings.py). A pipeline of any other shape is
+builds this shape (kvcodec/plan/presets.py). A pipeline of any other shape is
 decoded stage by stage, which is the normative definition anyway; the fused
 decoders only reorganise the same operations.
 """

@@ -44,13 +44,15 @@ import numpy as np
 from kvcodec.models.cachelayout import cache_prefix
 from kvcodec.atomic import atomic_path, atomic_write_text, check_output, check_outputs_differ
 from kvcodec.errors import KvcError, KvcInputError
-from kvcodec.format import KvcReader, WriteOptions, write_kvc
+from kvcodec.format import KvcReader, write_kvc
 from kvcodec.digest import token_ids_sha256
 from kvcodec.core.kvcache import KVCache
 from kvcodec.calibration.store import default_resolver
 from kvcodec.plan.presets import get_plan
 from kvcodec.plan import pipelines as codecplan
-from kvcodec.plan.settings import PRESETS as LOSSY_PRESETS
+from kvcodec.plan.presets import PRESETS as _PRESETS
+
+LOSSY_PRESETS = [n for n, p in _PRESETS.items() if p.lossy]
 
 PLOT_FORMATS = (".png", ".svg", ".pdf")  # what --plot writes (matplotlib backends without extra deps)
 SCHEMA = "kvcodec-curve/1"
@@ -131,11 +133,15 @@ def _baseline(name: str) -> Callable[[Any, TextCase], tuple[KVCache, Any]]:
 
 def _preset(name: str, guard: bool = True, embedded: bool = False) -> Callable[[Any, TextCase], tuple[KVCache, Any]]:
     def build(lm: Any, case: TextCase) -> tuple[KVCache, Any]:
+        from kvcodec.calibration.build import ensure_calibration
+        from kvcodec.plan.presets import preset_info
+
+        cal = ensure_calibration(lm) if lm is not None and preset_info(name).lossy else None
         if embedded:  # the calibration travels inside the file (self-contained; its bytes are in file_bytes)
-            return case.cache, get_plan(name, case.cache, lm=lm, calibration="embedded")
+            return case.cache, get_plan(name, case.cache, lm=lm, cal=cal, calibration="embedded")
         if not guard:  # the preset's fixed step0, no encode-time quality check (what issue 15 measured)
-            return case.cache, get_plan(name, case.cache, lm=lm, guard=False)
-        return case.cache, get_plan(name, case.cache, lm=lm)
+            return case.cache, get_plan(name, case.cache, lm=lm, cal=cal, guard=False)
+        return case.cache, get_plan(name, case.cache, lm=lm, cal=cal)
 
     return build
 
@@ -392,7 +398,7 @@ def measure(lm: Any, case: TextCase, method: Method, workdir: str | os.PathLike,
         to_encode, plan = method.build(lm, case)
         tag = hashlib.sha256(method.key.encode()).hexdigest()[:12]
         path = Path(workdir) / f"{case.tokens_sha[:12]}-{tag}.kvc"
-        write_kvc(to_encode, path, plan.pipelines, WriteOptions.for_plan(plan, meta={"curve_method": method.key}))
+        write_kvc(to_encode, path, plan, meta={"curve_method": method.key})
         t_enc = time.perf_counter() - t0
     size = path.stat().st_size
     t0 = time.perf_counter()

@@ -18,7 +18,7 @@ import torch
 from kvcodec.atomic import check_output, ensure_output_dir
 from kvcodec.models.capture import select_context, tokenize
 from kvcodec.eval.curve import Method, TextCase, cached_capture, default_capture_dir, measure, run_curve
-from kvcodec.format import KvcReader, WriteOptions, write_kvc
+from kvcodec.format import KvcReader, write_kvc
 from kvcodec.digest import token_ids_sha256
 from kvcodec.models.load import load_model
 from kvcodec.plan.presets import get_plan
@@ -79,8 +79,11 @@ def run_main_job(
     log(f"encoding with preset {preset} ...")
     path = check_output(out_dir / f"{Path(text).name}-{len(ids)}-{preset}.kvc", inputs=[text])
     t0 = time.perf_counter()
-    plan = get_plan(preset, cache, lm=lm)
-    write_kvc(cache, path, plan.pipelines, WriteOptions.for_plan(plan))
+    from kvcodec.calibration.build import ensure_calibration
+    from kvcodec.plan.presets import preset_info
+
+    plan = get_plan(preset, cache, lm=lm, cal=ensure_calibration(lm) if preset_info(preset).lossy else None)
+    write_kvc(cache, path, plan)
     report.update(kvc_file=str(path), kvc_bytes=path.stat().st_size, encode_s=time.perf_counter() - t0,
                   kv_elements=cache.num_elements, fp16_bytes=cache.nbytes_fp16, tokens=len(ids))
     with KvcReader(path) as r:

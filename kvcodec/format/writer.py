@@ -12,7 +12,7 @@ import io
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, BinaryIO, Callable
 
 import google_crc32c
@@ -80,18 +80,33 @@ class WriteOptions:
     writer: str | None = None
     encoder_inputs: EncoderInputsSpec | None = None
 
-    @classmethod
-    def for_plan(cls, plan: Plan, **kw: Any) -> "WriteOptions":
-        """The options that encode ``plan`` (its attachments, preset, layout, encoder inputs), ``kw`` on top."""
-        base: dict[str, Any] = {"attachments": plan.attachments or None, "preset": plan.preset,
-                                "chunk_tokens": plan.chunk_tokens, "encoder_inputs": plan.encoder_inputs}
-        base.update(kw)
-        return cls(**base)
+
+#: Read-back policies of the writer's verifying entry points: ``"file"`` reads the written bytes back through
+#: the reader (structure, every CRC, every chunk decoded and compared bit for bit with what the encoder's own
+#: output decodes to) before they count as written; ``"off"`` writes without reading back (probes whose
+#: output is decoded right away and never stored).
+VERIFY_POLICIES = ("file", "off")
 
 
-def _options(options: WriteOptions | None, kw: dict[str, Any]) -> WriteOptions:
-    """``options`` with the keyword arguments of an entry point on top (a misspelt name is a TypeError)."""
-    return replace(options or WriteOptions(), **kw) if kw else (options or WriteOptions())
+def _plan_options(plan: Plan | PipelineSpec, options: WriteOptions | None, kw: dict[str, Any]) -> tuple[PipelineSpec, WriteOptions]:
+    """The pipelines and options that encode ``plan``: the plan's attachments, preset, layout and encoder inputs,
+    then ``options``, then the entry point's keyword arguments on top (a misspelt name is a TypeError).
+
+    A bare pipeline (or a ``(layer, kind) -> Pipeline`` function) is the plan of just that pipeline.
+    """
+    if not isinstance(plan, Plan):
+        plan = Plan(plan)
+    opts = WriteOptions(attachments=plan.attachments or None, preset=plan.preset, chunk_tokens=plan.chunk_tokens,
+                        encoder_inputs=plan.encoder_inputs)
+    if options is not None:
+        opts = replace(opts, **{f.name: getattr(options, f.name) for f in fields(WriteOptions)
+                                if getattr(options, f.name) != getattr(WriteOptions(), f.name)})
+    return plan.pipelines, replace(opts, **kw) if kw else opts
+
+
+def _check_verify(verify: str) -> None:
+    if verify not in VERIFY_POLICIES:
+        raise KvcInputError(f"verify must be one of {', '.join(VERIFY_POLICIES)}, got {verify!r}")
 
 
 def _is_bf16(t: Any) -> bool:
@@ -170,15 +185,16 @@ def _resolve_pipelines(pipelines: PipelineSpec, n_layers: int) -> tuple[list[Pip
     return table, ids
 
 
-def write_kvc_stream(cache: KVCache, f: BinaryIO, pipelines: PipelineSpec, options: WriteOptions | None = None,
+def write_kvc_stream(cache: KVCache, f: BinaryIO, plan: Plan | PipelineSpec, options: WriteOptions | None = None,
                      **kw: Any) -> int:
-    """Write ``cache`` as `.kvc` to the binary stream ``f`` (sequential writes only); return bytes written.
+    """Write ``cache`` as `.kvc` under ``plan`` to the binary stream ``f`` (sequential writes only); return bytes written.
 
     The low-level, *unverified* writer (a pipe cannot be read back): :func:`write_kvc`
     and :func:`encode_kvc_bytes` verify what they wrote. ``kw`` are :class:`WriteOptions`
     fields, applied over ``options``.
     """
-    return _write(cache, f, pipelines, _options(options, kw), None)
+    pipelines, opts = _plan_options(plan, options, kw)
+    return _write(cache, f, pipelines, opts, None)
 
 
 def _write(cache: KVCache, f: BinaryIO, pipelines: PipelineSpec, opts: WriteOptions, expect: "_Expectation | None") -> int:
@@ -203,10 +219,10 @@ def _write(cache: KVCache, f: BinaryIO, pipelines: PipelineSpec, opts: WriteOpti
         raise KvcInputError(f"a chunk would hold {biggest} bytes (limit {MAX_CHUNK_DECODED_BYTES}); use chunk_tokens")
     table, pid = _resolve_pipelines(pipelines, L)
     if opts.encoder_inputs is None and any(s.name in ENCODER_INPUT_STAGES for p in table for s in p.stages):
-        # a plan's per-layer inputs dropped on the way (plan.pipelines passed without WriteOptions.for_plan(plan))
-        # would encode every token alike and lose quality silently
+        # a plan's per-layer inputs dropped on the way (its pipelines passed without the plan) would encode
+        # every token alike and lose quality silently
         raise KvcCodecError("a pipeline has a tokenscale stage but no encoder inputs were given: "
-                            "pass WriteOptions.for_plan(plan) (or encoder_inputs=)")
+                            "pass the Plan itself (or encoder_inputs=)")
     merged_meta = dict(cache.meta)
     merged_meta.update(meta or {})
 
@@ -410,19 +426,20 @@ def _declared_bytes(cache: KVCache) -> int:
     return max(1, cache.num_elements * itemsize)
 
 
-def write_kvc(cache: KVCache, dest: str | os.PathLike | BinaryIO, pipelines: PipelineSpec,
-              options: WriteOptions | None = None, *, verify: bool = True, **kw: Any) -> int:
-    """Write ``cache`` to ``dest`` (a path, atomically, or a binary file object). Returns bytes written.
+def write_kvc(cache: KVCache, dest: str | os.PathLike | BinaryIO, plan: Plan | PipelineSpec,
+              options: WriteOptions | None = None, *, verify: str = "file", **kw: Any) -> int:
+    """Write ``cache`` under ``plan`` to ``dest`` (a path, atomically, or a binary file object). Returns bytes written.
 
-    ``kw`` are :class:`WriteOptions` fields, applied over ``options``. ``verify`` (default
-    on) reads the result back before it counts as written: for a path, the temp file is
-    read and decoded bit-exactly (see :class:`_Expectation`) *before* the atomic rename, so
-    a file the reader would reject never appears at ``dest``; a file object is read back
-    when it is readable and seekable (e.g. ``BytesIO``), otherwise it cannot be.
+    ``kw`` are :class:`WriteOptions` fields, applied over ``options`` over the plan's own. ``verify``
+    is the read-back policy (:data:`VERIFY_POLICIES`; default ``"file"``): for a path, the temp file
+    is read and decoded bit-exactly (see :class:`_Expectation`) *before* the atomic rename, so a file
+    the reader would reject never appears at ``dest``; a file object is read back when it is
+    readable and seekable (e.g. ``BytesIO``), otherwise it cannot be.
     """
-    opts = _options(options, kw)
+    _check_verify(verify)
+    pipelines, opts = _plan_options(plan, options, kw)
     if not isinstance(dest, (str, os.PathLike)):
-        readable = verify and _readable(dest)
+        readable = verify == "file" and _readable(dest)
         start = dest.tell() if readable else 0
         expect = _Expectation(cache) if readable else None
         n = _write(cache, dest, pipelines, opts, expect)
@@ -435,13 +452,61 @@ def write_kvc(cache: KVCache, dest: str | os.PathLike | BinaryIO, pipelines: Pip
         return n
     # atomic_path refuses outputs that are not regular files or lack a directory, and renames
     # only on a clean exit: a file that fails the read-back never appears at ``dest``.
-    expect = _Expectation(cache) if verify else None
+    expect = _Expectation(cache) if verify == "file" else None
     with atomic_file(dest, "wb") as f:
         n = _write(cache, f, pipelines, opts, expect)  # type: ignore[arg-type]  # atomic_file("wb") is binary
         if expect is not None:
             f.flush()
             expect.check(f.name, cache, str(dest))  # the temp file, still unrenamed
     return n
+
+
+def roundtrip(cache: KVCache, plan: Plan | PipelineSpec) -> tuple[KVCache, int]:
+    """``cache`` encoded under ``plan`` and decoded again, with no container: (decoded cache, payload bytes).
+
+    For measurements that decode right away and store nothing (the quality check's probes, target
+    searches). Each tensor is chunked as :func:`write_kvc` chunks it by default (the plan's
+    ``chunk_tokens``, all heads per chunk), encoded with the same chunk contexts, and decoded by
+    the pipeline's normative stage-by-stage decode, which every decoder a reader may pick matches
+    bit for bit; so the decoded cache is the one a file of this plan would read back as. The byte
+    count is the chunks' payloads and side data, without the header, index and padding.
+    """
+    import torch
+
+    from kvcodec.core.kvcache import KVCache
+
+    pipelines, opts = _plan_options(plan, None, {})
+    cache.validate()
+    fp = cache.fingerprint
+    T, L = cache.num_tokens, fp.num_layers
+    table, pid = _resolve_pipelines(pipelines, L)
+    positions = None if cache.positions is None else np.asarray(cache.positions, dtype=np.int64)
+    arrays: dict[str, np.ndarray] = {}
+    for name, a in (opts.attachments or {}).items():
+        arr = a.array if isinstance(a, ExternalAttachment) else a
+        if arr is not None:
+            arrays[name] = arr
+    tdtype = _tensor_dtype(cache)
+    nbytes, j = 0, 0
+    out: dict[str, list[Any]] = {"k": [], "v": []}
+    for layer in range(L):
+        off = cache.layer_offset(layer)
+        for kind, tensor in (("k", cache.keys[layer]), ("v", cache.values[layer])):
+            p = table[pid[(layer, kind)]]
+            inputs = opts.encoder_inputs(layer, kind) if opts.encoder_inputs is not None else {}
+            t = tensor.detach().cpu()
+            full = (t.float() if _is_bf16(t) else t).contiguous().numpy()
+            rows = []
+            for t0, t1 in _ranges(T - off, opts.chunk_tokens):
+                arr = np.ascontiguousarray(full[:, t0:t1, :])
+                ctx = chunk_context(layer, kind, t0 + off, t1 + off, 0, fp.num_kv_heads, positions, arrays, j, inputs)
+                payload, sides, sizes = p.encode(arr, ctx)
+                nbytes += len(payload) + sum(a.nbytes for side in sides for a in side.values())
+                rows.append(np.ascontiguousarray(p.decode(payload, sides, sizes, ArraySpec(tuple(arr.shape), arr.dtype.name), ctx)))
+                j += 1
+            dec = torch.from_numpy(np.ascontiguousarray(rows[0] if len(rows) == 1 else np.concatenate(rows, axis=1)))
+            out[kind].append(dec.to(torch.bfloat16) if tdtype == "bfloat16" else dec)
+    return KVCache(out["k"], out["v"], cache.token_ids, fp, cache.positions, dict(cache.meta)), nbytes
 
 
 def _readable(f: Any) -> bool:
@@ -451,12 +516,14 @@ def _readable(f: Any) -> bool:
         return False
 
 
-def encode_kvc_bytes(cache: KVCache, pipelines: PipelineSpec, options: WriteOptions | None = None, *,
-                     verify: bool = True, **kw: Any) -> bytes:
-    """The `.kvc` bytes of ``cache`` (same arguments as :func:`write_kvc`; verified the same way)."""
+def encode_kvc_bytes(cache: KVCache, plan: Plan | PipelineSpec, options: WriteOptions | None = None, *,
+                     verify: str = "file", **kw: Any) -> bytes:
+    """The `.kvc` bytes of ``cache`` under ``plan`` (same arguments as :func:`write_kvc`; verified the same way)."""
+    _check_verify(verify)
+    pipelines, opts = _plan_options(plan, options, kw)
     buf = io.BytesIO()
-    expect = _Expectation(cache) if verify else None
-    _write(cache, buf, pipelines, _options(options, kw), expect)
+    expect = _Expectation(cache) if verify == "file" else None
+    _write(cache, buf, pipelines, opts, expect)
     data = buf.getvalue()
     if expect is not None:
         expect.check(data, cache, "encoded bytes")

@@ -64,7 +64,6 @@ stage config and in the plan's metadata.
 
 from __future__ import annotations
 
-from kvcodec.models.cachelayout import cache_for_model, cache_prefix
 import logging
 import math
 import time
@@ -72,6 +71,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+
+from kvcodec.models.cachelayout import cache_for_model, cache_prefix
+from kvcodec.plan.presets import NEAR_TIE, QualityTarget
 
 log = logging.getLogger("kvcodec.guard")
 
@@ -83,18 +85,6 @@ SAFETY = 0.9  # step factor under the KL ∝ step^2 law's prediction after a mis
 GREEDY_SHRINK = 0.5  # step factor after a greedy flip at a clear (non-tie) margin
 MAX_TRIES = 4  # with prediction a miss costs 1-2 tries; 4 leaves room for one bad prediction
 FLOOR_KL_RATIO = 0.8  # a smaller step that leaves KL above this x the last try's: the format's floor (max_bits)
-NEAR_TIE = 0.02  # top-2 logit margin under which a greedy token is not promised (fp16 storage moves logits ~0.012)
-
-
-@dataclass(frozen=True)
-class QualityTarget:
-    """What a preset promises on a continuation of the document: mean KL (nats), ΔPPL (%), greedy tokens."""
-
-    kl: float
-    dppl_percent: float
-    greedy_tokens: int = 0  # >0: that many greedy tokens identical to the exact cache's, up to the first near-tie
-    margin: float = 0.5  # the probe must meet margin x kl (ΔPPL: a confidence bound, see the module docstring)
-    rival_gain: float = 0.0  # >0: the probe's max_rival_gain must stay under this (0: not checked)
 
 
 @dataclass(frozen=True)
@@ -193,8 +183,9 @@ def guarded_plan(cache: Any, lm: Any, preset: str, args: dict[str, Any], target:
     records the probe, every try and the time the check cost.
     """
     from kvcodec.models.quality import continue_logits
-    from kvcodec.calibration.build import get_calibration
-    from kvcodec.plan.pipelines import TOKENSCALE_DEFAULT, decode_bytes, encode_bytes, transform_plan
+    from kvcodec.calibration.store import require_calibration
+    from kvcodec.format.writer import roundtrip
+    from kvcodec.plan.pipelines import TOKENSCALE_DEFAULT, transform_plan
     from kvcodec.plan.importance import cache_importance
 
     t_start = time.perf_counter()
@@ -211,7 +202,7 @@ def guarded_plan(cache: Any, lm: Any, preset: str, args: dict[str, Any], target:
     prefix = cache_prefix(cache, T - n, lm)
     exact_logits = continue_logits(lm, prefix, probe)
     exact_greedy, margins = greedy_with_margins(lm, prefix, int(probe[0]), target.greedy_tokens) if target.greedy_tokens else ([], [])
-    args["cal"] = args.get("cal") or get_calibration(lm, fingerprint_id=cache.fingerprint.id, build=True)
+    args["cal"] = args.get("cal") or require_calibration(cache.fingerprint)
     prefix_args = dict(args)
     if args.get("tokenscale") is not None:  # the prefix's own importance: its last queries, not the probe's
         window = {**TOKENSCALE_DEFAULT, **args["tokenscale"]}["window"]
@@ -219,20 +210,19 @@ def guarded_plan(cache: Any, lm: Any, preset: str, args: dict[str, Any], target:
     tries: list[dict[str, Any]] = []
     ok = False
     for i in range(MAX_TRIES):
-        # not read back by the writer: decoded right below by the reader, and never stored
-        data = encode_bytes(prefix, transform_plan(prefix, step0, lm=lm, preset=preset, **prefix_args), verify=False)
-        dec = decode_bytes(data)
+        # the pipelines' own round trip on the prefix: no container, nothing stored
+        dec, nbytes = roundtrip(prefix, transform_plan(prefix, step0, lm=lm, preset=preset, **prefix_args))
         same = True
         if target.greedy_tokens:
             got, _ = greedy_with_margins(lm, dec, int(probe[0]), target.greedy_tokens)
             same = greedy_promise_met(exact_greedy, got, margins)
         s = probe_stats(exact_logits, continue_logits(lm, dec, probe), probe, same)
         ok = s.meets(target)
-        tries.append({"step0": step0, "probe_bytes": len(data), "kl_mean": s.kl, "dppl_percent": 100.0 * math.expm1(s.d_mean),
+        tries.append({"step0": step0, "probe_payload_bytes": nbytes, "kl_mean": s.kl, "dppl_percent": 100.0 * math.expm1(s.d_mean),
                       "dppl_bound_percent": s.dppl_bound(), "greedy_ok": same if target.greedy_tokens else None,
                       "rival_gain": s.rival_gain, "ok": ok})
         if verbose:
-            print(f"guard {preset}: step0={step0:.4g} probe bytes={len(data)} kl={s.kl:.3g} "
+            print(f"guard {preset}: step0={step0:.4g} probe payload bytes={nbytes} kl={s.kl:.3g} "
                   f"dppl={tries[-1]['dppl_percent']:+.3f}% bound={s.dppl_bound():+.3f}% greedy={same} rival={s.rival_gain:.3g} ok={ok}", flush=True)
         if ok or i == MAX_TRIES - 1:
             break

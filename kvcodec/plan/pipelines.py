@@ -19,7 +19,6 @@ step cost no bits and are dropped).
 
 from __future__ import annotations
 
-import io
 import math
 from typing import Any
 
@@ -27,8 +26,8 @@ import numpy as np
 
 from kvcodec.errors import KvcCodecError, KvcInputError
 from kvcodec.core.stage import EncoderInputs, Pipeline, Plan
-from kvcodec.calibration.build import get_calibration
 from kvcodec.calibration.record import Calibration
+from kvcodec.calibration.store import require_calibration
 from kvcodec.plan.importance import token_multipliers
 from kvcodec.codecs.rope_tables import layer_rope_config
 from kvcodec.codecs.transform import KeepStage, QuantizeStage, RopeStage, TransformStage, WideQuantizeStage
@@ -89,7 +88,7 @@ def transform_plan(cache: Any, step0: float, sink: int = 4, group: int = 8, cal:
     if any(d != D for d in fp.head_dims):
         raise KvcCodecError("transform presets need one head_dim for all layers")
     if basis == "pca" and cal is None:
-        cal = get_calibration(lm, fingerprint_id=fp.id, build=lm is not None)
+        cal = require_calibration(fp)
     if basis == "pca":
         assert cal is not None
         cal.check_for(fp)  # also a calibration handed in by the caller: never encode with another model's
@@ -162,23 +161,6 @@ def transform_plan(cache: Any, step0: float, sink: int = 4, group: int = 8, cal:
 
 
 # --------------------------------------------------------------------------- measure
-def encode_bytes(cache: Any, plan: Plan, verify: bool = True) -> bytes:
-    """The `.kvc` bytes of ``cache`` under ``plan``; ``verify=False`` skips the writer's read-back
-    (for bytes that are decoded right away and never stored, e.g. the quality guard's probes)."""
-    from kvcodec.format.writer import WriteOptions, write_kvc
-
-    buf = io.BytesIO()
-    write_kvc(cache, buf, plan.pipelines, WriteOptions.for_plan(plan, meta={"plan": plan.params}), verify=verify)
-    return buf.getvalue()
-
-
-def decode_bytes(data: bytes, plan: Plan | None = None) -> Any:
-    from kvcodec.format.reader import KvcReader
-
-    r = KvcReader(data)
-    return r.read_cache()
-
-
 def external_bytes(plan: Plan) -> int:
     """Bytes of the external calibration a plan's file depends on (0 if none)."""
     total = 0
@@ -196,6 +178,7 @@ def plan_for_target(cache: Any, lm: Any, target_kl: float | None = None, target_
     Quality is measured with the real model on ``continuation`` (tokens that
     follow the cache). Returns (plan, {"step0", "kl_mean", "dppl_percent", "bytes"}).
     """
+    from kvcodec.format.writer import roundtrip
     from kvcodec.models.quality import compare_logits, continue_logits
 
     if (target_kl is None) == (target_dppl is None):
@@ -204,7 +187,7 @@ def plan_for_target(cache: Any, lm: Any, target_kl: float | None = None, target_
         raise KvcInputError("plan_for_target needs a continuation of at least 2 tokens")
     continuation = np.asarray(continuation, np.int64)
     exact = continue_logits(lm, cache, continuation)
-    cal = kw.pop("cal", None) or get_calibration(lm)
+    cal = kw.pop("cal", None) or require_calibration(cache.fingerprint)
     if kw.get("tokenscale") is not None and kw.get("importance") is None:  # score the context once, not per probe
         from kvcodec.plan.importance import cache_importance
 
@@ -212,13 +195,12 @@ def plan_for_target(cache: Any, lm: Any, target_kl: float | None = None, target_
 
     def measure(step0: float) -> tuple[bool, dict[str, Any]]:
         plan = transform_plan(cache, step0, cal=cal, lm=lm, preset="target", **kw)
-        data = encode_bytes(cache, plan, verify=False)  # decoded right below, never stored
-        dec = decode_bytes(data)
+        dec, nbytes = roundtrip(cache, plan)  # the pipelines' own round trip: no container, nothing stored
         m = compare_logits(exact, continue_logits(lm, dec, continuation), continuation)
         ok = m["kl_mean"] <= target_kl if target_kl is not None else abs(m["dppl_percent"]) <= (target_dppl or 0.0)
-        info = {"step0": step0, "kl_mean": m["kl_mean"], "dppl_percent": m["dppl_percent"], "bytes": len(data)}
+        info = {"step0": step0, "kl_mean": m["kl_mean"], "dppl_percent": m["dppl_percent"], "payload_bytes": nbytes}
         if verbose:
-            print(f"plan_for_target: step0={step0:.4g} bytes={len(data)} kl={m['kl_mean']:.3g} dppl={m['dppl_percent']:+.3f}% ok={ok}", flush=True)
+            print(f"plan_for_target: step0={step0:.4g} payload bytes={nbytes} kl={m['kl_mean']:.3g} dppl={m['dppl_percent']:+.3f}% ok={ok}", flush=True)
         return ok, info
 
     ok_lo, best = measure(lo)

@@ -1,4 +1,5 @@
-"""Preset name (+ overrides) -> encoding :class:`~kvcodec.core.stage.Plan`: the ONE place presets are defined.
+"""Preset name (+ overrides) -> encoding :class:`~kvcodec.core.stage.Plan`: the ONE place presets are defined
+(their settings, their promises and the overrides they take).
 
 Why one module: the CLI (``--config``), the library (:func:`get_plan`) and the vLLM
 connector's ``kv_connector_extra_config`` all name a preset and optionally change its
@@ -10,7 +11,7 @@ Presets:
 
 * built in, lossless or casting: ``lossless`` (raw -> shuffle -> zstd), ``fp16`` (cast ->
   raw -> shuffle -> zstd), ``zstd`` (raw -> zstd), ``raw``;
-* lossy transform codec (:mod:`kvcodec.plan.settings`): ``near-lossless``, ``balanced``,
+* lossy transform codec (:func:`kvcodec.plan.pipelines.transform_plan`): ``near-lossless``, ``balanced``,
   ``small``. They *use* the model when given one (``uses_model``): the file is checked
   against the preset's quality target and ``step0`` lowered until it holds
   (:mod:`kvcodec.plan.check`), and ``balanced``/``small`` weight tokens by attention
@@ -26,8 +27,8 @@ import torch-heavy encoders.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 from kvcodec.errors import KvcInputError
 from kvcodec.core.stage import Plan
@@ -40,24 +41,53 @@ _LOSSY_KEYS = frozenset({"step0", "sink", "group", "basis", "deadzone", "calibra
 _ZSTD_KEYS = frozenset({"level"})
 
 
+NEAR_TIE = 0.02  # top-2 logit margin under which a greedy token is not promised (fp16 storage moves logits ~0.012)
+
+
+@dataclass(frozen=True)
+class QualityTarget:
+    """What a preset promises on a continuation of the document: mean KL (nats), ΔPPL (%), greedy tokens."""
+
+    kl: float
+    dppl_percent: float
+    greedy_tokens: int = 0  # >0: that many greedy tokens identical to the exact cache's, up to the first near-tie
+    margin: float = 0.5  # the probe must meet margin x kl (ΔPPL: a confidence bound, see kvcodec.plan.check)
+    rival_gain: float = 0.0  # >0: the probe's max_rival_gain must stay under this (0: not checked)
+
+
 @dataclass(frozen=True)
 class PresetInfo:
-    """What a preset is: whether it is lossy, whether it uses the model, which overrides it takes."""
+    """What a preset is: whether it is lossy, whether it uses the model, which overrides it takes, its
+    settings (the lossy codec's ``step0`` and friends) and what it promises (:class:`QualityTarget`)."""
 
     name: str
     lossy: bool
     uses_model: bool
     overrides: frozenset[str]
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    target: QualityTarget | None = None
 
 
+# step0 of each lossy preset is in units of the cache's values (SmolLM2-135M-tuned by bench_codec.py
+# measurements, valid for any model because the per-layer steps are scaled by that model's measured
+# sensitivities). With the model at hand, get_plan checks every file against its preset's target and
+# lowers step0 until it holds (kvcodec/plan/check.py).
 PRESETS: dict[str, PresetInfo] = {
     "lossless": PresetInfo("lossless", False, False, _ZSTD_KEYS),
     "fp16": PresetInfo("fp16", False, False, _ZSTD_KEYS),
     "zstd": PresetInfo("zstd", False, False, _ZSTD_KEYS),
     "raw": PresetInfo("raw", False, False, frozenset()),
-    "near-lossless": PresetInfo("near-lossless", True, True, _LOSSY_KEYS),
-    "balanced": PresetInfo("balanced", True, True, _LOSSY_KEYS),
-    "small": PresetInfo("small", True, True, _LOSSY_KEYS),
+    # 16-bit codes (quantize v2): 8-bit codes widen wide channels' steps, which floors near-lossless (issue 15)
+    "near-lossless": PresetInfo("near-lossless", True, True, _LOSSY_KEYS,
+                                {"step0": 0.004, "sink": 4, "group": 8, "max_bits": 16},
+                                QualityTarget(kl=2e-4, dppl_percent=0.5, greedy_tokens=16, rival_gain=NEAR_TIE)),
+    # tokenscale (importance-weighted steps, needs the model at encode time; uniform steps without it)
+    "balanced": PresetInfo("balanced", True, True, _LOSSY_KEYS,
+                           {"step0": 0.33, "sink": 4, "group": 8, "tokenscale": {"max_log2": 2.0}},
+                           QualityTarget(kl=0.01, dppl_percent=1.0)),
+    "small": PresetInfo("small", True, True, _LOSSY_KEYS,
+                        {"step0": 0.8, "sink": 4, "group": 8, "tokenscale": {"max_log2": 3.0}},
+                        QualityTarget(kl=0.05, dppl_percent=2.5)),
 }
 CONFIG_KEYS = frozenset({"preset"}) | _LOSSY_KEYS | _ZSTD_KEYS
 
@@ -150,8 +180,10 @@ def get_plan(name: str, cache: Any, lm: Any = None, guard: bool = True, *, cal: 
     ``overrides`` are the preset's settings to change (checked by :func:`check_overrides`).
     ``lm``, ``cal`` and ``importance`` are encoder inputs, not settings: the model (lossy
     presets: quality guard unless ``guard=False`` or ``step0`` is given, and token
-    importance), a calibration to use instead of the model's cached one, and precomputed
-    per-(layer, token) importance [L, T] (so a caller scoring the context once can reuse it).
+    importance), the model's calibration (resolved here when not given, once, and passed
+    down; a model without one is a one-line error naming ``kvc calibrate``: building one
+    is the caller's choice, :func:`kvcodec.calibration.build.ensure_calibration`), and
+    precomputed per-(layer, token) importance [L, T] (so a caller scoring the context once can reuse it).
     """
     if isinstance(name, str) and name.startswith(BASELINE_PREFIX):
         from kvcodec.plan.baseline_plans import get_baseline_plan
@@ -172,17 +204,20 @@ def get_plan(name: str, cache: Any, lm: Any = None, guard: bool = True, *, cal: 
         if name == "zstd":
             return Plan(lossless_pipeline(_dtype(cache), level=level, shuffle=False), {}, name)
         return Plan(raw_pipeline(_dtype(cache)), {}, name)
-    from kvcodec.plan import settings as lossy
-    args: dict[str, Any] = dict(lossy.PRESETS[name])
+    args: dict[str, Any] = {k: (dict(v) if isinstance(v, dict) else v) for k, v in info.settings.items()}
     args.update(overrides)
+    if cal is None and args.get("basis", "pca") == "pca":
+        from kvcodec.calibration.store import require_calibration
+
+        cal = require_calibration(cache.fingerprint)  # resolved once here, passed down; never built here
     if cal is not None:
         args["cal"] = cal
     if importance is not None:
         args["importance"] = importance
-    if guard and lm is not None and "step0" not in overrides and name in lossy.PRESET_TARGETS:
+    if guard and lm is not None and "step0" not in overrides and info.target is not None:
         from kvcodec.plan.check import guarded_plan
 
-        return guarded_plan(cache, lm, name, args, lossy.PRESET_TARGETS[name])
+        return guarded_plan(cache, lm, name, args, info.target)
     from kvcodec.plan.pipelines import transform_plan
 
     return transform_plan(cache, preset=name, lm=lm, **args)

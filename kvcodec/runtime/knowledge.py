@@ -15,8 +15,6 @@ the `.kvc` itself).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -30,12 +28,13 @@ from kvcodec.models.cachelayout import cache_prefix
 from kvcodec.models.capture import check_fits, model_cache, tokenize
 from kvcodec.models.chat import ChatFormat
 from kvcodec.errors import KvcError, KvcInputError
-from kvcodec.format import KvcReader, WriteOptions, encode_kvc_bytes
+from kvcodec.format import KvcReader, encode_kvc_bytes
 from kvcodec.plan.presets import get_plan
 from kvcodec.integrations.hf import greedy_from, load_cache
 from kvcodec.core.kvcache import KVCache
 from kvcodec.models.load import LoadedModel, cache_root
 from kvcodec.store import Store, StoreKey
+from kvcodec.store.keys import codec_key
 
 log = logging.getLogger("kvcodec.runtime.knowledge")
 
@@ -44,17 +43,11 @@ def default_store_url() -> str:
     return str(cache_root() / "store")
 
 
-def codec_id(preset: str, options: dict[str, Any] | None = None) -> str:
-    """Stable id of an encoding configuration, part of every store key."""
-    blob = json.dumps({"preset": preset, "options": options or {}}, sort_keys=True).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
-
-
 def key_for_file(reader: KvcReader, namespace: str = "default") -> StoreKey:
     """The store key of an existing `.kvc` file (for ``kvc store put``)."""
     preset = reader.header.codec or "custom"
     return StoreKey.for_tokens(
-        reader.token_ids, model=reader.fingerprint.id, codec=codec_id(preset), namespace=namespace
+        reader.token_ids, model=reader.fingerprint.id, codec=codec_key(preset), namespace=namespace
     )
 
 
@@ -91,8 +84,18 @@ class KnowledgeBase:
         self.store = store if isinstance(store, Store) else Store.open(store or default_store_url())
         self.preset = preset
         self.namespace = namespace
-        self.codec = codec_id(preset)
+        self.codec = codec_key(preset)
         self.chat = ChatFormat.for_tokenizer(lm.tokenizer)
+        self._cal: Any = None
+
+    def _calibration(self) -> Any:
+        """The model's calibration for a lossy preset (built once, with progress, if the model has none)."""
+        from kvcodec.calibration.build import ensure_calibration
+        from kvcodec.plan.presets import preset_info
+
+        if self._cal is None and preset_info(self.preset).lossy:
+            self._cal = ensure_calibration(self.lm)
+        return self._cal
 
     # -- tokens ------------------------------------------------------------
     def context_ids(self, docs: list[str]) -> tuple[np.ndarray, list[int]]:
@@ -150,8 +153,8 @@ class KnowledgeBase:
         ids = cache.token_ids
         if prefill_ttft_s is not None:
             cache.meta["prefill_ttft_s"] = prefill_ttft_s
-        plan = get_plan(self.preset, cache, lm=self.lm)
-        data = encode_kvc_bytes(cache, plan.pipelines, WriteOptions.for_plan(plan, meta=cache.meta))
+        plan = get_plan(self.preset, cache, lm=self.lm, cal=self._calibration())
+        data = encode_kvc_bytes(cache, plan, meta=cache.meta)
         res = self.store.put(self.key(ids), data, {"preset": self.preset, "tokens": int(len(ids)), "prefill_ttft_s": prefill_ttft_s})
         return {
             "key": self.key(ids).to_str(), "bytes": len(data), "encode_s": time.perf_counter() - t0,

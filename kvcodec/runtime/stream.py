@@ -93,7 +93,7 @@ def encode_levels(
     (the exact KV of ``ids``) skips the prefill.
     """
     from kvcodec.models.capture import capture
-    from kvcodec.format import WriteOptions, encode_kvc_bytes
+    from kvcodec.format import encode_kvc_bytes
     from kvcodec.plan.presets import get_plan
 
     names = parse_levels(levels)
@@ -101,6 +101,9 @@ def encode_levels(
         raise KvcInputError(f"chunk tokens must be a positive multiple of 256, got {chunk_tokens!r}")
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
     key = manifest_key(ids, model=lm.fingerprint.id, namespace=namespace)
+    from kvcodec.calibration.build import ensure_calibration
+
+    cal = ensure_calibration(lm)  # every level is a lossy preset of one model: resolved once, for every chunk
     t0 = time.perf_counter()
     if cache is None:  # every token in every layer: a level chunk is a token range of all layers
         cache = capture(lm, token_ids=ids, full_layers=True)
@@ -131,8 +134,8 @@ def encode_levels(
                 progress(f"chunk {i + 1}/{n_chunks} [{s}, {e}) at {lv}")
             t1 = time.perf_counter()
             kw = {"importance": importance[:, s:e]} if importance is not None and lv in ("small", "balanced") else {}
-            plan = get_plan(lv, part, lm=lm, **kw)
-            data = encode_kvc_bytes(part, plan.pipelines, WriteOptions.for_plan(plan))
+            plan = get_plan(lv, part, lm=lm, cal=cal, **kw)
+            data = encode_kvc_bytes(part, plan)
             encode_s[lv] += time.perf_counter() - t1
             store.put(keys[lv][i], data, level_meta(lv, s, e))
             sizes[lv] = len(data)

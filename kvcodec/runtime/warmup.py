@@ -50,7 +50,7 @@ def warm(model: str = "smollm2", tokens: int = 64) -> dict[str, float]:
 
     from kvcodec.models.capture import capture
     from kvcodec.atomic import atomic_write_bytes, ensure_output_dir
-    from kvcodec.format import KvcReader, WriteOptions, encode_kvc_bytes
+    from kvcodec.format import KvcReader, encode_kvc_bytes
     from kvcodec.plan.presets import get_plan
     from kvcodec.integrations.hf import load_cache
     from kvcodec.models.load import load_model
@@ -66,7 +66,7 @@ def warm(model: str = "smollm2", tokens: int = 64) -> dict[str, float]:
     for preset in PRESETS:
         t1 = time.perf_counter()
         plan = get_plan(preset, cache, lm=lm, guard=False)  # compiles the kernels; the quality check only adds encodes
-        data = encode_kvc_bytes(cache, plan.pipelines, WriteOptions.for_plan(plan))
+        data = encode_kvc_bytes(cache, plan)
         with KvcReader(data) as r:
             r.read_cache()
         atomic_write_bytes(warmup_dir() / f"{preset}.kvc", data)

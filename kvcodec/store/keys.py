@@ -28,12 +28,13 @@ the whole token list (``N`` tokens, whose last chunk may be partial).
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import struct
 import sys
 from array import array
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 from kvcodec.errors import KvcInputError
 
@@ -53,7 +54,7 @@ _COUNT_RE = re.compile(r"(0|[1-9][0-9]{0,17})")  # < 10**18: far beyond any cont
 MAX_KEY_STR = 512
 
 
-def _check_id(what: str, value: str) -> str:
+def check_id(what: str, value: str) -> str:
     if not isinstance(value, str) or not _ID_RE.fullmatch(value):
         shown = ascii(value[:80]) if isinstance(value, str) else type(value).__name__
         raise KvcInputError(
@@ -63,6 +64,21 @@ def _check_id(what: str, value: str) -> str:
     return value
 
 
+def codec_key(preset: str, options: Mapping[str, Any] | None = None) -> str:
+    """The ``codec`` field of a store key (spec/store-keys.md §1): the ONE derivation, used by ``kvc ask``,
+    ``kvc store put``, the KDN service's clients and the vLLM connector alike, so one encoding of one
+    context is one entry whoever wrote it.
+
+    16 hex digits of sha256 over the canonical JSON ``{"options": options or {}, "preset": preset}``:
+    ``preset`` names the codec configuration and ``options`` are its overrides. (Multi-level entries use
+    the reserved codecs of spec/levels-v1.md, which no digest can equal.)
+    """
+    if not isinstance(preset, str) or not preset:
+        raise KvcInputError(f"codec preset must be a non-empty string, got {preset!r}")
+    blob = json.dumps({"preset": preset, "options": dict(options or {})}, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
 def _lp(s: str) -> bytes:
     b = s.encode("utf-8")
     return struct.pack("<I", len(b)) + b
@@ -70,9 +86,9 @@ def _lp(s: str) -> bytes:
 
 def root_digest(model: str, codec: str, namespace: str) -> bytes:
     """``h_0``: the domain-separated seed of the chain (32 bytes)."""
-    _check_id("model", model)
-    _check_id("codec", codec)
-    _check_id("namespace", namespace)
+    check_id("model", model)
+    check_id("codec", codec)
+    check_id("namespace", namespace)
     return hashlib.blake2b(
         DOMAIN + _lp(model) + _lp(codec) + _lp(namespace), digest_size=DIGEST_SIZE
     ).digest()
@@ -156,9 +172,9 @@ class StoreKey:
     digest: str
 
     def __post_init__(self) -> None:
-        _check_id("model", self.model)
-        _check_id("codec", self.codec)
-        _check_id("namespace", self.namespace)
+        check_id("model", self.model)
+        check_id("codec", self.codec)
+        check_id("namespace", self.namespace)
         if not isinstance(self.n_tokens, int) or isinstance(self.n_tokens, bool) or self.n_tokens < 0:
             raise KvcInputError(f"store key n_tokens must be a non-negative int, got {self.n_tokens!r}")
         if not isinstance(self.digest, str) or not _HEX_RE.fullmatch(self.digest):

@@ -84,7 +84,7 @@ def make_seeds(out: Path, tokens: int, lm: Any = None) -> None:
     import torch
 
     from kvcodec.models.capture import capture, tokenize
-    from kvcodec.format import WriteOptions, write_kvc
+    from kvcodec.format import write_kvc
     from kvcodec.plan.presets import get_plan
     from kvcodec.models.load import load_model
     from kvcodec.prune import apply_prune
@@ -97,7 +97,7 @@ def make_seeds(out: Path, tokens: int, lm: Any = None) -> None:
 
     def put(name: str, c: Any, preset: str, **kw: Any) -> None:
         plan = get_plan(preset, c, lm=lm, **kw.pop("plan", {}))
-        write_kvc(c, out / f"{name}.kvc", plan.pipelines, WriteOptions.for_plan(plan),
+        write_kvc(c, out / f"{name}.kvc", plan,
                   meta=c.meta, **kw)
         print(f"seed {name}: {(out / f'{name}.kvc').stat().st_size} bytes", file=sys.stderr)
 

@@ -40,7 +40,7 @@ from kvcodec.entropy.rans import encode_contexts
 from kvcodec.codecs.rans import RansStage, to_contexts
 from kvcodec.core.fingerprint import ModelFingerprint
 from kvcodec.format.reader import KvcReader
-from kvcodec.format.writer import WriteOptions, encode_kvc_bytes
+from kvcodec.format.writer import encode_kvc_bytes
 from kvcodec.core.kvcache import KVCache
 from kvcodec.plan.presets import get_plan
 from kvcodec.testing import vectors as V
@@ -217,7 +217,7 @@ def write_lossy_vectors(out: Path = LOSSY_DIR) -> dict[str, Any]:
         _refuse_existing(out / f"{name}.kvc")
         cache, importance = _real_cache(params["text"], params["tokens"], params.get("importance", False))
         plan = get_plan(params["preset"], cache, importance=importance, **params["overrides"])
-        data = encode_kvc_bytes(cache, plan.pipelines, WriteOptions.for_plan(plan))
+        data = encode_kvc_bytes(cache, plan)
         with KvcReader(data) as r:
             exp = stacked(r.read_cache(backend="cpu"))
         (out / f"{name}.kvc").write_bytes(data)

@@ -35,7 +35,7 @@ def test_embedded_model_never_calibrates(lm, tmp_path, monkeypatch):
         raise AssertionError("build_calibration ran for the embedded model")
 
     monkeypatch.setattr(C_build, "build_calibration", refuse)
-    cal = C_build.get_calibration(lm)
+    cal = C_build.ensure_calibration(lm)
     assert cal.path is not None and cal.path.parent == C_store.SHIPPED_DIR
     assert cal.path.name == f"{lm.fingerprint.id}.safetensors"
     # a .kvc that references it externally decodes in that fresh home too

@@ -216,7 +216,7 @@ def test_encode_refuses_a_calibration_handed_in_for_another_model(small_cache):
 @pytest.mark.model
 @pytest.mark.parametrize("case", ["layer_reversed", "swapped", "truncated_file", "short"])
 def test_decode_refuses_a_bad_calibration(case, small_cache):
-    from kvcodec.format import KvcReader, WriteOptions, write_kvc
+    from kvcodec.format import KvcReader, write_kvc
     from kvcodec.plan.presets import get_plan
 
     fp = small_cache.fingerprint
@@ -225,7 +225,7 @@ def test_decode_refuses_a_bad_calibration(case, small_cache):
     import io
 
     buf = io.BytesIO()
-    write_kvc(small_cache, buf, plan.pipelines, WriteOptions.for_plan(plan))
+    write_kvc(small_cache, buf, plan)
     data = buf.getvalue()
     with KvcReader(data) as r:
         assert r.read_cache().num_tokens == small_cache.num_tokens  # resolves and decodes with the right one

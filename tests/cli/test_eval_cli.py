@@ -172,7 +172,7 @@ def test_pareto_frontier():
 
 def test_every_family_is_selected():
     from kvcodec.eval.curve import codec_presets, select_methods
-    from kvcodec.plan.settings import PRESETS
+    from kvcodec.plan.presets import PRESETS
 
     got = select_methods(["h2o", "kvcodec-kl", "kvcodec", "int8"], target_kls=[1e-3], h2o_budgets=["h2o:0.5"])
     assert not got.notes

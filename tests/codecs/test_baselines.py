@@ -31,14 +31,14 @@ def cache(lm, gpl3_ids):
 def files(cache, tmp_path_factory):
     """Every baseline written to a real .kvc file and read back: name -> (path, decoded cache)."""
     from kvcodec.eval.curve import read_kvc_cache
-    from kvcodec.format import WriteOptions, write_kvc
+    from kvcodec.format import write_kvc
 
     d = tmp_path_factory.mktemp("baselines")
     out = {}
     for name in BASELINES:
         plan = get_baseline_plan(name, cache)
         path = d / f"{name}.kvc"
-        n = write_kvc(cache, path, plan.pipelines, WriteOptions.for_plan(plan))
+        n = write_kvc(cache, path, plan)
         assert n == path.stat().st_size
         out[name] = (path, read_kvc_cache(path))
     return out

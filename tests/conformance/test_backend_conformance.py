@@ -22,7 +22,7 @@ import pytest
 
 from kvcodec.decode.registry import BACKENDS, STRICT_ENV, Backend, backend, decode_with, select
 from kvcodec.errors import KvcBackendError
-from kvcodec.format import KvcReader, WriteOptions, write_kvc
+from kvcodec.format import KvcReader, write_kvc
 from kvcodec.core.stage import ArraySpec, ChunkContext, Pipeline, stage_from_json
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -119,7 +119,7 @@ def test_real_cache_every_preset_every_backend(used, lm, small_cache):
     plans.append((get_plan("baseline:kivi2", small_cache), True))
     for plan, on_gpu in plans:
         buf = io.BytesIO()
-        write_kvc(small_cache, buf, plan.pipelines, WriteOptions.for_plan(plan),
+        write_kvc(small_cache, buf, plan,
                   chunk_tokens=plan.chunk_tokens or 40)
         assert _check_file(buf.getvalue(), used, gpu_layers=GPU_LAYERS if on_gpu else 0) > 0
 

@@ -126,23 +126,23 @@ def test_every_preset(chunks, small_cache, lm):
     """Each named preset's pipelines (PCA calibration if one is cached, else Hadamard at the preset's settings)."""
     from kvcodec.errors import KvcError
     from kvcodec.plan.presets import get_plan
-    from kvcodec.plan import settings as presets
+    from kvcodec.plan import presets
     from kvcodec.plan.pipelines import transform_plan
 
     try:
-        from kvcodec.calibration.build import get_calibration
+        from kvcodec.calibration.store import require_calibration
 
-        cal = get_calibration(lm, build=False)
+        cal = require_calibration(lm.fingerprint)
     except (KvcError, ImportError):
         cal = None
-    for name in ["lossless", *presets.PRESETS]:
+    for name in ["lossless", *(n for n, p in presets.PRESETS.items() if p.lossy)]:
         if name == "lossless":
             plan, att = get_plan(name, small_cache), {}
         elif cal is not None:
-            plan = transform_plan(small_cache, cal=cal, preset=name, **presets.PRESETS[name])
+            plan = transform_plan(small_cache, cal=cal, preset=name, **presets.PRESETS[name].settings)
             att = cal.attachments
         else:
-            plan = transform_plan(small_cache, basis="hadamard", preset=name, **presets.PRESETS[name])
+            plan = transform_plan(small_cache, basis="hadamard", preset=name, **presets.PRESETS[name].settings)
             att = {}
         for layer, kind, x in chunks[:2]:
             pipe = plan.pipeline(layer, kind)

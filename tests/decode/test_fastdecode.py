@@ -19,7 +19,7 @@ import pytest
 import kvcodec.decode.cpu.fused as F
 from kvcodec.codecs.rans import RansStage
 from kvcodec.errors import KvcError, KvcFormatError
-from kvcodec.format import KvcReader, WriteOptions
+from kvcodec.format import KvcReader
 from kvcodec.decode.chunk import decode_chunk
 from kvcodec.codecs.transform import KeepStage, QuantizeStage, RopeStage, TransformStage
 from kvcodec.core.stage import ArraySpec, ChunkContext, Pipeline
@@ -359,18 +359,18 @@ def test_real_cache_every_preset_bit_identical(real_cache, monkeypatch):
         plan = get_plan(name, c16)
         for chunking in ({"chunk_tokens": 50, "chunk_heads": 2},) if name != "balanced" else ({}, {"chunk_tokens": 50, "chunk_heads": 2}):
             buf = io.BytesIO()
-            write_kvc(c16, buf, plan.pipelines, WriteOptions.for_plan(plan), **chunking)
+            write_kvc(c16, buf, plan, **chunking)
             _compare_file(buf.getvalue(), monkeypatch, default_resolver)
     # token-importance classes (tokenscale stage)
     imp = np.random.default_rng(0).random((c16.fingerprint.num_layers, c16.num_tokens))
     plan = get_plan("balanced", c16, tokenscale={}, importance=imp)
     buf = io.BytesIO()
-    write_kvc(c16, buf, plan.pipelines, WriteOptions.for_plan(plan), chunk_tokens=50)
+    write_kvc(c16, buf, plan, chunk_tokens=50)
     _compare_file(buf.getvalue(), monkeypatch, default_resolver)
     # float32 cache (the capture's own dtype) through the balanced plan
     plan = get_plan("balanced", c)
     buf = io.BytesIO()
-    write_kvc(c, buf, plan.pipelines, WriteOptions.for_plan(plan), chunk_tokens=64)
+    write_kvc(c, buf, plan, chunk_tokens=64)
     _compare_file(buf.getvalue(), monkeypatch, default_resolver)
 
 

@@ -8,7 +8,7 @@ import torch
 
 from kvcodec.models.capture import capture, prefill
 from kvcodec.errors import KvcModelMismatchError
-from kvcodec.format import WriteOptions, encode_kvc_bytes
+from kvcodec.format import encode_kvc_bytes
 from kvcodec.plan.presets import get_plan
 from kvcodec.integrations.hf import LazyKvcLayer, generate, greedy_from, load_cache
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.model
 
 def _kvc(cache, preset="lossless") -> bytes:
     plan = get_plan(preset, cache)
-    return encode_kvc_bytes(cache, plan.pipelines, WriteOptions.for_plan(plan))
+    return encode_kvc_bytes(cache, plan)
 
 
 @pytest.mark.parametrize("prefetch", [True, False])

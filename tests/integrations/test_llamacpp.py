@@ -24,7 +24,7 @@ else:
 
 from kvcodec.models.capture import capture, tokenize  # noqa: E402
 from kvcodec.errors import KvcInputError, KvcModelMismatchError  # noqa: E402
-from kvcodec.format import WriteOptions, encode_kvc_bytes  # noqa: E402
+from kvcodec.format import encode_kvc_bytes  # noqa: E402
 from kvcodec.plan.presets import get_plan
 from kvcodec.integrations.llamacpp import LlamaShape, capture_llamacpp, check_target, gguf_fingerprint, load_kvc  # noqa: E402
 from kvcodec.models.load import _gguf_path  # noqa: E402
@@ -79,7 +79,7 @@ def kvc_files(lm, doc):
     out = {}
     for preset in ("fp16", "near-lossless"):
         plan = get_plan(preset, cache, lm=lm)
-        out[preset] = encode_kvc_bytes(cache, plan.pipelines, WriteOptions.for_plan(plan))
+        out[preset] = encode_kvc_bytes(cache, plan)
     return out
 
 
@@ -90,7 +90,7 @@ def test_llamacpp_kv_round_trips_through_a_kvc(doc, question, flash_attn):
     want = _own_prefill(llm, doc, question)
     cache = capture_llamacpp(llm, doc)
     plan = get_plan("fp16", cache)
-    data = encode_kvc_bytes(cache, plan.pipelines, WriteOptions.for_plan(plan))
+    data = encode_kvc_bytes(cache, plan)
     llm.reset()
     llm._ctx.kv_cache_clear()
     n = load_kvc(llm, data)
@@ -187,7 +187,7 @@ def test_shape_vocab_and_missing_gguf_are_refused(lm, doc, tmp_path):
 def test_kvc_of_another_model_is_refused(other_lm, doc):
     cache = capture(other_lm, token_ids=doc)
     plan = get_plan("fp16", cache)
-    data = encode_kvc_bytes(cache, plan.pipelines, WriteOptions.for_plan(plan))
+    data = encode_kvc_bytes(cache, plan)
     llm = _llm()
     with pytest.raises(KvcModelMismatchError, match="different model"):
         load_kvc(llm, data)

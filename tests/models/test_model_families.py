@@ -78,7 +78,7 @@ def family_dirs(tmp_path_factory):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_flow(family, family_dirs, tmp_path):
     from kvcodec.models.capture import capture, tokenize
-    from kvcodec.format import KvcReader, WriteOptions, write_kvc
+    from kvcodec.format import KvcReader, write_kvc
     from kvcodec.plan.presets import get_plan
     from kvcodec.runtime.knowledge import KnowledgeBase
     from kvcodec.models.load import load_model
@@ -102,7 +102,7 @@ def test_family_flow(family, family_dirs, tmp_path):
             continue
         plan = get_plan(preset, cache, lm=lm)
         p = tmp_path / f"{preset}.kvc"
-        write_kvc(cache, p, plan.pipelines, WriteOptions.for_plan(plan))
+        write_kvc(cache, p, plan)
         with KvcReader(p) as r:
             assert r.verify() == []
             dec = r.read_cache()
@@ -167,12 +167,12 @@ def _continues_like_a_fresh_prefill(lm, cache, ids):
     continuation that runs far past the window, and the same greedy tokens."""
     from transformers.cache_utils import DynamicSlidingWindowLayer
 
-    from kvcodec.format import WriteOptions, encode_kvc_bytes
+    from kvcodec.format import encode_kvc_bytes
     from kvcodec.integrations.hf import load_cache
     from kvcodec.plan.presets import get_plan
 
     plan = get_plan("lossless", cache)
-    data = encode_kvc_bytes(cache, plan.pipelines, WriteOptions.for_plan(plan))
+    data = encode_kvc_bytes(cache, plan)
     loaded = load_cache(data, lm)
     sliding = [isinstance(layer, DynamicSlidingWindowLayer) for layer in loaded.cache.layers]
     assert sliding == [w is not None for w in lm.attention_windows]

@@ -98,7 +98,7 @@ def _greedy_live(lm, ids: np.ndarray, first: int, n: int) -> tuple[list[int], ob
 
 
 def test_lossless_roundtrip_continues_like_the_live_cache(mlm, doc):
-    from kvcodec.format import KvcReader, WriteOptions, encode_kvc_bytes
+    from kvcodec.format import KvcReader, encode_kvc_bytes
     from kvcodec.plan.presets import get_plan
     from kvcodec.integrations.hf import greedy_from, load_cache
 
@@ -117,7 +117,7 @@ def test_lossless_roundtrip_continues_like_the_live_cache(mlm, doc):
     if "sliding_attention" in types:  # the test exercises real sliding: the capture dropped tokens there
         assert cache.ragged and min(cache.layer_tokens) < n
     plan = get_plan("lossless", cache)
-    data = encode_kvc_bytes(cache, plan.pipelines, WriteOptions.for_plan(plan))
+    data = encode_kvc_bytes(cache, plan)
     with KvcReader(data) as r:
         back = r.read_cache()
     for a, b in zip(cache.keys + cache.values, back.keys + back.values):
@@ -129,7 +129,7 @@ def test_lossless_roundtrip_continues_like_the_live_cache(mlm, doc):
 
 def test_every_preset_encodes_verifies_and_evaluates(mlm, doc):
     from kvcodec.models.quality import continue_logits, evaluate, greedy
-    from kvcodec.format import KvcReader, WriteOptions, encode_kvc_bytes
+    from kvcodec.format import KvcReader, encode_kvc_bytes
     from kvcodec.plan.presets import get_plan
     from kvcodec.format.reader import verify_kvc
     from kvcodec.models.load import DEFAULT_MODEL
@@ -148,7 +148,7 @@ def test_every_preset_encodes_verifies_and_evaluates(mlm, doc):
         # guard=False: this checks the presets' plumbing at their fixed knobs; the per-file quality check
         # (kvcodec/plan/check.py) has its own tests and would multiply this test's encodes.
         plan = get_plan(name, cache, lm=mlm, cal=cal, calibration="embedded", guard=False) if lossy else get_plan(name, cache)
-        data = encode_kvc_bytes(cache, plan.pipelines, WriteOptions.for_plan(plan))
+        data = encode_kvc_bytes(cache, plan)
         assert verify_kvc(data) == [], name
         with KvcReader(data) as r:
             dec = r.read_cache(model=mlm)

@@ -39,13 +39,15 @@ def stdio_cache(lm):
 
 def _probe_quality(lm, cache, step0, args, n):
     """Independent re-measurement of the guard's probe: the context minus its last n tokens encoded as a
-    document of its own at ``step0``, decoded, continued on those n tokens, against the exact prefix."""
+    document of its own at ``step0`` into a .kvc file, read back, continued on those n tokens, against the exact prefix."""
+    from kvcodec.format import KvcReader, encode_kvc_bytes
     from kvcodec.models.quality import compare_logits, continue_logits
-    from kvcodec.plan.pipelines import decode_bytes, encode_bytes, transform_plan
+    from kvcodec.plan.pipelines import transform_plan
 
     T = cache.num_tokens
     probe, prefix = cache.token_ids[T - n:], cache.prefix(T - n)
-    dec = decode_bytes(encode_bytes(prefix, transform_plan(prefix, step0, lm=lm, **args)))
+    # through a real file (container, reader, fast decoder), not the guard's in-memory pipeline round trip
+    dec = KvcReader(encode_kvc_bytes(prefix, transform_plan(prefix, step0, lm=lm, **args))).read_cache()
     return compare_logits(continue_logits(lm, prefix, probe), continue_logits(lm, dec, probe), probe)
 
 
@@ -54,9 +56,9 @@ def test_guard_meets_a_target_the_fixed_knob_misses(lm, stdio_cache):
     """A target tighter than the knob's quality forces step0 down (predicted, not blind halving); the
     step it writes meets the target when re-measured independently."""
     from kvcodec.plan.check import MAX_TRIES, QualityTarget, guarded_plan
-    from kvcodec.plan.settings import PRESETS
+    from kvcodec.plan.presets import PRESETS
 
-    args = {k: v for k, v in PRESETS["balanced"].items() if k != "tokenscale"}
+    args = {k: v for k, v in PRESETS["balanced"].settings.items() if k != "tokenscale"}
     target = QualityTarget(kl=4e-3, dppl_percent=1.0)
     plan = guarded_plan(stdio_cache, lm, "balanced", dict(args), target)
     g = plan.params["guard"]
@@ -142,11 +144,11 @@ def test_presets_are_guarded_with_the_model_and_unchanged_without(monkeypatch, s
     """get_plan routes a lossy preset through the guard exactly when it has the model and no explicit step0."""
     from kvcodec.plan.presets import get_plan
     from kvcodec.plan import check as guard
-    from kvcodec.plan import settings as presets
+    from kvcodec.plan import presets
     calls = []
     monkeypatch.setattr(guard, "guarded_plan", lambda cache, lm, name, args, target: calls.append((name, args["step0"], target)) or "guarded")
     assert get_plan("balanced", small_cache, lm=object()) == "guarded"
-    assert calls == [("balanced", presets.PRESETS["balanced"]["step0"], presets.PRESET_TARGETS["balanced"])]
+    assert calls == [("balanced", presets.PRESETS["balanced"].settings["step0"], presets.PRESETS["balanced"].target)]
     assert "guard" not in get_plan("balanced", small_cache).params  # no model: the golden-vector path
     assert get_plan("balanced", small_cache, step0=0.5).params["step0"] == 0.5
     assert len(calls) == 1

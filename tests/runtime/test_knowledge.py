@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from kvcodec.runtime.knowledge import KnowledgeBase, codec_id
+from kvcodec.runtime.knowledge import KnowledgeBase
+from kvcodec.store.keys import codec_key
 from kvcodec.store import Store
 
 from cliutil import run_kvc  # noqa: E402
@@ -45,7 +46,7 @@ def test_other_codec_namespace_or_model_miss(lm, other_lm, tmp_path):
     assert KnowledgeBase(lm, url, preset="lossless", namespace="tenant-b").ask([DOC], "Q?", max_new_tokens=1, store_new=False).source == "prefill"
     assert KnowledgeBase(lm, url, preset="zstd", namespace="tenant-a").ask([DOC], "Q?", max_new_tokens=1, store_new=False).source == "prefill"
     assert KnowledgeBase(other_lm, url, preset="lossless", namespace="tenant-a").ask([DOC], "Q?", max_new_tokens=1, store_new=False).source == "prefill"
-    assert codec_id("lossless") != codec_id("zstd")
+    assert codec_key("lossless") != codec_key("zstd")
     with Store.open(url) as st:
         assert len(st.ls()) == 1
 

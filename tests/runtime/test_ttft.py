@@ -23,7 +23,7 @@ def test_prefill_keeps_only_the_last_logits_and_they_are_the_full_ones(lm, gpl3_
 def test_cold_kvc_ttft_answers_like_prefill(lm, gpl3_ids, tmp_path):
     """A fresh process loads a lossless `.kvc` and produces exactly prefill's first token."""
     from kvcodec.models.capture import capture
-    from kvcodec.format import WriteOptions, write_kvc
+    from kvcodec.format import write_kvc
     from kvcodec.plan.presets import get_plan
     from kvcodec.runtime.ttft import cold_ttft, ttft_kvc, ttft_prefill
 
@@ -31,7 +31,7 @@ def test_cold_kvc_ttft_answers_like_prefill(lm, gpl3_ids, tmp_path):
     cache = capture(lm, token_ids=ids)
     path = tmp_path / "doc.kvc"
     plan = get_plan("lossless", cache)
-    write_kvc(cache, path, plan.pipelines, WriteOptions.for_plan(plan))
+    write_kvc(cache, path, plan)
     want = ttft_prefill(lm, ids, q)
     assert ttft_kvc(lm, path, q) == want
     res = cold_ttft("kvc", "smollm2", ids, q, kvc=path, threads=1)

@@ -18,13 +18,13 @@ def test_no_files_no_thread(tmp_path, monkeypatch):
 
 def test_prewarm_decodes_the_setup_files(tmp_path, monkeypatch, small_cache, lm):
     """A real balanced `.kvc` in the warm-up dir is decoded (codec stack imported) without error."""
-    from kvcodec.format import KvcReader, WriteOptions, encode_kvc_bytes
+    from kvcodec.format import KvcReader, encode_kvc_bytes
     from kvcodec.plan.presets import get_plan
 
     plan = get_plan("balanced", small_cache, lm=lm)
     d = tmp_path / "warmup"
     d.mkdir()
-    (d / "balanced.kvc").write_bytes(encode_kvc_bytes(small_cache, plan.pipelines, WriteOptions.for_plan(plan)))
+    (d / "balanced.kvc").write_bytes(encode_kvc_bytes(small_cache, plan))
     monkeypatch.setenv("KVCODEC_CACHE", str(tmp_path))
     seen: list[str] = []
     monkeypatch.setattr(warmup.log, "debug", lambda *a, **k: seen.append(a[0] % a[1:]))

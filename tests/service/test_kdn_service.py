@@ -92,12 +92,12 @@ def service(tmp_path_factory):
 @pytest.fixture(scope="module")
 def entry(lm, real_cache):
     """A real 300-token .kvc (preset balanced) of the GPL-3 text and its key in namespace a."""
-    from kvcodec.format import WriteOptions, encode_kvc_bytes
+    from kvcodec.format import encode_kvc_bytes
     from kvcodec.plan.presets import get_plan
 
     cache = real_cache(300)
     plan = get_plan("balanced", cache, lm=lm)
-    data = encode_kvc_bytes(cache, plan.pipelines, WriteOptions.for_plan(plan))
+    data = encode_kvc_bytes(cache, plan)
     key = StoreKey.for_tokens(cache.token_ids, model=lm.fingerprint.id, codec="balanced-test", namespace="a")
     return key, data, cache
 

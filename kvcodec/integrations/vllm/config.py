@@ -106,12 +106,12 @@ class ConnectorConfig:
 
         preset_info(preset, "kvcodec connector")  # the one preset table (the connector has no model: fixed step0)
         ns = extra.get("namespace", "default")
-        from kvcodec.store.keys import _check_id
+        from kvcodec.store.keys import check_id
 
-        _check_id("namespace", ns)
+        check_id("namespace", ns)
         model_id = extra.get("model_id")
         if model_id is not None:
-            _check_id("model", model_id)
+            check_id("model", model_id)
         return cls(
             store_url=url.strip(), preset=preset, namespace=ns,
             chunk_tokens=_as_int("chunk_tokens", extra.get("chunk_tokens", DEFAULT_CHUNK_TOKENS), 1),
@@ -122,20 +122,16 @@ class ConnectorConfig:
 
     @property
     def codec_id(self) -> str:
-        """The store key's ``codec`` part: the preset name (the `.kvc` file carries its exact pipelines)."""
-        return codec_id(self.preset)
+        """The store key's ``codec`` part: :func:`kvcodec.store.keys.codec_key` of the preset, as every other writer."""
+        from kvcodec.store.keys import codec_key
+
+        return codec_key(self.preset)
 
     def check_block_size(self, block_size: int) -> None:
         if block_size <= 0 or self.chunk_tokens % block_size:
             raise KvcInputError(
                 f"kvcodec connector: chunk_tokens={self.chunk_tokens} must be a multiple of vLLM's block size "
                 f"({block_size}); set kv_connector_extra_config.chunk_tokens accordingly")
-
-
-def codec_id(preset: str) -> str:
-    from kvcodec.store.keys import _check_id
-
-    return _check_id("codec", preset)
 
 
 # --------------------------------------------------------------------------- matching

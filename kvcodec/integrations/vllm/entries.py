@@ -183,7 +183,7 @@ def check_entry(r: Any, fp: Any, ids: list[int], start: int, end: int) -> str | 
 def encode_chunk(fp: Any, preset: str, ids: list[int], start: int, end: int, keys: list[torch.Tensor],
                  values: list[torch.Tensor]) -> bytes:
     """`.kvc` bytes of the K/V of tokens [start, end) of the prefix ``ids[:end]`` (a pruned-cache file)."""
-    from kvcodec.format import WriteOptions, encode_kvc_bytes
+    from kvcodec.format import encode_kvc_bytes
     from kvcodec.plan.presets import get_plan
     from kvcodec.core.kvcache import KVCache
 
@@ -191,7 +191,7 @@ def encode_chunk(fp: Any, preset: str, ids: list[int], start: int, end: int, key
     cache = KVCache(keys, values, np.asarray(ids[:end], dtype=np.int64), fp, pos,
                     {"source": "vllm", "layout": LAYOUT, "start": start, "end": end})
     plan = get_plan(preset, cache)
-    return encode_kvc_bytes(cache, plan.pipelines, WriteOptions.for_plan(plan, meta=cache.meta))
+    return encode_kvc_bytes(cache, plan, meta=cache.meta)
 
 
 def decode_chunk_layers(r: Any, start: int, end: int):

@@ -10,6 +10,7 @@ from kvcodec.errors import KvcInputError
 from kvcodec.core.fingerprint import ModelFingerprint
 from kvcodec.format import KvcReader
 from kvcodec.store import Store, StoreKey
+from kvcodec.store.keys import codec_key
 from kvcodec.integrations.vllm.config import (
     ConnectorConfig, chunk_keys, leading_run, lookup_prefix, matchable_tokens, savable_tokens,
 )
@@ -22,7 +23,7 @@ OTHER = ModelFingerprint("llama", 2, 3, (64, 64), '{"rope_theta": 10000.0}', "a"
 def test_config_defaults_and_errors():
     c = ConnectorConfig.from_extra({"store_url": "/tmp/x"})
     assert (c.preset, c.namespace, c.chunk_tokens, c.save, c.load) == ("lossless", "default", 256, True, True)
-    assert c.codec_id == "lossless"
+    assert c.codec_id == codec_key("lossless")
     for bad, word in [({}, "store_url"), ({"store_url": " "}, "store_url"), ({"store_url": "x", "preset": "nope"}, "preset"),
                       ({"store_url": "x", "namespace": "a b"}, "namespace"), ({"store_url": "x", "chunk_tokens": 0}, "chunk_tokens"),
                       ({"store_url": "x", "save": "maybe"}, "save"), ({"store_url": "x", "stor_url": "y"}, "unknown")]:
