@@ -39,9 +39,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import numpy as np
+
+import harness
 
 
 def _no_gpu_exit(msg: str) -> None:
@@ -59,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--table", choices=["auto", "search", "table"], default="auto")
     ap.add_argument("--smoke", action="store_true", help="tiny run under TRITON_INTERPRET=1 (checks the script, not speed)")
-    args = ap.parse_args(argv)
+    run = harness.cli(ap, argv, case="gpu_decode")
+    args = run.args
 
     import torch
 
@@ -112,10 +114,9 @@ def main(argv: list[str] | None = None) -> int:
           f"source {len(ids)} real tokens tiled; chunks of {args.chunk} tokens; pipeline {args.pipeline}")
 
     def timed(fn, iters):
+        """Median seconds of ``iters`` runs after one warm-up, by CUDA events (smoke: one wall-clock run)."""
         if smoke:
-            t = time.perf_counter()
-            fn()
-            return time.perf_counter() - t
+            return harness.timeit(fn, 1, cpu=None).min
         fn()
         torch.cuda.synchronize()
         ts = []
@@ -128,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             ts.append(a.elapsed_time(b) / 1e3)
         return float(np.median(ts))
 
+    rows = []
     print(f"{'tokens':>7s} {'fp16 MB':>8s} {'ratio':>6s} {'rans kernel':>12s} {'rans e2e':>9s} {'pipeline':>9s} {'into HF':>8s} {'h2d copy':>9s} {'d2d copy':>9s}   (GB/s of fp16 output)")
     for T in args.tokens:
         reps = -(-T // src.num_tokens)
@@ -153,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         decode_streams(items, dev, table=table, launches=launches)
         t_kernel = timed(lambda: [f() for f in launches], args.iters)
         one_layer = [e for e in enc if e[0] == 0]
-        t_pipe = timed(lambda: [decode_chunk_gpu(e[8], e[3], e[4], e[5], e[6], e[7], "gpu") for e in one_layer], max(1, args.iters // 5))
+        t_pipe = timed(lambda: [decode_chunk_gpu(e[8], e[3], e[4], e[5], e[6], e[7]) for e in one_layer], max(1, args.iters // 5))
         t_pipe *= len(enc) / len(one_layer)
         dst = {kind: torch.empty((1, H, T, D), dtype=torch.float16, device=dev) for kind in ("k", "v")}
         t_into = timed(lambda: [decode_chunk_into(e[8], e[3], e[4], e[5], e[6], e[7], dst[e[1]], e[2]) for e in one_layer],
@@ -164,10 +166,14 @@ def main(argv: list[str] | None = None) -> int:
         d2 = torch.empty(fp16_bytes, dtype=torch.uint8, device=dev)
         t_h2d = timed(lambda: d1.copy_(host, non_blocking=True), args.iters)  # noqa: F821 (timed before the del below)
         t_d2d = timed(lambda: d2.copy_(d1), args.iters)  # noqa: F821 (timed before the del below)
+        rows.append({"tokens": T, "fp16_mb": fp16_bytes / 1e6, "ratio": fp16_bytes / comp, "rans_kernel_gb_s": gbs(t_kernel),
+                     "rans_e2e_gb_s": gbs(t_e2e), "pipeline_gb_s": gbs(t_pipe), "into_hf_gb_s": gbs(t_into),
+                     "h2d_copy_gb_s": gbs(t_h2d), "d2d_copy_gb_s": gbs(t_d2d)})
         print(f"{T:7d} {fp16_bytes / 1e6:8.1f} {fp16_bytes / comp:6.2f} {gbs(t_kernel):12.1f} {gbs(t_e2e):9.1f} {gbs(t_pipe):9.1f} {gbs(t_into):8.1f} {gbs(t_h2d):9.1f} {gbs(t_d2d):9.1f}")
         del host, d1, d2
     if smoke:
         print("(smoke run under the interpreter: the numbers above are not GPU measurements)")
+    run.emit({"device": name, "smoke": smoke, "pipeline": args.pipeline, "chunk": args.chunk, "rows": rows})
     return 0
 
 

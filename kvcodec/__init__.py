@@ -1,5 +1,13 @@
 """kvcodec: compress, store and deliver LLM KV caches.
 
+The public API is three calls, in the spirit of safetensors' two:
+
+* ``kvcodec.encode(cache_or_capture, "doc.kvc", preset="balanced", model=...)``: write a `.kvc` file
+  (:func:`kvcodec.api.encode`);
+* ``kvcodec.open("doc.kvc", model=...)``: its reader, checked against the model (:func:`kvcodec.api.open`);
+* ``kvcodec.load_into("doc.kvc", lm)``: a transformers cache ready for ``generate``
+  (:func:`kvcodec.integrations.hf.load_cache`).
+
 Importing kvcodec is cheap and never needs a GPU, Triton or transformers;
 heavy modules load on first use.
 """
@@ -15,8 +23,21 @@ from kvcodec.errors import (
     KvcStoreError,
 )
 
-__version__ = "0.1.0"
+from kvcodec.version import __version__
 __all__ = [
+    "encode", "open", "load_into",
     "KvcError", "KvcInputError", "KvcFormatError", "KvcModelMismatchError",
     "KvcModelNotFoundError", "KvcCodecError", "KvcBackendError", "KvcStoreError", "__version__",
 ]
+
+
+def __getattr__(name: str):  # the API loads on first use: `import kvcodec` stays light
+    if name in ("encode", "open"):
+        from kvcodec import api
+
+        return getattr(api, name)
+    if name == "load_into":
+        from kvcodec.integrations.hf import load_cache
+
+        return load_cache
+    raise AttributeError(f"module 'kvcodec' has no attribute {name!r}")

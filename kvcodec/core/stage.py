@@ -341,3 +341,27 @@ class Plan:
         """The pipeline of one tensor, whichever form ``pipelines`` takes."""
         return self.pipelines if isinstance(self.pipelines, Pipeline) else self.pipelines(layer, kind)
 
+
+def chunk_context(
+    layer: int, kind: str, token_start: int, token_end: int, head_start: int, head_end: int,
+    positions: np.ndarray | None, attachments: dict[str, np.ndarray], chunk: int,
+    encoder: EncoderInputs | None = None,
+) -> ChunkContext:
+    """The ChunkContext a chunk is encoded and decoded with (writer and reader must agree).
+
+    ``positions`` are the original positions of the chunk's tokens: shape
+    (tokens,) when the file's positions are per token (or absent: then
+    ``arange(token_start, token_end)``), shape (heads, tokens) when they are
+    per (layer, head). ``encoder`` is the tensor's encoder-only inputs (writer only).
+    """
+    if positions is None:
+        pos = np.arange(token_start, token_end, dtype=np.int64)
+    elif positions.ndim == 1:
+        pos = positions[token_start:token_end]
+    else:
+        pos = positions[layer, head_start:head_end, token_start:token_end]
+    return ChunkContext(
+        layer=layer, kind=kind, token_start=token_start, positions=pos, attachments=attachments,
+        extra={"chunk": chunk, "token_end": token_end, "head_start": head_start, "head_end": head_end},
+        encoder=encoder if encoder is not None else {},
+    )

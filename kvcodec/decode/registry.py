@@ -26,10 +26,11 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
-from kvcodec.errors import KvcBackendError, KvcError
+from kvcodec.errors import KvcBackendError, KvcCodecError, KvcError, KvcFormatError, KvcInputError
 from kvcodec.core.stage import ArraySpec, ChunkContext, Pipeline, SideData
 
-__all__ = ["BACKENDS", "Backend", "STRICT_ENV", "backend", "decode_with", "select", "strict"]
+__all__ = ["BACKENDS", "DEVICES", "Backend", "STRICT_ENV", "backend", "decode_chunk", "decode_with", "gpu_device",
+           "interpret_mode", "resolve_device", "select", "strict"]
 
 STRICT_ENV = "KVCODEC_STRICT_BACKENDS"
 Device = Literal["cpu", "gpu"]
@@ -155,4 +156,95 @@ def decode_with(pipeline: Pipeline, payload: Any, sides: list[SideData], sizes: 
                   RuntimeWarning, stacklevel=2)
     if trace is not None:
         trace.append(ref.name)
+    return out
+
+
+# --------------------------------------------------------------------------- device
+#: What a caller may ask for: a device, or "auto" (the GPU iff CUDA and Triton are present).
+DEVICES = ("cpu", "gpu", "auto")
+ENV_VAR = "KVCODEC_BACKEND"
+NO_DEVICE_MSG = "no CUDA device; set TRITON_INTERPRET=1 to run the kernels on the CPU"
+
+
+
+def interpret_mode() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # pragma: no cover
+        return False
+
+
+def resolve_device(device: str | None = None) -> Device:
+    """``"cpu"`` or ``"gpu"`` from the argument, then $KVCODEC_BACKEND, then auto."""
+    b = device or os.environ.get(ENV_VAR) or "auto"
+    b = b.strip().lower()
+    if b not in DEVICES:
+        raise KvcInputError(f"unknown backend {b!r} (choose from {', '.join(DEVICES)})")
+    if b == "cpu":
+        return "cpu"
+    if b == "auto":
+        return "gpu" if _cuda_available() and _triton_importable() else "cpu"
+    gpu_device()  # raises KvcBackendError when unusable
+    return "gpu"
+
+
+def gpu_device() -> Any:
+    """The torch device the GPU backend runs on: ``cuda`` or, under the interpreter, ``cpu``."""
+    import torch
+
+    if not _triton_importable():
+        raise KvcBackendError("backend 'gpu' needs Triton, which is not installed (pip install kvcodec[gpu])")
+    if interpret_mode():
+        return torch.device("cpu")
+    if not _cuda_available():
+        raise KvcBackendError(NO_DEVICE_MSG)
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def decode_chunk(
+    pipeline: Pipeline,
+    payload: bytes | memoryview,
+    sides: list[SideData],
+    sizes: list[int],
+    spec: ArraySpec,
+    ctx: ChunkContext,
+    device: str | None = "cpu",
+) -> Any:
+    """Decode one chunk payload to an array of exactly ``spec`` on ``device``: a numpy array on the CPU, a
+    torch tensor on the GPU (never copied to the host).
+
+    Any failure inside a codec stage on (CRC-valid but) malformed data becomes
+    a :class:`KvcFormatError` naming the chunk; the original exception is chained.
+    """
+    where = f"chunk {ctx.extra.get('chunk', '?')} (layer {ctx.layer} {ctx.kind.upper()})"
+    try:
+        out = decode_with(pipeline, payload, sides, sizes, spec, ctx, device=resolve_device(device))
+    except KvcFormatError as exc:
+        raise type(exc)(f"{where}: {exc}") from exc
+    except KvcCodecError as exc:  # a stage refusing what the file asks of it: the file is at fault
+        raise KvcFormatError(f"{where}: {exc}") from exc
+    except KvcError:
+        raise
+    except MemoryError:
+        raise KvcFormatError(f"{where}: decoding needs more memory than is available") from None
+    except Exception as exc:  # malformed side data reaching a stage must not surface as a random exception
+        raise KvcFormatError(f"{where}: codec pipeline failed: {type(exc).__name__}: {exc}") from exc
+    shape = tuple(out.shape)
+    dtype = str(out.dtype).removeprefix("torch.")
+    if shape != spec.shape or dtype != spec.dtype:
+        raise KvcFormatError(f"{where}: pipeline produced {dtype}{shape}, expected {spec.dtype}{spec.shape}")
     return out

@@ -23,7 +23,7 @@ from kvcodec.lru import BoundedLRU
 from kvcodec.errors import KvcCodecError, KvcError, KvcFormatError, KvcInputError, is_int, want, KvcUnknownCodecError
 from kvcodec.core.fingerprint import FINGERPRINT_VERSION, ModelFingerprint, check_fingerprint_json
 from kvcodec.digest import token_ids_sha256
-from kvcodec.core.stage import ArraySpec, Pipeline
+from kvcodec.core.stage import ArraySpec, Pipeline, chunk_context
 from kvcodec.format.container import (
     DTYPE_BY_NAME, FEATURE_RAGGED, FOOTER_SIZE, HEADER_CRC_SIZE, INDEX_ENTRY_SIZE, KINDS, MAX_BLOB_BYTES, MAX_BLOB_NDIM,
     MAX_CHUNK_DECODED_BYTES, MAX_PIPELINES, MAX_STAGES, MAX_TOKENS, PREAMBLE_SIZE, STAGE_SLACK, TENSOR_DTYPES,
@@ -31,7 +31,7 @@ from kvcodec.format.container import (
     data_start, load_header, np_le, parse_chunk, parse_index, pipeline_dtype,
 )
 from kvcodec.limits import MAX_DECODED_ENV, max_decoded_bytes as max_decoded_bytes_limit
-from kvcodec.decode.chunk import chunk_context, decode_chunk, resolve_backend
+from kvcodec.decode.registry import decode_chunk, resolve_device
 from kvcodec.core.source import open_source
 
 if TYPE_CHECKING:  # torch only where tensors are made: opening a file, its header and its chunks need none
@@ -450,8 +450,9 @@ class KvcReader:
             raise KvcFormatError(f"chunk {j} (layer {e.layer} {e.kind.upper()}, offset {at}) CRC32C mismatch")
         return raw
 
-    def read_chunk(self, j: int, backend: str | None = None) -> np.ndarray:
-        """Decode chunk ``j`` to an array of shape (heads, tokens, head_dim).
+    def read_chunk(self, j: int, backend: str | None = None) -> Any:
+        """Decode chunk ``j`` to an array of shape (heads, tokens, head_dim) on the device ``backend`` resolves
+        to: a numpy array on the CPU, a torch tensor on the GPU.
 
         The dtype is the pipeline dtype: the tensor dtype, except bfloat16
         which comes back as (exactly equal) float32.
@@ -480,26 +481,30 @@ class KvcReader:
         return pipeline, payload, sides, sizes, spec, ctx
 
     def _read_tensor(self, layer: int, kind: str, backend: str | None) -> torch.Tensor:
+        """One tensor, assembled where its chunks were decoded: numpy chunks (CPU) into a CPU tensor, torch chunks
+        (the GPU) with torch on their device, never through the host (the device contract of decode_chunk)."""
+        import torch
+
         js = self._by_tensor[(layer, kind)]
         decoded = [(self.entries[j], self.read_chunk(j, backend)) for j in js]
-        rows: list[np.ndarray] = []
-        group: list[np.ndarray] = []
+        on_device = not isinstance(decoded[0][1], np.ndarray)
+        cat: Any = torch.cat if on_device else np.concatenate
+        rows: list[Any] = []
+        group: list[Any] = []
         for e, arr in decoded:  # head groups of one token range, then the next token range
             group.append(arr)
             if e.head_end == self.header.kv_heads:
-                rows.append(group[0] if len(group) == 1 else np.concatenate(group, axis=0))
+                rows.append(group[0] if len(group) == 1 else cat(group, axis=0))
                 group = []
-        full = rows[0] if len(rows) == 1 else np.concatenate(rows, axis=1)
-        import torch
-
-        t = torch.from_numpy(np.ascontiguousarray(full))
+        full = rows[0] if len(rows) == 1 else cat(rows, axis=1)
+        t = full.contiguous() if on_device else torch.from_numpy(np.ascontiguousarray(full))
         return t.to(torch.bfloat16) if self.header.dtype == "bfloat16" else t
 
     def read_layer(self, i: int, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of layer ``i``, (kv_heads, tokens, head_dim) in the original dtype."""
         if not is_int(i, 0, self.header.num_layers - 1):
             raise KvcInputError(f"layer {i!r} does not exist (file has {self.header.num_layers})")
-        backend = resolve_backend(backend)
+        backend = resolve_device(backend)
         return self._read_tensor(i, "k", backend), self._read_tensor(i, "v", backend)
 
     def iter_layers(self, backend: str | None = None) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:

@@ -22,13 +22,12 @@ from kvcodec.digest import array_sha256
 from kvcodec.atomic import atomic_file
 from kvcodec.errors import KvcCodecError, KvcError, KvcFormatError, KvcInputError
 from kvcodec.digest import token_ids_sha256
-from kvcodec.core.stage import ArraySpec, EncoderInputsSpec, Pipeline, PipelineSpec, Plan
+from kvcodec.core.stage import ArraySpec, EncoderInputsSpec, Pipeline, PipelineSpec, Plan, chunk_context
 from kvcodec.format.container import (
     ALIGN, DTYPE_BY_NAME, FEATURE_RAGGED, FOOTER_SIZE, MAX_BLOB_BYTES, MAX_BLOB_NDIM, MAX_CHUNK_DECODED_BYTES, MAX_PIPELINES,
     MAX_STAGES, MAX_TOKENS, STAGE_SLACK, VERSION_MAJOR, VERSION_MINOR, Footer, IndexEntry, Preamble, align_up,
     check_blob_name, crc32c, dump_header, np_le, pack_chunk, pipeline_dtype,
 )
-from kvcodec.decode.chunk import chunk_context
 
 if TYPE_CHECKING:  # the writer takes a KVCache (torch tensors), but importing the container must not import torch
     from kvcodec.core.kvcache import KVCache
@@ -38,7 +37,7 @@ ENCODER_INPUT_STAGES = frozenset({"tokenscale"})
 
 
 def writer_version() -> str:
-    from kvcodec import __version__
+    from kvcodec.version import __version__
 
     return f"kvcodec {__version__}"
 

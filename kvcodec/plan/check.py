@@ -73,7 +73,7 @@ from typing import Any
 import numpy as np
 
 from kvcodec.models.cachelayout import cache_for_model, cache_prefix
-from kvcodec.plan.presets import NEAR_TIE, QualityTarget
+from kvcodec.plan.targets import NEAR_TIE, QualityTarget
 
 log = logging.getLogger("kvcodec.guard")
 

@@ -32,6 +32,7 @@ from typing import Any, Mapping
 
 from kvcodec.errors import KvcInputError
 from kvcodec.core.stage import Plan
+from kvcodec.plan.targets import NEAR_TIE, QualityTarget
 
 __all__ = ["PRESETS", "BASELINE_PREFIX", "Plan", "PresetInfo", "available_presets", "check_overrides",
            "get_plan", "parse_config", "preset_info"]
@@ -39,20 +40,6 @@ __all__ = ["PRESETS", "BASELINE_PREFIX", "Plan", "PresetInfo", "available_preset
 BASELINE_PREFIX = "baseline:"
 _LOSSY_KEYS = frozenset({"step0", "sink", "group", "basis", "deadzone", "calibration", "tokenscale", "max_bits"})
 _ZSTD_KEYS = frozenset({"level"})
-
-
-NEAR_TIE = 0.02  # top-2 logit margin under which a greedy token is not promised (fp16 storage moves logits ~0.012)
-
-
-@dataclass(frozen=True)
-class QualityTarget:
-    """What a preset promises on a continuation of the document: mean KL (nats), ΔPPL (%), greedy tokens."""
-
-    kl: float
-    dppl_percent: float
-    greedy_tokens: int = 0  # >0: that many greedy tokens identical to the exact cache's, up to the first near-tie
-    margin: float = 0.5  # the probe must meet margin x kl (ΔPPL: a confidence bound, see kvcodec.plan.check)
-    rival_gain: float = 0.0  # >0: the probe's max_rival_gain must stay under this (0: not checked)
 
 
 @dataclass(frozen=True)

@@ -115,7 +115,7 @@ def make_seeds(out: Path, tokens: int, lm: Any = None) -> None:
 
 
 # --------------------------------------------------------------------------- file surgery
-def crc(b: bytes) -> int:
+def crc(b: bytes | bytearray) -> int:
     import google_crc32c
 
     return google_crc32c.value(bytes(b))
@@ -193,7 +193,7 @@ class Parts:
             hb = json.dumps(hdr, sort_keys=True, separators=(",", ":")).encode()
         head = _PRE.pack(b"\x89KVC\r\n\x1a\n", self.major, self.minor, len(hb), self.req, self.opt) + hb
         first = head + crc(head).to_bytes(4, "little")
-        pieces = [first, bytes((-len(first)) % 64)]
+        pieces: list[bytes | bytearray] = [first, bytes((-len(first)) % 64)]
         pos = len(first) + len(pieces[1])
         for raw in self.blobs + self.records:
             pad = (-len(raw)) % 64
@@ -216,7 +216,7 @@ def _paths(obj: Any, prefix: tuple = ()) -> list[tuple]:
     return out
 
 
-def _side_arrays(rec: bytes) -> list[tuple[int, int, int, int, int]]:
+def _side_arrays(rec: bytes | bytearray) -> list[tuple[int, int, int, int, int]]:
     """(head offset, element offset, element bytes, dtype code, ndim) of each side array of a record."""
     try:
         ns, nz, nside, _, plen = _HEAD.unpack_from(rec, 0)
@@ -237,7 +237,7 @@ def _side_arrays(rec: bytes) -> list[tuple[int, int, int, int, int]]:
         return []
 
 
-def _payload_at(rec: bytes) -> int:
+def _payload_at(rec: bytes | bytearray) -> int:
     try:
         _, nz, _, _, plen = _HEAD.unpack_from(rec, 0)
         return len(rec) - plen

@@ -318,7 +318,7 @@ def write_tokenscale_vectors(root: Path = CODEC_DIR) -> None:
     for name, case in vector_cases().items():
         if (root / name).exists():
             continue
-        st = stage_from_json(case["stage"])
+        st: Any = stage_from_json(case["stage"])  # an array stage (vector_cases builds only those)
         x = case["input"]
         ctx = ChunkContext(encoder={"tokenscale": TokenClasses(case["classes"], case["table"])} if "classes" in case else {})
         enc, side = st.encode(x, ctx)
@@ -365,7 +365,7 @@ def write_rans_vectors(directory: Path = RANS_DIR) -> dict:
     _refuse_existing(directory / "manifest.json")
 
     directory.mkdir(parents=True, exist_ok=True)
-    manifest = {"format": "rans", "version": 1, "vectors": []}
+    manifest: dict[str, Any] = {"format": "rans", "version": 1, "vectors": []}
     for name, (arr, g, desc) in _vector_inputs().items():
         stage = RansStage(channel_group=g)
         freqs = _VECTOR_FREQS.get(name)

@@ -143,7 +143,7 @@ class NginxServer:
         try:
             wait_port(self.port, proc=self.proc)
         except RuntimeError as e:
-            err = self.proc.stderr.read().decode(errors="replace") if self.proc.poll() is not None else ""
+            err = self.proc.stderr.read().decode(errors="replace") if self.proc.poll() is not None and self.proc.stderr else ""
             raise RuntimeError(f"nginx did not start: {e}: {err}") from None
 
     def stop(self) -> None:

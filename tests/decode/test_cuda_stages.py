@@ -45,7 +45,7 @@ def _check_pipeline(pipe: Pipeline, x: np.ndarray, ctx: ChunkContext, expect_fal
     spec = ArraySpec(tuple(x.shape), str(x.dtype))
     cpu = pipe.decode(payload, sides, sizes, spec, ctx)
     trace: list[str] = []
-    gpu = backend.decode_chunk_gpu(pipe, payload, sides, sizes, spec, ctx, "gpu", trace=trace)
+    gpu = backend.decode_chunk_gpu(pipe, payload, sides, sizes, spec, ctx, trace=trace)
     _same(gpu, cpu)
     assert sorted(t.removeprefix("cpu:") for t in trace if t.startswith("cpu:")) == sorted(expect_fallbacks)
     if expect_path is not None:
@@ -202,7 +202,7 @@ def test_malformed_side_data_and_payload_like_cpu():
 
     def both(payload, sides):
         msgs = []
-        for fn in (pipe.decode, lambda *a: backend.decode_chunk_gpu(pipe, *a, "gpu")):
+        for fn in (pipe.decode, lambda *a: backend.decode_chunk_gpu(pipe, *a)):
             try:
                 fn(payload, sides, sizes, spec, ctx)
                 msgs.append(None)
@@ -436,7 +436,7 @@ def test_fused_chain_malformed_like_cpu(chunks, pca_attachments):
                 mutated(i_ts, mult=np.array([1.0], np.float32)), mutated(i_ts, junk=np.zeros(1)), mutated(i_keep, kept=kept),
                 mutated(i_tr, extra=np.zeros(1))):
         msgs = []
-        for fn in (pipe.decode, lambda *a: backend.decode_chunk_gpu(pipe, *a, "gpu")):
+        for fn in (pipe.decode, lambda *a: backend.decode_chunk_gpu(pipe, *a)):
             with pytest.raises(KvcFormatError) as e:
                 fn(payload, bad, sizes, spec, ctx)
             msgs.append(str(e.value))

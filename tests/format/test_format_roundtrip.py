@@ -12,7 +12,7 @@ from kvcodec.errors import KvcFormatError, KvcInputError, KvcModelMismatchError,
 from kvcodec.format import (
     ExternalAttachment, KvcReader, encode_kvc_bytes, lossless_pipeline, raw_pipeline, read_kvc, write_kvc,
 )
-from kvcodec.decode.chunk import resolve_backend
+from kvcodec.decode.registry import resolve_device
 from kvcodec.plan.presets import get_plan
 from kvcodec.core.kvcache import KVCache
 
@@ -240,21 +240,21 @@ def test_atomic_write_leaves_no_partial_file(tmp_path):
 
 
 def test_backend_selection(monkeypatch):
-    assert resolve_backend("cpu") == "cpu"
+    assert resolve_device("cpu") == "cpu"
     monkeypatch.delenv("KVCODEC_BACKEND", raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the GPU tests set it for the whole session
     if not torch.cuda.is_available():
-        assert resolve_backend(None) == "cpu"
-        assert resolve_backend("auto") == "cpu"
+        assert resolve_device(None) == "cpu"
+        assert resolve_device("auto") == "cpu"
         with pytest.raises(KvcBackendError):
-            resolve_backend("gpu")
+            resolve_device("gpu")
         data = encode_kvc_bytes(synthetic_cache(), raw_pipeline("float16"))
         with KvcReader(data) as r, pytest.raises(KvcBackendError):
             r.read_layer(0, backend="gpu")
     monkeypatch.setenv("KVCODEC_BACKEND", "cpu")
-    assert resolve_backend(None) == "cpu"
+    assert resolve_device(None) == "cpu"
     with pytest.raises(KvcInputError):
-        resolve_backend("tpu")
+        resolve_device("tpu")
 
 
 @pytest.mark.parametrize("chunk_tokens, pipe", [(None, "raw"), (4, "lossless")])

@@ -55,7 +55,8 @@ def _probe_quality(lm, cache, step0, args, n):
 def test_guard_meets_a_target_the_fixed_knob_misses(lm, stdio_cache):
     """A target tighter than the knob's quality forces step0 down (predicted, not blind halving); the
     step it writes meets the target when re-measured independently."""
-    from kvcodec.plan.check import MAX_TRIES, QualityTarget, guarded_plan
+    from kvcodec.plan.check import MAX_TRIES, guarded_plan
+    from kvcodec.plan.targets import QualityTarget
     from kvcodec.plan.presets import PRESETS
 
     args = {k: v for k, v in PRESETS["balanced"].settings.items() if k != "tokenscale"}
@@ -91,7 +92,8 @@ def test_step_prediction_follows_the_kl_law():
     """After a miss, the predicted step meets the target under KL, mean(d) ∝ step², std(d) ∝ step."""
     import math
 
-    from kvcodec.plan.check import GREEDY_SHRINK, REF_TOKENS, Z, ProbeStats, QualityTarget
+    from kvcodec.plan.check import GREEDY_SHRINK, REF_TOKENS, Z, ProbeStats
+    from kvcodec.plan.targets import QualityTarget
 
     t = QualityTarget(kl=0.01, dppl_percent=1.0)
     s = ProbeStats(kl=0.008, d_mean=0.003, d_std=0.09, n=256, greedy_ok=True)
@@ -124,7 +126,8 @@ def test_rival_gain_bounds_where_a_greedy_token_can_flip():
     """max_rival_gain: the largest gain of any token on the exact top-1; a flip needs more than the margin."""
     import torch
 
-    from kvcodec.plan.check import NEAR_TIE, ProbeStats, QualityTarget, max_rival_gain
+    from kvcodec.plan.check import ProbeStats, max_rival_gain
+    from kvcodec.plan.targets import NEAR_TIE, QualityTarget
 
     exact = torch.tensor([[3.0, 2.9, 0.0], [0.0, 1.0, 5.0]])
     dec = exact + torch.tensor([[0.00, 0.07, 0.0], [0.0, 0.02, -0.01]])  # row 0: token 1 gains 0.07 on token 0

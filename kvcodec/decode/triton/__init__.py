@@ -2,10 +2,10 @@
 
 Importing this package imports nothing heavy (no Triton, no CUDA):
 
-* :mod:`kvcodec.decode.triton.backend`: ``resolve_backend`` (cpu|gpu|auto: argument, then
-  $KVCODEC_BACKEND, then auto), ``decode_chunk_gpu`` (same signature as
-  ``kvcodec.decode.chunk.decode_chunk``) and ``decode_chunk_into`` (decode
-  straight into an HF per-layer tensor or a paged cache);
+* :mod:`kvcodec.decode.triton.backend`: the ``triton-stages`` and ``triton-fused``
+  implementations the registry (:mod:`kvcodec.decode.registry`, which also picks the
+  device) dispatches to, ``decode_chunk_gpu`` (the arguments of ``Pipeline.decode``) and
+  ``decode_chunk_into`` (decode straight into an HF per-layer tensor or a paged cache);
 * :mod:`kvcodec.decode.triton.rans_kernel`: the 32-lane rANS v1 decode kernel;
 * :mod:`kvcodec.decode.triton.dequant_kernels`: the fused kernel for the transform-codec
   chain (every lossy preset: dequantize, tokenscale, inverse transform, kept

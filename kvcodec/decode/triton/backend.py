@@ -1,15 +1,7 @@
-"""Backend selection and the GPU chunk decoder.
+"""The GPU chunk decoders (the ``triton-*`` implementations of :mod:`kvcodec.decode.registry`).
 
-``resolve_backend(backend)`` picks ``"cpu"`` or ``"gpu"``: the argument, else
-``$KVCODEC_BACKEND``, else ``"auto"``; ``auto`` means the GPU iff
-``torch.cuda.is_available()`` and Triton imports. Under ``TRITON_INTERPRET=1``
-the ``gpu`` backend runs the real Triton kernels on CPU tensors (that is how
-CI checks them bit for bit without a GPU); ``auto`` never picks the
-interpreter. ``gpu`` without a CUDA device and without the interpreter is a
-:class:`KvcBackendError`.
-
-``decode_chunk_gpu`` has the signature of ``kvcodec.decode.chunk.decode_chunk``
-and returns a torch tensor (on the CUDA device, or a CPU tensor under the
+Which device decodes is the registry's choice (:func:`kvcodec.decode.registry.resolve_device`).
+``decode_chunk_gpu`` has the arguments of ``Pipeline.decode`` and returns a torch tensor (on the CUDA device, or a CPU tensor under the
 interpreter) equal bit for bit to ``Pipeline.decode``. Stages:
 
 * bytes->bytes stages (zstd, ...): always on the CPU (they run before the
@@ -30,66 +22,12 @@ This module imports neither Triton nor the kernels until a GPU decode runs.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
 
-from kvcodec.errors import KvcBackendError, KvcFormatError, KvcInputError
-
-BACKENDS = ("cpu", "gpu", "auto")
-ENV_VAR = "KVCODEC_BACKEND"
-NO_DEVICE_MSG = "no CUDA device; set TRITON_INTERPRET=1 to run the kernels on the CPU"
-
-
-
-def interpret_mode() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
-
-
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-def _cuda_available() -> bool:
-    try:
-        import torch
-
-        return bool(torch.cuda.is_available())
-    except Exception:  # pragma: no cover
-        return False
-
-
-def resolve_backend(backend: str | None = None) -> str:
-    """``"cpu"`` or ``"gpu"`` from the argument, then $KVCODEC_BACKEND, then auto."""
-    b = backend or os.environ.get(ENV_VAR) or "auto"
-    b = b.strip().lower()
-    if b not in BACKENDS:
-        raise KvcInputError(f"unknown backend {b!r} (choose from {', '.join(BACKENDS)})")
-    if b == "cpu":
-        return "cpu"
-    if b == "auto":
-        return "gpu" if _cuda_available() and _triton_importable() else "cpu"
-    gpu_device()  # raises KvcBackendError when unusable
-    return "gpu"
-
-
-def gpu_device() -> Any:
-    """The torch device the GPU backend runs on: ``cuda`` or, under the interpreter, ``cpu``."""
-    import torch
-
-    if not _triton_importable():
-        raise KvcBackendError("backend 'gpu' needs Triton, which is not installed (pip install kvcodec[gpu])")
-    if interpret_mode():
-        return torch.device("cpu")
-    if not _cuda_available():
-        raise KvcBackendError(NO_DEVICE_MSG)
-    return torch.device("cuda", torch.cuda.current_device())
-
+from kvcodec.decode.registry import gpu_device
+from kvcodec.errors import KvcBackendError, KvcFormatError
 
 def supports_fused(pipeline: Any, spec: Any) -> bool:
     """Whether the fused Triton kernel decodes ``pipeline`` at chunk spec ``spec`` (static: shape and dtypes only)."""
@@ -123,20 +61,13 @@ def decode_chunk_gpu(
     sizes: list[int],
     spec: Any,
     ctx: Any,
-    backend: str | None = "gpu",
     trace: list[str] | None = None,
 ) -> Any:
     """GPU twin of ``Pipeline.decode`` (same checks, same errors, same bits).
 
-    Returns a torch tensor of ``spec.shape`` / ``spec.dtype`` on the GPU device.
-    ``backend`` is accepted for signature compatibility with ``decode_chunk``;
-    ``"cpu"`` simply runs the CPU pipeline and returns its result as a tensor. ``trace``, when
+    Returns a torch tensor of ``spec.shape`` / ``spec.dtype`` on the GPU device. ``trace``, when
     given, receives the backend that ran and the names of stages that ran on the CPU.
     """
-    import torch
-
-    if backend is not None and resolve_backend(backend) == "cpu":
-        return torch.from_numpy(np.ascontiguousarray(pipeline.decode(payload, sides, sizes, spec, ctx)))
     from kvcodec.decode.registry import decode_with
 
     return decode_with(pipeline, payload, sides, sizes, spec, ctx, device="gpu", trace=trace)

@@ -44,7 +44,8 @@ import triton.language as tl
 
 from kvcodec.errors import KvcFormatError, KvcInputError
 from kvcodec.lru import BoundedLRU
-from kvcodec.decode.triton.rans_kernel import check_interpreter, interpret_mode
+from kvcodec.decode.registry import interpret_mode
+from kvcodec.decode.triton.rans_kernel import check_interpreter
 
 BLOCK = 512
 FUSED_BT = 16  # tokens per program of the fused kernel (x all channels of one head)

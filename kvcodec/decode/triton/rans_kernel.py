@@ -33,7 +33,6 @@ CPU tensors bit-exactly; otherwise JIT kernels for a CUDA device.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -44,6 +43,7 @@ import triton.language as tl
 
 from kvcodec.entropy import constants as K
 from kvcodec.entropy import rans
+from kvcodec.decode.registry import interpret_mode
 from kvcodec.errors import KvcBackendError, KvcFormatError
 
 N_LANES = K.N_LANES
@@ -167,11 +167,6 @@ def _build_table_kernel(
 
 
 _KERNELS: dict[bool, dict[str, object]] = {}
-
-
-def interpret_mode() -> bool:
-    """True when ``TRITON_INTERPRET`` asks for the Triton interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 def check_interpreter() -> None:
