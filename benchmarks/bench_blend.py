@@ -26,19 +26,19 @@ reported.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
 import platform
 import statistics
 import sys
-import time
-from pathlib import Path
 
-import click
 import numpy as np
 import torch
 
+import harness
+from common import CACHE_DIR
 
 from kvcodec.models.cachelayout import cache_for_model
 from kvcodec.runtime.blend import blend  # noqa: E402
@@ -46,8 +46,6 @@ from kvcodec.models.capture import capture, tokenize  # noqa: E402
 from kvcodec.core.kvcache import KVCache, load_capture, save_capture  # noqa: E402
 from kvcodec.models.load import load_model  # noqa: E402
 from kvcodec.texts import load_text  # noqa: E402
-
-CACHE_DIR = Path(os.environ.get("KVC_BENCH_CACHE", "/tmp/kvc-cache"))
 
 
 def chunk_cache(lm, ids: np.ndarray) -> KVCache:
@@ -101,7 +99,7 @@ def run_text(lm, name: str, n_chunks: int, chunk_tokens: int, q_tokens: int, c_t
     ids = tokenize(lm.tokenizer, load_text(name))
     need = n_chunks * chunk_tokens + q_tokens + c_tokens
     if len(ids) < need:
-        raise click.ClickException(f"{name} has {len(ids)} tokens, need {need}")
+        raise SystemExit(f"Error: {name} has {len(ids)} tokens, need {need}")
     pieces = [ids[i * chunk_tokens:(i + 1) * chunk_tokens] for i in range(n_chunks)]
     order = np.random.default_rng(seed).permutation(n_chunks)
     n_ctx = n_chunks * chunk_tokens
@@ -132,12 +130,12 @@ def run_text(lm, name: str, n_chunks: int, chunk_tokens: int, q_tokens: int, c_t
     times: dict[str, list[float]] = {label: [] for label, _ in methods}
     for rep in range(repeats):
         for label, r in methods:
-            t0 = time.perf_counter()
-            if r is None:
-                full_prefill(lm, prompt)
-            else:
-                blend(lm, chunks, question, recompute_ratio=r, select_layer=select_layer)
-            times[label].append(time.perf_counter() - t0)
+            with harness.stopwatch(cpu=None) as sw:  # interleaved across methods, so one call at a time
+                if r is None:
+                    full_prefill(lm, prompt)
+                else:
+                    blend(lm, chunks, question, recompute_ratio=r, select_layer=select_layer)
+            times[label].append(sw.wall)
         log(f"[{name}] TTFT repeat {rep + 1}/{repeats} done")
     ppl_full = rows["full prefill"]["ppl"]
     t_full = statistics.median(times["full prefill"])
@@ -173,23 +171,29 @@ def markdown(results: list[dict]) -> str:
     return "\n".join(out)
 
 
-@click.command()
-@click.option("--model", "model_name", default=None,
-              help="shipped model name or HF directory (default: the embedded SmolLM2)")
-@click.option("--texts", default="gpl3,pydoc", show_default=True, help="comma-separated kvcodec.texts names or paths")
-@click.option("--chunks", "n_chunks", default=6, show_default=True)
-@click.option("--chunk-tokens", default=256, show_default=True)
-@click.option("--question-tokens", default=32, show_default=True)
-@click.option("--continuation-tokens", default=128, show_default=True)
-@click.option("--ratios", default="0.05,0.10,0.15,0.30", show_default=True)
-@click.option("--select-layer", default=1, show_default=True)
-@click.option("--repeats", default=3, show_default=True, help="TTFT timings per method (median reported)")
-@click.option("--seed", default=0, show_default=True, help="chunk shuffle seed")
-@click.option("--threads", default=1, show_default=True,
-              help="torch threads (0: torch default). 1 by default: on the shared 2-core box, 2 threads under load "
-                   "oversubscribe and make small ops several times slower")
-@click.option("--json", "as_json", is_flag=True)
-def main(model_name, texts, n_chunks, chunk_tokens, question_tokens, continuation_tokens, ratios, select_layer, repeats, seed, threads, as_json):
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model", dest="model_name", default=None,
+                    help="shipped model name or HF directory (default: the embedded SmolLM2)")
+    ap.add_argument("--texts", default="gpl3,pydoc", help="comma-separated kvcodec.texts names or paths")
+    ap.add_argument("--chunks", dest="n_chunks", type=int, default=6)
+    ap.add_argument("--chunk-tokens", type=int, default=256)
+    ap.add_argument("--question-tokens", type=int, default=32)
+    ap.add_argument("--continuation-tokens", type=int, default=128)
+    ap.add_argument("--ratios", default="0.05,0.10,0.15,0.30")
+    ap.add_argument("--select-layer", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3, help="TTFT timings per method (median reported)")
+    ap.add_argument("--seed", type=int, default=0, help="chunk shuffle seed")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (0: torch default). 1 by default: on the shared 2-core box, 2 threads under load "
+                         "oversubscribe and make small ops several times slower")
+    ap.add_argument("--json", dest="as_json", action="store_true")
+    run = harness.cli(ap, argv, case="blend")
+    a = run.args
+    model_name, texts, n_chunks, chunk_tokens, question_tokens, continuation_tokens, ratios, select_layer, repeats, seed, \
+        threads, as_json = (a.model_name, a.texts, a.n_chunks, a.chunk_tokens, a.question_tokens, a.continuation_tokens,
+                            a.ratios, a.select_layer, a.repeats, a.seed, a.threads, a.as_json)
     if threads:
         torch.set_num_threads(threads)
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
@@ -205,6 +209,7 @@ def main(model_name, texts, n_chunks, chunk_tokens, question_tokens, continuatio
         print(markdown(results))
         print(f"\nModel {env['model']}; CPU, {env['torch_threads']} torch threads, load average at end {env['load_avg'][0]:.2f} "
               f"(shared machine: TTFT is noisy), select layer {select_layer}, {repeats} repeats.")
+    run.emit({"env": env, "results": results})
 
 
 if __name__ == "__main__":

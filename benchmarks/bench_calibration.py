@@ -15,7 +15,8 @@ the embedded bases (what a file referencing the calibration externally holds).
     python benchmarks/bench_calibration.py --new kvcodec/data/calibration/<id>.safetensors --reference OLD --rate-match
 
 ``--new FILE`` evaluates that calibration instead of building one (no cost
-table). ``--rate-match`` also encodes with the new calibration at 0.85 x the
+table); ``--new shipped`` takes the calibration stored for the model (shipped in
+the package for the embedded model). ``--rate-match`` also encodes with the new calibration at 0.85 x the
 preset's step0 and reports the new calibration's KL / dPPL interpolated (KL in
 log space, linearly in bits/element) at the reference's bits/element: presets
 land at slightly different rates under different calibrations, and quality is
@@ -36,14 +37,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
+import harness
 
 from kvcodec.models.capture import capture, tokenize  # noqa: E402
 from kvcodec.models.quality import continue_logits, evaluate, greedy  # noqa: E402
@@ -79,23 +79,18 @@ def reference_cost(lm, timings: dict[str, float], repeats: int = 2) -> dict[str,
     The PCA/moment phases (no model passes) are added as measured for the new recipe when it was built.
     """
     ids = tokenize(lm.tokenizer, load_text("gpl3"))
-    t0 = time.perf_counter()
-    cache = capture(lm, token_ids=ids[:2048])
-    t_pre = time.perf_counter() - t0
+    with harness.stopwatch(cpu=None) as sw:
+        cache = capture(lm, token_ids=ids[:2048])
+    t_pre = sw.wall
     cont = ids[2048:2048 + C_record.SENS_CONTINUATION]
-    probes = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        continue_logits(lm, cache, cont)
-        probes.append(time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    small = capture(lm, token_ids=ids[:1024])
-    t_pre1k = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    C_build.measure_sensitivity(lm, small, ids[1024:1024 + C_record.SENS_CONTINUATION])
-    t_fisher = time.perf_counter() - t0
+    probe = harness.timeit(lambda: continue_logits(lm, cache, cont), repeats, cpu=None).median
+    with harness.stopwatch(cpu=None) as sw:
+        small = capture(lm, token_ids=ids[:1024])
+    t_pre1k = sw.wall
+    with harness.stopwatch(cpu=None) as sw:
+        C_build.measure_sensitivity(lm, small, ids[1024:1024 + C_record.SENS_CONTINUATION])
+    t_fisher = sw.wall
     n = 2 * lm.fingerprint.num_layers + 1
-    probe = float(np.median(probes))
     rest = timings.get("pca_s", 0.0) + timings.get("moments_s", 0.0)
     out = {"prefill_2048_s": t_pre, "probe_s": probe, "probes": n, "captures_s": 4 * t_pre, "probes_s": n * probe,
            "prefill_1024_s": t_pre1k, "fisher_s": t_fisher, "new_model_passes_s": 3 * t_pre1k + t_fisher}
@@ -150,11 +145,12 @@ def rate_matched(rows: list[dict]) -> list[dict]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--reference", default=None, help="reference calibration file to compare quality with")
-    ap.add_argument("--new", dest="new_file", default=None, help="evaluate this calibration file instead of building one")
+    ap.add_argument("--new", dest="new_file", default=None,
+                    help="evaluate this calibration file instead of building one ('shipped': the one stored for the model)")
     ap.add_argument("--rate-match", action="store_true", help="also compare at the reference's bits/element (needs --reference)")
     ap.add_argument("--texts", default="gpl3,lgpl21", help="evaluation texts (none: cost only)")
     ap.add_argument("--presets", default="balanced,small")
@@ -164,13 +160,18 @@ def main() -> None:
     ap.add_argument("--save", default=None, help="write the new calibration here")
     ap.add_argument("--reference-cost", action="store_true", help="time both recipes' model passes in this run")
     ap.add_argument("--json", dest="json_out", default=None)
-    args = ap.parse_args()
+    run = harness.cli(ap, argv, case="calibration")
+    args = run.args
     if args.threads:
         torch.set_num_threads(args.threads)
     lm = load_model(args.model)
     cfg = lm.model.config.get_text_config()
     timings: dict[str, float] = {}
-    if args.new_file:
+    if args.new_file == "shipped":
+        cal = C_store.load_calibration(lm.fingerprint.id)
+        if cal is None:
+            raise SystemExit(f"no calibration is stored for {args.model} (kvc calibrate -m {args.model})")
+    elif args.new_file:
         cal = C_store.load_calibration_file(Path(args.new_file), lm.fingerprint.id)
     else:
         cal = C_build.build_calibration(lm, timings=timings)
@@ -217,11 +218,11 @@ def main() -> None:
         for m in matched:
             print(f"| {m['text']} | {m['preset']} | {m['bits_per_element']:.3f} | {m['kl_reference']:.4f} | {m['kl_new']:.4f} | "
                   f"{m['dppl_reference']:+.2f} | {m['dppl_new']:+.2f} |")
+    doc = {"rate_matched": matched, "model": args.model, "parameters": params, "layers": int(cfg.num_hidden_layers),
+           "timings": timings, "reference_cost": ref_cost, "torch_threads": torch.get_num_threads(), "rows": rows}
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"rate_matched": matched,
-            "model": args.model, "parameters": params, "layers": int(cfg.num_hidden_layers), "timings": timings,
-            "reference_cost": ref_cost, "torch_threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
-            "rows": rows}, indent=2))
+        Path(args.json_out).write_text(json.dumps({**doc, "cpu": harness.machine()["cpu"]}, indent=2))
+    run.emit(doc)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@
 Presets with ``tokenscale`` score the context once per text (one extra
 prefill, included in no timing column) and reuse the importance for all runs.
 
-Captures (2048-token contexts + 256-token continuations) are cached in
+Captures (``--tokens`` 2048-token contexts + ``--continuation`` 256-token continuations) are cached in
 $KVC_BENCH_CACHE (default /tmp/kvc-cache). Bits/element = real `.kvc` bytes x 8
 / KV elements; "+ext" also counts the external per-model calibration bytes
 (amortised over one file, i.e. the worst case).
@@ -20,13 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-
+import harness
+from common import CACHE_DIR
 from kvcodec.atomic import atomic_write_text  # noqa: E402
 from kvcodec.models.capture import capture, tokenize  # noqa: E402
 from kvcodec.models.quality import continue_logits, evaluate, greedy  # noqa: E402
@@ -37,8 +36,6 @@ from kvcodec.calibration.build import ensure_calibration  # noqa: E402
 from kvcodec.plan.presets import PRESETS  # noqa: E402
 from kvcodec.rate import bits_per_element  # noqa: E402
 from kvcodec.texts import DEFAULT_BENCH_TEXTS, load_text  # noqa: E402
-
-CACHE_DIR = Path(os.environ.get("KVC_BENCH_CACHE", "/tmp/kvc-cache"))
 
 
 def get_capture(lm, name: str, ctx: int = 2048, cont: int = 256):
@@ -55,8 +52,8 @@ def get_capture(lm, name: str, ctx: int = 2048, cont: int = 256):
     return c, ids[ctx : ctx + cont]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--texts", default=",".join(DEFAULT_BENCH_TEXTS))
     ap.add_argument("--presets", default="near-lossless,balanced,small")
     ap.add_argument("--sweep", default="", help="comma-separated step0 values instead of presets")
@@ -68,14 +65,17 @@ def main() -> None:
     ap.add_argument("--tokenscale", default="", help="JSON tokenscale options for --sweep runs (default: off)")
     ap.add_argument("--no-tokenscale", action="store_true", help="drop tokenscale from the presets")
     ap.add_argument("--greedy", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=2048, help="context tokens")
+    ap.add_argument("--continuation", type=int, default=256, help="tokens scored after the context")
     ap.add_argument("--json", default="")
-    a = ap.parse_args()
+    run = harness.cli(ap, argv, case="codec")
+    a = run.args
     torch.set_num_threads(int(os.environ.get("KVC_THREADS", "1")))
     lm = load_model()
     cal = ensure_calibration(lm)
     rows = []
     for text in a.texts.split(","):
-        cache, cont = get_capture(lm, text)
+        cache, cont = get_capture(lm, text, a.tokens, a.continuation)
         ex_logits = continue_logits(lm, cache, cont)
         ex_greedy = greedy(lm, cache, int(cont[0]), a.greedy) if a.greedy else None
         ts_sweep = json.loads(a.tokenscale) if a.tokenscale else None
@@ -92,24 +92,25 @@ def main() -> None:
 
                     importance = cache_importance(lm, cache, window={**P.TOKENSCALE_DEFAULT, **args["tokenscale"]}["window"])
                 args["importance"] = importance
-            t0 = time.perf_counter()
-            plan = P.transform_plan(cache, cal=cal, calibration=a.calibration, basis=a.basis, preset=label, **args)
-            data = P.encode_bytes(cache, plan)
-            t1 = time.perf_counter()
-            dec = P.decode_bytes(data)
-            t2 = time.perf_counter()
+            with harness.stopwatch(cpu=None) as sw_enc:
+                plan = P.transform_plan(cache, cal=cal, calibration=a.calibration, basis=a.basis, preset=label, **args)
+                data = P.encode_bytes(cache, plan)
+            with harness.stopwatch(cpu=None) as sw_dec:
+                dec = P.decode_bytes(data)
+            t_enc, t_dec = sw_enc.wall, sw_dec.wall
             q = evaluate(lm, cache, dec, cont, greedy_tokens=a.greedy, exact_logits=ex_logits, exact_greedy=ex_greedy)
             ext = P.external_bytes(plan)
             row = {"text": text, "preset": label, "basis": a.basis, "calibration": a.calibration if a.basis == "pca" else "none",
                    "bytes": len(data), "bits_per_element": bits_per_element(len(data), cache.num_elements),
                    "bits_per_element_with_ext": bits_per_element(len(data) + ext, cache.num_elements), "ext_bytes": ext,
                    "kl": q.kl_mean, "dppl_percent": q.dppl_percent, "top1": q.top1_agreement, "greedy": q.greedy_match,
-                   "encode_s": t1 - t0, "decode_s": t2 - t1, **{k: v for k, v in plan.params.items() if k not in ("basis", "calibration")}}
+                   "encode_s": t_enc, "decode_s": t_dec, **{k: v for k, v in plan.params.items() if k not in ("basis", "calibration")}}
             rows.append(row)
             print(f"{text:7s} {label:14s} {row['bits_per_element']:.3f} b/e (+ext {row['bits_per_element_with_ext']:.3f})  KL {q.kl_mean:.2e}  "
-                  f"dPPL {q.dppl_percent:+.3f}%  top1 {q.top1_agreement:.3f}  greedy {q.greedy_match:.2f}  enc {t1-t0:.2f}s dec {t2-t1:.2f}s", flush=True)
+                  f"dPPL {q.dppl_percent:+.3f}%  top1 {q.top1_agreement:.3f}  greedy {q.greedy_match:.2f}  enc {t_enc:.2f}s dec {t_dec:.2f}s", flush=True)
     if a.json:
-        atomic_write_text(a.json, json.dumps(rows, indent=1))
+        atomic_write_text(a.json, json.dumps(rows, indent=1, default=str))
+    run.emit({"rows": rows})
 
 
 if __name__ == "__main__":

@@ -30,14 +30,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-
-from bench_ttft import long_ids  # noqa: E402
-
+import harness
+from common import long_ids
 from kvcodec.runtime.knowledge import KnowledgeBase  # noqa: E402
 from kvcodec.models.load import load_model  # noqa: E402
 
@@ -51,9 +49,9 @@ def cold_ask(doc: Path, store: Path, preset: str, env: dict[str, str], profile: 
         cmd += ["-m", "cProfile", "-o", str(profile)]
     cmd += ["-m", "kvcodec", "ask", "--doc", str(doc), "--store", str(store), "--preset", preset,
             "--max-new-tokens", "1", "--no-store", "--json", QUESTION]
-    t0 = time.perf_counter()
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    wall = time.perf_counter() - t0
+    with harness.stopwatch(cpu=None) as sw:
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    wall = sw.wall
     if out.returncode != 0:
         raise SystemExit(f"kvc ask failed: {out.stderr.strip()}")
     ans = json.loads(out.stdout)
@@ -72,7 +70,7 @@ def profile_table(path: Path, n: int = 14) -> str:
     return buf.getvalue()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="2048,4096")
     ap.add_argument("--preset", default="balanced")
@@ -80,7 +78,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads in every process (0: torch's default)")
     ap.add_argument("--profile", action="store_true", help="also profile one cold process per length")
     ap.add_argument("--json", dest="json_out", default=None)
-    args = ap.parse_args()
+    run = harness.cli(ap, argv, case="coldstart")
+    args = run.args
     from kvcodec.runtime.allocator import tune_allocator
 
     tune_allocator()  # as the `kvc` command does (kvcodec/runtime/allocator.py): warm and cold processes tuned alike
@@ -129,6 +128,7 @@ def main() -> None:
             print(f"\ncold process profile, {r['tokens']} tokens:\n{r['profile']}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"rows": rows, "torch_threads": torch.get_num_threads()}, indent=2))
+    run.emit({"rows": rows, "torch_threads": torch.get_num_threads()})
 
 
 if __name__ == "__main__":

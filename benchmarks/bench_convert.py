@@ -18,18 +18,21 @@ import contextlib
 import hashlib
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
+import harness
 from kvcodec.models import load as M
+
+
 def digest(d: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=2)
-    args = ap.parse_args()
+    run = harness.cli(ap, argv, case="convert")
+    args = run.args
     gguf, once = M._gguf_path(), M._gguf_parsed_once
     times: dict[str, list[float]] = {"plain": [], "once": []}
     outputs: dict[str, dict[str, str]] = {}
@@ -38,9 +41,9 @@ def main() -> None:
             for mode in ("plain", "once"):
                 M._gguf_parsed_once = once if mode == "once" else contextlib.nullcontext  # type: ignore[assignment]
                 dest = Path(work) / f"{mode}-{i}"
-                t0 = time.perf_counter()
-                M._convert_gguf(gguf, dest)
-                times[mode].append(time.perf_counter() - t0)
+                with harness.stopwatch(cpu=None) as sw:  # alternating modes: one call at a time
+                    M._convert_gguf(gguf, dest)
+                times[mode].append(sw.wall)
                 outputs[mode] = digest(dest)
                 print(f"{mode}: {times[mode][-1]:.1f} s", flush=True)
     M._gguf_parsed_once = once
@@ -50,6 +53,8 @@ def main() -> None:
           f"outputs byte-identical: {same}")
     if not same:
         raise SystemExit("outputs differ")
+    run.emit({"seconds": times, "median_plain_s": statistics.median(times["plain"]),
+              "median_once_s": statistics.median(times["once"]), "outputs_identical": same})
 
 
 if __name__ == "__main__":

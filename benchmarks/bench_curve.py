@@ -22,7 +22,9 @@ Usage::
 
     python benchmarks/bench_curve.py [--out benchmarks] [--threads 1] [--quick]
 
-``--quick`` runs 512-token contexts and a reduced method set (a smoke test).
+``--quick`` is a smoke test: one held-out text, 512-token contexts, 64-token continuations, a
+reduced method set, output in a temporary folder (the case's quick settings in
+benchmarks/cases.py; flags given explicitly still win).
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ import argparse
 import json
 import math
 import sys
-import time
 from pathlib import Path
+
+import harness
 
 ROOT = Path(__file__).resolve().parent
 
@@ -153,12 +156,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="KL targets of the kvcodec-kl family (each costs ~8 encode+eval rounds of tuning per text)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest on a shared box)")
     ap.add_argument("--capture-dir", default=None, help="exact captures cache [$KVCODEC_CACHE/captures]")
-    ap.add_argument("--quick", action="store_true", help="512-token contexts, fewer methods")
+    ap.add_argument("--quick", action="store_true", help="a smoke test: one text, 512-token contexts, fewer methods")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--report-from", default=None,
                     help="comma-separated curve.json files of earlier runs (same model and settings): merge their rows "
                          "and write the report without measuring anything")
-    a = ap.parse_args(argv)
+    run = harness.cli(ap, argv, case="curve")
+    a = run.args
 
     import torch
 
@@ -171,21 +175,19 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     texts = a.texts.split(",") if a.texts else list(HELD_OUT)
     max_tokens, methods = a.max_tokens, a.methods
-    if a.quick:
-        max_tokens, methods = 512, "kvcodec,fp16,int8,kivi,cachegen"
-    t0 = time.perf_counter()
     if a.report_from:
         parts = [json.loads(Path(f).read_text()) for f in a.report_from.split(",")]
         res = dict(parts[0], rows=[r for p in parts for r in p["rows"]], notes=sorted({n for p in parts for n in p["notes"]}))
         res["settings"] = dict(parts[0]["settings"], texts=list(dict.fromkeys(r["text"] for r in res["rows"])))
         wall = sum(p.get("bench", {}).get("wall_s", 0.0) for p in parts)
     else:
-        res = run_curve(
-            a.model, texts, max_tokens=max_tokens, continuation=a.continuation, methods=methods.split(","),
-            target_kls=[float(x) for x in a.target_kl.split(",") if x.strip()],
-            json_out=out / "curve.json", capture_dir=a.capture_dir or "default", progress=not a.no_progress,
-        )
-        wall = time.perf_counter() - t0
+        with harness.stopwatch(cpu=None) as sw:
+            res = run_curve(
+                a.model, texts, max_tokens=max_tokens, continuation=a.continuation, methods=methods.split(","),
+                target_kls=[float(x) for x in a.target_kl.split(",") if x.strip()],
+                json_out=out / "curve.json", capture_dir=a.capture_dir or "default", progress=not a.no_progress,
+            )
+        wall = sw.wall
     write_csv(res["rows"], out / "curve.csv")
     plot_curve(res, out / "curve.png")
     every = peers_vs_kvcodec(res["rows"])
@@ -207,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(md) + "\n"
     atomic_write_text(out / "curve.md", text)
     print(text)
+    run.emit(res)
     return 0
 
 

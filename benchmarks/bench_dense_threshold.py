@@ -22,6 +22,7 @@ import os
 os.environ.setdefault("NUMBA_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
+import inspect  # noqa: E402
 import io  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -55,15 +56,16 @@ def record(fn) -> list[list]:
 
 
 def ab(calls: list[list], values: list[int], repeat: int) -> dict[int, float]:
-    """Seconds per threshold: the sum over calls of each call's best time (the kernel's last argument is the threshold).
+    """Seconds per threshold: the sum over calls of each call's best time (the threshold is the kernel's ``dense8`` argument).
 
     Timed call by call, interleaved across thresholds (not with harness.timeit, which times one function's
     repeats back to back): the interleaving is what makes the A/B fair on a drifting machine."""
+    at = list(inspect.signature(F._decode_kernel.py_func).parameters).index("dense8")
     best = {v: [float("inf")] * len(calls) for v in values}
     for _ in range(repeat):
         for i, a in enumerate(calls):
             for v in values:
-                args = [*a[:-1], v]
+                args = [*a[:at], v, *a[at + 1:]]
                 t0 = time.perf_counter()
                 F._decode_kernel(*args)
                 best[v][i] = min(best[v][i], time.perf_counter() - t0)

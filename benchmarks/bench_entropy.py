@@ -4,7 +4,7 @@
     python benchmarks/bench_entropy.py --real-kv 1024  # + real SmolLM2 KV, 4-bit per-channel quantized
     python benchmarks/bench_entropy.py --json
 
-Reports encode/decode throughput (M symbols/s = MB/s of uint8 symbols, one
+Best of ``--repeat`` runs (harness.timeit; the JSON also has min/median/max). Reports encode/decode throughput (M symbols/s = MB/s of uint8 symbols, one
 CPU thread), coded size vs the empirical entropy, and the overhead split
 (tables, 128-byte state flush per context, headers).
 """
@@ -14,10 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
 import numpy as np
 
+import harness
 from kvcodec.entropy import model, rans
 
 
@@ -46,26 +46,23 @@ def real_kv_contexts(tokens: int) -> np.ndarray:
     return np.concatenate(ctxs)
 
 
-def best_of(fn, repeat: int):
-    best, out = float("inf"), None
-    for _ in range(repeat):
-        t = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t)
-    return best, out
+def best_of(fn, repeat: int) -> tuple[float, object, harness.Timing]:
+    """(best wall seconds of ``repeat`` runs, the last run's value, the timing)."""
+    t = harness.timeit(fn, repeat)
+    return t.min, t.value, t
 
 
 def bench_ours(sym: np.ndarray, repeat: int) -> dict:
     C, N = sym.shape
     rans.decode_contexts(rans.encode_contexts(sym[:1, :64]))  # JIT warm-up / cache load
-    t_enc, buf = best_of(lambda: rans.encode_contexts(sym), repeat)
-    t_parse, stream = best_of(lambda: rans.parse_header(buf, C, N), repeat)
-    t_dec, out = best_of(lambda: rans.decode(stream), repeat)
+    t_enc, buf, tm_enc = best_of(lambda: rans.encode_contexts(sym), repeat)
+    t_parse, stream, _ = best_of(lambda: rans.parse_header(buf, C, N), repeat)
+    t_dec, out, tm_dec = best_of(lambda: rans.decode(stream), repeat)
     assert np.array_equal(out.reshape(C, N), sym)
     # the numpy lane-vectorised reference decoder (mirrors the GPU kernel) on a slice
     k = max(1, (1 << 20) // N)
     small = rans.parse_header(rans.encode_contexts(sym[:k]))
-    t_ref, ref = best_of(lambda: rans.decode_reference(small), 1)
+    t_ref, ref, _ = best_of(lambda: rans.decode_reference(small), 1)
     assert np.array_equal(ref, sym[:k].ravel())
     b = rans.size_breakdown(buf)
     return {
@@ -73,6 +70,7 @@ def bench_ours(sym: np.ndarray, repeat: int) -> dict:
         "ref_dec_msym_s": k * N / t_ref / 1e6,
         "table_bytes": b.table_bytes, "flush_bytes": b.flush_bytes, "header_bytes": b.header_bytes,
         "padding_bytes": b.padding_bytes, "payload_bytes": b.payload_bits // 8, "stream": buf, "freqs": stream.freqs,
+        "timings": {"encode": tm_enc.as_dict(), "decode": tm_dec.as_dict()},
     }
 
 
@@ -102,8 +100,8 @@ def bench_constriction(sym: np.ndarray, freqs: np.ndarray, repeat: int) -> dict 
     def dec(comp):
         return [xs[c][1][constriction.stream.stack.AnsCoder(comp[c]).decode(models[c], N)] for c in range(C)]
 
-    t_enc, comp = best_of(enc, repeat)
-    t_dec, out = best_of(lambda: dec(comp), repeat)
+    t_enc, comp, _ = best_of(enc, repeat)
+    t_dec, out, _ = best_of(lambda: dec(comp), repeat)
     assert all(np.array_equal(o, sym[c]) for c, o in enumerate(out))
     return {"coder": "constriction 0.5.0 AnsCoder", "bytes": int(sum(c.nbytes for c in comp)), "enc_s": t_enc, "dec_s": t_dec}
 
@@ -130,7 +128,7 @@ def run(name: str, sym: np.ndarray, repeat: int) -> dict:
         "table_quantization_pct": 100 * (table_ideal / ideal - 1),
         "ours_split": {k: ours[k] for k in ("payload_bytes", "table_bytes", "flush_bytes", "header_bytes", "padding_bytes")},
         "ours_parse_ms": 1e3 * ours["parse_s"], "ours_reference_numpy_dec_msym_s": ours["ref_dec_msym_s"],
-        "rows": rows,
+        "rows": rows, "ours_timings": ours["timings"],
     }
 
 
@@ -156,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--real-kv", type=int, default=0, metavar="TOKENS", help="also real SmolLM2 KV of this many tokens")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    args = ap.parse_args(argv)
+    run_ = harness.cli(ap, argv, case="entropy")
+    args = run_.args
     results = [run("laplace-4bit", laplace_contexts(args.contexts, args.symbols), args.repeat)]
     if args.real_kv:
         results.append(run(f"smollm2-kv-4bit-{args.real_kv}tok", real_kv_contexts(args.real_kv), args.repeat))
@@ -166,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for r in results:
             print_report(r)
+    run_.emit(results)
     return 0
 
 

@@ -18,16 +18,19 @@ from pathlib import Path
 
 import torch
 
+import harness
+
 QUESTION = "What does this document say about warranties?"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--asks", type=int, default=3)
     ap.add_argument("--untuned", action="store_true")
     ap.add_argument("--store", default=str(Path(tempfile.gettempdir()) / "kvc-bench-faults"))
-    args = ap.parse_args()
+    run = harness.cli(ap, argv, case="faults")
+    args = run.args
     from kvcodec.runtime.allocator import tune_allocator
 
     if not args.untuned:
@@ -48,12 +51,16 @@ def main() -> None:
     kb = KnowledgeBase(lm, f"{args.store}-{args.tokens}", preset="balanced")
     kb.ask([doc], QUESTION, max_new_tokens=1)  # deposits the entry on the first run
     print(f"allocator {'untuned' if args.untuned else 'tuned'}, {args.tokens} tokens")
+    rows = []
     for i in range(args.asks):
         r0 = resource.getrusage(resource.RUSAGE_SELF)
         a = kb.ask([doc], QUESTION, max_new_tokens=1, store_new=False)
         r1 = resource.getrusage(resource.RUSAGE_SELF)
+        rows.append({"ask": i, "source": a.source, "ttft_s": a.ttft_s, "minor_faults": r1.ru_minflt - r0.ru_minflt,
+                     "user_s": r1.ru_utime - r0.ru_utime, "system_s": r1.ru_stime - r0.ru_stime})
         print(f"ask {i}: {a.source} TTFT {a.ttft_s:.3f} s, minor faults {r1.ru_minflt - r0.ru_minflt}, "
               f"user {r1.ru_utime - r0.ru_utime:.3f} s, system {r1.ru_stime - r0.ru_stime:.3f} s", flush=True)
+    run.emit({"allocator": "untuned" if args.untuned else "tuned", "rows": rows})
 
 
 if __name__ == "__main__":

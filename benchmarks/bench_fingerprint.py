@@ -27,27 +27,17 @@ import hashlib
 import json
 import os
 import resource
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Callable
 
+import harness
 
-_cpu: dict[int, list[float]] = {}
 
-
-def _times(fn: Callable[[], Any], repeats: int) -> list[float]:
-    """Wall seconds per run; the process CPU seconds of the same runs go to ``_cpu[id(list)]``."""
-    out, cpu = [], []
-    for _ in range(repeats):
-        c, t = time.process_time(), time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-        cpu.append(time.process_time() - c)
-    _cpu[id(out)] = cpu
-    return out
+def _times(fn: Callable[[], Any], repeats: int) -> harness.Timing:
+    """Wall and process-CPU seconds of ``repeats`` runs (harness.timeit; this script reports medians)."""
+    return harness.timeit(fn, repeats, cpu="process")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", dest="json_path", default=None)
-    a = ap.parse_args(argv)
+    run = harness.cli(ap, argv, case="fingerprint")
+    a = run.args
 
     from kvcodec.models.load import resolve_model_dir
 
@@ -114,17 +105,16 @@ def main(argv: list[str] | None = None) -> int:
     t_load = _times(lambda: AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, use_safetensors=True),
                     a.repeats)
 
-    med = statistics.median
-    cpu_first, cpu_raw = med(_cpu[id(t_first)]), med(_cpu[id(t_raw)])
+    cpu_first, cpu_raw = t_first.cpu_median, t_raw.cpu_median
     r = {
         "model": a.model, "weight_files": len(files), "weight_bytes": file_bytes, "repeats": a.repeats,
-        "weights_first_s": med(t_first), "raw_sha256_s": med(t_raw),
-        "weights_first_s_per_gb": med(t_first) / gb, "raw_sha256_s_per_gb": med(t_raw) / gb,
+        "weights_first_s": t_first.median, "raw_sha256_s": t_raw.median,
+        "weights_first_s_per_gb": t_first.median / gb, "raw_sha256_s_per_gb": t_raw.median / gb,
         "weights_first_cpu_s": cpu_first, "raw_sha256_cpu_s": cpu_raw, "weights_first_cpu_s_per_gb": cpu_first / gb,
-        "tokenizer_first_cpu_s": med(_cpu[id(t_tok_first)]), "model_load_cpu_s": med(_cpu[id(t_load)]),
-        "weights_cached_disk_ms": med(t_disk) * 1e3, "weights_cached_memo_ms": med(t_memo) * 1e3,
-        "tokenizer_first_s": med(t_tok_first), "fingerprint_first_s": med(t_fp_first),
-        "fingerprint_cached_ms": med(t_fp_cached) * 1e3, "model_load_s": med(t_load),
+        "tokenizer_first_cpu_s": t_tok_first.cpu_median, "model_load_cpu_s": t_load.cpu_median,
+        "weights_cached_disk_ms": t_disk.median * 1e3, "weights_cached_memo_ms": t_memo.median * 1e3,
+        "tokenizer_first_s": t_tok_first.median, "fingerprint_first_s": t_fp_first.median,
+        "fingerprint_cached_ms": t_fp_cached.median * 1e3, "model_load_s": t_load.median,
         "first_hash_rss_growth_mb": rss_growth_mb, "load_average": os.getloadavg()[0],
     }
     print(f"model {a.model}: {len(files)} safetensors file(s), {file_bytes:,} bytes ({gb:.3f} GB); median of {a.repeats}, "
@@ -145,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"peak RSS growth while hashing the weights the first time: {rss_growth_mb:.1f} MB")
     if a.json_path:
         Path(a.json_path).write_text(json.dumps(r, indent=1) + "\n")
+    run.emit(r)
     return 0
 
 

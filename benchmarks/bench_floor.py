@@ -21,6 +21,7 @@ import json
 
 import torch
 
+import harness
 from kvcodec.models.capture import select_context, tokenize
 from kvcodec.eval.curve import cached_capture, default_capture_dir
 from kvcodec.models.quality import continue_logits, evaluate
@@ -32,13 +33,15 @@ from kvcodec.plan.check import greedy_with_margins, max_rival_gain
 from kvcodec.texts import load_text
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("settings", nargs="+", help="STEP[:CHUNK_TOKENS][:hadamard][:SINK][:MAX_BITS]")
+    ap.add_argument("settings", nargs="*", default=["0.02", "0.005"],
+                    help="STEP[:CHUNK_TOKENS][:hadamard][:SINK][:MAX_BITS] (default: 0.02 0.005)")
     ap.add_argument("--text", default="apache2")
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args()
+    run = harness.cli(ap, argv, case="floor")
+    args = run.args
     torch.set_num_threads(args.threads)
     lm = load_model("smollm2")
     all_ids = tokenize(lm.tokenizer, load_text(args.text))
@@ -48,6 +51,7 @@ def main() -> None:
     exact = continue_logits(lm, cache, cont)
     greedy, margins = greedy_with_margins(lm, cache, int(cont[0]), 16)
     print(json.dumps({"text": args.text, "exact_top2_margins": [round(m, 3) for m in margins]}))
+    rows = []
     for s in args.settings:
         parts = (s.split(":") + ["", "", "", ""])[:5]
         step, chunk, basis = float(parts[0]), int(parts[1]) if parts[1] else None, parts[2] or "pca"
@@ -62,13 +66,14 @@ def main() -> None:
         data = buf.getvalue()
         dec = decode_bytes(data)
         q = evaluate(lm, cache, dec, cont, exact_logits=exact, exact_greedy=greedy).to_json()
-        print(json.dumps({"step0": step, "chunk_tokens": chunk, "basis": basis, "sink": kw.get("sink", 4),
-                          "max_bits": kw.get("max_bits", 8),
-                          "bits_per_element": round(len(data) * 8 / cache.num_elements, 3),
-                          **{k: q[k] for k in ("kl_mean", "dppl_percent", "top1_agreement", "greedy_match")},
-                          "max_abs_logit_change": round(float((continue_logits(lm, dec, cont) - exact).abs().max()), 4),
-                          "max_rival_gain": round(max_rival_gain(exact, continue_logits(lm, dec, cont)), 4)}),
-              flush=True)
+        rows.append({"step0": step, "chunk_tokens": chunk, "basis": basis, "sink": kw.get("sink", 4),
+                     "max_bits": kw.get("max_bits", 8),
+                     "bits_per_element": round(len(data) * 8 / cache.num_elements, 3),
+                     **{k: q[k] for k in ("kl_mean", "dppl_percent", "top1_agreement", "greedy_match")},
+                     "max_abs_logit_change": round(float((continue_logits(lm, dec, cont) - exact).abs().max()), 4),
+                     "max_rival_gain": round(max_rival_gain(exact, continue_logits(lm, dec, cont)), 4)})
+        print(json.dumps(rows[-1]), flush=True)
+    run.emit({"text": args.text, "exact_top2_margins": [round(m, 3) for m in margins], "rows": rows})
 
 
 if __name__ == "__main__":

@@ -40,62 +40,18 @@ os.environ.setdefault("NUMBA_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-
-from kvcodec.codecs.rans import RansStage  # noqa: E402
+import harness  # noqa: E402
+from common import real_channels, synthetic_chunks  # noqa: E402
 from kvcodec.decode.cpu import fused as F  # noqa: E402
-from kvcodec.calibration.fit import block_pca  # noqa: E402
-from kvcodec.codecs.transform import KeepStage, QuantizeStage, RopeStage, TransformStage  # noqa: E402
-from kvcodec.core.stage import ArraySpec, ChunkContext, Pipeline  # noqa: E402
-
-
-def real_channels(text: str, tokens: int) -> np.ndarray:
-    """[T, C] float32: every layer's K and V channels of the embedded model's real cache, per token."""
-    from bench_speed import get_cache
-
-    c = get_cache(text, tokens).to(torch.float16)
-    parts = [t.float().numpy() for t in (*c.keys, *c.values)]  # each [H, T, d]
-    x = np.concatenate([p.transpose(1, 0, 2).reshape(p.shape[1], -1) for p in parts], axis=1)
-    return x
-
-
-def pca(x: np.ndarray, blocks: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """basis [D, D] (columns by descending variance) and mean [D] of rows x [T, D]; with ``blocks``
-    block-diagonal over :func:`kvcodec.codecs.blocks.channel_blocks`, as calibration builds it."""
-    m = x.mean(0)
-    return block_pca(np.cov((x - m).T), None, None if blocks else [(0, x.shape[1])])[0], m
-
-
-def chunks_for(x: np.ndarray, D: int, heads: int) -> list[np.ndarray]:
-    """[heads, T, D] float16 chunks of x's channels regrouped into heads of D."""
-    T, C = x.shape
-    n = C // D
-    h = x[:, : n * D].reshape(T, n, D).transpose(1, 0, 2)
-    return [np.ascontiguousarray(h[i:i + heads]).astype(np.float16) for i in range(0, n - heads + 1, heads)]
 
 
 def bench_dim(x: np.ndarray, D: int, heads: int, bits: float, repeat: int, blocks: bool = False) -> dict:
-    chunks = chunks_for(x, D, heads)
+    pipe, enc, ctxs, spec, chunks, got = synthetic_chunks(x, D, heads, bits, blocks)
     T = chunks[0].shape[1]
-    rows = []
-    for ch in chunks:  # one attachment row per chunk: "layer" j, kind k
-        bs, ms = zip(*(pca(ch[h].astype(np.float64), blocks) for h in range(heads)))
-        rows.append((np.stack(bs).astype(np.float16), np.stack(ms).astype(np.float16)))
-    att = {"pca.basis": np.stack([r[0] for r in rows] + [rows[0][0]]), "pca.mean": np.stack([r[1] for r in rows] + [rows[0][1]])}
-    step = 0.05
-    for _ in range(3):  # set the step so this D codes at about `bits` bits per element
-        pipe = Pipeline([RopeStage(theta=10000.0, dim=D), KeepStage(sink=4), TransformStage(k=None),
-                         QuantizeStage(mode="step", step=step, max_bits=8), RansStage(channel_group=8)])
-        enc = [pipe.encode(c, ChunkContext(layer=j // 2, kind="k" if j % 2 == 0 else "v", attachments=att))
-               for j, c in enumerate(chunks)]
-        got = sum(len(p) for p, _, _ in enc) * 8 / sum(c.size for c in chunks)
-        step *= 2.0 ** (got - bits)
-    spec = ArraySpec(chunks[0].shape, "float16")
-    ctxs = [ChunkContext(layer=j // 2, kind="k" if j % 2 == 0 else "v", attachments=att) for j in range(len(chunks))]
     for (p, s, z), ctx in zip(enc, ctxs):
         fast = F.decode(pipe, p, s, z, spec, ctx) if F.supports(pipe, spec) else None
         ref = pipe.decode(p, s, z, spec, ctx)
@@ -104,13 +60,8 @@ def bench_dim(x: np.ndarray, D: int, heads: int, bits: float, repeat: int, block
 
     def run(fn) -> tuple[float, float]:
         """(best wall seconds, best thread-CPU seconds) over ``repeat`` runs."""
-        best, best_cpu = float("inf"), float("inf")
-        for _ in range(repeat):
-            t0, c0 = time.perf_counter(), time.thread_time()
-            for (p, s, z), ctx in zip(enc, ctxs):
-                fn(p, s, z, spec, ctx)
-            best, best_cpu = min(best, time.perf_counter() - t0), min(best_cpu, time.thread_time() - c0)
-        return best, best_cpu
+        t = harness.timeit(lambda: [fn(p, s, z, spec, ctx) for (p, s, z), ctx in zip(enc, ctxs)], repeat, cpu="thread")
+        return t.min, t.cpu_min
 
     mb = sum(c.nbytes for c in chunks) / 1e6
     t_fast, c_fast = run(lambda *a: F.decode(pipe, *a))
@@ -120,7 +71,7 @@ def bench_dim(x: np.ndarray, D: int, heads: int, bits: float, repeat: int, block
             "generic_s": t_gen, "generic_mb_s": mb / t_gen, "generic_mb_per_cpu_s": mb / c_gen, "speedup": t_gen / t_fast}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--text", default="gpl3")
     ap.add_argument("--tokens", type=int, default=1024)
@@ -130,7 +81,8 @@ def main() -> None:
     ap.add_argument("--basis", choices=("full", "blocks"), default="blocks",
                     help="PCA over the whole head, or block-diagonal over its channel blocks (what calibration builds)")
     ap.add_argument("--json", action="store_true")
-    a = ap.parse_args()
+    run = harness.cli(ap, argv, case="head_dims")
+    a = run.args
     torch.set_num_threads(1)
     x = real_channels(a.text, a.tokens)
     res = {"text": a.text, "tokens": a.tokens, "repeat": a.repeat, "basis": a.basis, "loadavg_start": os.getloadavg()[0], "dims": []}
@@ -144,6 +96,7 @@ def main() -> None:
                   f"generic {r['generic_mb_s']:6.1f} MB/s ({r['speedup']:.1f}x), {r['chunks']} chunks of {heads}x{r['tokens']}x{D}",
                   flush=True)
     res["loadavg_end"] = os.getloadavg()[0]
+    run.emit(res)
     if a.json:
         print(json.dumps(res, indent=2))
     else:

@@ -37,11 +37,12 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+import harness
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -106,10 +107,10 @@ def engine_main(args: argparse.Namespace) -> None:
         fetches: list[tuple[float, int]] = []
 
         def get_entry(self, key):  # type: ignore[override]
-            t = time.perf_counter()
-            e = super().get_entry(key)
+            with harness.stopwatch(cpu=None) as sw:
+                e = super().get_entry(key)
             if e is not None:
-                self.fetches.append((time.perf_counter() - t, len(e.data)))
+                self.fetches.append((sw.wall, len(e.data)))
             return e
 
     job = json.loads(Path(args.job).read_text())
@@ -124,17 +125,16 @@ def engine_main(args: argparse.Namespace) -> None:
     print("ready", flush=True)
     sys.stdin.readline()  # the start signal: all engines begin together
     rows = []
-    t0 = time.perf_counter()
-    for d, q in job["schedule"]:
-        n_before = len(st.fetches)
-        ans = kb.ask([docs[d]], QUESTIONS[q], max_new_tokens=1)
-        f = st.fetches[n_before:]
-        rows.append({"doc": d, "source": ans.source, "ttft_s": ans.ttft_s, "context_tokens": ans.context_tokens,
-                     "cached_tokens": ans.cached_tokens, "fetch_s": sum(x for x, _ in f),
-                     "fetch_bytes": sum(n for _, n in f), "stored_bytes": (ans.stored or {}).get("bytes", 0),
-                     "failed": (ans.stored or {}).get("failed", {})})
-    wall = time.perf_counter() - t0
-    Path(args.out).write_text(json.dumps({"wall_s": wall, "rows": rows}))
+    with harness.stopwatch(cpu=None) as sw:
+        for d, q in job["schedule"]:
+            n_before = len(st.fetches)
+            ans = kb.ask([docs[d]], QUESTIONS[q], max_new_tokens=1)
+            f = st.fetches[n_before:]
+            rows.append({"doc": d, "source": ans.source, "ttft_s": ans.ttft_s, "context_tokens": ans.context_tokens,
+                         "cached_tokens": ans.cached_tokens, "fetch_s": sum(x for x, _ in f),
+                         "fetch_bytes": sum(n for _, n in f), "stored_bytes": (ans.stored or {}).get("bytes", 0),
+                         "failed": (ans.stored or {}).get("failed", {})})
+    Path(args.out).write_text(json.dumps({"wall_s": sw.wall, "rows": rows}))
 
 
 # -- the store backends --------------------------------------------------------------------
@@ -214,14 +214,14 @@ def run_backend(kind: str, a: argparse.Namespace, docs: list[str], plan: list[li
                 if line.strip() != "ready":
                     raise SystemExit(f"an engine failed to start (exit {p.wait()})")
             cpu0 = cpu_seconds(be.pids)
-            t0 = time.perf_counter()
-            for p in procs:
-                p.stdin.write("go\n")
-                p.stdin.flush()
-            for p in procs:
-                if p.wait() != 0:
-                    raise SystemExit(f"an engine failed (exit {p.returncode})")
-            wall = time.perf_counter() - t0
+            with harness.stopwatch(cpu=None) as sw:
+                for p in procs:
+                    p.stdin.write("go\n")
+                    p.stdin.flush()
+                for p in procs:
+                    if p.wait() != 0:
+                        raise SystemExit(f"an engine failed (exit {p.returncode})")
+            wall = sw.wall
             store_cpu = cpu_seconds(be.pids) - cpu0
             outs = [json.loads((work / f"out{i}.json").read_text()) for i in range(len(plan))]
         finally:
@@ -273,7 +273,7 @@ def render(res: dict[str, Any]) -> str:
     ])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engines", type=int, default=8)
     ap.add_argument("--requests", type=int, default=4, help="requests per engine")
@@ -286,10 +286,11 @@ def main() -> None:
     ap.add_argument("--engine", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--job", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
-    a = ap.parse_args()
-    if a.engine:
-        engine_main(a)
+    if "--engine" in (sys.argv[1:] if argv is None else argv):
+        engine_main(ap.parse_args(argv))
         return
+    run = harness.cli(ap, argv, case="load")
+    a = run.args
     if a.engines < 1 or a.requests < 1:
         raise SystemExit("--engines and --requests must be at least 1")
     docs = corpus(a.docs, a.doc_tokens)
@@ -303,7 +304,8 @@ def main() -> None:
         results.append(res)
         print(render(res) + "\n", flush=True)
     if a.json:
-        Path(a.json).write_text(json.dumps({"args": vars(a), "results": results}, indent=2))
+        Path(a.json).write_text(json.dumps({"args": vars(a), "results": results}, indent=2, default=str))
+    run.emit({"results": results})
 
 
 if __name__ == "__main__":

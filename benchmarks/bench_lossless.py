@@ -14,17 +14,19 @@ import json
 
 import torch
 
+import harness
 from kvcodec.format import encode_kvc_bytes, lossless_pipeline, raw_pipeline
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--capture", help="an existing .h5/.safetensors capture (else capture --text on smollm2)")
     ap.add_argument("--text", default="gpl3")
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--levels", default="3")
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+    run = harness.cli(ap, argv, case="lossless")
+    args = run.args
     if args.capture:
         from kvcodec.core.kvcache import load_capture
 
@@ -47,6 +49,7 @@ def main() -> None:
             n = len(encode_kvc_bytes(c, p))
             rows.append({"dtype": name, "pipeline": label, "bytes": n, "bits_per_element": n * 8 / c.num_elements,
                          "ratio_vs_fp16": c.nbytes_fp16 / n})
+    run.emit({"tokens": cache.num_tokens, "layers": cache.num_layers, "elements": cache.num_elements, "rows": rows})
     if args.json:
         print(json.dumps(rows, indent=2))
         return

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
 
+import harness
 from kvcodec.models.capture import select_context, tokenize
 from kvcodec.eval.curve import cached_capture, default_capture_dir
 from kvcodec.models.quality import continue_logits, evaluate
@@ -35,22 +35,23 @@ from kvcodec.texts import HELD_OUT, load_text
 
 
 def decode_mb_s(data: bytes, nbytes_fp16: int) -> tuple[float, object]:
-    best, cache = float("inf"), None
-    for _ in range(3):
-        t = time.perf_counter()
+    """(fp16 MB/s of the best of 3 whole-file decodes, the decoded cache)."""
+    def dec():
         with KvcReader(data) as r:
-            cache = r.read_cache()
-        best = min(best, time.perf_counter() - t)
-    return nbytes_fp16 / best / 1e6, cache
+            return r.read_cache()
+
+    t = harness.timeit(dec, 3, cpu=None)
+    return nbytes_fp16 / t.min / 1e6, t.value
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--texts", default=",".join(HELD_OUT))
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/near_lossless.json"))
-    args = ap.parse_args()
+    run = harness.cli(ap, argv, case="near_lossless")
+    args = run.args
     torch.set_num_threads(1)
     lm = load_model(args.model)
     rows = []
@@ -64,10 +65,10 @@ def main() -> None:
         for method, plan_fn in (("near-lossless", lambda: get_plan("near-lossless", cache, lm=lm)),
                                 ("fp16", lambda: get_plan("fp16", cache)),
                                 ("near-lossless 8-bit codes (before)", lambda: get_plan("near-lossless", cache, lm=lm, step0=0.02, max_bits=8))):
-            t = time.perf_counter()
-            plan = plan_fn()
-            data = encode_bytes(cache, plan)
-            enc_s = time.perf_counter() - t
+            with harness.stopwatch(cpu=None) as sw:
+                plan = plan_fn()
+                data = encode_bytes(cache, plan)
+            enc_s = sw.wall
             mb_s, dec = decode_mb_s(data, cache.num_elements * 2)
             q = evaluate(lm, cache, dec, cont, exact_logits=exact, exact_greedy=greedy).to_json()
             g = plan.params.get("guard", {})
@@ -80,6 +81,7 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"rows": rows, "cpu_threads": 1}, indent=1) + "\n")
+    run.emit({"rows": rows, "cpu_threads": 1})
 
 
 if __name__ == "__main__":

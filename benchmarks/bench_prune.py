@@ -35,8 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-
+import harness
+from common import CACHE_DIR as CACHE
 from kvcodec.models.cachelayout import cache_for_model  # noqa: E402
 from kvcodec.models.capture import capture, tokenize  # noqa: E402
 from kvcodec.models.quality import continue_logits, greedy  # noqa: E402
@@ -47,8 +47,6 @@ from kvcodec.prune.h2o import attention_scores  # noqa: E402
 from kvcodec.digest import token_ids_sha256 as ids_sha256  # noqa: E402
 from kvcodec.prune.lingua import pack_mask, segment_relevance, select_lingua, self_information  # noqa: E402
 from kvcodec.texts import DEFAULT_BENCH_TEXTS, load_text  # noqa: E402
-
-CACHE = Path("/tmp/kvc-cache")
 
 
 def cached_exact(lm: Any, name: str, ids: np.ndarray, window: int | None) -> tuple[KVCache, np.ndarray]:
@@ -250,7 +248,7 @@ def markdown(rows: list[dict[str, Any]], retr: list[dict[str, Any]], args: argpa
     return "\n".join(out)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--texts", nargs="+", default=list(DEFAULT_BENCH_TEXTS))
     ap.add_argument("--tokens", type=int, default=1024)
@@ -274,7 +272,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--render", nargs="+", metavar="JSON", help="print the Markdown tables of saved --json outputs (merged)")
-    args = ap.parse_args()
+    run = harness.cli(ap, argv, case="prune")
+    args = run.args
     if args.render:
         rows, retr = [], []
         for path in args.render:
@@ -289,9 +288,10 @@ def main() -> None:
     rows = [] if args.skip_quality else quality_rows(lm, args)
     retr = [] if args.skip_retrieval else retrieval_rows(lm, args)
     if args.json:
-        print(json.dumps({"args": vars(args), "quality": rows, "retrieval": retr}, indent=2))
+        print(json.dumps({"args": vars(args), "quality": rows, "retrieval": retr}, indent=2, default=str))
     else:
         print(markdown(rows, retr, args))
+    run.emit({"quality": rows, "retrieval": retr})
 
 
 if __name__ == "__main__":

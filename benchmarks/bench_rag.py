@@ -39,20 +39,20 @@ prices; here it is CPU-seconds (the ratio is what compares).
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import os
-import platform
 import random
 import statistics
 import sys
 import tempfile
 import time
 
-import click
 import numpy as np
 import torch
 
+import harness
 
 from kvcodec.atomic import atomic_write_text  # noqa: E402
 from kvcodec.models.capture import capture  # noqa: E402
@@ -101,19 +101,24 @@ def build_kb(lm, n_facts: int, rng: random.Random) -> tuple[list[str], list[tupl
 
 
 def cpu_timed(fn):
-    c0, t0 = time.process_time(), time.perf_counter()
-    out = fn()
-    return out, time.process_time() - c0, time.perf_counter() - t0
+    """(fn's value, process CPU seconds, wall seconds) of one call."""
+    with harness.stopwatch() as sw:
+        out = fn()
+    return out, sw.cpu, sw.wall
 
 
-@click.command()
-@click.option("--facts", "n_facts", default=6, show_default=True)
-@click.option("--top-k", default=4, show_default=True)
-@click.option("--kb-chunks", default=48, show_default=True, help="Chunks in the knowledge base (first N of the texts).")
-@click.option("--ft-steps", default=48, show_default=True)
-@click.option("--seed", default=17, show_default=True)
-@click.option("--json-out", default=None, type=click.Path(dir_okay=False))
-def main(n_facts: int, top_k: int, kb_chunks: int, ft_steps: int, seed: int, json_out: str | None) -> None:
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--facts", type=int, default=6)
+    ap.add_argument("--top-k", type=int, default=4)
+    ap.add_argument("--kb-chunks", type=int, default=48, help="Chunks in the knowledge base (first N of the texts).")
+    ap.add_argument("--ft-steps", type=int, default=48)
+    ap.add_argument("--seed", type=int, default=17)
+    ap.add_argument("--json-out", default=None, metavar="FILE")
+    run = harness.cli(ap, argv, case="rag")
+    a = run.args
+    n_facts, top_k, kb_chunks, ft_steps, seed, json_out = a.facts, a.top_k, a.kb_chunks, a.ft_steps, a.seed, a.json_out
     import bm25s
 
     rng = random.Random(seed)
@@ -132,14 +137,12 @@ def main(n_facts: int, top_k: int, kb_chunks: int, ft_steps: int, seed: int, jso
     # -- injection: KV-cache learning (encode + store every chunk) ---------------------------
     store = Store.open(tempfile.mkdtemp(prefix="bench-rag-"), key=TenantKey(os.urandom(32)))
     kb = KnowledgeBase(lm, store, preset="balanced")
-    t0 = time.perf_counter()
-    c0 = time.process_time()
     stored_bytes = 0
-    for text in chunks:
-        c = capture(lm, token_ids=kb.doc_ids(text))
-        stored_bytes += kb.deposit(c)["bytes"]
-    inject_kv = {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0, "chunks": len(chunks),
-                 "bytes": stored_bytes}
+    with harness.stopwatch() as sw:
+        for text in chunks:
+            c = capture(lm, token_ids=kb.doc_ids(text))
+            stored_bytes += kb.deposit(c)["bytes"]
+    inject_kv = {"wall_s": sw.wall, "cpu_s": sw.cpu, "chunks": len(chunks), "bytes": stored_bytes}
     print(f"KV-cache injection: {len(chunks)} chunks in {inject_kv['wall_s']:.1f} s", file=sys.stderr)
 
     # -- injection: fine-tuning (LoRA) ---------------------------------------------------------
@@ -169,18 +172,18 @@ def main(n_facts: int, top_k: int, kb_chunks: int, ft_steps: int, seed: int, jso
         rows.append(row)
         print(f"request {n}: " + "; ".join(f"{m} {row[m]['ttft_s']:.2f} s {'OK' if row[m]['correct'] else '--'}"
                                           for m in PAPER), file=sys.stderr)
-    doc = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                       "loadavg": os.getloadavg(), "note": "shared 2-vCPU box: timings under load"},
+    doc = {"machine": {**harness.machine(), "loadavg": os.getloadavg()},
            "setup": {"kb_chunks": len(chunks), "kb_tokens": len(chunks) * 256, "top_k": top_k,
                      "knowledge_tokens": top_k * 256, "history_tokens": hist_tokens, "facts": n_facts,
                      "ft_steps": ft_steps},
            "inject": {"KV-cache learning": inject_kv, "fine-tuning": inject_ft},
            "rows": rows, "paper": PAPER,
-           "command": " ".join(["python", "benchmarks/bench_rag.py"] + sys.argv[1:])}
+           "command": harness.command_line(run.argv, run.script)}
     doc["summary"] = summary(doc)
     if json_out:
         atomic_write_text(json_out, json.dumps(doc, indent=2, default=str))
     print(table(doc))
+    run.emit({k: v for k, v in doc.items() if k not in ("machine", "command")})
 
 
 def finetune(lm, chunks: list[str], steps: int, rng: random.Random):
@@ -195,18 +198,18 @@ def finetune(lm, chunks: list[str], steps: int, rng: random.Random):
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     order: list[int] = []
     losses = []
-    t0, c0 = time.perf_counter(), time.process_time()
-    for _step in range(steps):
-        if not order:
-            order = list(range(len(chunks)))
-            rng.shuffle(order)
-        ids = torch.as_tensor(lm.tokenizer(chunks[order.pop()], add_special_tokens=False)["input_ids"]).unsqueeze(0)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss))
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    with harness.stopwatch() as sw:
+        for _step in range(steps):
+            if not order:
+                order = list(range(len(chunks)))
+                rng.shuffle(order)
+            ids = torch.as_tensor(lm.tokenizer(chunks[order.pop()], add_special_tokens=False)["input_ids"]).unsqueeze(0)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss))
+    wall, cpu = sw.wall, sw.cpu
     model.eval()
     k = max(1, min(len(chunks), steps) // 4)
     return {"wall_s": wall, "cpu_s": cpu, "steps": steps, "epochs": steps / len(chunks),

@@ -24,19 +24,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
 import torch
 
+import harness
 
-def main() -> None:
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lm", default="gemma3-270m")
     ap.add_argument("--texts", default="apache2,py-argparse,c-stdio")
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--presets", default="lossless,near-lossless,balanced,small")
     ap.add_argument("--json", default=None, help="write the rows here")
-    args = ap.parse_args()
+    run = harness.cli(ap, argv, case="ragged")
+    args = run.args
     torch.set_num_threads(1)
 
     from kvcodec.models.capture import capture, tokenize
@@ -69,15 +71,14 @@ def main() -> None:
                 if lossy and name not in imp:
                     imp[name] = cache_importance(lm, c)
                 plan = get_plan(preset, c, lm=lm, guard=False, importance=imp[name]) if lossy else get_plan(preset, c)
-                t0 = time.perf_counter()
-                data = encode_kvc_bytes(c, plan)
-                enc = time.perf_counter() - t0
-                out[name] = (data, enc)
+                with harness.stopwatch(cpu=None) as sw:
+                    data = encode_kvc_bytes(c, plan)
+                out[name] = (data, sw.wall)
             data = out["ragged"][0]
-            t0 = time.perf_counter()
-            with KvcReader(data) as r:
-                dec = r.read_cache()
-            dec_s = time.perf_counter() - t0
+            with harness.stopwatch(cpu=None) as sw:
+                with KvcReader(data) as r:
+                    dec = r.read_cache()
+            dec_s = sw.wall
             if preset == "lossless":
                 assert all(torch.equal(a, b) for a, b in zip(dec.keys + dec.values, rag.keys + rag.values))
             nr, nf = len(out["ragged"][0]), len(out["full"][0])
@@ -95,6 +96,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"lm": args.lm, "rows": rows}, f, indent=1)
+    run.emit({"lm": args.lm, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -28,18 +28,18 @@ codec imports, numba kernels, measured speeds), as a serving process would be.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import click
 import numpy as np
 
+import harness
 
 from kvcodec.atomic import atomic_write_text
 from kvcodec.models.capture import capture, tokenize
@@ -68,14 +68,19 @@ def start_service(tmp: Path) -> tuple[subprocess.Popen, int]:
     return proc, port
 
 
-@click.command()
-@click.option("--tokens", default=768, show_default=True, help="Context tokens (multiple of 256 gives full chunks).")
-@click.option("--levels", default="small,balanced,near-lossless", show_default=True)
-@click.option("--budget-frac", default=0.3, show_default=True, help="Budget = this x the measured prefill TTFT.")
-@click.option("--fixed", default="balanced", show_default=True, help="Level of the fixed-level baseline.")
-@click.option("--continuation", default=64, show_default=True)
-@click.option("--json-out", default=None, type=click.Path(dir_okay=False))
-def main(tokens: int, levels: str, budget_frac: float, fixed: str, continuation: int, json_out: str | None) -> None:
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=768, help="Context tokens (multiple of 256 gives full chunks).")
+    ap.add_argument("--levels", default="small,balanced,near-lossless")
+    ap.add_argument("--budget-frac", type=float, default=0.3, help="Budget = this x the measured prefill TTFT.")
+    ap.add_argument("--fixed", default="balanced", help="Level of the fixed-level baseline.")
+    ap.add_argument("--continuation", type=int, default=64)
+    ap.add_argument("--json-out", default=None, metavar="FILE")
+    run_ = harness.cli(ap, argv, case="stream")
+    a = run_.args
+    tokens, levels, budget_frac, fixed, continuation, json_out = (a.tokens, a.levels, a.budget_frac, a.fixed,
+                                                                   a.continuation, a.json_out)
     lm = load_model("smollm2")
     all_ids = tokenize(lm.tokenizer, load_text("gpl3"))
     ids, cont = all_ids[:tokens], all_ids[tokens:tokens + continuation]
@@ -86,10 +91,10 @@ def main(tokens: int, levels: str, budget_frac: float, fixed: str, continuation:
     try:
         exact = capture(lm, token_ids=ids)
         ex_logits = continue_logits(lm, exact, cont)
-        t = time.perf_counter()
-        direct = Store.open(f"kvc+http://:{TOK}@127.0.0.1:{port}", key=key)
-        info = encode_levels(lm, direct, ids, levels, cache=exact)
-        print(f"encoded {tokens} tokens at {levels} in {time.perf_counter() - t:.1f} s: "
+        with harness.stopwatch(cpu=None) as sw:
+            direct = Store.open(f"kvc+http://:{TOK}@127.0.0.1:{port}", key=key)
+            info = encode_levels(lm, direct, ids, levels, cache=exact)
+        print(f"encoded {tokens} tokens at {levels} in {sw.wall:.1f} s: "
               + ", ".join(f"{lv} {d['bytes']:,} B ({d['bits_per_element']:.2f} bits/el)" for lv, d in info["levels"].items()),
               file=sys.stderr)
         man = read_manifest(direct, manifest_key(ids, model=lm.fingerprint.id))
@@ -127,11 +132,11 @@ def main(tokens: int, levels: str, budget_frac: float, fixed: str, continuation:
         proc.terminate()
         proc.wait(30)
     doc = {"machine": machine(), "tokens": tokens, "levels": info["levels"], "budget_frac": budget_frac,
-           "budget_s": budget, "command": " ".join(["python", "benchmarks/bench_stream.py"] + sys.argv[1:]),
-           "rows": rows}
+           "budget_s": budget, "command": harness.command_line(run_.argv, run_.script), "rows": rows}
     if json_out:
         atomic_write_text(json_out, json.dumps(doc, indent=2, default=str))
     print(table(doc))
+    run_.emit({k: v for k, v in doc.items() if k not in ("machine", "command")})
 
 
 def quality(lm, st: Store, ids: np.ndarray, choices: list[str], ex_logits, cont) -> float:
@@ -161,9 +166,7 @@ def _force(item, choice: str, run):
 
 
 def machine() -> dict:
-    load = os.getloadavg()
-    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "loadavg": load,
-            "note": "shared 2-vCPU box (4 engineers + benchmarks): timings are under load"}
+    return {**harness.machine(), "loadavg": os.getloadavg()}
 
 
 def table(doc: dict) -> str:

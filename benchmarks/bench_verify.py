@@ -4,8 +4,8 @@
 
 A real cache of the embedded SmolLM2-135M (the first ``--tokens`` tokens of
 the GPL-3 text) is written to a temp file with each preset's plan, alternating
-``verify=True`` and ``verify=False`` so both see the same machine load; the
-median of ``--repeat`` runs is reported with the ratio. ``verify=True`` reads
+``verify="file"`` and ``verify="off"`` so both see the same machine load; the
+median of ``--repeat`` runs is reported with the ratio. ``verify="file"`` reads
 the temp file back before the rename: structure, every CRC, padding and blob,
 and every chunk decoded and compared (SHA-256) with what the encoder meant --
 the input itself for lossless pipelines, the normative stage-by-stage decode
@@ -18,10 +18,11 @@ import argparse
 import json
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+
+import harness
 
 from kvcodec.models.capture import capture, tokenize
 from kvcodec.format import write_kvc
@@ -30,14 +31,15 @@ from kvcodec.models.load import load_model
 from kvcodec.texts import load_text
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--presets", default="lossless,fp16,balanced")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", type=Path, default=None)
-    a = ap.parse_args()
+    run = harness.cli(ap, argv, case="verify")
+    a = run.args
     torch.set_num_threads(a.threads)
     lm = load_model("smollm2")
     cache = capture(lm, token_ids=tokenize(lm.tokenizer, load_text("gpl3"))[: a.tokens])
@@ -48,12 +50,12 @@ def main() -> None:
             times: dict[bool, list[float]] = {True: [], False: []}
             size = 0
             for rep in range(a.repeat + 1):  # the first round warms numba / caches and is not counted
-                for verify in (False, True) if rep % 2 else (True, False):
-                    t = time.perf_counter()
-                    size = write_kvc(cache, Path(td) / f"{preset}.kvc", plan,
-                                     verify=verify)
+                for verify in (False, True) if rep % 2 else (True, False):  # alternating: one call at a time
+                    with harness.stopwatch(cpu=None) as sw:
+                        size = write_kvc(cache, Path(td) / f"{preset}.kvc", plan,
+                                         verify="file" if verify else "off")
                     if rep:
-                        times[verify].append(time.perf_counter() - t)
+                        times[verify].append(sw.wall)
             off, on = statistics.median(times[False]), statistics.median(times[True])
             rows.append({"preset": preset, "tokens": a.tokens, "bytes": size, "encode_s": round(off, 3),
                          "encode_verify_s": round(on, 3), "verify_overhead": round(on / off - 1, 3)})
@@ -61,6 +63,7 @@ def main() -> None:
                   f"  ratio {on / off:5.2f}x (+{(on / off - 1) * 100:.0f} %)", flush=True)
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1) + "\n")
+    run.emit({"rows": rows})
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ import os
 import shutil
 import statistics
 import tempfile
-import time
+
+import harness
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -59,9 +60,9 @@ def _ttft(llm, ids: list[int]) -> tuple[float, int]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    t0 = time.perf_counter()
-    out = llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
-    return time.perf_counter() - t0, out[0].outputs[0].token_ids[0]
+    with harness.stopwatch(cpu=None) as sw:
+        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    return sw.wall, out[0].outputs[0].token_ids[0]
 
 
 def _drop(llm) -> None:
@@ -73,7 +74,7 @@ def _drop(llm) -> None:
     gc.collect()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prefix", type=int, default=4096, help="shared prefix tokens")
     ap.add_argument("--suffix", type=int, default=64, help="tokens of each distinct question after the prefix")
@@ -82,7 +83,8 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--store", default=None, help="store URL (default: a fresh temp directory)")
     ap.add_argument("--json", default=None)
-    a = ap.parse_args()
+    run = harness.cli(ap, argv, case="vllm")
+    a = run.args
 
     from transformers import AutoTokenizer
     from vllm.config import KVTransferConfig
@@ -151,6 +153,7 @@ def main() -> None:
         from kvcodec.atomic import atomic_write_text
 
         atomic_write_text(a.json, json.dumps(res, indent=2))
+    run.emit(res)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,9 @@ once (up to docs x engines cold prefills instead of docs).
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+
+import harness
 
 
 @dataclass(frozen=True)
@@ -51,20 +53,22 @@ def si(x: float, unit: str) -> str:
     return f"{x:.3g} {unit}"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bits", type=float, default=1.94, help="kvcodec bits per KV element (balanced)")
     ap.add_argument("--context", type=int, default=8192, help="context tokens per request")
     ap.add_argument("--rps", type=float, default=1.0, help="requests per second per engine")
     ap.add_argument("--hit", type=float, default=0.9, help="fraction of requests served from the store")
     ap.add_argument("--docs", type=int, default=10_000, help="distinct documents in the store")
-    a = ap.parse_args()
+    run = harness.cli(ap, argv, case="kdn_scale_model")
+    a = run.args
     print(f"Assumptions: {a.bits} bits/element, contexts of {a.context} tokens, {a.rps} request/s per engine, "
           f"hit rate {a.hit}, {a.docs:,} distinct documents.\n")
     print("| model | KV bytes/token (kvcodec / fp16) | prefill FLOPs/token | bytes per GFLOP saved | "
           "per engine: store bytes/s | per engine: prefill FLOP/s saved | store size (kvcodec / fp16) |")
     print("|---|---|---|---|---|---|---|")
     per = {}
+    rows = []
     for m in MODELS:
         elems = 2 * m.layers * m.kv_heads * m.head_dim
         b = elems * a.bits / 8
@@ -73,16 +77,25 @@ def main() -> None:
         fps = a.rps * a.hit * a.context * f
         size = a.docs * a.context * b
         per[m.name] = (bps, fps, size)
+        rows.append({"model": asdict(m), "kv_bytes_per_token": b, "kv_bytes_per_token_fp16": elems * 2, "prefill_flops_per_token": f,
+                     "bytes_per_gflop_saved": b / (f / 1e9), "engine_store_bytes_per_s": bps, "engine_prefill_flops_saved_per_s": fps,
+                     "store_bytes": size, "store_bytes_fp16": a.docs * a.context * elems * 2})
         print(f"| {m.name} | {si(b, 'B')} / {si(elems * 2, 'B')} | {si(f, 'FLOP')} | {b / (f / 1e9):.3g} B | "
               f"{si(bps, 'B/s')} | {si(fps, 'FLOP/s')} | {si(size, 'B')} / {si(a.docs * a.context * elems * 2, 'B')} |")
     print("\n| engines | model | store egress (all engines) | prefill FLOP/s saved (all engines) | "
           "store size | cold prefills with a shared store / without |")
     print("|---|---|---|---|---|---|")
+    scale = []
     for n in (1, 10, 100, 1000):
         for m in MODELS:
             bps, fps, size = per[m.name]
+            scale.append({"engines": n, "model": m.name, "store_egress_bytes_per_s": n * bps,
+                          "prefill_flops_saved_per_s": n * fps, "store_bytes": size, "cold_prefills_shared": a.docs,
+                          "cold_prefills_without_up_to": a.docs * n})
             print(f"| {n:,} | {m.name} | {si(n * bps, 'B/s')} | {si(n * fps, 'FLOP/s')} | {si(size, 'B')} | "
                   f"{a.docs:,} / up to {a.docs * n:,} |")
+
+    run.emit({"models": rows, "engines": scale})
 
 
 if __name__ == "__main__":
