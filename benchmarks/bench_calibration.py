@@ -52,6 +52,7 @@ from kvcodec.calibration import build as C_build
 from kvcodec.calibration import record as C_record
 from kvcodec.calibration import store as C_store
 from kvcodec.plan.presets import get_plan  # noqa: E402
+from kvcodec.format import KvcReader, encode_kvc_bytes  # noqa: E402
 from kvcodec.plan import pipelines as P  # noqa: E402
 from kvcodec.plan.presets import PRESETS  # noqa: E402
 from kvcodec.texts import load_text  # noqa: E402
@@ -118,9 +119,9 @@ def quality_rows(lm, cals: dict[str, C_record.Calibration], texts: list[str], pr
             for label, cal, scale in runs:
                 step0 = PRESETS[preset].settings["step0"] * scale
                 plan = get_plan(preset, cache, lm=lm, cal=cal, calibration="embedded", importance=imp, step0=step0)
-                data = P.encode_bytes(cache, plan)
+                data = encode_kvc_bytes(cache, plan, meta={"plan": plan.params})
                 emb = sum(a.nbytes for a in plan.attachments.values())
-                q = evaluate(lm, cache, P.decode_bytes(data), follow, exact_logits=exact_logits, exact_greedy=exact_greedy)
+                q = evaluate(lm, cache, KvcReader(data).read_cache(), follow, exact_logits=exact_logits, exact_greedy=exact_greedy)
                 row = {"text": name, "preset": preset, "calibration": label,
                        "bits_per_element": (len(data) - emb) * 8 / cache.num_elements, **q.to_json()}
                 rows.append(row)

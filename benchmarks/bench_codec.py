@@ -31,6 +31,7 @@ from kvcodec.models.capture import capture, tokenize  # noqa: E402
 from kvcodec.models.quality import continue_logits, evaluate, greedy  # noqa: E402
 from kvcodec.core.kvcache import load_h5, save_h5  # noqa: E402
 from kvcodec.models.load import load_model  # noqa: E402
+from kvcodec.format import KvcReader, encode_kvc_bytes  # noqa: E402
 from kvcodec.plan import pipelines as P  # noqa: E402
 from kvcodec.calibration.build import ensure_calibration  # noqa: E402
 from kvcodec.plan.presets import PRESETS  # noqa: E402
@@ -94,9 +95,9 @@ def main(argv: list[str] | None = None) -> None:
                 args["importance"] = importance
             with harness.stopwatch(cpu=None) as sw_enc:
                 plan = P.transform_plan(cache, cal=cal, calibration=a.calibration, basis=a.basis, preset=label, **args)
-                data = P.encode_bytes(cache, plan)
+                data = encode_kvc_bytes(cache, plan, meta={"plan": plan.params})
             with harness.stopwatch(cpu=None) as sw_dec:
-                dec = P.decode_bytes(data)
+                dec = KvcReader(data).read_cache()
             t_enc, t_dec = sw_enc.wall, sw_dec.wall
             q = evaluate(lm, cache, dec, cont, greedy_tokens=a.greedy, exact_logits=ex_logits, exact_greedy=ex_greedy)
             ext = P.external_bytes(plan)

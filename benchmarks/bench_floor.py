@@ -28,7 +28,7 @@ from kvcodec.models.quality import continue_logits, evaluate
 from kvcodec.format.writer import write_kvc
 from kvcodec.models.load import load_model
 from kvcodec.plan.presets import get_plan
-from kvcodec.plan.pipelines import decode_bytes
+from kvcodec.format import KvcReader
 from kvcodec.plan.check import greedy_with_margins, max_rival_gain
 from kvcodec.texts import load_text
 
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
         buf = io.BytesIO()
         write_kvc(cache, buf, plan, chunk_tokens=chunk)
         data = buf.getvalue()
-        dec = decode_bytes(data)
+        dec = KvcReader(data).read_cache()
         q = evaluate(lm, cache, dec, cont, exact_logits=exact, exact_greedy=greedy).to_json()
         rows.append({"step0": step, "chunk_tokens": chunk, "basis": basis, "sink": kw.get("sink", 4),
                      "max_bits": kw.get("max_bits", 8),

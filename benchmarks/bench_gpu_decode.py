@@ -82,7 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     from kvcodec.codecs.rans import RansStage
     from kvcodec.models.load import load_model
     from kvcodec.codecs.rope_tables import rope_config_from_fingerprint
-    from kvcodec.codecs.transform import KeepStage, QuantizeStage, RopeStage, TransformStage
+    from kvcodec.codecs.keep import KeepStage
+    from kvcodec.codecs.quantize import QuantizeStage
+    from kvcodec.codecs.rope import RopeStage
+    from kvcodec.codecs.transform import TransformStage
     from kvcodec.core.stage import ArraySpec, ChunkContext, Pipeline
     from kvcodec.texts import load_text
 

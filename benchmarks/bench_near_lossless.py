@@ -29,7 +29,7 @@ from kvcodec.models.quality import continue_logits, evaluate
 from kvcodec.format import KvcReader
 from kvcodec.models.load import load_model
 from kvcodec.plan.presets import get_plan
-from kvcodec.plan.pipelines import encode_bytes
+from kvcodec.format import encode_kvc_bytes
 from kvcodec.plan.check import greedy_with_margins, max_rival_gain
 from kvcodec.texts import HELD_OUT, load_text
 
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
                                 ("near-lossless 8-bit codes (before)", lambda: get_plan("near-lossless", cache, lm=lm, step0=0.02, max_bits=8))):
             with harness.stopwatch(cpu=None) as sw:
                 plan = plan_fn()
-                data = encode_bytes(cache, plan)
+                data = encode_kvc_bytes(cache, plan, meta={"plan": plan.params})
             enc_s = sw.wall
             mb_s, dec = decode_mb_s(data, cache.num_elements * 2)
             q = evaluate(lm, cache, dec, cont, exact_logits=exact, exact_greedy=greedy).to_json()

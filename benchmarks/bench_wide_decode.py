@@ -22,7 +22,7 @@ from kvcodec.eval.curve import cached_capture, default_capture_dir
 from kvcodec.format import KvcReader
 from kvcodec.models.load import load_model
 from kvcodec.plan.presets import get_plan
-from kvcodec.plan.pipelines import encode_bytes
+from kvcodec.format import encode_kvc_bytes
 from kvcodec.texts import load_text
 
 
@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> None:
     for dtype in (torch.float32, torch.float16):
         c = cache.to(dtype)
         for preset, step0 in (("near-lossless", 0.004), ("balanced", 0.33)):
-            data = encode_bytes(c, get_plan(preset, c, lm=lm, step0=step0))
+            plan = get_plan(preset, c, lm=lm, step0=step0)
+            data = encode_kvc_bytes(c, plan, meta={"plan": plan.params})
             chunks = chunks_of(data)
             res = {}
             for name in ("reference", "numba-fused"):

@@ -90,7 +90,10 @@ def synthetic_chunks(x: np.ndarray, D: int, heads: int, bits: float, blocks: boo
     Returns (pipeline, encoded [(payload, sides, sizes)], contexts, ArraySpec, chunks, bits per element got).
     """
     from kvcodec.codecs.rans import RansStage
-    from kvcodec.codecs.transform import KeepStage, QuantizeStage, RopeStage, TransformStage
+    from kvcodec.codecs.keep import KeepStage
+    from kvcodec.codecs.quantize import QuantizeStage
+    from kvcodec.codecs.rope import RopeStage
+    from kvcodec.codecs.transform import TransformStage
     from kvcodec.core.stage import ArraySpec, ChunkContext, Pipeline
 
     chunks = chunks_for(x, D, heads)[:max_chunks]

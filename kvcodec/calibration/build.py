@@ -31,7 +31,7 @@ from kvcodec.calibration.record import (CALIB_CONTEXT, CALIB_FORMAT, CALIB_VERSI
 from kvcodec.calibration.store import load_calibration, save_calibration
 from kvcodec.codecs.blocks import channel_blocks
 from kvcodec.codecs.rope_tables import layer_rope_config
-from kvcodec.codecs.transform import RopeStage
+from kvcodec.codecs.rope import RopeStage
 from kvcodec.core.stage import ChunkContext
 from kvcodec.errors import KvcInputError
 

@@ -196,8 +196,8 @@ BUILTIN_STAGES: dict[str, str] = {
     "cast": "kvcodec.codecs.lossless", "raw": "kvcodec.codecs.lossless", "shuffle": "kvcodec.codecs.lossless",
     "zstd": "kvcodec.codecs.lossless",
     "rans": "kvcodec.codecs.rans",
-    "rope": "kvcodec.codecs.transform", "keep": "kvcodec.codecs.transform", "transform": "kvcodec.codecs.transform",
-    "quantize": "kvcodec.codecs.transform", "tokenscale": "kvcodec.codecs.tokenscale",
+    "rope": "kvcodec.codecs.rope", "keep": "kvcodec.codecs.keep", "transform": "kvcodec.codecs.transform",
+    "quantize": "kvcodec.codecs.quantize", "tokenscale": "kvcodec.codecs.tokenscale",
     "bl_int8_token": "kvcodec.codecs.baselines", "bl_kivi": "kvcodec.codecs.baselines",
     "bl_cachegen": "kvcodec.codecs.baselines",
 }

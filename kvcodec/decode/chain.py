@@ -14,7 +14,10 @@ from dataclasses import dataclass
 
 from kvcodec.codecs.rans import RansStage
 from kvcodec.core.stage import Pipeline
-from kvcodec.codecs.transform import KeepStage, QuantizeStage, RopeStage, TransformStage, WideQuantizeStage
+from kvcodec.codecs.keep import KeepStage
+from kvcodec.codecs.quantize import QuantizeStage, WideQuantizeStage
+from kvcodec.codecs.rope import RopeStage
+from kvcodec.codecs.transform import TransformStage
 from kvcodec.codecs.tokenscale import TokenScaleStage
 
 __all__ = ["TransformChain", "match_chain"]

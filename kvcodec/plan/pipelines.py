@@ -30,7 +30,10 @@ from kvcodec.calibration.record import Calibration
 from kvcodec.calibration.store import require_calibration
 from kvcodec.plan.importance import token_multipliers
 from kvcodec.codecs.rope_tables import layer_rope_config
-from kvcodec.codecs.transform import KeepStage, QuantizeStage, RopeStage, TransformStage, WideQuantizeStage
+from kvcodec.codecs.keep import KeepStage
+from kvcodec.codecs.quantize import QuantizeStage, WideQuantizeStage
+from kvcodec.codecs.rope import RopeStage
+from kvcodec.codecs.transform import TransformStage
 from kvcodec.codecs.tokenscale import TokenClasses, TokenScaleStage
 
 # token-importance-weighted quantization (tokenscale stage): importance = mean a^2 over the last

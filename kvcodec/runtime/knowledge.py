@@ -171,6 +171,9 @@ class KnowledgeBase:
         vanished (evicted or deleted between lookup and get) has nothing to evict.
         """
         reason = why if isinstance(why, str) else _one_line(why)
+        if isinstance(why, _Partial):  # a good entry of another layout: used by its writer, never evicted
+            log.info("store entry %s holds part of its prefix (%s); prefilling instead", key.to_str(), reason)
+            return {"key": key.to_str(), "reason": reason}
         log.warning("store entry %s is unreadable (%s); evicting it and prefilling instead", key.to_str(), reason)
         if isinstance(why, _Vanished):
             return {"key": key.to_str(), "reason": reason}
@@ -185,9 +188,13 @@ class KnowledgeBase:
         data = self.store.get(key)
         if data is None:
             raise _Vanished("it vanished from the store between lookup and get")
-        loaded = load_cache(data, self.lm)
-        if not np.array_equal(loaded.token_ids, ids):
+        reader = KvcReader(data)
+        self.lm.fingerprint.check_compatible(reader.fingerprint, what=".kvc file")
+        if reader.token_ids is None or not np.array_equal(reader.token_ids, ids):
             raise KvcInputError(f"store entry {key} encodes other tokens than its key says")
+        if reader.positions is not None:  # e.g. a vLLM connector chunk: the KV of its last tokens only
+            raise _Partial(f"it stores {reader.header.num_tokens} of the prefix's {len(ids)} tokens")
+        loaded = load_cache(reader, self.lm)
         meta = loaded.reader.header.meta
         ttft = meta.get("prefill_ttft_s") if isinstance(meta, dict) else None
         return loaded.cache, ttft if isinstance(ttft, (int, float)) and not isinstance(ttft, bool) else None
@@ -404,6 +411,11 @@ class _Answered:
 
 class _Vanished(KvcError):
     """A store entry found by lookup was gone by the time it was fetched (evicted or deleted meanwhile)."""
+
+
+class _Partial(KvcError):
+    """A valid entry whose key names a prefix but which stores the KV of part of it (the vLLM connector's chunk
+    entries share keys with whole-prefix entries: one codec id, spec/store-keys.md §1). Not a whole context."""
 
 
 def _one_line(exc: BaseException) -> str:

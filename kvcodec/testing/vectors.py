@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 
 from kvcodec.core.stage import ArraySpec, ChunkContext, stage_from_json
-from kvcodec.codecs.transform import hadamard  # noqa: F401  (registers the stages)
 
 VECTOR_DIR = Path(__file__).resolve().parents[2] / "spec" / "vectors" / "codec"
 

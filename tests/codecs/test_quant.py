@@ -8,10 +8,10 @@ import pytest
 from kvcodec.errors import KvcCodecError, KvcError, KvcFormatError
 from kvcodec.testing import vectors as V
 from kvcodec.codecs.rope_tables import rope_tables
-from kvcodec.codecs.transform import (
-    KeepStage, QuantizeStage, RopeStage, TransformStage, hadamard, keep_decode, quantize_minmax_decode,
-    quantize_step_decode, rope_decode, transform_decode, unzigzag, zigzag,
-)
+from kvcodec.codecs.keep import KeepStage, keep_decode
+from kvcodec.codecs.quantize import QuantizeStage, quantize_minmax_decode, quantize_step_decode, unzigzag, zigzag
+from kvcodec.codecs.rope import RopeStage, rope_decode
+from kvcodec.codecs.transform import TransformStage, hadamard, transform_decode
 from kvcodec.core.stage import ArraySpec, ChunkContext, Pipeline, stage_from_json
 
 CASES = sorted(p for p in V.VECTOR_DIR.iterdir() if (p / "case.json").is_file())
@@ -233,14 +233,14 @@ def test_balanced_meets_kl_on_real_cache(lm, gpl3_ids):
     from kvcodec.models.capture import capture
     from kvcodec.models.quality import compare_logits, continue_logits
     from kvcodec.plan.presets import get_plan
-    from kvcodec.plan.pipelines import decode_bytes, encode_bytes
+    from kvcodec.format import KvcReader, encode_kvc_bytes
     from kvcodec.rate import bits_per_element
 
     cache = capture(lm, token_ids=gpl3_ids[:512])
     cont = gpl3_ids[512:576]
     plan = get_plan("balanced", cache, lm=lm)
-    data = encode_bytes(cache, plan)
-    dec = decode_bytes(data)
+    data = encode_kvc_bytes(cache, plan)
+    dec = KvcReader(data).read_cache()
     m = compare_logits(continue_logits(lm, cache, cont), continue_logits(lm, dec, cont), cont)
     assert m["kl_mean"] <= 0.01
     # the encode-time check's out-of-sample probe costs bits at a 512-token context (about 4.8 here)
@@ -250,7 +250,7 @@ def test_balanced_meets_kl_on_real_cache(lm, gpl3_ids):
 # ------------------------------------------------------------------ quantize v2 (16-bit codes, two byte planes)
 def test_quantize_v2_formula_and_what_v1_cannot_code():
     """v2 codes a channel whose range exceeds 127 steps at the configured step (v1 widens that step)."""
-    from kvcodec.codecs.transform import WideQuantizeStage
+    from kvcodec.codecs.quantize import WideQuantizeStage
 
     x = _x((2, 50, 16))
     x[:, :, 0] *= 200.0  # a wide coefficient channel
@@ -270,7 +270,7 @@ def test_quantize_v2_formula_and_what_v1_cannot_code():
 
 
 def test_quantize_v2_refuses_bad_input():
-    from kvcodec.codecs.transform import WideQuantizeStage
+    from kvcodec.codecs.quantize import WideQuantizeStage
 
     x = _x((2, 30, 8))
     st = WideQuantizeStage(step=0.01, max_bits=12)

@@ -10,7 +10,7 @@ import pytest
 from kvcodec.errors import KvcCodecError, KvcFormatError
 from kvcodec.testing import vectors as V
 from kvcodec.plan.importance import token_multipliers
-from kvcodec.codecs.transform import QuantizeStage
+from kvcodec.codecs.quantize import QuantizeStage
 from kvcodec.codecs.tokenscale import TokenClasses, TokenScaleStage, pack_classes, unpack_classes, vector_cases
 from kvcodec.core.stage import ArraySpec, ChunkContext, Pipeline, stage_from_json
 from kvcodec.codecs.rans import RansStage

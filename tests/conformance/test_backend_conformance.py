@@ -180,7 +180,7 @@ def test_a_failing_backend_raises_in_tests_and_warns_once_in_production(monkeypa
 def test_a_bad_chunk_gets_the_reference_error_not_a_backend_error(monkeypatch):
     """Malformed data that both the backend and the reference refuse is the file's fault: the spec's error."""
     from kvcodec.errors import KvcFormatError
-    from kvcodec.decode.chunk import decode_chunk
+    from kvcodec.decode.registry import decode_chunk
 
     pipe, payload, sides, sizes, spec, _ = _lossless_chunk()
     bad = bytes(payload[:-7])

@@ -87,7 +87,7 @@ def test_zstd_bomb_is_capped_on_the_fused_and_generic_paths(shuffle):
                 r.read_chunk(j)
             # the fused lossless decoder alone (before the generic path) must not expand it either
             from kvcodec.format.container import parse_chunk
-            from kvcodec.decode.chunk import chunk_context
+            from kvcodec.core.stage import chunk_context
             from kvcodec.core.stage import ArraySpec
 
             pipe = r.header.pipelines[e.pipeline]

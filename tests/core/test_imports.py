@@ -77,7 +77,7 @@ def test_opening_a_lossless_file_does_not_import_the_lossy_codec(tmp_path):
         "from kvcodec.format import KvcReader\n"
         f"r = KvcReader({str(path)!r}); r.read_chunk(0, 'cpu'); r.close()\n"
         "bad = [m for m in ('kvcodec.plan.pipelines', 'kvcodec.calibration.build', 'kvcodec.plan.presets',"
-        " 'kvcodec.codecs.transform', 'kvcodec.decode.triton.dequant_kernels', 'triton', 'kvcodec.models.load', 'transformers') if m in sys.modules]\n"
+        " 'kvcodec.codecs.transform', 'kvcodec.codecs.quantize', 'kvcodec.decode.triton.dequant_kernels', 'triton', 'kvcodec.models.load', 'transformers') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )
     env = {**os.environ, "KVCODEC_BACKEND": "cpu"}
@@ -102,7 +102,7 @@ def test_opening_a_kvc_imports_no_torch(vector):
         "r.close()\n"
         "bad = [m for m in ('torch', 'kvcodec.core.kvcache', 'kvcodec.calibration.build', 'kvcodec.models.load', 'transformers', 'triton')"
         " if m in sys.modules]\n"
-        + ("bad += [m for m in ('kvcodec.codecs.transform', 'kvcodec.codecs.tokenscale', 'kvcodec.plan.presets') if m in sys.modules]\n"
+        + ("bad += [m for m in ('kvcodec.codecs.transform', 'kvcodec.codecs.quantize', 'kvcodec.codecs.tokenscale', 'kvcodec.plan.presets') if m in sys.modules]\n"
            if lossless else "assert 'kvcodec.codecs.transform' in sys.modules  # the lossy file did decode through its stages\n")
         + "assert not bad, bad\n"
     )

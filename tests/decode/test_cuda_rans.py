@@ -124,7 +124,7 @@ def test_batched_launch_matches_single():
 @pytest.fixture(scope="module")
 def real_symbols(small_cache):
     """Quantized symbols of a real 16-token SmolLM2 cache (layers 0 and 7, K and V), as the codec makes them."""
-    from kvcodec.codecs.transform import QuantizeStage
+    from kvcodec.codecs.quantize import QuantizeStage
 
     out = []
     for layer in (0, 7):

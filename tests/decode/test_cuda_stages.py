@@ -93,7 +93,10 @@ def _rope_cfg(cache):
 @pytest.mark.model
 def test_transform_codec_pipelines(chunks, pca_attachments, small_cache):
     """rope -> keep -> transform (pca, hadamard) -> quantize(step) -> rans, as the presets build them."""
-    from kvcodec.codecs.transform import KeepStage, QuantizeStage, RopeStage, TransformStage
+    from kvcodec.codecs.keep import KeepStage
+    from kvcodec.codecs.quantize import QuantizeStage
+    from kvcodec.codecs.rope import RopeStage
+    from kvcodec.codecs.transform import TransformStage
 
     rope = _rope_cfg(small_cache)
     for layer, kind, x in chunks:
@@ -107,7 +110,7 @@ def test_transform_codec_pipelines(chunks, pca_attachments, small_cache):
 @pytest.mark.model
 def test_minmax_pipelines(chunks):
     """KIVI-like minmax quantization, every axis / symmetry, per-head bits."""
-    from kvcodec.codecs.transform import QuantizeStage
+    from kvcodec.codecs.quantize import QuantizeStage
 
     layer, kind, x = chunks[0]
     ctx = ChunkContext(layer=layer, kind=kind)
@@ -158,7 +161,8 @@ def test_every_preset(chunks, small_cache, lm):
 @pytest.mark.model
 def test_positions_per_head_and_offsets(chunks, small_cache):
     """RoPE with a token offset and with per-(layer, head) positions (pruned caches)."""
-    from kvcodec.codecs.transform import QuantizeStage, RopeStage
+    from kvcodec.codecs.quantize import QuantizeStage
+    from kvcodec.codecs.rope import RopeStage
 
     layer, kind, x = chunks[0]
     H = x.shape[0]
@@ -171,7 +175,7 @@ def test_positions_per_head_and_offsets(chunks, small_cache):
 
 def test_unknown_stage_falls_back_to_cpu():
     """A stage without a GPU implementation runs on the CPU for that stage only."""
-    from kvcodec.codecs.transform import QuantizeStage
+    from kvcodec.codecs.quantize import QuantizeStage
 
     class Negate(QuantizeStage.__mro__[1]):  # an ArrayToArray stage the GPU backend does not know
         name = "test-negate"
@@ -191,7 +195,7 @@ def test_unknown_stage_falls_back_to_cpu():
 
 def test_malformed_side_data_and_payload_like_cpu():
     from kvcodec.decode.triton import backend
-    from kvcodec.codecs.transform import QuantizeStage
+    from kvcodec.codecs.quantize import QuantizeStage
 
     rng = np.random.default_rng(1)
     x = rng.standard_normal((2, 8, 16)).astype(np.float16)
@@ -254,7 +258,9 @@ def test_decode_into_layouts(chunks, small_cache):
     """Decode a real chunk on the 'GPU' and write it into HF and paged tensors: equals the CPU decode."""
     from kvcodec.decode.triton import backend
     from kvcodec.decode.triton.dequant_kernels import store_hf, store_paged
-    from kvcodec.codecs.transform import KeepStage, QuantizeStage, TransformStage
+    from kvcodec.codecs.keep import KeepStage
+    from kvcodec.codecs.quantize import QuantizeStage
+    from kvcodec.codecs.transform import TransformStage
 
     layer, kind, x = chunks[1]
     pipe = Pipeline([KeepStage(sink=4), TransformStage(basis="hadamard"), QuantizeStage(mode="step", step=0.1), RansStage(8)])
@@ -276,7 +282,10 @@ def test_decode_into_layouts(chunks, small_cache):
 
 # --------------------------------------------------------------------------- the fused transform chain
 def _chain(rope_dim=None, sink=4, recent=0, k=24, basis="pca", ts=None, keep_dtype="float16", g=8, step=0.05):
-    from kvcodec.codecs.transform import KeepStage, QuantizeStage, RopeStage, TransformStage
+    from kvcodec.codecs.keep import KeepStage
+    from kvcodec.codecs.quantize import QuantizeStage
+    from kvcodec.codecs.rope import RopeStage
+    from kvcodec.codecs.transform import TransformStage
 
     st = [RopeStage(theta=100000.0, dim=rope_dim)] if rope_dim else []
     if sink or recent:
@@ -445,7 +454,7 @@ def test_fused_chain_malformed_like_cpu(chunks, pca_attachments):
 
 def test_tokenscale_stage_outside_a_chain():
     """tokenscale has its own GPU stage when the pipeline is not a transform chain."""
-    from kvcodec.codecs.transform import QuantizeStage
+    from kvcodec.codecs.quantize import QuantizeStage
 
     x = (np.random.default_rng(4).standard_normal((2, 13, 16)) * 3).astype(np.float16)
     pipe = Pipeline([_tokenscale(13, 0), QuantizeStage(mode="step", step=0.05), RansStage()])

@@ -20,8 +20,11 @@ import kvcodec.decode.cpu.fused as F
 from kvcodec.codecs.rans import RansStage
 from kvcodec.errors import KvcError, KvcFormatError
 from kvcodec.format import KvcReader
-from kvcodec.decode.chunk import decode_chunk
-from kvcodec.codecs.transform import KeepStage, QuantizeStage, RopeStage, TransformStage
+from kvcodec.decode.registry import decode_chunk
+from kvcodec.codecs.keep import KeepStage
+from kvcodec.codecs.quantize import QuantizeStage
+from kvcodec.codecs.rope import RopeStage
+from kvcodec.codecs.transform import TransformStage
 from kvcodec.core.stage import ArraySpec, ChunkContext, Pipeline
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,71 +16,16 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kvcodec.errors import KvcStoreError
 from kvcodec.store import Store, StoreKey
-from store_fixtures import free_port, subprocess_env, wait_port
+from kdn_service import TOK_A, TOK_A_RO, TOK_B, Service, path_of
+from store_fixtures import subprocess_env
 
 pytestmark = pytest.mark.model
-
-TOK_A, TOK_A_RO, TOK_B = "tok-a-0123456789", "tok-a-readonly-99", "tok-b-0123456789"
-
-
-class Service:
-    def __init__(self, tmp: Path, max_body: str = "8M") -> None:
-        self.port = free_port()
-        self.store_dir = tmp / "kdn-store"
-        tokens = tmp / "tokens.json"
-        tokens.write_text(json.dumps({"tokens": [
-            {"token": TOK_A, "tenant": "a"},
-            {"token": TOK_A_RO, "tenant": "a", "write": False},
-            {"token": TOK_B, "tenant": "b"},
-        ]}))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvcodec", "serve", "--store", str(self.store_dir), "--port", str(self.port),
-             "--tokens", str(tokens), "--max-body", max_body],
-            env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        wait_port(self.port, timeout=120, proc=self.proc)
-        self.base = f"http://127.0.0.1:{self.port}"
-
-    def url(self, token: str | None = None) -> str:
-        return f"kvc+http://{':' + token + '@' if token else ''}127.0.0.1:{self.port}"
-
-    def request(self, method: str, path: str, token: str | None = TOK_A, body: bytes | None = None,
-                headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
-        h = dict(headers or {})
-        if token:
-            h["Authorization"] = f"Bearer {token}"
-        req = urllib.request.Request(self.base + path, data=body, method=method, headers=h)
-        try:
-            with urllib.request.urlopen(req, timeout=60) as r:
-                return r.status, dict(r.headers), r.read()
-        except urllib.error.HTTPError as e:
-            return e.code, dict(e.headers), e.read()
-
-    def stored(self) -> list:
-        """Every entry on the service's backing directory, all tenants (tier level: physical names)."""
-        from kvcodec.store.tiers.directory import DirectoryTier
-
-        return list(DirectoryTier(self.store_dir).ls()) if self.store_dir.exists() else []
-
-    def put_raw(self, key: StoreKey, data: bytes, token: str = TOK_A, **headers: str) -> int:
-        """A PUT with the key in clear, as curl would send it."""
-        return self.request("PUT", path_of(key), token=token, body=data, headers=headers)[0]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
@@ -100,10 +45,6 @@ def entry(lm, real_cache):
     data = encode_kvc_bytes(cache, plan)
     key = StoreKey.for_tokens(cache.token_ids, model=lm.fingerprint.id, codec="balanced-test", namespace="a")
     return key, data, cache
-
-
-def path_of(key: StoreKey) -> str:
-    return f"/v1/entries/{key.to_str()}"
 
 
 def test_put_get_range_etag(service, entry):

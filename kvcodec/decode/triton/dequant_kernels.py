@@ -368,9 +368,9 @@ def _device_matrices(b: np.ndarray, m: np.ndarray, dev: torch.device) -> tuple[t
 
 
 def gpu_transform(stage: Any, y: torch.Tensor, side: dict, spec: Any, ctx: Any) -> torch.Tensor:
-    from kvcodec.codecs.transform import _no_extra
+    from kvcodec.codecs.common import no_extra
 
-    _no_extra(side, "transform", set())
+    no_extra(side, "transform", set())
     H, T, D = spec.shape
     b, m = stage.matrices(H, D, ctx)  # CPU validation of the attachments, float32 [H, D, K], [H, D]
     K = b.shape[2]
@@ -424,9 +424,9 @@ def _device_rope_tables(stage: Any, H: int, T: int, ctx: Any, dev: torch.device)
 
 
 def gpu_rope(stage: Any, y: torch.Tensor, side: dict, spec: Any, ctx: Any) -> torch.Tensor:
-    from kvcodec.codecs.transform import _no_extra
+    from kvcodec.codecs.common import no_extra
 
-    _no_extra(side, "rope", set())
+    no_extra(side, "rope", set())
     H, T, D = spec.shape
     if tuple(y.shape) != (H, T, D) or y.dtype != torch.float32:
         raise KvcFormatError(f"codec 'rope': got {str(y.dtype).removeprefix('torch.')}{tuple(y.shape)}, expected float32{spec.shape}")
@@ -473,9 +473,9 @@ def fused_decode(chain: Any, sym: torch.Tensor, sides: list[dict], specs: list[A
     step, bits = ch.quantize.step_side(sides[i_q], qspec)
     _check_step_symbols(sym, bits)
     ts = _dev(ch.tokenscale.multipliers(sides[ix["tokenscale"]], Tc), dev) if ch.tokenscale is not None else None
-    from kvcodec.codecs.transform import _no_extra
+    from kvcodec.codecs.common import no_extra
 
-    _no_extra(sides[ix["transform"]], "transform", set())
+    no_extra(sides[ix["transform"]], "transform", set())
     b, m = ch.transform.matrices(H, D, ctx)
     if b.shape[2] != K:
         raise KvcFormatError(f"codec 'transform': got float32{(H, Tc, K)}, expected float32{(H, Tc, b.shape[2])}")
@@ -489,7 +489,7 @@ def fused_decode(chain: Any, sym: torch.Tensor, sides: list[dict], specs: list[A
     cos_d = sin_d = None
     hs = 0
     if ch.rope is not None:
-        _no_extra(sides[ix["rope"]], "rope", set())
+        no_extra(sides[ix["rope"]], "rope", set())
         cos_d, sin_d, hs = _device_rope_tables(ch.rope, H, T, ctx, dev)
         if ch.rope.dim > D:
             raise KvcFormatError(f"codec 'rope': dim {ch.rope.dim} exceeds {D} channels")
