@@ -213,7 +213,7 @@ def collect_stale_temps(directory: PathLike, grace_s: float = GRACE_S, max_age_s
     now = time.time()
     me = host_tag()
     try:
-        it = os.scandir(directory)
+        it = os.scandir(os.fspath(directory))
     except OSError:
         return removed
     with it:

@@ -199,7 +199,7 @@ def child() -> None:  # pragma: no cover - runs in the sandbox process
             arr = np.ascontiguousarray(f[h5name][()])
             arr = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
             out.write(struct.pack("<Q", arr.nbytes))
-            out.write(memoryview(arr).cast("B"))
+            out.write(arr.data.cast("B"))
         except Exception as exc:  # noqa: BLE001
             msg = f"{type(exc).__name__}: {exc}".encode()[:4096]
             out.write(struct.pack("<QI", _ERR, len(msg)) + msg)

@@ -96,8 +96,9 @@ class RansStage(ArrayToBytes):
             raise KvcFormatError(f"codec 'rans' has no side data, got {sorted(side)}")
         stream = self.parse(data, spec)
         flat = rans.decode(stream)
-        n_ctx, n_sym = self.expected_counts(spec.shape)
-        return from_contexts(flat.reshape(n_ctx, n_sym), spec.shape, self.channel_group)
+        shape = self._check_spec(spec.shape, spec.dtype)
+        n_ctx, n_sym = self.expected_counts(shape)
+        return from_contexts(flat.reshape(n_ctx, n_sym), shape, self.channel_group)
 
 
 def overhead_split(data: bytes | memoryview) -> tuple[int, int, int]:

@@ -57,7 +57,7 @@ def transform_decode(y: np.ndarray, basis: np.ndarray, mean: np.ndarray, fast: b
         out = np.empty((H, T, D), dtype=np.float32)
         _inv_transform_nb(y, bt, mean, out)
         return out
-    acc = np.zeros((H, T, D), dtype=np.float32)
+    acc: np.ndarray = np.zeros((H, T, D), dtype=np.float32)
     for k in range(K):
         acc = acc + y[:, :, k : k + 1] * bt[:, k : k + 1, :]
     return acc + mean[:, None, :]

@@ -113,9 +113,11 @@ class ShapedLink:
 
         loop.set_exception_handler(quiet)
         self._loop = loop
-        burst = None if self.rate is None else max(PIECE, self.rate * 0.005)
-        self._down = None if self.rate is None else TokenBucket(self.rate, burst)
-        self._up = None if self.rate is None else TokenBucket(self.rate, burst)
+        if self.rate is None:
+            self._down = self._up = None
+        else:
+            burst = max(PIECE, self.rate * 0.005)
+            self._down, self._up = TokenBucket(self.rate, burst), TokenBucket(self.rate, burst)
 
         async def serve() -> None:
             self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)

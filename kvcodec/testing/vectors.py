@@ -27,7 +27,7 @@ def ctx_of(case: dict[str, Any], attach: dict[str, np.ndarray]) -> ChunkContext:
 
 
 def run_case(case: dict[str, Any], x: np.ndarray, attach: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray]:
-    st = stage_from_json(case["stage"])
+    st: Any = stage_from_json(case["stage"])  # an array stage: every codec vector case is one
     ctx = ctx_of(case, attach)
     enc, side = st.encode(x, ctx)
     dec = st.decode(enc, side, ArraySpec(tuple(x.shape), str(x.dtype)), ctx)

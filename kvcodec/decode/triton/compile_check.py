@@ -61,11 +61,9 @@ def _variants() -> list[tuple[str, str, object, dict, dict, dict]]:
             out.append(("rans_decode", name, k["rans_decode"], rans_sig, {"LOG2A": log2a, "TABLE": table, "CB": 4}, {"num_warps": 4}))
     bt_sig = {"fc_ptr": "*i32", "tab_ptr": "*i32", "A": "i32", "LOG2A": "constexpr", "BLOCK": "constexpr"}
     out.append(("build_table", "build_table[A<=2^8,BLOCK=1024]", k["build_table"], bt_sig, {"LOG2A": 8, "BLOCK": 1024}, {"num_warps": 4}))
-    try:
-        from kvcodec.decode.triton import dequant_kernels
-    except ImportError:  # not written yet / stage definitions not landed
-        dequant_kernels = None
-    if dequant_kernels is not None and hasattr(dequant_kernels, "compile_variants"):
+    from kvcodec.decode.triton import dequant_kernels
+
+    if hasattr(dequant_kernels, "compile_variants"):
         out.extend(dequant_kernels.compile_variants())
     return out
 
@@ -87,7 +85,10 @@ def _ptxas_stats(ptx: str, arch: int) -> tuple[int, int, int, int, int]:
         cmd = [ptxas, "-v", "--fmad=false", "--regAllocOptLevel=2", f"--gpu-name={sm_arch_from_capability(arch)}", src, "-o", os.path.join(d, "k.o")]
         r = subprocess.run(cmd, capture_output=True, text=True, check=True)
     log = r.stdout + r.stderr
-    regs = int(_RE_REGS.search(log).group(1))
+    found = _RE_REGS.search(log)
+    if found is None:
+        raise RuntimeError(f"no register count in the compiler's output: {log[-400:]}")
+    regs = int(found.group(1))
     m = _RE_SPILL.search(log)
     ss, sl = (int(m.group(1)), int(m.group(2))) if m else (0, 0)
     m = _RE_STACK.search(log)
