@@ -1,4 +1,4 @@
-"""Byte-level KV-cache store: deterministic keys, tiers (LRU, directory, Redis, HTTP).
+"""Byte-level KV-cache store: deterministic keys, tiers (LRU, directory, Redis, Redis Cluster, S3, HTTP, KDN).
 
 Entries are opaque bytes (typically a ``.kvc`` file) plus a small JSON
 metadata dict.  Typical use::
@@ -15,8 +15,10 @@ A Store acts for one tenant: ``Store.open(url, key=TenantKey.load(path))``;
 the default key is ``$KVC_STORE_KEY``, ``$KVC_STORE_KEY_FILE`` or the
 per-user ``~/.config/kvcodec/store.key`` (spec/store-keys.md §8).
 
-Only ``keys``, ``ranged``, ``tenant`` and ``store`` are imported eagerly; redis-py loads only
-when a Redis tier is opened.
+Only ``keys``, ``ranged``, ``tenant``, ``store`` and the tier base and registry are imported
+eagerly; every tier class (``DirectoryTier``, ``RedisTier``, ``RedisClusterTier``, ``S3Tier``,
+``HttpTier``, ``KdnTier``) is exported lazily, and redis-py or boto3 load only when their tier is
+opened.  Which URL scheme opens which tier: :mod:`kvcodec.store.tiers.registry`.
 """
 
 from kvcodec.store.keys import (
@@ -32,23 +34,19 @@ from kvcodec.store.options import parse_size
 from kvcodec.store.store import PutResult, Store
 from kvcodec.store.tenant import TenantKey
 from kvcodec.store.tiers.base import Entry, EntryInfo, MemoryTier, Tier
+from kvcodec.store.tiers.registry import tier_by_name
 
 __all__ = [
     "DEFAULT_CHUNK", "StoreKey", "chunk_hashes", "prefix_keys", "root_digest",
     "token_bytes", "RangeReader", "FileRangeReader", "HttpRangeReader", "BytesRangeReader",
     "open_range_reader", "HttpLimits", "TenantKey", "Store", "PutResult", "parse_size", "Entry", "EntryInfo",
-    "MemoryTier", "Tier", "DirectoryTier", "RedisTier", "HttpTier",
+    "Tier", "MemoryTier", "DirectoryTier", "RedisTier", "RedisClusterTier", "S3Tier", "HttpTier", "KdnTier",
 ]
 
 
-def __getattr__(name: str):  # lazy tier classes
-    if name == "DirectoryTier":
-        from kvcodec.store.tiers.directory import DirectoryTier
-        return DirectoryTier
-    if name == "RedisTier":
-        from kvcodec.store.tiers.redis import RedisTier
-        return RedisTier
-    if name == "HttpTier":
-        from kvcodec.store.tiers.http import HttpTier
-        return HttpTier
-    raise AttributeError(name)
+def __getattr__(name: str) -> type[Tier]:
+    """The tier classes, imported on first use (each one named in the registry's table)."""
+    cls = tier_by_name(name)
+    if cls is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return cls

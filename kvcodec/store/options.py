@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
 
 from kvcodec.errors import KvcInputError
 
 _SIZE_RE = re.compile(r"\s*([0-9]{1,15}(?:\.[0-9]{1,6})?)\s*([kmgt]?)(i?b?)\s*", re.I | re.ASCII)
+
+DEFAULT_MEMORY_BYTES = 256 << 20  # the in-process LRU in front of every Store
 
 
 def parse_size(s: str | int) -> int:
@@ -29,3 +33,28 @@ def parse_flag(v: str) -> bool:
     if v.lower() in ("0", "false", "no", "off"):
         return False
     raise KvcInputError(f"bad boolean option {v!r}")
+
+
+def redact(url: str) -> str:
+    """The URL with any password replaced by ``***``."""
+    p = urlsplit(url)
+    if p.password is None:
+        return url
+    user = p.username or ""
+    host = p.hostname or ""
+    if p.port:
+        host = f"{host}:{p.port}"
+    return urlunsplit((p.scheme, f"{user}:***@{host}", p.path, p.query, p.fragment))
+
+
+@dataclass
+class TierDefaults:
+    """``Store.open``'s keywords: values for the options a tier's URL does not set itself.
+
+    ``memory_bytes`` sizes the in-process LRU (``mem://`` without ``max_bytes``);
+    ``fsync`` and ``max_bytes`` apply to directory tiers.
+    """
+
+    memory_bytes: int = DEFAULT_MEMORY_BYTES
+    fsync: bool | None = None
+    max_bytes: int | str | None = None

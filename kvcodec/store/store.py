@@ -7,13 +7,18 @@ always in front)::
     /abs/dir | rel/dir | file:///abs/dir[?max_bytes=10G&fsync=0]
     redis://[:password@]host:port/db[?timeout=2&prefix=kvc:&ttl=S&retry_interval=1]
     rediss://...                        Redis over TLS
+    unix:///path/redis.sock[?db=N&...]  Redis over a unix socket
     http(s)://host/base/[?timeout=30&connect_timeout=5&deadline=300&max_bytes=4G]
                                         read-only published directory store
     kvc+http(s)://[:TOKEN@]host:port    a shared ``kvc serve`` (token also from $KVC_TOKEN)
     redis+cluster://[:password@]host:port[?...]   a Redis Cluster (any node; the rest is discovered)
     s3://bucket/prefix?endpoint_url=...  an S3-compatible object store (boto3)
 
-e.g. ``"/var/cache/kvc,redis://127.0.0.1:6379/0"``.
+e.g. ``"/var/cache/kvc,redis://127.0.0.1:6379/0"``.  Each part opens the tier
+its scheme names in :mod:`kvcodec.store.tiers.registry` (a part without a
+scheme is a directory); the Store asks of a tier only what its declared
+capabilities (``supports_writes`` / ``_deletes`` / ``_listing`` / ``_ranges``,
+``persistent``) allow.
 
 Isolation: a Store acts for one tenant, the holder of a :class:`TenantKey`
 (``key=``; default :meth:`TenantKey.default`: ``$KVC_STORE_KEY``,
@@ -37,24 +42,20 @@ import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
-from urllib.parse import parse_qsl, unquote, urlsplit
 
 from kvcodec.errors import KvcError, KvcFormatError, KvcInputError, KvcStoreError
 from kvcodec.store.keys import DEFAULT_CHUNK, StoreKey, prefix_keys
-from kvcodec.store.options import parse_flag, parse_size
+from kvcodec.store.options import DEFAULT_MEMORY_BYTES, TierDefaults, parse_size, redact
 from kvcodec.store.ranged import BytesRangeReader, RangeReader
 from kvcodec.store.tenant import AuthRangeReader, NamespaceKeys, Seal, TenantKey
 from kvcodec.store.tiers.base import Entry, EntryInfo, MemoryTier, Tier, as_bytes, check_meta
+from kvcodec.store.tiers.registry import open_tier
 
 log = logging.getLogger("kvcodec.store")
 
-DEFAULT_MEMORY_BYTES = 256 << 20
-def _redact(url: str) -> str:
-    if "@" in url and "://" in url:
-        from kvcodec.store.tiers.redis import redact
 
-        return redact(url)
-    return url
+def _redact(url: str) -> str:
+    return redact(url) if "@" in url and "://" in url else url
 
 
 @dataclass
@@ -115,6 +116,7 @@ class Store:
              key: TenantKey | None = None) -> "Store":
         """Open a store from a URL or comma-separated tier list (see module doc).
 
+        Each part opens the tier its scheme names (:mod:`kvcodec.store.tiers.registry`);
         ``memory_bytes`` sizes the front LRU; ``fsync``/``max_bytes`` are
         defaults for directory tiers whose URL does not set them; ``key`` is
         the caller's tenant key (default: :meth:`TenantKey.default`).
@@ -122,58 +124,23 @@ class Store:
         s = os.fspath(url).strip()
         if not s:
             raise KvcInputError("empty store URL")
-        mem_bytes = parse_size(memory_bytes) if memory_bytes is not None else DEFAULT_MEMORY_BYTES
+        defaults = TierDefaults(fsync=fsync, max_bytes=max_bytes)
+        if memory_bytes is not None:
+            defaults.memory_bytes = parse_size(memory_bytes)
         tiers: list[Tier] = []
         try:
             for part in (p.strip() for p in s.split(",")):
-                tier_or_size = cls._parse_tier(part, s, fsync, max_bytes)
-                if isinstance(tier_or_size, Tier):
-                    tiers.append(tier_or_size)
-                elif tier_or_size is not None:
-                    mem_bytes = tier_or_size
+                if not part:
+                    raise KvcInputError(f"empty tier in store URL {ascii(s)}")
+                t = open_tier(part, defaults)
+                if isinstance(t, MemoryTier):  # mem:// sizes the front LRU (a later bare mem:// keeps the size)
+                    defaults.memory_bytes = t.max_bytes
+                else:
+                    tiers.append(t)
             shown = ",".join(_redact(p.strip()) for p in s.split(","))
         except ValueError as e:  # urlsplit / port parsing of an odd URL
             raise KvcInputError(f"bad store URL {ascii(s.split('@')[-1][:200])}: {e}") from None
-        return cls([MemoryTier(mem_bytes)] + tiers, url=shown, key=key)
-
-    @classmethod
-    def _parse_tier(cls, part: str, s: str, fsync: bool | None,
-                    max_bytes: int | str | None) -> Tier | int | None:
-        """One tier of a store URL; a ``mem://`` part gives the LRU size (or None)."""
-        if not part:
-            raise KvcInputError(f"empty tier in store URL {ascii(s)}")
-        low = part.lower()
-        if low.startswith("mem://"):
-            q = dict(parse_qsl(urlsplit(part).query))
-            size = parse_size(q.pop("max_bytes")) if "max_bytes" in q else None
-            if q:
-                raise KvcInputError(f"unknown mem:// options {sorted(q)}")
-            return size
-        if low.startswith(("redis://", "rediss://", "unix://")):
-            from kvcodec.store.tiers.redis import RedisTier
-
-            return RedisTier(part)
-        if low.startswith(("kvc+http://", "kvc+https://")):
-            from kvcodec.store.tiers.kdn import KdnTier
-
-            return KdnTier(part)
-        if low.startswith(("redis+cluster://", "rediss+cluster://")):
-            from kvcodec.store.tiers.redis_cluster import RedisClusterTier
-
-            return RedisClusterTier(part)
-        if low.startswith("s3://"):
-            from kvcodec.store.tiers.s3 import S3Tier
-
-            return S3Tier(part)
-        if low.startswith(("http://", "https://")):
-            from kvcodec.store.tiers.http import HttpTier
-
-            return HttpTier(part)
-        if low.startswith("file://") or "://" not in part:
-            return cls._dir_tier(part, fsync, max_bytes)
-        raise KvcInputError(
-            f"unsupported store tier {ascii(part)}: use a directory, file://, mem://, "
-            "redis://, rediss://, redis+cluster://, s3://, kvc+http(s):// or http(s)://")
+        return cls([MemoryTier(defaults.memory_bytes)] + tiers, url=shown, key=key)
 
     def for_key(self, key: TenantKey) -> "Store":
         """The same persistent tiers acting for another tenant, with its own in-process LRU.
@@ -183,31 +150,6 @@ class Store:
         shared, so one tenant's traffic never evicts another's cached entries.
         """
         return Store([MemoryTier(self.memory.max_bytes)] + self.tiers[1:], url=self.url, key=key)
-
-    @staticmethod
-    def _dir_tier(part: str, fsync: bool | None, max_bytes: int | str | None) -> Tier:
-        from kvcodec.store.tiers.directory import DirectoryTier
-
-        opts: dict[str, str] = {}
-        if part.lower().startswith("file://"):
-            p = urlsplit(part)
-            if p.netloc not in ("", "localhost"):
-                raise KvcInputError(f"file URL with a remote host is not supported: {part!r}")
-            path = unquote(p.path)
-            opts = dict(parse_qsl(p.query))
-        else:
-            path = os.path.expanduser(part)
-        kw: dict[str, Any] = {}
-        mb = opts.pop("max_bytes", None)
-        kw["max_bytes"] = parse_size(mb) if mb is not None else (
-            parse_size(max_bytes) if max_bytes is not None else None)
-        fs = opts.pop("fsync", None)
-        kw["fsync"] = parse_flag(fs) if fs is not None else (True if fsync is None else fsync)
-        if opts:
-            raise KvcInputError(f"unknown directory store options {sorted(opts)}")
-        if not path:
-            raise KvcInputError("empty directory path in store URL")
-        return DirectoryTier(path, **kw)
 
     # -- tenant mapping ----------------------------------------------------------------
     def _ns(self, key: StoreKey) -> NamespaceKeys:
@@ -254,12 +196,12 @@ class Store:
             if seal is None:
                 continue
             for front in self.tiers[:i]:
-                if not front.writable:
+                if not front.supports_writes:
                     continue
                 if isinstance(front, MemoryTier) and not front.fits(len(e.data)):
                     continue
                 try:
-                    front.put(phys, e.data, e.meta, created=e.created)  # type: ignore[call-arg]
+                    front.put(phys, e.data, e.meta, created=e.created)
                 except KvcStoreError as err:
                     log.debug("store: back-fill of %s into %s failed: %s", key, front.name, err)
             with self._lock:
@@ -285,7 +227,7 @@ class Store:
         sealed = self._ns(key).seal(key, data, check_meta(meta))
         res = PutResult(key)
         for t in self.tiers:
-            if not t.writable:
+            if not t.supports_writes:
                 res.tiers[t.name] = "skipped: read-only"
                 continue
             if isinstance(t, MemoryTier) and not t.fits(len(data)):
@@ -296,7 +238,7 @@ class Store:
                 res.tiers[t.name] = "ok"
             except KvcStoreError as e:
                 res.tiers[t.name] = f"error: {e}"
-        persistent = [t.name for t in self.tiers if t.writable and t.persistent]
+        persistent = [t.name for t in self.tiers if t.supports_writes and t.persistent]
         if res.failed:
             with self._lock:
                 self.put_failures += 1
@@ -352,15 +294,14 @@ class Store:
                 if e is not None and self._unseal(t, key, phys, e) is not None:
                     return BytesRangeReader(e.data, name=str(key))
                 continue
-            rd = getattr(t, "range_entry", None)
-            if rd is None:
+            if not t.supports_ranges:
                 if t.contains(phys):
                     e2 = self.get_entry(key)
                     if e2 is not None:
                         return BytesRangeReader(e2.data, name=str(key))
                 continue
             try:
-                got = rd(phys)
+                got = t.range_entry(phys)
             except KvcError as err:
                 log.warning("store: %s cannot serve ranges for %s: %s", t.name, key, err)
                 continue
@@ -387,7 +328,7 @@ class Store:
         removed = False
         errors = []
         for t in self.tiers:
-            if not t.writable:
+            if not t.supports_deletes:
                 continue
             try:
                 removed = t.delete(phys) or removed
@@ -429,10 +370,10 @@ class Store:
 
     def ls(self, *, with_meta: bool = False, model: str | None = None, codec: str | None = None,
            namespace: str | None = None) -> list[EntryInfo]:
-        """The caller's entries in all listable tiers, merged by key (``tier`` = comma-joined names)."""
+        """The caller's entries in all tiers that support listing, merged by key (``tier`` = comma-joined names)."""
         merged: dict[StoreKey, EntryInfo] = {}
         for t in self.tiers:
-            if not t.can_list:
+            if not t.supports_listing:
                 continue
             was_up = t.available()
             try:
@@ -458,7 +399,7 @@ class Store:
             d = t.stats()
             d.pop("entries", None)
             d.pop("bytes", None)
-            if t.can_list:
+            if t.supports_listing:
                 try:
                     own = [info for info, _ in self._own(t)]
                     d["entries"], d["bytes"] = len(own), sum(i.size for i in own)
@@ -484,7 +425,7 @@ class Store:
         for t in self.tiers:
             try:
                 r = dict(t.gc(grace_s=grace_s))
-                if t.can_list and t.writable and t.persistent:
+                if t.supports_listing and t.supports_deletes and t.persistent:
                     r["auth_checked"] = r["auth_removed"] = 0
                     for info, seal in list(self._scan(t)):
                         r["auth_checked"] += 1

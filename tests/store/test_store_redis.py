@@ -127,3 +127,27 @@ def test_redis_url_validation():
                 "redis://[::1/0"]:
         with pytest.raises(KvcInputError):
             Store.open(bad)
+
+
+def test_redis_outage_goes_through_the_one_guard(caplog):
+    """The Redis tier's outage handling is kvcodec.store.outage.OutageGuard, with Redis's own wording."""
+    from kvcodec.store import RedisTier
+    from kvcodec.store.outage import OutageGuard
+    from store_fixtures import free_port
+
+    url = f"redis://:pw@127.0.0.1:{free_port()}/0?timeout=0.3&retry_interval=5"
+    t = RedisTier(url)
+    assert type(t.guard) is OutageGuard and t.guard.what == f"redis {t.url}" and "pw" not in t.url
+    k = key(1)
+    with caplog.at_level(logging.WARNING, logger="kvcodec.store"):
+        with pytest.raises(KvcStoreError, match=r"^redis redis://:\*\*\*@127\.0\.0\.1:\d+/0\?timeout=0\.3&retry_interval=5 "
+                                                r"is unreachable \(ConnectionError: .*\); put failed$"):
+            t.put(k, b"x")
+        with pytest.raises(KvcStoreError, match=r"is unreachable \(ConnectionError: .*\); delete skipped$"):
+            t.delete(k)  # inside retry_interval: fails at once, without touching the network
+        assert t.get(k) is None and not t.contains(k)
+    warns = [r.getMessage() for r in caplog.records]
+    assert len(warns) == 1 and warns[0].startswith(f"store: redis {t.url} unreachable (ConnectionError")
+    assert warns[0].endswith("serving from other tiers, writes to redis are reported as failed until it returns")
+    s = t.stats()
+    assert s["available"] is False and s["outages"] == 1 and s["last_error"].startswith("ConnectionError")

@@ -2,8 +2,8 @@
 
 Every tier speaks the same small interface (:class:`Tier`): ``get_entry`` /
 ``get`` / ``put`` / ``contains`` / ``contains_many`` / ``delete`` / ``ls`` /
-``stats`` / ``gc`` / ``close``.  Entries are opaque bytes plus a small JSON
-metadata dict.
+``stats`` / ``gc`` / ``close``, plus ``range_entry`` when it declares
+``supports_ranges``.  Entries are opaque bytes plus a small JSON metadata dict.
 
 Persistent tiers (directory, Redis, HTTP) store an *envelope*::
 
@@ -38,9 +38,13 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping
+from urllib.parse import parse_qsl, urlsplit
 
 from kvcodec.errors import KvcFormatError, KvcInputError, KvcStoreError
 from kvcodec.store.keys import StoreKey
+from kvcodec.store.options import DEFAULT_MEMORY_BYTES, TierDefaults, parse_size
+from kvcodec.store.outage import OutageGuard
+from kvcodec.store.ranged import RangeReader
 
 log = logging.getLogger("kvcodec.store")
 
@@ -235,29 +239,54 @@ def decode_envelope(buf: bytes | memoryview, key: StoreKey | None = None, what: 
 # -- tier interface -------------------------------------------------------------------
 
 class Tier:
-    """Base class of all tiers.
+    """Base class of all tiers: what a tier can do is declared, not discovered.
 
-    ``writable``: ``put``/``delete`` do something.  ``persistent``: survives
-    the process (the LRU is the only non-persistent tier).  Failures of a
-    remote tier raise :class:`KvcStoreError` from ``put``/``delete``; reads
-    turn failures into misses (and count them in ``stats()['errors']``).
+    ``schemes``: the URL schemes that open this tier (``Store.open("redis://...")``;
+    the table is :mod:`kvcodec.store.tiers.registry`).  The capability flags
+    say what the :class:`~kvcodec.store.Store` may ask of it, like zarr's
+    ``Store.supports_*``:
+
+    * ``supports_writes``: ``put`` stores entries (else it raises ``KvcStoreError``);
+    * ``supports_deletes``: ``delete`` removes them (else it raises ``KvcStoreError``);
+    * ``supports_listing``: ``ls`` yields every entry held (else nothing);
+    * ``supports_ranges``: ``range_entry`` serves piecewise reads of a payload;
+    * ``persistent``: survives the process (the LRU is the only tier that does not);
+    * ``remote``: over the network, so it can be down; such a tier keeps an
+      :class:`~kvcodec.store.outage.OutageGuard` as ``guard`` (or does its own
+      bookkeeping and leaves ``guard`` None).
+
+    Failures of a remote tier raise :class:`KvcStoreError` from ``put``/``delete``;
+    reads turn failures into misses (and count them in ``stats()['errors']``).
+    A new tier subclasses this, declares the above, and passes
+    :class:`kvcodec.testing.store.TierTests` (spec/store-keys.md §9).
     """
 
     kind = "tier"
-    writable = True
+    schemes: tuple[str, ...] = ()
+    supports_writes = True
+    supports_deletes = True
+    supports_listing = True
+    supports_ranges = False
     persistent = True
-    can_list = True
+    remote = False
+    guard: OutageGuard | None = None
 
     def __init__(self, name: str, url: str) -> None:
         self.name = name
         self.url = url
         self.counters = TierCounters()
 
+    @classmethod
+    def from_url(cls, url: str, defaults: TierDefaults) -> "Tier":
+        """The tier a store URL part names (``Store.open``); ``defaults`` holds Store.open's keywords."""
+        return cls(url)  # type: ignore[call-arg]  # the URL-taking constructor of every remote tier
+
     # required
     def get_entry(self, key: StoreKey) -> Entry | None:  # pragma: no cover
         raise NotImplementedError
 
-    def put(self, key: StoreKey, data: bytes, meta: Mapping[str, Any] | None = None) -> None:  # pragma: no cover
+    def put(self, key: StoreKey, data: bytes, meta: Mapping[str, Any] | None = None,
+            created: float | None = None) -> None:  # pragma: no cover
         raise NotImplementedError
 
     def contains(self, key: StoreKey) -> bool:  # pragma: no cover
@@ -269,10 +298,14 @@ class Tier:
     def ls(self, with_meta: bool = False) -> Iterator[EntryInfo]:  # pragma: no cover
         raise NotImplementedError
 
-    # optional
-    # range_entry(key) -> (RangeReader over the payload, header meta) | None: piecewise reads
-    # (directory, http); the Store wraps it in an AuthRangeReader.  Tiers without it are
-    # range-read through a verified whole get.
+    # with supports_ranges
+    def range_entry(self, key: StoreKey) -> tuple[RangeReader, dict[str, Any]] | None:
+        """``(RangeReader over the payload, header meta)`` or None when absent or holding another key.
+
+        Only tiers that declare ``supports_ranges`` implement it; the Store wraps the reader in an
+        AuthRangeReader.  Other tiers are range-read through a verified whole get.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not serve ranges (supports_ranges is False)")
 
     def get(self, key: StoreKey) -> bytes | None:
         e = self.get_entry(key)
@@ -321,18 +354,22 @@ class Tier:
         return n, b
 
     def available(self) -> bool:
-        return True
+        """False while the tier's server is known to be down (its guard's view)."""
+        return self.guard is None or self.guard.up
 
     def stats(self) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.name, "kind": self.kind, "url": self.url,
-                             "writable": self.writable, "persistent": self.persistent}
+                             "writable": self.supports_writes, "persistent": self.persistent}
         try:
-            d["entries"], d["bytes"] = self.usage() if self.can_list else (None, None)
+            d["entries"], d["bytes"] = self.usage() if self.supports_listing else (None, None)
         except KvcStoreError as e:
             d["entries"], d["bytes"] = None, None
             d["error"] = str(e)
         d["available"] = self.available()
         d.update(self.counters.as_dict())
+        if self.guard is not None:
+            d["outages"] = self.guard.outages
+            d["last_error"] = self.guard.last_error
         return d
 
     def close(self) -> None:
@@ -350,9 +387,10 @@ class MemoryTier(Tier):
     """
 
     kind = "memory"
+    schemes = ("mem",)
     persistent = False
 
-    def __init__(self, max_bytes: int = 256 << 20, name: str = "memory") -> None:
+    def __init__(self, max_bytes: int = DEFAULT_MEMORY_BYTES, name: str = "memory") -> None:
         super().__init__(name, f"mem://?max_bytes={int(max_bytes)}")
         if max_bytes < 0:
             raise KvcInputError("memory tier max_bytes must be >= 0")
@@ -360,6 +398,15 @@ class MemoryTier(Tier):
         self._d: OrderedDict[StoreKey, Entry] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
+
+    @classmethod
+    def from_url(cls, url: str, defaults: TierDefaults) -> "MemoryTier":
+        """``mem://[?max_bytes=256M]``: the size of the Store's in-process LRU (default ``defaults.memory_bytes``)."""
+        q = dict(parse_qsl(urlsplit(url).query))
+        size = parse_size(q.pop("max_bytes")) if "max_bytes" in q else defaults.memory_bytes
+        if q:
+            raise KvcInputError(f"unknown mem:// options {sorted(q)}")
+        return cls(size)
 
     def fits(self, size: int) -> bool:
         return size <= self.max_bytes

@@ -41,9 +41,11 @@ import stat
 import threading
 import time
 from typing import Any, BinaryIO, Iterator, Mapping
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from kvcodec.errors import KvcFormatError, KvcInputError, KvcStoreError
 from kvcodec.store.keys import StoreKey
+from kvcodec.store.options import TierDefaults, parse_flag, parse_size
 from kvcodec.store.ranged import FileRangeReader
 from kvcodec.store.tiers.base import (
     FIXED_SIZE,
@@ -80,6 +82,11 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _marker_tmp(name: str) -> bool:
+    """A marker being written by another process opening the same new store at the same moment."""
+    return name.startswith(MARKER + ".") and name.endswith(TMP_SUFFIX)
+
+
 def _open_regular(path: str) -> BinaryIO:
     """Open ``path`` for reading without following a symlink or blocking on a FIFO planted at an entry's name.
 
@@ -98,7 +105,11 @@ def _open_regular(path: str) -> BinaryIO:
 
 
 class DirectoryTier(Tier):
+    """``/abs/dir``, ``rel/dir`` or ``file:///abs/dir[?max_bytes=10G&fsync=0]`` (a URL without a scheme is a path)."""
+
     kind = "directory"
+    schemes = ("file",)
+    supports_ranges = True
 
     def __init__(self, root: str | os.PathLike[str], *, max_bytes: int | None = None,
                  fsync: bool = True, low_water: float = 0.9, create: bool = True,
@@ -117,6 +128,29 @@ class DirectoryTier(Tier):
         self._lock = threading.Lock()
         self._init_root(create)
         self._approx: dict[str, int] = {}  # partition -> bytes (measured by a scan, then tracked)
+
+    @classmethod
+    def from_url(cls, url: str, defaults: TierDefaults) -> "DirectoryTier":
+        """A path or ``file://`` URL; ``max_bytes``/``fsync`` not in the URL come from ``defaults``."""
+        opts: dict[str, str] = {}
+        if url.lower().startswith("file://"):
+            p = urlsplit(url)
+            if p.netloc not in ("", "localhost"):
+                raise KvcInputError(f"file URL with a remote host is not supported: {url!r}")
+            path = unquote(p.path)
+            opts = dict(parse_qsl(p.query))
+        else:
+            path = os.path.expanduser(url)
+        mb = opts.pop("max_bytes", None)
+        max_bytes = parse_size(mb) if mb is not None else (
+            parse_size(defaults.max_bytes) if defaults.max_bytes is not None else None)
+        fs = opts.pop("fsync", None)
+        fsync = parse_flag(fs) if fs is not None else (True if defaults.fsync is None else defaults.fsync)
+        if opts:
+            raise KvcInputError(f"unknown directory store options {sorted(opts)}")
+        if not path:
+            raise KvcInputError("empty directory path in store URL")
+        return cls(path, max_bytes=max_bytes, fsync=fsync)
 
     # -- setup ------------------------------------------------------------------
     def _init_root(self, create: bool) -> None:
@@ -139,8 +173,8 @@ class DirectoryTier(Tier):
             if os.path.exists(self.root):
                 if not os.path.isdir(self.root):
                     raise KvcStoreError(f"{self.root}: exists and is not a directory")
-                if any(n != MARKER and not n.startswith(".") for n in os.listdir(self.root)) and \
-                        not os.path.isdir(self.objects):
+                if any(n != MARKER and not n.startswith(".") and not _marker_tmp(n) for n in os.listdir(self.root)) \
+                        and not os.path.isdir(self.objects):
                     raise KvcStoreError(
                         f"{self.root}: directory is not empty and not a kvcodec store; "
                         "refusing to use it (gc would delete foreign files)")

@@ -36,8 +36,12 @@ DEFAULT_MAX_ENTRY = 4 << 30
 
 class HttpTier(Tier):
     kind = "http"
-    writable = False
-    can_list = False
+    schemes = ("http", "https")
+    supports_writes = False
+    supports_deletes = False
+    supports_listing = False
+    supports_ranges = True
+    remote = True
 
     def __init__(self, url: str, *, name: str | None = None) -> None:
         from kvcodec.store.options import parse_size

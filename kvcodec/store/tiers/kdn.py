@@ -39,8 +39,7 @@ from urllib.parse import parse_qsl, quote, urlsplit, urlunsplit
 
 from kvcodec.errors import KvcError, KvcInputError, KvcStoreError
 from kvcodec.store.keys import StoreKey
-from kvcodec.store.tiers.redis import redact
-from kvcodec.store.options import parse_size
+from kvcodec.store.options import parse_size, redact
 from kvcodec.store.ranged import HttpLimits, HttpRangeReader, http_request
 from kvcodec.store.outage import OutageGuard
 from kvcodec.store.tiers.base import MAX_TIER_META, Entry, EntryInfo, Tier, as_bytes, check_meta, crc32c, log
@@ -65,6 +64,10 @@ class KdnTier(Tier):
     """A ``kvc serve`` instance as a store tier (see the module docstring)."""
 
     kind = "kdn"
+    schemes = ("kvc+http", "kvc+https")
+    supports_ranges = True
+    remote = True
+    guard: OutageGuard
 
     def __init__(self, url: str, *, name: str | None = None, token: str | None = None) -> None:
         p = urlsplit(url)
@@ -130,9 +133,6 @@ class KdnTier(Tier):
 
     def _refused(self, what: str, status: int, body: bytes) -> KvcStoreError:
         return KvcStoreError(f"kdn {self.url}: {what} refused: HTTP {status} {_reason(body)}")
-
-    def available(self) -> bool:
-        return self.guard.up
 
     # -- Tier interface ----------------------------------------------------------
     def _fetch(self, method: str, key: StoreKey) -> Any:
@@ -253,12 +253,6 @@ class KdnTier(Tier):
         if status != 200:
             raise self._refused("whoami", status, body)
         return json.loads(body)
-
-    def stats(self) -> dict[str, Any]:
-        d = super().stats()
-        d["outages"] = self.guard.outages
-        d["last_error"] = self.guard.last_error
-        return d
 
 
 def _meta_of(headers: Any) -> tuple[dict[str, Any], float | None]:

@@ -21,13 +21,13 @@ call tries again; the first success logs "reachable again" and clears the state.
 from __future__ import annotations
 
 import re
-import threading
-import time
 from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from kvcodec.errors import KvcFormatError, KvcInputError, KvcStoreError
 from kvcodec.store.keys import StoreKey
+from kvcodec.store.options import redact
+from kvcodec.store.outage import OutageGuard
 from kvcodec.store.tiers.base import (
     FIXED_SIZE,
     Entry,
@@ -37,7 +37,6 @@ from kvcodec.store.tiers.base import (
     as_bytes,
     check_meta,
     encode_envelope,
-    log,
     parse_fixed,
     parse_header,
 )
@@ -58,20 +57,11 @@ def _number(text: str, what: str, positive: bool = False, integer: bool = False)
     return v
 
 
-def redact(url: str) -> str:
-    """The URL with any password replaced by ``***``."""
-    p = urlsplit(url)
-    if p.password is None:
-        return url
-    user = p.username or ""
-    host = p.hostname or ""
-    if p.port:
-        host = f"{host}:{p.port}"
-    return urlunsplit((p.scheme, f"{user}:***@{host}", p.path, p.query, p.fragment))
-
-
 class RedisTier(Tier):
     kind = "redis"
+    schemes = ("redis", "rediss", "unix")
+    remote = True
+    guard: OutageGuard
 
     def __init__(self, url: str, *, name: str | None = None, client: Any = None) -> None:
         try:
@@ -112,45 +102,19 @@ class RedisTier(Tier):
                 raise KvcInputError(f"bad redis URL {redact(url)!r}: {e}") from None
         self._errors: tuple[type[BaseException], ...] = (
             redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
-        self._lock = threading.Lock()
-        self._down_since: float | None = None
-        self._next_try = 0.0
-        self.last_error: str | None = None
-        self.outages = 0
+        self.guard = OutageGuard(f"redis {self.url}", self.retry_interval, writes_to="redis")
 
-    # -- availability ------------------------------------------------------------
-    def available(self) -> bool:
-        return self._down_since is None
-
+    # -- transport ------------------------------------------------------------------
     def _call(self, what: str, fn: Callable[[], T]) -> T:
-        now = time.monotonic()
-        with self._lock:
-            if self._down_since is not None and now < self._next_try:
-                raise KvcStoreError(f"redis {self.url} is unreachable ({self.last_error}); {what} skipped")
+        """``fn()`` through the tier's guard: transport failures are outages, other Redis errors plain failures."""
+        self.guard.check(what)
         try:
             out = fn()
         except self._errors as e:
-            first = False
-            with self._lock:
-                self.last_error = f"{type(e).__name__}: {e}"
-                self._next_try = time.monotonic() + self.retry_interval
-                if self._down_since is None:
-                    self._down_since = time.time()
-                    self.outages += 1
-                    first = True
-            if first:
-                log.warning("store: redis %s unreachable (%s); serving from other tiers, "
-                            "writes to redis are reported as failed until it returns",
-                            self.url, self.last_error)
-            raise KvcStoreError(f"redis {self.url} is unreachable ({self.last_error}); {what} failed") from None
+            raise self.guard.failed(f"{type(e).__name__}: {e}", what) from None
         except self._redis_mod.exceptions.RedisError as e:
-            raise KvcStoreError(f"redis {self.url}: {what} failed: {type(e).__name__}: {e}") from None
-        if self._down_since is not None:
-            with self._lock:
-                was = self._down_since
-                self._down_since = None
-            if was is not None:
-                log.warning("store: redis %s reachable again after %.1f s", self.url, time.time() - was)
+            raise KvcStoreError(f"{self.guard.what}: {what} failed: {type(e).__name__}: {e}") from None
+        self.guard.ok()
         return out
 
     def ping(self) -> bool:
@@ -265,8 +229,6 @@ class RedisTier(Tier):
 
     def stats(self) -> dict[str, Any]:
         d = super().stats()
-        d["outages"] = self.outages
-        d["last_error"] = self.last_error
         d["ttl"] = self.ttl
         return d
 

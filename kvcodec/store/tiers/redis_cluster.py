@@ -24,23 +24,23 @@ answering while a slot range is uncovered.
 
 from __future__ import annotations
 
-import time
-from typing import Any, Callable, TypeVar
+from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from kvcodec.errors import KvcInputError, KvcStoreError
 from kvcodec.store.keys import StoreKey
-from kvcodec.store.tiers.redis import RedisTier, redact
-from kvcodec.store.tiers.base import log
+from kvcodec.store.options import redact
+from kvcodec.store.outage import NodeOutageGuard
+from kvcodec.store.tiers.redis import RedisTier
 
 
 _LAZY = object()
 WARN_EVERY = 30.0  # seconds between two warnings about unreachable nodes
-T = TypeVar("T")
 
 
 class RedisClusterTier(RedisTier):
     kind = "redis-cluster"
+    schemes = ("redis+cluster", "rediss+cluster")
 
     def __init__(self, url: str, *, name: str | None = None) -> None:
         try:
@@ -85,7 +85,10 @@ class RedisClusterTier(RedisTier):
         from redis.exceptions import ClusterDownError, ClusterError, RedisClusterException, SlotNotCoveredError
 
         self._errors = self._errors + (ClusterDownError, ClusterError, SlotNotCoveredError, RedisClusterException)
-        self._last_warn = -WARN_EVERY
+        # A failing node is not a tier-wide outage: one dead master owns only its slots, so the tier stays
+        # available, calls are never skipped, and warnings come at most once per WARN_EVERY seconds.
+        self.guard = NodeOutageGuard(f"redis cluster {self.url}", WARN_EVERY,
+                                     consequence="its keys are misses and writes to its slots are reported as failed")
 
     @property
     def r(self) -> Any:
@@ -101,32 +104,6 @@ class RedisClusterTier(RedisTier):
     def close(self) -> None:
         if self._client is not None:
             super().close()
-
-    def _call(self, what: str, fn: Callable[[], T]) -> T:
-        """Like :meth:`RedisTier._call`, but a failing node is not a tier-wide outage.
-
-        One dead master owns only its slots, so the tier stays *available*
-        (live masters keep answering) and calls are never skipped; failures
-        raise :class:`KvcStoreError` (reads turn them into misses) and are
-        logged at most once per ``WARN_EVERY`` seconds instead of once per call.
-        """
-        try:
-            out = fn()
-        except self._errors as e:
-            self.last_error = f"{type(e).__name__}: {e}"
-            now = time.monotonic()
-            with self._lock:
-                warn, self._last_warn = now - self._last_warn >= WARN_EVERY, (
-                    now if now - self._last_warn >= WARN_EVERY else self._last_warn)
-                if warn:
-                    self.outages += 1
-            if warn:
-                log.warning("store: redis cluster %s: a node is unreachable (%s); its keys are misses and "
-                            "writes to its slots are reported as failed", self.url, self.last_error)
-            raise KvcStoreError(f"redis cluster {self.url}: {what} failed: {self.last_error}") from None
-        except self._redis_mod.exceptions.RedisError as e:
-            raise KvcStoreError(f"redis cluster {self.url}: {what} failed: {type(e).__name__}: {e}") from None
-        return out
 
     def _contains_after_failure(self, keys: list[StoreKey]) -> list[bool]:
         """A node is down: ask per key, so the live masters still answer for their slots."""

@@ -53,6 +53,10 @@ MIN_PART = 5 << 20
 
 class S3Tier(Tier):
     kind = "s3"
+    schemes = ("s3",)
+    supports_ranges = True
+    remote = True
+    guard: OutageGuard
 
     def __init__(self, url: str, *, name: str | None = None) -> None:
         try:
@@ -120,9 +124,6 @@ class S3Tier(Tier):
             raise KvcStoreError(f"s3 {self.url}: {op} failed: {type(e).__name__}: {e}") from None
         self.guard.ok()
         return out
-
-    def available(self) -> bool:
-        return self.guard.up
 
     def _read_body(self, resp: dict[str, Any], op: str) -> bytes:
         try:
@@ -277,12 +278,6 @@ class S3Tier(Tier):
             raise KvcFormatError(f"{rr.name}: object is {rr.size} bytes, envelope says {FIXED_SIZE + hl + dl}")
         return (S3RangeReader(self, name, int(head["ContentLength"]), head["ETag"], base=FIXED_SIZE + hl, length=dl),
                 h.get("meta", {}))
-
-    def stats(self) -> dict[str, Any]:
-        d = super().stats()
-        d["outages"] = self.guard.outages
-        d["last_error"] = self.guard.last_error
-        return d
 
     def close(self) -> None:
         try:

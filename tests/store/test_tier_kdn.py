@@ -1,0 +1,73 @@
+"""The KDN client tier (``kvc+http://``) against the tier conformance suite, on a real ``kvc serve`` process.
+
+The service stores only sound ``.kvc`` files whose token ids hash to their key, for the namespaces of
+the caller's token, so the entries here are real (tiny) ``.kvc`` files of a synthetic model, and the
+test keys name that model and the token's namespaces. No embedded model is needed; the protocol itself,
+auth and real model entries are in tests/service/test_kdn_service.py.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import numpy as np
+import pytest
+
+from kvcodec.store import DirectoryTier, KdnTier, Store, StoreKey
+from kvcodec.testing.store import TierBackend, TierTests, flip_last_byte
+from store_fixtures import kdn_server  # noqa: F401  (fixture)
+
+
+@lru_cache(maxsize=1)
+def _fingerprint():
+    from kvcodec.core.fingerprint import ModelFingerprint
+
+    return ModelFingerprint("synthetic", 2, 2, (4, 4), '{"rope_theta": 10000.0}', "a" * 64, "b" * 64, "float32",
+                            config_sha256="c" * 64)
+
+
+@lru_cache(maxsize=64)
+def kvc_of(first: int, n_tokens: int, variant: int) -> bytes:
+    """A lossless ``.kvc`` of a synthetic 2-layer cache holding token ids ``first .. first+n_tokens-1``."""
+    import torch
+
+    from kvcodec.api import encode
+    from kvcodec.core.kvcache import KVCache
+
+    g = np.random.default_rng(first * 1000 + variant)
+    ks = [torch.from_numpy(g.standard_normal((2, n_tokens, 4)).astype(np.float32)) for _ in range(2)]
+    vs = [torch.from_numpy(g.standard_normal((2, n_tokens, 4)).astype(np.float32)) for _ in range(2)]
+    data = encode(KVCache(ks, vs, np.arange(first, first + n_tokens), _fingerprint()), preset="raw").data
+    assert data is not None
+    return data
+
+
+class TestKdnTier(TierTests):
+    tier_cls = KdnTier
+    model = _fingerprint().id       # the service checks that an entry's model is the key's
+    namespaces = ("a", "b")         # the namespaces of the test token
+    free_fields = ("codec",)        # model and namespace are fixed by the above
+    opaque_payloads = False         # only .kvc files are accepted (so no empty payload)
+    large_tokens = 49_152           # a 6.3 MB .kvc
+
+    def payload(self, i: int, size: int = 30_000, *, variant: int = 0, n_tokens: int = 256) -> bytes:
+        return kvc_of(i, n_tokens, variant)
+
+    @pytest.fixture
+    def backend(self, kdn_server):  # noqa: F811
+        def corrupt(k: StoreKey) -> None:
+            # the service's own directory tier holds the entry under its name for the tenant;
+            # its seal names the key the client sent
+            rows = [r for r in DirectoryTier(kdn_server.store_dir).ls(with_meta=True)
+                    if (r.meta or {}).get("key") == k.to_str()]
+            assert len(rows) == 1, rows
+            flip_last_byte(DirectoryTier(kdn_server.store_dir).path_for(rows[0].key))
+
+        self.server = kdn_server
+        return TierBackend(kdn_server.url(timeout="2", retry_interval="0.2"), corrupt=corrupt, stop=kdn_server.stop)
+
+    def assert_damage_handled(self, store: Store, tier_name: str) -> None:
+        """The service reads the damage (and quarantines the entry); the client sees a plain miss."""
+        assert len(os.listdir(self.server.store_dir / "quarantine")) == 1
+        assert self._tier_stats(store, tier_name)["misses"] >= 1
