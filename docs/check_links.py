@@ -67,6 +67,9 @@ def defines(module: Path, name: str) -> bool:
             rf"\b{name}\s+as\s+\w+", rf"\bas\s+{name}\b"]
     if any(re.search(p, src) for p in pats):
         return True
+    exported = re.search(r"__all__\s*=\s*\[([^\]]*)\]", src)  # lazily exported names (a module __getattr__)
+    if exported and re.search(rf"[\"']{name}[\"']", exported.group(1)):
+        return True
     return any(re.search(rf"\b{name}\b", block) for block in re.findall(r"import\s*\(([^)]*)\)", src))
 
 

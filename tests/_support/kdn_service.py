@@ -29,7 +29,8 @@ class Service:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvcodec", "serve", "--store", str(self.store_dir), "--port", str(self.port),
              "--tokens", str(tokens), "--max-body", max_body],
-            env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=open(tmp / "serve.log", "wb"))  # noqa: SIM115
+        # (a file, not a pipe: nobody reads a pipe while the service runs, and a full one would block it)
         wait_port(self.port, timeout=120, proc=self.proc)
         self.base = f"http://127.0.0.1:{self.port}"
 
