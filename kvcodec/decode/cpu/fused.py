@@ -62,7 +62,7 @@ _LANES = 32
 #: keys its on-disk cache of the kernel on this file's contents only (numba 0.68: a hash of the
 #: source, not its mtime), so an edit of either must change this file too, or a stale kernel loads;
 #: tests/decode/test_fastdecode.py checks the pin.
-SIMD_SHA256 = "c49b84bc97cd81951e2c80cbb7c1a984162a70c2e8da20e1a1d029dc20a5daed"
+SIMD_SHA256 = "0f441620fa66ae6b7c639826387a3cb82ae7f8bf0241d76806b36d46edc2a9c6"
 
 #: A token row takes the dense loop (every coefficient, no compaction) when at least this many
 #: eighths of its coefficients are nonzero. Balanced rows are ~70 % nonzero at head_dim 64;
