@@ -10,6 +10,13 @@ goes through here so that the rules are the same everywhere:
   limit on the declaration is the only defence. Default 16 GiB (a 32k-token
   Llama-3-8B cache in fp16 is 4 GiB); ``$KVCODEC_MAX_DECODED_BYTES`` or the
   readers' ``max_decoded_bytes=`` argument change it.
+* :func:`max_decoded_ratio` -- the same declaration relative to the file's
+  real size: a 34 KB file declaring 1.5 GB (a zstd-coded constant) is refused
+  at open, whatever the absolute limit. Default 256 (a file may decode to at
+  most 256 times its size: 0.125 bits per float32 element, 8x below the
+  smallest preset's rate); ``$KVCODEC_MAX_DECODED_RATIO`` or the readers'
+  ``max_decoded_ratio=`` argument change it (0: no ratio limit).
+  :func:`check_declared` applies both.
 * :func:`open_regular` -- open a path for reading only if it is a regular
   file: a FIFO would block forever, a device could be endless, a directory is
   a user mistake. The check is race-free (``O_NONBLOCK`` open, then ``fstat``
@@ -19,13 +26,16 @@ goes through here so that the rules are the same everywhere:
 from __future__ import annotations
 
 import os
+import re
 import stat
 from pathlib import Path
 
-from kvcodec.errors import KvcInputError
+from kvcodec.errors import KvcFormatError, KvcInputError
 
 DEFAULT_MAX_DECODED_BYTES = 16 << 30
 MAX_DECODED_ENV = "KVCODEC_MAX_DECODED_BYTES"
+DEFAULT_MAX_DECODED_RATIO = 256.0
+MAX_RATIO_ENV = "KVCODEC_MAX_DECODED_RATIO"
 
 
 def max_decoded_bytes(override: int | None = None) -> int:
@@ -41,6 +51,39 @@ def max_decoded_bytes(override: int | None = None) -> int:
     if not (s.isascii() and s.isdigit()) or int(s) <= 0:
         raise KvcInputError(f"${MAX_DECODED_ENV} must be a positive integer number of bytes, got {env!r}")
     return int(s)
+
+
+def max_decoded_ratio(override: float | None = None) -> float:
+    """Declared decoded bytes per byte of file allowed: ``override``, else ``$KVCODEC_MAX_DECODED_RATIO``, else 256.
+
+    0 means no ratio limit (the absolute limit still applies).
+    """
+    if override is not None:
+        if isinstance(override, bool) or not isinstance(override, (int, float)) or not 0 <= override < float("inf"):
+            raise KvcInputError(f"max_decoded_ratio must be a finite number >= 0 (0: no limit), got {override!r}")
+        return float(override)
+    env = os.environ.get(MAX_RATIO_ENV)
+    if env is None or env.strip() == "":
+        return DEFAULT_MAX_DECODED_RATIO
+    s = env.strip()
+    if not re.fullmatch(r"[0-9]{1,12}(\.[0-9]{1,9})?", s):
+        raise KvcInputError(f"${MAX_RATIO_ENV} must be a number >= 0 in ASCII digits (0: no limit), got {env!r}")
+    return float(s)
+
+
+def check_declared(declared: int, size: int, *, max_bytes: int, max_ratio: float, what: str = "file") -> None:
+    """Raise :class:`KvcFormatError` if ``declared`` decoded bytes exceed ``max_bytes`` or ``max_ratio`` x ``size``.
+
+    Called right after a header is parsed, before anything is decoded or allocated.
+    """
+    if declared > max_bytes:
+        raise KvcFormatError(
+            f"{what} declares {declared:,} bytes of decoded K/V, over the limit of {max_bytes:,} "
+            f"(raise ${MAX_DECODED_ENV} to read it)")
+    if max_ratio and declared > max_ratio * max(size, 1):
+        raise KvcFormatError(
+            f"{what} of {size:,} bytes declares {declared:,} bytes of decoded K/V ({declared / max(size, 1):,.0f}x "
+            f"its size), over the limit of {max_ratio:g}x (raise ${MAX_RATIO_ENV} to read it)")
 
 
 def _kind(mode: int) -> str:

@@ -279,16 +279,28 @@ def info_command(path: str, as_json: bool) -> None:
 @click.command("verify")
 @click.argument("path", type=click.Path(dir_okay=False))
 @click.option("--backend", type=click.Choice(["cpu", "gpu", "auto"]), default=None, help="Decode backend.")
+@click.option("--max-decoded", "max_decoded", default=None,
+              help="Refuse a file declaring more decoded K/V than this (default: $KVCODEC_MAX_DECODED_BYTES, else 16G).")
+@click.option("--max-decoded-ratio", type=float, default=None,
+              help="Refuse a file declaring more than this many times its size in decoded K/V (0: no limit; "
+                   "default: $KVCODEC_MAX_DECODED_RATIO, else 256).")
 @json_option
-def verify_command(path: str, backend: str | None, as_json: bool) -> None:
-    """Check structure, every CRC32C and padding byte, and decode every chunk. Exit 0 only if clean."""
+def verify_command(path: str, backend: str | None, max_decoded: str | None, max_decoded_ratio: float | None,
+                   as_json: bool) -> None:
+    """Check structure, every CRC32C and padding byte, and decode every chunk. Exit 0 only if clean.
+
+    The declared decoded size is checked against the limits before anything is decoded, and chunks
+    are decoded one at a time: memory stays within ~3x the largest chunk (spec/kvc-v1.md §9).
+    """
     from kvcodec.atomic import check_input
     from kvcodec.errors import KvcFormatError
     from kvcodec.format import KvcReader
+    from kvcodec.store.options import parse_size
 
+    limit = parse_size(max_decoded) if max_decoded is not None else None
     check_input(path)
     try:
-        r = KvcReader(path)
+        r = KvcReader(path, max_decoded_bytes=limit, max_decoded_ratio=max_decoded_ratio)
     except KvcFormatError as exc:
         problems, chunks, size = [str(exc)], None, None
     else:

@@ -30,7 +30,7 @@ from kvcodec.format.container import (
     Footer, IndexEntry, Preamble, align_up, check_blob_name, crc32c,
     data_start, load_header, np_le, parse_chunk, parse_index, pipeline_dtype,
 )
-from kvcodec.limits import MAX_DECODED_ENV, max_decoded_bytes as max_decoded_bytes_limit
+from kvcodec.limits import check_declared, max_decoded_bytes as max_decoded_bytes_limit, max_decoded_ratio as max_ratio_limit
 from kvcodec.decode.registry import decode_chunk, resolve_device
 from kvcodec.core.source import open_source
 
@@ -297,10 +297,21 @@ def check_layout(hd: KvcHeader, entries: list[IndexEntry], index_offset: int) ->
 class KvcReader:
     """Random access to a `.kvc` file. ``source``: bytes, path, binary file, or object with size + read(offset, length)."""
 
-    def __init__(self, source: Any, attachment_resolver: Resolver | None = None, max_decoded_bytes: int | None = None) -> None:
+    def __init__(self, source: Any, attachment_resolver: Resolver | None = None, max_decoded_bytes: int | None = None,
+                 max_decoded_ratio: float | None = None, max_chunk_bytes: int | None = None) -> None:
         """``attachment_resolver`` finds external attachments; default: the per-model calibration store.
-        ``max_decoded_bytes`` caps the total output the header may declare (default: :func:`kvcodec.limits.max_decoded_bytes`)."""
+        ``max_decoded_bytes`` caps the total output the header may declare (default: :func:`kvcodec.limits.max_decoded_bytes`),
+        ``max_decoded_ratio`` the same relative to the source's size (default: :func:`kvcodec.limits.max_decoded_ratio`;
+        0: none), ``max_chunk_bytes`` one chunk's decoded size (default: the format's 2^32). All are checked
+        when the header and index are parsed, before anything is decoded; decoding holds one chunk at a
+        time, so they bound what reading the file can allocate (spec/kvc-v1.md §9)."""
         self._max_decoded = max_decoded_bytes_limit(max_decoded_bytes)
+        self._max_ratio = max_ratio_limit(max_decoded_ratio)
+        if max_chunk_bytes is not None and (isinstance(max_chunk_bytes, bool) or not isinstance(max_chunk_bytes, int)
+                                            or max_chunk_bytes <= 0):
+            raise KvcInputError(f"max_chunk_bytes must be a positive integer, got {max_chunk_bytes!r}")
+        self._max_chunk = MAX_CHUNK_DECODED_BYTES if max_chunk_bytes is None else min(max_chunk_bytes,
+                                                                                       MAX_CHUNK_DECODED_BYTES)
         self._src = open_source(source)
         self._resolver = attachment_resolver or default_resolver
         self._attachments: dict[str, np.ndarray] | None = None
@@ -335,12 +346,17 @@ class KvcReader:
         if data_start(hlen) > footer.index_offset:
             raise KvcFormatError(f"header (length {hlen}) overlaps the index at offset {footer.index_offset}")
         self.header = parse_header(load_header(hb[PREAMBLE_SIZE : PREAMBLE_SIZE + hlen]), pre)
-        declared = self.header.num_elements * np.dtype(pipeline_dtype(self.header.dtype)).itemsize
-        if declared > self._max_decoded:
-            raise KvcFormatError(
-                f"file declares {declared:,} bytes of decoded K/V, over the limit of {self._max_decoded:,} "
-                f"(raise ${MAX_DECODED_ENV} to read it)")
+        self.declared_bytes = self.header.num_elements * np.dtype(pipeline_dtype(self.header.dtype)).itemsize
+        check_declared(self.declared_bytes, size, max_bytes=self._max_decoded, max_ratio=self._max_ratio)
         check_layout(self.header, entries, footer.index_offset)
+        if self._max_chunk < MAX_CHUNK_DECODED_BYTES:
+            item = np.dtype(pipeline_dtype(self.header.dtype)).itemsize
+            hd = self.header.head_dims
+            for j, e in enumerate(entries):
+                n = e.heads * e.tokens * hd[e.layer] * item
+                if n > self._max_chunk:
+                    raise KvcFormatError(f"chunk {j} decodes to {n:,} bytes, over the limit of {self._max_chunk:,} "
+                                         "(write smaller chunks: chunk_tokens)")
         self.entries = entries
         self.footer = footer
         self.size = size
@@ -611,9 +627,9 @@ class KvcReader:
 
 
 def read_kvc(source: Any, backend: str | None = None, model: Any = None, attachment_resolver: Resolver | None = None,
-             max_decoded_bytes: int | None = None) -> KVCache:
+             max_decoded_bytes: int | None = None, max_decoded_ratio: float | None = None) -> KVCache:
     """Read a whole `.kvc` file as a KVCache (checking ``model`` compatibility first if given)."""
-    with KvcReader(source, attachment_resolver, max_decoded_bytes) as r:
+    with KvcReader(source, attachment_resolver, max_decoded_bytes, max_decoded_ratio) as r:
         return r.read_cache(backend=backend, model=model)
 
 

@@ -410,7 +410,7 @@ class _Expectation:
         from kvcodec.format.reader import KvcReader
 
         try:
-            with KvcReader(source, self.resolver(), max_decoded_bytes=_declared_bytes(cache)) as r:
+            with KvcReader(source, self.resolver(), max_decoded_bytes=_declared_bytes(cache), max_decoded_ratio=0) as r:
                 r.verify(strict=True, backend="cpu", expected=self.checks)
                 pos = r.positions
                 want = cache.positions

@@ -31,13 +31,25 @@ whatever keys it sends.  Clients that are Stores themselves (``kvc+http://``)
 send *physical* keys and sealed metadata (their own tenant key, above the
 Tier interface); the service stores them as opaque names inside the tenant's
 view and verifies the ``.kvc`` against the logical key named in the seal.
-Keys sent in clear (logical keys, e.g. by curl) must also be in one of the
-token's namespaces.
+Keys sent in clear (logical keys, e.g. by curl) and the logical keys named by
+seals must be in one of the token's namespaces.
 
-The store is synchronous (directory, Redis, S3 tiers); every store call runs
-in a worker thread with a deadline, so one slow tier never stalls the event
-loop.  Request bodies are capped (``max_body``) and must arrive within
-``body_timeout`` seconds.
+Bounded work (issue 35; the limits are ``spec/kdn-v1.md`` §5 and :class:`ServiceConfig`):
+
+* the event loop only moves bytes: every store call runs in a thread of a
+  bounded pool shared fairly between tenants, and everything whose cost grows
+  with the request -- checking and decoding a put entry, parsing a large JSON
+  body, tokenizing a text lookup -- runs in a worker *process*
+  (:mod:`kvcodec.service.workers`), at most ``tenant_workers`` per tenant,
+  round-robin between tenants, killed at the request's deadline;
+* a put is checked cheap facts first (structure, declared decoded size against
+  ``max_decoded_bytes`` and ``max_decoded_ratio`` x its size, token ids, model,
+  key digest) and decoded only after the tenant's decode quota admits it;
+* bodies are capped on the bytes actually read (any framing), must keep
+  arriving (``body_idle_timeout``) and arrive whole within ``body_timeout``;
+  the bytes being received at once are capped per tenant and in all; a
+  request's head must arrive within ``header_timeout``;
+* every refusal is a one-line JSON error, and one rate-limited log line.
 """
 
 from __future__ import annotations
@@ -47,6 +59,7 @@ import json
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from email.utils import formatdate
 from typing import Any, Awaitable, Callable
@@ -54,42 +67,114 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 
 from kvcodec.errors import KvcError, KvcFormatError, KvcInputError, KvcStoreError
+from kvcodec.service.auth import Principal, TokenTable
+from kvcodec.service.checks import (
+    MAX_LOOKUP_TOKENS,
+    HttpError,
+    chunk_candidates,
+    contains_keys,
+    error_line,
+    logical_key,
+    lookup_candidates,
+    parse_json,
+    parse_lookup,
+)
+from kvcodec.service.fair import FairScheduler, Overloaded, TokenBucket
+from kvcodec.service.metrics import Metrics
+from kvcodec.service.workers import WorkerPool
 from kvcodec.store import Store, StoreKey
-from kvcodec.store.tiers.kdn import API, CONTENT_TYPE, H_CRC, H_CREATED, H_META, MAX_CONTAINS, MAX_META_HEADER
-from kvcodec.store.keys import DEFAULT_CHUNK, chunk_hashes, prefix_keys
 from kvcodec.store.tenant import PHYS_MODEL, TenantKey
 from kvcodec.store.tiers.base import MAX_TIER_META, check_meta, crc32c
-from kvcodec.service.auth import Principal, TokenTable
-from kvcodec.service.metrics import Metrics
+from kvcodec.store.tiers.kdn import API, CONTENT_TYPE, H_CRC, H_CREATED, H_META, MAX_META_HEADER
 
 log = logging.getLogger("kvcodec.service")
 
-MAX_LOOKUP_TOKENS = 1 << 20
 MAX_JSON_BODY = 16 << 20
+INLINE_JSON = 64 << 10   # JSON bodies up to this size are parsed on the event loop; larger ones by a worker
 
 PRINCIPAL = web.AppKey("principal", Principal)
 SERVICE = web.AppKey("service", object)
+_DEADLINE = "kvc.deadline"
+
+__all__ = ["ServiceConfig", "KdnService", "HttpError", "make_app", "serve", "chunk_candidates"]
 
 
 @dataclass
 class ServiceConfig:
-    """Limits and options of one service instance (``kvc serve`` flags)."""
+    """Limits and options of one service instance (``kvc serve`` flags; defaults in spec/kdn-v1.md §5)."""
 
     max_body: int = 1 << 30          # bytes of one PUT body
-    body_timeout: float = 120.0      # seconds to receive a body
+    body_timeout: float = 120.0      # seconds to receive a whole body
+    body_idle_timeout: float = 15.0  # longest silence while a body is being received
+    header_timeout: float = 10.0     # seconds to send a request's head (also: idle keep-alive connections close)
     op_timeout: float = 30.0         # seconds for one store operation
-    verify_timeout: float = 300.0    # seconds to verify (decode) one put
-    verify: bool = True              # decode every chunk of a put (False: structure + CRCs only)
+    verify_timeout: float = 300.0    # seconds to check (decode) one put in its worker
+    request_timeout: float = 600.0   # deadline of any request: body, queue waits, work and store included
+    queue_timeout: float = 60.0      # longest wait for a worker process or store thread
+    verify: bool = True              # decode every chunk of a put (False: structure, CRCs, tokens, key only)
     models: list[str] = field(default_factory=list)  # models whose tokenizers serve text lookups
+    max_json_body: int = MAX_JSON_BODY
+    max_lookup_tokens: int = MAX_LOOKUP_TOKENS
+    max_lookup_text: int = 4 << 20   # characters of a text lookup
+    max_decoded_bytes: int = 4 << 30  # decoded K/V a put entry may declare
+    max_decoded_ratio: float = 256.0  # ... and at most this many times its own size
+    max_chunk_decoded: int = 512 << 20  # decoded size of one of its chunks (a worker holds one at a time)
+    workers: int = 2                 # worker processes (decode, large JSON, tokenization)
+    tenant_workers: int = 1          # of them busy for one tenant at once
+    tenant_queue: int = 16           # requests one tenant may have waiting for a worker (more: 429)
+    tenant_decode_rate: float = 256 << 20  # decoded bytes per second per tenant (0: no quota); burst: max_decoded_bytes
+    store_threads: int = 16          # threads for store operations
+    tenant_store_threads: int = 8    # of them busy for one tenant at once
+    max_inflight_body: int = 2 << 30   # body bytes being received at once, all requests
+    tenant_inflight_body: int = 1 << 30  # ... for one tenant
+    worker_max_rss: int = 2 << 30    # a worker that grew past this after a job is replaced
+    log_rate: float = 10.0           # bad-request log lines per second (more are counted, then summarised)
+
+    def check(self) -> None:
+        """:class:`KvcInputError` naming the first option out of range."""
+        pos_int = ("max_body", "max_json_body", "max_lookup_tokens", "max_lookup_text", "max_decoded_bytes",
+                   "max_chunk_decoded",
+                   "workers", "tenant_workers", "store_threads", "tenant_store_threads", "max_inflight_body",
+                   "tenant_inflight_body")
+        for k in pos_int:
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise KvcInputError(f"{k.replace('_', '-')} must be a positive integer, got {v!r}")
+        for k in ("body_timeout", "body_idle_timeout", "header_timeout", "op_timeout", "verify_timeout",
+                  "request_timeout", "queue_timeout"):
+            v = getattr(self, k)
+            if not isinstance(v, (int, float)) or not 0 < v <= 86400:
+                raise KvcInputError(f"{k.replace('_', '-')} must be in (0, 86400] seconds, got {v!r}")
+        for k in ("max_decoded_ratio", "tenant_decode_rate", "log_rate"):
+            v = getattr(self, k)
+            if not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+                raise KvcInputError(f"{k.replace('_', '-')} must be a finite number >= 0, got {v!r}")
+        if self.tenant_queue < 0 or self.worker_max_rss < 0:
+            raise KvcInputError("tenant-queue and worker-max-rss must be >= 0")
 
 
-class HttpError(Exception):
-    """A clean 4xx/5xx answer: status and a one-line message."""
+class LogLimiter:
+    """One log line per bad request, at most ``rate`` a second; the lines dropped are counted in the next one."""
 
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.headers = headers or {}
+    def __init__(self, rate: float, burst: float = 20.0) -> None:
+        self.rate, self.burst = rate, max(burst, rate)
+        self._tokens = self.burst
+        self._at = time.monotonic()
+        self.suppressed = 0
+
+    def line(self, level: int, msg: str) -> bool:
+        now = time.monotonic()
+        self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
+        self._at = now
+        if self.rate <= 0 or self._tokens < 1:
+            self.suppressed += 1
+            return False
+        self._tokens -= 1
+        if self.suppressed:
+            msg += f" ({self.suppressed} more bad requests not logged)"
+            self.suppressed = 0
+        log.log(level, "%s", msg)
+        return True
 
 
 def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -98,23 +183,31 @@ def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) ->
 
 
 class KdnService:
-    """State of one ``kvc serve``: the store, the token table, metrics and (optional) tokenizers."""
+    """State of one ``kvc serve``: the store, the token table, metrics, workers and limits."""
 
     def __init__(self, store: Store, tokens: TokenTable, config: ServiceConfig | None = None,
                  server_key: TenantKey | None = None) -> None:
-        from kvcodec.format import KvcReader  # noqa: F401  (imports torch: at start, not in the first put)
-
         self.store = store  # the backing tiers; requests go through per-tenant views (store_for)
         self.server_key = server_key or store.key
         self._views: dict[str, Store] = {}
         self._views_lock = threading.Lock()
         self.tokens = tokens
         self.config = config or ServiceConfig()
+        self.config.check()
+        c = self.config
         self.metrics = Metrics()
         self._etags: dict[tuple[StoreKey, float | None, int], str] = {}
-        self._tokenizers: dict[str, Any] = {}  # fingerprint id -> tokenizer
-        for m in self.config.models:
+        self._tokenizer_dirs: dict[str, str] = {}  # fingerprint id -> model directory (the workers load them)
+        for m in c.models:
             self._add_model(m)
+        self.workers = WorkerPool(c.workers, per_tenant=c.tenant_workers, max_queued=c.tenant_queue,
+                                  queue_timeout=c.queue_timeout, tokenizers=self._tokenizer_dirs,
+                                  max_rss=c.worker_max_rss)
+        self.decode_quota = TokenBucket(c.tenant_decode_rate, c.max_decoded_bytes)
+        self._io = ThreadPoolExecutor(c.store_threads, thread_name_prefix="kvc-store")
+        self.io_sched = FairScheduler(c.store_threads, c.tenant_store_threads, max_queued=256, name="store thread")
+        self.bodies = _BodyBudget(c.max_inflight_body, c.tenant_inflight_body)
+        self.bad = LogLimiter(c.log_rate)
 
     def store_for(self, p: Principal) -> Store:
         """The tenant's view of the backing tiers: a Store whose tenant key is derived for ``p.tenant``."""
@@ -126,17 +219,20 @@ class KdnService:
             return st
 
     def _add_model(self, name: str) -> None:
-        from kvcodec.models.load import load_model
+        """Text lookups for ``name``: its fingerprint id here, its tokenizer in the workers (from its directory)."""
+        from kvcodec.models.load import load_model, resolve_model_dir
 
         lm = load_model(name)
-        self._tokenizers[lm.fingerprint.id] = lm.tokenizer
+        self._tokenizer_dirs[lm.fingerprint.id] = str(resolve_model_dir(name))
         log.info("kdn: text lookups for model %s (fingerprint %s)", name, lm.fingerprint.id)
+        del lm  # the weights are not needed here
 
     # -- app ------------------------------------------------------------------
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body,
                               middlewares=[self._errors_mw, self._auth_mw],
-                              handler_args={"max_field_size": MAX_META_HEADER + 1024})
+                              handler_args={"max_field_size": MAX_META_HEADER + 1024,
+                                            "keepalive_timeout": self.config.header_timeout})
         app[SERVICE] = self
         r = app.router
         r.add_get("/healthz", self.healthz)
@@ -148,10 +244,17 @@ class KdnService:
         r.add_delete(f"{API}/entries/{{key}}", self.delete)
         r.add_post(f"{API}/contains", self.contains)
         r.add_post(f"{API}/lookup", self.lookup)
+        app.on_startup.append(self._start)
         app.on_cleanup.append(self._close)
         return app
 
+    async def _start(self, app: web.Application) -> None:
+        await self.workers.start()
+        log.info("kdn: %d worker processes (pids %s)", self.workers.n, self.workers.pids())
+
     async def _close(self, app: web.Application) -> None:
+        await self.workers.close()
+        self._io.shutdown(wait=False, cancel_futures=True)
         self.store.close()  # the views share these tiers
 
     # -- middlewares ----------------------------------------------------------------
@@ -159,26 +262,40 @@ class KdnService:
     async def _errors_mw(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                          ) -> web.StreamResponse:
         t0 = time.perf_counter()
+        request[_DEADLINE] = time.monotonic() + self.config.request_timeout
         route = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
+        detail = ""
         try:
             resp = await handler(request)
         except HttpError as e:
-            resp = _json({"error": str(e)}, e.status, e.headers)
+            resp, detail = _json({"error": str(e)}, e.status, e.headers), str(e)
+        except Overloaded as e:
+            self.metrics.overloaded(str(e.status))
+            resp, detail = _json({"error": str(e)}, e.status, {"Retry-After": f"{e.retry_after:.0f}"}), str(e)
         except web.HTTPException as e:  # aiohttp's own: 404 no route, 405, 413 body too large
             if e.status == 413:
                 msg = f"request body larger than the limit of {self.config.max_body} bytes"
             else:
                 msg = e.reason
-            resp = _json({"error": msg}, e.status, {k: v for k, v in e.headers.items() if k in ("Allow",)})
+            resp, detail = _json({"error": msg}, e.status, {k: v for k, v in e.headers.items() if k in ("Allow",)}), msg
         except KvcInputError as e:
-            resp = _json({"error": str(e)}, 400)
+            resp, detail = _json({"error": error_line(e)}, 400), error_line(e)
         except KvcFormatError as e:
-            resp = _json({"error": str(e)}, 422)
+            resp, detail = _json({"error": error_line(e)}, 422), error_line(e)
         except KvcStoreError as e:
-            resp = _json({"error": str(e)}, 503)
+            resp, detail = _json({"error": error_line(e)}, 503), error_line(e)
         except KvcError as e:
-            resp = _json({"error": str(e)}, 422)
+            resp, detail = _json({"error": error_line(e)}, 422), error_line(e)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # our bug, or a library's failure mode on hostile input: one line, no traceback
+            detail = error_line(e)
+            resp = _json({"error": f"internal error: {type(e).__name__}"}, 500)
         self.metrics.request(request.method, route, resp.status, time.perf_counter() - t0)
+        if resp.status >= 400 and resp.status not in (404, 412, 416):
+            peer = request.remote or "?"
+            self.bad.line(logging.ERROR if resp.status >= 500 else logging.WARNING,
+                          f"kdn: {resp.status} {request.method} {route} from {peer}: {detail[:300]}")
         return resp
 
     @web.middleware
@@ -199,14 +316,27 @@ class KdnService:
         return await handler(request)
 
     # -- helpers ------------------------------------------------------------------------
-    async def _run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> Any:
-        """A blocking call in a worker thread, with a deadline (default: the store operation's)."""
-        loop = asyncio.get_running_loop()
-        limit = timeout or self.config.op_timeout
+    @staticmethod
+    def _left(request: web.Request) -> float:
+        left = request[_DEADLINE] - time.monotonic()
+        if left <= 0:
+            raise HttpError(504, "the request's deadline passed")
+        return left
+
+    async def _run(self, request: web.Request, fn: Callable[..., Any], *args: Any,
+                   timeout: float | None = None) -> Any:
+        """A blocking store call in a thread of the store pool (fair between tenants), with a deadline."""
+        tenant = request[PRINCIPAL].tenant if PRINCIPAL in request else "-"
+        limit = min(timeout or self.config.op_timeout, self._left(request))
+        deadline = time.monotonic() + limit
+        await self.io_sched.acquire(tenant, min(deadline, time.monotonic() + self.config.queue_timeout))
+        fut = asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
+        # the thread cannot be stopped: its slot is freed when it really ends, not when we stop waiting
+        fut.add_done_callback(lambda _f: self.io_sched.release(tenant))
         try:
-            return await asyncio.wait_for(loop.run_in_executor(None, fn, *args), limit)
+            return await asyncio.wait_for(asyncio.shield(fut), max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:
-            raise HttpError(504, f"operation took longer than {limit:g} s") from None
+            raise HttpError(504, f"store operation took longer than {limit:g} s") from None
 
     def _key(self, request: web.Request, write: bool = False) -> tuple[StoreKey, Principal]:
         try:
@@ -214,7 +344,7 @@ class KdnService:
         except KvcInputError as e:
             raise HttpError(400, str(e)) from None
         p: Principal = request[PRINCIPAL]
-        if key.model == PHYS_MODEL:  # an opaque name from a sealing client: isolation is the tenant's view
+        if key.model == PHYS_MODEL:  # an opaque name from a sealing client: checked against its seal (_sealed_ns)
             self._allow(p, None, write)
         else:
             self._allow(p, key.namespace, write)
@@ -223,33 +353,63 @@ class KdnService:
     def _allow(self, p: Principal, namespace: str | None, write: bool = False) -> None:
         if namespace is not None and not p.may_use(namespace):
             self.metrics.auth_failure("namespace")
-            raise HttpError(403, f"tenant {p.tenant!r} may not use namespace {namespace!r}")
+            raise HttpError(403, f"tenant {p.tenant!r} may not use namespace {namespace[:128]!r}")
         if write and not p.write:
             self.metrics.auth_failure("read_only")
             raise HttpError(403, f"tenant {p.tenant!r} has a read-only token")
 
-    async def _json_body(self, request: web.Request) -> dict[str, Any]:
-        if request.content_length is not None and request.content_length > MAX_JSON_BODY:
-            raise HttpError(413, f"JSON body larger than {MAX_JSON_BODY} bytes")
-        raw = await self._body(request, MAX_JSON_BODY)
+    def _allow_sealed(self, p: Principal, key: StoreKey, meta: Any) -> None:
+        """For a physical key: the logical key its seal names must be in one of the token's namespaces."""
+        if key.model != PHYS_MODEL:
+            return
         try:
-            obj = json.loads(raw)
-        except (UnicodeDecodeError, ValueError) as e:
-            raise HttpError(400, f"body is not JSON: {e}") from None
-        if not isinstance(obj, dict):
-            raise HttpError(400, "body must be a JSON object")
-        return obj
+            logical = StoreKey.from_str(meta["key"])
+        except (KeyError, TypeError, KvcInputError):
+            self.metrics.auth_failure("namespace")
+            raise HttpError(403, "the entry's seal names no key in this token's namespaces") from None
+        self._allow(p, logical.namespace)
 
-    async def _body(self, request: web.Request, limit: int) -> bytes:
+    async def _read_body(self, request: web.Request, limit: int, what: str = "request body") -> bytes:
+        """The body, whatever its framing: capped on the bytes read, each piece within ``body_idle_timeout``,
+        the whole within ``body_timeout``, counted against the tenant's and the server's in-flight budget."""
+        c = self.config
         if request.content_length is not None and request.content_length > limit:
-            raise HttpError(413, f"request body of {request.content_length} bytes is larger than the limit of {limit}")
+            raise HttpError(413, f"{what} of {request.content_length} bytes is larger than the limit of {limit}")
+        tenant = request[PRINCIPAL].tenant if PRINCIPAL in request else "-"
+        end = time.monotonic() + min(c.body_timeout, self._left(request))
+        buf = bytearray()
+        held = 0
         try:
-            return await asyncio.wait_for(request.read(), self.config.body_timeout)
-        except asyncio.TimeoutError:
-            raise HttpError(408, f"request body not received within {self.config.body_timeout:g} s") from None
+            while True:
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise HttpError(408, f"{what} not received within {c.body_timeout:g} s")
+                try:
+                    piece = await asyncio.wait_for(request.content.readany(), min(left, c.body_idle_timeout))
+                except asyncio.TimeoutError:
+                    if left <= c.body_idle_timeout:
+                        raise HttpError(408, f"{what} not received within {c.body_timeout:g} s") from None
+                    raise HttpError(408, f"{what}: no byte received for {c.body_idle_timeout:g} s") from None
+                if not piece:
+                    break
+                if len(buf) + len(piece) > limit:
+                    raise HttpError(413, f"{what} larger than the limit of {limit} bytes")
+                self.bodies.take(tenant, len(piece))
+                held += len(piece)
+                buf += piece
+        finally:
+            self.bodies.give(tenant, held)
+        return bytes(buf)
+
+    async def _json_body(self, request: web.Request) -> tuple[bytes, dict[str, Any] | None]:
+        """``(raw, parsed)``: small bodies parsed here, larger ones left (``None``) for a worker."""
+        raw = await self._read_body(request, self.config.max_json_body, "JSON body")
+        if len(raw) <= INLINE_JSON:
+            return raw, parse_json(raw)
+        return raw, None
 
     def _etag(self, key: StoreKey, data: bytes, created: float | None) -> tuple[str, str]:
-        """``(etag, crc32c hex)`` of an entry version; cached by (key, created, size)."""
+        """``(etag, crc32c hex)`` of an entry version; cached by (key, created, size).  Runs in a store thread."""
         ck = (key, created, len(data))
         tag = self._etags.get(ck)
         if tag is None:
@@ -266,6 +426,8 @@ class KdnService:
         return _json({"status": "ok" if ok else "degraded", "tiers": tiers}, 200 if ok else 503)
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
+        self.metrics.queues(self.workers.sched.queued(), self.io_sched.queued(), self.bodies.used,
+                            self.bad.suppressed)
         body, ctype = self.metrics.render()
         return web.Response(body=body, headers={"Content-Type": ctype})
 
@@ -273,7 +435,14 @@ class KdnService:
         p: Principal = request[PRINCIPAL]
         return _json({"tenant": p.tenant, "namespaces": list(p.namespaces), "write": p.write})
 
+    def _admit_decode(self, tenant: str, reply: dict[str, Any]) -> bool:
+        """Between an entry's cheap checks and its decode: the tenant's decode quota (429 when spent)."""
+        self.decode_quota.check(tenant)
+        self.decode_quota.charge(tenant, float(reply.get("declared", 0)))
+        return True
+
     async def put(self, request: web.Request) -> web.Response:
+        c = self.config
         key, p = self._key(request, write=True)
         st = self.store_for(p)
         meta_s = request.headers.get(H_META, "{}")
@@ -281,82 +450,54 @@ class KdnService:
             raise HttpError(400, f"{H_META} larger than {MAX_META_HEADER} bytes")
         try:
             meta = check_meta(json.loads(meta_s), MAX_TIER_META)
-        except ValueError as e:
-            raise HttpError(400, f"{H_META} is not JSON: {e}") from None
-        data = await self._body(request, self.config.max_body)
+        except (ValueError, RecursionError) as e:
+            raise HttpError(400, f"{H_META} is not a JSON object of at most {MAX_TIER_META} bytes: "
+                                 f"{str(e)[:200]}") from None
+        logical = logical_key(key, meta)
+        if key.model == PHYS_MODEL:
+            self._allow(p, logical.namespace)  # the seal's key, like a key in clear
+        want = request.headers.get(H_CRC)
+        if want is not None and not (len(want.strip()) == 8 and all(ch in "0123456789abcdefABCDEF" for ch in want.strip())):
+            raise HttpError(400, f"{H_CRC} must be 8 hex digits")
+        inm = request.headers.get("If-None-Match")
+        if inm is not None and inm.strip() != "*":
+            raise HttpError(400, "PUT supports only If-None-Match: *")
+        data = await self._read_body(request, c.max_body, "PUT body")
         if not data:
             raise HttpError(400, "empty body: PUT a .kvc file")
-        want = request.headers.get(H_CRC)
-        if want is not None and f"{crc32c(data):08x}" != want.strip().lower():
-            self.metrics.put("rejected")
-            raise HttpError(400, f"body fails its {H_CRC} checksum (damaged in transit)")
-        inm = request.headers.get("If-None-Match")
-        if inm is not None:
-            if inm.strip() != "*":
-                raise HttpError(400, "PUT supports only If-None-Match: *")
-            if (await self._run(st.contains_many, [key]))[0]:
-                raise HttpError(412, f"{key} already exists")
+        if inm is not None and (await self._run(request, st.contains_many, [key]))[0]:
+            raise HttpError(412, f"{key} already exists")
+        deadline = min(request[_DEADLINE], time.monotonic() + c.queue_timeout + c.verify_timeout)
+        job = {"op": "check", "key": logical.to_str(), "max_decoded_bytes": c.max_decoded_bytes,
+               "max_decoded_ratio": c.max_decoded_ratio, "max_chunk_bytes": c.max_chunk_decoded, "verify": c.verify,
+               "crc": want.strip().lower() if want is not None else None}
         try:
-            await self._run(self.check_entry, self._logical(key, meta), data, timeout=self.config.verify_timeout)
-        except KvcError as e:
-            self.metrics.put("rejected")
-            raise HttpError(422, f"entry refused: {e}") from None
-        res = await self._run(st.put, key, data, meta)
+            await self.workers.run(p.tenant, deadline, job, data, decide=lambda r: self._admit_decode(p.tenant, r),
+                                   what="check of the entry")
+        except (HttpError, Overloaded) as e:
+            self.metrics.put("rejected" if e.status < 500 and e.status != 429 else "overloaded")
+            raise
+        res = await self._run(request, st.put, key, data, meta)
         self.metrics.put("ok", len(data))
         return _json({"key": key.to_str(), "bytes": len(data), "stored_in": res.stored_in, "failed": res.failed},
                      201, {"Location": request.path})
 
-    @staticmethod
-    def _logical(key: StoreKey, meta: dict[str, Any]) -> StoreKey:
-        """The key whose tokens the entry must hold: ``key``, or for a physical key the one its seal names."""
-        if key.model != PHYS_MODEL:
-            return key
-        try:
-            return StoreKey.from_str(meta["key"])
-        except (KeyError, TypeError, KvcInputError):
-            raise HttpError(422, "an entry under a physical key must carry its seal (metadata naming the "
-                                 "logical key)") from None
-
-    def check_entry(self, key: StoreKey, data: bytes) -> None:
-        """Raise :class:`KvcError` unless ``data`` is a sound ``.kvc`` whose token ids hash to ``key``.
-
-        A multi-level manifest (codec ``levels-v1``, spec/levels-v1.md) holds no
-        token ids: it must parse, validate and name ``key``; its level chunks are
-        ordinary ``.kvc`` entries checked as above.
-        """
-        from kvcodec.format import KvcReader
-        from kvcodec.store.levels import LEVELS_CODEC, LevelManifest
-
-        if key.codec == LEVELS_CODEC:
-            LevelManifest.from_bytes(data, key)
-            return
-
-        with KvcReader(data) as r:
-            if self.config.verify:
-                problems = r.verify()
-                if problems:
-                    raise KvcFormatError(f"the .kvc does not verify: {problems[0]}")
-            ids = r.token_ids
-            if ids is None:
-                raise KvcInputError("the .kvc carries no token ids (encode with token ids stored)")
-            if r.fingerprint.id != key.model:
-                raise KvcInputError(f"the .kvc is for model {r.fingerprint.id}, the key names model {key.model}")
-        if len(ids) != key.n_tokens:
-            raise KvcInputError(f"the .kvc holds {len(ids)} token ids, the key says {key.n_tokens}")
-        for c in chunk_candidates(key.n_tokens):
-            hs = chunk_hashes(ids, c, model=key.model, codec=key.codec, namespace=key.namespace)
-            if hs and hs[-1].hex() == key.digest:
-                return
-        raise KvcInputError("the .kvc's token ids do not hash to the key's digest (spec/store-keys.md)")
+    def _entry_and_tag(self, st: Store, key: StoreKey) -> tuple[Any, str, str] | None:
+        e = st.get_entry(key)
+        if e is None:
+            return None
+        etag, crc = self._etag(key, e.data, e.created)
+        return e, etag, crc
 
     async def get(self, request: web.Request) -> web.StreamResponse:
         key, p = self._key(request)
-        e = await self._run(self.store_for(p).get_entry, key)
-        if e is None:
+        got = await self._run(request, self._entry_and_tag, self.store_for(p), key)
+        if got is None:
             self.metrics.get(False)
             raise HttpError(404, f"no entry {key}")
+        e, etag, crc = got
+        self._allow_sealed(p, key, e.meta)
         data: bytes = e.data
-        etag, crc = self._etag(key, data, e.created)
         headers = {
             "ETag": etag, "Accept-Ranges": "bytes", "Cache-Control": "private, no-cache",
             H_CRC: crc, H_META: json.dumps(e.meta, sort_keys=True, separators=(",", ":")),
@@ -372,15 +513,12 @@ class KdnService:
         rng = request.headers.get("Range")
         if_range = request.headers.get("If-Range")
         if rng is not None and (if_range is None or if_range.strip() == etag):
-            try:
-                sl = request.http_range
-            except ValueError:  # multiple or malformed ranges: RFC 9110 lets us send the whole entry
-                sl = None
-            if sl is not None:
-                first, stop = _resolve_range(sl, len(data))
-                if first is None:
-                    self.metrics.get(True)
-                    return web.Response(status=416, headers={"Content-Range": f"bytes */{len(data)}", "ETag": etag})
+            span = parse_range(rng, len(data))
+            if span == "unsatisfiable":
+                self.metrics.get(True)
+                return web.Response(status=416, headers={"Content-Range": f"bytes */{len(data)}", "ETag": etag})
+            if isinstance(span, tuple):
+                first, stop = span
                 headers["Content-Range"] = f"bytes {first}-{stop - 1}/{len(data)}"
                 body = data[first:stop]
                 self.metrics.get(True, len(body) if request.method == "GET" else 0)
@@ -390,90 +528,146 @@ class KdnService:
 
     async def delete(self, request: web.Request) -> web.Response:
         key, p = self._key(request, write=True)
-        if not await self._run(self.store_for(p).rm, key):
+        st = self.store_for(p)
+        if key.model == PHYS_MODEL:
+            meta = await self._run(request, st.get_meta, key)
+            if meta is None:
+                raise HttpError(404, f"no entry {key}")
+            self._allow_sealed(p, key, meta)
+        if not await self._run(request, st.rm, key):
             raise HttpError(404, f"no entry {key}")
         return web.Response(status=204)
 
     async def ls(self, request: web.Request) -> web.Response:
+        """The tenant's entries in the token's namespaces only (a sealed entry's namespace is its seal's key's)."""
         p: Principal = request[PRINCIPAL]
         with_meta = request.query.get("meta", "0") in ("1", "true")
         ns = request.query.get("namespace")
         if ns is not None:
             self._allow(p, ns)
         st = self.store_for(p)
-        rows = await self._run(lambda: st.ls(with_meta=with_meta, namespace=ns))
-        return _json({"entries": [{**r.to_dict(), "tier": "kdn"} for r in rows]})
+        rows = await self._run(request, lambda: st.ls(with_meta=True, namespace=ns))
+        out = []
+        for r in rows:
+            if r.key.model == PHYS_MODEL:
+                try:
+                    visible = p.may_use(StoreKey.from_str((r.meta or {})["key"]).namespace)
+                except (KeyError, TypeError, KvcInputError):
+                    visible = False
+            else:
+                visible = p.may_use(r.key.namespace)
+            if visible:
+                d = r.to_dict()
+                if not with_meta:
+                    d["meta"] = None
+                out.append({**d, "tier": "kdn"})
+        return _json({"entries": out})
 
     async def contains(self, request: web.Request) -> web.Response:
         p: Principal = request[PRINCIPAL]
-        obj = await self._json_body(request)
-        ks = obj.get("keys")
-        if not isinstance(ks, list) or len(ks) > MAX_CONTAINS:
-            raise HttpError(400, f"'keys' must be a list of at most {MAX_CONTAINS} key strings")
-        keys = [StoreKey.from_str(k) for k in ks]
+        raw, obj = await self._json_body(request)
+        if obj is not None:
+            keys = contains_keys(obj)
+        else:
+            rep = await self.workers.run(p.tenant, request[_DEADLINE], {"op": "contains"}, raw, what="key list parse")
+            keys = await self._run(request, lambda: [StoreKey.from_str(k) for k in rep["keys"]])
         for k in keys:
             self._allow(p, None if k.model == PHYS_MODEL else k.namespace)
-        found = await self._run(self.store_for(p).contains_many, keys)
+        found = await self._run(request, self.store_for(p).contains_many, keys)
         return _json({"found": found})
 
     async def lookup(self, request: web.Request) -> web.Response:
-        """Longest cached prefix of token ids (or of a text, tokenized with the model's tokenizer)."""
+        """Longest cached prefix of token ids (or of a text, tokenized by a worker with the model's tokenizer)."""
+        c = self.config
         p: Principal = request[PRINCIPAL]
-        obj = await self._json_body(request)
-        model, codec = obj.get("model"), obj.get("codec")
-        ns = obj.get("namespace", p.namespaces[0])
-        chunk = obj.get("chunk", DEFAULT_CHUNK)
-        if not isinstance(model, str) or not isinstance(codec, str) or not isinstance(ns, str):
-            raise HttpError(400, "lookup needs string fields 'model' (fingerprint id) and 'codec'")
-        if not isinstance(chunk, int) or isinstance(chunk, bool) or not 1 <= chunk <= 1 << 16:
-            raise HttpError(400, "'chunk' must be an integer in [1, 65536]")
-        self._allow(p, ns)
-        if ("token_ids" in obj) == ("text" in obj):
-            raise HttpError(400, "give exactly one of 'token_ids' and 'text'")
-        if "text" in obj:
-            text = obj["text"]
-            if not isinstance(text, str) or not text:
-                raise HttpError(400, "'text' must be a non-empty string")
-            tok = self._tokenizers.get(model)
-            if tok is None:
-                raise HttpError(422, f"this service has no tokenizer for model {model} (start it with --model, "
-                                     "or send token_ids)")
-            from kvcodec.models.capture import tokenize
-
-            ids = [int(x) for x in tokenize(tok, text)]
-        else:
-            ids = obj["token_ids"]
-            if not isinstance(ids, list) or len(ids) > MAX_LOOKUP_TOKENS or \
-                    not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
-                raise HttpError(400, f"'token_ids' must be a list of at most {MAX_LOOKUP_TOKENS} integers")
-        cands = prefix_keys(ids, model=model, codec=codec, namespace=ns, chunk=chunk) if ids else []
-        found = await self._run(self.store_for(p).contains_many, cands) if cands else []
+        raw, obj = await self._json_body(request)
+        try:
+            if obj is not None and "text" not in obj:
+                q = parse_lookup(obj, list(p.namespaces), max_tokens=c.max_lookup_tokens, max_text=c.max_lookup_text)
+                cands = lookup_candidates(q, q.token_ids or [], c.max_lookup_tokens)
+                n_ids = len(q.token_ids or [])
+            else:
+                if obj is not None and "text" in obj and not self._tokenizer_dirs:
+                    parse_lookup(obj, list(p.namespaces), max_tokens=c.max_lookup_tokens, max_text=c.max_lookup_text)
+                    raise HttpError(422, f"this service has no tokenizer for model {str(obj.get('model'))[:80]} "
+                                         "(start it with --model, or send token_ids)")
+                job = {"op": "lookup", "namespaces": list(p.namespaces), "max_tokens": c.max_lookup_tokens,
+                       "max_text": c.max_lookup_text}
+                rep = await self.workers.run(p.tenant, request[_DEADLINE], job, raw, what="lookup")
+                cands = await self._run(request, lambda: [StoreKey.from_str(k) for k in rep["keys"]])
+                n_ids = int(rep["tokens"])
+        except HttpError as e:
+            if e.status == 403:
+                self.metrics.auth_failure("namespace")
+            raise
+        found = await self._run(request, self.store_for(p).contains_many, cands) if cands else []
         entries = [{"key": k.to_str(), "n_tokens": k.n_tokens, "url": f"{API}/entries/{k.to_str()}"}
                    for k, ok in zip(cands, found) if ok]
         n = entries[0]["n_tokens"] if entries else 0
-        self.metrics.lookup(len(ids), n)
-        return _json({"n_tokens": n, "tokens": len(ids), "key": entries[0]["key"] if entries else None,
+        self.metrics.lookup(n_ids, n)
+        return _json({"n_tokens": n, "tokens": n_ids, "key": entries[0]["key"] if entries else None,
                       "entries": entries})
 
 
-def chunk_candidates(n_tokens: int) -> list[int]:
-    """Chunk sizes a key digest of ``n_tokens`` tokens may have been chained with.
+class _BodyBudget:
+    """Body bytes being received at once, per tenant and in all (event loop only)."""
 
-    ``ask`` and blend chain in chunks of 256 (the last one may be partial); the vLLM
-    connector keys chunk entries covering ``k * chunk_tokens`` tokens, so its
-    chunk size divides the entry's token count.  256 first, then every divisor.
-    """
-    divs = {DEFAULT_CHUNK}
-    i = 1
-    while i * i <= n_tokens:
-        if n_tokens % i == 0:
-            divs.update((i, n_tokens // i))
-        i += 1
-    return [DEFAULT_CHUNK] + sorted(divs - {DEFAULT_CHUNK}, reverse=True)
+    def __init__(self, total: int, per_tenant: int) -> None:
+        self.total, self.per_tenant = total, per_tenant
+        self.used = 0
+        self._by: dict[str, int] = {}
+
+    def take(self, tenant: str, n: int) -> None:
+        mine = self._by.get(tenant, 0)
+        if mine + n > self.per_tenant:
+            raise Overloaded(429, f"tenant is sending more than {self.per_tenant} body bytes at once; retry later")
+        if self.used + n > self.total:
+            raise Overloaded(503, "the server is receiving too many bodies at once; retry later")
+        self._by[tenant] = mine + n
+        self.used += n
+
+    def give(self, tenant: str, n: int) -> None:
+        if not n:
+            return
+        self.used -= n
+        left = self._by.get(tenant, 0) - n
+        if left > 0:
+            self._by[tenant] = left
+        else:
+            self._by.pop(tenant, None)
+
+
+def parse_range(header: str, size: int) -> tuple[int, int] | str | None:
+    """A ``Range`` header against an entry of ``size`` bytes (RFC 9110 §14): ``(first, stop)`` to serve,
+    ``"unsatisfiable"`` (416), or ``None`` (ignore it and send the whole entry: several ranges, another unit,
+    a malformed or reversed range)."""
+    unit, eq, spec = header.strip().partition("=")
+    if not eq or unit.strip().lower() != "bytes" or "," in spec:
+        return None
+    a, dash, b = spec.strip().partition("-")
+    if not dash or not (a.isascii() and b.isascii()) or (a and not a.isdigit()) or (b and not b.isdigit()) or not (a or b):
+        return None
+    big = 1 << 63  # digits beyond 19 are larger than any entry: no int() of an attacker's 4000-digit number
+
+    def num(s: str) -> int:
+        return big if len(s) > 19 else int(s)
+
+    if not a:  # suffix: the last n bytes
+        n = num(b)
+        if n == 0 or size == 0:
+            return "unsatisfiable"
+        return max(0, size - n), size
+    first = num(a)
+    last = num(b) if b else None
+    if last is not None and last < first:
+        return None
+    if first >= size:
+        return "unsatisfiable"
+    return first, size if last is None else min(last + 1, size)
 
 
 def _resolve_range(sl: slice, size: int) -> tuple[int | None, int]:
-    """``(first, stop)`` of a single byte range against an entry of ``size`` bytes (first None: unsatisfiable)."""
+    """``(first, stop)`` of a single byte range slice (aiohttp's form) against ``size`` bytes (first None: unsatisfiable)."""
     start, stop = sl.start, sl.stop
     if start is None or start < 0:  # suffix range bytes=-n
         n = -start if start is not None else 0
@@ -493,9 +687,23 @@ def make_app(store_url: str, tokens: TokenTable, config: ServiceConfig | None = 
     return KdnService(Store.open(store_url, memory_bytes=64 << 20), tokens, config).app()
 
 
+def _raise_fd_limit() -> None:
+    """Many slow connections must not exhaust the descriptors: soft limit up to the hard one (at most 65536)."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+        if soft != resource.RLIM_INFINITY and soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (ImportError, ValueError, OSError):  # pragma: no cover - not POSIX, or not allowed
+        pass
+
+
 def serve(store_url: str, tokens: TokenTable, *, host: str = "127.0.0.1", port: int = 8470,
           config: ServiceConfig | None = None, ready: Callable[[str], None] | None = None) -> None:
     """Run the service until interrupted (SIGINT/SIGTERM)."""
+    _raise_fd_limit()
     app = make_app(store_url, tokens, config)
 
     def announce(*parts: Any, **_: Any) -> None:
@@ -506,3 +714,4 @@ def serve(store_url: str, tokens: TokenTable, *, host: str = "127.0.0.1", port: 
         web.run_app(app, host=host, port=port, print=announce, access_log=None, shutdown_timeout=5.0)
     except OSError as e:  # address in use, no permission, unknown host
         raise KvcInputError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+

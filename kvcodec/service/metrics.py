@@ -32,6 +32,13 @@ class Metrics:
         self.lookup_tokens = Counter("kvc_lookup_tokens", "Tokens asked for in lookups", registry=r)
         self.lookup_hit_tokens = Counter("kvc_lookup_hit_tokens", "Tokens found cached in lookups", registry=r)
         self.auth_failures = Counter("kvc_auth_failures", "Refused requests by reason", ["reason"], registry=r)
+        self.overloads = Counter("kvc_overloaded", "Requests refused for load (429 tenant limit, 503 server)",
+                                 ["status"], registry=r)
+        self.queued_jobs = Gauge("kvc_worker_queue", "Requests waiting for a worker process", registry=r)
+        self.queued_store = Gauge("kvc_store_queue", "Requests waiting for a store thread", registry=r)
+        self.inflight_body = Gauge("kvc_inflight_body_bytes", "Body bytes being received", registry=r)
+        self.log_suppressed = Gauge("kvc_bad_request_lines_suppressed", "Bad-request log lines not yet written "
+                                    "(rate limit)", registry=r)
         self._hits = 0
         self._total = 0
         self._lock = threading.Lock()
@@ -62,6 +69,15 @@ class Metrics:
         self.lookups.labels("hit" if hit_tokens else "miss").inc()
         self.lookup_tokens.inc(tokens)
         self.lookup_hit_tokens.inc(hit_tokens)
+
+    def overloaded(self, status: str) -> None:
+        self.overloads.labels(status).inc()
+
+    def queues(self, jobs: int, store: int, body_bytes: int, suppressed: int) -> None:
+        self.queued_jobs.set(jobs)
+        self.queued_store.set(store)
+        self.inflight_body.set(body_bytes)
+        self.log_suppressed.set(suppressed)
 
     def auth_failure(self, reason: str) -> None:
         self.auth_failures.labels(reason).inc()

@@ -23,7 +23,7 @@ from kvcodec.errors import KvcCodecError, KvcError, KvcFormatError, KvcInputErro
 from kvcodec.format import KvcReader, encode_kvc_bytes, lossless_pipeline, write_kvc
 from kvcodec.codecs.lossless import fp16_pipeline
 from kvcodec.core.kvcache import load_capture, load_h5, load_safetensors, save_h5, save_safetensors
-from kvcodec.limits import MAX_DECODED_ENV
+from kvcodec.limits import MAX_DECODED_ENV, MAX_RATIO_ENV
 from kvcodec.decode.cpu import fused as fastdecode
 from formatutil import assert_same_cache, crc, header_obj, split, assemble, synthetic_cache, with_header  # noqa: E402
 
@@ -163,6 +163,81 @@ def test_a_tiny_file_declaring_terabytes_is_refused_before_allocation():
     finally:
         tracemalloc.stop()
     assert peak < 4 << 20
+
+
+# -- declared output relative to the file's size (issue 35) ---------------------------------------
+def test_a_valid_tiny_file_declaring_a_huge_decode_is_refused_by_its_ratio(monkeypatch):
+    """A sound file of zeros: ~9 KB declaring 65.5 MB. Every absolute limit lets it through; the ratio to its
+    own size refuses it at open, before anything is decoded or allocated."""
+    from kvcodec.testing.attacks import amplification_entry
+
+    _, data = amplification_entry(7, 500)
+    declared = 2 * 16 * 8 * 500 * 128 * 4
+    assert len(data) < 16 << 10 and declared / len(data) > 5000
+    tracemalloc.start()
+    try:
+        with pytest.raises(KvcFormatError, match=r"x its size\), over the limit of 256x") as e:
+            KvcReader(data)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20 and "\n" not in str(e.value) and MAX_RATIO_ENV in str(e.value)
+    with KvcReader(data, max_decoded_ratio=0) as r:  # 0: no ratio limit (the absolute one still holds)
+        assert r.declared_bytes == declared
+    ratio = declared / len(data)
+    with KvcReader(data, max_decoded_ratio=ratio):
+        pass
+    with pytest.raises(KvcFormatError, match="over the limit"):
+        KvcReader(data, max_decoded_ratio=ratio * 0.999)
+    monkeypatch.setenv(MAX_RATIO_ENV, "0")
+    with KvcReader(data):
+        pass
+    for bad in ("-1", "inf", "nan", "x", "١"):
+        monkeypatch.setenv(MAX_RATIO_ENV, bad)
+        with pytest.raises(KvcInputError, match=MAX_RATIO_ENV):
+            KvcReader(data)
+    monkeypatch.delenv(MAX_RATIO_ENV)
+    for bad in (-1.0, float("inf"), float("nan"), True, "3"):
+        with pytest.raises(KvcInputError):
+            KvcReader(data, max_decoded_ratio=bad)
+
+
+def test_kvc_verify_of_an_amplifying_file_is_one_line_and_nonzero(tmp_path, capsys):
+    from cliutil import run_kvc
+    from kvcodec.testing.attacks import amplification_entry
+
+    p = tmp_path / "amp.kvc"
+    p.write_bytes(amplification_entry(7, 500)[1])
+    code, out, err = run_kvc(["verify", str(p)], capsys)
+    assert code == 3 and "its size" in err and len(err.strip().splitlines()) == 1
+    code, out, err = run_kvc(["verify", "--max-decoded-ratio", "0", str(p)], capsys)
+    assert code == 0 and out.startswith("OK"), err
+
+
+@pytest.mark.parametrize("preset", ["lossless", "fp16", "raw"])
+def test_reading_holds_one_chunk_at_a_time(preset):
+    """The stated memory bound (spec/kvc-v1.md §9): verify and read_chunk allocate at most ~3x the largest
+    chunk's decoded size, whatever the file's total; max_chunk_bytes bounds that chunk at open."""
+    from kvcodec.api import encode
+    from kvcodec.testing.attacks import costly_entry
+
+    _, data = costly_entry(3, 64)  # 16 layers x K/V: 32 chunks of 2 MiB each
+    data = encode(KvcReader(data).read_cache("cpu"), preset=preset, verify="off").data
+    with KvcReader(data) as r:
+        chunk = max(e.heads * e.tokens * r.header.head_dims[e.layer] * 4 for e in r.entries)
+        assert r.declared_bytes >= 16 * chunk
+        r.read_chunk(0, "cpu")  # imports and first-call set-up are not the file's
+        tracemalloc.start()
+        try:
+            assert r.verify(backend="cpu") == []
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert peak < 3 * chunk + (1 << 20), f"{peak} bytes for chunks of {chunk}"
+    with pytest.raises(KvcFormatError, match="write smaller chunks"):
+        KvcReader(data, max_chunk_bytes=chunk - 1)
+    with KvcReader(data, max_chunk_bytes=chunk):
+        pass
 
 
 # -- what gets opened ---------------------------------------------------------

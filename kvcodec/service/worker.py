@@ -1,0 +1,180 @@
+"""A worker process of the KDN service (:func:`main`, started by :mod:`kvcodec.service.workers`): the work whose cost grows with a
+request -- verifying (decoding) a put entry, parsing a large JSON body, tokenizing a text lookup -- runs here,
+never on the service's event loop, and a job that outlives its deadline is ended by killing the process
+(:mod:`kvcodec.service.workers` is the parent's side).
+
+Protocol on stdin / stdout, both ways: frames of ``<u32 header length><u64 payload length><header JSON>
+<payload>``; no pickling.  Requests (header ``op``):
+
+* ``check`` (payload: the ``.kvc``): the cheap checks (:func:`~kvcodec.service.checks.open_entry`), then
+  ``{"declared": n}``; the parent answers ``{"go": true|false}`` after its quota check; then the decode
+  (:func:`~kvcodec.service.checks.verify_entry`) and ``{"ok": true}``;
+* ``lookup`` (payload: the JSON body): the prefix keys of the lookup, tokenizing ``text`` with the
+  tokenizer of its model (given with ``--tokenizer FINGERPRINT=DIR``);
+* ``contains`` (payload: the JSON body): the key strings;
+* ``ping``.
+
+Every failure is a reply ``{"error": "<one line>", "status": <http status>}``; nothing is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import struct
+import sys
+from typing import Any, BinaryIO
+
+from kvcodec.service.checks import (
+    HttpError,
+    contains_keys,
+    error_line,
+    lookup_candidates,
+    open_entry,
+    parse_json,
+    parse_lookup,
+    verify_entry,
+)
+
+FRAME = struct.Struct("<IQ")
+MAX_HEADER = 1 << 20
+
+
+def read_frame(f: BinaryIO) -> tuple[dict[str, Any], bytes] | None:
+    head = f.read(FRAME.size)
+    if len(head) < FRAME.size:
+        return None
+    hl, pl = FRAME.unpack(head)
+    if hl > MAX_HEADER:
+        raise ValueError(f"frame header of {hl} bytes")
+    header = json.loads(f.read(hl))
+    payload = f.read(pl) if pl else b""
+    if len(payload) != pl:
+        return None
+    return header, payload
+
+
+def write_frame(f: BinaryIO, header: dict[str, Any], payload: bytes = b"") -> None:
+    h = json.dumps(header, separators=(",", ":")).encode()
+    f.write(FRAME.pack(len(h), len(payload)) + h)
+    if payload:
+        f.write(payload)
+    f.flush()
+
+
+class Worker:
+    def __init__(self, tokenizers: dict[str, str], inp: BinaryIO, out: BinaryIO) -> None:
+        self._tok_dirs = tokenizers
+        self._toks: dict[str, Any] = {}
+        self.inp, self.out = inp, out
+
+    def tokenizer(self, fingerprint: str) -> Any:
+        tok = self._toks.get(fingerprint)
+        if tok is None:
+            d = self._tok_dirs.get(fingerprint)
+            if d is None:
+                raise HttpError(422, f"this service has no tokenizer for model {fingerprint[:80]} (start it with "
+                                     "--model, or send token_ids)")
+            from transformers import AutoTokenizer
+
+            tok = self._toks[fingerprint] = AutoTokenizer.from_pretrained(d, local_files_only=True)
+        return tok
+
+    def reply(self, header: dict[str, Any]) -> None:
+        write_frame(self.out, header)
+
+    def serve(self) -> None:
+        while True:
+            frame = read_frame(self.inp)
+            if frame is None:
+                return
+            req, payload = frame
+            try:
+                self.handle(req, payload)
+            except HttpError as e:
+                self.reply({"error": str(e), "status": e.status})
+            except MemoryError:
+                self.reply({"error": "out of memory", "status": 503})
+            except Exception as e:  # a hostile input's failure mode, or our bug: one line either way
+                status = 422 if req.get("op") == "check" else 400
+                self.reply({"error": error_line(e), "status": status})
+
+    def handle(self, req: dict[str, Any], payload: bytes) -> None:
+        op = req.get("op")
+        if op == "ping":
+            self.reply({"ok": True, "pid": os.getpid()})
+        elif op == "check":
+            self.check(req, payload)
+        elif op == "lookup":
+            q = parse_lookup(parse_json(payload), list(req["namespaces"]), max_tokens=int(req["max_tokens"]),
+                             max_text=int(req["max_text"]))
+            if q.text is not None:
+                from kvcodec.models.capture import tokenize
+
+                ids: Any = tokenize(self.tokenizer(q.model), q.text)
+            else:
+                ids = q.token_ids
+            keys = lookup_candidates(q, ids, int(req["max_tokens"]))
+            self.reply({"ok": True, "tokens": len(ids), "namespace": q.namespace, "keys": [k.to_str() for k in keys]})
+        elif op == "contains":
+            self.reply({"ok": True, "keys": [k.to_str() for k in contains_keys(parse_json(payload))]})
+        else:
+            raise HttpError(400, f"unknown worker op {str(op)[:40]!r}")
+
+    def check(self, req: dict[str, Any], data: bytes) -> None:
+        from kvcodec.errors import KvcError
+        from kvcodec.store.keys import StoreKey
+
+        key = StoreKey.from_str(req["key"])
+        want = req.get("crc")
+        if want is not None:
+            from kvcodec.store.tiers.base import crc32c
+
+            if f"{crc32c(data):08x}" != want:
+                raise HttpError(400, "body fails its X-Kvc-Crc32c checksum (damaged in transit)")
+        try:
+            r = open_entry(key, data, max_decoded_bytes=int(req["max_decoded_bytes"]),
+                           max_decoded_ratio=float(req["max_decoded_ratio"]),
+                           max_chunk_bytes=int(req["max_chunk_bytes"]))
+        except KvcError as e:
+            raise HttpError(422, f"entry refused: {error_line(e)}") from None
+        if r is None:
+            self.reply({"ok": True, "declared": 0})
+            return
+        with r:
+            self.reply({"declared": int(r.declared_bytes)})
+            frame = read_frame(self.inp)
+            if frame is None:
+                raise SystemExit(0)
+            if not frame[0].get("go"):
+                self.reply({"ok": False, "stopped": True})
+                return
+            if req.get("verify", True):
+                try:
+                    verify_entry(r)
+                except KvcError as e:
+                    raise HttpError(422, f"entry refused: {error_line(e)}") from None
+        self.reply({"ok": True, "declared": int(r.declared_bytes)})
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The worker's entry point (the pool runs ``python -c "from kvcodec.service.worker import main; main()"``)."""
+    ap = argparse.ArgumentParser(prog="kvcodec.service.worker")
+    ap.add_argument("--tokenizer", action="append", default=[], help="FINGERPRINT=DIR (repeatable)")
+    args = ap.parse_args(argv)
+    toks = dict(t.split("=", 1) for t in args.tokenizer)
+    # the protocol owns stdout: anything a library prints goes to stderr instead
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    inp = os.fdopen(os.dup(sys.stdin.fileno()), "rb")
+    # load the decoders now, so the first put does not pay for it (numba kernels come from their cache)
+    import kvcodec.format  # noqa: F401
+    from kvcodec.decode.registry import resolve_device
+
+    resolve_device("cpu")
+    Worker(toks, inp, out).serve()
+
+
+if __name__ == "__main__":
+    main()
