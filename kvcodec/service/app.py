@@ -177,6 +177,38 @@ class LogLimiter:
         return True
 
 
+class _HttpLayerLog:
+    """The logger aiohttp's connection handler writes to: malformed HTTP (bad request line, headers or framing,
+    refused before any route or middleware) becomes one rate-limited line, never a traceback."""
+
+    def __init__(self, limiter: LogLimiter) -> None:
+        self.limiter = limiter
+
+    def _line(self, level: int, msg: str, *args: Any, exc_info: Any = None, **_: Any) -> None:
+        try:
+            text = msg % args if args else str(msg)
+        except (TypeError, ValueError):
+            text = str(msg)
+        if isinstance(exc_info, BaseException):
+            text += f": {error_line(exc_info)}"
+        self.limiter.line(level, f"kdn: {text[:400]}")
+
+    def exception(self, msg: str, *args: Any, **kw: Any) -> None:
+        self._line(logging.WARNING, msg, *args, **kw)
+
+    def error(self, msg: str, *args: Any, **kw: Any) -> None:
+        self._line(logging.WARNING, msg, *args, **kw)
+
+    def warning(self, msg: str, *args: Any, **kw: Any) -> None:
+        self._line(logging.WARNING, msg, *args, **kw)
+
+    def info(self, msg: str, *args: Any, **kw: Any) -> None:
+        pass
+
+    def debug(self, msg: str, *args: Any, **kw: Any) -> None:
+        pass
+
+
 def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(status=status, text=json.dumps(obj, sort_keys=True), content_type="application/json",
                         headers=headers)
@@ -232,7 +264,8 @@ class KdnService:
         app = web.Application(client_max_size=self.config.max_body,
                               middlewares=[self._errors_mw, self._auth_mw],
                               handler_args={"max_field_size": MAX_META_HEADER + 1024,
-                                            "keepalive_timeout": self.config.header_timeout})
+                                            "keepalive_timeout": self.config.header_timeout,
+                                            "logger": _HttpLayerLog(self.bad)})
         app[SERVICE] = self
         r = app.router
         r.add_get("/healthz", self.healthz)
@@ -408,6 +441,21 @@ class KdnService:
             return raw, parse_json(raw)
         return raw, None
 
+    async def _job(self, p: Principal, deadline: float, header: dict[str, Any], payload: bytes = b"",
+                   decide: Callable[[dict[str, Any]], bool] | None = None, what: str = "job") -> dict[str, Any]:
+        """One worker-process job for ``p``'s tenant (fair share, queue limit, deadline), counted by kind."""
+        op = str(header.get("op"))
+        try:
+            rep = await self.workers.run(p.tenant, deadline, header, payload, decide=decide, what=what)
+        except Overloaded:
+            self.metrics.job(op, "overloaded")
+            raise
+        except HttpError as e:
+            self.metrics.job(op, "timeout" if e.status == 504 else "refused")
+            raise
+        self.metrics.job(op, "ok")
+        return rep
+
     def _etag(self, key: StoreKey, data: bytes, created: float | None) -> tuple[str, str]:
         """``(etag, crc32c hex)`` of an entry version; cached by (key, created, size).  Runs in a store thread."""
         ck = (key, created, len(data))
@@ -472,8 +520,8 @@ class KdnService:
                "max_decoded_ratio": c.max_decoded_ratio, "max_chunk_bytes": c.max_chunk_decoded, "verify": c.verify,
                "crc": want.strip().lower() if want is not None else None}
         try:
-            await self.workers.run(p.tenant, deadline, job, data, decide=lambda r: self._admit_decode(p.tenant, r),
-                                   what="check of the entry")
+            await self._job(p, deadline, job, data, decide=lambda r: self._admit_decode(p.tenant, r),
+                            what="check of the entry")
         except (HttpError, Overloaded) as e:
             self.metrics.put("rejected" if e.status < 500 and e.status != 429 else "overloaded")
             raise
@@ -569,7 +617,7 @@ class KdnService:
         if obj is not None:
             keys = contains_keys(obj)
         else:
-            rep = await self.workers.run(p.tenant, request[_DEADLINE], {"op": "contains"}, raw, what="key list parse")
+            rep = await self._job(p, request[_DEADLINE], {"op": "contains"}, raw, what="key list parse")
             keys = await self._run(request, lambda: [StoreKey.from_str(k) for k in rep["keys"]])
         for k in keys:
             self._allow(p, None if k.model == PHYS_MODEL else k.namespace)
@@ -593,7 +641,7 @@ class KdnService:
                                          "(start it with --model, or send token_ids)")
                 job = {"op": "lookup", "namespaces": list(p.namespaces), "max_tokens": c.max_lookup_tokens,
                        "max_text": c.max_lookup_text}
-                rep = await self.workers.run(p.tenant, request[_DEADLINE], job, raw, what="lookup")
+                rep = await self._job(p, request[_DEADLINE], job, raw, what="lookup")
                 cands = await self._run(request, lambda: [StoreKey.from_str(k) for k in rep["keys"]])
                 n_ids = int(rep["tokens"])
         except HttpError as e:

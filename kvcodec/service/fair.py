@@ -3,7 +3,7 @@
 :class:`FairScheduler` hands out a fixed number of *slots* (the decode workers,
 the CPU threads): at most ``per_tenant`` of them to one tenant at a time, and,
 when several tenants wait, to the tenants in round-robin order, whatever order
-their requests arrived in.  So a tenant that queues a thousand expensive
+their requests arrived in (the tenant served least recently goes first).  So a tenant that queues a thousand expensive
 requests delays another tenant's request by at most the one request of its
 own that is running, never by its whole queue.  Each tenant may have at most
 ``max_queued`` requests waiting (more: :class:`Overloaded`, answered ``429``),
@@ -45,6 +45,8 @@ class FairScheduler:
         self.free = slots
         self.running: dict[str, int] = {}
         self._queues: OrderedDict[str, deque[asyncio.Future[None]]] = OrderedDict()
+        self._served: dict[str, int] = {}  # tenant -> serial of its last grant (who waited longest goes first)
+        self._serial = 0
 
     def queued(self, tenant: str | None = None) -> int:
         if tenant is not None:
@@ -57,6 +59,10 @@ class FairScheduler:
     def _take(self, tenant: str) -> None:
         self.free -= 1
         self.running[tenant] = self.running.get(tenant, 0) + 1
+        self._serial += 1
+        self._served[tenant] = self._serial
+        if len(self._served) > 100_000:  # tenants come from the token file: a bound, not an expected size
+            self._served.clear()
 
     async def acquire(self, tenant: str, deadline: float) -> None:
         """Wait for a slot (``deadline``: ``time.monotonic()`` seconds); :class:`Overloaded` when refused."""
@@ -104,27 +110,23 @@ class FairScheduler:
         self._dispatch()
 
     def _dispatch(self) -> None:
-        """Grant free slots to waiting tenants, one per tenant per round, in round-robin order."""
-        progress = True
-        while self.free > 0 and self._queues and progress:
-            progress = False
-            for tenant in list(self._queues):
-                if self.free <= 0:
-                    break
-                q = self._queues.get(tenant)
-                if not q or self.running.get(tenant, 0) >= self.per_tenant:
-                    continue
-                fut = q.popleft()
-                if not q:
-                    del self._queues[tenant]
-                else:
-                    self._queues.move_to_end(tenant)  # served this round: to the back of the line
-                if fut.done():  # gave up meanwhile
-                    progress = True
-                    continue
-                self._take(tenant)
-                fut.set_result(None)
-                progress = True
+        """Grant free slots to waiting tenants, least recently served first (round robin across tenants)."""
+        while self.free > 0:
+            best: str | None = None
+            for tenant, q in self._queues.items():
+                if q and self.running.get(tenant, 0) < self.per_tenant and \
+                        (best is None or self._served.get(tenant, -1) < self._served.get(best, -1)):
+                    best = tenant
+            if best is None:
+                return
+            q = self._queues[best]
+            fut = q.popleft()
+            if not q:
+                del self._queues[best]
+            if fut.done():  # gave up meanwhile
+                continue
+            self._take(best)
+            fut.set_result(None)
 
     @asynccontextmanager
     async def slot(self, tenant: str, deadline: float) -> AsyncIterator[None]:

@@ -34,6 +34,8 @@ class Metrics:
         self.auth_failures = Counter("kvc_auth_failures", "Refused requests by reason", ["reason"], registry=r)
         self.overloads = Counter("kvc_overloaded", "Requests refused for load (429 tenant limit, 503 server)",
                                  ["status"], registry=r)
+        self.jobs = Counter("kvc_worker_jobs", "Jobs run by the worker processes, by kind and result",
+                            ["op", "result"], registry=r)
         self.queued_jobs = Gauge("kvc_worker_queue", "Requests waiting for a worker process", registry=r)
         self.queued_store = Gauge("kvc_store_queue", "Requests waiting for a store thread", registry=r)
         self.inflight_body = Gauge("kvc_inflight_body_bytes", "Body bytes being received", registry=r)
@@ -72,6 +74,9 @@ class Metrics:
 
     def overloaded(self, status: str) -> None:
         self.overloads.labels(status).inc()
+
+    def job(self, op: str, result: str) -> None:
+        self.jobs.labels(op, result).inc()
 
     def queues(self, jobs: int, store: int, body_bytes: int, suppressed: int) -> None:
         self.queued_jobs.set(jobs)

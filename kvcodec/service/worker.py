@@ -24,6 +24,7 @@ import json
 import os
 import struct
 import sys
+import time
 from typing import Any, BinaryIO
 
 from kvcodec.service.checks import (
@@ -38,6 +39,7 @@ from kvcodec.service.checks import (
 )
 
 FRAME = struct.Struct("<IQ")
+TEST_OPS_ENV = "KVCODEC_WORKER_TEST_OPS"  # "1" enables the ``spin`` op (tests of deadlines)
 MAX_HEADER = 1 << 20
 
 
@@ -117,6 +119,11 @@ class Worker:
                 ids = q.token_ids
             keys = lookup_candidates(q, ids, int(req["max_tokens"]))
             self.reply({"ok": True, "tokens": len(ids), "namespace": q.namespace, "keys": [k.to_str() for k in keys]})
+        elif op == "spin" and os.environ.get(TEST_OPS_ENV) == "1":  # tests: a job that outlives its deadline
+            end = time.monotonic() + float(req.get("seconds", 1.0))
+            while time.monotonic() < end:
+                pass
+            self.reply({"ok": True})
         elif op == "contains":
             self.reply({"ok": True, "keys": [k.to_str() for k in contains_keys(parse_json(payload))]})
         else:

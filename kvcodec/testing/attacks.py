@@ -21,7 +21,7 @@ from kvcodec.store.keys import StoreKey
 #: the honest engines' model: tiny (2 layers, 2 KV heads of 4 channels)
 SMALL_FP = ModelFingerprint("synthetic", 2, 2, (4, 4), '{"rope_theta": 10000.0}', "a" * 64, "b" * 64, "float32",
                             config_sha256="c" * 64)
-#: the attacker's model: 16 layers, 8 KV heads of 128 channels (512 KB of float32 K/V per token)
+#: the attacker's model: 16 layers, 8 KV heads of 128 channels (128 KiB of float32 K and V per token)
 BIG_FP = ModelFingerprint("synthetic-big", 16, 8, (128,) * 16, '{"rope_theta": 10000.0}', "a" * 64, "b" * 64,
                           "float32", config_sha256="c" * 64)
 
@@ -59,7 +59,7 @@ def honest_entry(first: int, n_tokens: int = 256, namespace: str = "default", co
 def amplification_entry(first: int, n_tokens: int = 500, namespace: str = "default",
                         codec: str = "c") -> tuple[StoreKey, bytes]:
     """A *valid* ``.kvc`` of the big model whose K/V are zeros: ~9 KB that declare (and decode to)
-    ``n_tokens`` x 512 KB (500 tokens: 65.5 MB, some 7,000 times the file).  Its token ids hash to its key,
+    ``n_tokens`` x 128 KiB (500 tokens: 65.5 MB, some 7,000 times the file).  Its token ids hash to its key,
     so only a limit on the declared size relative to the file's stops it before the decode."""
     key = StoreKey.for_tokens(np.arange(first, first + n_tokens), model=BIG_FP.id, codec=codec, namespace=namespace)
     return key, _encode(BIG_FP, first, n_tokens, True, "lossless", 0)
@@ -68,7 +68,7 @@ def amplification_entry(first: int, n_tokens: int = 500, namespace: str = "defau
 @lru_cache(maxsize=8)
 def costly_entry(first: int, n_tokens: int = 64, namespace: str = "default", codec: str = "c") -> tuple[StoreKey, bytes]:
     """A sound entry of the big model with random K/V: within every ratio limit (lossless: ~1x), but each put
-    costs a real decode of ``n_tokens`` x 512 KB (64 tokens: 33.5 MB): the attacker's most expensive legal put."""
+    costs a real decode of ``n_tokens`` x 128 KiB (64 tokens: 8 MiB in 32 chunks)."""
     key = StoreKey.for_tokens(np.arange(first, first + n_tokens), model=BIG_FP.id, codec=codec, namespace=namespace)
     return key, _encode(BIG_FP, first, n_tokens, False, "raw", first)
 

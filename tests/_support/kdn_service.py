@@ -17,22 +17,44 @@ TOK_A, TOK_A_RO, TOK_B = "tok-a-0123456789", "tok-a-readonly-99", "tok-b-0123456
 
 
 class Service:
-    def __init__(self, tmp: Path, max_body: str = "8M") -> None:
+    """``extra``: more ``kvc serve`` arguments; ``tokens``: the token file's rows (default: the three above);
+    ``env``: more environment. The server's stderr (its log) goes to ``self.log_path``."""
+
+    def __init__(self, tmp: Path, max_body: str = "8M", extra: list[str] | None = None,
+                 tokens: list[dict] | None = None, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.store_dir = tmp / "kdn-store"
-        tokens = tmp / "tokens.json"
-        tokens.write_text(json.dumps({"tokens": [
+        token_file = tmp / "tokens.json"
+        token_file.write_text(json.dumps({"tokens": tokens or [
             {"token": TOK_A, "tenant": "a"},
             {"token": TOK_A_RO, "tenant": "a", "write": False},
             {"token": TOK_B, "tenant": "b"},
         ]}))
+        self.log_path = tmp / "serve.log"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvcodec", "serve", "--store", str(self.store_dir), "--port", str(self.port),
-             "--tokens", str(tokens), "--max-body", max_body],
-            env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=open(tmp / "serve.log", "wb"))  # noqa: SIM115
+             "--tokens", str(token_file), "--max-body", max_body, *(extra or [])],
+            env=subprocess_env(**(env or {})), stdout=subprocess.DEVNULL,
+            stderr=open(self.log_path, "wb"))  # noqa: SIM115
         # (a file, not a pipe: nobody reads a pipe while the service runs, and a full one would block it)
         wait_port(self.port, timeout=120, proc=self.proc)
         self.base = f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def metrics(self) -> dict[str, float]:
+        _, _, body = self.request("GET", "/metrics", token=None)
+        vals = {}
+        for line in body.decode().splitlines():
+            if line and not line.startswith("#"):
+                name, _, v = line.rpartition(" ")
+                vals[name] = float(v)
+        return vals
+
+    def worker_pids(self) -> list[int]:
+        out = subprocess.run(["ps", "--ppid", str(self.proc.pid), "-o", "pid="], capture_output=True, text=True)
+        return [int(x) for x in out.stdout.split()]
 
     def url(self, token: str | None = None) -> str:
         return f"kvc+http://{':' + token + '@' if token else ''}127.0.0.1:{self.port}"

@@ -221,7 +221,7 @@ def test_reading_holds_one_chunk_at_a_time(preset):
     from kvcodec.api import encode
     from kvcodec.testing.attacks import costly_entry
 
-    _, data = costly_entry(3, 64)  # 16 layers x K/V: 32 chunks of 2 MiB each
+    _, data = costly_entry(3, 64)  # 16 layers x K/V: 32 chunks of 256 KiB each
     data = encode(KvcReader(data).read_cache("cpu"), preset=preset, verify="off").data
     with KvcReader(data) as r:
         chunk = max(e.heads * e.tokens * r.header.head_dims[e.layer] * 4 for e in r.entries)

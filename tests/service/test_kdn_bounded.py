@@ -1,0 +1,250 @@
+"""A shared KDN that strangers cannot knock over (issue 35): one real ``kvc serve`` process with small limits,
+attacked class by class over loopback; every attack is bounded in count and time.
+
+Entries are synthetic-model ``.kvc`` files (kvcodec.testing.attacks), so only the text-lookup test needs the
+embedded model.  The load-under-attack figures are benchmarks/bench_kdn_attack.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+import time
+
+import pytest
+
+from kdn_service import Service, path_of
+from kvcodec.store import Store
+from kvcodec.testing.attacks import (
+    amplification_entry,
+    chunked,
+    costly_entry,
+    deep_json,
+    honest_entry,
+    raw_request,
+    request_head,
+    slow_head,
+)
+
+TOK_A, TOK_A_NS, TOK_B = "tok-a-all-0123456789", "tok-a-ns-a-0123456789", "tok-b-0123456789"
+TOKENS = [
+    {"token": TOK_A, "tenant": "a", "namespaces": ["a", "a-private"]},
+    {"token": TOK_A_NS, "tenant": "a", "namespaces": ["a"]},
+    {"token": TOK_B, "tenant": "b", "namespaces": ["b"]},
+]
+LIMITS = ["--header-timeout", "1", "--body-idle-timeout", "2", "--max-json-body", "1M", "--workers", "2",
+          "--tenant-queue", "2", "--max-decoded", "16M", "--tenant-decode-rate", "1M"]
+
+
+@pytest.fixture(scope="module")
+def svc(tmp_path_factory):
+    s = Service(tmp_path_factory.mktemp("kdn-bounded"), max_body="16M", extra=LIMITS, tokens=TOKENS)
+    yield s
+    s.stop()
+
+
+def _error(body: bytes) -> str:
+    obj = json.loads(body)
+    assert set(obj) == {"error"} and "\n" not in obj["error"]
+    return obj["error"]
+
+
+def _http_body(resp: bytes) -> bytes:
+    return resp.split(b"\r\n\r\n", 1)[1] if b"\r\n\r\n" in resp else b""
+
+
+def _rss_kb(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1))
+    except (OSError, AttributeError):
+        return 0
+
+
+# -- 1. decompression amplification ----------------------------------------------------------------------
+def test_a_tiny_put_declaring_a_huge_decode_is_refused_before_any_decode(svc):
+    key, data = amplification_entry(7, 120, namespace="a")  # ~3 KB declaring 15.7 MB: under --max-decoded 16M
+    before = {r.key for r in svc.stored()}
+    t0 = time.monotonic()
+    s, _, body = svc.request("PUT", path_of(key), TOK_A, data)
+    assert s == 422 and "its size" in _error(body), body
+    assert time.monotonic() - t0 < 10
+    assert {r.key for r in svc.stored()} == before
+    assert svc.metrics()['kvc_put_total{result="rejected"}'] >= 1
+    for pid in [svc.proc.pid, *svc.worker_pids()]:  # nobody decoded it (an idle worker is ~60 MB)
+        assert _rss_kb(pid) < 400_000, (pid, _rss_kb(pid))
+    key, data = amplification_entry(7, 500, namespace="a")  # 65.5 MB: the absolute limit too
+    s, _, body = svc.request("PUT", path_of(key), TOK_A, data)
+    assert s == 422 and "over the limit of 16,777,216" in _error(body)
+
+
+def test_cheap_checks_come_before_the_decode(svc):
+    key, data = costly_entry(3, 64, namespace="a")
+    bad = bytearray(data)
+    bad[len(bad) // 2] ^= 0xFF  # inside a chunk: only decoding it finds this
+    other = key.to_str().replace(key.model, "0" * 32)
+    s, _, body = svc.request("PUT", f"/v1/entries/{other}", TOK_A, bytes(bad))
+    assert s == 422 and "for model" in _error(body), "the model is checked before any chunk is decoded"
+    s, _, body = svc.request("PUT", path_of(key), TOK_A, bytes(bad))
+    assert s == 422 and "does not verify" in _error(body)
+
+
+# -- 2. body limits on the bytes read --------------------------------------------------------------------
+def test_body_limits_hold_whatever_the_framing(svc):
+    big = b'{"keys": ["' + b"x" * (2 << 20) + b'"]}'  # 2 MiB: over --max-json-body 1M, sent without a length
+    head = request_head("POST", "/v1/contains", TOK_A, {"Transfer-Encoding": "chunked"})
+    s, resp = raw_request(svc.port, head, chunked(big))
+    assert s == 413 and "limit" in _error(_http_body(resp))
+    head = request_head("PUT", path_of(honest_entry(1, 64, "a")[0]), TOK_A, {"Transfer-Encoding": "chunked"})
+    s, resp = raw_request(svc.port, head, chunked(b"\0" * (17 << 20), 1 << 20))
+    assert s == 413
+    ok = json.dumps({"keys": [honest_entry(1, 64, "a")[0].to_str()]}).encode()
+    s, resp = raw_request(svc.port, request_head("POST", "/v1/contains", TOK_A, {"Transfer-Encoding": "chunked"}),
+                          chunked(ok, 7))
+    assert s == 200 and json.loads(_http_body(resp)) == {"found": [False]}
+
+
+# -- 3. fairness and quotas ------------------------------------------------------------------------------
+def test_one_tenant_over_its_decode_quota_does_not_slow_another(svc):
+    """--max-decoded 16M is also the quota's burst, --tenant-decode-rate 1M its refill: 8 MiB decodes spend
+    b's balance within a few puts, then b gets 429 with Retry-After, and a's put goes straight through."""
+    statuses = []
+    for i in range(5):
+        key, data = costly_entry(100 + i, 64, namespace="b")
+        s, h, body = svc.request("PUT", path_of(key), TOK_B, data)
+        statuses.append(s)
+        if s == 429:
+            break
+    assert statuses[:2] == [201, 201] and statuses[-1] == 429, statuses
+    assert int(h["Retry-After"]) >= 1 and "quota" in _error(body)
+    key, data = costly_entry(200, 64, namespace="a")
+    t0 = time.monotonic()
+    assert svc.request("PUT", path_of(key), TOK_A, data)[0] == 201
+    assert time.monotonic() - t0 < 30
+    assert svc.metrics()['kvc_overloaded_total{status="429"}'] >= 1
+
+
+def test_a_flood_of_one_tenant_gets_429_while_another_is_served(svc):
+    """b keeps 12 large lookups (parsed by workers) in flight at once: at most --tenant-workers 1 runs and
+    --tenant-queue 2 wait, the rest are 429 at once; a's lookup is answered meanwhile."""
+    ids = list(range(120_000))
+    body = json.dumps({"model": "m", "codec": "c", "namespace": "b", "token_ids": ids}).encode()
+    assert 64 << 10 < len(body) < 1 << 20
+    out: list[int] = []
+
+    def flood() -> None:
+        out.append(svc.request("POST", "/v1/lookup", TOK_B, body)[0])
+
+    threads = [threading.Thread(target=flood) for _ in range(12)]
+    for t in threads:
+        t.start()
+    q = json.dumps({"model": "m", "codec": "c", "namespace": "a", "token_ids": ids[:1000]}).encode()
+    s, _, _ = svc.request("POST", "/v1/lookup", TOK_A, q)
+    for t in threads:
+        t.join(60)
+    assert s == 200
+    assert set(out) <= {200, 429} and len(out) == 12, out
+
+
+# -- 5. slow clients -------------------------------------------------------------------------------------
+def test_a_slow_request_head_is_cut_at_the_header_timeout(svc):
+    held = slow_head(svc.port, interval=0.25, limit_s=20)
+    assert held < 5, f"a byte-a-quarter-second request head held its connection {held:.1f} s (header timeout 1 s)"
+
+
+def test_a_stalled_body_is_cut_at_the_idle_timeout(svc):
+    key = honest_entry(2, 64, "a")[0]
+    with socket.create_connection(("127.0.0.1", svc.port), timeout=15) as sock:
+        sock.sendall(request_head("PUT", path_of(key), TOK_A, {"Content-Length": "100000"}) + b"x" * 10)
+        t0 = time.monotonic()
+        resp = sock.recv(65536)
+    assert resp.startswith(b"HTTP/1.1 408") and time.monotonic() - t0 < 10, resp[:200]
+
+
+# -- 6. malformed JSON -----------------------------------------------------------------------------------
+def test_deep_or_malformed_json_is_a_one_line_json_400(svc):
+    for path in ("/v1/contains", "/v1/lookup"):
+        s, _, body = svc.request("POST", path, TOK_A, deep_json())
+        assert s == 400 and "nests too deeply" in _error(body)
+    big_bad = b'{"keys": [' + b'"x",' * 40_000 + b"]}"  # > 64 KiB: parsed by a worker
+    s, _, body = svc.request("POST", "/v1/contains", TOK_A, big_bad)
+    assert s == 400 and "not JSON" in _error(body)
+    s, _, body = svc.request("POST", "/v1/lookup", TOK_A, b"\xff" * 100)
+    assert s == 400 and "not JSON" in _error(body)
+    assert "Traceback" not in svc.log()
+
+
+# -- 9. ranges, namespaces, logs ---------------------------------------------------------------------------
+def test_range_edge_cases_over_http(svc):
+    key, data = honest_entry(3, 64, "a")
+    assert svc.put_raw(key, data, token=TOK_A) == 201
+    s, h, body = svc.request("GET", path_of(key), TOK_A, headers={"Range": "bytes=-0"})
+    assert s == 416 and h["Content-Range"] == f"bytes */{len(data)}"
+    s, h, body = svc.request("GET", path_of(key), TOK_A, headers={"Range": "bytes=0-0"})
+    assert s == 206 and body == data[:1]
+    for junk in ("bytes=9-3", "bytes=0-1,4-5", "lines=0-1", "bytes=0-" + "9" * 5000):
+        s, _, body = svc.request("GET", path_of(key), TOK_A, headers={"Range": junk})
+        assert (s, body) in ((200, data), (206, data)), (junk, s)
+    s, _, _ = svc.request("GET", path_of(key), TOK_A, headers={"Range": "bytes=" + "9" * 30 + "-"})
+    assert s == 416
+
+
+def test_a_namespace_limited_token_sees_only_its_namespaces(svc):
+    pub, pub_data = honest_entry(10, 64, "a")
+    priv, priv_data = honest_entry(11, 64, "a-private")
+    assert svc.put_raw(pub, pub_data, token=TOK_A) == 201 and svc.put_raw(priv, priv_data, token=TOK_A) == 201
+    s, _, body = svc.request("GET", "/v1/entries", TOK_A_NS)
+    keys = {e["key"] for e in json.loads(body)["entries"]}
+    assert s == 200 and pub.to_str() in keys and priv.to_str() not in keys
+    assert svc.request("GET", "/v1/entries?namespace=a-private", TOK_A_NS)[0] == 403
+    # store clients: sealed entries under physical names, the namespace named by the seal
+    full = Store.open(svc.url(TOK_A), memory_bytes=0)
+    limited = Store.open(svc.url(TOK_A_NS), memory_bytes=0)
+    sk, sd = honest_entry(12, 64, "a-private")
+    assert full.put(sk, sd).ok and full.get(sk) == sd
+    assert limited.ls() == [] or all(r.key.namespace == "a" for r in limited.ls())
+    assert limited.get(sk) is None, "a sealed entry of another namespace is not readable with this token"
+    assert full.get(sk) == sd
+    s, _, body = svc.request("GET", "/v1/entries", TOK_A)
+    assert priv.to_str() in {e["key"] for e in json.loads(body)["entries"]}
+
+
+def test_bad_requests_are_one_rate_limited_line_each(svc):
+    before = svc.log().count("\n")
+    t0 = time.monotonic()
+    for i in range(150):
+        raw_request(svc.port, b"GET /v1/whoami HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n", timeout=5)
+        raw_request(svc.port, request_head("GET", "/v1/whoami", "not-a-token-%d" % i), timeout=5)
+    elapsed = time.monotonic() - t0
+    time.sleep(0.2)
+    log = svc.log()
+    lines = log.count("\n") - before
+    assert "Traceback" not in log
+    assert lines <= 20 + 10 * elapsed + 2, f"{lines} log lines for 300 bad requests in {elapsed:.1f} s"
+    time.sleep(1.5)
+    raw_request(svc.port, request_head("GET", "/v1/whoami", "not-a-token-x"), timeout=5)
+    time.sleep(0.2)
+    assert "bad requests not logged" in svc.log()
+
+
+# -- 4. tokenization off the event loop --------------------------------------------------------------------
+@pytest.mark.model
+def test_text_lookups_are_tokenized_by_a_worker(tmp_path, lm):
+    from kvcodec.models.capture import tokenize
+
+    s = Service(tmp_path, extra=["--model", "smollm2"], tokens=TOKENS)
+    try:
+        text = "The GNU General Public License is a free, copyleft license. " * 20
+        q = {"model": lm.fingerprint.id, "codec": "c", "namespace": "a"}
+        st, _, by_text = s.request("POST", "/v1/lookup", TOK_A, json.dumps({**q, "text": text}).encode())
+        ids = [int(x) for x in tokenize(lm.tokenizer, text)]
+        st2, _, by_ids = s.request("POST", "/v1/lookup", TOK_A, json.dumps({**q, "token_ids": ids}).encode())
+        assert st == st2 == 200 and json.loads(by_text) == json.loads(by_ids)
+        m = s.metrics()
+        assert m['kvc_worker_jobs_total{op="lookup",result="ok"}'] == 1
+        st, _, body = s.request("POST", "/v1/lookup", TOK_A, json.dumps({**q, "text": "x" * (5 << 20)}).encode())
+        assert st == 413 or (st == 400 and "limit" in _error(body))
+    finally:
+        s.stop()
