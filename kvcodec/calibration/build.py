@@ -34,6 +34,7 @@ from kvcodec.codecs.rope_tables import layer_rope_config
 from kvcodec.codecs.rope import RopeStage
 from kvcodec.core.stage import ChunkContext
 from kvcodec.errors import KvcInputError
+from kvcodec.models.layout import ALL_HEADS
 
 def _pre_rope(cache: Any, layer: int, kind: str) -> np.ndarray:
     """Keys as the plans code them: pre-RoPE, or as they are when the model's RoPE variant has no rope stage."""
@@ -49,19 +50,18 @@ def _pre_rope(cache: Any, layer: int, kind: str) -> np.ndarray:
 
 
 def _decoder_layers(lm: Any) -> Any:
-    from kvcodec.models.cachelayout import decoder_layers
-
-    layers = decoder_layers(lm.model)
+    layers = lm.layout.decoder_layers(lm.model)
     if layers is None:
         raise KvcInputError(f"cannot calibrate {type(lm.model).__name__}: its decoder layers are not at .model.layers "
                             "(GPT-2/Falcon-style module layouts); the lossless and fp16 presets need no calibration")
     return layers
 
 
-def _self_attn(model: Any, layer: Any, i: int) -> Any:
-    att = getattr(layer, "self_attn", None)
+def _self_attn(lm: Any, i: int) -> Any:
+    att = lm.layout.attention_module(lm.model, i)
     if att is None:
-        raise KvcInputError(f"cannot calibrate {type(model).__name__}: decoder layer {i} "
+        layer = _decoder_layers(lm)[i]
+        raise KvcInputError(f"cannot calibrate {type(lm.model).__name__}: decoder layer {i} "
                             f"({type(layer).__name__}) has no self_attn module")
     return att
 
@@ -71,36 +71,37 @@ class _QueryMoments:
 
     Hooked into the q projections while the first calibration text is
     captured, so the attention metric costs no forward pass of its own.
+    Where the queries are and how they are normalised is the model's layout
+    (:meth:`kvcodec.models.layout.ModelLayout.query`).
     """
 
     def __init__(self, lm: Any, sink: int) -> None:
-        cfg = lm.model.config.get_text_config()
-        self.nq, self.nkv = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
-        self.D = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.nq)
+        lay = lm.layout
+        self.nq, self.nkv, self.D = lay.num_heads, lay.num_kv_heads, lay.head_dim
         self.layers = _decoder_layers(lm)
-        self._model = lm.model
+        self._lm = lm
         self.sink = sink
         self.moments: np.ndarray | None = None
         self._hooks: list[Any] = []
 
     def __enter__(self) -> "_QueryMoments":
         self.moments = np.zeros((len(self.layers), self.nkv, self.D))
-        for i, layer in enumerate(self.layers):
-            att = _self_attn(self._model, layer, i)
+        lm = self._lm
+        for i in range(len(self.layers)):
+            att = _self_attn(lm, i)
             # separate q projection (LLaMA, Qwen, Gemma, Mistral) or the first nq*D outputs of a fused one (Phi-3)
-            proj = getattr(att, "q_proj", None) or getattr(att, "qkv_proj", None)
+            proj, q_norm, scope = lm.layout.query(lm.model, i)
             if proj is None:
-                raise KvcInputError(f"cannot calibrate {type(self._model).__name__}: layer {i}'s attention "
+                raise KvcInputError(f"cannot calibrate {type(lm.model).__name__}: layer {i}'s attention "
                                     f"({type(att).__name__}) has neither q_proj nor a fused qkv_proj")
-            self._hooks.append(proj.register_forward_hook(self._hook(i, getattr(att, "q_norm", None))))
+            self._hooks.append(proj.register_forward_hook(self._hook(i, q_norm, scope)))
         return self
 
-    def _hook(self, i: int, q_norm: Any) -> Any:
+    def _hook(self, i: int, q_norm: Any, scope: str | None) -> Any:
         def hook(mod: Any, inp: Any, o: Any) -> None:
             q = o[0, :, : self.nq * self.D].detach()
             if q_norm is not None:  # the keys meet the normalised queries
-                w = getattr(q_norm, "weight", None)
-                if w is not None and w.numel() == self.nq * self.D:  # OLMo 2: one norm over all query heads
+                if scope == ALL_HEADS:  # OLMo 2: one norm over all query heads
                     q = q_norm(q)
                 else:  # Qwen3, Gemma 3: each query head normalised on its own
                     q = q_norm(q.reshape(o.shape[1], self.nq, self.D))
@@ -125,16 +126,16 @@ def attention_metrics(lm: Any, qm: np.ndarray, reg: float = 0.01) -> np.ndarray:
     Values: W_o^T W_o over the output-projection columns of the query heads that share the KV head.
     """
     L, H, D = qm.shape
-    cfg = lm.model.config.get_text_config()
-    r = int(cfg.num_attention_heads) // H
+    r = lm.layout.num_heads // H
     out = np.zeros((L, 2, H, D, D))
     h2 = D // 2
     for l in range(L):
-        att = _self_attn(lm.model, _decoder_layers(lm)[l], l)
-        if not hasattr(att, "o_proj"):
+        att = _self_attn(lm, l)
+        o_proj = lm.layout.output_projection(lm.model, l)
+        if o_proj is None:
             raise KvcInputError(f"cannot calibrate {type(lm.model).__name__}: layer {l}'s attention "
                                 f"({type(att).__name__}) has no o_proj output projection")
-        wo = att.o_proj.weight.detach().double().numpy()
+        wo = o_proj.weight.detach().double().numpy()
         for h in range(H):
             d = qm[l, h]
             d = np.concatenate([(d[:h2] + d[h2:]) / 2] * 2)

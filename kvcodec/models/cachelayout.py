@@ -2,14 +2,14 @@
 
 Why one module: capture, the HF loader, evaluation and token importance must
 agree exactly on each layer's attention pattern, or a loaded `.kvc` would not
-continue like a fresh prefill. The pattern is read from the model's config the
-way transformers itself builds a cache for it (``get_layer_types_and_kwargs``
-and its layer-type -> layer-class table), so there is no model-specific code:
-a layer whose cache class is transformers' ``DynamicSlidingWindowLayer``
-(sliding-window and chunked attention) keeps only its last ``window - 1``
-tokens, every other attention layer keeps all of them. Cache layer types that
-hold no per-token K/V (linear attention, convolution states, ...) cannot be
-stored in a `.kvc` and are refused with an error naming the type.
+continue like a fresh prefill. The pattern is the model layout's attention
+windows (:func:`kvcodec.models.layout.attention_windows`, read the way
+transformers itself builds a cache for the model): a layer whose cache class is
+transformers' ``DynamicSlidingWindowLayer`` (sliding-window and chunked
+attention) keeps only its last ``window - 1`` tokens, every other attention
+layer keeps all of them. Cache layer types that hold no per-token K/V (linear
+attention, convolution states, ...) cannot be stored in a `.kvc` and are
+refused with an error naming the type.
 """
 
 from __future__ import annotations
@@ -18,50 +18,21 @@ from typing import Any, Callable
 
 import torch
 
-from kvcodec.errors import KvcInputError, KvcModelMismatchError
+from kvcodec.errors import KvcModelMismatchError
 from kvcodec.models.hfimport import cache_utils
+from kvcodec.models.layout import attention_windows
 
 cache_utils()  # first, so transformers' cache classes import without hqq's cost (kvcodec/models/hfimport.py)
 from transformers import DynamicCache  # noqa: E402
-from transformers.cache_utils import (  # noqa: E402
-    DYNAMIC_LAYER_TYPE_MAPPING,
-    DynamicLayer,
-    DynamicSlidingWindowLayer,
-    get_layer_types_and_kwargs,
-)
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer  # noqa: E402
 
-
-
-def decoder_layers(model: Any) -> Any | None:
-    """The decoder layers of a transformers causal LM (``get_decoder().layers``: LLaMA, Qwen, Gemma, Mistral,
-    Phi-3, OLMo, SmolLM3, ...), or None for layouts without them (GPT-2, Falcon: ``.transformer.h``).
-    The one look-up for CacheBlend, which drives them, and the calibration, which hooks into them."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    return getattr(decoder, "layers", None)
 
 def cache_windows(config: Any) -> list[int | None]:
     """Per layer: the window of its sliding-window cache layer (it keeps the last ``window - 1`` tokens;
-    a query at position q sees keys at q - window < k <= q), or None for a layer that keeps every token."""
-    cfg = config.get_text_config(decoder=True)
-    types, kwargs = get_layer_types_and_kwargs(cfg)
-    n = int(cfg.num_hidden_layers)
-    if len(types) != n:
-        raise KvcInputError(f"the model has {n} layers but {len(types)} of them have a KV cache "
-                            "(shared KV layers are not supported)")
-    out: list[int | None] = []
-    for i, (t, kw) in enumerate(zip(types, kwargs)):
-        cls = DYNAMIC_LAYER_TYPE_MAPPING.get(t)
-        if cls is DynamicSlidingWindowLayer:
-            w = kw.get("sliding_window")
-            if not isinstance(w, int) or isinstance(w, bool) or w < 2:
-                raise KvcInputError(f"layer {i} ({t}) has sliding window {w!r}; a window of at least 2 is needed")
-            out.append(w)
-        elif cls is DynamicLayer:
-            out.append(None)
-        else:
-            raise KvcInputError(f"layer {i} has cache layer type {t!r}, which holds no per-token K/V; "
-                                "kvcodec supports full and sliding-window attention layers only")
-    return out
+    a query at position q sees keys at q - window < k <= q), or None for a layer that keeps every token.
+    Read from the model's config by :func:`kvcodec.models.layout.attention_windows` (a loaded model has
+    them as ``lm.layout.windows``)."""
+    return attention_windows(config)
 
 
 def kept_tokens(window: int | None, n: int) -> int:
@@ -157,7 +128,7 @@ def hf_cache(windows: list[int | None], fetchers: list[Fetch], n: int) -> Any:
 def cache_for(lm: Any, cache: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
     """The transformers cache of ``cache`` (a KVCache) for ``lm``, holding ``pairs``: each layer's K/V as
     [1, H, t, D] tensors (e.g. cast to the model's dtype, or autograd leaves), used as given."""
-    windows = cache_windows(lm.model.config)
+    windows = list(lm.layout.windows)
     check_layer_tokens(windows, cache.layer_tokens, cache.num_tokens, "the cache")
     return hf_cache(windows, [_given(k, v) for k, v in pairs], cache.num_tokens)
 

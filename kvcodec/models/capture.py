@@ -64,9 +64,7 @@ def model_cache(lm: LoadedModel) -> Any:
     """
     from transformers import DynamicCache
 
-    from kvcodec.models.cachelayout import cache_windows
-
-    cache_windows(lm.model.config)  # refuses unsupported layer types with one line
+    lm.layout  # noqa: B018 - its windows refuse unsupported cache layer types with one line
     return DynamicCache(config=lm.model.config)
 
 

@@ -54,7 +54,11 @@ from typing import Any, Mapping
 from kvcodec.errors import KvcModelNotFoundError, is_int
 from kvcodec.core.fingerprint import HEX64, ModelFingerprint
 from kvcodec.digest import json_sha256
+from kvcodec.models.layout import ModelLayout, canonical_rope, text_config
 from kvcodec.paths import cache_root
+
+__all__ = ["CONFIG_FIELDS", "TOKENIZER_FILES", "cache_config", "canonical_rope", "fingerprint_dir", "fingerprint_model",
+           "read_config", "tokenizer_sha256", "weight_files", "weights_identity", "weights_sha256"]
 
 # Config fields (of the text config) that change the model's computation; absent/None ones are omitted.
 CONFIG_FIELDS = (
@@ -76,46 +80,9 @@ _MEMORY_DOMAIN = b"kvcodec-weights-in-memory-v2\0"
 
 
 # --------------------------------------------------------------------------- config and tokenizer
-def _text_config(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
-    tc = cfg.get("text_config")
-    return tc if isinstance(tc, dict) else cfg
-
-
-def canonical_rope(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """RoPE parameters in one shape whatever the config's vintage.
-
-    transformers >= 5 writes ``rope_parameters`` (possibly nested per layer
-    type); older configs have ``rope_theta`` + ``rope_scaling``. The latter is
-    flattened into the same dict (``type`` -> ``rope_type``).
-    """
-    c = _text_config(cfg)
-    rp = c.get("rope_parameters")
-    if isinstance(rp, dict) and rp:
-        out = dict(rp)
-        if any(isinstance(v, dict) for v in out.values()) and isinstance(c.get("layer_types"), list):
-            # nested per layer type: which layer has which parameters is part of the RoPE (the rope stage reads it)
-            out["layer_types"] = list(c["layer_types"])
-    else:
-        out = {}
-        if c.get("rope_theta") is not None:
-            out["rope_theta"] = c["rope_theta"]
-        sc = c.get("rope_scaling")
-        if isinstance(sc, dict):
-            for k, v in sc.items():
-                out["rope_type" if k == "type" else k] = v
-        out.setdefault("rope_type", "default")
-    if c.get("partial_rotary_factor") is not None and "full_attention" not in out:
-        out.setdefault("partial_rotary_factor", c["partial_rotary_factor"])
-    if isinstance(c.get("no_rope_layers"), list):
-        # SmolLM3, Llama 4: per layer 1 = RoPE, 0 = none (NoPE). Which layers rotate is part of the RoPE: the
-        # rope stage must not un-rotate, nor CacheBlend re-rotate, a NoPE layer's keys (kvcodec.codecs.rope_tables)
-        out["no_rope_layers"] = list(c["no_rope_layers"])
-    return out
-
-
 def cache_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """The :data:`CONFIG_FIELDS` of a config dict (raw config.json or ``config.to_dict()``) plus canonical RoPE."""
-    c = _text_config(cfg)
+    c = text_config(cfg)
     out = {k: c[k] for k in CONFIG_FIELDS if c.get(k) is not None}
     out["rope"] = canonical_rope(cfg)
     return out
@@ -139,50 +106,18 @@ def tokenizer_sha256(tokenizer: Any) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-# The same quantity under each family's config.json name (transformers maps them through a config class's
-# attribute_map; a raw config.json has only the family's own): GPT-2 and friends say n_layer/n_head/n_embd.
-_LAYERS = ("num_hidden_layers", "n_layer", "num_layers")
-_HEADS = ("num_attention_heads", "n_head", "num_heads")
-_KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num")
-_HIDDEN = ("hidden_size", "n_embd", "d_model")
-
-
-def _first(c: Mapping[str, Any], names: tuple[str, ...]) -> Any:
-    for k in names:
-        if k in c:
-            return c[k]
-    raise KeyError(names[0])
-
-
-def _head_layout(c: Mapping[str, Any]) -> tuple[int, int, int]:
-    """(layers, kv heads, head_dim) from a text config dict, validated."""
-    try:
-        n_layers, n_heads = _first(c, _LAYERS), _first(c, _HEADS)
-        n_kv = next((c[k] for k in _KV_HEADS if c.get(k)), None) or n_heads
-        if c.get("multi_query") and not c.get("new_decoder_architecture"):  # Falcon's multi-query layout
-            n_kv = 1
-        head_dim = c.get("head_dim") or _first(c, _HIDDEN) // n_heads
-    except (KeyError, TypeError, ZeroDivisionError) as exc:
-        raise KvcModelNotFoundError(f"model config lacks a usable head layout ({exc})") from None
-    if not all(is_int(x) and 0 < x <= 65536 for x in (n_layers, n_heads, n_kv, head_dim)) or n_layers > 4096:
-        raise KvcModelNotFoundError("model config has an invalid head layout")
-    return n_layers, n_kv, head_dim
-
-
 def _make(cfg: Mapping[str, Any], tokenizer_digest: str, weights: str, dtype: str) -> ModelFingerprint:
-    c = _text_config(cfg)
-    n_layers, n_kv, head_dim = _head_layout(c)
-    cc = cache_config(cfg)
+    layout = ModelLayout.from_config(cfg)
     return ModelFingerprint(
-        architecture=str(c.get("model_type") or "unknown"),
-        num_layers=n_layers,
-        num_kv_heads=n_kv,
-        head_dims=tuple([head_dim] * n_layers),
-        rope=json.dumps(cc["rope"], sort_keys=True, default=str),
+        architecture=layout.family,
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dims=tuple([layout.head_dim] * layout.num_layers),
+        rope=layout.rope,
         tokenizer_sha256=tokenizer_digest,
         weights_sha256=weights,
         dtype=dtype,
-        config_sha256=json_sha256(cc),
+        config_sha256=json_sha256(cache_config(cfg)),
     )
 
 
@@ -491,6 +426,15 @@ def _dir_tokenizer_sha256(d: Path, tokenizer: Any) -> str:
 
 
 # --------------------------------------------------------------------------- entry points
+def read_config(model_dir: str | Path) -> dict[str, Any]:
+    """An HF model directory's raw config.json (bounded read): what its fingerprint and layout read."""
+    d = Path(model_dir).resolve()
+    cfg = _read_json(d / "config.json", "config.json")
+    if not isinstance(cfg, dict):
+        raise KvcModelNotFoundError(f"{d}/config.json is not a JSON object")
+    return cfg
+
+
 def fingerprint_dir(model_dir: str | Path, tokenizer: Any = None, dtype: str = "float32") -> ModelFingerprint:
     """The fingerprint of an HF model directory: raw config.json, its tokenizer and its safetensors files.
 
@@ -500,10 +444,7 @@ def fingerprint_dir(model_dir: str | Path, tokenizer: Any = None, dtype: str = "
     is fingerprinted (LoadedModel, the vLLM connector).
     """
     d = Path(model_dir).resolve()
-    cfg = _read_json(d / "config.json", "config.json")
-    if not isinstance(cfg, dict):
-        raise KvcModelNotFoundError(f"{d}/config.json is not a JSON object")
-    return _make(cfg, _dir_tokenizer_sha256(d, tokenizer), weights_sha256(d), dtype)
+    return _make(read_config(d), _dir_tokenizer_sha256(d, tokenizer), weights_sha256(d), dtype)
 
 
 def _module_weights_sha256(model: Any) -> str:

@@ -27,7 +27,8 @@ from typing import Any, Iterator
 
 from kvcodec.errors import KvcModelNotFoundError
 from kvcodec.core.fingerprint import ModelFingerprint
-from kvcodec.models.fingerprint import fingerprint_dir, fingerprint_model, weights_identity, weights_sha256
+from kvcodec.models.fingerprint import fingerprint_dir, fingerprint_model, read_config, weights_identity, weights_sha256
+from kvcodec.models.layout import ModelLayout
 from kvcodec.paths import cache_root
 
 DEFAULT_MODEL = "smollm2"
@@ -77,13 +78,18 @@ class LoadedModel:
     path: Path
 
     @cached_property
+    def layout(self) -> ModelLayout:
+        """What kvcodec knows of this model's layout (:mod:`kvcodec.models.layout`), read from the same
+        config dict as its fingerprint (the directory's config.json when there is one)."""
+        cfg = read_config(self.path) if (Path(self.path) / "config.json").is_file() else self.model.config.to_dict()
+        return ModelLayout.of_model(self.model, cfg)
+
+    @property
     def attention_windows(self) -> list[int | None]:
         """Per layer: the sliding window (a query at q sees keys k with q - k < window, transformers'
         rule) or None for full causal attention, as transformers builds the model's cache
-        (:func:`kvcodec.models.cachelayout.cache_windows`)."""
-        from kvcodec.models.cachelayout import cache_windows
-
-        return cache_windows(self.model.config)
+        (:func:`kvcodec.models.layout.attention_windows`)."""
+        return list(self.layout.windows or ())
 
     def warm_up(self) -> float:
         """Run one short forward pass, then one more on its cache; returns the seconds it took.

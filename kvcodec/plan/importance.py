@@ -91,7 +91,7 @@ def _tapped_scores(lm: Any, ids: Any, window: int | None, total: int, squared: b
     """One forward of ``ids`` (over ``forward``'s past, if any) with the attention tap; [L, total] scores."""
     import torch
 
-    with torch.inference_mode(), tapped(lm, _Collector(window, total, getattr(lm, "attention_windows", None))) as col:
+    with torch.inference_mode(), tapped(lm, _Collector(window, total, list(lm.layout.windows or ()))) as col:
         lm.model(input_ids=ids, logits_to_keep=1, **forward)
     L = lm.fingerprint.num_layers
     src = col.a2 if squared else col.a1

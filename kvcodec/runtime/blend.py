@@ -4,10 +4,10 @@ Each chunk's KV cache is captured on its own, at positions ``0..n-1`` (a
 normal :func:`kvcodec.models.capture.capture`), so one cache serves the chunk
 wherever it lands in a later prompt. To place a chunk at offset ``o`` its
 post-RoPE keys are re-rotated by ``o`` (rotations compose:
-``R(p + o) = R(o) R(p)``), each layer with its own RoPE parameters from the
-model fingerprint (:func:`kvcodec.codecs.rope_tables.layer_rope_config`: Gemma 3's
-local and global layers rotate with different thetas; cos/sin in float64,
-applied in fp32). Values carry no position and are reused as they are. A
+``R(p + o) = R(o) R(p)``), each layer with its own RoPE from the model layout
+(:meth:`kvcodec.models.layout.ModelLayout.layer_rope`: Gemma 3's local and
+global layers rotate with different thetas, SmolLM3's NoPE layers not at all;
+cos/sin in float64, applied in fp32). Values carry no position and are reused as they are. A
 sliding-window layer of a chunk holds only the chunk's last ``window - 1``
 tokens (the ragged layout, :mod:`kvcodec.models.cachelayout`); its earlier tokens
 are missing from the blend's store and masked out, which only rows of that
@@ -73,10 +73,11 @@ import numpy as np
 import torch
 
 from kvcodec.models.cachelayout import cache_for_model
-from kvcodec.models.cachelayout import DynamicCache, DynamicLayer, cache_windows, check_layer_tokens, decoder_layers, kept_tokens
+from kvcodec.models.cachelayout import DynamicCache, DynamicLayer, check_layer_tokens, kept_tokens
+from kvcodec.models.layout import DYNAMIC, NOPE, PLAIN, SCALED, STATIC_SCALED_ROPE
 from kvcodec.errors import KvcInputError
 from kvcodec.core.kvcache import KVCache
-from kvcodec.codecs.rope_tables import inv_freq, layer_applies_rope, layer_rope_config, rope_angles
+from kvcodec.codecs.rope_tables import inv_freq, rope_angles
 
 DEFAULT_RATIO = 0.15
 DEFAULT_SELECT_LAYER = 1
@@ -86,51 +87,34 @@ DEFAULT_SELECT_LAYER = 1
 def layer_inv_freqs(lm: Any) -> list[np.ndarray]:
     """Per layer, the float64 [rotary_dim/2] inverse frequencies its keys were rotated with (none for NoPE).
 
-    Plain RoPE: from the model fingerprint's parameters (flat or nested per
-    layer type) exactly as the codec's rope stage reads them, so blend and
-    codec agree on every layer's rotation. Statically rescaled RoPE (linear,
-    llama3, YaRN), which the rope stage does not model, is still a rotation
-    by ``position * inv_freq`` (YaRN's attention factor scales cos and sin
-    alike, so it rides along with the stored keys): its frequencies come from
-    transformers' own initialiser for the variant. Variants whose frequencies
-    depend on the sequence length (dynamic NTK, LongRoPE) cannot be
-    re-positioned by a rotation and are refused naming the layer and type.
+    Each layer's RoPE is the model layout's (:meth:`kvcodec.models.layout.ModelLayout.layer_rope`).
+    Plain RoPE: from the fingerprint's canonical parameters (flat or nested per layer type) read
+    exactly as the codec's rope stage reads them, with the stage's own :func:`inv_freq`, so blend
+    and codec agree on every layer's rotation. Statically rescaled RoPE (linear, llama3, YaRN),
+    which the rope stage does not model, is still a rotation by ``position * inv_freq`` (YaRN's
+    attention factor scales cos and sin alike, so it rides along with the stored keys): its
+    frequencies are transformers' own for the variant. Variants whose frequencies depend on the
+    sequence length (dynamic NTK, LongRoPE) cannot be re-positioned by a rotation and are refused
+    naming the layer and type.
     """
-    fp = lm.fingerprint
+    layout = lm.layout
     out: list[np.ndarray] = []
-    for i in range(fp.num_layers):
-        if not layer_applies_rope(fp.rope, i):  # a NoPE layer: its keys carry no position, nothing to re-rotate
+    for i in range(layout.num_layers):
+        r = layout.layer_rope(i)
+        if r.kind == NOPE:  # a NoPE layer: its keys carry no position, nothing to re-rotate
             out.append(np.zeros(0, np.float64))
-            continue
-        cfg = layer_rope_config(fp, i, fp.head_dims[i])
-        out.append(inv_freq(cfg["theta"], cfg["dim"]) if cfg is not None else _scaled_inv_freq(lm, i))
+        elif r.kind == PLAIN:
+            out.append(inv_freq(r.theta, r.dim))
+        elif r.kind == SCALED:
+            out.append(np.array(r.inv_freq, np.float64))
+        elif r.kind == DYNAMIC:
+            raise KvcInputError(f"blend re-positions chunk keys by a RoPE rotation; layer {i} uses RoPE type {r.rope_type!r}, "
+                                "whose frequencies depend on the sequence length (supported: default, "
+                                f"{', '.join(STATIC_SCALED_ROPE)})")
+        else:  # the rope stage found no plain RoPE parameters either
+            raise KvcInputError(f"blend re-positions chunk keys by a RoPE rotation; layer {i}'s config names no "
+                                "RoPE parameters (positions from learned or absolute embeddings cannot be re-positioned)")
     return out
-
-
-_STATIC_SCALED_ROPE = ("linear", "llama3", "yarn")
-
-
-def _scaled_inv_freq(lm: Any, layer: int) -> np.ndarray:
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    tc = lm.model.config.get_text_config(decoder=True)
-    params = getattr(tc, "rope_parameters", None)
-    types = getattr(tc, "layer_types", None)
-    layer_type = None
-    if isinstance(params, dict) and isinstance(types, (list, tuple)) and layer < len(types) \
-            and isinstance(params.get(types[layer]), dict):
-        layer_type, params = types[layer], params[types[layer]]
-    rtype = params.get("rope_type", "default") if isinstance(params, dict) else None
-    if rtype in (None, "default"):  # the rope stage found no plain RoPE parameters either
-        raise KvcInputError(f"blend re-positions chunk keys by a RoPE rotation; layer {layer}'s config names no "
-                            "RoPE parameters (positions from learned or absolute embeddings cannot be re-positioned)")
-    if rtype not in _STATIC_SCALED_ROPE:
-        raise KvcInputError(f"blend re-positions chunk keys by a RoPE rotation; layer {layer} uses RoPE type {rtype!r}, "
-                            "whose frequencies depend on the sequence length (supported: default, "
-                            f"{', '.join(_STATIC_SCALED_ROPE)})")
-    kw = {"layer_type": layer_type} if layer_type is not None else {}
-    inv, _ = ROPE_INIT_FUNCTIONS[rtype](tc, None, **kw)
-    return inv.detach().cpu().double().numpy()
 
 
 def rotation_tables(offset: int, freqs: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,7 +176,7 @@ def _place(lm: Any, chunks: Sequence[KVCache], extra: int) -> _Placed:
     if not chunks:
         raise KvcInputError("blend needs at least one chunk cache")
     fp = lm.fingerprint
-    windows = cache_windows(lm.model.config)
+    windows = list(lm.layout.windows)
     for i, c in enumerate(chunks):
         _check_chunk(i, c, fp, windows)
     freqs = layer_inv_freqs(lm)
@@ -275,12 +259,12 @@ class _Forward:
             raise KvcInputError(f"blend needs an attention implementation that takes an explicit mask (sdpa or eager), "
                                 f"the model uses {impl!r}")
         self.additive = impl == "eager"
-        layers = decoder_layers(self.model)
+        layers = lm.layout.decoder_layers(self.model)
         if layers is None or len(layers) != len(K):
             raise KvcInputError(f"blend cannot find the {len(K)} decoder layers of {type(self.model).__name__}")
         self.layers = layers
         self.windows = windows
-        types = getattr(cfg, "layer_types", None)
+        types = lm.layout.layer_types
         if len(set(windows)) > 1:
             if not isinstance(types, (list, tuple)) or len(types) != len(windows):
                 raise KvcInputError("blend: the model mixes attention windows across layers but its config names no "

@@ -45,9 +45,13 @@ FAMILIES = {
     # MHA at head_dim 128, stored in bfloat16
     "llama-bf16": dict(model_type="llama", num_attention_heads=2, num_key_value_heads=2, head_dim=128,
                        torch_dtype="bfloat16"),
+    # config.json says n_layers/n_heads/d_model (its entry in kvcodec/models/layout.py's FAMILIES), ALiBi (no RoPE),
+    # blocks at `.transformer.blocks`
+    "mpt": dict(model_type="mpt", num_attention_heads=4),
 }
-# decoder layers outside `.model.layers` (GPT-2 and Falcon: `.transformer.h`): lossless works, calibration refuses
-OTHER_LAYOUTS = ("falcon", "gpt2")
+# decoder layers outside `.model.layers` (GPT-2 and Falcon: `.transformer.h`, MPT: `.transformer.blocks`):
+# lossless works, calibration refuses
+OTHER_LAYOUTS = ("falcon", "gpt2", "mpt")
 N_TOKENS = 120  # > the sliding windows above
 
 
@@ -94,12 +98,16 @@ def test_family_flow(family, family_dirs, tmp_path):
         assert cache.ragged
         _continues_like_a_fresh_prefill(lm, cache, ids)
     for preset in ("lossless", "balanced"):
-        if preset != "lossless" and family in OTHER_LAYOUTS:  # no lossy calibration: one line naming why
-            from kvcodec.errors import KvcInputError
+        if preset != "lossless":  # the entry points build a model's calibration once (get_plan only loads it)
+            from kvcodec.calibration.build import ensure_calibration
 
-            with pytest.raises(KvcInputError, match="cannot calibrate .*not at .model.layers"):
-                get_plan(preset, cache, lm=lm)
-            continue
+            if family in OTHER_LAYOUTS:  # no lossy calibration: one line naming why
+                from kvcodec.errors import KvcInputError
+
+                with pytest.raises(KvcInputError, match="cannot calibrate .*not at .model.layers"):
+                    ensure_calibration(lm)
+                continue
+            ensure_calibration(lm)
         plan = get_plan(preset, cache, lm=lm)
         p = tmp_path / f"{preset}.kvc"
         write_kvc(cache, p, plan)
@@ -121,7 +129,7 @@ def test_family_flow(family, family_dirs, tmp_path):
     assert first.source == "prefill" and again.source == "store"
     assert again.answer_ids == first.answer_ids
     assert np.array_equal(np.asarray(again.answer_ids), np.asarray(first.answer_ids))
-    if family in OTHER_LAYOUTS:  # blend refuses in one line: GPT-2 has no RoPE to re-position by, Falcon's layers
+    if family in OTHER_LAYOUTS:  # blend refuses in one line: GPT-2/MPT have no RoPE to re-position by, Falcon's layers
         from kvcodec.runtime.blend import blend  # are not where blend drives them
         from kvcodec.errors import KvcInputError
 
@@ -287,3 +295,48 @@ def test_kvc_calibrate_chooses_the_basis(family_dirs, tmp_path, monkeypatch, cap
     b = load_calibration(rep["fingerprint"]).basis.astype(np.float32)  # [L, 2, H, D, D]
     on_lo, on_hi = (b[..., :64, :] != 0).any(-2), (b[..., 64:, :] != 0).any(-2)
     assert not (on_lo & on_hi).any() and (on_lo | on_hi).all(), "every column lives on exactly one block"
+
+
+# What each family's layout says (kvcodec/models/layout.py): per family, (query projection, q-norm scope,
+# RoPE kind per layer); None: the decoder layers are not where kvcodec drives them
+LAYOUTS = {
+    "qwen2": ("q_proj", None, ("plain", "plain")),
+    "mistral": ("q_proj", None, ("plain", "plain")),
+    "gemma2": ("q_proj", None, ("plain", "plain")),
+    "phi3": ("qkv_proj", None, ("plain", "plain")),  # the queries are the fused projection's first outputs
+    "qwen3": ("q_proj", "per_head", ("plain", "plain")),
+    "smollm3": ("q_proj", None, ("none", "plain")),
+    "olmo2": ("q_proj", "all_heads", ("plain", "plain")),
+    "falcon": None,
+    "gpt2": None,
+    "llama-bf16": ("q_proj", None, ("plain", "plain")),
+    "mpt": None,
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_layout(family, family_dirs):
+    """Each family's layout: GQA as transformers reads the config, the windows its cache keeps, where the queries
+    are and how they are normalised, and each layer's RoPE; all from kvcodec/models/layout.py."""
+    from kvcodec.models.load import load_model
+
+    lm = load_model(str(family_dirs[family]))
+    lay = lm.layout
+    tc = lm.model.config.get_text_config()
+    assert lay.num_layers == tc.num_hidden_layers == lm.fingerprint.num_layers
+    assert lay.num_heads == tc.num_attention_heads and lay.num_kv_heads == lm.fingerprint.num_kv_heads
+    assert (lay.num_kv_heads, lay.head_dim) == tuple(lm.model(input_ids=torch.tensor([[1, 2]]), use_cache=True)
+                                                     .past_key_values.layers[0].keys.shape[1::2])
+    assert list(lay.windows) == lm.attention_windows
+    assert lay.rope == lm.fingerprint.rope
+    want = LAYOUTS[family]
+    assert (lay.decoder_layers(lm.model) is not None) == (want is not None) == (family not in OTHER_LAYOUTS)
+    if want is None:
+        return
+    proj, scope, kinds = want
+    assert tuple(a.q_proj for a in lay.attention) == (proj,) * lay.num_layers
+    assert tuple(a.q_norm_scope for a in lay.attention) == (scope,) * lay.num_layers
+    assert tuple(lay.layer_rope(i).kind for i in range(lay.num_layers)) == kinds
+    q, norm, _ = lay.query(lm.model, 0)
+    assert q.out_features >= lay.num_heads * lay.head_dim and (norm is None) == (scope is None)
+    assert lay.output_projection(lm.model, 0).in_features == lay.num_heads * lay.head_dim
