@@ -41,7 +41,7 @@ from typing import Any, Mapping
 from blake3 import blake3
 
 from kvcodec.errors import KvcFormatError, KvcInputError, KvcStoreError
-from kvcodec.store.keys import StoreKey, _check_id
+from kvcodec.store.keys import StoreKey, check_id
 from kvcodec.store.ranged import RangeReader
 
 SEAL_VERSION = 2
@@ -264,7 +264,7 @@ class TenantKey:
         with self._lock:
             k = self._ns.get(ns)
         if k is None:
-            _check_id("namespace", ns)
+            check_id("namespace", ns)
             root = _hmac(self._secret, _DOMAIN_NS, _lp(ns))
             k = NamespaceKeys(ns, _hmac(root, b"tag")[:16].hex(), _hmac(root, b"name"), _hmac(root, b"mac"))
             with self._lock:
