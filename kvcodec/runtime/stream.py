@@ -62,8 +62,10 @@ from kvcodec.errors import KvcError, KvcFormatError, KvcInputError, KvcStoreErro
 from kvcodec.core.kvcache import KVCache
 from kvcodec.models.load import LoadedModel
 from kvcodec.store import Store, StoreKey
+from kvcodec.store.keys import DEFAULT_CHUNK
 from kvcodec.store.levels import (
     LEVEL_RANK,
+    MAX_CHUNKS,
     ChunkLevels,
     LevelManifest,
     level_keys,
@@ -342,6 +344,7 @@ class StreamReport:
     load_s: float = 0.0
     ttft_s: float | None = None
     link_failed: str | None = None
+    manifest_problem: str | None = None  # no usable manifest: everything was prefilled from text
 
     @property
     def text_share(self) -> float:
@@ -408,18 +411,28 @@ class AdaptiveStreamer:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         key = manifest_key(ids, model=self.lm.fingerprint.id, namespace=namespace)
         floor_bw = None
+        problem = None  # any manifest problem: the whole context is prefilled from text (issue 35), never a failure
         if manifest is None:
             tm = time.perf_counter()
-            manifest = read_manifest(self.store, key)
+            try:
+                manifest = read_manifest(self.store, key)
+            except KvcError as e:
+                problem = f"manifest unreadable: {_one_line(e)}"
             if manifest is not None:  # a lower bound on the link's rate: latency included, tiny payload
                 floor_bw = len(manifest.to_bytes()) / max(time.perf_counter() - tm, 1e-6)
         if manifest is None:
-            raise KvcInputError(f"no multi-level entry for these {len(ids)} tokens in {self._url} "
-                                "(write one with kvc encode --levels)")
-        if self.fixed is not None and self.fixed != TEXT and self.fixed not in manifest.levels:
-            raise KvcInputError(f"level {self.fixed!r} is not in the entry (has {', '.join(manifest.levels)})")
-        report = StreamReport(key.to_str(), budget_s, list(manifest.levels), [])
+            problem = problem or (f"no usable multi-level manifest for these {len(ids)} tokens in {self._url} "
+                                  "(absent, replaced or refused; write one with kvc encode --levels)")
+        elif self.fixed is not None and self.fixed != TEXT and self.fixed not in manifest.levels:
+            problem = f"level {self.fixed!r} is not in the entry (has {', '.join(manifest.levels)})"
+        if problem is not None:
+            log.warning("stream %s: %s; prefilling the context from text", key, problem)
+            manifest = _text_only(key, len(ids))
+        report = StreamReport(key.to_str(), budget_s, [] if problem else list(manifest.levels), [],
+                              manifest_problem=problem)
         run = _Run(self, manifest, ids, budget_s, question_tokens, t0, report, floor_bw)
+        if problem is not None:
+            run.link_failed = problem  # every chunk: text
         past = run.go()
         report.load_s = time.perf_counter() - t0
         return Streamed(past, len(ids), report)
@@ -679,6 +692,13 @@ class _Run:
                 past.update(k.to(dtype).unsqueeze(0), v.to(dtype).unsqueeze(0), layer)
         finally:
             r.close()
+
+
+def _text_only(key: StoreKey, n_tokens: int) -> LevelManifest:
+    """A stand-in manifest whose chunks are only ever prefilled from text (no usable manifest in the store)."""
+    ct = max(4 * DEFAULT_CHUNK, -(-n_tokens // (MAX_CHUNKS * DEFAULT_CHUNK)) * DEFAULT_CHUNK)
+    chunks = [ChunkLevels(s, min(s + ct, n_tokens), {LEVEL_RANK[0]: 1}) for s in range(0, n_tokens, ct)]
+    return LevelManifest(key, ct, [LEVEL_RANK[0]], chunks)
 
 
 def _truncate(past: Any, n: int) -> None:

@@ -229,3 +229,32 @@ def test_redis_and_http_tiers_stream_the_same_cache(lm, entry, redis_server, tmp
     finally:
         ng.stop()
     assert np.array_equal(kv.token_ids, ids)
+
+
+@pytest.mark.parametrize("problem", ["deleted", "replaced", "replaced-valid", "level-missing"])
+def test_any_manifest_problem_prefills_from_text(lm, entry, exact_logits, tmp_path, problem):
+    """Issue 35: a deleted or replaced manifest (or one without the asked level) is never a failure of
+    ``kvc ask --ttft-budget``: the context is prefilled from text, exactly, and the report says why."""
+    from kvcodec.store.levels import ChunkLevels, LevelManifest
+
+    d, ids, _ = entry
+    shutil.copytree(d, tmp_path / "store")
+    st = Store.open(str(tmp_path / "store"), key=KEY)
+    top = manifest_key(ids, model=lm.fingerprint.id, namespace="default")
+    fixed = None
+    if problem == "deleted":
+        assert st.rm(top)
+    elif problem == "replaced":
+        st.put(top, b'{"format": "not a manifest"}')
+    elif problem == "replaced-valid":  # a sound manifest whose level chunks do not exist
+        st.put(top, LevelManifest(top, N, ["lossless"], [ChunkLevels(0, N, {"lossless": 10})]).to_bytes())
+    else:
+        fixed = "fp16"
+    got = AdaptiveStreamer(lm, st, speeds=Speeds(), fixed=fixed).load(ids, budget_s=30.0)
+    rep = got.report
+    assert rep.text_share == 1.0 and got.n_tokens == N, rep.to_json()
+    if problem == "replaced-valid":  # the manifest is usable; its chunks fall back one by one
+        assert rep.manifest_problem is None and all(c.fell_back for c in rep.chunks)
+    else:
+        assert rep.manifest_problem and rep.to_json()["manifest_problem"] == rep.manifest_problem
+    assert _kl(lm, got, ids, exact_logits) < 1e-4
