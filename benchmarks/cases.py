@@ -139,6 +139,9 @@ _CASES = [
          quick={"tokens": 256, "repeat": 1}),
     Case("gpu_decode", "bench_gpu_decode.py", "decode", "GPU decode GB/s vs plain H2D / D2D copies",
          quick={"tokens": [4096], "iters": 3}, needs=("cuda",)),
+    Case("gpu_check", "gpu_check.py", "decode",
+         "the one GPU check (issue 36): CUDA tests, decode GB/s per preset vs memory bandwidth, HF TTFT 4K/8K, vLLM",
+         in_all=False),
     # -- encode speed and encode-time costs ----------------------------------------------------------------------
     Case("calibration", "bench_calibration.py", "encode", "calibration cost per phase; preset quality with it",
          args=("--texts", "", "--reference-cost"),

@@ -9,6 +9,12 @@ and decodes its K/V on first use. A background thread decodes layers in order ah
 decoding layer i overlaps computing layer i-1 (the decoders spend their time
 in numpy/numba/zstd code that releases the GIL).
 
+The device contract: the cache lands on one device, the model's unless ``device=`` names
+another, and layers are decoded there (:func:`decode_device`): on a CUDA model the Triton
+kernels decode each layer on the GPU and the tensors never pass through the host; on a CPU model
+the CPU decoders run, as they always have. Only an explicit ``backend`` that differs from the
+device (``"cpu"`` for a CUDA model: one host-to-device copy per layer) crosses between them.
+
 One line around ``generate``::
 
     out = kvcodec.integrations.hf.generate(lm, "doc.kvc", question_ids, max_new_tokens=32)
@@ -16,11 +22,13 @@ One line around ``generate``::
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -29,7 +37,66 @@ from kvcodec.models.cachelayout import DynamicCache, LazyKvcLayer, LazyKvcSlidin
 from kvcodec.errors import KvcInputError
 from kvcodec.models.load import LoadedModel
 
-__all__ = ["LazyKvcLayer", "LazyKvcSlidingLayer", "LoadedKvc", "generate", "greedy_from", "load_cache"]
+__all__ = ["LazyKvcLayer", "LazyKvcSlidingLayer", "LoadedKvc", "decode_device", "device_scope", "generate", "greedy_from",
+           "land", "load_cache", "model_device", "target_device"]
+
+
+# --------------------------------------------------------------------------- the device contract
+def model_device(lm: Any) -> torch.device:
+    """Where ``lm`` (a LoadedModel, or anything with ``.model``) takes its inputs: its input embeddings' device
+    (the first parameter's for a model without them; the CPU for one without parameters)."""
+    model = getattr(lm, "model", lm)
+    emb = getattr(model, "get_input_embeddings", None)
+    try:
+        w = getattr(emb(), "weight", None) if callable(emb) else None
+        if isinstance(w, torch.Tensor):
+            return w.device
+    except Exception:  # noqa: BLE001 - a model without input embeddings: its parameters say
+        pass
+    p = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
+    return p.device if p is not None else torch.device("cpu")
+
+
+def decode_device(target: torch.device | str, backend: str | None = None) -> str:
+    """The decoder (``"cpu"`` or ``"gpu"``, :mod:`kvcodec.decode.registry`) for a cache that must land on ``target``.
+
+    ``backend`` (else ``$KVCODEC_BACKEND``) names one: it is used as given. ``None``/``"auto"`` decode where the
+    cache lands: on the GPU for a CUDA target when Triton is present, on the CPU for a CPU target (never a
+    device round trip for a CPU model, never a host round trip for a CUDA one).
+    """
+    from kvcodec.decode.registry import ENV_VAR, resolve_device
+
+    b = (backend or os.environ.get(ENV_VAR) or "auto").strip().lower()
+    if b != "auto":
+        return resolve_device(b)
+    return resolve_device("auto") if torch.device(target).type == "cuda" else "cpu"
+
+
+@contextlib.contextmanager
+def device_scope(target: torch.device | str) -> Iterator[None]:
+    """Make ``target`` the current CUDA device (the GPU decoders allocate on the current device; a worker
+    thread starts on device 0). A no-op for a CPU target."""
+    dev = torch.device(target)
+    if dev.type != "cuda":
+        yield
+        return
+    with torch.cuda.device(dev):
+        yield
+
+
+def target_device(device: torch.device | str | None, lm: Any = None) -> torch.device:
+    """``device`` (default: ``lm``'s, :func:`model_device`) with a CUDA device's index made explicit."""
+    dev = torch.device(device) if device is not None else model_device(lm) if lm is not None else torch.device("cpu")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def land(x: torch.Tensor, target: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x`` on ``target`` in ``dtype``: no copy where it is already there (a device-decoded layer stays put)."""
+    if x.device != target:
+        x = x.to(target)
+    return x if dtype is None or x.dtype == dtype else x.to(dtype)
 
 
 @dataclass
@@ -42,24 +109,30 @@ class LoadedKvc:
     reader: Any
 
 
-def load_cache(source: Any, lm: LoadedModel, backend: str | None = None, prefetch: bool = True) -> LoadedKvc:
+def load_cache(source: Any, lm: LoadedModel, backend: str | None = None, prefetch: bool = True,
+               device: torch.device | str | None = None) -> LoadedKvc:
     """Open a `.kvc` (path, bytes, file object or ranged source) for ``lm``.
 
-    Refuses a file of another model before decoding anything.
+    Refuses a file of another model before decoding anything. The cache lands on ``device`` (default: the
+    model's, :func:`model_device`) and is decoded there unless ``backend`` names another decoder
+    (:func:`decode_device`).
     """
     from kvcodec.format import KvcReader
 
     reader = source if isinstance(source, KvcReader) else KvcReader(source)
     lm.fingerprint.check_compatible(reader.fingerprint, what=".kvc file")
     dtype = next(lm.model.parameters()).dtype
+    target = target_device(device, lm)
+    where = decode_device(target, backend)
     n_layers = reader.fingerprint.num_layers
     seq_len = reader.header.num_tokens
     windows = cache_windows(lm.model.config)
     check_layer_tokens(windows, reader.header.layer_tokens, seq_len, "the .kvc file")
 
     def decode(i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = reader.read_layer(i, backend=backend)
-        return k.to(dtype).unsqueeze(0), v.to(dtype).unsqueeze(0)
+        with device_scope(target):
+            k, v = reader.read_layer(i, backend=where)
+            return land(k, target, dtype).unsqueeze(0), land(v, target, dtype).unsqueeze(0)
 
     futures: list[Future] = []
     if prefetch:
@@ -87,7 +160,7 @@ def load_cache(source: Any, lm: LoadedModel, backend: str | None = None, prefetc
 def generate(
     lm: LoadedModel, source: Any, input_ids: np.ndarray | list[int], max_new_tokens: int = 32, backend: str | None = None
 ) -> list[int]:
-    """Greedy continuation of a cached context followed by ``input_ids`` (e.g. a question)."""
+    """Greedy continuation of a cached context followed by ``input_ids`` (e.g. a question), on the model's device."""
     loaded = load_cache(source, lm, backend=backend)
     return greedy_from(lm, loaded.cache, loaded.next_position, input_ids, max_new_tokens)[0]
 
@@ -99,17 +172,18 @@ def greedy_from(
     """Feed ``ids`` after ``cache`` (at ``next_position``) and decode greedily.
 
     Returns the tokens and the ``time.perf_counter()`` instant the first one
-    was known (for time-to-first-token).
+    was known (for time-to-first-token). Inputs go to the model's device (:func:`model_device`).
     """
+    dev = model_device(lm)
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
     if ids.size == 0:
         raise KvcInputError("need at least one token after the cached context")
     if max_new_tokens < 1:
         raise KvcInputError("max_new_tokens must be at least 1")
     eos = getattr(lm.tokenizer, "eos_token_id", None)
-    pos = torch.arange(next_position, next_position + len(ids)).unsqueeze(0)
-    logits = lm.model(input_ids=torch.as_tensor(ids).unsqueeze(0), past_key_values=cache, position_ids=pos, use_cache=True,
-                      logits_to_keep=1).logits
+    pos = torch.arange(next_position, next_position + len(ids), device=dev).unsqueeze(0)
+    logits = lm.model(input_ids=torch.as_tensor(ids, device=dev).unsqueeze(0), past_key_values=cache, position_ids=pos,
+                      use_cache=True, logits_to_keep=1).logits
     out: list[int] = []
     first_at = 0.0
     nxt = next_position + len(ids)
@@ -121,7 +195,7 @@ def greedy_from(
         if tok == eos or i == max_new_tokens - 1:
             break
         logits = lm.model(
-            input_ids=torch.tensor([[tok]]), past_key_values=cache, position_ids=torch.tensor([[nxt]]), use_cache=True
-        ).logits
+            input_ids=torch.tensor([[tok]], device=dev), past_key_values=cache, position_ids=torch.tensor([[nxt]], device=dev),
+            use_cache=True).logits
         nxt += 1
     return out, first_at

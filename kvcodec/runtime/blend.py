@@ -72,6 +72,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from kvcodec.integrations.hf import land, model_device, target_device
 from kvcodec.models.cachelayout import cache_for_model
 from kvcodec.models.cachelayout import DynamicCache, DynamicLayer, check_layer_tokens, kept_tokens
 from kvcodec.models.layout import DYNAMIC, NOPE, PLAIN, SCALED, STATIC_SCALED_ROPE
@@ -172,7 +173,9 @@ class _Placed:
     windows: list[int | None]
 
 
-def _place(lm: Any, chunks: Sequence[KVCache], extra: int) -> _Placed:
+def _place(lm: Any, chunks: Sequence[KVCache], extra: int, device: torch.device) -> _Placed:
+    """The chunks placed on ``device`` (chunks already there, e.g. decoded on the GPU, are never copied
+    through the host)."""
     if not chunks:
         raise KvcInputError("blend needs at least one chunk cache")
     fp = lm.fingerprint
@@ -185,13 +188,15 @@ def _place(lm: Any, chunks: Sequence[KVCache], extra: int) -> _Placed:
     T = sum(lengths) + extra
     keys, values, stored = [], [], []
     for li in range(fp.num_layers):
-        K = torch.zeros(fp.num_kv_heads, T, fp.head_dims[li])
+        ks = [land(c.keys[li], device) for c in chunks]
+        # allocated like the chunks' own tensors: on the device, of their tensor type
+        K = ks[0].new_zeros((fp.num_kv_heads, T, fp.head_dims[li]), dtype=torch.float32)
         V = torch.zeros_like(K)
-        ok = torch.zeros(T, dtype=torch.bool)
-        for c, o in zip(chunks, offsets):
+        ok = torch.zeros(T, dtype=torch.bool, device=device)
+        for c, k, o in zip(chunks, ks, offsets):
             a, b = o + c.layer_offset(li), o + c.num_tokens
-            K[:, a:b] = rerotate_keys(c.keys[li], o, freqs[li])
-            V[:, a:b] = c.values[li].to(torch.float32)
+            K[:, a:b] = rerotate_keys(k, o, freqs[li])
+            V[:, a:b] = land(c.values[li], device, torch.float32)
             ok[a:b] = True
         keys.append(K)
         values.append(V)
@@ -204,13 +209,14 @@ def _ragged(placed_keys: list[torch.Tensor], windows: list[int | None], n: int) 
     return [k[:, n - kept_tokens(w, n):].contiguous() for k, w in zip(placed_keys, windows)]
 
 
-def concat_chunks(lm: Any, chunks: Sequence[KVCache]) -> KVCache:
-    """Naive concatenation: each chunk's keys re-rotated to its offset, values as they are (fp32).
+def concat_chunks(lm: Any, chunks: Sequence[KVCache], device: torch.device | str | None = None) -> KVCache:
+    """Naive concatenation: each chunk's keys re-rotated to its offset, values as they are (fp32), on ``device``
+    (default: the model's).
 
     A sliding-window layer keeps the concatenation's last ``window - 1`` tokens, which its chunks always
     hold (a token that close to the end is at least that close to its own chunk's end).
     """
-    p = _place(lm, chunks, 0)
+    p = _place(lm, chunks, 0, target_device(device, lm))
     n = len(p.token_ids)
     meta = {"blend": {"chunk_lengths": p.lengths, "recompute_ratio": 0.0}}
     return KVCache(_ragged(p.keys, p.windows, n), _ragged(p.values, p.windows, n), p.token_ids, lm.fingerprint, meta=meta)
@@ -285,14 +291,15 @@ class _Forward:
     def mask(self, rows: torch.Tensor, T: int, visible: dict[int | None, torch.Tensor]) -> Any:
         """The 4D mask [1, 1, rows, T] per attention window: key k is seen by row r iff k <= r, k is within
         the window (r - window < k) and ``visible[window][k]``; keyed by layer type where windows differ."""
-        keys = torch.arange(T)
+        keys = torch.arange(T, device=rows.device)
 
         def one(w: int | None) -> torch.Tensor:
             m = (keys[None, :] <= rows[:, None]) & visible[w][None, :]
             if w is not None:
                 m &= keys[None, :] > rows[:, None] - w
             if self.additive:
-                return torch.zeros(m.shape, dtype=self.dtype).masked_fill(~m, torch.finfo(self.dtype).min)[None, None]
+                return torch.zeros(m.shape, dtype=self.dtype, device=m.device).masked_fill(
+                    ~m, torch.finfo(self.dtype).min)[None, None]
             return m[None, None]
 
         if self.types is None:
@@ -397,6 +404,7 @@ def blend(
     recompute_ratio: float = DEFAULT_RATIO,
     select_layer: int = DEFAULT_SELECT_LAYER,
     return_query_logits: bool = False,
+    device: torch.device | str | None = None,
 ) -> BlendResult:
     """Blend independently captured chunk caches, in the given order, under ``query_ids``.
 
@@ -407,24 +415,30 @@ def blend(
     nearest token count); ``select_layer`` in [1, layers-1] is where tokens
     are selected by key deviation (layer 0's keys depend on the token alone,
     so they cannot show a deviation). Returns a :class:`BlendResult`.
+
+    Everything runs on ``device`` (default: the model's, :func:`kvcodec.integrations.hf.model_device`):
+    chunks decoded there stay there, the blended cache is left there, and only per-token results
+    (the selected positions, the deviations) are copied to the host.
     """
     t0 = time.perf_counter()
     r = _validate_ratio(recompute_ratio)
-    q_ids = _query_tensor(lm, query_ids)
+    dev = target_device(device, lm)
+    q_host = _query_tensor(lm, query_ids)
+    q_ids = q_host.to(dev)
     L = lm.fingerprint.num_layers
     if isinstance(select_layer, bool) or not isinstance(select_layer, (int, np.integer)) or not 1 <= select_layer < L:
         raise KvcInputError(f"select_layer must be an integer in [1, {L - 1}], got {select_layer!r}")
     sel = int(select_layer)
     n_q = int(q_ids.numel())
-    placed = _place(lm, chunks, n_q)  # fp32, re-rotated, query positions empty
+    placed = _place(lm, chunks, n_q, dev)  # fp32, re-rotated, query positions empty
     n_ctx = len(placed.token_ids)
     T = n_ctx + n_q
     fwd = _Forward(lm, placed.keys, placed.values, placed.windows)
     t_rot = time.perf_counter()
 
-    all_ids = torch.cat([torch.as_tensor(placed.token_ids), q_ids])
-    all_pos = torch.arange(T)
-    q_pos = torch.arange(n_ctx, T)
+    all_ids = torch.cat([torch.as_tensor(placed.token_ids, device=dev), q_ids])
+    all_pos = torch.arange(T, device=dev)
+    q_pos = torch.arange(n_ctx, T, device=dev)
     stored = {w: s for w, s in zip(placed.windows, placed.stored)}  # one stored set per window (same chunk layout)
     timings: dict[str, float] = {"rerotate_s": t_rot - t0}
     deviation = None
@@ -445,7 +459,7 @@ def blend(
         for li, layer in enumerate(fwd.layers_kv):
             layer.rows = all_pos if li < sel else None
         fwd.layers_kv[sel].tap = tap
-        everything = {w: torch.ones(T, dtype=torch.bool) for w in stored}
+        everything = {w: torch.ones(T, dtype=torch.bool, device=dev) for w in stored}
         _, h = fwd.run(all_ids, all_pos, fwd.mask(all_pos, T, everything), 1, capture_at=sel)
         fwd.layers_kv[sel].tap = None
         t_early = time.perf_counter()
@@ -455,16 +469,16 @@ def blend(
                                 "take no hidden_states or use no cache update)")
         # Select at sel: squared deviation of fresh vs cached keys of the context tokens (where cached).
         cached = fwd.layers_kv[sel].store_k[0, :, :n_ctx].float()
-        dev = (fresh["k"][0, :, :n_ctx].float() - cached).pow(2).sum(dim=(0, 2))
-        dev = torch.where(placed.stored[sel][:n_ctx], dev, torch.zeros_like(dev))
-        deviation = dev.numpy().astype(np.float64)
+        dev_sq = (fresh["k"][0, :, :n_ctx].float() - cached).pow(2).sum(dim=(0, 2))
+        dev_sq = torch.where(placed.stored[sel][:n_ctx], dev_sq, torch.zeros_like(dev_sq))
+        deviation = dev_sq.cpu().numpy().astype(np.float64)  # one score per context token
         n_sel_ctx = int(round(r * n_ctx))
         if n_sel_ctx >= n_ctx:
-            ctx_sel = torch.arange(n_ctx)
+            ctx_sel = torch.arange(n_ctx, device=dev)
         elif n_sel_ctx > 0:
-            ctx_sel = torch.sort(torch.topk(dev, n_sel_ctx).indices).values
+            ctx_sel = torch.sort(torch.topk(dev_sq, n_sel_ctx).indices).values
         else:
-            ctx_sel = torch.zeros(0, dtype=torch.long)
+            ctx_sel = torch.zeros(0, dtype=torch.long, device=dev)
         rows = torch.cat([ctx_sel, q_pos])
         hidden_at = (sel, h[:, rows])
         timings["select_s"] = time.perf_counter() - t_early
@@ -472,7 +486,7 @@ def blend(
     # Layers sel.. (all layers at ratio 0): the selected rows only, over the mixed K/V store.
     for li, layer in enumerate(fwd.layers_kv):
         layer.rows = None if hidden_at is not None and li < sel else rows
-    is_row = torch.zeros(T, dtype=torch.bool)
+    is_row = torch.zeros(T, dtype=torch.bool, device=dev)
     is_row[rows] = True
     visible = {w: s | is_row for w, s in stored.items()}
     logits, _ = fwd.run(all_ids[rows], rows, fwd.mask(rows, T, visible), n_q if return_query_logits else 1,
@@ -485,12 +499,13 @@ def blend(
     K = [layer.store_k[0] for layer in fwd.layers_kv]
     V = [layer.store_v[0] for layer in fwd.layers_kv]
     meta = {"blend": {"chunk_lengths": placed.lengths, "recompute_ratio": r, "select_layer": sel, "query_tokens": n_q}}
-    cache = KVCache(_ragged(K, placed.windows, T), _ragged(V, placed.windows, T), all_ids.numpy(), lm.fingerprint,
+    token_ids = np.concatenate([placed.token_ids, q_host.numpy()])  # the ids as given, not read back from the device
+    cache = KVCache(_ragged(K, placed.windows, T), _ragged(V, placed.windows, T), token_ids, lm.fingerprint,
                     meta=meta)
     return BlendResult(
         cache=cache,
         logits_last=logits[-1],
-        selected=rows.numpy().astype(np.int64),
+        selected=rows.cpu().numpy().astype(np.int64),
         num_context_tokens=n_ctx,
         num_query_tokens=n_q,
         recompute_ratio=r,
@@ -521,14 +536,15 @@ def continue_from(lm: Any, result: BlendResult, max_new_tokens: int, stop_ids: S
         return out
     past = result.dynamic_cache(lm)
     pos = result.next_position
+    dev = model_device(lm)
     tok = int(result.logits_last.argmax())
     while True:
         out.append(tok)
         if tok in stop or len(out) >= max_new_tokens:
             return out
         logits = lm.model(
-            input_ids=torch.tensor([[tok]]), past_key_values=past, position_ids=torch.tensor([[pos]]), use_cache=True
-        ).logits[0, -1]
+            input_ids=torch.tensor([[tok]], device=dev), past_key_values=past, position_ids=torch.tensor([[pos]], device=dev),
+            use_cache=True).logits[0, -1]
         tok, pos = int(logits.argmax()), pos + 1
 
 
@@ -549,10 +565,12 @@ def generate_blended(
     recompute_ratio: float = DEFAULT_RATIO,
     select_layer: int = DEFAULT_SELECT_LAYER,
     stop_at_eos: bool = True,
+    device: torch.device | str | None = None,
 ) -> BlendGeneration:
-    """Blend ``chunks`` under ``query_ids`` and greedily generate up to ``max_new_tokens`` tokens."""
+    """Blend ``chunks`` under ``query_ids`` on ``device`` (default: the model's) and greedily generate up to
+    ``max_new_tokens`` tokens."""
     t0 = time.perf_counter()
-    res = blend(lm, chunks, query_ids, recompute_ratio=recompute_ratio, select_layer=select_layer)
+    res = blend(lm, chunks, query_ids, recompute_ratio=recompute_ratio, select_layer=select_layer, device=device)
     t1 = time.perf_counter()
     toks = continue_from(lm, res, max_new_tokens, _stop_ids(lm) if stop_at_eos else None)
     t2 = time.perf_counter()

@@ -391,11 +391,20 @@ class AdaptiveStreamer:
     ``fixed`` forces one option for every chunk (a level name, or ``"text"``):
     the baselines of ``benchmarks/bench_stream.py``. ``budget_s=None`` with no
     ``fixed`` takes the highest level of every chunk.
+
+    The assembled cache lives on ``device`` (default: the model's): level chunks are decoded there
+    (:func:`kvcodec.integrations.hf.decode_device`; ``backend`` names another decoder) and appended
+    without a host round trip, text chunks are prefilled there.
     """
 
     def __init__(self, lm: LoadedModel, store: Store, *, speeds: Speeds | None = None, window: int = 5,
-                 stall_s: float = 1.0, fixed: str | None = None) -> None:
+                 stall_s: float = 1.0, fixed: str | None = None, device: torch.device | str | None = None,
+                 backend: str | None = None) -> None:
+        from kvcodec.integrations.hf import decode_device, target_device
+
         self.lm, self.store = lm, store
+        self.device = target_device(device, lm)
+        self.backend = decode_device(self.device, backend)
         self.speeds = speeds or SPEEDS
         self.window = window
         self.stall_s = stall_s
@@ -670,13 +679,14 @@ class _Run:
         return past
 
     def _prefill(self, past: Any, s: int, e: int) -> None:
-        lm = self.s.lm
-        pos = torch.arange(s, e).unsqueeze(0)
-        lm.model(input_ids=torch.as_tensor(self.ids[s:e]).unsqueeze(0), past_key_values=past, position_ids=pos,
+        lm, dev = self.s.lm, self.s.device
+        pos = torch.arange(s, e, device=dev).unsqueeze(0)
+        lm.model(input_ids=torch.as_tensor(self.ids[s:e], device=dev).unsqueeze(0), past_key_values=past, position_ids=pos,
                  use_cache=True, logits_to_keep=1)
 
     def _append_kv(self, past: Any, it: _Item, pos: int) -> None:
         from kvcodec.format import KvcReader
+        from kvcodec.integrations.hf import device_scope, land
 
         c = it.choice
         r = KvcReader(it.reader)
@@ -687,9 +697,11 @@ class _Run:
                     not np.array_equal(np.asarray(p).reshape(-1), np.arange(c.start, c.end)):
                 raise KvcFormatError(f"level chunk {c.chunk} holds other tokens or positions than the manifest says")
             dtype = next(self.s.lm.model.parameters()).dtype
+            dev = self.s.device
             for layer in range(r.num_layers):
-                k, v = r.read_layer(layer)
-                past.update(k.to(dtype).unsqueeze(0), v.to(dtype).unsqueeze(0), layer)
+                with device_scope(dev):
+                    k, v = r.read_layer(layer, backend=self.s.backend)
+                past.update(land(k, dev, dtype).unsqueeze(0), land(v, dev, dtype).unsqueeze(0), layer)
         finally:
             r.close()
 

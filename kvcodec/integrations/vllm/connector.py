@@ -17,11 +17,18 @@ hit. ``build_connector_meta`` hands the worker what to load (keys, token
 range, slots) and which newly computed whole chunks to save.
 
 Worker side: ``start_load_kv`` fetches the entries and starts a background
-thread that decodes them layer by layer; ``wait_for_layer_load`` (called by
-each attention layer before it runs) waits for its layer and writes the
-decoded K/V into the paged cache **through the attention backend's own
-cache-update op** (``impl.do_kv_cache_update``; on CPU that is
-``cpu_attn_reshape_and_cache``, which packs tiles inside each block).
+thread that decodes them layer by layer, on the paged cache's device
+(the GPU decoders on a GPU engine, the CPU ones on vLLM-CPU). Where the
+attention backend keeps vLLM's standard layout (``entries.paged_views``
+proves it through the backend's own op: FlashAttention, Triton attention),
+each chunk is decoded **straight into the request's blocks**
+(``entries.write_paged_layer``, ``decode_chunk_into``) on a side CUDA stream,
+and ``wait_for_layer_load`` (called by each attention layer before it runs)
+only makes the forward's stream wait for that layer. Otherwise (vLLM-CPU)
+``wait_for_layer_load`` writes the decoded K/V into the paged cache **through
+the attention backend's own cache-update op** (``impl.do_kv_cache_update``;
+on CPU that is ``cpu_attn_reshape_and_cache``, which packs tiles inside each
+block).
 ``save_kv_layer`` copies the K/V of chunks to save out of the paged cache
 (through a gather map learnt from the same op, so any block layout works)
 and ``wait_for_save`` encodes each chunk with the configured preset and puts
@@ -37,6 +44,7 @@ fails to save is logged and simply stays a miss.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -56,9 +64,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvcodec.errors import KvcError, KvcInputError
 from kvcodec.integrations.vllm.config import ConnectorConfig, LAYOUT, chunk_keys, config_digest, matchable_tokens, savable_tokens
 from kvcodec.integrations.vllm.config import _natural, fingerprint_from_dir, leading_run
+from kvcodec.integrations.hf import decode_device, device_scope
 from kvcodec.integrations.vllm.entries import (
-    ChunkUnreadable, decode_chunk_layers, encode_chunk, evict_unreadable, fetch_chunk, learn_gather_map, next_layer,
-    usable_run,
+    ChunkUnreadable, block_table, decode_chunk_layers, encode_chunk, evict_unreadable, fetch_chunk, learn_gather_map,
+    next_layer, paged_views, usable_run, write_paged_layer,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -206,6 +215,7 @@ class KvcodecConnector(KVConnectorBase_V1):
         self._layers: dict[str, Any] = {}
         self._loader: _LayerLoader | None = None
         self._gather_maps: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._views: dict[str, tuple[torch.Tensor, torch.Tensor] | None] = {}
         self._captured: dict[tuple[str, int], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._load_errors: set[int] = set()
 
@@ -384,15 +394,22 @@ class KvcodecConnector(KVConnectorBase_V1):
         if i is None:
             return
         try:
-            gk, gv = self._gather_map(layer_name, kv_layer)
-            flat = kv_layer.reshape(kv_layer.shape[0], -1)
+            views = self._paged_views(layer_name, kv_layer)
+            if views is None:
+                gk, gv = self._gather_map(layer_name, kv_layer)
+                flat = kv_layer.reshape(kv_layer.shape[0], -1)
             for s in meta.saves:
-                b = s.slots // self.block_size
-                o = s.slots % self.block_size
-                k = flat[b[:, None, None], gk[o]]  # [T, H, D]
-                v = flat[b[:, None, None], gv[o]]
-                self._captured.setdefault((s.req_id, s.start), {})[i] = (k.transpose(0, 1).contiguous(),
-                                                                        v.transpose(0, 1).contiguous())
+                slots = s.slots.to(kv_layer.device)
+                b = slots // self.block_size
+                o = slots % self.block_size
+                if views is not None:  # the standard layout: K/V of token t at views[0|1][block, offset]
+                    k, v = views[0][b, o], views[1][b, o]  # [T, H, D]
+                else:
+                    k = flat[b[:, None, None], gk[o]]  # [T, H, D]
+                    v = flat[b[:, None, None], gv[o]]
+                # the encoder runs on the host: a saved chunk is copied there once
+                self._captured.setdefault((s.req_id, s.start), {})[i] = (k.transpose(0, 1).contiguous().cpu(),
+                                                                        v.transpose(0, 1).contiguous().cpu())
         except Exception as e:  # saving is best effort: never break the forward
             _count("save_errors")
             log.warning("kvcodec connector: cannot capture layer %s for saving: %s", layer_name, e)
@@ -437,6 +454,17 @@ class KvcodecConnector(KVConnectorBase_V1):
             self._loader = None
 
     # ------------------------------------------------------------------ layout via the backend op
+    def _paged_views(self, name: str, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``kv``'s K/V as (num_blocks, block_size, H, D) views when the backend keeps vLLM's standard layout
+        (probed once per layer through its own op, :func:`entries.paged_views`), else None."""
+        if name not in self._views:
+            self._views[name] = paged_views(self._layer(name), kv, self.block_size, self.fingerprint.num_kv_heads,
+                                            self.fingerprint.head_dims[0])
+        got = self._views[name]
+        if got is not None and got[0].data_ptr() != kv[0].data_ptr():  # vLLM handed another tensor: re-view it
+            got = (kv[0], kv[1])
+        return got
+
     def _gather_map(self, name: str, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per block offset o: flat indices (within one block) of K[o, h, d] and V[o, h, d].
 
@@ -460,6 +488,22 @@ class _LayerLoader:
         self.conn = conn
         self.loads = loads
         self.n_layers = len(conn._layer_names)
+        names = conn._layer_names
+        kv0 = conn._kv_cache(names[0])
+        self.device = kv0.device
+        self.backend = decode_device(self.device, None)  # decode where the paged cache is
+        # straight into the blocks: GPU decoders, the standard layout, on every layer
+        views = [conn._paged_views(n, conn._kv_cache(n)) for n in names] if self.backend == "gpu" else []
+        self.views: list[tuple[torch.Tensor, torch.Tensor]] | None = \
+            [v for v in views if v is not None] if views and all(v is not None for v in views) else None
+        self.kv_dtype = str(kv0.dtype).removeprefix("torch.")
+        # a side stream for the background decode, ordered after everything the forward queued so far (the
+        # blocks it fills may have been read by an earlier step); each layer's event orders the forward after it
+        self.stream = None
+        if self.device.type == "cuda":
+            self.stream = torch.cuda.Stream(self.device)
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.events: dict[int, Any] = {}
         self.ready: dict[int, list[tuple[LoadSpec, torch.Tensor, torch.Tensor]]] = {}
         self.failed: set[str] = set()       # req ids whose load failed
         self.failed_blocks: set[int] = set()
@@ -480,6 +524,15 @@ class _LayerLoader:
         self.failed_blocks |= {int(s) // bs for s in ld.slots.tolist()}
 
     def _run(self) -> None:
+        stream = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        with device_scope(self.device), stream:
+            self._decode_all()
+
+    def _direct(self, parts: list[tuple[Any, int, int, Any]]) -> bool:
+        """Whether a load's entries go straight into the paged blocks (else through staging tensors)."""
+        return self.views is not None and all(r.header.dtype == self.kv_dtype for r, _, _, _ in parts)
+
+    def _decode_all(self) -> None:
         C = self.conn.cfg.chunk_tokens
         store = self.conn.store
         per_req: list[tuple[LoadSpec, list[tuple[Any, int, int, Any]]]] = []
@@ -500,9 +553,30 @@ class _LayerLoader:
                     self._fail(ld, str(e))
                     continue
                 per_req.append((ld, parts))
-            iters = [(ld, [(decode_chunk_layers(r, cs, ce), cs, key) for r, cs, ce, key in parts]) for ld, parts in per_req]
+            direct = {ld.req_id: (block_table(ld.slots, ld.start, ld.end, self.conn.block_size, self.device), parts)
+                      for ld, parts in per_req if self._direct(parts)}
+            iters = [(ld, [(decode_chunk_layers(r, cs, ce, self.backend), cs, key) for r, cs, ce, key in parts])
+                     for ld, parts in per_req if ld.req_id not in direct]
             for layer in range(self.n_layers):
                 out = []
+                for ld, _parts in per_req:
+                    if ld.req_id not in direct or ld.req_id in self.failed:
+                        continue
+                    table, parts = direct[ld.req_id]
+                    try:
+                        assert self.views is not None
+                        for r, cs, ce, key in parts:
+                            try:
+                                write_paged_layer(r, layer, self.views[layer], table, cs, ce, ld.start)
+                            except KvcInputError:  # this side's fault (a block table), not the entry's: no eviction
+                                raise
+                            except KvcError as e:  # undecodable (corrupt chunk, calibration missing here)
+                                raise ChunkUnreadable(key, f"layer {layer} undecodable: {e}") from None
+                    except ChunkUnreadable as e:
+                        evict_unreadable(store, e)
+                        self._fail(ld, str(e))
+                    except Exception as e:
+                        self._fail(ld, str(e))
                 for ld, its in iters:
                     if ld.req_id in self.failed:
                         continue
@@ -519,10 +593,15 @@ class _LayerLoader:
                         self._fail(ld, str(e))
                     except Exception as e:
                         self._fail(ld, str(e))
+                event = None
+                if self.stream is not None:
+                    event = torch.cuda.Event()
+                    event.record(self.stream)
                 with self.cv:
                     if self.stop:
                         return
                     self.ready[layer] = out
+                    self.events[layer] = event
                     self.done_upto = layer
                     self.cv.notify_all()
         except Exception as e:  # pragma: no cover - defensive
@@ -540,7 +619,12 @@ class _LayerLoader:
             while self.done_upto < layer and layer not in self.ready:
                 self.cv.wait()
             items = self.ready.pop(layer, [])
+            event = self.events.pop(layer, None)
         self.written.add(layer)
+        main = None
+        if event is not None:  # the layer's direct writes and staged tensors come from the side stream
+            main = torch.cuda.current_stream(self.device)
+            main.wait_event(event)
         name = self.conn._layer_names[layer]
         lay = self.conn._layer(name)
         kv = self.conn._kv_cache(name)
@@ -548,9 +632,12 @@ class _LayerLoader:
             if ld.req_id in self.failed:
                 continue
             try:
-                k = k.to(kv.dtype).contiguous()
-                v = v.to(kv.dtype).contiguous()
-                lay.impl.do_kv_cache_update(lay, k, v, kv, ld.slots)
+                if main is not None and k.is_cuda:  # made on the side stream, read on the forward's: kept until it has
+                    k.record_stream(main)
+                    v.record_stream(main)
+                k = k.to(device=kv.device, dtype=kv.dtype).contiguous()
+                v = v.to(device=kv.device, dtype=kv.dtype).contiguous()
+                lay.impl.do_kv_cache_update(lay, k, v, kv, ld.slots.to(kv.device))
             except Exception as e:
                 self._fail(ld, f"cache update of layer {layer}: {e}")
         if layer == self.n_layers - 1:

@@ -1,4 +1,14 @@
-"""Pure-python parts of the vLLM connector: `.kvc` chunk entries and the block-layout probe.
+"""Pure-python parts of the vLLM connector: `.kvc` chunk entries, the block-layout probes, and the two ways a
+loaded entry reaches vLLM's paged cache.
+
+The device contract: an entry is decoded on the device of the paged cache it fills
+(:func:`kvcodec.integrations.hf.decode_device`). Where that is a GPU and the attention backend stores each
+layer as vLLM's standard ``(2, num_blocks, block_size, kv_heads, head_dim)`` tensor (FlashAttention,
+Triton attention; :func:`paged_views` checks it through the backend's own cache-update op), each chunk of
+the entry is decoded straight into its blocks by :func:`write_paged_layer`
+(:func:`kvcodec.decode.triton.backend.decode_chunk_into`): no staging tensor, no host round trip. Other
+layouts (vLLM-CPU's tiled blocks) take the staging path: :func:`decode_chunk_layers` decodes a layer to
+tensors on the cache's device and the backend's op writes them.
 
 No vLLM import here, so the main test suite covers these.
 """
@@ -194,10 +204,11 @@ def encode_chunk(fp: Any, preset: str, ids: list[int], start: int, end: int, key
     return encode_kvc_bytes(cache, plan, meta=cache.meta)
 
 
-def decode_chunk_layers(r: Any, start: int, end: int):
-    """Yield (layer, K[T,H,D], V[T,H,D]) of tokens [start, end) from an entry (chunk or whole prefix)."""
+def decode_chunk_layers(r: Any, start: int, end: int, backend: str | None = None):
+    """Yield (layer, K[T,H,D], V[T,H,D]) of tokens [start, end) from an entry (chunk or whole prefix), decoded by
+    ``backend`` (a decoder of :mod:`kvcodec.decode.registry`: the tensors are on its device)."""
     ntok = int(r.header.num_tokens)
-    for i, k, v in r.iter_layers():
+    for i, k, v in r.iter_layers(backend):
         t = k.shape[1]
         if t != ntok:
             raise KvcInputError("decoded token count differs from the header")
@@ -205,3 +216,91 @@ def decode_chunk_layers(r: Any, start: int, end: int):
         if off < 0:
             raise KvcInputError(f"entry holds {t} tokens, need {end - start}")
         yield i, k[:, off:].transpose(0, 1), v[:, off:].transpose(0, 1)
+
+
+# --------------------------------------------------------------------------- straight into the paged cache
+def paged_views(layer: Any, kv: torch.Tensor, block_size: int, heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """K and V of a layer's paged cache as (num_blocks, block_size, heads, head_dim) views, or None.
+
+    A view is returned only when ``kv`` has vLLM's standard logical shape (2, num_blocks, block_size, heads,
+    head_dim) (any strides) *and* the attention backend's own cache-update op, run on a one-block scratch
+    of the same dtype, device and strides, puts token ``o``'s K/V exactly at ``[0|1][0, o]``: then a kernel
+    writing those views writes what vLLM's attention reads. Anything else (vLLM-CPU's tiled blocks, a
+    quantizing op, an op that refuses the scratch) is None: the caller stages through the op.
+    """
+    if kv.dim() != 5 or kv.shape[0] != 2 or tuple(kv.shape[2:]) != (block_size, heads, head_dim):
+        return None
+    try:
+        scratch = _like_strides(kv, (2, 1, block_size, heads, head_dim))
+        scratch.zero_()
+        g = torch.Generator().manual_seed(0)  # distinct values, so a permuted layout cannot pass
+        k = torch.randn(block_size, heads, head_dim, generator=g).to(device=kv.device, dtype=kv.dtype)
+        v = torch.randn(block_size, heads, head_dim, generator=g).to(device=kv.device, dtype=kv.dtype)
+        slots = torch.arange(block_size, dtype=torch.int64, device=kv.device)
+        layer.impl.do_kv_cache_update(layer, k, v, scratch, slots)
+        ok = torch.equal(scratch[0, 0], k) and torch.equal(scratch[1, 0], v)
+    except Exception as e:  # noqa: BLE001 - a backend that refuses the probe is simply not written directly
+        log.info("kvcodec connector: paged-layout probe failed (%s: %s); loading through the backend's op", type(e).__name__, e)
+        return None
+    return (kv[0], kv[1]) if ok else None
+
+
+def _like_strides(kv: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A new tensor of ``shape`` whose axes are laid out in memory in the order of ``kv``'s (outermost first)."""
+    strides = kv.stride()
+    order = sorted(range(kv.dim()), key=lambda d: -strides[d])
+    phys = torch.empty([shape[d] for d in order], dtype=kv.dtype, device=kv.device)
+    inverse = [order.index(d) for d in range(kv.dim())]
+    return phys.permute(*inverse)
+
+
+def block_table(slots: torch.Tensor, start: int, end: int, block_size: int, device: Any) -> torch.Tensor:
+    """The block of every position < ``end`` (int32 on ``device``) from the slots of positions [start, end);
+    positions before ``start`` (not to be written) get -1, which the kernels refuse."""
+    n = -(-end // block_size)
+    bt = torch.full((n,), -1, dtype=torch.int64)
+    s = slots.to("cpu", torch.int64)
+    pos = torch.arange(start, end, dtype=torch.int64)
+    bt[pos // block_size] = s // block_size
+    return bt.to(device=device, dtype=torch.int32)
+
+
+def entry_chunks(r: Any, layer: int, kind: str) -> list[int]:
+    """The chunk numbers of tensor (``layer``, ``kind``) of the entry behind reader ``r``, in file order."""
+    return [j for j, e in enumerate(r.entries) if e.layer == layer and e.kind == kind]
+
+
+def write_paged_layer(r: Any, layer: int, views: tuple[torch.Tensor, torch.Tensor], table: torch.Tensor, cs: int, ce: int,
+                      start: int) -> int:
+    """Decode layer ``layer`` of the entry ``r`` (serving tokens [cs, ce) of the prefix) on the GPU straight into
+    the paged K/V ``views`` (:func:`paged_views`) for the tokens from ``max(start, cs)``, through ``table``
+    (:func:`block_table`: position -> block). Returns the chunks decoded.
+
+    A chunk entirely before that token is not decoded; one that straddles it is decoded and only its
+    tail stored (a device-to-device store, :func:`kvcodec.decode.triton.dequant_kernels.store_paged`);
+    every other chunk is decoded into the blocks by :func:`kvcodec.decode.triton.backend.decode_chunk_into`.
+    Values are the chunk's decoded values cast to the cache dtype (the caller checks that the file's
+    dtype is the cache's, so they are exactly the staging path's).
+    """
+    from kvcodec.decode.triton.backend import decode_chunk_gpu, decode_chunk_into
+    from kvcodec.decode.triton.dequant_kernels import store_paged
+
+    hd = r.header
+    pos0 = ce - int(hd.num_tokens)  # the entry holds the last num_tokens of the prefix [0, ce)
+    first = max(start, cs)
+    done = 0
+    for kind, dst in zip(("k", "v"), views):
+        for j in entry_chunks(r, layer, kind):
+            e = r.entries[j]
+            p0, p1 = pos0 + e.token_start, pos0 + e.token_end
+            if p1 <= first:
+                continue
+            view = dst[:, :, e.head_start:e.head_end, :]
+            pipeline, payload, sides, sizes, spec, ctx = r.chunk_inputs(j)
+            if p0 >= first:
+                decode_chunk_into(pipeline, payload, sides, sizes, spec, ctx, dst=view, token_start=p0, block_table=table)
+            else:
+                x = decode_chunk_gpu(pipeline, payload, sides, sizes, spec, ctx)
+                store_paged(x[:, first - p0:], view, table, first)
+            done += 1
+    return done
