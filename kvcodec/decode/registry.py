@@ -30,7 +30,7 @@ from kvcodec.errors import KvcBackendError, KvcCodecError, KvcError, KvcFormatEr
 from kvcodec.core.stage import ArraySpec, ChunkContext, Pipeline, SideData
 
 __all__ = ["BACKENDS", "DEVICES", "Backend", "STRICT_ENV", "backend", "decode_chunk", "decode_with", "gpu_device",
-           "interpret_mode", "resolve_device", "select", "strict"]
+           "interpret_mode", "resolve_device", "select", "strict", "decode_into", "store_paged"]
 
 STRICT_ENV = "KVCODEC_STRICT_BACKENDS"
 Device = Literal["cpu", "gpu"]
@@ -248,3 +248,19 @@ def decode_chunk(
     if shape != spec.shape or dtype != spec.dtype:
         raise KvcFormatError(f"{where}: pipeline produced {dtype}{shape}, expected {spec.dtype}{spec.shape}")
     return out
+
+
+# --------------------------------------------------------------------------- engine layouts (GPU)
+def decode_into(pipeline: Pipeline, payload: Any, sides: list[SideData], sizes: list[int], spec: ArraySpec,
+                ctx: ChunkContext, dst: Any, token_start: int = 0, block_table: Any = None) -> None:
+    """Decode a chunk on the GPU straight into an engine's KV tensor: an HF per-layer tensor, or with
+    ``block_table`` paged blocks (``kvcodec.decode.triton.backend.decode_chunk_into``, loaded by name like
+    every implementation here, so a CPU-only install never imports Triton)."""
+    importlib.import_module("kvcodec.decode.triton.backend").decode_chunk_into(
+        pipeline, payload, sides, sizes, spec, ctx, dst=dst, token_start=token_start, block_table=block_table)
+
+
+def store_paged(x: Any, dst: Any, block_table: Any, token_start: int) -> None:
+    """Store a decoded GPU tensor ``x`` (heads, tokens, head_dim) into paged blocks from ``token_start`` on
+    (``kvcodec.decode.triton.dequant_kernels.store_paged``, loaded by name)."""
+    importlib.import_module("kvcodec.decode.triton.dequant_kernels").store_paged(x, dst, block_table, token_start)

@@ -139,6 +139,7 @@ def rerotate_keys(keys: torch.Tensor, offset: int, freqs: np.ndarray) -> torch.T
     if offset == 0 or len(freqs) == 0:  # len 0: a NoPE layer (layer_inv_freqs)
         return k.clone()
     cos, sin = rotation_tables(offset, freqs)
+    cos, sin = cos.to(k.device), sin.to(k.device)  # the tables are built on the host; the keys may be on a GPU
     d = cos.shape[0]
     if d == k.shape[-1]:
         return k * cos + _rotate_half(k) * sin

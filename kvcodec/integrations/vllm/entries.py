@@ -6,7 +6,7 @@ The device contract: an entry is decoded on the device of the paged cache it fil
 layer as vLLM's standard ``(2, num_blocks, block_size, kv_heads, head_dim)`` tensor (FlashAttention,
 Triton attention; :func:`paged_views` checks it through the backend's own cache-update op), each chunk of
 the entry is decoded straight into its blocks by :func:`write_paged_layer`
-(:func:`kvcodec.decode.triton.backend.decode_chunk_into`): no staging tensor, no host round trip. Other
+(:func:`kvcodec.decode.registry.decode_into`): no staging tensor, no host round trip. Other
 layouts (vLLM-CPU's tiled blocks) take the staging path: :func:`decode_chunk_layers` decodes a layer to
 tensors on the cache's device and the backend's op writes them.
 
@@ -277,13 +277,12 @@ def write_paged_layer(r: Any, layer: int, views: tuple[torch.Tensor, torch.Tenso
     (:func:`block_table`: position -> block). Returns the chunks decoded.
 
     A chunk entirely before that token is not decoded; one that straddles it is decoded and only its
-    tail stored (a device-to-device store, :func:`kvcodec.decode.triton.dequant_kernels.store_paged`);
-    every other chunk is decoded into the blocks by :func:`kvcodec.decode.triton.backend.decode_chunk_into`.
+    tail stored (a device-to-device store, :func:`kvcodec.decode.registry.store_paged`);
+    every other chunk is decoded into the blocks by :func:`kvcodec.decode.registry.decode_into`.
     Values are the chunk's decoded values cast to the cache dtype (the caller checks that the file's
     dtype is the cache's, so they are exactly the staging path's).
     """
-    from kvcodec.decode.triton.backend import decode_chunk_gpu, decode_chunk_into
-    from kvcodec.decode.triton.dequant_kernels import store_paged
+    from kvcodec.decode.registry import decode_chunk, decode_into, store_paged
 
     hd = r.header
     pos0 = ce - int(hd.num_tokens)  # the entry holds the last num_tokens of the prefix [0, ce)
@@ -298,9 +297,9 @@ def write_paged_layer(r: Any, layer: int, views: tuple[torch.Tensor, torch.Tenso
             view = dst[:, :, e.head_start:e.head_end, :]
             pipeline, payload, sides, sizes, spec, ctx = r.chunk_inputs(j)
             if p0 >= first:
-                decode_chunk_into(pipeline, payload, sides, sizes, spec, ctx, dst=view, token_start=p0, block_table=table)
+                decode_into(pipeline, payload, sides, sizes, spec, ctx, dst=view, token_start=p0, block_table=table)
             else:
-                x = decode_chunk_gpu(pipeline, payload, sides, sizes, spec, ctx)
+                x = decode_chunk(pipeline, payload, sides, sizes, spec, ctx, "gpu")
                 store_paged(x[:, first - p0:], view, table, first)
             done += 1
     return done

@@ -1,4 +1,4 @@
-"""tests/integrations/vllm: the vLLM connector.
+"""tests/integrations/vllm_connector: the vLLM connector.
 
 ``test_vllm_connector.py`` needs vLLM and runs only in the separate vLLM venv
 (``bash .ci/vllm.sh`` builds ``.venv-vllm`` and runs it); anywhere vLLM is not
