@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from kvcodec.core.fingerprint import layer_applies_rope
 from kvcodec.errors import KvcCodecError, KvcFormatError
 
 
@@ -81,24 +82,6 @@ def rope_config_from_fingerprint(rope_json: str, head_dim: int, layer: int | Non
     if dim <= 0 or dim % 2:
         raise KvcCodecError(f"partial rotary dim {dim} of head_dim {head_dim} is not a positive even number")
     return {"theta": float(theta), "dim": dim}
-
-
-def layer_applies_rope(rope: dict[str, Any] | str, layer: int | None) -> bool:
-    """Whether ``layer`` rotates its keys at all, from a fingerprint's RoPE (dict or its JSON).
-
-    False only for a NoPE layer of a model with ``no_rope_layers`` (per layer 1 = RoPE, 0 = none, as
-    transformers' SmolLM3 and Llama 4 read it). A list that does not name the layer is an error, not
-    a guess: a wrong answer would silently mis-rotate that layer's keys.
-    """
-    r = json.loads(rope) if isinstance(rope, str) else rope
-    flags = r.get("no_rope_layers") if isinstance(r, dict) else None
-    if flags is None:
-        return True
-    if layer is None:
-        raise KvcCodecError("a model with no_rope_layers: whether keys are rotated depends on the layer")
-    if not isinstance(flags, list) or not 0 <= layer < len(flags) or flags[layer] not in (0, 1, True, False):
-        raise KvcFormatError(f"no_rope_layers in the fingerprint does not say whether layer {layer} applies RoPE")
-    return bool(flags[layer])
 
 
 def layer_rope_config(fingerprint: Any, layer: int, head_dim: int) -> dict[str, Any] | None:

@@ -13,7 +13,7 @@ import re
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from kvcodec.errors import KvcFormatError, KvcModelMismatchError, is_int, want
+from kvcodec.errors import KvcCodecError, KvcFormatError, KvcModelMismatchError, is_int, want
 
 FINGERPRINT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
@@ -131,3 +131,22 @@ def check_fingerprint_json(m: Any, max_version: int) -> None:
     want(is_int(v), "header: model.version (fingerprint scheme) must be an int")
     want(1 <= v <= max_version,
          f"header: model fingerprint version {v} is not one this reader knows (1..{max_version}); upgrade kvcodec")
+
+
+def layer_applies_rope(rope: dict[str, Any] | str, layer: int | None) -> bool:
+    """Whether ``layer`` rotates its keys at all, from a fingerprint's RoPE (dict or its JSON): the one reader of
+    ``no_rope_layers``, shared by the rope stage's tables (codecs) and the model layout (models).
+
+    False only for a NoPE layer of a model with ``no_rope_layers`` (per layer 1 = RoPE, 0 = none, as
+    transformers' SmolLM3 and Llama 4 read it). A list that does not name the layer is an error, not
+    a guess: a wrong answer would silently mis-rotate that layer's keys.
+    """
+    r = json.loads(rope) if isinstance(rope, str) else rope
+    flags = r.get("no_rope_layers") if isinstance(r, dict) else None
+    if flags is None:
+        return True
+    if layer is None:
+        raise KvcCodecError("a model with no_rope_layers: whether keys are rotated depends on the layer")
+    if not isinstance(flags, list) or not 0 <= layer < len(flags) or flags[layer] not in (0, 1, True, False):
+        raise KvcFormatError(f"no_rope_layers in the fingerprint does not say whether layer {layer} applies RoPE")
+    return bool(flags[layer])

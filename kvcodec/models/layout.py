@@ -30,7 +30,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from kvcodec.errors import KvcCodecError, KvcFormatError, KvcInputError, KvcModelNotFoundError, is_int
+from kvcodec.core.fingerprint import layer_applies_rope
+from kvcodec.errors import KvcFormatError, KvcInputError, KvcModelNotFoundError, is_int
 
 # --------------------------------------------------------------------------- config names
 #: The same quantity under each family's config.json name, first match wins (transformers maps them through a
@@ -176,18 +177,6 @@ class LayerRope:
     dim: int | None = None  # PLAIN: rotary channels (partial rotary: fewer than head_dim)
     rope_type: str | None = None  # SCALED / DYNAMIC: the variant's name
     inv_freq: tuple[float, ...] = ()  # SCALED: transformers' own float64 inverse frequencies for the variant
-
-
-def _applies_rope(r: Mapping[str, Any], layer: int | None) -> bool:
-    """Mirror of :func:`kvcodec.codecs.rope_tables.layer_applies_rope` (same rules, same errors)."""
-    flags = r.get("no_rope_layers")
-    if flags is None:
-        return True
-    if layer is None:
-        raise KvcCodecError("a model with no_rope_layers: whether keys are rotated depends on the layer")
-    if not isinstance(flags, list) or not 0 <= layer < len(flags) or flags[layer] not in (0, 1, True, False):
-        raise KvcFormatError(f"no_rope_layers in the fingerprint does not say whether layer {layer} applies RoPE")
-    return bool(flags[layer])
 
 
 def _plain_rope(r: Mapping[str, Any], layer: int, head_dim: int) -> tuple[float, int] | None:
@@ -359,7 +348,7 @@ class ModelLayout:
         r = json.loads(self.rope)
         if not isinstance(r, dict):
             raise KvcFormatError("bad rope JSON in fingerprint: not an object")
-        if not _applies_rope(r, layer):
+        if not layer_applies_rope(r, layer):
             return LayerRope(NOPE)
         plain = _plain_rope(r, layer, self.head_dim)
         if plain is not None:

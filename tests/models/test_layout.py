@@ -9,7 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvcodec.codecs.rope_tables import layer_applies_rope, layer_rope_config
+from kvcodec.codecs.rope_tables import layer_rope_config
+from kvcodec.core.fingerprint import layer_applies_rope
 from kvcodec.errors import KvcFormatError, KvcModelNotFoundError
 from kvcodec.models import fingerprint as F
 from kvcodec.models.layout import ABSENT, NOPE, PLAIN, ModelLayout, canonical_rope

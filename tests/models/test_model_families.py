@@ -200,7 +200,7 @@ def _rerotation_matches_layer0(lm, chunks, ids):
     the token and its position only, so this checks the per-layer RoPE frequencies blend re-positions with."""
     from kvcodec.runtime.blend import concat_chunks
     from kvcodec.models.cachelayout import prefill_kv
-    from kvcodec.codecs.rope_tables import layer_applies_rope
+    from kvcodec.core.fingerprint import layer_applies_rope
 
     naive, want = concat_chunks(lm, chunks), prefill_kv(lm.model, ids)
     assert naive.keys[0].shape == want[0][0].shape

@@ -70,7 +70,7 @@ def test_nope_layers_have_no_rope_stage_and_no_rerotation():
     import torch
 
     from kvcodec.runtime.blend import rerotate_keys
-    from kvcodec.codecs.rope_tables import layer_applies_rope
+    from kvcodec.core.fingerprint import layer_applies_rope
 
     rope = canonical_rope({"rope_parameters": {"rope_theta": 2e6, "rope_type": "default"}, "no_rope_layers": [1, 0, 1]})
     assert rope["no_rope_layers"] == [1, 0, 1]
