@@ -20,6 +20,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = ["DeviceOnly", "HostCopies", "as_device", "host_copies", "plain"]
@@ -137,3 +138,19 @@ def device_lm(lm, gpu_dev):
     from kvcodec.models.load import LoadedModel
 
     return LoadedModel(model=copy.deepcopy(lm.model).to(gpu_dev), tokenizer=lm.tokenizer, name=lm.name, path=lm.path)
+
+
+def round_trip(how: str):
+    """A ``land`` (``kvcodec.integrations.hf.land``'s signature) that sends the tensor through the host first
+    (``"numpy"``: a numpy conversion; ``"cpu"``: an explicit copy): what the device contract forbids."""
+    from kvcodec.integrations import hf
+
+    real = hf.land
+
+    def numpy_trip(x, target, dtype=None):
+        return real(torch.from_numpy(np.asarray(x)), target, dtype)
+
+    def cpu_trip(x, target, dtype=None):
+        return real(x.cpu(), target, dtype)
+
+    return {"numpy": numpy_trip, "cpu": cpu_trip}[how]

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from device_standin import (  # noqa: F401 - device_decode, device_lm, gpu_dev: pytest fixtures, used by name
-    DeviceOnly, as_device, device_decode, device_lm, gpu_dev, host_copies, plain)
+    DeviceOnly, as_device, device_decode, device_lm, gpu_dev, host_copies, plain, round_trip)
 
 from kvcodec.core.fingerprint import ModelFingerprint
 from kvcodec.core.kvcache import KVCache
@@ -35,17 +35,6 @@ from kvcodec.plan.presets import get_plan
 pytestmark = pytest.mark.triton
 
 
-def _round_trip(how: str):
-    """A ``land`` (hf.land's signature) that sends the tensor through the host first: what the contract forbids."""
-    real = hf.land
-
-    def numpy_trip(x, target, dtype=None):
-        return real(torch.from_numpy(np.asarray(x)), target, dtype)
-
-    def cpu_trip(x, target, dtype=None):
-        return real(x.cpu(), target, dtype)
-
-    return {"numpy": numpy_trip, "cpu": cpu_trip}[how]
 
 
 # ----------------------------------------------------------------------------------------------- HF loader
@@ -76,8 +65,8 @@ def test_hf_loader_keeps_the_cache_on_the_device(lm, device_lm, small_cache, dev
 
 @pytest.mark.model
 @pytest.mark.parametrize("how,error", [("numpy", "stand-in"), ("cpu", "left the device path")])
-def test_the_hf_check_fails_on_a_host_round_trip(lm, device_lm, small_cache, device_decode, gpu_dev, monkeypatch, how, error):  # noqa: F811
-    monkeypatch.setattr(hf, "land", _round_trip(how))
+def test_the_hf_check_fails_on_a_hostround_trip(lm, device_lm, small_cache, device_decode, gpu_dev, monkeypatch, how, error):  # noqa: F811
+    monkeypatch.setattr(hf, "land", round_trip(how))
     with pytest.raises((TypeError, AssertionError), match=error):
         check_hf(lm, device_lm, small_cache, gpu_dev)
 
@@ -224,7 +213,7 @@ def test_connector_fused_kernel_writes_the_blocks(start, hnd, device_decode, gpu
     assert check_connector(data, ids, 0, 40, start, gpu_dev, hnd=hnd) == 2
 
 
-def test_the_connector_check_fails_on_a_host_round_trip(device_decode, gpu_dev, monkeypatch):  # noqa: F811
+def test_the_connector_check_fails_on_a_hostround_trip(device_decode, gpu_dev, monkeypatch):  # noqa: F811
     """Decoding into the blocks through numpy (a staging copy on the host) fails the check."""
     import kvcodec.decode.triton.backend as backend
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from device_standin import (  # noqa: F401 - device_decode, device_lm, gpu_dev: pytest fixtures, used by name
-    DeviceOnly, device_decode, device_lm, gpu_dev, host_copies, plain)
+    DeviceOnly, device_decode, device_lm, gpu_dev, host_copies, plain, round_trip)
 
 from kvcodec.format import KvcReader, encode_kvc_bytes
 from kvcodec.integrations import hf
@@ -26,16 +26,6 @@ from kvcodec.runtime import blend as blend_mod
 pytestmark = [pytest.mark.triton, pytest.mark.model]
 
 
-def _round_trip(how: str):
-    real = hf.land
-
-    def numpy_trip(x, target, dtype=None):
-        return real(torch.from_numpy(np.asarray(x)), target, dtype)
-
-    def cpu_trip(x, target, dtype=None):
-        return real(x.cpu(), target, dtype)
-
-    return {"numpy": numpy_trip, "cpu": cpu_trip}[how]
 
 
 def _decoded(cache, backend: str):
@@ -76,9 +66,9 @@ def test_blend_keeps_decoded_chunks_on_the_device(lm, device_lm, gpl3_ids, real_
 
 
 @pytest.mark.parametrize("how,error", [("numpy", "stand-in"), ("cpu", "left the device path|per-token")])
-def test_the_blend_check_fails_on_a_host_round_trip(lm, device_lm, gpl3_ids, real_cache, device_decode, gpu_dev, monkeypatch,  # noqa: F811
+def test_the_blend_check_fails_on_a_hostround_trip(lm, device_lm, gpl3_ids, real_cache, device_decode, gpu_dev, monkeypatch,  # noqa: F811
                                                     how, error):
-    monkeypatch.setattr(blend_mod, "land", _round_trip(how))
+    monkeypatch.setattr(blend_mod, "land", round_trip(how))
     with pytest.raises((TypeError, AssertionError), match=error):
         check_blend(lm, device_lm, gpl3_ids, real_cache, gpu_dev)
 
@@ -134,9 +124,9 @@ def test_stream_keeps_level_chunks_on_the_device(lm, device_lm, level_entry, dev
 
 
 @pytest.mark.parametrize("how,error", [("numpy", "stand-in"), ("cpu", "left the device path")])
-def test_the_stream_check_fails_on_a_host_round_trip(lm, device_lm, level_entry, device_decode, gpu_dev, monkeypatch, how,  # noqa: F811
+def test_the_stream_check_fails_on_a_hostround_trip(lm, device_lm, level_entry, device_decode, gpu_dev, monkeypatch, how,  # noqa: F811
                                                      error):
-    monkeypatch.setattr(hf, "land", _round_trip(how))
+    monkeypatch.setattr(hf, "land", round_trip(how))
     with pytest.raises((TypeError, AssertionError), match=error):
         check_stream(lm, device_lm, level_entry, gpu_dev)
 
