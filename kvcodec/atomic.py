@@ -96,6 +96,15 @@ def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
+def check_file_name(path: PathLike) -> Path:
+    """``path`` as a Path, unless it names a directory (``""``, ``.``, ``..``, or a trailing slash: ``out/``
+    would otherwise become a file called ``out``): then :class:`KvcInputError`."""
+    out = Path(os.fspath(path))
+    if not str(out) or out.name in ("", ".", "..") or os.fspath(path).endswith(("/", os.sep)):
+        raise KvcInputError(f"output {str(path)!r} names a directory, not a file")
+    return out
+
+
 def check_output(path: PathLike, inputs: Iterable[PathLike | None] = ()) -> Path:
     """Refuse an output that would destroy an input or something that is not a regular file.
 
@@ -104,9 +113,7 @@ def check_output(path: PathLike, inputs: Iterable[PathLike | None] = ()) -> Path
     directory) protects every existing file inside it. Returns the output as a
     Path. Raises :class:`KvcInputError` with one line.
     """
-    out = Path(os.fspath(path))
-    if not str(out) or out.name in ("", ".", ".."):
-        raise KvcInputError(f"output {str(path)!r} is not a file name")
+    out = check_file_name(path)
     parent = out.parent
     try:
         pst = os.stat(parent)

@@ -13,7 +13,7 @@ from kvcodec.cli.options import emit_json, json_option, model_option
 @click.option("--store", "store_url", default=None, help="Store URL: a directory, redis://..., or a comma list (default: the user cache).")
 @click.option("--preset", default="balanced", show_default=True, help="Codec preset for new entries.")
 @click.option("--namespace", default="default", show_default=True, help="Tenant namespace: entries never cross namespaces.")
-@click.option("--max-new-tokens", type=int, default=48, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=48, show_default=True)
 @click.option("--no-store", is_flag=True, help="Answer without depositing new entries.")
 @click.option("--blend", is_flag=True,
               help="Cache every --doc as its own position-independent chunk and blend the chunks (CacheBlend): "

@@ -92,7 +92,7 @@ def parse_codec_config(value: str) -> tuple[str, dict[str, Any]]:
                    "of these presets (e.g. small,balanced,near-lossless), and put it in --store under one logical key.")
 @click.option("--store", "store_url", default=None, help="--levels: the store URL (default: the user cache).")
 @click.option("--namespace", default="default", show_default=True, help="--levels: the store namespace.")
-@click.option("--level-chunk-tokens", type=int, default=256, show_default=True,
+@click.option("--level-chunk-tokens", type=click.IntRange(min=256), default=256, show_default=True,
               help="--levels: tokens per streamed chunk (a multiple of 256).")
 @click.option("--preset", default="lossless", show_default=True,
               help="lossless | zstd | raw | fp16, or a lossy preset (near-lossless, balanced, small).")
@@ -110,10 +110,10 @@ def parse_codec_config(value: str) -> tuple[str, dict[str, Any]]:
               help="Without IN: the text to capture (UTF-8 file or corpus name). With IN: the text the capture was made "
                    "from; its tokens after the context are the continuation --target-kl / --target-dppl measure on.")
 @click.option("--max-tokens", type=int, default=None, help="Without IN: capture only the first N tokens of --text.")
-@click.option("--continuation", type=int, default=256, show_default=True,
+@click.option("--continuation", type=click.IntRange(min=1), default=256, show_default=True,
               help="Continuation tokens used by --target-kl / --target-dppl.")
-@click.option("--chunk-tokens", type=int, default=None, help="Tokens per chunk (default: one chunk per layer and K/V).")
-@click.option("--chunk-heads", type=int, default=None, help="KV heads per chunk (default: all).")
+@click.option("--chunk-tokens", type=click.IntRange(min=1), default=None, help="Tokens per chunk (default: one chunk per layer and K/V).")
+@click.option("--chunk-heads", type=click.IntRange(min=1), default=None, help="KV heads per chunk (default: all).")
 @json_option
 def encode_command(input_path: str | None, output: str | None, levels: str | None, store_url: str | None,
                    namespace: str, level_chunk_tokens: int, preset: str, config: str | None, prune_spec: str | None,

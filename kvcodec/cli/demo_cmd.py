@@ -13,8 +13,8 @@ from kvcodec.cli.options import emit_json, json_option, model_option
 @model_option
 @click.option("--text", "text_path", default="gpl3", show_default=True, help="Document (file or corpus name).")
 # kvcodec.eval.demo.DEMO_TOKENS (not imported here: that module loads torch; tests/eval/test_mainjob.py keeps them equal)
-@click.option("--max-tokens", type=int, default=1024, show_default=True, help="Context tokens to capture.")
-@click.option("--continuation", type=int, default=256, show_default=True, help="Tokens used to measure quality.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=1024, show_default=True, help="Context tokens to capture.")
+@click.option("--continuation", type=click.IntRange(min=1), default=256, show_default=True, help="Tokens used to measure quality.")
 @click.option("--preset", default="balanced", show_default=True)
 @click.option("--out-dir", type=click.Path(file_okay=False), default="kvc-demo", show_default=True)
 @click.option("--no-curve", is_flag=True, help="Skip the rate/quality sweep.")

@@ -11,9 +11,9 @@ from kvcodec.cli.options import emit_json, json_option, model_option
 @click.argument("kvc_file", type=click.Path(dir_okay=False))
 @model_option
 @click.option("--text", "text_path", required=True, help="The text the file was made from (UTF-8 file or corpus name).")
-@click.option("--continuation", type=int, default=256, show_default=True,
+@click.option("--continuation", type=click.IntRange(min=1), default=256, show_default=True,
               help="Continuation tokens (those following the cached context in the text) to score.")
-@click.option("--greedy-tokens", type=int, default=16, show_default=True, help="Greedy tokens compared after the first.")
+@click.option("--greedy-tokens", type=click.IntRange(min=0), default=16, show_default=True, help="Greedy tokens compared after the first.")
 @json_option
 def eval_command(kvc_file: str, model: str, text_path: str, continuation: int, greedy_tokens: int, as_json: bool) -> None:
     """Decode KVC_FILE, continue TEXT from it and compare with the exact cache.
@@ -61,8 +61,8 @@ def _floats(ctx: click.Context, param: click.Parameter, value: str | None) -> li
 @click.command("curve")
 @model_option
 @click.option("--text", "texts", multiple=True, required=True, help="Text file or corpus name; repeat for several.")
-@click.option("--max-tokens", type=int, default=2048, show_default=True, help="Context tokens per text.")
-@click.option("--continuation", type=int, default=256, show_default=True, help="Continuation tokens scored per text.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=2048, show_default=True, help="Context tokens per text.")
+@click.option("--continuation", type=click.IntRange(min=1), default=256, show_default=True, help="Continuation tokens scored per text.")
 @click.option("--methods", default="all", show_default=True,
               help="Comma-separated families (kvcodec, kvcodec-kl, fp16, fp16+zstd, int8, kivi, cachegen, h2o, "
                    "real peers hf-quanto and hf-hqq; not in 'all': kvcodec-fixed, kvcodec-embedded, kivi-window) "
@@ -77,8 +77,8 @@ def _floats(ctx: click.Context, param: click.Parameter, value: str | None) -> li
 @click.option("--plot", "plot_out", type=click.Path(dir_okay=False), default=None, help="Write a PNG plot (KL vs bits/element).")
 @click.option("--capture-dir", type=click.Path(file_okay=False), default=None,
               help="Where exact captures are kept between runs [default: $KVCODEC_CACHE/captures].")
-@click.option("--greedy-tokens", type=int, default=16, show_default=True)
-@click.option("--threads", type=int, default=None,
+@click.option("--greedy-tokens", type=click.IntRange(min=0), default=16, show_default=True)
+@click.option("--threads", type=click.IntRange(min=1), default=None,
               help="torch CPU threads (on a shared machine 1 is often several times faster than the default).")
 @click.option("--no-progress", is_flag=True, help="No progress bar on stderr.")
 def curve_command(model: str, texts: tuple[str, ...], max_tokens: int, continuation: int, methods: str,

@@ -81,6 +81,15 @@ _LIMITS = "Limits (defaults: spec/kdn-v1.md §5). "
               help="Seconds to check (decode) one put; its worker is killed after it.")
 @click.option("--request-timeout", type=float, default=600.0, show_default=True, callback=_seconds,
               help="Deadline of any request: body, queue waits, checks and store operations together.")
+@click.option("--queue-timeout", type=float, default=60.0, show_default=True, callback=_seconds,
+              help="Longest wait for a worker process or a store thread (then 503).")
+@click.option("--max-lookup-text", type=click.IntRange(1, 1 << 30), default=4 << 20, show_default=True,
+              help="Characters of a text lookup (more: 413).")
+@click.option("--tenant-refusal-rate", type=float, default=20.0, show_default=True, callback=_ratio,
+              help="Refused (4xx) requests per second a tenant may cause, burst 5x; past it, its requests are 429 "
+                   "before any body is read (0: no limit).")
+@click.option("--log-rate", type=float, default=10.0, show_default=True, callback=_ratio,
+              help="Bad-request log lines per second at most (one line per bad request; the rest are counted).")
 def serve_command(store_url: str | None, host: str, port: int, tokens_file: str | None, namespace: str,
                   models: tuple[str, ...], no_verify_decode: bool, **limits: Any) -> None:
     """Serve a store to many engines over HTTP: put, lookup, ranged get, auth, /healthz, /metrics.

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import click
 
@@ -21,6 +24,27 @@ def _open(url: str | None, key_file: str | None):
 
     key = TenantKey.load(key_file) if key_file else None
     return Store.open(url or default_store_url(), key=key)
+
+
+@contextmanager
+def _failures_in_the_error_line() -> Iterator[None]:
+    """While a command that reports every tier failure in its one error line runs, the store's own
+    warnings about the same failures stay quiet (one line per failure, not two)."""
+    lg = logging.getLogger("kvcodec.store")
+    old = lg.level
+    lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        lg.setLevel(old)
+
+
+def _nonneg_seconds(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    import math
+
+    if not (math.isfinite(value) and value >= 0):
+        raise click.BadParameter(f"must be a finite number of seconds >= 0, got {value}")
+    return value
 
 
 def _key(text: str):
@@ -58,13 +82,15 @@ def put_command(kvc_file, store_url, key_file, namespace, as_json):
     if problems:
         raise KvcFormatError(f"{kvc_file} does not verify: {problems[0]}")
     key = key_for_file(reader, namespace)
-    with _open(store_url, key_file) as st:
+    with _open(store_url, key_file) as st, _failures_in_the_error_line():
         res = st.put(key, data, {"source": Path(kvc_file).name, "preset": reader.header.codec,
                                  "tokens": reader.header.num_context_tokens})
     out = {"key": key.to_str(), "bytes": len(data), "stored_in": res.stored_in, "failed": res.failed}
     emit_json(out) if as_json else click.echo(f"{key.to_str()}  {len(data):,} bytes -> {', '.join(res.stored_in)}")
-    if res.failed:
-        click.echo(f"kvc: warning: not stored in {res.failed}", err=True)
+    if res.failed:  # stored somewhere, but not everywhere asked: a failure all the same
+        from kvcodec.errors import KvcStoreError
+
+        raise KvcStoreError("not stored in " + "; ".join(f"{t}: {why}" for t, why in res.failed.items()))
 
 
 @store_group.command("get")
@@ -75,9 +101,11 @@ def put_command(kvc_file, store_url, key_file, namespace, as_json):
 @json_option
 def get_command(key, output, store_url, key_file, as_json):
     """Write the entry KEY to OUTPUT (atomically)."""
+    from kvcodec.atomic import check_output
     from kvcodec.errors import KvcStoreError
     from kvcodec.core.kvcache import atomic_write_bytes
 
+    check_output(output)
     k = _key(key)
     with _open(store_url, key_file) as st:
         data = st.get(k)
@@ -95,14 +123,20 @@ def get_command(key, output, store_url, key_file, as_json):
 @click.option("--model", "model_id", default=None, help="Only this model fingerprint id.")
 @json_option
 def ls_command(store_url, key_file, namespace, model_id, as_json):
-    """List the caller's entries (other tenants' entries are never shown)."""
-    with _open(store_url, key_file) as st:
-        rows = st.ls(with_meta=True, namespace=namespace, model=model_id)
+    """List the caller's entries (other tenants' entries are never shown). Exits non-zero if a tier
+    could not be listed (the listing printed is then partial)."""
+    from kvcodec.errors import KvcStoreError
+
+    failures: list[str] = []
+    with _open(store_url, key_file) as st, _failures_in_the_error_line():
+        rows = st.ls(with_meta=True, namespace=namespace, model=model_id, failures=failures)
     if as_json:
         emit_json([r.to_dict() for r in rows])
-        return
-    for r in rows:
-        click.echo(f"{r.key.to_str()}  {r.size:,} bytes  [{r.tier}]")
+    else:
+        for r in rows:
+            click.echo(f"{r.key.to_str()}  {r.size:,} bytes  [{r.tier}]")
+    if failures:
+        raise KvcStoreError("listing incomplete: cannot list " + "; ".join(failures))
 
 
 @store_group.command("rm")
@@ -126,11 +160,17 @@ def rm_command(key, store_url, key_file, as_json):
 @key_option
 @json_option
 def stats_command(store_url, key_file, as_json):
-    """The caller's entries and bytes, hits and misses per tier (--json: every counter)."""
-    with _open(store_url, key_file) as st:
+    """The caller's entries and bytes, hits and misses per tier (--json: every counter). Exits non-zero
+    if a tier could not be counted."""
+    from kvcodec.errors import KvcStoreError
+
+    with _open(store_url, key_file) as st, _failures_in_the_error_line():
         stats = st.stats()
+    errors = [f"{t['name']}: {t['error']}" for t in stats["tiers"] if t.get("error")]
     if as_json:
         emit_json(stats)
+        if errors:
+            raise KvcStoreError("cannot count " + "; ".join(errors))
         return
     click.echo(f"store {stats['url']}  tenant key {stats['tenant_key']} ({stats['key_source']})")
     click.echo(f"hits {stats['hits']}  misses {stats['misses']}  put failures {stats['put_failures']}  "
@@ -140,18 +180,27 @@ def stats_command(store_url, key_file, as_json):
         err = f"  error: {t['error']}" if t.get("error") else ""
         click.echo(f"  {t['name']:<12} {t['kind']:<10} {own:<32} hits {t['hits']}  misses {t['misses']}  "
                    f"corrupt {t['corrupt']}  evictions {t['evictions']}{err}")
+    if errors:
+        raise KvcStoreError("cannot count " + "; ".join(errors))
 
 
 @store_group.command("gc")
 @store_option
 @key_option
-@click.option("--grace", type=float, default=3600.0, show_default=True, help="Leave temp files younger than this (s).")
+@click.option("--grace", type=float, default=3600.0, show_default=True, callback=_nonneg_seconds,
+              help="Leave temp files younger than this (s).")
 @json_option
 def gc_command(store_url, key_file, grace, as_json):
-    """Remove leftover temp files and unreadable files; verify the caller's entries, drop those that fail."""
-    with _open(store_url, key_file) as st:
+    """Remove leftover temp files and unreadable files; verify the caller's entries, drop those that fail.
+    Exits non-zero if a tier could not be collected."""
+    from kvcodec.errors import KvcStoreError
+
+    with _open(store_url, key_file) as st, _failures_in_the_error_line():
         res = st.gc(grace_s=grace)
     emit_json(res) if as_json else click.echo("\n".join(f"{k}: {v}" for k, v in res.items()))
+    errors = [f"{k}: {v['error']}" for k, v in res.items() if isinstance(v, dict) and v.get("error")]
+    if errors:
+        raise KvcStoreError("gc incomplete: " + "; ".join(errors))
 
 
 @store_group.command("keygen")
@@ -160,8 +209,10 @@ def gc_command(store_url, key_file, grace, as_json):
 @json_option
 def keygen_command(output, as_json):
     """Create a new tenant key file: give it to every process that should share entries."""
+    from kvcodec.atomic import check_file_name
     from kvcodec.store import TenantKey
 
+    check_file_name(output)
     k = TenantKey.generate(output)
     emit_json({"key_file": output, "key_id": k.id}) if as_json else click.echo(f"{output}: new store key {k.id}")
 

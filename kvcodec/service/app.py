@@ -129,6 +129,7 @@ class ServiceConfig:
     tenant_inflight_body: int = 1 << 30  # ... for one tenant
     worker_max_rss: int = 2 << 30    # a worker that grew past this after a job is replaced
     log_rate: float = 10.0           # bad-request log lines per second (more are counted, then summarised)
+    tenant_refusal_rate: float = 20.0  # refused requests per second a tenant may cause (burst 5x); then 429 at once
 
     def check(self) -> None:
         """:class:`KvcInputError` naming the first option out of range."""
@@ -145,7 +146,7 @@ class ServiceConfig:
             v = getattr(self, k)
             if not isinstance(v, (int, float)) or not 0 < v <= 86400:
                 raise KvcInputError(f"{k.replace('_', '-')} must be in (0, 86400] seconds, got {v!r}")
-        for k in ("max_decoded_ratio", "tenant_decode_rate", "log_rate"):
+        for k in ("max_decoded_ratio", "tenant_decode_rate", "log_rate", "tenant_refusal_rate"):
             v = getattr(self, k)
             if not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
                 raise KvcInputError(f"{k.replace('_', '-')} must be a finite number >= 0, got {v!r}")
@@ -240,6 +241,8 @@ class KdnService:
         self.io_sched = FairScheduler(c.store_threads, c.tenant_store_threads, max_queued=256, name="store thread")
         self.bodies = _BodyBudget(c.max_inflight_body, c.tenant_inflight_body)
         self.bad = LogLimiter(c.log_rate)
+        # a tenant whose requests keep being refused (4xx) is answered 429 before any body is read or work done
+        self.refusals = TokenBucket(c.tenant_refusal_rate, 5 * c.tenant_refusal_rate)
 
     def store_for(self, p: Principal) -> Store:
         """The tenant's view of the backing tiers: a Store whose tenant key is derived for ``p.tenant``."""
@@ -325,6 +328,8 @@ class KdnService:
             detail = error_line(e)
             resp = _json({"error": f"internal error: {type(e).__name__}"}, 500)
         self.metrics.request(request.method, route, resp.status, time.perf_counter() - t0)
+        if 400 <= resp.status < 500 and resp.status not in (404, 412, 416, 429) and PRINCIPAL in request:
+            self.refusals.charge(request[PRINCIPAL].tenant, 1)
         if resp.status >= 400 and resp.status not in (404, 412, 416):
             peer = request.remote or "?"
             self.bad.line(logging.ERROR if resp.status >= 500 else logging.WARNING,
@@ -346,6 +351,10 @@ class KdnService:
                 self.metrics.auth_failure("invalid")
                 raise HttpError(401, "invalid token", {"WWW-Authenticate": 'Bearer realm="kvc", error="invalid_token"'})
             request[PRINCIPAL] = p
+            if self.config.tenant_refusal_rate > 0 and self.refusals.balance(p.tenant) < 1:
+                raise Overloaded(429, f"tenant {p.tenant!r} had more than {self.config.tenant_refusal_rate:g} requests "
+                                      "a second refused; retry later",
+                                 retry_after=(1 - self.refusals.balance(p.tenant)) / self.config.tenant_refusal_rate)
         return await handler(request)
 
     # -- helpers ------------------------------------------------------------------------

@@ -369,8 +369,12 @@ class Store:
                 yield info, seal
 
     def ls(self, *, with_meta: bool = False, model: str | None = None, codec: str | None = None,
-           namespace: str | None = None) -> list[EntryInfo]:
-        """The caller's entries in all tiers that support listing, merged by key (``tier`` = comma-joined names)."""
+           namespace: str | None = None, failures: list[str] | None = None) -> list[EntryInfo]:
+        """The caller's entries in all tiers that support listing, merged by key (``tier`` = comma-joined names).
+
+        A tier that cannot be listed is skipped with a warning; ``failures`` (when given) collects one line
+        per such tier, so a caller can tell a partial listing from a complete one (``kvc store ls`` exits
+        non-zero)."""
         merged: dict[StoreKey, EntryInfo] = {}
         for t in self.tiers:
             if not t.supports_listing:
@@ -390,6 +394,8 @@ class Store:
             except KvcStoreError as e:  # an outage already warned about is not repeated
                 (log.warning if was_up and t.available() else log.info)(
                     "store: cannot list %s: %s", t.name, e)
+                if failures is not None:
+                    failures.append(f"{t.name}: {e}")
         return sorted(merged.values(), key=lambda i: i.key)
 
     def stats(self) -> dict[str, Any]:

@@ -70,7 +70,7 @@ def costly_entry(first: int, n_tokens: int = 64, namespace: str = "default", cod
     """A sound entry of the big model with random K/V: within every ratio limit (lossless: ~1x), but each put
     costs a real decode of ``n_tokens`` x 128 KiB (64 tokens: 8 MiB in 32 chunks)."""
     key = StoreKey.for_tokens(np.arange(first, first + n_tokens), model=BIG_FP.id, codec=codec, namespace=namespace)
-    return key, _encode(BIG_FP, first, n_tokens, False, "raw", first)
+    return key, _encode(BIG_FP, first, n_tokens, False, "lossless", first)
 
 
 def deep_json(depth: int = 100_000) -> bytes:

@@ -89,6 +89,21 @@ CASES = [
     ["ask", "--doc", "u.txt", "q", "--max-new-tokens", "0", "-m", "/nonexistent"], ["ask", "--doc", "u.txt", " ", "-m", "/nonexistent"],
     ["demo", "--out-dir", "fifo", "--no-curve"], ["demo", "--out-dir", "u.txt/sub", "--no-curve"],
     ["store", "get", "not-a-key", "-o", "x", "--store", "adir"], ["nosuchcommand"], ["encode", "--no-such-option"],
+    # issue 35: every failure exits non-zero with one line -- unreachable or partly unreachable tiers,
+    # outputs naming a directory, out-of-range options
+    ["store", "ls", "--store", "redis://127.0.0.1:1/0?timeout=0.5"], ["store", "ls", "--store", "kvc+http://127.0.0.1:1"],
+    ["store", "ls", "--store", "st,redis://127.0.0.1:1/0?timeout=0.5"],
+    ["store", "stats", "--store", "redis://127.0.0.1:1/0?timeout=0.5"],
+    ["store", "gc", "--store", "redis://127.0.0.1:1/0?timeout=0.5"],
+    ["store", "put", "s.kvc", "--store", "st,redis://127.0.0.1:1/0?timeout=0.5"],
+    ["store", "get", "kvc1:m:c:default:3:" + "0" * 64, "-o", "newdir/", "--store", "st"],
+    ["store", "keygen", "-o", "newdir/"], ["store", "gc", "--grace", "-5", "--store", "st"],
+    ["store", "gc", "--grace", "nan", "--store", "st"], ["verify", "s.kvc", "--max-decoded-ratio", "-1"],
+    ["verify", "s.kvc", "--max-decoded", "0"], ["serve", "--workers", "0"], ["serve", "--header-timeout", "0"],
+    ["serve", "--body-timeout", "nan"], ["serve", "--max-decoded-ratio", "-1"], ["serve", "--max-decoded", "0"],
+    ["serve", "--tenant-queue", "-1"], ["capture", "--text", "u.txt", "--max-tokens", "0", "-o", "c.h5"],
+    ["encode", "s.h5", "-o", "o.kvc", "--chunk-heads", "0"], ["eval", "s.kvc", "--text", "u.txt", "--continuation", "-1"],
+    ["curve", "--text", "u.txt", "--threads", "0"], ["demo", "--max-tokens", "0", "--no-curve"],
 ]
 
 

@@ -248,3 +248,18 @@ def test_text_lookups_are_tokenized_by_a_worker(tmp_path, lm):
         assert st == 413 or (st == 400 and "limit" in _error(body))
     finally:
         s.stop()
+
+
+def test_a_tenant_whose_requests_keep_being_refused_is_throttled_before_any_work(tmp_path):
+    """--tenant-refusal-rate 1 (burst 5): after a handful of refused puts, b's next ones are 429 before their
+    body is read or a worker is asked; a is not affected."""
+    s = Service(tmp_path, extra=["--tenant-refusal-rate", "1"], tokens=TOKENS)
+    try:
+        key, data = amplification_entry(7, 120, namespace="b")
+        got = [s.request("PUT", path_of(key), TOK_B, data)[0] for _ in range(10)]
+        assert got[:5] == [422] * 5 and got[-1] == 429, got
+        jobs = s.metrics()['kvc_worker_jobs_total{op="check",result="refused"}']
+        assert jobs <= 7, "throttled puts never reach a worker"
+        assert s.request("GET", "/v1/whoami", TOK_A)[0] == 200
+    finally:
+        s.stop()

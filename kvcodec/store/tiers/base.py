@@ -53,6 +53,7 @@ ENVELOPE_VERSION = 1
 FIXED = struct.Struct("<4sBBHIQI")  # magic, version, flags, reserved, header_len, data_len, crc
 FIXED_SIZE = FIXED.size  # 24
 MAX_HEADER = 1 << 20
+DEFAULT_MAX_ENTRY = 4 << 30     # largest object a remote tier reads whole (URL option max_bytes): size checked first
 MAX_META = 64 * 1024          # user metadata (checked by the Store)
 MAX_TIER_META = MAX_HEADER - 4096  # what a tier accepts: user metadata + the seal
 
@@ -338,6 +339,12 @@ class Tier:
             return None
         self.counters.add(hits=1)
         return e
+
+    def _too_large(self, size: int, limit: int, what: str) -> None:
+        """An object over the tier's ``max_bytes``, found by its size before reading it: a counted miss, kept."""
+        self.counters.add(corrupt=1, misses=1)
+        log.warning("store: %s: object of %s bytes exceeds the tier's max_bytes %s; not read, treated as a miss",
+                    what, f"{size:,}", f"{limit:,}")
 
     def contains_many(self, keys: Iterable[StoreKey]) -> list[bool]:
         return [self.contains(k) for k in keys]

@@ -29,9 +29,9 @@ from kvcodec.errors import KvcFormatError, KvcInputError, KvcStoreError
 from kvcodec.store.tiers.directory import SUFFIX
 from kvcodec.store.keys import StoreKey
 from kvcodec.store.ranged import HttpLimits, HttpRangeReader, http_request
-from kvcodec.store.tiers.base import FIXED_SIZE, Entry, EntryInfo, KeyMismatch, Tier, decode_envelope, log, parse_fixed, parse_header
-
-DEFAULT_MAX_ENTRY = 4 << 30
+from kvcodec.store.tiers.base import (
+    DEFAULT_MAX_ENTRY, FIXED_SIZE, Entry, EntryInfo, KeyMismatch, Tier, decode_envelope, log, parse_fixed, parse_header,
+)
 
 
 class HttpTier(Tier):

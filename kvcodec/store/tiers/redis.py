@@ -7,7 +7,12 @@ URL: ``redis://[[user]:password@]host:port/db`` or ``rediss://...`` (TLS), or
 * ``prefix`` (default ``kvc:``): prefix of Redis key names;
 * ``ttl`` (seconds, default none): expiry set on every put;
 * ``retry_interval`` (seconds, default 1): after a failure, calls within this
-  interval fail fast without touching the network.
+  interval fail fast without touching the network;
+* ``max_bytes`` (size, default ``4G``, the HTTP tier's cap): the largest entry
+  read or written.  A read asks the value's length first, in the same round
+  trip (a server-side script: ``STRLEN``, then ``GET`` only if it fits), so an
+  oversized value is a counted miss that never crosses the network; a server
+  that refuses scripts gets ``STRLEN`` then ``GET``.
 
 Other query options are passed to ``redis.Redis.from_url`` unchanged.
 
@@ -29,6 +34,7 @@ from kvcodec.store.keys import StoreKey
 from kvcodec.store.options import redact
 from kvcodec.store.outage import OutageGuard
 from kvcodec.store.tiers.base import (
+    DEFAULT_MAX_ENTRY,
     FIXED_SIZE,
     Entry,
     MAX_TIER_META,
@@ -42,7 +48,13 @@ from kvcodec.store.tiers.base import (
 )
 
 T = TypeVar("T")
-_OWN_OPTS = ("timeout", "prefix", "ttl", "retry_interval")
+_OWN_OPTS = ("timeout", "prefix", "ttl", "retry_interval", "max_bytes")
+# one round trip, nothing oversized sent: the length when over ARGV[1], else the value (nil when absent)
+_GET_CAPPED = """
+local n = redis.call('STRLEN', KEYS[1])
+if n > tonumber(ARGV[1]) then return n end
+return redis.call('GET', KEYS[1])
+"""
 
 
 def _number(text: str, what: str, positive: bool = False, integer: bool = False) -> float:
@@ -86,6 +98,12 @@ class RedisTier(Tier):
             self.retry_interval = _number(q.pop("retry_interval", "1"), "retry_interval")
         except ValueError as e:
             raise KvcInputError(f"bad redis URL option in {redact(url)!r}: {e}") from None
+        from kvcodec.store.options import parse_size
+
+        self.max_entry = parse_size(q.pop("max_bytes", DEFAULT_MAX_ENTRY))
+        if self.max_entry <= 0:
+            raise KvcInputError(f"redis max_bytes must be positive in {redact(url)!r}")
+        self._scripts = True  # False once the server refused EVAL
         self.prefix = q.pop("prefix", "kvc:")
         if any(c in self.prefix for c in "*?[]\\"):
             raise KvcInputError(f"redis key prefix {self.prefix!r} must not contain glob characters")
@@ -128,18 +146,40 @@ class RedisTier(Tier):
         return self.prefix + key.to_str()
 
     # -- interface -------------------------------------------------------------------
+    def _get_capped(self, name: str) -> bytes | int | None:
+        """The value of ``name``, or its length (an int) when over ``max_bytes``, or None: size before read."""
+        if self._scripts:
+            try:
+                return self.r.eval(_GET_CAPPED, 1, name, self.max_entry)
+            except self._redis_mod.exceptions.ResponseError as e:
+                if not any(w in str(e).lower() for w in ("unknown command", "disabled", "noscript", "not allowed")):
+                    raise
+                self._scripts = False  # scripting off on this server: two round trips from now on
+        n = int(self.r.strlen(name))
+        if n > self.max_entry:
+            return n
+        return self.r.get(name)
+
     def get_entry(self, key: StoreKey) -> Entry | None:
+        name = self.rkey(key)
         try:
-            buf = self._call("get", lambda: self.r.get(self.rkey(key)))
+            buf = self._call("get", lambda: self._get_capped(name))
         except KvcStoreError:
             self.counters.add(errors=1, misses=1)
             return None
-        return self._entry_or_drop(buf, key, f"redis {self.rkey(key)}",
-                                   lambda: self._call("delete", lambda: self.r.delete(self.rkey(key))))
+        if isinstance(buf, int):
+            self._too_large(buf, self.max_entry, f"redis {name}")
+            return None
+        return self._entry_or_drop(buf, key, f"redis {name}",
+                                   lambda: self._call("delete", lambda: self.r.delete(name)))
 
     def put(self, key: StoreKey, data: bytes, meta: Mapping[str, Any] | None = None,
             created: float | None = None) -> None:
         env = encode_envelope(key, as_bytes(data), check_meta(meta, MAX_TIER_META), created)
+        if len(env) > self.max_entry:
+            self.counters.add(put_errors=1)
+            raise KvcStoreError(f"{self.guard.what}: entry of {len(env):,} bytes exceeds the tier's max_bytes "
+                                f"{self.max_entry:,}")
         try:
             self._call("put", lambda: self.r.set(self.rkey(key), env, ex=self.ttl))
         except KvcStoreError:

@@ -4,7 +4,8 @@ URL: ``redis+cluster://[[user]:password@]host:port[?options]`` (``rediss+cluster
 for TLS).  ``host:port`` is any node; the client discovers the others and
 follows ``MOVED`` / ``ASK`` redirections, so slot migrations (resharding)
 are invisible to callers.  Options are those of :class:`RedisTier`
-(``timeout``, ``prefix``, ``ttl``) plus ``nodes``: more
+(``timeout``, ``prefix``, ``ttl``, ``max_bytes``: a value's size is checked on
+its master before it is sent) plus ``nodes``: more
 startup nodes, ``host:port`` joined by ``+`` (commas separate store tiers).
 
 Each entry is one Redis string (the checksummed envelope of
@@ -67,7 +68,7 @@ class RedisClusterTier(RedisTier):
         except ValueError as e:
             raise KvcInputError(f"bad redis URL option in {redact(url)!r}: {e}") from None
         base = scheme.split("+")[0]
-        own = {k: q.pop(k) for k in ("timeout", "prefix", "ttl", "retry_interval") if k in q}
+        own = {k: q.pop(k) for k in ("timeout", "prefix", "ttl", "retry_interval", "max_bytes") if k in q}
         if q:
             raise KvcInputError(f"unknown redis+cluster options {sorted(q)}")
         kw = dict(host=p.hostname or "127.0.0.1", port=p.port or 6379, startup_nodes=startup or None,

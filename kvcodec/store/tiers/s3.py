@@ -14,7 +14,11 @@ URL.  Query options:
   the others are no-ops (keys are content addresses: equal keys, equal
   content).  A server that rejects conditional writes (HTTP 501) is
   remembered and written unconditionally;
-* ``retry_interval`` (seconds, default 1): fail fast while the server is down.
+* ``retry_interval`` (seconds, default 1): fail fast while the server is down;
+* ``max_bytes`` (size, default ``4G``, the HTTP tier's cap): the largest entry
+  read or written.  A read checks the object's ``Content-Length`` (the GET's
+  response metadata, before its body is read) and reads at most that much, so
+  an oversized object is a counted miss whose body is never read.
 
 Guarantees: an object becomes visible whole or not at all (single PUT, or
 multipart completion), so readers never see a partial entry; every read
@@ -35,6 +39,7 @@ from kvcodec.store.keys import StoreKey
 from kvcodec.store.outage import OutageGuard
 from kvcodec.store.ranged import RangeReader
 from kvcodec.store.tiers.base import (
+    DEFAULT_MAX_ENTRY,
     FIXED_SIZE,
     Entry,
     EntryInfo,
@@ -84,10 +89,13 @@ class S3Tier(Tier):
             self.part_size = parse_size(q.pop("part_size", "8M"))
             self.conditional = parse_flag(q.pop("conditional", "1"))
             retry = float(q.pop("retry_interval", 1.0))
+            self.max_entry = parse_size(q.pop("max_bytes", DEFAULT_MAX_ENTRY))
         except ValueError as e:
             raise KvcInputError(f"bad s3 URL option: {e}") from None
         if q:
             raise KvcInputError(f"unknown s3 options {sorted(q)}")
+        if self.max_entry <= 0:
+            raise KvcInputError("s3 max_bytes must be positive")
         if self.part_size < MIN_PART:
             raise KvcInputError(f"s3 part_size must be at least 5M (S3's minimum part), got {self.part_size}")
         super().__init__(name or "s3", f"s3://{self.bucket}/{self.prefix}" + (f"?endpoint_url={endpoint}" if endpoint else ""))
@@ -125,9 +133,14 @@ class S3Tier(Tier):
         self.guard.ok()
         return out
 
-    def _read_body(self, resp: dict[str, Any], op: str) -> bytes:
+    def _read_body(self, resp: dict[str, Any], op: str, limit: int | None = None) -> bytes:
         try:
-            return resp["Body"].read()
+            if limit is None:
+                return resp["Body"].read()
+            body = resp["Body"].read(limit + 1)
+            if len(body) > limit:
+                raise KvcStoreError(f"s3 {self.url}: {op}: body longer than its {limit:,} bytes")
+            return body
         except self._transport as e:
             raise self.guard.failed(f"{type(e).__name__}: {e}") from None
         except self._bex.BotoCoreError as e:
@@ -138,7 +151,12 @@ class S3Tier(Tier):
         name = self.name_of(key)
         try:
             resp = self._call("get", self.s3.get_object, Bucket=self.bucket, Key=name)
-            buf = None if resp is None else self._read_body(resp, "get")
+            size = None if resp is None else int(resp.get("ContentLength", -1))
+            if size is not None and (size < 0 or size > self.max_entry):
+                resp["Body"].close()  # the size is known from the response head: the body is never read
+                self._too_large(size, self.max_entry, f"s3 {self.bucket}/{name}")
+                return None
+            buf = None if resp is None else self._read_body(resp, "get", self.max_entry)
         except KvcStoreError as e:
             if self.guard.up:
                 log.warning("store: %s", e)
@@ -150,6 +168,10 @@ class S3Tier(Tier):
     def put(self, key: StoreKey, data: bytes, meta: Mapping[str, Any] | None = None,
             created: float | None = None) -> None:
         env = encode_envelope(key, as_bytes(data), check_meta(meta, MAX_TIER_META), created)
+        if len(env) > self.max_entry:
+            self.counters.add(put_errors=1)
+            raise KvcStoreError(f"s3 {self.url}: entry of {len(env):,} bytes exceeds the tier's max_bytes "
+                                f"{self.max_entry:,}")
         try:
             if len(env) >= self.multipart:
                 self._put_multipart(self.name_of(key), env)

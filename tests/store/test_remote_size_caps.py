@@ -1,0 +1,89 @@
+"""Remote tiers check an object's size before reading it (issue 35): Redis and Redis Cluster ask the value's
+length on the server (one round trip; an oversized value never crosses the network), S3 reads the GET's
+Content-Length before its body; the cap is the HTTP tier's (``max_bytes``, default 4G).  Real servers on
+loopback (redis-server, a 3-master cluster, moto)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvcodec.errors import KvcInputError, KvcStoreError
+from kvcodec.store import StoreKey
+from kvcodec.store.tiers.base import DEFAULT_MAX_ENTRY
+from kvcodec.store.tiers.registry import open_tier
+from store_fixtures import redis_cluster, redis_server, s3_server  # noqa: F401  (fixtures)
+
+BIG = 2 << 20  # the planted object: 2 MiB, over a reader's max_bytes=1M
+KEY = StoreKey.for_tokens(list(range(300)), model="m", codec="c")
+
+
+def _payload() -> bytes:
+    return random.Random(5).randbytes(BIG)
+
+
+def _net_out(client) -> int:
+    return int(client.info("stats")["total_net_output_bytes"])
+
+
+@pytest.mark.requires_redis
+def test_redis_reads_an_oversized_value_s_length_not_the_value(redis_server):  # noqa: F811
+    import redis
+
+    writer = open_tier(redis_server.url)
+    writer.put(KEY, _payload())
+    reader = open_tier(redis_server.url + "?max_bytes=1M")
+    assert writer.max_entry == DEFAULT_MAX_ENTRY and reader.max_entry == 1 << 20
+    raw = redis.Redis.from_url(redis_server.url)
+    before = _net_out(raw)
+    assert reader.get_entry(KEY) is None
+    assert _net_out(raw) - before < 64 << 10, "the 2 MiB value was sent to a reader that refuses it"
+    assert reader.counters.corrupt == 1 and reader.counters.misses == 1
+    assert writer.get_entry(KEY).data == _payload(), "an oversized value is kept (someone else's cap may be larger)"
+    with pytest.raises(KvcStoreError, match="max_bytes"):
+        reader.put(KEY, _payload())
+    small = StoreKey.for_tokens([1, 2, 3], model="m", codec="c")
+    reader.put(small, b"tiny")
+    assert reader.get_entry(small).data == b"tiny" and reader.get_entry(StoreKey.for_tokens([9], model="m", codec="c")) is None
+    reader._scripts = False  # a server that refuses EVAL: STRLEN, then GET only if it fits
+    assert reader.get_entry(KEY) is None and reader.get_entry(small).data == b"tiny"
+    with pytest.raises(KvcInputError):
+        open_tier(redis_server.url + "?max_bytes=0")
+
+
+@pytest.mark.requires_redis
+def test_redis_cluster_checks_the_size_on_the_owning_master(redis_cluster):  # noqa: F811
+    import redis
+
+    writer = open_tier(redis_cluster.url)
+    writer.put(KEY, _payload())
+    reader = open_tier(redis_cluster.url + "&max_bytes=1M")
+    nodes = [redis.Redis(host="127.0.0.1", port=p) for p in redis_cluster.ports]
+    before = sum(_net_out(n) for n in nodes)
+    assert reader.get_entry(KEY) is None
+    assert sum(_net_out(n) for n in nodes) - before < 256 << 10
+    assert reader.counters.corrupt == 1
+    assert writer.get_entry(KEY).data == _payload()
+    with pytest.raises(KvcStoreError, match="max_bytes"):
+        reader.put(KEY, _payload())
+
+
+def test_s3_checks_content_length_before_reading_the_body(s3_server, monkeypatch):  # noqa: F811
+    writer = open_tier(s3_server.url("caps"))
+    writer.put(KEY, _payload())
+    reader = open_tier(s3_server.url("caps", max_bytes="1M"))
+
+    def never(*a, **k):
+        raise AssertionError("the body of an oversized object was read")
+
+    monkeypatch.setattr(reader, "_read_body", never)
+    assert reader.get_entry(KEY) is None
+    assert reader.counters.corrupt == 1 and reader.counters.misses == 1
+    monkeypatch.undo()
+    assert writer.get_entry(KEY).data == _payload()
+    with pytest.raises(KvcStoreError, match="max_bytes"):
+        reader.put(KEY, _payload())
+    small = StoreKey.for_tokens([1, 2, 3], model="m", codec="c")
+    reader.put(small, b"tiny")
+    assert reader.get_entry(small).data == b"tiny"
