@@ -108,7 +108,8 @@ class _Service:
     def __init__(self, tmp) -> None:
         self.port = free_port()
         tokens = tmp / "tokens.json"
-        tokens.write_text(json.dumps({"tokens": [{"token": TOK, "tenant": "a"}]}))
+        # the entries live in namespace "default": a token names the namespaces it may use (spec/kdn-v1.md)
+        tokens.write_text(json.dumps({"tokens": [{"token": TOK, "tenant": "a", "namespaces": ["a", "default"]}]}))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvcodec", "serve", "--store", str(tmp / "kdn"), "--port", str(self.port),
              "--tokens", str(tokens), "--max-body", "64M"],
