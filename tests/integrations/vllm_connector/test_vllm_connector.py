@@ -133,8 +133,8 @@ def test_loaded_kv_is_what_the_model_attends_to(connector_llm, prompts, referenc
 
     real = conn.decode_chunk_layers
 
-    def noisy(r, start, end):
-        for i, k, v in real(r, start, end):
+    def noisy(r, start, end, *device):
+        for i, k, v in real(r, start, end, *device):
             yield i, k + 3.0 * k.std() * __import__("torch").randn_like(k), v
 
     monkeypatch.setattr(conn, "decode_chunk_layers", noisy)
@@ -153,11 +153,12 @@ def test_entries_of_another_model_are_a_clean_miss(connector_llm, prompts, refer
     from kvcodec.integrations.vllm.config import chunk_keys
     from kvcodec.integrations.vllm.connector import _FPS
     from kvcodec.integrations.vllm.entries import encode_chunk
+    from kvcodec.store.keys import codec_key
 
     fp = next(iter(_FPS.values()))
     other = ModelFingerprint(**{**fp.to_json(), "head_dims": fp.head_dims, "weights_sha256": "0" * 64})
     ids = prompts["B"]
-    keys = chunk_keys(ids, 2 * CHUNK, model=fp.id, codec="lossless", namespace="ci", chunk_tokens=CHUNK)
+    keys = chunk_keys(ids, 2 * CHUNK, model=fp.id, codec=codec_key("lossless"), namespace="ci", chunk_tokens=CHUNK)
     g = torch.Generator().manual_seed(0)
     with Store.open(str(store_dir)) as st:
         for j, key in enumerate(keys):
