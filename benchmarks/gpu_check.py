@@ -26,7 +26,7 @@ also printed at the end:
     GPU by ``kvcodec.integrations.hf.load_cache``) + prefilling the question; the first tokens are compared
     (``lossless`` must give the same first token; lossy presets may legitimately differ, the table says).
     Median of ``--repeats`` after a warm-up.
-(d) **vLLM on the GPU**: ``tests/integrations/vllm/test_vllm_connector.py`` on real CUDA where vLLM imports;
+(d) **vLLM on the GPU**: ``tests/integrations/vllm_connector/test_vllm_connector.py`` on real CUDA where vLLM imports;
     skipped with the reason otherwise.
 
 Targets (BENCHMARKS.md, "GPU"): whole-file decode >= 200 GB/s on an H100; ``.kvc`` TTFT <= 0.5 x prefill TTFT
@@ -372,7 +372,7 @@ def step_vllm(quick: bool, dl: Deadline) -> dict[str, Any]:
         return {"status": "skipped", "why": "quick mode: vLLM needs a GPU build and a device here"}
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE",
-           "tests/integrations/vllm/test_vllm_connector.py"]
+           "tests/integrations/vllm_connector/test_vllm_connector.py"]
     limit = max(30.0, dl.left())
     try:
         r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit)
