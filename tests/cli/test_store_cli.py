@@ -87,3 +87,21 @@ def test_cli_tenants_see_only_their_own_entries(lm, small_cache, tmp_path, capsy
     assert [t["entries"] for t in stats["tiers"] if t["kind"] == "directory"] == [1]
     code, _, _ = run(kb, "store", "get", key_b, "-o", str(tmp_path / "back.kvc"))
     assert code == 0 and (tmp_path / "back.kvc").read_bytes() == f.read_bytes()
+
+
+def test_an_output_naming_a_directory_is_refused_even_when_the_entry_exists(tmp_path, capsys, monkeypatch):
+    """Issue 35: ``-o out/`` used to write a *file* called ``out`` and exit 0."""
+    from kvcodec.store import Store, StoreKey
+
+    monkeypatch.setenv("KVC_STORE_KEY", "ab" * 32)
+    url = str(tmp_path / "st")
+    k = StoreKey.for_tokens([1, 2, 3], model="m", codec="c")
+    Store.open(url).put(k, b"payload")
+    for out in (tmp_path / "newdir", tmp_path):
+        code, _, err = run_kvc(["store", "get", k.to_str(), "-o", f"{out}/", "--store", url], capsys)
+        assert code == 2 and "directory" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "newdir").exists()
+    code, _, err = run_kvc(["store", "keygen", "-o", f"{tmp_path / 'kd'}/"], capsys)
+    assert code == 2 and "names a directory" in err
+    code, out, _ = run_kvc(["store", "get", k.to_str(), "-o", str(tmp_path / "ok.bin"), "--store", url], capsys)
+    assert code == 0 and (tmp_path / "ok.bin").read_bytes() == b"payload"
