@@ -341,6 +341,16 @@ class Tier:
         self.counters.add(hits=1)
         return e
 
+    def _capped_envelope(self, key: StoreKey, data: Any, meta: Mapping[str, Any] | None, created: float | None,
+                         limit: int, what: str) -> bytes:
+        """The envelope a put stores, refused (and counted) when it is over the tier's ``max_bytes`` ``limit``:
+        what a remote tier would refuse to read back must never be written."""
+        env = encode_envelope(key, as_bytes(data), check_meta(meta, MAX_TIER_META), created)
+        if len(env) > limit:
+            self.counters.add(put_errors=1)
+            raise KvcStoreError(f"{what}: entry of {len(env):,} bytes exceeds the tier's max_bytes {limit:,}")
+        return env
+
     def _too_large(self, size: int, limit: int, what: str) -> None:
         """An object over the tier's ``max_bytes``, found by its size before reading it: a counted miss, kept.
 

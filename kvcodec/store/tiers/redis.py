@@ -37,12 +37,8 @@ from kvcodec.store.tiers.base import (
     DEFAULT_MAX_ENTRY,
     FIXED_SIZE,
     Entry,
-    MAX_TIER_META,
     EntryInfo,
     Tier,
-    as_bytes,
-    check_meta,
-    encode_envelope,
     parse_fixed,
     parse_header,
 )
@@ -175,11 +171,7 @@ class RedisTier(Tier):
 
     def put(self, key: StoreKey, data: bytes, meta: Mapping[str, Any] | None = None,
             created: float | None = None) -> None:
-        env = encode_envelope(key, as_bytes(data), check_meta(meta, MAX_TIER_META), created)
-        if len(env) > self.max_entry:
-            self.counters.add(put_errors=1)
-            raise KvcStoreError(f"{self.guard.what}: entry of {len(env):,} bytes exceeds the tier's max_bytes "
-                                f"{self.max_entry:,}")
+        env = self._capped_envelope(key, data, meta, created, self.max_entry, self.guard.what)
         try:
             self._call("put", lambda: self.r.set(self.rkey(key), env, ex=self.ttl))
         except KvcStoreError:

@@ -43,11 +43,7 @@ from kvcodec.store.tiers.base import (
     FIXED_SIZE,
     Entry,
     EntryInfo,
-    MAX_TIER_META,
     Tier,
-    as_bytes,
-    check_meta,
-    encode_envelope,
     log,
     parse_fixed,
     parse_header,
@@ -167,11 +163,7 @@ class S3Tier(Tier):
 
     def put(self, key: StoreKey, data: bytes, meta: Mapping[str, Any] | None = None,
             created: float | None = None) -> None:
-        env = encode_envelope(key, as_bytes(data), check_meta(meta, MAX_TIER_META), created)
-        if len(env) > self.max_entry:
-            self.counters.add(put_errors=1)
-            raise KvcStoreError(f"s3 {self.url}: entry of {len(env):,} bytes exceeds the tier's max_bytes "
-                                f"{self.max_entry:,}")
+        env = self._capped_envelope(key, data, meta, created, self.max_entry, f"s3 {self.url}")
         try:
             if len(env) >= self.multipart:
                 self._put_multipart(self.name_of(key), env)
