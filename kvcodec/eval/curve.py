@@ -453,7 +453,7 @@ def _measure_roundtrip(lm: Any, case: TextCase, method: Method, greedy_tokens: i
 @functools.cache
 def code_digest() -> str:
     """sha256 (16 hex) of the kvcodec package's Python sources: which code computed a row."""
-    root = Path(__file__).resolve().parent
+    root = Path(__file__).resolve().parents[1]  # the kvcodec package (this module is kvcodec/eval/curve.py)
     h = hashlib.sha256()
     for p in sorted(root.rglob("*.py")):
         h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")

@@ -150,7 +150,7 @@ def hf_quantized_roundtrip(cache: Any, spec: HFQuantSpec) -> tuple[Any, int]:
 
 
 # -- kvpress (own venv, subprocess) -------------------------------------------------------
-KVPRESS_VENV = Path(__file__).resolve().parent.parent / ".venv-kvpress"  # built by .ci/kvpress.sh
+KVPRESS_VENV = Path(__file__).resolve().parents[2] / ".venv-kvpress"  # the repository root: built by .ci/kvpress.sh
 KVPRESS_RUNNER = Path(__file__).resolve().parent / "kvpress_runner.py"
 KVPRESS_PRESSES = ("expected_attention", "snapkv", "observed_attention", "knorm", "tova", "streaming_llm")
 KVPRESS_RATIOS = (0.1, 0.25, 0.5)  # compression_ratio: the fraction of KV entries a press removes

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # the repository root (kvcodec/testing/servers.py)
 
 
 def find_binary(name: str) -> str | None:
