@@ -1,0 +1,105 @@
+"""The edit log: what an edited `.kvc` records about how it was made (spec/kvc-v1.md §4.5).
+
+Why a log at all: an edit produces a *new* entry whose K/V no longer come from one plain prefill of its
+token ids (an append reuses a stored, possibly lossy, cache; a redaction recomputes only some tokens; a
+steered cache was prefilled under an attention bias). Whoever loads it must be able to tell, and to trace
+it back to the entry it came from. So every edited file carries, in its header's ``meta.edits``, the list of
+edits that led to it, oldest first: one record per edit with the operation, its parameters, and the
+SHA-256 of the parent file's bytes and of the parent's token ids.
+
+Why ``meta`` and not a new top-level key: the log never changes how a byte decodes (spec §4: readers MUST NOT
+interpret ``meta`` for decoding), so every 1.x reader reads an edited file as it is, and a later re-encode of
+the edited cache (which carries the header's ``meta``) keeps its provenance. A loader that must understand an
+edit (a steering bias) is told so by a required feature bit, not by this log.
+
+The log is also checked, because it is read from files others wrote: it must be a list of at most
+:data:`MAX_EDITS` well-formed records, and no parent may appear twice in it, nor the parent file itself
+(either would be a chain that loops: an entry cannot descend from itself).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from kvcodec.errors import KvcFormatError, KvcInputError
+
+__all__ = ["EDITS_META_KEY", "EDIT_OPS", "MAX_EDITS", "EditRecord", "extend_log", "file_sha256", "parse_log"]
+
+EDITS_META_KEY = "edits"
+EDIT_OPS = ("append", "redact", "steer")
+MAX_EDITS = 64  # a longer chain is refused: re-prefill the text instead of stacking edits on edits
+MAX_PARAMS_CHARS = 4096  # a record's parameters as JSON (regexes and spans included)
+
+_HEX64 = re.compile(r"[0-9a-f]{64}\Z")
+
+
+def file_sha256(data: bytes | memoryview) -> str:
+    """SHA-256 (lowercase hex) of a parent file's bytes: the identity an edit record names its parent by."""
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass(frozen=True)
+class EditRecord:
+    """One edit: ``op`` applied with ``params`` to the file whose bytes hash to ``parent_sha256`` (its token ids
+    hashing to ``parent_token_ids_sha256``)."""
+
+    op: str
+    parent_sha256: str
+    parent_token_ids_sha256: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"op": self.op, "params": dict(self.params), "parent_sha256": self.parent_sha256,
+                "parent_token_ids_sha256": self.parent_token_ids_sha256}
+
+    @classmethod
+    def from_json(cls, obj: Any, i: int) -> "EditRecord":
+        import json
+
+        what = f"edit log record {i}"
+        if not isinstance(obj, dict):
+            raise KvcFormatError(f"{what} must be an object")
+        op, p, t, params = obj.get("op"), obj.get("parent_sha256"), obj.get("parent_token_ids_sha256"), obj.get("params", {})
+        if op not in EDIT_OPS:
+            raise KvcFormatError(f"{what}: op {op!r:.40} is not one of {', '.join(EDIT_OPS)}")
+        for name, v in (("parent_sha256", p), ("parent_token_ids_sha256", t)):
+            if not isinstance(v, str) or not _HEX64.match(v):
+                raise KvcFormatError(f"{what}: {name} must be 64 lowercase hex digits")
+        if not isinstance(params, dict) or len(json.dumps(params)) > MAX_PARAMS_CHARS:
+            raise KvcFormatError(f"{what}: params must be an object of at most {MAX_PARAMS_CHARS} JSON characters")
+        return cls(str(op), str(p), str(t), params)
+
+
+def parse_log(meta: Mapping[str, Any], own_sha256: str | None = None) -> list[EditRecord]:
+    """The validated edit log of a file's header ``meta`` ([] for a file never edited).
+
+    ``own_sha256`` is the digest of the file the log came from: it must not name itself as an ancestor.
+    """
+    raw = meta.get(EDITS_META_KEY)
+    if raw is None:
+        return []
+    if not isinstance(raw, list) or len(raw) > MAX_EDITS:
+        raise KvcFormatError(f"the edit log (meta.{EDITS_META_KEY}) must be a list of at most {MAX_EDITS} records")
+    log = [EditRecord.from_json(r, i) for i, r in enumerate(raw)]
+    seen: set[str] = set()
+    for i, r in enumerate(log):
+        if r.parent_sha256 in seen or r.parent_sha256 == own_sha256:
+            raise KvcFormatError(f"the edit log loops: record {i} names parent {r.parent_sha256[:12]}… which is already "
+                                 "in its chain")
+        seen.add(r.parent_sha256)
+    return log
+
+
+def extend_log(parent_meta: Mapping[str, Any], parent_sha256: str, parent_token_ids_sha256: str, op: str,
+               params: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The child's edit log: the parent's (validated) plus one record for this edit, as header JSON."""
+    log = parse_log(parent_meta, own_sha256=parent_sha256)
+    if len(log) >= MAX_EDITS:
+        raise KvcInputError(f"the entry has already been edited {len(log)} times (limit {MAX_EDITS}); "
+                            "re-prefill its text instead")
+    rec = EditRecord(op, parent_sha256, parent_token_ids_sha256, dict(params))
+    EditRecord.from_json(rec.to_json(), len(log))  # the same checks a reader applies
+    return [r.to_json() for r in log] + [rec.to_json()]

@@ -1,0 +1,129 @@
+"""``redact``: remove token spans (a paragraph, every match of a regex such as an e-mail address) from a
+stored context, repairing what follows them without a full re-prefill.
+
+Removing tokens from a cache is more than deleting rows: every later token was computed (1) at a position
+that is now wrong and (2) attending to the removed tokens. kvcodec repairs both the way CacheBlend repairs
+independently cached chunks, by reusing :func:`kvcodec.runtime.blend.blend` itself:
+
+1. the kept tokens form pieces (before the first span, between spans, after the last); each piece's post-RoPE
+   keys are rotated back to positions ``0..len-1`` (:func:`kvcodec.runtime.blend.rerotate_keys`, each layer
+   with its own RoPE); values carry no position and are kept;
+2. ``blend`` places the pieces one after another (rotating each to its new offset), recomputes layers
+   ``0..select_layer-1`` for every token, picks at ``select_layer`` the ``recompute_ratio`` fraction of
+   tokens whose fresh keys deviate most from the stored ones (the tokens that leaned hardest on what was
+   removed), and recomputes those tokens' later layers over the mixed K/V;
+3. the last kept token is blend's "query": it is always recomputed in full, so the child ends with an
+   exactly positioned, fully repaired token.
+
+Tokens before the first span are untouched by a causal model's edit: their K/V are kept as they are (their
+deviation at ``select_layer`` is rounding only, so the selection spends its budget after the span). A span
+that ends the context is a truncation: the child is the parent's prefix, exact, with nothing recomputed.
+
+The result is compared with a fresh prefill of the edited token ids (tests/edit/test_redact.py,
+benchmarks/bench_edit.py): KL of the next-token distributions over a continuation, and time. Refused:
+caches whose sliding-window layers dropped tokens (a context longer than a layer's window: the pieces' early
+tokens are gone and no rotation brings them back) and pruned caches.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from kvcodec.core.kvcache import KVCache
+from kvcodec.edit.entry import EditResult, open_parent, write_child
+from kvcodec.edit.spans import resolve_spans
+from kvcodec.errors import KvcInputError
+from kvcodec.runtime.blend import blend, layer_inv_freqs, rerotate_keys
+
+__all__ = ["DEFAULT_REDACT_RATIO", "redact", "redact_cache"]
+
+#: Fraction of the kept tokens recomputed from ``select_layer`` on. benchmarks/bench_edit.py measures a grid
+#: (BENCHMARKS.md, "Offline editing"): on SmolLM2 every ratio from 0 keeps the KL against a re-prefill inside
+#: the balanced preset's 0.01 nats and 0.1 buys a further margin at about a fifth of the re-prefill's time; on
+#: Gemma 3 270M no ratio this cheap reaches 0.01 (the deviation at an early layer does not predict which tokens
+#: deviate later), which the benchmark reports rather than hides.
+DEFAULT_REDACT_RATIO = 0.1
+
+
+def _pieces(cache: KVCache, spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    n = cache.num_context_tokens
+    kept, at = [], 0
+    for a, b in spans:
+        if a > at:
+            kept.append((at, a))
+        at = b
+    if at < n:
+        kept.append((at, n))
+    if not kept:
+        raise KvcInputError("the spans cover the whole context: nothing would be left")
+    return kept
+
+
+def _piece(cache: KVCache, a: int, b: int, freqs: list[np.ndarray]) -> KVCache:
+    """Tokens ``[a, b)`` of ``cache`` as a chunk captured from position 0 (keys rotated back by ``a``)."""
+    keys = [rerotate_keys(k[:, a:b], -a, f) if a else k[:, a:b].float() for k, f in zip(cache.keys, freqs)]
+    values = [v[:, a:b].float() for v in cache.values]
+    return KVCache(keys, values, cache.token_ids[a:b], cache.fingerprint)
+
+
+@torch.inference_mode()
+def redact_cache(lm: Any, cache: KVCache, spans: Sequence[tuple[int, int]], recompute_ratio: float = DEFAULT_REDACT_RATIO,
+                 select_layer: int = 1) -> tuple[KVCache, dict[str, Any]]:
+    """``cache`` without the token ranges ``spans`` (sorted, disjoint, within the context), repaired.
+
+    Returns the child cache (model dtype, on the model's device) and what was done (spans, pieces,
+    recomputed token count, blend's timings).
+    """
+    if cache.positions is not None:
+        raise KvcInputError("the entry is a pruned cache; redact needs a full cache")
+    if cache.ragged:
+        raise KvcInputError("the context is longer than a sliding-window layer's window, whose earlier tokens are not "
+                            "stored; redact needs every token of every layer (re-prefill the edited text instead)")
+    kept = _pieces(cache, spans)
+    info: dict[str, Any] = {"spans": [list(s) for s in spans], "removed_tokens": int(sum(b - a for a, b in spans))}
+    if len(kept) == 1 and kept[0][0] == 0:  # only a tail was removed: the prefix is exact
+        n = kept[0][1]
+        info.update(recomputed_tokens=0, truncation=True)
+        return KVCache([k[:, :n].contiguous() for k in cache.keys], [v[:, :n].contiguous() for v in cache.values],
+                       cache.token_ids[:n], cache.fingerprint, None, dict(cache.meta)), info
+    freqs = layer_inv_freqs(lm)
+    last_a, last_b = kept[-1]
+    query = cache.token_ids[last_b - 1:last_b]  # the last kept token: recomputed in full by blend
+    chunks = [_piece(cache, a, b, freqs) for a, b in kept[:-1]]
+    if last_b - 1 > last_a:
+        chunks.append(_piece(cache, last_a, last_b - 1, freqs))
+    res = blend(lm, chunks, query, recompute_ratio=recompute_ratio, select_layer=select_layer)
+    info.update(recomputed_tokens=int(len(res.selected)), recompute_ratio=float(recompute_ratio),
+                select_layer=int(select_layer), truncation=False,
+                blend_timings={k: round(v, 6) for k, v in res.timings.items()})
+    out = res.cache
+    return KVCache(out.keys, out.values, out.token_ids, out.fingerprint, None, dict(cache.meta)), info
+
+
+def redact(lm: Any, source: Any, *, pattern: str | None = None, text: str | None = None,
+           char_spans: Sequence[tuple[int, int]] | None = None, token_spans: Sequence[tuple[int, int]] | None = None,
+           recompute_ratio: float = DEFAULT_REDACT_RATIO, select_layer: int = 1, dest: Any = None,
+           preset: str | None = None, progress: Callable[[str], None] | None = None) -> EditResult:
+    """Remove from the stored entry ``source`` (a `.kvc` path or bytes) the spans named by exactly one of
+    ``pattern`` (a regex over the decoded context), ``text`` (every occurrence), ``char_spans`` or
+    ``token_spans``, into a new entry at ``dest`` (None: bytes in the result)."""
+    say = progress or (lambda msg: None)
+    t0 = time.perf_counter()
+    parent = open_parent(source)
+    cache = parent.decode(lm)
+    spans = resolve_spans(lm.tokenizer, cache.token_ids, pattern=pattern, text=text, char_spans=char_spans,
+                          token_spans=token_spans)
+    t1 = time.perf_counter()
+    say(f"removing {sum(b - a for a, b in spans)} tokens in {len(spans)} span(s), repairing the rest")
+    child, info = redact_cache(lm, cache, spans, recompute_ratio=recompute_ratio, select_layer=select_layer)
+    t2 = time.perf_counter()
+    params: dict[str, Any] = {"token_spans": [list(s) for s in spans], "recompute_ratio": float(recompute_ratio),
+                              "select_layer": int(select_layer)}
+    if pattern is not None:
+        params["pattern"] = pattern
+    return write_child(lm, parent, child, "redact", params, dest=dest, preset=preset, progress=progress,
+                       timings={"decode_s": t1 - t0, "repair_s": t2 - t1}, info=info)
