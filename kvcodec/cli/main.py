@@ -67,9 +67,10 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _attach() -> None:
-    from kvcodec.cli import ask_cmd, calibrate_cmd, capture_cmd, codec_cmd, demo_cmd, eval_cmd, prune_cmd, serve_cmd, store_cmd
+    from kvcodec.cli import (ask_cmd, calibrate_cmd, capture_cmd, codec_cmd, demo_cmd, edit_cmd, eval_cmd, prune_cmd, serve_cmd,
+                             store_cmd)
 
-    for mod in (capture_cmd, demo_cmd, codec_cmd, eval_cmd, ask_cmd, store_cmd, serve_cmd, prune_cmd, calibrate_cmd):
+    for mod in (capture_cmd, demo_cmd, codec_cmd, eval_cmd, ask_cmd, store_cmd, serve_cmd, prune_cmd, calibrate_cmd, edit_cmd):
         for cmd in mod.COMMANDS:
             cli.add_command(cmd)
 

@@ -1,0 +1,99 @@
+"""``kvc edit {append,redact}``: turn a stored `.kvc` entry into a new, edited one (docs/guide/edit.md).
+
+Thin: parse, call :mod:`kvcodec.edit`, render. The parent is never changed; ``-o`` names the child.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import click
+
+from kvcodec.cli.options import emit_json, json_option, model_option
+
+
+def _say(as_json: bool) -> Callable[[str], None]:
+    return (lambda m: None) if as_json else (lambda m: click.echo(f"kvc: {m} ...", err=True))
+
+
+def _load(model: str) -> Any:
+    from kvcodec.models.load import load_model
+
+    return load_model(model)
+
+
+def _render(res: Any, as_json: bool) -> None:
+    info = res.to_json()
+    if as_json:
+        emit_json(info)
+        return
+    t = ", ".join(f"{k.removesuffix('_s')} {v:.2f} s" for k, v in info["timings"].items())
+    extra = ""
+    if res.op == "redact":
+        extra = f", removed {info['removed_tokens']} tokens, recomputed {info['recomputed_tokens']}"
+    click.echo(f"{info['output']}: {res.op} -> {info['tokens']} tokens{extra}, {info['size']:,} bytes ({info['preset']}); {t}")
+
+
+_preset = click.option("--preset", default=None, help="Preset of the edited entry (default: the parent's).")
+_output = click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="The edited entry (a new .kvc).")
+_entry = click.argument("entry", metavar="ENTRY.kvc", type=click.Path(dir_okay=False))
+
+
+@click.group("edit")
+def edit_group() -> None:
+    """Edit a stored .kvc offline into a new entry (append, redact); the parent is never changed."""
+
+
+@edit_group.command("append")
+@_entry
+@click.option("--text", "text", default=None, help="The text to append.")
+@click.option("--text-file", "text_file", default=None, type=click.Path(dir_okay=False), help="A UTF-8 file holding it.")
+@_output
+@_preset
+@model_option
+@json_option
+def append_command(entry: str, text: str | None, text_file: str | None, output: str, preset: str | None, model: str,
+                   as_json: bool) -> None:
+    """Extend ENTRY's context with more text, prefilling only the new text over the stored cache."""
+    from kvcodec.atomic import check_output
+    from kvcodec.edit.append import append
+    from kvcodec.errors import KvcInputError
+
+    if (text is None) == (text_file is None):
+        raise KvcInputError("give exactly one of --text and --text-file")
+    if text_file is not None:
+        from kvcodec.texts import load_text
+
+        text = load_text(text_file)
+    check_output(output, inputs=[entry])
+    res = append(_load(model), entry, text=text, dest=output, preset=preset, progress=_say(as_json))
+    _render(res, as_json)
+
+
+@edit_group.command("redact")
+@_entry
+@click.option("--pattern", default=None, help="A regular expression over the decoded context: every match is removed.")
+@click.option("--text", "literal", default=None, help="A literal text: every occurrence is removed.")
+@click.option("--tokens", "tokens", multiple=True, help="A token span START:END to remove (repeatable).")
+@click.option("--ratio", "ratio", default=None, type=float,
+              help="Fraction of the kept tokens recomputed, CacheBlend-style (default: kvcodec.edit.redact.DEFAULT_REDACT_RATIO).")
+@_output
+@_preset
+@model_option
+@json_option
+def redact_command(entry: str, pattern: str | None, literal: str | None, tokens: tuple[str, ...], ratio: float | None,
+                   output: str, preset: str | None, model: str, as_json: bool) -> None:
+    """Remove spans from ENTRY's context, re-position the later tokens and repair the most affected ones."""
+    from kvcodec.atomic import check_output
+    from kvcodec.edit.redact import DEFAULT_REDACT_RATIO, redact
+    from kvcodec.edit.spans import parse_token_span
+
+    spans = [parse_token_span(t) for t in tokens] or None  # refuse a bad span before loading anything
+    check_output(output, inputs=[entry])
+    res = redact(_load(model), entry, pattern=pattern, text=literal, token_spans=spans,
+                 recompute_ratio=DEFAULT_REDACT_RATIO if ratio is None else ratio, dest=output, preset=preset,
+                 progress=_say(as_json))
+    _render(res, as_json)
+
+
+COMMANDS = [edit_group]

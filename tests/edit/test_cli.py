@@ -1,0 +1,53 @@
+"""``kvc edit``: thin over the library; bad input is one line and a non-zero exit."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from kvcodec.format import KvcReader
+from tests._support.cliutil import run_kvc
+from tests.edit.conftest import EMAIL
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture()
+def parent(entry, tmp_path):
+    _, data = entry(160)
+    p = tmp_path / "doc.kvc"
+    p.write_bytes(data)
+    return p
+
+
+def test_redact_then_append_through_the_cli(parent, tmp_path, capsys):
+    red = tmp_path / "red.kvc"
+    rc, out, err = run_kvc(["edit", "redact", str(parent), "--pattern", EMAIL, "-o", str(red), "--json"], capsys)
+    assert rc == 0, err
+    info = json.loads(out)
+    assert info["op"] == "redact" and info["removed_tokens"] > 0 and info["output"] == str(red)
+    more = tmp_path / "more.txt"
+    more.write_text("Thanks to all translators.")
+    both = tmp_path / "both.kvc"
+    rc, out, err = run_kvc(["edit", "append", str(red), "--text-file", str(more), "-o", str(both)], capsys)
+    assert rc == 0, err
+    assert "append ->" in out and "prefilling" in err  # progress goes to stderr
+    with KvcReader(str(both)) as r:
+        assert [e["op"] for e in r.header.meta["edits"]] == ["redact", "append"]
+        assert np.array_equal(r.token_ids[:info["tokens"]], KvcReader(str(red)).token_ids)
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["redact", "{p}", "--pattern", "(", "-o", "{o}"], "bad regular expression"),
+    (["redact", "{p}", "--tokens", "3-9", "-o", "{o}"], "START:END"),
+    (["redact", "{p}", "--tokens", "0:100000", "-o", "{o}"], "outside"),
+    (["append", "{p}", "-o", "{o}"], "exactly one of --text"),
+    (["append", "{p}", "--text", "x", "-o", "{p}"], ""),  # never in place
+])
+def test_bad_input_is_one_line(parent, tmp_path, capsys, args, msg):
+    out_path = tmp_path / "out.kvc"
+    rc, out, err = run_kvc(["edit"] + [a.format(p=parent, o=out_path) for a in args], capsys)
+    assert rc != 0 and len(err.strip().splitlines()) == 1 and msg in err
+    assert not out_path.exists()
