@@ -24,8 +24,9 @@ Backends and attack classes (one phase each, after a no-attack baseline; the att
 * ``cluster`` -- the Redis Cluster tier (3 masters), and ``s3`` -- the S3 tier (moto): ``oversized`` the
   attacker, who can write the shared tier, replaces half of the honest entries with 32 MiB values (intact
   envelopes of another key, so readers keep them); the engines run with ``max_bytes=8M`` (their entries
-  are ~130 KB) and again with the default 4G cap (``oversized-4G``: each read of a replaced entry moves
-  the 32 MiB before refusing it).
+  are ~130 KB) and again with the tier's default cap (``oversized-default``: the value is under the cap, so
+  only its head, read first, refuses it); ``forged-default``: 32 MiB envelopes of the asked key itself
+  without a valid seal, which only the reader's Store can refuse, after reading each whole.
 
 Reported per phase: honest p50 / p99 (ms), requests, errors, misses; the attacker's request count and
 answers; the server's peak RSS (``kvc serve`` with its worker processes; the three redis-server nodes;
@@ -56,7 +57,7 @@ TOK_HONEST = "bench-attack-honest-0001"
 TOK_MALLORY = "bench-attack-mallory-01"
 STORE_KEY = "5a" * 32
 KDN_CLASSES = ("amplify", "costly", "chunked", "deep", "lookups", "slowloris", "stalled", "junk")
-REMOTE_CLASSES = ("oversized", "oversized-4G")
+REMOTE_CLASSES = ("oversized", "forged")
 BIG = 32 << 20
 
 
@@ -70,6 +71,28 @@ def rss_kb(pid: int) -> int:
     except OSError:
         pass
     return 0
+
+
+def cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes so far (``/proc/PID/stat``; 0 for a process gone)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat(5))
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / tick
+
+
+def tree(roots: list[int]) -> list[int]:
+    out = []
+    for r in roots:
+        out.append(r)
+        out.extend(children(r))
+    return out
 
 
 def children(pid: int) -> list[int]:
@@ -256,17 +279,24 @@ def _kdn_attack(kind: str, port: int, seconds: float, threads: int, ready: Calla
 def _remote_attack(kind: str, url: str, seconds: float, raw: Any, ready: Callable[[], None]) -> dict[str, Any]:
     """Overwrite half of the honest entries (every other name on the tier) with 32 MiB values, then hold.
 
-    The value is an intact envelope (the public format of spec/store-keys.md §6) of *another* key: a reader
-    treats it as a miss and, rightly, never deletes it (it may be someone's), so every read meets it again.
+    ``oversized``: the value is an intact envelope (the public format of spec/store-keys.md §6) of *another*
+    key: a reader treats it as a miss and, rightly, never deletes it (it may be someone's), so every read meets
+    it again.  ``forged``: an intact envelope of the very name's key with a 32 MiB payload and no valid seal
+    (the attacker cannot make one): only the reader's Store can refuse it, after reading it whole.
     """
     from kvcodec.store.keys import StoreKey
     from kvcodec.store.tiers.base import encode_envelope
 
-    blob = encode_envelope(StoreKey.for_tokens([0], model="mallory", codec="x"), b"\0" * BIG, {}, None)
+    other = encode_envelope(StoreKey.for_tokens([0], model="mallory", codec="x"), b"\0" * BIG, {}, None)
     names = raw["names"]()
     victims = names[::2]
     for n in victims:
-        raw["set"](n, blob)
+        if kind == "forged":
+            text = n.decode() if isinstance(n, bytes) else str(n)
+            key = StoreKey.from_str(text[text.index("kvc", 1 if text.startswith("kvc:") else 0):].rsplit("/", 1)[-1])
+            raw["set"](n, encode_envelope(key, b"\0" * BIG, {}, None))
+        else:
+            raw["set"](n, other)
     ready()
     time.sleep(seconds)
     return {"overwritten": len(victims), "value_bytes": BIG}
@@ -277,10 +307,15 @@ def attacker_main(kind: str, target: dict[str, Any], seconds: float, threads: in
     def ready() -> None:
         out.put("ready")
 
+    import resource
+
     if target["kind"] == "kdn":
-        out.put(_kdn_attack(kind, target["port"], seconds, threads, ready))
+        res = _kdn_attack(kind, target["port"], seconds, threads, ready)
     else:
-        out.put(_remote_attack(kind, target["url"], seconds, _raw_access(target), ready))
+        res = _remote_attack(kind, target["url"], seconds, _raw_access(target), ready)
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    res["cpu_s"] = round(ru.ru_utime + ru.ru_stime, 2)  # the attacker's own CPU: it shares the cores too
+    out.put(res)
 
 
 def _raw_access(target: dict[str, Any]) -> dict[str, Callable[..., Any]]:
@@ -422,7 +457,9 @@ def run_backend(kind: str, a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             phases += [(c, c) for c in KDN_CLASSES if c in a.classes]
         else:
             if "oversized" in a.classes:
-                phases += [("baseline-4G", None), ("oversized", "oversized"), ("oversized-4G", "oversized")]
+                phases += [("baseline-default", None), ("oversized", "oversized"), ("oversized-default", "oversized")]
+            if "forged" in a.classes:
+                phases += [("forged-default", "forged")]
         engines: dict[str, tuple[list[Any], list[Any], Any]] = {}
 
         def start_engines(cap: str | None) -> tuple[list[Any], list[Any], Any]:
@@ -438,15 +475,17 @@ def run_backend(kind: str, a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             return cmds, procs, res
 
         for phase, attack in phases:
-            cap = None if kind == "kdn" else ("4G" if phase.endswith("-4G") else "8M")
+            cap = None if kind == "kdn" or phase.endswith("-default") else "8M"  # None: the tier's default
             group = engines.get(cap or "-")
             if group is None:
                 group = engines[cap or "-"] = start_engines(cap)
             cmds, procs, res = group
-            if attack == "oversized":
+            if attack in REMOTE_CLASSES:
                 be.restore(entries)
             att_q = ctx.Queue()
             att = None
+            cpu0 = cpu_s(tree(be.server_pids()))
+            t_phase = time.monotonic()
             with RssSampler(be.server_pids) as srv_rss, RssSampler(lambda: [p.pid for p in procs]) as eng_rss:
                 if attack is not None:
                     att = ctx.Process(target=attacker_main, args=(attack, be.target(), a.phase_s + 1, a.attackers, att_q),
@@ -463,6 +502,8 @@ def run_backend(kind: str, a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                     att.join(30)
                     if att.is_alive():
                         att.kill()
+            server_cpu = cpu_s(tree(be.server_pids())) - cpu0
+            wall = time.monotonic() - t_phase
             lat = [x for r in rows for x in r["lat"]]
             errs = [e for r in rows for e in r["errors"]]
             row = {
@@ -474,6 +515,8 @@ def run_backend(kind: str, a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 "server_peak_rss_mb": round(srv_rss.peak_kb / 1024, 1),
                 "engines_peak_rss_mb": round(eng_rss.peak_kb / 1024, 1),
                 "attacker": attack_out,
+                # CPU-s of the server tree during the phase (live processes only: a replaced worker's is lost)
+                "server_cpu_s": round(server_cpu, 1), "phase_wall_s": round(wall, 1),
             }
             out["phases"].append(row)
             print(render_row(kind, row), flush=True)
@@ -488,7 +531,7 @@ def run_backend(kind: str, a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         be.stop()
     base = {r["phase"]: r for r in out["phases"] if r["attack"] is None}
     for r in out["phases"]:
-        ref = base.get("baseline-4G" if r["phase"].endswith("-4G") else "baseline")
+        ref = base.get("baseline-default" if r["phase"].endswith("-default") else "baseline")
         if ref and r["p99_ms"] and ref["p99_ms"]:
             r["p99_vs_baseline"] = round(r["p99_ms"] / ref["p99_ms"], 2)
     return out
@@ -499,7 +542,8 @@ def render_row(kind: str, r: dict[str, Any]) -> str:
     seen = att.get("answers") or ({"overwritten": att.get("overwritten")} if att else {})
     return (f"{kind:<8} {r['phase']:<13} n={r['requests']:<5} p50 {r['p50_ms']} ms  p99 {r['p99_ms']} ms  "
             f"errors {r['errors']}  misses {r['misses']}  server RSS {r['server_peak_rss_mb']} MB  "
-            f"engines RSS {r['engines_peak_rss_mb']} MB  attacker {att.get('requests', '')} {seen}")
+            f"engines RSS {r['engines_peak_rss_mb']} MB  server CPU {r['server_cpu_s']} s / {r['phase_wall_s']} s  "
+            f"attacker CPU {att.get('cpu_s', '-')} s  attacker {att.get('requests', '')} {seen}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -511,8 +555,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--think-ms", type=float, default=20.0, help="an engine's compute between two store requests")
     ap.add_argument("--attackers", type=int, default=4, help="attacker threads (slowloris: 200 connections)")
     ap.add_argument("--backend", default="kdn,cluster,s3")
-    ap.add_argument("--classes", default=",".join(KDN_CLASSES + ("oversized",)),
-                    help="attack classes to run (" + ", ".join(KDN_CLASSES + ("oversized",)) + ")")
+    ap.add_argument("--classes", default=",".join(KDN_CLASSES + REMOTE_CLASSES),
+                    help="attack classes to run (" + ", ".join(KDN_CLASSES + REMOTE_CLASSES) + ")")
     ap.add_argument("--json", default=None)
     run = harness.cli(ap, argv, case="kdn_attack")
     a = run.args

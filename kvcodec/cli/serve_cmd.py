@@ -55,6 +55,11 @@ _LIMITS = "Limits (defaults: spec/kdn-v1.md §5). "
               help="A put entry may declare at most this many times its own size in decoded K/V (0: no limit).")
 @click.option("--workers", type=int, default=2, show_default=True, callback=_count,
               help="Worker processes that check (decode) puts, parse large JSON bodies and tokenize text lookups.")
+@click.option("--worker-memory", default="2G", show_default=True,
+              help="Memory each worker process may allocate beyond its started state (enforced: RLIMIT_DATA); a "
+                   "request that needs more is refused with one line and its worker replaced. Must exceed --max-body.")
+@click.option("--peer-connections", type=click.IntRange(1, 1 << 20), default=256, show_default=True,
+              help="Connections one client address may hold at once; more are answered 429 and closed at once.")
 @click.option("--tenant-workers", type=int, default=1, show_default=True, callback=_count,
               help="Worker processes one tenant may keep busy at once (the others are shared round-robin).")
 @click.option("--tenant-queue", type=click.IntRange(0, 1 << 20), default=16, show_default=True,
@@ -112,6 +117,7 @@ def serve_command(store_url: str | None, host: str, port: int, tokens_file: str 
                         max_decoded_bytes=size("max_decoded"), max_chunk_decoded=size("max_chunk_decoded"),
                         tenant_decode_rate=float(size("tenant_decode_rate")),
                         max_inflight_body=size("max_inflight_body"), tenant_inflight_body=size("tenant_inflight_body"),
+                        worker_memory=size("worker_memory"),
                         verify=not no_verify_decode, models=list(models), **limits)
     cfg.check()
     if tokens_file:

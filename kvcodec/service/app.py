@@ -49,6 +49,12 @@ Bounded work (issue 35; the limits are ``spec/kdn-v1.md`` §5 and :class:`Servic
   arriving (``body_idle_timeout``) and arrive whole within ``body_timeout``;
   the bytes being received at once are capped per tenant and in all; a
   request's head must arrive within ``header_timeout``;
+* a client address holds at most ``peer_connections`` connections, and HTTP that aiohttp's parser refuses
+  is a one-line JSON ``400`` too (the connection layer: :mod:`kvcodec.service.server`);
+* a tenant whose requests keep being refused (a refusal costs one, plus one per MiB of body read) gets its
+  next answers as ``429`` held back up to a second, before any body is read;
+* memory is bounded and every term enforced (:meth:`ServiceConfig.memory_bound`): bodies are charged from
+  their first byte to their answer, worker processes have a data limit (``worker_memory``);
 * every refusal is a one-line JSON error, and one rate-limited log line.
 """
 
@@ -81,6 +87,8 @@ from kvcodec.service.checks import (
 )
 from kvcodec.service.fair import FairScheduler, Overloaded, TokenBucket
 from kvcodec.service.metrics import Metrics
+from kvcodec.service.server import PeerTable
+from kvcodec.service.server import run as run_server
 from kvcodec.service.workers import WorkerPool
 from kvcodec.store import Store, StoreKey
 from kvcodec.store.tenant import PHYS_MODEL, TenantKey
@@ -90,11 +98,19 @@ from kvcodec.store.tiers.kdn import API, CONTENT_TYPE, H_CRC, H_CREATED, H_META,
 log = logging.getLogger("kvcodec.service")
 
 MAX_JSON_BODY = 16 << 20
+TENANT_CACHE = 64 << 20   # each tenant view's in-process LRU (Store.for_key)
+SERVICE_BASE = 384 << 20  # the event-loop process without bodies or caches (measured ~150-300 MB; spec §5)
+WORKER_BASE = 256 << 20   # a worker with its decoders loaded, before a job's data (measured ~200 MB; spec §5)
+THROTTLE_HOLD = 1.0       # seconds at most a throttled tenant's request waits before its 429
+MAX_THROTTLED = 1024      # requests held back at once; beyond, the 429 is at once
+LINGER = 1.0              # seconds the rest of a refused request's body is drained before its connection closes
+REFUSAL_BODY_UNIT = 1 << 20  # a refused request costs its tenant one refusal, plus one per MiB of body it made us read
 INLINE_JSON = 64 << 10   # JSON bodies up to this size are parsed on the event loop; larger ones by a worker
 
 PRINCIPAL = web.AppKey("principal", Principal)
 SERVICE = web.AppKey("service", object)
 _DEADLINE = "kvc.deadline"
+_HELD = "kvc.body_held"  # (tenant, bytes) of the request's body, charged to the body budget until its answer
 
 __all__ = ["ServiceConfig", "KdnService", "HttpError", "make_app", "serve", "chunk_candidates"]
 
@@ -127,7 +143,8 @@ class ServiceConfig:
     tenant_store_threads: int = 8    # of them busy for one tenant at once
     max_inflight_body: int = 2 << 30   # body bytes being received at once, all requests
     tenant_inflight_body: int = 1 << 30  # ... for one tenant
-    worker_max_rss: int = 2 << 30    # a worker that grew past this after a job is replaced
+    worker_memory: int = 2 << 30     # memory a worker may allocate beyond its started state (hard: RLIMIT_DATA)
+    peer_connections: int = 256      # connections one client address may hold at once (more: 429 at once)
     log_rate: float = 10.0           # bad-request log lines per second (more are counted, then summarised)
     tenant_refusal_rate: float = 20.0  # refused requests per second a tenant may cause (burst 5x); then 429 at once
 
@@ -136,7 +153,7 @@ class ServiceConfig:
         pos_int = ("max_body", "max_json_body", "max_lookup_tokens", "max_lookup_text", "max_decoded_bytes",
                    "max_chunk_decoded",
                    "workers", "tenant_workers", "store_threads", "tenant_store_threads", "max_inflight_body",
-                   "tenant_inflight_body")
+                   "tenant_inflight_body", "worker_memory", "peer_connections")
         for k in pos_int:
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -150,8 +167,19 @@ class ServiceConfig:
             v = getattr(self, k)
             if not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
                 raise KvcInputError(f"{k.replace('_', '-')} must be a finite number >= 0, got {v!r}")
-        if self.tenant_queue < 0 or self.worker_max_rss < 0:
-            raise KvcInputError("tenant-queue and worker-max-rss must be >= 0")
+        if self.tenant_queue < 0:
+            raise KvcInputError("tenant-queue must be >= 0")
+        if self.worker_memory <= max(self.max_body, self.max_json_body):
+            raise KvcInputError(f"worker-memory ({self.worker_memory}) must be larger than max-body and max-json-body: "
+                                "a worker holds the body it checks")
+
+    def memory_bound(self, tenants: int) -> int:
+        """The service's stated peak memory in bytes (spec/kdn-v1.md §5, "Memory"), every term enforced:
+        the event-loop process (code, and each body held from its first byte to its answer, at most
+        ``max_inflight_body``, counted twice for the one copy made when a body is complete), each tenant's
+        in-process cache, and each worker (code, and at most ``worker_memory`` more: its data limit)."""
+        return (SERVICE_BASE + 2 * self.max_inflight_body + tenants * TENANT_CACHE
+                + self.workers * (WORKER_BASE + self.worker_memory))
 
 
 class LogLimiter:
@@ -235,7 +263,7 @@ class KdnService:
             self._add_model(m)
         self.workers = WorkerPool(c.workers, per_tenant=c.tenant_workers, max_queued=c.tenant_queue,
                                   queue_timeout=c.queue_timeout, tokenizers=self._tokenizer_dirs,
-                                  max_rss=c.worker_max_rss)
+                                  memory=c.worker_memory, base=WORKER_BASE)
         self.decode_quota = TokenBucket(c.tenant_decode_rate, c.max_decoded_bytes)
         self._io = ThreadPoolExecutor(c.store_threads, thread_name_prefix="kvc-store")
         self.io_sched = FairScheduler(c.store_threads, c.tenant_store_threads, max_queued=256, name="store thread")
@@ -243,6 +271,8 @@ class KdnService:
         self.bad = LogLimiter(c.log_rate)
         # a tenant whose requests keep being refused (4xx) is answered 429 before any body is read or work done
         self.refusals = TokenBucket(c.tenant_refusal_rate, 5 * c.tenant_refusal_rate)
+        self.throttled = 0  # requests being held back before their 429 (at most MAX_THROTTLED)
+        self.peers = PeerTable(c.peer_connections)  # the connection layer's (kvcodec.service.server)
 
     def store_for(self, p: Principal) -> Store:
         """The tenant's view of the backing tiers: a Store whose tenant key is derived for ``p.tenant``."""
@@ -254,13 +284,19 @@ class KdnService:
             return st
 
     def _add_model(self, name: str) -> None:
-        """Text lookups for ``name``: its fingerprint id here, its tokenizer in the workers (from its directory)."""
-        from kvcodec.models.load import load_model, resolve_model_dir
+        """Text lookups for ``name``: its fingerprint id here, its tokenizer in the workers (from its directory).
 
-        lm = load_model(name)
-        self._tokenizer_dirs[lm.fingerprint.id] = str(resolve_model_dir(name))
-        log.info("kdn: text lookups for model %s (fingerprint %s)", name, lm.fingerprint.id)
-        del lm  # the weights are not needed here
+        The model is never loaded: its fingerprint comes from the directory's files (config, tokenizer, and
+        the safetensors streamed through a hash with one buffer, cached per directory), as a loaded model's
+        does, so the service holds no weights for it."""
+        from kvcodec.models.fingerprint import fingerprint_dir
+        from kvcodec.models.load import check_weights, resolve_model_dir
+
+        d = resolve_model_dir(name)
+        check_weights(d)
+        fp = fingerprint_dir(d)
+        self._tokenizer_dirs[fp.id] = str(d)
+        log.info("kdn: text lookups for model %s (fingerprint %s)", name, fp.id)
 
     # -- app ------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -268,6 +304,11 @@ class KdnService:
                               middlewares=[self._errors_mw, self._auth_mw],
                               handler_args={"max_field_size": MAX_META_HEADER + 1024,
                                             "keepalive_timeout": self.config.header_timeout,
+                                            # a refused request's unread body is read and dropped for at most
+                                            # LINGER s (aiohttp: 10): a client that sends its whole body before
+                                            # reading still gets its one-line error; one that keeps sending
+                                            # costs that much reading, then its connection closes
+                                            "lingering_time": LINGER,
                                             "logger": _HttpLayerLog(self.bad)})
         app[SERVICE] = self
         r = app.router
@@ -301,6 +342,7 @@ class KdnService:
         request[_DEADLINE] = time.monotonic() + self.config.request_timeout
         route = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
         detail = ""
+        held = None
         try:
             resp = await handler(request)
         except HttpError as e:
@@ -327,9 +369,15 @@ class KdnService:
         except Exception as e:  # our bug, or a library's failure mode on hostile input: one line, no traceback
             detail = error_line(e)
             resp = _json({"error": f"internal error: {type(e).__name__}"}, 500)
+        finally:
+            held = request.pop(_HELD, None)
+            if held is not None:
+                self.bodies.give(*held)
         self.metrics.request(request.method, route, resp.status, time.perf_counter() - t0)
         if 400 <= resp.status < 500 and resp.status not in (404, 412, 416, 429) and PRINCIPAL in request:
-            self.refusals.charge(request[PRINCIPAL].tenant, 1)
+            # a refusal that made us read a large body costs its tenant more than one that did not
+            read = held[1] if held is not None else 0
+            self.refusals.charge(request[PRINCIPAL].tenant, 1 + read / REFUSAL_BODY_UNIT)
         if resp.status >= 400 and resp.status not in (404, 412, 416):
             peer = request.remote or "?"
             self.bad.line(logging.ERROR if resp.status >= 500 else logging.WARNING,
@@ -351,10 +399,20 @@ class KdnService:
                 self.metrics.auth_failure("invalid")
                 raise HttpError(401, "invalid token", {"WWW-Authenticate": 'Bearer realm="kvc", error="invalid_token"'})
             request[PRINCIPAL] = p
-            if self.config.tenant_refusal_rate > 0 and self.refusals.balance(p.tenant) < 1:
-                raise Overloaded(429, f"tenant {p.tenant!r} had more than {self.config.tenant_refusal_rate:g} requests "
-                                      "a second refused; retry later",
-                                 retry_after=(1 - self.refusals.balance(p.tenant)) / self.config.tenant_refusal_rate)
+            rate = self.config.tenant_refusal_rate
+            if rate > 0 and self.refusals.balance(p.tenant) < 1:
+                # Held back (a sleeping coroutine: no CPU, no body read) before the 429, so a client that keeps
+                # sending refused requests gets its answers at a bounded rate rather than as fast as it can ask.
+                wait = (1 - self.refusals.balance(p.tenant)) / rate
+                if self.throttled < MAX_THROTTLED:
+                    self.throttled += 1
+                    try:
+                        await asyncio.sleep(min(wait, THROTTLE_HOLD))
+                    finally:
+                        self.throttled -= 1
+                raise Overloaded(429, f"tenant {p.tenant!r} had more than {rate:g} requests a second refused; "
+                                      "retry later",
+                                 retry_after=(1 - self.refusals.balance(p.tenant)) / rate)
         return await handler(request)
 
     # -- helpers ------------------------------------------------------------------------
@@ -421,26 +479,25 @@ class KdnService:
         end = time.monotonic() + min(c.body_timeout, self._left(request))
         buf = bytearray()
         held = 0
-        try:
-            while True:
-                left = end - time.monotonic()
-                if left <= 0:
-                    raise HttpError(408, f"{what} not received within {c.body_timeout:g} s")
-                try:
-                    piece = await asyncio.wait_for(request.content.readany(), min(left, c.body_idle_timeout))
-                except asyncio.TimeoutError:
-                    if left <= c.body_idle_timeout:
-                        raise HttpError(408, f"{what} not received within {c.body_timeout:g} s") from None
-                    raise HttpError(408, f"{what}: no byte received for {c.body_idle_timeout:g} s") from None
-                if not piece:
-                    break
-                if len(buf) + len(piece) > limit:
-                    raise HttpError(413, f"{what} larger than the limit of {limit} bytes")
-                self.bodies.take(tenant, len(piece))
-                held += len(piece)
-                buf += piece
-        finally:
-            self.bodies.give(tenant, held)
+        # each piece stays charged to the budget until the answer (the errors middleware gives it back)
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                raise HttpError(408, f"{what} not received within {c.body_timeout:g} s")
+            try:
+                piece = await asyncio.wait_for(request.content.readany(), min(left, c.body_idle_timeout))
+            except asyncio.TimeoutError:
+                if left <= c.body_idle_timeout:
+                    raise HttpError(408, f"{what} not received within {c.body_timeout:g} s") from None
+                raise HttpError(408, f"{what}: no byte received for {c.body_idle_timeout:g} s") from None
+            if not piece:
+                break
+            if len(buf) + len(piece) > limit:
+                raise HttpError(413, f"{what} larger than the limit of {limit} bytes")
+            self.bodies.take(tenant, len(piece))
+            held += len(piece)
+            request[_HELD] = (tenant, held)
+            buf += piece
         return bytes(buf)
 
     async def _json_body(self, request: web.Request) -> tuple[bytes, dict[str, Any] | None]:
@@ -484,7 +541,7 @@ class KdnService:
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
         self.metrics.queues(self.workers.sched.queued(), self.io_sched.queued(), self.bodies.used,
-                            self.bad.suppressed)
+                            self.bad.suppressed, self.peers.refused, self.throttled)
         body, ctype = self.metrics.render()
         return web.Response(body=body, headers={"Content-Type": ctype})
 
@@ -741,7 +798,7 @@ def make_app(store_url: str, tokens: TokenTable, config: ServiceConfig | None = 
     if store_url.lower().startswith(("kvc+http://", "kvc+https://")):
         raise KvcInputError("the service's own store cannot be another kvc+http service")
     # Each tenant view gets an in-process LRU of this size (Store.for_key).
-    return KdnService(Store.open(store_url, memory_bytes=64 << 20), tokens, config).app()
+    return KdnService(Store.open(store_url, memory_bytes=TENANT_CACHE), tokens, config).app()
 
 
 def _raise_fd_limit() -> None:
@@ -762,13 +819,19 @@ def serve(store_url: str, tokens: TokenTable, *, host: str = "127.0.0.1", port: 
     """Run the service until interrupted (SIGINT/SIGTERM)."""
     _raise_fd_limit()
     app = make_app(store_url, tokens, config)
+    svc = app[SERVICE]
+    assert isinstance(svc, KdnService)
+    log.info("kdn: memory bound %.2f GiB (spec/kdn-v1.md §5: %d tenants, %d workers of at most %d MiB each, "
+             "bodies at most %d MiB at once)", svc.config.memory_bound(len(tokens.tenants())) / 2**30,
+             len(tokens.tenants()), svc.config.workers, svc.config.worker_memory >> 20,
+             svc.config.max_inflight_body >> 20)
 
-    def announce(*parts: Any, **_: Any) -> None:
+    def announce() -> None:
         if ready is not None:
             ready(f"http://{host}:{port}")
 
     try:
-        web.run_app(app, host=host, port=port, print=announce, access_log=None, shutdown_timeout=5.0)
+        run_server(app, svc.peers, host, port, ready=announce)
     except OSError as e:  # address in use, no permission, unknown host
         raise KvcInputError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 

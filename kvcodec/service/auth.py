@@ -63,6 +63,10 @@ class TokenTable:
     def __len__(self) -> int:
         return len(self._by_hash)
 
+    def tenants(self) -> set[str]:
+        """The tenants the tokens name (each gets its own store view and cache: the memory bound counts them)."""
+        return {p.tenant for p in self._by_hash.values()}
+
     @classmethod
     def single(cls, token: str, namespace: str = "default") -> "TokenTable":
         """One read-write token for one namespace (the one-command setup)."""

@@ -39,6 +39,10 @@ class Metrics:
         self.queued_jobs = Gauge("kvc_worker_queue", "Requests waiting for a worker process", registry=r)
         self.queued_store = Gauge("kvc_store_queue", "Requests waiting for a store thread", registry=r)
         self.inflight_body = Gauge("kvc_inflight_body_bytes", "Body bytes being received", registry=r)
+        self.peer_refused = Gauge("kvc_peer_refused_total", "Connections refused at once: their address held "
+                                  "--peer-connections already (no log line each)", registry=r)
+        self.throttled = Gauge("kvc_throttled", "Requests held back now before their 429 (tenant over its refusal "
+                               "rate)", registry=r)
         self.log_suppressed = Gauge("kvc_bad_request_lines_suppressed", "Bad-request log lines not yet written "
                                     "(rate limit)", registry=r)
         self._hits = 0
@@ -78,7 +82,10 @@ class Metrics:
     def job(self, op: str, result: str) -> None:
         self.jobs.labels(op, result).inc()
 
-    def queues(self, jobs: int, store: int, body_bytes: int, suppressed: int) -> None:
+    def queues(self, jobs: int, store: int, body_bytes: int, suppressed: int, peer_refused: int = 0,
+               throttled: int = 0) -> None:
+        self.peer_refused.set(peer_refused)
+        self.throttled.set(throttled)
         self.queued_jobs.set(jobs)
         self.queued_store.set(store)
         self.inflight_body.set(body_bytes)

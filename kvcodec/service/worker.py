@@ -39,7 +39,7 @@ from kvcodec.service.checks import (
 )
 
 FRAME = struct.Struct("<IQ")
-TEST_OPS_ENV = "KVCODEC_WORKER_TEST_OPS"  # "1" enables the ``spin`` op (tests of deadlines)
+TEST_OPS_ENV = "KVCODEC_WORKER_TEST_OPS"  # "1" enables the ``spin`` and ``alloc`` ops (tests of deadlines, memory)
 MAX_HEADER = 1 << 20
 
 
@@ -66,7 +66,8 @@ def write_frame(f: BinaryIO, header: dict[str, Any], payload: bytes = b"") -> No
 
 
 class Worker:
-    def __init__(self, tokenizers: dict[str, str], inp: BinaryIO, out: BinaryIO) -> None:
+    def __init__(self, tokenizers: dict[str, str], inp: BinaryIO, out: BinaryIO, memory: int = 0) -> None:
+        self.memory = memory
         self._tok_dirs = tokenizers
         self._toks: dict[str, Any] = {}
         self.inp, self.out = inp, out
@@ -96,8 +97,11 @@ class Worker:
                 self.handle(req, payload)
             except HttpError as e:
                 self.reply({"error": str(e), "status": e.status})
-            except MemoryError:
-                self.reply({"error": "out of memory", "status": 503})
+            except MemoryError:  # over this process's data limit (--worker-memory): refused, and this worker replaced
+                what = "checking the entry" if req.get("op") == "check" else "the request"
+                self.reply({"error": f"{what} needs more memory than a worker may use ({self.memory:,} bytes, "
+                                     "--worker-memory)", "status": 422 if req.get("op") == "check" else 413,
+                            "recycle": True})
             except Exception as e:  # a hostile input's failure mode, or our bug: one line either way
                 status = 422 if req.get("op") == "check" else 400
                 self.reply({"error": error_line(e), "status": status})
@@ -124,6 +128,9 @@ class Worker:
             while time.monotonic() < end:
                 pass
             self.reply({"ok": True})
+        elif op == "alloc" and os.environ.get(TEST_OPS_ENV) == "1":  # tests: a job that needs `bytes` of memory
+            buf = bytearray(int(req["bytes"]))
+            self.reply({"ok": True, "bytes": len(buf)})
         elif op == "contains":
             self.reply({"ok": True, "keys": [k.to_str() for k in contains_keys(parse_json(payload))]})
         else:
@@ -169,6 +176,8 @@ def main(argv: list[str] | None = None) -> None:
     """The worker's entry point (the pool runs ``python -c "from kvcodec.service.worker import main; main()"``)."""
     ap = argparse.ArgumentParser(prog="kvcodec.service.worker")
     ap.add_argument("--tokenizer", action="append", default=[], help="FINGERPRINT=DIR (repeatable)")
+    ap.add_argument("--memory", type=int, default=0, help="bytes this process may allocate beyond its started "
+                                                             "state (0: no limit)")
     args = ap.parse_args(argv)
     toks = dict(t.split("=", 1) for t in args.tokenizer)
     # the protocol owns stdout: anything a library prints goes to stderr instead
@@ -180,7 +189,39 @@ def main(argv: list[str] | None = None) -> None:
     from kvcodec.decode.registry import resolve_device
 
     resolve_device("cpu")
-    Worker(toks, inp, out).serve()
+    if args.memory:
+        limit_data(args.memory)
+    Worker(toks, inp, out, args.memory).serve()
+
+
+def data_size() -> int:
+    """This process's data segment in bytes (``VmData``: heap and private writable mappings)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmData:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("no VmData in /proc/self/status")
+
+
+def limit_data(extra: int) -> None:
+    """Cap this process's data segment at its present size plus ``extra`` bytes (``RLIMIT_DATA``).
+
+    Why the data segment: it counts what a job can make us allocate (numpy arrays, the body, the decoders'
+    buffers: heap and private writable mappings), and not the shared libraries' mappings or reserved address
+    space, which ``RLIMIT_AS`` would (numba and its LLVM map hundreds of MB they never touch).  Past the cap an
+    allocation fails with ``MemoryError``, which becomes the request's one-line refusal, and the parent then
+    replaces this worker.  On a system without ``/proc`` or the limit, the worker runs unlimited (logged).
+    """
+    import resource
+
+    try:
+        want = data_size() + extra
+        _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+        if hard != resource.RLIM_INFINITY:
+            want = min(want, hard)
+        resource.setrlimit(resource.RLIMIT_DATA, (want, hard))
+    except (OSError, ValueError) as e:  # pragma: no cover - not Linux
+        print(f"kvcodec worker: cannot limit its memory: {e}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,10 @@ hands them out through a :class:`~kvcodec.service.fair.FairScheduler`: at most
 bounded queue per tenant and a deadline per job.  A job still running at its
 deadline is ended by killing its process (a thread could not be stopped); a
 replacement is started before the slot is handed on, so the pool never
-shrinks.  A worker whose resident memory grew past ``max_rss`` after a job is
-replaced as well.
+shrinks.  Each worker may allocate at most ``memory`` bytes beyond its started
+state (``RLIMIT_DATA``, set by the worker itself: :func:`kvcodec.service.worker.limit_data`); a job that
+needs more is refused with one line and its worker replaced, as is a worker whose resident memory grew
+past its base plus ``memory`` after a job.
 
 Talking to a worker is asynchronous (asyncio subprocess pipes), so the event
 loop never blocks on it, and no work of the job's size happens in this
@@ -96,12 +98,13 @@ class WorkerPool:
     """``n`` worker processes behind a fair scheduler (see the module docstring)."""
 
     def __init__(self, n: int, *, per_tenant: int = 1, max_queued: int = 16, queue_timeout: float = 60.0,
-                 tokenizers: dict[str, str] | None = None, max_rss: int = 2 << 30) -> None:
+                 tokenizers: dict[str, str] | None = None, memory: int = 2 << 30, base: int = 256 << 20) -> None:
         self.n = n
         self.sched = FairScheduler(n, per_tenant, max_queued, name="worker")
         self.queue_timeout = queue_timeout
         self.tokenizers = dict(tokenizers or {})
-        self.max_rss = max_rss
+        self.memory = memory
+        self.max_rss = base + memory
         self._idle: list[_Proc] = []
         self._all: set[_Proc] = set()
         self.killed = 0
@@ -113,6 +116,7 @@ class WorkerPool:
         args = [sys.executable, "-c", "from kvcodec.service.worker import main; main()"]
         for fp, d in self.tokenizers.items():
             args += ["--tokenizer", f"{fp}={d}"]
+        args += ["--memory", str(self.memory)]
         env = dict(os.environ)
         env["PYTHONPATH"] = _PKG_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         proc = await asyncio.create_subprocess_exec(*args, stdin=asyncio.subprocess.PIPE,
@@ -178,6 +182,7 @@ class WorkerPool:
         await self.sched.acquire(tenant, wait_until)
         p = self._idle.pop()
         ok = False
+        reply: dict[str, Any] = {}
         try:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -201,7 +206,7 @@ class WorkerPool:
         finally:
             if ok:
                 p.jobs += 1
-                if self.max_rss and p.rss() > self.max_rss:
+                if reply.get("recycle") or p.rss() > self.max_rss:
                     self.recycled += 1
                     await self._replace(p)
                 else:

@@ -8,7 +8,7 @@ always in front)::
     redis://[:password@]host:port/db[?timeout=2&prefix=kvc:&ttl=S&retry_interval=1]
     rediss://...                        Redis over TLS
     unix:///path/redis.sock[?db=N&...]  Redis over a unix socket
-    http(s)://host/base/[?timeout=30&connect_timeout=5&deadline=300&max_bytes=4G]
+    http(s)://host/base/[?timeout=30&connect_timeout=5&deadline=300&max_bytes=1G]
                                         read-only published directory store
     kvc+http(s)://[:TOKEN@]host:port    a shared ``kvc serve`` (token also from $KVC_TOKEN)
     redis+cluster://[:password@]host:port[?...]   a Redis Cluster (any node; the rest is discovered)

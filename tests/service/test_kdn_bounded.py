@@ -233,6 +233,7 @@ def test_bad_requests_are_one_rate_limited_line_each(svc):
 @pytest.mark.model
 def test_text_lookups_are_tokenized_by_a_worker(tmp_path, lm):
     from kvcodec.models.capture import tokenize
+    from kvcodec.models.load import resolve_model_dir
 
     s = Service(tmp_path, extra=["--model", "smollm2"], tokens=TOKENS)
     try:
@@ -246,6 +247,10 @@ def test_text_lookups_are_tokenized_by_a_worker(tmp_path, lm):
         assert m['kvc_worker_jobs_total{op="lookup",result="ok"}'] == 1
         st, _, body = s.request("POST", "/v1/lookup", TOK_A, json.dumps({**q, "text": "x" * (5 << 20)}).encode())
         assert st == 413 or (st == 400 and "limit" in _error(body))
+        with open(f"/proc/{s.proc.pid}/status") as f:  # the service's peak: it never loaded the model's weights
+            peak_kb = int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1))
+        weights_kb = sum(p.stat().st_size for p in resolve_model_dir("smollm2").glob("*.safetensors")) // 1024
+        assert peak_kb < weights_kb, (peak_kb, weights_kb)
     finally:
         s.stop()
 
@@ -257,9 +262,61 @@ def test_a_tenant_whose_requests_keep_being_refused_is_throttled_before_any_work
     try:
         key, data = amplification_entry(7, 120, namespace="b")
         got = [s.request("PUT", path_of(key), TOK_B, data)[0] for _ in range(10)]
-        assert got[:5] == [422] * 5 and got[-1] == 429, got
+        # each refusal costs 1 plus its ~3 KB body's share of a MiB: the burst of 5 lasts four puts
+        assert got[:4] == [422] * 4 and got.count(429) >= 3, got
         jobs = s.metrics()['kvc_worker_jobs_total{op="check",result="refused"}']
         assert jobs <= 7, "throttled puts never reach a worker"
         assert s.request("GET", "/v1/whoami", TOK_A)[0] == 200
+    finally:
+        s.stop()
+
+
+def test_refusals_that_made_us_read_a_body_cost_more_and_throttled_answers_are_held_back(tmp_path):
+    """--tenant-refusal-rate 1 (burst 5), --max-json-body 4M: an 8 MiB chunked body refused after ~4 MiB read
+    costs 1 + 4 refusals, so the very next request is 429 before its body (it would be the sixth otherwise),
+    and that 429 comes after a pause (up to 1 s) instead of at once."""
+    s = Service(tmp_path, extra=["--tenant-refusal-rate", "1", "--max-json-body", "4M"], tokens=TOKENS)
+    try:
+        head = request_head("POST", "/v1/contains", TOK_B, {"Transfer-Encoding": "chunked"})
+        body = chunked(b'{"keys": ["' + b"x" * (8 << 20) + b'"]}', 1 << 20)
+        assert raw_request(s.port, head, body)[0] == 413
+        t0 = time.monotonic()
+        st, resp = raw_request(s.port, head, body)
+        assert st == 429 and "refused" in _error(_http_body(resp)), resp[:300]
+        assert time.monotonic() - t0 >= 0.5, "a throttled tenant's 429 is held back, not answered at once"
+        assert s.request("GET", "/v1/whoami", TOK_A)[0] == 200, "another tenant is not throttled"
+    finally:
+        s.stop()
+
+
+def test_malformed_http_is_a_one_line_json_400(svc):
+    for raw in (b"GET /v1/whoami HTTP/1.1\r\nHost: x\r\nContent-Length: zz\r\n\r\n",
+                b"\x16\x03\x01\x02\x00 not HTTP at all\r\n\r\n",
+                b"GET /v1/whoami HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"):
+        st, resp = raw_request(svc.port, raw, timeout=10)
+        head = resp.split(b"\r\n\r\n", 1)[0].lower()
+        assert st == 400 and b"content-type: application/json" in head, resp[:300]
+        assert "malformed HTTP request" in _error(_http_body(resp))
+    assert "Traceback" not in svc.log()
+
+
+def test_connections_per_address_are_capped(tmp_path):
+    s = Service(tmp_path, extra=["--peer-connections", "4"], tokens=TOKENS)
+    try:
+        time.sleep(1.0)  # the start-up check's connection (wait_port) is closed on the server's side by now
+        held = [socket.create_connection(("127.0.0.1", s.port)) for _ in range(4)]
+        try:
+            time.sleep(0.3)
+            st, resp = raw_request(s.port, request_head("GET", "/v1/whoami", TOK_A), timeout=10)
+            assert st == 429 and "too many connections" in _error(_http_body(resp)), resp[:300]
+        finally:
+            for c in held:
+                c.close()
+        deadline = time.monotonic() + 20  # the closes reach the server's loop in their own time on a busy box
+        while (st := raw_request(s.port, request_head("GET", "/v1/whoami", TOK_A), timeout=10)[0]) == 429 \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert st == 200
+        assert s.metrics()["kvc_peer_refused_total"] >= 1
     finally:
         s.stop()

@@ -100,6 +100,31 @@ def test_a_job_past_its_deadline_kills_its_worker_and_the_pool_recovers(monkeypa
     asyncio.run(main())
 
 
+def test_a_job_over_the_worker_memory_limit_is_one_line_and_the_worker_is_replaced(monkeypatch):
+    """--worker-memory is a hard limit (RLIMIT_DATA in the worker): a job that needs more gets one line, and its
+    worker is replaced; the same job under a larger limit succeeds (so the refusal is the limit's doing)."""
+    monkeypatch.setenv(TEST_OPS_ENV, "1")
+
+    async def main() -> None:
+        small = WorkerPool(1, per_tenant=1, max_queued=4, memory=64 << 20)
+        large = WorkerPool(1, per_tenant=1, max_queued=4, memory=1 << 30)
+        await small.start()
+        await large.start()
+        try:
+            pid = small.pids()[0]
+            with pytest.raises(HttpError) as e:
+                await small.run("a", time.monotonic() + 60, {"op": "alloc", "bytes": 256 << 20})
+            assert e.value.status == 413 and "--worker-memory" in str(e.value) and "\n" not in str(e.value)
+            assert small.pids() != [pid], "a worker that ran out of memory is replaced"
+            assert (await small.run("a", time.monotonic() + 60, {"op": "alloc", "bytes": 8 << 20}))["ok"]
+            assert (await large.run("a", time.monotonic() + 60, {"op": "alloc", "bytes": 256 << 20}))["ok"]
+        finally:
+            await small.close()
+            await large.close()
+
+    asyncio.run(main())
+
+
 def test_worker_checks_an_entry_in_two_steps_and_stops_when_refused():
     async def main() -> None:
         pool = WorkerPool(1, per_tenant=1, max_queued=4)
@@ -209,3 +234,14 @@ def test_service_config_refuses_out_of_range_limits():
         with pytest.raises(KvcInputError):
             ServiceConfig(**bad).check()  # type: ignore[arg-type]
     assert json.dumps(ServiceConfig().max_decoded_bytes) == str(4 << 30)
+    with pytest.raises(KvcInputError, match="worker-memory"):  # a worker must be able to hold the body it checks
+        ServiceConfig(max_body=1 << 30, worker_memory=1 << 30).check()
+
+
+def test_the_stated_memory_bound_counts_every_enforced_term():
+    c = ServiceConfig(workers=3, worker_memory=512 << 20, max_inflight_body=256 << 20, max_body=128 << 20,
+                      tenant_inflight_body=128 << 20)
+    one, two = c.memory_bound(1), c.memory_bound(2)
+    assert two - one == 64 << 20, "each tenant's cache"
+    assert ServiceConfig(workers=4, worker_memory=512 << 20, max_inflight_body=256 << 20, max_body=128 << 20,
+                         tenant_inflight_body=128 << 20).memory_bound(1) - one > 512 << 20, "each worker's limit"

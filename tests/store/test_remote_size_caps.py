@@ -1,7 +1,9 @@
 """Remote tiers check an object's size before reading it (issue 35): Redis and Redis Cluster ask the value's
 length on the server (one round trip; an oversized value never crosses the network), S3 reads the GET's
-Content-Length before its body; the cap is the HTTP tier's (``max_bytes``, default 4G).  Real servers on
-loopback (redis-server, a 3-master cluster, moto)."""
+Content-Length before its body; the cap is the HTTP tier's (``max_bytes``, default 1G).  An object over 1 MiB
+is read head first: another key's envelope planted under the asked name (which a reader must keep), or one
+announcing another length, costs a reader its first 64 KiB, not its payload.  Real servers on loopback
+(redis-server, a 3-master cluster, moto)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import pytest
 
 from kvcodec.errors import KvcInputError, KvcStoreError
 from kvcodec.store import StoreKey
-from kvcodec.store.tiers.base import DEFAULT_MAX_ENTRY
+from kvcodec.store.tiers.base import DEFAULT_MAX_ENTRY, HEAD_READ, encode_envelope
 from kvcodec.store.tiers.registry import open_tier
 from store_fixtures import redis_cluster, redis_server, s3_server  # noqa: F401  (fixtures)
 
@@ -87,3 +89,50 @@ def test_s3_checks_content_length_before_reading_the_body(s3_server, monkeypatch
     small = StoreKey.for_tokens([1, 2, 3], model="m", codec="c")
     reader.put(small, b"tiny")
     assert reader.get_entry(small).data == b"tiny"
+
+
+OTHER = StoreKey.for_tokens([7, 7, 7], model="m", codec="c")
+
+
+def _planted() -> list[bytes]:
+    """What a writer of the tier may put under KEY's name, each refused from its head: another key's intact
+    envelope, and KEY's own envelope padded past the length it announces."""
+    return [encode_envelope(OTHER, _payload(), {}), encode_envelope(KEY, b"x" * 1000, {}) + b"\0" * BIG]
+
+
+@pytest.mark.requires_redis
+def test_redis_reads_a_large_value_head_first(redis_server):  # noqa: F811
+    import redis
+
+    tier = open_tier(redis_server.url)
+    tier.put(KEY, _payload())
+    assert tier.get_entry(KEY).data == _payload(), "a sound large entry reads whole (head, then the rest)"
+    raw = redis.Redis.from_url(redis_server.url)
+    for value in _planted():
+        raw.set(tier.rkey(KEY), value)
+        for scripts in (True, False):
+            tier._scripts = scripts
+            before = _net_out(raw)
+            assert tier.get_entry(KEY) is None
+            assert _net_out(raw) - before < HEAD_READ + (16 << 10), "the planted payload crossed the network"
+        assert raw.get(tier.rkey(KEY)) == value, "kept: it is not ours to delete"
+
+
+def test_s3_reads_a_large_object_head_first(s3_server):  # noqa: F811
+    tier = open_tier(s3_server.url("heads"))
+    tier.put(KEY, _payload())
+    assert tier.get_entry(KEY).data == _payload()
+    read: list[int] = []
+    inner = tier._read_body
+
+    def counted(resp, op, limit=None, exact=False):
+        out = inner(resp, op, limit, exact)
+        read.append(len(out))
+        return out
+
+    tier._read_body = counted
+    for value in _planted():
+        tier.s3.put_object(Bucket=tier.bucket, Key=tier.name_of(KEY), Body=value)
+        read.clear()
+        assert tier.get_entry(KEY) is None
+        assert sum(read) <= HEAD_READ, read

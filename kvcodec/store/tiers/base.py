@@ -53,7 +53,9 @@ ENVELOPE_VERSION = 1
 FIXED = struct.Struct("<4sBBHIQI")  # magic, version, flags, reserved, header_len, data_len, crc
 FIXED_SIZE = FIXED.size  # 24
 MAX_HEADER = 1 << 20
-DEFAULT_MAX_ENTRY = 4 << 30     # largest object a remote tier reads whole (URL option max_bytes): size checked first
+DEFAULT_MAX_ENTRY = 1 << 30     # largest object a remote tier reads (URL option max_bytes): kvc serve's --max-body
+HEAD_FIRST = 1 << 20            # remote objects larger than this are read head first (Tier._check_head)
+HEAD_READ = 64 << 10            # bytes of such an object read first: the fixed part and (nearly always) the header
 OVERSIZE_WARN_EVERY = 60.0      # seconds between two warnings about oversized objects on one tier
 MAX_META = 64 * 1024          # user metadata (checked by the Store)
 MAX_TIER_META = MAX_HEADER - 4096  # what a tier accepts: user metadata + the seal
@@ -341,6 +343,35 @@ class Tier:
         self.counters.add(hits=1)
         return e
 
+    def _check_head(self, head: bytes, size: int, key: StoreKey, what: str) -> int | None:
+        """An object of ``size`` bytes over :data:`HEAD_FIRST`, judged by its first bytes before its payload is read.
+
+        Why: whoever can write a shared tier can plant large values under the names readers ask for; an intact
+        envelope of *another* key must be kept (it may be someone's), so without this every read of it would
+        move the whole value before refusing it.  ``head`` holds at least the fixed part.  Returns the
+        envelope's header length when the payload should be read (the header is in ``head`` only if
+        ``FIXED_SIZE + header length <= len(head)``; the caller reads the rest), or None: a counted miss --
+        another key's envelope (kept), or one whose announced size is not the object's (corrupt; the caller's
+        full read would refuse it too).
+        """
+        try:
+            hl, dl, _ = parse_fixed(head[:FIXED_SIZE], what)
+            if FIXED_SIZE + hl + dl != size:
+                raise KvcFormatError(f"{what}: size {size} != {FIXED_SIZE + hl + dl} announced (truncated or padded)")
+            if FIXED_SIZE + hl <= len(head):
+                h = parse_header(head[FIXED_SIZE:FIXED_SIZE + hl], what)
+                if h["key"] != key.to_str():
+                    raise KeyMismatch(f"{what}: holds key {str(h['key'])[:200]}, expected {key.to_str()}")
+        except KeyMismatch as err:
+            self.counters.add(misses=1)
+            self._warn_rarely(f"{err}; treated as a miss, payload not read")
+            return None
+        except KvcFormatError as err:
+            self.counters.add(corrupt=1, misses=1)
+            self._warn_rarely(f"{err}; treated as a miss, payload not read")
+            return None
+        return hl
+
     def _capped_envelope(self, key: StoreKey, data: Any, meta: Mapping[str, Any] | None, created: float | None,
                          limit: int, what: str) -> bytes:
         """The envelope a put stores, refused (and counted) when it is over the tier's ``max_bytes`` ``limit``:
@@ -356,16 +387,21 @@ class Tier:
 
         Warned about at most once a minute per tier (whoever can write the tier can plant many)."""
         self.counters.add(corrupt=1, misses=1)
+        self._warn_rarely(f"{what}: object of {size:,} bytes exceeds the tier's max_bytes {limit:,}; not read, "
+                          "treated as a miss")
+
+    def _warn_rarely(self, msg: str) -> None:
+        """A warning about what a writer of the tier may have planted: at most one a minute per tier, the
+        others counted in the next (whoever can write the tier can plant many)."""
         now = time.monotonic()
         with self.counters.lock:
-            last, n = getattr(self, "_oversize_warned", (-1e9, 0))
-            self._oversize_warned = (last, n + 1)
+            last, n = getattr(self, "_planted_warned", (-1e9, 0))
+            self._planted_warned = (last, n + 1)
             if now - last < OVERSIZE_WARN_EVERY:
                 return
-            self._oversize_warned = (now, 0)
+            self._planted_warned = (now, 0)
         more = f" ({n} more since the last warning)" if n else ""
-        log.warning("store: %s: object of %s bytes exceeds the tier's max_bytes %s; not read, treated as a miss%s",
-                    what, f"{size:,}", f"{limit:,}", more)
+        log.warning("store: %s%s", msg, more)
 
     def contains_many(self, keys: Iterable[StoreKey]) -> list[bool]:
         return [self.contains(k) for k in keys]

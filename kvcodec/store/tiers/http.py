@@ -16,7 +16,7 @@ and at most ``max_bytes``.
 
 Query options: ``timeout`` (read timeout, s, default 30), ``connect_timeout``
 (default 5), ``deadline`` (whole request, default 300), ``max_bytes`` (largest
-entry fetched whole, default 4G).
+entry fetched whole, default 1G: kvc serve's ``--max-body``).
 """
 
 from __future__ import annotations

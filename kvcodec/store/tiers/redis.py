@@ -8,11 +8,14 @@ URL: ``redis://[[user]:password@]host:port/db`` or ``rediss://...`` (TLS), or
 * ``ttl`` (seconds, default none): expiry set on every put;
 * ``retry_interval`` (seconds, default 1): after a failure, calls within this
   interval fail fast without touching the network;
-* ``max_bytes`` (size, default ``4G``, the HTTP tier's cap): the largest entry
-  read or written.  A read asks the value's length first, in the same round
-  trip (a server-side script: ``STRLEN``, then ``GET`` only if it fits), so an
-  oversized value is a counted miss that never crosses the network; a server
-  that refuses scripts gets ``STRLEN`` then ``GET``.
+* ``max_bytes`` (size, default ``1G``, kvc serve's ``--max-body``, like every
+  remote tier): the largest entry read or written.  A read asks the value's
+  length first, in the same round trip (a server-side script: ``STRLEN``, then
+  ``GET`` only if it fits), so an oversized value is a counted miss that never
+  crosses the network; a value over 1 MiB comes back as its first 64 KiB, and
+  the rest is read only if that head names the asked key and the value's
+  length (``Tier._check_head``); a server that refuses scripts gets the same
+  in separate calls.
 
 Other query options are passed to ``redis.Redis.from_url`` unchanged.
 
@@ -36,6 +39,8 @@ from kvcodec.store.outage import OutageGuard
 from kvcodec.store.tiers.base import (
     DEFAULT_MAX_ENTRY,
     FIXED_SIZE,
+    HEAD_FIRST,
+    HEAD_READ,
     Entry,
     EntryInfo,
     Tier,
@@ -45,10 +50,12 @@ from kvcodec.store.tiers.base import (
 
 T = TypeVar("T")
 _OWN_OPTS = ("timeout", "prefix", "ttl", "retry_interval", "max_bytes")
-# one round trip, nothing oversized sent: the length when over ARGV[1], else the value (nil when absent)
+# one round trip, nothing oversized sent: the length when over ARGV[1]; {length, first ARGV[3] bytes} when
+# over ARGV[2] (read head first); else the value (nil when absent)
 _GET_CAPPED = """
 local n = redis.call('STRLEN', KEYS[1])
 if n > tonumber(ARGV[1]) then return n end
+if n > tonumber(ARGV[2]) then return {n, redis.call('GETRANGE', KEYS[1], 0, tonumber(ARGV[3]) - 1)} end
 return redis.call('GET', KEYS[1])
 """
 
@@ -142,11 +149,12 @@ class RedisTier(Tier):
         return self.prefix + key.to_str()
 
     # -- interface -------------------------------------------------------------------
-    def _get_capped(self, name: str) -> bytes | int | None:
-        """The value of ``name``, or its length (an int) when over ``max_bytes``, or None: size before read."""
+    def _get_capped(self, name: str) -> bytes | int | list[Any] | None:
+        """Size before read: the value of ``name``; its length (an int) when over ``max_bytes``; ``[length,
+        head]`` when over :data:`HEAD_FIRST` (the caller checks the head, then reads the rest); None: absent."""
         if self._scripts:
             try:
-                return self.r.eval(_GET_CAPPED, 1, name, self.max_entry)
+                return self.r.eval(_GET_CAPPED, 1, name, self.max_entry, HEAD_FIRST, HEAD_READ)
             except self._redis_mod.exceptions.ResponseError as e:
                 if not any(w in str(e).lower() for w in ("unknown command", "disabled", "noscript", "not allowed")):
                     raise
@@ -154,20 +162,28 @@ class RedisTier(Tier):
         n = int(self.r.strlen(name))
         if n > self.max_entry:
             return n
+        if n > HEAD_FIRST:
+            return [n, self.r.getrange(name, 0, HEAD_READ - 1)]
         return self.r.get(name)
 
     def get_entry(self, key: StoreKey) -> Entry | None:
         name = self.rkey(key)
+        what = f"redis {name}"
         try:
             buf = self._call("get", lambda: self._get_capped(name))
+            if isinstance(buf, list):  # large: the head is checked before the payload is read
+                size, head = int(buf[0]), bytes(buf[1])
+                hl = self._check_head(head, size, key, what)
+                if hl is None:
+                    return None
+                buf = head + self._call("get", lambda: self.r.getrange(name, len(head), size - 1))
         except KvcStoreError:
             self.counters.add(errors=1, misses=1)
             return None
         if isinstance(buf, int):
-            self._too_large(buf, self.max_entry, f"redis {name}")
+            self._too_large(buf, self.max_entry, what)
             return None
-        return self._entry_or_drop(buf, key, f"redis {name}",
-                                   lambda: self._call("delete", lambda: self.r.delete(name)))
+        return self._entry_or_drop(buf, key, what, lambda: self._call("delete", lambda: self.r.delete(name)))
 
     def put(self, key: StoreKey, data: bytes, meta: Mapping[str, Any] | None = None,
             created: float | None = None) -> None:

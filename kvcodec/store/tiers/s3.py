@@ -15,10 +15,12 @@ URL.  Query options:
   content).  A server that rejects conditional writes (HTTP 501) is
   remembered and written unconditionally;
 * ``retry_interval`` (seconds, default 1): fail fast while the server is down;
-* ``max_bytes`` (size, default ``4G``, the HTTP tier's cap): the largest entry
+* ``max_bytes`` (size, default ``1G``, kvc serve's ``--max-body``): the largest entry
   read or written.  A read checks the object's ``Content-Length`` (the GET's
   response metadata, before its body is read) and reads at most that much, so
-  an oversized object is a counted miss whose body is never read.
+  an oversized object is a counted miss whose body is never read; of an object
+  over 1 MiB the first 64 KiB are read first, and the rest only if that head
+  names the asked key and the object's length (``Tier._check_head``).
 
 Guarantees: an object becomes visible whole or not at all (single PUT, or
 multipart completion), so readers never see a partial entry; every read
@@ -40,6 +42,8 @@ from kvcodec.store.outage import OutageGuard
 from kvcodec.store.ranged import RangeReader
 from kvcodec.store.tiers.base import (
     DEFAULT_MAX_ENTRY,
+    HEAD_FIRST,
+    HEAD_READ,
     FIXED_SIZE,
     Entry,
     EntryInfo,
@@ -129,10 +133,13 @@ class S3Tier(Tier):
         self.guard.ok()
         return out
 
-    def _read_body(self, resp: dict[str, Any], op: str, limit: int | None = None) -> bytes:
+    def _read_body(self, resp: dict[str, Any], op: str, limit: int | None = None, exact: bool = False) -> bytes:
+        """The response's body (at most ``limit`` bytes, more is an error); ``exact``: its next ``limit`` bytes."""
         try:
             if limit is None:
                 return resp["Body"].read()
+            if exact:
+                return resp["Body"].read(limit)
             body = resp["Body"].read(limit + 1)
             if len(body) > limit:
                 raise KvcStoreError(f"s3 {self.url}: {op}: body longer than its {limit:,} bytes")
@@ -152,7 +159,15 @@ class S3Tier(Tier):
                 resp["Body"].close()  # the size is known from the response head: the body is never read
                 self._too_large(size, self.max_entry, f"s3 {self.bucket}/{name}")
                 return None
-            buf = None if resp is None else self._read_body(resp, "get", self.max_entry)
+            if resp is not None and size is not None and size > HEAD_FIRST:
+                # large: its head is checked before the payload is read (one GET: the body is a stream)
+                head = self._read_body(resp, "get", HEAD_READ, exact=True)
+                if self._check_head(head, size, key, f"s3 {self.bucket}/{name}") is None:
+                    resp["Body"].close()
+                    return None
+                buf = head + self._read_body(resp, "get", size - len(head))
+            else:
+                buf = None if resp is None else self._read_body(resp, "get", self.max_entry)
         except KvcStoreError as e:
             if self.guard.up:
                 log.warning("store: %s", e)

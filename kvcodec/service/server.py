@@ -1,0 +1,161 @@
+"""The connection layer of ``kvc serve``: what happens before a request reaches a route.
+
+aiohttp's :class:`~aiohttp.web.AppRunner` runs the application; two things
+need the connection itself, below the routes and middlewares, so this module
+gives the runner its own connection handler (:class:`KdnRequestHandler`):
+
+* **connections per peer** (``ServiceConfig.peer_connections``): one address
+  may hold at most this many connections at once.  A connection over the cap
+  is answered at once, before a byte of it is parsed, with a one-line JSON
+  ``429`` and closed: no request handling, no body, no log line per refusal
+  (they are counted in ``kvc_peer_refused_total``).  Why per address and not
+  per tenant: a connection has no tenant until its head is parsed, and the
+  cost we bound here (descriptors, parser state, slowloris heads) comes first.
+* **malformed HTTP** (a bad request line, headers or framing, refused by
+  aiohttp's parser before any route): the documented one-line JSON error
+  (spec/kdn-v1.md §2) instead of aiohttp's plain text, and one rate-limited
+  log line (:class:`~kvcodec.service.app.LogLimiter`), never a traceback.
+
+:func:`run` serves until SIGINT or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from typing import Any, Callable
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
+
+from kvcodec.service.checks import error_line
+
+
+class PeerTable:
+    """Open connections per peer address, capped (event loop only, no locks)."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.open: dict[str, int] = {}
+        self.refused = 0
+
+    def take(self, peer: str) -> bool:
+        n = self.open.get(peer, 0)
+        if n >= self.cap:
+            self.refused += 1
+            return False
+        self.open[peer] = n + 1
+        return True
+
+    def give(self, peer: str) -> None:
+        n = self.open.get(peer, 0) - 1
+        if n > 0:
+            self.open[peer] = n
+        else:
+            self.open.pop(peer, None)
+
+
+def _raw_json(status: int, reason: str, message: str, extra: str = "") -> bytes:
+    body = json.dumps({"error": message}).encode()
+    return (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json; charset=utf-8\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n{extra}\r\n").encode() + body
+
+
+class KdnRequestHandler(RequestHandler):
+    """aiohttp's connection handler plus the per-peer cap and JSON answers to malformed HTTP (module docstring)."""
+
+    peers: PeerTable  # set on the class made by :func:`handler_class`
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        peer = transport.get_extra_info("peername")
+        self._kvc_peer: str | None = str(peer[0]) if isinstance(peer, (tuple, list)) and peer else "?"
+        if not self.peers.take(self._kvc_peer):
+            self._kvc_peer = None
+            msg = f"too many connections from your address at once (limit {self.peers.cap}); retry later"
+            try:
+                transport.write(_raw_json(429, "Too Many Requests", msg, "Retry-After: 1\r\n"))  # type: ignore[attr-defined]
+            finally:
+                transport.close()
+            return
+        super().connection_made(transport)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        peer = getattr(self, "_kvc_peer", None)
+        if peer is None:  # refused in connection_made: aiohttp never saw this connection
+            return
+        self._kvc_peer = None
+        self.peers.give(peer)
+        super().connection_lost(exc)
+
+    def handle_error(self, request: BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        """aiohttp's answer to a request it could not parse (or a failure outside every middleware): one line
+        of JSON, one rate-limited log line, the connection closed (its framing can no longer be trusted)."""
+        if request.writer.output_size > 0:  # part of an answer is out already: only closing is left
+            raise ConnectionError("the answer had started; closing the connection")
+        # aiohttp's parser errors carry their one-line reason in ``message``
+        what = str(getattr(exc, "message", "") or (error_line(exc) if exc is not None else message or "")).strip()
+        if status >= 500:
+            text = "internal error"
+        else:
+            text = f"malformed HTTP request: {what or 'bad request'}"
+        self.logger.warning("%s from %s: %s", status, request.remote or "?", what[:300])
+        resp = web.Response(status=status, text=json.dumps({"error": " ".join(text.split())[:1000]}),
+                            content_type="application/json")
+        resp.force_close()
+        return resp
+
+
+def handler_class(peers: PeerTable) -> type[KdnRequestHandler]:
+    """A handler class bound to one service's peer table (aiohttp builds one handler per connection)."""
+    return type("BoundKdnRequestHandler", (KdnRequestHandler,), {"peers": peers})
+
+
+class _Server(web.Server):
+    """aiohttp's server, making :class:`KdnRequestHandler` connections."""
+
+    handler_cls: type[KdnRequestHandler]
+
+    def __call__(self) -> RequestHandler:
+        return self.handler_cls(self, loop=self._loop, **self._kwargs)
+
+
+class _Runner(web.AppRunner):
+    def __init__(self, app: web.Application, handler_cls: type[KdnRequestHandler], **kw: Any) -> None:
+        super().__init__(app, **kw)
+        self._handler_cls = handler_cls
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        # same server, our connection class: aiohttp offers no argument for it, so the class is swapped
+        # (``_Server`` adds no state, only ``__call__``)
+        server.__class__ = _Server
+        server.handler_cls = self._handler_cls  # type: ignore[attr-defined]
+        return server
+
+
+def run(app: web.Application, peers: PeerTable, host: str, port: int,
+        ready: Callable[[], None] | None = None, shutdown_timeout: float = 5.0) -> None:
+    """Serve ``app`` on ``host:port`` until SIGINT or SIGTERM (then stop within ``shutdown_timeout``)."""
+
+    async def main() -> None:
+        runner = _Runner(app, handler_class(peers), access_log=None, shutdown_timeout=shutdown_timeout)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, host, port).start()
+            if ready is not None:
+                ready()
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop.set)
+            await stop.wait()
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
+
+
+__all__ = ["KdnRequestHandler", "PeerTable", "handler_class", "run"]
