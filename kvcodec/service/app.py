@@ -321,6 +321,9 @@ class KdnService:
         r.add_delete(f"{API}/entries/{{key}}", self.delete)
         r.add_post(f"{API}/contains", self.contains)
         r.add_post(f"{API}/lookup", self.lookup)
+        from kvcodec.service.edit import add_edit_routes  # offline editing (issue 37)
+
+        add_edit_routes(self, r, API)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._close)
         return app

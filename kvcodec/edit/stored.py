@@ -1,0 +1,103 @@
+"""Edits of entries in a store (the KDN service's ``POST /v1/entries/{key}/edit``, :mod:`kvcodec.service.edit`).
+
+An edit reads the entry at ``key`` from the caller's store view, runs the edit, and puts the child under
+the key of **its own** token ids (:meth:`kvcodec.store.StoreKey.for_tokens`, same model and namespace, the
+codec id of the child's preset): the key names what the entry now holds, and the parent stays where it
+was. A tenant's store view finds only that tenant's entries (sealed under its key,
+:mod:`kvcodec.store.tenant`), so another tenant's entry is simply not there: an edit can neither read nor
+overwrite it. An edit whose child would land on its parent's key (nothing changed) is refused.
+
+``params`` is JSON (the service's request body): each operation takes only the names below, and anything
+else is one :class:`KvcInputError` line.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+from kvcodec.edit.entry import EditResult
+from kvcodec.errors import KvcInputError, KvcModelMismatchError
+
+__all__ = ["OP_PARAMS", "child_of", "edit_stored", "put_meta", "run_edit"]
+
+#: operation -> the parameters it accepts (JSON names, as the library functions spell them)
+OP_PARAMS: dict[str, frozenset[str]] = {
+    "append": frozenset({"text", "token_ids", "preset"}),
+    "redact": frozenset({"pattern", "text", "char_spans", "token_spans", "recompute_ratio", "select_layer", "preset"}),
+}
+
+
+def _pairs(v: Any, what: str) -> list[tuple[int, int]]:
+    if not isinstance(v, list) or not all(isinstance(p, list) and len(p) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                                                     for x in p) for p in v):
+        raise KvcInputError(f"{what} must be a list of [start, end] integer pairs")
+    return [(int(a), int(b)) for a, b in v]
+
+
+def run_edit(lm: Any, data: bytes, op: str, params: Mapping[str, Any], progress: Callable[[str], None] | None = None) -> EditResult:
+    """Run edit ``op`` with JSON ``params`` on the `.kvc` bytes ``data``; the child comes back as bytes."""
+    if op not in OP_PARAMS:
+        raise KvcInputError(f"unknown edit {op!r:.40}; one of {', '.join(OP_PARAMS)}")
+    if not isinstance(params, Mapping):
+        raise KvcInputError("the edit's parameters must be a JSON object")
+    extra = sorted(set(params) - OP_PARAMS[op])
+    if extra:
+        raise KvcInputError(f"{op} takes no parameter {extra[0]!r:.40} (it takes {', '.join(sorted(OP_PARAMS[op]))})")
+    preset = params.get("preset")
+    if preset is not None and not isinstance(preset, str):
+        raise KvcInputError("preset must be a string")
+    if op == "append":
+        from kvcodec.edit.append import append
+
+        text, ids = params.get("text"), params.get("token_ids")
+        if text is not None and not isinstance(text, str):
+            raise KvcInputError("text must be a string")
+        if ids is not None and not (isinstance(ids, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in ids)):
+            raise KvcInputError("token_ids must be a list of integers")
+        return append(lm, data, text=text, token_ids=ids, preset=preset, progress=progress)
+    from kvcodec.edit.redact import DEFAULT_REDACT_RATIO, redact
+
+    kw: dict[str, Any] = {}
+    for name in ("pattern", "text"):
+        if params.get(name) is not None:
+            if not isinstance(params[name], str):
+                raise KvcInputError(f"{name} must be a string")
+            kw[name] = params[name]
+    for name in ("char_spans", "token_spans"):
+        if params.get(name) is not None:
+            kw[name] = _pairs(params[name], name)
+    ratio = params.get("recompute_ratio", DEFAULT_REDACT_RATIO)
+    layer = params.get("select_layer", 1)
+    return redact(lm, data, recompute_ratio=ratio, select_layer=layer, preset=preset, progress=progress, **kw)
+
+
+def child_of(lm: Any, key: Any, data: bytes, op: str, params: Mapping[str, Any],
+             progress: Callable[[str], None] | None = None) -> tuple[Any, EditResult]:
+    """The edited child of the entry ``data`` stored at ``key`` and the key it belongs under (not stored yet)."""
+    from kvcodec.store.keys import StoreKey, codec_key
+
+    if key.model != lm.fingerprint.id:
+        raise KvcModelMismatchError(f"the entry belongs to model {key.model[:40]}, not to {lm.fingerprint.id[:40]}")
+    res = run_edit(lm, bytes(data), op, params, progress)
+    assert res.data is not None and res.preset is not None
+    child = StoreKey.for_tokens(res.cache.token_ids, model=key.model, codec=codec_key(res.preset), namespace=key.namespace)
+    if child == key:
+        raise KvcInputError("the edit leaves the entry's content and codec unchanged; an edit never happens in place")
+    return child, res
+
+
+def put_meta(op: str, parent: Any) -> dict[str, Any]:
+    """The store meta of an edited entry: which edit of which key made it (the file's own log has the rest)."""
+    return {"edit": {"op": op, "parent": parent.to_str()}}
+
+
+def edit_stored(lm: Any, store: Any, key: Any, op: str, params: Mapping[str, Any],
+                progress: Callable[[str], None] | None = None) -> tuple[Any, EditResult]:
+    """Edit the entry at ``key`` (a :class:`kvcodec.store.StoreKey`) of ``store`` into a new entry; returns its
+    key and the result. The parent entry is never changed."""
+    entry = store.get_entry(key)
+    if entry is None:
+        raise KvcInputError(f"no entry {key}")
+    child, res = child_of(lm, key, bytes(entry.data), op, params, progress)
+    store.put(child, res.data, put_meta(op, key))
+    return child, res

@@ -1,0 +1,51 @@
+"""``POST /v1/entries/{key}/edit`` on a real ``kvc serve``: the child under its own key, tenants kept apart."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from kdn_service import TOK_A_RO, TOK_B, Service, path_of
+from kvcodec.format import KvcReader
+from kvcodec.store import StoreKey
+from kvcodec.store.keys import codec_key
+from tests.edit.conftest import EMAIL
+
+pytestmark = [pytest.mark.model, pytest.mark.slow]  # a real kvc serve process that loads the model: ~1 min
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    svc = Service(tmp_path_factory.mktemp("kdn-edit"), extra=["--model", "smollm2"])
+    yield svc
+    svc.stop()
+
+
+def test_edit_through_the_service(lm, entry, service):
+    cache, data = entry(160)
+    key = StoreKey.for_tokens(cache.token_ids, model=lm.fingerprint.id, codec=codec_key("lossless"), namespace="a")
+    assert service.put_raw(key, data) == 201
+    body = json.dumps({"op": "redact", "params": {"pattern": EMAIL}}).encode()
+    edit = path_of(key) + "/edit"
+
+    # another tenant may not use the namespace; a read-only token may not write the child
+    assert service.request("POST", edit, token=TOK_B, body=body)[0] == 403  # not its namespace
+    assert service.request("POST", edit, token=TOK_A_RO, body=body)[0] == 403
+    status, _, out = service.request("POST", edit, body=json.dumps({"op": "redact", "params": {"heads": 1}}).encode())
+    assert status == 400 and "takes no parameter" in json.loads(out)["error"]
+
+    status, _, out = service.request("POST", edit, body=body)
+    assert status == 201, out
+    reply = json.loads(out)
+    child = StoreKey.from_str(reply["key"])
+    assert reply["parent"] == key.to_str() and child != key and reply["removed_tokens"] > 0
+    status, _, got = service.request("GET", path_of(child))
+    assert status == 200
+    with KvcReader(got) as r:
+        assert r.header.meta["edits"][-1]["op"] == "redact"
+        assert child == StoreKey.for_tokens(r.token_ids, model=key.model, codec=key.codec, namespace="a")
+        assert not np.array_equal(r.token_ids, cache.token_ids)
+    assert service.request("GET", path_of(key))[2] == data  # the parent is unchanged
+    assert service.request("GET", path_of(child), token=TOK_B)[0] == 403
