@@ -122,8 +122,10 @@ def _child_preset(parent: Parent, preset: str | None) -> str:
 
 def write_child(lm: Any, parent: Parent, cache: KVCache, op: str, params: Mapping[str, Any], dest: Any = None,
                 preset: str | None = None, progress: Callable[[str], None] | None = None,
-                timings: dict[str, float] | None = None, info: dict[str, Any] | None = None) -> EditResult:
-    """Encode the edited ``cache`` as a new entry (``dest`` a path, or None for bytes) carrying the edit log."""
+                timings: dict[str, float] | None = None, info: dict[str, Any] | None = None,
+                attention_bias: Any = None) -> EditResult:
+    """Encode the edited ``cache`` as a new entry (``dest`` a path, or None for bytes) carrying the edit log
+    (and ``attention_bias``, spec/kvc-v1.md 4.6, for a steered cache)."""
     from kvcodec.api import encode
 
     t0 = time.perf_counter()
@@ -136,8 +138,31 @@ def write_child(lm: Any, parent: Parent, cache: KVCache, op: str, params: Mappin
     want = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
     if child.dtype != want:  # the parent's element type: an edit does not widen or narrow the entry
         child = child.to(want)
-    enc = encode(child, dest, preset=name, model=lm, progress=progress)
     t = dict(timings or {})
+    if attention_bias is None:
+        enc = encode(child, dest, preset=name, model=lm, progress=progress)
+        t["encode_s"] = time.perf_counter() - t0
+        return EditResult(cache=child, op=op, params=dict(params), parent_sha256=parent.sha256, size=enc.size,
+                          output=enc.output, data=enc.data, preset=enc.preset, timings=t, info=dict(info or {}))
+    # A steered cache: the writer must store its bias. The plan is made without the model: its quality check
+    # would continue the cache *without* the bias and measure the wrong thing (a lossy preset then uses
+    # uniform steps, as without a model).
+    from kvcodec.format import encode_kvc_bytes, write_kvc
+    from kvcodec.plan.presets import get_plan, preset_info
+
+    cal = None
+    if preset_info(name).lossy:
+        from kvcodec.calibration.build import ensure_calibration
+
+        cal = ensure_calibration(lm)
+    plan = get_plan(name, child, cal=cal)
+    data = None
+    if dest is None:
+        data = encode_kvc_bytes(child, plan, attention_bias=attention_bias)
+        size = len(data)
+    else:
+        size = write_kvc(child, dest, plan, attention_bias=attention_bias)
     t["encode_s"] = time.perf_counter() - t0
-    return EditResult(cache=child, op=op, params=dict(params), parent_sha256=parent.sha256, size=enc.size,
-                      output=enc.output, data=enc.data, preset=enc.preset, timings=t, info=dict(info or {}))
+    return EditResult(cache=child, op=op, params=dict(params), parent_sha256=parent.sha256, size=size,
+                      output=None if dest is None else os.fspath(dest), data=data, preset=plan.preset, timings=t,
+                      info=dict(info or {}))

@@ -39,7 +39,8 @@ PREAMBLE_SIZE = PREAMBLE.size  # 32
 HEADER_CRC_SIZE = 4
 # Feature bits understood by this reader (spec section 3).
 FEATURE_RAGGED = 1 << 0  # required bit 0: layers store different token counts (tensors.layer_tokens, section 4.2)
-KNOWN_REQUIRED_FEATURES = FEATURE_RAGGED
+FEATURE_ATTENTION_BIAS = 1 << 1  # required bit 1: an attention bias the loader must apply (attention_bias, section 4.6)
+KNOWN_REQUIRED_FEATURES = FEATURE_RAGGED | FEATURE_ATTENTION_BIAS
 KNOWN_OPTIONAL_FEATURES = 0
 
 # -- 7. index and footer ----------------------------------------------------

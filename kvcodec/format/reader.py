@@ -24,8 +24,9 @@ from kvcodec.errors import KvcCodecError, KvcError, KvcFormatError, KvcInputErro
 from kvcodec.core.fingerprint import FINGERPRINT_VERSION, ModelFingerprint, check_fingerprint_json
 from kvcodec.digest import token_ids_sha256
 from kvcodec.core.stage import ArraySpec, Pipeline, chunk_context
+from kvcodec.format.bias import AttentionBias
 from kvcodec.format.container import (
-    DTYPE_BY_NAME, FEATURE_RAGGED, FOOTER_SIZE, HEADER_CRC_SIZE, INDEX_ENTRY_SIZE, KINDS, MAX_BLOB_BYTES, MAX_BLOB_NDIM,
+    DTYPE_BY_NAME, FEATURE_ATTENTION_BIAS, FEATURE_RAGGED, FOOTER_SIZE, HEADER_CRC_SIZE, INDEX_ENTRY_SIZE, KINDS, MAX_BLOB_BYTES, MAX_BLOB_NDIM,
     MAX_CHUNK_DECODED_BYTES, MAX_PIPELINES, MAX_STAGES, MAX_TOKENS, PREAMBLE_SIZE, STAGE_SLACK, TENSOR_DTYPES,
     Footer, IndexEntry, Preamble, align_up, check_blob_name, crc32c,
     data_start, load_header, np_le, parse_chunk, parse_index, pipeline_dtype,
@@ -90,6 +91,7 @@ class KvcHeader:
     chunking: dict[str, Any]
     meta: dict[str, Any]
     raw: dict[str, Any] = field(repr=False)
+    attention_bias: AttentionBias | None = None  # required feature bit 1 (spec section 4.6)
 
     @property
     def num_elements(self) -> int:
@@ -157,6 +159,10 @@ def parse_header(obj: dict[str, Any], pre: Preamble) -> KvcHeader:
     want(pb is None or lt is None, f"{h}: a file with tensors.layer_tokens cannot carry positions")
     want(pb is not None or N == T, f"{h}: {T} stored tokens but {N} context tokens and no positions")
     want(pb is None or T <= N, f"{h}: more stored tokens ({T}) than context tokens ({N})")
+    ab = obj.get("attention_bias")
+    want((ab is not None) == bool(pre.required_features & FEATURE_ATTENTION_BIAS) and (ab is None or pb is None),
+         f"{h}: attention_bias must be present exactly when required feature bit 1 is set, and never with positions")
+    bias = None if ab is None else AttentionBias.from_json(ab, fp.num_layers, N)
 
     pls = obj.get("pipelines")
     want(isinstance(pls, list) and 1 <= len(pls) <= MAX_PIPELINES, f"{h}: 'pipelines' must be a non-empty list")
@@ -225,7 +231,7 @@ def parse_header(obj: dict[str, Any], pre: Preamble) -> KvcHeader:
         writer=writer, fingerprint=fp, dtype=dtype, num_layers=fp.num_layers,
         kv_heads=fp.num_kv_heads, head_dims=fp.head_dims, num_tokens=T, layer_tokens=layer_tokens, num_context_tokens=N, token_ids_sha256=sha,
         token_ids_blob=tb, positions_blob=pb, pipelines=pipelines, codec=codec, attachments=attachments, blobs=blobs,
-        chunking=chunking, meta=meta, raw=obj,
+        chunking=chunking, meta=meta, raw=obj, attention_bias=bias,
     )
 
 
@@ -516,8 +522,14 @@ class KvcReader:
         t = full.contiguous() if on_device else torch.from_numpy(np.ascontiguousarray(full))
         return t.to(torch.bfloat16) if self.header.dtype == "bfloat16" else t
 
-    def read_layer(self, i: int, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of layer ``i``, (kv_heads, tokens, head_dim) in the original dtype."""
+    def read_layer(self, i: int, backend: str | None = None, apply_bias: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of layer ``i``, (kv_heads, tokens, head_dim) in the original dtype.
+
+        A file with an attention bias (spec section 4.6) is refused unless the caller applies it
+        (``apply_bias``): the K/V without their bias are not the cache the file describes."""
+        if self.header.attention_bias is not None and not apply_bias:
+            raise KvcFormatError("this file carries an attention bias (required feature bit 1, spec/kvc-v1.md 4.6) "
+                                 "that this loader does not apply; load it with the HF loader (kvcodec.integrations.hf)")
         if not is_int(i, 0, self.header.num_layers - 1):
             raise KvcInputError(f"layer {i!r} does not exist (file has {self.header.num_layers})")
         backend = resolve_device(backend)

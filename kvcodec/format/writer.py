@@ -23,8 +23,9 @@ from kvcodec.atomic import atomic_file
 from kvcodec.errors import KvcCodecError, KvcError, KvcFormatError, KvcInputError
 from kvcodec.digest import token_ids_sha256
 from kvcodec.core.stage import ArraySpec, EncoderInputsSpec, Pipeline, PipelineSpec, Plan, chunk_context
+from kvcodec.format.bias import AttentionBias
 from kvcodec.format.container import (
-    ALIGN, DTYPE_BY_NAME, FEATURE_RAGGED, FOOTER_SIZE, MAX_BLOB_BYTES, MAX_BLOB_NDIM, MAX_CHUNK_DECODED_BYTES, MAX_PIPELINES,
+    ALIGN, DTYPE_BY_NAME, FEATURE_ATTENTION_BIAS, FEATURE_RAGGED, FOOTER_SIZE, MAX_BLOB_BYTES, MAX_BLOB_NDIM, MAX_CHUNK_DECODED_BYTES, MAX_PIPELINES,
     MAX_STAGES, MAX_TOKENS, STAGE_SLACK, VERSION_MAJOR, VERSION_MINOR, Footer, IndexEntry, Preamble, align_up,
     check_blob_name, crc32c, dump_header, np_le, pack_chunk, pipeline_dtype,
 )
@@ -67,7 +68,8 @@ class WriteOptions:
     header's codec name; ``meta``: merged over the cache's meta; ``store_token_ids``: keep the
     context's token ids in the file; ``writer``: the header's writer string (default: this
     package's version); ``encoder_inputs``: (layer, kind) -> that tensor's encoder-only inputs
-    (:data:`kvcodec.core.stage.EncoderInputs`), passed to its chunks in ``ChunkContext.encoder``.
+    (:data:`kvcodec.core.stage.EncoderInputs`), passed to its chunks in ``ChunkContext.encoder``;
+    ``attention_bias``: the bias a loader must apply (spec section 4.6; sets required feature bit 1).
     """
 
     attachments: Mapping[str, np.ndarray | ExternalAttachment] | None = None
@@ -78,6 +80,7 @@ class WriteOptions:
     store_token_ids: bool = True
     writer: str | None = None
     encoder_inputs: EncoderInputsSpec | None = None
+    attention_bias: AttentionBias | None = None
 
 
 #: Read-back policies of the writer's verifying entry points: ``"file"`` reads the written bytes back through
@@ -282,8 +285,15 @@ def _write(cache: KVCache, f: BinaryIO, pipelines: PipelineSpec, opts: WriteOpti
         "blobs": header_blobs,
         "meta": merged_meta,
     }
+    required = FEATURE_RAGGED if cache.ragged else 0
+    if opts.attention_bias is not None:
+        if cache.positions is not None:
+            raise KvcInputError("an attention bias cannot be stored with a pruned cache (its key ranges are positions)")
+        # the reader's own checks, so a file it would refuse is never written
+        header["attention_bias"] = AttentionBias.from_json(opts.attention_bias.to_json(), L, cache.num_context_tokens).to_json()
+        required |= FEATURE_ATTENTION_BIAS
     hbytes = dump_header(header)
-    pre = Preamble(VERSION_MAJOR, VERSION_MINOR, len(hbytes), FEATURE_RAGGED if cache.ragged else 0, 0).pack()
+    pre = Preamble(VERSION_MAJOR, VERSION_MINOR, len(hbytes), required, 0).pack()
     out = _Sink(f)
     out.write(pre)
     out.write(hbytes)

@@ -107,6 +107,14 @@ class LoadedKvc:
     token_ids: np.ndarray  # the context the cache encodes
     next_position: int  # position id of the first token after the context
     reader: Any
+    attention_bias: Any = None  # the file's attention bias (spec/kvc-v1.md 4.6): apply it with steering()
+
+    def steering(self, lm: LoadedModel) -> Any:
+        """Context manager applying the file's attention bias to ``lm``'s attention (a no-op without one):
+        every forward over this cache must run inside it, or it computes what the file does not describe."""
+        from kvcodec.integrations.attn_bias import biased_attention
+
+        return biased_attention(lm, self.attention_bias, int(self.next_position))
 
 
 def load_cache(source: Any, lm: LoadedModel, backend: str | None = None, prefetch: bool = True,
@@ -131,7 +139,7 @@ def load_cache(source: Any, lm: LoadedModel, backend: str | None = None, prefetc
 
     def decode(i: int) -> tuple[torch.Tensor, torch.Tensor]:
         with device_scope(target):
-            k, v = reader.read_layer(i, backend=where)
+            k, v = reader.read_layer(i, backend=where, apply_bias=True)  # LoadedKvc.steering applies it
             return land(k, target, dtype).unsqueeze(0), land(v, target, dtype).unsqueeze(0)
 
     futures: list[Future] = []
@@ -151,8 +159,15 @@ def load_cache(source: Any, lm: LoadedModel, backend: str | None = None, prefetc
 
         fetchers = [make(i) for i in range(n_layers)]
     cache = hf_cache(windows, fetchers, seq_len)
+    if reader.header.attention_bias is not None:  # refused here, before any forward, if the model cannot take it
+        from kvcodec.errors import KvcModelMismatchError
+        from kvcodec.integrations.attn_bias import model_attention_heads
+
+        if reader.header.attention_bias.attention_heads != model_attention_heads(lm):
+            raise KvcModelMismatchError("the file's attention bias is for another number of attention heads than the model's")
     return LoadedKvc(
-        cache=cache, token_ids=reader.token_ids, next_position=reader.header.num_context_tokens, reader=reader
+        cache=cache, token_ids=reader.token_ids, next_position=reader.header.num_context_tokens, reader=reader,
+        attention_bias=reader.header.attention_bias,
     )
 
 
@@ -162,7 +177,8 @@ def generate(
 ) -> list[int]:
     """Greedy continuation of a cached context followed by ``input_ids`` (e.g. a question), on the model's device."""
     loaded = load_cache(source, lm, backend=backend)
-    return greedy_from(lm, loaded.cache, loaded.next_position, input_ids, max_new_tokens)[0]
+    with loaded.steering(lm):  # a steered file's attention bias (spec/kvc-v1.md 4.6)
+        return greedy_from(lm, loaded.cache, loaded.next_position, input_ids, max_new_tokens)[0]
 
 
 @torch.inference_mode()

@@ -301,8 +301,8 @@ def test_versions_and_feature_bits(small_file):
     parts = split(small_file)
     with pytest.raises(KvcFormatError, match="major"):
         KvcReader(assemble(parts, major=2))
-    with pytest.raises(KvcFormatError, match=r"unknown feature bits \[1, 5\]"):
-        KvcReader(assemble(parts, req=0b100010))
+    with pytest.raises(KvcFormatError, match=r"unknown feature bits \[2, 5\]"):  # bit 1: the attention bias (4.6)
+        KvcReader(assemble(parts, req=0b100100))
     with pytest.raises(KvcFormatError, match="layer_tokens"):  # bit 0 (ragged layers) without its header key
         KvcReader(assemble(parts, req=0b1))
     with KvcReader(assemble(parts, opt=0xFFFF, minor=7)) as r:  # unknown optional bits / newer minor: fine
