@@ -87,7 +87,7 @@ from kvcodec.service.checks import (
 )
 from kvcodec.service.fair import FairScheduler, Overloaded, TokenBucket
 from kvcodec.service.metrics import Metrics
-from kvcodec.service.server import PeerTable
+from kvcodec.service.server import KdnRequestHandler, PeerTable
 from kvcodec.service.server import run as run_server
 from kvcodec.service.workers import WorkerPool
 from kvcodec.store import Store, StoreKey
@@ -103,6 +103,7 @@ SERVICE_BASE = 384 << 20  # the event-loop process without bodies or caches (mea
 WORKER_BASE = 256 << 20   # a worker with its decoders loaded, before a job's data (measured ~200 MB; spec §5)
 THROTTLE_HOLD = 1.0       # seconds at most a throttled tenant's request waits before its 429
 MAX_THROTTLED = 1024      # requests held back at once; beyond, the 429 is at once
+DRAIN_MAX = 1 << 20        # a throttled request's body larger than this (or of unknown length) is not drained
 LINGER = 1.0              # seconds the rest of a refused request's body is drained before its connection closes
 REFUSAL_BODY_UNIT = 1 << 20  # a refused request costs its tenant one refusal, plus one per MiB of body it made us read
 INLINE_JSON = 64 << 10   # JSON bodies up to this size are parsed on the event loop; larger ones by a worker
@@ -110,6 +111,7 @@ INLINE_JSON = 64 << 10   # JSON bodies up to this size are parsed on the event l
 PRINCIPAL = web.AppKey("principal", Principal)
 SERVICE = web.AppKey("service", object)
 _DEADLINE = "kvc.deadline"
+_STOP = "kvc.stop_reading"  # set: the answer closes the connection without draining the body (server.py)
 _HELD = "kvc.body_held"  # (tenant, bytes) of the request's body, charged to the body budget until its answer
 
 __all__ = ["ServiceConfig", "KdnService", "HttpError", "make_app", "serve", "chunk_candidates"]
@@ -376,6 +378,10 @@ class KdnService:
             held = request.pop(_HELD, None)
             if held is not None:
                 self.bodies.give(*held)
+        if request.get(_STOP):
+            resp.force_close()
+            if isinstance(request.protocol, KdnRequestHandler):
+                request.protocol.stop_reading()
         self.metrics.request(request.method, route, resp.status, time.perf_counter() - t0)
         if 400 <= resp.status < 500 and resp.status not in (404, 412, 416, 429) and PRINCIPAL in request:
             # a refusal that made us read a large body costs its tenant more than one that did not
@@ -407,6 +413,9 @@ class KdnService:
                 # Held back (a sleeping coroutine: no CPU, no body read) before the 429, so a client that keeps
                 # sending refused requests gets its answers at a bounded rate rather than as fast as it can ask.
                 wait = (1 - self.refusals.balance(p.tenant)) / rate
+                n = request.content_length
+                if request.body_exists and (n is None or n > DRAIN_MAX):
+                    request[_STOP] = True  # its body is not worth draining for a 429
                 if self.throttled < MAX_THROTTLED:
                     self.throttled += 1
                     try:
@@ -476,13 +485,15 @@ class KdnService:
         """The body, whatever its framing: capped on the bytes read, each piece within ``body_idle_timeout``,
         the whole within ``body_timeout``, counted against the tenant's and the server's in-flight budget."""
         c = self.config
-        if request.content_length is not None and request.content_length > limit:
+        if request.content_length is not None and request.content_length > limit:  # drained like any refusal
             raise HttpError(413, f"{what} of {request.content_length} bytes is larger than the limit of {limit}")
         tenant = request[PRINCIPAL].tenant if PRINCIPAL in request else "-"
         end = time.monotonic() + min(c.body_timeout, self._left(request))
         buf = bytearray()
         held = 0
-        # each piece stays charged to the budget until the answer (the errors middleware gives it back)
+        # each piece stays charged to the budget until the answer (the errors middleware gives it back); a body
+        # refused for its size or pace is not drained afterwards
+        request[_STOP] = True
         while True:
             left = end - time.monotonic()
             if left <= 0:
@@ -501,6 +512,7 @@ class KdnService:
             held += len(piece)
             request[_HELD] = (tenant, held)
             buf += piece
+        request[_STOP] = False
         return bytes(buf)
 
     async def _json_body(self, request: web.Request) -> tuple[bytes, dict[str, Any] | None]:

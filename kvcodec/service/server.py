@@ -89,6 +89,12 @@ class KdnRequestHandler(RequestHandler):
         self.peers.give(peer)
         super().connection_lost(exc)
 
+    def stop_reading(self) -> None:
+        """After this request's answer, close the connection without draining the rest of its body (aiohttp
+        would read and drop it for ``lingering_time``): for a body refused for its size or pace, or a throttled
+        tenant's large one, whose sender has already cost what it may."""
+        self._lingering_time = 0.0
+
     def handle_error(self, request: BaseRequest, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
         """aiohttp's answer to a request it could not parse (or a failure outside every middleware): one line

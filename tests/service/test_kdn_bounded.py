@@ -320,3 +320,42 @@ def test_connections_per_address_are_capped(tmp_path):
         assert s.metrics()["kvc_peer_refused_total"] >= 1
     finally:
         s.stop()
+
+
+def _held_open(port: int, head: bytes, piece: bytes, limit_s: float = 15.0) -> tuple[bytes, float]:
+    """Send ``head``, then ``piece`` over and over until the server closes; (its answer, seconds after it)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=limit_s) as s:
+        s.sendall(head)
+        answer, answered_at, t0 = b"", None, time.monotonic()
+        s.setblocking(False)
+        while time.monotonic() - t0 < limit_s:
+            try:
+                s.send(piece)
+            except BlockingIOError:
+                pass
+            except OSError:
+                break
+            try:
+                got = s.recv(65536)
+                if not got:
+                    break
+                answer += got
+                answered_at = answered_at or time.monotonic()
+            except BlockingIOError:
+                pass
+            except OSError:
+                break
+            time.sleep(0.01)
+    return answer, time.monotonic() - (answered_at or t0)
+
+
+def test_a_refused_request_s_endless_body_is_not_read_for_long(svc):
+    """After a refusal the rest of a body is drained for at most 1 s (aiohttp would drain it for 10 s), and not
+    at all after a 413: a client that keeps sending cannot keep the server reading."""
+    key = honest_entry(4, 64, "a")[0]
+    head = request_head("PUT", path_of(key), TOK_A_NS.replace("ns-a", "ns-x"), {"Content-Length": 1 << 30})
+    answer, after = _held_open(svc.port, head, b"x" * 4096)  # a bad token: 401 before any body is read
+    assert answer.startswith(b"HTTP/1.1 401") and after < 5, (answer[:80], after)
+    head = request_head("POST", "/v1/contains", TOK_A, {"Transfer-Encoding": "chunked"})
+    answer, after = _held_open(svc.port, head, b"1000\r\n" + b"x" * 4096 + b"\r\n")  # endless, over 1M
+    assert answer.startswith(b"HTTP/1.1 413") and after < 5, (answer[:80], after)
