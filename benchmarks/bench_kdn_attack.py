@@ -304,17 +304,23 @@ def _remote_attack(kind: str, url: str, seconds: float, raw: Any, ready: Callabl
 
 def attacker_main(kind: str, target: dict[str, Any], seconds: float, threads: int, out: Any) -> None:
     """Prepare, say "ready" on ``out``, attack for ``seconds``, then put the tally on ``out``."""
-    def ready() -> None:
-        out.put("ready")
-
     import resource
+
+    def used() -> float:
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        return ru.ru_utime + ru.ru_stime
+
+    start: list[float] = []
+
+    def ready() -> None:
+        start.append(used())
+        out.put("ready")
 
     if target["kind"] == "kdn":
         res = _kdn_attack(kind, target["port"], seconds, threads, ready)
     else:
         res = _remote_attack(kind, target["url"], seconds, _raw_access(target), ready)
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    res["cpu_s"] = round(ru.ru_utime + ru.ru_stime, 2)  # the attacker's own CPU: it shares the cores too
+    res["cpu_s"] = round(used() - start[0], 2)  # the attacker's own CPU during the attack: it shares the cores
     out.put(res)
 
 
@@ -446,9 +452,9 @@ class S3Backend(Backend):
 
 def run_backend(kind: str, a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     (tmp / kind).mkdir(parents=True, exist_ok=True)
+    entries = _entries(a.docs, a.doc_tokens)  # before any server starts: a failure here leaves none behind
     be: Backend = {"kdn": KdnBackend, "cluster": ClusterBackend, "s3": S3Backend}[kind](tmp / kind)
     ctx = mp.get_context("spawn")
-    entries = _entries(a.docs, a.doc_tokens)
     out: dict[str, Any] = {"backend": kind, "engines": a.engines, "phases": []}
     try:
         be.restore(entries)
