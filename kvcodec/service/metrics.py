@@ -38,7 +38,8 @@ class Metrics:
                             ["op", "result"], registry=r)
         self.queued_jobs = Gauge("kvc_worker_queue", "Requests waiting for a worker process", registry=r)
         self.queued_store = Gauge("kvc_store_queue", "Requests waiting for a store thread", registry=r)
-        self.inflight_body = Gauge("kvc_inflight_body_bytes", "Body bytes being received", registry=r)
+        self.inflight_body = Gauge("kvc_inflight_body_bytes", "Body bytes held: from their first byte to their answer",
+                                   registry=r)
         self.peer_refused = Gauge("kvc_peer_refused_total", "Connections refused at once: their address held "
                                   "--peer-connections already (no log line each)", registry=r)
         self.throttled = Gauge("kvc_throttled", "Requests held back now before their 429 (tenant over its refusal "
