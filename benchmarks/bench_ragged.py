@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
                 lossy = preset not in ("lossless", "fp16")
                 if lossy and name not in imp:
                     imp[name] = cache_importance(lm, c)
-                plan = get_plan(preset, c, lm=lm, guard=False, importance=imp[name]) if lossy else get_plan(preset, c)
+                plan = get_plan(preset, c, lm=lm, rate="fixed", importance=imp[name]) if lossy else get_plan(preset, c)
                 with harness.stopwatch(cpu=None) as sw:
                     data = encode_kvc_bytes(c, plan)
                 out[name] = (data, sw.wall)

@@ -17,7 +17,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable
 
-import numpy as np
 
 from kvcodec.core.kvcache import KVCache
 from kvcodec.core.stage import Plan
@@ -60,6 +59,9 @@ class Encoded:
             d["prune"] = self.prune.to_json()
         if self.target is not None:
             d["target"] = self.target
+        for key in ("rate", "check"):  # rate control's choice and the opt-in check's record
+            if self.plan.params.get(key) is not None:
+                d[key] = self.plan.params[key]
         return d
 
 
@@ -75,8 +77,7 @@ def encode(
     prune: Any = None,
     target_kl: float | None = None,
     target_dppl: float | None = None,
-    continuation: np.ndarray | None = None,
-    continuation_tokens: int = 256,
+    check: bool = False,
     calibration: Any = None,
     chunk_tokens: int | None = None,
     chunk_heads: int | None = None,
@@ -90,10 +91,12 @@ def encode(
     ``model`` first (its first ``max_tokens`` tokens). ``model`` is a loaded model, a name or a
     model directory; lossy presets use it for their quality check and token importance, and it
     must be the cache's model. ``preset`` + ``overrides`` choose the codec
-    (:func:`kvcodec.plan.presets.get_plan`); ``target_kl`` / ``target_dppl`` instead search the
-    lossy codec's rate knob on ``continuation`` (token ids that follow the context; by default
-    the ``continuation_tokens`` tokens of ``text`` after the context), keeping the preset's other
-    settings (``preset=None``: the plain transform codec). ``prune`` (a
+    (:func:`kvcodec.plan.presets.get_plan`). Lossy presets with a model choose their step by rate
+    control (:mod:`kvcodec.plan.rate`: the step whose predicted KL is a fixed fraction of the
+    preset's promise); ``target_kl`` / ``target_dppl`` (a mean ΔPPL in expectation, taken as the
+    KL it corresponds to) replace the promise, within the preset's range (``preset=None``:
+    ``balanced``'s settings). ``check`` confirms the step on the document's tail with the real
+    model (:mod:`kvcodec.plan.check`). ``prune`` (a
     spec string such as ``"h2o:0.5"`` or a parsed budget) drops tokens first; the rate is still
     charged against the unpruned context. ``calibration`` is the model's calibration; when not
     given for a lossy preset with a model, it is loaded, or built once (minutes, with progress).
@@ -105,7 +108,9 @@ def encode(
     if target_kl is not None and target_dppl is not None:
         raise KvcInputError("give only one of target_kl and target_dppl")
     if preset is None and not targeted:
-        raise KvcInputError("give a preset (preset=None is the plain transform codec of a target search)")
+        raise KvcInputError("give a preset (preset=None is balanced's settings at a target_kl / target_dppl)")
+    if preset is None:
+        preset = "balanced"
     baseline = preset is not None and preset.startswith("baseline:")
     info = None if preset is None or baseline else preset_info(preset)
     overrides = check_overrides(info.name, dict(overrides or {}), "overrides") if info is not None else dict(overrides or {})
@@ -149,8 +154,12 @@ def encode(
     if model is not None and not isinstance(model, str) and not isinstance(model, os.PathLike):
         get_lm()  # a loaded model costs nothing: check it against the cache now
     elems = context_elements(cache)  # the unpruned context's elements: what every rate is charged against
-    if targeted and continuation is None:
-        continuation = _continuation(get_lm(), cache.token_ids, text, continuation_tokens)
+    target = None
+    if targeted:
+        from kvcodec.plan.presets import target_for
+
+        assert info is not None
+        target = target_for(info, target_kl=target_kl, target_dppl=target_dppl)
 
     if budget is not None:
         from kvcodec.prune import SCORES_META_KEY, H2OBudget, apply_prune
@@ -168,20 +177,14 @@ def encode(
 
         cal = ensure_calibration(get_lm())  # resolved once for this encode, passed down
     meta: dict[str, Any] | None = None
+    plan = get_plan(preset, cache, lm=get_lm() if use_model else None, cal=cal, rate="check" if check else "predict",
+                    target=target, **overrides)
+    label = f"{plan.preset}+config" if overrides else str(plan.preset)
+    if overrides:
+        meta = {"config": {"preset": preset, **overrides}}
     if targeted:
-        from kvcodec.plan.pipelines import plan_for_target
-
-        kw = {k: v for k, v in info.settings.items() if k != "step0"} if info is not None else {}
-        plan, target_info = plan_for_target(cache, get_lm(), target_kl=target_kl, target_dppl=target_dppl,
-                                            continuation=np.asarray(continuation, np.int64), cal=cal, **kw)
         label = f"target-kl-{target_kl:g}" if target_kl is not None else f"target-dppl-{target_dppl:g}"
-        meta = {"target": {"kl": target_kl, "dppl_percent": target_dppl, **target_info}}
-    else:
-        assert preset is not None
-        plan = get_plan(preset, cache, lm=get_lm() if use_model else None, cal=cal, **overrides)
-        label = f"{plan.preset}+config" if overrides else str(plan.preset)
-        if overrides:
-            meta = {"config": {"preset": preset, **overrides}}
+        meta = {"target": {"kl": target_kl, "dppl_percent": target_dppl, "preset": preset, **plan.params.get("rate", {})}}
     opts: dict[str, Any] = {"chunk_tokens": chunk_tokens if chunk_tokens is not None else plan.chunk_tokens,
                             "chunk_heads": chunk_heads, "preset": label, "meta": meta}
     say(f"encoding with {label}")
@@ -216,25 +219,6 @@ def open(source: str | os.PathLike | bytes | Any, *, model: Any = None, **kw: An
             r.close()
             raise
     return r
-
-
-def _continuation(lm: Any, context: np.ndarray, text: str | None, n: int) -> np.ndarray:
-    """The ``n`` token ids of ``text`` that follow ``context`` (the continuation a rate search measures on)."""
-    if text is None:
-        raise KvcInputError("target_kl/target_dppl need the capture's text (text=) or continuation= token ids: the "
-                            "tokens after the context are the continuation the quality is measured on")
-    if n < 2:
-        raise KvcInputError(f"the continuation must be at least 2 tokens, got {n}")
-    from kvcodec.models.capture import tokenize
-
-    ids = tokenize(lm.tokenizer, text)
-    n_ctx = len(context)
-    if len(ids) < n_ctx or not np.array_equal(ids[:n_ctx], context):
-        raise KvcInputError(f"the text's first {n_ctx} tokens are not the capture's context")
-    if len(ids) < n_ctx + n:
-        raise KvcInputError(f"the text has only {len(ids) - n_ctx} tokens after the capture's {n_ctx}-token "
-                            f"context, fewer than --continuation {n}")
-    return ids[n_ctx : n_ctx + n]
 
 
 def _model(model: Any) -> Any:

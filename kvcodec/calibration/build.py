@@ -36,7 +36,7 @@ from kvcodec.core.stage import ChunkContext
 from kvcodec.errors import KvcInputError
 from kvcodec.models.layout import ALL_HEADS
 
-def _pre_rope(cache: Any, layer: int, kind: str) -> np.ndarray:
+def coded_tensor(cache: Any, layer: int, kind: str) -> np.ndarray:
     """Keys as the plans code them: pre-RoPE, or as they are when the model's RoPE variant has no rope stage."""
     x = (cache.keys if kind == "k" else cache.values)[layer].float().numpy()
     if kind == "k":
@@ -264,7 +264,7 @@ def build_calibration(lm: Any, texts: tuple[str, ...] = CALIB_TEXTS, context: in
             t1 = time.time()
             for l in range(cache.num_layers):
                 for ki, kind in enumerate("kv"):
-                    mom.add(l, ki, _pre_rope(cache, l, kind)[:, sink:])
+                    mom.add(l, ki, coded_tensor(cache, l, kind)[:, sink:])
             timings["moments_s"] = timings.get("moments_s", 0.0) + time.time() - t1
         t1 = time.time()
         assert qm is not None and first is not None

@@ -103,31 +103,33 @@ def parse_codec_config(value: str) -> tuple[str, dict[str, Any]]:
               help="Model for capture, pruning, lossy presets and quality targets: 'smollm2' or a local HF model directory "
                    "[default: the model recorded in the capture, else smollm2]. Must be the capture's model.")
 @click.option("--target-kl", type=float, default=None, callback=_positive,
-              help="Fewest bits whose mean KL (nats) on --text's continuation is at most this (lossy codec; needs --text).")
+              help="Promise this mean KL (nats) instead of the preset's: rate control aims under it (lossy presets; "
+                   "default preset balanced; within the preset's range).")
 @click.option("--target-dppl", type=float, default=None, callback=_positive,
-              help="Fewest bits whose |perplexity change| (percent) on --text's continuation is at most this (needs --text).")
-@click.option("--text", "text_path", default=None,
-              help="Without IN: the text to capture (UTF-8 file or corpus name). With IN: the text the capture was made "
-                   "from; its tokens after the context are the continuation --target-kl / --target-dppl measure on.")
+              help="Promise this mean perplexity change (percent, in expectation) instead; taken as the KL it corresponds to.")
+@click.option("--check", is_flag=True, default=False,
+              help="Confirm the rate control's step on the document's tail with the model (forward passes; lowers the "
+                   "step if the probe misses, and warns when the prediction was far off).")
+@click.option("--text", "text_path", default=None, help="Without IN: the text to capture (UTF-8 file or corpus name).")
 @click.option("--max-tokens", type=int, default=None, help="Without IN: capture only the first N tokens of --text.")
-@click.option("--continuation", type=click.IntRange(min=1), default=256, show_default=True,
-              help="Continuation tokens used by --target-kl / --target-dppl.")
 @click.option("--chunk-tokens", type=click.IntRange(min=1), default=None, help="Tokens per chunk (default: one chunk per layer and K/V).")
 @click.option("--chunk-heads", type=click.IntRange(min=1), default=None, help="KV heads per chunk (default: all).")
 @json_option
 def encode_command(input_path: str | None, output: str | None, levels: str | None, store_url: str | None,
                    namespace: str, level_chunk_tokens: int, preset: str, config: str | None, prune_spec: str | None,
-                   model: str | None, target_kl: float | None, target_dppl: float | None, text_path: str | None,
-                   max_tokens: int | None, continuation: int, chunk_tokens: int | None, chunk_heads: int | None,
+                   model: str | None, target_kl: float | None, target_dppl: float | None, check: bool,
+                   text_path: str | None, max_tokens: int | None, chunk_tokens: int | None, chunk_heads: int | None,
                    as_json: bool) -> None:
     """Encode a raw capture (IN.h5 / IN.safetensors), or capture --text on --model and encode it, into a .kvc file.
 
     --prune drops tokens first (H2O keeps original positions per KV head;
     lingua re-captures the shorter text). Bits per element are always
     charged against the K+V elements of the full, unpruned context.
-    --target-kl / --target-dppl search the lossy codec's rate knob with the
-    model on the continuation that follows the context in --text; with a
-    lossy --preset its other settings (sink, tokenscale, ...) are kept.
+    Lossy presets choose their quantizer step by rate control: the step whose
+    KL, predicted from the codec's own noise and the model's calibrated
+    sensitivities, is a fixed fraction of the preset's promise (no model
+    forward pass beyond token importance). --target-kl / --target-dppl change
+    the promise; --check confirms it with the model on the document's tail.
     --config names a preset and overrides its plan's parameters.
     """
     from kvcodec.atomic import check_output
@@ -176,13 +178,10 @@ def encode_command(input_path: str | None, output: str | None, levels: str | Non
             raise KvcInputError("--target-kl/--target-dppl choose step0 themselves; give them --preset, not --config overrides")
         if preset_given and not lossy:
             raise KvcInputError(f"--target-kl/--target-dppl tune the lossy codec; they cannot be used with --preset {preset}")
-        if text_path is None:
-            raise KvcInputError("--target-kl/--target-dppl need --text (the capture's text: the tokens after the "
-                                "context are the continuation the quality is measured on)")
-        if continuation < 2:
-            raise KvcInputError(f"--continuation must be at least 2, got {continuation}")
-    elif text_path is not None and input_path is not None:
-        raise KvcInputError("with a capture IN, --text is only used with --target-kl or --target-dppl")
+    if text_path is not None and input_path is not None:
+        raise KvcInputError("give a capture IN or --text to capture, not both")
+    if check and not (lossy or targeted):
+        raise KvcInputError(f"--check confirms a lossy preset's step; --preset {preset} is not lossy")
 
     check_output(output, inputs=[input_path, text_path, config, model])  # before minutes of capture/encode work
     from kvcodec import api
@@ -190,8 +189,7 @@ def encode_command(input_path: str | None, output: str | None, levels: str | Non
     enc = api.encode(
         input_path, output, preset=preset if (preset_given or not targeted) else None, overrides=overrides, model=model,
         text=load_text(text_path) if text_path is not None else None, max_tokens=max_tokens, prune=budget,
-        target_kl=target_kl, target_dppl=target_dppl, continuation_tokens=continuation, chunk_tokens=chunk_tokens,
-        chunk_heads=chunk_heads)
+        target_kl=target_kl, target_dppl=target_dppl, check=check, chunk_tokens=chunk_tokens, chunk_heads=chunk_heads)
     info = {"input": input_path if input_path is not None else text_path, **enc.to_json()}
     if as_json:
         emit_json(info)
@@ -200,10 +198,14 @@ def encode_command(input_path: str | None, output: str | None, levels: str | Non
     if enc.prune is not None:
         rec = enc.prune.to_json()
         extra += f"; pruned {rec['spec']}, kept {100 * rec['kept_fraction']:.1f}% of {rec['context_tokens']:,} tokens"
-    if enc.target is not None:
-        t = enc.target
-        extra += (f"; tuned step0 {t['step0']:.4g}: KL {t['kl_mean']:.3g} nats, "
-                  f"PPL {t['dppl_percent']:+.3f}% on {continuation} continuation tokens")
+    rate = enc.plan.params.get("rate")
+    if rate is not None:
+        extra += f"; step0 {rate['step0']:.4g}, predicted KL {rate['predicted_kl']:.3g} (aim {rate['aim_kl']:.3g})"
+    chk = enc.plan.params.get("check")
+    if chk is not None and chk.get("checked"):
+        last = chk["tries"][-1]
+        extra += (f"; checked on the last {chk['probe_tokens']} tokens: KL {last['kl_mean']:.3g}, top-1 {last['top1']:.3f}"
+                  f"{'' if chk['met'] else ' (target not met)'}")
     click.echo(f"{output}: {enc.size:,} bytes, {enc.bits_per_element:.3f} bits per KV element, "
                f"ratio vs fp16 {enc.ratio_vs_fp16:.2f}x (preset {enc.preset}{extra})")
 

@@ -60,13 +60,14 @@ BASELINE_FAMILIES = ("fp16", "fp16+zstd", "int8", "kivi", "cachegen")
 # real peer libraries (kvcodec/eval/peers.py): run their own code, skipped with a reason when not installed
 PEER_FAMILIES = ("hf-quanto", "hf-hqq", "kvpress")
 # kvcodec's lossy presets in another configuration: family -> (keyword arguments of _preset, row note)
-_PRESET_VARIANTS: dict[str, tuple[dict[str, bool], str]] = {
-    "kvcodec-fixed": ({"guard": False}, "the preset's fixed step0, without the encode-time quality check"),
+_PRESET_VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
+    "kvcodec-fixed": ({"rate": "fixed"}, "the preset's table step0, without rate control"),
+    "kvcodec-checked": ({"rate": "check"}, "rate control confirmed by the opt-in encode-time check (--check)"),
     "kvcodec-embedded": ({"embedded": True}, "calibration embedded in the file (its bytes are charged to this one file)"),
 }
 ALL_FAMILIES = ("kvcodec", "kvcodec-kl", *BASELINE_FAMILIES, *PEER_FAMILIES, "h2o")
-# not in "all": the lossy presets at their fixed step0 without the encode-time quality check
-EXTRA_FAMILIES = ("kvcodec-fixed", "kvcodec-embedded")
+# not in "all": the lossy presets at their table step0, with the opt-in check, or with an embedded calibration
+EXTRA_FAMILIES = ("kvcodec-fixed", "kvcodec-checked", "kvcodec-embedded")
 DEFAULT_TARGET_KLS = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2)
 DEFAULT_H2O_BUDGETS = ("h2o:0.2", "h2o:0.35", "h2o:0.5", "h2o:0.75")
 CSV_FIELDS = (
@@ -131,7 +132,7 @@ def _baseline(name: str) -> Callable[[Any, TextCase], tuple[KVCache, Any]]:
     return build
 
 
-def _preset(name: str, guard: bool = True, embedded: bool = False) -> Callable[[Any, TextCase], tuple[KVCache, Any]]:
+def _preset(name: str, rate: str = "predict", embedded: bool = False) -> Callable[[Any, TextCase], tuple[KVCache, Any]]:
     def build(lm: Any, case: TextCase) -> tuple[KVCache, Any]:
         from kvcodec.calibration.build import ensure_calibration
         from kvcodec.plan.presets import preset_info
@@ -139,9 +140,7 @@ def _preset(name: str, guard: bool = True, embedded: bool = False) -> Callable[[
         cal = ensure_calibration(lm) if lm is not None and preset_info(name).lossy else None
         if embedded:  # the calibration travels inside the file (self-contained; its bytes are in file_bytes)
             return case.cache, get_plan(name, case.cache, lm=lm, cal=cal, calibration="embedded")
-        if not guard:  # the preset's fixed step0, no encode-time quality check (what issue 15 measured)
-            return case.cache, get_plan(name, case.cache, lm=lm, cal=cal, guard=False)
-        return case.cache, get_plan(name, case.cache, lm=lm, cal=cal)
+        return case.cache, get_plan(name, case.cache, lm=lm, cal=cal, rate=rate)
 
     return build
 
@@ -413,9 +412,10 @@ def measure(lm: Any, case: TextCase, method: Method, workdir: str | os.PathLike,
     row: dict[str, Any] = {"text": case.name, "family": method.family, "method": method.setting}
     row.update(rate_fields(size, case.cache))
     row["external_bytes"] = external_bytes(plan)
-    guard = (getattr(plan, "params", None) or {}).get("guard")
-    if guard is not None:  # the encode-time quality check: every step0 tried, its bytes and probe quality
-        row["guard"] = guard
+    params = getattr(plan, "params", None) or {}
+    for key in ("rate", "check"):  # rate control's choice; the opt-in check's tries, bytes and probe quality
+        if params.get(key) is not None:
+            row[key] = params[key]
     row.update(q.to_json())
     row.update(context_tokens=case.cache.num_context_tokens, stored_tokens=decoded.num_tokens,
                encode_s=round(t_enc, 3), decode_s=round(t_dec, 3), eval_s=round(t_eval, 3),

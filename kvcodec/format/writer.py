@@ -88,6 +88,7 @@ class WriteOptions:
 #: output decodes to) before they count as written; ``"off"`` writes without reading back (probes whose
 #: output is decoded right away and never stored).
 VERIFY_POLICIES = ("file", "off")
+LOSSY_BOUND = 2.0  # read-back: a lossy chunk decoded farther than this x its input's energy is corrupt (small zeroes whole low-sensitivity tensors: ~1)
 
 
 def _plan_options(plan: Plan | PipelineSpec, options: WriteOptions | None, kw: dict[str, Any]) -> tuple[PipelineSpec, WriteOptions]:
@@ -349,13 +350,20 @@ def _write(cache: KVCache, f: BinaryIO, pipelines: PipelineSpec, opts: WriteOpti
 class _Expectation:
     """What each chunk of a file being written must decode to, for the read-back check.
 
-    For a pipeline without array->array stages over ``raw`` (raw / shuffle /
-    zstd: lossless by definition) that is the input itself, bit for bit,
-    compared directly with the cache's tensor (no copy is kept); otherwise it
-    is the normative stage-by-stage ``Pipeline.decode`` of the encoder's own
-    in-memory output, of which only a CRC32C is kept. The read-back then
-    decodes the *file* through the reader (container parsing, side-data round
-    trip, the fused decoders) and must reproduce those bytes exactly.
+    The read-back decodes the *file* once through the reader (container parsing, side-data round
+    trip, the fused fast decoders: what a user gets) and checks every chunk against this:
+
+    * a pipeline without array->array stages over ``raw`` (raw / shuffle / zstd: lossless by
+      definition): the input itself, bit for bit (no copy is kept);
+    * the first chunk of every lossy stage structure (e.g. balanced's K and V pipelines): the
+      normative stage-by-stage ``Pipeline.decode`` of the encoder's own output, bit for bit (a
+      CRC32C is kept), so a fused decoder that disagrees with the definition is caught on every file;
+    * every other lossy chunk: finite, and no farther from the input than ``LOSSY_BOUND`` x the
+      input's own energy: gross corruption (NaN, a swapped layer, a wrong basis or class table)
+      lands above it; a coarse preset that zeroes a low-sensitivity tensor lands at ~1, below it.
+
+    Why not the reference decode of every chunk: it doubled the encoder's decode work (issue 33)
+    to re-prove, file after file, a decoder property the conformance vectors prove once.
     """
 
     def __init__(self, cache: KVCache) -> None:
@@ -363,6 +371,7 @@ class _Expectation:
         self.checks: list[Callable[[np.ndarray], bool]] = []
         self.external: dict[str, np.ndarray] = {}
         self._tensor: tuple[tuple[int, str], np.ndarray] | None = None
+        self._referenced: set[str] = set()  # lossy stage structures whose first chunk was reference-decoded
 
     def _input(self, layer: int, kind: str) -> np.ndarray:
         key = (layer, kind)
@@ -386,6 +395,24 @@ class _Expectation:
 
             self.checks.append(same_as_input)
             return
+        # the stage structure, not its parameters: every tensor of a lossy plan has its own steps
+        structure = json.dumps([[st.name, st.version] for st in p.stages])
+        if structure in self._referenced:
+            layer, kind, t0, h0 = ctx.layer, ctx.kind, ctx.token_start, ctx.extra["head_start"]
+            t1, h1 = ctx.extra["token_end"], ctx.extra["head_end"]
+
+            def close_to_input(out: np.ndarray) -> bool:
+                off = self.cache.layer_offset(layer)
+                x = self._input(layer, kind)[h0:h1, t0 - off:t1 - off, :].astype(np.float64)
+                if out.shape != x.shape or not np.isfinite(out).all():
+                    return False
+                if not x.size:
+                    return True
+                return float(np.square(out - x).mean()) <= LOSSY_BOUND * float(np.square(x).mean()) + 1e-30
+
+            self.checks.append(close_to_input)
+            return
+        self._referenced.add(structure)
         spec = ArraySpec(tuple(arr.shape), arr.dtype.name)
         try:
             expected = np.ascontiguousarray(p.decode(payload, sides, sizes, spec, ctx))

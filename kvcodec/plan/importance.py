@@ -45,12 +45,13 @@ class _Collector:
     + those queries; a sliding-window cache layer may hand over fewer keys).
     """
 
-    def __init__(self, window: int | None, total: int, attention_windows: list[int | None] | None = None) -> None:
+    def __init__(self, window: int | None, total: int, attention_windows: list[int | None] | None = None,
+                 squared: bool = True) -> None:
         self.window = window
         self.total = total
         self.attention_windows = attention_windows or []
-        self.a2: dict[int, Any] = {}
-        self.a1: dict[int, Any] = {}
+        self.squared = squared  # collect mean a^2 (tokenscale, rate control) or mean a (H2O)
+        self.scores: dict[int, Any] = {}
 
     def add(self, layer: int, query: Any, key: Any, scaling: float) -> None:
         import torch
@@ -62,43 +63,44 @@ class _Collector:
         if not tq <= tk <= T:
             raise KvcInputError(f"importance scoring got {tq} queries over {tk} keys of a {T}-token context")
         q0, k0 = T - tq, T - tk  # absolute positions of the first query and the first key
-        k_rep = k.repeat_interleave(hq // hkv, dim=0)
+        k_rep = k.repeat_interleave(hq // hkv, dim=0).transpose(1, 2)
         start = q0 if self.window is None else max(q0, T - self.window)
-        a2 = torch.zeros(T, dtype=torch.float64)
-        a1 = torch.zeros(T, dtype=torch.float64)
+        acc = torch.zeros(tk, dtype=torch.float64)
         kpos = torch.arange(k0, T)
         sw = self.attention_windows[layer] if layer < len(self.attention_windows) else None
         for a in range(start, T, _CHUNK):
             b = min(T, a + _CHUNK)
-            logits = torch.matmul(q[:, a - q0:b - q0], k_rep.transpose(1, 2)) * scaling
+            logits = torch.matmul(q[:, a - q0:b - q0], k_rep)
+            logits.mul_(scaling)
             qpos = torch.arange(a, b)[:, None]
-            hidden = kpos[None, :] > qpos
-            if sw is not None:  # the layer's own mask: a sliding layer's query sees only its last `sw` keys
-                hidden = hidden | (kpos[None, :] <= qpos - sw)
-            logits = logits.masked_fill(hidden, float("-inf"))
+            if sw is None:  # causal: only keys after the block's first query can be hidden (masking the rest is a no-op)
+                c0 = a + 1 - k0
+                tail = logits[:, :, c0:]
+                tail.masked_fill_(kpos[None, c0:] > qpos, float("-inf"))
+            else:  # the layer's own mask: a sliding layer's query sees only its last `sw` keys
+                logits.masked_fill_((kpos[None, :] > qpos) | (kpos[None, :] <= qpos - sw), float("-inf"))
             p = torch.softmax(logits, dim=-1)
-            a2[k0:] += (p * p).sum((0, 1)).double()
-            a1[k0:] += p.sum((0, 1)).double()
+            if self.squared:
+                p.mul_(p)
+            acc += p.sum((0, 1)).double()
+        scores = torch.zeros(T, dtype=torch.float64)
+        scores[k0:] = acc
         if sw is not None:  # no future query (position >= T) can see keys k <= T - sw: no importance at all
-            a2[: max(0, T - sw + 1)] = 0.0
-            a1[: max(0, T - sw + 1)] = 0.0
-        n = (T - start) * hq
-        self.a2[layer] = (a2 / n).numpy()
-        self.a1[layer] = (a1 / n).numpy()
+            scores[: max(0, T - sw + 1)] = 0.0
+        self.scores[layer] = (scores / ((T - start) * hq)).numpy()
 
 
 def _tapped_scores(lm: Any, ids: Any, window: int | None, total: int, squared: bool, **forward: Any) -> np.ndarray:
     """One forward of ``ids`` (over ``forward``'s past, if any) with the attention tap; [L, total] scores."""
     import torch
 
-    with torch.inference_mode(), tapped(lm, _Collector(window, total, list(lm.layout.windows or ()))) as col:
+    with torch.inference_mode(), tapped(lm, _Collector(window, total, list(lm.layout.windows or ()), squared)) as col:
         lm.model(input_ids=ids, logits_to_keep=1, **forward)
     L = lm.fingerprint.num_layers
-    src = col.a2 if squared else col.a1
-    missing = [i for i in range(L) if i not in src]
+    missing = [i for i in range(L) if i not in col.scores]
     if missing:
         raise KvcInputError(f"no attention scores for layers {missing[:5]} (unsupported model?)")
-    return np.stack([src[i] for i in range(L)])
+    return np.stack([col.scores[i] for i in range(L)])
 
 
 def attention_importance(lm: Any, token_ids: np.ndarray, window: int | None = DEFAULT_WINDOW,

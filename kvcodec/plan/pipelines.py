@@ -73,6 +73,18 @@ def kept_coefficients(cal: Calibration, steps: np.ndarray, group: int, frac: flo
     return k
 
 
+def token_classes(importance: np.ndarray, sink: int, opts: dict[str, Any]) -> tuple[list[np.ndarray], np.ndarray]:
+    """tokenscale's class of every token [T] per layer (sink tokens class 0) and the class -> multiplier table,
+    from per-(layer, token) ``importance`` [L, T] and the full tokenscale options ``opts``."""
+    classes: list[np.ndarray] = []
+    table = np.ones(1, np.float32)
+    for l in range(importance.shape[0]):
+        c, table = token_multipliers(importance[l], sink, n_classes=1 << opts["bits"], log2_step=opts["log2_step"],
+                                     min_log2=opts["min_log2"], power=opts["power"], max_log2=opts["max_log2"])
+        classes.append(np.concatenate([np.zeros(min(sink, importance.shape[1]), np.uint8), c]))
+    return classes, table
+
+
 def transform_plan(cache: Any, step0: float, sink: int = 4, group: int = 8, cal: Calibration | None = None,
                    calibration: str = "external", basis: str = "pca", preset: str = "custom", deadzone: float = 0.0,
                    lm: Any = None, tokenscale: dict[str, Any] | None = None, importance: np.ndarray | None = None,
@@ -123,12 +135,7 @@ def transform_plan(cache: Any, step0: float, sink: int = 4, group: int = 8, cal:
 
             importance = cache_importance(lm, cache, window=ts_opts["window"])
         if importance is not None and np.shape(importance) == (fp.num_layers, cache.num_tokens):
-            ts_classes = []
-            for l in range(fp.num_layers):
-                c, ts_table = token_multipliers(importance[l], sink, n_classes=1 << ts_opts["bits"], log2_step=ts_opts["log2_step"],
-                                                min_log2=ts_opts["min_log2"], power=ts_opts["power"],
-                                                max_log2=ts_opts["max_log2"])
-                ts_classes.append(np.concatenate([np.zeros(min(sink, cache.num_tokens), np.uint8), c]))
+            ts_classes, ts_table = token_classes(importance, sink, ts_opts)
         else:
             ts_opts = None
 

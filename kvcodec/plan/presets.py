@@ -53,6 +53,7 @@ class PresetInfo:
     overrides: frozenset[str]
     settings: Mapping[str, Any] = field(default_factory=dict)
     target: QualityTarget | None = None
+    kl_range: tuple[float, float] | None = None  # the mean KL targets this preset's settings can reach (target_kl)
 
 
 # step0 of each lossy preset is in units of the cache's values (SmolLM2-135M-tuned by bench_codec.py
@@ -67,16 +68,22 @@ PRESETS: dict[str, PresetInfo] = {
     # 16-bit codes (quantize v2): 8-bit codes widen wide channels' steps, which floors near-lossless (issue 15)
     "near-lossless": PresetInfo("near-lossless", True, True, _LOSSY_KEYS,
                                 {"step0": 0.004, "sink": 4, "group": 8, "max_bits": 16},
-                                QualityTarget(kl=2e-4, dppl_percent=0.5, greedy_tokens=16, rival_gain=NEAR_TIE)),
+                                QualityTarget(kl=2e-4, top1=0.99, dppl_percent=0.5, greedy_tokens=16, rival_gain=NEAR_TIE),
+                                (1e-7, 1e-3)),
     # tokenscale (importance-weighted steps, needs the model at encode time; uniform steps without it)
     "balanced": PresetInfo("balanced", True, True, _LOSSY_KEYS,
                            {"step0": 0.33, "sink": 4, "group": 8, "tokenscale": {"max_log2": 2.0}},
-                           QualityTarget(kl=0.01, dppl_percent=1.0)),
+                           QualityTarget(kl=0.01, top1=0.93, dppl_percent=1.0), (3e-4, 0.05)),
     "small": PresetInfo("small", True, True, _LOSSY_KEYS,
                         {"step0": 0.8, "sink": 4, "group": 8, "tokenscale": {"max_log2": 3.0}},
-                        QualityTarget(kl=0.05, dppl_percent=2.5)),
+                        QualityTarget(kl=0.05, top1=0.85, dppl_percent=2.5), (3e-3, 0.2)),
 }
 CONFIG_KEYS = frozenset({"preset"}) | _LOSSY_KEYS | _ZSTD_KEYS
+
+
+def lossy_settings() -> dict[str, Mapping[str, Any]]:
+    """The settings of every preset with a promise (what a model's rate model is fitted on)."""
+    return {n: p.settings for n, p in PRESETS.items() if p.lossy and p.target is not None}
 
 
 def available_presets() -> list[str]:
@@ -160,18 +167,56 @@ def _dtype(cache: Any) -> str:
     return str(cache.dtype).removeprefix("torch.")
 
 
-def get_plan(name: str, cache: Any, lm: Any = None, guard: bool = True, *, cal: Any = None,
-             importance: Any = None, **overrides: Any) -> Plan:
+RATE_MODES = ("predict", "check", "fixed")
+
+
+def target_for(info: PresetInfo, target_kl: float | None = None, target_dppl: float | None = None) -> QualityTarget:
+    """``info``'s promise with its mean KL replaced by ``target_kl``, or by the KL a mean ΔPPL of ``target_dppl`` %
+    corresponds to (``log(1 + dppl/100)``: a continuation drawn from the model has mean NLL change = KL).
+
+    Why one line for a target outside the preset's range: below it the preset's code widths floor the
+    quality (e.g. balanced's 8-bit codes, ~5e-5), above it the promise's first-order law breaks down.
+    """
+    from dataclasses import replace
+
+    if info.target is None or info.kl_range is None:
+        raise KvcInputError(f"preset {info.name} takes no quality target (the lossy presets do: "
+                            f"{', '.join(n for n, p in PRESETS.items() if p.kl_range)})")
+    if (target_kl is None) == (target_dppl is None):
+        raise KvcInputError("give exactly one of target_kl and target_dppl")
+    kl = target_kl if target_kl is not None else math.log1p(float(target_dppl) / 100.0)  # type: ignore[arg-type]
+    lo, hi = info.kl_range
+    if not (_number(kl) and lo <= kl <= hi):
+        what = f"target_kl {target_kl!r}" if target_kl is not None else f"target_dppl {target_dppl!r} % (KL {kl:.3g})"
+        raise KvcInputError(f"{what} is outside preset {info.name}'s range [{lo:g}, {hi:g}] nats; "
+                            f"choose another preset ({', '.join(f'{n} [{p.kl_range[0]:g}, {p.kl_range[1]:g}]' for n, p in PRESETS.items() if p.kl_range)})")
+    scale = kl / info.target.kl
+    return replace(info.target, kl=kl, dppl_percent=info.target.dppl_percent * scale,
+                   rival_gain=info.target.rival_gain if scale <= 1 else 0.0,
+                   greedy_tokens=info.target.greedy_tokens if scale <= 1 else 0)
+
+
+def get_plan(name: str, cache: Any, lm: Any = None, *, rate: str = "predict", cal: Any = None,
+             importance: Any = None, target: QualityTarget | None = None, **overrides: Any) -> Plan:
     """The plan of preset ``name`` (or ``baseline:NAME``) for ``cache``.
 
     ``overrides`` are the preset's settings to change (checked by :func:`check_overrides`).
     ``lm``, ``cal`` and ``importance`` are encoder inputs, not settings: the model (lossy
-    presets: quality guard unless ``guard=False`` or ``step0`` is given, and token
-    importance), the model's calibration (resolved here when not given, once, and passed
-    down; a model without one is a one-line error naming ``kvc calibrate``: building one
-    is the caller's choice, :func:`kvcodec.calibration.build.ensure_calibration`), and
-    precomputed per-(layer, token) importance [L, T] (so a caller scoring the context once can reuse it).
+    presets: rate control and token importance), the model's calibration (resolved here when
+    not given, once, and passed down; a model without one is a one-line error naming ``kvc
+    calibrate``: building one is the caller's choice,
+    :func:`kvcodec.calibration.build.ensure_calibration`), and precomputed per-(layer, token)
+    importance [L, T] (so a caller scoring the context once can reuse it).
+
+    ``rate`` (lossy presets with a model and no ``step0`` override) chooses ``step0``:
+    ``"predict"`` (default) from the rate model's predicted KL (:mod:`kvcodec.plan.rate`, no model
+    forward pass beyond the token importance); ``"check"`` predicts, then confirms on the
+    document's tail with the real model (:mod:`kvcodec.plan.check`); ``"fixed"`` is the preset's
+    table step. Without a model every lossy preset encodes at its table step. ``target`` replaces
+    the preset's promise (:func:`target_for`: ``kvc encode --target-kl``).
     """
+    if rate not in RATE_MODES:
+        raise KvcInputError(f"rate must be one of {', '.join(RATE_MODES)}, got {rate!r}")
     if isinstance(name, str) and name.startswith(BASELINE_PREFIX):
         from kvcodec.plan.baseline_plans import get_baseline_plan
 
@@ -199,12 +244,18 @@ def get_plan(name: str, cache: Any, lm: Any = None, guard: bool = True, *, cal: 
         cal = require_calibration(cache.fingerprint)  # resolved once here, passed down; never built here
     if cal is not None:
         args["cal"] = cal
+    target = target or info.target
+    controlled = (rate != "fixed" and lm is not None and "step0" not in overrides and target is not None
+                  and args.get("basis", "pca") == "pca")
+    if controlled:
+        from kvcodec.plan.rate import controlled_plan
+        from kvcodec.plan.ratefit import ensure_rate_model
+
+        # the rate model: shipped, or fitted once per model with progress (kvc calibrate fits it too)
+        rm = ensure_rate_model(lm, args["cal"], lossy_settings())
+        return controlled_plan(cache, lm, name, args, target, rm, check=rate == "check", importance=importance)
     if importance is not None:
         args["importance"] = importance
-    if guard and lm is not None and "step0" not in overrides and info.target is not None:
-        from kvcodec.plan.check import guarded_plan
-
-        return guarded_plan(cache, lm, name, args, info.target)
     from kvcodec.plan.pipelines import transform_plan
 
     return transform_plan(cache, preset=name, lm=lm, **args)

@@ -144,20 +144,29 @@ def test_lossy_preset_gets_the_model(model_patched, small_cache, synth_file, tmp
 
 
 @pytest.mark.model
-def test_encode_target_kl(model_patched, small_cache, tmp_path, capsys, one_thread):
+def test_encode_target_kl(model_patched, real_cache, tmp_path, capsys, one_thread):
+    """--target-kl replaces balanced's promise: rate control aims its predicted KL under it (no --text needed);
+    --check confirms on the tail; a target outside the preset's range is one line and writes nothing."""
     cap = tmp_path / "cap.h5"
-    save_capture(small_cache, cap)
+    save_capture(real_cache(256), cap)
     out = tmp_path / "t.kvc"
-    code, o, e = run_main(["encode", str(cap), "-o", str(out), "--target-kl", "0.01", "--text", "gpl3",
-                           "--continuation", "16", "--json"], capsys)
+    code, o, e = run_main(["encode", str(cap), "-o", str(out), "--target-kl", "0.004", "--json"], capsys)
     assert code == 0, e
     enc = json.loads(o)
-    assert enc["preset"] == "target-kl-0.01" and enc["target"]["kl_mean"] <= 0.01 and enc["target"]["step0"] > 0
-    code, o, e = run_main(["eval", str(out), "--text", "gpl3", "--continuation", "16", "--greedy-tokens", "0", "--json"], capsys)
+    assert enc["preset"] == "target-kl-0.004" and enc["target"]["preset"] == "balanced"
+    assert enc["rate"]["aim_kl"] == pytest.approx(0.6 * 0.004) and enc["rate"]["predicted_kl"] <= enc["rate"]["aim_kl"] * (1 + 1e-9)
+    loose = tmp_path / "l.kvc"
+    code, o, e = run_main(["encode", str(cap), "-o", str(loose), "--target-kl", "0.03", "--json"], capsys)
     assert code == 0, e
-    assert json.loads(o)["kl_mean"] == pytest.approx(enc["target"]["kl_mean"], rel=1e-3, abs=1e-6)
-    code, _, err = run_main(["encode", str(cap), "-o", str(tmp_path / "u.kvc"), "--target-kl", "0.01", "--text", "lgpl21"], capsys)
-    assert "not the capture's context" in one_line_error(code, err)
+    assert json.loads(o)["rate"]["step0"] > enc["rate"]["step0"] and loose.stat().st_size < out.stat().st_size
+    code, o, e = run_main(["encode", str(cap), "-o", str(tmp_path / "c.kvc"), "--preset", "balanced", "--check", "--json"], capsys)
+    assert code == 0, e
+    chk = json.loads(o)["check"]
+    assert chk["checked"] and chk["tries"][0]["step0"] == pytest.approx(json.loads(o)["rate"]["step0"])
+    code, _, err = run_main(["encode", str(cap), "-o", str(tmp_path / "u.kvc"), "--target-kl", "1e-6"], capsys)
+    assert "outside preset balanced's range" in one_line_error(code, err) and not (tmp_path / "u.kvc").exists()
+    code, _, err = run_main(["encode", str(cap), "-o", str(tmp_path / "v.kvc"), "--preset", "lossless", "--check"], capsys)
+    assert "not lossy" in one_line_error(code, err)
 
 
 @pytest.mark.parametrize("args,msg", [
@@ -170,7 +179,7 @@ def test_encode_target_kl(model_patched, small_cache, tmp_path, capsys, one_thre
     (["--config", '{"preset": "raw", "step0": 0.3}'], "preset raw does not take ['step0']"),
     (["--config", '{"preset": "balanced", "level": 3}'], "preset balanced does not take ['level']"),
     (["--config", '{"preset": "balanced"}', "--preset", "small"], "not both"),
-    (["--config", '{"preset": "balanced", "step0": 0.3}', "--target-kl", "0.01", "--text", "gpl3"], "choose step0 themselves"),
+    (["--config", '{"preset": "balanced", "step0": 0.3}', "--target-kl", "0.01"], "choose step0 themselves"),
     (["--max-tokens", "8"], "IN is already a capture"),
 ])
 def test_bad_config_and_capture_options(args, msg, synth_file, tmp_path, capsys):

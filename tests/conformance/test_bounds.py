@@ -518,3 +518,36 @@ def test_the_writer_never_produces_a_file_its_reader_rejects(real_cache, data):
     else:  # lossy: finite input, finite output (fidelity on out-of-distribution values is the codec's business)
         assert finite
         assert all(torch.isfinite(b).all() for b in back.keys + back.values)
+
+
+@pytest.mark.model
+def test_writer_read_back_catches_a_lossy_decoder_that_drifts_or_breaks(monkeypatch, small_cache):
+    """Lossy files are read back once with the fast decoder: the first chunk of each stage structure must equal
+    the reference decode bit for bit (a drift of 1e-3 is caught), every other chunk must stay near its input
+    (a chunk decoded to garbage is caught); a faithful decoder passes."""
+    import kvcodec.decode.cpu.fused as fd
+    from kvcodec.plan.pipelines import transform_plan
+
+    c = small_cache  # a head_dim the fused decoder takes (a real SmolLM2 cache)
+    plan = transform_plan(c, 0.05, basis="hadamard", sink=4)
+    encode_kvc_bytes(c, plan)
+    real = fd.decode
+    calls: list[int] = []
+
+    def drift(*a, **k):
+        out = real(*a, **k).copy()
+        out.reshape(-1)[-1] += 1e-3
+        return out
+
+    def garbage_later(*a, **k):
+        out = real(*a, **k).copy()
+        calls.append(1)
+        if len(calls) == 3:  # not a first chunk of its structure: only the bound can catch it
+            out *= -3.0
+        return out
+
+    for bad in (drift, garbage_later):
+        monkeypatch.setattr(fd, "decode", bad)
+        with pytest.raises(KvcCodecError, match="does not read back"):
+            encode_kvc_bytes(c, plan)
+    assert len(calls) >= 3

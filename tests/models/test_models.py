@@ -145,9 +145,9 @@ def test_every_preset_encodes_verifies_and_evaluates(mlm, doc):
     bits, q = {}, {}
     for name in PRESETS:
         lossy = name not in ("lossless", "fp16")
-        # guard=False: this checks the presets' plumbing at their fixed knobs; the per-file quality check
+        # rate="fixed": this checks the presets' plumbing at their fixed knobs; the per-file quality check
         # (kvcodec/plan/check.py) has its own tests and would multiply this test's encodes.
-        plan = get_plan(name, cache, lm=mlm, cal=cal, calibration="embedded", guard=False) if lossy else get_plan(name, cache)
+        plan = get_plan(name, cache, lm=mlm, cal=cal, calibration="embedded", rate="fixed") if lossy else get_plan(name, cache)
         data = encode_kvc_bytes(cache, plan)
         assert verify_kvc(data) == [], name
         with KvcReader(data) as r:

@@ -1,4 +1,4 @@
-"""Issue 15: the evaluation sets, the encode-time quality guard, and the real peers' bit accounting."""
+"""Issue 15: the evaluation sets, the opt-in encode-time check (issue 33), and the real peers' bit accounting."""
 
 from __future__ import annotations
 
@@ -52,63 +52,55 @@ def _probe_quality(lm, cache, step0, args, n):
 
 
 @pytest.mark.model
-def test_guard_meets_a_target_the_fixed_knob_misses(lm, stdio_cache):
-    """A target tighter than the knob's quality forces step0 down (predicted, not blind halving); the
+def test_check_meets_a_target_the_starting_step_misses(lm, stdio_cache):
+    """A target tighter than the starting step's quality forces step0 down (predicted, not blind halving); the
     step it writes meets the target when re-measured independently."""
-    from kvcodec.plan.check import MAX_TRIES, guarded_plan
+    from kvcodec.plan.check import CHECK_MARGIN, MAX_TRIES, guarded_plan
     from kvcodec.plan.targets import QualityTarget
     from kvcodec.plan.presets import PRESETS
 
     args = {k: v for k, v in PRESETS["balanced"].settings.items() if k != "tokenscale"}
-    target = QualityTarget(kl=4e-3, dppl_percent=1.0)
+    target = QualityTarget(kl=4e-3, top1=0.9, dppl_percent=1.0)
     plan = guarded_plan(stdio_cache, lm, "balanced", dict(args), target)
-    g = plan.params["guard"]
+    g = plan.params["check"]
     assert g["checked"] and g["met"] and g["tries"][-1]["ok"]
-    assert 2 <= len(g["tries"]) < MAX_TRIES and not g["tries"][0]["ok"]  # the fixed knob missed; prediction fixed it
+    assert 2 <= len(g["tries"]) < MAX_TRIES and not g["tries"][0]["ok"]  # the starting step missed; prediction fixed it
     assert plan.params["step0"] == g["tries"][-1]["step0"] < args["step0"]
     m = _probe_quality(lm, stdio_cache, plan.params["step0"], {k: v for k, v in args.items() if k != "step0"},
                        g["probe_tokens"])
     assert m["kl_mean"] == pytest.approx(g["tries"][-1]["kl_mean"], rel=1e-6)
-    assert m["kl_mean"] <= target.margin * target.kl
-    assert m["dppl_percent"] <= g["tries"][-1]["dppl_bound_percent"] <= target.dppl_percent
+    assert m["kl_mean"] <= CHECK_MARGIN * target.kl and m["top1_agreement"] >= target.top1
 
 
-def test_dppl_bound_counts_both_samples_and_gives_no_credit_for_luck():
-    """The bound covers a continuation: probe noise plus continuation noise; a negative probe mean is not credited."""
-    import math
+@pytest.mark.model
+def test_check_warns_when_the_prediction_was_far_off(lm, stdio_cache, caplog):
+    """A first probe far from the rate model's prediction is a warning naming both numbers, never a silent miss."""
+    from kvcodec.plan.check import guarded_plan
+    from kvcodec.plan.presets import PRESETS
 
-    from kvcodec.plan.check import REF_TOKENS, Z, ProbeStats
-
-    lucky = ProbeStats(kl=2e-3, d_mean=-0.008, d_std=0.07, n=256, greedy_ok=True)
-    half = Z * 0.07 * math.sqrt(1 / 256 + 1 / REF_TOKENS)
-    assert lucky.dppl_bound() == pytest.approx(100 * math.expm1(half))  # as if the mean were 0
-    worse = ProbeStats(kl=2e-3, d_mean=0.004, d_std=0.07, n=256, greedy_ok=True)
-    assert worse.dppl_bound() == pytest.approx(100 * math.expm1(0.004 + half))
-    short = ProbeStats(kl=2e-3, d_mean=0.004, d_std=0.07, n=64, greedy_ok=True)
-    assert short.dppl_bound() > worse.dppl_bound()  # a shorter probe knows the mean less well
+    args = {k: v for k, v in PRESETS["balanced"].settings.items() if k != "tokenscale"}
+    with caplog.at_level("WARNING", logger="kvcodec.guard"):
+        plan = guarded_plan(stdio_cache, lm, "balanced", dict(args), PRESETS["balanced"].target, predicted_kl=1e-9)
+    assert plan.params["check"]["predictor_off"] > 3
+    assert any("the rate model predicted KL" in r.getMessage() for r in caplog.records)
 
 
 def test_step_prediction_follows_the_kl_law():
-    """After a miss, the predicted step meets the target under KL, mean(d) ∝ step², std(d) ∝ step."""
-    import math
-
-    from kvcodec.plan.check import GREEDY_SHRINK, REF_TOKENS, Z, ProbeStats
+    """After a miss, the predicted step meets the target under KL ∝ step²; top-1 and greedy misses shrink it."""
+    from kvcodec.plan.check import CHECK_MARGIN, GREEDY_SHRINK, TOP1_SHRINK, ProbeStats
     from kvcodec.plan.targets import QualityTarget
 
-    t = QualityTarget(kl=0.01, dppl_percent=1.0)
-    s = ProbeStats(kl=0.008, d_mean=0.003, d_std=0.09, n=256, greedy_ok=True)
+    t = QualityTarget(kl=0.01, top1=0.93, dppl_percent=1.0)
+    s = ProbeStats(kl=0.012, top1=0.97, d_mean=0.003, d_std=0.09, n=256, greedy_ok=True)
     assert not s.meets(t)
     r = s.step_factor(t)
-    assert 0 < r < 1
-    pred = ProbeStats(kl=s.kl * r * r, d_mean=s.d_mean * r * r, d_std=s.d_std * r, n=256, greedy_ok=True)
-    assert pred.kl <= t.margin * t.kl * (1 + 1e-9)
-    assert pred.dppl_bound() <= t.dppl_percent * (1 + 1e-6)
-    assert max(pred.kl / (t.margin * t.kl), pred.dppl_bound() / t.dppl_percent) == pytest.approx(1.0, rel=1e-6)  # the largest such step
-    ok = ProbeStats(kl=1e-4, d_mean=0.0, d_std=0.01, n=256, greedy_ok=True)
-    assert ok.meets(t) and ok.step_factor(t) == 1.0
-    flip = ProbeStats(kl=1e-4, d_mean=0.0, d_std=0.01, n=256, greedy_ok=False)
+    assert 0 < r < 1 and s.kl * r * r == pytest.approx(CHECK_MARGIN * t.kl)  # the largest such step
+    ok = ProbeStats(kl=1e-4, top1=0.99, d_mean=0.5, d_std=0.5, n=256, greedy_ok=True)
+    assert ok.meets(t) and ok.step_factor(t) == 1.0  # ΔPPL on one probe is reported, not checked
+    low = ProbeStats(kl=1e-4, top1=0.9, d_mean=0.0, d_std=0.01, n=256, greedy_ok=True)
+    assert not low.meets(t) and low.step_factor(t) == TOP1_SHRINK
+    flip = ProbeStats(kl=1e-4, top1=0.99, d_mean=0.0, d_std=0.01, n=256, greedy_ok=False)
     assert not flip.meets(t) and flip.step_factor(t) == GREEDY_SHRINK
-    assert Z * 0.01 * math.sqrt(2 / REF_TOKENS) < 0.01  # (ok's bound is well inside the target)
 
 
 def test_greedy_promise_stops_at_the_first_near_tie():
@@ -136,25 +128,11 @@ def test_rival_gain_bounds_where_a_greedy_token_can_flip():
     flipped = exact.clone()
     flipped[0, 1] = 3.05  # the 0.1 margin is overtaken: the gain must exceed it
     assert int(flipped[0].argmax()) != int(exact[0].argmax()) and max_rival_gain(exact, flipped) > 0.1
-    t = QualityTarget(kl=2e-4, dppl_percent=0.5, greedy_tokens=16, rival_gain=NEAR_TIE)
-    hi = ProbeStats(kl=1e-7, d_mean=0.0, d_std=1e-4, n=256, greedy_ok=True, rival_gain=0.05)
+    t = QualityTarget(kl=2e-4, top1=0.99, dppl_percent=0.5, greedy_tokens=16, rival_gain=NEAR_TIE)
+    hi = ProbeStats(kl=1e-7, top1=1.0, d_mean=0.0, d_std=1e-4, n=256, greedy_ok=True, rival_gain=0.05)
     assert not hi.meets(t) and hi.step_factor(t) == pytest.approx(NEAR_TIE / 0.05)  # gains scale as the step
-    lo = ProbeStats(kl=1e-7, d_mean=0.0, d_std=1e-4, n=256, greedy_ok=True, rival_gain=0.01)
+    lo = ProbeStats(kl=1e-7, top1=1.0, d_mean=0.0, d_std=1e-4, n=256, greedy_ok=True, rival_gain=0.01)
     assert lo.meets(t)
-
-
-def test_presets_are_guarded_with_the_model_and_unchanged_without(monkeypatch, small_cache):
-    """get_plan routes a lossy preset through the guard exactly when it has the model and no explicit step0."""
-    from kvcodec.plan.presets import get_plan
-    from kvcodec.plan import check as guard
-    from kvcodec.plan import presets
-    calls = []
-    monkeypatch.setattr(guard, "guarded_plan", lambda cache, lm, name, args, target: calls.append((name, args["step0"], target)) or "guarded")
-    assert get_plan("balanced", small_cache, lm=object()) == "guarded"
-    assert calls == [("balanced", presets.PRESETS["balanced"].settings["step0"], presets.PRESETS["balanced"].target)]
-    assert "guard" not in get_plan("balanced", small_cache).params  # no model: the golden-vector path
-    assert get_plan("balanced", small_cache, step0=0.5).params["step0"] == 0.5
-    assert len(calls) == 1
 
 
 @pytest.mark.model

@@ -1,0 +1,141 @@
+"""A model's rate model: the fitted constants of the KL predictor (:mod:`kvcodec.plan.rate`), stored beside its calibration.
+
+Why a file of its own and not more tensors in the calibration: ``.kvc`` files reference a
+calibration by its content sha256, so changing it would orphan every file written before; the
+rate model only steers the encoder (no decoder reads it). It is bound to the calibration it was
+fitted with (``calibration_sha256``): a rebuilt calibration makes it stale, and a stale or
+tampered one is refused in one line, never used.
+
+Format (JSON, ``kvcodec-ratemodel`` version 1)::
+
+    {"format": "kvcodec-ratemodel", "version": 1, "fingerprint_id": ..., "calibration_sha256": ...,
+     "alpha": {"near-lossless": a, "balanced": a, "small": a},   # measured / predicted KL at t_ref tokens
+     "beta": b,                # alpha grows as (tokens / t_ref) ** beta
+     "t_ref": 1024,
+     "rival_per_step": g,      # near-lossless: max rival logit gain per unit step0 (linear law)
+     "fit": [...]}             # the fit's measurements, for the record
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import secrets
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvcodec.calibration.record import Calibration
+from kvcodec.calibration.store import SHIPPED_DIR, calibration_dir
+from kvcodec.errors import KvcFormatError
+
+RATE_FORMAT = "kvcodec-ratemodel"
+RATE_VERSION = 1
+_MAX_BYTES = 1 << 20
+ALPHA_RANGE = (1e-3, 1e3)  # a fitted alpha outside this is a broken fit or a tampered file
+BETA_RANGE = (0.0, 1.0)
+
+
+@dataclass
+class RateModel:
+    """The predictor's per-model constants (module docstring)."""
+
+    fingerprint_id: str
+    calibration_sha256: str
+    alpha: dict[str, float]
+    beta: float
+    t_ref: int
+    rival_per_step: float | None = None
+    fit: list[dict[str, Any]] = field(default_factory=list)
+    fit_s: float | None = None  # seconds the fit took
+
+    def factor(self, preset: str, tokens: int) -> float:
+        """``alpha[preset] * (tokens / t_ref) ** beta``: what multiplies the raw prediction of a ``tokens``-token context."""
+        a = self.alpha.get(preset)
+        if a is None:
+            a = math.exp(sum(math.log(v) for v in self.alpha.values()) / len(self.alpha))
+        return a * (max(tokens, 1) / self.t_ref) ** self.beta
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": RATE_FORMAT, "version": RATE_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, d: Any, where: str) -> "RateModel":
+        def bad(why: str) -> KvcFormatError:
+            return KvcFormatError(f"{where}: not a valid rate model ({why}); rebuild it: kvc calibrate --model MODEL --force")
+
+        if not isinstance(d, dict) or d.get("format") != RATE_FORMAT or d.get("version") != RATE_VERSION:
+            raise bad("wrong format or version")
+        alpha = d.get("alpha")
+        if not isinstance(alpha, dict) or not alpha or not all(
+                isinstance(k, str) and _num(v) and ALPHA_RANGE[0] <= v <= ALPHA_RANGE[1] for k, v in alpha.items()):
+            raise bad("alpha")
+        beta, t_ref, rps = d.get("beta"), d.get("t_ref"), d.get("rival_per_step")
+        if not (_num(beta) and BETA_RANGE[0] <= float(beta or 0.0) <= BETA_RANGE[1]):
+            raise bad("beta")
+        if not (isinstance(t_ref, int) and not isinstance(t_ref, bool) and 1 <= t_ref <= 1 << 24):
+            raise bad("t_ref")
+        if rps is not None and not (_num(rps) and rps > 0):
+            raise bad("rival_per_step")
+        fid, sha = d.get("fingerprint_id"), d.get("calibration_sha256")
+        if not isinstance(fid, str) or not isinstance(sha, str):
+            raise bad("binding")
+        fit, fit_s = d.get("fit", []), d.get("fit_s")
+        return cls(fid, sha, {k: float(v) for k, v in alpha.items()}, float(beta), int(t_ref),  # type: ignore[arg-type]
+                   None if rps is None else float(rps), fit if isinstance(fit, list) else [],
+                   float(fit_s) if _num(fit_s) else None)  # type: ignore[arg-type]
+
+
+def _num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _cal_sha(cal: Calibration) -> str:
+    sha = cal.meta.get("content_sha256")
+    if not isinstance(sha, str):
+        raise KvcFormatError("calibration has no content sha256; rebuild it: kvc calibrate --model MODEL --force")
+    return sha
+
+
+def rate_model_path(cal: Calibration) -> Path:
+    """Where the user's rate model of ``cal`` lives (beside the model's calibrations, named by the calibration's sha)."""
+    return calibration_dir(str(cal.meta.get("fingerprint_id"))) / f"ratemodel-v{RATE_VERSION}-{_cal_sha(cal)[:16]}.json"
+
+
+def shipped_rate_model_path(cal: Calibration) -> Path:
+    return SHIPPED_DIR / f"{cal.meta.get('fingerprint_id')}.ratemodel.json"
+
+
+def _read(path: Path, cal: Calibration) -> RateModel:
+    if os.path.getsize(path) > _MAX_BYTES:
+        raise KvcFormatError(f"{path}: rate model over {_MAX_BYTES} bytes")
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise KvcFormatError(f"{path}: unreadable rate model ({exc})") from None
+    rm = RateModel.from_json(d, str(path))
+    if rm.fingerprint_id != cal.meta.get("fingerprint_id") or rm.calibration_sha256 != _cal_sha(cal):
+        raise KvcFormatError(f"{path}: rate model was fitted with another calibration; rebuild it: kvc calibrate --model MODEL --force")
+    return rm
+
+
+def load_rate_model(cal: Calibration) -> RateModel | None:
+    """The rate model fitted with ``cal`` (the user's, else the shipped one), or None when there is none yet."""
+    for path in (rate_model_path(cal), shipped_rate_model_path(cal)):
+        if path.is_file():
+            return _read(path, cal)
+    return None
+
+
+def save_rate_model(rm: RateModel, path: Path) -> Path:
+    """Write ``rm`` atomically at ``path`` (sorted keys: a deterministic fit gives identical bytes)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        tmp.write_text(json.dumps(rm.to_json(), sort_keys=True, indent=1) + "\n")
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path

@@ -1,0 +1,160 @@
+"""Rate control (issue 33): the KL predictor mirrors the codec's noise, the step search, the rate model's
+file, the targets' ranges, and how get_plan routes a lossy preset."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from kvcodec.errors import KvcFormatError, KvcInputError
+
+
+def test_noise_power_is_the_codecs_own_error_in_the_metric(lm, real_cache):
+    """The predictor's noise power per (layer, kind) equals the error of the real pipelines' round trip,
+    measured in the calibration's whitened coefficients (tokens >= sink, no subsampling, uniform weights),
+    with tokenscale's classes: if it mirrored the quantizer wrongly (step, widening, dropped
+    coefficients, multipliers), the KL it predicts would be off by the same factor."""
+    from kvcodec.calibration.build import coded_tensor, ensure_calibration
+    from kvcodec.format.writer import roundtrip
+    from kvcodec.plan import rate
+    from kvcodec.plan.importance import cache_importance
+    from kvcodec.plan.pipelines import TOKENSCALE_DEFAULT, kept_coefficients, layer_steps, token_classes, transform_plan
+    from kvcodec.plan.presets import PRESETS
+
+    cache = real_cache(192)
+    cal = ensure_calibration(lm)
+    settings = {k: v for k, v in PRESETS["balanced"].settings.items() if k != "step0"}
+    imp = cache_importance(lm, cache, window=64)
+    step0 = 0.3
+    dec, _ = roundtrip(cache, transform_plan(cache, step0, cal=cal, importance=imp, **settings))
+    sink = settings["sink"]
+    opts = {**TOKENSCALE_DEFAULT, **settings["tokenscale"]}
+    classes, table = token_classes(imp, sink, opts)
+    co = rate.coefficients(cache, cal, sink, None, max_tokens=None)  # uniform weights: a plain mean
+    steps = layer_steps(cal, step0)
+    got = rate.noise_power(co, steps, kept_coefficients(cal, steps, settings["group"]), 8, [table[c] for c in classes])
+    want = np.zeros_like(got)
+    for l in range(cache.num_layers):
+        for ki, kind in enumerate("kv"):
+            b = cal.basis[l, ki].astype(np.float64)
+            proj = np.einsum("hdk,hkj->hdj", b, np.linalg.inv(np.einsum("hdk,hdj->hkj", b, b)))
+            err = (coded_tensor(dec, l, kind) - coded_tensor(cache, l, kind)).astype(np.float64)[:, sink:]
+            want[l, ki] = float(((err @ proj) ** 2).mean())
+    ratio = got / want
+    assert np.all(np.abs(ratio - 1) < 0.15), ratio  # fp16 storage of steps and the basis: a few percent
+    assert abs(float(np.exp(np.log(ratio).mean())) - 1) < 0.05
+
+
+def test_choose_step0_takes_the_largest_step_under_the_aim():
+    from kvcodec.plan.rate import STEP_BRACKET, choose_step0
+
+    s = choose_step0(lambda x: 0.04 * x * x, 0.01)  # KL ∝ step²: the answer is 0.5
+    assert s <= 0.5 and s == pytest.approx(0.5, rel=2e-3)
+    assert choose_step0(lambda x: 1.0, 0.01) == pytest.approx(STEP_BRACKET[0])  # unreachable: the finest step
+    assert choose_step0(lambda x: 0.0, 0.01) == pytest.approx(STEP_BRACKET[1])  # anything meets it: the coarsest
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(KvcInputError):
+            choose_step0(lambda x: x, bad)
+
+
+def _model_file(tmp_path, cal, **change):
+    from kvcodec.calibration.ratemodel import RateModel, save_rate_model
+
+    rm = RateModel(str(cal.meta["fingerprint_id"]), str(cal.meta["content_sha256"]), {"balanced": 1.5, "small": 2.0},
+                   0.3, 1024, 0.05)
+    d = rm.to_json()
+    d.update(change)
+    path = tmp_path / "rm.json"
+    if change:
+        path.write_text(json.dumps(d))
+    else:
+        save_rate_model(rm, path)
+    return path
+
+
+def test_rate_model_file_round_trips_and_refuses_tampering(lm, tmp_path):
+    from kvcodec.calibration import ratemodel
+    from kvcodec.calibration.build import ensure_calibration
+
+    cal = ensure_calibration(lm)
+    rm = ratemodel._read(_model_file(tmp_path, cal), cal)
+    assert rm.factor("balanced", 1024) == pytest.approx(1.5)
+    assert rm.factor("balanced", 4096) == pytest.approx(1.5 * 4 ** 0.3)
+    assert rm.factor("near-lossless", 1024) == pytest.approx(math.sqrt(1.5 * 2.0))  # unfitted preset: the mean
+    for change in ({"alpha": {"balanced": float("nan")}}, {"alpha": {"balanced": 1e9}}, {"alpha": {}}, {"beta": -1},
+                   {"beta": "0.3"}, {"t_ref": 0}, {"rival_per_step": -1.0}, {"version": 99}, {"format": "x"},
+                   {"calibration_sha256": "0" * 64}, {"fingerprint_id": "0" * 32}):
+        with pytest.raises(KvcFormatError) as e:
+            ratemodel._read(_model_file(tmp_path, cal, **change), cal)
+        assert "\n" not in str(e.value)
+    (tmp_path / "rm.json").write_text("{not json")
+    with pytest.raises(KvcFormatError):
+        ratemodel._read(tmp_path / "rm.json", cal)
+
+
+def test_targets_outside_a_presets_range_are_one_line():
+    from kvcodec.plan.presets import PRESETS, target_for
+
+    t = target_for(PRESETS["balanced"], target_kl=0.004)
+    assert t.kl == 0.004 and t.top1 == PRESETS["balanced"].target.top1
+    assert target_for(PRESETS["balanced"], target_dppl=1.0).kl == pytest.approx(math.log1p(0.01))
+    for kw in ({"target_kl": 1e-6}, {"target_kl": 0.5}, {"target_dppl": 80.0}):
+        with pytest.raises(KvcInputError) as e:
+            target_for(PRESETS["balanced"], **kw)
+        assert "outside preset balanced's range" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(KvcInputError):
+        target_for(PRESETS["lossless"], target_kl=0.01)
+    assert target_for(PRESETS["near-lossless"], target_kl=1e-4).greedy_tokens == 16
+
+
+def test_get_plan_routes_lossy_presets_through_rate_control(monkeypatch, small_cache):
+    """With a model and no step0: rate control (predict, or check on request); the table step otherwise."""
+    from kvcodec.plan import presets, rate, ratefit
+    from kvcodec.plan.presets import get_plan
+
+    calls = []
+    monkeypatch.setattr(rate, "controlled_plan", lambda cache, lm, name, args, target, rm, check, importance:
+                        calls.append((name, "step0" in args, target, check)) or "controlled")
+    monkeypatch.setattr(ratefit, "ensure_rate_model", lambda lm, cal, presets: None)
+    assert get_plan("balanced", small_cache, lm=object()) == "controlled"
+    assert get_plan("small", small_cache, lm=object(), rate="check") == "controlled"
+    assert calls == [("balanced", True, presets.PRESETS["balanced"].target, False),
+                     ("small", True, presets.PRESETS["small"].target, True)]
+    fixed = get_plan("balanced", small_cache, lm=None)  # no model: the golden-vector path, table step
+    assert fixed.params["step0"] == presets.PRESETS["balanced"].settings["step0"] and "rate" not in fixed.params
+    assert get_plan("balanced", small_cache, step0=0.5).params["step0"] == 0.5
+    with pytest.raises(KvcInputError):
+        get_plan("balanced", small_cache, rate="guess")
+    assert len(calls) == 2
+
+
+@pytest.mark.model
+def test_rate_control_lands_inside_the_promise_on_a_held_out_text(lm):
+    """The predicted step's file, measured on the real continuation of a held-out text, lies within
+    [0.3, 1] x balanced's KL target, keeps top-1 agreement, and no model forward ran for the choice
+    beyond token importance (the opt-in check is off)."""
+    import torch
+
+    from kvcodec.calibration.build import ensure_calibration
+    from kvcodec.format import KvcReader, encode_kvc_bytes
+    from kvcodec.models.capture import capture, tokenize
+    from kvcodec.models.quality import compare_logits, continue_logits
+    from kvcodec.plan.presets import PRESETS, get_plan
+    from kvcodec.texts import load_text
+
+    ids = tokenize(lm.tokenizer, load_text("c-stdlib"))
+    cache = capture(lm, token_ids=ids[:768])
+    cont = ids[768:1024]
+    plan = get_plan("balanced", cache, lm=lm, cal=ensure_calibration(lm))
+    r = plan.params["rate"]
+    assert r["mode"] == "predict" and "check" not in plan.params
+    assert r["predicted_kl"] <= r["aim_kl"] * (1 + 1e-9)
+    dec = KvcReader(encode_kvc_bytes(cache, plan)).read_cache()
+    with torch.inference_mode():
+        m = compare_logits(continue_logits(lm, cache, cont), continue_logits(lm, dec, cont), cont)
+    target = PRESETS["balanced"].target
+    assert 0.3 * target.kl <= m["kl_mean"] <= target.kl, (m, r)
+    assert m["top1_agreement"] >= target.top1
