@@ -41,6 +41,7 @@ from kvcodec.service.checks import (
 FRAME = struct.Struct("<IQ")
 TEST_OPS_ENV = "KVCODEC_WORKER_TEST_OPS"  # "1" enables the ``spin`` and ``alloc`` ops (tests of deadlines, memory)
 MAX_HEADER = 1 << 20
+WORKER_NICE = 10  # CPU priority below the service process (Unix nice increment)
 
 
 def read_frame(f: BinaryIO) -> tuple[dict[str, Any], bytes] | None:
@@ -191,6 +192,10 @@ def main(argv: list[str] | None = None) -> None:
     resolve_device("cpu")
     if args.memory:
         limit_data(args.memory)
+    try:  # below the event loop and the store threads: a tenant's legal decode must not starve their answers
+        os.nice(WORKER_NICE)
+    except OSError:  # pragma: no cover - not allowed here
+        pass
     Worker(toks, inp, out, args.memory).serve()
 
 
