@@ -195,6 +195,10 @@ _CASES = [
          args=("--threads", "1"),
          quick={"texts": "gpl3", "n_chunks": 2, "chunk_tokens": 64, "question_tokens": 8, "continuation_tokens": 16,
                 "ratios": "0.15", "repeats": 1}),
+    Case("edit", "bench_edit.py", "kdn", "offline editing: append, redact vs a prefill (time, KL), steer accuracy, both shipped models",
+         quick={"models": "smollm2", "texts": "apache2", "tokens": 128, "append_tokens": 16, "span_tokens": 16,
+                "continuation_tokens": 8, "ratios": "0.1", "repeats": 1, "profile_examples": 1, "eval_examples": 2,
+                "top_layers": 1}, needs=("gemma3-270m",)),
     # -- models ----------------------------------------------------------------------------------------------------------
     Case("head_dims", "bench_head_dims.py", "models", "fused CPU decode at every head_dim (block-diagonal or whole-head bases)",
          args=("--tokens", "1024", "--repeat", "5"), quick={"tokens": 256, "repeat": 1, "head_dims": "64,256"}),

@@ -1,4 +1,4 @@
-"""``kvc edit {append,redact}``: turn a stored `.kvc` entry into a new, edited one (docs/guide/edit.md).
+"""``kvc edit {append,redact,steer}``: turn a stored `.kvc` entry into a new, edited one (docs/guide/edit.md).
 
 Thin: parse, call :mod:`kvcodec.edit`, render. The parent is never changed; ``-o`` names the child.
 """
@@ -31,6 +31,8 @@ def _render(res: Any, as_json: bool) -> None:
     extra = ""
     if res.op == "redact":
         extra = f", removed {info['removed_tokens']} tokens, recomputed {info['recomputed_tokens']}"
+    elif res.op == "steer":
+        extra = f", {info['steered_heads']} heads steered towards {len(info['spans'])} span(s)"
     click.echo(f"{info['output']}: {res.op} -> {info['tokens']} tokens{extra}, {info['size']:,} bytes ({info['preset']}); {t}")
 
 
@@ -41,7 +43,7 @@ _entry = click.argument("entry", metavar="ENTRY.kvc", type=click.Path(dir_okay=F
 
 @click.group("edit")
 def edit_group() -> None:
-    """Edit a stored .kvc offline into a new entry (append, redact); the parent is never changed."""
+    """Edit a stored .kvc offline into a new entry (append, redact, steer); the parent is never changed."""
 
 
 @edit_group.command("append")
@@ -93,6 +95,35 @@ def redact_command(entry: str, pattern: str | None, literal: str | None, tokens:
     res = redact(_load(model), entry, pattern=pattern, text=literal, token_spans=spans,
                  recompute_ratio=DEFAULT_REDACT_RATIO if ratio is None else ratio, dest=output, preset=preset,
                  progress=_say(as_json))
+    _render(res, as_json)
+
+
+@edit_group.command("steer")
+@_entry
+@click.option("--pattern", default=None, help="A regular expression over the decoded context: its matches are emphasised.")
+@click.option("--text", "literal", default=None, help="A literal text: its occurrences are emphasised.")
+@click.option("--tokens", "tokens", multiple=True, help="A token span START:END to emphasise (repeatable).")
+@click.option("--heads", "heads", required=True,
+              help="Steered heads, LAYER:HEAD or LAYER:* (every head of the layer), comma-separated; "
+                   "see docs/guide/edit.md for the profiled ones.")
+@click.option("--alpha", default=None, type=float, help="Attention kept on keys outside the spans (default 0.01, PASTA's).")
+@_output
+@_preset
+@model_option
+@json_option
+def steer_command(entry: str, pattern: str | None, literal: str | None, tokens: tuple[str, ...], heads: str,
+                  alpha: float | None, output: str, preset: str | None, model: str, as_json: bool) -> None:
+    """Emphasise spans of ENTRY's context on chosen attention heads (PASTA): re-prefill under the bias, store both."""
+    from kvcodec.atomic import check_output
+    from kvcodec.edit.spans import parse_token_span
+    from kvcodec.edit.steer import DEFAULT_ALPHA, parse_heads, steer
+    from kvcodec.integrations.attn_bias import model_attention_heads
+
+    spans = [parse_token_span(t) for t in tokens] or None
+    check_output(output, inputs=[entry])
+    lm = _load(model)
+    res = steer(lm, entry, parse_heads(heads, model_attention_heads(lm)), pattern=pattern, text=literal, token_spans=spans,
+                alpha=DEFAULT_ALPHA if alpha is None else alpha, dest=output, preset=preset, progress=_say(as_json))
     _render(res, as_json)
 
 

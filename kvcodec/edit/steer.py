@@ -29,7 +29,7 @@ from kvcodec.errors import KvcInputError
 from kvcodec.format.bias import AttentionBias
 from kvcodec.integrations.attn_bias import biased_attention, model_attention_heads
 
-__all__ = ["DEFAULT_ALPHA", "check_heads", "pasta_bias", "steer", "steer_cache"]
+__all__ = ["DEFAULT_ALPHA", "check_heads", "parse_heads", "pasta_bias", "steer", "steer_cache"]
 
 DEFAULT_ALPHA = 0.01  # PASTA's default scaling of the non-emphasised keys' attention
 
@@ -48,6 +48,22 @@ def check_heads(lm: Any, heads: Any) -> list[tuple[int, int]]:
         if not (0 <= a < L and 0 <= b < H):
             raise KvcInputError(f"head ({a}, {b}) is out of range: the model has {L} layers of {H} attention heads")
     return pairs
+
+
+def parse_heads(spec: str, attention_heads: int) -> list[tuple[int, int]]:
+    """``"8:0,8:3,12:*"`` -> [(8, 0), (8, 3), (12, 0), ... (12, H-1)]: heads as the CLI takes them (``*``: every
+    head of the layer). Ranges are checked against the model by :func:`check_heads`."""
+    out: list[tuple[int, int]] = []
+    for part in str(spec).split(","):
+        layer, sep, head = part.strip().partition(":")
+        try:
+            heads = range(attention_heads) if head.strip() == "*" else [int(head)]
+            out += [(int(layer), h) for h in heads]
+        except ValueError:
+            raise KvcInputError(f"heads are LAYER:HEAD or LAYER:* separated by commas, got {part.strip()!r:.40}") from None
+        if not sep:
+            raise KvcInputError(f"heads are LAYER:HEAD or LAYER:* separated by commas, got {part.strip()!r:.40}")
+    return out
 
 
 def pasta_bias(lm: Any, heads: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]], context_tokens: int,

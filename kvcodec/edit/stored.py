@@ -24,6 +24,7 @@ __all__ = ["OP_PARAMS", "child_of", "edit_stored", "put_meta", "run_edit"]
 OP_PARAMS: dict[str, frozenset[str]] = {
     "append": frozenset({"text", "token_ids", "preset"}),
     "redact": frozenset({"pattern", "text", "char_spans", "token_spans", "recompute_ratio", "select_layer", "preset"}),
+    "steer": frozenset({"pattern", "text", "char_spans", "token_spans", "heads", "alpha", "preset"}),
 }
 
 
@@ -55,8 +56,6 @@ def run_edit(lm: Any, data: bytes, op: str, params: Mapping[str, Any], progress:
         if ids is not None and not (isinstance(ids, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in ids)):
             raise KvcInputError("token_ids must be a list of integers")
         return append(lm, data, text=text, token_ids=ids, preset=preset, progress=progress)
-    from kvcodec.edit.redact import DEFAULT_REDACT_RATIO, redact
-
     kw: dict[str, Any] = {}
     for name in ("pattern", "text"):
         if params.get(name) is not None:
@@ -66,6 +65,13 @@ def run_edit(lm: Any, data: bytes, op: str, params: Mapping[str, Any], progress:
     for name in ("char_spans", "token_spans"):
         if params.get(name) is not None:
             kw[name] = _pairs(params[name], name)
+    if op == "steer":
+        from kvcodec.edit.steer import DEFAULT_ALPHA, steer
+
+        return steer(lm, data, _pairs(params.get("heads"), "heads"), alpha=params.get("alpha", DEFAULT_ALPHA), preset=preset,
+                     progress=progress, **kw)
+    from kvcodec.edit.redact import DEFAULT_REDACT_RATIO, redact
+
     ratio = params.get("recompute_ratio", DEFAULT_REDACT_RATIO)
     layer = params.get("select_layer", 1)
     return redact(lm, data, recompute_ratio=ratio, select_layer=layer, preset=preset, progress=progress, **kw)

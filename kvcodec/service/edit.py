@@ -1,6 +1,6 @@
 """``POST /v1/entries/{key}/edit``: offline editing of a stored entry through the KDN (issue 37).
 
-Body: ``{"op": "append" | "redact", "params": {...}}`` (the parameters of :mod:`kvcodec.edit.stored`).
+Body: ``{"op": "append" | "redact" | "steer", "params": {...}}`` (the parameters of :mod:`kvcodec.edit.stored`).
 The entry at ``key`` is read from the caller's tenant view (another tenant's entry is not there: 404),
 edited, and the child is put under the key of its own token ids, in the same namespace (201 with
 ``{"key", "parent", "bytes", "op", "params", "tokens", ...}``). The parent is never changed. The token

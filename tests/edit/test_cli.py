@@ -45,9 +45,23 @@ def test_redact_then_append_through_the_cli(parent, tmp_path, capsys):
     (["redact", "{p}", "--tokens", "0:100000", "-o", "{o}"], "outside"),
     (["append", "{p}", "-o", "{o}"], "exactly one of --text"),
     (["append", "{p}", "--text", "x", "-o", "{p}"], ""),  # never in place
+    (["steer", "{p}", "--tokens", "2:5", "--heads", "99:0", "-o", "{o}"], "out of range"),
+    (["steer", "{p}", "--tokens", "2:5", "--heads", "20:*", "--alpha", "nan", "-o", "{o}"], "finite"),
+    (["steer", "{p}", "--tokens", "2:5", "--heads", "20", "-o", "{o}"], "LAYER:HEAD"),
 ])
 def test_bad_input_is_one_line(parent, tmp_path, capsys, args, msg):
     out_path = tmp_path / "out.kvc"
     rc, out, err = run_kvc(["edit"] + [a.format(p=parent, o=out_path) for a in args], capsys)
     assert rc != 0 and len(err.strip().splitlines()) == 1 and msg in err
     assert not out_path.exists()
+
+
+def test_steer_through_the_cli(parent, tmp_path, capsys):
+    out_path = tmp_path / "steered.kvc"
+    rc, out, err = run_kvc(["edit", "steer", str(parent), "--tokens", "2:5", "--heads", "20:*,23:1", "-o", str(out_path),
+                            "--json"], capsys)
+    assert rc == 0, err
+    info = json.loads(out)
+    assert info["op"] == "steer" and info["steered_heads"] == 10 and info["spans"] == [[2, 5]]
+    with KvcReader(str(out_path)) as r:
+        assert len(r.header.attention_bias.entries) == 10

@@ -1,0 +1,223 @@
+"""Offline editing (issue 37): ``append`` and ``redact`` against a prefill, on held-out texts, both shipped models.
+
+For each model and text, the first ``--tokens`` tokens are the context and the ``--continuation-tokens``
+after them are scored: the next-token distributions of the continuation fed after each cache are compared
+with those after the reference cache (KL(reference || edit) mean over the positions, nats).
+
+* **append**: the parent is the lossless entry of the first ``tokens - append_tokens`` tokens; the edit
+  decodes it and prefills the last ``append_tokens`` over it (:func:`kvcodec.edit.append.append_cache`).
+  Reference: one prefill of all ``tokens``. Reported: the edit's time (decode + prefill of the new tokens)
+  over the full prefill's, the new tokens' prefill over the cache against their own prefill from scratch,
+  the max |K/V| difference and the KL.
+* **redact**: the lossless entry of all ``tokens``; the span ``[tokens/3, tokens/3 + span_tokens)`` is removed
+  (:func:`kvcodec.edit.redact.redact_cache`) at each ``--ratios`` recompute ratio. Reference: a prefill of the
+  edited token ids (what a re-prefill of the edited text costs). Reported: KL, and the repair's time
+  (decode included) over the re-prefill's.
+
+* **steer** (``--parts steer``): the key-fact task of :mod:`kvcodec.edit.steer_profile` (four facts of one
+  form among distractor paragraphs of held-out texts; the question asks for one; right when the asked value
+  is the most likely of the four). Heads are profiled (:func:`kvcodec.edit.steer_profile.profile_layers`) on
+  ``--profile-examples`` examples from ``--profile-texts`` and evaluated on ``--eval-examples`` other examples
+  from ``--eval-texts`` (other texts, seeds, names and values). Reported: accuracy and mean margin (nats) of
+  a plain prefill vs the steered entry (the exact edit: re-prefill under the bias, bias applied to the
+  question as the HF loader does), and the steer edit's time over a plain prefill.
+
+Timings: each method ``--repeats`` times, interleaved, the minimum reported (the box is shared; the
+minimum is the least disturbed run). CPU, ``--threads`` torch threads.
+
+    python benchmarks/bench_edit.py
+    python benchmarks/bench_edit.py --models smollm2 --texts apache2 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+import harness
+
+from kvcodec.api import encode  # noqa: E402
+from kvcodec.edit.append import append_cache  # noqa: E402
+from kvcodec.edit.redact import redact_cache  # noqa: E402
+from kvcodec.format import KvcReader  # noqa: E402
+from kvcodec.models.capture import capture, tokenize  # noqa: E402
+from kvcodec.models.load import load_model  # noqa: E402
+from kvcodec.models.quality import compare_logits, continue_logits  # noqa: E402
+from kvcodec.plan.presets import PRESETS  # noqa: E402
+from kvcodec.texts import load_text  # noqa: E402
+
+
+def best(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+    out, ts = None, []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = fn()
+        ts.append(time.perf_counter() - t)
+    return min(ts), out
+
+
+def decode(data: bytes) -> Any:
+    with KvcReader(data) as r:
+        return r.read_cache()
+
+
+def kl(lm: Any, ref: torch.Tensor, cache: Any, cont: np.ndarray) -> float:
+    return float(compare_logits(ref, continue_logits(lm, cache, cont), cont)["kl_mean"])
+
+
+def run_text(lm: Any, text: str, n: int, n_app: int, span: int, n_cont: int, ratios: list[float], repeats: int,
+             log: Callable[[str], None]) -> dict[str, Any]:
+    ids = tokenize(lm.tokenizer, load_text(text))
+    if len(ids) < n + n_cont:
+        raise SystemExit(f"{text}: only {len(ids)} tokens")
+    ctx, cont = ids[:n], ids[n:n + n_cont]
+    lm.warm_up()
+    # -- append
+    log(f"{text}: append {n_app} tokens to {n - n_app}")
+    parent = capture(lm, token_ids=ctx[:n - n_app])
+    pdata = encode(parent, None, preset="lossless").data
+    t_full, full = best(lambda: capture(lm, token_ids=ctx), repeats)
+    t_dec, dec = best(lambda: decode(pdata), repeats)
+    t_new, (child, _) = best(lambda: append_cache(lm, dec, ctx[n - n_app:]), repeats)
+    t_alone, _ = best(lambda: capture(lm, token_ids=ctx[n - n_app:]), repeats)
+    ref_full = continue_logits(lm, full, cont)
+    diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(child.keys + child.values, full.keys + full.values))
+    app = {"context_tokens": n - n_app, "appended_tokens": n_app, "full_prefill_s": t_full, "decode_s": t_dec,
+           "prefill_new_s": t_new, "new_alone_s": t_alone, "edit_over_full": (t_dec + t_new) / t_full,
+           "prefill_new_over_alone": t_new / t_alone, "max_abs_kv_diff": diff, "kl_vs_full": kl(lm, ref_full, child, cont)}
+    # -- redact
+    a = n // 3
+    log(f"{text}: redact tokens [{a}, {a + span})")
+    whole = capture(lm, token_ids=ctx)
+    wdata = encode(whole, None, preset="lossless").data
+    edited = np.concatenate([ctx[:a], ctx[a + span:]])
+    t_re, fresh = best(lambda: capture(lm, token_ids=edited), repeats)
+    ref_re = continue_logits(lm, fresh, cont)
+    red: dict[str, Any] = {"span": [a, a + span], "reprefill_s": t_re, "ratios": {}}
+    wdec = decode(wdata)
+    for r in ratios:
+        t_rep, (ch, info) = best(lambda: redact_cache(lm, decode(wdata), [(a, a + span)], recompute_ratio=r), repeats)
+        red["ratios"][f"{r:g}"] = {"kl": kl(lm, ref_re, ch, cont), "edit_s": t_rep, "edit_over_reprefill": t_rep / t_re,
+                                   "recomputed_tokens": info["recomputed_tokens"]}
+    del wdec
+    return {"text": text, "tokens": n, "append": app, "redact": red}
+
+
+def run_steer(lm: Any, a: Any, log: Callable[[str], None]) -> dict[str, Any]:
+    from kvcodec.edit.steer import pasta_bias, steer_cache
+    from kvcodec.edit.steer_profile import answer_margin, fact_examples, profile_layers
+
+    lm.warm_up()
+    prof_ex = fact_examples(lm.tokenizer, a.profile_texts.split(","), a.profile_examples, seed=1)
+    log(f"steer: profiling {lm.fingerprint.num_layers} layers on {len(prof_ex)} examples")
+    t0 = time.perf_counter()
+    prof = profile_layers(lm, prof_ex, top=a.top_layers)
+    t_prof = time.perf_counter() - t0
+    ev = fact_examples(lm.tokenizer, a.eval_texts.split(","), a.eval_examples, seed=2)
+    log(f"steer: evaluating heads of layers {prof['layers']} on {len(ev)} examples")
+    m0, m1, t_plain, t_steer = [], [], [], []
+    for ex in ev:
+        t = time.perf_counter()
+        c = capture(lm, token_ids=ex.context)
+        t_plain.append(time.perf_counter() - t)
+        m0.append(answer_margin(lm, c, ex))
+        if prof["heads"]:
+            bias = pasta_bias(lm, prof["heads"], [ex.span], len(ex.context))
+            t = time.perf_counter()
+            sc = steer_cache(lm, ex.context, bias)
+            t_steer.append(time.perf_counter() - t)
+            m1.append(answer_margin(lm, sc, ex, bias))
+    return {"profile": prof, "profile_s": t_prof, "eval_examples": len(ev),
+            "context_tokens_mean": float(np.mean([len(e.context) for e in ev])),
+            "accuracy_prefill": float(np.mean([m > 0 for m in m0])), "margin_prefill": float(np.mean(m0)),
+            "accuracy_steered": float(np.mean([m > 0 for m in m1])) if m1 else None,
+            "margin_steered": float(np.mean(m1)) if m1 else None,
+            "steer_over_prefill_time": float(np.sum(t_steer) / np.sum(t_plain)) if t_steer else None}
+
+
+def markdown_steer(model: str, r: dict[str, Any]) -> str:
+    p = r["profile"]
+    acc = "n/a (no layer gained)" if r["accuracy_steered"] is None else f"{r['accuracy_steered']:.1%}"
+    return (f"**{model}** steer: layers {p['layers']} ({len(p['heads'])} heads, profiled on {p['examples']} examples in "
+            f"{r['profile_s']:.0f} s); {r['eval_examples']} eval examples of ~{r['context_tokens_mean']:.0f} tokens: "
+            f"accuracy prefill {r['accuracy_prefill']:.1%} (margin {r['margin_prefill']:.2f}) -> steered {acc} "
+            f"(margin {r['margin_steered'] if r['margin_steered'] is None else round(r['margin_steered'], 2)}); "
+            f"steer edit time / prefill {r['steer_over_prefill_time'] if r['steer_over_prefill_time'] is None else round(r['steer_over_prefill_time'], 2)}")
+
+
+def markdown(model: str, results: list[dict], target: float) -> str:
+    out = [f"**{model}**\n", "| text | append: edit / full prefill | new tokens over cache / alone | max abs K/V diff | KL vs full |",
+           "|---|---|---|---|---|"]
+    for r in results:
+        p = r["append"]
+        out.append(f"| {r['text']} | {p['edit_over_full']:.2f} | {p['prefill_new_over_alone']:.2f} | {p['max_abs_kv_diff']:.1e} "
+                   f"| {p['kl_vs_full']:.1e} |")
+    ratios = list(results[0]["redact"]["ratios"])
+    out += ["", "| text | " + " | ".join(f"redact r={x}: KL / time vs re-prefill" for x in ratios) + " |",
+            "|---|" + "---|" * len(ratios)]
+    for r in results:
+        cells = [f"{v['kl']:.4f}{'' if v['kl'] <= target else ' ✗'} / {v['edit_over_reprefill']:.2f}"
+                 for v in r["redact"]["ratios"].values()]
+        out.append(f"| {r['text']} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--models", default="smollm2,gemma3-270m")
+    ap.add_argument("--texts", default="apache2,changelog-apt,py-argparse", help="held-out kvcodec.texts names")
+    ap.add_argument("--tokens", type=int, default=448, help="context tokens (under Gemma 3's 512 window: redact needs every token)")
+    ap.add_argument("--append-tokens", dest="append_tokens", type=int, default=64)
+    ap.add_argument("--span-tokens", dest="span_tokens", type=int, default=48)
+    ap.add_argument("--continuation-tokens", dest="continuation_tokens", type=int, default=32)
+    ap.add_argument("--ratios", default="0,0.05,0.1,0.2")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
+    ap.add_argument("--parts", default="append,redact,steer", help="which edits to measure")
+    ap.add_argument("--profile-texts", dest="profile_texts", default="apache2,changelog-apt")
+    ap.add_argument("--profile-examples", dest="profile_examples", type=int, default=6)
+    ap.add_argument("--eval-texts", dest="eval_texts", default="py-argparse,c-stdio,pydoc-exec")
+    ap.add_argument("--eval-examples", dest="eval_examples", type=int, default=24)
+    ap.add_argument("--top-layers", dest="top_layers", type=int, default=3)
+    ap.add_argument("--json", dest="as_json", action="store_true")
+    run = harness.cli(ap, argv, case="edit")
+    a = run.args
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    ratios = [float(x) for x in a.ratios.split(",") if x.strip()]
+    target = float(PRESETS["balanced"].target.kl)  # type: ignore[union-attr]
+    parts = {p.strip() for p in a.parts.split(",") if p.strip()}
+    by_model: dict[str, list[dict]] = {}
+    steered: dict[str, dict] = {}
+    for name in [m.strip() for m in a.models.split(",") if m.strip()]:
+        lm = load_model(name)
+        if parts & {"append", "redact"}:
+            by_model[name] = [run_text(lm, t.strip(), a.tokens, a.append_tokens, a.span_tokens, a.continuation_tokens,
+                                       ratios, a.repeats, log) for t in a.texts.split(",") if t.strip()]
+        if "steer" in parts:
+            steered[name] = run_steer(lm, a, log)
+    env = {"torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "load_avg": os.getloadavg(),
+           "platform": platform.platform(), "torch": torch.__version__, "kl_target": target}
+    if a.as_json:
+        print(json.dumps({"env": env, "models": by_model, "steer": steered}, indent=2))
+    else:
+        for name, res in by_model.items():
+            print(markdown(name, res, target) + "\n")
+        for name, st in steered.items():
+            print(markdown_steer(name, st) + "\n")
+        print(f"CPU, {env['torch_threads']} torch thread(s), load average at end {env['load_avg'][0]:.2f} (shared machine); "
+              f"minimum of {a.repeats} interleaved runs; ✗: above the balanced preset's KL target {target}.")
+    run.emit({"env": env, "models": by_model, "steer": steered})
+
+
+if __name__ == "__main__":
+    main()
