@@ -9,19 +9,23 @@ from kvcodec.cli.options import emit_json, json_option, model_option
 
 @click.command("calibrate")
 @model_option
-@click.option("--force", is_flag=True, help="Rebuild even if the model already has a calibration.")
+@click.option("--force", is_flag=True, help="Rebuild even if the model already has a calibration (and refit its rate model).")
 @click.option("--basis", type=click.Choice(["blocks", "full"]), default="blocks", show_default=True,
               help="blocks: a block-diagonal PCA for head_dim > 64 (64-channel blocks; decode ~2x faster at head_dim 256); "
                    "full: one PCA per whole head (files ~5-10 %% smaller there, decode at about half the speed).")
 @json_option
 def calibrate_command(model, force, basis, as_json) -> None:
-    """Build MODEL's PCA bases and sensitivities (the lossy presets need them; encode builds them on first use)."""
+    """Build MODEL's PCA bases and sensitivities, and fit its rate model (the lossy presets need both; encode builds
+    them on first use)."""
     import time
 
     from kvcodec.models.load import load_model
     from kvcodec.codecs.blocks import channel_blocks
     from kvcodec.calibration.build import build_calibration
+    from kvcodec.calibration.ratemodel import load_rate_model, rate_model_path, save_rate_model
     from kvcodec.calibration.store import load_calibration, save_calibration
+    from kvcodec.plan.presets import lossy_settings
+    from kvcodec.plan.ratefit import fit_rate_model
 
     lm = load_model(model)
     fid = lm.fingerprint.id
@@ -33,12 +37,20 @@ def calibrate_command(model, force, basis, as_json) -> None:
         cal = build_calibration(lm, timings=timings, full_basis=basis == "full")
         save_calibration(cal, fid)
         timings.setdefault("total_s", time.perf_counter() - t0)
+    rm = None if built else load_rate_model(cal)
+    fitted = rm is None
+    if rm is None:  # a new calibration makes the old rate model stale: it is bound to the calibration's sha256
+        rm = fit_rate_model(lm, cal, lossy_settings())
+        save_rate_model(rm, rate_model_path(cal))
+        timings["rate_model_s"] = float(rm.fit_s or 0.0)
     report = {"model": model, "fingerprint": fid, "path": str(cal.path), "built": built, "timings": timings,
-              "channel_blocks": cal.meta.get("channel_blocks")}
+              "channel_blocks": cal.meta.get("channel_blocks"), "rate_model_fitted": fitted,
+              "rate_model": {k: v for k, v in rm.to_json().items() if k != "fit"}}
     if as_json:
         emit_json(report)
     elif built:
-        click.echo(f"calibrated {model} in {timings['total_s']:.0f} s -> {cal.path}")
+        click.echo(f"calibrated {model} in {timings['total_s']:.0f} s -> {cal.path}; rate model fitted in "
+                   f"{timings.get('rate_model_s', 0):.0f} s (alpha {', '.join(f'{k} {v:.2f}' for k, v in rm.alpha.items())})")
     else:
         has = "full" if cal.meta.get("channel_blocks") is None else "blocks"
         note = "" if has == basis or len(channel_blocks(lm.fingerprint.head_dims[0])) == 1 else f"; it has the {has} basis"

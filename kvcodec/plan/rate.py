@@ -66,11 +66,33 @@ class Coefficients:
     token_index: list[np.ndarray]  # absolute token index of each column of y[l][*] (for tokenscale classes)
 
 
+def _projections(cal: Calibration) -> Any:
+    """float32 torch [L, 2, H, D, D]: the least-squares projection onto each full basis (the transform stage's
+    encode matrix with all D columns), computed once per calibration object."""
+    import torch
+
+    memo = cal.__dict__.get("_rate_projections")
+    if memo is None or memo[0] is not cal.basis:
+        b = torch.from_numpy(cal.basis.astype(np.float64))
+        proj = b @ torch.linalg.inv(b.transpose(-1, -2) @ b)
+        memo = (cal.basis, proj.float())
+        cal.__dict__["_rate_projections"] = memo
+    return memo[1]
+
+
 def coefficients(cache: Any, cal: Calibration, sink: int, importance: np.ndarray | None = None,
                  max_tokens: int | None = SEARCH_TOKENS) -> Coefficients:
-    """The cache's coefficients in the calibration's full basis (all D columns), per (layer, kind)."""
+    """The cache's coefficients in the calibration's full basis (all D columns), per (layer, kind).
+
+    torch, not numpy, for the products: numpy's BLAS spins its own threads, which cost 3x the
+    work itself on a shared 2-core machine; torch follows the process's thread setting.
+    """
+    import torch
+
     from kvcodec.calibration.build import coded_tensor
 
+    proj = _projections(cal)
+    mean = torch.tensor(cal.mean, dtype=torch.float32)
     L = cache.num_layers
     ys: list[list[np.ndarray]] = []
     ws: list[np.ndarray] = []
@@ -83,10 +105,8 @@ def coefficients(cache: Any, cal: Calibration, sink: int, importance: np.ndarray
             keep = keep[:: -(-keep.size // max_tokens)]
         row = []
         for ki, kind in enumerate("kv"):
-            x = coded_tensor(cache, l, kind)[:, keep]  # [H, T', D] as the plan codes it (pre-RoPE keys)
-            b = cal.basis[l, ki].astype(np.float64)  # [H, D, D]
-            proj = np.einsum("hdk,hkj->hdj", b, np.linalg.inv(np.einsum("hdk,hdj->hkj", b, b)))
-            row.append(np.matmul(x.astype(np.float32) - cal.mean[l, ki][:, None, :], proj.astype(np.float32)))
+            x = torch.from_numpy(np.ascontiguousarray(coded_tensor(cache, l, kind)[:, keep], np.float32))  # [H, T', D]
+            row.append(((x - mean[l, ki][:, None, :]) @ proj[l, ki]).numpy())
         ys.append(row)
         if importance is not None and importance.shape[-1] == cache.num_tokens:
             wl = np.maximum(np.asarray(importance[l], np.float64)[first + keep], 0.0)

@@ -129,6 +129,8 @@ def test_kvc_calibrate_reports_the_shipped_calibration(lm, tmp_path, monkeypatch
     rep = json.loads(out)
     assert rep["built"] is False and rep["fingerprint"] == lm.fingerprint.id
     assert rep["path"].startswith(str(C_store.SHIPPED_DIR))
+    assert rep["rate_model_fitted"] is False  # the embedded model ships its rate model too: no minutes of fitting
+    assert set(rep["rate_model"]["alpha"]) == {"near-lossless", "balanced", "small"}
 
 
 def _moments(D: int, L: int = 2, H: int = 2, seed: int = 0):

@@ -1,0 +1,173 @@
+"""Rate control on held-out texts (issue 33): do the lossy presets keep their promises, how well does the KL
+predictor predict, and what does an encode cost against the prefill it follows?
+
+For each model, held-out text (``kvcodec.texts.HELD_OUT``: nothing was tuned or fitted on them) and
+context length: capture the context (its prefill CPU-seconds are the yardstick), then for each
+lossy preset encode it the default way (``kvcodec.encode``'s path: rate control, no model forward
+beyond token importance, the writer's read-back), read the file back, continue it on the
+``--continuation`` tokens that follow the context in the text, and compare with the exact cache.
+
+Reported per row: bits per element (real file bytes over the K+V elements), measured mean KL and
+top-1 agreement on the continuation, the rate control's predicted KL, their ratio, the encode's CPU
+seconds (plan + write + read-back; capture excluded) and the prefill's. Per (model, preset): the
+fraction of rows whose KL lies in [0.3, 1] x the target, the worst ratios, the minimum top-1, and
+the mean ΔPPL over all continuation tokens of all texts with its 95 % confidence interval (tokens
+pooled: the promise is in expectation). The calibration is amortised: its bytes are not charged
+(they are per model, shared by every file; ``kvc calibrate`` reports them).
+
+``--threads`` (default 1) sizes torch, BLAS and numba alike, so encode and prefill CPU-seconds compare like
+for like. Each model's first encode is preceded by an untimed warm-up encode (numba's cached kernels
+load, imports): the rows are what every later document costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+
+def _threads(argv: list[str]) -> str:
+    """--threads, read before numpy and torch load: their BLAS pools size themselves at import."""
+    for i, a in enumerate(argv):
+        if a == "--threads" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--threads="):
+            return a.split("=", 1)[1]
+    return "1"
+
+
+for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+    os.environ[_v] = _threads(sys.argv[1:])
+
+import numpy as np  # noqa: E402
+
+import harness  # noqa: E402
+
+
+def _row(lm, cache, cont, exact, preset, cal, prefill_cpu):
+    import torch
+
+    from kvcodec.format import KvcReader, encode_kvc_bytes
+    from kvcodec.models.quality import continue_logits
+    from kvcodec.plan.presets import PRESETS, get_plan
+
+    with harness.stopwatch() as sw:
+        plan = get_plan(preset, cache, lm=lm, cal=cal)
+        data = encode_kvc_bytes(cache, plan, chunk_tokens=plan.chunk_tokens, preset=preset)
+    dec = KvcReader(data).read_cache()
+    with torch.inference_mode():
+        got = continue_logits(lm, dec, cont)
+    lp_e = torch.log_softmax(exact.double(), -1)
+    lp_d = torch.log_softmax(got.double(), -1)
+    kl = float((lp_e.exp() * (lp_e - lp_d)).sum(-1).clamp_min(0).mean())
+    top1 = float((exact.argmax(-1) == got.argmax(-1)).double().mean())
+    tgt = torch.as_tensor(np.asarray(cont[1:], np.int64))[:, None]
+    d = (lp_e[:-1].gather(1, tgt) - lp_d[:-1].gather(1, tgt))[:, 0].numpy()
+    elems = sum(k.numel() + v.numel() for k, v in zip(cache.keys, cache.values))
+    rate = plan.params["rate"]
+    target = PRESETS[preset].target
+    return {"preset": preset, "bits_per_element": len(data) * 8 / elems, "bytes": len(data), "step0": rate["step0"],
+            "kl": kl, "predicted_kl": rate["predicted_kl"], "measured_over_predicted": kl / rate["predicted_kl"],
+            "kl_over_target": kl / target.kl, "top1": top1, "dppl_terms": d.tolist(),
+            "encode_cpu_s": sw.cpu, "encode_wall_s": sw.wall, "encode_over_prefill_cpu": sw.cpu / prefill_cpu}
+
+
+def _summary(rows, presets):
+    from kvcodec.plan.presets import PRESETS
+
+    out = {}
+    for model in sorted({r["model"] for r in rows}):
+        for preset in presets:
+            rs = [r for r in rows if r["model"] == model and r["preset"] == preset]
+            if not rs:
+                continue
+            t = PRESETS[preset].target
+            d = np.concatenate([np.asarray(r["dppl_terms"]) for r in rs])
+            half = 1.96 * d.std(ddof=1) / math.sqrt(len(d)) if len(d) > 1 else float("nan")
+            ratios = [r["measured_over_predicted"] for r in rs]
+            inside = [0.3 <= r["kl_over_target"] <= 1.0 for r in rs]
+            s = {"rows": len(rs), "kl_target": t.kl, "kl_inside_0.3_1_of_target": f"{sum(inside)}/{len(rs)}",
+                 "kl_over_target_min": min(r["kl_over_target"] for r in rs),
+                 "kl_over_target_max": max(r["kl_over_target"] for r in rs),
+                 "measured_over_predicted_geomean": float(np.exp(np.mean(np.log(ratios)))),
+                 "measured_over_predicted_min": min(ratios), "measured_over_predicted_max": max(ratios),
+                 "top1_min": min(r["top1"] for r in rs), "top1_promise": t.top1,
+                 "dppl_percent_mean": 100 * math.expm1(float(d.mean())),
+                 "dppl_percent_ci95": [100 * math.expm1(float(d.mean()) - half), 100 * math.expm1(float(d.mean()) + half)],
+                 "dppl_tokens": int(len(d)), "dppl_promise_percent": t.dppl_percent,
+                 "bits_per_element_by_tokens": {str(T): float(np.mean([r["bits_per_element"] for r in rs if r["tokens"] == T]))
+                                                for T in sorted({r["tokens"] for r in rs})},
+                 "encode_over_prefill_cpu_by_tokens": {str(T): float(np.median([r["encode_over_prefill_cpu"] for r in rs
+                                                                                 if r["tokens"] == T]))
+                                                       for T in sorted({r["tokens"] for r in rs})}}
+            out[f"{model}/{preset}"] = s
+    return out
+
+
+def main(argv=None) -> None:
+    from kvcodec.texts import HELD_OUT
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="smollm2,gemma3-270m")
+    ap.add_argument("--texts", default=",".join(HELD_OUT))
+    ap.add_argument("--tokens", default="1024,2048,4096", help="context lengths")
+    ap.add_argument("--continuation", type=int, default=320)
+    ap.add_argument("--presets", default="near-lossless,balanced,small")
+    ap.add_argument("--threads", type=int, default=1)
+    run = harness.cli(ap, argv, case="rate")
+    a = run.args
+    import torch
+
+    from kvcodec.calibration.build import ensure_calibration
+    from kvcodec.models.capture import capture, max_context, tokenize
+    from kvcodec.models.load import load_model
+    from kvcodec.models.quality import continue_logits
+    from kvcodec.format import encode_kvc_bytes
+    from kvcodec.plan.presets import get_plan, lossy_settings
+    from kvcodec.plan.ratefit import ensure_rate_model
+    from kvcodec.texts import load_text
+
+    torch.set_num_threads(a.threads)
+    presets = [p for p in a.presets.split(",") if p]
+    rows, skipped = [], []
+    for model in [m for m in a.models.split(",") if m]:
+        lm = load_model(model)
+        cal = ensure_calibration(lm)
+        ensure_rate_model(lm, cal, lossy_settings())  # fitted once (or shipped): not an encode's cost
+        window = max_context(lm)
+        warm = capture(lm, token_ids=tokenize(lm.tokenizer, load_text("gpl3"))[:256])
+        for preset in presets:  # untimed: one-time loads (numba kernels, imports), not a document's cost
+            plan = get_plan(preset, warm, lm=lm, cal=cal)
+            encode_kvc_bytes(warm, plan, chunk_tokens=plan.chunk_tokens, preset=preset)
+        for name in [t for t in a.texts.split(",") if t]:
+            ids = tokenize(lm.tokenizer, load_text(name))
+            for T in [int(x) for x in a.tokens.split(",") if x]:
+                if len(ids) < T + a.continuation or (window and T + a.continuation > window):
+                    skipped.append({"model": model, "text": name, "tokens": T, "why": f"{len(ids)} tokens in the text"})
+                    continue
+                with harness.stopwatch() as sw:
+                    cache = capture(lm, token_ids=ids[:T])
+                cont = np.asarray(ids[T:T + a.continuation], np.int64)
+                with torch.inference_mode():
+                    exact = continue_logits(lm, cache, cont)
+                for preset in presets:
+                    r = _row(lm, cache, cont, exact, preset, cal, sw.cpu)
+                    r.update(model=model, text=name, tokens=T, prefill_cpu_s=sw.cpu)
+                    rows.append(r)
+                    print(f"{model} {name} {T} {preset}: {r['bits_per_element']:.3f} b/el KL {r['kl']:.3g} "
+                          f"(pred {r['predicted_kl']:.3g}, x{r['measured_over_predicted']:.2f}, {r['kl_over_target']:.2f} of target) "
+                          f"top1 {r['top1']:.3f} encode {r['encode_cpu_s']:.1f} CPU-s = {r['encode_over_prefill_cpu']:.2f}x prefill",
+                          file=sys.stderr, flush=True)
+    summary = _summary(rows, presets)
+    for k, s in summary.items():
+        print(k, {kk: v for kk, v in s.items()}, file=sys.stderr)
+    for r in rows:
+        r["dppl_terms"] = None if not r.get("dppl_terms") else len(r["dppl_terms"])
+    run.emit({"rows": rows, "skipped": skipped, "summary": summary, "finished": time.time()})
+
+
+if __name__ == "__main__":
+    main()
