@@ -11,16 +11,19 @@ from kvcodec.cli.options import emit_json, json_option, model_option
 @click.argument("kvc_file", type=click.Path(dir_okay=False))
 @model_option
 @click.option("--text", "text_path", required=True, help="The text the file was made from (UTF-8 file or corpus name).")
-@click.option("--continuation", type=click.IntRange(min=1), default=256, show_default=True,
-              help="Continuation tokens (those following the cached context in the text) to score.")
+@click.option("--continuation", type=click.IntRange(min=1), default=None,
+              help="Continuation tokens (those following the cached context in the text) to score [default: up to "
+                   "1024, as many as the text has]; dPPL is promised in expectation over >= 2,048 tokens of several "
+                   "texts, and a long continuation narrows its interval.")
 @click.option("--greedy-tokens", type=click.IntRange(min=0), default=16, show_default=True, help="Greedy tokens compared after the first.")
 @json_option
-def eval_command(kvc_file: str, model: str, text_path: str, continuation: int, greedy_tokens: int, as_json: bool) -> None:
+def eval_command(kvc_file: str, model: str, text_path: str, continuation: int | None, greedy_tokens: int,
+                 as_json: bool) -> None:
     """Decode KVC_FILE, continue TEXT from it and compare with the exact cache.
 
     Reports bits per KV element (real file bytes x 8 / K+V elements of the
     context), the ratio vs fp16, and the model's continuation quality:
-    mean KL (nats), top-1 agreement, perplexity change and greedy match.
+    mean KL (nats), top-1 agreement, perplexity change with its 95 % interval, and greedy match.
     """
     from kvcodec.atomic import check_input
     from kvcodec.models.capture import tokenize
@@ -42,7 +45,8 @@ def eval_command(kvc_file: str, model: str, text_path: str, continuation: int, g
         f"{kvc_file}: {r['bits_per_element']:.3f} bits/element ({r['ratio_vs_fp16']:.2f}x vs fp16, "
         f"{r['file_bytes']:,} bytes), {r['stored_tokens']}/{r['context_tokens']} tokens stored\n"
         f"  continuation {r['continuation_tokens']} tokens: KL {r['kl_mean']:.3e} nats, top-1 {r['top1_agreement']:.4f}, "
-        f"PPL {r['ppl_exact']:.4f} -> {r['ppl_decoded']:.4f} ({r['dppl_percent']:+.3f} %), greedy match {r['greedy_match']:.3f}"
+        f"PPL {r['ppl_exact']:.4f} -> {r['ppl_decoded']:.4f} ({r['dppl_percent']:+.3f} %, 95 % interval "
+        f"{r['dppl_ci95_percent'][0]:+.3f} .. {r['dppl_ci95_percent'][1]:+.3f} %), greedy match {r['greedy_match']:.3f}"
     )
 
 

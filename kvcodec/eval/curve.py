@@ -661,13 +661,16 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
 
 
 # -- `kvc eval`: one file against the text it was made from ----------------------------------
-def eval_kvc_file(lm: Any, path: str | os.PathLike, text_ids: np.ndarray, continuation: int = 256,
+EVAL_CONTINUATION = 1024  # kvc eval's default: ΔPPL's interval narrows as 1/sqrt(tokens)
+
+
+def eval_kvc_file(lm: Any, path: str | os.PathLike, text_ids: np.ndarray, continuation: int | None = None,
                   greedy_tokens: int = 16) -> dict[str, Any]:
     """Quality and rate of one `.kvc` file, continued on the text tokens following its context.
 
     Checks (each a one-line :class:`KvcError`): the file's model is ``lm``;
     the file's token ids are the text's first tokens; the text has
-    ``continuation`` more tokens. The exact reference cache is recomputed by
+    ``continuation`` more tokens (None: up to :data:`EVAL_CONTINUATION`, as many as it has). The exact reference cache is recomputed by
     prefill of the file's token ids. A lingua-pruned file (a compressed prompt)
     is compared with the exact cache of its whole original context, both
     continued on the tokens after that context.
@@ -676,7 +679,7 @@ def eval_kvc_file(lm: Any, path: str | os.PathLike, text_ids: np.ndarray, contin
     from kvcodec.errors import KvcInputError as _In
     from kvcodec.models.quality import evaluate
 
-    if continuation < 2:
+    if continuation is not None and continuation < 2:
         raise _In(f"--continuation must be at least 2, got {continuation}")
     path = Path(path)
     if not path.is_file():
@@ -712,6 +715,11 @@ def eval_kvc_file(lm: Any, path: str | os.PathLike, text_ids: np.ndarray, contin
                           f"(file {int(ids[diff[0]])}, text {int(text_ids[diff[0]])})")
             if len(text_ids) < n_ctx:
                 raise _In(f"the text has only {len(text_ids)} tokens but the file encodes a {n_ctx}-token context")
+        if continuation is None:
+            continuation = min(EVAL_CONTINUATION, len(text_ids) - n_ctx)
+            if continuation < 2:
+                raise _In(f"the text has only {len(text_ids) - n_ctx} tokens after the file's {n_ctx}-token context; "
+                          "at least 2 are needed to score a continuation")
         if len(text_ids) < n_ctx + continuation:
             raise _In(f"the text has only {len(text_ids) - n_ctx} tokens after the file's {n_ctx}-token context, "
                       f"fewer than --continuation {continuation}")

@@ -40,6 +40,7 @@ class Quality:
     dppl_percent: float
     greedy_match: float
     continuation_tokens: int
+    dppl_ci95_percent: tuple[float, float] = (float("nan"), float("nan"))  # 95 % interval of the mean (per-token terms)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -69,22 +70,33 @@ def greedy(lm: LoadedModel, cache: KVCache, first_token: int, n: int) -> list[in
     return out
 
 
-def compare_logits(exact: torch.Tensor, decoded: torch.Tensor, continuation: np.ndarray) -> dict[str, float]:
-    """KL, top-1 agreement and PPL from two logit matrices over the same tokens."""
+def compare_logits(exact: torch.Tensor, decoded: torch.Tensor, continuation: np.ndarray) -> dict[str, Any]:
+    """KL, top-1 agreement and PPL from two logit matrices over the same tokens.
+
+    ΔPPL comes with the 95 % interval of its mean (normal, from the spread of the per-token NLL
+    differences): on a few hundred tokens that spread, ~sqrt(2 KL) per token, dominates what the
+    codec does, so a ΔPPL without its interval says little (kvcodec.plan.targets).
+    """
+    import math
+
     lp_e = torch.log_softmax(exact.double(), -1)
     lp_d = torch.log_softmax(decoded.double(), -1)
     kl = (lp_e.exp() * (lp_e - lp_d)).sum(-1)
     top1 = (exact.argmax(-1) == decoded.argmax(-1)).double().mean()
     tgt = torch.as_tensor(np.asarray(continuation[1:], dtype=np.int64))
-    nll_e = -lp_e[:-1].gather(1, tgt[:, None]).mean()
-    nll_d = -lp_d[:-1].gather(1, tgt[:, None]).mean()
-    ppl_e, ppl_d = float(nll_e.exp()), float(nll_d.exp())
+    nll_e = -lp_e[:-1].gather(1, tgt[:, None])[:, 0]
+    nll_d = -lp_d[:-1].gather(1, tgt[:, None])[:, 0]
+    ppl_e, ppl_d = float(nll_e.mean().exp()), float(nll_d.mean().exp())
+    d = nll_d - nll_e
+    half = 1.96 * float(d.std()) / math.sqrt(d.numel()) if d.numel() > 1 else float("nan")
+    mean = float(d.mean()) if d.numel() else 0.0
     return {
         "kl_mean": float(kl.clamp_min(0).mean()),
         "top1_agreement": float(top1),
         "ppl_exact": ppl_e,
         "ppl_decoded": ppl_d,
         "dppl_percent": 100.0 * (ppl_d - ppl_e) / ppl_e,
+        "dppl_ci95_percent": (100.0 * math.expm1(mean - half), 100.0 * math.expm1(mean + half)),
     }
 
 

@@ -78,6 +78,19 @@ def test_eval_int8_is_close(kvc_files, capsys):
     assert 0 < r["kl_mean"] < 5e-3
     assert r["top1_agreement"] >= 0.9
     assert abs(r["dppl_percent"]) < 2.0
+    lo, hi = r["dppl_ci95_percent"]  # the interval of the mean holds the mean, and is not a point
+    assert lo < r["dppl_percent"] < hi
+
+
+def test_eval_default_continuation_is_long_but_fits_the_text(kvc_files, capsys):
+    """No --continuation: up to 1024 tokens, as many as the text has after the context; the interval narrows."""
+    code, out, err = run_cli(["eval", str(kvc_files["int8"]), "--text", "gpl3", "--greedy-tokens", "0", "--json"], capsys)
+    assert code == 0, err
+    long = json.loads(out)
+    assert long["continuation_tokens"] == 1024
+    short = eval_json(kvc_files["int8"], capsys, "--greedy-tokens", "0")
+    width = lambda r: r["dppl_ci95_percent"][1] - r["dppl_ci95_percent"][0]  # noqa: E731
+    assert width(long) < width(short)
 
 
 def test_eval_human_output(kvc_files, capsys):
