@@ -41,14 +41,23 @@ import logging
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, cast
 
 from kvcodec.errors import KvcError, KvcFormatError, KvcInputError, KvcStoreError
 from kvcodec.store.keys import DEFAULT_CHUNK, StoreKey, prefix_keys
 from kvcodec.store.options import DEFAULT_MEMORY_BYTES, TierDefaults, parse_size, redact
 from kvcodec.store.ranged import BytesRangeReader, RangeReader
 from kvcodec.store.tenant import AuthRangeReader, NamespaceKeys, Seal, TenantKey
-from kvcodec.store.tiers.base import Entry, EntryInfo, MemoryTier, Tier, as_bytes, check_meta
+from kvcodec.store.tiers.base import (
+    Entry,
+    EntryInfo,
+    HeadCheck,
+    HeadChecking,
+    MemoryTier,
+    Tier,
+    as_bytes,
+    check_meta,
+)
 from kvcodec.store.tiers.registry import open_tier
 
 log = logging.getLogger("kvcodec.store")
@@ -179,6 +188,18 @@ class Store:
             return None
         return seal
 
+    def _head_check(self, key: StoreKey, phys: StoreKey) -> HeadCheck:
+        """The seal check a tier may run on an envelope's header before reading its payload (Tier._check_head):
+        a forgery under our name -- no seal, a seal that does not verify, of another key, or of another length --
+        is refused without the payload crossing the network.  The payload's hashes are checked after the read."""
+        def check(meta: Mapping[str, Any], size: int) -> None:
+            seal = self._ns(key).open(phys, meta, f"entry {key}")
+            if seal.key != key:
+                raise KvcFormatError(f"entry {key}: sealed for {seal.key}")
+            if seal.size != size:
+                raise KvcFormatError(f"entry {key}: payload is {size} bytes, sealed size {seal.size}")
+        return check
+
     # -- core ------------------------------------------------------------------------
     def get_entry(self, key: StoreKey) -> Entry | None:
         """Entry (data + meta) from the first tier holding an authentic copy; back-fills faster tiers.
@@ -189,7 +210,9 @@ class Store:
         """
         phys = self.physical(key)
         for i, t in enumerate(self.tiers):
-            e = t.get_entry(phys)
+            # a tier that reads large objects head first checks our seal before their payload (others: get_entry(key))
+            e = cast(HeadChecking, t).get_entry(phys, head_ok=self._head_check(key, phys)) if t.checks_heads \
+                else t.get_entry(phys)
             if e is None:
                 continue
             seal = self._unseal(t, key, phys, e)

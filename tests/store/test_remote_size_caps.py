@@ -136,3 +136,53 @@ def test_s3_reads_a_large_object_head_first(s3_server):  # noqa: F811
         read.clear()
         assert tier.get_entry(KEY) is None
         assert sum(read) <= HEAD_READ, read
+
+
+def _forgeries(tier, st, key) -> list[bytes]:
+    """Envelopes of the asked (physical) key a writer of the tier can make: no seal; the honest seal copied
+    onto a longer payload.  Only the reader's Store can tell; it does so from the header (its seal check)."""
+    phys = st.physical(key)
+    honest = tier.get_entry(phys)
+    return [encode_envelope(phys, _payload(), {}), encode_envelope(phys, _payload() + b"x", honest.meta)]
+
+
+@pytest.mark.requires_redis
+def test_a_forgery_under_the_asked_name_is_refused_from_its_header(redis_server, monkeypatch):  # noqa: F811
+    import redis
+
+    from kvcodec.store import Store
+
+    monkeypatch.setenv("KVC_STORE_KEY", "5a" * 32)
+    st = Store.open(redis_server.url, memory_bytes=0)
+    assert st.put(KEY, _payload()).ok and st.get(KEY) == _payload()
+    tier = next(t for t in st.tiers if t.persistent)
+    raw = redis.Redis.from_url(redis_server.url)
+    for value in _forgeries(tier, st, KEY):
+        raw.set(tier.rkey(st.physical(KEY)), value)
+        before = _net_out(raw)
+        assert st.get(KEY) is None
+        assert _net_out(raw) - before < HEAD_READ + (16 << 10), "the forged payload crossed the network"
+
+
+def test_s3_a_forgery_under_the_asked_name_is_refused_from_its_header(s3_server, monkeypatch):  # noqa: F811
+    from kvcodec.store import Store
+
+    monkeypatch.setenv("KVC_STORE_KEY", "5a" * 32)
+    st = Store.open(s3_server.url("forged"), memory_bytes=0)
+    assert st.put(KEY, _payload()).ok and st.get(KEY) == _payload()
+    tier = next(t for t in st.tiers if t.persistent)
+    read: list[int] = []
+    inner = tier._read_body
+
+    def counted(resp, op, limit=None, exact=False):
+        out = inner(resp, op, limit, exact)
+        read.append(len(out))
+        return out
+
+    for value in _forgeries(tier, st, KEY):
+        tier.s3.put_object(Bucket=tier.bucket, Key=tier.name_of(st.physical(KEY)), Body=value)
+        read.clear()
+        tier._read_body = counted
+        assert st.get(KEY) is None
+        tier._read_body = inner
+        assert sum(read) <= HEAD_READ, read

@@ -37,7 +37,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol
 from urllib.parse import parse_qsl, urlsplit
 
 from kvcodec.errors import KvcFormatError, KvcInputError, KvcStoreError
@@ -57,6 +57,17 @@ DEFAULT_MAX_ENTRY = 1 << 30     # largest object a remote tier reads (URL option
 HEAD_FIRST = 1 << 20            # remote objects larger than this are read head first (Tier._check_head)
 HEAD_READ = 64 << 10            # bytes of such an object read first: the fixed part and (nearly always) the header
 OVERSIZE_WARN_EVERY = 60.0      # seconds between two warnings about oversized objects on one tier
+#: ``head_ok(meta, payload_length)`` given to ``Tier.get_entry`` by the Store: raises KvcFormatError when the
+#: entry an envelope header describes must not be read (its seal does not verify for the asked key, or seals
+#: another length), so a tier that reads large objects head first refuses a forgery before its payload
+HeadCheck = Callable[[Mapping[str, Any], int], None]
+
+
+class HeadChecking(Protocol):
+    """What a tier declaring ``checks_heads`` offers: ``get_entry`` with the Store's ``head_ok`` (Redis, S3)."""
+
+    def get_entry(self, key: StoreKey, head_ok: HeadCheck | None = None) -> Entry | None: ...
+
 MAX_META = 64 * 1024          # user metadata (checked by the Store)
 MAX_TIER_META = MAX_HEADER - 4096  # what a tier accepts: user metadata + the seal
 
@@ -271,6 +282,7 @@ class Tier:
     supports_deletes = True
     supports_listing = True
     supports_ranges = False
+    checks_heads = False  # get_entry honours ``head_ok`` (reads large objects head first): the Store passes it
     persistent = True
     remote = False
     guard: OutageGuard | None = None
@@ -343,25 +355,32 @@ class Tier:
         self.counters.add(hits=1)
         return e
 
-    def _check_head(self, head: bytes, size: int, key: StoreKey, what: str) -> int | None:
-        """An object of ``size`` bytes over :data:`HEAD_FIRST`, judged by its first bytes before its payload is read.
+    def _check_head(self, head: bytes, size: int, key: StoreKey, what: str, more: Callable[[int], bytes],
+                    head_ok: HeadCheck | None = None) -> bytes | None:
+        """An object of ``size`` bytes over :data:`HEAD_FIRST`, judged by its envelope's fixed part and header
+        before its payload is read.
 
         Why: whoever can write a shared tier can plant large values under the names readers ask for; an intact
-        envelope of *another* key must be kept (it may be someone's), so without this every read of it would
-        move the whole value before refusing it.  ``head`` holds at least the fixed part.  Returns the
-        envelope's header length when the payload should be read (the header is in ``head`` only if
-        ``FIXED_SIZE + header length <= len(head)``; the caller reads the rest), or None: a counted miss --
-        another key's envelope (kept), or one whose announced size is not the object's (corrupt; the caller's
-        full read would refuse it too).
+        envelope of *another* key must be kept (it may be someone's), and a forgery under the asked key is
+        refused only by its seal, so without this every read of either would move the whole value before
+        refusing it.  ``head`` holds the object's first bytes (at least the fixed part); ``more(n)`` reads the
+        next ``n`` (the rest of a header longer than ``head``).  ``head_ok``: the Store's seal check.  Returns
+        the bytes read so far (fixed part and whole header at least) when the payload should be read, or None:
+        a counted miss -- another key's envelope (kept), one whose announced size is not the object's, or
+        whose seal ``head_ok`` refuses (corrupt, kept: the caller's full read would refuse it too).
         """
         try:
             hl, dl, _ = parse_fixed(head[:FIXED_SIZE], what)
             if FIXED_SIZE + hl + dl != size:
                 raise KvcFormatError(f"{what}: size {size} != {FIXED_SIZE + hl + dl} announced (truncated or padded)")
-            if FIXED_SIZE + hl <= len(head):
-                h = parse_header(head[FIXED_SIZE:FIXED_SIZE + hl], what)
-                if h["key"] != key.to_str():
-                    raise KeyMismatch(f"{what}: holds key {str(h['key'])[:200]}, expected {key.to_str()}")
+            if FIXED_SIZE + hl > len(head):
+                head += more(FIXED_SIZE + hl - len(head))
+            h = parse_header(head[FIXED_SIZE:FIXED_SIZE + hl], what)
+            if h["key"] != key.to_str():
+                raise KeyMismatch(f"{what}: holds key {str(h['key'])[:200]}, expected {key.to_str()}")
+            if head_ok is not None:
+                meta = h.get("meta", {})
+                head_ok(meta if isinstance(meta, dict) else {}, dl)
         except KeyMismatch as err:
             self.counters.add(misses=1)
             self._warn_rarely(f"{err}; treated as a miss, payload not read")
@@ -370,7 +389,7 @@ class Tier:
             self.counters.add(corrupt=1, misses=1)
             self._warn_rarely(f"{err}; treated as a miss, payload not read")
             return None
-        return hl
+        return head
 
     def _capped_envelope(self, key: StoreKey, data: Any, meta: Mapping[str, Any] | None, created: float | None,
                          limit: int, what: str) -> bytes:

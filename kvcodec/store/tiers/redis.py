@@ -14,7 +14,7 @@ URL: ``redis://[[user]:password@]host:port/db`` or ``rediss://...`` (TLS), or
   ``GET`` only if it fits), so an oversized value is a counted miss that never
   crosses the network; a value over 1 MiB comes back as its first 64 KiB, and
   the rest is read only if that head names the asked key and the value's
-  length (``Tier._check_head``); a server that refuses scripts gets the same
+  length, and the reader's Store accepts its seal (``Tier._check_head``); a server that refuses scripts gets the same
   in separate calls.
 
 Other query options are passed to ``redis.Redis.from_url`` unchanged.
@@ -37,6 +37,7 @@ from kvcodec.store.keys import StoreKey
 from kvcodec.store.options import redact
 from kvcodec.store.outage import OutageGuard
 from kvcodec.store.tiers.base import (
+    HeadCheck,
     DEFAULT_MAX_ENTRY,
     FIXED_SIZE,
     HEAD_FIRST,
@@ -76,6 +77,7 @@ class RedisTier(Tier):
     kind = "redis"
     schemes = ("redis", "rediss", "unix")
     remote = True
+    checks_heads = True
     guard: OutageGuard
 
     def __init__(self, url: str, *, name: str | None = None, client: Any = None) -> None:
@@ -166,17 +168,22 @@ class RedisTier(Tier):
             return [n, self.r.getrange(name, 0, HEAD_READ - 1)]
         return self.r.get(name)
 
-    def get_entry(self, key: StoreKey) -> Entry | None:
+    def get_entry(self, key: StoreKey, head_ok: HeadCheck | None = None) -> Entry | None:
         name = self.rkey(key)
         what = f"redis {name}"
         try:
             buf = self._call("get", lambda: self._get_capped(name))
             if isinstance(buf, list):  # large: the head is checked before the payload is read
-                size, head = int(buf[0]), bytes(buf[1])
-                hl = self._check_head(head, size, key, what)
-                if hl is None:
+                size = int(buf[0])
+
+                def more(n: int, at: int = len(buf[1])) -> bytes:
+                    return bytes(self._call("get", lambda: self.r.getrange(name, at, at + n - 1)))
+
+                head = self._check_head(bytes(buf[1]), size, key, what, more, head_ok)
+                if head is None:
                     return None
-                buf = head + self._call("get", lambda: self.r.getrange(name, len(head), size - 1))
+                start = len(head)
+                buf = head + self._call("get", lambda: self.r.getrange(name, start, size - 1))
         except KvcStoreError:
             self.counters.add(errors=1, misses=1)
             return None

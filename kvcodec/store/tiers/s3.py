@@ -20,7 +20,8 @@ URL.  Query options:
   response metadata, before its body is read) and reads at most that much, so
   an oversized object is a counted miss whose body is never read; of an object
   over 1 MiB the first 64 KiB are read first, and the rest only if that head
-  names the asked key and the object's length (``Tier._check_head``).
+  names the asked key and the object's length, and the reader's Store accepts its
+  seal (``Tier._check_head``).
 
 Guarantees: an object becomes visible whole or not at all (single PUT, or
 multipart completion), so readers never see a partial entry; every read
@@ -41,6 +42,7 @@ from kvcodec.store.keys import StoreKey
 from kvcodec.store.outage import OutageGuard
 from kvcodec.store.ranged import RangeReader
 from kvcodec.store.tiers.base import (
+    HeadCheck,
     DEFAULT_MAX_ENTRY,
     HEAD_FIRST,
     HEAD_READ,
@@ -60,6 +62,7 @@ class S3Tier(Tier):
     kind = "s3"
     schemes = ("s3",)
     supports_ranges = True
+    checks_heads = True
     remote = True
     guard: OutageGuard
 
@@ -150,7 +153,7 @@ class S3Tier(Tier):
             raise KvcStoreError(f"s3 {self.url}: {op} body failed: {e}") from None
 
     # -- Tier interface -----------------------------------------------------------------
-    def get_entry(self, key: StoreKey) -> Entry | None:
+    def get_entry(self, key: StoreKey, head_ok: HeadCheck | None = None) -> Entry | None:
         name = self.name_of(key)
         try:
             resp = self._call("get", self.s3.get_object, Bucket=self.bucket, Key=name)
@@ -161,8 +164,10 @@ class S3Tier(Tier):
                 return None
             if resp is not None and size is not None and size > HEAD_FIRST:
                 # large: its head is checked before the payload is read (one GET: the body is a stream)
-                head = self._read_body(resp, "get", HEAD_READ, exact=True)
-                if self._check_head(head, size, key, f"s3 {self.bucket}/{name}") is None:
+                head = self._check_head(self._read_body(resp, "get", HEAD_READ, exact=True), size, key,
+                                        f"s3 {self.bucket}/{name}",
+                                        lambda n: self._read_body(resp, "get", n, exact=True), head_ok)
+                if head is None:
                     resp["Body"].close()
                     return None
                 buf = head + self._read_body(resp, "get", size - len(head))
