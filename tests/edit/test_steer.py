@@ -119,3 +119,18 @@ def test_a_steered_entry_is_not_steered_again_nor_edited_blindly(lm, steered):
         steer(lm, res.data, [(0, 0)], token_spans=[(0, 3)])
     with pytest.raises(KvcFormatError, match="attention bias"):
         append(lm, res.data, text="more")
+
+
+def test_the_profiled_heads_help_on_the_key_fact_task(lm):
+    """A held-out example of the benchmark's task: steering the heads profiled for SmolLM2 (layers 20, 23, 24,
+    BENCHMARKS.md) toward the asked fact raises the right answer's margin over the best wrong one."""
+    from kvcodec.edit.steer import steer_cache
+    from kvcodec.edit.steer_profile import answer_margin, fact_examples
+    from kvcodec.models.capture import capture
+
+    heads = [(layer, h) for layer in (20, 23, 24) for h in range(model_attention_heads(lm))]
+    for ex in fact_examples(lm.tokenizer, ["c-stdio"], 1, seed=5):
+        plain = answer_margin(lm, capture(lm, token_ids=ex.context), ex)
+        bias = pasta_bias(lm, heads, [ex.span], len(ex.context))
+        steered = answer_margin(lm, steer_cache(lm, ex.context, bias), ex, bias)
+        assert steered > plain + 1.0 and steered > 0
