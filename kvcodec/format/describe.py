@@ -87,5 +87,9 @@ def describe(r: Any, path: str) -> dict[str, Any]:
         "context_kv_elements": ctx_elems,
         "bits_per_context_element": None if kept is None else bits_per_element(sz["file"], ctx_elems),
         "sizes": sz,
-        "meta": hd.meta,
+        "meta": hd.meta,  # an edited file's edit log is meta["edits"] (spec section 4.5)
+        # required feature bit 1 (spec section 4.6): only a loader that applies it may use the K/V
+        "attention_bias": None if hd.attention_bias is None else {
+            "attention_heads": hd.attention_bias.attention_heads, "biased_heads": len(hd.attention_bias.entries),
+            "layers": hd.attention_bias.layers()},
     }

@@ -79,3 +79,10 @@ def test_bias_golden_vectors_hold():
     from kvcodec.testing.golden import check_bias_vectors
 
     assert check_bias_vectors() == []
+
+
+def test_kvc_info_names_the_bias():
+    from kvcodec.format.describe import describe
+
+    with KvcReader(biased()) as r:
+        assert describe(r, "x.kvc")["attention_bias"] == {"attention_heads": 4, "biased_heads": 2, "layers": [0, 1]}
