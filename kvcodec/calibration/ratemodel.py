@@ -13,6 +13,7 @@ Format (JSON, ``kvcodec-ratemodel`` version 1)::
      "beta": b,                # alpha grows as (tokens / t_ref) ** beta
      "t_ref": 1024,
      "rival_per_step": g,      # near-lossless: max rival logit gain per unit step0 (linear law)
+     "presets_sha256": ...,    # the preset settings it was fitted for (others: refitted)
      "fit": [...]}             # the fit's measurements, for the record
 """
 
@@ -49,6 +50,7 @@ class RateModel:
     rival_per_step: float | None = None
     fit: list[dict[str, Any]] = field(default_factory=list)
     fit_s: float | None = None  # seconds the fit took
+    presets_sha256: str = ""  # the preset settings it was fitted for: other settings make it stale
 
     def factor(self, preset: str, tokens: int) -> float:
         """``alpha[preset] * (tokens / t_ref) ** beta``: what multiplies the raw prediction of a ``tokens``-token context."""
@@ -81,10 +83,10 @@ class RateModel:
         fid, sha = d.get("fingerprint_id"), d.get("calibration_sha256")
         if not isinstance(fid, str) or not isinstance(sha, str):
             raise bad("binding")
-        fit, fit_s = d.get("fit", []), d.get("fit_s")
+        fit, fit_s, psha = d.get("fit", []), d.get("fit_s"), d.get("presets_sha256", "")
         return cls(fid, sha, {k: float(v) for k, v in alpha.items()}, float(beta), int(t_ref),  # type: ignore[arg-type]
                    None if rps is None else float(rps), fit if isinstance(fit, list) else [],
-                   float(fit_s) if _num(fit_s) else None)  # type: ignore[arg-type]
+                   float(fit_s) if _num(fit_s) else None, psha if isinstance(psha, str) else "")  # type: ignore[arg-type]
 
 
 def _num(v: Any) -> bool:
@@ -120,11 +122,21 @@ def _read(path: Path, cal: Calibration) -> RateModel:
     return rm
 
 
-def load_rate_model(cal: Calibration) -> RateModel | None:
-    """The rate model fitted with ``cal`` (the user's, else the shipped one), or None when there is none yet."""
+def presets_sha256(settings: Any) -> str:
+    """The digest of the settings a rate model is fitted for (the lossy presets' tables, tokenscale defaults merged in)."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def load_rate_model(cal: Calibration, presets_digest: str | None = None) -> RateModel | None:
+    """The rate model fitted with ``cal`` (the user's, else the shipped one) for the settings whose digest is
+    ``presets_digest`` (None: any), or None when there is none yet (a stale one is not used)."""
     for path in (rate_model_path(cal), shipped_rate_model_path(cal)):
         if path.is_file():
-            return _read(path, cal)
+            rm = _read(path, cal)
+            if presets_digest is None or rm.presets_sha256 == presets_digest:
+                return rm
     return None
 
 

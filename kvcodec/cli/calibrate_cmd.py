@@ -25,7 +25,7 @@ def calibrate_command(model, force, basis, as_json) -> None:
     from kvcodec.calibration.ratemodel import load_rate_model, rate_model_path, save_rate_model
     from kvcodec.calibration.store import load_calibration, save_calibration
     from kvcodec.plan.presets import lossy_settings
-    from kvcodec.plan.ratefit import fit_rate_model
+    from kvcodec.plan.ratefit import fit_rate_model, settings_digest
 
     lm = load_model(model)
     fid = lm.fingerprint.id
@@ -37,7 +37,7 @@ def calibrate_command(model, force, basis, as_json) -> None:
         cal = build_calibration(lm, timings=timings, full_basis=basis == "full")
         save_calibration(cal, fid)
         timings.setdefault("total_s", time.perf_counter() - t0)
-    rm = None if built else load_rate_model(cal)
+    rm = None if built else load_rate_model(cal, settings_digest(lossy_settings()))
     fitted = rm is None
     if rm is None:  # a new calibration makes the old rate model stale: it is bound to the calibration's sha256
         rm = fit_rate_model(lm, cal, lossy_settings())

@@ -142,8 +142,22 @@ def cache_importance(lm: Any, cache: Any, window: int | None = DEFAULT_WINDOW) -
                           position_ids=torch.arange(start, T).reshape(1, -1), use_cache=True)
 
 
+def floored(w: np.ndarray, floor: float) -> np.ndarray:
+    """``w`` normalised to sum 1, with ``floor`` of the total spread uniformly: ``(1 - floor) w / sum w + floor / n``."""
+    w = np.maximum(np.asarray(w, np.float64), 0.0)
+    if not 0.0 <= floor < 1.0:
+        raise KvcInputError(f"tokenscale floor must be in [0, 1), got {floor!r}")
+    n, total = w.size, float(w.sum())
+    if n == 0:
+        return w
+    if total <= 0:
+        return np.full(n, 1.0 / n)
+    return (1.0 - floor) * w / total + floor / n
+
+
 def token_multipliers(w: np.ndarray, sink: int, n_classes: int = 16, log2_step: float = 0.5,
-                      min_log2: float = -2.0, power: float = 0.5, max_log2: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+                      min_log2: float = -2.0, power: float = 0.5, max_log2: float | None = None,
+                      floor: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """Step-multiplier classes of the coded tokens (tokens >= ``sink``) of one layer.
 
     ``w`` [T]: importance. Ideal multiplier ``m_t = (w_t / w_ref)^-power``,
@@ -151,9 +165,13 @@ def token_multipliers(w: np.ndarray, sink: int, n_classes: int = 16, log2_step: 
     uniform step (``sum w m^2 = sum w`` over coded tokens): the ``step0`` knob
     keeps its meaning. ``log2 m`` is rounded to multiples of ``log2_step`` and
     clamped to ``[min_log2, min(max_log2, min_log2 + (n_classes-1) log2_step)]``.
+    ``floor`` > 0 first spreads that fraction of the coded tokens' importance uniformly (:func:`floored`).
     Returns (classes uint8 [T - sink], table float32 [n_classes]: 2**(min_log2 + c*log2_step)).
     """
-    w = np.maximum(np.asarray(w, np.float64)[sink:], 1e-30)
+    w = np.asarray(w, np.float64)[sink:]
+    if floor:
+        w = floored(w, floor)
+    w = np.maximum(w, 1e-30)
     if max_log2 is not None:
         n_classes = max(1, min(n_classes, int(np.floor((max_log2 - min_log2) / log2_step + 1e-9)) + 1))
     table_l2 = min_log2 + log2_step * np.arange(n_classes)

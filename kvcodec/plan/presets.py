@@ -131,7 +131,7 @@ _CHECKS: dict[str, tuple[Any, str]] = {
     "deadzone": (lambda v: _number(v) and 0 <= v < 0.5, "a number in [0, 0.5)"),
     "max_bits": (lambda v: _int(v) and 1 <= v <= 16, "an integer in [1, 16] (over 8: quantize v2's 16-bit codes)"),
     "calibration": (lambda v: v in ("external", "embedded"), "'external' or 'embedded'"),
-    "tokenscale": (_tokenscale_ok, "null or an object with keys from window, bits, log2_step, min_log2, power, max_log2, kinds"),
+    "tokenscale": (_tokenscale_ok, "null or an object with keys from window, bits, log2_step, min_log2, power, max_log2, kinds, floor"),
     "level": (_level_ok, "an integer zstd level in [-7, 19]"),
 }
 

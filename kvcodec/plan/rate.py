@@ -44,6 +44,7 @@ import numpy as np
 from kvcodec.calibration.ratemodel import RateModel
 from kvcodec.calibration.record import Calibration
 from kvcodec.errors import KvcInputError
+from kvcodec.plan.importance import floored
 
 AIM = 0.6  # predicted KL = AIM x the preset's KL target (the measured spread of alpha is ~ +-1.6x)
 RIVAL_AIM = 1.0  # near-lossless: rival gain at the step = this x its bound (the law's slope is already a max over fit texts)
@@ -81,8 +82,11 @@ def _projections(cal: Calibration) -> Any:
 
 
 def coefficients(cache: Any, cal: Calibration, sink: int, importance: np.ndarray | None = None,
-                 max_tokens: int | None = SEARCH_TOKENS) -> Coefficients:
+                 max_tokens: int | None = SEARCH_TOKENS, floor: float = 0.0) -> Coefficients:
     """The cache's coefficients in the calibration's full basis (all D columns), per (layer, kind).
+
+    Token weights: ``importance`` over the coded tokens, floored like tokenscale's classes
+    (:func:`kvcodec.plan.importance.floored`: the same prior that the continuation may read any token).
 
     torch, not numpy, for the products: numpy's BLAS spins its own threads, which cost 3x the
     work itself on a shared 2-core machine; torch follows the process's thread setting.
@@ -109,7 +113,8 @@ def coefficients(cache: Any, cal: Calibration, sink: int, importance: np.ndarray
             row.append(((x - mean[l, ki][:, None, :]) @ proj[l, ki]).numpy())
         ys.append(row)
         if importance is not None and importance.shape[-1] == cache.num_tokens:
-            wl = np.maximum(np.asarray(importance[l], np.float64)[first + keep], 0.0)
+            coded = np.asarray(importance[l], np.float64)[first + max(0, sink - first):]
+            wl = floored(coded, floor)[keep - keep[0]] if keep.size else np.zeros(0)
         else:
             wl = np.ones(keep.size)
         s = wl.sum()
@@ -168,7 +173,7 @@ def raw_predictor(cache: Any, cal: Calibration, settings: dict[str, Any], import
         opts = {**TOKENSCALE_DEFAULT, **ts}
         classes, table = token_classes(importance, sink, opts)
         mults, kinds = [table[c] for c in classes], opts["kinds"]
-    co = coefficients(cache, cal, sink, importance)
+    co = coefficients(cache, cal, sink, importance, floor=float({**TOKENSCALE_DEFAULT, **(ts or {})}["floor"]))
 
     def predict(step0: float) -> float:
         steps = layer_steps(cal, step0)

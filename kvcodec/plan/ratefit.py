@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcodec.calibration.ratemodel import RateModel, load_rate_model, rate_model_path, save_rate_model
+from kvcodec.calibration.ratemodel import RateModel, load_rate_model, presets_sha256, rate_model_path, save_rate_model
 from kvcodec.calibration.record import Calibration
 from kvcodec.errors import KvcInputError
 
@@ -108,12 +108,21 @@ def fit_rate_model(lm: Any, cal: Calibration, presets: Mapping[str, Mapping[str,
         alpha[preset] = float(math.exp(np.mean(logs)))
     nl = [r["rival_gain"] / r["step0"] for r in fit if r["preset"] == "near-lossless"]
     return RateModel(str(cal.meta["fingerprint_id"]), str(cal.meta["content_sha256"]), alpha, beta, T_REF,
-                     max(nl) if nl else None, fit, round(time.time() - t0, 1))
+                     max(nl) if nl else None, fit, round(time.time() - t0, 1), settings_digest(presets))
+
+
+def settings_digest(presets: Mapping[str, Mapping[str, Any]]) -> str:
+    """What a rate model is fitted for: the presets' settings with the tokenscale defaults merged in."""
+    from kvcodec.plan.pipelines import TOKENSCALE_DEFAULT
+
+    return presets_sha256({n: {**dict(p), "tokenscale": None if p.get("tokenscale") is None else {**TOKENSCALE_DEFAULT, **p["tokenscale"]}}
+                           for n, p in sorted(presets.items())})
 
 
 def ensure_rate_model(lm: Any, cal: Calibration, presets: Mapping[str, Mapping[str, Any]], progress: bool = True) -> RateModel:
-    """``cal``'s rate model: the user's or the shipped one, else fitted once on ``presets`` (with progress) and saved."""
-    rm = load_rate_model(cal)
+    """``cal``'s rate model for ``presets``: the user's or the shipped one, else fitted once (with progress) and saved
+    (also when the one on disk was fitted for other settings)."""
+    rm = load_rate_model(cal, settings_digest(presets))
     if rm is None:
         rm = fit_rate_model(lm, cal, presets, progress=progress)
         save_rate_model(rm, rate_model_path(cal))

@@ -158,3 +158,46 @@ def test_rate_control_lands_inside_the_promise_on_a_held_out_text(lm):
     target = PRESETS["balanced"].target
     assert 0.3 * target.kl <= m["kl_mean"] <= target.kl, (m, r)
     assert m["top1_agreement"] >= target.top1
+
+
+def test_importance_floor_keeps_unseen_tokens_out_of_the_coarsest_class():
+    """A token the last queries never read gets the coarsest class without the floor; with tokenscale's 2 % floor
+    it is coded like a token of average importance / 50: the continuation may read it (pydoc-exec at 4K)."""
+    from kvcodec.plan.importance import floored, token_multipliers
+
+    w = np.r_[np.zeros(4), np.full(100, 1e-9), np.full(20, 1.0)]
+    c0, table = token_multipliers(w, 4, power=0.25, max_log2=3.0)
+    c1, _ = token_multipliers(w, 4, power=0.25, max_log2=3.0, floor=0.02)
+    assert table[c0[:100]].min() == table.max() and table[c1[:100]].max() < table.max()
+    f = floored(w[4:], 0.02)
+    assert f.sum() == pytest.approx(1.0) and f.min() == pytest.approx(0.02 / 120)
+    with pytest.raises(KvcInputError):
+        floored(w, 1.0)
+
+
+def test_a_rate_model_fitted_for_other_settings_is_refitted(lm, tmp_path, monkeypatch):
+    """The rate model records the preset settings it was fitted for; other settings (a changed preset table or
+    tokenscale default) make it stale: ensure_rate_model fits anew instead of predicting with wrong constants."""
+    from kvcodec.calibration import ratemodel
+    from kvcodec.calibration.build import ensure_calibration
+    from kvcodec.plan import ratefit
+    from kvcodec.plan.presets import lossy_settings
+
+    cal = ensure_calibration(lm)
+    monkeypatch.setattr(ratemodel, "rate_model_path", lambda c: tmp_path / "rm.json")
+    monkeypatch.setattr(ratefit, "rate_model_path", lambda c: tmp_path / "rm.json")
+    monkeypatch.setattr(ratemodel, "shipped_rate_model_path", lambda c: tmp_path / "none.json")
+    fits = []
+
+    def fake_fit(lm_, cal_, presets, progress=True):
+        fits.append(1)
+        return ratemodel.RateModel(str(cal_.meta["fingerprint_id"]), str(cal_.meta["content_sha256"]), {"balanced": 1.0},
+                                   0.0, 1024, None, [], 0.0, ratefit.settings_digest(presets))
+
+    monkeypatch.setattr(ratefit, "fit_rate_model", fake_fit)
+    ratefit.ensure_rate_model(lm, cal, lossy_settings())
+    ratefit.ensure_rate_model(lm, cal, lossy_settings())
+    assert len(fits) == 1  # fitted once, then loaded
+    changed = {**lossy_settings(), "balanced": {**lossy_settings()["balanced"], "tokenscale": {"max_log2": 1.0}}}
+    ratefit.ensure_rate_model(lm, cal, changed)
+    assert len(fits) == 2
