@@ -44,11 +44,10 @@ def test_bad_prune_spec_is_one_line(spec, synth_file, tmp_path, capsys):
 def test_bad_target_options(synth_file, tmp_path, capsys):
     out = str(tmp_path / "x.kvc")
     cases = [
-        (["--target-kl", "0.01"], "need --text"),
-        (["--target-kl", "0.01", "--target-dppl", "1", "--text", "gpl3"], "only one of"),
-        (["--text", "gpl3"], "only used with"),
-        (["--target-kl", "0.01", "--text", "gpl3", "--preset", "lossless"], "cannot be used with --preset lossless"),
-        (["--target-kl", "0.01", "--text", "gpl3", "--continuation", "1"], "at least 2"),
+        (["--target-kl", "0.01", "--target-dppl", "1"], "only one of"),
+        (["--text", "gpl3"], "not both"),
+        (["--target-kl", "0.01", "--preset", "lossless"], "cannot be used with --preset lossless"),
+        (["--check"], "not lossy"),
         (["--preset", "no-such-preset", "--prune", "h2o:0.5"], "unknown preset 'no-such-preset'"),
     ]
     for extra, want in cases:

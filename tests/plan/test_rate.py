@@ -83,6 +83,7 @@ def test_rate_model_file_round_trips_and_refuses_tampering(lm, tmp_path):
     rm = ratemodel._read(_model_file(tmp_path, cal), cal)
     assert rm.factor("balanced", 1024) == pytest.approx(1.5)
     assert rm.factor("balanced", 4096) == pytest.approx(1.5 * 4 ** 0.3)
+    assert rm.factor("balanced", 256) == pytest.approx(1.5 * 4 ** ratemodel.SHORT_EXPONENT)  # outside the fit: conservative
     assert rm.factor("near-lossless", 1024) == pytest.approx(math.sqrt(1.5 * 2.0))  # unfitted preset: the mean
     for change in ({"alpha": {"balanced": float("nan")}}, {"alpha": {"balanced": 1e9}}, {"alpha": {}}, {"beta": -1},
                    {"beta": "0.3"}, {"t_ref": 0}, {"rival_per_step": -1.0}, {"version": 99}, {"format": "x"},
