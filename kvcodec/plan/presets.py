@@ -76,7 +76,7 @@ PRESETS: dict[str, PresetInfo] = {
                            QualityTarget(kl=0.01, top1=0.93, dppl_percent=1.0), (3e-4, 0.05)),
     "small": PresetInfo("small", True, True, _LOSSY_KEYS,
                         {"step0": 0.8, "sink": 4, "group": 8, "tokenscale": {"max_log2": 3.0}},
-                        QualityTarget(kl=0.05, top1=0.85, dppl_percent=2.5), (3e-3, 0.2)),
+                        QualityTarget(kl=0.05, top1=0.85, dppl_percent=5.0), (3e-3, 0.2)),
 }
 CONFIG_KEYS = frozenset({"preset"}) | _LOSSY_KEYS | _ZSTD_KEYS
 
