@@ -81,9 +81,9 @@ def test_hf_loader_decodes_where_the_model_lives(lm, device_lm, small_cache, dev
     seen: list[str] = []
     real = KvcReader.read_layer
 
-    def read_layer(self, i, backend=None):
+    def read_layer(self, i, backend=None, **kw):  # kw: the loader's apply_bias (spec/kvc-v1.md 4.6)
         seen.append(backend)
-        return real(self, i, backend)
+        return real(self, i, backend, **kw)
 
     monkeypatch.setattr(KvcReader, "read_layer", read_layer)
     want = hf.load_cache(data, lm, backend="cpu").cache.layers[0]
