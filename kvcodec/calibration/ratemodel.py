@@ -22,13 +22,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import secrets
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvcodec.calibration.record import Calibration
-from kvcodec.calibration.store import SHIPPED_DIR, calibration_dir
+from kvcodec.calibration.store import SHIPPED_DIR, _atomic_write, calibration_dir
 from kvcodec.errors import KvcFormatError
 
 RATE_FORMAT = "kvcodec-ratemodel"
@@ -154,11 +153,6 @@ def load_rate_model(cal: Calibration, presets_digest: str | None = None) -> Rate
 def save_rate_model(rm: RateModel, path: Path) -> Path:
     """Write ``rm`` atomically at ``path`` (sorted keys: a deterministic fit gives identical bytes)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    try:
-        tmp.write_text(json.dumps(rm.to_json(), sort_keys=True, indent=1) + "\n")
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    text = json.dumps(rm.to_json(), sort_keys=True, indent=1) + "\n"
+    _atomic_write(path, lambda tmp: tmp.write_text(text))  # the calibration store's one atomic write
     return path

@@ -242,8 +242,8 @@ def controlled_plan(cache: Any, lm: Any, preset: str, args: dict[str, Any], targ
             step0, bound = s_rg, "rival_gain"
     pred = factor * raw(step0)
     record = {"mode": "check" if check else "predict", "step0": step0, "predicted_kl": pred, "aim_kl": aim,
-              "bound": bound, "factor": factor, "rate_model_fit_s": rm.fit_s, "choose_s": 0.0}
-    record["choose_s"] = round(time.perf_counter() - t0, 3)
+              "bound": bound, "factor": factor, "rate_model_fit_s": rm.fit_s,
+              "choose_s": round(time.perf_counter() - t0, 3)}
     if check:
         from kvcodec.plan.check import guarded_plan
 
