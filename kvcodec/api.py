@@ -140,9 +140,11 @@ def encode(
         if text is None:
             raise KvcInputError("give a cache or capture path, or text= (and model=) to capture")
         from kvcodec.models.capture import capture
+        from kvcodec.plan.presets import score_window
 
         say(f"capturing {'the first ' + str(max_tokens) + ' tokens of ' if max_tokens else ''}the text on the model")
-        cache = capture(get_lm(), text=text, max_tokens=max_tokens)
+        # the prefill observes the token importance the plan reads: no second forward pass at encode
+        cache = capture(get_lm(), text=text, max_tokens=max_tokens, score_window=score_window(preset, overrides))
     elif isinstance(source, KVCache):
         cache = source
     else:

@@ -7,6 +7,7 @@ it bit for bit: float32 products and sums, each rounded separately, in the spec'
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,17 @@ from numba import njit
 from kvcodec.codecs.common import FLOATS, KIND_INDEX, check3, int_param, no_extra
 from kvcodec.core.stage import ArraySpec, ArrayToArray, ChunkContext, SideData, register
 from kvcodec.errors import KvcCodecError, KvcFormatError
+from kvcodec.lru import BoundedLRU
+
+_PROJ: BoundedLRU[tuple] = BoundedLRU(256)
+
+
+def _weak(a: Any) -> Any:
+    try:
+        return weakref.ref(a)
+    except TypeError:  # not weak-referenceable: an always-miss reference
+        return lambda: None
+
 
 def hadamard(n: int) -> np.ndarray:
     """Orthonormal Sylvester Hadamard matrix float32 [n, n] (n a power of two); entries +-1/sqrt(n)."""
@@ -129,13 +141,32 @@ class TransformStage(ArrayToArray):
     def encode(self, arr: np.ndarray, ctx: ChunkContext) -> tuple[np.ndarray, SideData]:
         check3(arr, "transform", FLOATS)
         H, T, D = arr.shape
-        b, m = self.matrices(H, D, ctx)
-        # least-squares coefficients for the (fp16-rounded, slightly non-orthonormal) basis:
-        # y = (x - m) B (B^T B)^-1, so that decode(encode(x)) is as close to x as the basis allows
-        b64 = b.astype(np.float64)
-        proj = np.einsum("hdk,hkj->hdj", b64, np.linalg.inv(np.einsum("hdk,hdj->hkj", b64, b64)))
-        y = np.matmul(arr.astype(np.float32) - m[:, None, :], proj.astype(np.float32))
+        proj, m = self._projection(H, D, ctx)
+        y = np.matmul(arr.astype(np.float32) - m[:, None, :], proj)
         return y.astype(np.float32), {}
+
+    def _projection(self, H: int, D: int, ctx: ChunkContext) -> tuple[np.ndarray, np.ndarray]:
+        """(float32 [H, D, K] least-squares projection, float32 [H, D] mean) of this chunk's basis block.
+
+        The coefficients for the (fp16-rounded, slightly non-orthonormal) basis are
+        ``y = (x - m) B (B^T B)^-1``, so that decode(encode(x)) is as close to x as the basis allows.
+        The projection depends only on the calibration, so it is cached per attachment arrays and block
+        (weak references, as the fused decoder's matrices): every chunk of every file of a model reuses
+        it (the inverse was a third of a whole encode at head_dim 256).
+        """
+        K = D if self.k is None else self.k
+        B = ctx.attachments.get(f"{self.attachment}.basis") if self.basis != "hadamard" else None
+        M = ctx.attachments.get(f"{self.attachment}.mean") if self.basis != "hadamard" else None
+        key = (self.basis, id(B), id(M), ctx.layer, ctx.kind, int(ctx.extra.get("head_start", 0)), H, D, K)
+        ref = () if B is None else (B, M)
+        hit = _PROJ.get(key)
+        if hit is not None and all(w() is a for w, a in zip(hit[2], ref)):
+            return hit[0], hit[1]
+        b, m = self.matrices(H, D, ctx)  # validates (raises KvcFormatError)
+        b64 = b.astype(np.float64)
+        proj = np.einsum("hdk,hkj->hdj", b64, np.linalg.inv(np.einsum("hdk,hdj->hkj", b64, b64))).astype(np.float32)
+        _PROJ.put(key, (proj, m, tuple(_weak(a) for a in ref)))
+        return proj, m
 
     def decode(self, arr: np.ndarray, side: SideData, spec: ArraySpec, ctx: ChunkContext) -> np.ndarray:
         no_extra(side, "transform", set())

@@ -43,6 +43,21 @@ _DTYPES = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch
 
 
 
+@dataclass(frozen=True)
+class AttentionScores:
+    """Per (layer, token) mean ``a^2`` of a context's last ``window`` queries (all query heads), measured
+    during the very prefill that produced a cache (:func:`kvcodec.models.capture.capture`).
+
+    Why it rides on the cache: the encoder's token importance (tokenscale, rate control) needs these
+    attention weights, and recomputing them after the fact is a second forward pass (a whole prefill
+    for a model with sliding-window layers, whose cache dropped the keys those queries read). Observed
+    during capture they cost a few percent of the prefill. ``window`` None: every query.
+    """
+
+    window: int | None
+    scores: np.ndarray  # [layers, context tokens] float64
+
+
 @dataclass
 class KVCache:
     keys: list[torch.Tensor]
@@ -51,6 +66,9 @@ class KVCache:
     fingerprint: ModelFingerprint
     positions: np.ndarray | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    # token importance observed at capture (AttentionScores); not stored in any file, dropped by every
+    # derived cache whose tokens differ (prefix, pruning); an unpruned cache's only
+    attention: AttentionScores | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         self.token_ids = np.asarray(self.token_ids, dtype=np.int64).reshape(-1)
@@ -122,6 +140,11 @@ class KVCache:
         if self.positions is None and max(self.layer_tokens) > t:
             raise KvcFormatError(f"a layer holds {max(self.layer_tokens)} tokens but the cache has only "
                                  f"{self.num_context_tokens} token ids and no positions")
+        if self.attention is not None:
+            sc = self.attention.scores
+            if self.positions is not None or not isinstance(sc, np.ndarray) or sc.shape != (fp.num_layers, self.num_context_tokens):
+                raise KvcFormatError(f"attention scores of shape {getattr(sc, 'shape', None)} do not fit this cache "
+                                     f"({fp.num_layers} layers x {self.num_context_tokens} context tokens, unpruned)")
         if self.positions is not None:
             if self.ragged:
                 raise KvcFormatError("a pruned cache (with positions) must hold the same tokens in every layer")
@@ -157,7 +180,7 @@ class KVCache:
     def to(self, dtype: torch.dtype) -> "KVCache":
         return KVCache(
             [k.to(dtype) for k in self.keys], [v.to(dtype) for v in self.values],
-            self.token_ids, self.fingerprint, self.positions, dict(self.meta),
+            self.token_ids, self.fingerprint, self.positions, dict(self.meta), self.attention,
         )
 
 

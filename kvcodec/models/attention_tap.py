@@ -14,7 +14,10 @@ import contextlib
 import threading
 from typing import Any, Iterator, Protocol
 
+from kvcodec.errors import KvcInputError
+
 ATTN_NAME = "kvc_tap_sdpa"
+_CHUNK = 128  # query rows per softmax block: bounds the collector's memory at any context length
 _STATE = threading.local()
 
 
@@ -57,3 +60,67 @@ def tapped(lm: Any, collector: Collector) -> Iterator[Collector]:
     finally:
         cfg._attn_implementation = old
         _STATE.collector = None
+
+
+class ImportanceCollector:
+    """Per layer, the mean ``a`` and ``a^2`` of the context's last ``window`` queries over every key position.
+
+    Queries and keys are placed by absolute position: both end at the context's
+    last token ``total - 1`` (a causal layer's last key is its last query's own),
+    so the same collector serves a full prefill (queries = keys = the context)
+    and a forward of only the last queries over the cached prefix (keys = past
+    + those queries; a sliding-window cache layer may hand over fewer keys).
+    """
+
+    def __init__(self, window: int | None, total: int, attention_windows: list[int | None] | None = None,
+                 squared: bool = True) -> None:
+        self.window = window
+        self.total = total
+        self.attention_windows = attention_windows or []
+        self.squared = squared  # collect mean a^2 (tokenscale, rate control) or mean a (H2O)
+        self.scores: dict[int, Any] = {}
+
+    def add(self, layer: int, query: Any, key: Any, scaling: float) -> None:
+        import torch
+
+        q, k = query[0].float(), key[0].float()
+        hq, tq, _ = q.shape
+        hkv, tk, _ = k.shape
+        T = self.total
+        if not tq <= tk <= T:
+            raise KvcInputError(f"importance scoring got {tq} queries over {tk} keys of a {T}-token context")
+        q0, k0 = T - tq, T - tk  # absolute positions of the first query and the first key
+        k_rep = k.repeat_interleave(hq // hkv, dim=0).transpose(1, 2)
+        start = q0 if self.window is None else max(q0, T - self.window)
+        acc = torch.zeros(tk, dtype=torch.float64)
+        kpos = torch.arange(k0, T)
+        sw = self.attention_windows[layer] if layer < len(self.attention_windows) else None
+        for a in range(start, T, _CHUNK):
+            b = min(T, a + _CHUNK)
+            logits = torch.matmul(q[:, a - q0:b - q0], k_rep)
+            logits.mul_(scaling)
+            qpos = torch.arange(a, b)[:, None]
+            if sw is None:  # causal: only keys after the block's first query can be hidden (masking the rest is a no-op)
+                c0 = a + 1 - k0
+                tail = logits[:, :, c0:]
+                tail.masked_fill_(kpos[None, c0:] > qpos, float("-inf"))
+            else:  # the layer's own mask: a sliding layer's query sees only its last `sw` keys
+                logits.masked_fill_((kpos[None, :] > qpos) | (kpos[None, :] <= qpos - sw), float("-inf"))
+            p = torch.softmax(logits, dim=-1)
+            if self.squared:
+                p.mul_(p)
+            acc += p.sum((0, 1)).double()
+        scores = torch.zeros(T, dtype=torch.float64)
+        scores[k0:] = acc
+        if sw is not None:  # no future query (position >= T) can see keys k <= T - sw: no importance at all
+            scores[: max(0, T - sw + 1)] = 0.0
+        self.scores[layer] = (scores / ((T - start) * hq)).numpy()
+
+    def stacked(self, num_layers: int) -> Any:
+        """The scores of every layer, [num_layers, total] float64; one line if a layer never reached the tap."""
+        import numpy as np
+
+        missing = [i for i in range(num_layers) if i not in self.scores]
+        if missing:
+            raise KvcInputError(f"no attention scores for layers {missing[:5]} (unsupported model?)")
+        return np.stack([self.scores[i] for i in range(num_layers)])

@@ -119,9 +119,29 @@ def capture(
     token_ids: np.ndarray | None = None,
     max_tokens: int | None = None,
     full_layers: bool = False,
+    score_window: int | None = None,
 ) -> KVCache:
     """KV cache of ``text`` (or ``token_ids``), truncated to ``max_tokens``; a sliding-window layer keeps only
-    its window unless ``full_layers`` (:func:`prefill`)."""
+    its window unless ``full_layers`` (:func:`prefill`).
+
+    ``score_window`` (an encoder's token-importance window): the prefill also observes the attention of the
+    context's last ``score_window`` queries and attaches it (``cache.attention``), so the encoder needs no
+    second forward pass (:func:`kvcodec.plan.importance.cache_importance`). The keys and values are those
+    of a plain prefill, bit for bit; the observation costs a few percent of it.
+    """
     ids = context_ids(lm, text, token_ids, max_tokens)
-    past, _ = prefill(lm, ids, full_layers=full_layers)
-    return cache_from_hf(past, ids, lm, meta={"model": lm.name})
+    if score_window is None:
+        past, _ = prefill(lm, ids, full_layers=full_layers)
+        return cache_from_hf(past, ids, lm, meta={"model": lm.name})
+    if isinstance(score_window, bool) or not isinstance(score_window, int) or score_window <= 0:
+        raise KvcInputError(f"score_window must be a positive number of queries, got {score_window!r}")
+    from kvcodec.core.kvcache import AttentionScores
+    from kvcodec.models.attention_tap import ImportanceCollector, tapped
+
+    col = ImportanceCollector(score_window, len(ids), list(lm.layout.windows or ()), squared=True)
+    with tapped(lm, col):
+        past, _ = prefill(lm, ids, full_layers=full_layers)
+    cache = cache_from_hf(past, ids, lm, meta={"model": lm.name})
+    cache.attention = AttentionScores(score_window, col.stacked(lm.fingerprint.num_layers))
+    cache.validate()
+    return cache

@@ -28,79 +28,19 @@ from typing import Any
 import numpy as np
 
 from kvcodec.models.cachelayout import cache_for_model
-from kvcodec.models.attention_tap import tapped
+from kvcodec.models.attention_tap import ImportanceCollector, tapped
 from kvcodec.errors import KvcInputError
 
 DEFAULT_WINDOW = 256
-_CHUNK = 128
-
-
-class _Collector:
-    """Per layer, the mean ``a`` and ``a^2`` of the context's last ``window`` queries over every key position.
-
-    Queries and keys are placed by absolute position: both end at the context's
-    last token ``total - 1`` (a causal layer's last key is its last query's own),
-    so the same collector serves a full prefill (queries = keys = the context)
-    and a forward of only the last queries over the cached prefix (keys = past
-    + those queries; a sliding-window cache layer may hand over fewer keys).
-    """
-
-    def __init__(self, window: int | None, total: int, attention_windows: list[int | None] | None = None,
-                 squared: bool = True) -> None:
-        self.window = window
-        self.total = total
-        self.attention_windows = attention_windows or []
-        self.squared = squared  # collect mean a^2 (tokenscale, rate control) or mean a (H2O)
-        self.scores: dict[int, Any] = {}
-
-    def add(self, layer: int, query: Any, key: Any, scaling: float) -> None:
-        import torch
-
-        q, k = query[0].float(), key[0].float()
-        hq, tq, _ = q.shape
-        hkv, tk, _ = k.shape
-        T = self.total
-        if not tq <= tk <= T:
-            raise KvcInputError(f"importance scoring got {tq} queries over {tk} keys of a {T}-token context")
-        q0, k0 = T - tq, T - tk  # absolute positions of the first query and the first key
-        k_rep = k.repeat_interleave(hq // hkv, dim=0).transpose(1, 2)
-        start = q0 if self.window is None else max(q0, T - self.window)
-        acc = torch.zeros(tk, dtype=torch.float64)
-        kpos = torch.arange(k0, T)
-        sw = self.attention_windows[layer] if layer < len(self.attention_windows) else None
-        for a in range(start, T, _CHUNK):
-            b = min(T, a + _CHUNK)
-            logits = torch.matmul(q[:, a - q0:b - q0], k_rep)
-            logits.mul_(scaling)
-            qpos = torch.arange(a, b)[:, None]
-            if sw is None:  # causal: only keys after the block's first query can be hidden (masking the rest is a no-op)
-                c0 = a + 1 - k0
-                tail = logits[:, :, c0:]
-                tail.masked_fill_(kpos[None, c0:] > qpos, float("-inf"))
-            else:  # the layer's own mask: a sliding layer's query sees only its last `sw` keys
-                logits.masked_fill_((kpos[None, :] > qpos) | (kpos[None, :] <= qpos - sw), float("-inf"))
-            p = torch.softmax(logits, dim=-1)
-            if self.squared:
-                p.mul_(p)
-            acc += p.sum((0, 1)).double()
-        scores = torch.zeros(T, dtype=torch.float64)
-        scores[k0:] = acc
-        if sw is not None:  # no future query (position >= T) can see keys k <= T - sw: no importance at all
-            scores[: max(0, T - sw + 1)] = 0.0
-        self.scores[layer] = (scores / ((T - start) * hq)).numpy()
 
 
 def _tapped_scores(lm: Any, ids: Any, window: int | None, total: int, squared: bool, **forward: Any) -> np.ndarray:
     """One forward of ``ids`` (over ``forward``'s past, if any) with the attention tap; [L, total] scores."""
     import torch
 
-    with torch.inference_mode(), tapped(lm, _Collector(window, total, list(lm.layout.windows or ()), squared)) as col:
+    with torch.inference_mode(), tapped(lm, ImportanceCollector(window, total, list(lm.layout.windows or ()), squared)) as col:
         lm.model(input_ids=ids, logits_to_keep=1, **forward)
-    L = lm.fingerprint.num_layers
-    missing = [i for i in range(L) if i not in col.scores]
-    if missing:
-        raise KvcInputError(f"no attention scores for layers {missing[:5]} (unsupported model?)")
-    return np.stack([col.scores[i] for i in range(L)])
+    return col.stacked(lm.fingerprint.num_layers)
 
 
 def attention_importance(lm: Any, token_ids: np.ndarray, window: int | None = DEFAULT_WINDOW,
@@ -120,7 +60,8 @@ def attention_importance(lm: Any, token_ids: np.ndarray, window: int | None = DE
 def cache_importance(lm: Any, cache: Any, window: int | None = DEFAULT_WINDOW) -> np.ndarray | None:
     """:func:`attention_importance` of an unpruned cache's context, or None when it cannot apply (pruned cache).
 
-    Why not a prefill: the cache already holds every key, and the scores need
+    Free when the capture observed it (``cache.attention``, :func:`kvcodec.models.capture.capture`'s
+    ``score_window``) with the same window. Otherwise, why not a prefill: the cache already holds every key, and the scores need
     only the last ``window`` queries. So the model runs just those tokens over
     the cache's own prefix (a causal model's KV prefix is the prefix's KV):
     ``window / T`` of a prefill's work (a quarter at 2K tokens), the same
@@ -128,6 +69,9 @@ def cache_importance(lm: Any, cache: Any, window: int | None = DEFAULT_WINDOW) -
     """
     if cache.positions is not None or cache.num_tokens != cache.num_context_tokens:
         return None
+    seen = cache.attention
+    if seen is not None and seen.window == window:  # observed by the capture's own prefill: no forward at all
+        return seen.scores
     T = int(cache.num_tokens)
     if window is None or window >= T or cache.ragged:
         # ragged: a sliding-window layer dropped the tokens its prefix's window would hold, and rebuilding

@@ -34,7 +34,7 @@ from kvcodec.errors import KvcInputError
 from kvcodec.core.stage import Plan
 from kvcodec.plan.targets import NEAR_TIE, QualityTarget
 
-__all__ = ["PRESETS", "BASELINE_PREFIX", "Plan", "PresetInfo", "available_presets", "check_overrides",
+__all__ = ["PRESETS", "BASELINE_PREFIX", "Plan", "PresetInfo", "available_presets", "check_overrides", "score_window",
            "get_plan", "parse_config", "preset_info"]
 
 BASELINE_PREFIX = "baseline:"
@@ -168,6 +168,21 @@ def _dtype(cache: Any) -> str:
 
 
 RATE_MODES = ("predict", "check", "fixed")
+
+
+def score_window(name: str | None, overrides: Mapping[str, Any] | None = None) -> int | None:
+    """The window of token importance the plan of preset ``name`` (with ``overrides``) reads, or None if it
+    reads none: what a capture made for this encode should observe (``capture(..., score_window=)``), so the
+    encoder runs no forward pass of its own."""
+    if not isinstance(name, str) or name not in PRESETS or not PRESETS[name].lossy:
+        return None
+    ts = {**dict(PRESETS[name].settings), **dict(overrides or {})}.get("tokenscale")
+    if ts is None:
+        return None
+    from kvcodec.plan.pipelines import TOKENSCALE_DEFAULT
+
+    w = {**TOKENSCALE_DEFAULT, **ts}["window"]
+    return w if isinstance(w, int) and not isinstance(w, bool) and w > 0 else None
 
 
 def target_for(info: PresetInfo, target_kl: float | None = None, target_dppl: float | None = None) -> QualityTarget:

@@ -97,6 +97,12 @@ def test_family_flow(family, family_dirs, tmp_path):
     if family in ("mistral", "gemma2"):
         assert cache.ragged
         _continues_like_a_fresh_prefill(lm, cache, ids)
+        # a ragged cache cannot rerun its last queries (their keys were dropped): the capture observes them
+        from kvcodec.plan.importance import attention_importance
+
+        scored = capture(lm, token_ids=ids, score_window=64)
+        assert all(torch.equal(a, b) for a, b in zip(cache.keys + cache.values, scored.keys + scored.values))
+        np.testing.assert_array_equal(scored.attention.scores, attention_importance(lm, ids, 64))
     for preset in ("lossless", "balanced"):
         if preset != "lossless":  # the entry points build a model's calibration once (get_plan only loads it)
             from kvcodec.calibration.build import ensure_calibration

@@ -25,3 +25,44 @@ def test_window_covering_the_context_is_a_prefill(lm, real_cache):
     cache = real_cache(64)
     np.testing.assert_array_equal(cache_importance(lm, cache, 64), attention_importance(lm, cache.token_ids, 64))
     np.testing.assert_array_equal(cache_importance(lm, cache, None), attention_importance(lm, cache.token_ids, None))
+
+
+def test_capture_observes_the_importance_so_the_encoder_runs_no_forward(lm, gpl3_ids, monkeypatch):
+    """capture(score_window=W) attaches exactly the prefill's importance and leaves the KV bit-identical;
+    cache_importance then returns it without touching the model (issue 33: no forward at encode)."""
+    import torch
+
+    from kvcodec.models.capture import capture
+
+    ids = gpl3_ids[:200]
+    plain = capture(lm, token_ids=ids)
+    scored = capture(lm, token_ids=ids, score_window=64)
+    assert all(torch.equal(a, b) for a, b in zip(plain.keys + plain.values, scored.keys + scored.values))
+    assert plain.attention is None and scored.attention.window == 64
+    np.testing.assert_array_equal(scored.attention.scores, attention_importance(lm, ids, 64))
+
+    def no_forward(*a, **k):
+        raise AssertionError("the encoder ran a forward pass")
+
+    monkeypatch.setattr(lm.model, "forward", no_forward)
+    assert cache_importance(lm, scored, 64) is scored.attention.scores
+    with pytest.raises(AssertionError, match="forward pass"):  # another window is measured again, not reused
+        cache_importance(lm, scored, 32)
+
+
+def test_observed_importance_follows_only_caches_of_the_same_tokens(lm, gpl3_ids):
+    import dataclasses
+
+    import torch
+
+    from kvcodec.core.kvcache import AttentionScores
+    from kvcodec.errors import KvcFormatError, KvcInputError
+    from kvcodec.models.capture import capture
+
+    scored = capture(lm, token_ids=gpl3_ids[:96], score_window=32)
+    assert scored.to(torch.float32).attention is scored.attention  # a cast keeps the tokens: the scores stand
+    assert scored.prefix(50).attention is None  # other tokens: measured again if needed
+    with pytest.raises(KvcFormatError, match="attention scores"):
+        dataclasses.replace(scored, attention=AttentionScores(32, scored.attention.scores[:, :50]))
+    with pytest.raises(KvcInputError, match="score_window"):
+        capture(lm, token_ids=gpl3_ids[:16], score_window=0)
