@@ -1,40 +1,52 @@
-"""The KDN paper's Table 1 in miniature: fine-tuning vs in-context learning vs KV-cache learning (issue 17).
+"""The KDN paper's Table 1 on a CPU, measured with answers: fine-tuning vs in-context vs KV-cache learning (issue 34).
 
-Setup, scaled from the paper's (2M-token knowledge base; requests of 8K tokens
-of retrieved knowledge + 2K tokens of chat history, i.e. 80 % / 20 %; Llama 3.1
-70B on 2 A40s) to SmolLM2-135M on this CPU:
+The paper (../shared/papers/kdn-paper.md): a RAG setup, 2M-token knowledge
+base, requests of 8K tokens of retrieved knowledge + 2K tokens of chat
+history (80 : 20), Llama 3.1 70B on 2 A40s. Scaled here to a CPU:
 
-* knowledge base: real texts that exist on a fresh machine (Debian's license
-  texts, CPython's language reference), cut into 256-token chunks; ``--facts``
-  invented facts ("The access code of the Halvorsen archive is 7391.") are
-  planted, one per chunk, in chunks spread over the base;
-* retriever: BM25 (``bm25s``, from PyPI) over the chunks; a request retrieves
-  the top ``--top-k`` chunks for its question;
-* request = retrieved knowledge (``--top-k`` x 256 tokens) + chat history
-  (a quarter of the knowledge's tokens, real text, so knowledge : history =
-  80 : 20 as in the paper) + the question; one request per planted fact.
-
-Methods (same process, same requests, interleaved per request):
-
-* **in-context learning**: a full prefill of prefix + knowledge + history + question
-  (``KnowledgeBase.ask`` on an empty store, nothing stored);
-* **KV-cache learning**: every chunk's KV cache was put once into a store (the
-  KDN's deposit: capture + ``balanced`` encode + put); a request loads its
-  retrieved chunks from the store and composes them with CacheBlend
-  (``KnowledgeBase.ask_blended``, recompute ratio 0.15; the first chunk sits at the
-  prefix position, the others are non-prefix), then prefills history + question;
-* **fine-tuning**: LoRA (``peft``; rank 16 on every projection) trained on all
-  chunks of the knowledge base for ``--ft-steps`` steps; the request is history +
+* knowledge base: real texts of a fresh machine (licenses, Python reference
+  chapters, C headers; ``--texts``), ~68K tokens, with 240 invented facts
+  planted as paragraphs (``--questions``, benchmarks/data/rag_questions.json,
+  written by ``benchmarks/rag_workload.py``; a fifth of them held out: nothing
+  is tuned on them and they are reported apart);
+* requests: the knowledge is the segment of the knowledge base BM25 (bm25s)
+  retrieves for the question (the base is cut into consecutive segments of
+  the request's knowledge size), then ``history`` tokens of real chat history
+  (apt's changelog, a different slice per request), then the question. Shapes:
+  8K + 2K on Gemma 3 270M, 6.4K + 1.6K on SmolLM2 (its window is 8K), and
+  4K + 1K on both (``--shapes``);
+* in-context learning: a full prefill of everything (``KnowledgeBase.ask`` on
+  an empty store);
+* KV-cache learning through the KDN: every segment's KV cache is deposited
+  once into a directory store (capture + ``--preset`` encode + put: the
+  injection time); a request finds the retrieved segment's entry by its
+  token-prefix key, loads it layer by layer and prefills history + question
+  (``KnowledgeBase.ask``). An entry that is missing, corrupt or of another
+  model is answered by prefill and counted (``fallbacks``);
+* fine-tuning: LoRA (peft, rank 16, every projection) trained on the whole
+  knowledge base text in 256-token chunks for ``--ft-epochs`` epochs or
+  ``--ft-budget-s`` seconds, whichever ends first; the request is history +
   question only (the paper's footnote 3: history cannot be pre-learned).
 
-Measured: time to inject the knowledge base (encode + store every chunk, vs
-LoRA training to the loss it reaches, both on this CPU); per request, TTFT
-(request to first answer token) and CPU-seconds (process CPU time of the
-request, all threads); answer quality = share of answers that contain the
-planted fact's value (greedy, 12 tokens). Cost in the paper is dollars at AWS
-prices; here it is CPU-seconds (the ratio is what compares).
+Why one retrieved segment served as a prefix entry, not CacheBlend of many
+chunks: see BENCHMARKS.md "Knowledge injection (the KDN paper's Table 1)".
 
-    python benchmarks/bench_rag.py --json-out benchmarks/results/rag.json
+Measured per request: TTFT (request in to first answer token) and CPU-seconds
+(process CPU time, all threads, from request in to the last answer token);
+per method: exact-match and lenient accuracy, injection wall and CPU-seconds
+for the whole knowledge base, bytes stored. ICL and KV-cache requests are
+interleaved (their order alternates) so contention hits both alike; the
+fine-tuned model's requests run after its training. torch runs on
+``--threads`` threads (1 by default: on this 2-vCPU box with another job
+running, 2 threads made a prefill 3x slower).
+
+Every result goes to ``<out>/results.jsonl`` as it is measured; a rerun with
+the same ``--out`` resumes (deposits, LoRA adapter and requests already done
+are kept), and the summary and table are computed from the file. ``--small``
+runs a minute-scale version of everything.
+
+    python benchmarks/bench_rag.py --small --out rag-small
+    nohup python benchmarks/bench_rag.py --out benchmarks/results/rag-table1 &
 """
 
 from __future__ import annotations
@@ -46,219 +58,418 @@ import os
 import random
 import statistics
 import sys
-import tempfile
 import time
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 import harness
+import rag_workload as w
 
-from kvcodec.atomic import atomic_write_text  # noqa: E402
-from kvcodec.models.capture import capture  # noqa: E402
+from kvcodec.errors import KvcError, KvcInputError  # noqa: E402
 from kvcodec.integrations.hf import greedy_from  # noqa: E402
+from kvcodec.models.capture import capture, max_context, tokenize  # noqa: E402
+from kvcodec.models.load import LoadedModel, load_model  # noqa: E402
 from kvcodec.runtime.knowledge import KnowledgeBase  # noqa: E402
-from kvcodec.models.load import load_model  # noqa: E402
 from kvcodec.store import Store, TenantKey  # noqa: E402
 from kvcodec.texts import load_text  # noqa: E402
 
-TEXTS = ("gpl3", "lgpl21", "apache2", "mpl2", "gpl2", "pydoc")
+METHODS = ("fine-tuning", "in-context learning", "KV-cache learning")
 PAPER = {  # Table 1 of the KDN paper (Llama 3.1 70B, 2 x A40, 8K knowledge + 2K history per request)
     "fine-tuning": {"inject": "10 hours", "cost_usd": 0.0052, "ttft_s": 2.63},
     "in-context learning": {"inject": "0", "cost_usd": 0.0149, "ttft_s": 10.91},
     "KV-cache learning": {"inject": "0.25 hours", "cost_usd": 0.0059, "ttft_s": 2.97},
 }
-NAMES = ["Halvorsen", "Quillby", "Marrowgate", "Tesselin", "Varnholt", "Okonkwo", "Brisendale", "Petrakova"]
-THINGS = ["archive", "observatory", "ferry line", "seed vault", "harbour office", "glass works", "library", "mill"]
+# The paper's shape per shipped model: knowledge : history = 80 : 20 (SmolLM2's window is 8,192 tokens).
+PAPER_SHAPE = {"gemma3-270m": (8192, 2048), "smollm2": (6400, 1600)}
+SMALL_TEXTS = ("apache2", "mpl2")
 
 
-def facts(n: int, rng: random.Random) -> list[tuple[str, str, str]]:
-    """(sentence to plant, question, answer) triples with invented names and numbers."""
+class Results:
+    """The append-only JSONL of one run directory: every measurement, as it is made (resume reads it back)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.rows: list[dict[str, Any]] = []
+        if path.exists():
+            for line in path.read_text(encoding="utf-8").splitlines():
+                if line.strip():
+                    try:
+                        self.rows.append(json.loads(line))
+                    except json.JSONDecodeError:  # a line cut by a killed run: that measurement is redone
+                        continue
+
+    def find(self, **match: Any) -> dict[str, Any] | None:
+        return next((r for r in self.rows if all(r.get(k) == v for k, v in match.items())), None)
+
+    def add(self, row: dict[str, Any]) -> None:
+        row = {**row, "t": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "loadavg": os.getloadavg()[0]}
+        self.rows.append(row)
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(row, default=str) + "\n")
+
+
+def shapes_for(model: str, lm: LoadedModel, which: list[str], small: bool) -> list[tuple[str, int, int]]:
+    """(label, knowledge tokens, history tokens) per requested shape, 80 : 20."""
     out = []
-    for i in range(n):
-        who, what, code = NAMES[i % len(NAMES)], THINGS[i % len(THINGS)], str(rng.randint(1000, 9999))
-        out.append((f" The access code of the {who} {what} is {code}. ",
-                    f"What is the access code of the {who} {what}?", code))
+    for s in which:
+        if small:
+            out.append((s, 1024 if s == "paper" else 512, 256 if s == "paper" else 128))
+        elif s == "paper":
+            if model in PAPER_SHAPE:
+                k, h = PAPER_SHAPE[model]
+            else:  # another model: the largest 80 : 20 request its window holds, up to the paper's 10K
+                k = min(8192, int(0.8 * ((max_context(lm) or 10496) - 256)))
+                h = k // 4
+            out.append((s, k, h))
+        elif s == "4k":
+            out.append((s, 4096, 1024))
+        else:
+            raise KvcInputError(f"unknown shape {s!r} (paper, 4k)")
     return out
 
 
-def build_kb(lm, n_facts: int, rng: random.Random) -> tuple[list[str], list[tuple[str, str, str, int]]]:
-    """256-token chunks of the texts, with facts planted in chunks spread over the base."""
-    tok = lm.tokenizer
-    chunks: list[str] = []
-    for name in TEXTS:
-        ids = tok(load_text(name), add_special_tokens=False)["input_ids"]
-        for s in range(0, len(ids) - 255, 256):
-            chunks.append(tok.decode(ids[s:s + 256]))
-    planted = []
-    spots = rng.sample(range(len(chunks)), n_facts)
-    for (sent, q, a), i in zip(facts(n_facts, rng), spots):
-        words = chunks[i].split(" ")
-        at = len(words) // 2
-        chunks[i] = " ".join(words[:at]) + sent + " ".join(words[at:])
-        planted.append((sent, q, a, i))
-    return chunks, planted
+def pick_requests(facts: list[w.Fact], n: int, seed: int) -> list[w.Fact]:
+    """``n`` facts in a fixed shuffled order (the same on every model and shape), held-in and held-out alike."""
+    order = list(facts)
+    random.Random(seed).shuffle(order)
+    return order[:n]
 
 
-def cpu_timed(fn):
-    """(fn's value, process CPU seconds, wall seconds) of one call."""
+def timed(fn: Any) -> tuple[Any, float, float]:
     with harness.stopwatch() as sw:
         out = fn()
-    return out, sw.cpu, sw.wall
+    return out, float(sw.cpu or 0.0), sw.wall
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--facts", type=int, default=6)
-    ap.add_argument("--top-k", type=int, default=4)
-    ap.add_argument("--kb-chunks", type=int, default=48, help="Chunks in the knowledge base (first N of the texts).")
-    ap.add_argument("--ft-steps", type=int, default=48)
-    ap.add_argument("--seed", type=int, default=17)
-    ap.add_argument("--json-out", default=None, metavar="FILE")
-    run = harness.cli(ap, argv, case="rag")
-    a = run.args
-    n_facts, top_k, kb_chunks, ft_steps, seed, json_out = a.facts, a.top_k, a.kb_chunks, a.ft_steps, a.seed, a.json_out
-    import bm25s
+# -- injection ---------------------------------------------------------------------------------------------------
 
-    rng = random.Random(seed)
-    torch.manual_seed(seed)
-    lm = load_model("smollm2")
-    chunks, planted = build_kb(lm, n_facts, rng)
-    keep = sorted(set(range(min(kb_chunks, len(chunks)))) | {i for *_, i in planted})
-    index_of = {old: new for new, old in enumerate(keep)}
-    chunks = [chunks[i] for i in keep]
-    planted = [(s, q, a, index_of[i]) for s, q, a, i in planted]
-    history_src = lm.tokenizer(load_text("lgpl21"), add_special_tokens=False)["input_ids"]
-    hist_tokens = top_k * 256 // 4  # knowledge : history = 80 : 20, as in the paper
-    retriever = bm25s.BM25()
-    retriever.index(bm25s.tokenize(chunks, stopwords="en", show_progress=False), show_progress=False)
-
-    # -- injection: KV-cache learning (encode + store every chunk) ---------------------------
-    store = Store.open(tempfile.mkdtemp(prefix="bench-rag-"), key=TenantKey(os.urandom(32)))
-    kb = KnowledgeBase(lm, store, preset="balanced")
-    stored_bytes = 0
-    with harness.stopwatch() as sw:
-        for text in chunks:
-            c = capture(lm, token_ids=kb.doc_ids(text))
-            stored_bytes += kb.deposit(c)["bytes"]
-    inject_kv = {"wall_s": sw.wall, "cpu_s": sw.cpu, "chunks": len(chunks), "bytes": stored_bytes}
-    print(f"KV-cache injection: {len(chunks)} chunks in {inject_kv['wall_s']:.1f} s", file=sys.stderr)
-
-    # -- injection: fine-tuning (LoRA) ---------------------------------------------------------
-    inject_ft, ft_model = finetune(lm, chunks, ft_steps, rng)
-    print(f"LoRA: {ft_steps} steps in {inject_ft['wall_s']:.1f} s, loss {inject_ft['loss_first']:.3f} -> "
-          f"{inject_ft['loss_last']:.3f}", file=sys.stderr)
-
-    # -- requests --------------------------------------------------------------------------------
-    rows = []
-    for n, (_sent, q, a, where) in enumerate(planted):
-        got = retriever.retrieve(bm25s.tokenize([q], stopwords="en", show_progress=False), k=top_k,
-                                 show_progress=False)[0][0]
-        docs = [chunks[int(i)] for i in got]
-        s = (n * 997) % max(1, len(history_src) - hist_tokens)
-        history = lm.tokenizer.decode(history_src[s:s + hist_tokens])
-        question = f"Earlier in this conversation:\n{history}\n\nNow answer briefly. {q}"
-        icl, icl_cpu, _ = cpu_timed(lambda: KnowledgeBase(lm, Store.open("mem://"), preset="balanced").ask(
-            docs, question, max_new_tokens=12, store_new=False))
-        kvl, kvl_cpu, _ = cpu_timed(lambda: kb.ask_blended(docs, question, max_new_tokens=12, store_new=False))
-        (ft_ans, ft_ttft), ft_cpu, _ = cpu_timed(lambda: ask_plain(lm, ft_model, kb, question))
-        row = {"question": q, "answer_key": a, "retrieved_fact_chunk": where in [int(i) for i in got],
-               "context_tokens": icl.context_tokens,
-               "in-context learning": {"ttft_s": icl.ttft_s, "cpu_s": icl_cpu, "answer": icl.answer, "correct": a in icl.answer},
-               "KV-cache learning": {"ttft_s": kvl.ttft_s, "cpu_s": kvl_cpu, "answer": kvl.answer, "correct": a in kvl.answer,
-                                     "cached_tokens": kvl.cached_tokens},
-               "fine-tuning": {"ttft_s": ft_ttft, "cpu_s": ft_cpu, "answer": ft_ans, "correct": a in ft_ans}}
-        rows.append(row)
-        print(f"request {n}: " + "; ".join(f"{m} {row[m]['ttft_s']:.2f} s {'OK' if row[m]['correct'] else '--'}"
-                                          for m in PAPER), file=sys.stderr)
-    doc = {"machine": {**harness.machine(), "loadavg": os.getloadavg()},
-           "setup": {"kb_chunks": len(chunks), "kb_tokens": len(chunks) * 256, "top_k": top_k,
-                     "knowledge_tokens": top_k * 256, "history_tokens": hist_tokens, "facts": n_facts,
-                     "ft_steps": ft_steps},
-           "inject": {"KV-cache learning": inject_kv, "fine-tuning": inject_ft},
-           "rows": rows, "paper": PAPER,
-           "command": harness.command_line(run.argv, run.script)}
-    doc["summary"] = summary(doc)
-    if json_out:
-        atomic_write_text(json_out, json.dumps(doc, indent=2, default=str))
-    print(table(doc))
-    run.emit({k: v for k, v in doc.items() if k not in ("machine", "command")})
+def deposit_all(kb: KnowledgeBase, segs: list[str], res: Results, tag: dict[str, Any]) -> None:
+    """Capture, encode and put every segment's KV (the KDN's deposit), one result row per segment."""
+    for i, seg in enumerate(segs):
+        ids, _ = kb.context_ids([seg])
+        if res.find(kind="deposit", seg=i, **tag) and kb.store.contains(kb.key(ids)):
+            continue
+        with harness.stopwatch() as sw:
+            cache = capture(kb.lm, token_ids=ids)
+            d = kb.deposit(cache)
+        res.add({"kind": "deposit", "seg": i, **tag, "tokens": int(len(ids)), "bytes": d["bytes"],
+                 "bits_per_element": d["bits_per_element"], "wall_s": sw.wall, "cpu_s": sw.cpu})
+        print(f"  deposit {tag['model']} {tag['shape']} segment {i + 1}/{len(segs)}: {len(ids)} tokens, "
+              f"{d['bytes']:,} bytes, {sw.wall:.1f} s", file=sys.stderr)
 
 
-def finetune(lm, chunks: list[str], steps: int, rng: random.Random):
-    """LoRA on a copy of the model, one 256-token chunk per step (every chunk in turn, shuffled per epoch)."""
-    from peft import LoraConfig, get_peft_model
+def kb_chunks(lm: LoadedModel, paras: list[str], n: int = 256) -> list[np.ndarray]:
+    """The knowledge base's tokens in ``n``-token training chunks."""
+    ids = tokenize(lm.tokenizer, "\n\n".join(paras))
+    return [ids[s:s + n] for s in range(0, len(ids), n) if len(ids[s:s + n]) > 8]
 
-    model = copy.deepcopy(lm.model)
-    model.train()
+
+def finetune(lm: LoadedModel, chunks: list[np.ndarray], epochs: float, budget_s: float, out_dir: Path,
+             res: Results, seed: int) -> Any:
+    """LoRA on a copy of the model; the adapter is saved so a resumed run reloads it instead of training again."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    tag = {"kind": "ft-train", "model": lm.name}
+    base = copy.deepcopy(lm.model)
+    if res.find(**tag) and (out_dir / "adapter_config.json").exists():
+        return PeftModel.from_pretrained(base, str(out_dir)).eval()
     cfg = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    model = get_peft_model(model, cfg)
+    model = get_peft_model(base, cfg)
+    model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    rng = random.Random(seed)
+    steps_max = max(1, int(epochs * len(chunks)))
+    losses: list[float] = []
     order: list[int] = []
-    losses = []
-    with harness.stopwatch() as sw:
-        for _step in range(steps):
+    with torch.enable_grad(), harness.stopwatch() as sw:
+        while len(losses) < steps_max and sw.elapsed() < budget_s:
             if not order:
                 order = list(range(len(chunks)))
                 rng.shuffle(order)
-            ids = torch.as_tensor(lm.tokenizer(chunks[order.pop()], add_special_tokens=False)["input_ids"]).unsqueeze(0)
+            ids = torch.as_tensor(chunks[order.pop()]).unsqueeze(0)
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
             opt.step()
             opt.zero_grad()
             losses.append(float(loss))
-    wall, cpu = sw.wall, sw.cpu
+            if len(losses) % 25 == 0:
+                print(f"  LoRA {lm.name}: step {len(losses)}/{steps_max}, loss {statistics.mean(losses[-25:]):.3f}, "
+                      f"{sw.elapsed():.0f} s", file=sys.stderr)
     model.eval()
-    k = max(1, min(len(chunks), steps) // 4)
-    return {"wall_s": wall, "cpu_s": cpu, "steps": steps, "epochs": steps / len(chunks),
-            "loss_first": statistics.mean(losses[:k]), "loss_last": statistics.mean(losses[-k:]),
-            "losses": losses}, model
+    model.save_pretrained(str(out_dir))
+    k = max(1, len(losses) // 10)
+    res.add({**tag, "wall_s": sw.wall, "cpu_s": sw.cpu, "steps": len(losses), "chunks": len(chunks),
+             "epochs": len(losses) / len(chunks), "budget_s": budget_s, "stopped_by": "budget" if len(losses) < steps_max
+             else "epochs", "loss_first": statistics.mean(losses[:k]), "loss_last": statistics.mean(losses[-k:]),
+             "adapter_bytes": sum(p.stat().st_size for p in out_dir.iterdir() if p.is_file())})
+    return model
+
+
+# -- one request per method ----------------------------------------------------------------------------------------
+
+def ask_icl(lm: LoadedModel, seg: str, question: str, max_new: int) -> dict[str, Any]:
+    a = KnowledgeBase(lm, Store.open("mem://")).ask([seg], question, max_new_tokens=max_new, store_new=False)
+    return {"answer": a.answer, "ttft_s": a.ttft_s, "context_tokens": a.context_tokens}
+
+
+def ask_kv(kb: KnowledgeBase, seg: str, question: str, max_new: int) -> dict[str, Any]:
+    a = kb.ask([seg], question, max_new_tokens=max_new, store_new=False)
+    return {"answer": a.answer, "ttft_s": a.ttft_s, "source": a.source, "cached_tokens": a.cached_tokens,
+            "fallback": a.source == "prefill", "unreadable": a.unreadable, "timings": a.timings}
 
 
 @torch.inference_mode()
-def ask_plain(lm, model, kb: KnowledgeBase, question: str) -> tuple[str, float]:
-    """The fine-tuned model on chat prefix + question only (no retrieved knowledge)."""
+def ask_ft(lm: LoadedModel, model: Any, kb: KnowledgeBase, question: str, max_new: int) -> dict[str, Any]:
+    """The fine-tuned model on the chat prefix + history + question (no retrieved knowledge)."""
     t0 = time.perf_counter()
     ids = np.concatenate([kb.prefix_ids(), kb.question_ids(question)])
     view = copy.copy(lm)
     view.model = model
-    from transformers import DynamicCache
+    from kvcodec.models.capture import model_cache
 
-    out, first = greedy_from(view, DynamicCache(), 0, ids, 12)
-    return lm.tokenizer.decode(out, skip_special_tokens=True).strip(), first - t0
+    out, first = greedy_from(view, model_cache(lm), 0, ids, max_new)
+    return {"answer": lm.tokenizer.decode(out, skip_special_tokens=True).strip(), "ttft_s": first - t0}
 
 
-def summary(doc: dict) -> dict:
-    out = {}
-    for m in PAPER:
-        rs = [r[m] for r in doc["rows"]]
-        out[m] = {"ttft_s": statistics.median(r["ttft_s"] for r in rs), "cpu_s": statistics.median(r["cpu_s"] for r in rs),
-                  "correct": sum(r["correct"] for r in rs), "requests": len(rs)}
-    out["inject_ratio_ft_over_kv"] = doc["inject"]["fine-tuning"]["wall_s"] / doc["inject"]["KV-cache learning"]["wall_s"]
-    out["retrieval_hits"] = sum(r["retrieved_fact_chunk"] for r in doc["rows"])
+def history_for(hist_ids: np.ndarray, n: int, tokens: int, lm: LoadedModel) -> str:
+    """``tokens`` tokens of real chat history, a different slice per request ``n``."""
+    s = (n * 7919) % max(1, len(hist_ids) - tokens)
+    return str(lm.tokenizer.decode(hist_ids[s:s + tokens]))
+
+
+def record(res: Results, base: dict[str, Any], method: str, fact: w.Fact, out: dict[str, Any], cpu: float) -> None:
+    res.add({**base, "method": method, **out, "cpu_s": cpu, **w.score(out["answer"], fact.answer)})
+
+
+# -- the run ---------------------------------------------------------------------------------------------------------
+
+def run_model(model: str, a: argparse.Namespace, facts: list[w.Fact], texts: list[str], res: Results,
+              out: Path) -> None:
+    lm = load_model(model)
+    paras = w.plant(texts, facts)
+    hist_ids = tokenize(lm.tokenizer, load_text(a.history))
+    reqs = pick_requests(facts, a.requests, a.seed)
+    key = TenantKey.load(out / "tenant.key")
+    plans = []
+    for label, k, h in shapes_for(model, lm, a.shapes, a.small):
+        segs = w.segments(paras, lambda s: len(tokenize(lm.tokenizer, s)), k)
+        homes = {f.id: w.home_segment(segs, f) for f in facts}
+        retriever = w.Retriever(segs)
+        kb = KnowledgeBase(lm, Store.open(str(out / f"store-{model}-{label}"), key=key), preset=a.preset)
+        tag = {"model": model, "shape": label, "knowledge_tokens": k, "history_tokens": h}
+        if not res.find(kind="setup", **tag):
+            res.add({"kind": "setup", **tag, "segments": len(segs), "kb_tokens": sum(len(tokenize(lm.tokenizer, s))
+                     for s in segs), "texts": a.texts, "facts": len(facts), "requests": len(reqs), "preset": a.preset,
+                     "threads": torch.get_num_threads()})
+        plans.append((tag, segs, homes, retriever, kb))
+        served = [m for m in ("in-context learning", "KV-cache learning") if m in a.methods]
+        if "KV-cache learning" in served:
+            deposit_all(kb, segs, res, {"model": model, "shape": label})
+        for n, fact in enumerate(reqs):
+            if all(res.find(kind="request", model=model, shape=label, fact=fact.id, method=m) for m in served):
+                continue
+            got = retriever.top(fact.question)
+            question = w.prompt(history_for(hist_ids, n, h, lm), fact.question)
+            base = {"kind": "request", **tag, "n": n, "fact": fact.id, "split": fact.split,
+                    "retrieved_home": got == homes[fact.id]}
+            first = served if n % 2 == 0 else served[::-1]  # alternate which method goes first
+            for method in first:
+                if res.find(kind="request", model=model, shape=label, fact=fact.id, method=method):
+                    continue
+                if method == "in-context learning":
+                    o, cpu, _ = timed(lambda: ask_icl(lm, segs[got], question, a.max_new_tokens))
+                else:
+                    o, cpu, _ = timed(lambda: ask_kv(kb, segs[got], question, a.max_new_tokens))
+                record(res, base, method, fact, o, cpu)
+            r = {m: res.find(kind="request", model=model, shape=label, fact=fact.id, method=m) for m in first}
+            print(f"  {model} {label} request {n + 1}/{len(reqs)} ({fact.split}, key {fact.answer!r}): " + "; ".join(
+                f"{m.split()[0]} {r[m]['ttft_s']:.2f} s {r[m]['cpu_s']:.1f} CPU-s {'OK' if r[m]['lenient'] else '--'} "
+                f"{r[m]['answer'][:30]!r}" for m in first if r[m]), file=sys.stderr)
+    if "fine-tuning" not in a.methods:
+        return
+    ft = finetune(lm, kb_chunks(lm, paras), a.ft_epochs, a.ft_budget_s, out / f"lora-{model}", res, a.seed)
+    for tag, _segs, _homes, _retriever, kb in plans:
+        for n, fact in enumerate(reqs):
+            if res.find(kind="request", model=model, shape=tag["shape"], fact=fact.id, method="fine-tuning"):
+                continue
+            question = w.prompt(history_for(hist_ids, n, tag["history_tokens"], lm), fact.question)
+            o, cpu, _ = timed(lambda: ask_ft(lm, ft, kb, question, a.max_new_tokens))
+            record(res, {"kind": "request", **tag, "n": n, "fact": fact.id, "split": fact.split}, "fine-tuning",
+                   fact, o, cpu)
+
+
+def pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs, dtype=float), q)) if xs else float("nan")
+
+
+def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One summary per (model, shape), every number computed from the result rows."""
+    out = []
+    groups = sorted({(r["model"], r["shape"]) for r in rows if r["kind"] == "setup"})
+    for model, shape in groups:
+        setup = next(r for r in rows if r["kind"] == "setup" and r["model"] == model and r["shape"] == shape)
+        deps = [r for r in rows if r["kind"] == "deposit" and r["model"] == model and r["shape"] == shape]
+        ft = next((r for r in rows if r["kind"] == "ft-train" and r["model"] == model), None)
+        req = [r for r in rows if r["kind"] == "request" and r["model"] == model and r["shape"] == shape]
+        s: dict[str, Any] = {"model": model, "shape": shape, "knowledge_tokens": setup["knowledge_tokens"],
+                             "history_tokens": setup["history_tokens"], "kb_tokens": setup["kb_tokens"],
+                             "segments": setup["segments"], "requests_planned": setup["requests"],
+                             "threads": setup.get("threads"),
+                             "complete": len(deps) >= setup["segments"], "methods": {}}
+        inj = {"KV-cache learning": {"wall_s": sum(r["wall_s"] for r in deps), "cpu_s": sum(r["cpu_s"] for r in deps),
+                                     "bytes": sum(r["bytes"] for r in deps), "segments_deposited": len(deps)},
+               "in-context learning": {"wall_s": 0.0, "cpu_s": 0.0, "bytes": 0}}
+        if ft:
+            inj["fine-tuning"] = {"wall_s": ft["wall_s"], "cpu_s": ft["cpu_s"], "bytes": ft["adapter_bytes"],
+                                  "steps": ft["steps"], "epochs": ft["epochs"], "stopped_by": ft["stopped_by"],
+                                  "loss_first": ft["loss_first"], "loss_last": ft["loss_last"]}
+        # the requests every method answered (a partial run compares like with like)
+        facts_by = {m: {r["fact"] for r in req if r["method"] == m} for m in METHODS}
+        common = set.intersection(*(v for v in facts_by.values() if v)) if any(facts_by.values()) else set()
+        for m in METHODS:
+            rs = [r for r in req if r["method"] == m and r["fact"] in common]
+            if not rs:
+                continue
+            ms: dict[str, Any] = {"requests": len(rs), "inject": inj.get(m)}
+            for split in ("all", "held-in", "held-out"):
+                sub = [r for r in rs if split == "all" or r["split"] == split]
+                ms[split] = {"n": len(sub), "exact": sum(r["exact"] for r in sub) / max(1, len(sub)),
+                             "lenient": sum(r["lenient"] for r in sub) / max(1, len(sub))}
+            for k in ("ttft_s", "cpu_s"):
+                xs = [r[k] for r in rs]
+                ms[k] = {"p50": pct(xs, 50), "p99": pct(xs, 99), "mean": statistics.mean(xs)}
+            if m == "KV-cache learning":
+                ms["fallbacks"] = sum(bool(r.get("fallback")) for r in rs)
+                ms["retrieved_home"] = sum(bool(r.get("retrieved_home")) for r in rs)
+            s["methods"][m] = ms
+        out.append(s)
     return out
 
 
-def table(doc: dict) -> str:
-    s, inj, p = doc["summary"], doc["inject"], PAPER
-    lines = ["| method | time to inject (ours) | paper | CPU-s per request (median) | paper $ | TTFT s (median) | paper s | "
-             "facts answered |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    inject = {"fine-tuning": f"{inj['fine-tuning']['wall_s']:.0f} s ({inj['fine-tuning']['steps']} LoRA steps, loss "
-                             f"{inj['fine-tuning']['loss_first']:.2f} -> {inj['fine-tuning']['loss_last']:.2f})",
-              "in-context learning": "0",
-              "KV-cache learning": f"{inj['KV-cache learning']['wall_s']:.0f} s ({inj['KV-cache learning']['chunks']} chunks)"}
-    for m in ("fine-tuning", "in-context learning", "KV-cache learning"):
-        lines.append(f"| {m} | {inject[m]} | {p[m]['inject']} | {s[m]['cpu_s']:.2f} | {p[m]['cost_usd']} | "
-                     f"{s[m]['ttft_s']:.2f} | {p[m]['ttft_s']} | {s[m]['correct']}/{s[m]['requests']} |")
-    icl, kvl = s["in-context learning"], s["KV-cache learning"]
-    lines.append("")
-    lines.append(f"ratios (ours): injection fine-tuning / KV-cache {s['inject_ratio_ft_over_kv']:.1f}x (paper 40x); "
-                 f"ICL / KV-cache CPU {icl['cpu_s'] / kvl['cpu_s']:.2f}x (paper cost 2.5x), "
-                 f"TTFT {icl['ttft_s'] / kvl['ttft_s']:.2f}x (paper 3.7x); retrieval found the fact's chunk in "
-                 f"{s['retrieval_hits']}/{len(doc['rows'])} requests")
+def ratios(s: dict[str, Any]) -> dict[str, float]:
+    m = s["methods"]
+    icl, kv, ft = m.get("in-context learning"), m.get("KV-cache learning"), m.get("fine-tuning")
+    r: dict[str, float] = {}
+    if icl and kv:
+        r["cpu_p50_icl_over_kv"] = icl["cpu_s"]["p50"] / kv["cpu_s"]["p50"]
+        r["ttft_p50_icl_over_kv"] = icl["ttft_s"]["p50"] / kv["ttft_s"]["p50"]
+        r["ttft_p99_icl_over_kv"] = icl["ttft_s"]["p99"] / kv["ttft_s"]["p99"]
+        r["accuracy_points_kv_minus_icl"] = 100 * (kv["all"]["exact"] - icl["all"]["exact"])
+        r["lenient_points_kv_minus_icl"] = 100 * (kv["all"]["lenient"] - icl["all"]["lenient"])
+    if kv and ft and ft.get("inject") and kv["inject"]["wall_s"] > 0:
+        r["inject_wall_ft_over_kv"] = ft["inject"]["wall_s"] / kv["inject"]["wall_s"]
+        r["inject_cpu_ft_over_kv"] = ft["inject"]["cpu_s"] / kv["inject"]["cpu_s"]
+    return r
+
+
+def table(summ: list[dict[str, Any]]) -> str:
+    lines = ["| model, shape | method | requests | exact (held-in / held-out) | lenient | inject wall (CPU-s) | "
+             "bytes stored | CPU-s/request p50 (p99) | TTFT s p50 (p99) | paper: inject / $ / TTFT s |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for s in summ:
+        head = f"{s['model']}, {s['knowledge_tokens']}+{s['history_tokens']}"
+        for m in METHODS:
+            ms = s["methods"].get(m)
+            if not ms:
+                continue
+            inj = ms["inject"] or {}
+            inj_s = f"{inj['wall_s']:.0f} s ({inj['cpu_s']:.0f})" if inj else "-"
+            if m == "fine-tuning" and inj:
+                inj_s += f", {inj['steps']} steps = {inj['epochs']:.2f} epochs"
+            if m == "KV-cache learning" and inj and not s["complete"]:
+                inj_s += f" (partial: {inj['segments_deposited']}/{s['segments']} segments)"
+            extra = f", {ms['fallbacks']} by prefill" if m == "KV-cache learning" else ""
+            lines.append(
+                f"| {head} | {m} | {ms['requests']}{extra} | {100 * ms['all']['exact']:.1f} % "
+                f"({100 * ms['held-in']['exact']:.0f} / {100 * ms['held-out']['exact']:.0f}) | "
+                f"{100 * ms['all']['lenient']:.1f} % | {inj_s} | {inj.get('bytes', 0):,} | "
+                f"{ms['cpu_s']['p50']:.2f} ({ms['cpu_s']['p99']:.2f}) | {ms['ttft_s']['p50']:.2f} ({ms['ttft_s']['p99']:.2f}) | "
+                f"{PAPER[m]['inject']} / {PAPER[m]['cost_usd']} / {PAPER[m]['ttft_s']} |")
+        r = ratios(s)
+        if r:
+            lines.append(f"| {head} | ratios | " + ", ".join(f"{k} {v:.2f}" for k, v in r.items()) + " | | | | | | | |")
     return "\n".join(lines)
+
+
+def plot(summ: list[dict[str, Any]], path: Path) -> None:
+    """TTFT p50 and CPU-s p50 per method, per (model, shape), beside the paper's TTFT."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    labels = [f"{s['model']}\n{s['knowledge_tokens']}+{s['history_tokens']}" for s in summ]
+    x = np.arange(len(summ))
+    for j, m in enumerate(METHODS):
+        for ax, k in zip(axes, ("ttft_s", "cpu_s")):
+            ys = [s["methods"].get(m, {}).get(k, {}).get("p50", np.nan) for s in summ]
+            ax.bar(x + (j - 1) * 0.27, ys, 0.27, label=m)
+    for ax, t in zip(axes, ("TTFT p50 (s)", "CPU-s per request p50")):
+        ax.set_xticks(x, labels, fontsize=8)
+        ax.set_title(t)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("KDN Table 1 on a CPU (paper, 70B on 2 A40: TTFT 2.63 / 10.91 / 2.97 s)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["gemma3-270m", "smollm2"],
+                    help="Shipped model names or local HF model directories.")
+    ap.add_argument("--shapes", nargs="+", default=["paper", "4k"], help="paper (80 : 20 at the paper's size), 4k.")
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--questions", default=str(w.QUESTIONS), help="Question file (benchmarks/rag_workload.py make).")
+    ap.add_argument("--texts", nargs="+", default=list(w.KB_TEXTS), help="Knowledge base texts (names or paths).")
+    ap.add_argument("--history", default=w.HISTORY_TEXT, help="Text the chat history is sliced from.")
+    ap.add_argument("--requests", type=int, default=100, help="Requests per (model, shape).")
+    ap.add_argument("--preset", default="balanced")
+    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--ft-epochs", type=float, default=1.0)
+    ap.add_argument("--ft-budget-s", type=float, default=3600.0, help="LoRA training wall-clock budget per model.")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads.")
+    ap.add_argument("--seed", type=int, default=34)
+    ap.add_argument("--small", action="store_true",
+                    help="A few-minute version: 2 texts, 24 facts, 1K+256 and 512+128 requests, 6 requests, 1 LoRA epoch.")
+    ap.add_argument("--out", default="rag-run", help="Run directory (results.jsonl, stores, adapters); resumed.")
+    run = harness.cli(ap, argv, case="rag")
+    a = run.args
+    if a.small:
+        a.texts = list(SMALL_TEXTS) if a.texts == list(w.KB_TEXTS) else a.texts
+        a.requests = min(a.requests, 6)
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(a.seed)
+    try:
+        facts = w.load_facts(a.questions)
+        if a.small:
+            facts = facts[::10]
+        texts = [load_text(t) for t in a.texts]
+    except (ValueError, KvcError) as exc:
+        raise SystemExit(f"bench_rag: {exc}") from None
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not (out / "tenant.key").exists():
+        fd = os.open(out / "tenant.key", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, (os.urandom(32).hex() + "\n").encode())
+        os.close(fd)
+    res = Results(out / "results.jsonl")
+    res.add({"kind": "start", "command": harness.command_line(run.argv, run.script), "machine": harness.machine()})
+    for model in a.models:
+        run_model(model, a, facts, texts, res, out)
+    summ = summarise(res.rows)
+    (out / "summary.json").write_text(json.dumps(summ, indent=1, default=str) + "\n")
+    print(table(summ))
+    try:
+        plot(summ, out / "table1.png")
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+    run.emit({"summary": summ, "paper": PAPER})
 
 
 if __name__ == "__main__":

@@ -1,0 +1,121 @@
+"""Issue 34: the QA workload of benchmarks/bench_rag.py, and its KV-cache requests' fallback to prefill.
+
+The workload's claims: the question file is what its generator writes (so a
+reader can regenerate and diff it), every planted fact lands whole in exactly
+one segment (else a request's knowledge may not hold its answer), the scores
+mean what the benchmark says. The runtime's: a KV-cache request whose entry
+is missing, corrupt or of another model is answered by prefill, with the
+prefill's answer, counted as a fallback, never an error or a wrong cache.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import rag_workload as w  # noqa: E402
+
+
+def test_question_file_is_the_generators_output():
+    facts = w.load_facts()
+    assert facts == w.make_facts(len(facts)) and len(facts) >= 200
+    names = [f.question for f in facts]
+    assert len(set(names)) == len(names)
+    held_out = [f for f in facts if f.split == "held-out"]
+    assert len(held_out) == len(facts) // 5
+    assert all(f.answer in f.fact and f.answer not in f.question for f in facts)
+
+
+def test_a_malformed_question_file_is_one_error(tmp_path):
+    bad = tmp_path / "q.json"
+    bad.write_text(json.dumps({"facts": [{"id": "x", "fact": "A is 1.", "question": "A?", "answer": "2", "at": 0.5,
+                                          "split": "held-in"}]}))
+    with pytest.raises(ValueError, match="bad position, split or answer"):
+        w.load_facts(bad)
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="not a question file"):
+        w.load_facts(bad)
+
+
+def words(s: str) -> int:
+    return len(s.split())
+
+
+def test_every_fact_lands_whole_in_exactly_one_segment():
+    from kvcodec.texts import load_text
+
+    facts = w.load_facts()[:60]
+    paras = w.plant([load_text("apache2"), load_text("mpl2")], facts)
+    assert sum(p in {f.fact for f in facts} for p in paras) == len(facts)
+    for size in (300, 1000):
+        segs = w.segments(paras, words, size)
+        assert all(words(s) <= size for s in segs)
+        homes = [w.home_segment(segs, f) for f in facts]
+        assert homes == sorted(homes)  # facts keep their order through the base
+        assert "".join(segs).replace("\n\n", "") == "".join(paras).replace("\n\n", "")  # nothing lost or repeated
+
+
+def test_exact_and_lenient_scores():
+    assert w.score("4817", "4817") == {"exact": True, "lenient": True}
+    assert w.score("The code is 4817.", "4817") == {"exact": False, "lenient": True}
+    assert w.score("4817. It is on the door.", "4817") == {"exact": True, "lenient": True}
+    assert w.score("48170", "4817") == {"exact": False, "lenient": False}
+    assert w.score("Ilsa  Moltrup!", "Ilsa Moltrup") == {"exact": True, "lenient": True}
+    assert w.score("Ilsa", "Ilsa Moltrup") == {"exact": False, "lenient": False}
+
+
+def test_bm25_finds_each_facts_segment():
+    pytest.importorskip("bm25s")
+    from kvcodec.texts import load_text
+
+    facts = w.load_facts()[:40]
+    segs = w.segments(w.plant([load_text("apache2"), load_text("mpl2"), load_text("gpl3")], facts), words, 1500)
+    r = w.Retriever(segs)
+    assert [r.top(f.question) for f in facts] == [w.home_segment(segs, f) for f in facts]
+
+
+@pytest.mark.model
+def test_kv_request_with_a_missing_corrupt_or_foreign_entry_is_answered_by_prefill(lm, other_lm, tmp_path):
+    """Each damaged case answers exactly as in-context learning does, counted as a fallback; a good entry is used."""
+    import bench_rag
+
+    from kvcodec.format import encode_kvc_bytes
+    from kvcodec.models.capture import capture
+    from kvcodec.plan.presets import get_plan
+    from kvcodec.runtime.knowledge import KnowledgeBase
+
+    seg = "\n\n".join(w.plant([open("/usr/share/common-licenses/Apache-2.0").read()[:1500]], w.load_facts()[:1]))
+    question = w.prompt("apt (2.6.1) unstable; urgency=medium", w.load_facts()[0].question)
+    icl = bench_rag.ask_icl(lm, seg, question, 6)
+
+    def kb(name: str) -> KnowledgeBase:
+        return KnowledgeBase(lm, str(tmp_path / name), preset="lossless")
+
+    missing = bench_rag.ask_kv(kb("empty"), seg, question, 6)
+    assert missing["fallback"] and missing["answer"] == icl["answer"] and not missing["unreadable"]
+
+    good = kb("good")
+    ids, _ = good.context_ids([seg])
+    good.deposit(capture(lm, token_ids=ids))
+    hit = bench_rag.ask_kv(good, seg, question, 6)
+    assert not hit["fallback"] and hit["source"] == "store" and hit["cached_tokens"] == len(ids)
+    assert hit["answer"] == icl["answer"]
+
+    data = bytearray(good.store.get(good.key(ids)))
+    mid = len(data) // 2
+    data[mid:mid + 64] = bytes(b ^ 0x5A for b in data[mid:mid + 64])
+    corrupt = kb("corrupt")
+    corrupt.store.put(corrupt.key(ids), bytes(data), {"note": "damaged by test"})
+    got = bench_rag.ask_kv(corrupt, seg, question, 6)
+    assert got["fallback"] and got["unreadable"] and got["answer"] == icl["answer"]
+
+    other = capture(other_lm, token_ids=ids)  # same tokens, same KV shapes, another model's weights
+    foreign = kb("foreign")
+    foreign.store.put(foreign.key(ids), encode_kvc_bytes(other, get_plan("lossless", other)), {"note": "another model"})
+    got = bench_rag.ask_kv(foreign, seg, question, 6)
+    assert got["fallback"] and got["unreadable"] and got["answer"] == icl["answer"]
