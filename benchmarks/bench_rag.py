@@ -169,7 +169,10 @@ def kb_chunks(lm: LoadedModel, paras: list[str], n: int = 256) -> list[np.ndarra
 
 def finetune(lm: LoadedModel, chunks: list[np.ndarray], epochs: float, budget_s: float, out_dir: Path,
              res: Results, seed: int) -> Any:
-    """LoRA on a copy of the model; the adapter is saved so a resumed run reloads it instead of training again."""
+    """LoRA on a copy of the model; the adapter is saved so a resumed run reloads it instead of training again.
+
+    Trains for ``epochs`` passes over the knowledge base or ``budget_s`` wall seconds, whichever ends first.
+    """
     from peft import LoraConfig, PeftModel, get_peft_model
 
     tag = {"kind": "ft-train", "model": lm.name}
@@ -261,7 +264,7 @@ def run_model(model: str, a: argparse.Namespace, facts: list[w.Fact], texts: lis
         retriever = w.Retriever(segs)
         kb = KnowledgeBase(lm, Store.open(str(out / f"store-{model}-{label}"), key=key), preset=a.preset)
         tag = {"model": model, "shape": label, "knowledge_tokens": k, "history_tokens": h}
-        if not res.find(kind="setup", **tag):
+        if not res.find(kind="setup", requests=len(reqs), **tag):
             res.add({"kind": "setup", **tag, "segments": len(segs), "kb_tokens": sum(len(tokenize(lm.tokenizer, s))
                      for s in segs), "texts": a.texts, "facts": len(facts), "requests": len(reqs), "preset": a.preset,
                      "threads": torch.get_num_threads()})
@@ -291,7 +294,12 @@ def run_model(model: str, a: argparse.Namespace, facts: list[w.Fact], texts: lis
                 f"{r[m]['answer'][:30]!r}" for m in first if r[m]), file=sys.stderr)
     if "fine-tuning" not in a.methods:
         return
-    ft = finetune(lm, kb_chunks(lm, paras), a.ft_epochs, a.ft_budget_s, out / f"lora-{model}", res, a.seed)
+    budget = a.ft_budget_s
+    kv_inject = sum(r["wall_s"] for r in res.rows if r["kind"] == "deposit" and r["model"] == model
+                    and r["shape"] == plans[0][0]["shape"])
+    if a.ft_budget_x and kv_inject > 0:  # fine-tuning gets this many times the KV-cache injection's wall time
+        budget = min(budget, a.ft_budget_x * kv_inject)
+    ft = finetune(lm, kb_chunks(lm, paras), a.ft_epochs, budget, out / f"lora-{model}", res, a.seed)
     for tag, _segs, _homes, _retriever, kb in plans:
         for n, fact in enumerate(reqs):
             if res.find(kind="request", model=model, shape=tag["shape"], fact=fact.id, method="fine-tuning"):
@@ -311,7 +319,7 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     groups = sorted({(r["model"], r["shape"]) for r in rows if r["kind"] == "setup"})
     for model, shape in groups:
-        setup = next(r for r in rows if r["kind"] == "setup" and r["model"] == model and r["shape"] == shape)
+        setup = [r for r in rows if r["kind"] == "setup" and r["model"] == model and r["shape"] == shape][-1]
         deps = [r for r in rows if r["kind"] == "deposit" and r["model"] == model and r["shape"] == shape]
         ft = next((r for r in rows if r["kind"] == "ft-train" and r["model"] == model), None)
         req = [r for r in rows if r["kind"] == "request" and r["model"] == model and r["shape"] == shape]
@@ -433,16 +441,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--ft-epochs", type=float, default=1.0)
     ap.add_argument("--ft-budget-s", type=float, default=3600.0, help="LoRA training wall-clock budget per model.")
+    ap.add_argument("--ft-budget-x", type=float, default=12.0,
+                    help="...or this many times the model's KV-cache injection wall time (first shape), if smaller; 0: off.")
     ap.add_argument("--threads", type=int, default=1, help="torch threads.")
     ap.add_argument("--seed", type=int, default=34)
     ap.add_argument("--small", action="store_true",
-                    help="A few-minute version: 2 texts, 24 facts, 1K+256 and 512+128 requests, 6 requests, 1 LoRA epoch.")
+                    help="A few-minute version: 2 texts, 24 facts, 1K+256 and 512+128 requests, 6 requests, LoRA for "
+                         "--ft-budget-x times the KV-cache injection.")
     ap.add_argument("--out", default="rag-run", help="Run directory (results.jsonl, stores, adapters); resumed.")
     run = harness.cli(ap, argv, case="rag")
     a = run.args
     if a.small:
         a.texts = list(SMALL_TEXTS) if a.texts == list(w.KB_TEXTS) else a.texts
         a.requests = min(a.requests, 6)
+        a.ft_epochs = max(a.ft_epochs, 50.0)  # the budget (ft_budget_x x the injection) ends the training
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
     try:
