@@ -143,6 +143,20 @@ class KnowledgeBase:
             return best, best.n_tokens
         return key, n
 
+    def capture(self, ids: np.ndarray) -> KVCache:
+        """The KV cache of context ``ids`` as :meth:`deposit` wants it.
+
+        Why not a plain capture: the lossy presets' plans read the context's
+        token importance, and a cache that does not carry it makes the encoder
+        run a scoring forward pass of its own (on a sliding-window model, a
+        second prefill of the whole context: Gemma 3's 8K-token deposit cost two
+        prefills). Observed by the capture's own prefill, it costs no forward.
+        """
+        from kvcodec.models.capture import capture
+        from kvcodec.plan.presets import score_window
+
+        return capture(self.lm, token_ids=ids, score_window=score_window(self.preset))
+
     def deposit(self, cache: KVCache, prefill_ttft_s: float | None = None) -> dict[str, Any]:
         """Encode a context's KV with the preset and put it in every tier.
 
