@@ -430,9 +430,10 @@ def plot(summ: list[dict[str, Any]], path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=["gemma3-270m", "smollm2"],
-                    help="Shipped model names or local HF model directories.")
-    ap.add_argument("--shapes", nargs="+", default=["paper", "4k"], help="paper (80 : 20 at the paper's size), 4k.")
+    ap.add_argument("--models", nargs="+", default=None,
+                    help="Shipped model names or local HF model directories (default gemma3-270m smollm2; --small: smollm2).")
+    ap.add_argument("--shapes", nargs="+", default=None,
+                    help="paper (80 : 20 at the paper's size), 4k (default both; --small: paper).")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--questions", default=str(w.QUESTIONS), help="Question file (benchmarks/rag_workload.py make).")
     ap.add_argument("--texts", nargs="+", default=list(w.KB_TEXTS), help="Knowledge base texts (names or paths).")
@@ -448,11 +449,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads.")
     ap.add_argument("--seed", type=int, default=34)
     ap.add_argument("--small", action="store_true",
-                    help="A few-minute version: 2 texts, 24 facts, 1K+256 and 512+128 requests, 6 requests, LoRA for "
-                         "--ft-budget-x times the KV-cache injection.")
+                    help="A few-minute version: SmolLM2, 2 texts, 24 facts, 1K+256 requests (512+128 for --shapes 4k), 6 "
+                         "requests, LoRA for --ft-budget-x times the KV-cache injection.")
     ap.add_argument("--out", default="rag-run", help="Run directory (results.jsonl, stores, adapters); resumed.")
     run = harness.cli(ap, argv, case="rag")
     a = run.args
+    a.models = a.models or (["smollm2"] if a.small else ["gemma3-270m", "smollm2"])
+    a.shapes = a.shapes or (["paper"] if a.small else ["paper", "4k"])
     if a.small:
         a.texts = list(SMALL_TEXTS) if a.texts == list(w.KB_TEXTS) else a.texts
         a.requests = min(a.requests, 6)
