@@ -267,7 +267,7 @@ def run_model(model: str, a: argparse.Namespace, facts: list[w.Fact], texts: lis
         if not res.find(kind="setup", requests=len(reqs), **tag):
             res.add({"kind": "setup", **tag, "segments": len(segs), "kb_tokens": sum(len(tokenize(lm.tokenizer, s))
                      for s in segs), "texts": a.texts, "facts": len(facts), "requests": len(reqs), "preset": a.preset,
-                     "threads": torch.get_num_threads()})
+                     "threads": torch.get_num_threads(), "max_new_tokens": a.max_new_tokens})
         plans.append((tag, segs, homes, retriever, kb))
         served = [m for m in ("in-context learning", "KV-cache learning") if m in a.methods]
         if "KV-cache learning" in served:
@@ -440,8 +440,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--history", default=w.HISTORY_TEXT, help="Text the chat history is sliced from.")
     ap.add_argument("--requests", type=int, default=100, help="Requests per (model, shape).")
     ap.add_argument("--preset", default="balanced")
-    ap.add_argument("--max-new-tokens", type=int, default=24,
-                    help="Answer tokens: the small models restate the question before the value (~16 tokens).")
+    ap.add_argument("--max-new-tokens", type=int, default=32,
+                    help="Answer tokens: the small models restate the question, or quote the fact, before the value (~24 tokens).")
     ap.add_argument("--ft-epochs", type=float, default=1.0)
     ap.add_argument("--ft-budget-s", type=float, default=3600.0, help="LoRA training wall-clock budget per model.")
     ap.add_argument("--ft-budget-x", type=float, default=12.0,
