@@ -24,27 +24,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 
+import harness  # noqa: E402
 
-def _threads(argv: list[str]) -> str:
-    """--threads, read before numpy and torch load: their BLAS pools size themselves at import."""
-    for i, a in enumerate(argv):
-        if a == "--threads" and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith("--threads="):
-            return a.split("=", 1)[1]
-    return "1"
-
-
-for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
-    os.environ[_v] = _threads(sys.argv[1:])
+harness.pin_threads(sys.argv[1:])  # before numpy and torch load: their pools size themselves at import
 
 import numpy as np  # noqa: E402
-
-import harness  # noqa: E402
 
 
 def _row(lm, cache, cont, exact, preset, cal, prefill_cpu):

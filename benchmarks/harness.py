@@ -327,6 +327,23 @@ def write_json(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+def pin_threads(argv: Sequence[str], default: str = "1") -> str:
+    """Size torch's, BLAS's and numba's pools from the script's ``--threads`` (else ``default``) and return it.
+
+    Call before numpy or torch is imported: their pools size themselves at import, so an encode and the
+    prefill it is compared with must run on the same number of threads from the start.
+    """
+    n = default
+    for i, a in enumerate(argv):
+        if a == "--threads" and i + 1 < len(argv):
+            n = argv[i + 1]
+        elif a.startswith("--threads="):
+            n = a.split("=", 1)[1]
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+        os.environ[var] = n
+    return n
+
+
 def command_line(argv: Sequence[str] | None = None, script: str | None = None) -> str:
     """The command that reproduces this run: thread variables, ``python benchmarks/<script>`` and its arguments."""
     argv = list(sys.argv[1:] if argv is None else argv)
