@@ -452,6 +452,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="A few-minute version: SmolLM2, 2 texts, 24 facts, 1K+256 requests (512+128 for --shapes 4k), 6 "
                          "requests, LoRA for --ft-budget-x times the KV-cache injection.")
     ap.add_argument("--out", default="rag-run", help="Run directory (results.jsonl, stores, adapters); resumed.")
+    ap.add_argument("--report", action="store_true",
+                    help="Run nothing: summarise --out's results.jsonl (a cut run's too) into summary.json, the table, the plot.")
     run = harness.cli(ap, argv, case="rag")
     a = run.args
     a.models = a.models or (["smollm2"] if a.small else ["gemma3-270m", "smollm2"])
@@ -470,6 +472,11 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, KvcError) as exc:
         raise SystemExit(f"bench_rag: {exc}") from None
     out = Path(a.out)
+    if a.report:
+        if not (out / "results.jsonl").exists():
+            raise SystemExit(f"bench_rag: no {out / 'results.jsonl'} to report on")
+        report(Results(out / "results.jsonl"), out)
+        return
     out.mkdir(parents=True, exist_ok=True)
     if not (out / "tenant.key").exists():
         fd = os.open(out / "tenant.key", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -479,6 +486,11 @@ def main(argv: list[str] | None = None) -> None:
     res.add({"kind": "start", "command": harness.command_line(run.argv, run.script), "machine": harness.machine()})
     for model in a.models:
         run_model(model, a, facts, texts, res, out)
+    run.emit({"summary": report(res, out), "paper": PAPER})
+
+
+def report(res: Results, out: Path) -> list[dict[str, Any]]:
+    """summary.json, the table (printed) and table1.png of a run directory, all from its result rows."""
     summ = summarise(res.rows)
     (out / "summary.json").write_text(json.dumps(summ, indent=1, default=str) + "\n")
     print(table(summ))
@@ -486,7 +498,7 @@ def main(argv: list[str] | None = None) -> None:
         plot(summ, out / "table1.png")
     except ImportError:
         print("matplotlib is not installed: no plot", file=sys.stderr)
-    run.emit({"summary": summ, "paper": PAPER})
+    return summ
 
 
 if __name__ == "__main__":
