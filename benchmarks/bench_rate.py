@@ -2,14 +2,16 @@
 predictor predict, and what does an encode cost against the prefill it follows?
 
 For each model, held-out text (``kvcodec.texts.HELD_OUT``: nothing was tuned or fitted on them) and
-context length: capture the context (its prefill CPU-seconds are the yardstick), then for each
+context length: prefill the context (its CPU-seconds are the yardstick), capture it the encode path's way
+(the same prefill observing the token importance the plan reads, ``capture(score_window=)``; its cost
+over the plain prefill is reported too: that is where the importance is paid), then for each
 lossy preset encode it the default way (``kvcodec.encode``'s path: rate control, no model forward
 beyond token importance, the writer's read-back), read the file back, continue it on the
 ``--continuation`` tokens that follow the context in the text, and compare with the exact cache.
 
 Reported per row: bits per element (real file bytes over the K+V elements), measured mean KL and
 top-1 agreement on the continuation, the rate control's predicted KL, their ratio, the encode's CPU
-seconds (plan + write + read-back; capture excluded) and the prefill's. Per (model, preset): the
+seconds (plan + write + read-back; capture excluded), the plain prefill's and the capture's. Per (model, preset): the
 fraction of rows whose KL lies in [0.3, 1] x the target, the worst ratios, the minimum top-1, and
 the mean ΔPPL over all continuation tokens of all texts with its 95 % confidence interval (tokens
 pooled: the promise is in expectation). The calibration is amortised: its bytes are not charged
@@ -89,7 +91,10 @@ def _summary(rows, presets):
                                                 for T in sorted({r["tokens"] for r in rs})},
                  "encode_over_prefill_cpu_by_tokens": {str(T): float(np.median([r["encode_over_prefill_cpu"] for r in rs
                                                                                  if r["tokens"] == T]))
-                                                       for T in sorted({r["tokens"] for r in rs})}}
+                                                       for T in sorted({r["tokens"] for r in rs})},
+                 "capture_over_prefill_cpu_by_tokens": {str(T): float(np.median([r["capture_over_prefill_cpu"] for r in rs
+                                                                                  if r["tokens"] == T]))
+                                                        for T in sorted({r["tokens"] for r in rs})}}
             out[f"{model}/{preset}"] = s
     return out
 
@@ -109,11 +114,11 @@ def main(argv=None) -> None:
     import torch
 
     from kvcodec.calibration.build import ensure_calibration
-    from kvcodec.models.capture import capture, max_context, tokenize
+    from kvcodec.models.capture import capture, max_context, prefill, tokenize
     from kvcodec.models.load import load_model
     from kvcodec.models.quality import continue_logits
     from kvcodec.format import encode_kvc_bytes
-    from kvcodec.plan.presets import get_plan, lossy_settings
+    from kvcodec.plan.presets import get_plan, lossy_settings, score_window
     from kvcodec.plan.ratefit import ensure_rate_model
     from kvcodec.texts import load_text
 
@@ -135,14 +140,17 @@ def main(argv=None) -> None:
                 if len(ids) < T + a.continuation or (window and T + a.continuation > window):
                     skipped.append({"model": model, "text": name, "tokens": T, "why": f"{len(ids)} tokens in the text"})
                     continue
-                with harness.stopwatch() as sw:
-                    cache = capture(lm, token_ids=ids[:T])
+                with harness.stopwatch() as pf:  # the yardstick: a plain prefill of the context
+                    prefill(lm, ids[:T])
+                with harness.stopwatch() as sw:  # the encode path's capture: that prefill, observing the importance
+                    cache = capture(lm, token_ids=ids[:T], score_window=score_window("balanced"))
                 cont = np.asarray(ids[T:T + a.continuation], np.int64)
                 with torch.inference_mode():
                     exact = continue_logits(lm, cache, cont)
                 for preset in presets:
-                    r = _row(lm, cache, cont, exact, preset, cal, sw.cpu)
-                    r.update(model=model, text=name, tokens=T, prefill_cpu_s=sw.cpu)
+                    r = _row(lm, cache, cont, exact, preset, cal, pf.cpu)
+                    r.update(model=model, text=name, tokens=T, prefill_cpu_s=pf.cpu, capture_cpu_s=sw.cpu,
+                             capture_over_prefill_cpu=sw.cpu / pf.cpu)
                     rows.append(r)
                     print(f"{model} {name} {T} {preset}: {r['bits_per_element']:.3f} b/el KL {r['kl']:.3g} "
                           f"(pred {r['predicted_kl']:.3g}, x{r['measured_over_predicted']:.2f}, {r['kl_over_target']:.2f} of target) "

@@ -40,8 +40,9 @@ NAMED: dict[str, str] = {
 }
 # Three documents of different kinds used by tests and benchmarks by default (all in TUNING).
 DEFAULT_BENCH_TEXTS = ("gpl3", "pydoc", "lgpl21")
-# Presets and codec constants are tuned on these only.
-TUNING: tuple[str, ...] = ("gpl3", "pydoc", "lgpl21")
+# Presets and codec constants are tuned on these only (the rate model, kvcodec.plan.ratefit, is fitted
+# on one of each kind: a license, reference prose, Python source, a C header).
+TUNING: tuple[str, ...] = ("gpl3", "pydoc", "lgpl21", "py-textwrap", "c-linux-bpf")
 # Reported on, never tuned on, and disjoint from the calibration corpus
 # (kvcodec.calibration.record.CALIB_TEXTS: the PCA bases and sensitivities are fitted on
 # those, so MPL-2.0, GFDL-1.3 and the calibration's pydoc chapters cannot be held out;
@@ -88,9 +89,13 @@ GENERATED: dict[str, Callable[[], str]] = {
     "pydoc-exec": lambda: pydoc_text(PYDOC_HELD_OUT_TOPICS),
     "py-argparse": lambda: _stdlib_source("argparse"),
     "py-heapq": lambda: _stdlib_source("heapq"),
+    "py-textwrap": lambda: _stdlib_source("textwrap"),
     "changelog-apt": lambda: _gz("/usr/share/doc/apt/changelog.gz"),
 }
-FILES: dict[str, str] = {"c-stdio": "/usr/include/stdio.h", "c-stdlib": "/usr/include/stdlib.h"}
+FILES: dict[str, str] = {"c-stdio": "/usr/include/stdio.h", "c-stdlib": "/usr/include/stdlib.h",
+                         # the kernel's UAPI header (linux-libc-dev, pulled in by libc6-dev): no glibc license block
+                         # shared with the held-out glibc headers
+                         "c-linux-bpf": "/usr/include/linux/bpf.h"}
 
 
 def load_text(name_or_path: str) -> str:

@@ -4,19 +4,20 @@ The predictor of :mod:`kvcodec.plan.rate` gets the shape of KL(step) from first 
 what it cannot know is how far the calibration's Fisher trace, measured on other text at
 another length, is from this model's KL on a continuation. So this measures exactly that, on
 texts nothing is evaluated on (:data:`kvcodec.texts.TUNING`, never the held-out set): for each
-fit text at two lengths, each lossy preset at its table step, the real model's KL on a
+fit text at 1K, 2K and 4K tokens, each lossy preset at its table step, the real model's KL on a
 continuation of the text against the exact cache, divided by the raw prediction. Then
 
 * ``alpha[preset]`` = geometric mean of that ratio at the reference length (per preset: tokenscale's
   classes move noise onto tokens whose importance is estimated, and that estimate's bias grows with
   how hard the preset leans on it);
-* ``beta`` = the mean log-slope of the ratio in the context length (the last window's queries
-  stand for the continuation's less well as the context grows);
+* the length curve (per preset) = at each longer fit length, the mean log ratio less log alpha
+  (non-decreasing), and ``beta`` its last segment's slope (the last window's queries stand for the continuation's less
+  well as the context grows; :meth:`RateModel.factor`);
 * ``rival_per_step`` (near-lossless, whose greedy promise binds before its KL): the largest
   rival-logit gain per unit ``step0`` (gains scale linearly with the step).
 
-Cost: one capture per (text, length) and a few continuations, about a minute for SmolLM2 on two
-cores; shipped models ship theirs (``kvcodec/data/calibration``).
+Cost: one capture per (text, length) (the prefill observes the token importance itself) and a few
+continuations: minutes on two cores; shipped models ship theirs (``kvcodec/data/calibration``).
 """
 
 from __future__ import annotations
@@ -29,12 +30,16 @@ from typing import Any
 
 import numpy as np
 
-from kvcodec.calibration.ratemodel import RateModel, load_rate_model, presets_sha256, rate_model_path, save_rate_model
+from kvcodec.calibration.ratemodel import (BETA_RANGE, CURVE_RANGE, RateModel, load_rate_model, presets_sha256,
+                                           rate_model_path, save_rate_model)
 from kvcodec.calibration.record import Calibration
 from kvcodec.errors import KvcInputError
 
-FIT_TEXTS = ("gpl3", "lgpl21")  # from kvcodec.texts.TUNING: never the held-out set
-FIT_TOKENS = (1024, 2048)
+# from kvcodec.texts.TUNING, never the held-out set: one of each kind the KDN stores (a license, reference
+# prose, Python source, a C header), because how far the prediction drifts with the context length depends
+# on the kind (two licenses alone under-stated it at 4K tokens by up to 4x on source and reference text)
+FIT_TEXTS = ("gpl3", "pydoc", "py-textwrap", "c-linux-bpf")
+FIT_TOKENS = (1024, 2048, 4096)
 FIT_CONTINUATION = 256
 T_REF = 1024
 
@@ -71,11 +76,12 @@ def fit_rate_model(lm: Any, cal: Calibration, presets: Mapping[str, Mapping[str,
     with tqdm(total=len(jobs) * (1 + len(presets)), desc=f"kvc: fitting the rate model of {lm.name}", file=sys.stderr,
               disable=not progress, leave=False, dynamic_ncols=True) as bar, torch.inference_mode():
         for name, T, ids in jobs:
-            cache = capture(lm, token_ids=ids[:T])
+            window_q = TOKENSCALE_DEFAULT["window"]
+            cache = capture(lm, token_ids=ids[:T], score_window=window_q)  # importance observed by the prefill
             cont = np.asarray(ids[T:T + FIT_CONTINUATION], np.int64)
             exact = continue_logits(lm, cache, cont)
             lp_e = torch.log_softmax(exact.double(), -1)
-            imp = cache_importance(lm, cache, window=TOKENSCALE_DEFAULT["window"])
+            imp = cache_importance(lm, cache, window=window_q)
             bar.update(1)
             for preset, table in presets.items():
                 settings: dict[str, Any] = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in table.items()}
@@ -88,27 +94,46 @@ def fit_rate_model(lm: Any, cal: Calibration, presets: Mapping[str, Mapping[str,
                 fit.append({"text": name, "tokens": T, "preset": preset, "step0": step0, "kl": kl, "predicted": pred,
                             "rival_gain": max_rival_gain(exact, got)})
                 bar.update(1)
-    alpha: dict[str, float] = {}
-    slopes = []
-    for preset in presets:
-        rows = [r for r in fit if r["preset"] == preset and r["kl"] > 0 and r["predicted"] > 0]
-        if not rows:
-            raise KvcInputError(f"rate model: no usable measurement for preset {preset}")
-        by_text: dict[str, dict[int, float]] = {}
-        for r in rows:
-            by_text.setdefault(r["text"], {})[r["tokens"]] = math.log(r["kl"] / r["predicted"])
-        for lr in by_text.values():
-            if len(lr) >= 2:
-                (t_a, a), (t_b, b) = sorted(lr.items())[0], sorted(lr.items())[-1]
-                slopes.append((b - a) / math.log(t_b / t_a))
-    beta = float(np.clip(np.mean(slopes), 0.0, 1.0)) if slopes else 0.0
-    for preset in presets:
-        rows = [r for r in fit if r["preset"] == preset and r["kl"] > 0 and r["predicted"] > 0]
-        logs = [math.log(r["kl"] / r["predicted"]) - beta * math.log(r["tokens"] / T_REF) for r in rows]
-        alpha[preset] = float(math.exp(np.mean(logs)))
+    alpha, curve, beta = _fit_factor(fit, list(presets))
     nl = [r["rival_gain"] / r["step0"] for r in fit if r["preset"] == "near-lossless"]
     return RateModel(str(cal.meta["fingerprint_id"]), str(cal.meta["content_sha256"]), alpha, beta, T_REF,
-                     max(nl) if nl else None, fit, round(time.time() - t0, 1), settings_digest(presets))
+                     max(nl) if nl else None, fit, round(time.time() - t0, 1), settings_digest(presets), curve)
+
+
+def _fit_factor(fit: list[dict[str, Any]], presets: list[str]
+                ) -> tuple[dict[str, float], dict[str, list[list[float]]], dict[str, float]]:
+    """(alpha, length curve, beta past it), each per preset, from the fit's rows (module docstring).
+
+    ``alpha[preset]``: geometric mean over texts of measured / predicted at ``T_REF``. The preset's curve:
+    at each longer fit length, the mean over texts of log(measured / predicted) less log alpha, made
+    non-decreasing (a longer context is never predicted better than a shorter one: noise in a few-text fit
+    must not buy fewer bits at a longer length). Per preset because the growth is tokenscale's (its coarse
+    classes hold more tokens as the context grows; near-lossless has none and does not grow). ``beta``: the
+    last segment's log-slope, so a context past the fit's lengths keeps growing as the fit last did.
+    """
+    logs: dict[tuple[str, int], list[float]] = {}
+    for r in fit:
+        if r["kl"] > 0 and r["predicted"] > 0:
+            logs.setdefault((r["preset"], int(r["tokens"])), []).append(math.log(r["kl"] / r["predicted"]))
+    alpha: dict[str, float] = {}
+    curve: dict[str, list[list[float]]] = {}
+    beta: dict[str, float] = {}
+    for preset in presets:
+        mine = {T: v for (p, T), v in logs.items() if p == preset}
+        if not mine:
+            raise KvcInputError(f"rate model: no usable measurement for preset {preset}")
+        t0 = T_REF if T_REF in mine else min(mine)
+        la = float(np.mean(mine[t0]))
+        alpha[preset] = math.exp(la)
+        pts, g = [], 0.0
+        for T in sorted(t for t in mine if t > T_REF):
+            g = max(g, float(np.mean(mine[T])) - la)
+            pts.append([float(T), min(g, CURVE_RANGE[1])])
+        curve[preset] = pts
+        line = [(float(T_REF), 0.0)] + [(t, v) for t, v in pts]
+        (ta, ga), (tb, gb) = line[-2] if len(line) >= 2 else line[-1], line[-1]
+        beta[preset] = float(np.clip((gb - ga) / math.log(tb / ta), *BETA_RANGE)) if tb > ta else 0.0
+    return alpha, curve, beta
 
 
 def settings_digest(presets: Mapping[str, Mapping[str, Any]]) -> str:

@@ -64,7 +64,7 @@ def _model_file(tmp_path, cal, **change):
     from kvcodec.calibration.ratemodel import RateModel, save_rate_model
 
     rm = RateModel(str(cal.meta["fingerprint_id"]), str(cal.meta["content_sha256"]), {"balanced": 1.5, "small": 2.0},
-                   0.3, 1024, 0.05)
+                   {"balanced": 0.3, "small": 0.3}, 1024, 0.05)
     d = rm.to_json()
     d.update(change)
     path = tmp_path / "rm.json"
@@ -85,15 +85,42 @@ def test_rate_model_file_round_trips_and_refuses_tampering(lm, tmp_path):
     assert rm.factor("balanced", 4096) == pytest.approx(1.5 * 4 ** 0.3)
     assert rm.factor("balanced", 256) == pytest.approx(1.5 * 4 ** ratemodel.SHORT_EXPONENT)  # outside the fit: conservative
     assert rm.factor("near-lossless", 1024) == pytest.approx(math.sqrt(1.5 * 2.0))  # unfitted preset: the mean
+    # a length curve: log-linear in log tokens between its points, beta past the last
+    curved = ratemodel._read(_model_file(tmp_path, cal, curve={"balanced": [[2048.0, 0.2], [4096.0, 0.9]]}), cal)
+    assert curved.factor("balanced", 2048) == pytest.approx(1.5 * math.exp(0.2))
+    assert curved.factor("balanced", 2896) == pytest.approx(1.5 * math.exp(0.2 + 0.7 * math.log(2896 / 2048) / math.log(2)))
+    assert curved.factor("balanced", 4096) == pytest.approx(1.5 * math.exp(0.9))
+    assert curved.factor("balanced", 8192) == pytest.approx(1.5 * math.exp(0.9) * 2 ** 0.3)
     for change in ({"alpha": {"balanced": float("nan")}}, {"alpha": {"balanced": 1e9}}, {"alpha": {}}, {"beta": -1},
                    {"beta": "0.3"}, {"t_ref": 0}, {"rival_per_step": -1.0}, {"version": 99}, {"format": "x"},
-                   {"calibration_sha256": "0" * 64}, {"fingerprint_id": "0" * 32}):
+                   {"calibration_sha256": "0" * 64}, {"fingerprint_id": "0" * 32}, {"curve": {"balanced": [[512.0, 0.1]]}},
+                   {"curve": {"balanced": [[4096.0, 0.1], [2048.0, 0.2]]}}, {"curve": {"balanced": [[2048.0, -0.5]]}},
+                   {"curve": {"balanced": [[2048.0, 99.0]]}}, {"curve": [[2048.0, 0.1]]}, {"curve": {"balanced": [[2048.0]]}},
+                   {"curve": {"unfitted": []}}, {"beta": 0.3}, {"beta": {"balanced": 9.0}}):
         with pytest.raises(KvcFormatError) as e:
             ratemodel._read(_model_file(tmp_path, cal, **change), cal)
         assert "\n" not in str(e.value)
     (tmp_path / "rm.json").write_text("{not json")
     with pytest.raises(KvcFormatError):
         ratemodel._read(tmp_path / "rm.json", cal)
+
+
+def test_fit_factor_alpha_curve_and_slope():
+    """alpha at t_ref, the length curve (never decreasing) and beta (its last segment's slope), per preset."""
+    from kvcodec.plan.ratefit import _fit_factor
+
+    def rows(preset, T, *ratios):
+        return [{"preset": preset, "tokens": T, "kl": r, "predicted": 1.0} for r in ratios]
+
+    fit = (rows("balanced", 1024, 1.0, 4.0) + rows("small", 1024, 3.0, 3.0) + rows("balanced", 2048, 1.0, 1.0)
+           + rows("small", 2048, 1.5, 1.5) + rows("balanced", 4096, 8.0, 8.0) + rows("small", 4096, 12.0, 12.0))
+    alpha, curve, beta = _fit_factor(fit, ["balanced", "small"])
+    assert alpha == pytest.approx({"balanced": 2.0, "small": 3.0})
+    for preset in ("balanced", "small"):
+        assert [t for t, _ in curve[preset]] == [2048.0, 4096.0]
+        assert curve[preset][0][1] == 0.0  # measured below alpha at 2K: never predicted better than at 1K
+        assert curve[preset][1][1] == pytest.approx(math.log(4.0))
+        assert beta[preset] == pytest.approx(2.0)  # the last segment's slope (log 4 / log 2)
 
 
 def test_targets_outside_a_presets_range_are_one_line():
@@ -193,7 +220,7 @@ def test_a_rate_model_fitted_for_other_settings_is_refitted(lm, tmp_path, monkey
     def fake_fit(lm_, cal_, presets, progress=True):
         fits.append(1)
         return ratemodel.RateModel(str(cal_.meta["fingerprint_id"]), str(cal_.meta["content_sha256"]), {"balanced": 1.0},
-                                   0.0, 1024, None, [], 0.0, ratefit.settings_digest(presets))
+                                   {}, 1024, None, [], 0.0, ratefit.settings_digest(presets))
 
     monkeypatch.setattr(ratefit, "fit_rate_model", fake_fit)
     ratefit.ensure_rate_model(lm, cal, lossy_settings())
