@@ -66,3 +66,22 @@ def test_observed_importance_follows_only_caches_of_the_same_tokens(lm, gpl3_ids
         dataclasses.replace(scored, attention=AttentionScores(32, scored.attention.scores[:, :50]))
     with pytest.raises(KvcInputError, match="score_window"):
         capture(lm, token_ids=gpl3_ids[:16], score_window=0)
+
+
+def test_encoding_text_runs_the_model_once(lm, monkeypatch):
+    """kvcodec.encode(text=...) with a lossy preset: the capture's prefill is the only forward pass (issue 33: the
+    token importance is observed by it, the step comes from the rate model); without the observation the
+    encoder would run a second, scoring forward."""
+    import kvcodec
+    from kvcodec.texts import load_text
+
+    calls = []
+    real = lm.model.forward
+
+    def counted(*a, **k):
+        calls.append(k.get("input_ids", a[0] if a else None).shape[-1])
+        return real(*a, **k)
+
+    monkeypatch.setattr(lm.model, "forward", counted)
+    out = kvcodec.encode(None, None, preset="balanced", model=lm, text=load_text("c-stdio"), max_tokens=160)
+    assert calls == [160] and out.plan.params["rate"]["mode"] == "predict"
