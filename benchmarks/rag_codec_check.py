@@ -33,6 +33,7 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--shape", default=None)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--facts", nargs="+", default=None, help="Only these fact ids, in this order.")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     rows = b.Results(Path(a.out) / "results.jsonl").rows
@@ -42,10 +43,14 @@ def main() -> None:
         by[(r["model"], r["shape"], r["fact"])][r["method"]] = r
     differ = [(k, v) for k, v in by.items() if "in-context learning" in v and "KV-cache learning" in v
               and v["in-context learning"]["answer"] != v["KV-cache learning"]["answer"]]
+    if a.facts:
+        differ = [d for f in a.facts for d in differ if d[0][2] == f]
+    else:
+        differ.sort()
     facts = {f.id: f for f in w.load_facts()}
     paras = w.plant([load_text(t) for t in w.KB_TEXTS], list(facts.values()))
     models: dict[str, object] = {}
-    for (model, shape, fact_id), v in sorted(differ):
+    for (model, shape, fact_id), v in differ:
         lm = models.setdefault(model, load_model(model))
         setup = [r for r in rows if r["kind"] == "setup" and r["model"] == model and r["shape"] == shape][-1]
         segs = w.segments(paras, lambda s: len(tokenize(lm.tokenizer, s)), setup["knowledge_tokens"])  # noqa: B023
