@@ -9,6 +9,7 @@ different files keeps a bounded cache.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
 from typing import Any, Generic, Hashable, TypeVar
 
@@ -63,3 +64,16 @@ class BoundedLRU(Generic[V]):
         with self._lock:
             self._d.clear()
             self.bytes = 0
+
+
+def weak(a: Any) -> Any:
+    """A weak reference to ``a`` for an identity-keyed cache entry (an always-miss reference if ``a`` takes none).
+
+    Why: caches of matrices derived from attachment arrays are keyed by the arrays' ids; holding only weak
+    references keeps them from keeping every file's arrays alive, and a reused id cannot alias because the
+    entry is used only while ``ref() is array`` still holds.
+    """
+    try:
+        return weakref.ref(a)
+    except TypeError:
+        return lambda: None

@@ -7,7 +7,6 @@ it bit for bit: float32 products and sums, each rounded separately, in the spec'
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Any
 
 import numpy as np
@@ -16,16 +15,9 @@ from numba import njit
 from kvcodec.codecs.common import FLOATS, KIND_INDEX, check3, int_param, no_extra
 from kvcodec.core.stage import ArraySpec, ArrayToArray, ChunkContext, SideData, register
 from kvcodec.errors import KvcCodecError, KvcFormatError
-from kvcodec.lru import BoundedLRU
+from kvcodec.lru import BoundedLRU, weak
 
 _PROJ: BoundedLRU[tuple] = BoundedLRU(256)
-
-
-def _weak(a: Any) -> Any:
-    try:
-        return weakref.ref(a)
-    except TypeError:  # not weak-referenceable: an always-miss reference
-        return lambda: None
 
 
 def hadamard(n: int) -> np.ndarray:
@@ -165,7 +157,7 @@ class TransformStage(ArrayToArray):
         b, m = self.matrices(H, D, ctx)  # validates (raises KvcFormatError)
         b64 = b.astype(np.float64)
         proj = np.einsum("hdk,hkj->hdj", b64, np.linalg.inv(np.einsum("hdk,hdj->hkj", b64, b64))).astype(np.float32)
-        _PROJ.put(key, (proj, m, tuple(_weak(a) for a in ref)))
+        _PROJ.put(key, (proj, m, tuple(weak(a) for a in ref)))
         return proj, m
 
     def decode(self, arr: np.ndarray, side: SideData, spec: ArraySpec, ctx: ChunkContext) -> np.ndarray:

@@ -40,14 +40,13 @@ rounds exactly as the spec says. Skipping zero coefficients is exact (see
 from __future__ import annotations
 
 import threading
-import weakref
 from typing import Any, NamedTuple
 
 import numpy as np
 from numba import njit
 
 from kvcodec.errors import KvcBackendError, KvcError, KvcFormatError
-from kvcodec.lru import BoundedLRU
+from kvcodec.lru import BoundedLRU, weak
 from kvcodec.core.stage import ArraySpec, ChunkContext, Pipeline, SideData
 from kvcodec.codecs.blocks import channel_blocks
 from kvcodec.decode.cpu.simd import ROW_BLOCKS, f16_bits16, rans16, row
@@ -366,15 +365,8 @@ def _matrices(tr: Any, H: int, D: int, ctx: ChunkContext) -> _Mats | None:
     mats = _Mats(bt, bh, m, *_block_lists(bt))
     # weak references: the cache must not keep every file's attachment arrays alive (ids are only
     # compared while the arrays still exist, so a reused id cannot alias)
-    _MATS.put(key, (mats, tuple(_weak(a) for a in ref)))
+    _MATS.put(key, (mats, tuple(weak(a) for a in ref)))
     return mats
-
-
-def _weak(a: Any) -> Any:
-    try:
-        return weakref.ref(a)
-    except TypeError:  # not weak-referenceable: an always-miss reference
-        return lambda: None
 
 
 # --------------------------------------------------------------------------- dispatch
