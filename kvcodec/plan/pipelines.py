@@ -19,12 +19,14 @@ step cost no bits and are dropped).
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Any
 
 import numpy as np
 
 from kvcodec.errors import KvcCodecError, KvcInputError
+from kvcodec.lru import BoundedLRU
 from kvcodec.core.stage import EncoderInputs, Pipeline, Plan
 from kvcodec.calibration.record import Calibration
 from kvcodec.calibration.store import require_calibration
@@ -78,16 +80,31 @@ def kept_coefficients(cal: Calibration, steps: np.ndarray, group: int, frac: flo
     return k
 
 
+_CLASSES: BoundedLRU[tuple[list[np.ndarray], np.ndarray]] = BoundedLRU(2)
+
+
 def token_classes(importance: np.ndarray, sink: int, opts: dict[str, Any]) -> tuple[list[np.ndarray], np.ndarray]:
     """tokenscale's class of every token [T] per layer (sink tokens class 0) and the class -> multiplier table,
-    from per-(layer, token) ``importance`` [L, T] and the full tokenscale options ``opts``."""
+    from per-(layer, token) ``importance`` [L, T] and the full tokenscale options ``opts``.
+
+    Read-only arrays, remembered by the importance's digest: rate control predicts with the very classes
+    the plan then codes with, and computing them is a bisection per layer."""
+    imp = np.ascontiguousarray(importance, np.float64)
+    key = (hashlib.sha1(imp.tobytes()).hexdigest(), imp.shape, int(sink), tuple(sorted(opts.items())))
+    hit = _CLASSES.get(key)
+    if hit is not None:
+        return hit
     classes: list[np.ndarray] = []
     table = np.ones(1, np.float32)
-    for l in range(importance.shape[0]):
-        c, table = token_multipliers(importance[l], sink, n_classes=1 << opts["bits"], log2_step=opts["log2_step"],
+    for l in range(imp.shape[0]):
+        c, table = token_multipliers(imp[l], sink, n_classes=1 << opts["bits"], log2_step=opts["log2_step"],
                                      min_log2=opts["min_log2"], power=opts["power"], max_log2=opts["max_log2"],
                                      floor=opts.get("floor", 0.0))
-        classes.append(np.concatenate([np.zeros(min(sink, importance.shape[1]), np.uint8), c]))
+        cl = np.concatenate([np.zeros(min(sink, imp.shape[1]), np.uint8), c])
+        cl.flags.writeable = False
+        classes.append(cl)
+    table.flags.writeable = False
+    _CLASSES.put(key, (classes, table))
     return classes, table
 
 

@@ -51,8 +51,18 @@ def test_noise_power_is_the_codecs_own_error_in_the_metric(lm, real_cache):
 def test_choose_step0_takes_the_largest_step_under_the_aim():
     from kvcodec.plan.rate import STEP_BRACKET, choose_step0
 
-    s = choose_step0(lambda x: 0.04 * x * x, 0.01)  # KL ∝ step²: the answer is 0.5
-    assert s <= 0.5 and s == pytest.approx(0.5, rel=2e-3)
+    calls: list[float] = []
+
+    def quadratic(x: float) -> float:  # KL ∝ step²: the answer is 0.5
+        calls.append(x)
+        return 0.04 * x * x
+
+    s = choose_step0(quadratic, 0.01)
+    assert quadratic(s) <= 0.01 and s == pytest.approx(0.5, rel=2e-3)
+    assert len(calls) <= 8  # a walk in log-log, not a bisection of the whole bracket
+    for law in (lambda x: 0.01 * x ** 1.3, lambda x: 0.02 * x * x + 1e-4 * (x > 0.3), lambda x: 0.01 * math.sqrt(x)):
+        s = choose_step0(law, 0.006, start=0.33)  # not a power law of 2, a jump, a flat law: still the largest step
+        assert law(s) <= 0.006 and law(s * 1.01) > 0.006 * (1 - 2e-3)
     assert choose_step0(lambda x: 1.0, 0.01) == pytest.approx(STEP_BRACKET[0])  # unreachable: the finest step
     assert choose_step0(lambda x: 0.0, 0.01) == pytest.approx(STEP_BRACKET[1])  # anything meets it: the coarsest
     for bad in (0.0, -1.0, float("nan"), float("inf")):
