@@ -134,10 +134,12 @@ class QuantizeStage(ArrayToArray):
     # -- encode ------------------------------------------------------------
     def encode(self, arr: np.ndarray, ctx: ChunkContext) -> tuple[np.ndarray, SideData]:
         check3(arr, "quantize", FLOATS)
-        x = arr.astype(np.float32)
+        x = np.asarray(arr, dtype=np.float32)  # read only: no copy of a float32 input
+        if self.mode == "step":
+            return self._enc_step(x)
         if not np.isfinite(x).all():
             raise KvcCodecError("codec 'quantize': input contains NaN or inf")
-        return self._enc_step(x) if self.mode == "step" else self._enc_minmax(x)
+        return self._enc_minmax(x)
 
     def _enc_step(self, x: np.ndarray) -> tuple[np.ndarray, SideData]:
         """(zigzag symbols, uint8 for max_bits <= 8 else uint16 [H, T, C]; side data step, bits)."""
@@ -145,6 +147,8 @@ class QuantizeStage(ArrayToArray):
         lim = (1 << (self.max_bits - 1)) - 1  # |q| <= lim keeps zigzag < 2**max_bits
         sym_dtype = np.uint8 if self.max_bits <= 8 else np.uint16
         amax = np.abs(x).max(axis=1) if T else np.zeros((H, C), np.float32)
+        if not np.isfinite(amax).all():  # max propagates NaN and inf: one pass checks the input and takes the range
+            raise KvcCodecError("codec 'quantize': input contains NaN or inf")
         step = np.full((H, C), self.step, np.float64)
         # widen the step where the range would not fit max_bits
         need = amax / (lim + 0.49)
