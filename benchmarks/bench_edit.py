@@ -20,7 +20,9 @@ with those after the reference cache (KL(reference || edit) mean over the positi
   ``--profile-examples`` examples from ``--profile-texts`` and evaluated on ``--eval-examples`` other examples
   from ``--eval-texts`` (other texts, seeds, names and values). Reported: accuracy and mean margin (nats) of
   a plain prefill vs the steered entry (the exact edit: re-prefill under the bias, bias applied to the
-  question as the HF loader does), and the steer edit's time over a plain prefill.
+  question as the HF loader does), and the steer edit's time over a plain prefill. With ``--auto-spans K``
+  the same heads also steer the K sentences :mod:`kvcodec.edit.autospans` chooses without the question;
+  reported: their accuracy and margin, how often the asked fact was among them, the scorer's time.
 
 Timings: each method ``--repeats`` times, interleaved, the minimum reported (the box is shared; the
 minimum is the least disturbed run). CPU, ``--threads`` torch threads.
@@ -116,14 +118,23 @@ def run_steer(lm: Any, a: Any, log: Callable[[str], None]) -> dict[str, Any]:
     from kvcodec.edit.steer_profile import answer_margin, fact_examples, profile_layers
 
     lm.warm_up()
-    prof_ex = fact_examples(lm.tokenizer, a.profile_texts.split(","), a.profile_examples, seed=1)
-    log(f"steer: profiling {lm.fingerprint.num_layers} layers on {len(prof_ex)} examples")
+    from kvcodec.edit.autospans import auto_spans
+    from kvcodec.integrations.attn_bias import model_attention_heads
+
+    given = dict(x.split("=") for x in a.layers.split(";") if x.strip()).get(lm.name) if a.layers else None
     t0 = time.perf_counter()
-    prof = profile_layers(lm, prof_ex, top=a.top_layers)
+    if given:  # layers chosen by an earlier profiling run (BENCHMARKS.md): skip the 12-minute profile
+        layers = sorted(int(x) for x in given.split(","))
+        prof = {"layers": layers, "heads": [[la, h] for la in layers for h in range(model_attention_heads(lm))],
+                "examples": 0, "given": True}
+    else:
+        prof_ex = fact_examples(lm.tokenizer, a.profile_texts.split(","), a.profile_examples, seed=1)
+        log(f"steer: profiling {lm.fingerprint.num_layers} layers on {len(prof_ex)} examples")
+        prof = profile_layers(lm, prof_ex, top=a.top_layers)
     t_prof = time.perf_counter() - t0
     ev = fact_examples(lm.tokenizer, a.eval_texts.split(","), a.eval_examples, seed=2)
     log(f"steer: evaluating heads of layers {prof['layers']} on {len(ev)} examples")
-    m0, m1, t_plain, t_steer = [], [], [], []
+    m0, m1, m2, t_plain, t_steer, t_auto, hits = [], [], [], [], [], [], []
     for ex in ev:
         t = time.perf_counter()
         c = capture(lm, token_ids=ex.context)
@@ -135,12 +146,23 @@ def run_steer(lm: Any, a: Any, log: Callable[[str], None]) -> dict[str, Any]:
             sc = steer_cache(lm, ex.context, bias)
             t_steer.append(time.perf_counter() - t)
             m1.append(answer_margin(lm, sc, ex, bias))
+            if a.auto_spans:  # the query-independent scorer chooses the spans (kvcodec.edit.autospans)
+                t = time.perf_counter()
+                spans = auto_spans(lm, ex.context, a.auto_spans)
+                t_auto.append(time.perf_counter() - t)
+                hits.append(any(s0 <= ex.span[0] < s1 for s0, s1 in spans))
+                bias = pasta_bias(lm, prof["heads"], spans, len(ex.context))
+                m2.append(answer_margin(lm, steer_cache(lm, ex.context, bias), ex, bias))
     return {"profile": prof, "profile_s": t_prof, "eval_examples": len(ev),
             "context_tokens_mean": float(np.mean([len(e.context) for e in ev])),
             "accuracy_prefill": float(np.mean([m > 0 for m in m0])), "margin_prefill": float(np.mean(m0)),
             "accuracy_steered": float(np.mean([m > 0 for m in m1])) if m1 else None,
             "margin_steered": float(np.mean(m1)) if m1 else None,
-            "steer_over_prefill_time": float(np.sum(t_steer) / np.sum(t_plain)) if t_steer else None}
+            "steer_over_prefill_time": float(np.sum(t_steer) / np.sum(t_plain)) if t_steer else None,
+            "auto_spans": a.auto_spans, "accuracy_auto": float(np.mean([m > 0 for m in m2])) if m2 else None,
+            "margin_auto": float(np.mean(m2)) if m2 else None, "auto_hits_asked_fact": float(np.mean(hits)) if hits else None,
+            "auto_scorer_over_prefill_time": float(np.sum(t_auto) / np.sum(t_plain)) if t_auto else None,
+            "margins": {"prefill": m0, "steered": m1, "auto": m2}}
 
 
 def markdown_steer(model: str, r: dict[str, Any]) -> str:
@@ -150,7 +172,11 @@ def markdown_steer(model: str, r: dict[str, Any]) -> str:
             f"{r['profile_s']:.0f} s); {r['eval_examples']} eval examples of ~{r['context_tokens_mean']:.0f} tokens: "
             f"accuracy prefill {r['accuracy_prefill']:.1%} (margin {r['margin_prefill']:.2f}) -> steered {acc} "
             f"(margin {r['margin_steered'] if r['margin_steered'] is None else round(r['margin_steered'], 2)}); "
-            f"steer edit time / prefill {r['steer_over_prefill_time'] if r['steer_over_prefill_time'] is None else round(r['steer_over_prefill_time'], 2)}")
+            f"steer edit time / prefill {r['steer_over_prefill_time'] if r['steer_over_prefill_time'] is None else round(r['steer_over_prefill_time'], 2)}"
+            + ("" if r.get("accuracy_auto") is None else
+               f"; auto spans (top {r['auto_spans']} sentences, asked fact among them in {r['auto_hits_asked_fact']:.1%}): "
+               f"accuracy {r['accuracy_auto']:.1%} (margin {r['margin_auto']:.2f}), scorer time / prefill "
+               f"{r['auto_scorer_over_prefill_time']:.2f}"))
 
 
 def markdown(model: str, results: list[dict], target: float) -> str:
@@ -187,6 +213,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--eval-texts", dest="eval_texts", default="py-argparse,c-stdio,pydoc-exec")
     ap.add_argument("--eval-examples", dest="eval_examples", type=int, default=24)
     ap.add_argument("--top-layers", dest="top_layers", type=int, default=3)
+    ap.add_argument("--layers", default="", help="skip profiling: steered layers per model, 'smollm2=20,23,24;gemma3-270m=11,12,17'")
+    ap.add_argument("--auto-spans", dest="auto_spans", type=int, default=4,
+                    help="also steer the top K sentences of kvcodec.edit.autospans (0: skip)")
     ap.add_argument("--json", dest="as_json", action="store_true")
     run = harness.cli(ap, argv, case="edit")
     a = run.args

@@ -103,6 +103,9 @@ def redact_command(entry: str, pattern: str | None, literal: str | None, tokens:
 @click.option("--pattern", default=None, help="A regular expression over the decoded context: its matches are emphasised.")
 @click.option("--text", "literal", default=None, help="A literal text: its occurrences are emphasised.")
 @click.option("--tokens", "tokens", multiple=True, help="A token span START:END to emphasise (repeatable).")
+@click.option("--auto", "auto", default=None, type=int,
+              help="Emphasise the AUTO sentences the model's own attention ranks highest, read without any question "
+                   "(kvcodec.edit.autospans; instead of --pattern/--text/--tokens).")
 @click.option("--heads", "heads", required=True,
               help="Steered heads, LAYER:HEAD or LAYER:* (every head of the layer), comma-separated; "
                    "see docs/guide/edit.md for the profiled ones.")
@@ -111,8 +114,8 @@ def redact_command(entry: str, pattern: str | None, literal: str | None, tokens:
 @_preset
 @model_option
 @json_option
-def steer_command(entry: str, pattern: str | None, literal: str | None, tokens: tuple[str, ...], heads: str,
-                  alpha: float | None, output: str, preset: str | None, model: str, as_json: bool) -> None:
+def steer_command(entry: str, pattern: str | None, literal: str | None, tokens: tuple[str, ...], auto: int | None,
+                  heads: str, alpha: float | None, output: str, preset: str | None, model: str, as_json: bool) -> None:
     """Emphasise spans of ENTRY's context on chosen attention heads (PASTA): re-prefill under the bias, store both."""
     from kvcodec.atomic import check_output
     from kvcodec.edit.spans import parse_token_span
@@ -122,7 +125,7 @@ def steer_command(entry: str, pattern: str | None, literal: str | None, tokens: 
     spans = [parse_token_span(t) for t in tokens] or None
     check_output(output, inputs=[entry])
     lm = _load(model)
-    res = steer(lm, entry, parse_heads(heads, model_attention_heads(lm)), pattern=pattern, text=literal, token_spans=spans,
+    res = steer(lm, entry, parse_heads(heads, model_attention_heads(lm)), pattern=pattern, text=literal, token_spans=spans, auto=auto,
                 alpha=DEFAULT_ALPHA if alpha is None else alpha, dest=output, preset=preset, progress=_say(as_json))
     _render(res, as_json)
 

@@ -92,10 +92,11 @@ def steer_cache(lm: Any, token_ids: np.ndarray, bias: AttentionBias) -> KVCache:
 
 def steer(lm: Any, source: Any, heads: Sequence[tuple[int, int]], *, pattern: str | None = None, text: str | None = None,
           char_spans: Sequence[tuple[int, int]] | None = None, token_spans: Sequence[tuple[int, int]] | None = None,
-          alpha: float = DEFAULT_ALPHA, dest: Any = None, preset: str | None = None,
+          auto: int | None = None, alpha: float = DEFAULT_ALPHA, dest: Any = None, preset: str | None = None,
           progress: Callable[[str], None] | None = None) -> EditResult:
     """Emphasise in the stored entry ``source`` the spans named by exactly one of ``pattern``, ``text``,
-    ``char_spans`` or ``token_spans``, on ``heads``, into a new entry that carries its attention bias."""
+    ``char_spans``, ``token_spans`` or ``auto`` (the ``auto`` sentences the query-independent scorer of
+    :mod:`kvcodec.edit.autospans` ranks highest), on ``heads``, into a new entry that carries its attention bias."""
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
     parent = open_parent(source)
@@ -105,7 +106,17 @@ def steer(lm: Any, source: Any, heads: Sequence[tuple[int, int]], *, pattern: st
         raise KvcInputError("the entry stores only the hash of its token ids; steer needs the ids")
     if parent.reader.header.attention_bias is not None:
         raise KvcInputError("the entry is already steered; steer its parent again instead of stacking biases")
-    spans = resolve_spans(lm.tokenizer, ids, pattern=pattern, text=text, char_spans=char_spans, token_spans=token_spans)
+    if auto is not None:
+        if any(x is not None for x in (pattern, text, char_spans, token_spans)):
+            raise KvcInputError("name the span by exactly one of: a pattern, a text, character spans, token spans, auto")
+        from kvcodec.edit.autospans import auto_spans, check_count
+
+        auto = check_count(auto)
+        check_heads(lm, heads)  # refuse bad input before the scorer's forward
+        say(f"choosing {auto} span(s) by the model's attention (reading {len(ids)} tokens twice)")
+        spans = auto_spans(lm, ids, auto)
+    else:
+        spans = resolve_spans(lm.tokenizer, ids, pattern=pattern, text=text, char_spans=char_spans, token_spans=token_spans)
     bias = pasta_bias(lm, heads, spans, len(ids), alpha)
     t1 = time.perf_counter()
     say(f"prefilling {len(ids)} tokens with {len(bias.entries)} steered heads")
@@ -115,6 +126,8 @@ def steer(lm: Any, source: Any, heads: Sequence[tuple[int, int]], *, pattern: st
                               "alpha": float(alpha)}
     if pattern is not None:
         params["pattern"] = pattern
+    if auto is not None:
+        params["auto"] = int(auto)
     return write_child(lm, parent, child, "steer", params, dest=dest, preset=preset, progress=progress,
                        timings={"prepare_s": t1 - t0, "prefill_s": t2 - t1}, attention_bias=bias,
                        info={"spans": [list(s) for s in spans], "steered_heads": len(bias.entries)})

@@ -24,7 +24,7 @@ __all__ = ["OP_PARAMS", "child_of", "edit_stored", "put_meta", "run_edit"]
 OP_PARAMS: dict[str, frozenset[str]] = {
     "append": frozenset({"text", "token_ids", "preset"}),
     "redact": frozenset({"pattern", "text", "char_spans", "token_spans", "recompute_ratio", "select_layer", "preset"}),
-    "steer": frozenset({"pattern", "text", "char_spans", "token_spans", "heads", "alpha", "preset"}),
+    "steer": frozenset({"pattern", "text", "char_spans", "token_spans", "auto", "heads", "alpha", "preset"}),
 }
 
 
@@ -68,7 +68,10 @@ def run_edit(lm: Any, data: bytes, op: str, params: Mapping[str, Any], progress:
     if op == "steer":
         from kvcodec.edit.steer import DEFAULT_ALPHA, steer
 
-        return steer(lm, data, _pairs(params.get("heads"), "heads"), alpha=params.get("alpha", DEFAULT_ALPHA), preset=preset,
+        auto = params.get("auto")
+        if auto is not None and (isinstance(auto, bool) or not isinstance(auto, int)):
+            raise KvcInputError("auto must be an integer (how many sentences to choose)")
+        return steer(lm, data, _pairs(params.get("heads"), "heads"), auto=auto, alpha=params.get("alpha", DEFAULT_ALPHA), preset=preset,
                      progress=progress, **kw)
     from kvcodec.edit.redact import DEFAULT_REDACT_RATIO, redact
 

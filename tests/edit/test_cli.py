@@ -48,6 +48,10 @@ def test_redact_then_append_through_the_cli(parent, tmp_path, capsys):
     (["steer", "{p}", "--tokens", "2:5", "--heads", "99:0", "-o", "{o}"], "out of range"),
     (["steer", "{p}", "--tokens", "2:5", "--heads", "20:*", "--alpha", "nan", "-o", "{o}"], "finite"),
     (["steer", "{p}", "--tokens", "2:5", "--heads", "20", "-o", "{o}"], "LAYER:HEAD"),
+    (["steer", "{p}", "--auto", "0", "--heads", "20:*", "-o", "{o}"], "integer in [1,"),
+    (["steer", "{p}", "--auto", "9999", "--heads", "20:*", "-o", "{o}"], "integer in [1,"),
+    (["steer", "{p}", "--auto", "2", "--tokens", "2:5", "--heads", "20:*", "-o", "{o}"], "exactly one of"),
+    (["steer", "{p}", "--auto", "2", "--heads", "99:0", "-o", "{o}"], "out of range"),
 ])
 def test_bad_input_is_one_line(parent, tmp_path, capsys, args, msg):
     out_path = tmp_path / "out.kvc"
@@ -65,3 +69,15 @@ def test_steer_through_the_cli(parent, tmp_path, capsys):
     assert info["op"] == "steer" and info["steered_heads"] == 10 and info["spans"] == [[2, 5]]
     with KvcReader(str(out_path)) as r:
         assert len(r.header.attention_bias.entries) == 10
+
+
+def test_steer_auto_through_the_cli(parent, tmp_path, capsys):
+    """``--auto K``: the scorer's K sentences become the spans, and the log records that they were chosen."""
+    out_path = tmp_path / "auto.kvc"
+    rc, out, err = run_kvc(["edit", "steer", str(parent), "--auto", "2", "--heads", "20:*", "-o", str(out_path), "--json"],
+                           capsys)
+    assert rc == 0, err
+    info = json.loads(out)
+    assert 1 <= len(info["spans"]) <= 2  # two sentences; adjacent ones merge into one span
+    with KvcReader(str(out_path)) as r:
+        assert r.header.meta["edits"][-1]["params"]["auto"] == 2

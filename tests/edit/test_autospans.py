@@ -1,0 +1,47 @@
+"""The query-independent span scorer for ``steer`` (:mod:`kvcodec.edit.autospans`) on the real model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvcodec.edit.autospans import MAX_AUTO_TOKENS, auto_spans, sentence_scores, sentence_spans
+from kvcodec.errors import KvcInputError
+from kvcodec.models.capture import tokenize
+
+pytestmark = pytest.mark.model
+
+
+def test_sentences_cover_the_text_in_order(lm):
+    text = "First point: the key is blue.\nSecond line here! Is it? Yes. Last"
+    ids = tokenize(lm.tokenizer, text)
+    spans = sentence_spans(lm.tokenizer, ids)
+    got = [lm.tokenizer.decode(ids[a:b].tolist()).strip() for a, b in spans]
+    assert got == ["First point:", "the key is blue.", "Second line here!", "Is it?", "Yes.", "Last"]
+    assert all(b1 <= a2 for (_, b1), (a2, _) in zip(spans, spans[1:]))
+
+
+def test_scores_and_choice_are_deterministic_and_leave_the_model_as_it_was(lm, changelog_ids):
+    ids = changelog_ids[:120]
+    impl = lm.model.config._attn_implementation
+    spans, s1 = sentence_scores(lm, ids)
+    _, s2 = sentence_scores(lm, ids)
+    assert lm.model.config._attn_implementation == impl  # the eager pass is undone
+    assert np.array_equal(s1, s2) and np.isfinite(s1).all() and len(spans) > 3
+    got = auto_spans(lm, ids, 3)
+    best = sorted(spans[i] for i in np.argsort(-s1, kind="stable")[:3])
+    assert got == best  # the top three sentences, in text order
+
+
+@pytest.mark.parametrize("k, msg", [(0, "integer in"), (True, "integer in"), (2.5, "integer in"), (10_000, "integer in"),
+                                    (40, "would emphasise all")])
+def test_hostile_counts_are_one_line(lm, changelog_ids, k, msg):
+    with pytest.raises(KvcInputError, match=msg):
+        auto_spans(lm, changelog_ids[:60], k)
+
+
+def test_hostile_contexts_are_one_line(lm, changelog_ids):
+    with pytest.raises(KvcInputError, match="2 to"):
+        auto_spans(lm, changelog_ids[:1], 1)
+    with pytest.raises(KvcInputError, match=str(MAX_AUTO_TOKENS)):
+        auto_spans(lm, np.zeros(MAX_AUTO_TOKENS + 1, np.int64), 1)
