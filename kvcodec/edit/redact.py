@@ -45,8 +45,10 @@ __all__ = ["DEFAULT_REDACT_RATIO", "redact", "redact_cache"]
 #: (BENCHMARKS.md, "Offline editing"; 448-token held-out contexts, a 48-token span): on SmolLM2 re-positioning
 #: alone (ratio 0) already keeps the KL against a re-prefill at 0.004-0.007 nats, inside the balanced preset's
 #: 0.01; 0.05 roughly halves it (0.0025-0.004) at 7-26 % of the re-prefill's time, while 0.1 and 0.2 gain
-#: little more and cost more. On Gemma 3 270M no ratio up to 0.2 reliably reaches 0.01 (2 of 3 texts miss: an
-#: early layer's key deviation does not predict which tokens deviate later), which the benchmark reports.
+#: little more and cost more. On Gemma 3 270M no ratio up to 0.2 reliably reaches 0.01 (2 of 3 texts miss), and
+#: no selection rule can: the re-positioning is exact (tests/edit/test_redact_rope.py), but the removal's damage
+#: spreads over the whole suffix, so even the re-prefill's exact K/V for the 20 % most affected tokens leaves
+#: 0.015-0.025 nats on a tuning text (benchmarks/results/edit/redact-ceiling/README.md).
 DEFAULT_REDACT_RATIO = 0.05
 
 
