@@ -186,3 +186,54 @@ def test_s3_a_forgery_under_the_asked_name_is_refused_from_its_header(s3_server,
         assert st.get(KEY) is None
         tier._read_body = inner
         assert sum(read) <= HEAD_READ, read
+
+
+def test_s3_sends_a_planted_value_s_head_not_the_value(s3_server):  # noqa: F811
+    """Reads are ranged: of a planted 2 MiB object the server sends at most HEAD_FIRST bytes (a streamed GET made it
+    send the whole value even though the reader stopped after the head). A sound large entry reads whole in two GETs,
+    the second pinned to the first's ETag: an object replaced between them is a miss, never a mix of two values.
+    An empty object (no envelope; a ranged GET of it is a 416) is dropped like any corrupt one."""
+    from kvcodec.store.tiers.base import HEAD_FIRST
+
+    tier = open_tier(s3_server.url("ranged"))
+    sent: list[int] = []
+    real_get = tier.s3.get_object
+
+    def get_object(**kw):
+        assert "Range" in kw, kw  # every read asks for a range: the server never streams a whole object unasked
+        resp = real_get(**kw)
+        sent.append(int(resp["ContentLength"]))
+        return resp
+
+    tier.s3.get_object = get_object
+    tier.put(KEY, _payload())
+    assert tier.get_entry(KEY).data == _payload() and len(sent) == 2  # head range, then the rest
+    for value in _planted():
+        tier.s3.put_object(Bucket=tier.bucket, Key=tier.name_of(KEY), Body=value)
+        sent.clear()
+        assert tier.get_entry(KEY) is None
+        assert sent and sum(sent) <= HEAD_FIRST, sent
+
+    tier.s3.delete_object(Bucket=tier.bucket, Key=tier.name_of(KEY))
+    tier.put(KEY, _payload())
+    other = encode_envelope(KEY, random.Random(9).randbytes(BIG), {})
+
+    def replaced_between(**kw):
+        resp = get_object(**kw)
+        if kw["Range"].startswith("bytes=0-"):  # after the head is read, someone replaces the object
+            real_put(Bucket=tier.bucket, Key=tier.name_of(KEY), Body=other)
+        return resp
+
+    real_put = tier.s3.put_object
+    tier.s3.get_object = replaced_between
+    errors = tier.counters.errors
+    assert tier.get_entry(KEY) is None and tier.counters.errors == errors + 1
+    tier.s3.get_object = get_object
+    assert tier.get_entry(KEY).data == random.Random(9).randbytes(BIG)  # the new value, whole, on the next read
+
+    empty = StoreKey.for_tokens([4, 4], model="m", codec="c")
+    real_put(Bucket=tier.bucket, Key=tier.name_of(empty), Body=b"")
+    corrupt = tier.counters.corrupt
+    assert tier.get_entry(empty) is None and tier.counters.corrupt == corrupt + 1
+    tier.put(empty, b"fine")  # dropped, so the conditional put is not shadowed by the empty object
+    assert tier.get_entry(empty).data == b"fine"

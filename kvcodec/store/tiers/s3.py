@@ -154,31 +154,44 @@ class S3Tier(Tier):
 
     # -- Tier interface -----------------------------------------------------------------
     def get_entry(self, key: StoreKey, head_ok: HeadCheck | None = None) -> Entry | None:
+        """The entry, read by one GET of its first :data:`HEAD_FIRST` bytes (``Range``) and, for a larger object
+        whose head passes :meth:`Tier._check_head`, one more for the rest pinned to the first's ETag.
+
+        Why ranged: a streamed GET of a planted 32 MiB value makes the server send it all even when the reader
+        stops after the head (the connection is dropped, not drained); ranged, the server sends at most
+        ``HEAD_FIRST``. The object's size comes from the first response's ``Content-Range``, before any body."""
         name = self.name_of(key)
+        what = f"s3 {self.bucket}/{name}"
         try:
-            resp = self._call("get", self.s3.get_object, Bucket=self.bucket, Key=name)
-            size = None if resp is None else int(resp.get("ContentLength", -1))
-            if size is not None and (size < 0 or size > self.max_entry):
-                resp["Body"].close()  # the size is known from the response head: the body is never read
-                self._too_large(size, self.max_entry, f"s3 {self.bucket}/{name}")
-                return None
-            if resp is not None and size is not None and size > HEAD_FIRST:
-                # large: its head is checked before the payload is read (one GET: the body is a stream)
-                head = self._check_head(self._read_body(resp, "get", HEAD_READ, exact=True), size, key,
-                                        f"s3 {self.bucket}/{name}",
-                                        lambda n: self._read_body(resp, "get", n, exact=True), head_ok)
-                if head is None:
-                    resp["Body"].close()
-                    return None
-                buf = head + self._read_body(resp, "get", size - len(head))
+            resp = self._call("get", self.s3.get_object, Bucket=self.bucket, Key=name, Range=f"bytes=0-{HEAD_FIRST - 1}")
+            if resp is None:
+                buf = None
             else:
-                buf = None if resp is None else self._read_body(resp, "get", self.max_entry)
+                size, avail = _sizes(resp)
+                if size < 0 or size > self.max_entry:
+                    resp["Body"].close()  # the size is known from the response head: the body is never read
+                    self._too_large(size, self.max_entry, what)
+                    return None
+                cur = _Cursor(self, name, resp, avail)
+                if size > HEAD_FIRST:  # large: its head is checked before the payload is read
+                    head = self._check_head(cur.read(HEAD_READ), size, key, what, cur.read, head_ok)
+                    if head is None:
+                        resp["Body"].close()
+                        return None
+                    buf = head + cur.read(size - len(head))
+                else:
+                    buf = cur.read(size)
+                if len(buf) != size:
+                    raise KvcStoreError(f"{what}: read {len(buf):,} of its {size:,} bytes")
         except KvcStoreError as e:
-            if self.guard.up:
-                log.warning("store: %s", e)
-            self.counters.add(errors=1, misses=1)
-            return None
-        return self._entry_or_drop(buf, key, f"s3 {self.bucket}/{name}",
+            if getattr(e, "s3_code", None) == "InvalidRange" or getattr(e, "s3_status", None) == 416:
+                buf = b""  # an empty object: no envelope at all, dropped as corrupt below
+            else:
+                if self.guard.up:
+                    log.warning("store: %s", e)
+                self.counters.add(errors=1, misses=1)
+                return None
+        return self._entry_or_drop(buf, key, what,
                                    lambda: self._call("delete", self.s3.delete_object, Bucket=self.bucket, Key=name))
 
     def put(self, key: StoreKey, data: bytes, meta: Mapping[str, Any] | None = None,
@@ -318,6 +331,46 @@ class S3Tier(Tier):
             self.s3.close()
         except Exception:  # pragma: no cover
             pass
+
+
+def _sizes(resp: dict[str, Any]) -> tuple[int, int]:
+    """(the object's size, the bytes this response carries) of a ranged GET: ``Content-Range: bytes a-b/size``,
+    or a server that ignored the range (200, the whole object)."""
+    n = int(resp.get("ContentLength", -1))
+    cr = resp.get("ContentRange")
+    if not cr:
+        return n, n
+    try:
+        return int(str(cr).rsplit("/", 1)[1]), n
+    except (IndexError, ValueError):
+        return -1, n
+
+
+class _Cursor:
+    """Reads an object forward: the first ranged GET's body, then (past it) a ranged GET pinned to its ETag,
+    so the rest can never come from a replaced object."""
+
+    def __init__(self, tier: "S3Tier", name: str, resp: dict[str, Any], avail: int) -> None:
+        self.tier, self.name, self.resp, self.avail = tier, name, resp, avail
+        self.etag = resp.get("ETag")
+        self.pos = 0
+
+    def read(self, n: int) -> bytes:
+        out = b""
+        take = min(n, self.avail - self.pos)
+        if take > 0:
+            out = self.tier._read_body(self.resp, "get", take, exact=True)
+            self.pos += len(out)
+            if len(out) < take:
+                raise KvcStoreError(f"s3 {self.tier.bucket}/{self.name}: body ended after {self.pos:,} bytes")
+        rest = n - len(out)
+        if rest > 0:
+            if not self.etag:
+                raise KvcStoreError(f"s3 {self.tier.bucket}/{self.name}: no ETag to pin the rest of the object to")
+            more = S3RangeReader(self.tier, self.name, self.pos + rest, str(self.etag))._read(self.pos, rest)
+            self.pos += len(more)
+            out += more
+        return out
 
 
 class S3RangeReader(RangeReader):
