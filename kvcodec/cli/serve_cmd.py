@@ -93,6 +93,9 @@ _LIMITS = "Limits (defaults: spec/kdn-v1.md §5). "
 @click.option("--tenant-refusal-rate", type=float, default=20.0, show_default=True, callback=_ratio,
               help="Refused (4xx) requests per second a tenant may cause, burst 5x; past it, its requests are 429 "
                    "before any body is read (0: no limit).")
+@click.option("--peer-refusal-rate", type=float, default=20.0, show_default=True, callback=_ratio,
+              help="Unauthenticated refusals (401, malformed HTTP) per second a client address may cause, burst 5x; "
+                   "past it its 401s are held back up to 1 s, and far past it its connections are refused (0: no limit).")
 @click.option("--log-rate", type=float, default=10.0, show_default=True, callback=_ratio,
               help="Bad-request log lines per second at most (one line per bad request; the rest are counted).")
 def serve_command(store_url: str | None, host: str, port: int, tokens_file: str | None, namespace: str,

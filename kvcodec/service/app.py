@@ -52,7 +52,9 @@ Bounded work (issue 35; the limits are ``spec/kdn-v1.md`` §5 and :class:`Servic
 * a client address holds at most ``peer_connections`` connections, and HTTP that aiohttp's parser refuses
   is a one-line JSON ``400`` too (the connection layer: :mod:`kvcodec.service.server`);
 * a tenant whose requests keep being refused (a refusal costs one, plus one per MiB of body read) gets its
-  next answers as ``429`` held back up to a second, before any body is read;
+  next answers as ``429`` held back up to a second, before any body is read; a client address whose
+  requests keep failing authentication or parsing likewise (``peer_refusal_rate``), and one far past it has
+  its new connections refused before they are parsed;
 * memory is bounded and every term enforced (:meth:`ServiceConfig.memory_bound`): bodies are charged from
   their first byte to their answer, worker processes have a data limit (``worker_memory``);
 * every refusal is a one-line JSON error, and one rate-limited log line.
@@ -106,6 +108,7 @@ MAX_THROTTLED = 1024      # requests held back at once; beyond, the 429 is at on
 DRAIN_MAX = 1 << 20        # a throttled request's body larger than this (or of unknown length) is not drained
 LINGER = 1.0              # seconds the rest of a refused request's body is drained before its connection closes
 REFUSAL_BODY_UNIT = 1 << 20  # a refused request costs its tenant one refusal, plus one per MiB of body it made us read
+PEER_KEYS = 1 << 16       # client addresses whose refusals are remembered at once (the oldest is forgotten)
 INLINE_JSON = 64 << 10   # JSON bodies up to this size are parsed on the event loop; larger ones by a worker
 
 PRINCIPAL = web.AppKey("principal", Principal)
@@ -149,6 +152,7 @@ class ServiceConfig:
     peer_connections: int = 256      # connections one client address may hold at once (more: 429 at once)
     log_rate: float = 10.0           # bad-request log lines per second (more are counted, then summarised)
     tenant_refusal_rate: float = 20.0  # refused requests per second a tenant may cause (burst 5x); then 429 at once
+    peer_refusal_rate: float = 20.0  # unauthenticated refusals (401, malformed HTTP) per second per client address
 
     def check(self) -> None:
         """:class:`KvcInputError` naming the first option out of range."""
@@ -165,7 +169,7 @@ class ServiceConfig:
             v = getattr(self, k)
             if not isinstance(v, (int, float)) or not 0 < v <= 86400:
                 raise KvcInputError(f"{k.replace('_', '-')} must be in (0, 86400] seconds, got {v!r}")
-        for k in ("max_decoded_ratio", "tenant_decode_rate", "log_rate", "tenant_refusal_rate"):
+        for k in ("max_decoded_ratio", "tenant_decode_rate", "log_rate", "tenant_refusal_rate", "peer_refusal_rate"):
             v = getattr(self, k)
             if not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
                 raise KvcInputError(f"{k.replace('_', '-')} must be a finite number >= 0, got {v!r}")
@@ -274,7 +278,10 @@ class KdnService:
         # a tenant whose requests keep being refused (4xx) is answered 429 before any body is read or work done
         self.refusals = TokenBucket(c.tenant_refusal_rate, 5 * c.tenant_refusal_rate)
         self.throttled = 0  # requests being held back before their 429 (at most MAX_THROTTLED)
-        self.peers = PeerTable(c.peer_connections)  # the connection layer's (kvcodec.service.server)
+        # a client address whose requests keep failing authentication (or parsing) is throttled the same way: no
+        # tenant to charge them to. Bounded: an attacker with many addresses cannot grow the table
+        self.peer_refusals = TokenBucket(c.peer_refusal_rate, 5 * c.peer_refusal_rate, max_keys=PEER_KEYS)
+        self.peers = PeerTable(c.peer_connections, self.peer_refusals)  # the connection layer's (kvcodec.service.server)
 
     def store_for(self, p: Principal) -> Store:
         """The tenant's view of the backing tiers: a Store whose tenant key is derived for ``p.tenant``."""
@@ -399,33 +406,43 @@ class KdnService:
         if request.path.startswith(API + "/"):
             h = request.headers.get("Authorization", "")
             scheme, _, tok = h.partition(" ")
-            if scheme.lower() != "bearer" or not tok.strip():
-                self.metrics.auth_failure("missing")
-                raise HttpError(401, "missing bearer token (Authorization: Bearer <token>)",
-                                {"WWW-Authenticate": 'Bearer realm="kvc"'})
-            p = self.tokens.lookup(tok.strip())
+            p = self.tokens.lookup(tok.strip()) if scheme.lower() == "bearer" and tok.strip() else None
             if p is None:
+                # no tenant to charge: the client address pays, and one that keeps failing gets its 401s held back
+                peer = request.remote or "?"
+                await self._throttle(request, self.peer_refusals, peer, self.config.peer_refusal_rate,
+                                     f"your address had more than {self.config.peer_refusal_rate:g} unauthenticated "
+                                     "requests a second refused; retry later")
+                self.peer_refusals.charge(peer, 1)
+                if scheme.lower() != "bearer" or not tok.strip():
+                    self.metrics.auth_failure("missing")
+                    raise HttpError(401, "missing bearer token (Authorization: Bearer <token>)",
+                                    {"WWW-Authenticate": 'Bearer realm="kvc"'})
                 self.metrics.auth_failure("invalid")
                 raise HttpError(401, "invalid token", {"WWW-Authenticate": 'Bearer realm="kvc", error="invalid_token"'})
             request[PRINCIPAL] = p
-            rate = self.config.tenant_refusal_rate
-            if rate > 0 and self.refusals.balance(p.tenant) < 1:
-                # Held back (a sleeping coroutine: no CPU, no body read) before the 429, so a client that keeps
-                # sending refused requests gets its answers at a bounded rate rather than as fast as it can ask.
-                wait = (1 - self.refusals.balance(p.tenant)) / rate
-                n = request.content_length
-                if request.body_exists and (n is None or n > DRAIN_MAX):
-                    request[_STOP] = True  # its body is not worth draining for a 429
-                if self.throttled < MAX_THROTTLED:
-                    self.throttled += 1
-                    try:
-                        await asyncio.sleep(min(wait, THROTTLE_HOLD))
-                    finally:
-                        self.throttled -= 1
-                raise Overloaded(429, f"tenant {p.tenant!r} had more than {rate:g} requests a second refused; "
-                                      "retry later",
-                                 retry_after=(1 - self.refusals.balance(p.tenant)) / rate)
+            await self._throttle(request, self.refusals, p.tenant, self.config.tenant_refusal_rate,
+                                 f"tenant {p.tenant!r} had more than {self.config.tenant_refusal_rate:g} requests a "
+                                 "second refused; retry later")
         return await handler(request)
+
+    async def _throttle(self, request: web.Request, bucket: TokenBucket, who: str, rate: float, message: str) -> None:
+        """A 429 for ``who`` (a tenant, or a client address) while its refusal balance is under one, held back
+        first (a sleeping coroutine: no CPU, no body read), so a client that keeps sending refused requests gets
+        its answers at a bounded rate rather than as fast as it can ask."""
+        if rate <= 0 or bucket.balance(who) >= 1:
+            return
+        wait = (1 - bucket.balance(who)) / rate
+        n = request.content_length
+        if request.body_exists and (n is None or n > DRAIN_MAX):
+            request[_STOP] = True  # its body is not worth draining for a 429
+        if self.throttled < MAX_THROTTLED:
+            self.throttled += 1
+            try:
+                await asyncio.sleep(min(wait, THROTTLE_HOLD))
+            finally:
+                self.throttled -= 1
+        raise Overloaded(429, message, retry_after=(1 - bucket.balance(who)) / rate)
 
     # -- helpers ------------------------------------------------------------------------
     @staticmethod

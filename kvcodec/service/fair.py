@@ -140,9 +140,12 @@ class FairScheduler:
 class TokenBucket:
     """Per-tenant quota of ``rate`` units per second, ``burst`` at most banked, in deficit form (module docstring)."""
 
-    def __init__(self, rate: float, burst: float) -> None:
+    def __init__(self, rate: float, burst: float, max_keys: int | None = None) -> None:
         self.rate, self.burst = float(rate), float(burst)
-        self._balance: dict[str, tuple[float, float]] = {}  # tenant -> (balance, at)
+        # tenant -> (balance, at), oldest charge first; ``max_keys`` bounds it where keys are not (client addresses):
+        # the oldest is forgotten, which forgives it (a full balance), never punishes anyone else
+        self._balance: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        self.max_keys = max_keys
 
     def balance(self, tenant: str, now: float | None = None) -> float:
         now = time.monotonic() if now is None else now
@@ -163,3 +166,7 @@ class TokenBucket:
             return
         now = time.monotonic()
         self._balance[tenant] = (self.balance(tenant, now) - amount, now)
+        self._balance.move_to_end(tenant)
+        if self.max_keys is not None:
+            while len(self._balance) > self.max_keys:
+                self._balance.popitem(last=False)

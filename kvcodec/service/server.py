@@ -34,12 +34,23 @@ from kvcodec.service.checks import error_line
 
 
 class PeerTable:
-    """Open connections per peer address, capped (event loop only, no locks)."""
+    """Open connections per peer address, capped (event loop only, no locks), and the addresses' refusal balance
+    (``refusals``: the service's per-address throttle, charged here for HTTP the parser refuses)."""
 
-    def __init__(self, cap: int) -> None:
+    def __init__(self, cap: int, refusals: Any = None) -> None:
         self.cap = cap
         self.open: dict[str, int] = {}
         self.refused = 0
+        self.refusals = refusals
+
+    def abusive(self, peer: str) -> bool:
+        """Far past its refusal rate (a whole burst into debt): its new connections are refused unparsed."""
+        r = self.refusals
+        return r is not None and r.rate > 0 and r.balance(peer) < -r.burst
+
+    def charge(self, peer: str) -> None:
+        if self.refusals is not None:
+            self.refusals.charge(peer, 1)
 
     def take(self, peer: str) -> bool:
         n = self.open.get(peer, 0)
@@ -71,9 +82,11 @@ class KdnRequestHandler(RequestHandler):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         peer = transport.get_extra_info("peername")
         self._kvc_peer: str | None = str(peer[0]) if isinstance(peer, (tuple, list)) and peer else "?"
-        if not self.peers.take(self._kvc_peer):
+        abusive = self.peers.abusive(self._kvc_peer)
+        if abusive or not self.peers.take(self._kvc_peer):
             self._kvc_peer = None
-            msg = f"too many connections from your address at once (limit {self.peers.cap}); retry later"
+            msg = ("your address keeps sending requests that are refused; retry later" if abusive else
+                   f"too many connections from your address at once (limit {self.peers.cap}); retry later")
             try:
                 transport.write(_raw_json(429, "Too Many Requests", msg, "Retry-After: 1\r\n"))  # type: ignore[attr-defined]
             finally:
@@ -108,6 +121,8 @@ class KdnRequestHandler(RequestHandler):
         else:
             text = f"malformed HTTP request: {what or 'bad request'}"
         self.logger.warning("%s from %s: %s", status, request.remote or "?", what[:300])
+        if status < 500:
+            self.peers.charge(str(request.remote or "?"))  # malformed HTTP: no tenant, the address pays
         resp = web.Response(status=status, text=json.dumps({"error": " ".join(text.split())[:1000]}),
                             content_type="application/json")
         resp.force_close()

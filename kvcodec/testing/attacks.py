@@ -86,9 +86,14 @@ def chunked(body: bytes, piece: int = 1 << 16) -> bytes:
     return bytes(out + b"0\r\n\r\n")
 
 
-def raw_request(port: int, head: bytes, body: bytes = b"", timeout: float = 30.0) -> tuple[int, bytes]:
-    """Send ``head`` + ``body`` on a fresh loopback connection; ``(status, response bytes)`` (status 0: none)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+def raw_request(port: int, head: bytes, body: bytes = b"", timeout: float = 30.0,
+                source: str | None = None) -> tuple[int, bytes]:
+    """Send ``head`` + ``body`` on a fresh loopback connection; ``(status, response bytes)`` (status 0: none).
+
+    ``source``: the local address to send from (any of 127.0.0.0/8 is this machine on Linux), so a test can be
+    a second client address."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout,
+                                  source_address=None if source is None else (source, 0)) as s:
         try:
             s.sendall(head + body)
         except OSError:
