@@ -1,7 +1,7 @@
 """A shared KDN under attack (issue 35): N honest engines keep working while a stranger runs each attack class.
 
     python benchmarks/bench_kdn_attack.py [--engines 4] [--phase-s 15] [--backend kdn,cluster,s3]
-                                          [--attackers 4] [--think-ms 20]
+                                          [--attackers 4] [--think-ms 20] [--attacker-nice 19]
 
 Loopback only; every phase is bounded in time (``--phase-s``) and every request has a timeout.
 
@@ -27,6 +27,13 @@ Backends and attack classes (one phase each, after a no-attack baseline; the att
   are ~130 KB) and again with the tier's default cap (``oversized-default``: the value is under the cap, so
   only its head, read first, refuses it); ``forged-default``: 32 MiB envelopes of the asked key itself
   without a valid seal, which only the reader's Store can refuse, after reading each whole.
+
+The attacker is a stranger on another machine, which one loopback box can only approximate. It connects from its
+own address (``127.0.0.2``; the honest engines from ``127.0.0.1``), so per-address defences see two clients, and
+its process runs at ``--attacker-nice`` (default 19): its *own* client work (building requests, a thread per
+connection) then takes only the CPU the server and the engines leave, as it would on its own machine, while every
+byte of work it causes the server is the server's. ``--attacker-nice 0`` lets the load generator compete for the
+same cores (on a 2-core box that alone moves the honest p99; the attacker's CPU-seconds are reported either way).
 
 Reported per phase: honest p50 / p99 (ms), requests, errors, misses; the attacker's request count and
 answers; the server's peak RSS (``kvc serve`` with its worker processes; the three redis-server nodes;
@@ -59,6 +66,7 @@ STORE_KEY = "5a" * 32
 KDN_CLASSES = ("amplify", "costly", "chunked", "deep", "lookups", "slowloris", "stalled", "junk")
 REMOTE_CLASSES = ("oversized", "forged")
 BIG = 32 << 20
+ATTACKER_ADDR = "127.0.0.2"  # the stranger's own address (any of 127/8 is this machine)
 
 
 # ----------------------------------------------------------------------------------------------- memory
@@ -225,23 +233,23 @@ def _kdn_attack(kind: str, port: int, seconds: float, threads: int, ready: Calla
         if kind == "amplify":
             key, data = amp
             head = request_head("PUT", f"/v1/entries/{key.to_str()}", TOK_MALLORY, {"Content-Length": len(data)})
-            tally.add(raw_request(port, head, data, timeout=30)[0])
+            tally.add(raw_request(port, head, data, timeout=30, source=ATTACKER_ADDR)[0])
         elif kind == "costly":
             key, data = costly[i % len(costly)]
             head = request_head("PUT", f"/v1/entries/{key.to_str()}", TOK_MALLORY, {"Content-Length": len(data)})
-            tally.add(raw_request(port, head, data, timeout=60)[0])
+            tally.add(raw_request(port, head, data, timeout=60, source=ATTACKER_ADDR)[0])
         elif kind == "chunked":
             head = request_head("POST", "/v1/contains", TOK_MALLORY, {"Transfer-Encoding": "chunked"})
-            tally.add(raw_request(port, head, chunked(big_json, 1 << 20), timeout=30)[0])
+            tally.add(raw_request(port, head, chunked(big_json, 1 << 20), timeout=30, source=ATTACKER_ADDR)[0])
         elif kind == "deep":
             body = deep_json()
             head = request_head("POST", "/v1/lookup", TOK_MALLORY, {"Content-Length": len(body)})
-            tally.add(raw_request(port, head, body, timeout=30)[0])
+            tally.add(raw_request(port, head, body, timeout=30, source=ATTACKER_ADDR)[0])
         elif kind == "lookups":
             head = request_head("POST", "/v1/lookup", TOK_MALLORY, {"Content-Length": len(lookup)})
-            tally.add(raw_request(port, head, lookup, timeout=60)[0])
+            tally.add(raw_request(port, head, lookup, timeout=60, source=ATTACKER_ADDR)[0])
         elif kind == "stalled":
-            with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            with socket.create_connection(("127.0.0.1", port), timeout=30, source_address=(ATTACKER_ADDR, 0)) as s:
                 s.sendall(request_head("PUT", f"/v1/entries/{amp[0].to_str()}", TOK_MALLORY,
                                        {"Content-Length": 1 << 20}) + b"x" * 10)
                 try:
@@ -251,11 +259,12 @@ def _kdn_attack(kind: str, port: int, seconds: float, threads: int, ready: Calla
         elif kind == "junk":
             if i % 2:
                 tally.add(raw_request(port, b"GET /v1/whoami HTTP/1.1\r\nHost: x\r\nContent-Length: zz\r\n\r\n",
-                                      timeout=10)[0])
+                                      timeout=10, source=ATTACKER_ADDR)[0])
             else:
-                tally.add(raw_request(port, request_head("GET", "/v1/whoami", f"not-a-token-{i}"), timeout=10)[0])
+                tally.add(raw_request(port, request_head("GET", "/v1/whoami", f"not-a-token-{i}"), timeout=10,
+                                      source=ATTACKER_ADDR)[0])
         elif kind == "slowloris":
-            held = slow_head(port, interval=0.5, limit_s=max(0.5, end - time.monotonic()))
+            held = slow_head(port, interval=0.5, limit_s=max(0.5, end - time.monotonic()), source=ATTACKER_ADDR)
             tally.add(f"held {int(held)} s")
 
     def worker(w: int) -> None:
@@ -302,9 +311,12 @@ def _remote_attack(kind: str, url: str, seconds: float, raw: Any, ready: Callabl
     return {"overwritten": len(victims), "value_bytes": BIG}
 
 
-def attacker_main(kind: str, target: dict[str, Any], seconds: float, threads: int, out: Any) -> None:
-    """Prepare, say "ready" on ``out``, attack for ``seconds``, then put the tally on ``out``."""
+def attacker_main(kind: str, target: dict[str, Any], seconds: float, threads: int, out: Any, nice: int = 19) -> None:
+    """Prepare, say "ready" on ``out``, attack for ``seconds``, then put the tally on ``out``; at ``nice`` (module
+    docstring: the attacker's own client work stands for another machine's)."""
     import resource
+
+    os.nice(nice)
 
     def used() -> float:
         ru = resource.getrusage(resource.RUSAGE_SELF)
@@ -494,7 +506,8 @@ def run_backend(kind: str, a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             t_phase = time.monotonic()
             with RssSampler(be.server_pids) as srv_rss, RssSampler(lambda: [p.pid for p in procs]) as eng_rss:
                 if attack is not None:
-                    att = ctx.Process(target=attacker_main, args=(attack, be.target(), a.phase_s + 1, a.attackers, att_q),
+                    att = ctx.Process(target=attacker_main,
+                                      args=(attack, be.target(), a.phase_s + 1, a.attackers, att_q, a.attacker_nice),
                                       daemon=True)
                     att.start()
                     if att_q.get(timeout=600) != "ready":  # its payloads built (and the overwrite done)
@@ -560,6 +573,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--doc-tokens", type=int, default=1024, help="tokens per honest entry (1024: ~130 KB)")
     ap.add_argument("--think-ms", type=float, default=20.0, help="an engine's compute between two store requests")
     ap.add_argument("--attackers", type=int, default=4, help="attacker threads (slowloris: 200 connections)")
+    ap.add_argument("--attacker-nice", type=int, default=19, choices=range(0, 20), metavar="0-19",
+                    help="niceness of the attacker's process (module docstring; 0: it competes for the cores)")
     ap.add_argument("--backend", default="kdn,cluster,s3")
     ap.add_argument("--classes", default=",".join(KDN_CLASSES + REMOTE_CLASSES),
                     help="attack classes to run (" + ", ".join(KDN_CLASSES + REMOTE_CLASSES) + ")")

@@ -116,12 +116,14 @@ def raw_request(port: int, head: bytes, body: bytes = b"", timeout: float = 30.0
     return status, bytes(out)
 
 
-def slow_head(port: int, *, interval: float = 0.5, limit_s: float = 30.0) -> float:
+def slow_head(port: int, *, interval: float = 0.5, limit_s: float = 30.0, source: str | None = None) -> float:
     """Slowloris: open a connection and send a request head one byte every ``interval`` seconds until the
-    server closes it (or ``limit_s`` passes); the seconds the connection stayed open."""
+    server closes it (or ``limit_s`` passes); the seconds the connection stayed open. ``source``: as
+    :func:`raw_request`'s."""
     head = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 10_000
     t0 = time.monotonic()
-    with socket.create_connection(("127.0.0.1", port), timeout=interval * 4) as s:
+    with socket.create_connection(("127.0.0.1", port), timeout=interval * 4,
+                                  source_address=None if source is None else (source, 0)) as s:
         for b in head:
             if time.monotonic() - t0 > limit_s:
                 break
