@@ -64,6 +64,9 @@ _LIMITS = "Limits (defaults: spec/kdn-v1.md §5). "
               help="Worker processes one tenant may keep busy at once (the others are shared round-robin).")
 @click.option("--tenant-queue", type=click.IntRange(0, 1 << 20), default=16, show_default=True,
               help="Requests one tenant may have waiting for a worker; more are answered 429.")
+@click.option("--tenant-worker-cpu", type=float, default=0.5, show_default=True, callback=_ratio,
+              help="Worker CPU-seconds per second one tenant's jobs (put checks, large lookups) may use on average, "
+                   "burst 2 s; past it its next jobs wait for the share to refill, or get 429 (0: no share).")
 @click.option("--tenant-decode-rate", default="256M", show_default=True,
               help="Decoded bytes per second one tenant's puts may cost (0: no quota); over it: 429.")
 @click.option("--store-threads", type=int, default=16, show_default=True, callback=_count,

@@ -41,7 +41,8 @@ Bounded work (issue 35; the limits are ``spec/kdn-v1.md`` §5 and :class:`Servic
   with the request -- checking and decoding a put entry, parsing a large JSON
   body, tokenizing a text lookup -- runs in a worker *process*
   (:mod:`kvcodec.service.workers`), at most ``tenant_workers`` per tenant,
-  round-robin between tenants, killed at the request's deadline;
+  round-robin between tenants, killed at the request's deadline; a tenant's jobs are paced to
+  ``tenant_worker_cpu`` cores on average (their CPU time is charged after each job);
 * a put is checked cheap facts first (structure, declared decoded size against
   ``max_decoded_bytes`` and ``max_decoded_ratio`` x its size, token ids, model,
   key digest) and decoded only after the tenant's decode quota admits it;
@@ -143,6 +144,7 @@ class ServiceConfig:
     workers: int = 2                 # worker processes (decode, large JSON, tokenization)
     tenant_workers: int = 1          # of them busy for one tenant at once
     tenant_queue: int = 16           # requests one tenant may have waiting for a worker (more: 429)
+    tenant_worker_cpu: float = 0.5   # worker CPU-seconds per second one tenant's jobs may use on average (0: no share)
     tenant_decode_rate: float = 256 << 20  # decoded bytes per second per tenant (0: no quota); burst: max_decoded_bytes
     store_threads: int = 16          # threads for store operations
     tenant_store_threads: int = 8    # of them busy for one tenant at once
@@ -169,7 +171,8 @@ class ServiceConfig:
             v = getattr(self, k)
             if not isinstance(v, (int, float)) or not 0 < v <= 86400:
                 raise KvcInputError(f"{k.replace('_', '-')} must be in (0, 86400] seconds, got {v!r}")
-        for k in ("max_decoded_ratio", "tenant_decode_rate", "log_rate", "tenant_refusal_rate", "peer_refusal_rate"):
+        for k in ("max_decoded_ratio", "tenant_decode_rate", "log_rate", "tenant_refusal_rate", "peer_refusal_rate",
+                  "tenant_worker_cpu"):
             v = getattr(self, k)
             if not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
                 raise KvcInputError(f"{k.replace('_', '-')} must be a finite number >= 0, got {v!r}")
@@ -269,7 +272,7 @@ class KdnService:
             self._add_model(m)
         self.workers = WorkerPool(c.workers, per_tenant=c.tenant_workers, max_queued=c.tenant_queue,
                                   queue_timeout=c.queue_timeout, tokenizers=self._tokenizer_dirs,
-                                  memory=c.worker_memory, base=WORKER_BASE)
+                                  memory=c.worker_memory, base=WORKER_BASE, tenant_cpu=c.tenant_worker_cpu)
         self.decode_quota = TokenBucket(c.tenant_decode_rate, c.max_decoded_bytes)
         self._io = ThreadPoolExecutor(c.store_threads, thread_name_prefix="kvc-store")
         self.io_sched = FairScheduler(c.store_threads, c.tenant_store_threads, max_queued=256, name="store thread")

@@ -28,12 +28,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from kvcodec.service.checks import HttpError
-from kvcodec.service.fair import FairScheduler, Overloaded
+from kvcodec.service.fair import FairScheduler, Overloaded, TokenBucket
 from kvcodec.service.worker import FRAME, MAX_HEADER
 
 log = logging.getLogger("kvcodec.service")
 
 _PKG_ROOT = str(Path(__file__).resolve().parents[2])
+CPU_BURST = 2.0  # worker CPU-seconds a tenant may use at once before its jobs are paced to its share
 
 
 class WorkerDied(Exception):
@@ -48,6 +49,15 @@ class _Proc:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    def cpu_s(self) -> float:
+        """CPU-seconds (user + system) the process has used so far; 0 if it is gone."""
+        try:
+            with open(f"/proc/{self.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            return 0.0
 
     def rss(self) -> int:
         try:
@@ -98,9 +108,14 @@ class WorkerPool:
     """``n`` worker processes behind a fair scheduler (see the module docstring)."""
 
     def __init__(self, n: int, *, per_tenant: int = 1, max_queued: int = 16, queue_timeout: float = 60.0,
-                 tokenizers: dict[str, str] | None = None, memory: int = 2 << 30, base: int = 256 << 20) -> None:
+                 tokenizers: dict[str, str] | None = None, memory: int = 2 << 30, base: int = 256 << 20,
+                 tenant_cpu: float = 0.0, cpu_burst: float = CPU_BURST) -> None:
         self.n = n
         self.sched = FairScheduler(n, per_tenant, max_queued, name="worker")
+        # each tenant's worker CPU-seconds per second (0: no share), charged after each job, in deficit form
+        self.cpu = TokenBucket(tenant_cpu, max(cpu_burst, tenant_cpu))
+        self.max_queued = max_queued
+        self._pacing: dict[str, int] = {}  # tenant -> jobs waiting for its CPU balance to refill
         self.queue_timeout = queue_timeout
         self.tokenizers = dict(tokenizers or {})
         self.memory = memory
@@ -179,10 +194,12 @@ class WorkerPool:
         A reply carrying ``error`` becomes :class:`HttpError`; the deadline becomes 504.
         """
         wait_until = min(deadline, time.monotonic() + self.queue_timeout)
+        await self._pace(tenant, wait_until)
         await self.sched.acquire(tenant, wait_until)
         p = self._idle.pop()
         ok = False
         reply: dict[str, Any] = {}
+        cpu0 = p.cpu_s()
         try:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -204,6 +221,7 @@ class WorkerPool:
             await self._replace(p)  # mid-exchange: the worker's state is unknown
             raise
         finally:
+            self.cpu.charge(tenant, max(0.0, p.cpu_s() - cpu0))  # a killed worker's is lost: at most one job's
             if ok:
                 p.jobs += 1
                 if reply.get("recycle") or p.rss() > self.max_rss:
@@ -215,6 +233,28 @@ class WorkerPool:
         if "error" in reply:
             raise HttpError(int(reply.get("status", 400)), str(reply["error"]))
         return reply
+
+    async def _pace(self, tenant: str, wait_until: float) -> None:
+        """Hold a job of a tenant over its CPU share until its balance is positive again (a sleeping coroutine: no
+        worker, no CPU), so that legal but expensive jobs (a costly put's decode, a large lookup) of one tenant take
+        at most ``tenant_cpu`` cores on average however many it sends, and other tenants keep the rest. A job that
+        would wait past ``wait_until``, or one beyond ``max_queued`` of the tenant's held jobs, is a 429 now."""
+        b = self.cpu.balance(tenant)
+        if self.cpu.rate <= 0 or b > 0:
+            return
+        wait = -b / self.cpu.rate
+        if time.monotonic() + wait > wait_until or self._pacing.get(tenant, 0) >= self.max_queued:
+            raise Overloaded(429, f"tenant over its worker CPU share of {self.cpu.rate:g} cores; retry later",
+                             retry_after=wait)
+        self._pacing[tenant] = self._pacing.get(tenant, 0) + 1
+        try:
+            await asyncio.sleep(wait)
+        finally:
+            n = self._pacing[tenant] - 1
+            if n:
+                self._pacing[tenant] = n
+            else:
+                del self._pacing[tenant]
 
     async def _exchange(self, p: _Proc, header: dict[str, Any], payload: bytes,
                         decide: Callable[[dict[str, Any]], bool] | None) -> dict[str, Any]:

@@ -100,6 +100,37 @@ def test_a_job_past_its_deadline_kills_its_worker_and_the_pool_recovers(monkeypa
     asyncio.run(main())
 
 
+def test_a_tenant_s_jobs_are_paced_to_its_worker_cpu_share_and_others_are_not(monkeypatch):
+    """tenant_cpu 0.25 cores, burst 0.25 CPU-s: b's spinning job is charged its worker's CPU time after it runs (what it used,
+    not its wall time), so b's next job waits for its balance to refill (or is a 429 when that would pass its
+    deadline), while a's jobs run at once."""
+    monkeypatch.setenv(TEST_OPS_ENV, "1")
+
+    async def main() -> None:
+        pool = WorkerPool(2, per_tenant=1, max_queued=4, tenant_cpu=0.25, cpu_burst=0.25)
+        await pool.start()
+        try:
+            used0 = sum(p.cpu_s() for p in pool._all)
+            assert (await pool.run("b", time.monotonic() + 60, {"op": "spin", "seconds": 0.5}))
+            used = sum(p.cpu_s() for p in pool._all) - used0
+            assert used > 0.3, used  # a spin of 0.5 s wall
+            assert pool.cpu.balance("b") == pytest.approx(0.25 - used, abs=0.05)  # charged what its worker used
+            t0 = time.monotonic()
+            assert (await pool.run("a", time.monotonic() + 60, {"op": "ping"}))["ok"]
+            assert time.monotonic() - t0 < 0.5, "another tenant is not paced"
+            with pytest.raises(Overloaded) as e:
+                await pool.run("b", time.monotonic() + 0.05, {"op": "ping"})
+            assert e.value.status == 429 and "CPU share" in str(e.value)
+            t0 = time.monotonic()
+            assert (await pool.run("b", time.monotonic() + 60, {"op": "ping"}))["ok"]
+            assert time.monotonic() - t0 >= 0.05, "b waited for its share to refill"
+            assert pool.cpu.balance("a") > 0
+        finally:
+            await pool.close()
+
+    asyncio.run(main())
+
+
 def test_a_job_over_the_worker_memory_limit_is_one_line_and_the_worker_is_replaced(monkeypatch):
     """--worker-memory is a hard limit (RLIMIT_DATA in the worker): a job that needs more gets one line, and its
     worker is replaced; the same job under a larger limit succeeds (so the refusal is the limit's doing)."""
