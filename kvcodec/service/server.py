@@ -33,6 +33,9 @@ from aiohttp.web_request import BaseRequest
 from kvcodec.service.checks import error_line
 
 
+ABUSIVE_HOLD = 1.0  # seconds a connection from an address far past its refusal rate waits before its 429
+
+
 class PeerTable:
     """Open connections per peer address, capped (event loop only, no locks), and the addresses' refusal balance
     (``refusals``: the service's per-address throttle, charged here for HTTP the parser refuses)."""
@@ -82,17 +85,43 @@ class KdnRequestHandler(RequestHandler):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         peer = transport.get_extra_info("peername")
         self._kvc_peer: str | None = str(peer[0]) if isinstance(peer, (tuple, list)) and peer else "?"
-        abusive = self.peers.abusive(self._kvc_peer)
-        if abusive or not self.peers.take(self._kvc_peer):
-            self._kvc_peer = None
-            msg = ("your address keeps sending requests that are refused; retry later" if abusive else
-                   f"too many connections from your address at once (limit {self.peers.cap}); retry later")
-            try:
-                transport.write(_raw_json(429, "Too Many Requests", msg, "Retry-After: 1\r\n"))  # type: ignore[attr-defined]
-            finally:
+        self._kvc_refused = False
+        if self.peers.abusive(self._kvc_peer):
+            # Held before its 429 (a timer, no CPU; counted against the address's connections, so at most
+            # ``peer_connections`` wait at once): answered at once, a refused client just asks again, as fast as
+            # it can open connections.
+            self._kvc_refused = True
+            if self.peers.take(self._kvc_peer):
+                held, self._kvc_peer = self._kvc_peer, None
+                msg = "your address keeps sending requests that are refused; retry later"
+                asyncio.get_running_loop().call_later(ABUSIVE_HOLD, self._refuse, transport, msg, held)
+            else:
+                self._kvc_peer = None
                 transport.close()
             return
+        if not self.peers.take(self._kvc_peer):
+            self._kvc_peer = None
+            self._kvc_refused = True
+            self._refuse(transport, f"too many connections from your address at once (limit {self.peers.cap}); "
+                                    "retry later")
+            return
         super().connection_made(transport)
+
+    def _refuse(self, transport: asyncio.BaseTransport, msg: str, held: str | None = None) -> None:
+        """A one-line JSON 429 and the connection closed (aiohttp never saw it); ``held``: the address whose
+        connection count it held."""
+        try:
+            if not transport.is_closing():
+                transport.write(_raw_json(429, "Too Many Requests", msg, "Retry-After: 1\r\n"))  # type: ignore[attr-defined]
+        finally:
+            transport.close()
+            if held is not None:
+                self.peers.give(held)
+
+    def data_received(self, data: bytes) -> None:
+        if getattr(self, "_kvc_refused", False):  # a refused connection's bytes: never parsed
+            return
+        super().data_received(data)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         peer = getattr(self, "_kvc_peer", None)

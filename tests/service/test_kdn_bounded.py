@@ -292,7 +292,7 @@ def test_refusals_that_made_us_read_a_body_cost_more_and_throttled_answers_are_h
 def test_an_address_whose_requests_keep_failing_is_throttled_and_other_addresses_are_not(tmp_path):
     """--peer-refusal-rate 1 (burst 5). Unauthenticated refusals have no tenant to charge, so the client address
     pays: from 127.0.0.2, bad tokens get five 401s, then 429s held back first; malformed HTTP from 127.0.0.3 a
-    whole burst into debt has its next connections refused before anything is parsed. The tenant on 127.0.0.1
+    whole burst into debt has its next connections held, then refused, before anything is parsed. The tenant on 127.0.0.1
     keeps its 200s throughout (any 127/8 address is this machine: three clients)."""
     s = Service(tmp_path, extra=["--peer-refusal-rate", "1"], tokens=TOKENS)
     try:
@@ -310,8 +310,10 @@ def test_an_address_whose_requests_keep_failing_is_throttled_and_other_addresses
         junk = b"GET /v1/whoami HTTP/1.1\r\nHost: x\r\nContent-Length: zz\r\n\r\n"
         got = [raw_request(s.port, junk, source="127.0.0.3", timeout=10)[0] for _ in range(11)]
         assert got == [400] * 11, got
+        t0 = time.monotonic()
         st, resp = raw_request(s.port, junk, source="127.0.0.3", timeout=10)
         assert st == 429 and "keeps sending requests that are refused" in _error(_http_body(resp)), resp[:300]
+        assert time.monotonic() - t0 >= 0.5, "held before its 429: a refused client cannot just ask again at once"
         assert s.request("GET", "/v1/whoami", TOK_A)[0] == 200
         assert "Traceback" not in s.log()
     finally:
