@@ -67,6 +67,9 @@ _LIMITS = "Limits (defaults: spec/kdn-v1.md §5). "
 @click.option("--tenant-worker-cpu", type=float, default=0.5, show_default=True, callback=_ratio,
               help="Worker CPU-seconds per second one tenant's jobs (put checks, large lookups) may use on average, "
                    "burst 2 s; past it its next jobs wait for the share to refill, or get 429 (0: no share).")
+@click.option("--tenant-ingest-rate", default="64M", show_default=True,
+              help="Body bytes per second one tenant's requests are read at, on average (burst: one second's; 0: no limit); "
+                   "past it the service reads its bodies more slowly (TCP pushes back on the sender).")
 @click.option("--tenant-decode-rate", default="256M", show_default=True,
               help="Decoded bytes per second one tenant's puts may cost (0: no quota); over it: 429.")
 @click.option("--store-threads", type=int, default=16, show_default=True, callback=_count,
@@ -115,13 +118,14 @@ def serve_command(store_url: str | None, host: str, port: int, tokens_file: str 
 
     def size(name: str) -> int:
         v = parse_size(limits.pop(name))
-        if v <= 0 and name != "tenant_decode_rate":
+        if v <= 0 and name not in ("tenant_decode_rate", "tenant_ingest_rate"):
             raise KvcInputError(f"--{name.replace('_', '-')} must be positive")
         return v
 
     cfg = ServiceConfig(max_body=size("max_body"), max_json_body=size("max_json_body"),
                         max_decoded_bytes=size("max_decoded"), max_chunk_decoded=size("max_chunk_decoded"),
                         tenant_decode_rate=float(size("tenant_decode_rate")),
+                        tenant_ingest_rate=float(size("tenant_ingest_rate")),
                         max_inflight_body=size("max_inflight_body"), tenant_inflight_body=size("tenant_inflight_body"),
                         worker_memory=size("worker_memory"),
                         verify=not no_verify_decode, models=list(models), **limits)

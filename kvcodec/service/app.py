@@ -48,7 +48,8 @@ Bounded work (issue 35; the limits are ``spec/kdn-v1.md`` §5 and :class:`Servic
   key digest) and decoded only after the tenant's decode quota admits it;
 * bodies are capped on the bytes actually read (any framing), must keep
   arriving (``body_idle_timeout``) and arrive whole within ``body_timeout``;
-  the bytes being received at once are capped per tenant and in all; a
+  the bytes being received at once are capped per tenant and in all, and a
+  tenant's bodies are read at ``tenant_ingest_rate`` on average; a
   request's head must arrive within ``header_timeout``;
 * a client address holds at most ``peer_connections`` connections, and HTTP that aiohttp's parser refuses
   is a one-line JSON ``400`` too (the connection layer: :mod:`kvcodec.service.server`);
@@ -146,6 +147,7 @@ class ServiceConfig:
     tenant_queue: int = 16           # requests one tenant may have waiting for a worker (more: 429)
     tenant_worker_cpu: float = 0.5   # worker CPU-seconds per second one tenant's jobs may use on average (0: no share)
     tenant_decode_rate: float = 256 << 20  # decoded bytes per second per tenant (0: no quota); burst: max_decoded_bytes
+    tenant_ingest_rate: float = 64 << 20  # body bytes per second read for one tenant (0: no limit); burst: one second
     store_threads: int = 16          # threads for store operations
     tenant_store_threads: int = 8    # of them busy for one tenant at once
     max_inflight_body: int = 2 << 30   # body bytes being received at once, all requests
@@ -172,7 +174,7 @@ class ServiceConfig:
             if not isinstance(v, (int, float)) or not 0 < v <= 86400:
                 raise KvcInputError(f"{k.replace('_', '-')} must be in (0, 86400] seconds, got {v!r}")
         for k in ("max_decoded_ratio", "tenant_decode_rate", "log_rate", "tenant_refusal_rate", "peer_refusal_rate",
-                  "tenant_worker_cpu"):
+                  "tenant_worker_cpu", "tenant_ingest_rate"):
             v = getattr(self, k)
             if not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
                 raise KvcInputError(f"{k.replace('_', '-')} must be a finite number >= 0, got {v!r}")
@@ -274,6 +276,9 @@ class KdnService:
                                   queue_timeout=c.queue_timeout, tokenizers=self._tokenizer_dirs,
                                   memory=c.worker_memory, base=WORKER_BASE, tenant_cpu=c.tenant_worker_cpu)
         self.decode_quota = TokenBucket(c.tenant_decode_rate, c.max_decoded_bytes)
+        # body bytes read per tenant: receiving, checksumming and storing bodies is the event loop's and the store
+        # threads' work, which no worker share bounds (a tenant's large valid puts took half a core that way)
+        self.ingest = TokenBucket(c.tenant_ingest_rate, max(c.tenant_ingest_rate, 1 << 20))  # burst: one second
         self._io = ThreadPoolExecutor(c.store_threads, thread_name_prefix="kvc-store")
         self.io_sched = FairScheduler(c.store_threads, c.tenant_store_threads, max_queued=256, name="store thread")
         self.bodies = _BodyBudget(c.max_inflight_body, c.tenant_inflight_body)
@@ -532,6 +537,10 @@ class KdnService:
             held += len(piece)
             request[_HELD] = (tenant, held)
             buf += piece
+            self.ingest.charge(tenant, len(piece))
+            debt = -self.ingest.balance(tenant)
+            if debt > 0:  # over its ingest rate: read its body more slowly (not reading lets TCP push back)
+                await asyncio.sleep(min(debt / self.ingest.rate, max(0.0, end - time.monotonic())))
         request[_STOP] = False
         return bytes(buf)
 

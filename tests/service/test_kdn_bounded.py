@@ -320,6 +320,28 @@ def test_an_address_whose_requests_keep_failing_is_throttled_and_other_addresses
         s.stop()
 
 
+def test_a_tenant_s_bodies_are_read_at_its_ingest_rate_and_another_s_are_not(tmp_path):
+    """--tenant-ingest-rate 1M (burst 1 MiB): b's 3 MiB body is read over about two seconds (the service stops
+    reading; TCP pushes back), and stored whole; a's small request meanwhile is answered at once."""
+    s = Service(tmp_path, extra=["--tenant-ingest-rate", "1M"], tokens=TOKENS)
+    try:
+        key, data = costly_entry(11, 32, "b")
+        assert len(data) > 2_500_000, len(data)
+        got: list[int] = []
+        t0 = time.monotonic()
+        th = threading.Thread(target=lambda: got.append(s.request("PUT", path_of(key), TOK_B, data)[0]))
+        th.start()
+        time.sleep(0.3)
+        t1 = time.monotonic()
+        assert s.request("GET", "/v1/whoami", TOK_A)[0] == 200
+        assert time.monotonic() - t1 < 1.0, "another tenant is not slowed"
+        th.join(60)
+        took = time.monotonic() - t0
+        assert got == [201] and took >= (len(data) - (1 << 20)) / (1 << 20) * 0.8, (got, took)
+    finally:
+        s.stop()
+
+
 def test_malformed_http_is_a_one_line_json_400(svc):
     for raw in (b"GET /v1/whoami HTTP/1.1\r\nHost: x\r\nContent-Length: zz\r\n\r\n",
                 b"\x16\x03\x01\x02\x00 not HTTP at all\r\n\r\n",
