@@ -281,6 +281,8 @@ class KdnService:
         self.ingest = TokenBucket(c.tenant_ingest_rate, max(c.tenant_ingest_rate, 1 << 20))  # burst: one second
         self._io = ThreadPoolExecutor(c.store_threads, thread_name_prefix="kvc-store")
         self.io_sched = FairScheduler(c.store_threads, c.tenant_store_threads, max_queued=256, name="store thread")
+        # model work of edits (kvcodec.service.edit): one at a time in the service, round-robin between tenants
+        self.edit_sched = FairScheduler(1, 1, max_queued=c.tenant_queue, name="model edit")
         self.bodies = _BodyBudget(c.max_inflight_body, c.tenant_inflight_body)
         self.bad = LogLimiter(c.log_rate)
         # a tenant whose requests keep being refused (4xx) is answered 429 before any body is read or work done
@@ -461,15 +463,26 @@ class KdnService:
         return left
 
     async def _run(self, request: web.Request, fn: Callable[..., Any], *args: Any,
-                   timeout: float | None = None) -> Any:
-        """A blocking store call in a thread of the store pool (fair between tenants), with a deadline."""
+                   timeout: float | None = None, on_done: Callable[[], None] | None = None) -> Any:
+        """A blocking store call in a thread of the store pool (fair between tenants), with a deadline.
+        ``on_done``: called on the event loop when the call really ends (or at once if it never started)."""
         tenant = request[PRINCIPAL].tenant if PRINCIPAL in request else "-"
         limit = min(timeout or self.config.op_timeout, self._left(request))
         deadline = time.monotonic() + limit
-        await self.io_sched.acquire(tenant, min(deadline, time.monotonic() + self.config.queue_timeout))
+        try:
+            await self.io_sched.acquire(tenant, min(deadline, time.monotonic() + self.config.queue_timeout))
+        except BaseException:
+            if on_done is not None:
+                on_done()
+            raise
         fut = asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
-        # the thread cannot be stopped: its slot is freed when it really ends, not when we stop waiting
-        fut.add_done_callback(lambda _f: self.io_sched.release(tenant))
+
+        def finished(_f: Any) -> None:  # the thread cannot be stopped: its slot is freed when it really ends
+            self.io_sched.release(tenant)
+            if on_done is not None:
+                on_done()
+
+        fut.add_done_callback(finished)
         try:
             return await asyncio.wait_for(asyncio.shield(fut), max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:

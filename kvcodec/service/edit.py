@@ -10,13 +10,17 @@ Why the service loads a model here, when it otherwise holds none: an edit recomp
 tokens, a redaction's repaired tokens), which needs the weights. Only models named with ``kvc serve
 --model`` can be edited (their directories are known, checked and fingerprinted at start-up); the model is
 loaded on the first edit that needs it and kept. The work runs in a store thread under the request's
-deadline (at most :data:`EDIT_TIMEOUT` s), fairly shared between tenants like every store operation.
+deadline (at most :data:`EDIT_TIMEOUT` s), and is bounded like a worker job's (issue 35): one model edit at a
+time in the whole service, round-robin between tenants (``KdnService.edit_sched``), and the thread's CPU time
+charged to the tenant's worker CPU share (``--tenant-worker-cpu``), so a tenant's next edit or worker job waits
+while it is over its share. The other store threads and the event loop stay free for everyone else.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 from typing import Any, Awaitable
 
 from aiohttp import web
@@ -62,12 +66,34 @@ async def edit_entry(svc: Any, request: web.Request) -> web.Response:
     entry = await svc._run(request, st.get_entry, key)
     if entry is None:
         raise HttpError(404, f"no entry {key}")
-    lm = await svc._run(request, _model, model_dir, timeout=EDIT_TIMEOUT)
-    child, res = await svc._run(request, child_of, lm, key, bytes(entry.data), op, params, timeout=EDIT_TIMEOUT)
+    lm = await _model_work(svc, request, p.tenant, _model, model_dir)
+    child, res = await _model_work(svc, request, p.tenant, child_of, lm, key, bytes(entry.data), op, params)
     put = await svc._run(request, st.put, child, res.data, put_meta(op, key))
     reply = {"key": child.to_str(), "parent": key.to_str(), "bytes": res.size, "stored_in": put.stored_in,
              "failed": put.failed, **{k: v for k, v in res.to_json().items() if k not in ("output", "size")}}
     return web.Response(status=201, text=json.dumps(reply, sort_keys=True), content_type="application/json")
+
+
+async def _model_work(svc: Any, request: web.Request, tenant: str, fn: Any, *args: Any) -> Any:
+    """``fn(*args)``: model work in a store thread, one at a time in the service (fair between tenants), paced to
+    and charged against the tenant's worker CPU share (module docstring)."""
+    deadline = time.monotonic() + min(EDIT_TIMEOUT, svc._left(request))
+    await svc.workers.pace(tenant, deadline)
+    await svc.edit_sched.acquire(tenant, min(deadline, time.monotonic() + svc.config.queue_timeout))
+    used = [0.0]
+
+    def work() -> Any:
+        t0 = time.thread_time()
+        try:
+            return fn(*args)
+        finally:
+            used[0] = time.thread_time() - t0
+
+    def done() -> None:  # when the thread really ends (a timed-out edit keeps its slot until then)
+        svc.workers.cpu.charge(tenant, used[0])
+        svc.edit_sched.release(tenant)
+
+    return await svc._run(request, work, timeout=EDIT_TIMEOUT, on_done=done)
 
 
 def add_edit_routes(svc: Any, router: web.UrlDispatcher, api: str) -> None:

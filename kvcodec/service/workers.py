@@ -194,7 +194,7 @@ class WorkerPool:
         A reply carrying ``error`` becomes :class:`HttpError`; the deadline becomes 504.
         """
         wait_until = min(deadline, time.monotonic() + self.queue_timeout)
-        await self._pace(tenant, wait_until)
+        await self.pace(tenant, wait_until)
         await self.sched.acquire(tenant, wait_until)
         p = self._idle.pop()
         ok = False
@@ -234,7 +234,7 @@ class WorkerPool:
             raise HttpError(int(reply.get("status", 400)), str(reply["error"]))
         return reply
 
-    async def _pace(self, tenant: str, wait_until: float) -> None:
+    async def pace(self, tenant: str, wait_until: float) -> None:
         """Hold a job of a tenant over its CPU share until its balance is positive again (a sleeping coroutine: no
         worker, no CPU), so that legal but expensive jobs (a costly put's decode, a large lookup) of one tenant take
         at most ``tenant_cpu`` cores on average however many it sends, and other tenants keep the rest. A job that

@@ -49,3 +49,37 @@ def test_edit_through_the_service(lm, entry, service):
         assert not np.array_equal(r.token_ids, cache.token_ids)
     assert service.request("GET", path_of(key))[2] == data  # the parent is unchanged
     assert service.request("GET", path_of(child), token=TOK_B)[0] == 403
+
+
+def test_model_edits_run_one_at_a_time_and_free_their_slot(lm, entry, service):
+    """The service's model work is one edit at a time (issue 35: an edit is a prefill, run in a store thread):
+    three edits sent at once all complete, in turn, each with its child; a refused edit (bad parameters) or a
+    finished one leaves nothing held, so the next edit is served at once."""
+    import threading
+    import time
+
+    cache, data = entry(160)
+    key = StoreKey.for_tokens(cache.token_ids, model=lm.fingerprint.id, codec=codec_key("lossless"), namespace="a")
+    assert service.put_raw(key, data) in (200, 201)  # the first test may have stored it
+    edit = path_of(key) + "/edit"
+    bad = json.dumps({"op": "redact", "params": {"heads": 1}}).encode()
+    assert service.request("POST", edit, body=bad)[0] == 400
+    got: list[tuple[int, float, float]] = []
+
+    def one() -> None:
+        t0 = time.monotonic()
+        st, _, out = service.request("POST", edit, body=json.dumps({"op": "redact", "params": {"pattern": EMAIL}}).encode())
+        got.append((st, t0, time.monotonic()))
+
+    ts = [threading.Thread(target=one) for _ in range(3)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(300)
+    assert [g[0] for g in got] == [201] * 3, got
+    spans = sorted((a, b) for _, a, b in got)
+    took = [b - a for a, b in spans]
+    assert max(took) >= 1.8 * min(took), took  # the last waited for the others' model work
+    t0 = time.monotonic()
+    assert service.request("POST", edit, body=json.dumps({"op": "redact", "params": {"pattern": EMAIL}}).encode())[0] == 201
+    assert time.monotonic() - t0 < max(took), "nothing is held after the edits"
