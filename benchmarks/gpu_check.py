@@ -52,6 +52,7 @@ import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
 import warnings  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
@@ -146,23 +147,29 @@ def device_info(quick: bool) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------------- (a) tests
-def step_tests(quick: bool, dl: Deadline, reserve: float) -> dict[str, Any]:
+def step_tests(quick: bool, dl: Deadline, reserve: float, log: Any = None) -> dict[str, Any]:
+    """``log``: a path that gets pytest's whole output (the result keeps its tail), so a failure on a
+    borrowed GPU can be read after the machine is gone."""
     env = dict(os.environ, TRITON_INTERPRET="1" if quick else "0", KVCODEC_STRICT_BACKENDS="1", PYTHONUNBUFFERED="1")
     # the files that hold triton-marked tests, so a module needing what this machine lacks (moto, redis, ...)
     # cannot stop the run at collection
     files = sorted(str(f.relative_to(ROOT)) for f in (ROOT / "tests").rglob("test_*.py")
                    if "mark.triton" in f.read_text(errors="replace") and "tests/eval" not in f.as_posix())
     sel = list(QUICK_TESTS) if quick else ["-m", "triton", "--continue-on-collection-errors", *files]
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", "--durations=5", *sel]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", "--tb=short", "--durations=5", *sel]
     limit = max(30.0, dl.left(reserve))
     t0 = time.perf_counter()
     try:
         r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit)
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        if log is not None:
+            Path(log).write_text(out)
         return {"status": "failed", "why": f"timed out after {limit:.0f} s", "command": " ".join(cmd[1:]),
                 "wall_s": round(time.perf_counter() - t0, 1), "tail": out[-3000:]}
     text = r.stdout + r.stderr
+    if log is not None:
+        Path(log).write_text(text)
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|errors?|skipped|deselected|xfailed|xpassed)", text)}
     failures = [line.split(" - ")[0] for line in text.splitlines() if line.startswith(("FAILED ", "ERROR "))]
     return {"status": "passed" if r.returncode == 0 else "failed", "returncode": r.returncode, "counts": counts,
@@ -454,7 +461,10 @@ def main(argv: list[str] | None = None) -> int:
         run.emit(res)
         return 1
     # (a) first: a kernel that fails on CUDA is the first thing to know; the other steps get their share
-    res["steps"]["tests"] = step_tests(quick, dl, reserve=0.6 * BUDGET_S) if "tests" in steps else skipped
+    log = Path(args.result).with_suffix(".tests.log")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    res["steps"]["tests"] = step_tests(quick, dl, reserve=0.6 * BUDGET_S, log=log) if "tests" in steps else skipped
+    res["steps"]["tests"]["log"] = str(log) if "tests" in steps else None
     print(f"(a) tests: {res['steps']['tests']['status']} {res['steps']['tests'].get('counts', '')}", flush=True)
     lm, why = load("smollm2", quick) if steps & {"decode", "ttft"} else (None, "not in --steps")
     if "decode" in steps and lm is not None:

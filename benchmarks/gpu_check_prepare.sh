@@ -7,7 +7,9 @@
 # The device tool's machines (KINDS.md: Python 3.12 with torch, triton, transformers, numba, h5py; no
 # package index) lack some of kvcodec's dependencies and the shipped models, and one device call carries
 # at most 64 MiB (the working tree, ~7 MB, included). This builds a site folder of the missing packages
-# (wheels for CPython 3.12 on x86-64, pinned to this venv's versions) and of the shipped models' packages
+# (wheels for CPython 3.12 on x86-64, pinned to this venv's versions; transformers too, so the check runs the
+# release CI runs: the image's 5.17 converts Gemma 3's GGUF tokenizer without its merges, which kvcodec refuses)
+# and of the shipped models' packages
 # (copied from this venv), tars it and cuts it into parts of at most 50 MiB under .whl/gpu-check/load1,
 # load2, ... (.whl/ is git-ignored). Then, back to back (a warm machine keeps what earlier calls carried):
 #
@@ -25,7 +27,8 @@ rm -rf "$OUT"
 mkdir -p "$OUT/site"
 pins=$("$PY" - <<'PY'
 from importlib import metadata
-print(" ".join(f"{n}=={metadata.version(n)}" for n in ("zstandard", "google-crc32c", "blake3", "constriction", "gguf")))
+print(" ".join(f"{n}=={metadata.version(n)}" for n in ("zstandard", "google-crc32c", "blake3", "constriction", "gguf",
+                                                       "transformers")))
 PY
 )
 # shellcheck disable=SC2086
@@ -38,10 +41,10 @@ for m in $MODELS; do
         cp -r "$sp/$mod" "$OUT/site/"
     done
 done
-tar -cf - -C "$OUT" site | split -b 50m -d - "$OUT/site.tar."
+tar -cf - -C "$OUT" site | gzip -1 | split -b 50m -d - "$OUT/site.tar.gz."  # gzip: Python sources shrink ~5x
 rm -rf "$OUT/site"
 n=0
-for f in "$OUT"/site.tar.*; do
+for f in "$OUT"/site.tar.gz.*; do
     n=$((n + 1))
     mkdir -p "$OUT/load$n"
     mv "$f" "$OUT/load$n/"

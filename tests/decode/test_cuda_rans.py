@@ -15,7 +15,7 @@ import json
 import os
 from pathlib import Path
 
-os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton; "0" on a GPU (benchmarks/gpu_check)
 
 import numpy as np
 import pytest
@@ -28,6 +28,8 @@ from kvcodec.errors import KvcFormatError  # noqa: E402
 from kvcodec.core.stage import ArraySpec, ChunkContext  # noqa: E402
 
 pytestmark = pytest.mark.triton
+# The kernels' device: the CPU under the interpreter, the GPU when the kernels are compiled (TRITON_INTERPRET=0).
+DEV = "cpu" if os.environ["TRITON_INTERPRET"] == "1" else "cuda"
 
 VEC = Path(__file__).resolve().parents[2] / "spec" / "vectors" / "rans"
 
@@ -35,7 +37,7 @@ VEC = Path(__file__).resolve().parents[2] / "spec" / "vectors" / "rans"
 def _gpu(data, shape, g=None, table=None):
     from kvcodec.decode.triton.rans_kernel import decode_stage
 
-    return decode_stage(data, shape, g, "cpu", table=table).numpy()
+    return decode_stage(data, shape, g, DEV, table=table).cpu().numpy()
 
 
 def _cpu(data, shape, g=None):
@@ -107,15 +109,15 @@ def test_batched_launch_matches_single():
     arrs = [rng.integers(0, 16, size=(2, 9, 8), dtype=np.uint8), rng.integers(0, 4, size=(1, 33, 2), dtype=np.uint8),
             rng.integers(0, 16, size=(2, 5, 8), dtype=np.uint8), np.zeros((1, 0, 4), np.uint8)]
     items = [RansItem(RansStage(None).encode(a, ChunkContext())[0], a.shape, None) for a in arrs]
-    outs = decode_streams(items, "cpu")
+    outs = decode_streams(items, DEV)
     for a, o in zip(arrs, outs):
-        np.testing.assert_array_equal(o.numpy(), a)
+        np.testing.assert_array_equal(o.cpu().numpy(), a)
     import torch
 
-    given = [torch.full(a.shape, 255, dtype=torch.uint8) for a in arrs]
-    decode_streams(items, "cpu", outs=given)
+    given = [torch.full(a.shape, 255, dtype=torch.uint8, device=DEV) for a in arrs]
+    decode_streams(items, DEV, outs=given)
     for a, o in zip(arrs, given):
-        np.testing.assert_array_equal(o.numpy(), a)
+        np.testing.assert_array_equal(o.cpu().numpy(), a)
 
 
 # ---------------------------------------------------------------------- real KV symbols
@@ -147,8 +149,8 @@ def test_real_kv_batched(real_symbols):
     from kvcodec.decode.triton.rans_kernel import RansItem, decode_streams
 
     items = [RansItem(RansStage(8).encode(s, ChunkContext())[0], s.shape, 8) for s in real_symbols]
-    for s, o in zip(real_symbols, decode_streams(items, "cpu")):
-        np.testing.assert_array_equal(o.numpy(), s)
+    for s, o in zip(real_symbols, decode_streams(items, DEV)):
+        np.testing.assert_array_equal(o.cpu().numpy(), s)
 
 
 # ---------------------------------------------------------------------- malformed streams

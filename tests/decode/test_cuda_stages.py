@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton (see test_cuda_rans.py)
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton (see test_cuda_rans.py)
 
 import numpy as np
 import pytest
@@ -25,6 +25,8 @@ from kvcodec.core.stage import ArraySpec, ChunkContext, Pipeline  # noqa: E402
 pytestmark = pytest.mark.triton
 
 T = 16  # tokens per test chunk
+# The kernels' device: the CPU under the interpreter, the GPU when the kernels are compiled (TRITON_INTERPRET=0).
+DEV = "cpu" if os.environ["TRITON_INTERPRET"] == "1" else "cuda"
 
 
 def _bits(a) -> np.ndarray:
@@ -232,25 +234,25 @@ def test_layout_writers_hf_and_paged():
     H, Tn, D = 3, 21, 8
     xn = rng.standard_normal((H, Tn, D)).astype(np.float32)
     xn[0, 0, :6] = [np.inf, -np.inf, 1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, -0.0, 3.0e38]  # bf16 ties round to even
-    x = torch.from_numpy(xn)
+    x = torch.from_numpy(xn).to(DEV)
     for dt in (torch.float16, torch.bfloat16, torch.float32):
-        hf = torch.zeros((1, H, 40, D), dtype=dt)
+        hf = torch.zeros((1, H, 40, D), dtype=dt, device=DEV)
         store_hf(x, hf, token_start=5)
         assert torch.equal(hf[0, :, 5 : 5 + Tn].contiguous().view(torch.uint8), x.to(dt).view(torch.uint8)) and not hf[0, :, :5].any() and not hf[0, :, 5 + Tn :].any()
         bs, nb = 4, 16
-        cache = torch.zeros((nb, bs, H, D), dtype=dt)
-        table = torch.tensor(rng.permutation(nb)[:8], dtype=torch.int32)
+        cache = torch.zeros((nb, bs, H, D), dtype=dt, device=DEV)
+        table = torch.tensor(rng.permutation(nb)[:8], dtype=torch.int32, device=DEV)
         store_paged(x, cache, table, token_start=3)
         for t in range(Tn):
             p = 3 + t
             assert torch.equal(cache[table[p // bs], p % bs], x[:, t].to(dt))
         assert int((cache != 0).sum()) == int((x.to(dt) != 0).sum())
-    nan = torch.tensor([[[float("nan"), -float("nan")]]])
-    hf = torch.zeros((1, 1, 1, 2), dtype=torch.bfloat16)
+    nan = torch.tensor([[[float("nan"), -float("nan")]]], device=DEV)
+    hf = torch.zeros((1, 1, 1, 2), dtype=torch.bfloat16, device=DEV)
     store_hf(nan, hf)
     assert torch.isnan(hf).all()  # NaN payload bits are platform-specific (torch CPU gives 0xFFFF here); decoded KV is never NaN
     with pytest.raises(KvcInputError):
-        store_paged(x, torch.zeros((2, 4, H, D)), torch.tensor([0, 1]), 0)
+        store_paged(x, torch.zeros((2, 4, H, D), device=DEV), torch.tensor([0, 1], device=DEV), 0)
 
 
 @pytest.mark.model
@@ -270,11 +272,11 @@ def test_decode_into_layouts(chunks, small_cache):
     cpu = pipe.decode(payload, sides, sizes, spec, ctx)
     y = backend.decode_chunk_gpu(pipe, payload, sides, sizes, spec, ctx)
     H, Tn, D = x.shape
-    hf = torch.zeros((1, H, Tn + 3, D), dtype=torch.float16)
+    hf = torch.zeros((1, H, Tn + 3, D), dtype=torch.float16, device=DEV)
     store_hf(y, hf, token_start=3)
     _same(hf[0, :, 3:], cpu)
-    cache = torch.zeros((8, 4, H, D), dtype=torch.float16)
-    table = torch.tensor([7, 2, 5, 0, 1], dtype=torch.int32)
+    cache = torch.zeros((8, 4, H, D), dtype=torch.float16, device=DEV)
+    table = torch.tensor([7, 2, 5, 0, 1], dtype=torch.int32, device=DEV)
     store_paged(y, cache, table, token_start=2)
     got = torch.stack([cache[table[(2 + t) // 4], (2 + t) % 4] for t in range(Tn)], dim=1)
     _same(got, cpu)
@@ -404,22 +406,22 @@ def test_fused_chain_into_layouts(chunks, pca_attachments):
     ctx = ChunkContext(layer=layer, kind=kind, attachments=pca_attachments, encoder=_ts_inputs(4))
     payload, sides, sizes = pipe.encode(x, ctx)
     spec = ArraySpec(x.shape, "float16")
-    cpu = torch.from_numpy(pipe.decode(payload, sides, sizes, spec, ctx))
+    cpu = torch.from_numpy(pipe.decode(payload, sides, sizes, spec, ctx)).to(DEV)
     for dt in (torch.float16, torch.bfloat16, torch.float32):
-        hf = torch.zeros((1, H, Tn + 5, D), dtype=dt)
+        hf = torch.zeros((1, H, Tn + 5, D), dtype=dt, device=DEV)
         trace: list[str] = []
         backend.decode_chunk_into(pipe, payload, sides, sizes, spec, ctx, hf, token_start=3, trace=trace)
         assert trace == ["fused"]
         assert torch.equal(hf[0, :, 3 : 3 + Tn].contiguous().view(torch.uint8), cpu.to(dt).contiguous().view(torch.uint8))
         assert not hf[0, :, :3].any() and not hf[0, :, 3 + Tn :].any()
-        cache = torch.zeros((8, 4, H, D), dtype=dt)
-        table = torch.tensor([7, 2, 5, 0, 1], dtype=torch.int32)
+        cache = torch.zeros((8, 4, H, D), dtype=dt, device=DEV)
+        table = torch.tensor([7, 2, 5, 0, 1], dtype=torch.int32, device=DEV)
         backend.decode_chunk_into(pipe, payload, sides, sizes, spec, ctx, cache, token_start=2, block_table=table)
         got = torch.stack([cache[table[(2 + t) // 4], (2 + t) % 4] for t in range(Tn)], dim=1)
         assert torch.equal(got.contiguous().view(torch.uint8), cpu.to(dt).contiguous().view(torch.uint8))
         assert int((cache != 0).sum()) == int((cpu.to(dt) != 0).sum())
     with pytest.raises(KvcInputError):
-        backend.decode_chunk_into(pipe, payload, sides, sizes, spec, ctx, torch.zeros((1, H, Tn - 1, D), dtype=torch.float16))
+        backend.decode_chunk_into(pipe, payload, sides, sizes, spec, ctx, torch.zeros((1, H, Tn - 1, D), dtype=torch.float16, device=DEV))
 
 
 @pytest.mark.model
