@@ -160,6 +160,19 @@ def test_every_preset(chunks, small_cache, lm):
                             expect_path="stages" if name == "lossless" or wide else "fused")
 
 
+def test_rope_keeps_the_sign_of_zero():
+    """RoPE of zeros: y*cos + rotate_half(y)*sin is -0.0 where cos < 0 and sin > 0 (numpy's rotate_half negates
+    +0.0 to -0.0). The kernels must give the same bits: Triton 3.6 lowers ``-x`` to ``0 - x``, which gave +0.0
+    on an H100 (benchmarks/gpu_check)."""
+    from kvcodec.codecs.quantize import QuantizeStage
+    from kvcodec.codecs.rope import RopeStage
+
+    x = np.zeros((2, T, 16), np.float16)
+    pipe = Pipeline([RopeStage(theta=10000.0, dim=16), QuantizeStage(mode="step", step=0.05), RansStage()])
+    *_, cpu = _check_pipeline(pipe, x, ChunkContext(layer=0, kind="k", token_start=1000))
+    assert np.signbit(cpu).any() and not np.signbit(cpu).all()  # the case is there: both signs of zero
+
+
 @pytest.mark.model
 def test_positions_per_head_and_offsets(chunks, small_cache):
     """RoPE with a token offset and with per-(layer, head) positions (pruned caches)."""

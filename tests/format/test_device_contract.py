@@ -66,7 +66,8 @@ def test_reader_keeps_gpu_chunks_on_the_device(small_cache, preset, chunking, de
     for a, b in zip(want.keys + want.values, got.keys + got.values):  # bit for bit the CPU decode
         assert a.dtype == b.dtype and a.shape == b.shape
         assert torch.equal(a.view(torch.int16 if a.dtype != torch.float32 else torch.int32),
-                           torch.Tensor.as_subclass(b, torch.Tensor).view(torch.int16 if b.dtype != torch.float32 else torch.int32))
+                           torch.Tensor.as_subclass(b, torch.Tensor).cpu()
+                           .view(torch.int16 if b.dtype != torch.float32 else torch.int32))
 
 
 def test_the_stand_in_catches_a_host_round_trip(small_cache, device_chunks):

@@ -90,8 +90,10 @@ def test_hf_loader_decodes_where_the_model_lives(lm, device_lm, small_cache, dev
     want.materialize()
     for model in (lm, device_lm):
         seen.clear()
-        layer = hf.load_cache(data, model).cache.layers[0]
-        layer.materialize()
+        layers = hf.load_cache(data, model).cache.layers
+        for each in layers:  # all of them: the loader's background decoder is then done with this model
+            each.materialize()
+        layer = layers[0]
         where = hf.decode_device(hf.model_device(model))
         assert set(seen) == {where} and layer.keys.device == hf.model_device(model)
         assert (type(layer.keys) is DeviceOnly) == (where == "gpu")

@@ -105,6 +105,12 @@ def _inv_transform_kernel(y_ptr, bt_ptr, mean_ptr, out_ptr, T, K, D, BT: tl.cons
     tl.store(out_ptr + (h * T + t[:, None]) * D + d[None, :], x.to(out_ptr.dtype.element_ty), mask=tm[:, None] & dm[None, :])
 
 
+@triton.jit
+def _flip_sign(x, where):
+    """``-x`` where ``where``, else ``x``, bit-exactly (the sign bit of a float32 flipped)."""
+    return (x.to(tl.int32, bitcast=True) ^ tl.where(where, -2147483648, 0)).to(tl.float32, bitcast=True)
+
+
 def _rope_kernel(y_ptr, cos_ptr, sin_ptr, out_ptr, N, T, D, DIM, HALF, CS_HEAD_STRIDE, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < N
@@ -117,7 +123,9 @@ def _rope_kernel(y_ptr, cos_ptr, sin_ptr, out_ptr, N, T, D, DIM, HALF, CS_HEAD_S
     lo = d < HALF
     partner = tl.where(lo, i + HALF, i - HALF)
     yp = tl.load(y_ptr + partner, mask=rot, other=0.0)
-    rh = tl.where(lo, -yp, yp)
+    # rotate_half: -yp on the low half, as a sign-bit flip. Not -yp: Triton 3.6 lowers float negation to
+    # 0 - x, which is +0.0 for +0.0 where numpy's negation (the CPU definition) gives -0.0.
+    rh = _flip_sign(yp, lo)
     cs = h * CS_HEAD_STRIDE + t * DIM + d
     co = tl.load(cos_ptr + cs, mask=rot, other=0.0)
     si = tl.load(sin_ptr + cs, mask=rot, other=0.0)
@@ -200,7 +208,7 @@ def _fused_inverse_kernel(sym_ptr, step_ptr, ts_ptr, bt_ptr, mean_ptr, kept_ptr,
         xp = accp + tl.load(mean_ptr + h * D + pd, mask=rot, other=0.0)[None, :]
         kpm = kept[:, None] & rot[None, :]
         xp = tl.where(kpm, tl.load(kept_ptr + krow + pd[None, :], mask=kpm, other=0.0), xp)
-        rh = tl.where(lo[None, :], -xp, xp)
+        rh = _flip_sign(xp, lo[None, :])  # not -xp (see _rope_kernel)
         rm = tm[:, None] & rot[None, :]
         cs = h * CS_HEAD_STRIDE + t[:, None] * DIM + d[None, :]
         co = tl.load(cos_ptr + cs, mask=rm, other=0.0)
