@@ -220,6 +220,35 @@ def capture_on_device(lm: Any, ids: np.ndarray, question: np.ndarray | None = No
     return KVCache(keys, values, ids, lm.fingerprint, meta={"model": lm.name}), exact
 
 
+def _gpu_time_split(fn: Callable[[], Any]) -> dict[str, Any]:
+    """One profiled run of ``fn`` on CUDA: milliseconds of kernels, of copies (memcpy/memset) and of wall time,
+    and how many of each; what the wall time holds beyond the device's own work is host-side (parsing,
+    checksums, CPU stages, launches, waits). Why: the first H100 run decoded at 1-2 GB/s with no way to tell
+    the kernels from the host path (BENCHMARKS.md, "GPU")."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    kern_us = copy_us = 0.0
+    kernels = copies = 0
+    for e in prof.events():
+        if e.device_type != DeviceType.CUDA:
+            continue
+        us = e.time_range.elapsed_us()
+        if e.name.lower().startswith(("memcpy", "memset")):
+            copy_us, copies = copy_us + us, copies + 1
+        else:
+            kern_us, kernels = kern_us + us, kernels + 1
+    return {"wall_ms_profiled": round(1e3 * wall, 2), "kernel_ms": round(kern_us / 1e3, 2), "kernels": kernels,
+            "copy_ms": round(copy_us / 1e3, 2), "copies": copies}
+
+
 def _backend_warnings(record: list) -> list[str]:
     return sorted({str(w.message)[:300] for w in record if "decoder backend" in str(w.message)})
 
@@ -269,6 +298,13 @@ def step_decode(lm: Any, quick: bool, tokens: int, repeats: int, info: dict[str,
                        gbps=float(f"{gbps:.4g}"), device=str(dev), backend_warnings=_backend_warnings(rec))
             if peak:
                 row["fraction_of_peak"] = round(gbps / peak, 4)
+            if not quick:
+                with KvcReader(data) as r:
+                    row["chunks"] = len(r.entries)
+                try:
+                    row["split"] = _gpu_time_split(decode)
+                except Exception as e:  # noqa: BLE001 - the split is a diagnosis, never the check's verdict
+                    row["split"] = {"error": _err(e)}
             if not quick and dev.type != "cuda":
                 row.update(status="failed", why=f"decoded onto {dev}, not the GPU")
         except Exception as e:  # noqa: BLE001
@@ -407,11 +443,14 @@ def table(res: dict[str, Any]) -> list[str]:
                  f"{a.get('why') or ''}".rstrip())
     b = res["steps"]["decode"]
     lines.append(f"(b) whole-file decode, {b.get('model')} {b.get('tokens')} tokens fp16: {b['status']} {b.get('why') or ''}".rstrip())
-    lines.append(f"    {'preset':<14}{'ratio':>7}{'GB/s':>10}{'of peak':>9}  status")
+    lines.append(f"    {'preset':<14}{'ratio':>7}{'GB/s':>10}{'of peak':>9}{'chunks':>7}{'kernel ms':>10}{'copy ms':>8}"
+                 f"{'wall ms':>8}  status")
     for r in b.get("rows", []):
         frac = f"{100 * r['fraction_of_peak']:.1f}%" if r.get("fraction_of_peak") is not None else "-"
-        lines.append(f"    {r['preset']:<14}{r.get('ratio', '-'):>7}{r.get('gbps', '-'):>10}{frac:>9}  {r['status']}"
-                     f"{' (' + r['why'][:70] + ')' if r.get('why') else ''}")
+        sp = r.get("split") or {}
+        lines.append(f"    {r['preset']:<14}{r.get('ratio', '-'):>7}{r.get('gbps', '-'):>10}{frac:>9}{r.get('chunks', '-'):>7}"
+                     f"{sp.get('kernel_ms', '-'):>10}{sp.get('copy_ms', '-'):>8}{sp.get('wall_ms_profiled', '-'):>8}  "
+                     f"{r['status']}{' (' + r['why'][:70] + ')' if r.get('why') else ''}")
     c = res["steps"]["ttft"]
     lines.append(f"(c) HF end to end (TTFT): {c['status']}")
     lines.append(f"    {'model':<13}{'tokens':>7} {'preset':<10}{'prefill s':>10}{'.kvc s':>9}{'ratio':>7}  same 1st  "
