@@ -66,7 +66,7 @@ async def edit_entry(svc: Any, request: web.Request) -> web.Response:
     entry = await svc._run(request, st.get_entry, key)
     if entry is None:
         raise HttpError(404, f"no entry {key}")
-    lm = await _model_work(svc, request, p.tenant, _model, model_dir)
+    lm = await _model_work(svc, request, p.tenant, _model, model_dir, charge=False)
     child, res = await _model_work(svc, request, p.tenant, child_of, lm, key, bytes(entry.data), op, params)
     put = await svc._run(request, st.put, child, res.data, put_meta(op, key))
     reply = {"key": child.to_str(), "parent": key.to_str(), "bytes": res.size, "stored_in": put.stored_in,
@@ -74,11 +74,18 @@ async def edit_entry(svc: Any, request: web.Request) -> web.Response:
     return web.Response(status=201, text=json.dumps(reply, sort_keys=True), content_type="application/json")
 
 
-async def _model_work(svc: Any, request: web.Request, tenant: str, fn: Any, *args: Any) -> Any:
+async def _model_work(svc: Any, request: web.Request, tenant: str, fn: Any, *args: Any, charge: bool = True) -> Any:
     """``fn(*args)``: model work in a store thread, one at a time in the service (fair between tenants), paced to
-    and charged against the tenant's worker CPU share (module docstring)."""
+    and charged against the tenant's worker CPU share (module docstring).
+
+    ``charge=False`` (loading a model): one at a time too, but neither paced nor charged. Why: the service
+    loads each ``--model`` once and keeps it, so the load is shared infrastructure that whoever edits first
+    happens to trigger; charging it to them would pace an ordinary tenant for everyone's benefit. It is bounded
+    all the same: at most one load per model named at start-up, in the service's lifetime.
+    """
     deadline = time.monotonic() + min(EDIT_TIMEOUT, svc._left(request))
-    await svc.workers.pace(tenant, deadline)
+    if charge:
+        await svc.workers.pace(tenant, deadline)
     await svc.edit_sched.acquire(tenant, min(deadline, time.monotonic() + svc.config.queue_timeout))
     used = [0.0]
 
@@ -90,7 +97,8 @@ async def _model_work(svc: Any, request: web.Request, tenant: str, fn: Any, *arg
             used[0] = time.thread_time() - t0
 
     def done() -> None:  # when the thread really ends (a timed-out edit keeps its slot until then)
-        svc.workers.cpu.charge(tenant, used[0])
+        if charge:
+            svc.workers.cpu.charge(tenant, used[0])
         svc.edit_sched.release(tenant)
 
     return await svc._run(request, work, timeout=EDIT_TIMEOUT, on_done=done)

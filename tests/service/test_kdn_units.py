@@ -99,3 +99,41 @@ def test_serve_cli_errors(tmp_path, capsys, monkeypatch):
     assert code == 2 and "cannot listen" in err
     code, _, err = run_kvc(["serve", "--store", "kvc+http://127.0.0.1:1"], capsys)
     assert code == 2 and "another kvc+http service" in err
+
+
+def test_a_model_load_is_charged_to_nobody_an_edit_to_its_tenant():
+    """An edit's model work is charged to the tenant's worker CPU share; loading the model it needs is not (the
+    service loads each --model once, for everyone): a tenant whose first edit triggers a slow load keeps its share."""
+    import asyncio
+    import time
+    from types import SimpleNamespace
+
+    from kvcodec.service import edit
+    from kvcodec.service.fair import FairScheduler, TokenBucket
+
+    async def pace(tenant, deadline):
+        return None
+
+    async def run(request, fn, *args, timeout=None, on_done=None):
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        finally:
+            on_done()
+
+    def burn(seconds: float) -> str:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+        return "done"
+
+    async def main():
+        svc = SimpleNamespace(_left=lambda request: 60.0, _run=run, edit_sched=FairScheduler(1, 1, max_queued=4),
+                              config=SimpleNamespace(queue_timeout=10.0),
+                              workers=SimpleNamespace(pace=pace, cpu=TokenBucket(0.5, 2.0)))
+        assert await edit._model_work(svc, None, "a", burn, 0.3, charge=False) == "done"
+        assert svc.workers.cpu.balance("a") == pytest.approx(2.0)  # the load: nobody's
+        assert await edit._model_work(svc, None, "a", burn, 0.3) == "done"
+        assert svc.workers.cpu.balance("a") < 1.9  # the edit: its tenant's
+        assert svc.edit_sched.free == 1  # nothing held
+
+    asyncio.run(main())
