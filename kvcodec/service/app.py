@@ -416,7 +416,9 @@ class KdnService:
         if request.path.startswith(API + "/"):
             h = request.headers.get("Authorization", "")
             scheme, _, tok = h.partition(" ")
-            p = self.tokens.lookup(tok.strip()) if scheme.lower() == "bearer" and tok.strip() else None
+            tok = tok.strip()
+            given = scheme.lower() == "bearer" and bool(tok)
+            p = self.tokens.lookup(tok) if given else None
             if p is None:
                 # no tenant to charge: the client address pays, and one that keeps failing gets its 401s held back
                 peer = request.remote or "?"
@@ -424,7 +426,7 @@ class KdnService:
                                      f"your address had more than {self.config.peer_refusal_rate:g} unauthenticated "
                                      "requests a second refused; retry later")
                 self.peer_refusals.charge(peer, 1)
-                if scheme.lower() != "bearer" or not tok.strip():
+                if not given:
                     self.metrics.auth_failure("missing")
                     raise HttpError(401, "missing bearer token (Authorization: Bearer <token>)",
                                     {"WWW-Authenticate": 'Bearer realm="kvc"'})

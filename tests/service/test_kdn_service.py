@@ -123,9 +123,10 @@ def test_lookup_contains_ls_delete(service, entry, lm):
 def test_auth_and_isolation(service, entry):
     key, data, cache = entry
     assert service.put_raw(key, data) == 201
-    s, h, _ = service.request("GET", path_of(key), token=None)
-    assert s == 401 and "Bearer" in h["WWW-Authenticate"]
-    assert service.request("GET", path_of(key), token="not-a-valid-token")[0] == 401
+    s, h, out = service.request("GET", path_of(key), token=None)
+    assert s == 401 and "Bearer" in h["WWW-Authenticate"] and "missing bearer token" in out.decode()
+    s, h, out = service.request("GET", path_of(key), token="not-a-valid-token")
+    assert s == 401 and 'error="invalid_token"' in h["WWW-Authenticate"] and "invalid token" in out.decode()
     assert service.request("GET", path_of(key), token=TOK_B)[0] == 403, "tenant b must not read a's namespace"
     assert service.request("DELETE", path_of(key), token=TOK_B)[0] == 403
     assert service.put_raw(key, data, token=TOK_B) == 403
