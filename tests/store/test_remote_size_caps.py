@@ -237,3 +237,33 @@ def test_s3_sends_a_planted_value_s_head_not_the_value(s3_server):  # noqa: F811
     assert tier.get_entry(empty) is None and tier.counters.corrupt == corrupt + 1
     tier.put(empty, b"fine")  # dropped, so the conditional put is not shadowed by the empty object
     assert tier.get_entry(empty).data == b"fine"
+
+
+@pytest.mark.parametrize("cap", ["1M", None])
+def test_s3_asks_for_a_refused_object_only_if_it_changed(s3_server, cap):  # noqa: F811
+    """An object the tier refused from its head (another key's envelope, a malformed one, one over max_bytes) is
+    remembered by its ETag: the next read asks If-None-Match and the server answers 304 with no body, until the
+    object changes; a new version is read and judged afresh (a sound one is returned)."""
+    # cap 1M: the 2 MiB planted values are refused by their size; default cap: by their heads
+    tier = open_tier(s3_server.url("refused", **({"max_bytes": cap} if cap else {})))
+    calls: list[dict] = []
+    real_get = tier.s3.get_object
+
+    def get_object(**kw):
+        calls.append(kw)
+        return real_get(**kw)
+
+    tier.s3.get_object = get_object
+    for value in [*_planted(), *([encode_envelope(KEY, b"y" * BIG, {})] if cap else [])]:  # a sound one, too large
+        tier.s3.put_object(Bucket=tier.bucket, Key=tier.name_of(KEY), Body=value)
+        calls.clear()
+        assert tier.get_entry(KEY) is None
+        assert "IfNoneMatch" not in calls[-1] or len(calls) == 1  # a new version: read (the old ETag does not match)
+        misses, n = tier.counters.misses, len(calls)
+        for _ in range(3):
+            assert tier.get_entry(KEY) is None
+        assert tier.counters.misses == misses + 3
+        assert len(calls) == n + 3 and all(c.get("IfNoneMatch") for c in calls[n:])  # one 304 each, no range read
+    tier.s3.delete_object(Bucket=tier.bucket, Key=tier.name_of(KEY))
+    tier.put(KEY, b"sound")
+    assert tier.get_entry(KEY).data == b"sound"  # the name's new object is read as usual

@@ -356,7 +356,7 @@ class Tier:
         return e
 
     def _check_head(self, head: bytes, size: int, key: StoreKey, what: str, more: Callable[[int], bytes],
-                    head_ok: HeadCheck | None = None) -> bytes | None:
+                    head_ok: HeadCheck | None = None, on_refused: Callable[[], None] | None = None) -> bytes | None:
         """An object of ``size`` bytes over :data:`HEAD_FIRST`, judged by its envelope's fixed part and header
         before its payload is read.
 
@@ -368,7 +368,10 @@ class Tier:
         the bytes read so far (fixed part and whole header at least) when the payload should be read, or None:
         a counted miss -- another key's envelope (kept), one whose announced size is not the object's, or
         whose seal ``head_ok`` refuses (corrupt, kept: the caller's full read would refuse it too).
+        ``on_refused``: called when the object itself is refused, whoever reads it (not for a seal ``head_ok``
+        refuses: another reader's seal may accept it), so a tier can remember that version of it.
         """
+        sealed = False
         try:
             hl, dl, _ = parse_fixed(head[:FIXED_SIZE], what)
             if FIXED_SIZE + hl + dl != size:
@@ -379,15 +382,20 @@ class Tier:
             if h["key"] != key.to_str():
                 raise KeyMismatch(f"{what}: holds key {str(h['key'])[:200]}, expected {key.to_str()}")
             if head_ok is not None:
+                sealed = True
                 meta = h.get("meta", {})
                 head_ok(meta if isinstance(meta, dict) else {}, dl)
         except KeyMismatch as err:
             self.counters.add(misses=1)
             self._warn_rarely(f"{err}; treated as a miss, payload not read")
+            if on_refused is not None:
+                on_refused()
             return None
         except KvcFormatError as err:
             self.counters.add(corrupt=1, misses=1)
             self._warn_rarely(f"{err}; treated as a miss, payload not read")
+            if on_refused is not None and not sealed:
+                on_refused()
             return None
         return head
 

@@ -38,6 +38,7 @@ from typing import Any, Iterator, Mapping
 from urllib.parse import parse_qsl, urlsplit
 
 from kvcodec.errors import KvcFormatError, KvcInputError, KvcStoreError
+from kvcodec.lru import BoundedLRU
 from kvcodec.store.keys import StoreKey
 from kvcodec.store.outage import OutageGuard
 from kvcodec.store.ranged import RangeReader
@@ -56,6 +57,7 @@ from kvcodec.store.tiers.base import (
 )
 
 MIN_PART = 5 << 20
+REFUSED_MEMO = 4096  # refused objects an S3 tier remembers by ETag (S3Tier._refused)
 
 
 class S3Tier(Tier):
@@ -109,6 +111,11 @@ class S3Tier(Tier):
         self._transport = (bex.EndpointConnectionError, bex.ConnectionClosedError, bex.ConnectTimeoutError,
                            bex.ReadTimeoutError, bex.ProxyConnectionError, OSError)
         self.guard = OutageGuard(f"s3 {self.url}", retry)
+        # name -> ETag of an object this tier refused from its head (too large, another key's envelope, malformed):
+        # the next read of that name asks for it If-None-Match, so an unchanged planted value costs the server a
+        # 304, not another ranged read (moto reads a whole object to serve a range of it), and any new version is
+        # read and judged afresh. Bounded; forgetting one only costs a read.
+        self._refused: BoundedLRU[str] = BoundedLRU(REFUSED_MEMO, max_bytes=REFUSED_MEMO * 128)
 
     # -- plumbing ---------------------------------------------------------------------
     def name_of(self, key: StoreKey) -> str:
@@ -162,19 +169,29 @@ class S3Tier(Tier):
         ``HEAD_FIRST``. The object's size comes from the first response's ``Content-Range``, before any body."""
         name = self.name_of(key)
         what = f"s3 {self.bucket}/{name}"
+        known = self._refused.get(name)  # the ETag of the version of this object this tier last refused
+        cond = {"IfNoneMatch": known} if known else {}
         try:
-            resp = self._call("get", self.s3.get_object, Bucket=self.bucket, Key=name, Range=f"bytes=0-{HEAD_FIRST - 1}")
+            resp = self._call("get", self.s3.get_object, Bucket=self.bucket, Key=name, Range=f"bytes=0-{HEAD_FIRST - 1}",
+                              **cond)
             if resp is None:
                 buf = None
             else:
                 size, avail = _sizes(resp)
+                etag = resp.get("ETag")
+
+                def refused() -> None:
+                    if isinstance(etag, str) and etag:
+                        self._refused.put(name, etag)
+
                 if size < 0 or size > self.max_entry:
                     resp["Body"].close()  # the size is known from the response head: the body is never read
                     self._too_large(size, self.max_entry, what)
+                    refused()
                     return None
                 cur = _Cursor(self, name, resp, avail)
                 if size > HEAD_FIRST:  # large: its head is checked before the payload is read
-                    head = self._check_head(cur.read(HEAD_READ), size, key, what, cur.read, head_ok)
+                    head = self._check_head(cur.read(HEAD_READ), size, key, what, cur.read, head_ok, refused)
                     if head is None:
                         resp["Body"].close()
                         return None
@@ -184,6 +201,9 @@ class S3Tier(Tier):
                 if len(buf) != size:
                     raise KvcStoreError(f"{what}: read {len(buf):,} of its {size:,} bytes")
         except KvcStoreError as e:
+            if known and getattr(e, "s3_status", None) == 304:  # the version refused before: a miss, nothing read
+                self.counters.add(misses=1)
+                return None
             if getattr(e, "s3_code", None) == "InvalidRange" or getattr(e, "s3_status", None) == 416:
                 buf = b""  # an empty object: no envelope at all, dropped as corrupt below
             else:
