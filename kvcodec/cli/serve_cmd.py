@@ -47,6 +47,8 @@ _LIMITS = "Limits (defaults: spec/kdn-v1.md §5). "
               help="On put, check structure, CRCs, token ids and key only instead of decoding every chunk.")
 @click.option("--max-body", default="1G", show_default=True, help="Largest accepted PUT body (bytes actually read).")
 @click.option("--max-json-body", default="16M", show_default=True, help="Largest /v1/contains or /v1/lookup body.")
+@click.option("--max-chunked-json", default="1M", show_default=True,
+              help="Largest such body sent without Content-Length (chunked): it is refused only after it is read.")
 @click.option("--max-decoded", "max_decoded", default="4G", show_default=True,
               help=_LIMITS + "Decoded K/V a put entry may declare.")
 @click.option("--max-chunk-decoded", default="512M", show_default=True,
@@ -123,6 +125,7 @@ def serve_command(store_url: str | None, host: str, port: int, tokens_file: str 
         return v
 
     cfg = ServiceConfig(max_body=size("max_body"), max_json_body=size("max_json_body"),
+                        max_chunked_json=size("max_chunked_json"),
                         max_decoded_bytes=size("max_decoded"), max_chunk_decoded=size("max_chunk_decoded"),
                         tenant_decode_rate=float(size("tenant_decode_rate")),
                         tenant_ingest_rate=float(size("tenant_ingest_rate")),

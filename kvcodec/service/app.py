@@ -102,6 +102,7 @@ from kvcodec.store.tiers.kdn import API, CONTENT_TYPE, H_CRC, H_CREATED, H_META,
 log = logging.getLogger("kvcodec.service")
 
 MAX_JSON_BODY = 16 << 20
+MAX_CHUNKED_JSON = 1 << 20  # a JSON body sent without Content-Length: it can only be refused after it is read
 TENANT_CACHE = 64 << 20   # each tenant view's in-process LRU (Store.for_key)
 SERVICE_BASE = 384 << 20  # the event-loop process without bodies or caches (measured ~150-300 MB; spec §5)
 WORKER_BASE = 256 << 20   # a worker with its decoders loaded, before a job's data (measured ~200 MB; spec §5)
@@ -137,6 +138,7 @@ class ServiceConfig:
     verify: bool = True              # decode every chunk of a put (False: structure, CRCs, tokens, key only)
     models: list[str] = field(default_factory=list)  # models whose tokenizers serve text lookups
     max_json_body: int = MAX_JSON_BODY
+    max_chunked_json: int = MAX_CHUNKED_JSON  # of those, one sent chunked (no Content-Length)
     max_lookup_tokens: int = MAX_LOOKUP_TOKENS
     max_lookup_text: int = 4 << 20   # characters of a text lookup
     max_decoded_bytes: int = 4 << 30  # decoded K/V a put entry may declare
@@ -160,7 +162,7 @@ class ServiceConfig:
 
     def check(self) -> None:
         """:class:`KvcInputError` naming the first option out of range."""
-        pos_int = ("max_body", "max_json_body", "max_lookup_tokens", "max_lookup_text", "max_decoded_bytes",
+        pos_int = ("max_body", "max_json_body", "max_chunked_json", "max_lookup_tokens", "max_lookup_text", "max_decoded_bytes",
                    "max_chunk_decoded",
                    "workers", "tenant_workers", "store_threads", "tenant_store_threads", "max_inflight_body",
                    "tenant_inflight_body", "worker_memory", "peer_connections")
@@ -561,7 +563,15 @@ class KdnService:
 
     async def _json_body(self, request: web.Request) -> tuple[bytes, dict[str, Any] | None]:
         """``(raw, parsed)``: small bodies parsed here, larger ones left (``None``) for a worker."""
-        raw = await self._read_body(request, self.config.max_json_body, "JSON body")
+        c = self.config
+        if request.content_length is None and c.max_chunked_json < c.max_json_body:
+            # Why a smaller cap: a body of unknown length is refused only once it is read, and a lookup is built in
+            # memory, so its client knows the length; with Content-Length the limit is checked before any byte
+            raw = await self._read_body(request, c.max_chunked_json,
+                                        "JSON body sent without Content-Length (send Content-Length for up to "
+                                        f"{c.max_json_body} bytes)")
+        else:
+            raw = await self._read_body(request, c.max_json_body, "JSON body")
         if len(raw) <= INLINE_JSON:
             return raw, parse_json(raw)
         return raw, None

@@ -34,7 +34,7 @@ TOKENS = [
     {"token": TOK_A_NS, "tenant": "a", "namespaces": ["a"]},
     {"token": TOK_B, "tenant": "b", "namespaces": ["b"]},
 ]
-LIMITS = ["--header-timeout", "1", "--body-idle-timeout", "2", "--max-json-body", "1M", "--workers", "2",
+LIMITS = ["--header-timeout", "1", "--body-idle-timeout", "2", "--max-json-body", "1M", "--max-chunked-json", "256K", "--workers", "2",
           "--tenant-queue", "2", "--max-decoded", "16M", "--tenant-decode-rate", "1M"]
 
 
@@ -104,6 +104,14 @@ def test_body_limits_hold_whatever_the_framing(svc):
     s, resp = raw_request(svc.port, request_head("POST", "/v1/contains", TOK_A, {"Transfer-Encoding": "chunked"}),
                           chunked(ok, 7))
     assert s == 200 and json.loads(_http_body(resp)) == {"found": [False]}
+    # a JSON body of unknown length has its own, smaller cap (--max-chunked-json 256K): one of 512 KiB is refused
+    # sent chunked, and reaches the JSON checks with its length (under --max-json-body 1M)
+    mid = json.dumps({"keys": [honest_entry(1, 64, "a")[0].to_str()], "pad": "x" * (512 << 10)}).encode()
+    head = request_head("POST", "/v1/contains", TOK_A, {"Transfer-Encoding": "chunked"})
+    s, resp = raw_request(svc.port, head, chunked(mid, 64 << 10))
+    assert s == 413 and "send Content-Length" in _error(_http_body(resp))
+    s, resp = raw_request(svc.port, request_head("POST", "/v1/contains", TOK_A, {"Content-Length": str(len(mid))}), mid)
+    assert s != 413, resp[:300]
 
 
 # -- 3. fairness and quotas ------------------------------------------------------------------------------
@@ -275,7 +283,8 @@ def test_refusals_that_made_us_read_a_body_cost_more_and_throttled_answers_are_h
     """--tenant-refusal-rate 1 (burst 5), --max-json-body 4M: an 8 MiB chunked body refused after ~4 MiB read
     costs 1 + 4 refusals, so the very next request is 429 before its body (it would be the sixth otherwise),
     and that 429 comes after a pause (up to 1 s) instead of at once."""
-    s = Service(tmp_path, extra=["--tenant-refusal-rate", "1", "--max-json-body", "4M"], tokens=TOKENS)
+    s = Service(tmp_path, extra=["--tenant-refusal-rate", "1", "--max-json-body", "4M", "--max-chunked-json", "4M"],
+                tokens=TOKENS)
     try:
         head = request_head("POST", "/v1/contains", TOK_B, {"Transfer-Encoding": "chunked"})
         body = chunked(b'{"keys": ["' + b"x" * (8 << 20) + b'"]}', 1 << 20)
