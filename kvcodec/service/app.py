@@ -42,7 +42,8 @@ Bounded work (issue 35; the limits are ``spec/kdn-v1.md`` §5 and :class:`Servic
   body, tokenizing a text lookup -- runs in a worker *process*
   (:mod:`kvcodec.service.workers`), at most ``tenant_workers`` per tenant,
   round-robin between tenants, killed at the request's deadline; a tenant's jobs are paced to
-  ``tenant_worker_cpu`` cores on average (their CPU time is charged after each job);
+  ``tenant_worker_cpu`` cores on average (their CPU time is charged after each job, and so is the CPU time
+  of the tenant's store-thread calls in this process);
 * a put is checked cheap facts first (structure, declared decoded size against
   ``max_decoded_bytes`` and ``max_decoded_ratio`` x its size, token ids, model,
   key digest) and decoded only after the tenant's decode quota admits it;
@@ -467,9 +468,13 @@ class KdnService:
         return left
 
     async def _run(self, request: web.Request, fn: Callable[..., Any], *args: Any,
-                   timeout: float | None = None, on_done: Callable[[], None] | None = None) -> Any:
+                   timeout: float | None = None, on_done: Callable[[], None] | None = None, charge: bool = True) -> Any:
         """A blocking store call in a thread of the store pool (fair between tenants), with a deadline.
-        ``on_done``: called on the event loop when the call really ends (or at once if it never started)."""
+        ``on_done``: called on the event loop when the call really ends (or at once if it never started).
+        ``charge``: the thread's CPU time is charged to the tenant's CPU share (``--tenant-worker-cpu``), which
+        paces its next worker job. Why: a large lookup's candidate keys are built and probed here, in the service
+        process, and without the charge that part of a tenant's work had no bound (issue 35, the lookups class).
+        Callers that charge the time themselves (an edit's model work) pass False."""
         tenant = request[PRINCIPAL].tenant if PRINCIPAL in request else "-"
         limit = min(timeout or self.config.op_timeout, self._left(request))
         deadline = time.monotonic() + limit
@@ -479,10 +484,21 @@ class KdnService:
             if on_done is not None:
                 on_done()
             raise
-        fut = asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
+        used = [0.0]
+
+        def timed(*a: Any) -> Any:
+            t0 = time.thread_time()
+            try:
+                return fn(*a)
+            finally:
+                used[0] = time.thread_time() - t0
+
+        fut = asyncio.get_running_loop().run_in_executor(self._io, timed, *args)
 
         def finished(_f: Any) -> None:  # the thread cannot be stopped: its slot is freed when it really ends
             self.io_sched.release(tenant)
+            if charge and tenant != "-":
+                self.workers.cpu.charge(tenant, used[0])
             if on_done is not None:
                 on_done()
 

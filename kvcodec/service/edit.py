@@ -101,7 +101,7 @@ async def _model_work(svc: Any, request: web.Request, tenant: str, fn: Any, *arg
             svc.workers.cpu.charge(tenant, used[0])
         svc.edit_sched.release(tenant)
 
-    return await svc._run(request, work, timeout=EDIT_TIMEOUT, on_done=done)
+    return await svc._run(request, work, timeout=EDIT_TIMEOUT, on_done=done, charge=False)
 
 
 def add_edit_routes(svc: Any, router: web.UrlDispatcher, api: str) -> None:

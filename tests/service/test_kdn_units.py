@@ -114,7 +114,8 @@ def test_a_model_load_is_charged_to_nobody_an_edit_to_its_tenant():
     async def pace(tenant, deadline):
         return None
 
-    async def run(request, fn, *args, timeout=None, on_done=None):
+    async def run(request, fn, *args, timeout=None, on_done=None, charge=True):
+        assert not charge  # _model_work charges (or not) by itself
         try:
             return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
         finally:
@@ -135,5 +136,35 @@ def test_a_model_load_is_charged_to_nobody_an_edit_to_its_tenant():
         assert await edit._model_work(svc, None, "a", burn, 0.3) == "done"
         assert svc.workers.cpu.balance("a") < 1.9  # the edit: its tenant's
         assert svc.edit_sched.free == 1  # nothing held
+
+    asyncio.run(main())
+
+
+def test_store_thread_cpu_is_charged_to_the_tenant(tmp_path):
+    """A store-thread call's CPU time counts against the tenant's CPU share, which paces its next worker job (a
+    large lookup builds and probes its candidates there); a caller that charges by itself passes charge=False."""
+    import asyncio
+    import time
+
+    from kvcodec.service.app import _DEADLINE, PRINCIPAL, KdnService, ServiceConfig
+    from kvcodec.service.auth import Principal, TokenTable
+
+    def burn(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    svc = KdnService(Store.open(str(tmp_path / "s")), TokenTable.single("tok-0123456789abcdef"),
+                     ServiceConfig(tenant_worker_cpu=0.5))
+    request = {PRINCIPAL: Principal("t", ("default",)), _DEADLINE: time.monotonic() + 60}
+
+    async def main() -> None:
+        full = svc.workers.cpu.balance("t")
+        await svc._run(request, burn, 0.3, charge=False)
+        assert svc.workers.cpu.balance("t") == pytest.approx(full)
+        await svc._run(request, burn, 0.3)
+        await asyncio.sleep(0.05)  # the charge is made when the thread's future completes, on the loop
+        assert svc.workers.cpu.balance("t") < full - 0.2
+        await svc._close(None)
 
     asyncio.run(main())
