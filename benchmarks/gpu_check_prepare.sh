@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Stage what benchmarks/gpu_check needs on a bare GPU machine, here, before any device time is spent.
 #
-#   bash benchmarks/gpu_check_prepare.sh                  # smollm2 only (3 parts)
-#   GPU_CHECK_MODELS="smollm2 gemma3-270m" bash benchmarks/gpu_check_prepare.sh   # both models (~7 parts)
+#   bash benchmarks/gpu_check_prepare.sh                  # smollm2 only
+#   GPU_CHECK_MODELS="smollm2 gemma3-270m" bash benchmarks/gpu_check_prepare.sh   # both models (8 parts, 2026-11-27)
 #
 # The device tool's machines (KINDS.md: Python 3.12 with torch, triton, transformers, numba, h5py; no
 # package index) lack some of kvcodec's dependencies and the shipped models, and one device call carries
