@@ -474,7 +474,7 @@ class KdnService:
         ``charge``: the thread's CPU time is charged to the tenant's CPU share (``--tenant-worker-cpu``), which
         paces its next worker job. Why: a large lookup's candidate keys are built and probed here, in the service
         process, and without the charge that part of a tenant's work had no bound (issue 35, the lookups class).
-        Callers that charge the time themselves (an edit's model work) pass False."""
+        Loading a model for an edit passes False (:func:`kvcodec.service.edit._model_work`)."""
         tenant = request[PRINCIPAL].tenant if PRINCIPAL in request else "-"
         limit = min(timeout or self.config.op_timeout, self._left(request))
         deadline = time.monotonic() + limit

@@ -87,21 +87,12 @@ async def _model_work(svc: Any, request: web.Request, tenant: str, fn: Any, *arg
     if charge:
         await svc.workers.pace(tenant, deadline)
     await svc.edit_sched.acquire(tenant, min(deadline, time.monotonic() + svc.config.queue_timeout))
-    used = [0.0]
-
-    def work() -> Any:
-        t0 = time.thread_time()
-        try:
-            return fn(*args)
-        finally:
-            used[0] = time.thread_time() - t0
 
     def done() -> None:  # when the thread really ends (a timed-out edit keeps its slot until then)
-        if charge:
-            svc.workers.cpu.charge(tenant, used[0])
         svc.edit_sched.release(tenant)
 
-    return await svc._run(request, work, timeout=EDIT_TIMEOUT, on_done=done, charge=False)
+    # _run charges the thread's CPU time to the tenant (unless charge is False) before done frees the slot
+    return await svc._run(request, fn, *args, timeout=EDIT_TIMEOUT, on_done=done, charge=charge)
 
 
 def add_edit_routes(svc: Any, router: web.UrlDispatcher, api: str) -> None:

@@ -101,25 +101,16 @@ def test_serve_cli_errors(tmp_path, capsys, monkeypatch):
     assert code == 2 and "another kvc+http service" in err
 
 
-def test_a_model_load_is_charged_to_nobody_an_edit_to_its_tenant():
-    """An edit's model work is charged to the tenant's worker CPU share; loading the model it needs is not (the
-    service loads each --model once, for everyone): a tenant whose first edit triggers a slow load keeps its share."""
+def test_a_model_load_is_charged_to_nobody_an_edit_to_its_tenant(tmp_path):
+    """An edit's model work is charged to the tenant's CPU share; loading the model it needs is not (the service
+    loads each --model once, for everyone): a tenant whose first edit triggers a slow load keeps its share. Both
+    run one at a time and free their slot."""
     import asyncio
     import time
-    from types import SimpleNamespace
 
     from kvcodec.service import edit
-    from kvcodec.service.fair import FairScheduler, TokenBucket
-
-    async def pace(tenant, deadline):
-        return None
-
-    async def run(request, fn, *args, timeout=None, on_done=None, charge=True):
-        assert not charge  # _model_work charges (or not) by itself
-        try:
-            return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
-        finally:
-            on_done()
+    from kvcodec.service.app import _DEADLINE, PRINCIPAL, KdnService, ServiceConfig
+    from kvcodec.service.auth import Principal, TokenTable
 
     def burn(seconds: float) -> str:
         end = time.thread_time() + seconds
@@ -127,15 +118,20 @@ def test_a_model_load_is_charged_to_nobody_an_edit_to_its_tenant():
             pass
         return "done"
 
-    async def main():
-        svc = SimpleNamespace(_left=lambda request: 60.0, _run=run, edit_sched=FairScheduler(1, 1, max_queued=4),
-                              config=SimpleNamespace(queue_timeout=10.0),
-                              workers=SimpleNamespace(pace=pace, cpu=TokenBucket(0.5, 2.0)))
-        assert await edit._model_work(svc, None, "a", burn, 0.3, charge=False) == "done"
-        assert svc.workers.cpu.balance("a") == pytest.approx(2.0)  # the load: nobody's
-        assert await edit._model_work(svc, None, "a", burn, 0.3) == "done"
-        assert svc.workers.cpu.balance("a") < 1.9  # the edit: its tenant's
+    svc = KdnService(Store.open(str(tmp_path / "s")), TokenTable.single("tok-0123456789abcdef"),
+                     ServiceConfig(tenant_worker_cpu=0.5))
+    request = {PRINCIPAL: Principal("t", ("default",)), _DEADLINE: time.monotonic() + 60}
+
+    async def main() -> None:
+        full = svc.workers.cpu.balance("t")
+        assert await edit._model_work(svc, request, "t", burn, 0.3, charge=False) == "done"
+        await asyncio.sleep(0.05)  # charges are made on the loop when the thread's future completes
+        assert svc.workers.cpu.balance("t") == pytest.approx(full, abs=0.05)  # the load: nobody's
+        assert await edit._model_work(svc, request, "t", burn, 0.3) == "done"
+        await asyncio.sleep(0.05)
+        assert svc.workers.cpu.balance("t") < full - 0.2  # the edit: its tenant's
         assert svc.edit_sched.free == 1  # nothing held
+        await svc._close(None)
 
     asyncio.run(main())
 
