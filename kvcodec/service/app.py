@@ -580,14 +580,13 @@ class KdnService:
     async def _json_body(self, request: web.Request) -> tuple[bytes, dict[str, Any] | None]:
         """``(raw, parsed)``: small bodies parsed here, larger ones left (``None``) for a worker."""
         c = self.config
-        if request.content_length is None and c.max_chunked_json < c.max_json_body:
+        limit, what = c.max_json_body, "JSON body"
+        if request.content_length is None and c.max_chunked_json < limit:
             # Why a smaller cap: a body of unknown length is refused only once it is read, and a lookup is built in
             # memory, so its client knows the length; with Content-Length the limit is checked before any byte
-            raw = await self._read_body(request, c.max_chunked_json,
-                                        "JSON body sent without Content-Length (send Content-Length for up to "
-                                        f"{c.max_json_body} bytes)")
-        else:
-            raw = await self._read_body(request, c.max_json_body, "JSON body")
+            limit = c.max_chunked_json
+            what = f"JSON body sent without Content-Length (send Content-Length for up to {c.max_json_body} bytes)"
+        raw = await self._read_body(request, limit, what)
         if len(raw) <= INLINE_JSON:
             return raw, parse_json(raw)
         return raw, None

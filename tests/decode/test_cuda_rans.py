@@ -25,11 +25,11 @@ triton = pytest.importorskip("triton")
 from kvcodec.entropy import rans  # noqa: E402
 from kvcodec.codecs.rans import RansStage  # noqa: E402
 from kvcodec.errors import KvcFormatError  # noqa: E402
+from kvcodec.decode.registry import gpu_device  # noqa: E402
 from kvcodec.core.stage import ArraySpec, ChunkContext  # noqa: E402
 
 pytestmark = pytest.mark.triton
-# The kernels' device: the CPU under the interpreter, the GPU when the kernels are compiled (TRITON_INTERPRET=0).
-DEV = "cpu" if os.environ["TRITON_INTERPRET"] == "1" else "cuda"
+DEV = gpu_device()  # the kernels' device: the CPU under the interpreter, the GPU when compiled (TRITON_INTERPRET=0)
 
 VEC = Path(__file__).resolve().parents[2] / "spec" / "vectors" / "rans"
 

@@ -20,13 +20,13 @@ import torch  # noqa: E402
 
 from kvcodec.codecs.rans import RansStage  # noqa: E402
 from kvcodec.errors import KvcFormatError, KvcInputError  # noqa: E402
+from kvcodec.decode.registry import gpu_device  # noqa: E402
 from kvcodec.core.stage import ArraySpec, ChunkContext, Pipeline  # noqa: E402
 
 pytestmark = pytest.mark.triton
 
 T = 16  # tokens per test chunk
-# The kernels' device: the CPU under the interpreter, the GPU when the kernels are compiled (TRITON_INTERPRET=0).
-DEV = "cpu" if os.environ["TRITON_INTERPRET"] == "1" else "cuda"
+DEV = gpu_device()  # the kernels' device: the CPU under the interpreter, the GPU when compiled (TRITON_INTERPRET=0)
 
 
 def _bits(a) -> np.ndarray:
