@@ -162,6 +162,7 @@ def engine(url: str, n_docs: int, tokens: int, think_s: float, seed: int, cmds: 
             break
         phase, seconds, can_put = cmd
         lat: list[float] = []
+        put_lat: list[float] = []
         errors: list[str] = []
         misses = 0
         end = time.monotonic() + seconds
@@ -169,8 +170,9 @@ def engine(url: str, n_docs: int, tokens: int, think_s: float, seed: int, cmds: 
             i = rng.randrange(n_docs)
             key, data = docs[i]
             t0 = time.perf_counter()
+            is_put = can_put and rng.random() < 0.1
             try:
-                if can_put and rng.random() < 0.1:
+                if is_put:
                     puts += 1
                     k, d = honest_entry(1_000_000 * (seed + 1) + 1000 * puts, 64, "honest")
                     res = st.put(k, d)
@@ -187,11 +189,11 @@ def engine(url: str, n_docs: int, tokens: int, think_s: float, seed: int, cmds: 
                         errors.append("read returned other bytes")
             except Exception as e:  # noqa: BLE001 - every failure is an honest error, reported
                 errors.append(f"{type(e).__name__}: {str(e)[:200]}")
-            lat.append(time.perf_counter() - t0)
+            (put_lat if is_put else lat).append(time.perf_counter() - t0)
             time.sleep(think_s)
         import resource
 
-        results.put({"phase": phase, "lat": lat, "errors": errors, "misses": misses,
+        results.put({"phase": phase, "lat": lat + put_lat, "read_lat": lat, "put_lat": put_lat, "errors": errors, "misses": misses,
                      "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss})
 
 
@@ -524,12 +526,17 @@ def run_backend(kind: str, a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             server_cpu = cpu_s(tree(be.server_pids())) - cpu0
             wall = time.monotonic() - t_phase
             lat = [x for r in rows for x in r["lat"]]
+            reads = [x for r in rows for x in r["read_lat"]]
+            puts = [x for r in rows for x in r["put_lat"]]
             errs = [e for r in rows for e in r["errors"]]
             row = {
                 "phase": phase, "attack": attack, "max_bytes": cap, "requests": len(lat),
                 "p50_ms": round(1000 * pct(lat, 0.5), 2) if lat else None,
                 "p99_ms": round(1000 * pct(lat, 0.99), 2) if lat else None,
                 "mean_ms": round(1000 * statistics.fmean(lat), 2) if lat else None,
+                # the same requests split by kind: where a tail comes from (a read is a lookup + a get)
+                "read_p99_ms": round(1000 * pct(reads, 0.99), 2) if reads else None,
+                "put_p99_ms": round(1000 * pct(puts, 0.99), 2) if puts else None, "puts": len(puts),
                 "errors": len(errs), "error_examples": sorted(set(errs))[:3], "misses": sum(r["misses"] for r in rows),
                 "server_peak_rss_mb": round(srv_rss.peak_kb / 1024, 1),
                 "engines_peak_rss_mb": round(eng_rss.peak_kb / 1024, 1),
@@ -559,7 +566,8 @@ def run_backend(kind: str, a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
 def render_row(kind: str, r: dict[str, Any]) -> str:
     att = r["attacker"] or {}
     seen = att.get("answers") or ({"overwritten": att.get("overwritten")} if att else {})
-    return (f"{kind:<8} {r['phase']:<13} n={r['requests']:<5} p50 {r['p50_ms']} ms  p99 {r['p99_ms']} ms  "
+    return (f"{kind:<8} {r['phase']:<13} n={r['requests']:<5} p50 {r['p50_ms']} ms  p99 {r['p99_ms']} ms "
+            f"(reads {r['read_p99_ms']}, puts {r['put_p99_ms']})  "
             f"errors {r['errors']}  misses {r['misses']}  server RSS {r['server_peak_rss_mb']} MB  "
             f"engines RSS {r['engines_peak_rss_mb']} MB  server CPU {r['server_cpu_s']} s / {r['phase_wall_s']} s  "
             f"attacker CPU {att.get('cpu_s', '-')} s  attacker {att.get('requests', '')} {seen}")

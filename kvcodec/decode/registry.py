@@ -30,7 +30,7 @@ from kvcodec.errors import KvcBackendError, KvcCodecError, KvcError, KvcFormatEr
 from kvcodec.core.stage import ArraySpec, ChunkContext, Pipeline, SideData
 
 __all__ = ["BACKENDS", "DEVICES", "Backend", "STRICT_ENV", "backend", "decode_chunk", "decode_with", "gpu_device",
-           "interpret_mode", "resolve_device", "select", "strict", "decode_into", "store_paged"]
+           "interpret_mode", "resolve_device", "select", "strict", "decode_into", "store_paged", "warm_cpu"]
 
 STRICT_ENV = "KVCODEC_STRICT_BACKENDS"
 Device = Literal["cpu", "gpu"]
@@ -248,6 +248,53 @@ def decode_chunk(
     if shape != spec.shape or dtype != spec.dtype:
         raise KvcFormatError(f"{where}: pipeline produced {dtype}{shape}, expected {spec.dtype}{spec.shape}")
     return out
+
+
+def _warm_pipelines() -> list[tuple[list[dict[str, Any]], str]]:
+    """One pipeline per CPU decode path a file can take: lossless float16/float32 (shuffled); lossy float16 with
+    quantize v1 and v2, keys (RoPE) and values (none); lossy float32. Kept rows and tokenscale included: numba
+    keys its machine code on the argument types, so each of these loads a signature real files use."""
+    def lossless(es: int) -> list[dict[str, Any]]:
+        return [{"name": "raw", "version": 1, "config": {}},
+                {"name": "shuffle", "version": 1, "config": {"elementsize": es}},
+                {"name": "zstd", "version": 1, "config": {"level": 3}}]
+
+    def lossy(qv: int, dtype: str, rope: bool = True) -> list[dict[str, Any]]:
+        q = {"mode": "step", "step": 0.5, "max_bits": 8} if qv == 1 else {"step": 0.5, "max_bits": 12}
+        return ([{"name": "rope", "version": 1, "config": {"theta": 10000.0, "dim": 64}}] if rope else []) + [
+                {"name": "keep", "version": 1, "config": {"sink": 1, "recent": 0, "dtype": dtype}},
+                {"name": "transform", "version": 1, "config": {"basis": "hadamard", "k": 64}},
+                {"name": "tokenscale", "version": 1, "config": {"bits": 4}},
+                {"name": "quantize", "version": qv, "config": q},
+                {"name": "rans", "version": 1, "config": {"channel_group": 8}}]
+
+    return [(lossless(2), "float16"), (lossless(4), "float32"), (lossy(1, "float16"), "float16"),
+            (lossy(1, "float16", rope=False), "float16"), (lossy(2, "float16"), "float16"),
+            (lossy(1, "float32"), "float32")]
+
+
+def warm_cpu() -> None:
+    """Decode one tiny chunk (encoded here, from a fixed seed) along each CPU decode path, once per process.
+
+    Why: a process's first decode pays for importing the codec stages and for numba loading its cached kernels
+    (its registries, then each argument signature's machine code): ~0.3-0.5 s, whatever the chunk's size. A
+    service worker that met its first put cold answered that put 0.4 s late, which alone set the honest clients'
+    p99 under load (issue 35). Calling this before a process takes work moves that cost to its start. It needs
+    no model, calibration or file on disk; a mismatch against the reference is raised like any backend bug."""
+    import numpy as np
+
+    from kvcodec.core.stage import chunk_context
+
+    g = np.random.default_rng(0)
+    for stages, dtype in _warm_pipelines():
+        pipeline = Pipeline.from_json(stages)
+        spec = ArraySpec((2, 8, 64), dtype)
+        ctx = chunk_context(0, "k", 0, 8, 0, 2, None, {}, 0)
+        payload, sides, sizes = pipeline.encode(g.standard_normal(spec.shape).astype(dtype), ctx)
+        got = decode_chunk(pipeline, payload, sides, sizes, spec, ctx, device="cpu")
+        if not np.array_equal(np.asarray(got).view(np.uint8), pipeline.decode(payload, sides, sizes, spec, ctx).view(np.uint8)):
+            raise KvcBackendError(f"the CPU decoder differs from the reference on the warm-up chunk of {stages[-2]['name']} "
+                                  f"{dtype}")
 
 
 # --------------------------------------------------------------------------- engine layouts (GPU)

@@ -185,11 +185,12 @@ def main(argv: list[str] | None = None) -> None:
     out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     inp = os.fdopen(os.dup(sys.stdin.fileno()), "rb")
-    # load the decoders now, so the first put does not pay for it (numba kernels come from their cache)
+    # load the decoders now, so the first put does not pay for it (numba kernels come from their cache): the pool
+    # hands this process work only after it answers its first ping, below
     import kvcodec.format  # noqa: F401
-    from kvcodec.decode.registry import resolve_device
+    from kvcodec.decode.registry import warm_cpu
 
-    resolve_device("cpu")
+    warm_cpu()
     if args.memory:
         limit_data(args.memory)
     try:  # below the event loop and the store threads: a tenant's legal decode must not starve their answers

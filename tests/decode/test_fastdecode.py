@@ -393,3 +393,44 @@ def test_fused_decoder_on_other_cpu_targets(cpu, tmp_path):
                         "-k", "f16_conversion or synthetic_pipelines or every_head_dim"], capture_output=True, text=True, env=env, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert " passed" in r.stdout
+
+
+_WARM_PROBE = r"""
+import glob, json, sys
+from numba.core.registry import CPUDispatcher
+from kvcodec.decode.registry import warm_cpu
+from kvcodec.format import KvcReader
+
+def signatures():
+    return {f"{n}.{a}": len(v.signatures) for n, m in list(sys.modules.items()) if n.startswith("kvcodec")
+            for a, v in list(vars(m).items()) if isinstance(v, CPUDispatcher)}
+
+warm_cpu()
+warm = signatures()
+problems = []
+for path in sorted(glob.glob(sys.argv[1] + "/kvc*/*.kvc")):
+    with open(path, "rb") as f:
+        problems += KvcReader(f.read()).verify(backend="cpu")
+print(json.dumps({"warm": warm, "after": signatures(), "problems": problems}))
+"""
+
+
+def test_warm_cpu_loads_every_kernel_signature_the_golden_files_decode_with(tmp_path):
+    """``warm_cpu`` (a KDN worker calls it before its first job, issue 35) must leave nothing for a real file's
+    first decode to load: numba keys its machine code on argument types, and a signature first met on a put costs
+    that put ~0.3 s. A fresh process warms up, then decodes every `.kvc` golden vector (lossless float16 / float32 /
+    bfloat16, lossy keys and values, biased and edited files): no kernel may gain a signature."""
+    import subprocess
+    import sys
+
+    from store_fixtures import subprocess_env
+
+    script = tmp_path / "probe.py"
+    script.write_text(_WARM_PROBE)
+    out = subprocess.run([sys.executable, str(script), str(ROOT / "spec" / "vectors")], capture_output=True, text=True,
+                         env=subprocess_env(), timeout=600, check=True)
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["problems"] == []
+    assert res["warm"]["kvcodec.decode.cpu.fused._decode_kernel"] >= 1
+    assert res["warm"]["kvcodec.decode.cpu.fused._unshuffle"] >= 1
+    assert res["after"] == res["warm"], "a golden file's decode met a kernel signature warm_cpu did not load"

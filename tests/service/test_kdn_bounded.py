@@ -421,3 +421,40 @@ def test_a_refused_request_s_endless_body_is_not_read_for_long(svc):
     head = request_head("POST", "/v1/contains", TOK_A, {"Transfer-Encoding": "chunked"})
     answer, after = _held_open(svc.port, head, b"1000\r\n" + b"x" * 4096 + b"\r\n")  # endless, over 1M
     assert answer.startswith(b"HTTP/1.1 413") and after < 5, (answer[:80], after)
+
+
+def test_large_lookups_and_key_lists_are_probed_in_slices_with_the_same_answer(svc):
+    """Lookups and /v1/contains probe their keys PROBE_SLICE at a time (the GIL is released between turns, issue 35):
+    entries found in any slice are all reported, and a key of a namespace the token may not use is refused with
+    403 wherever it sits in the list, whether the body is parsed here (<= 64 KiB) or by a worker."""
+    from kvcodec.service.app import INLINE_JSON, PROBE_SLICE
+    from kvcodec.store import StoreKey
+    from kvcodec.testing.attacks import SMALL_FP
+
+    first = 200  # token ids of 3-5 digits: 40 chunks of them stay under INLINE_JSON, 90 do not
+    short, short_data = honest_entry(first, 3 * 256, "a")
+    deep, deep_data = honest_entry(first, 37 * 256, "a")
+    assert svc.put_raw(short, short_data, token=TOK_A) == 201 and svc.put_raw(deep, deep_data, token=TOK_A) == 201
+    for n_chunks in (40, 90):  # 40 chunks: a body parsed on the event loop; 90: one parsed by a worker
+        assert n_chunks > 2 * PROBE_SLICE
+        q = {"model": SMALL_FP.id, "codec": "c", "namespace": "a", "token_ids": list(range(first, first + 256 * n_chunks))}
+        body = json.dumps(q).encode()
+        assert (len(body) > INLINE_JSON) == (n_chunks == 90)
+        s, _, b = svc.request("POST", "/v1/lookup", TOK_A, body=body)
+        ans = json.loads(b)
+        assert s == 200 and ans["n_tokens"] == deep.n_tokens and ans["key"] == deep.to_str()
+        assert [e["n_tokens"] for e in ans["entries"]] == [deep.n_tokens, short.n_tokens]
+    absent = [StoreKey.for_tokens(list(range(i, i + 5)), model=SMALL_FP.id, codec="c", namespace="a") for i in range(800)]
+    keys = [k.to_str() for k in absent[:300]] + [deep.to_str()] + [k.to_str() for k in absent[300:]] + [short.to_str()]
+    for n in (40, len(keys)):  # 40 keys inline; all 802 (> 64 KiB) through a worker
+        ks = keys[:n - 1] + [short.to_str()] if n < len(keys) else keys
+        body = json.dumps({"keys": ks}).encode()
+        assert (len(body) > INLINE_JSON) == (n == len(keys))
+        s, _, b = svc.request("POST", "/v1/contains", TOK_A, body=body)
+        found = json.loads(b)["found"]
+        assert s == 200 and [i for i, f in enumerate(found) if f] == [i for i, k in enumerate(ks) if k in
+                                                                     (deep.to_str(), short.to_str())]
+        foreign = StoreKey.for_tokens([1, 2, 3], model=SMALL_FP.id, codec="c", namespace="a-private").to_str()
+        late = ks[:-1] + [foreign]  # the refused key sits in the last slice
+        s, _, b = svc.request("POST", "/v1/contains", TOK_A_NS, body=json.dumps({"keys": late}).encode())
+        assert s == 403 and "a-private" in _error(b)
