@@ -267,3 +267,40 @@ def test_s3_asks_for_a_refused_object_only_if_it_changed(s3_server, cap):  # noq
     tier.s3.delete_object(Bucket=tier.bucket, Key=tier.name_of(KEY))
     tier.put(KEY, b"sound")
     assert tier.get_entry(KEY).data == b"sound"  # the name's new object is read as usual
+
+
+def test_s3_remembers_a_forgery_its_seal_refused_for_readers_that_check_seals(s3_server, monkeypatch):  # noqa: F811
+    """A forgery under the asked name (the key's own envelope, no valid seal) is refused by the reader's seal from
+    its head; the tier remembers that version by ETag for seal-checking readers, so the next reads are 304s with no
+    body until the object changes. A read without a seal check (the tier alone) is not answered from that memo."""
+    from kvcodec.store import Store
+
+    monkeypatch.setenv("KVC_STORE_KEY", "5a" * 32)
+    st = Store.open(s3_server.url("forged-memo"), memory_bytes=0)
+    assert st.put(KEY, _payload()).ok
+    tier = next(t for t in st.tiers if t.persistent)
+    phys = st.physical(KEY)
+    answers: list[int] = []  # per GET: 200/206, or the status it failed with (304: not modified, no body)
+    real_get = tier.s3.get_object
+
+    def get_object(**kw):
+        try:
+            resp = real_get(**kw)
+        except Exception as e:
+            answers.append(int(e.response["ResponseMetadata"]["HTTPStatusCode"]))
+            raise
+        answers.append(int(resp["ResponseMetadata"]["HTTPStatusCode"]))
+        return resp
+
+    tier.s3.get_object = get_object
+    for value in _forgeries(tier, st, KEY):
+        tier.s3.put_object(Bucket=tier.bucket, Key=tier.name_of(phys), Body=value)
+        answers.clear()
+        assert st.get(KEY) is None and answers == [206]  # a new version: its head is read and its seal refuses it
+        for _ in range(3):
+            assert st.get(KEY) is None
+        assert answers == [206, 304, 304, 304]
+        raw = tier.get_entry(phys)  # no seal check: the object is read, not taken for refused
+        assert answers[4:] == [206, 206] and raw is not None and raw.key == phys
+    tier.s3.delete_object(Bucket=tier.bucket, Key=tier.name_of(phys))
+    assert st.put(KEY, _payload()).ok and st.get(KEY) == _payload()  # a sound new version is read as usual

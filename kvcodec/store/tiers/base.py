@@ -356,7 +356,7 @@ class Tier:
         return e
 
     def _check_head(self, head: bytes, size: int, key: StoreKey, what: str, more: Callable[[int], bytes],
-                    head_ok: HeadCheck | None = None, on_refused: Callable[[], None] | None = None) -> bytes | None:
+                    head_ok: HeadCheck | None = None, on_refused: Callable[[bool], None] | None = None) -> bytes | None:
         """An object of ``size`` bytes over :data:`HEAD_FIRST`, judged by its envelope's fixed part and header
         before its payload is read.
 
@@ -368,8 +368,9 @@ class Tier:
         the bytes read so far (fixed part and whole header at least) when the payload should be read, or None:
         a counted miss -- another key's envelope (kept), one whose announced size is not the object's, or
         whose seal ``head_ok`` refuses (corrupt, kept: the caller's full read would refuse it too).
-        ``on_refused``: called when the object itself is refused, whoever reads it (not for a seal ``head_ok``
-        refuses: another reader's seal may accept it), so a tier can remember that version of it.
+        ``on_refused(by_seal)``: called when the object is refused, so a tier can remember that version of it;
+        ``by_seal`` when it was ``head_ok`` that refused it (a verdict only for readers that check seals: one
+        reading without ``head_ok`` would take the object).
         """
         sealed = False
         try:
@@ -389,13 +390,13 @@ class Tier:
             self.counters.add(misses=1)
             self._warn_rarely(f"{err}; treated as a miss, payload not read")
             if on_refused is not None:
-                on_refused()
+                on_refused(False)
             return None
         except KvcFormatError as err:
             self.counters.add(corrupt=1, misses=1)
             self._warn_rarely(f"{err}; treated as a miss, payload not read")
-            if on_refused is not None and not sealed:
-                on_refused()
+            if on_refused is not None:
+                on_refused(sealed)
             return None
         return head
 

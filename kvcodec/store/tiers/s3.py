@@ -111,11 +111,14 @@ class S3Tier(Tier):
         self._transport = (bex.EndpointConnectionError, bex.ConnectionClosedError, bex.ConnectTimeoutError,
                            bex.ReadTimeoutError, bex.ProxyConnectionError, OSError)
         self.guard = OutageGuard(f"s3 {self.url}", retry)
-        # name -> ETag of an object this tier refused from its head (too large, another key's envelope, malformed):
-        # the next read of that name asks for it If-None-Match, so an unchanged planted value costs the server a
-        # 304, not another ranged read (moto reads a whole object to serve a range of it), and any new version is
-        # read and judged afresh. Bounded; forgetting one only costs a read.
-        self._refused: BoundedLRU[str] = BoundedLRU(REFUSED_MEMO, max_bytes=REFUSED_MEMO * 128)
+        # name -> (ETag, by_seal) of an object this tier refused from its head (too large, another key's envelope,
+        # malformed; by_seal: a forgery under the asked key that the reader's seal check refused): the next read of
+        # that name asks for it If-None-Match, so an unchanged planted value costs the server a 304, not another
+        # ranged read (moto reads a whole object to serve a range of it), and any new version is read and judged
+        # afresh. A seal's verdict is used only by readers that check seals: a name is an HMAC under the reader's
+        # key, so every such reader of one name holds that key and reaches the same verdict. Bounded; forgetting
+        # one only costs a read.
+        self._refused: BoundedLRU[tuple[str, bool]] = BoundedLRU(REFUSED_MEMO, max_bytes=REFUSED_MEMO * 128)
 
     # -- plumbing ---------------------------------------------------------------------
     def name_of(self, key: StoreKey) -> str:
@@ -169,7 +172,8 @@ class S3Tier(Tier):
         ``HEAD_FIRST``. The object's size comes from the first response's ``Content-Range``, before any body."""
         name = self.name_of(key)
         what = f"s3 {self.bucket}/{name}"
-        known = self._refused.get(name)  # the ETag of the version of this object this tier last refused
+        memo = self._refused.get(name)  # the ETag of the version of this object this tier last refused, and how
+        known = memo[0] if memo is not None and (not memo[1] or head_ok is not None) else None
         cond = {"IfNoneMatch": known} if known else {}
         try:
             resp = self._call("get", self.s3.get_object, Bucket=self.bucket, Key=name, Range=f"bytes=0-{HEAD_FIRST - 1}",
@@ -180,9 +184,9 @@ class S3Tier(Tier):
                 size, avail = _sizes(resp)
                 etag = resp.get("ETag")
 
-                def refused() -> None:
+                def refused(by_seal: bool = False) -> None:
                     if isinstance(etag, str) and etag:
-                        self._refused.put(name, etag)
+                        self._refused.put(name, (etag, by_seal))
 
                 if size < 0 or size > self.max_entry:
                     resp["Body"].close()  # the size is known from the response head: the body is never read
