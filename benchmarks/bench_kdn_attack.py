@@ -19,6 +19,7 @@ Backends and attack classes (one phase each, after a no-attack baseline; the att
   ``amplify`` valid ~9 KB puts declaring 65 MB of decoded K/V; ``costly`` valid puts that each decode
   8 MiB (the most expensive legal put); ``chunked`` JSON bodies twice the JSON limit with no
   Content-Length; ``deep`` 100,000-deep JSON; ``lookups`` ~1 MB lookups (parsed and hashed by workers);
+  ``keylists`` /v1/contains of 600 keys (~58 KB: parsed on the event loop, probed in store threads, no worker);
   ``slowloris`` 200 connections sending their request head a byte at a time; ``stalled`` bodies that
   stop after 10 bytes; ``junk`` unauthenticated requests: malformed HTTP and bad tokens, as fast as it can;
 * ``cluster`` -- the Redis Cluster tier (3 masters), and ``s3`` -- the S3 tier (moto): ``oversized`` the
@@ -63,7 +64,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TOK_HONEST = "bench-attack-honest-0001"
 TOK_MALLORY = "bench-attack-mallory-01"
 STORE_KEY = "5a" * 32
-KDN_CLASSES = ("amplify", "costly", "chunked", "deep", "lookups", "slowloris", "stalled", "junk")
+KDN_CLASSES = ("amplify", "costly", "chunked", "deep", "lookups", "keylists", "slowloris", "stalled", "junk")
 REMOTE_CLASSES = ("oversized", "forged")
 BIG = 32 << 20
 ATTACKER_ADDR = "127.0.0.2"  # the stranger's own address (any of 127/8 is this machine)
@@ -219,6 +220,7 @@ class Tally:
 
 
 def _kdn_attack(kind: str, port: int, seconds: float, threads: int, ready: Callable[[], None]) -> dict[str, Any]:
+    from kvcodec.store import StoreKey
     from kvcodec.testing.attacks import (
         amplification_entry, chunked, costly_entry, deep_json, raw_request, request_head, slow_head,
     )
@@ -229,6 +231,8 @@ def _kdn_attack(kind: str, port: int, seconds: float, threads: int, ready: Calla
     big_json = b'{"keys": ["' + b"x" * (32 << 20) + b'"]}' if kind == "chunked" else b""
     lookup = json.dumps({"model": "m", "codec": "c", "namespace": "mallory",
                          "token_ids": list(range(120_000))}).encode()
+    keylist = json.dumps({"keys": [StoreKey.for_tokens([i, i + 1], model="m", codec="c", namespace="mallory").to_str()
+                                   for i in range(600)]}).encode() if kind == "keylists" else b""
     ready()
     end = time.monotonic() + seconds
 
@@ -251,6 +255,9 @@ def _kdn_attack(kind: str, port: int, seconds: float, threads: int, ready: Calla
         elif kind == "lookups":
             head = request_head("POST", "/v1/lookup", TOK_MALLORY, {"Content-Length": len(lookup)})
             tally.add(raw_request(port, head, lookup, timeout=60, source=ATTACKER_ADDR)[0])
+        elif kind == "keylists":
+            head = request_head("POST", "/v1/contains", TOK_MALLORY, {"Content-Length": len(keylist)})
+            tally.add(raw_request(port, head, keylist, timeout=60, source=ATTACKER_ADDR)[0])
         elif kind == "stalled":
             with socket.create_connection(("127.0.0.1", port), timeout=30, source_address=(ATTACKER_ADDR, 0)) as s:
                 s.sendall(request_head("PUT", f"/v1/entries/{amp[0].to_str()}", TOK_MALLORY,

@@ -83,7 +83,7 @@ from kvcodec.service.checks import (
     MAX_LOOKUP_TOKENS,
     HttpError,
     chunk_candidates,
-    contains_keys,
+    contains_key_strings,
     error_line,
     logical_key,
     lookup_candidates,
@@ -516,10 +516,14 @@ class KdnService:
         before it is probed; a refusal ends the request, so nothing probed before it is answered.  Why slices: a
         large lookup's keys are parsed and named (HMAC) in Python, which held the GIL for milliseconds at a stretch,
         and every other request's event-loop and store-thread steps waited behind it: that alone doubled the honest
-        clients' p99 (issue 35); in short turns they interleave."""
+        clients' p99 (issue 35); in short turns they interleave.  Each turn first waits while the tenant is over its
+        CPU share (:meth:`WorkerPool.pace`, a 429 past the request's queue deadline): a key list small enough to
+        be parsed on the event loop takes no worker job, and without this it was the one tenant work never paced."""
+        tenant = request[PRINCIPAL].tenant
         parsed: list[StoreKey] = []
         found: list[bool] = []
         for i in range(0, len(keys), PROBE_SLICE):
+            await self.workers.pace(tenant, min(request[_DEADLINE], time.monotonic() + self.config.queue_timeout))
             ks, f = await self._run(request, _parse_probe, st, keys[i:i + PROBE_SLICE], allow)
             parsed += ks
             found += f
@@ -782,7 +786,7 @@ class KdnService:
         p: Principal = request[PRINCIPAL]
         raw, obj = await self._json_body(request)
         if obj is not None:
-            keys = contains_keys(obj)
+            keys = contains_key_strings(obj)  # parsed in _probe's store-thread turns
         else:
             rep = await self._job(p, request[_DEADLINE], {"op": "contains"}, raw, what="key list parse")
             keys = rep["keys"]

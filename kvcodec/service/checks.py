@@ -54,12 +54,18 @@ def parse_json(raw: bytes) -> dict[str, Any]:
 
 
 # -- /v1/contains ----------------------------------------------------------------------------------------
-def contains_keys(obj: dict[str, Any]) -> list[StoreKey]:
+def contains_key_strings(obj: dict[str, Any]) -> list[str]:
+    """The body's key strings, its shape checked; parsing each is left to the caller (the service parses them in
+    store-thread turns, not on the event loop)."""
     ks = obj.get("keys")
     if not isinstance(ks, list) or len(ks) > MAX_CONTAINS or not all(isinstance(k, str) for k in ks):
         raise HttpError(400, f"'keys' must be a list of at most {MAX_CONTAINS} key strings")
+    return ks
+
+
+def contains_keys(obj: dict[str, Any]) -> list[StoreKey]:
     try:
-        return [StoreKey.from_str(k) for k in ks]
+        return [StoreKey.from_str(k) for k in contains_key_strings(obj)]
     except KvcInputError as e:
         raise HttpError(400, str(e)) from None
 

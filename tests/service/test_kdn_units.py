@@ -164,3 +164,38 @@ def test_store_thread_cpu_is_charged_to_the_tenant(tmp_path):
         await svc._close(None)
 
     asyncio.run(main())
+
+
+def test_key_probes_wait_while_the_tenant_is_over_its_cpu_share(tmp_path):
+    """Lookups and key lists are probed in store-thread turns (KdnService._probe); each turn waits while its tenant
+    is over its CPU share, so a key list parsed on the event loop (no worker job) is paced too: a turn that would
+    wait past the request's deadline is a 429, and another tenant's probe runs at once."""
+    import asyncio
+    import time
+
+    from kvcodec.service.app import _DEADLINE, PRINCIPAL, KdnService, ServiceConfig
+    from kvcodec.service.auth import Principal, TokenTable
+    from kvcodec.service.fair import Overloaded
+    from kvcodec.store import StoreKey
+
+    st = Store.open(str(tmp_path / "s"))
+    svc = KdnService(st, TokenTable.single("tok-0123456789abcdef"), ServiceConfig(tenant_worker_cpu=0.5))
+    keys = [StoreKey.for_tokens([i, i + 1], model="m", codec="c") for i in range(40)]
+
+    def request(tenant: str, seconds: float) -> dict:
+        return {PRINCIPAL: Principal(tenant, ("default",)), _DEADLINE: time.monotonic() + seconds}
+
+    async def main() -> None:
+        svc.workers.cpu.charge("b", svc.workers.cpu.balance("b") + 0.1)  # b is 0.1 CPU-s into debt: 0.2 s to refill
+        with pytest.raises(Overloaded) as e:
+            await svc._probe(request("b", 0.05), svc.store_for(Principal("b", ("default",))), keys)
+        assert e.value.status == 429 and "CPU share" in str(e.value)
+        t0 = time.monotonic()
+        _, found = await svc._probe(request("a", 60), svc.store_for(Principal("a", ("default",))), keys)
+        assert found == [False] * 40 and time.monotonic() - t0 < 0.15, "another tenant is not paced"
+        t0 = time.monotonic()
+        _, found = await svc._probe(request("b", 60), svc.store_for(Principal("b", ("default",))), keys)
+        assert found == [False] * 40 and time.monotonic() - t0 >= 0.1, "b waited for its share to refill"
+        await svc._close(None)
+
+    asyncio.run(main())
