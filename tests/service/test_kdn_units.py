@@ -142,7 +142,7 @@ def test_store_thread_cpu_is_charged_to_the_tenant(tmp_path):
     import asyncio
     import time
 
-    from kvcodec.service.app import _DEADLINE, PRINCIPAL, KdnService, ServiceConfig
+    from kvcodec.service.app import _DEADLINE, PRINCIPAL, SERVICE_CPU_WEIGHT, KdnService, ServiceConfig
     from kvcodec.service.auth import Principal, TokenTable
 
     def burn(seconds: float) -> None:
@@ -160,7 +160,8 @@ def test_store_thread_cpu_is_charged_to_the_tenant(tmp_path):
         assert svc.workers.cpu.balance("t") == pytest.approx(full)
         await svc._run(request, burn, 0.3)
         await asyncio.sleep(0.05)  # the charge is made when the thread's future completes, on the loop
-        assert svc.workers.cpu.balance("t") < full - 0.2
+        # weighted: the service process's CPU counts SERVICE_CPU_WEIGHT (its one interpreter lock is everyone's)
+        assert svc.workers.cpu.balance("t") < full - SERVICE_CPU_WEIGHT * 0.3 + 0.1
         await svc._close(None)
 
     asyncio.run(main())
