@@ -68,8 +68,8 @@ _LIMITS = "Limits (defaults: spec/kdn-v1.md §5). "
               help="Requests one tenant may have waiting for a worker; more are answered 429.")
 @click.option("--tenant-worker-cpu", type=float, default=0.5, show_default=True, callback=_ratio,
               help="Worker CPU-seconds per second one tenant's jobs (put checks, large lookups) may use on average, "
-                   "its store-thread calls counted too, burst 2 s; past it its next jobs wait for the share to "
-                   "refill, or get 429 (0: no share).")
+                   "its store-thread calls counted too (twice, plus 0.2 ms each), burst 2 s; past it its next jobs and "
+                   "key-probe turns wait for the share to refill, or get 429 (0: no share).")
 @click.option("--tenant-ingest-rate", default="64M", show_default=True,
               help="Body bytes per second one tenant's requests are read at, on average (burst: one second's; 0: no limit); "
                    "past it the service reads its bodies more slowly (TCP pushes back on the sender).")
