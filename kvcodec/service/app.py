@@ -114,7 +114,7 @@ LINGER = 1.0              # seconds the rest of a refused request's body is drai
 REFUSAL_BODY_UNIT = 1 << 20  # a refused request costs its tenant one refusal, plus one per MiB of body it made us read
 PEER_KEYS = 1 << 16       # client addresses whose refusals are remembered at once (the oldest is forgotten)
 INLINE_JSON = 64 << 10   # JSON bodies up to this size are parsed on the event loop; larger ones by a worker
-PROBE_SLICE = 16         # keys of a lookup parsed and probed per store-thread call (KdnService._probe)
+PROBE_SLICE = 16         # keys of a lookup or key list parsed and probed per store-thread call (KdnService._probe)
 # The cost model of the service process (KdnService._run): its event loop and store threads share one interpreter
 # lock, so a CPU-second of a tenant's there counts SERVICE_CPU_WEIGHT against its CPU share, plus STORE_TURN_COST
 # for the event loop's own work handing each store-thread call over and back (measured ~0.18 ms here: a 600-key
@@ -478,10 +478,11 @@ class KdnService:
                    timeout: float | None = None, on_done: Callable[[], None] | None = None, charge: bool = True) -> Any:
         """A blocking store call in a thread of the store pool (fair between tenants), with a deadline.
         ``on_done``: called on the event loop when the call really ends (or at once if it never started).
-        ``charge``: the thread's CPU time is charged to the tenant's CPU share (``--tenant-worker-cpu``; weighted,
-        see SERVICE_CPU_WEIGHT and STORE_TURN_COST), which paces its next worker job and key-probe turn. Why: a large lookup's candidate keys are built and probed here, in the service
-        process, and without the charge that part of a tenant's work had no bound (issue 35, the lookups class).
-        Loading a model for an edit passes False (:func:`kvcodec.service.edit._model_work`)."""
+        ``charge``: the thread's CPU time is charged to the tenant's CPU share (``--tenant-worker-cpu``; weighted:
+        SERVICE_CPU_WEIGHT, STORE_TURN_COST), which paces its next worker job and key-probe turn. Why: a large
+        lookup's candidate keys are built and probed here, in the service process, and without the charge that
+        part of a tenant's work had no bound (issue 35, the lookups class). Loading a model for an edit passes
+        False (:func:`kvcodec.service.edit._model_work`)."""
         tenant = request[PRINCIPAL].tenant if PRINCIPAL in request else "-"
         limit = min(timeout or self.config.op_timeout, self._left(request))
         deadline = time.monotonic() + limit
@@ -517,8 +518,9 @@ class KdnService:
 
     async def _probe(self, request: web.Request, st: Store, keys: list[Any],
                      allow: Callable[[StoreKey], None] | None = None) -> tuple[list[StoreKey], list[bool]]:
-        """``(keys, found)``: ``keys`` (StoreKeys, or key strings a worker checked, parsed here) and whether each has
-        an entry, in store-thread calls of at most PROBE_SLICE keys each.  ``allow`` (raises to refuse) sees each key
+        """``(keys, found)``: ``keys`` (StoreKeys, or key strings -- a worker's, or an inline body's with only its
+        shape checked -- parsed here) and whether each has an entry, in store-thread calls of at most PROBE_SLICE
+        keys each.  ``allow`` (raises to refuse) sees each key
         before it is probed; a refusal ends the request, so nothing probed before it is answered.  Why slices: a
         large lookup's keys are parsed and named (HMAC) in Python, which held the GIL for milliseconds at a stretch,
         and every other request's event-loop and store-thread steps waited behind it: that alone doubled the honest
