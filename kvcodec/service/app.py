@@ -654,7 +654,8 @@ class KdnService:
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
         self.metrics.queues(self.workers.sched.queued(), self.io_sched.queued(), self.bodies.used,
-                            self.bad.suppressed, self.peers.refused, self.throttled)
+                            self.bad.suppressed, self.peers.refused, self.throttled,
+                            self.edit_sched.slots - self.edit_sched.free, self.edit_sched.queued())
         body, ctype = self.metrics.render()
         return web.Response(body=body, headers={"Content-Type": ctype})
 

@@ -38,6 +38,9 @@ class Metrics:
                             ["op", "result"], registry=r)
         self.queued_jobs = Gauge("kvc_worker_queue", "Requests waiting for a worker process", registry=r)
         self.queued_store = Gauge("kvc_store_queue", "Requests waiting for a store thread", registry=r)
+        self.edits_running = Gauge("kvc_edits_running", "Model edits running now (at most one in the service)",
+                                   registry=r)
+        self.queued_edits = Gauge("kvc_edit_queue", "Edit requests waiting for the service's model slot", registry=r)
         self.inflight_body = Gauge("kvc_inflight_body_bytes", "Body bytes held: from their first byte to their answer",
                                    registry=r)
         self.peer_refused = Gauge("kvc_peer_refused_total", "Connections refused at once: their address held "
@@ -84,7 +87,9 @@ class Metrics:
         self.jobs.labels(op, result).inc()
 
     def queues(self, jobs: int, store: int, body_bytes: int, suppressed: int, peer_refused: int = 0,
-               throttled: int = 0) -> None:
+               throttled: int = 0, edits_running: int = 0, edits_queued: int = 0) -> None:
+        self.edits_running.set(edits_running)
+        self.queued_edits.set(edits_queued)
         self.peer_refused.set(peer_refused)
         self.throttled.set(throttled)
         self.queued_jobs.set(jobs)

@@ -51,12 +51,26 @@ def test_edit_through_the_service(lm, entry, service):
     assert service.request("GET", path_of(child), token=TOK_B)[0] == 403
 
 
+def _gauges(service) -> dict[str, float]:
+    """The edit slot's gauges from ``/metrics``: ``kvc_edits_running`` and ``kvc_edit_queue``."""
+    status, _, body = service.request("GET", "/metrics", token=None)
+    assert status == 200
+    out = {}
+    for line in body.decode().splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("kvc_edits_running", "kvc_edit_queue"):
+            out[name] = float(value)
+    assert len(out) == 2, out
+    return out
+
+
 def test_model_edits_run_one_at_a_time_and_free_their_slot(lm, entry, service):
     """The service's model work is one edit at a time (issue 35: an edit is a prefill, run in a store thread):
-    three edits sent at once all complete, in turn, each with its child; a refused edit (bad parameters) or a
-    finished one leaves nothing held, so the next edit is served at once."""
+    three edits sent at once all complete, each with its child, and the service's own gauges, read while they
+    run, never show two at work and do show the others waiting; a refused edit (bad parameters) or a finished
+    one leaves nothing held. Why gauges, not timings: the tenant's CPU share paces its next edit, and a loaded
+    CI box stretches any duration, so a test on seconds fails for reasons that are not bugs (stop 44's CI)."""
     import threading
-    import time
 
     cache, data = entry(160)
     key = StoreKey.for_tokens(cache.token_ids, model=lm.fingerprint.id, codec=codec_key("lossless"), namespace="a")
@@ -64,22 +78,22 @@ def test_model_edits_run_one_at_a_time_and_free_their_slot(lm, entry, service):
     edit = path_of(key) + "/edit"
     bad = json.dumps({"op": "redact", "params": {"heads": 1}}).encode()
     assert service.request("POST", edit, body=bad)[0] == 400
-    got: list[tuple[int, float, float]] = []
+    assert _gauges(service) == {"kvc_edits_running": 0, "kvc_edit_queue": 0}, "a refused edit holds nothing"
+    got: list[int] = []
 
     def one() -> None:
-        t0 = time.monotonic()
-        st, _, out = service.request("POST", edit, body=json.dumps({"op": "redact", "params": {"pattern": EMAIL}}).encode())
-        got.append((st, t0, time.monotonic()))
+        got.append(service.request("POST", edit, body=json.dumps({"op": "redact", "params": {"pattern": EMAIL}}).encode())[0])
 
     ts = [threading.Thread(target=one) for _ in range(3)]
     for t in ts:
         t.start()
+    seen = []
+    while any(t.is_alive() for t in ts):
+        seen.append(_gauges(service))
     for t in ts:
         t.join(300)
-    assert [g[0] for g in got] == [201] * 3, got
-    spans = sorted((a, b) for _, a, b in got)
-    took = [b - a for a, b in spans]
-    assert max(took) >= 1.8 * min(took), took  # the last waited for the others' model work
-    t0 = time.monotonic()
+    assert got == [201] * 3, got
+    assert max(g["kvc_edits_running"] for g in seen) == 1, seen  # never two at once; and one was seen at work
+    assert max(g["kvc_edit_queue"] for g in seen) >= 1, seen  # the others waited for the slot
+    assert _gauges(service) == {"kvc_edits_running": 0, "kvc_edit_queue": 0}, "nothing is held after the edits"
     assert service.request("POST", edit, body=json.dumps({"op": "redact", "params": {"pattern": EMAIL}}).encode())[0] == 201
-    assert time.monotonic() - t0 < max(took), "nothing is held after the edits"
