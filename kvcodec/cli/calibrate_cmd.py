@@ -43,18 +43,21 @@ def calibrate_command(model, force, basis, as_json) -> None:
         rm = fit_rate_model(lm, cal, lossy_settings())
         save_rate_model(rm, rate_model_path(cal))
         timings["rate_model_s"] = float(rm.fit_s or 0.0)
+    size = cal.path.stat().st_size if cal.path is not None else None  # what ships to a decoder of this model's files
     report = {"model": model, "fingerprint": fid, "path": str(cal.path), "built": built, "timings": timings,
+              "version": cal.meta.get("version"), "bytes": size,
               "channel_blocks": cal.meta.get("channel_blocks"), "rate_model_fitted": fitted,
               "rate_model": {k: v for k, v in rm.to_json().items() if k != "fit"}}
     if as_json:
         emit_json(report)
     elif built:
-        click.echo(f"calibrated {model} in {timings['total_s']:.0f} s -> {cal.path}; rate model fitted in "
+        click.echo(f"calibrated {model} in {timings['total_s']:.0f} s -> {cal.path} ({size:,} bytes); rate model fitted in "
                    f"{timings.get('rate_model_s', 0):.0f} s (alpha {', '.join(f'{k} {v:.2f}' for k, v in rm.alpha.items())})")
     else:
         has = "full" if cal.meta.get("channel_blocks") is None else "blocks"
         note = "" if has == basis or len(channel_blocks(lm.fingerprint.head_dims[0])) == 1 else f"; it has the {has} basis"
-        click.echo(f"{model} already has a calibration: {cal.path}{note} (--force rebuilds it)")
+        old = "" if cal.meta.get("version") != 2 else "; version 2: a rebuild stores it in about half the bytes"
+        click.echo(f"{model} already has a calibration: {cal.path} ({size:,} bytes){note}{old} (--force rebuilds it)")
 
 
 COMMANDS = [calibrate_command]

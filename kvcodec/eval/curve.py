@@ -50,6 +50,7 @@ from kvcodec.core.kvcache import KVCache
 from kvcodec.calibration.store import default_resolver
 from kvcodec.plan.presets import get_plan
 from kvcodec.plan import pipelines as codecplan
+from kvcodec.plan.pipelines import external_bytes
 from kvcodec.plan.presets import PRESETS as _PRESETS
 
 LOSSY_PRESETS = [n for n, p in _PRESETS.items() if p.lossy]
@@ -357,15 +358,6 @@ def rate_fields(file_bytes: int, cache: KVCache) -> dict[str, float]:
     return {"bits_per_element": bpe, "ratio_vs_fp16": 16.0 / bpe, "file_bytes": int(file_bytes), "kv_elements": kv_elements(cache)}
 
 
-def external_bytes(plan: Any) -> int:
-    """Bytes of attachments a file references but does not hold (per-model calibration, shared by all files)."""
-    total = 0
-    for a in (getattr(plan, "attachments", None) or {}).values():
-        if not isinstance(a, np.ndarray) and hasattr(a, "shape") and hasattr(a, "dtype"):
-            total += int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
-    return total
-
-
 def read_kvc_cache(path: str | os.PathLike, attachment_resolver: Callable[..., Any] | None = None) -> KVCache:
     """Decode a `.kvc` file (``attachment_resolver`` None: the reader's default, the per-model calibration)."""
     with KvcReader(str(path), attachment_resolver=attachment_resolver) as r:
@@ -411,7 +403,7 @@ def measure(lm: Any, case: TextCase, method: Method, workdir: str | os.PathLike,
     t_eval = time.perf_counter() - t0
     row: dict[str, Any] = {"text": case.name, "family": method.family, "method": method.setting}
     row.update(rate_fields(size, case.cache))
-    row["external_bytes"] = external_bytes(plan)
+    row["external_bytes"] = external_bytes(plan)  # the calibration file(s) a decoder must be sent too
     params = getattr(plan, "params", None) or {}
     for key in ("rate", "check"):  # rate control's choice; the opt-in check's tries, bytes and probe quality
         if params.get(key) is not None:

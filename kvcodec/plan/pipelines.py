@@ -194,13 +194,13 @@ def transform_plan(cache: Any, step0: float, sink: int = 4, group: int = 8, cal:
 
 
 # --------------------------------------------------------------------------- measure
-def external_bytes(plan: Plan) -> int:
-    """Bytes of the external calibration a plan's file depends on (0 if none)."""
-    total = 0
-    for a in plan.attachments.values():
-        if not isinstance(a, np.ndarray):
-            total += int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
-    return total
+def external_bytes(plan: Any) -> int:
+    """Bytes of the per-model calibration a plan's file depends on but does not hold (0 if none): the calibration
+    files that must be shipped with it (:func:`kvcodec.calibration.store.shipped_bytes`)."""
+    from kvcodec.calibration.store import shipped_bytes
+
+    ext = {n: a for n, a in (getattr(plan, "attachments", None) or {}).items() if not isinstance(a, np.ndarray)}
+    return shipped_bytes(ext) if ext else 0
 
 
 def plan_for_target(cache: Any, lm: Any, target_kl: float | None = None, target_dppl: float | None = None,

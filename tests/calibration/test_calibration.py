@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,6 +25,32 @@ def test_shipped_calibration_matches_its_pin():
         assert hashlib.sha256(path.read_bytes()).hexdigest() == sha
         cal = C_store.load_calibration_file(path)
         assert cal.meta["fingerprint_id"] == path.stem
+        assert cal.meta["version"] == C_record.CALIB_VERSION and np.array_equal(C_record.snap_basis(cal.basis), cal.basis)
+
+
+@pytest.mark.model
+def test_a_file_is_charged_the_calibration_file_a_decoder_needs(real_cache, tmp_path, monkeypatch):
+    """Issue 38: what a file costs besides its own bytes is the calibration file a decoder must be sent (the
+    shipped v3 file: under 55 % of the float16 basis + mean arrays it holds), counted once however many
+    attachments reference it; a calibration only handed to the encoder in memory is charged its arrays."""
+    import dataclasses
+
+    from kvcodec.plan.pipelines import external_bytes, transform_plan
+
+    monkeypatch.setenv("KVCODEC_CACHE", str(tmp_path))
+    cache = real_cache(64)
+    cal = C_store.require_calibration(cache.fingerprint)
+    plan = transform_plan(cache, 0.33, cal=cal)
+    assert len(plan.attachments) == 2
+    shipped = C_store.SHIPPED_DIR / f"{cache.fingerprint.id}.safetensors"
+    assert external_bytes(plan) == shipped.stat().st_size
+    arrays = cal.basis.nbytes + cal.mean.nbytes
+    assert external_bytes(plan) < 0.55 * arrays
+    loose = dataclasses.replace(cal, basis=C_record.snap_basis(cal.basis.astype(np.float32) * 2), path=None)
+    assert external_bytes(transform_plan(cache, 0.33, cal=loose)) == cal.basis.nbytes + shipped.stat().st_size  # its mean is the shipped one's
+    loose = dataclasses.replace(loose, mean=cal.mean + 1)
+    assert external_bytes(transform_plan(cache, 0.33, cal=loose)) == arrays
+    assert external_bytes(transform_plan(cache, 0.33, cal=cal, calibration="embedded")) == 0
 
 
 @pytest.mark.model
@@ -129,6 +156,7 @@ def test_kvc_calibrate_reports_the_shipped_calibration(lm, tmp_path, monkeypatch
     rep = json.loads(out)
     assert rep["built"] is False and rep["fingerprint"] == lm.fingerprint.id
     assert rep["path"].startswith(str(C_store.SHIPPED_DIR))
+    assert rep["version"] == C_record.CALIB_VERSION and rep["bytes"] == Path(rep["path"]).stat().st_size
     assert rep["rate_model_fitted"] is False  # the embedded model ships its rate model too: no minutes of fitting
     assert set(rep["rate_model"]["alpha"]) == {"near-lossless", "balanced", "small"}
 

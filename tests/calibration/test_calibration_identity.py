@@ -35,24 +35,36 @@ def _cal(L: int = 3, H: int = 2, D: int = 8, seed: int = 0) -> Calibration:
     eig = np.sort(rng.random((L, 2, H, D)), axis=-1)[..., ::-1].astype(np.float32)
     mean = (rng.standard_normal((L, 2, H, D)) + np.arange(L)[:, None, None, None]).astype(np.float32)
     sens = (1 + rng.random((L, 2))).astype(np.float32)
-    return Calibration(q.astype(np.float16), mean, np.ascontiguousarray(eig), sens, {"texts": ["synthetic"]})
+    return Calibration(C_record.snap_basis(q), mean, np.ascontiguousarray(eig), sens, {"texts": ["synthetic"]})
 
 
 FID_A, FID_B = "a" * 32, "b" * 32
 
 
-def _rewrite(path, mutate_tensors=None, mutate_meta=None):
-    """Rewrite a calibration file in place with changed tensors/meta (an attacker's or a bug's edit)."""
+def _rewrite(path, mutate_tensors=None, mutate_meta=None, raw=False):
+    """Rewrite a calibration file in place with changed tensors/meta (an attacker's or a bug's edit).
+
+    The mutations see the arrays a loaded calibration holds (``pca.basis`` float16, not the v3 file's grid), and
+    the result is stored the v3 way again (re-gridded, recompressed): a tamperer who knows the format. ``raw``:
+    they see and change the file's own tensors instead (the grid codes' blob, the exponents)."""
+    import zstandard
     from safetensors.numpy import load_file
     from safetensors import safe_open
 
     with safe_open(str(path), framework="np") as f:
         meta = json.loads(f.metadata()["kvcodec"])
     t = {k: np.array(v) for k, v in load_file(str(path)).items()}
+    if not raw:
+        t["pca.basis"] = C_store._basis_of_codes(t, KvcFormatError)
+        del t["pca.basis.codes.zst"], t["pca.basis.exp"]
     if mutate_tensors:
         mutate_tensors(t)
     if mutate_meta:
         mutate_meta(meta, t)
+    if not raw:
+        q, e = C_record.grid_codes(t.pop("pca.basis"))
+        codes = zstandard.ZstdCompressor().compress(np.ascontiguousarray(np.swapaxes(q, -1, -2)).tobytes())
+        t.update({"pca.basis.codes.zst": np.frombuffer(codes, np.uint8), "pca.basis.exp": e})
     save_file(t, str(path), metadata={"kvcodec": json.dumps(meta, sort_keys=True)})
 
 
@@ -65,6 +77,79 @@ def test_roundtrip_records_binding_and_checksum():
     assert np.array_equal(resolve_attachment("pca.basis", sha), cal.attachments["pca.basis"])
     assert resolve_attachment("pca.mean", sha) is None  # name must match too
     assert resolve_attachment("pca.basis", "0" * 64) is None
+
+
+def test_the_file_stores_the_basis_grid_and_reads_back_every_bit():
+    """v3 (issue 38): the basis is stored as 8-bit codes + a power-of-two exponent per column, zstd-compressed, and
+    loads back to the very float16 arrays (and attachment sha256) it was saved from; a block-diagonal basis (zeros
+    off its blocks) compresses to little more than its blocks. A basis off the grid is refused, not snapped."""
+    cal = _cal(L=2, H=2, D=64)
+    path = save_calibration(cal, FID_A)
+    got = load_calibration(FID_A)
+    assert got.basis.dtype == np.float16 and np.array_equal(got.basis.view(np.uint16), cal.basis.view(np.uint16))
+    assert got.meta["sha256.pca.basis"] == C_store.array_sha256(cal.attachments["pca.basis"])
+    dense = path.stat().st_size
+    blocky = _cal(L=2, H=2, D=64, seed=1)
+    b = blocky.basis.copy()
+    b[..., :32, 32:] = 0
+    b[..., 32:, :32] = 0  # two 32-channel blocks, as calibration/fit.py builds for wide heads
+    blocky.basis = C_record.snap_basis(b)
+    assert save_calibration(blocky, FID_B).stat().st_size < 0.75 * dense
+    assert np.array_equal(load_calibration(FID_B).basis, blocky.basis)
+    off = _cal(L=2, H=2, D=64)
+    off.basis = (off.basis.astype(np.float32) * 1.001).astype(np.float16)  # not on the grid
+    with pytest.raises(KvcError, match="grid"):
+        C_store.write_calibration_file(off, FID_A, path.with_name("off.safetensors"))
+
+
+def test_a_version_2_calibration_is_still_read(tmp_path):
+    """Calibrations built before v3 (a float16 basis in the file) keep working, found where they were saved, so the
+    `.kvc` files written with them still resolve; a v3 one saved later replaces it."""
+    from safetensors.numpy import save_file
+
+    cal = _cal()
+    t = {"pca.basis": cal.basis, "pca.mean": cal.mean, "pca.eigval": cal.eigval, "sens.kl_per_mse": cal.sensitivity}
+    meta = dict(cal.meta, format=C_record.CALIB_FORMAT, version=2, fingerprint_id=FID_A)
+    meta.update({"sha256." + k: C_store.array_sha256(v) for k, v in cal.attachments.items()})
+    meta["content_sha256"] = C_store.content_sha256(t, meta)
+    v2 = C_store.calibration_dir(FID_A) / "calib-v2.safetensors"
+    v2.parent.mkdir(parents=True)
+    save_file(t, str(v2), metadata={"kvcodec": json.dumps(meta, sort_keys=True)})
+    got = load_calibration(FID_A)
+    assert got.meta["version"] == 2 and np.array_equal(got.basis, cal.basis)
+    save_calibration(_cal(seed=2), FID_A)
+    assert not v2.exists() and load_calibration(FID_A).meta["version"] == C_record.CALIB_VERSION
+
+
+@pytest.mark.parametrize("case", ["bomb", "short_codes", "exp_range", "code_minus_128", "garbage_codes"])
+def test_a_hostile_basis_grid_is_one_line(case):
+    """The v3 file's own tensors lie: codes that decompress to more (a bomb) or fewer bytes than the exponents'
+    shape needs, exponents outside the exact-float16 range, the one int8 code outside [-127, 127], a blob that
+    is not zstd. Each is one KvcFormatError line, with bounded work (the blob is never inflated past its size)."""
+    import zstandard
+
+    path = save_calibration(_cal(L=2, H=2, D=16), FID_A)
+    need = 2 * 2 * 2 * 16 * 16
+
+    def mutate(t):
+        if case == "bomb":
+            blob = zstandard.ZstdCompressor().compress(bytes(1 << 26))
+        elif case == "short_codes":
+            blob = zstandard.ZstdCompressor().compress(bytes(need - 1))
+        elif case == "code_minus_128":
+            blob = zstandard.ZstdCompressor().compress(b"\x80" + bytes(need - 1))
+        elif case == "garbage_codes":
+            blob = b"\x00" * 64
+        else:
+            t["pca.basis.exp"][0, 0, 0, 0] = 12
+            return
+        t["pca.basis.codes.zst"] = np.frombuffer(blob, np.uint8)
+
+    _rewrite(path, mutate, raw=True)
+    C_store._memo_clear()
+    with pytest.raises(KvcFormatError) as e:
+        load_calibration(FID_A)
+    assert "\n" not in str(e.value) and "rebuild it" in str(e.value)
 
 
 def _reverse_layers(t):
