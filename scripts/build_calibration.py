@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/build_calibration.py            # writes kvcodec/data/calibration/<fingerprint id>.safetensors
     .venv/bin/python scripts/build_calibration.py --from OLD  # re-stores OLD (e.g. a version 2 file) in the current format
+    .venv/bin/python scripts/build_calibration.py --model gemma3-270m --from OLD --out NEW   # another model's, elsewhere
 
 The file is named by the model's fingerprint id (how ``load_calibration`` finds
 it) and pinned by the sha256 of its bytes in
@@ -21,6 +22,7 @@ on the model, then copy the fitted ``ratemodel-v*.json`` over ``<fingerprint id>
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import sys
 from pathlib import Path
@@ -39,23 +41,26 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--from", dest="source", type=Path, help="re-store this calibration file instead of building one")
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="the model (default: the embedded one, whose file ships)")
+    ap.add_argument("--out", type=Path, help="write here instead of the package's data directory")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    lm = load_model(DEFAULT_MODEL)
+    lm = load_model(args.model)
     timings: dict[str, float] = {"total_s": 0.0}
     if args.source is not None:
-        cal = C_store.load_calibration_file(args.source, lm.fingerprint.id)
-        cal.basis = snap_basis(cal.basis)
-        cal.meta = dict(cal.meta, basis_grid="int8-pow2-column")
+        old = C_store.load_calibration_file(args.source, lm.fingerprint.id)  # the loader's shared copy: not changed
+        cal = dataclasses.replace(old, basis=snap_basis(old.basis), meta=dict(old.meta, basis_grid="int8-pow2-column"))
     else:
         cal = C_build.build_calibration(lm, timings=timings)
-    for old in C_store.SHIPPED_DIR.glob("*.safetensors"):
-        if old.name != f"{lm.fingerprint.id}.safetensors":
-            print(f"note: {old} belongs to another fingerprint; delete it and its pin if it is stale", file=sys.stderr)
-    path = C_store.write_calibration_file(cal, lm.fingerprint.id, C_store.SHIPPED_DIR / f"{lm.fingerprint.id}.safetensors")
-    sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    for stale in C_store.SHIPPED_DIR.glob("*.safetensors"):
+        if args.out is None and stale.name != f"{lm.fingerprint.id}.safetensors":
+            print(f"note: {stale} belongs to another fingerprint; delete it and its pin if it is stale", file=sys.stderr)
+    out = args.out or C_store.SHIPPED_DIR / f"{lm.fingerprint.id}.safetensors"
+    path = C_store.write_calibration_file(cal, lm.fingerprint.id, out)
     print(f"wrote {path} ({path.stat().st_size:,} bytes) in {timings['total_s']:.0f} s")
-    print(f'pin it in kvcodec/calibration/store.py: SHIPPED_SHA256 = {{"{path.name}": "{sha}"}}')
+    if args.out is None:
+        sha = hashlib.sha256(path.read_bytes()).hexdigest()
+        print(f'pin it in kvcodec/calibration/store.py: SHIPPED_SHA256 = {{"{path.name}": "{sha}"}}')
 
 
 if __name__ == "__main__":
