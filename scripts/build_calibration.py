@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvcodec.models.load import DEFAULT_MODEL, load_model  # noqa: E402
 from kvcodec.calibration import build as C_build
 from kvcodec.calibration import store as C_store
-from kvcodec.calibration.record import snap_basis
+from kvcodec.calibration.record import BASIS_GRID, snap_basis
 
 
 def main() -> None:
@@ -49,7 +49,7 @@ def main() -> None:
     timings: dict[str, float] = {"total_s": 0.0}
     if args.source is not None:
         old = C_store.load_calibration_file(args.source, lm.fingerprint.id)  # the loader's shared copy: not changed
-        cal = dataclasses.replace(old, basis=snap_basis(old.basis), meta=dict(old.meta, basis_grid="int8-pow2-column"))
+        cal = dataclasses.replace(old, basis=snap_basis(old.basis), meta=dict(old.meta, basis_grid=BASIS_GRID))
     else:
         cal = C_build.build_calibration(lm, timings=timings)
     for stale in C_store.SHIPPED_DIR.glob("*.safetensors"):

@@ -26,7 +26,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from kvcodec.calibration.fit import Moments, compute_pca
-from kvcodec.calibration.record import (CALIB_CONTEXT, CALIB_FORMAT, CALIB_VERSION, CALIB_TEXTS, DEFAULT_SINK, SENS_CONTINUATION, SENS_SAMPLES, snap_basis,
+from kvcodec.calibration.record import (CALIB_CONTEXT, CALIB_FORMAT, CALIB_VERSION, CALIB_TEXTS, DEFAULT_SINK, SENS_CONTINUATION, SENS_SAMPLES, snap_basis, BASIS_GRID,
                                         Calibration)
 from kvcodec.calibration.store import load_calibration, save_calibration
 from kvcodec.codecs.blocks import channel_blocks
@@ -281,7 +281,7 @@ def build_calibration(lm: Any, texts: tuple[str, ...] = CALIB_TEXTS, context: in
         "format": CALIB_FORMAT, "version": CALIB_VERSION, "fingerprint_id": lm.fingerprint.id,
         "texts": list(texts), "context": context, "sink": sink, "sens_continuation": SENS_CONTINUATION,
         "sensitivity": f"fisher-hutchinson-{SENS_SAMPLES}", "tokens": int(sum(len(c) for c, _ in ids_all)),
-        "weighting": "attention-v1", "basis_grid": "int8-pow2-column",
+        "weighting": "attention-v1", "basis_grid": BASIS_GRID,
     }
     if len(blocks) > 1:  # the recipe since the block-diagonal basis (absent: one PCA per head)
         meta["channel_blocks"] = [list(b) for b in blocks]

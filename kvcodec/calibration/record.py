@@ -38,6 +38,7 @@ DEFAULT_SINK = 4
 # idempotent (a snapped column snaps to itself: max |q| >= 64), so the codes are recovered exactly from
 # the float16 basis.
 GRID_CODE_MAX = 127
+BASIS_GRID = "int8-pow2-column"  # metadata "basis_grid" of a calibration whose basis was snapped
 GRID_EXP_MIN, GRID_EXP_MAX = -24, 9
 
 

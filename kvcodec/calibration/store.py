@@ -90,7 +90,6 @@ def write_calibration_file(cal: Calibration, fingerprint_id: str, path: Path) ->
     The bytes depend only on the calibration (no time stamps), so a
     deterministic build gives a byte-identical, sha256-pinnable file.
     """
-    import zstandard
     from safetensors.numpy import save_file
 
     path = Path(path)
@@ -104,12 +103,18 @@ def write_calibration_file(cal: Calibration, fingerprint_id: str, path: Path) ->
     meta.pop("content_sha256", None)
     meta.update({"sha256." + k: array_sha256(v) for k, v in cal.attachments.items()})
     meta["content_sha256"] = content_sha256(tensors, meta)
-    codes = zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(np.ascontiguousarray(np.swapaxes(q, -1, -2)).tobytes())
-    stored = {"pca.basis.codes.zst": np.frombuffer(codes, np.uint8), "pca.basis.exp": e,
-              **{k: tensors[k] for k in _TENSORS if k != "pca.basis"}}
+    stored = {**_grid_tensors(q, e), **{k: tensors[k] for k in _TENSORS if k != "pca.basis"}}
     _atomic_write(path, lambda tmp: save_file(stored, str(tmp), metadata={"kvcodec": json.dumps(meta, sort_keys=True)}))
     cal.meta, cal.path = meta, path
     return path
+
+
+def _grid_tensors(q: np.ndarray, e: np.ndarray) -> dict[str, np.ndarray]:
+    """A v3 file's basis tensors from the grid's codes and exponents (the layout :func:`_basis_of_codes` reads)."""
+    import zstandard
+
+    codes = zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(np.ascontiguousarray(np.swapaxes(q, -1, -2)).tobytes())
+    return {"pca.basis.codes.zst": np.frombuffer(codes, np.uint8), "pca.basis.exp": e}
 
 
 def _user_paths(fingerprint_id: str) -> list[Path]:

@@ -352,7 +352,7 @@ CALIB_FID = "c" * 32  # the fingerprint id the vectors are bound to
 def _calibration_case() -> Any:
     """A small calibration with a block-diagonal basis (2 layers, 2 heads, head_dim 32 as two 16-channel blocks),
     snapped to the v3 grid: what a reader of spec/codec-v1.md "Calibration file" must reproduce."""
-    from kvcodec.calibration.record import Calibration, snap_basis
+    from kvcodec.calibration.record import BASIS_GRID, Calibration, snap_basis
 
     rng = np.random.default_rng(38)
     L, H, D, b = 2, 2, 32, 16
@@ -364,7 +364,7 @@ def _calibration_case() -> Any:
     mean = rng.standard_normal((L, 2, H, D)).astype(np.float32)
     sens = (1 + rng.random((L, 2))).astype(np.float32)
     return Calibration(snap_basis(basis), mean, np.ascontiguousarray(eig), sens,
-                       {"texts": ["synthetic"], "channel_blocks": [[0, 16], [16, 32]], "basis_grid": "int8-pow2-column"})
+                       {"texts": ["synthetic"], "channel_blocks": [[0, 16], [16, 32]], "basis_grid": BASIS_GRID})
 
 
 def _array_digests(cal: Any) -> dict[str, str]:

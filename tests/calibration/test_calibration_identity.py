@@ -47,7 +47,6 @@ def _rewrite(path, mutate_tensors=None, mutate_meta=None, raw=False):
     The mutations see the arrays a loaded calibration holds (``pca.basis`` float16, not the v3 file's grid), and
     the result is stored the v3 way again (re-gridded, recompressed): a tamperer who knows the format. ``raw``:
     they see and change the file's own tensors instead (the grid codes' blob, the exponents)."""
-    import zstandard
     from safetensors.numpy import load_file
     from safetensors import safe_open
 
@@ -62,9 +61,7 @@ def _rewrite(path, mutate_tensors=None, mutate_meta=None, raw=False):
     if mutate_meta:
         mutate_meta(meta, t)
     if not raw:
-        q, e = C_record.grid_codes(t.pop("pca.basis"))
-        codes = zstandard.ZstdCompressor().compress(np.ascontiguousarray(np.swapaxes(q, -1, -2)).tobytes())
-        t.update({"pca.basis.codes.zst": np.frombuffer(codes, np.uint8), "pca.basis.exp": e})
+        t.update(C_store._grid_tensors(*C_record.grid_codes(t.pop("pca.basis"))))
     save_file(t, str(path), metadata={"kvcodec": json.dumps(meta, sort_keys=True)})
 
 
