@@ -22,6 +22,11 @@ log space, linearly in bits/element) at the reference's bits/element: presets
 land at slightly different rates under different calibrations, and quality is
 only comparable at equal rate.
 
+``--sweep 0.5,0.7,1,1.4,2`` encodes each preset at those multiples of its table step with both calibrations and
+reports the bits new / reference at equal KL (each sweep joined log-log; the mean over the KL range both cover,
+and the ratio at ``--kl-at``): the comparison for a calibration that moves the rate-quality curve, where one
+table step lands each calibration at another point of it.
+
 ``--reference-cost`` also times, in the same run, the unit costs of the earlier
 recipe (one 2048-token prefill; one 128-token continuation forward over a
 2048-token cache, i.e. one noise probe) and reports its estimated total: 4
@@ -36,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -66,6 +72,12 @@ def load_reference(path: Path, fingerprint_id: str) -> C_record.Calibration:
     """
     from safetensors.numpy import load_file
 
+    from kvcodec.errors import KvcError
+
+    try:
+        return C_store.load_calibration_file(path, fingerprint_id)  # versions 2 and 3, checked
+    except KvcError:
+        pass
     t = load_file(str(path))
     return C_record.Calibration(t["pca.basis"], t["pca.mean"], t["pca.eigval"], t["sens.kl_per_mse"],
                          {"fingerprint_id": fingerprint_id, "reference": str(path)}, path)
@@ -101,7 +113,7 @@ def reference_cost(lm, timings: dict[str, float], repeats: int = 2) -> dict[str,
 
 
 def quality_rows(lm, cals: dict[str, C_record.Calibration], texts: list[str], presets: list[str], ctx: int, cont: int,
-                 rate_match: bool = False) -> list[dict]:
+                 rate_match: bool = False, sweep: tuple[float, ...] = (1.0,)) -> list[dict]:
     from kvcodec.plan.importance import cache_importance
 
     rows = []
@@ -113,7 +125,7 @@ def quality_rows(lm, cals: dict[str, C_record.Calibration], texts: list[str], pr
         exact_greedy = greedy(lm, cache, int(follow[0]), 16)
         imp = cache_importance(lm, cache, window=P.TOKENSCALE_DEFAULT["window"])
         for preset in presets:
-            runs = [(label, cal, 1.0) for label, cal in cals.items()]
+            runs = [(label, cal, m) for label, cal in cals.items() for m in sweep]
             if rate_match:
                 runs.append(("new@0.85", cals["new"], 0.85))
             for label, cal, scale in runs:
@@ -122,7 +134,7 @@ def quality_rows(lm, cals: dict[str, C_record.Calibration], texts: list[str], pr
                 data = encode_kvc_bytes(cache, plan, meta={"plan": plan.params})
                 emb = sum(a.nbytes for a in plan.attachments.values())
                 q = evaluate(lm, cache, KvcReader(data).read_cache(), follow, exact_logits=exact_logits, exact_greedy=exact_greedy)
-                row = {"text": name, "preset": preset, "calibration": label,
+                row = {"text": name, "preset": preset, "calibration": label, "step_scale": scale,
                        "bits_per_element": (len(data) - emb) * 8 / cache.num_elements, **q.to_json()}
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
@@ -146,6 +158,51 @@ def rate_matched(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _log_curve(rows: list[dict]) -> list[tuple[float, float]]:
+    """(log KL, log bits) of one calibration's sweep, sorted by KL, keeping the Pareto points."""
+    pts = sorted((math.log(r["kl_mean"]), math.log(r["bits_per_element"])) for r in rows if r["kl_mean"] > 0)
+    out: list[tuple[float, float]] = []
+    for k, b in pts:
+        if not out or b < out[-1][1]:
+            out.append((k, b))
+    return out
+
+
+def _at(curve: list[tuple[float, float]], lk: float) -> float | None:
+    for (k0, b0), (k1, b1) in zip(curve, curve[1:]):
+        if k0 <= lk <= k1:
+            return b0 + (lk - k0) / (k1 - k0) * (b1 - b0) if k1 > k0 else min(b0, b1)
+    return None
+
+
+def equal_kl(rows: list[dict], kl_at: float = 0.01, points: int = 21) -> list[dict]:
+    """Bits new / reference at equal KL per (text, preset), from ``--sweep``'s step scales.
+
+    Each calibration's (KL, bits) points are joined log-log; ``ratio_mean`` is the geometric mean of the bits
+    ratio over ``points`` KL values spanning the range both sweeps cover (the codec literature's BD-rate, here
+    over KL), ``ratio_at`` the ratio at KL = ``kl_at`` (None outside either range), with the bits there.
+    """
+    out = []
+    for text in dict.fromkeys(r["text"] for r in rows):
+        for preset in dict.fromkeys(r["preset"] for r in rows):
+            sel = [r for r in rows if r["text"] == text and r["preset"] == preset]
+            new, ref = (_log_curve([r for r in sel if r["calibration"] == c]) for c in ("new", "reference"))
+            if len(new) < 2 or len(ref) < 2:
+                continue
+            lo, hi = max(new[0][0], ref[0][0]), min(new[-1][0], ref[-1][0])
+            if hi <= lo:
+                continue
+            d = [n - r for lk in np.linspace(lo, hi, points)
+                 if (n := _at(new, lk)) is not None and (r := _at(ref, lk)) is not None]
+            a_new, a_ref = _at(new, math.log(kl_at)), _at(ref, math.log(kl_at))
+            out.append({"text": text, "preset": preset, "kl_range": [math.exp(lo), math.exp(hi)],
+                        "ratio_mean": float(np.exp(np.mean(d))),
+                        "ratio_at": None if a_new is None or a_ref is None else math.exp(a_new - a_ref),
+                        "kl_at": kl_at, "bits_new_at": None if a_new is None else math.exp(a_new),
+                        "bits_reference_at": None if a_ref is None else math.exp(a_ref)})
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
@@ -153,6 +210,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--new", dest="new_file", default=None,
                     help="evaluate this calibration file instead of building one ('shipped': the one stored for the model)")
     ap.add_argument("--rate-match", action="store_true", help="also compare at the reference's bits/element (needs --reference)")
+    ap.add_argument("--sweep", default=None, help="step scales, e.g. 0.5,0.7,1,1.4,2: encode each preset at these x its "
+                    "table step with both calibrations and compare bits at equal KL (needs --reference)")
+    ap.add_argument("--kl-at", type=float, default=0.01, help="the KL at which --sweep also reports the bits ratio")
     ap.add_argument("--texts", default="gpl3,lgpl21", help="evaluation texts (none: cost only)")
     ap.add_argument("--presets", default="balanced,small")
     ap.add_argument("--tokens", type=int, default=2048)
@@ -206,7 +266,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{np.exp(-0.5 * ((new - new.mean()) - (ref - ref.mean()))).max():.2f}")
     texts = [t for t in args.texts.split(",") if t]
     rows = quality_rows(lm, cals, texts, args.presets.split(","), args.tokens, args.continuation,
-                        rate_match=args.rate_match and "reference" in cals) if texts else []
+                        rate_match=args.rate_match and "reference" in cals,
+                        sweep=tuple(float(x) for x in args.sweep.split(",")) if args.sweep else (1.0,)) if texts else []
     if rows:
         print("\n| text | preset | calibration | bits/el | KL | dPPL % | top-1 |\n|---|---|---|---|---|---|---|")
         for r in rows:
@@ -219,7 +280,19 @@ def main(argv: list[str] | None = None) -> None:
         for m in matched:
             print(f"| {m['text']} | {m['preset']} | {m['bits_per_element']:.3f} | {m['kl_reference']:.4f} | {m['kl_new']:.4f} | "
                   f"{m['dppl_reference']:+.2f} | {m['dppl_new']:+.2f} |")
-    doc = {"rate_matched": matched, "model": args.model, "parameters": params, "layers": int(cfg.num_hidden_layers),
+    eq = equal_kl(rows, args.kl_at) if args.sweep and "reference" in cals else []
+    if eq:
+        print(f"\nbits new / reference at equal KL (step scales {args.sweep}):\n")
+        print(f"| text | preset | KL range compared | ratio, mean over the range | ratio at KL {args.kl_at:g} | bits at KL {args.kl_at:g}: "
+              "reference → new |\n|---|---|---|---|---|---|")
+        for e in eq:
+            at = "n/a" if e["ratio_at"] is None else f"{e['ratio_at']:.3f}"
+            bits = ("n/a" if e["ratio_at"] is None else f"{e['bits_reference_at']:.3f} → {e['bits_new_at']:.3f}")
+            print(f"| {e['text']} | {e['preset']} | {e['kl_range'][0]:.2g}–{e['kl_range'][1]:.2g} | {e['ratio_mean']:.3f} | {at} | {bits} |")
+        for preset in dict.fromkeys(e["preset"] for e in eq):
+            rs = [e["ratio_mean"] for e in eq if e["preset"] == preset]
+            print(f"\n{preset}: geometric mean of the per-text ratios {math.exp(np.mean(np.log(rs))):.3f} over {len(rs)} texts")
+    doc = {"equal_kl": eq, "rate_matched": matched, "model": args.model, "parameters": params, "layers": int(cfg.num_hidden_layers),
            "timings": timings, "reference_cost": ref_cost, "torch_threads": torch.get_num_threads(), "rows": rows}
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({**doc, "cpu": harness.machine()["cpu"]}, indent=2))

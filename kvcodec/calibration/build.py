@@ -25,7 +25,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from kvcodec.calibration.fit import Moments, compute_pca
+from kvcodec.calibration.fit import COLUMN_WEIGHTING, Moments, compute_pca, fisher_weighted
 from kvcodec.calibration.record import (CALIB_CONTEXT, CALIB_FORMAT, CALIB_VERSION, CALIB_TEXTS, DEFAULT_SINK, SENS_CONTINUATION, SENS_SAMPLES, snap_basis, BASIS_GRID,
                                         Calibration)
 from kvcodec.calibration.store import load_calibration, save_calibration
@@ -38,14 +38,22 @@ from kvcodec.models.layout import ALL_HEADS
 
 def coded_tensor(cache: Any, layer: int, kind: str) -> np.ndarray:
     """Keys as the plans code them: pre-RoPE, or as they are when the model's RoPE variant has no rope stage."""
-    x = (cache.keys if kind == "k" else cache.values)[layer].float().numpy()
+    return _coded_frame((cache.keys if kind == "k" else cache.values)[layer].float().numpy(), cache, layer, kind)
+
+
+def _coded_frame(x: np.ndarray, cache: Any, layer: int, kind: str) -> np.ndarray:
+    """``x`` [H, T, D] of ``cache``'s (layer, kind) in the frame the plans code: keys un-RoPE'd.
+
+    Also right for a gradient with respect to the stored keys: RoPE is a rotation per token, so the
+    gradient with respect to the pre-RoPE keys is the same inverse rotation of it."""
     if kind == "k":
         rc = layer_rope_config(cache.fingerprint, layer, x.shape[-1])
         if rc is None:  # transform_plan then codes this layer's post-RoPE keys too
             return x
         # token_start: a sliding-window layer's first stored token is not token 0 (the ragged layout)
-        x, _ = RopeStage(**rc).encode(x, ChunkContext(layer=layer, kind="k", token_start=cache.layer_offset(layer),
-                                                      positions=cache.positions))
+        x, _ = RopeStage(**rc).encode(np.ascontiguousarray(x, np.float32),
+                                      ChunkContext(layer=layer, kind="k", token_start=cache.layer_offset(layer),
+                                                   positions=cache.positions))
     return x
 
 
@@ -148,21 +156,14 @@ def attention_metrics(lm: Any, qm: np.ndarray, reg: float = 0.01) -> np.ndarray:
     return out
 
 
-def measure_sensitivity(lm: Any, cache: Any, continuation: np.ndarray, sink: int = DEFAULT_SINK,
-                        samples: int = SENS_SAMPLES, seed: int = 0, on_sample: Any = None) -> np.ndarray:
-    """KL per unit per-element noise power for each (layer, kind) [L, 2] (float32), from the Fisher information.
+def _fisher_gradients(lm: Any, cache: Any, continuation: np.ndarray, samples: int, seed: int) -> Iterator[list[Any]]:
+    """Per Hutchinson sample, ``J^T z`` with respect to every stored tensor (keys and values of layer ``l`` at
+    ``2l``, ``2l + 1``; each [1, H, T, D]): ``E ||J^T z||^2`` over a block is that block's ``tr(F)``.
 
-    Why not one noisy forward pass per (layer, kind): that is 2L passes (60 for
-    SmolLM2, minutes on a CPU). For a small perturbation d of the cache,
-    KL(p || p_d) ~ 1/2 d^T F d with F = J^T H J per continuation position
-    (J = d logits / d kv, H = diag(p) - p p^T). Isotropic noise of power s^2
-    on the tokens >= sink of one (layer, kind) then gives E[KL] = 1/2 s^2 tr(F)
-    over that block, so the sensitivity is 1/2 tr(F) averaged over the
-    continuation positions. Hutchinson's estimator gives tr(F) of every block
-    at once: with z ~ N(0, H) drawn per position (z = sqrt(p) u - p (sqrt(p) . u),
-    u ~ N(0, I)), E ||J^T z||^2 = tr(J^T H J); each sample is one backward pass
-    of one forward pass. ``on_sample(i)`` is called after each sample (progress).
-    """
+    For a small perturbation d of the cache, KL(p || p_d) ~ 1/2 d^T F d with F = J^T H J per continuation
+    position (J = d logits / d kv, H = diag(p) - p p^T). With z ~ N(0, H) drawn per position
+    (z = sqrt(p) u - p (sqrt(p) . u), u ~ N(0, I)), E[(J^T z)(J^T z)^T] = F: one forward pass, then one backward
+    pass per sample gives every block's estimate at once (a noisy forward pass per block would be 2L passes)."""
     import torch
 
     from kvcodec.models.cachelayout import cache_for
@@ -171,7 +172,6 @@ def measure_sensitivity(lm: Any, cache: Any, continuation: np.ndarray, sink: int
     continuation = np.asarray(continuation, np.int64).reshape(-1)
     dtype = next(lm.model.parameters()).dtype
     L = cache.num_layers
-    acc = np.zeros((L, 2))
     gen = torch.Generator().manual_seed(seed)
     # inference_mode(False): callers (e.g. ask -> deposit -> plan) may run under inference_mode.
     with torch.inference_mode(False), torch.enable_grad():
@@ -185,12 +185,51 @@ def measure_sensitivity(lm: Any, cache: Any, continuation: np.ndarray, sink: int
         for s in range(samples):
             u = sp * torch.randn(p.shape, generator=gen, dtype=torch.float64)
             z = u - p * u.sum(-1, keepdim=True)
-            grads = torch.autograd.grad(logits, leaves, grad_outputs=z.to(logits.dtype), retain_graph=s < samples - 1)
-            for i, g in enumerate(grads):
-                acc[i // 2, i % 2] += float((g[0, :, sink:].double() ** 2).sum())
-            if on_sample is not None:
-                on_sample(s)
-    return (0.5 * acc / (samples * len(continuation))).astype(np.float32)
+            yield list(torch.autograd.grad(logits, leaves, grad_outputs=z.to(logits.dtype), retain_graph=s < samples - 1))
+
+
+def measure_sensitivity(lm: Any, cache: Any, continuation: np.ndarray, sink: int = DEFAULT_SINK,
+                        samples: int = SENS_SAMPLES, seed: int = 0, on_sample: Any = None) -> np.ndarray:
+    """KL per unit per-element noise power for each (layer, kind) [L, 2] (float32): 1/2 tr(F) of the block.
+
+    Isotropic noise of power s^2 on the tokens >= sink of one (layer, kind) gives E[KL] = 1/2 s^2 tr(F)
+    (:func:`_fisher_gradients`), averaged over the continuation positions. ``on_sample(i)`` is called after
+    each sample (progress). The calibration weighs each coefficient instead (:func:`coefficient_sensitivity`);
+    this is the law's isotropic form, which the tests check against noise actually added.
+    """
+    acc = np.zeros((cache.num_layers, 2))
+    for s, grads in enumerate(_fisher_gradients(lm, cache, continuation, samples, seed)):
+        for i, g in enumerate(grads):
+            acc[i // 2, i % 2] += float((g[0, :, sink:].double() ** 2).sum())
+        if on_sample is not None:
+            on_sample(s)
+    return (0.5 * acc / (samples * len(np.asarray(continuation).reshape(-1)))).astype(np.float32)
+
+
+def coefficient_sensitivity(lm: Any, cache: Any, continuation: np.ndarray, basis: np.ndarray, sink: int = DEFAULT_SINK,
+                            samples: int = SENS_SAMPLES, seed: int = 0, on_sample: Any = None) -> np.ndarray:
+    """KL per unit noise power on each coefficient of ``basis`` [L, 2, H, D, K], at every coded token: [L, 2, H, K].
+
+    A coefficient error c_d of the plans' transform is the cache error ``B_d c_d`` in the coded frame (keys
+    pre-RoPE), so its KL is ``1/2 c_d^2 B_d^T F B_d``, estimated as ``1/2 E (B_d^T g_t)^2`` summed over the coded
+    tokens ``t`` (those the plans do not keep exactly: from ``sink`` on, counted from each layer's first
+    stored token) and averaged over the continuation positions (:func:`_fisher_gradients`). This is what
+    :func:`kvcodec.calibration.fit.fisher_weighted` scales the basis by.
+    """
+    import torch
+
+    L, _, H, _, K = basis.shape
+    b = torch.from_numpy(np.asarray(basis, np.float64))  # torch, not numpy: numpy's BLAS threads spin (rate.py)
+    acc = torch.zeros((L, 2, H, K), dtype=torch.float64)
+    for s, grads in enumerate(_fisher_gradients(lm, cache, continuation, samples, seed)):
+        for i, g in enumerate(grads):
+            l, ki = i // 2, i % 2
+            x = torch.from_numpy(_coded_frame(g[0].detach().float().numpy(), cache, l, "kv"[ki])).double()
+            x = x[:, max(0, sink - cache.layer_offset(l)):]
+            acc[l, ki] += (x @ b[l, ki]).square().sum(dim=1)
+        if on_sample is not None:
+            on_sample(s)
+    return 0.5 * acc.numpy() / (samples * len(np.asarray(continuation).reshape(-1)))
 
 
 @contextmanager
@@ -220,9 +259,10 @@ def build_calibration(lm: Any, texts: tuple[str, ...] = CALIB_TEXTS, context: in
     moments, pca, sensitivity, total); they are not part of the file, which
     must be byte-reproducible.
 
-    Cost on a 2-core CPU: one prefill per corpus text plus one forward and
-    ``SENS_SAMPLES`` backward passes over a 128-token continuation (see
-    benchmarks/bench_calibration.py for the measured split).
+    Cost on a 2-core CPU: per corpus text, one prefill plus one forward and ``SENS_SAMPLES``
+    backward passes over its 128-token continuation (see benchmarks/bench_calibration.py for the
+    measured split). The coefficient sensitivities average every corpus text: one text's estimate of
+    which heads matter correlates only ~0.7 with another's (SmolLM2).
     """
     import sys
 
@@ -242,14 +282,14 @@ def build_calibration(lm: Any, texts: tuple[str, ...] = CALIB_TEXTS, context: in
         ids_all.append((ids[:n], ids[n : n + SENS_CONTINUATION]))
     # progress in token-passes: a prefill of n tokens costs n; the sensitivity's forward pass
     # costs ~1 and each backward pass ~2 continuation-lengths (measured, see bench_calibration.py)
-    work = [len(c) for c, _ in ids_all] + [SENS_CONTINUATION * (1 + 2 * SENS_SAMPLES)]
+    work = [len(c) + SENS_CONTINUATION * (1 + 2 * SENS_SAMPLES) for c, _ in ids_all]
     fp = lm.fingerprint
     D = fp.head_dims[0]
     mom = Moments(fp.num_layers, fp.num_kv_heads, D)
     timings = {} if timings is None else timings
     with tqdm(total=sum(work), desc=f"kvc: calibrating {lm.name}", unit="tok", unit_scale=True, file=sys.stderr,
               disable=not progress, dynamic_ncols=True, leave=False) as bar:
-        first = None
+        caches = []
         qm = None
         for i, (ctx, _) in enumerate(ids_all):
             t1 = time.time()
@@ -257,9 +297,10 @@ def build_calibration(lm: Any, texts: tuple[str, ...] = CALIB_TEXTS, context: in
                 if i == 0:
                     with _QueryMoments(lm, sink) as qhook:
                         cache = capture(lm, token_ids=ctx)
-                    qm, first = qhook.moments, cache
+                    qm = qhook.moments
                 else:
                     cache = capture(lm, token_ids=ctx)
+            caches.append(cache)
             timings["capture_s"] = timings.get("capture_s", 0.0) + time.time() - t1
             t1 = time.time()
             for l in range(cache.num_layers):
@@ -267,21 +308,25 @@ def build_calibration(lm: Any, texts: tuple[str, ...] = CALIB_TEXTS, context: in
                     mom.add(l, ki, coded_tensor(cache, l, kind)[:, sink:])
             timings["moments_s"] = timings.get("moments_s", 0.0) + time.time() - t1
         t1 = time.time()
-        assert qm is not None and first is not None
+        assert qm is not None
         blocks = [(0, D)] if full_basis else channel_blocks(D)
         basis, mean, eig = compute_pca(mom, attention_metrics(lm, qm), blocks)
-        basis = snap_basis(basis)  # the 8-bit grid the file stores (record.py: why it costs no quality)
         timings["pca_s"] = time.time() - t1
         t1 = time.time()
-        with _layer_progress(lm, lambda frac: bar.update(SENS_CONTINUATION * frac)):  # the forward pass
-            sens = measure_sensitivity(lm, first, ids_all[0][1], sink, on_sample=lambda s: bar.update(2 * SENS_CONTINUATION))
+        csens = np.zeros(eig.shape)
+        for cache, (_, cont) in zip(caches, ids_all):
+            with _layer_progress(lm, lambda frac: bar.update(SENS_CONTINUATION * frac)):  # the forward pass
+                csens += coefficient_sensitivity(lm, cache, cont, basis, sink,
+                                                 on_sample=lambda s: bar.update(2 * SENS_CONTINUATION)) / len(caches)
+        basis, eig, sens = fisher_weighted(basis, eig, csens)
+        basis = snap_basis(basis)  # the 8-bit grid the file stores (record.py: why it costs no quality)
         timings["sensitivity_s"] = time.time() - t1
     timings["total_s"] = time.time() - t0
     meta = {
         "format": CALIB_FORMAT, "version": CALIB_VERSION, "fingerprint_id": lm.fingerprint.id,
         "texts": list(texts), "context": context, "sink": sink, "sens_continuation": SENS_CONTINUATION,
-        "sensitivity": f"fisher-hutchinson-{SENS_SAMPLES}", "tokens": int(sum(len(c) for c, _ in ids_all)),
-        "weighting": "attention-v1", "basis_grid": BASIS_GRID,
+        "sensitivity": f"fisher-coefficient-{SENS_SAMPLES}x{len(texts)}", "tokens": int(sum(len(c) for c, _ in ids_all)),
+        "weighting": "attention-v1", "column_weighting": COLUMN_WEIGHTING, "basis_grid": BASIS_GRID,
     }
     if len(blocks) > 1:  # the recipe since the block-diagonal basis (absent: one PCA per head)
         meta["channel_blocks"] = [list(b) for b in blocks]

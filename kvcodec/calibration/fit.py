@@ -10,8 +10,7 @@ from kvcodec.codecs.blocks import channel_blocks
 class Moments:
     """Running first and second moments of pre-RoPE K/V per (layer, kind, kv head), tokens >= sink.
 
-    Accumulated capture by capture so no more than one calibration cache is
-    held in memory (the first, which the sensitivity needs).
+    Accumulated capture by capture, in float64 sums, so the PCA needs no concatenation of the captures.
     """
 
     def __init__(self, L: int, H: int, D: int) -> None:
@@ -88,3 +87,36 @@ def _weighted_pca(cov: np.ndarray, metrics: np.ndarray | None) -> tuple[np.ndarr
     if metrics is not None:
         v = Si @ v
     return v, w
+
+
+COLUMN_WEIGHTING = "fisher-coefficient-v1"  # metadata "column_weighting" of a calibration built with fisher_weighted
+WEIGHT_FLOOR = 1e-4  # smallest column weight: a column no continuation reads is scaled by at most 100, not infinitely
+
+
+def fisher_weighted(basis: np.ndarray, eigval: np.ndarray, csens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(basis [L,2,H,D,K], eigval [L,2,H,K], sensitivity [L,2]) with each column scaled to its measured sensitivity.
+
+    ``csens`` [L,2,H,K] is the KL per unit noise power on each coefficient of the unscaled ``basis``
+    (:func:`kvcodec.calibration.build.coefficient_sensitivity`). Why: the plans quantize every coefficient of a
+    (layer, kind) with one step, which is the rate-distortion optimum only when every coefficient costs the same
+    KL per unit error (equal slopes: step ~ 1 / sqrt(sensitivity) for entropy-coded uniform quantizers). The
+    attention metric the PCA whitens by (:func:`compute_pca`) makes the coefficients of one head roughly equal,
+    but it is normalised per head and only a proxy: measured, coefficients of one layer differ by 2-60x (SmolLM2,
+    heads alone). Scaling column ``d`` by ``1/sqrt(f_d)``, ``f = csens / mean(csens)`` over the layer's (head,
+    coefficient), makes its coefficient ``sqrt(f_d)`` times larger, so the one step is finer where the model
+    is sensitive and coarser where it is not: per-coefficient, per-head bit allocation with no decoder change
+    (the basis is the decoder's, whatever its scale).
+
+    The returned sensitivity is the layer's sum of ``csens``: then a coefficient-domain error of mean power N per
+    element costs KL ``sens * N`` whatever column it falls on (what :mod:`kvcodec.plan.rate` predicts with).
+    Columns are re-sorted by decreasing weighted variance, since the transform keeps the first ``k``.
+    """
+    c = np.maximum(np.asarray(csens, np.float64), 0.0)
+    cbar = c.mean(axis=(-1, -2), keepdims=True)
+    f = np.where(cbar > 0, np.maximum(c / np.where(cbar > 0, cbar, 1.0), WEIGHT_FLOOR), 1.0)
+    b = np.asarray(basis, np.float64) / np.sqrt(f)[..., None, :]
+    e = np.asarray(eigval, np.float64) * f
+    order = np.argsort(-e, axis=-1, kind="stable")
+    b = np.take_along_axis(b, order[..., None, :], axis=-1)
+    e = np.take_along_axis(e, order, axis=-1)
+    return b, e.astype(np.float32), c.sum(axis=(-1, -2)).astype(np.float32)

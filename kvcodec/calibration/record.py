@@ -23,7 +23,7 @@ CALIB_PYDOC_TOPICS = ("formatstrings", "string-methods", "typesseq", "debugger")
 CALIB_TEXTS = ("pydoc:" + ",".join(CALIB_PYDOC_TOPICS), "gfdl13", "mpl2")
 CALIB_CONTEXT = 1024
 SENS_CONTINUATION = 128
-SENS_SAMPLES = 4  # Hutchinson samples of the Fisher trace (one backward pass each)
+SENS_SAMPLES = 8  # Hutchinson samples of the Fisher information per calibration text (one backward pass each)
 DEFAULT_SINK = 4
 
 
