@@ -14,8 +14,9 @@ count (``--threads``, default 2, is part of the recipe).
 ``--from`` keeps an existing calibration's statistics (means, eigenvalues, sensitivities) exactly and snaps its
 basis to the grid of calibration v3 (``kvcodec.calibration.record.snap_basis``): what a rebuild gives, less the
 float noise of rebuilding on another machine or thread count, so the change of format is all that changes.
-The shipped SmolLM2 file was made this way from the version 2 file this script built on 2026-11-27. Its rate
-model must be refitted afterwards (it is bound to the calibration's content sha256): run ``kvc calibrate``
+Before replacing a shipped file, copy it to ``<fingerprint id>.<first 8 hex of its sha256>.safetensors`` and pin
+that too (``SHIPPED_SHA256``): files encoded against it then still decode. A new file's rate
+model must be fitted afterwards (it is bound to the calibration's content sha256): run ``kvc calibrate``
 on the model, then copy the fitted ``ratemodel-v*.json`` over ``<fingerprint id>.ratemodel.json``.
 """
 
@@ -53,7 +54,7 @@ def main() -> None:
     else:
         cal = C_build.build_calibration(lm, timings=timings)
     for stale in C_store.SHIPPED_DIR.glob("*.safetensors"):
-        if args.out is None and stale.name != f"{lm.fingerprint.id}.safetensors":
+        if args.out is None and stale.name.split(".")[0] != lm.fingerprint.id:
             print(f"note: {stale} belongs to another fingerprint; delete it and its pin if it is stale", file=sys.stderr)
     out = args.out or C_store.SHIPPED_DIR / f"{lm.fingerprint.id}.safetensors"
     path = C_store.write_calibration_file(cal, lm.fingerprint.id, out)

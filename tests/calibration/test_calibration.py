@@ -24,8 +24,34 @@ def test_shipped_calibration_matches_its_pin():
         assert path.is_file(), f"{path} is pinned but missing"
         assert hashlib.sha256(path.read_bytes()).hexdigest() == sha
         cal = C_store.load_calibration_file(path)
-        assert cal.meta["fingerprint_id"] == path.stem
+        assert cal.meta["fingerprint_id"] == path.name.split(".")[0]
         assert cal.meta["version"] == C_record.CALIB_VERSION and np.array_equal(C_record.snap_basis(cal.basis), cal.basis)
+        if path.name.count(".") > 1:  # a superseded file is named by the first 8 hex of its own sha256
+            assert path.name.split(".")[1] == sha[:8]
+
+
+@pytest.mark.model
+def test_a_file_encoded_with_a_superseded_shipped_calibration_still_decodes(real_cache, tmp_path, monkeypatch):
+    """After the shipped calibration is replaced, a store's entries encoded against the old one decode from the
+    package alone (the pinned superseded file), and new encodes use the current one."""
+    from kvcodec.format import KvcReader, encode_kvc_bytes
+    from kvcodec.format.writer import roundtrip
+    from kvcodec.plan.pipelines import transform_plan
+
+    monkeypatch.setenv("KVCODEC_CACHE", str(tmp_path))  # no user calibrations, no attachment index
+    cache = real_cache(64)
+    old = [n for n in C_store.SHIPPED_SHA256 if n.startswith(cache.fingerprint.id + ".") and n.count(".") > 1]
+    assert old, "the calibration shipped before the current one is kept"
+    cal_old = C_store.load_calibration_file(C_store.SHIPPED_DIR / old[0], cache.fingerprint.id)
+    cal_now = C_store.require_calibration(cache.fingerprint)
+    assert cal_now.path is not None and cal_now.path.name == f"{cache.fingerprint.id}.safetensors"
+    assert cal_old.meta["sha256.pca.basis"] != cal_now.meta["sha256.pca.basis"]
+    plan = transform_plan(cache, 0.05, cal=cal_old)  # external: the file holds only the basis's sha256
+    data = encode_kvc_bytes(cache, plan)
+    expected, _ = roundtrip(cache, plan)
+    got = KvcReader(data).read_cache()
+    for a, b in zip(got.keys + got.values, expected.keys + expected.values):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.model
