@@ -26,9 +26,11 @@ load, imports): the rows are what every later document costs.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
+from pathlib import Path
 
 import harness  # noqa: E402
 
@@ -105,6 +107,19 @@ def _summary(rows, presets):
     return out
 
 
+def markdown(rows, model: str, preset: str) -> str:
+    """The per-row table BENCHMARKS.md shows for one model and preset (``--report-from`` renders a saved result)."""
+    lines = ["| text | tokens | bits/el | KL | predicted | ratio | KL / target | top-1 | encode / prefill CPU-s | encode MB/s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["model"] == model and r["preset"] == preset:
+            lines.append(f"| {r['text']} | {r['tokens']} | {r['bits_per_element']:.3f} | {r['kl']:.3g} | {r['predicted_kl']:.3g} | "
+                         f"{r['measured_over_predicted']:.2f} | {r['kl_over_target']:.2f} | {r['top1']:.3f} | "
+                         f"{r['encode_cpu_s']:.2f} / {r['prefill_cpu_s']:.1f} = {r['encode_over_prefill_cpu']:.2f} | "
+                         f"{r['encode_mb_s_per_core']:.0f} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     from kvcodec.texts import HELD_OUT
 
@@ -115,8 +130,15 @@ def main(argv=None) -> None:
     ap.add_argument("--continuation", type=int, default=320)
     ap.add_argument("--presets", default="near-lossless,balanced,small")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--report-from", default=None, help="print the tables of this saved result (JSON) and exit")
     run = harness.cli(ap, argv, case="rate")
     a = run.args
+    if a.report_from:
+        doc = json.loads(Path(a.report_from).read_text())["results"]
+        for model in dict.fromkeys(r["model"] for r in doc["rows"]):
+            for preset in dict.fromkeys(r["preset"] for r in doc["rows"]):
+                print(f"\n`{preset}` ({model}):\n\n{markdown(doc['rows'], model, preset)}")
+        return
     import torch
 
     from kvcodec.calibration.build import ensure_calibration
