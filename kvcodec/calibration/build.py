@@ -1,8 +1,9 @@
-"""Building a model's calibration: PCA bases of pre-RoPE K/V and per-layer sensitivities.
+"""Building a model's calibration: PCA bases of pre-RoPE K/V, each column scaled by its measured Fisher
+sensitivity, and per-layer sensitivities.
 
 Computed once per model from a fixed calibration corpus that is disjoint from
 the benchmark texts, stored under ``cache_root()/calibration/<fingerprint id>/``
-as a safetensors file (format ``kvcodec-calibration`` version 2, see
+as a safetensors file (format ``kvcodec-calibration`` version 3, see
 spec/codec-v1.md section "Calibration file"). ``.kvc`` files reference the
 bases by name + sha256 as external attachments; :func:`resolve_attachment`
 finds them again through a per-sha256 index (one small pointer file per
