@@ -158,48 +158,37 @@ def rate_matched(rows: list[dict]) -> list[dict]:
     return out
 
 
-def _log_curve(rows: list[dict]) -> list[tuple[float, float]]:
-    """(log KL, log bits) of one calibration's sweep, sorted by KL, keeping the Pareto points."""
-    pts = sorted((math.log(r["kl_mean"]), math.log(r["bits_per_element"])) for r in rows if r["kl_mean"] > 0)
-    out: list[tuple[float, float]] = []
-    for k, b in pts:
-        if not out or b < out[-1][1]:
-            out.append((k, b))
-    return out
-
-
-def _at(curve: list[tuple[float, float]], lk: float) -> float | None:
-    for (k0, b0), (k1, b1) in zip(curve, curve[1:]):
-        if k0 <= lk <= k1:
-            return b0 + (lk - k0) / (k1 - k0) * (b1 - b0) if k1 > k0 else min(b0, b1)
-    return None
-
-
 def equal_kl(rows: list[dict], kl_at: float = 0.01, points: int = 21) -> list[dict]:
     """Bits new / reference at equal KL per (text, preset), from ``--sweep``'s step scales.
 
-    Each calibration's (KL, bits) points are joined log-log; ``ratio_mean`` is the geometric mean of the bits
-    ratio over ``points`` KL values spanning the range both sweeps cover (the codec literature's BD-rate, here
-    over KL), ``ratio_at`` the ratio at KL = ``kl_at`` (None outside either range), with the bits there.
+    Each calibration's Pareto frontier of (bits, KL) is joined log-log (:func:`kvcodec.eval.curve.bits_at_kl`);
+    ``ratio_mean`` is the geometric mean of the bits ratio over ``points`` KL values spanning, evenly in log KL, the
+    range both frontiers cover (the codec literature's BD-rate, here over KL), ``ratio_at`` the ratio at
+    KL = ``kl_at`` (None outside either range), with the bits there.
     """
+    from kvcodec.eval.curve import bits_at_kl, pareto
+
     out = []
     for text in dict.fromkeys(r["text"] for r in rows):
         for preset in dict.fromkeys(r["preset"] for r in rows):
             sel = [r for r in rows if r["text"] == text and r["preset"] == preset]
-            new, ref = (_log_curve([r for r in sel if r["calibration"] == c]) for c in ("new", "reference"))
+            new, ref = (pareto([(r["bits_per_element"], r["kl_mean"]) for r in sel if r["calibration"] == c and r["kl_mean"] > 0])
+                        for c in ("new", "reference"))
             if len(new) < 2 or len(ref) < 2:
                 continue
-            lo, hi = max(new[0][0], ref[0][0]), min(new[-1][0], ref[-1][0])
+            lo = max(min(k for _, k in new), min(k for _, k in ref))
+            hi = min(max(k for _, k in new), max(k for _, k in ref))
             if hi <= lo:
                 continue
-            d = [n - r for lk in np.linspace(lo, hi, points)
-                 if (n := _at(new, lk)) is not None and (r := _at(ref, lk)) is not None]
-            a_new, a_ref = _at(new, math.log(kl_at)), _at(ref, math.log(kl_at))
-            out.append({"text": text, "preset": preset, "kl_range": [math.exp(lo), math.exp(hi)],
+            grid = np.exp(np.linspace(math.log(lo), math.log(hi), points))
+            grid[0], grid[-1] = lo, hi  # the ends exactly: exp(log(k)) may miss a frontier point by an ulp
+            d = [math.log(n / r) for kl in grid
+                 if (n := bits_at_kl(new, float(kl))) is not None and (r := bits_at_kl(ref, float(kl))) is not None]
+            a_new, a_ref = bits_at_kl(new, kl_at), bits_at_kl(ref, kl_at)
+            out.append({"text": text, "preset": preset, "kl_range": [lo, hi],
                         "ratio_mean": float(np.exp(np.mean(d))),
-                        "ratio_at": None if a_new is None or a_ref is None else math.exp(a_new - a_ref),
-                        "kl_at": kl_at, "bits_new_at": None if a_new is None else math.exp(a_new),
-                        "bits_reference_at": None if a_ref is None else math.exp(a_ref)})
+                        "ratio_at": None if a_new is None or a_ref is None else a_new / a_ref,
+                        "kl_at": kl_at, "bits_new_at": a_new, "bits_reference_at": a_ref})
     return out
 
 

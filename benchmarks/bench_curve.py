@@ -49,22 +49,10 @@ def _ok(rows: list[dict]) -> list[dict]:
     return [r for r in rows if not r.get("error") and r.get("bits_per_element")]
 
 
-def _interp_bits(front: list[tuple[float, float]], kl: float) -> float | None:
-    """Bits of kvcodec's Pareto frontier (bits, KL) at ``kl``, log-log interpolated; None outside its KL range."""
-    pts = sorted(front, key=lambda p: p[1])  # increasing KL = decreasing bits
-    for (b0, k0), (b1, k1) in zip(pts, pts[1:]):
-        if k0 <= kl <= k1:
-            if k1 == k0:
-                return min(b0, b1)
-            t = (math.log(kl) - math.log(k0)) / (math.log(k1) - math.log(k0))
-            return math.exp(math.log(b0) + t * (math.log(b1) - math.log(b0)))
-    return pts[0][0] if pts and kl == pts[0][1] else None
-
-
 def peers_vs_kvcodec(rows: list[dict], families: tuple[str, ...] = REAL_PEERS) -> list[dict]:
     """Per text and peer point: kvcodec bits at the peer's KL (its frontier, log-log interpolated), three ways:
     calibration external (not charged), charged to this one file, amortised over STORE_DOCS documents."""
-    from kvcodec.eval.curve import charged_bits, pareto
+    from kvcodec.eval.curve import bits_at_kl, charged_bits, pareto
 
     out = []
     ok = _ok(rows)
@@ -81,7 +69,7 @@ def peers_vs_kvcodec(rows: list[dict], families: tuple[str, ...] = REAL_PEERS) -
             item = {"text": text, "peer": f"{p['family']}/{p['method']}", "peer_bits": p["bits_per_element"],
                     "peer_kl": p["kl_mean"]}
             for how, front in fronts.items():
-                b = _interp_bits(front, p["kl_mean"])
+                b = bits_at_kl(front, p["kl_mean"])
                 item[f"kvcodec_bits_{how}"] = b
                 item[f"ratio_{how}"] = None if b is None else p["bits_per_element"] / b
             out.append(item)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import csv
 import functools
+import math
 import hashlib
 import io
 import json
@@ -586,6 +587,18 @@ def pareto(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
         if not front or k < front[-1][1]:
             front.append((b, k))
     return front
+
+
+def bits_at_kl(front: list[tuple[float, float]], kl: float) -> float | None:
+    """Bits of a Pareto frontier of (bits, KL) points at ``kl``, log-log interpolated; None outside its KL range."""
+    pts = sorted(front, key=lambda p: p[1])  # increasing KL = decreasing bits
+    for (b0, k0), (b1, k1) in zip(pts, pts[1:]):
+        if k0 <= kl <= k1:
+            if k1 == k0:
+                return min(b0, b1)
+            t = (math.log(kl) - math.log(k0)) / (math.log(k1) - math.log(k0))
+            return math.exp(math.log(b0) + t * (math.log(b1) - math.log(b0)))
+    return pts[0][0] if pts and kl == pts[0][1] else None
 
 
 def plot_curve(result: dict[str, Any], out: str | os.PathLike) -> None:
