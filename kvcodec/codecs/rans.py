@@ -1,10 +1,11 @@
-"""The ``rans`` array->bytes stage: uint8 (H, T, D) -> interleaved rANS v1 stream.
+"""The ``rans`` array->bytes stages: uint8 (H, T, D) -> interleaved rANS stream, versions 1 and 2.
 
 Contexts are ``(h, j)`` for ``h < H``, ``j < D // g`` (h-major), where ``g`` is
 the ``channel_group`` config (default ``D``); context ``(h, j)`` codes
-``arr[h, :, j*g:(j+1)*g]`` in row-major (token-major) order with its own
-12-bit frequency table. No side data: the tables live in the stream.
-See spec/rans-v1.md.
+``arr[h, :, j*g:(j+1)*g]`` in row-major (token-major) order. Version 1 gives each
+context its own 12-bit frequency table (spec/rans-v1.md); version 2 shares a bank
+of tables among the chunk's contexts and picks one per block of tokens
+(spec/rans-v2.md). No side data: the tables live in the stream.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from kvcodec.entropy import rans
 from kvcodec.entropy.model import empirical_entropy_bits
 from kvcodec.entropy.rans import SizeBreakdown, size_breakdown
 
-__all__ = ["RansStage", "to_contexts", "from_contexts", "empirical_entropy_bits", "size_breakdown", "overhead_split", "SizeBreakdown"]
+__all__ = ["RansStage", "RansBankStage", "to_contexts", "from_contexts", "empirical_entropy_bits", "size_breakdown", "overhead_split", "SizeBreakdown"]
 
 
 def _group(d: int, g: int | None) -> int:
@@ -99,6 +100,53 @@ class RansStage(ArrayToBytes):
         shape = self._check_spec(spec.shape, spec.dtype)
         n_ctx, n_sym = self.expected_counts(shape)
         return from_contexts(flat.reshape(n_ctx, n_sym), shape, self.channel_group)
+
+
+def _int_in(v: Any, lo: int, hi: int) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool) and lo <= int(v) <= hi
+
+
+@register
+class RansBankStage(RansStage):
+    """rANS v2 (spec/rans-v2.md): v1's lanes and words, with a bank of tables shared by the chunk's contexts and a
+    table chosen for every block of ``block_tokens`` tokens of a context.
+
+    Why: v1 gives each context one table for all its tokens and stores it (about 117 bytes). On real caches a
+    context's symbols change scale along the tokens (the tokenscale classes, the attention's recent tokens), and
+    the chunk's contexts share a few shapes, so a handful of shared tables chosen per block codes the same
+    symbols in about 9 % fewer bits (benchmarks/BENCHMARKS.md, "Entropy contexts"). ``block_tokens`` is a
+    multiple of 32, so one 32-lane step never straddles two blocks; ``tables`` (the bank's largest size) only
+    steers the encoder: a decoder reads the bank's size from the stream.
+    """
+
+    version = 2
+
+    def __init__(self, channel_group: int | None = None, block_tokens: int = 128, tables: int = 8) -> None:
+        super().__init__(channel_group)
+        if not _int_in(block_tokens, 32, 1 << 20) or block_tokens % 32:
+            raise KvcCodecError(f"codec 'rans' v2: block_tokens must be a multiple of 32 in [32, 2**20], got {block_tokens!r}")
+        if not _int_in(tables, 1, rans.MAX_TABLES):
+            raise KvcCodecError(f"codec 'rans' v2: tables must be an integer in [1, {rans.MAX_TABLES}], got {tables!r}")
+        self.block_tokens = int(block_tokens)
+        self.tables = int(tables)
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "block_tokens": self.block_tokens, "tables": self.tables}
+
+    def block_symbols(self, shape: tuple[int, int, int]) -> int:
+        """Symbols of one block of a context: ``block_tokens`` tokens x the channel group."""
+        D = shape[2]
+        return self.block_tokens * (_group(D, self.channel_group) if D else 1)
+
+    def encode(self, arr: np.ndarray, ctx: ChunkContext) -> tuple[bytes, SideData]:
+        arr = np.asarray(arr)
+        shape = self._check_spec(arr.shape, arr.dtype)
+        return rans.encode_banked(to_contexts(arr, self.channel_group), self.block_symbols(shape), self.tables), {}
+
+    def parse(self, data: bytes | memoryview, spec: ArraySpec) -> rans.RansStream:
+        shape = self._check_spec(spec.shape, spec.dtype)
+        n_ctx, n_sym = self.expected_counts(shape)
+        return rans.parse_banked(data, n_ctx, n_sym, self.block_symbols(shape))
 
 
 def overhead_split(data: bytes | memoryview) -> tuple[int, int, int]:

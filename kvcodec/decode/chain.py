@@ -1,6 +1,6 @@
 """The transform-codec pipeline shape that the fused decoders (CPU and GPU) run in one pass.
 
-    [rope] -> [keep] -> transform -> [tokenscale] -> quantize(step; v1, or v2's 16-bit codes) -> rans
+    [rope] -> [keep] -> transform -> [tokenscale] -> quantize(step; v1, or v2's 16-bit codes) -> rans (v1 or v2)
 
 (array stages in encode order; bracketed ones optional). Every lossy preset
 builds this shape (kvcodec/plan/presets.py). A pipeline of any other shape is
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcodec.codecs.rans import RansStage
+from kvcodec.codecs.rans import RansBankStage, RansStage
 from kvcodec.core.stage import Pipeline
 from kvcodec.codecs.keep import KeepStage
 from kvcodec.codecs.quantize import QuantizeStage, WideQuantizeStage
@@ -43,17 +43,21 @@ class TransformChain:
 def match_chain(pipeline: Pipeline) -> TransformChain | None:
     """The pipeline's :class:`TransformChain`, or None when it has another shape."""
     st = list(pipeline.stages)
-    q = st[-2] if len(st) >= 3 else None
+    if len(st) < 3:
+        return None
+    r, q = st[-1], st[-2]
     if (not isinstance(q, QuantizeStage) or type(q) not in (QuantizeStage, WideQuantizeStage) or q.mode != "step"
-            or type(st[-1]) is not RansStage):
+            or not isinstance(r, RansStage) or type(r) not in (RansStage, RansBankStage)):
         return None
-    rans, quantize = st.pop(), st.pop()
-    tokenscale = st.pop() if st and type(st[-1]) is TokenScaleStage else None
-    if not st or type(st[-1]) is not TransformStage:
+    del st[-2:]
+    ts = st.pop() if st and type(st[-1]) is TokenScaleStage else None
+    tr = st.pop() if st else None
+    if not isinstance(tr, TransformStage) or type(tr) is not TransformStage:
         return None
-    transform = st.pop()
     rope = st.pop(0) if st and type(st[0]) is RopeStage else None
     keep = st.pop(0) if st and type(st[0]) is KeepStage else None
     if st:
         return None
-    return TransformChain(rope, keep, transform, tokenscale, quantize, rans)
+    assert (rope is None or isinstance(rope, RopeStage)) and (keep is None or isinstance(keep, KeepStage))
+    assert ts is None or isinstance(ts, TokenScaleStage)
+    return TransformChain(rope, keep, tr, ts, q, r)

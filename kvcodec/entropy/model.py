@@ -17,7 +17,8 @@ from numba import njit
 from kvcodec.errors import KvcCodecError
 from kvcodec.entropy.constants import PROB_BITS, PROB_SCALE
 
-__all__ = ["count_symbols", "normalize_freqs", "cumulative", "empirical_entropy_bits", "table_code_length_bits"]
+__all__ = ["count_symbols", "normalize_freqs", "cumulative", "empirical_entropy_bits", "table_code_length_bits", "block_counts",
+           "learn_bank"]
 
 
 @njit(cache=True)
@@ -182,3 +183,186 @@ def table_code_length_bits(symbols: np.ndarray, freqs: np.ndarray) -> np.ndarray
     f = freqs.astype(np.float64)
     with np.errstate(divide="ignore"):
         return np.where(counts > 0, counts * (PROB_BITS - np.log2(np.where(f > 0, f, 1))), 0.0).sum(axis=1)
+
+
+# --------------------------------------------------------------------------- table banks (rans v2)
+
+#: code length of a slot frequency f in 1/65536 bits, round(65536 * log2(4096 / f)) for f = 1..4096 (index 0:
+#: impossible). Integer costs keep the bank choice identical on every machine (no BLAS summation order).
+_COST_Q = np.concatenate(([0], np.round(np.log2(PROB_SCALE / np.arange(1, PROB_SCALE + 1)) * 65536))).astype(np.int64)
+BANK_ITERATIONS = 10
+
+
+@njit(cache=True)
+def _block_hist(symbols, bsyms, nb, out):  # pragma: no cover - numba
+    C, N = symbols.shape
+    for c in range(C):
+        row = symbols[c]
+        for b in range(nb):
+            o = out[c * nb + b]
+            for i in range(b * bsyms, min(N, (b + 1) * bsyms)):
+                o[row[i]] += 1
+
+
+def block_counts(symbols: np.ndarray, block_symbols: int) -> np.ndarray:
+    """Histograms [C * nb, 256] of each context's blocks of ``block_symbols`` symbols (the last may be short),
+    context-major: row ``c * nb + b`` is block ``b`` of context ``c``; ``nb = ceil(N / block_symbols)`` (1 if N = 0)."""
+    symbols = np.ascontiguousarray(symbols, dtype=np.uint8)
+    C, N = symbols.shape
+    nb = max(1, -(-N // block_symbols))
+    out = np.zeros((C * nb, 256), np.int64)
+    _block_hist(symbols, block_symbols, nb, out)
+    return out
+
+
+@njit(cache=True)
+def _kmeans_tables(hist, assign, k, iters, cost_q):  # pragma: no cover - numba
+    """k-means of block histograms ``hist`` [n, A] under their exact code length (``cost_q``, integer) from the
+    start ``assign`` [n] (updated in place). A table lacking one of a block's symbols is never chosen for it;
+    ties go to the lowest table. Returns the final tables' counts [k, A]."""
+    n, A = hist.shape
+    counts = np.zeros((k, A), np.int64)
+    freqs = np.zeros((k, A), np.int64)
+    # each block's present symbols (a block of ~1K symbols uses a few dozen of the alphabet)
+    nz_start = np.zeros(n + 1, np.int64)
+    for i in range(n):
+        nz_start[i + 1] = nz_start[i] + np.count_nonzero(hist[i])
+    nz_sym = np.empty(nz_start[n], np.int64)
+    nz_cnt = np.empty(nz_start[n], np.int64)
+    for i in range(n):
+        j = nz_start[i]
+        for s in range(A):
+            if hist[i, s]:
+                nz_sym[j] = s
+                nz_cnt[j] = hist[i, s]
+                j += 1
+    for it in range(iters + 1):
+        counts[:] = 0
+        for i in range(n):
+            for j in range(nz_start[i], nz_start[i + 1]):
+                counts[assign[i], nz_sym[j]] += nz_cnt[j]
+        if it == iters:
+            break
+        for t in range(k):
+            _normalize_one(counts[t], freqs[t])
+        changed = False
+        for i in range(n):
+            best, best_t = -1, 0
+            for t in range(k):
+                c = 0
+                ok = True
+                for j in range(nz_start[i], nz_start[i + 1]):
+                    f = freqs[t, nz_sym[j]]
+                    if f == 0:
+                        ok = False
+                        break
+                    c += nz_cnt[j] * cost_q[f]
+                if ok and (best < 0 or c < best):
+                    best, best_t = c, t
+            if best_t != assign[i]:
+                assign[i] = best_t
+                changed = True
+        if not changed:  # counts are those of this assignment
+            break
+    return counts
+
+
+def learn_bank(symbols: np.ndarray, block_symbols: int, max_tables: int) -> tuple[np.ndarray, np.ndarray]:
+    """A bank of at most ``max_tables`` 12-bit tables and each (context, block)'s table, for a rans v2 stream.
+
+    Encoder-only (spec/rans-v2.md leaves the choice free): k-means of the block histograms under their exact
+    code length (:func:`_kmeans_tables`), started from ``max_tables`` groups of equal size ranked by mean symbol
+    (a scale proxy, so the start is deterministic), at most :data:`BANK_ITERATIONS` rounds; each table is
+    :func:`normalize_freqs` of its blocks' summed counts, so every symbol of a block has a nonzero frequency in
+    the block's table. Unused tables are dropped, then tables are merged while that shortens the stream (their
+    LEB128 bytes counted: :func:`_merge_tables`). Returns (freqs uint32 [K, A] with ``A`` = max symbol + 1,
+    table_of uint8 [C, nb]).
+    """
+    symbols = np.ascontiguousarray(symbols, dtype=np.uint8)
+    C, N = symbols.shape
+    nb = max(1, -(-N // block_symbols))
+    if C == 0 or N == 0:  # no symbols: one table (f_0 = 4096), used by every (empty) block
+        return normalize_freqs(np.zeros((1, 1), np.int64)), np.zeros((C, nb), np.uint8)
+    hist = block_counts(symbols, block_symbols)
+    A = int(np.flatnonzero(hist.any(axis=0))[-1]) + 1
+    hist = np.ascontiguousarray(hist[:, :A])
+    n = hist.shape[0]
+    k = max(1, min(int(max_tables), n))
+    mean_q = (hist * np.arange(A, dtype=np.int64)).sum(axis=1) * 4096 // hist.sum(axis=1)
+    rank = np.empty(n, np.int64)
+    rank[np.argsort(mean_q, kind="stable")] = np.arange(n)
+    assign = np.minimum(rank * k // n, k - 1)
+    counts = _kmeans_tables(hist, assign, k, BANK_ITERATIONS, _COST_Q)
+    label = _merge_tables(counts, _COST_Q)  # table t of the k-means -> its table in the bank
+    merged = np.zeros((int(label.max()) + 1, A), np.int64)
+    np.add.at(merged, label, counts)
+    return normalize_freqs(merged), label[assign].astype(np.uint8).reshape(C, nb)
+
+
+@njit(cache=True)
+def _table_cost(counts, f, cost_q):  # pragma: no cover - numba
+    """Bits x 65536 of coding ``counts`` [A] with their own 12-bit table (written into ``f``), plus the table's
+    LEB128 bytes."""
+    _normalize_one(counts, f)
+    c = 0
+    for s in range(counts.shape[0]):
+        c += counts[s] * cost_q[f[s]] + (16 if f[s] >= 128 else 8) * 65536
+    return c
+
+
+@njit(cache=True)
+def _merge_tables(counts, cost_q):  # pragma: no cover - numba
+    """Merge the k-means tables greedily (the pair whose union costs least more) down to one, and keep the bank
+    size whose stream is shortest: a table costs its bytes, so a small chunk wants fewer tables than a large one.
+    Empty tables are dropped. Returns each k-means table's index in the kept bank (tables numbered by their
+    first k-means table)."""
+    k, A = counts.shape
+    f = np.zeros(A, np.int64)
+    group = np.arange(k)  # k-means table -> the live table it was merged into
+    live = np.zeros(k, np.bool_)
+    sums = counts.copy()
+    cost = np.zeros(k, np.int64)
+    for t in range(k):
+        if counts[t].sum() > 0:
+            live[t] = True
+            cost[t] = _table_cost(sums[t], f, cost_q)
+    best_total = cost.sum()
+    best = group.copy()
+    tmp = np.zeros(A, np.int64)
+    while live.sum() > 1:
+        bi, bj, bd, bu = -1, -1, 0, 0
+        for i in range(k):
+            if not live[i]:
+                continue
+            for j in range(i + 1, k):
+                if not live[j]:
+                    continue
+                for s in range(A):
+                    tmp[s] = sums[i, s] + sums[j, s]
+                u = _table_cost(tmp, f, cost_q)
+                d = u - cost[i] - cost[j]
+                if bi < 0 or d < bd:
+                    bi, bj, bd, bu = i, j, d, u
+        for s in range(A):
+            sums[bi, s] += sums[bj, s]
+        cost[bi], cost[bj], live[bj] = bu, 0, False
+        for t in range(k):
+            if group[t] == bj:
+                group[t] = bi
+        if cost.sum() < best_total:
+            best_total = cost.sum()
+            best = group.copy()
+    # number the kept tables 0.. in order of their first k-means table
+    label = np.full(k, -1, np.int64)
+    nxt = 0
+    for t in range(k):
+        if counts[best[t]].sum() == 0 and counts[t].sum() == 0:
+            continue
+        r = best[t]
+        if label[r] < 0:
+            label[r] = nxt
+            nxt += 1
+    out = np.zeros(k, np.int64)
+    for t in range(k):
+        out[t] = label[best[t]] if label[best[t]] >= 0 else 0
+    return out

@@ -1,11 +1,10 @@
-"""Interleaved rANS entropy coder, bitstream version 1 (see spec/rans-v1.md): the coder.
+"""Interleaved rANS entropy coder, bitstreams v1 and v2 (spec/rans-v1.md, spec/rans-v2.md): the coder.
 
-The probability model (counts -> 12-bit tables, ideal code lengths) is
+The probability model (counts -> 12-bit tables, ideal code lengths, v2's table banks) is
 :mod:`kvcodec.entropy.model`; the bitstream constants are
 :mod:`kvcodec.entropy.constants` (shared with the Triton decoder).
 
-The normative definition of the bitstream is ``spec/rans-v1.md``; this module
-is its CPU implementation. In short:
+The normative definitions are the spec files; this module is their CPU implementation. In short:
 
 * symbols are uint8, probability precision ``P = 12`` bits (``M = 4096``),
 * state ``x`` is in ``[L, 2**32)`` with ``L = 2**16``, renormalisation moves
@@ -13,19 +12,24 @@ is its CPU implementation. In short:
 * 32 lanes per context: symbol ``i`` belongs to lane ``i % 32``, step ``i // 32``;
   within a step the decoder refills lanes in ascending lane order from the
   context's single word stream,
-* after decoding every lane must be back at ``L`` and every word consumed.
+* after decoding every lane must be back at ``L`` and every word consumed,
+* v1: one table per context; v2: a bank of tables shared by the stream's contexts, symbol ``i`` of
+  context ``c`` coded with table ``table_of[c, i // block_symbols]``. One set of kernels codes both
+  (:class:`RansStream` describes v1 as one block per context, table ``c``).
 
 Public API
 ----------
-``encode_contexts(symbols, freqs=None)`` symbols [C, N] uint8 -> stream bytes
-``parse_header(buf, ...)``              validate a stream -> :class:`RansStream`
+``encode_contexts(symbols, freqs=None)`` symbols [C, N] uint8 -> v1 stream bytes
+``encode_banked(symbols, block_symbols)`` symbols [C, N] uint8 -> v2 stream bytes
+``parse_header(buf, ...)``              validate a v1 stream -> :class:`RansStream`
+``parse_banked(buf, C, N, block)``      validate a v2 stream -> :class:`RansStream`
 ``decode(stream)``                      :class:`RansStream` -> flat uint8 symbols
-``decode_contexts(buf, ...)``           bytes -> symbols [C, N] (parse + decode)
+``decode_contexts(buf, ...)``           v1 bytes -> symbols [C, N] (parse + decode)
 ``decode_reference(stream)``            readable numpy decoder mirroring the GPU one
-``size_breakdown(buf)``                 payload / table / flush / padding byte split
+``size_breakdown(buf, stream=None)``    payload / table / flush / padding byte split
 
-``python kvcodec/testing/golden.py rans --write`` writes the golden vectors under
-``spec/vectors/rans/`` (never over existing ones); tests only ever read them.
+``python kvcodec/testing/golden.py rans --write`` (``rans2`` for v2) writes the golden vectors under
+``spec/vectors/rans/`` (``rans-v2/``), never over existing ones; tests only ever read them.
 """
 
 from __future__ import annotations
@@ -41,10 +45,10 @@ from kvcodec.entropy.constants import (
     PROB_BITS, PROB_SCALE, RANS_L, SLOT_MASK, STATE_BYTES, TABLE_CUM_SHIFT, TABLE_FREQ_SHIFT, WORD_BITS, WORD_MASK,
     X_MAX_SHIFT,
 )
-from kvcodec.entropy.model import count_symbols, cumulative, normalize_freqs
+from kvcodec.entropy.model import block_counts, count_symbols, cumulative, learn_bank, normalize_freqs
 
 __all__ = [
-    "RansStream", "SizeBreakdown", "encode_contexts", "parse_header", "decode",
+    "RansStream", "SizeBreakdown", "encode_contexts", "encode_banked", "parse_header", "parse_banked", "decode",
     "decode_contexts", "decode_reference", "size_breakdown", "DECODE_ERRORS",
 ]
 
@@ -64,33 +68,38 @@ def _leb128(freqs: np.ndarray) -> np.ndarray:
 
 
 @njit(cache=True)
-def _encode_body(symbols, freqs, cums, out, start, n_words):  # pragma: no cover - numba
+def _encode_body(symbols, freqs, cums, table_of, bsyms, out, start, n_words):  # pragma: no cover - numba
     """Encode every context of ``symbols`` [C, N] into ``out`` from byte ``start``.
 
-    Writes, per context, 32 LE u32 final states, the LE u16 words in stream
-    order, zero padding to 4 bytes (``out`` is pre-zeroed). Returns the end offset.
+    Symbol ``i`` of context ``c`` is coded with table ``table_of[c, i // bsyms]`` of ``freqs`` / ``cums``
+    (v1: one table per context, ``table_of[c, 0] = c`` and ``bsyms >= N``). Writes, per context, 32 LE u32
+    final states, the LE u16 words in stream order, zero padding to 4 bytes (``out`` is pre-zeroed).
+    Returns the end offset.
     """
     C, N = symbols.shape
+    nb = table_of.shape[1]
     scratch = np.empty(N, dtype=np.uint16)
     st = np.empty(N_LANES, dtype=np.int64)
     pos = start
     for c in range(C):
         for k in range(N_LANES):
             st[k] = RANS_L
-        fr = freqs[c]
-        cu = cums[c]
         row = symbols[c]
         wp = N  # words are produced last-first: fill scratch from the end
-        for i in range(N - 1, -1, -1):
-            lane = i & (N_LANES - 1)
-            s = row[i]
-            f = np.int64(fr[s])
-            x = st[lane]
-            if x >= (f << X_MAX_SHIFT):  # x_max = ((L >> P) << WORD_BITS) * f
-                wp -= 1
-                scratch[wp] = x & WORD_MASK
-                x >>= WORD_BITS
-            st[lane] = ((x // f) << PROB_BITS) + (x % f) + np.int64(cu[s])
+        for b in range(nb - 1, -1, -1):
+            t = table_of[c, b]
+            fr = freqs[t]
+            cu = cums[t]
+            for i in range(min(N, (b + 1) * bsyms) - 1, b * bsyms - 1, -1):
+                lane = i & (N_LANES - 1)
+                s = row[i]
+                f = np.int64(fr[s])
+                x = st[lane]
+                if x >= (f << X_MAX_SHIFT):  # x_max = ((L >> P) << WORD_BITS) * f
+                    wp -= 1
+                    scratch[wp] = x & WORD_MASK
+                    x >>= WORD_BITS
+                st[lane] = ((x // f) << PROB_BITS) + (x % f) + np.int64(cu[s])
         for k in range(N_LANES):
             x = st[k]
             out[pos] = x & 0xFF
@@ -117,6 +126,11 @@ def _excl_cumsum(v: np.ndarray) -> np.ndarray:
 
 def _pad4(n: int) -> int:
     return (n + 3) & ~3
+
+
+def _own_tables(C: int) -> np.ndarray:
+    """v1's table map: context ``c`` codes all its symbols with table ``c``."""
+    return np.arange(C, dtype=np.int64).reshape(C, 1)
 
 
 def encode_contexts(symbols: np.ndarray, freqs: np.ndarray | None = None) -> bytes:
@@ -156,7 +170,7 @@ def encode_contexts(symbols: np.ndarray, freqs: np.ndarray | None = None) -> byt
     cap = body_start + C * _pad4(STATE_BYTES + 2 * N)
     out = np.zeros(cap, dtype=np.uint8)
     n_words = np.zeros(C, dtype=np.int64)
-    end = _encode_body(symbols, freqs, cums, out, body_start, n_words)
+    end = _encode_body(symbols, freqs, cums, _own_tables(C), max(N, 1), out, body_start, n_words)
     # header: u32 C, u16 A, per context u32 n_symbols, u32 n_words, A x LEB128
     out[0:4] = np.frombuffer(np.uint32(C).astype("<u4").tobytes(), np.uint8)
     out[4:6] = np.frombuffer(np.uint16(A).astype("<u2").tobytes(), np.uint8)
@@ -175,6 +189,67 @@ def encode_contexts(symbols: np.ndarray, freqs: np.ndarray | None = None) -> byt
     return out[:end].tobytes()
 
 
+MAX_TABLES = 255  # rans v2: a bank holds 1..255 tables (u8 count, u8 indices)
+
+
+def encode_banked(symbols: np.ndarray, block_symbols: int, max_tables: int = 8,
+                  bank: tuple[np.ndarray, np.ndarray] | None = None) -> bytes:
+    """Encode contexts ``symbols`` [C, N] (uint8) into one rANS v2 stream (spec/rans-v2.md): a bank of tables
+    shared by the stream's contexts, and for each context's block of ``block_symbols`` symbols (a multiple of
+    32: a step never straddles two blocks) the index of its table.
+
+    ``bank`` = (freqs [K, A], table_of [C, nb]) gives the tables and the choice (golden vectors); by default
+    :func:`kvcodec.entropy.model.learn_bank` learns at most ``max_tables`` of them from the blocks.
+    """
+    symbols = np.ascontiguousarray(symbols)
+    if symbols.dtype != np.uint8 or symbols.ndim != 2:
+        raise ValueError(f"symbols must be a uint8 [C, N] array, got {symbols.dtype}{symbols.shape}")
+    C, N = symbols.shape
+    if block_symbols <= 0 or block_symbols % N_LANES:
+        raise ValueError(f"block_symbols must be a positive multiple of {N_LANES}, got {block_symbols}")
+    if N >= 2**32 or C >= 2**32:
+        raise ValueError("too many symbols or contexts for a rANS stream")
+    nb = max(1, -(-N // block_symbols))
+    if bank is None:
+        if not 1 <= max_tables <= MAX_TABLES:
+            raise ValueError(f"max_tables must be in [1, {MAX_TABLES}], got {max_tables}")
+        freqs, table_of = learn_bank(symbols, block_symbols, max_tables)
+    else:
+        freqs = np.ascontiguousarray(np.asarray(bank[0]).astype(np.int64))
+        table_of = np.ascontiguousarray(np.asarray(bank[1]).astype(np.int64))
+        K = freqs.shape[0] if freqs.ndim == 2 else 0
+        if not (1 <= K <= MAX_TABLES) or not 1 <= freqs.shape[1] <= 256 or table_of.shape != (C, nb):
+            raise ValueError(f"bank must be freqs [1..{MAX_TABLES}, A] and table_of [{C}, {nb}]")
+        if (freqs < 0).any() or (freqs > PROB_SCALE).any() or (freqs.sum(axis=1) != PROB_SCALE).any():
+            raise ValueError("every frequency table must hold values in [0, 4096] summing to 4096")
+        if C and ((table_of < 0).any() or (table_of >= K).any() or np.unique(table_of).size != K):
+            raise ValueError("table_of must reference every table of the bank, and only those")
+        blocks = block_counts(symbols, block_symbols)
+        A0 = freqs.shape[1]
+        if blocks[:, A0:].any() or ((blocks[:, :A0] > 0) & (freqs[table_of.reshape(-1)] == 0)).any():
+            raise ValueError("a symbol with frequency 0 occurs in its block")
+        A = int(np.flatnonzero(freqs.any(axis=0)).max()) + 1 if C else 1
+        freqs = freqs[:, :A] if C else np.full((1, 1), PROB_SCALE, np.int64)
+    freqs = freqs.astype(np.uint32)
+    K, A = freqs.shape
+    cums = cumulative(freqs)
+    leb = _leb128(freqs)
+    header = 8 + leb.size + C * nb + 4 * C
+    body_start = _pad4(header)
+    out = np.zeros(body_start + C * _pad4(STATE_BYTES + 2 * N), dtype=np.uint8)
+    n_words = np.zeros(C, dtype=np.int64)
+    end = _encode_body(symbols, freqs, cums, table_of.astype(np.int64), block_symbols, out, body_start, n_words)
+    out[0:8] = np.frombuffer(np.uint32(C).astype("<u4").tobytes() + np.uint16(A).astype("<u2").tobytes()
+                             + bytes([K, 0]), np.uint8)
+    pos = 8
+    out[pos:pos + leb.size] = leb
+    pos += leb.size
+    out[pos:pos + C * nb] = table_of.astype(np.uint8).reshape(-1)
+    pos += C * nb
+    out[pos:pos + 4 * C] = np.frombuffer(n_words.astype("<u4").tobytes(), np.uint8)
+    return out[:end].tobytes()
+
+
 # --------------------------------------------------------------------------- parsing
 
 
@@ -188,17 +263,20 @@ class RansStream:
     """
 
     n_contexts: int
-    alphabet: int  # A, table length shared by all contexts
+    alphabet: int  # A, table length shared by all tables
     n_symbols: np.ndarray  # int64 [C]
     sym_offsets: np.ndarray  # int64 [C + 1], cumulative n_symbols (output positions)
     n_words: np.ndarray  # int64 [C]
-    freqs: np.ndarray  # uint32 [C, A], rows sum to 4096
-    cums: np.ndarray  # uint32 [C, A], exclusive prefix sums of freqs
+    freqs: np.ndarray  # uint32 [n_tables, A], rows sum to 4096 (v1: one table per context)
+    cums: np.ndarray  # uint32 [n_tables, A], exclusive prefix sums of freqs
     states: np.ndarray  # uint32 [C, 32], final encoder states = initial decoder states
     data_offsets: np.ndarray  # int64 [C], byte offset of each context's states
     word_start: np.ndarray  # int64 [C], index into ``words`` of each context's first word
     words: np.ndarray  # uint16 view of the whole stream
     nbytes: int  # total stream length
+    table_of: np.ndarray  # int64 [C, nb]: symbol i of context c is coded with table table_of[c, i // block_symbols]
+    block_symbols: int  # v1: >= every context's n_symbols (one block); v2: the stage's block of tokens x channel group
+    version: int = 1
 
     @property
     def total_symbols(self) -> int:
@@ -206,8 +284,40 @@ class RansStream:
 
 
 @njit(cache=True)
+def _read_table(buf, pos, row):  # pragma: no cover - numba
+    """Read one table of ``row.size`` canonical LEB128 frequencies from ``pos`` into ``row``.
+    Returns (OK, next offset) or (error code, offset; for E_FREQ_SUM the table's sum)."""
+    n = buf.shape[0]
+    total = 0
+    for s in range(row.shape[0]):
+        if pos >= n:
+            return E_TRUNC, pos
+        b0 = np.int64(buf[pos])
+        if b0 < 128:
+            v = b0
+            pos += 1
+        else:
+            if pos + 1 >= n:
+                return E_TRUNC, pos
+            b1 = np.int64(buf[pos + 1])
+            if b1 >= 128:
+                return E_LEB_LONG, pos
+            if b1 == 0:
+                return E_LEB_NONCANON, pos
+            v = (b0 & 0x7F) | (b1 << 7)
+            pos += 2
+        if v > PROB_SCALE:
+            return E_FREQ_RANGE, pos
+        row[s] = v
+        total += v
+    if total != PROB_SCALE:
+        return E_FREQ_SUM, total
+    return OK, pos
+
+
+@njit(cache=True)
 def _parse_tables(buf, C, A, n_sym, n_words, freqs):  # pragma: no cover - numba
-    """Read the per-context header entries. Returns (code, context, byte offset)."""
+    """Read the per-context header entries (v1). Returns (code, context, byte offset)."""
     n = buf.shape[0]
     pos = 6
     for c in range(C):
@@ -221,31 +331,9 @@ def _parse_tables(buf, C, A, n_sym, n_words, freqs):  # pragma: no cover - numba
         for k in range(4):
             v |= np.int64(buf[pos + 4 + k]) << (8 * k)
         n_words[c] = v
-        pos += 8
-        total = 0
-        for s in range(A):
-            if pos >= n:
-                return E_TRUNC, c, pos
-            b0 = np.int64(buf[pos])
-            if b0 < 128:
-                v = b0
-                pos += 1
-            else:
-                if pos + 1 >= n:
-                    return E_TRUNC, c, pos
-                b1 = np.int64(buf[pos + 1])
-                if b1 >= 128:
-                    return E_LEB_LONG, c, pos
-                if b1 == 0:
-                    return E_LEB_NONCANON, c, pos
-                v = (b0 & 0x7F) | (b1 << 7)
-                pos += 2
-            if v > PROB_SCALE:
-                return E_FREQ_RANGE, c, pos
-            freqs[c, s] = v
-            total += v
-        if total != PROB_SCALE:
-            return E_FREQ_SUM, c, total
+        code, pos = _read_table(buf, pos + 8, freqs[c])
+        if code != OK:
+            return code, c, pos
     return OK, C, pos
 
 
@@ -351,14 +439,29 @@ def parse_header(
         if bad.size:
             c = int(bad[0])
             raise KvcFormatError(f"rans: context {c} has {ns[c]} symbols, expected {exp[c]}")
+    data_off, states = _check_body(b, pos, ns, nw)
+    words = b[: n & ~1].view("<u2")
+    sym_off = np.zeros(C + 1, dtype=np.int64)
+    np.cumsum(ns, out=sym_off[1:])
+    return RansStream(
+        n_contexts=C, alphabet=A, n_symbols=ns, sym_offsets=sym_off, n_words=nw, freqs=freqs,
+        cums=cumulative(freqs) if C else np.zeros((0, A), np.uint32), states=states, data_offsets=data_off,
+        word_start=(data_off + STATE_BYTES) // 2, words=words, nbytes=n,
+        table_of=_own_tables(C), block_symbols=max(1, int(ns.max(initial=0))),
+    )
+
+
+def _check_body(b: np.ndarray, pos: int, ns: np.ndarray, nw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sections 8.6-8.7 of both versions: the context blocks after the header. Returns (data offsets, states)."""
+    n = b.size
+    C = ns.size
     bad = np.flatnonzero(nw > ns)
     if bad.size:
         c = int(bad[0])
         raise KvcFormatError(f"rans: context {c} claims {nw[c]} words for {ns[c]} symbols (at most one word per symbol)")
-    body = _pad4(pos)
     data_off = np.empty(C, dtype=np.int64)
     states = np.empty((C, N_LANES), dtype=np.uint32)
-    code, c, k = _parse_body(b, pos, body, ns, nw, data_off, states)
+    code, c, k = _parse_body(b, pos, _pad4(pos), ns, nw, data_off, states)
     if code != OK:
         raise KvcFormatError("rans: " + {
             _B_HEADER_PAD: "nonzero padding after the header",
@@ -367,13 +470,80 @@ def parse_header(
             _B_IDLE: f"lane {k} of context {c} gets no symbol but its state is not L",
             _B_WORD_PAD: "nonzero padding after a context's words",
         }[code])
-    words = b[: n & ~1].view("<u2")
-    sym_off = np.zeros(C + 1, dtype=np.int64)
-    np.cumsum(ns, out=sym_off[1:])
+    return data_off, states
+
+
+@njit(cache=True)
+def _parse_bank(buf, pos, freqs):  # pragma: no cover - numba
+    """Read K x A canonical LEB128 frequencies from ``pos`` (v2). Returns (code, table, byte offset or sum)."""
+    for t in range(freqs.shape[0]):
+        code, pos = _read_table(buf, pos, freqs[t])
+        if code != OK:
+            return code, t, pos
+    return OK, freqs.shape[0], pos
+
+
+def parse_banked(buf: bytes | bytearray | memoryview | np.ndarray, n_contexts: int, n_symbols: int,
+                 block_symbols: int) -> RansStream:
+    """Validate a rANS v2 stream completely (spec/rans-v2.md section 8) and index it.
+
+    The stream does not store its counts: ``n_contexts``, ``n_symbols`` (per context) and ``block_symbols``
+    come from the chunk's shape and the stage's config, so a lying header cannot size any allocation beyond
+    what the chunk allows. Raises :class:`KvcFormatError` naming the first violation.
+    """
+    b = _as_u8(buf)
+    n = b.size
+    C, N, B = int(n_contexts), int(n_symbols), int(block_symbols)
+    if B <= 0 or B % N_LANES:
+        raise KvcFormatError(f"rans: block of {B} symbols is not a positive multiple of {N_LANES}")
+    if n < 8:
+        raise KvcFormatError(f"rans: stream of {n} bytes is shorter than its 8-byte header")
+    c_hdr = int(b[0]) | int(b[1]) << 8 | int(b[2]) << 16 | int(b[3]) << 24
+    A = int(b[4]) | int(b[5]) << 8
+    K, reserved = int(b[6]), int(b[7])
+    if c_hdr != C:
+        raise KvcFormatError(f"rans: stream has {c_hdr} contexts, expected {C}")
+    if not 1 <= A <= 256:
+        raise KvcFormatError(f"rans: alphabet size {A} is outside [1, 256]")
+    if K < 1:
+        raise KvcFormatError("rans: the bank holds no table")
+    if reserved:
+        raise KvcFormatError("rans: reserved header byte is not 0")
+    nb = max(1, -(-N // B))
+    if 8 + K * A + C * nb + 4 * C > n:
+        raise KvcFormatError(f"rans: header of {K} tables x {A} frequencies and {C} contexts does not fit in {n} bytes")
+    freqs = np.zeros((K, A), dtype=np.uint32)
+    code, t, pos = _parse_bank(b, 8, freqs)
+    if code != OK:
+        raise KvcFormatError("rans: " + {
+            E_TRUNC: f"truncated in table {t} (offset {pos})",
+            E_LEB_LONG: f"frequency of table {t} at offset {pos} is longer than 2 LEB128 bytes",
+            E_LEB_NONCANON: f"frequency of table {t} at offset {pos} is a non-canonical LEB128",
+            E_FREQ_RANGE: f"frequency of table {t} before offset {pos} exceeds 4096",
+            E_FREQ_SUM: f"frequency table {t} sums to {pos}, not 4096",
+        }[code])
+    if pos + C * nb + 4 * C > n:
+        raise KvcFormatError(f"rans: truncated in the table indices or word counts (offset {pos})")
+    table_of = b[pos:pos + C * nb].astype(np.int64).reshape(C, nb)
+    pos += C * nb
+    if C:
+        if int(table_of.max()) >= K:
+            raise KvcFormatError(f"rans: a block's table index {int(table_of.max())} is not below the bank's {K} tables")
+        if np.unique(table_of).size != K:
+            raise KvcFormatError("rans: a table of the bank is used by no block (not canonical)")
+        if not freqs[:, A - 1].any():
+            raise KvcFormatError(f"rans: alphabet size {A} is not canonical: symbol {A - 1} has frequency 0 in every table")
+    elif K != 1:
+        raise KvcFormatError(f"rans: a stream with no contexts has {K} tables, not 1")
+    nw = b[pos:pos + 4 * C].view("<u4").astype(np.int64) if C else np.zeros(0, np.int64)
+    pos += 4 * C
+    ns = np.full(C, N, dtype=np.int64)
+    data_off, states = _check_body(b, pos, ns, nw)
+    sym_off = np.arange(C + 1, dtype=np.int64) * N
     return RansStream(
-        n_contexts=C, alphabet=A, n_symbols=ns, sym_offsets=sym_off, n_words=nw, freqs=freqs,
-        cums=cumulative(freqs) if C else np.zeros((0, A), np.uint32), states=states, data_offsets=data_off,
-        word_start=(data_off + STATE_BYTES) // 2, words=words, nbytes=n,
+        n_contexts=C, alphabet=A, n_symbols=ns, sym_offsets=sym_off, n_words=nw, freqs=freqs, cums=cumulative(freqs),
+        states=states, data_offsets=data_off, word_start=(data_off + STATE_BYTES) // 2, words=b[: n & ~1].view("<u2"),
+        nbytes=n, table_of=table_of, block_symbols=B, version=2,
     )
 
 
@@ -381,39 +551,51 @@ def parse_header(
 
 
 @njit(cache=True)
-def _decode_kernel(freqs, cums, states, n_symbols, sym_offsets, n_words, word_start, words, out, err):  # pragma: no cover
+def _slot_table(freqs, cums, t, tab):  # pragma: no cover - numba
+    """tab[slot] = sym | (f - 1) << 8 | (slot - cum) << 20 for table ``t``."""
+    for s in range(freqs.shape[1]):
+        f = np.int64(freqs[t, s])
+        cm = np.int64(cums[t, s])
+        for k in range(f):
+            tab[cm + k] = np.uint32(s | ((f - 1) << TABLE_FREQ_SHIFT) | (k << TABLE_CUM_SHIFT))
+
+
+@njit(cache=True)
+def _decode_kernel(freqs, cums, table_of, bsyms, states, n_symbols, sym_offsets, n_words, word_start, words, out,
+                   err):  # pragma: no cover - numba
     """Scalar decoder. Processing symbols in index order is exactly the spec's
-    step-by-step, ascending-lane refill order. Returns 0 or an error code with
-    the failing context in err[0]."""
-    C = freqs.shape[0]
-    A = freqs.shape[1]
+    step-by-step, ascending-lane refill order; symbol i of context c uses table
+    ``table_of[c, i // bsyms]`` (its slot table is rebuilt when the table changes).
+    Returns 0 or an error code with the failing context in err[0]."""
+    C = states.shape[0]
+    nb = table_of.shape[1]
     tab = np.empty(PROB_SCALE, dtype=np.uint32)
     st = np.empty(N_LANES, dtype=np.int64)
     last = words.shape[0] - 1
+    cur = -1
     for c in range(C):
-        # slot -> sym | (f - 1) << 8 | (slot - cum) << 20
-        for s in range(A):
-            f = np.int64(freqs[c, s])
-            cm = np.int64(cums[c, s])
-            for k in range(f):
-                tab[cm + k] = np.uint32(s | ((f - 1) << TABLE_FREQ_SHIFT) | (k << TABLE_CUM_SHIFT))
         for k in range(N_LANES):
             st[k] = states[c, k]
         n = n_symbols[c]
         o = sym_offsets[c]
         p = word_start[c]
         pend = p + n_words[c]
-        for i in range(n):
-            lane = i & (N_LANES - 1)
-            x = st[lane]
-            e = np.int64(tab[x & (PROB_SCALE - 1)])
-            out[o + i] = e & 0xFF
-            x = (((e >> TABLE_FREQ_SHIFT) & SLOT_MASK) + 1) * (x >> PROB_BITS) + (e >> TABLE_CUM_SHIFT)
-            if x < RANS_L:
-                q = p if p < last else last  # never read outside `words`; overrun is checked below
-                x = (x << WORD_BITS) | np.int64(words[q])
-                p += 1
-            st[lane] = x
+        for b in range(nb):
+            t = table_of[c, b]
+            if t != cur:
+                _slot_table(freqs, cums, t, tab)
+                cur = t
+            for i in range(b * bsyms, min(n, (b + 1) * bsyms)):
+                lane = i & (N_LANES - 1)
+                x = st[lane]
+                e = np.int64(tab[x & (PROB_SCALE - 1)])
+                out[o + i] = e & 0xFF
+                x = (((e >> TABLE_FREQ_SHIFT) & SLOT_MASK) + 1) * (x >> PROB_BITS) + (e >> TABLE_CUM_SHIFT)
+                if x < RANS_L:
+                    q = p if p < last else last  # never read outside `words`; overrun is checked below
+                    x = (x << WORD_BITS) | np.int64(words[q])
+                    p += 1
+                st[lane] = x
         if p > pend:
             err[0] = c
             return E_OVERRUN
@@ -444,8 +626,8 @@ def decode(stream: RansStream) -> np.ndarray:
     words = stream.words if stream.words.size else np.zeros(1, np.uint16)
     err = np.zeros(1, dtype=np.int64)
     code = _decode_kernel(
-        stream.freqs, stream.cums, stream.states, stream.n_symbols, stream.sym_offsets,
-        stream.n_words, stream.word_start, words, out, err,
+        stream.freqs, stream.cums, stream.table_of, stream.block_symbols, stream.states, stream.n_symbols,
+        stream.sym_offsets, stream.n_words, stream.word_start, words, out, err,
     )
     if code != OK:
         raise KvcFormatError(f"rans: context {int(err[0])} {DECODE_ERRORS[code]}")
@@ -476,15 +658,16 @@ def decode_reference(stream: RansStream) -> np.ndarray:
     per step); for tests and as executable documentation of the spec."""
     out = np.empty(stream.total_symbols, dtype=np.uint8)
     for c in range(stream.n_contexts):
-        f = stream.freqs[c].astype(np.int64)
-        cum = stream.cums[c].astype(np.int64)
-        sym_of_slot = np.repeat(np.arange(stream.alphabet), f)  # slot -> symbol
         x = stream.states[c].astype(np.int64)
         n = int(stream.n_symbols[c])
         w = stream.words[stream.word_start[c] : stream.word_start[c] + stream.n_words[c]].astype(np.int64)
         p = 0
         o = int(stream.sym_offsets[c])
         for j in range((n + N_LANES - 1) // N_LANES):
+            t = stream.table_of[c, j * N_LANES // stream.block_symbols]  # a step lies inside one block
+            f = stream.freqs[t].astype(np.int64)
+            cum = stream.cums[t].astype(np.int64)
+            sym_of_slot = np.repeat(np.arange(stream.alphabet), f)  # slot -> symbol
             k = min(N_LANES, n - j * N_LANES)  # active lanes 0..k-1
             xs = x[:k]
             slot = xs & SLOT_MASK
@@ -517,18 +700,19 @@ class SizeBreakdown:
     payload_bits: int  # 16 x number of words
     table_bytes: int  # LEB128 frequency tables
     flush_bytes: int  # 32 lanes x 4 bytes of final state per context
-    header_bytes: int  # u32 n_contexts + u16 A + 8 bytes per context
+    header_bytes: int  # v1: u32 n_contexts + u16 A + 8 bytes per context; v2: 8 + block indices + 4 per context
     padding_bytes: int
     n_symbols: int
 
 
-def size_breakdown(buf: bytes | bytearray | memoryview | np.ndarray) -> SizeBreakdown:
-    """Split a stream's size into payload, tables, state flush, fixed header, padding."""
-    s = parse_header(buf)
+def size_breakdown(buf: bytes | bytearray | memoryview | np.ndarray, stream: RansStream | None = None) -> SizeBreakdown:
+    """Split a stream's size into payload, tables, state flush, fixed header, padding (``stream``: the parsed
+    stream, needed for v2, whose counts come from the chunk; a v1 stream is parsed from ``buf``)."""
+    s = parse_header(buf) if stream is None else stream
+    C = s.n_contexts
     words = int(s.n_words.sum())
-    header = 6 + 8 * s.n_contexts
-    pos = 6 + 8 * s.n_contexts + int(np.where(s.freqs >= 128, 2, 1).sum())
-    table = pos - header
-    flush = STATE_BYTES * s.n_contexts
+    header = 6 + 8 * C if s.version == 1 else 8 + s.table_of.size + 4 * C  # v2: the block indices count here
+    table = int(np.where(s.freqs >= 128, 2, 1).sum()) if C else 0
+    flush = STATE_BYTES * C
     pad = s.nbytes - header - table - flush - 2 * words
     return SizeBreakdown(s.nbytes, WORD_BITS * words, table, flush, header, pad, s.total_symbols)

@@ -111,15 +111,17 @@ def token_classes(importance: np.ndarray, sink: int, opts: dict[str, Any]) -> tu
 def transform_plan(cache: Any, step0: float, sink: int = 4, group: int = 8, cal: Calibration | None = None,
                    calibration: str = "external", basis: str = "pca", preset: str = "custom", deadzone: float = 0.0,
                    lm: Any = None, tokenscale: dict[str, Any] | None = None, importance: np.ndarray | None = None,
-                   max_bits: int = 8) -> Plan:
+                   max_bits: int = 8, rans_blocks: int = 0) -> Plan:
     """The transform-codec plan at rate knob ``step0``.
 
     ``calibration``: "external" (reference the per-model calibration by sha256),
     "embedded" (store the truncated bases in the file) or "none" (Hadamard).
     ``max_bits`` over 8 codes with ``quantize`` v2 (16-bit codes as two byte planes; the
-    fused fast decoders take only v1, so such files decode stage by stage).
+    fused fast decoders take only v1, so such files decode stage by stage). ``rans_blocks`` > 0 codes the
+    symbols with ``rans`` v2, a bank of tables shared by a chunk's contexts, one chosen per block of that many
+    tokens (spec/rans-v2.md); 0 keeps v1's table per context.
     """
-    from kvcodec.codecs.rans import RansStage
+    from kvcodec.codecs.rans import RansBankStage, RansStage
 
     fp = cache.fingerprint
     D = fp.head_dims[0]
@@ -176,7 +178,7 @@ def transform_plan(cache: Any, step0: float, sink: int = 4, group: int = 8, cal:
         step = float(np.float32(steps[layer, ki]))
         st.append(QuantizeStage(mode="step", step=step, max_bits=max_bits, deadzone=deadzone) if max_bits <= 8
                   else WideQuantizeStage(step=step, max_bits=max_bits, deadzone=deadzone))
-        st.append(RansStage(channel_group=g))
+        st.append(RansBankStage(channel_group=g, block_tokens=rans_blocks) if rans_blocks else RansStage(channel_group=g))
         return Pipeline(st)
 
     def inputs(layer: int, kind: str) -> EncoderInputs:
@@ -190,6 +192,8 @@ def transform_plan(cache: Any, step0: float, sink: int = 4, group: int = 8, cal:
               "tokenscale": ts_opts}
     if max_bits != 8:  # recorded only where it differs: files of 8-bit plans keep their bytes
         params["max_bits"] = max_bits
+    if rans_blocks:
+        params["rans_blocks"] = rans_blocks
     return Plan(pipes, attachments, preset, params, encoder_inputs=inputs)
 
 

@@ -38,7 +38,8 @@ __all__ = ["PRESETS", "BASELINE_PREFIX", "Plan", "PresetInfo", "available_preset
            "get_plan", "parse_config", "preset_info"]
 
 BASELINE_PREFIX = "baseline:"
-_LOSSY_KEYS = frozenset({"step0", "sink", "group", "basis", "deadzone", "calibration", "tokenscale", "max_bits"})
+_LOSSY_KEYS = frozenset({"step0", "sink", "group", "basis", "deadzone", "calibration", "tokenscale", "max_bits",
+                         "rans_blocks"})
 _ZSTD_KEYS = frozenset({"level"})
 
 
@@ -130,6 +131,8 @@ _CHECKS: dict[str, tuple[Any, str]] = {
     "basis": (lambda v: v in ("pca", "hadamard"), "'pca' or 'hadamard'"),
     "deadzone": (lambda v: _number(v) and 0 <= v < 0.5, "a number in [0, 0.5)"),
     "max_bits": (lambda v: _int(v) and 1 <= v <= 16, "an integer in [1, 16] (over 8: quantize v2's 16-bit codes)"),
+    "rans_blocks": (lambda v: _int(v) and (v == 0 or (32 <= v <= 1 << 20 and v % 32 == 0)),
+                    "0 (rans v1) or a multiple of 32 in [32, 2**20] (rans v2's block of tokens)"),
     "calibration": (lambda v: v in ("external", "embedded"), "'external' or 'embedded'"),
     "tokenscale": (_tokenscale_ok, "null or an object with keys from window, bits, log2_step, min_log2, power, max_log2, kinds, floor"),
     "level": (_level_ok, "an integer zstd level in [-7, 19]"),

@@ -625,9 +625,65 @@ def write_rans_vectors(directory: Path = RANS_DIR) -> dict:
     return manifest
 
 
+RANS_BANK_DIR = ROOT / "spec" / "vectors" / "rans-v2"
+# explicit banks (freqs, table_of) for v2 vectors coded through encode_banked(..., bank=...)
+_BANK_VECTOR_BANKS = {"bank_tiny": ([[3072, 1024, 0, 0], [0, 0, 2048, 2048]], [[0, 1]])}
+
+
+def _bank_vector_inputs() -> dict[str, tuple[np.ndarray, int | None, int, str]]:
+    """Small, deterministic rans v2 stage inputs (H, T, D), channel group, block_tokens, description."""
+    rng = np.random.default_rng(20261128)
+    tiny = np.zeros((1, 64, 1), np.uint8)
+    tiny[0, :32, 0] = [1 if i in (0, 5, 31) else 0 for i in range(32)]
+    tiny[0, 32:, 0] = [3 if i in (1, 2, 40) else 2 for i in range(32, 64)]
+    scale = np.repeat(rng.uniform(0.3, 5.0, (2, 3)), 32, axis=1)[:, :, None]  # a scale per 32-token block
+    blocks = np.clip(np.abs(np.round(rng.laplace(0, 1, (2, 96, 8)) * scale)) * 2, 0, 63).astype(np.uint8)
+    return {
+        "bank_tiny": (tiny, None, 32, "1 context, 2 blocks of 32 tokens, an explicit bank of 2 tables; spec/rans-v2.md's worked example"),
+        "bank_blocks": (blocks, 4, 32, "2 heads x 2 groups of 4 channels, 3 blocks of 32 tokens whose scale differs; the encoder's bank"),
+        "bank_partial": (np.clip(np.round(rng.laplace(0, 2.0, (1, 70, 3))) + 8, 0, 15).astype(np.uint8), None, 32,
+                         "70 tokens x 3 channels: the last block is partial (6 tokens)"),
+        "bank_one_table": (np.full((2, 40, 4), 5, np.uint8), 2, 32, "one distinct symbol: a bank of one table f = 4096, no words"),
+        "bank_all_symbols": (rng.permutation(np.arange(2048) % 256).astype(np.uint8).reshape(1, 64, 32), 32, 32,
+                             "all 256 symbols: two-byte LEB128 frequencies"),
+        "bank_empty": (np.zeros((2, 0, 8), np.uint8), 4, 32, "no tokens: 4 contexts of 0 symbols, one table f_0 = 4096"),
+    }
+
+
+def write_rans_bank_vectors(directory: Path = RANS_BANK_DIR) -> dict:
+    """Write the rANS v2 vectors (stage inputs + encoded streams + manifest) into an empty directory."""
+    from kvcodec.codecs.rans import RansBankStage
+    from kvcodec.entropy.rans import encode_banked
+
+    _refuse_existing(directory / "manifest.json")
+    directory.mkdir(parents=True, exist_ok=True)
+    manifest: dict[str, Any] = {"format": "rans", "version": 2, "vectors": []}
+    for name, (arr, g, block, desc) in _bank_vector_inputs().items():
+        stage = RansBankStage(channel_group=g, block_tokens=block)
+        bank = _BANK_VECTOR_BANKS.get(name)
+        if bank is None:
+            data, side = stage.encode(arr, ChunkContext())
+            assert not side
+        else:
+            data = encode_banked(to_contexts(arr, g), stage.block_symbols(arr.shape),
+                                 bank=(np.asarray(bank[0], np.uint32), np.asarray(bank[1], np.uint8)))
+        np.save(directory / f"{name}.npy", arr, allow_pickle=False)
+        (directory / f"{name}.bin").write_bytes(data)
+        manifest["vectors"].append({
+            "name": name, "description": desc, "shape": list(arr.shape), "dtype": "uint8",
+            "config": stage.get_config(), "input": f"{name}.npy", "encoded": f"{name}.bin",
+            **({"bank": {"freqs": bank[0], "table_of": bank[1]}} if bank is not None else {}),
+            "encoded_bytes": len(data),
+            "input_sha256": hashlib.sha256(np.ascontiguousarray(arr).tobytes()).hexdigest(),
+            "encoded_sha256": hashlib.sha256(data).hexdigest(),
+        })
+    (directory / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("kind", choices=["kvc", "lossy", "codec", "rans", "edit", "bias", "calibration"])
+    ap.add_argument("kind", choices=["kvc", "lossy", "codec", "rans", "rans2", "edit", "bias", "calibration"])
     g = ap.add_mutually_exclusive_group(required=True)
     g.add_argument("--write", action="store_true", help="write vectors that do not exist yet (never overwrites)")
     g.add_argument("--check", action="store_true", help="kvc only: decode + re-encode every vector and compare")
@@ -650,11 +706,12 @@ def main(argv: list[str] | None = None) -> int:
             write_codec_vectors()
             write_tokenscale_vectors()
         else:
-            for v in write_rans_vectors()["vectors"]:
+            for v in (write_rans_vectors() if args.kind == "rans" else write_rans_bank_vectors())["vectors"]:
                 print(f"{v['name']:16s} {str(tuple(v['shape'])):16s} -> {v['encoded_bytes']:6d} bytes  {v['encoded_sha256'][:16]}")
         return 0
     if args.kind not in ("kvc", "lossy", "edit", "bias", "calibration"):
-        ap.error("--check applies to kvc and lossy (codec and rans vectors are checked by tests/codecs/test_quant.py and tests/codecs/test_rans.py)")
+        ap.error("--check applies to kvc and lossy (codec and rans vectors are checked by tests/codecs/test_quant.py, "
+                 "tests/codecs/test_rans.py and tests/codecs/test_rans_bank.py)")
     problems = {"kvc": check_vectors, "lossy": check_lossy_vectors, "edit": check_edit_vectors,
                 "bias": check_bias_vectors, "calibration": check_calibration_vectors}[args.kind]()
     for p in problems:

@@ -27,8 +27,10 @@ def _vector_stages() -> dict[str, list[dict]]:
     for meta in list((VECTORS / "codec").glob("*/case.json")) + list((VECTORS / "codec").glob("*/vector.json")):
         st = json.loads(meta.read_text())["stage"]
         found.setdefault(st["name"], []).append(st)
-    for v in json.loads((VECTORS / "rans" / "manifest.json").read_text())["vectors"]:
-        found.setdefault("rans", []).append({"name": "rans", "version": 1, "config": v["config"]})
+    for folder in ("rans", "rans-v2"):
+        man = json.loads((VECTORS / folder / "manifest.json").read_text())
+        for v in man["vectors"]:
+            found.setdefault("rans", []).append({"name": "rans", "version": man["version"], "config": v["config"]})
     from kvcodec.format import KvcReader
 
     for v in json.loads((VECTORS / "kvc" / "manifest.json").read_text())["vectors"].values():

@@ -229,3 +229,66 @@ def test_wrong_shape_is_rejected_like_cpu():
     for shape in ((2, 5, 8), (1, 4, 8), (2, 4, 16)):
         cpu, gpu = _err(lambda: _cpu(data, shape)), _err(lambda: _gpu(data, shape))
         assert cpu is not None and cpu == gpu
+
+
+# ---------------------------------------------------------------------- rans v2 (a bank of tables per block)
+
+VEC2 = VEC.parent / "rans-v2"
+
+
+def _v2(arr, g, block):
+    from kvcodec.codecs.rans import RansBankStage
+
+    return RansBankStage(g, block_tokens=block, tables=4).encode(arr, ChunkContext())[0]
+
+
+def test_v2_spec_vectors():
+    from kvcodec.decode.triton.rans_kernel import decode_stage
+
+    man = json.loads((VEC2 / "manifest.json").read_text())
+    for v in man["vectors"]:
+        arr = np.load(VEC2 / v["input"])
+        data = (VEC2 / v["encoded"]).read_bytes()
+        cfg = v["config"]
+        for table in (False, True):
+            out = decode_stage(data, arr.shape, cfg.get("channel_group"), DEV, table=table, block_tokens=cfg["block_tokens"])
+            np.testing.assert_array_equal(out.cpu().numpy(), arr, err_msg=v["name"])
+
+
+@pytest.mark.parametrize("shape,g,block", [((2, 100, 16), 8, 32), ((1, 70, 3), None, 32), ((1, 300, 2), 1, 64),
+                                           ((3, 1, 8), 4, 64), ((2, 0, 8), None, 32)])
+def test_v2_roundtrip_and_mixed_batch(shape, g, block):
+    from kvcodec.decode.triton.rans_kernel import RansItem, decode_stage, decode_streams
+
+    rng = np.random.default_rng(sum(shape))
+    scale = np.repeat(rng.uniform(0.3, 6, (shape[0], shape[1] // 32 + 1)), 32, axis=1)[:, : shape[1], None]
+    arr = np.clip(np.abs(np.round(rng.laplace(0, 1, shape) * scale)) * 2, 0, 60).astype(np.uint8)
+    data = _v2(arr, g, block)
+    for table in (False, True):
+        np.testing.assert_array_equal(decode_stage(data, shape, g, DEV, table=table, block_tokens=block).cpu().numpy(), arr)
+    other = rng.integers(0, 16, (2, 40, 8), dtype=np.uint8)  # a v1 item in the same call
+    items = [RansItem(data, shape, g, block), RansItem(RansStage(8).encode(other, ChunkContext())[0], other.shape, 8),
+             RansItem(data, shape, g, block)]
+    for a, o in zip([arr, other, arr], decode_streams(items, DEV)):
+        np.testing.assert_array_equal(o.cpu().numpy(), a)
+
+
+def test_v2_malformed_like_cpu():
+    from kvcodec.codecs.rans import RansBankStage
+    from kvcodec.decode.triton.rans_kernel import decode_stage
+
+    arr = np.random.default_rng(2).integers(0, 9, (2, 64, 8), dtype=np.uint8)
+    data = bytearray(_v2(arr, 4, 32))
+    st = RansBankStage(4, block_tokens=32, tables=4)
+    rng = np.random.default_rng(3)
+    for _ in range(40):
+        b = bytearray(data)
+        b[int(rng.integers(8, len(b)))] ^= int(rng.integers(1, 256))
+        try:
+            want = st.decode(bytes(b), {}, ArraySpec(arr.shape, "uint8"), ChunkContext())
+        except KvcFormatError as e:
+            with pytest.raises(KvcFormatError) as g:
+                decode_stage(bytes(b), arr.shape, 4, DEV, block_tokens=32)
+            assert str(g.value) == str(e)
+            continue
+        np.testing.assert_array_equal(decode_stage(bytes(b), arr.shape, 4, DEV, block_tokens=32).cpu().numpy(), want)

@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 
 import torch  # noqa: E402
 
-from kvcodec.codecs.rans import RansStage  # noqa: E402
+from kvcodec.codecs.rans import RansBankStage, RansStage  # noqa: E402
 from kvcodec.errors import KvcFormatError, KvcInputError  # noqa: E402
 from kvcodec.decode.registry import gpu_device  # noqa: E402
 from kvcodec.core.stage import ArraySpec, ChunkContext, Pipeline  # noqa: E402
@@ -296,7 +296,7 @@ def test_decode_into_layouts(chunks, small_cache):
 
 
 # --------------------------------------------------------------------------- the fused transform chain
-def _chain(rope_dim=None, sink=4, recent=0, k=24, basis="pca", ts=None, keep_dtype="float16", g=8, step=0.05):
+def _chain(rope_dim=None, sink=4, recent=0, k=24, basis="pca", ts=None, keep_dtype="float16", g=8, step=0.05, bank=0):
     from kvcodec.codecs.keep import KeepStage
     from kvcodec.codecs.quantize import QuantizeStage
     from kvcodec.codecs.rope import RopeStage
@@ -308,7 +308,7 @@ def _chain(rope_dim=None, sink=4, recent=0, k=24, basis="pca", ts=None, keep_dty
     st.append(TransformStage(basis=basis, k=k))
     if ts is not None:
         st.append(ts)
-    st += [QuantizeStage(mode="step", step=step, max_bits=8), RansStage(g)]
+    st += [QuantizeStage(mode="step", step=step, max_bits=8), RansBankStage(g, block_tokens=bank) if bank else RansStage(g)]
     return Pipeline(st)
 
 
@@ -328,7 +328,7 @@ def _ts_inputs(skip: int) -> dict:
 
 @pytest.mark.model
 @pytest.mark.parametrize("case", ["keys", "values", "tokenscale", "recent", "partial_rope", "hadamard_full", "f32", "keep_f32",
-                                  "one_token", "all_kept", "short", "per_head_pos", "group16"])
+                                  "one_token", "all_kept", "short", "per_head_pos", "group16", "rans_v2"])
 def test_fused_chain_bit_exact(case, chunks, pca_attachments):
     """Every shape of the fused chain on real KV: one kernel, bit-identical to Pipeline.decode."""
 
@@ -358,6 +358,9 @@ def test_fused_chain_bit_exact(case, chunks, pca_attachments):
         positions = np.sort(np.random.default_rng(2).choice(9000, size=(8, H, T), replace=False), axis=-1)
     elif case == "group16":
         kw.update(g=16, k=32)
+    elif case == "rans_v2":  # 5 x 16 tokens, blocks of 32 tokens coded with a bank of tables (spec/rans-v2.md)
+        x = np.concatenate([x, x[:, ::-1], 0.5 * x, x, 2 * x], axis=1)
+        kw.update(bank=32, ts=_tokenscale(T, 4))
     pipe = _chain(**kw)
     ctx = ChunkContext(layer=layer, kind=kind, attachments=pca_attachments, token_start=11, positions=positions,
                        encoder=_ts_inputs(4))

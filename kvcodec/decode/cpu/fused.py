@@ -50,6 +50,7 @@ from kvcodec.lru import BoundedLRU, weak
 from kvcodec.core.stage import ArraySpec, ChunkContext, Pipeline, SideData
 from kvcodec.codecs.blocks import channel_blocks
 from kvcodec.decode.cpu.simd import ROW_BLOCKS, f16_bits16, rans16, row
+from kvcodec.entropy.rans import _slot_table
 
 __all__ = ["supports", "decode", "rope_tables_cached", "f32_to_f16_bits", "HEAD_DIMS"]
 
@@ -97,13 +98,16 @@ def f32_to_f16_bits(x, out):  # pragma: no cover - numba
 
 
 @njit(cache=True, nogil=True)
-def _decode_kernel(freqs, cums, states, n_symbols, word_start, n_words, words, nwords, g,
+def _decode_kernel(freqs, cums, table_of, bsyms, tabs, states, n_symbols, word_start, n_words, words, nwords, g,
                    stepf, lim, bt, bh, use_h, mean, kept, n_sink, n_recent, tscale, has_ts,
                    rope_dim, cos, sin, out16, out32, want16, ybuf, wide, hbuf, dense8, plist, pcnt):  # pragma: no cover - numba
     """Whole chunk. ``wide``: quantize v2, whose rANS contexts code 2K byte channels (high bytes
     of the K coefficient channels, then the low bytes): the high plane decodes into ``hbuf`` and
     the low plane into ``ybuf`` (as unzigzag(byte), step 1), then each code ``s = hi << 8 | lo``
     is checked against its bit width and dequantized in place, ``f32(unzigzag(s)) * step``.
+    freqs / cums [n_tables, A], table_of [C, nb], bsyms: the stream's tables and which one codes each block of
+    ``bsyms`` symbols of a context (rans v1: table c for all of context c); tabs: slot tables [n_tables, M] built once
+    (rans v2's bank) or [1, M] rebuilt whenever the table changes (v1).
     words: uint32 (the stream's 16-bit words, widened) with 16 zero words after the ``nwords`` of the stream; g in
     {1, 2, 4, 8} or a multiple of 16; bt [H, K, D] (basis transposed, D in HEAD_DIMS) float32 and,
     with use_h, bh: the same values as float16 bits (the rows then read those), mean [H, D],
@@ -120,7 +124,13 @@ def _decode_kernel(freqs, cums, states, n_symbols, word_start, n_words, words, n
     for t in range(Tc):  # ybuf: scratch coefficient rows of kp; columns K..kp must read 0
         for k in range(K, kp):
             ybuf[t * kp + k] = 0.0
-    tab = np.empty(_M, dtype=np.uint32)
+    cache_all = tabs.shape[0] > 1 or freqs.shape[0] == 1
+    if cache_all:
+        for t in range(freqs.shape[0]):
+            _slot_table(freqs, cums, t, tabs[t])
+    tab = tabs[0]
+    cur = 0 if cache_all else -1
+    ntb = table_of.shape[1]
     st = np.empty(_LANES, dtype=np.uint32)
     stepv = np.empty(P, dtype=np.float32)
     limv = np.empty(P, dtype=np.int32)
@@ -133,7 +143,6 @@ def _decode_kernel(freqs, cums, states, n_symbols, word_start, n_words, words, n
     o16, o32 = out16.reshape(-1), out32.reshape(-1)
     plf, pcf = plist.reshape(-1), pcnt.reshape(-1)
     nbk = pcnt.shape[1]
-    A = freqs.shape[1]
     nctx_h = (2 * K if wide else K) // g
     nplane = K // g  # contexts per byte plane (wide)
     vec_rope = 1 if rope_dim == D and nb % 2 == 0 else 0  # odd nb: D/2 mid-vector, scalar rotation
@@ -144,12 +153,6 @@ def _decode_kernel(freqs, cums, states, n_symbols, word_start, n_words, words, n
             c = h * nctx_h + j
             hi_plane = wide and j < nplane
             yb = hbuf if hi_plane else ybuf
-            for s in range(A):
-                f = np.int64(freqs[c, s])
-                e = np.uint32(s | ((f - 1) << 8))
-                cm = np.int64(cums[c, s])
-                for k in range(f):
-                    tab[cm + k] = e | np.uint32(k << 20)
             for k in range(_LANES):
                 st[k] = np.uint32(states[c, k])
             c0 = (j % nplane if wide else j) * g
@@ -165,18 +168,28 @@ def _decode_kernel(freqs, cums, states, n_symbols, word_start, n_words, words, n
             col = 0
             yrow = c0
             rstep = (16 // g) * kp if g < 16 else kp
-            for m in range(ng):
-                if p > nwords:
-                    return 1
-                p = rans16(st, (m & 1) * 16, tab, words, p, stepv, limv, col, bad, yb, yrow + col, g, kp)
-                if g >= 16:
-                    col += 16
-                    if col == g:
-                        col = 0
+            m = 0
+            for b in range(ntb):  # blocks of bsyms symbols (a multiple of 32 when there are several)
+                t = table_of[c, b]
+                if cache_all:
+                    tab = tabs[t]
+                elif t != cur:
+                    _slot_table(freqs, cums, t, tab)
+                    cur = t
+                mend = min(ng, (b + 1) * bsyms // 16)
+                while m < mend:
+                    if p > nwords:
+                        return 1
+                    p = rans16(st, (m & 1) * 16, tab, words, p, stepv, limv, col, bad, yb, yrow + col, g, kp)
+                    if g >= 16:
+                        col += 16
+                        if col == g:
+                            col = 0
+                            yrow += rstep
+                    else:
                         yrow += rstep
-                else:
-                    yrow += rstep
-            for i in range(ng * 16, n):  # the last n % 16 symbols, one by one
+                    m += 1
+            for i in range(ng * 16, n):  # the last n % 16 symbols, one by one (all in the last block: tab is its table)
                 lane = i & (_LANES - 1)
                 x = np.int64(st[lane])
                 e = np.int64(tab[x & (_M - 1)])
@@ -502,7 +515,9 @@ def _lossy(pipeline: Pipeline, ch: Any, payload: Any, sides: list[SideData], spe
     n_y = Tc * (-(-K // 16) * 16)
     ybuf = _scratch(n_y)
     hbuf = np.empty(n_y, np.float32) if wide else _EMPTY1
-    code = _decode_kernel(stream.freqs, stream.cums, stream.states, stream.n_symbols, stream.word_start, stream.n_words,
+    tabs = np.empty((stream.freqs.shape[0] if stream.version == 2 else 1, _M), np.uint32)
+    code = _decode_kernel(stream.freqs, stream.cums, stream.table_of, stream.block_symbols, tabs, stream.states,
+                          stream.n_symbols, stream.word_start, stream.n_words,
                           words, nwords, g, stepf, lim, mats.bt, _EMPTY3U if mats.bh is None else mats.bh, int(mats.bh is not None),
                           mats.mean, kept, n_sink, n_recent, tscale, has_ts, rope_dim, cos, sin, o16, o32, want16, ybuf, wide,
                           hbuf, DENSE_OF_8, mats.plist, mats.pcnt)

@@ -103,7 +103,7 @@ def _decode(pipeline: Any, payload: Any, sides: list[dict[str, np.ndarray]], siz
     write into it when the fused kernel runs and return None, else return the decoded tensor."""
     import torch
 
-    from kvcodec.codecs.rans import RansStage
+    from kvcodec.codecs.rans import RansBankStage, RansStage
     from kvcodec.decode.chain import match_chain
     from kvcodec.decode.triton.dequant_kernels import GPU_STAGES
 
@@ -125,7 +125,8 @@ def _decode(pipeline: Any, payload: Any, sides: list[dict[str, np.ndarray]], siz
             raise KvcFormatError(f"codec 'rans' has no side data, got {sorted(sides[n_arr])}")
         from kvcodec.decode.triton.rans_kernel import decode_stage
 
-        x = decode_stage(np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray) else data, specs[-1].shape, bs.channel_group, device)
+        x = decode_stage(np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray) else data, specs[-1].shape,
+                         bs.channel_group, device, block_tokens=bs.block_tokens if isinstance(bs, RansBankStage) else None)
     else:
         trace.append(f"cpu:{bs.name}")
         x = torch.from_numpy(np.ascontiguousarray(bs.decode(data, sides[n_arr], specs[-1], ctx))).to(device)

@@ -51,9 +51,10 @@ def _variants() -> list[tuple[str, str, object, dict, dict, dict]]:
     k = kernels(interpret=False)
     out = []
     rans_sig = {
-        "fc_ptr": "*i32", "tab_ptr": "*i32", "state_ptr": "*i32", "nsym_ptr": "*i32", "nwords_ptr": "*i32",
-        "wstart_ptr": "*i64", "obase_ptr": "*i64", "words_ptr": "*i16", "out_ptr": "*u8", "err_ptr": "*i32",
-        "C": "i32", "A": "i32", "G": "i32", "ROW": "i32", "LOG2A": "constexpr", "TABLE": "constexpr", "CB": "constexpr",
+        "fc_ptr": "*i32", "tab_ptr": "*i32", "tsel_ptr": "*i32", "tbase_ptr": "*i64", "state_ptr": "*i32",
+        "nsym_ptr": "*i32", "nwords_ptr": "*i32", "wstart_ptr": "*i64", "obase_ptr": "*i64", "words_ptr": "*i16",
+        "out_ptr": "*u8", "err_ptr": "*i32", "C": "i32", "A": "i32", "G": "i32", "ROW": "i32", "BSYM": "i32",
+        "LOG2A": "constexpr", "TABLE": "constexpr", "CB": "constexpr",
     }
     for table in (False, True):
         for log2a in ((4, 8) if not table else (8,)):

@@ -71,8 +71,10 @@ _E_FINAL = tl.constexpr(K.E_FINAL_STATE)
 
 
 def _rans_decode_kernel(
-    fc_ptr,  # int32 [C, A]: freq | cum << 16 (TABLE=False)
-    tab_ptr,  # int32 [C, 4096]: sym | (f-1) << 8 | (slot-cum) << 20 (TABLE=True)
+    fc_ptr,  # int32 [n_tables, A]: freq | cum << 16 (TABLE=False)
+    tab_ptr,  # int32 [n_tables, 4096]: sym | (f-1) << 8 | (slot-cum) << 20 (TABLE=True)
+    tsel_ptr,  # int32 [*]: table of each (context, block); context c's blocks start at tbase_ptr[c]
+    tbase_ptr,  # int64 [C]
     state_ptr,  # int32 [C, 32] (bit pattern of uint32 states)
     nsym_ptr,  # int32 [C]
     nwords_ptr,  # int32 [C]
@@ -85,6 +87,7 @@ def _rans_decode_kernel(
     A,  # alphabet size (table length)
     G,  # symbols per row of a context in the output (channel group)
     ROW,  # output stride between consecutive rows of a context (D)
+    BSYM,  # symbols per block (rans v2: a multiple of 32, so a step lies in one block; v1: >= every context's)
     LOG2A: tl.constexpr,  # ceil(log2(A))
     TABLE: tl.constexpr,
     CB: tl.constexpr,
@@ -99,17 +102,19 @@ def _rans_decode_kernel(
     nw = tl.load(nwords_ptr + ctx, mask=cmask, other=0)
     wst = tl.load(wstart_ptr + ctx, mask=cmask, other=0)
     obase = tl.load(obase_ptr + ctx, mask=cmask, other=0)
-    if TABLE:
-        tbase = ctx64 * _M
-        fc0 = tl.zeros([CB], dtype=tl.uint32)
-    else:
-        tbase = ctx64 * A
-        fc0 = tl.load(fc_ptr + tbase, mask=cmask, other=0).to(tl.uint32, bitcast=True)
+    tsb = tl.load(tbase_ptr + ctx, mask=cmask, other=0)
     steps = tl.max((n + _LANES - 1) // _LANES, axis=0)
     p = tl.zeros([CB], dtype=tl.int32)
     for j in range(0, steps):
         idx = j * _LANES + lanes[None, :]  # [1, 32] symbol index within the context
         active = idx < n[:, None]  # [CB, 32]
+        tid = tl.load(tsel_ptr + tsb + (j * _LANES) // BSYM, mask=cmask & (j * _LANES < n), other=0).to(tl.int64)
+        if TABLE:
+            tbase = tid * _M
+            fc0 = tl.zeros([CB], dtype=tl.uint32)
+        else:
+            tbase = tid * A
+            fc0 = tl.load(fc_ptr + tbase, mask=cmask, other=0).to(tl.uint32, bitcast=True)
         slot = x & _SLOT
         if TABLE:
             e = tl.load(tab_ptr + tbase[:, None] + slot.to(tl.int32), mask=active, other=0).to(tl.uint32, bitcast=True)
@@ -145,8 +150,8 @@ def _rans_decode_kernel(
 
 
 def _build_table_kernel(
-    fc_ptr,  # int32 [C, A]: freq | cum << 16
-    tab_ptr,  # int32 [C, 4096] out
+    fc_ptr,  # int32 [n_tables, A]: freq | cum << 16
+    tab_ptr,  # int32 [n_tables, 4096] out
     A,
     LOG2A: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -200,25 +205,32 @@ def kernels(interpret: bool | None = None) -> dict[str, object]:
 
 @dataclass
 class RansItem:
-    """One rANS stage payload to decode: the stream, the (H, T, D) shape and channel group."""
+    """One rANS stage payload to decode: the stream, the (H, T, D) shape, channel group and, for a rans v2
+    stream, its block of tokens (None: v1)."""
 
     data: bytes | memoryview | np.ndarray
     shape: tuple[int, int, int]
     channel_group: int | None = None
+    block_tokens: int | None = None
+
+
+_V1_BLOCK = 2**31 - 1  # a v1 context is one block (contexts of 2**31 - 64 symbols or more are refused)
 
 
 def _log2ceil(a: int) -> int:
     return max(0, (int(a) - 1).bit_length())
 
 
-def _stage_counts(shape: tuple[int, int, int], g: int | None) -> tuple[int, int, int]:
-    """(n_contexts, symbols per context, g) exactly as RansStage computes them."""
-    from kvcodec.codecs.rans import RansStage
+def _parse(it: RansItem) -> tuple[rans.RansStream, int, int, int]:
+    """The item's stream validated exactly as its CPU stage does, and (n_contexts, symbols per context, g)."""
+    from kvcodec.codecs.rans import RansBankStage, RansStage
+    from kvcodec.core.stage import ArraySpec
 
-    st = RansStage(channel_group=g)
-    H, T, D = st._check_spec(shape, np.uint8)
+    g = it.channel_group
+    st = RansStage(channel_group=g) if it.block_tokens is None else RansBankStage(g, block_tokens=it.block_tokens)
+    H, T, D = st._check_spec(it.shape, np.uint8)
     n_ctx, n_sym = st.expected_counts((H, T, D))
-    return n_ctx, n_sym, (D if g is None else int(g))
+    return st.parse(it.data, ArraySpec((H, T, D), "uint8")), n_ctx, n_sym, (D if g is None else int(g))
 
 
 def choose_lookup(alphabet: int, symbols_per_context: int) -> bool:
@@ -251,8 +263,7 @@ def decode_streams(
     streams: list[rans.RansStream] = []
     metas = []
     for it in items:
-        n_ctx, n_sym, g = _stage_counts(tuple(it.shape), it.channel_group)
-        st = rans.parse_header(it.data, n_ctx, n_sym)  # same validation + errors as the CPU path
+        st, n_ctx, n_sym, g = _parse(it)  # same validation + errors as the CPU path
         if n_sym >= 2**31 - 64 or int(st.n_words.max(initial=0)) >= 2**31:
             raise KvcFormatError("rans: context too large for the GPU decoder")
         streams.append(st)
@@ -265,26 +276,33 @@ def decode_streams(
         for it, o in zip(items, outs):
             if tuple(o.shape) != tuple(it.shape) or o.dtype != torch.uint8 or not o.is_contiguous():
                 raise KvcBackendError(f"rans: output must be a contiguous uint8 tensor of shape {tuple(it.shape)}")
-    # group items by (alphabet, G, D, lookup) -> one launch each
-    groups: dict[tuple[int, int, int, bool], list[int]] = {}
+    # group items by (alphabet, G, D, lookup, block) -> one launch each (v1: one block per context)
+    groups: dict[tuple[int, int, int, bool, int], list[int]] = {}
     for i, (st, (n_ctx, n_sym, g)) in enumerate(zip(streams, metas)):
         if n_ctx == 0 or n_sym == 0:
             continue
         D = int(items[i].shape[2])
         use_table = choose_lookup(st.alphabet, n_sym) if table is None else bool(table)
-        groups.setdefault((st.alphabet, g, D, use_table), []).append(i)
+        bsym = st.block_symbols if st.version == 2 else _V1_BLOCK
+        groups.setdefault((st.alphabet, g, D, use_table, bsym), []).append(i)
     errors: dict[int, tuple[int, int]] = {}
     k = kernels()
-    for (A, g, D, use_table), idxs in groups.items():
+    for (A, g, D, use_table, bsym), idxs in groups.items():
         # one flat output buffer per group; per-context base offsets place every symbol
-        fc_l, st_l, ns_l, nw_l, ws_l, ob_l, words_l = [], [], [], [], [], [], []
+        fc_l, st_l, ns_l, nw_l, ws_l, ob_l, words_l, ts_l, tb_l = [], [], [], [], [], [], [], [], []
         word_off = 0
         out_off = 0
+        n_tables = 0
+        n_sel = 0
         for i in idxs:
             st = streams[i]
             H, T, _ = items[i].shape
             fc = (st.freqs.astype(np.int64) | (st.cums.astype(np.int64) << K.FC_CUM_SHIFT)).astype(np.int32)
             fc_l.append(fc)
+            ts_l.append(st.table_of.reshape(-1) + n_tables)
+            tb_l.append(n_sel + np.arange(st.n_contexts, dtype=np.int64) * st.table_of.shape[1])
+            n_tables += fc.shape[0]
+            n_sel += st.table_of.size
             st_l.append(st.states.view(np.int32))
             ns_l.append(st.n_symbols)
             nw_l.append(st.n_words)
@@ -297,7 +315,7 @@ def decode_streams(
             word_off += w.size
             out_off += H * T * D
         fc_h = np.ascontiguousarray(np.concatenate(fc_l))
-        n_ctx_total = fc_h.shape[0]
+        n_ctx_total = sum(streams[i].n_contexts for i in idxs)
         to = lambda a, dt: torch.from_numpy(np.ascontiguousarray(np.concatenate(a)).astype(dt, copy=False)).to(device)  # noqa: E731
         fc_d = torch.from_numpy(fc_h).to(device)
         states_d = to(st_l, np.int32)
@@ -305,6 +323,8 @@ def decode_streams(
         nw_d = to(nw_l, np.int32)
         ws_d = to(ws_l, np.int64)
         ob_d = to(ob_l, np.int64)
+        tsel_d = to(ts_l, np.int32)
+        tbase_d = to(tb_l, np.int64)
         words_d = to(words_l, np.int16) if word_off else torch.zeros(1, dtype=torch.int16, device=device)
         if given and len(idxs) == 1:
             out_buf = outs[idxs[0]].view(-1)
@@ -312,15 +332,16 @@ def decode_streams(
             out_buf = torch.empty(out_off, dtype=torch.uint8, device=device)
         err_d = torch.zeros(n_ctx_total, dtype=torch.int32, device=device)
         log2a = _log2ceil(A)
-        tab_d = torch.empty((n_ctx_total, K.PROB_SCALE), dtype=torch.int32, device=device) if use_table else fc_d
+        tab_d = torch.empty((n_tables, K.PROB_SCALE), dtype=torch.int32, device=device) if use_table else fc_d
 
-        def run(fc_d=fc_d, tab_d=tab_d, states_d=states_d, ns_d=ns_d, nw_d=nw_d, ws_d=ws_d, ob_d=ob_d, words_d=words_d,
-                out_buf=out_buf, err_d=err_d, n=n_ctx_total, A=A, g=g, D=D, log2a=log2a, use_table=use_table):
+        def run(fc_d=fc_d, tab_d=tab_d, tsel_d=tsel_d, tbase_d=tbase_d, states_d=states_d, ns_d=ns_d, nw_d=nw_d,
+                ws_d=ws_d, ob_d=ob_d, words_d=words_d, out_buf=out_buf, err_d=err_d, n=n_ctx_total, nt=n_tables, A=A,
+                g=g, D=D, bsym=bsym, log2a=log2a, use_table=use_table):
             if use_table:
-                k["build_table"][(n, K.PROB_SCALE // 1024)](fc_d, tab_d, A, LOG2A=log2a, BLOCK=1024, num_warps=4)
+                k["build_table"][(nt, K.PROB_SCALE // 1024)](fc_d, tab_d, A, LOG2A=log2a, BLOCK=1024, num_warps=4)
             k["rans_decode"][(triton.cdiv(n, cb),)](
-                fc_d, tab_d, states_d, ns_d, nw_d, ws_d, ob_d, words_d, out_buf, err_d,
-                n, A, g, D, LOG2A=log2a, TABLE=use_table, CB=cb, num_warps=cb,
+                fc_d, tab_d, tsel_d, tbase_d, states_d, ns_d, nw_d, ws_d, ob_d, words_d, out_buf, err_d,
+                n, A, g, D, bsym, LOG2A=log2a, TABLE=use_table, CB=cb, num_warps=cb,
             )
 
         run()
@@ -360,6 +381,9 @@ def decode_stage(
     device: torch.device | str,
     out: torch.Tensor | None = None,
     table: bool | None = None,
+    block_tokens: int | None = None,
 ) -> torch.Tensor:
-    """GPU equivalent of ``RansStage(channel_group).decode(data, {}, ArraySpec(shape, "uint8"), ctx)``."""
-    return decode_streams([RansItem(data, tuple(shape), channel_group)], device, None if out is None else [out], table=table)[0]
+    """GPU equivalent of ``RansStage(channel_group).decode(data, {}, ArraySpec(shape, "uint8"), ctx)`` (with
+    ``block_tokens``: of ``RansBankStage(channel_group, block_tokens)``'s)."""
+    return decode_streams([RansItem(data, tuple(shape), channel_group, block_tokens)], device,
+                          None if out is None else [out], table=table)[0]
