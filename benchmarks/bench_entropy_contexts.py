@@ -4,7 +4,7 @@
     python benchmarks/bench_entropy_contexts.py --quick
 
 Each text's first ``--tokens`` tokens are encoded with ``--preset`` (rate-controlled, as ``kvc encode`` does)
-on the model; the rANS symbols of every chunk are read back from the file, and each alternative coding is
+on the model, entropy coded with rans v1 (``--config '{"rans_blocks": 0}'``); the rANS symbols of every chunk are read back from the file, and each alternative coding is
 charged against what the file spends today on the same symbols: the rANS payload plus its stored tables
 (rans v1: one 12-bit table per context, a context being (head, 8 coefficient channels) over all the chunk's
 tokens; ``kvcodec.entropy.rans.size_breakdown``). Lane flushes and headers are the same in every
@@ -25,8 +25,9 @@ The alternatives, each split of a context into ``blocks`` of B consecutive token
 * ``ideal ...``: each split's own empirical entropy with free tables, the bound no bank reaches.
 
 Ratios below 1 are savings. Last, the one that was built: each text encoded again with ``rans`` v2
-(``--config '{"rans_blocks": 128}'``, spec/rans-v2.md: the chunk-bank coding above, K <= 8, plus v2's smaller
-header) and the two whole files compared in bits per K+V element; the decoded caches must be identical.
+(``--config '{"rans_blocks": 128}'``, the presets' default since it was built; spec/rans-v2.md: the chunk-bank
+coding above with K <= 8 tables merged while that shortens the stream, and v2's smaller header) and the two whole
+files compared in bits per K+V element; the decoded caches must be identical.
 """
 
 from __future__ import annotations
@@ -189,13 +190,13 @@ def study(chunks: list[Chunk], train: list[Chunk], blocks: list[int], ks: list[i
 
 
 def encode(text: str, model: str, tokens: int, preset: str, out: Path, rans_blocks: int = 0) -> tuple[Path, int]:
-    """The text's first ``tokens`` tokens encoded with ``preset`` (rans v2 with ``rans_blocks``; cached by name in
-    ``out``), and the K+V elements its rate is charged against."""
-    path = out / f"{model}-{text}-{tokens}-{preset}{f'-b{rans_blocks}' if rans_blocks else ''}.kvc"
+    """The text's first ``tokens`` tokens encoded with ``preset``, entropy coded with rans v1 (``rans_blocks`` 0)
+    or v2 (cached by name in ``out``), and the K+V elements its rate is charged against."""
+    path = out / f"{model}-{text}-{tokens}-{preset}-b{rans_blocks}.kvc"
     meta = path.with_suffix(".json")
     if not path.exists() or not meta.exists():
         e = kvcodec.encode(None, str(path), preset=preset, model=model, text=load_text(text), max_tokens=tokens,
-                           overrides={"rans_blocks": rans_blocks} if rans_blocks else None)
+                           overrides={"rans_blocks": rans_blocks})
         meta.write_text(json.dumps({"kv_elements": e.kv_elements}))
     return path, int(json.loads(meta.read_text())["kv_elements"])
 

@@ -252,25 +252,26 @@ def decode_chunk(
 
 def _warm_pipelines() -> list[tuple[list[dict[str, Any]], str]]:
     """One pipeline per CPU decode path a file can take: lossless float16/float32 (shuffled); lossy float16 with
-    quantize v1 and v2, keys (RoPE) and values (none); lossy float32. Kept rows and tokenscale included: numba
-    keys its machine code on the argument types, so each of these loads a signature real files use."""
+    quantize v1 and v2, keys (RoPE) and values (none); lossy float32; rans v2 (today's lossy files) and v1 (files
+    written before 2026-11-28). Kept rows and tokenscale included: numba keys its machine code on the argument
+    types, so each of these loads a signature real files use."""
     def lossless(es: int) -> list[dict[str, Any]]:
         return [{"name": "raw", "version": 1, "config": {}},
                 {"name": "shuffle", "version": 1, "config": {"elementsize": es}},
                 {"name": "zstd", "version": 1, "config": {"level": 3}}]
 
-    def lossy(qv: int, dtype: str, rope: bool = True) -> list[dict[str, Any]]:
+    def lossy(qv: int, dtype: str, rope: bool = True, rv: int = 2) -> list[dict[str, Any]]:
         q = {"mode": "step", "step": 0.5, "max_bits": 8} if qv == 1 else {"step": 0.5, "max_bits": 12}
         return ([{"name": "rope", "version": 1, "config": {"theta": 10000.0, "dim": 64}}] if rope else []) + [
                 {"name": "keep", "version": 1, "config": {"sink": 1, "recent": 0, "dtype": dtype}},
                 {"name": "transform", "version": 1, "config": {"basis": "hadamard", "k": 64}},
                 {"name": "tokenscale", "version": 1, "config": {"bits": 4}},
                 {"name": "quantize", "version": qv, "config": q},
-                {"name": "rans", "version": 1, "config": {"channel_group": 8}}]
+                {"name": "rans", "version": rv, "config": {"channel_group": 8, **({"block_tokens": 32} if rv == 2 else {})}}]
 
     return [(lossless(2), "float16"), (lossless(4), "float32"), (lossy(1, "float16"), "float16"),
             (lossy(1, "float16", rope=False), "float16"), (lossy(2, "float16"), "float16"),
-            (lossy(1, "float32"), "float32")]
+            (lossy(1, "float32"), "float32"), (lossy(1, "float16", rv=1), "float16")]
 
 
 def warm_cpu() -> None:

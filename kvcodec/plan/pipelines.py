@@ -108,10 +108,16 @@ def token_classes(importance: np.ndarray, sink: int, opts: dict[str, Any]) -> tu
     return classes, table
 
 
+# rans v2 (spec/rans-v2.md) with a table chosen per block of 128 tokens from a bank shared by the chunk's
+# contexts: the same symbols in 9-10 % fewer bits than v1 on balanced / small, 1.4 % on near-lossless
+# (benchmarks/BENCHMARKS.md, "Entropy contexts"); it changes bits only, never the decoded cache
+RANS_BLOCKS = 128
+
+
 def transform_plan(cache: Any, step0: float, sink: int = 4, group: int = 8, cal: Calibration | None = None,
                    calibration: str = "external", basis: str = "pca", preset: str = "custom", deadzone: float = 0.0,
                    lm: Any = None, tokenscale: dict[str, Any] | None = None, importance: np.ndarray | None = None,
-                   max_bits: int = 8, rans_blocks: int = 0) -> Plan:
+                   max_bits: int = 8, rans_blocks: int = RANS_BLOCKS) -> Plan:
     """The transform-codec plan at rate knob ``step0``.
 
     ``calibration``: "external" (reference the per-model calibration by sha256),
@@ -119,7 +125,7 @@ def transform_plan(cache: Any, step0: float, sink: int = 4, group: int = 8, cal:
     ``max_bits`` over 8 codes with ``quantize`` v2 (16-bit codes as two byte planes; the
     fused fast decoders take only v1, so such files decode stage by stage). ``rans_blocks`` > 0 codes the
     symbols with ``rans`` v2, a bank of tables shared by a chunk's contexts, one chosen per block of that many
-    tokens (spec/rans-v2.md); 0 keeps v1's table per context.
+    tokens (spec/rans-v2.md; :data:`RANS_BLOCKS` by default); 0 codes them with v1's table per context.
     """
     from kvcodec.codecs.rans import RansBankStage, RansStage
 
@@ -189,11 +195,9 @@ def transform_plan(cache: Any, step0: float, sink: int = 4, group: int = 8, cal:
 
     params = {"step0": step0, "sink": sink, "group": group, "calibration": calibration if basis == "pca" else "none",
               "basis": basis, "deadzone": deadzone,
-              "tokenscale": ts_opts}
+              "tokenscale": ts_opts, "rans_blocks": rans_blocks}
     if max_bits != 8:  # recorded only where it differs: files of 8-bit plans keep their bytes
         params["max_bits"] = max_bits
-    if rans_blocks:
-        params["rans_blocks"] = rans_blocks
     return Plan(pipes, attachments, preset, params, encoder_inputs=inputs)
 
 

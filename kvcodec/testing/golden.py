@@ -611,18 +611,21 @@ def write_rans_vectors(directory: Path = RANS_DIR) -> dict:
             assert not side
         else:
             data = encode_contexts(to_contexts(arr, g), np.asarray(freqs, dtype=np.uint32))
-        np.save(directory / f"{name}.npy", arr, allow_pickle=False)
-        (directory / f"{name}.bin").write_bytes(data)
-        manifest["vectors"].append({
-            "name": name, "description": desc, "shape": list(arr.shape), "dtype": "uint8",
-            "config": stage.get_config(), "input": f"{name}.npy", "encoded": f"{name}.bin",
-            **({"freqs": freqs} if freqs is not None else {}),
-            "encoded_bytes": len(data),
-            "input_sha256": hashlib.sha256(np.ascontiguousarray(arr).tobytes()).hexdigest(),
-            "encoded_sha256": hashlib.sha256(data).hexdigest(),
-        })
+        manifest["vectors"].append(_rans_vector(directory, name, desc, arr, data, stage.get_config(),
+                                                {"freqs": freqs} if freqs is not None else {}))
     (directory / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
+
+
+def _rans_vector(directory: Path, name: str, desc: str, arr: np.ndarray, data: bytes, config: dict,
+                 extra: dict) -> dict[str, Any]:
+    """Write one rANS vector's input and stream; its manifest entry (``extra``: an explicit table or bank)."""
+    np.save(directory / f"{name}.npy", arr, allow_pickle=False)
+    (directory / f"{name}.bin").write_bytes(data)
+    return {"name": name, "description": desc, "shape": list(arr.shape), "dtype": "uint8", "config": config,
+            "input": f"{name}.npy", "encoded": f"{name}.bin", **extra, "encoded_bytes": len(data),
+            "input_sha256": hashlib.sha256(np.ascontiguousarray(arr).tobytes()).hexdigest(),
+            "encoded_sha256": hashlib.sha256(data).hexdigest()}
 
 
 RANS_BANK_DIR = ROOT / "spec" / "vectors" / "rans-v2"
@@ -667,16 +670,8 @@ def write_rans_bank_vectors(directory: Path = RANS_BANK_DIR) -> dict:
         else:
             data = encode_banked(to_contexts(arr, g), stage.block_symbols(arr.shape),
                                  bank=(np.asarray(bank[0], np.uint32), np.asarray(bank[1], np.uint8)))
-        np.save(directory / f"{name}.npy", arr, allow_pickle=False)
-        (directory / f"{name}.bin").write_bytes(data)
-        manifest["vectors"].append({
-            "name": name, "description": desc, "shape": list(arr.shape), "dtype": "uint8",
-            "config": stage.get_config(), "input": f"{name}.npy", "encoded": f"{name}.bin",
-            **({"bank": {"freqs": bank[0], "table_of": bank[1]}} if bank is not None else {}),
-            "encoded_bytes": len(data),
-            "input_sha256": hashlib.sha256(np.ascontiguousarray(arr).tobytes()).hexdigest(),
-            "encoded_sha256": hashlib.sha256(data).hexdigest(),
-        })
+        manifest["vectors"].append(_rans_vector(directory, name, desc, arr, data, stage.get_config(),
+                                                {"bank": {"freqs": bank[0], "table_of": bank[1]}} if bank is not None else {}))
     (directory / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 

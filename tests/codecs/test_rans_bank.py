@@ -237,7 +237,7 @@ def test_fused_decoder_on_a_real_v2_file(tmp_path, lm):
     for blocks in (0, 32):
         files[blocks] = tmp_path / f"b{blocks}.kvc"
         kvcodec.encode(None, files[blocks], preset="balanced", model=lm, text=text, max_tokens=200,
-                       overrides={"rans_blocks": blocks} if blocks else None)
+                       overrides={"rans_blocks": blocks})
     with kvcodec.open(str(files[32])) as r, kvcodec.open(str(files[0])) as r1:
         for j in range(r.num_chunks):
             pipeline, payload, sides, sizes, spec, ctx = r.chunk_inputs(j)
