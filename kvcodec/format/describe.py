@@ -12,8 +12,10 @@ from kvcodec.rate import PruneRecord, bits_per_element, context_tokens
 
 
 def _stage_str(s: Any) -> str:
+    """``name(config)``; a version after the first is named (``rans v2(...)``): two versions read differently."""
     cfg = s.get_config()
-    return s.name + ("(" + ", ".join(f"{k}={v}" for k, v in sorted(cfg.items())) + ")" if cfg else "")
+    name = s.name if s.version == 1 else f"{s.name} v{s.version}"
+    return name + ("(" + ", ".join(f"{k}={v}" for k, v in sorted(cfg.items())) + ")" if cfg else "")
 
 
 def pipeline_str(p: Any) -> str:
