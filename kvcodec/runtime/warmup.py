@@ -75,6 +75,11 @@ def warm(model: str = "smollm2", tokens: int = 64) -> dict[str, float]:
             lm.model(input_ids=torch.as_tensor(q)[None], past_key_values=loaded.cache,
                      position_ids=torch.tensor([[loaded.next_position]]), use_cache=True, logits_to_keep=1)
         out[f"{preset}_s"] = time.perf_counter() - t1
+    from kvcodec.decode.registry import warm_cpu
+
+    t1 = time.perf_counter()
+    warm_cpu()  # every decode path a KDN worker warms, files of older versions included (rans v1: no preset writes it)
+    out["paths_s"] = time.perf_counter() - t1
     out["total_s"] = time.perf_counter() - t0
     return out
 
