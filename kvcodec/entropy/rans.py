@@ -128,6 +128,12 @@ def _pad4(n: int) -> int:
     return (n + 3) & ~3
 
 
+def _check_tables(freqs: np.ndarray) -> None:
+    """Explicit tables given to an encoder (golden vectors): every row a valid 12-bit table."""
+    if (freqs < 0).any() or (freqs > PROB_SCALE).any() or (freqs.sum(axis=1) != PROB_SCALE).any():
+        raise ValueError("every frequency table must hold values in [0, 4096] summing to 4096")
+
+
 def _own_tables(C: int) -> np.ndarray:
     """v1's table map: context ``c`` codes all its symbols with table ``c``."""
     return np.arange(C, dtype=np.int64).reshape(C, 1)
@@ -155,8 +161,7 @@ def encode_contexts(symbols: np.ndarray, freqs: np.ndarray | None = None) -> byt
         freqs = np.ascontiguousarray(np.asarray(freqs).astype(np.int64))
         if freqs.ndim != 2 or freqs.shape[0] != C or not (A <= freqs.shape[1] <= 256):
             raise ValueError(f"freqs must be [C={C}, A] with {A} <= A <= 256, got {freqs.shape}")
-        if (freqs < 0).any() or (freqs > PROB_SCALE).any() or (freqs.sum(axis=1) != PROB_SCALE).any():
-            raise ValueError("every frequency table must hold values in [0, 4096] summing to 4096")
+        _check_tables(freqs)
         if (counts[:, : freqs.shape[1]][freqs[:, :A] == 0] > 0).any():
             raise ValueError("a symbol with frequency 0 occurs in its context")
         # A = highest symbol with a nonzero frequency in some context + 1 (canonical)
@@ -220,8 +225,7 @@ def encode_banked(symbols: np.ndarray, block_symbols: int, max_tables: int = 8,
         K = freqs.shape[0] if freqs.ndim == 2 else 0
         if not (1 <= K <= MAX_TABLES) or not 1 <= freqs.shape[1] <= 256 or table_of.shape != (C, nb):
             raise ValueError(f"bank must be freqs [1..{MAX_TABLES}, A] and table_of [{C}, {nb}]")
-        if (freqs < 0).any() or (freqs > PROB_SCALE).any() or (freqs.sum(axis=1) != PROB_SCALE).any():
-            raise ValueError("every frequency table must hold values in [0, 4096] summing to 4096")
+        _check_tables(freqs)
         if C and ((table_of < 0).any() or (table_of >= K).any() or np.unique(table_of).size != K):
             raise ValueError("table_of must reference every table of the bank, and only those")
         blocks = block_counts(symbols, block_symbols)
@@ -423,14 +427,7 @@ def parse_header(
     freqs = np.zeros((C, A), dtype=np.uint32)
     code, c, pos = _parse_tables(b, C, A, ns, nw, freqs)
     if code != OK:
-        what = {
-            E_TRUNC: f"truncated in the header of context {c} (offset {pos})",
-            E_LEB_LONG: f"frequency of context {c} at offset {pos} is longer than 2 LEB128 bytes",
-            E_LEB_NONCANON: f"frequency of context {c} at offset {pos} is a non-canonical LEB128",
-            E_FREQ_RANGE: f"frequency of context {c} before offset {pos} exceeds 4096",
-            E_FREQ_SUM: f"frequency table of context {c} sums to {pos}, not 4096",
-        }[code]
-        raise KvcFormatError(f"rans: {what}")
+        raise _table_error(code, f"context {c}", pos)
     if C and not freqs[:, A - 1].any():
         raise KvcFormatError(f"rans: alphabet size {A} is not canonical: symbol {A - 1} has frequency 0 in every context")
     if n_symbols is not None:
@@ -449,6 +446,18 @@ def parse_header(
         word_start=(data_off + STATE_BYTES) // 2, words=words, nbytes=n,
         table_of=_own_tables(C), block_symbols=max(1, int(ns.max(initial=0))),
     )
+
+
+def _table_error(code: int, which: str, pos: int) -> KvcFormatError:
+    """The one-line error of a :func:`_read_table` failure in ``which`` ("context 3" in v1, "table 1" in v2);
+    ``pos`` is the offset, or the table's sum for E_FREQ_SUM."""
+    return KvcFormatError("rans: " + {
+        E_TRUNC: f"truncated in the header of {which} (offset {pos})",
+        E_LEB_LONG: f"frequency of {which} at offset {pos} is longer than 2 LEB128 bytes",
+        E_LEB_NONCANON: f"frequency of {which} at offset {pos} is a non-canonical LEB128",
+        E_FREQ_RANGE: f"frequency of {which} before offset {pos} exceeds 4096",
+        E_FREQ_SUM: f"frequency table of {which} sums to {pos}, not 4096",
+    }[code])
 
 
 def _check_body(b: np.ndarray, pos: int, ns: np.ndarray, nw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -485,7 +494,7 @@ def _parse_bank(buf, pos, freqs):  # pragma: no cover - numba
 
 def parse_banked(buf: bytes | bytearray | memoryview | np.ndarray, n_contexts: int, n_symbols: int,
                  block_symbols: int) -> RansStream:
-    """Validate a rANS v2 stream completely (spec/rans-v2.md section 8) and index it.
+    """Validate a rANS v2 stream completely (spec/rans-v2.md section 4) and index it.
 
     The stream does not store its counts: ``n_contexts``, ``n_symbols`` (per context) and ``block_symbols``
     come from the chunk's shape and the stage's config, so a lying header cannot size any allocation beyond
@@ -515,13 +524,7 @@ def parse_banked(buf: bytes | bytearray | memoryview | np.ndarray, n_contexts: i
     freqs = np.zeros((K, A), dtype=np.uint32)
     code, t, pos = _parse_bank(b, 8, freqs)
     if code != OK:
-        raise KvcFormatError("rans: " + {
-            E_TRUNC: f"truncated in table {t} (offset {pos})",
-            E_LEB_LONG: f"frequency of table {t} at offset {pos} is longer than 2 LEB128 bytes",
-            E_LEB_NONCANON: f"frequency of table {t} at offset {pos} is a non-canonical LEB128",
-            E_FREQ_RANGE: f"frequency of table {t} before offset {pos} exceeds 4096",
-            E_FREQ_SUM: f"frequency table {t} sums to {pos}, not 4096",
-        }[code])
+        raise _table_error(code, f"table {t}", pos)
     if pos + C * nb + 4 * C > n:
         raise KvcFormatError(f"rans: truncated in the table indices or word counts (offset {pos})")
     table_of = b[pos:pos + C * nb].astype(np.int64).reshape(C, nb)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import struct
 from pathlib import Path
@@ -17,6 +15,7 @@ from kvcodec.entropy import model, rans
 from kvcodec.entropy.constants import RANS_L
 from kvcodec.codecs.rans import RansStage, from_contexts, overhead_split, to_contexts
 from kvcodec.errors import KvcCodecError, KvcFormatError
+from ransvectors import load_vector, manifest
 from kvcodec.core.stage import ArraySpec, ChunkContext, Pipeline, stage_from_json
 
 VEC = Path(__file__).resolve().parents[2] / "spec" / "vectors" / "rans"
@@ -464,18 +463,9 @@ def test_size_breakdown_accounts_for_every_byte():
 # ----------------------------------------------------------------- golden vectors
 
 
-def _manifest():
-    return json.loads((VEC / "manifest.json").read_text())
-
-
-@pytest.mark.parametrize("entry", _manifest()["vectors"], ids=lambda e: e["name"])
+@pytest.mark.parametrize("entry", manifest(VEC)["vectors"], ids=lambda e: e["name"])
 def test_golden_vectors(entry):
-    arr = np.load(VEC / entry["input"], allow_pickle=False)
-    data = (VEC / entry["encoded"]).read_bytes()
-    assert list(arr.shape) == entry["shape"] and arr.dtype == np.uint8
-    assert hashlib.sha256(arr.tobytes()).hexdigest() == entry["input_sha256"]
-    assert hashlib.sha256(data).hexdigest() == entry["encoded_sha256"] and len(data) == entry["encoded_bytes"]
-    stage = stage_from_json({"name": "rans", "version": 1, "config": entry["config"]})
+    arr, data, stage = load_vector(VEC, entry, 1)
     out = stage.decode(data, {}, ArraySpec(tuple(entry["shape"]), "uint8"), CTX)
     np.testing.assert_array_equal(out, arr)
     if "freqs" in entry:  # coded with an explicit table through the core API

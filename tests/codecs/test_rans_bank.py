@@ -7,8 +7,6 @@ decoder that refuses every malformed stream with one KvcFormatError line.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import struct
 from pathlib import Path
 
@@ -19,6 +17,7 @@ from kvcodec.codecs.rans import RansBankStage, RansStage, to_contexts
 from kvcodec.core.stage import ArraySpec, ChunkContext, stage_from_json
 from kvcodec.entropy import model, rans
 from kvcodec.errors import KvcCodecError, KvcFormatError
+from ransvectors import load_vector, manifest
 
 CTX = ChunkContext()
 VEC = Path(__file__).resolve().parents[2] / "spec" / "vectors" / "rans-v2"
@@ -104,18 +103,9 @@ def test_stage_config():
 # ----------------------------------------------------------------- golden vectors
 
 
-def _manifest():
-    return json.loads((VEC / "manifest.json").read_text())
-
-
-@pytest.mark.parametrize("entry", _manifest()["vectors"], ids=lambda e: e["name"])
+@pytest.mark.parametrize("entry", manifest(VEC)["vectors"], ids=lambda e: e["name"])
 def test_golden_vectors(entry):
-    arr = np.load(VEC / entry["input"], allow_pickle=False)
-    data = (VEC / entry["encoded"]).read_bytes()
-    assert list(arr.shape) == entry["shape"] and arr.dtype == np.uint8
-    assert hashlib.sha256(arr.tobytes()).hexdigest() == entry["input_sha256"]
-    assert hashlib.sha256(data).hexdigest() == entry["encoded_sha256"] and len(data) == entry["encoded_bytes"]
-    stage = stage_from_json({"name": "rans", "version": 2, "config": entry["config"]})
+    arr, data, stage = load_vector(VEC, entry, 2)
     spec = ArraySpec(arr.shape, "uint8")
     np.testing.assert_array_equal(stage.decode(data, {}, spec, CTX), arr)
     np.testing.assert_array_equal(rans.decode_reference(stage.parse(data, spec)), to_contexts(arr, stage.channel_group).ravel())
