@@ -138,6 +138,37 @@ def pick_requests(facts: list[w.Fact], n: int, seed: int) -> list[w.Fact]:
     return order[:n]
 
 
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"i/n"`` -> (i, n): this process answers the requests whose number is ``i`` modulo ``n``.
+
+    Why shards: a request is one-threaded here (``--threads 1``), so ``n``
+    processes on the same ``--out`` use ``n`` cores; every row is one appended
+    line, and each process skips what the file already holds when it starts.
+    Deposit first (a run with ``--requests 0``), then start the shards.
+    """
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shard wants i/n, e.g. 0/2, not {text!r}") from None
+    if not 0 <= i < n:
+        raise argparse.ArgumentTypeError(f"--shard {text}: need 0 <= i < n")
+    return i, n
+
+
+def rescore(rows: list[dict[str, Any]], facts: list[w.Fact]) -> list[dict[str, Any]]:
+    """The request rows scored again with today's :func:`rag_workload.score`, from the answers they hold.
+
+    So a report never mixes scoring rules: rows written before a change of the
+    rule are judged by the current one (the answers are kept verbatim).
+    """
+    by_id = {f.id: f for f in facts}
+    out = []
+    for r in rows:
+        f = by_id.get(r.get("fact", "")) if r.get("kind") == "request" else None
+        out.append({**r, **w.score(r["answer"], f.answer, f.fact)} if f is not None and "answer" in r else r)
+    return out
+
+
 def timed(fn: Any) -> tuple[Any, float, float]:
     with harness.stopwatch() as sw:
         out = fn()
@@ -245,7 +276,7 @@ def history_for(hist_ids: np.ndarray, n: int, tokens: int, lm: LoadedModel) -> s
 
 
 def record(res: Results, base: dict[str, Any], method: str, fact: w.Fact, out: dict[str, Any], cpu: float) -> None:
-    res.add({**base, "method": method, **out, "cpu_s": cpu, **w.score(out["answer"], fact.answer)})
+    res.add({**base, "method": method, **out, "cpu_s": cpu, **w.score(out["answer"], fact.answer, fact.fact)})
 
 
 # -- the run ---------------------------------------------------------------------------------------------------------
@@ -273,6 +304,8 @@ def run_model(model: str, a: argparse.Namespace, facts: list[w.Fact], texts: lis
         if "KV-cache learning" in served:
             deposit_all(kb, segs, res, {"model": model, "shape": label})
         for n, fact in enumerate(reqs):
+            if n % a.shard[1] != a.shard[0]:
+                continue
             if all(res.find(kind="request", model=model, shape=label, fact=fact.id, method=m) for m in served):
                 continue
             got = retriever.top(fact.question)
@@ -448,6 +481,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="...or this many times the model's KV-cache injection wall time (first shape), if smaller; 0: off.")
     ap.add_argument("--threads", type=int, default=1, help="torch threads.")
     ap.add_argument("--seed", type=int, default=34)
+    ap.add_argument("--shard", type=parse_shard, default=(0, 1), metavar="I/N",
+                    help="Answer only requests I, I+N, I+2N, ...: N processes on one --out share the cores (deposit first).")
     ap.add_argument("--small", action="store_true",
                     help="A few-minute version: SmolLM2, 2 texts, 24 facts, 1K+256 requests (512+128 for --shapes 4k), 6 "
                          "requests, LoRA for --ft-budget-x times the KV-cache injection.")
@@ -475,7 +510,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.report:
         if not (out / "results.jsonl").exists():
             raise SystemExit(f"bench_rag: no {out / 'results.jsonl'} to report on")
-        report(Results(out / "results.jsonl"), out)
+        report(Results(out / "results.jsonl"), out, facts)
         return
     out.mkdir(parents=True, exist_ok=True)
     if not (out / "tenant.key").exists():
@@ -486,12 +521,12 @@ def main(argv: list[str] | None = None) -> None:
     res.add({"kind": "start", "command": harness.command_line(run.argv, run.script), "machine": harness.machine()})
     for model in a.models:
         run_model(model, a, facts, texts, res, out)
-    run.emit({"summary": report(res, out), "paper": PAPER})
+    run.emit({"summary": report(res, out, facts), "paper": PAPER})
 
 
-def report(res: Results, out: Path) -> list[dict[str, Any]]:
-    """summary.json, the table (printed) and table1.png of a run directory, all from its result rows."""
-    summ = summarise(res.rows)
+def report(res: Results, out: Path, facts: list[w.Fact]) -> list[dict[str, Any]]:
+    """summary.json, the table (printed) and table1.png of a run directory, all from its result rows (re-scored)."""
+    summ = summarise(rescore(res.rows, facts))
     (out / "summary.json").write_text(json.dumps(summ, indent=1, default=str) + "\n")
     print(table(summ))
     try:

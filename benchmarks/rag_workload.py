@@ -199,10 +199,20 @@ def first_span(output: str) -> str:
     return re.split(r"\.(?:\s|$)", line, maxsplit=1)[0]
 
 
-def score(output: str, answer: str) -> dict[str, bool]:
-    """Exact match: the first span, normalised, equals the answer; lenient: the normalised answer is in the output."""
+def score(output: str, answer: str, fact: str | None = None) -> dict[str, bool]:
+    """Exact match: the first span, normalised, is the answer, or the planted ``fact`` quoted whole; lenient: the
+    normalised answer is in the output.
+
+    Why the quoted fact counts as exact: asked for "the value only", SmolLM2
+    answers "The access code of the Marberg seed vault is 6236." -- the one
+    sentence that states the value and nothing else. Counting it wrong measured
+    the model's answer style, not whether the knowledge reached it (every
+    SmolLM2 answer scored 0 exact while a quarter held the key). A restatement
+    with any other value, or any other sentence, is still not exact.
+    """
     key = normalise(answer)
-    return {"exact": normalise(first_span(output)) == key,
+    span = normalise(first_span(output))
+    return {"exact": span == key or (fact is not None and span == normalise(fact)),
             "lenient": f" {key} " in f" {normalise(output)} "}
 
 

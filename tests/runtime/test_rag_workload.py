@@ -69,6 +69,33 @@ def test_exact_and_lenient_scores():
     assert w.score("Ilsa", "Ilsa Moltrup") == {"exact": False, "lenient": False}
 
 
+def test_quoting_the_planted_fact_is_exact_and_nothing_else_is():
+    fact = "The access code of the Marberg seed vault is 6236."
+    assert w.score("The access code of the Marberg seed vault is 6236.\nMore.", "6236", fact)["exact"]
+    assert w.score("the access code of the marberg seed vault is 6236", "6236", fact)["exact"]
+    for wrong in ("The access code of the Marberg seed vault is 6160.",  # the fact's form, another value
+                  "The access code of the Varnvik orchard is 6236.",  # the value, another fact
+                  "The code is 6236.", "The access code of the Marberg seed vault is 6236 or 6160."):
+        assert w.score(wrong, "6236", fact)["exact"] is False
+    assert w.score("The access code of the Marberg seed vault is 6236.", "6236")["exact"] is False  # no fact given
+
+
+def test_reports_rescore_rows_and_shards_split_requests():
+    import bench_rag
+
+    facts = w.load_facts()[:2]
+    rows = [{"kind": "request", "fact": facts[0].id, "answer": facts[0].fact, "exact": False, "lenient": True},
+            {"kind": "request", "fact": facts[1].id, "answer": "no idea", "exact": True, "lenient": True},
+            {"kind": "deposit", "seg": 0}]
+    got = bench_rag.rescore(rows, facts)
+    assert [r.get("exact") for r in got] == [True, False, None] and got[1]["lenient"] is False
+    assert rows[0]["exact"] is False  # the rows themselves are left as written
+    assert bench_rag.parse_shard("1/3") == (1, 3)
+    for bad in ("3/3", "x", "1/0", "-1/2"):
+        with pytest.raises(Exception, match="shard"):
+            bench_rag.parse_shard(bad)
+
+
 def test_bm25_finds_each_facts_segment():
     pytest.importorskip("bm25s")
     from kvcodec.texts import load_text
