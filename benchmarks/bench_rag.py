@@ -311,7 +311,7 @@ def run_model(model: str, a: argparse.Namespace, facts: list[w.Fact], texts: lis
             got = retriever.top(fact.question)
             question = w.prompt(history_for(hist_ids, n, h, lm), fact.question)
             base = {"kind": "request", **tag, "n": n, "fact": fact.id, "split": fact.split,
-                    "retrieved_home": got == homes[fact.id]}
+                    "retrieved_home": got == homes[fact.id], "question_tokens": len(kb.question_ids(question))}
             first = served if n % 2 == 0 else served[::-1]  # alternate which method goes first
             for method in first:
                 if res.find(kind="request", model=model, shape=label, fact=fact.id, method=method):
@@ -341,6 +341,55 @@ def run_model(model: str, a: argparse.Namespace, facts: list[w.Fact], texts: lis
             o, cpu, _ = timed(lambda: ask_ft(lm, ft, kb, question, a.max_new_tokens))
             record(res, {"kind": "request", **tag, "n": n, "fact": fact.id, "split": fact.split}, "fine-tuning",
                    fact, o, cpu)
+
+
+def forward_flops(cfg: Any, windows: list[int | None], cached: int, new: int) -> float:
+    """FLOPs of a forward pass of ``new`` tokens over ``cached`` tokens: projections, MLP and attention.
+
+    Why: where both passes turn FLOPs into seconds at one rate, the TTFT
+    ratio in-context / KV-cache is this ratio, so it tells a target the model's
+    arithmetic rules out from one the code misses. Only a prefill that is less
+    efficient per FLOP than the KV-cache pass beats it (transformers computes a
+    sliding-window layer's prefill over every key and masks, so Gemma 3's
+    in-context prefill does more work than counted here). Counted: q/k/v/o
+    projections and a gated MLP (2 FLOPs per weight per token), QK^T and AV
+    (4 x heads x head_dim per key, a sliding-window layer's keys capped by its
+    window). Not counted: norms, RoPE, softmax, the LM head (one position
+    either way).
+    """
+    c = cfg.get_text_config(decoder=True)
+    h, nq = int(c.hidden_size), int(c.num_attention_heads)
+    nkv = int(getattr(c, "num_key_value_heads", None) or nq)
+    d = int(getattr(c, "head_dim", None) or h // nq)
+    per_token = 2 * (2 * h * nq * d + 2 * h * nkv * d + 3 * h * int(c.intermediate_size)) * len(windows)
+    pos = np.arange(cached + 1, cached + new + 1, dtype=np.float64)  # keys each new token sees
+    keys = sum(float(np.minimum(pos, w or np.inf).sum()) for w in windows)  # a query sees `w` keys, itself included
+    return per_token * new + 4 * nq * d * keys
+
+
+def flop_ratio(model: str, rows: list[dict[str, Any]], history_tokens: int) -> float | None:
+    """In-context / KV-cache FLOPs of the requests in ``rows``, their means (see :func:`forward_flops`).
+
+    New tokens: the rows' ``question_tokens`` (history + question + chat
+    turn), or the shape's history alone where a row predates that field (a
+    bound ~2 % high: the question turn's ~30 tokens are left out).
+    """
+    from transformers import AutoConfig
+
+    from kvcodec.models.layout import attention_windows
+    from kvcodec.models.load import resolve_model_dir
+
+    ctx = [r["context_tokens"] for r in rows if r.get("method") == "in-context learning" and r.get("context_tokens")]
+    if not ctx:
+        return None
+    new = [r.get("question_tokens", history_tokens) for r in rows if r.get("method") == "in-context learning"]
+    try:
+        cfg = AutoConfig.from_pretrained(str(resolve_model_dir(model)))
+        windows = attention_windows(cfg)
+    except (OSError, ValueError, KvcError):
+        return None
+    n_ctx, n_new = int(statistics.mean(ctx)), int(statistics.mean(new))
+    return forward_flops(cfg, windows, 0, n_ctx + n_new) / forward_flops(cfg, windows, n_ctx, n_new)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -388,6 +437,7 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 ms["fallbacks"] = sum(bool(r.get("fallback")) for r in rs)
                 ms["retrieved_home"] = sum(bool(r.get("retrieved_home")) for r in rs)
             s["methods"][m] = ms
+        s["flop_ratio_icl_over_kv"] = flop_ratio(model, [r for r in req if r["fact"] in served], setup["history_tokens"])
         out.append(s)
     return out
 
@@ -402,6 +452,8 @@ def ratios(s: dict[str, Any]) -> dict[str, float]:
         r["ttft_p99_icl_over_kv"] = icl["ttft_s"]["p99"] / kv["ttft_s"]["p99"]
         r["accuracy_points_kv_minus_icl"] = 100 * (kv["all"]["exact"] - icl["all"]["exact"])
         r["lenient_points_kv_minus_icl"] = 100 * (kv["all"]["lenient"] - icl["all"]["lenient"])
+        if s.get("flop_ratio_icl_over_kv"):  # the arithmetic's bound on the TTFT ratio (forward_flops)
+            r["flop_ratio_icl_over_kv"] = s["flop_ratio_icl_over_kv"]
     if kv and ft and ft.get("inject") and kv["inject"]["wall_s"] > 0:
         r["inject_wall_ft_over_kv"] = ft["inject"]["wall_s"] / kv["inject"]["wall_s"]
         r["inject_cpu_ft_over_kv"] = ft["inject"]["cpu_s"] / kv["inject"]["cpu_s"]

@@ -146,3 +146,16 @@ def test_kv_request_with_a_missing_corrupt_or_foreign_entry_is_answered_by_prefi
     foreign.store.put(foreign.key(ids), encode_kvc_bytes(other, get_plan("lossless", other)), {"note": "another model"})
     got = bench_rag.ask_kv(foreign, seg, question, 6)
     assert got["fallback"] and got["unreadable"] and got["answer"] == icl["answer"]
+
+
+def test_forward_flops_counts_weights_and_keys():
+    from types import SimpleNamespace
+
+    import bench_rag
+
+    c = SimpleNamespace(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4, intermediate_size=16)
+    cfg = SimpleNamespace(get_text_config=lambda decoder: c)
+    per_token = 2 * (2 * 8 * 2 * 4 + 2 * 8 * 1 * 4 + 3 * 8 * 16)  # q+o, k+v, gated MLP; one layer
+    assert bench_rag.forward_flops(cfg, [None], 0, 3) == 3 * per_token + 4 * 2 * 4 * (1 + 2 + 3)
+    assert bench_rag.forward_flops(cfg, [None], 10, 2) == 2 * per_token + 4 * 2 * 4 * (11 + 12)
+    assert bench_rag.forward_flops(cfg, [3], 10, 2) == 2 * per_token + 4 * 2 * 4 * (3 + 3)  # a window of 3 keys
