@@ -18,9 +18,10 @@ same softmax over all ``P + L`` keys (exact up to float rounding: the
 outputs agree with the one-mask path to ~1e-6).
 
 Anything else -- a sliding-window layer (its mask hides part of the prefix),
-padding, soft-capping, attention sinks, dropout, one new token -- goes to
-transformers' own SDPA function unchanged, so this is never a different
-attention, only a faster schedule of the same one.
+padding, soft-capping, attention sinks, dropout, one new token, value heads
+of another width, a device other than the CPU, a kernel the torch build
+lacks -- goes to transformers' own SDPA function unchanged, so this is never
+a different attention, only a faster schedule of the same one.
 """
 
 from __future__ import annotations
@@ -82,13 +83,16 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
              and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
              and not kwargs.get("softcap") and kwargs.get("s_aux") is None and kwargs.get("sliding_window") is None
              and getattr(module, "is_causal", True) and query.shape[1] % key.shape[1] == 0
+             and query.shape[-1] == key.shape[-1] == value.shape[-1] and value.shape[:3] == key.shape[:3]
              and _causal_after_prefix(attention_mask, n_prefix, n_new))
-    if not plain:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                      **kwargs)
-    s = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = split_prefix_attention(query, key, value, n_prefix, float(s))
-    return out.transpose(1, 2).contiguous(), None
+    if plain:
+        s = scaling if scaling is not None else query.shape[-1] ** -0.5
+        try:
+            out = split_prefix_attention(query, key, value, n_prefix, float(s))
+            return out.transpose(1, 2).contiguous(), None
+        except (RuntimeError, NotImplementedError):  # a kernel this torch build lacks for these inputs: the one-mask path
+            pass
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
 def _register() -> None:
@@ -105,7 +109,10 @@ def _register() -> None:
 def prefix_attention(lm: Any) -> Iterator[None]:
     """Within this block, ``lm``'s SDPA attention runs new tokens over a prefix split in two (see the module).
 
-    A model on another attention implementation (eager, flash) is left as it is.
+    A model on another attention implementation (eager, flash) is left as it
+    is, and so is one already switched (a nested or concurrent block): the
+    outermost block restores ``sdpa``, after which an inner one runs on
+    transformers' path, which is the same attention.
     """
     cfg = lm.model.config
     old = cfg._attn_implementation
