@@ -15,6 +15,7 @@ import threading
 from typing import Any, Iterator, Protocol
 
 from kvcodec.errors import KvcInputError
+from kvcodec.models.hfimport import register_sdpa_variant
 
 ATTN_NAME = "kvc_tap_sdpa"
 _CHUNK = 128  # query rows per softmax block: bounds the collector's memory at any context length
@@ -37,20 +38,10 @@ def _attention(module: Any, query: Any, key: Any, value: Any, attention_mask: An
     return out
 
 
-def _register() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-
-    if ATTN_NAME not in AttentionInterface._global_mapping:
-        AttentionInterface.register(ATTN_NAME, _attention)
-    if ATTN_NAME not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
-        AttentionMaskInterface.register(ATTN_NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-
-
 @contextlib.contextmanager
 def tapped(lm: Any, collector: Collector) -> Iterator[Collector]:
     """Within this block, every attention call of ``lm`` also feeds ``collector``."""
-    _register()
+    register_sdpa_variant(ATTN_NAME, _attention)
     cfg = lm.model.config
     old = cfg._attn_implementation
     _STATE.collector = collector

@@ -32,6 +32,8 @@ from typing import Any, Iterator
 
 import torch
 
+from kvcodec.models.hfimport import register_sdpa_variant
+
 ATTN_NAME = "kvc_prefix_sdpa"
 _STATE = threading.local()
 
@@ -95,16 +97,6 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
-def _register() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-
-    if ATTN_NAME not in AttentionInterface._global_mapping:
-        AttentionInterface.register(ATTN_NAME, _attention)
-    if ATTN_NAME not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
-        AttentionMaskInterface.register(ATTN_NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-
-
 @contextlib.contextmanager
 def prefix_attention(lm: Any) -> Iterator[None]:
     """Within this block, ``lm``'s SDPA attention runs new tokens over a prefix split in two (see the module).
@@ -119,7 +111,7 @@ def prefix_attention(lm: Any) -> Iterator[None]:
     if old != "sdpa":
         yield
         return
-    _register()
+    register_sdpa_variant(ATTN_NAME, _attention)
     cfg._attn_implementation = ATTN_NAME
     try:
         yield
