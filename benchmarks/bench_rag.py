@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import json
 import os
 import random
@@ -559,6 +560,10 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, KvcError) as exc:
         raise SystemExit(f"bench_rag: {exc}") from None
     out = Path(a.out)
+    need = ["bm25s"] + (["peft"] if "fine-tuning" in a.methods else [])
+    missing = [m for m in need if importlib.util.find_spec(m) is None]
+    if missing and not a.report:
+        raise SystemExit(f"bench_rag: needs {', '.join(missing)}, from the rag extra: pip install -e '.[rag]'")
     if a.report:
         if not (out / "results.jsonl").exists():
             raise SystemExit(f"bench_rag: no {out / 'results.jsonl'} to report on")
