@@ -39,8 +39,8 @@ _STATE = threading.local()
 
 
 def _causal_after_prefix(mask: Any, n_prefix: int, n_new: int) -> bool:
-    """True when ``mask`` (None, boolean or additive, broadcast over heads) lets every new token see the whole
-    prefix and the new tokens up to itself, and nothing else. Checked once per mask object (one per forward)."""
+    """True when ``mask`` (boolean or additive, broadcast over heads) lets every new token see the whole prefix
+    and the new tokens up to itself, and nothing else. Checked once per mask object (one per forward)."""
     if mask is None:
         return False  # transformers passes a mask whenever there is a prefix; None would mean something else
     if getattr(_STATE, "checked", None) is mask:
