@@ -36,7 +36,7 @@ import torch
 from kvcodec.models.cachelayout import DynamicCache, LazyKvcLayer, LazyKvcSlidingLayer, cache_windows, check_layer_tokens, hf_cache
 from kvcodec.errors import KvcInputError
 from kvcodec.models.load import LoadedModel
-from kvcodec.models.prefix_attention import prefix_attention
+from kvcodec.models.sdpa_schedule import fast_sdpa
 
 __all__ = ["LazyKvcLayer", "LazyKvcSlidingLayer", "LoadedKvc", "decode_device", "device_scope", "generate", "greedy_from",
            "land", "load_cache", "model_device", "target_device"]
@@ -199,7 +199,7 @@ def greedy_from(
         raise KvcInputError("max_new_tokens must be at least 1")
     eos = getattr(lm.tokenizer, "eos_token_id", None)
     pos = torch.arange(next_position, next_position + len(ids), device=dev).unsqueeze(0)
-    with prefix_attention(lm):  # the new tokens over the cached ones, as two fast SDPA calls (the module says why)
+    with fast_sdpa(lm):  # the new tokens over the cached ones as two fast SDPA calls (the module says why)
         logits = lm.model(input_ids=torch.as_tensor(ids, device=dev).unsqueeze(0), past_key_values=cache,
                           position_ids=pos, use_cache=True, logits_to_keep=1).logits
     out: list[int] = []

@@ -3,9 +3,10 @@
 H2O scores and the codec's token importance both need softmax(QK^T) of the
 context's own queries. Rather than switching the model to eager attention
 (slow, and it materialises every layer's full attention map), we register an
-attention function that calls the normal SDPA kernel and, on the side, hands
+attention function that calls the SDPA path every prefill takes
+(:func:`kvcodec.models.sdpa_schedule.attention`) and, on the side, hands
 each layer's post-RoPE queries and keys to a collector. The prefill's outputs
-and KV cache are exactly those of the SDPA path.
+and KV cache are exactly those of an untapped prefill.
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ class Collector(Protocol):
 
 def _attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, scaling: float | None = None,
                dropout: float = 0.0, **kwargs: Any) -> Any:
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from kvcodec.models.sdpa_schedule import attention
 
-    out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    # the prefill's own output: the same scheduled SDPA as an untapped prefill's, so the K/V are the same bits
+    out = attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     col = getattr(_STATE, "collector", None)
     if col is not None:
         s = scaling if scaling is not None else query.shape[-1] ** -0.5

@@ -10,6 +10,7 @@ import torch
 from kvcodec.errors import KvcInputError
 from kvcodec.core.kvcache import KVCache
 from kvcodec.models.load import LoadedModel
+from kvcodec.models.sdpa_schedule import fast_sdpa
 
 
 def tokenize(tokenizer: Any, text: str) -> np.ndarray:
@@ -85,7 +86,8 @@ def prefill(lm: LoadedModel, token_ids: np.ndarray, logits_to_keep: int = 1,
 
     ids = torch.as_tensor(np.asarray(token_ids, dtype=np.int64)).unsqueeze(0)
     past = DynamicCache() if full_layers else model_cache(lm)
-    out = lm.model(input_ids=ids, past_key_values=past, use_cache=True, logits_to_keep=logits_to_keep)
+    with fast_sdpa(lm):  # sliding-window layers compute only their window's scores (the module says why)
+        out = lm.model(input_ids=ids, past_key_values=past, use_cache=True, logits_to_keep=logits_to_keep)
     return out.past_key_values, out.logits[0]
 
 

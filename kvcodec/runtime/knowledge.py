@@ -27,6 +27,7 @@ import torch
 from kvcodec.models.cachelayout import cache_prefix
 from kvcodec.models.capture import check_fits, model_cache, tokenize
 from kvcodec.models.chat import ChatFormat
+from kvcodec.models.sdpa_schedule import fast_sdpa
 from kvcodec.errors import KvcError, KvcInputError
 from kvcodec.format import KvcReader, encode_kvc_bytes
 from kvcodec.plan.presets import get_plan
@@ -268,9 +269,10 @@ class KnowledgeBase:
         if rest.size:  # prefill what the store did not have (all of it on a miss)
             pos = torch.arange(n_cached, len(ids)).unsqueeze(0)
             # a miss starts from the model's own cache (sliding-window layers keep their window: the ragged layout)
-            out = self.lm.model(input_ids=torch.as_tensor(rest).unsqueeze(0),
-                                past_key_values=past if past is not None else model_cache(self.lm), position_ids=pos, use_cache=True,
-                                logits_to_keep=1)
+            with fast_sdpa(self.lm):  # the engine greedy_from and the capture use (kvcodec.models.sdpa_schedule)
+                out = self.lm.model(input_ids=torch.as_tensor(rest).unsqueeze(0),
+                                    past_key_values=past if past is not None else model_cache(self.lm), position_ids=pos,
+                                    use_cache=True, logits_to_keep=1)
             past = out.past_key_values
         # DynamicLayer.update concatenates into new tensors, so these references stay the context's KV.
         context_kv = [(layer.keys[0], layer.values[0]) for layer in past.layers] if (store_new and rest.size) else None
