@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -54,12 +55,18 @@ ATTN_NAME = "kvc_fast_sdpa"
 _STATE = threading.local()
 
 
+def _remembered(ref: Any) -> Any:
+    """The mask a check was made for, if it is still alive. Why weak: a 32K-token context's mask is a gigabyte, and
+    the forward that made it may have ended in a block (the importance tap's) that never resets this state."""
+    return None if ref is None else ref()
+
+
 def _causal_after_prefix(mask: Any, n_prefix: int, n_new: int) -> bool:
     """True when ``mask`` (boolean or additive, broadcast over heads) lets every new token see the whole prefix
     and the new tokens up to itself, and nothing else. Checked once per mask object (one per forward)."""
     if mask is None:
         return False  # transformers passes a mask whenever there is a prefix; None would mean something else
-    if getattr(_STATE, "checked", None) is mask:
+    if _remembered(getattr(_STATE, "checked", None)) is mask:
         return True
     if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[-2:] != (n_new, n_prefix + n_new):
         return False
@@ -67,7 +74,7 @@ def _causal_after_prefix(mask: Any, n_prefix: int, n_new: int) -> bool:
     tril = torch.ones(n_new, n_new, dtype=torch.bool, device=mask.device).tril()
     ok = bool(allowed[..., :n_prefix].all()) and bool((allowed[..., n_prefix:] == tril).all())
     if ok:
-        _STATE.checked = mask
+        _STATE.checked = weakref.ref(mask)
     return ok
 
 
@@ -86,7 +93,7 @@ def _band_blocks(mask: Any, n_q: int, n_k: int) -> list[tuple[int, int, int, int
     if mask is None or mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[-2:] != (n_q, n_k):
         return None
     got = getattr(_STATE, "band", None)
-    if got is not None and got[0] is mask:
+    if got is not None and _remembered(got[0]) is mask:
         return got[1]
     allowed = mask.any(dim=(0, 1))  # [n_q, n_k]: what any batch row or head may see (a key column kept for one is kept)
     blocks: list[tuple[int, int, int, int]] | None = []
@@ -102,7 +109,7 @@ def _band_blocks(mask: Any, n_q: int, n_k: int) -> list[tuple[int, int, int, int
             area += (r1 - r0) * (c1 - c0)
         if area > BAND_MAX_FRACTION * n_q * n_k:
             blocks = None
-    _STATE.band = (mask, blocks)
+    _STATE.band = (weakref.ref(mask), blocks)
     return blocks
 
 

@@ -153,6 +153,9 @@ def test_only_a_boolean_band_with_a_key_for_every_row_is_run_in_blocks(monkeypat
         assert pa._band_blocks(bad, 128, 128) is None
     pa._STATE.band = None
     assert pa._band_blocks(mask, 128, 128) is not None
+    assert pa._band_blocks(mask, 128, 128) is pa._STATE.band[1]  # once per mask object
+    del mask
+    assert pa._STATE.band[0]() is None  # and the state does not keep a (possibly gigabyte) mask alive
 
 
 def test_a_sliding_window_model_prefills_and_answers_the_same(tmp_path, monkeypatch):
