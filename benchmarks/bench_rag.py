@@ -361,6 +361,8 @@ def run_model(model: str, a: argparse.Namespace, facts: list[w.Fact], texts: lis
     ft = finetune(lm, kb_chunks(lm, paras), a.ft_epochs, budget, out / f"lora-{model}", res, a.seed)
     for tag, _segs, _homes, _retriever, kb in plans:
         for n, fact in enumerate(reqs):
+            if n % a.shard[1] != a.shard[0]:
+                continue
             if res.find(kind="request", model=model, shape=tag["shape"], fact=fact.id, method="fine-tuning"):
                 continue
             question = w.prompt(history_for(hist_ids, n, tag["history_tokens"], lm), fact.question)
@@ -375,9 +377,9 @@ def forward_flops(cfg: Any, windows: list[int | None], cached: int, new: int) ->
     Why: where both passes turn FLOPs into seconds at one rate, the TTFT
     ratio in-context / KV-cache is this ratio, so it tells a target the model's
     arithmetic rules out from one the code misses. Only a prefill that is less
-    efficient per FLOP than the KV-cache pass beats it (transformers computes a
-    sliding-window layer's prefill over every key and masks, so Gemma 3's
-    in-context prefill does more work than counted here). Counted: q/k/v/o
+    efficient per FLOP than the KV-cache pass beats it (as Gemma 3's did before
+    :mod:`kvcodec.models.sdpa_schedule`: transformers computed its sliding-window
+    layers over every key and then masked). Counted: q/k/v/o
     projections and a gated MLP (2 FLOPs per weight per token), QK^T and AV
     (4 x heads x head_dim per key, a sliding-window layer's keys capped by its
     window). Not counted: norms, RoPE, softmax, the LM head (one position

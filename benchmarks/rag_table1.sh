@@ -5,7 +5,8 @@
 # Per (model, shape): deposit the knowledge base once (--requests 0), then the in-context and KV-cache requests
 # on SHARDS processes (--shard i/N: one torch thread each, so N cores). Then per model, fine-tuning: LoRA until
 # FT_X times the model's KV-cache injection wall time (first shape), however many epochs that is, then its
-# requests on both shapes.
+# requests on both shapes, on SHARDS processes again.
+# This file is replaced, never edited in place, while a run may be reading it (bash reads a script as it goes).
 # Why near-lossless by default: at balanced (KL <= 0.01 per token) the codec's error flips some of a 270M model's
 # marginal answers (BENCHMARKS.md "Knowledge injection", the codec check); the done-when holds KV-cache accuracy
 # to within 2 points of in-context.
@@ -31,7 +32,13 @@ for model in $MODELS; do
     done
     for p in "${pids[@]}"; do wait "$p"; done
   done
-  bench --models "$model" --shapes paper 4k --methods fine-tuning --requests "$REQUESTS" \
-    --ft-epochs 1000 --ft-budget-x "$FT_X" --ft-budget-s 1e9
+  ft=(--models "$model" --shapes paper 4k --methods fine-tuning --ft-epochs 1000 --ft-budget-x "$FT_X" --ft-budget-s 1e9)
+  bench "${ft[@]}" --requests 0  # trains once and saves the adapter; the shards load it
+  pids=()
+  for ((i = 0; i < SHARDS; i++)); do
+    bench "${ft[@]}" --requests "$REQUESTS" --shard "$i/$SHARDS" &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p"; done
 done
 bench --report
