@@ -191,11 +191,12 @@ def calibrate(lm: LoadedModel, preset: str, res: Results) -> None:
     from kvcodec.plan.presets import lossy_settings, preset_info
     from kvcodec.plan.ratefit import ensure_rate_model
 
-    if not preset_info(preset).lossy or res.find(kind="calibration", model=lm.name):
+    if not preset_info(preset).lossy:
         return
     with harness.stopwatch() as sw:  # bases + sensitivities, then the rate model the controlled presets plan with
-        ensure_rate_model(lm, ensure_calibration(lm), lossy_settings())
-    res.add({"kind": "calibration", "model": lm.name, "wall_s": sw.wall, "cpu_s": sw.cpu})
+        ensure_rate_model(lm, ensure_calibration(lm), lossy_settings())  # loaded when this machine has them
+    if not res.find(kind="calibration", model=lm.name):  # the first time of the run; a resumed run loads or rebuilds
+        res.add({"kind": "calibration", "model": lm.name, "wall_s": sw.wall, "cpu_s": sw.cpu})
     print(f"  calibration of {lm.name} ready in {sw.wall:.1f} s (not part of the injection)", file=sys.stderr)
 
 
@@ -354,8 +355,7 @@ def run_model(model: str, a: argparse.Namespace, facts: list[w.Fact], texts: lis
     if "fine-tuning" not in a.methods:
         return
     budget = a.ft_budget_s
-    kv_inject = sum(r["wall_s"] for r in res.rows if r["kind"] == "deposit" and r["model"] == model
-                    and r["shape"] == plans[0][0]["shape"])
+    kv_inject = injection(res.rows, model, plans[0][0]["shape"])["wall_s"]
     if a.ft_budget_x and kv_inject > 0:  # fine-tuning gets this many times the KV-cache injection's wall time
         budget = min(budget, a.ft_budget_x * kv_inject)
     ft = finetune(lm, kb_chunks(lm, paras), a.ft_epochs, budget, out / f"lora-{model}", res, a.seed)
@@ -424,25 +424,37 @@ def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs, dtype=float), q)) if xs else float("nan")
 
 
+def injection(rows: list[dict[str, Any]], model: str, shape: str) -> dict[str, Any]:
+    """The KV-cache injection of one (model, shape): every segment's capture + encode + put, summed.
+
+    One row per segment, its last: a run resumed on a machine without its
+    store deposits a segment again. The model's calibration is made once per
+    model before any deposit and is shown beside the sum, not inside it
+    (None: a run older than that row).
+    """
+    deps = list({r["seg"]: r for r in rows if r["kind"] == "deposit" and r["model"] == model
+                 and r["shape"] == shape}.values())
+    cal = next((r for r in rows if r["kind"] == "calibration" and r["model"] == model), None)
+    return {"wall_s": sum(r["wall_s"] for r in deps), "cpu_s": sum(r["cpu_s"] for r in deps),
+            "bytes": sum(r["bytes"] for r in deps), "segments_deposited": len(deps),
+            "calibration": None if cal is None else {k: cal[k] for k in ("wall_s", "cpu_s")}}
+
+
 def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One summary per (model, shape), every number computed from the result rows."""
     out = []
     groups = sorted({(r["model"], r["shape"]) for r in rows if r["kind"] == "setup"})
     for model, shape in groups:
         setup = [r for r in rows if r["kind"] == "setup" and r["model"] == model and r["shape"] == shape][-1]
-        deps = [r for r in rows if r["kind"] == "deposit" and r["model"] == model and r["shape"] == shape]
+        kv_inj = injection(rows, model, shape)
         ft = next((r for r in rows if r["kind"] == "ft-train" and r["model"] == model), None)
-        cal = next((r for r in rows if r["kind"] == "calibration" and r["model"] == model), None)
         req = [r for r in rows if r["kind"] == "request" and r["model"] == model and r["shape"] == shape]
         s: dict[str, Any] = {"model": model, "shape": shape, "knowledge_tokens": setup["knowledge_tokens"],
                              "history_tokens": setup["history_tokens"], "kb_tokens": setup["kb_tokens"],
                              "segments": setup["segments"], "requests_planned": setup["requests"],
                              "threads": setup.get("threads"),
-                             "complete": len(deps) >= setup["segments"], "methods": {}}
-        inj = {"KV-cache learning": {"wall_s": sum(r["wall_s"] for r in deps), "cpu_s": sum(r["cpu_s"] for r in deps),
-                                     "bytes": sum(r["bytes"] for r in deps), "segments_deposited": len(deps),
-                                     # once per model, before the first deposit (None: a run older than the row)
-                                     "calibration": None if cal is None else {k: cal[k] for k in ("wall_s", "cpu_s")}},
+                             "complete": kv_inj["segments_deposited"] >= setup["segments"], "methods": {}}
+        inj = {"KV-cache learning": kv_inj,
                "in-context learning": {"wall_s": 0.0, "cpu_s": 0.0, "bytes": 0}}
         if ft:
             inj["fine-tuning"] = {"wall_s": ft["wall_s"], "cpu_s": ft["cpu_s"], "bytes": ft["adapter_bytes"],

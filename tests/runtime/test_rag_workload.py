@@ -96,6 +96,24 @@ def test_reports_rescore_rows_and_shards_split_requests():
             bench_rag.parse_shard(bad)
 
 
+def test_a_segment_deposited_again_counts_once_and_calibration_is_apart():
+    """A run resumed on a machine without its store deposits a segment again: the injection is its last deposit."""
+    import bench_rag
+
+    tag = {"model": "m", "shape": "4k"}
+    rows = [{"kind": "setup", **tag, "knowledge_tokens": 4096, "history_tokens": 1024, "kb_tokens": 8000, "segments": 2,
+             "requests": 0},
+            {"kind": "calibration", "model": "m", "wall_s": 400.0, "cpu_s": 390.0},
+            {"kind": "deposit", **tag, "seg": 0, "wall_s": 10.0, "cpu_s": 9.0, "bytes": 100},
+            {"kind": "deposit", **tag, "seg": 1, "wall_s": 20.0, "cpu_s": 19.0, "bytes": 200},
+            {"kind": "deposit", **tag, "seg": 0, "wall_s": 12.0, "cpu_s": 11.0, "bytes": 100}]
+    [s] = bench_rag.summarise(rows)
+    assert s["complete"]  # both segments, though three rows
+    kv = bench_rag.injection(rows, "m", "4k")
+    assert (kv["wall_s"], kv["cpu_s"], kv["bytes"], kv["segments_deposited"]) == (32.0, 30.0, 300, 2)
+    assert kv["calibration"] == {"wall_s": 400.0, "cpu_s": 390.0}  # shown beside the injection, not inside it
+
+
 def test_bm25_finds_each_facts_segment():
     pytest.importorskip("bm25s")
     from kvcodec.texts import load_text
