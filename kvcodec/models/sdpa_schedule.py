@@ -24,7 +24,7 @@ same softmax over all ``P + L`` keys.
 **A band** (a sliding-window layer: Gemma 3 keeps a 512-token window in 15 of
 its 18 layers). Each query sees only its last ``W`` keys, yet the kernel
 computed all of them before masking, so an 8,000-token prefill paid for
-8,000 keys per query where the window holds 512 (72 -> 30 CPU-s for Gemma 3,
+8,000 keys per query where the window holds 512 (78 -> 32 CPU-s for Gemma 3 in benchmarks/bench_attention.py,
 one thread). Blocks of query rows each run over just the key columns some
 row of the block may see, with the mask sliced to match, through
 transformers' SDPA function. The keys a block leaves out are exactly those its
