@@ -96,19 +96,16 @@ def _band_blocks(mask: Any, n_q: int, n_k: int) -> list[tuple[int, int, int, int
     if got is not None and _remembered(got[0]) is mask:
         return got[1]
     allowed = mask.any(dim=(0, 1))  # [n_q, n_k]: what any batch row or head may see (a key column kept for one is kept)
-    blocks: list[tuple[int, int, int, int]] | None = []
-    if not bool(mask.any(dim=-1).all()):
-        blocks = None
-    else:
-        area = 0
+    found: list[tuple[int, int, int, int]] = []
+    area = 0
+    if bool(mask.any(dim=-1).all()):
         for r0 in range(0, n_q, BAND_ROWS):
             r1 = min(n_q, r0 + BAND_ROWS)
             cols = allowed[r0:r1].any(dim=0).nonzero()
             c0, c1 = int(cols[0]), int(cols[-1]) + 1
-            blocks.append((r0, r1, c0, c1))
+            found.append((r0, r1, c0, c1))
             area += (r1 - r0) * (c1 - c0)
-        if area > BAND_MAX_FRACTION * n_q * n_k:
-            blocks = None
+    blocks = found if found and area <= BAND_MAX_FRACTION * n_q * n_k else None
     _STATE.band = (weakref.ref(mask), blocks)
     return blocks
 
