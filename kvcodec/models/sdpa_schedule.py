@@ -156,9 +156,12 @@ def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.
 
     n_new, n_keys = query.shape[2], key.shape[2]
     n_prefix = n_keys - n_new
-    plain = (n_new > 1 and n_prefix > 0 and dropout == 0.0 and query.device.type == "cpu"
-             and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
-             and not kwargs.get("softcap") and kwargs.get("s_aux") is None and kwargs.get("sliding_window") is None
+    # what neither schedule models: one query, dropout, another device, soft-caps, sinks, position biases, a paged cache
+    schedulable = (n_new > 1 and dropout == 0.0 and query.device.type == "cpu" and not kwargs.get("softcap")
+                   and kwargs.get("s_aux") is None and kwargs.get("position_bias") is None
+                   and kwargs.get("cache") is None and not kwargs.get("output_attentions"))
+    plain = (schedulable and n_prefix > 0 and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
+             and kwargs.get("sliding_window") is None
              and getattr(module, "is_causal", True) and query.shape[1] % key.shape[1] == 0
              and query.shape[-1] == key.shape[-1] == value.shape[-1] and value.shape[:3] == key.shape[:3]
              and _causal_after_prefix(attention_mask, n_prefix, n_new))
@@ -169,9 +172,7 @@ def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.
             return out.transpose(1, 2).contiguous(), None
         except (RuntimeError, NotImplementedError):  # a kernel this torch build lacks for these inputs: the one-mask path
             pass
-    elif (n_new > 1 and dropout == 0.0 and query.device.type == "cpu" and kwargs.get("position_bias") is None
-          and kwargs.get("cache") is None and not kwargs.get("softcap") and kwargs.get("s_aux") is None
-          and not kwargs.get("output_attentions")):
+    elif schedulable:
         blocks = _band_blocks(attention_mask, n_new, n_keys)
         if blocks is not None:
             return banded_attention(module, query, key, value, attention_mask, blocks, scaling=scaling,
