@@ -39,7 +39,7 @@ harness.pin_threads(sys.argv[1:])  # before numpy and torch load: their pools si
 import numpy as np  # noqa: E402
 
 
-def _row(lm, cache, cont, exact, preset, cal, prefill_cpu):
+def _row(lm, cache, cont, exact, preset, cal, prefill_cpu, n_first):
     import torch
 
     from kvcodec.format import KvcReader, encode_kvc_bytes
@@ -51,10 +51,15 @@ def _row(lm, cache, cont, exact, preset, cal, prefill_cpu):
         data = encode_kvc_bytes(cache, plan, chunk_tokens=plan.chunk_tokens, preset=preset)
     dec = KvcReader(data).read_cache()
     with torch.inference_mode():
-        got = continue_logits(lm, dec, cont)
+        got_all = continue_logits(lm, dec, cont)
+    lp_all_e = torch.log_softmax(exact.double(), -1)
+    kl_tok = (lp_all_e.exp() * (lp_all_e - torch.log_softmax(got_all.double(), -1))).sum(-1).clamp_min(0)
+    kl_windows = [float(kl_tok[i:i + n_first].mean()) for i in range(0, len(cont), n_first)]
+    # the promise's figures: the first window (--continuation tokens), whatever --windows adds after it
+    exact, got, cont = exact[:n_first], got_all[:n_first], cont[:n_first]
     lp_e = torch.log_softmax(exact.double(), -1)
     lp_d = torch.log_softmax(got.double(), -1)
-    kl = float((lp_e.exp() * (lp_e - lp_d)).sum(-1).clamp_min(0).mean())
+    kl = kl_windows[0]
     top1 = float((exact.argmax(-1) == got.argmax(-1)).double().mean())
     tgt = torch.as_tensor(np.asarray(cont[1:], np.int64))[:, None]
     d = (lp_e[:-1].gather(1, tgt) - lp_d[:-1].gather(1, tgt))[:, 0].numpy()
@@ -66,7 +71,7 @@ def _row(lm, cache, cont, exact, preset, cal, prefill_cpu):
             "kl": kl, "predicted_kl": rate["predicted_kl"], "measured_over_predicted": kl / rate["predicted_kl"],
             "kl_over_target": kl / target.kl, "top1": top1, "dppl_terms": d.tolist(),
             "encode_cpu_s": sw.cpu, "encode_wall_s": sw.wall, "encode_over_prefill_cpu": sw.cpu / prefill_cpu,
-            "fp16_mb": fp16_mb, "encode_mb_s_per_core": fp16_mb / sw.cpu}
+            "fp16_mb": fp16_mb, "encode_mb_s_per_core": fp16_mb / sw.cpu, "kl_windows": kl_windows}
 
 
 def _summary(rows, presets):
@@ -128,6 +133,9 @@ def main(argv=None) -> None:
     ap.add_argument("--texts", default=",".join(HELD_OUT))
     ap.add_argument("--tokens", default="1024,2048,4096", help="context lengths")
     ap.add_argument("--continuation", type=int, default=320)
+    ap.add_argument("--windows", type=int, default=1,
+                    help="also score the next windows of --continuation tokens (kl_windows per row; the promise's "
+                         "figures stay the first window's): how much of a row's KL is the text that follows it")
     ap.add_argument("--presets", default="near-lossless,balanced,small")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--report-from", default=None, help="print the tables of this saved result (JSON) and exit")
@@ -165,24 +173,26 @@ def main(argv=None) -> None:
         for name in [t for t in a.texts.split(",") if t]:
             ids = tokenize(lm.tokenizer, load_text(name))
             for T in [int(x) for x in a.tokens.split(",") if x]:
-                if len(ids) < T + a.continuation or (window and T + a.continuation > window):
+                n_cont = a.continuation * a.windows
+                if len(ids) < T + n_cont or (window and T + n_cont > window):
                     skipped.append({"model": model, "text": name, "tokens": T, "why": f"{len(ids)} tokens in the text"})
                     continue
                 with harness.stopwatch() as pf:  # the yardstick: a plain prefill of the context
                     prefill(lm, ids[:T])
                 with harness.stopwatch() as sw:  # the encode path's capture: that prefill, observing the importance
                     cache = capture(lm, token_ids=ids[:T], score_window=score_window("balanced"))
-                cont = np.asarray(ids[T:T + a.continuation], np.int64)
+                cont = np.asarray(ids[T:T + n_cont], np.int64)
                 with torch.inference_mode():
                     exact = continue_logits(lm, cache, cont)
                 for preset in presets:
-                    r = _row(lm, cache, cont, exact, preset, cal, pf.cpu)
+                    r = _row(lm, cache, cont, exact, preset, cal, pf.cpu, a.continuation)
                     r.update(model=model, text=name, tokens=T, prefill_cpu_s=pf.cpu, capture_cpu_s=sw.cpu,
                              capture_over_prefill_cpu=sw.cpu / pf.cpu)
                     rows.append(r)
                     print(f"{model} {name} {T} {preset}: {r['bits_per_element']:.3f} b/el KL {r['kl']:.3g} "
                           f"(pred {r['predicted_kl']:.3g}, x{r['measured_over_predicted']:.2f}, {r['kl_over_target']:.2f} of target) "
-                          f"top1 {r['top1']:.3f} encode {r['encode_cpu_s']:.1f} CPU-s = {r['encode_over_prefill_cpu']:.2f}x prefill",
+                          f"top1 {r['top1']:.3f} encode {r['encode_cpu_s']:.1f} CPU-s = {r['encode_over_prefill_cpu']:.2f}x prefill"
+                          + (f" KL by window {', '.join(f'{k:.3g}' for k in r['kl_windows'])}" if a.windows > 1 else ""),
                           file=sys.stderr, flush=True)
     summary = _summary(rows, presets)
     for k, s in summary.items():
