@@ -53,12 +53,12 @@ def _row(lm, cache, cont, exact, preset, cal, prefill_cpu, n_first):
     with torch.inference_mode():
         got_all = continue_logits(lm, dec, cont)
     lp_all_e = torch.log_softmax(exact.double(), -1)
-    kl_tok = (lp_all_e.exp() * (lp_all_e - torch.log_softmax(got_all.double(), -1))).sum(-1).clamp_min(0)
+    lp_all_d = torch.log_softmax(got_all.double(), -1)
+    kl_tok = (lp_all_e.exp() * (lp_all_e - lp_all_d)).sum(-1).clamp_min(0)
     kl_windows = [float(kl_tok[i:i + n_first].mean()) for i in range(0, len(cont), n_first)]
     # the promise's figures: the first window (--continuation tokens), whatever --windows adds after it
     exact, got, cont = exact[:n_first], got_all[:n_first], cont[:n_first]
-    lp_e = torch.log_softmax(exact.double(), -1)
-    lp_d = torch.log_softmax(got.double(), -1)
+    lp_e, lp_d = lp_all_e[:n_first], lp_all_d[:n_first]
     kl = kl_windows[0]
     top1 = float((exact.argmax(-1) == got.argmax(-1)).double().mean())
     tgt = torch.as_tensor(np.asarray(cont[1:], np.int64))[:, None]
@@ -125,6 +125,13 @@ def markdown(rows, model: str, preset: str) -> str:
     return "\n".join(lines)
 
 
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"needs an integer >= 1, not {text!r}")
+    return n
+
+
 def main(argv=None) -> None:
     from kvcodec.texts import HELD_OUT
 
@@ -133,7 +140,7 @@ def main(argv=None) -> None:
     ap.add_argument("--texts", default=",".join(HELD_OUT))
     ap.add_argument("--tokens", default="1024,2048,4096", help="context lengths")
     ap.add_argument("--continuation", type=int, default=320)
-    ap.add_argument("--windows", type=int, default=1,
+    ap.add_argument("--windows", type=_positive, default=1,
                     help="also score the next windows of --continuation tokens (kl_windows per row; the promise's "
                          "figures stay the first window's): how much of a row's KL is the text that follows it")
     ap.add_argument("--presets", default="near-lossless,balanced,small")
