@@ -255,7 +255,7 @@ def finetune(lm: LoadedModel, chunks: list[np.ndarray], epochs: float, budget_s:
             loss.backward()
             opt.step()
             opt.zero_grad()
-            losses.append(float(loss))
+            losses.append(loss.item())
             if len(losses) % 25 == 0:
                 print(f"  LoRA {lm.name}: step {len(losses)}/{steps_max}, loss {statistics.mean(losses[-25:]):.3f}, "
                       f"{sw.elapsed():.0f} s", file=sys.stderr)
