@@ -536,20 +536,25 @@ def table(summ: list[dict[str, Any]]) -> str:
 
 
 def plot(summ: list[dict[str, Any]], path: Path) -> None:
-    """TTFT p50 and CPU-s p50 per method, per (model, shape), beside the paper's TTFT."""
+    """Exact accuracy, TTFT p50 and CPU-s p50 per method, per (model, shape), beside the paper's TTFT.
+
+    Accuracy is drawn first: a method's speed means nothing without what it answers (fine-tuning here is quick per
+    request and answers almost nothing).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     labels = [f"{s['model']}\n{s['knowledge_tokens']}+{s['history_tokens']}" for s in summ]
     x = np.arange(len(summ))
     for j, m in enumerate(METHODS):
-        for ax, k in zip(axes, ("ttft_s", "cpu_s")):
-            ys = [s["methods"].get(m, {}).get(k, {}).get("p50", np.nan) for s in summ]
+        cols = [[100 * s["methods"].get(m, {}).get("all", {}).get("exact", np.nan) for s in summ]]
+        cols += [[s["methods"].get(m, {}).get(k, {}).get("p50", np.nan) for s in summ] for k in ("ttft_s", "cpu_s")]
+        for ax, ys in zip(axes, cols):
             ax.bar(x + (j - 1) * 0.27, ys, 0.27, label=m)
-    for ax, t in zip(axes, ("TTFT p50 (s)", "CPU-s per request p50")):
+    for ax, t in zip(axes, ("exact answers (%)", "TTFT p50 (s)", "CPU-s per request p50")):
         ax.set_xticks(x, labels, fontsize=8)
         ax.set_title(t)
     axes[0].legend(fontsize=8)
