@@ -35,6 +35,14 @@ Usage::
     llm = llama_cpp.Llama(model_path=gguf, n_ctx=4096, flash_attn=True)
     n = load_kvc(llm, "doc.kvc")          # llm now continues after the document
     llm.eval(question_ids); ...
+
+**Engines differ.** A `.kvc` captured by HF holds HF's KV for the GGUF's dequantised
+weights; llama.cpp computes its own from the quantised weights, so the two are close,
+not equal (under 0.1 relative per layer on the embedded model with llama.cpp's plain
+CPU kernels). Its extra CPU buffer types (AMX int8 tiles on Xeons that have them)
+quantise activations their own way and part further (0.12-0.22, measured 2026-11-28);
+where a file must continue exactly as llama.cpp's own prefill would, capture it with
+llama.cpp (:func:`capture_llamacpp`).
 """
 
 from __future__ import annotations
