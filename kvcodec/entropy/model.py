@@ -239,10 +239,6 @@ def _kmeans_tables(hist, assign, k, iters, cost_q):  # pragma: no cover - numba
     counts = np.zeros((k, A), np.int64)
     freqs = np.zeros((k, A), np.int64)
     prev = np.zeros((k, A), np.int64)
-    cost_t = np.zeros((A, k), np.int64)
-    lacks_t = np.zeros((A, k), np.int64)
-    acc = np.zeros(k, np.int64)
-    lack = np.zeros(k, np.int64)
     # each block's present symbols (a block of ~1K symbols uses a few dozen of the alphabet)
     nz_start = np.zeros(n + 1, np.int64)
     for i in range(n):
@@ -267,26 +263,20 @@ def _kmeans_tables(hist, assign, k, iters, cost_q):  # pragma: no cover - numba
             if it == 0 or (counts[t] != prev[t]).any():
                 _normalize_one(counts[t], freqs[t])
         prev[:] = counts
-        # table-major costs, so a block's costs under all k tables accumulate as one vector per symbol
-        for sym in range(A):
-            for t in range(k):
-                f = freqs[t, sym]
-                cost_t[sym, t] = cost_q[f]
-                lacks_t[sym, t] = 1 if f == 0 else 0
         changed = False
         for i in range(n):
-            acc[:] = 0
-            lack[:] = 0
-            for j in range(nz_start[i], nz_start[i + 1]):
-                c, sym = nz_cnt[j], nz_sym[j]
-                for t in range(k):
-                    acc[t] += c * cost_t[sym, t]
-                    lack[t] += lacks_t[sym, t]
-            best_t = -1  # the cheapest table holding every symbol of the block; ties to the lowest
+            best, best_t = -1, 0
             for t in range(k):
-                if lack[t] == 0 and (best_t < 0 or acc[t] < acc[best_t]):
-                    best_t = t
-            best_t = max(best_t, 0)  # never -1: the block's own table holds its symbols
+                c = 0
+                ok = True
+                for j in range(nz_start[i], nz_start[i + 1]):
+                    f = freqs[t, nz_sym[j]]
+                    if f == 0:
+                        ok = False
+                        break
+                    c += nz_cnt[j] * cost_q[f]
+                if ok and (best < 0 or c < best):
+                    best, best_t = c, t
             if best_t != assign[i]:
                 assign[i] = best_t
                 changed = True
