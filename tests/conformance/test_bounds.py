@@ -452,6 +452,48 @@ def test_writer_reads_back_before_the_rename(tmp_path, monkeypatch):
     assert dest.exists()
 
 
+def _near_definition(out, want) -> bool:
+    """The read-back's bound in plain numpy float64: what the writer's numba pass must equal."""
+    from kvcodec.format.writer import LOSSY_BOUND
+
+    if out.shape != want.shape:
+        return False
+    x, o = want.ravel().astype(np.float64), out.ravel().astype(np.float64)
+    fin = np.isfinite(x)
+    if not np.array_equal(o[~fin], x[~fin], equal_nan=True) or not np.isfinite(o[fin]).all():
+        return False
+    d = o[fin] - x[fin]
+    return float(d @ d) <= LOSSY_BOUND * float(x[fin] @ x[fin])
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_read_back_bound_equals_its_definition(dtype):
+    from kvcodec.format.writer import _near
+
+    rng = np.random.default_rng(7)
+    want = rng.standard_normal((2, 33, 16)).astype(dtype)
+    cases = {"exact": want.copy(), "small error": (want + 0.3 * rng.standard_normal(want.shape)).astype(dtype),
+             "past the bound": (want * -0.5).astype(dtype), "zeroed (at the bound's edge, inside)": np.zeros_like(want)}
+    w_nonfin = want.copy()
+    w_nonfin[0, 3, 2], w_nonfin[1, 7, 0], w_nonfin[1, 8, 1] = np.inf, -np.inf, np.nan
+    for name, out in list(cases.items()):
+        assert _near(out, want) == _near_definition(out, want), name
+        o = out.copy()
+        o[0, 3, 2], o[1, 7, 0], o[1, 8, 1] = np.inf, -np.inf, np.nan  # kept exactly where the input is not finite
+        assert _near(o, w_nonfin) == _near_definition(o, w_nonfin) and _near(o, w_nonfin) == _near(out, want), name
+    bad = want.copy()
+    bad[1, 2, 3] = np.nan  # non-finite where the input is finite
+    assert not _near(bad, want) and not _near_definition(bad, want)
+    o = want.copy()
+    o[0, 3, 2], o[1, 7, 0], o[1, 8, 1] = -np.inf, -np.inf, np.nan  # a flipped infinity
+    assert not _near(o, w_nonfin) and not _near_definition(o, w_nonfin)
+    assert not _near(want[:, :32], want)
+    assert _near(cases["exact"], want) and not _near(cases["past the bound"], want)
+    if dtype is np.float32:  # float32 squares overflow here; float64 sums do not
+        big = (want * np.float32(1e25)).astype(np.float32)
+        assert _near(big * np.float32(1.01), big) and not _near(big * np.float32(-1), big)
+
+
 # -- never write what cannot be read: extreme-valued real caches -------------------------------
 EXTREMES = ["scale:1e-30", "scale:1e-6", "scale:1e3", "scale:1e5", "scale:3e7", "scale:1e30", "const:0", "const:1.5",
             "const:-7e4", "subnormal", "inf", "nan", "sink-outlier:1e6", "outlier:1e9"]
