@@ -84,6 +84,26 @@ def test_transform_fast_equals_reference():
     assert np.array_equal(transform_decode(y, b, m), acc + m[:, None, :])
 
 
+@pytest.mark.parametrize("shape", [(1, 9, 256, 256), (2, 33, 7, 12), (3, 5, 64, 64)])
+def test_transform_fast_equals_reference_bit_for_bit_on_zeros_and_infinities(shape):
+    """Bit patterns, not values: signed zeros, a block-diagonal basis's zero blocks (0 * y adds -0.0 or +0.0)
+    and an infinite coefficient (inf * 0 = NaN) must come out of the fast loop exactly as the definition's."""
+    H, T, K, D = shape
+    y, b, m = _x((H, T, K)), _x((H, D, K)), _x((H, D))
+    b[:, : D // 2, K // 2:] = 0.0
+    b[:, D // 2:, : K // 2] = -0.0
+    y[0, 0, :] = -0.0
+    y[0, 1, : K // 2] = 0.0
+    m[0, :] = -0.0  # row 0 decodes to zeros: +0.0 + -0.0 must round to +0.0 in both
+    y[-1, -1, K // 2] = np.inf
+    y[-1, -2, 0] = -np.inf
+    with np.errstate(invalid="ignore"):
+        ref = transform_decode(y, b, m, fast=False)
+    fast = transform_decode(y, b, m)
+    assert np.isnan(fast).any() and np.isinf(fast).any() and (fast == 0).any()
+    assert np.array_equal(fast.view(np.uint32), ref.view(np.uint32))
+
+
 def test_transform_hadamard_roundtrip():
     x = _x((3, 30, 64))
     st = TransformStage(basis="hadamard")
