@@ -14,6 +14,20 @@ FLOATS = ("float16", "float32")
 KIND_INDEX = {"k": 0, "v": 1}
 
 
+def float32_copy(arr: np.ndarray) -> np.ndarray:
+    """A C-contiguous float32 array equal to ``arr`` (float16 -> float32 is exact).
+
+    Why torch for float16: numpy widens half floats one element at a time, torch with the CPU's
+    F16C instructions; on a 2K-token chunk of SmolLM2 that is 1.25 ms against 0.07-0.18 ms, and
+    the encoder widens every chunk of a cache at least twice (the first stage and the read-back).
+    """
+    if arr.dtype == np.float16 and arr.flags.writeable and arr.size and all(s >= 0 for s in arr.strides):
+        import torch
+
+        return torch.from_numpy(arr).to(torch.float32).contiguous().numpy()
+    return np.ascontiguousarray(arr, dtype=np.float32)
+
+
 def no_extra(side: SideData, stage: str, allowed: set[str]) -> None:
     extra = set(side) - allowed
     if extra:

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
+from kvcodec.codecs.common import float32_copy
 from kvcodec.lru import BoundedLRU
 from kvcodec.codecs.rope_tables import inv_freq, rope_angles
 
@@ -64,7 +65,7 @@ def rope_unrotate(arr: np.ndarray, pos: np.ndarray, theta: float, dim: int) -> n
     """float32 [H, T, D]: RoPE by -angle of ``arr`` (float16/float32), exactly ``RopeStage.encode``'s numpy result."""
     c, s = rope_tables64(pos, theta, dim)
     out = np.empty(arr.shape, np.float32)
-    x = np.ascontiguousarray(arr, dtype=np.float32)  # float16 -> float32 -> float64 are exact
+    x = float32_copy(arr)  # float16 -> float32 -> float64 are exact
     _rope_unrotate(x, c, s, dim, out)
     return out
 

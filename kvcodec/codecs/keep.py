@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcodec.codecs.common import FLOATS, check3, int_param, no_extra
+from kvcodec.codecs.common import FLOATS, check3, float32_copy, int_param, no_extra
 from kvcodec.core.stage import ArraySpec, ArrayToArray, ChunkContext, SideData, register, side_array
 from kvcodec.errors import KvcCodecError, KvcFormatError
 
@@ -59,7 +59,7 @@ class KeepStage(ArrayToArray):
             big = float(np.abs(src.astype(np.float64)).max())
             raise KvcCodecError(f"codec 'keep': kept tokens reach {big:.4g}, beyond the {self.dtype} range; "
                                 f"use keep dtype float32 (kvcodec's presets pick it automatically)")
-        return np.ascontiguousarray(arr[:, s : T - r], dtype=np.float32), {"kept": kept}
+        return float32_copy(arr[:, s : T - r]), {"kept": kept}
 
     def kept_side(self, side: SideData, spec: ArraySpec) -> np.ndarray:
         """Validated kept tokens [H, sink + recent, D] of a chunk (CPU and GPU decoders)."""

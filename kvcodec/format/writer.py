@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -19,6 +20,7 @@ import google_crc32c
 import numpy as np
 from numba import njit
 
+from kvcodec.codecs.common import float32_copy
 from kvcodec.digest import array_sha256
 from kvcodec.atomic import atomic_file
 from kvcodec.errors import KvcCodecError, KvcError, KvcFormatError, KvcInputError
@@ -348,37 +350,45 @@ def _write(cache: KVCache, f: BinaryIO, pipelines: PipelineSpec, opts: WriteOpti
     return out.pos
 
 
-@njit(cache=True, nogil=True)
-def _error_energy(o, x):  # pragma: no cover - numba
-    """(ok, sum (o-x)^2, sum x^2) in float64 over flat arrays; ok is False when ``o`` is non-finite where
-    ``x`` is finite, or differs from ``x`` where ``x`` is not (NaN matches NaN)."""
+@njit(cache=True, nogil=True, fastmath={"reassoc"})
+def _energy_sums(o, x):  # pragma: no cover - numba
+    """(sum (o-x)^2, sum x^2) in float64 over flat arrays, reassociated so that LLVM vectorises the sums.
+    Non-finite inputs make a sum non-finite (and float64 sums of float32 squares cannot overflow), which
+    sends the caller to :func:`_exact_energy`."""
     d2 = 0.0
     x2 = 0.0
     for i in range(x.size):
         xi = np.float64(x[i])
-        oi = np.float64(o[i])
-        if np.isfinite(xi):
-            if not np.isfinite(oi):
-                return False, 0.0, 0.0
-            d = oi - xi
-            d2 += d * d
-            x2 += xi * xi
-        elif not (oi == xi or (np.isnan(oi) and np.isnan(xi))):
-            return False, 0.0, 0.0
-    return True, d2, x2
+        d = np.float64(o[i]) - xi
+        d2 += d * d
+        x2 += xi * xi
+    return d2, x2
 
 
 def _near(out: np.ndarray, want: np.ndarray) -> bool:
     """``out`` has ``want``'s shape, is finite where ``want`` is (and equal where it is not), and lies within
     ``LOSSY_BOUND`` x ``want``'s energy of it, summed in float64 (float32 sums of squares overflow at |x| ~ 1e19).
 
-    One numba pass over float32 copies (float16 -> float32 is exact): the read-back runs this on every
-    lossy chunk, and the numpy form (two float64 copies, a mask, two dot products) was 13 % of an encode."""
+    The read-back runs this on every lossy chunk: one vectorised numba pass over float32 copies (float16
+    -> float32 is exact, and :func:`float32_copy` makes them 7-17x faster than numpy) when everything is
+    finite, the float64 numpy form only when something is not. The numpy form everywhere was 13 % of a
+    SmolLM2 2K `balanced` encode."""
     if out.shape != want.shape:
         return False
-    ft = np.float32 if out.dtype.itemsize <= 4 and want.dtype.itemsize <= 4 else np.float64
-    ok, d2, x2 = _error_energy(np.ascontiguousarray(out, dtype=ft).reshape(-1), np.ascontiguousarray(want, dtype=ft).reshape(-1))
-    return bool(ok) and d2 <= LOSSY_BOUND * x2
+    if out.dtype.itemsize <= 4 and want.dtype.itemsize <= 4:
+        d2, x2 = _energy_sums(float32_copy(out).reshape(-1), float32_copy(want).reshape(-1))
+        if math.isfinite(d2) and math.isfinite(x2):
+            return d2 <= LOSSY_BOUND * x2
+    x, o = np.ravel(want).astype(np.float64), np.ravel(out).astype(np.float64)
+    fin = np.isfinite(x)
+    if not fin.all():
+        if not np.array_equal(o[~fin], x[~fin], equal_nan=True):
+            return False
+        x, o = x[fin], o[fin]
+    if not np.isfinite(o).all():
+        return False
+    d = o - x
+    return float(d @ d) <= LOSSY_BOUND * float(x @ x)
 
 
 class _Expectation:

@@ -309,3 +309,22 @@ def test_quantize_v2_refuses_bad_input():
             stage_from_json({"name": "quantize", "version": 2, "config": cfg})
     with pytest.raises(KvcCodecError):
         st.encode(np.full((1, 2, 8), np.nan, np.float32), ChunkContext())
+
+
+def test_float32_copy_equals_numpy_widening():
+    """The encoder's fast float16 widening is numpy's, bit for bit, on every layout it meets (strided slices,
+    read-only and empty arrays, non-finite values), and it never aliases a float16 input."""
+    from kvcodec.codecs.common import float32_copy
+
+    x = _x((3, 50, 16), np.float16, scale=300.0)
+    x[0, 0, :4] = [np.inf, -np.inf, np.nan, -0.0]
+    x[1, 1, 1] = np.float16(6e-8)  # subnormal
+    ro = x.copy()
+    ro.flags.writeable = False
+    for a in (x, x[:, 3:41], x[1:, :, 8:], x.transpose(1, 0, 2), ro, x[:, :0], x.astype(np.float32)[:, 2:]):
+        got = float32_copy(a)
+        assert got.dtype == np.float32 and got.flags.c_contiguous and got.shape == a.shape
+        assert np.array_equal(got.view(np.uint32), np.ascontiguousarray(a, dtype=np.float32).view(np.uint32))
+    y = float32_copy(x)
+    y[...] = 0
+    assert np.isinf(x[0, 0, 0])
