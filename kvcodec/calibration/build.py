@@ -31,19 +31,30 @@ from kvcodec.calibration.record import (CALIB_CONTEXT, CALIB_FORMAT, CALIB_VERSI
                                         Calibration)
 from kvcodec.calibration.store import load_calibration, save_calibration
 from kvcodec.codecs.blocks import channel_blocks
-from kvcodec.codecs.rope_tables import layer_rope_config
+from kvcodec.codecs.rope_tables import layer_rope_config, positions_for
 from kvcodec.codecs.rope import RopeStage
 from kvcodec.core.stage import ChunkContext
 from kvcodec.errors import KvcInputError
 from kvcodec.models.layout import ALL_HEADS
 
-def coded_tensor(cache: Any, layer: int, kind: str) -> np.ndarray:
-    """Keys as the plans code them: pre-RoPE, or as they are when the model's RoPE variant has no rope stage."""
-    return _coded_frame((cache.keys if kind == "k" else cache.values)[layer].float().numpy(), cache, layer, kind)
+def coded_tensor(cache: Any, layer: int, kind: str, tokens: np.ndarray | None = None) -> np.ndarray:
+    """Keys as the plans code them: pre-RoPE, or as they are when the model's RoPE variant has no rope stage.
+
+    ``tokens``: only these of the layer's stored tokens (indices into its T), un-RoPE'd at their own
+    positions: the same values as selecting them afterwards, without rotating the tokens a caller drops
+    (the rate search reads 512 of a 4K cache's tokens)."""
+    t = (cache.keys if kind == "k" else cache.values)[layer]
+    if tokens is None:
+        return _coded_frame(t.float().numpy(), cache, layer, kind)
+    import torch
+
+    idx = torch.from_numpy(np.asarray(tokens, np.int64))
+    return _coded_frame(t.index_select(1, idx).float().numpy(), cache, layer, kind, tokens)
 
 
-def _coded_frame(x: np.ndarray, cache: Any, layer: int, kind: str) -> np.ndarray:
+def _coded_frame(x: np.ndarray, cache: Any, layer: int, kind: str, tokens: np.ndarray | None = None) -> np.ndarray:
     """``x`` [H, T, D] of ``cache``'s (layer, kind) in the frame the plans code: keys un-RoPE'd.
+    ``tokens``: ``x`` holds only these of the layer's stored tokens (:func:`coded_tensor`).
 
     Also right for a gradient with respect to the stored keys: RoPE is a rotation per token, so the
     gradient with respect to the pre-RoPE keys is the same inverse rotation of it."""
@@ -52,9 +63,12 @@ def _coded_frame(x: np.ndarray, cache: Any, layer: int, kind: str) -> np.ndarray
         if rc is None:  # transform_plan then codes this layer's post-RoPE keys too
             return x
         # token_start: a sliding-window layer's first stored token is not token 0 (the ragged layout)
+        start, positions = cache.layer_offset(layer), cache.positions
+        if tokens is not None:
+            T = int((cache.keys[layer]).shape[1])
+            positions = positions_for(positions, layer, x.shape[0], T, start)[:, np.asarray(tokens, np.int64)]
         x, _ = RopeStage(**rc).encode(np.ascontiguousarray(x, np.float32),
-                                      ChunkContext(layer=layer, kind="k", token_start=cache.layer_offset(layer),
-                                                   positions=cache.positions))
+                                      ChunkContext(layer=layer, kind="k", token_start=start, positions=positions))
     return x
 
 

@@ -111,7 +111,7 @@ def coefficients(cache: Any, cal: Calibration, sink: int, importance: np.ndarray
             keep = keep[:: -(-keep.size // max_tokens)]
         row = []
         for ki, kind in enumerate("kv"):
-            x = torch.from_numpy(np.ascontiguousarray(coded_tensor(cache, l, kind)[:, keep], np.float32))  # [H, T', D]
+            x = torch.from_numpy(np.ascontiguousarray(coded_tensor(cache, l, kind, keep), np.float32))  # [H, T', D]
             row.append(((x - mean[l, ki][:, None, :]) @ proj[l, ki]).numpy())
         ys.append(row)
         if importance is not None and importance.shape[-1] == cache.num_tokens:

@@ -237,3 +237,31 @@ def test_narrow_heads_keep_one_pca_per_head():
         (mom.s1 / mom.n[:, :, None, None])[..., None, :]
     v, _ = _weighted_pca(cov, met)
     assert np.array_equal(basis.view(np.uint16), v.astype(np.float16).view(np.uint16))
+
+
+def test_coded_tensor_of_chosen_tokens_equals_selecting_them_afterwards(small_cache):
+    """The rate search un-RoPEs only the tokens it reads: the same bits as un-RoPEing the layer and then
+    selecting, with the cache's own positions, explicit positions, and a sliding layer's later first token."""
+    import torch
+
+    from kvcodec.calibration.build import coded_tensor
+    from kvcodec.core.kvcache import KVCache
+
+    c = small_cache
+    T = c.num_tokens
+    pos = np.arange(1, T, 2, dtype=np.int64)  # a pruned cache: every other token, at its own position
+    shifted = KVCache([k[:, 1::2].clone() for k in c.keys], [v[:, 1::2].clone() for v in c.values], c.token_ids,
+                      c.fingerprint, pos)
+    ragged = KVCache([k[:, 20:].clone() if l == 1 else k for l, k in enumerate(c.keys)],
+                     [v[:, 20:].clone() if l == 1 else v for l, v in enumerate(c.values)], c.token_ids, c.fingerprint)
+    for cache in (c, shifted, ragged):
+        for layer in (0, 1):
+            Tl = int(cache.keys[layer].shape[1])
+            for tokens in (np.arange(4, Tl), np.arange(4, Tl)[::3], np.array([Tl - 1, 0, 5]), np.arange(0)):
+                for kind in "kv":
+                    whole = coded_tensor(cache, layer, kind)
+                    got = coded_tensor(cache, layer, kind, tokens)
+                    assert np.array_equal(got.view(np.uint32), np.ascontiguousarray(whole[:, tokens]).view(np.uint32))
+    k = coded_tensor(shifted, 0, "k", np.arange(len(pos)))
+    assert np.array_equal(k, coded_tensor(c, 0, "k", pos))  # the positions are used
+    assert torch.equal(torch.from_numpy(coded_tensor(c, 0, "v", np.arange(T))), c.values[0].float())
