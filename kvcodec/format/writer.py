@@ -354,7 +354,7 @@ def _write(cache: KVCache, f: BinaryIO, pipelines: PipelineSpec, opts: WriteOpti
 def _energy_sums(o, x):  # pragma: no cover - numba
     """(sum (o-x)^2, sum x^2) in float64 over flat arrays, reassociated so that LLVM vectorises the sums.
     Non-finite inputs make a sum non-finite (and float64 sums of float32 squares cannot overflow), which
-    sends the caller to :func:`_exact_energy`."""
+    sends :func:`_near` to its float64 numpy form."""
     d2 = 0.0
     x2 = 0.0
     for i in range(x.size):
