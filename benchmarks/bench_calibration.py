@@ -33,6 +33,10 @@ recipe (one 2048-token prefill; one 128-token continuation forward over a
 prefills (3 corpus captures + the query-moment pass) + 2L + 1 probes, the PCA
 phase taken as measured for the new recipe.
 
+``--allocate RATEMODEL.json`` compares the calibration (``--new``'s, or the built one) with the per-(layer, kind)
+sensitivities that rate model measured (:meth:`kvcodec.calibration.ratemodel.RateModel.allocated`: same bases,
+steps allocated by the measured slopes) as "new" against itself unchanged as "reference" (issue 38, lever 1).
+
 ``--save PATH`` writes the new calibration file (the shipped one is built by
 scripts/build_calibration.py).
 """
@@ -207,6 +211,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--continuation", type=int, default=256)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--allocate", default=None, help="a rate model file: compare the calibration with its measured "
+                    "per-layer sensitivities (new) against without (reference)")
     ap.add_argument("--save", default=None, help="write the new calibration here")
     ap.add_argument("--reference-cost", action="store_true", help="time both recipes' model passes in this run")
     ap.add_argument("--json", dest="json_out", default=None)
@@ -246,7 +252,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.save:
         C_store.write_calibration_file(cal, lm.fingerprint.id, Path(args.save))
     cals = {"new": cal}
-    if args.reference:
+    if args.allocate:
+        from kvcodec.calibration.ratemodel import RateModel
+
+        rm = RateModel.from_json(json.loads(Path(args.allocate).read_text()), args.allocate)
+        if rm.calibration_sha256 != cal.meta.get("content_sha256") or rm.layer_factor is None:
+            raise SystemExit(f"{args.allocate}: not fitted with this calibration, or it has no layer factors")
+        cals = {"new": rm.allocated(cal), "reference": cal}
+    elif args.reference:
         cals["reference"] = load_reference(Path(args.reference), lm.fingerprint.id)
         ref, new = np.log(cals["reference"].sensitivity.ravel()), np.log(cal.sensitivity.ravel())
         print(f"\nsensitivity vs reference: corr(log) {np.corrcoef(ref, new)[0, 1]:.3f}, "

@@ -14,6 +14,7 @@ Format (JSON, ``kvcodec-ratemodel`` version 1)::
      "curve": {"balanced": [[T, g], ...], ...},  # per preset: log growth from t_ref to T tokens (non-decreasing)
      "beta": {"balanced": b, ...},               # per preset: past its last curve point, (tokens / T_last) ** b
      "rival_per_step": g,      # near-lossless: max rival logit gain per unit step0 (linear law)
+     "layer_factor": [[fk, fv], ...],  # per layer, K and V: measured / predicted KL of that tensor alone
      "presets_sha256": ...,    # the preset settings it was fitted for (others: refitted)
      "fit": [...]}             # the fit's measurements, for the record
 """
@@ -23,21 +24,24 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeGuard
+
+import numpy as np
 
 from kvcodec.calibration.record import Calibration
 from kvcodec.calibration.store import SHIPPED_DIR, _atomic_write, calibration_dir
 from kvcodec.errors import KvcFormatError
 
 RATE_FORMAT = "kvcodec-ratemodel"
-RATE_VERSION = 2  # 2: per-preset length curves (1 had one power law from t_ref for every preset)
+RATE_VERSION = 3  # 3: per-(layer, kind) measured sensitivity; 2: per-preset length curves (1: one power law from t_ref)
 _MAX_BYTES = 1 << 20
 SHORT_EXPONENT = 1.0  # below t_ref tokens (outside the fit): the prediction x (t_ref / tokens) ** this
 ALPHA_RANGE = (1e-3, 1e3)  # a fitted alpha outside this is a broken fit or a tampered file
 BETA_RANGE = (0.0, 2.0)
 CURVE_RANGE = (0.0, 5.0)  # log growth at a curve point: 0 (none) .. e^5 (a broken fit or a tampered file beyond)
+LAYER_FACTOR_RANGE = (1.0 / 64, 64.0)  # the fit clips to [1/16, 16]; beyond this a file is broken or tampered
 
 
 @dataclass
@@ -54,6 +58,31 @@ class RateModel:
     fit_s: float | None = None  # seconds the fit took
     presets_sha256: str = ""  # the preset settings it was fitted for: other settings make it stale
     curve: dict[str, list[list[float]]] = field(default_factory=dict)  # per preset: [[tokens, log growth from t_ref], ...]
+    layer_factor: list[list[float]] | None = None  # [L][2]: the calibration's sensitivity x this = the measured one
+
+    def allocated(self, cal: Calibration) -> Calibration:
+        """``cal`` with each (layer, kind)'s sensitivity times its measured ``layer_factor`` (the same bases and means,
+        so files reference the same calibration): what rate control predicts and allocates steps with.
+
+        Why: the calibration's per-layer sensitivity is a Fisher trace for isotropic noise on other text. Measured
+        tensor by tensor at ``balanced``'s step (only that tensor decoded, the rest exact), the KL per unit of the
+        codec's own predicted noise differs from it by 0.1-10x across layers, so steps of equal *estimated* slope
+        were not of equal real slope. The plans' steps follow the sensitivity (equal slopes), so this re-allocates
+        bits across layers and K/V as well as making each layer's prediction right.
+        """
+        if self.layer_factor is None:
+            return cal
+        key = tuple(map(tuple, self.layer_factor))
+        memo = cal.__dict__.get("_allocated")
+        if memo is not None and memo[0] == key:  # one object per calibration: its projections are computed once
+            return memo[1]
+        f = np.asarray(self.layer_factor, np.float64)
+        if f.shape != cal.sensitivity.shape:
+            raise KvcFormatError(f"rate model has layer factors {f.shape} for a calibration of {cal.sensitivity.shape}; "
+                                 "rebuild it: kvc calibrate --model MODEL --force")
+        out = replace(cal, sensitivity=(cal.sensitivity.astype(np.float64) * f).astype(np.float32))
+        cal.__dict__["_allocated"] = (key, out)
+        return out
 
     def factor(self, preset: str, tokens: int) -> float:
         """What multiplies the raw prediction of a ``tokens``-token context: ``alpha[preset]`` times the length
@@ -115,11 +144,17 @@ class RateModel:
         curve = d.get("curve", {})
         if not (isinstance(curve, dict) and set(curve) <= set(alpha) and all(_curve_ok(c, t_ref) for c in curve.values())):
             raise bad("curve")
+        lf = d.get("layer_factor")
+        if lf is not None and not (isinstance(lf, list) and 1 <= len(lf) <= 1024 and all(
+                isinstance(r, list) and len(r) == 2 and all(_num(v) and LAYER_FACTOR_RANGE[0] <= v <= LAYER_FACTOR_RANGE[1]
+                                                            for v in r) for r in lf)):
+            raise bad("layer_factor")
         fit, fit_s, psha = d.get("fit", []), d.get("fit_s"), d.get("presets_sha256", "")
         return cls(fid, sha, {k: float(v) for k, v in alpha.items()}, {k: float(v) for k, v in beta.items()},
                    int(t_ref), None if rps is None else float(rps), fit if isinstance(fit, list) else [],
                    float(fit_s) if _num(fit_s) else None, psha if isinstance(psha, str) else "",
-                   {k: [[float(p[0]), float(p[1])] for p in c] for k, c in curve.items()})
+                   {k: [[float(p[0]), float(p[1])] for p in c] for k, c in curve.items()},
+                   None if lf is None else [[float(v) for v in r] for r in lf])
 
 
 def _curve_ok(c: Any, t_ref: int) -> bool:

@@ -11,7 +11,9 @@ codecs::
 with one rate knob ``step0``: the quantizer step of (layer, kind) is
 ``step0 / sqrt(w[l, kind] / wref)`` where ``w`` is the measured KL-per-MSE
 sensitivity from the model calibration (equal weighted distortion slopes =
-the rate-distortion optimum for entropy-coded uniform quantizers), and the
+the rate-distortion optimum for entropy-coded uniform quantizers; under rate control, the calibration's
+estimate times the rate model's per-layer factor measured at the operating point,
+:meth:`kvcodec.calibration.ratemodel.RateModel.allocated`), and the
 transform keeps only the PCA coefficients whose calibration variance is not
 negligible at that step (reverse water-filling: coefficients far below the
 step cost no bits and are dropped).

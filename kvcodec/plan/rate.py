@@ -20,7 +20,8 @@ The codec's noise is not isotropic in two ways, and the prediction follows both:
   (:mod:`kvcodec.plan.importance`). The error power is averaged with those weights. Without an
   importance (no model, pruned cache) the weights are uniform.
 
-``KL_pred = alpha * sum_{l,k} sens[l,k] * N[l,k]`` where ``N`` is that weighted coefficient error
+``KL_pred = alpha * sum_{l,k} sens[l,k] * N[l,k]`` where ``sens`` is the calibration's times the rate model's
+measured per-layer factor (:meth:`RateModel.allocated`: the plan's steps follow it too), ``N`` that weighted coefficient error
 power per element over the coded tokens (sink tokens are stored exactly; dropped coefficients
 count their whole value). ``alpha`` absorbs what the law leaves out (the Fisher trace was
 measured on another text and length; the second-order approximation): it is fitted per model
@@ -218,8 +219,8 @@ def noise_power(co: Coefficients, steps: np.ndarray, kept: np.ndarray, max_bits:
     return NoiseModel.prepare(co, multipliers, kinds).power(steps, kept, max_bits, deadzone)
 
 
-def raw_predictor(cache: Any, cal: Calibration, settings: dict[str, Any], importance: np.ndarray | None) -> Any:
-    """``step0 -> sum sens * noise`` (alpha = 1) of the transform plan with ``settings`` (a lossy preset's, without
+def noise_predictor(cache: Any, cal: Calibration, settings: dict[str, Any], importance: np.ndarray | None) -> Any:
+    """``step0 -> N`` [L, 2] (:func:`noise_power`) of the transform plan with ``settings`` (a lossy preset's, without
     ``step0``) on ``cache``: the same per-layer steps, kept coefficients and tokenscale classes as
     :func:`kvcodec.plan.pipelines.transform_plan` builds."""
     from kvcodec.plan.pipelines import TOKENSCALE_DEFAULT, kept_coefficients, layer_steps, token_classes
@@ -235,11 +236,17 @@ def raw_predictor(cache: Any, cal: Calibration, settings: dict[str, Any], import
     co = coefficients(cache, cal, sink, importance, floor=float({**TOKENSCALE_DEFAULT, **(ts or {})}["floor"]))
     nm = NoiseModel.prepare(co, mults, kinds)
 
-    def predict(step0: float) -> float:
+    def noise(step0: float) -> np.ndarray:
         steps = layer_steps(cal, step0)
-        return predicted_kl(cal, nm.power(steps, kept_coefficients(cal, steps, group), max_bits, deadzone))
+        return nm.power(steps, kept_coefficients(cal, steps, group), max_bits, deadzone)
 
-    return predict
+    return noise
+
+
+def raw_predictor(cache: Any, cal: Calibration, settings: dict[str, Any], importance: np.ndarray | None) -> Any:
+    """``step0 -> sum sens * noise`` (alpha = 1) of :func:`noise_predictor`'s plan."""
+    noise = noise_predictor(cache, cal, settings, importance)
+    return lambda step0: predicted_kl(cal, noise(step0))
 
 
 def predicted_kl(cal: Calibration, noise: np.ndarray, alpha: float = 1.0) -> float:
@@ -321,7 +328,7 @@ def controlled_plan(cache: Any, lm: Any, preset: str, args: dict[str, Any], targ
     t0 = time.perf_counter()
     args = dict(args)
     start = args.pop("step0", None)  # the table step: where the search starts
-    cal = args["cal"]
+    cal = args["cal"] = rm.allocated(args["cal"])  # the measured per-layer sensitivity: predictions and steps
     if importance is None and args.get("tokenscale") is not None:
         importance = cache_importance(lm, cache, window={**TOKENSCALE_DEFAULT, **args["tokenscale"]}["window"])
     raw = raw_predictor(cache, cal, {k: v for k, v in args.items() if k != "cal"}, importance)

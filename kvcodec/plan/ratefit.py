@@ -16,6 +16,12 @@ continuation of the text against the exact cache, divided by the raw prediction.
 * ``rival_per_step`` (near-lossless, whose greedy promise binds before its KL): the largest
   rival-logit gain per unit ``step0`` (gains scale linearly with the step).
 
+Before all of that, the per-(layer, kind) ``layer_factor`` (:meth:`RateModel.allocated`): on each fit text at
+:data:`ALLOC_TOKENS`, :data:`ALLOC_PRESET` at its table step, every K or V tensor decoded alone into an
+otherwise exact cache, its KL over its predicted KL (``sens[l,k] * N[l,k]``); the geometric mean over texts,
+clipped to [1/16, 16], shrunk halfway to 1 in log (:data:`ALLOC_SHRINK`). The alphas are then fitted with the
+sensitivities it corrects, since the steps follow them.
+
 Cost: one capture per (text, length) (the prefill observes the token importance itself) and a few
 continuations: minutes on two cores; shipped models ship theirs (``kvcodec/data/calibration``).
 """
@@ -42,6 +48,14 @@ FIT_TEXTS = ("gpl3", "pydoc", "py-textwrap", "c-linux-bpf")
 FIT_TOKENS = (1024, 2048, 4096)
 FIT_CONTINUATION = 256
 T_REF = 1024
+ALLOC_PRESET = "balanced"  # the operating point the per-layer sensitivities are measured at (its table step)
+ALLOC_TOKENS = 2048
+ALLOC_CLIP = 16.0  # a layer factor outside [1/16, 16] is clipped: a tensor whose KL is lost in rounding says little
+# the measured log factor is shrunk toward the calibration's estimate: one text's factors, applied to another tuning
+# text (pydoc, 2K, balanced at step0 0.5 and 0.7), cut KL at equal bits by 16-25 % at half strength on SmolLM2,
+# where full strength moved it by -21 % and +7 %; on Gemma 3 full strength was 7-22 % better and half 8-12 %
+# (BENCHMARKS.md, "Per-layer sensitivity measured at the operating point")
+ALLOC_SHRINK = 0.5
 
 
 def fit_rate_model(lm: Any, cal: Calibration, presets: Mapping[str, Mapping[str, Any]],
@@ -53,11 +67,10 @@ def fit_rate_model(lm: Any, cal: Calibration, presets: Mapping[str, Mapping[str,
     from tqdm import tqdm
 
     from kvcodec.format.writer import roundtrip
-    from kvcodec.models.capture import capture, max_context, tokenize
+    from kvcodec.models.capture import max_context, tokenize
     from kvcodec.models.quality import continue_logits
     from kvcodec.plan.check import max_rival_gain
-    from kvcodec.plan.importance import cache_importance
-    from kvcodec.plan.pipelines import TOKENSCALE_DEFAULT, transform_plan
+    from kvcodec.plan.pipelines import transform_plan
     from kvcodec.plan.rate import raw_predictor
     from kvcodec.texts import load_text
 
@@ -73,19 +86,19 @@ def fit_rate_model(lm: Any, cal: Calibration, presets: Mapping[str, Mapping[str,
         raise KvcInputError("rate model: no fit text is long enough for this model")
     fit: list[dict[str, Any]] = []
     t0 = time.time()
+    layer_factor = None
+    if ALLOC_PRESET in presets:
+        alloc = [(name, T, ids) for name, T, ids in jobs if T == max(t for n, t, _ in jobs if n == name and t <= ALLOC_TOKENS)]
+        layer_factor = measure_layer_factor(lm, cal, presets[ALLOC_PRESET], alloc, progress)
+        cal = RateModel("", "", {}, {}, T_REF, layer_factor=layer_factor).allocated(cal)
     with tqdm(total=len(jobs) * (1 + len(presets)), desc=f"kvc: fitting the rate model of {lm.name}", file=sys.stderr,
               disable=not progress, leave=False, dynamic_ncols=True) as bar, torch.inference_mode():
         for name, T, ids in jobs:
-            window_q = TOKENSCALE_DEFAULT["window"]
-            cache = capture(lm, token_ids=ids[:T], score_window=window_q)  # importance observed by the prefill
-            cont = np.asarray(ids[T:T + FIT_CONTINUATION], np.int64)
-            exact = continue_logits(lm, cache, cont)
+            cache, cont, exact, imp = _fit_job(lm, ids, T)
             lp_e = torch.log_softmax(exact.double(), -1)
-            imp = cache_importance(lm, cache, window=window_q)
             bar.update(1)
             for preset, table in presets.items():
-                settings: dict[str, Any] = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in table.items()}
-                step0 = float(settings.pop("step0"))
+                settings, step0 = _table(table)
                 pred = raw_predictor(cache, cal, settings, imp)(step0)
                 dec, _ = roundtrip(cache, transform_plan(cache, step0, cal=cal, lm=lm, preset=preset, importance=imp, **settings))
                 got = continue_logits(lm, dec, cont)
@@ -97,7 +110,71 @@ def fit_rate_model(lm: Any, cal: Calibration, presets: Mapping[str, Mapping[str,
     alpha, curve, beta = _fit_factor(fit, list(presets))
     nl = [r["rival_gain"] / r["step0"] for r in fit if r["preset"] == "near-lossless"]
     return RateModel(str(cal.meta["fingerprint_id"]), str(cal.meta["content_sha256"]), alpha, beta, T_REF,
-                     max(nl) if nl else None, fit, round(time.time() - t0, 1), settings_digest(presets), curve)
+                     max(nl) if nl else None, fit, round(time.time() - t0, 1), settings_digest(presets), curve, layer_factor)
+
+
+def measure_layer_factor(lm: Any, cal: Calibration, table: Mapping[str, Any], jobs: list[tuple[str, int, np.ndarray]],
+                         progress: bool = True) -> list[list[float]]:
+    """Per (layer, kind): measured / predicted KL of that tensor alone, geometric mean over ``jobs`` (text, tokens,
+    ids) at the preset ``table``'s step (module docstring). [L][2], clipped to [1/ALLOC_CLIP, ALLOC_CLIP].
+
+    Why one tensor at a time: the KL of small independent perturbations adds up (measured on Gemma 3, gpl3: the
+    36 tensors' KLs sum to 0.0100 against 0.0107 with all of them decoded), so each tensor's share is its own
+    and its ratio to its prediction is that layer's real sensitivity relative to the calibration's estimate.
+    Cost: 2 x layers continuations per job.
+    """
+    import copy
+
+    import torch
+    from tqdm import tqdm
+
+    from kvcodec.format.writer import roundtrip
+    from kvcodec.models.quality import continue_logits
+    from kvcodec.plan.pipelines import transform_plan
+    from kvcodec.plan.rate import noise_predictor
+
+    settings, step0 = _table(table)
+    sens = cal.sensitivity.astype(np.float64)
+    logs = np.zeros(sens.shape)
+    L = sens.shape[0]
+    with tqdm(total=len(jobs) * (1 + 2 * L), desc=f"kvc: measuring {lm.name}'s per-layer sensitivity", file=sys.stderr,
+              disable=not progress, leave=False, dynamic_ncols=True) as bar, torch.inference_mode():
+        for _name, T, ids in jobs:
+            cache, cont, exact, imp = _fit_job(lm, ids, T)
+            lp_e = torch.log_softmax(exact.double(), -1)
+            predicted = sens * noise_predictor(cache, cal, settings, imp)(step0)
+            dec, _ = roundtrip(cache, transform_plan(cache, step0, cal=cal, lm=lm, preset=ALLOC_PRESET, importance=imp, **settings))
+            bar.update(1)
+            for l in range(L):
+                for ki, kind in enumerate("kv"):
+                    one = copy.copy(cache)  # every tensor exact but this one
+                    one.keys, one.values = list(cache.keys), list(cache.values)
+                    (one.keys if kind == "k" else one.values)[l] = (dec.keys if kind == "k" else dec.values)[l]
+                    lp_d = torch.log_softmax(continue_logits(lm, one, cont).double(), -1)
+                    kl = float((lp_e.exp() * (lp_e - lp_d)).sum(-1).clamp_min(0).mean())
+                    logs[l, ki] += math.log(np.clip(max(kl, 1e-30) / max(predicted[l, ki], 1e-30), 1 / ALLOC_CLIP, ALLOC_CLIP))
+                    bar.update(1)
+    f = np.exp(ALLOC_SHRINK * logs / len(jobs))
+    return [[float(f[l, 0]), float(f[l, 1])] for l in range(L)]
+
+
+def _fit_job(lm: Any, ids: np.ndarray, T: int) -> tuple[Any, np.ndarray, Any, np.ndarray | None]:
+    """(cache of the first ``T`` tokens, the continuation's ids, its exact logits, the cache's token importance)."""
+    from kvcodec.models.capture import capture
+    from kvcodec.models.quality import continue_logits
+    from kvcodec.plan.importance import cache_importance
+    from kvcodec.plan.pipelines import TOKENSCALE_DEFAULT
+
+    window_q = TOKENSCALE_DEFAULT["window"]
+    cache = capture(lm, token_ids=ids[:T], score_window=window_q)  # importance observed by the prefill
+    cont = np.asarray(ids[T:T + FIT_CONTINUATION], np.int64)
+    return cache, cont, continue_logits(lm, cache, cont), cache_importance(lm, cache, window=window_q)
+
+
+def _table(table: Mapping[str, Any]) -> tuple[dict[str, Any], float]:
+    """(a preset table's settings without ``step0``, copied; its ``step0``)."""
+    settings: dict[str, Any] = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in table.items()}
+    return settings, float(settings.pop("step0"))
 
 
 def _fit_factor(fit: list[dict[str, Any]], presets: list[str]

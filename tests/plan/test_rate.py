@@ -106,13 +106,73 @@ def test_rate_model_file_round_trips_and_refuses_tampering(lm, tmp_path):
                    {"calibration_sha256": "0" * 64}, {"fingerprint_id": "0" * 32}, {"curve": {"balanced": [[512.0, 0.1]]}},
                    {"curve": {"balanced": [[4096.0, 0.1], [2048.0, 0.2]]}}, {"curve": {"balanced": [[2048.0, -0.5]]}},
                    {"curve": {"balanced": [[2048.0, 99.0]]}}, {"curve": [[2048.0, 0.1]]}, {"curve": {"balanced": [[2048.0]]}},
-                   {"curve": {"unfitted": []}}, {"beta": 0.3}, {"beta": {"balanced": 9.0}}):
+                   {"curve": {"unfitted": []}}, {"beta": 0.3}, {"beta": {"balanced": 9.0}}, {"layer_factor": [[1.0]]},
+                   {"layer_factor": [[1.0, 1e3]]}, {"layer_factor": [[1.0, float("nan")]]}, {"layer_factor": "1"},
+                   {"layer_factor": []}, {"version": 2}):
         with pytest.raises(KvcFormatError) as e:
             ratemodel._read(_model_file(tmp_path, cal, **change), cal)
         assert "\n" not in str(e.value)
     (tmp_path / "rm.json").write_text("{not json")
     with pytest.raises(KvcFormatError):
         ratemodel._read(tmp_path / "rm.json", cal)
+
+
+def test_layer_factors_scale_the_sensitivity_steps_and_prediction_follow(lm, tmp_path):
+    """A rate model's measured per-(layer, kind) factors multiply the calibration's sensitivity and nothing else (same
+    bases and means: files reference the same calibration), so the plans' steps follow the measured slopes
+    (step ~ 1/sqrt(sens)) and each layer's predicted KL is its measured share; one object per calibration (its
+    projections are computed once); a factor table for another layer count is one line."""
+    import numpy as np
+
+    from kvcodec.calibration import ratemodel
+    from kvcodec.calibration.build import ensure_calibration
+    from kvcodec.plan.pipelines import layer_steps
+
+    cal = ensure_calibration(lm)
+    L = cal.sensitivity.shape[0]
+    f = np.ones((L, 2))
+    f[0, 1], f[L - 1, 0] = 4.0, 0.25
+    rm = ratemodel._read(_model_file(tmp_path, cal, layer_factor=f.tolist()), cal)
+    alloc = rm.allocated(cal)
+    assert alloc is rm.allocated(cal) and alloc.basis is cal.basis and alloc.mean is cal.mean
+    assert np.allclose(alloc.sensitivity, cal.sensitivity * f, rtol=1e-6)
+    r = layer_steps(alloc, 0.5) / layer_steps(cal, 0.5)
+    assert r[0, 1] / r[1, 0] == pytest.approx(0.5, rel=1e-5) and r[L - 1, 0] / r[1, 0] == pytest.approx(2.0, rel=1e-5)
+    assert ratemodel._read(_model_file(tmp_path, cal), cal).allocated(cal) is cal  # no factors: the calibration itself
+    bad = ratemodel._read(_model_file(tmp_path, cal, layer_factor=[[1.0, 1.0]] * (L + 1)), cal)
+    with pytest.raises(KvcFormatError) as e:
+        bad.allocated(cal)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.model
+def test_layer_factor_is_each_tensors_measured_over_predicted_kl(lm, gpl3_ids, monkeypatch):
+    """measure_layer_factor: per (layer, kind), shrunk geometric mean of measured / predicted KL with only that tensor
+    decoded: scaling every calibrated sensitivity leaves every step, KL and noise as they were, so each unclipped
+    factor divides the scale out exactly."""
+    import numpy as np
+    from dataclasses import replace
+
+    from kvcodec.calibration.build import ensure_calibration
+    from kvcodec.plan import ratefit
+    from kvcodec.plan.presets import lossy_settings
+
+    monkeypatch.setattr(ratefit, "FIT_CONTINUATION", 32)
+    cal = ensure_calibration(lm)
+    table = dict(lossy_settings()["balanced"])
+    jobs = [("gpl3", 128, gpl3_ids)]
+    f = np.asarray(ratefit.measure_layer_factor(lm, cal, table, jobs, progress=False))
+    L = cal.sensitivity.shape[0]
+    lo, hi = ratefit.ALLOC_CLIP ** -ratefit.ALLOC_SHRINK, ratefit.ALLOC_CLIP ** ratefit.ALLOC_SHRINK
+    assert f.shape == (L, 2) and np.isfinite(f).all() and (f >= lo * (1 - 1e-9)).all() and (f <= hi * (1 + 1e-9)).all()
+    assert f.std() > 0  # it measured something per tensor
+    # the predicted KL of a tensor is sens x noise: scale every sensitivity by 4 (the steps' geometric mean normalisation
+    # keeps every step, so KL and noise are unchanged) and every factor shrinks by 4 ** -ALLOC_SHRINK, unless clipped
+    scaled = replace(cal, sensitivity=(cal.sensitivity * 4).astype(np.float32))
+    g = np.asarray(ratefit.measure_layer_factor(lm, scaled, table, jobs, progress=False))
+    inside = (f > lo * 4 ** ratefit.ALLOC_SHRINK * 1.01) & (f < hi * 0.99)
+    assert inside.sum() > L // 2
+    assert np.allclose(g[inside], f[inside] * 4 ** -ratefit.ALLOC_SHRINK, rtol=1e-4)
 
 
 def test_fit_factor_alpha_curve_and_slope():
