@@ -70,19 +70,7 @@ class RateModel:
         were not of equal real slope. The plans' steps follow the sensitivity (equal slopes), so this re-allocates
         bits across layers and K/V as well as making each layer's prediction right.
         """
-        if self.layer_factor is None:
-            return cal
-        key = tuple(map(tuple, self.layer_factor))
-        memo = cal.__dict__.get("_allocated")
-        if memo is not None and memo[0] == key:  # one object per calibration: its projections are computed once
-            return memo[1]
-        f = np.asarray(self.layer_factor, np.float64)
-        if f.shape != cal.sensitivity.shape:
-            raise KvcFormatError(f"rate model has layer factors {f.shape} for a calibration of {cal.sensitivity.shape}; "
-                                 "rebuild it: kvc calibrate --model MODEL --force")
-        out = replace(cal, sensitivity=(cal.sensitivity.astype(np.float64) * f).astype(np.float32))
-        cal.__dict__["_allocated"] = (key, out)
-        return out
+        return cal if self.layer_factor is None else allocate(cal, self.layer_factor)
 
     def factor(self, preset: str, tokens: int) -> float:
         """What multiplies the raw prediction of a ``tokens``-token context: ``alpha[preset]`` times the length
@@ -155,6 +143,22 @@ class RateModel:
                    float(fit_s) if _num(fit_s) else None, psha if isinstance(psha, str) else "",
                    {k: [[float(p[0]), float(p[1])] for p in c] for k, c in curve.items()},
                    None if lf is None else [[float(v) for v in r] for r in lf])
+
+
+def allocate(cal: Calibration, layer_factor: list[list[float]]) -> Calibration:
+    """``cal`` with each (layer, kind)'s sensitivity times ``layer_factor`` [L][2] (:meth:`RateModel.allocated`); one
+    object per (calibration, factors), so its projections are computed once; factors of another shape are one line."""
+    key = tuple(map(tuple, layer_factor))
+    memo = cal.__dict__.get("_allocated")
+    if memo is not None and memo[0] == key:
+        return memo[1]
+    f = np.asarray(layer_factor, np.float64)
+    if f.shape != cal.sensitivity.shape:
+        raise KvcFormatError(f"rate model has layer factors {f.shape} for a calibration of {cal.sensitivity.shape}; "
+                             "rebuild it: kvc calibrate --model MODEL --force")
+    out = replace(cal, sensitivity=(cal.sensitivity.astype(np.float64) * f).astype(np.float32))
+    cal.__dict__["_allocated"] = (key, out)
+    return out
 
 
 def _curve_ok(c: Any, t_ref: int) -> bool:

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcodec.calibration.ratemodel import (BETA_RANGE, CURVE_RANGE, RateModel, load_rate_model, presets_sha256,
+from kvcodec.calibration.ratemodel import (BETA_RANGE, CURVE_RANGE, RateModel, allocate, load_rate_model, presets_sha256,
                                            rate_model_path, save_rate_model)
 from kvcodec.calibration.record import Calibration
 from kvcodec.errors import KvcInputError
@@ -90,7 +90,7 @@ def fit_rate_model(lm: Any, cal: Calibration, presets: Mapping[str, Mapping[str,
     if ALLOC_PRESET in presets:
         alloc = [(name, T, ids) for name, T, ids in jobs if T == max(t for n, t, _ in jobs if n == name and t <= ALLOC_TOKENS)]
         layer_factor = measure_layer_factor(lm, cal, presets[ALLOC_PRESET], alloc, progress)
-        cal = RateModel("", "", {}, {}, T_REF, layer_factor=layer_factor).allocated(cal)
+        cal = allocate(cal, layer_factor)
     with tqdm(total=len(jobs) * (1 + len(presets)), desc=f"kvc: fitting the rate model of {lm.name}", file=sys.stderr,
               disable=not progress, leave=False, dynamic_ncols=True) as bar, torch.inference_mode():
         for name, T, ids in jobs:
