@@ -24,18 +24,30 @@ QUESTION = "\n\nQuestion: What does this document say about warranties?\nAnswer:
 
 
 def get_cache(text: str, tokens: int, model: str = "smollm2"):
-    """The real KV cache of the first ``tokens`` tokens of ``text`` (a kvcodec.texts name), captured once."""
+    """The real KV cache of the first ``tokens`` tokens of ``text`` (a kvcodec.texts name), captured once.
+
+    ``model``: a shipped model's name or a local HF model directory. A directory's captures are keyed by the
+    model's fingerprint, not its path: a path is no file name (it held slashes), and another model at the same
+    path must not get this one's cache back."""
     from kvcodec.core.kvcache import load_h5, save_h5
+    from kvcodec.models.load import SHIPPED, load_model
 
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    h5 = CACHE_DIR / (f"speed-{text}-{tokens}.h5" if model == "smollm2" else f"speed-{model}-{text}-{tokens}.h5")
+    lm = None
+    if model == "smollm2":
+        key = ""
+    elif model in SHIPPED:
+        key = f"{model}-"
+    else:
+        lm = load_model(model)
+        key = f"{lm.fingerprint.id}-"
+    h5 = CACHE_DIR / f"speed-{key}{text}-{tokens}.h5"
     if h5.exists():
         return load_h5(h5)
     from kvcodec.models.capture import capture, tokenize
-    from kvcodec.models.load import load_model
     from kvcodec.texts import load_text
 
-    lm = load_model(model)
+    lm = lm or load_model(model)
     ids = tokenize(lm.tokenizer, load_text(text))[:tokens]
     c = capture(lm, token_ids=ids)
     save_h5(c, h5)
