@@ -201,6 +201,8 @@ def encode_command(input_path: str | None, output: str | None, levels: str | Non
     rate = enc.plan.params.get("rate")
     if rate is not None:
         extra += f"; step0 {rate['step0']:.4g}, predicted KL {rate['predicted_kl']:.3g} (aim {rate['aim_kl']:.3g})"
+        if "predicted_step0" in rate:
+            extra += f"; checked on the tail: {rate['check_tries']} tries from step0 {rate['predicted_step0']:.4g}"
     chk = enc.plan.params.get("check")
     if chk is not None and chk.get("checked"):
         last = chk["tries"][-1]

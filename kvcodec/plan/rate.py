@@ -319,7 +319,9 @@ def controlled_plan(cache: Any, lm: Any, preset: str, args: dict[str, Any], targ
     importance when the caller has it (computed here once when tokenscale needs it, and shared by
     the prediction and the plan). Near-lossless's greedy promise also caps the step by the rate
     model's rival-gain law. ``check`` then confirms on the document's tail
-    (:func:`kvcodec.plan.check.guarded_plan`). The choice is recorded in ``params["rate"]``.
+    (:func:`kvcodec.plan.check.guarded_plan`). The choice is recorded in ``params["rate"]``: ``step0`` is
+    the step written; with ``check``, ``predicted_step0`` is the rate control's own and ``check_tries`` how many
+    steps the check probed.
     """
     import time
 
@@ -348,7 +350,7 @@ def controlled_plan(cache: Any, lm: Any, preset: str, args: dict[str, Any], targ
         if s_rg < step0:
             step0, bound = s_rg, "rival_gain"
     pred = predict(step0)
-    record = {"mode": "check" if check else "predict", "step0": step0, "predicted_kl": pred, "aim_kl": aim,
+    record: dict[str, Any] = {"mode": "check" if check else "predict", "step0": step0, "predicted_kl": pred, "aim_kl": aim,
               "bound": bound, "factor": factor, "rate_model_fit_s": rm.fit_s,
               "choose_s": round(time.perf_counter() - t0, 3)}
     if check:
@@ -357,5 +359,10 @@ def controlled_plan(cache: Any, lm: Any, preset: str, args: dict[str, Any], targ
         plan = guarded_plan(cache, lm, preset, {**args, "step0": step0, "importance": importance}, target, predicted_kl=pred)
     else:
         plan = transform_plan(cache, step0, lm=lm, preset=preset, importance=importance, **args)
+    # the step written, which the check may have lowered; the rate control's own choice stays beside it
+    record["step0"] = float(plan.params.get("step0", step0))
+    if check:
+        record["predicted_step0"] = step0
+        record["check_tries"] = len(plan.params.get("check", {}).get("tries", []))
     plan.params["rate"] = record
     return plan

@@ -168,6 +168,31 @@ def test_encode_target_kl(model_patched, real_cache, tmp_path, capsys, one_threa
     assert "not lossy" in one_line_error(code, err)
 
 
+@pytest.mark.model
+def test_encode_check_json_reports_the_step_written(model_patched, real_cache, tmp_path, capsys, one_thread, monkeypatch):
+    """--check --json reports the step the file was written at, with the rate control's first choice and the check's
+    tries beside it (issue 57: it printed the first try's step). The rate model is made 30x too optimistic, so the
+    first probe misses and the check lowers the step."""
+    from kvcodec.calibration.ratemodel import RateModel
+
+    real = RateModel.factor
+    monkeypatch.setattr(RateModel, "factor", lambda self, preset, tokens: real(self, preset, tokens) / 30)
+    cap = tmp_path / "cap.h5"
+    save_capture(real_cache(256), cap)
+    out = tmp_path / "c.kvc"
+    code, o, e = run_main(["encode", str(cap), "-o", str(out), "--preset", "balanced", "--check", "--json"], capsys)
+    assert code == 0, e
+    enc = json.loads(o)
+    tries, rate = enc["check"]["tries"], enc["rate"]
+    assert len(tries) >= 2 and rate["check_tries"] == len(tries)
+    assert rate["predicted_step0"] == pytest.approx(tries[0]["step0"])
+    # the check's last step, or the one before it where the format's quality floor stopped the search
+    assert rate["step0"] == pytest.approx(tries[-2 if tries[-1].get("floor") else -1]["step0"])
+    assert rate["step0"] < rate["predicted_step0"]
+    code, _, err = run_main(["encode", str(cap), "-o", str(tmp_path / "d.kvc"), "--preset", "balanced", "--check"], capsys)
+    assert code == 0 and f"{len(tries)} tries from step0" in err + _
+
+
 @pytest.mark.parametrize("args,msg", [
     (["--config", '{"preset": "balanced", "bogus": 1}'], "unknown keys"),
     (["--config", '{"step0": 0.2}'], '"preset" name'),
