@@ -77,24 +77,33 @@ def append_command(entry: str, text: str | None, text_file: str | None, output: 
 @click.option("--pattern", default=None, help="A regular expression over the decoded context: every match is removed.")
 @click.option("--text", "literal", default=None, help="A literal text: every occurrence is removed.")
 @click.option("--tokens", "tokens", multiple=True, help="A token span START:END to remove (repeatable).")
+@click.option("--repair", type=click.Choice(["prefill", "blend"]), default="prefill", show_default=True,
+              help="prefill: prefill the kept text afresh (nothing in the child depends on what was removed beyond the "
+                   "spans' positions); blend: repair the stored K/V CacheBlend-style (faster, without that guarantee).")
 @click.option("--ratio", "ratio", default=None, type=float,
-              help="Fraction of the kept tokens recomputed, CacheBlend-style (default: kvcodec.edit.redact.DEFAULT_REDACT_RATIO).")
+              help="With --repair blend: fraction of the kept tokens recomputed (default: kvcodec.edit.redact.DEFAULT_REDACT_RATIO).")
+@click.option("--lineage-key-file", "lineage_key_file", default=None, type=click.Path(dir_okay=False),
+              help="A file of at least 16 secret bytes: the child names its parent by an HMAC under them (without it, "
+                   "the child does not name its parent).")
 @_output
 @_preset
 @model_option
 @json_option
-def redact_command(entry: str, pattern: str | None, literal: str | None, tokens: tuple[str, ...], ratio: float | None,
-                   output: str, preset: str | None, model: str, as_json: bool) -> None:
-    """Remove spans from ENTRY's context, re-position the later tokens and repair the most affected ones."""
-    from kvcodec.atomic import check_output
-    from kvcodec.edit.redact import DEFAULT_REDACT_RATIO, redact
+def redact_command(entry: str, pattern: str | None, literal: str | None, tokens: tuple[str, ...], repair: str,
+                   ratio: float | None, lineage_key_file: str | None, output: str, preset: str | None, model: str,
+                   as_json: bool) -> None:
+    """Remove spans from ENTRY's context into a new entry (docs/guide/edit.md says what it guarantees)."""
+    from kvcodec.atomic import check_input, check_output
+    from kvcodec.edit.redact import redact
     from kvcodec.edit.spans import parse_token_span
 
     spans = [parse_token_span(t) for t in tokens] or None  # refuse a bad span before loading anything
     check_output(output, inputs=[entry])
-    res = redact(_load(model), entry, pattern=pattern, text=literal, token_spans=spans,
-                 recompute_ratio=DEFAULT_REDACT_RATIO if ratio is None else ratio, dest=output, preset=preset,
-                 progress=_say(as_json))
+    lineage = None
+    if lineage_key_file is not None:
+        lineage = check_input(lineage_key_file).read_bytes()
+    res = redact(_load(model), entry, pattern=pattern, text=literal, token_spans=spans, repair=repair,
+                 recompute_ratio=ratio, dest=output, preset=preset, progress=_say(as_json), lineage_key=lineage)
     _render(res, as_json)
 
 

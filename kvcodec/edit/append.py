@@ -26,7 +26,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from kvcodec.edit.entry import EditResult, open_parent, write_child
+from kvcodec.edit.entry import EditResult, check_dest, check_token_ids, open_parent, write_child
 from kvcodec.errors import KvcInputError
 from kvcodec.models.cachelayout import cache_for
 from kvcodec.models.capture import cache_from_hf, check_fits, context_ids
@@ -65,6 +65,11 @@ def append(lm: Any, source: Any, text: str | None = None, token_ids: Any = None,
     """Extend the stored entry ``source`` (a `.kvc` path or bytes) by ``text`` (or ``token_ids``) into a new
     entry at ``dest`` (None: bytes in the result), encoded with the parent's preset unless ``preset`` is given.
     """
+    check_dest(source, dest)
+    if text is not None and not isinstance(text, str):
+        raise KvcInputError(f"text must be a string, got {type(text).__name__}")
+    if token_ids is not None:
+        token_ids = check_token_ids(token_ids)
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
     parent = open_parent(source)

@@ -18,14 +18,17 @@ import numpy as np
 
 from kvcodec.core.kvcache import KVCache
 from kvcodec.digest import token_ids_sha256
-from kvcodec.edit.log import EDITS_META_KEY, extend_log, file_sha256, parse_log
+from kvcodec.edit.log import EDITS_META_KEY, extend_log, file_sha256, parse_log, redaction_log
 from kvcodec.errors import KvcInputError
 from kvcodec.format import KvcReader
 
-__all__ = ["EditResult", "Parent", "child_meta", "open_parent", "write_child"]
+__all__ = ["EditResult", "Parent", "check_dest", "check_token_ids", "child_meta", "open_parent", "write_child"]
 
-# meta keys that describe how the parent's K/V were made and stop being true of the child
-_STALE_META = ("blend", "target", "config")
+# meta keys that describe how the parent's K/V were made (or its tokens, one score each) and stop being true
+# of the child
+_STALE_META = ("blend", "target", "config", "h2o_scores")
+# the only parent meta a redacted child keeps (spec/kvc-v1.md §4.5): the model's name says nothing of the text
+_REDACT_KEEPS_META = ("model",)
 
 
 @dataclass
@@ -74,8 +77,42 @@ def open_parent(source: Any) -> Parent:
     return Parent(digest, reader, len(data))
 
 
-def child_meta(parent: Parent, op: str, params: Mapping[str, Any]) -> dict[str, Any]:
-    """The child's header meta: the parent's (minus what no longer holds) with the edit log extended."""
+def check_token_ids(ids: Any) -> np.ndarray:
+    """Token ids given by a caller as int64, refused in one line unless they are integers (never coerced from
+    floats, strings or bools) that int64 holds (``[2**63]`` raised a raw OverflowError, issue 55)."""
+    if isinstance(ids, np.ndarray):
+        if ids.dtype.kind not in "iu":
+            raise KvcInputError(f"token ids must be integers, got an array of {ids.dtype}")
+        items = ids.reshape(-1).tolist()
+    elif isinstance(ids, (list, tuple)):
+        items = list(ids)
+    else:
+        raise KvcInputError(f"token ids must be a list of integers, got {type(ids).__name__}")
+    for x in items:
+        if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or not 0 <= int(x) < 1 << 63:
+            raise KvcInputError(f"token ids must be non-negative integers below 2**63, got {x!r:.40}")
+    return np.asarray(items, dtype=np.int64)
+
+
+def check_dest(source: Any, dest: Any) -> None:
+    """Refuse (one line) a destination path that is the parent's own file, before any work: an edit never
+    replaces its parent (issue 55: ``append(lm, p, dest=p)`` did), nor writes over a non-regular file."""
+    if isinstance(dest, (str, os.PathLike)):
+        from kvcodec.atomic import check_output
+
+        check_output(dest, inputs=[source] if isinstance(source, (str, os.PathLike)) else [])
+
+
+def child_meta(parent: Parent, op: str, params: Mapping[str, Any], lineage_key: bytes | None = None) -> dict[str, Any]:
+    """The child's header meta: the parent's (minus what no longer holds) with the edit log extended.
+
+    A redaction keeps only the model's name of the parent's meta, and its log is :func:`redaction_log`'s (no
+    plain digest of the parent, earlier records sealed): whatever else the parent's meta held was written
+    about content that included what is being removed."""
+    if op == "redact":
+        meta = {k: v for k, v in parent.meta.items() if k in _REDACT_KEEPS_META and isinstance(v, str)}
+        meta[EDITS_META_KEY] = redaction_log(parent.meta, parent.sha256, params, lineage_key)
+        return meta
     meta = {k: v for k, v in parent.meta.items() if k not in _STALE_META}
     meta[EDITS_META_KEY] = extend_log(parent.meta, parent.sha256, parent.reader.header.token_ids_sha256, op, params)
     return meta
@@ -103,10 +140,19 @@ class EditResult:
         return None if self.data is None else file_sha256(self.data)
 
     def to_json(self) -> dict[str, Any]:
-        return {"op": self.op, "params": self.params, "parent_sha256": self.parent_sha256, "output": self.output,
-                "size": self.size, "preset": self.preset, "tokens": int(self.cache.num_context_tokens),
-                "token_ids_sha256": token_ids_sha256(self.cache.token_ids),
-                "timings": {k: round(v, 6) for k, v in self.timings.items()}, **self.info}
+        """What the CLI prints and the service answers. A redaction's names its parent only as its log does
+        (``parent_mac``, when a lineage key was given): a plain digest would be the leak the log avoids."""
+        d: dict[str, Any] = {"op": self.op, "params": self.params, "output": self.output,
+                             "size": self.size, "preset": self.preset, "tokens": int(self.cache.num_context_tokens),
+                             "token_ids_sha256": token_ids_sha256(self.cache.token_ids),
+                             "timings": {k: round(v, 6) for k, v in self.timings.items()}, **self.info}
+        if self.op == "redact":
+            log = self.cache.meta.get(EDITS_META_KEY) or [{}]
+            if log[-1].get("parent_mac") is not None:
+                d["parent_mac"] = log[-1]["parent_mac"]
+        else:
+            d["parent_sha256"] = self.parent_sha256
+        return d
 
 
 def _child_preset(parent: Parent, preset: str | None) -> str:
@@ -123,7 +169,7 @@ def _child_preset(parent: Parent, preset: str | None) -> str:
 def write_child(lm: Any, parent: Parent, cache: KVCache, op: str, params: Mapping[str, Any], dest: Any = None,
                 preset: str | None = None, progress: Callable[[str], None] | None = None,
                 timings: dict[str, float] | None = None, info: dict[str, Any] | None = None,
-                attention_bias: Any = None) -> EditResult:
+                attention_bias: Any = None, lineage_key: bytes | None = None) -> EditResult:
     """Encode the edited ``cache`` as a new entry (``dest`` a path, or None for bytes) carrying the edit log
     (and ``attention_bias``, spec/kvc-v1.md 4.6, for a steered cache)."""
     from kvcodec.api import encode
@@ -131,7 +177,8 @@ def write_child(lm: Any, parent: Parent, cache: KVCache, op: str, params: Mappin
     t0 = time.perf_counter()
     name = _child_preset(parent, preset)
     child = KVCache([k.detach().cpu() for k in cache.keys], [v.detach().cpu() for v in cache.values],
-                    np.asarray(cache.token_ids, np.int64), cache.fingerprint, None, child_meta(parent, op, params))
+                    np.asarray(cache.token_ids, np.int64), cache.fingerprint, None,
+                    child_meta(parent, op, params, lineage_key))
     dtype = parent.reader.header.dtype
     import torch
 

@@ -5,7 +5,9 @@ token ids (an append reuses a stored, possibly lossy, cache; a redaction recompu
 steered cache was prefilled under an attention bias). Whoever loads it must be able to tell, and to trace
 it back to the entry it came from. So every edited file carries, in its header's ``meta.edits``, the list of
 edits that led to it, oldest first: one record per edit with the operation, its parameters, and the
-SHA-256 of the parent file's bytes and of the parent's token ids.
+SHA-256 of the parent file's bytes and of the parent's token ids -- except after a redaction, whose record
+names its parent only by a keyed digest and seals every record before it (:func:`redaction_log`: a plain
+digest of content that held a secret lets whoever holds the child test guesses of the secret).
 
 Why ``meta`` and not a new top-level key: the log never changes how a byte decodes (spec §4: readers MUST NOT
 interpret ``meta`` for decoding), so every 1.x reader reads an edited file as it is, and a later re-encode of
@@ -20,13 +22,15 @@ The log is also checked, because it is read from files others wrote: it must be 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from kvcodec.errors import KvcFormatError, KvcInputError
 
-__all__ = ["EDITS_META_KEY", "EDIT_OPS", "MAX_EDITS", "EditRecord", "extend_log", "file_sha256", "parse_log"]
+__all__ = ["EDITS_META_KEY", "EDIT_OPS", "LINEAGE_DOMAIN", "MAX_EDITS", "EditRecord", "extend_log", "file_sha256",
+           "lineage_mac", "parse_log", "redaction_log"]
 
 EDITS_META_KEY = "edits"
 EDIT_OPS = ("append", "redact", "steer")
@@ -41,17 +45,53 @@ def file_sha256(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+#: the HMAC domain of a redacted child's ``parent_mac`` (what a lineage key signs: the parent file's digest)
+LINEAGE_DOMAIN = b"kvcodec edit lineage v1\x00"
+
+
+def lineage_mac(key: bytes, parent_sha256: str) -> str:
+    """``parent_mac`` of a redacted child: HMAC-SHA256 under ``key`` of the parent file's SHA-256 (hex).
+
+    Why keyed: a plain digest of the parent (its bytes or its token ids) lets anyone holding the child test
+    guesses of what was removed, by rebuilding the parent with each guess and comparing digests (issue 55:
+    a 4-digit code in under a second). Under a key only the parent's holder has, the link is checkable by
+    them and by nobody else."""
+    if not isinstance(key, (bytes, bytearray)) or len(key) < 16:
+        raise KvcInputError("a lineage key must be bytes, at least 16 of them")
+    return hmac.new(bytes(key), LINEAGE_DOMAIN + parent_sha256.encode(), hashlib.sha256).hexdigest()
+
+
 @dataclass(frozen=True)
 class EditRecord:
     """One edit: ``op`` applied with ``params`` to the file whose bytes hash to ``parent_sha256`` (its token ids
-    hashing to ``parent_token_ids_sha256``)."""
+    hashing to ``parent_token_ids_sha256``).
+
+    Two more shapes exist since issue 55 (spec/kvc-v1.md §4.5): a **redaction record** names no parent in
+    clear (``parent_sha256`` and ``parent_token_ids_sha256`` are None; ``parent_mac`` is the keyed link, or
+    None when no lineage key was given), and every record before a redaction is **sealed**: only its ``op``
+    is kept, because its digests and parameters describe content that held what was removed.
+    """
 
     op: str
-    parent_sha256: str
-    parent_token_ids_sha256: str
+    parent_sha256: str | None
+    parent_token_ids_sha256: str | None
     params: dict[str, Any] = field(default_factory=dict)
+    parent_mac: str | None = None
+    sealed: bool = False
+
+    @property
+    def redaction(self) -> bool:
+        """A redaction record of the keyed shape (no parent in clear)."""
+        return self.op == "redact" and self.parent_sha256 is None and not self.sealed
 
     def to_json(self) -> dict[str, Any]:
+        if self.sealed:
+            return {"op": self.op, "sealed": True}
+        if self.parent_sha256 is None:
+            d: dict[str, Any] = {"op": self.op, "params": dict(self.params)}
+            if self.parent_mac is not None:
+                d["parent_mac"] = self.parent_mac
+            return d
         return {"op": self.op, "params": dict(self.params), "parent_sha256": self.parent_sha256,
                 "parent_token_ids_sha256": self.parent_token_ids_sha256}
 
@@ -62,14 +102,27 @@ class EditRecord:
         what = f"edit log record {i}"
         if not isinstance(obj, dict):
             raise KvcFormatError(f"{what} must be an object")
-        op, p, t, params = obj.get("op"), obj.get("parent_sha256"), obj.get("parent_token_ids_sha256"), obj.get("params", {})
+        op = obj.get("op")
         if op not in EDIT_OPS:
             raise KvcFormatError(f"{what}: op {op!r:.40} is not one of {', '.join(EDIT_OPS)}")
+        if "sealed" in obj:
+            if obj.get("sealed") is not True or set(obj) != {"op", "sealed"}:
+                raise KvcFormatError(f"{what}: a sealed record is exactly {{\"op\", \"sealed\": true}}")
+            return cls(str(op), None, None, {}, sealed=True)
+        params = obj.get("params", {})
+        if not isinstance(params, dict) or len(json.dumps(params)) > MAX_PARAMS_CHARS:
+            raise KvcFormatError(f"{what}: params must be an object of at most {MAX_PARAMS_CHARS} JSON characters")
+        if "parent_sha256" not in obj and "parent_token_ids_sha256" not in obj:
+            if op != "redact" or not set(obj) <= {"op", "params", "parent_mac"}:
+                raise KvcFormatError(f"{what}: only a redaction names its parent by a keyed digest (parent_mac)")
+            mac = obj.get("parent_mac")
+            if mac is not None and (not isinstance(mac, str) or not _HEX64.match(mac)):
+                raise KvcFormatError(f"{what}: parent_mac must be 64 lowercase hex digits")
+            return cls("redact", None, None, params, parent_mac=mac)
+        p, t = obj.get("parent_sha256"), obj.get("parent_token_ids_sha256")
         for name, v in (("parent_sha256", p), ("parent_token_ids_sha256", t)):
             if not isinstance(v, str) or not _HEX64.match(v):
                 raise KvcFormatError(f"{what}: {name} must be 64 lowercase hex digits")
-        if not isinstance(params, dict) or len(json.dumps(params)) > MAX_PARAMS_CHARS:
-            raise KvcFormatError(f"{what}: params must be an object of at most {MAX_PARAMS_CHARS} JSON characters")
         return cls(str(op), str(p), str(t), params)
 
 
@@ -77,6 +130,7 @@ def parse_log(meta: Mapping[str, Any], own_sha256: str | None = None) -> list[Ed
     """The validated edit log of a file's header ``meta`` ([] for a file never edited).
 
     ``own_sha256`` is the digest of the file the log came from: it must not name itself as an ancestor.
+    Sealed records must be followed by a redaction record (only a redaction seals what came before it).
     """
     raw = meta.get(EDITS_META_KEY)
     if raw is None:
@@ -86,6 +140,10 @@ def parse_log(meta: Mapping[str, Any], own_sha256: str | None = None) -> list[Ed
     log = [EditRecord.from_json(r, i) for i, r in enumerate(raw)]
     seen: set[str] = set()
     for i, r in enumerate(log):
+        if r.parent_sha256 is None:
+            if r.sealed and not any(x.redaction for x in log[i + 1:]):
+                raise KvcFormatError(f"edit log record {i} is sealed, but no redaction follows it")
+            continue
         if r.parent_sha256 in seen or r.parent_sha256 == own_sha256:
             raise KvcFormatError(f"the edit log loops: record {i} names parent {r.parent_sha256[:12]}… which is already "
                                  "in its chain")
@@ -95,11 +153,30 @@ def parse_log(meta: Mapping[str, Any], own_sha256: str | None = None) -> list[Ed
 
 def extend_log(parent_meta: Mapping[str, Any], parent_sha256: str, parent_token_ids_sha256: str, op: str,
                params: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The child's edit log: the parent's (validated) plus one record for this edit, as header JSON."""
+    """The child's edit log: the parent's (validated) plus one record for this edit, as header JSON.
+
+    This is the plain record (append, steer): it names the parent by its digests. A redaction's log is
+    :func:`redaction_log`'s."""
+    log = _room(parent_meta, parent_sha256)
+    rec = EditRecord(op, parent_sha256, parent_token_ids_sha256, dict(params))
+    EditRecord.from_json(rec.to_json(), len(log))  # the same checks a reader applies
+    return [r.to_json() for r in log] + [rec.to_json()]
+
+
+def redaction_log(parent_meta: Mapping[str, Any], parent_sha256: str, params: Mapping[str, Any],
+                  lineage_key: bytes | None = None) -> list[dict[str, Any]]:
+    """A redacted child's edit log: every earlier record sealed (its op only), then the redaction's record with
+    ``params`` and, when ``lineage_key`` is given, ``parent_mac`` (:func:`lineage_mac`); nothing else."""
+    log = _room(parent_meta, parent_sha256)
+    mac = None if lineage_key is None else lineage_mac(lineage_key, parent_sha256)
+    rec = EditRecord("redact", None, None, dict(params), parent_mac=mac)
+    EditRecord.from_json(rec.to_json(), len(log))
+    return [EditRecord(r.op, None, None, {}, sealed=True).to_json() for r in log] + [rec.to_json()]
+
+
+def _room(parent_meta: Mapping[str, Any], parent_sha256: str) -> list[EditRecord]:
     log = parse_log(parent_meta, own_sha256=parent_sha256)
     if len(log) >= MAX_EDITS:
         raise KvcInputError(f"the entry has already been edited {len(log)} times (limit {MAX_EDITS}); "
                             "re-prefill its text instead")
-    rec = EditRecord(op, parent_sha256, parent_token_ids_sha256, dict(params))
-    EditRecord.from_json(rec.to_json(), len(log))  # the same checks a reader applies
-    return [r.to_json() for r in log] + [rec.to_json()]
+    return log

@@ -34,12 +34,12 @@ import numpy as np
 import torch
 
 from kvcodec.core.kvcache import KVCache
-from kvcodec.edit.entry import EditResult, open_parent, write_child
+from kvcodec.edit.entry import EditResult, check_dest, open_parent, write_child
 from kvcodec.edit.spans import resolve_spans
 from kvcodec.errors import KvcInputError
 from kvcodec.runtime.blend import blend, layer_inv_freqs, rerotate_keys
 
-__all__ = ["DEFAULT_REDACT_RATIO", "redact", "redact_cache"]
+__all__ = ["DEFAULT_REDACT_RATIO", "REPAIRS", "redact", "redact_cache"]
 
 #: Fraction of the kept tokens recomputed from ``select_layer`` on. benchmarks/bench_edit.py measures a grid
 #: (BENCHMARKS.md, "Offline editing"; 448-token held-out contexts, a 48-token span): on SmolLM2 re-positioning
@@ -107,26 +107,94 @@ def redact_cache(lm: Any, cache: KVCache, spans: Sequence[tuple[int, int]], reco
     return KVCache(out.keys, out.values, out.token_ids, out.fingerprint, None, dict(cache.meta)), info
 
 
+#: how a redaction computes the kept tokens' K/V: ``"prefill"`` (the default) prefills the edited token ids
+#: afresh, so the child is a function of the kept text alone; ``"blend"`` repairs the parent's K/V
+#: CacheBlend-style (faster, but the K/V of the tokens after the first span that are not recomputed were
+#: computed attending to the removed tokens: see the module doc and spec/kvc-v1.md §4.5)
+REPAIRS = ("prefill", "blend")
+
+
+def _check_ratio(recompute_ratio: Any, select_layer: Any, lm: Any) -> tuple[float, int]:
+    """blend's two knobs as a number in [0, 1] and a layer index (refused in one line, never coerced)."""
+    if isinstance(recompute_ratio, bool) or not isinstance(recompute_ratio, (int, float, np.integer, np.floating)) \
+            or not 0.0 <= float(recompute_ratio) <= 1.0:
+        raise KvcInputError(f"recompute_ratio must be a number in [0, 1], got {recompute_ratio!r:.40}")
+    L = lm.fingerprint.num_layers
+    if isinstance(select_layer, bool) or not isinstance(select_layer, (int, np.integer)) or not 0 <= select_layer < L:
+        raise KvcInputError(f"select_layer must be an integer in [0, {L}), got {select_layer!r:.40}")
+    return float(recompute_ratio), int(select_layer)
+
+
+def _prefill(lm: Any, ids: np.ndarray, removed: int, spans: Sequence[tuple[int, int]]) -> tuple[KVCache, dict[str, Any]]:
+    """The kept ids prefilled afresh: K/V that depend on the kept text only."""
+    from kvcodec.models.capture import capture
+
+    child = capture(lm, token_ids=ids)
+    return child, {"spans": [list(s) for s in spans], "removed_tokens": removed, "recomputed_tokens": int(len(ids)),
+                   "truncation": False}
+
+
 def redact(lm: Any, source: Any, *, pattern: str | None = None, text: str | None = None,
            char_spans: Sequence[tuple[int, int]] | None = None, token_spans: Sequence[tuple[int, int]] | None = None,
-           recompute_ratio: float = DEFAULT_REDACT_RATIO, select_layer: int = 1, dest: Any = None,
-           preset: str | None = None, progress: Callable[[str], None] | None = None) -> EditResult:
+           repair: str = "prefill", recompute_ratio: float | None = None, select_layer: int | None = None,
+           dest: Any = None, preset: str | None = None, progress: Callable[[str], None] | None = None,
+           lineage_key: bytes | None = None) -> EditResult:
     """Remove from the stored entry ``source`` (a `.kvc` path or bytes) the spans named by exactly one of
     ``pattern`` (a regex over the decoded context), ``text`` (every occurrence), ``char_spans`` or
-    ``token_spans``, into a new entry at ``dest`` (None: bytes in the result)."""
+    ``token_spans``, into a new entry at ``dest`` (None: bytes in the result; never the parent's file).
+
+    ``repair`` (:data:`REPAIRS`): ``"prefill"`` re-prefills the kept ids, so nothing in the child depends on
+    what was removed beyond the spans' positions (spec/kvc-v1.md §4.5); ``"blend"`` takes
+    ``recompute_ratio`` (default :data:`DEFAULT_REDACT_RATIO`) and ``select_layer`` (default 1) and is faster,
+    without that guarantee. ``lineage_key`` (bytes): the child's log names its parent by an HMAC under it,
+    checkable by whoever holds the parent and the key; without it, the child does not name its parent.
+    """
+    if repair not in REPAIRS:
+        raise KvcInputError(f"repair must be one of {', '.join(REPAIRS)}, got {repair!r:.40}")
+    if repair == "prefill" and (recompute_ratio is not None or select_layer is not None):
+        raise KvcInputError("recompute_ratio and select_layer tune repair='blend'; repair='prefill' recomputes every token")
+    ratio, layer = (DEFAULT_REDACT_RATIO if recompute_ratio is None else recompute_ratio,
+                    1 if select_layer is None else select_layer)
+    if repair == "blend":
+        ratio, layer = _check_ratio(ratio, layer, lm)
+    if lineage_key is not None and (not isinstance(lineage_key, (bytes, bytearray)) or len(lineage_key) < 16):
+        raise KvcInputError("a lineage key must be bytes, at least 16 of them")
+    check_dest(source, dest)
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
     parent = open_parent(source)
-    cache = parent.decode(lm)
-    spans = resolve_spans(lm.tokenizer, cache.token_ids, pattern=pattern, text=text, char_spans=char_spans,
+    if repair == "prefill":
+        parent.reader.check_model(lm)
+        ids = parent.reader.token_ids
+        if ids is None:
+            raise KvcInputError("the entry stores only the hash of its token ids; redact needs the ids")
+        if parent.reader.header.pruned:
+            raise KvcInputError("the entry is a pruned cache (its tokens are not all stored); edits need a full cache")
+        ids = np.asarray(ids, np.int64)
+    else:
+        cache = parent.decode(lm)
+        ids = cache.token_ids
+    spans = resolve_spans(lm.tokenizer, ids, pattern=pattern, text=text, char_spans=char_spans,
                           token_spans=token_spans)
+    removed = int(sum(b - a for a, b in spans))
     t1 = time.perf_counter()
-    say(f"removing {sum(b - a for a, b in spans)} tokens in {len(spans)} span(s), repairing the rest")
-    child, info = redact_cache(lm, cache, spans, recompute_ratio=recompute_ratio, select_layer=select_layer)
+    say(f"removing {removed} tokens in {len(spans)} span(s), {'prefilling the rest' if repair == 'prefill' else 'repairing the rest'}")
+    params: dict[str, Any] = {"token_spans": [list(s) for s in spans], "removed_tokens": removed, "repair": repair}
+    if repair == "prefill":
+        keep = np.ones(len(ids), bool)
+        for a, b in _check_spans(spans, len(ids)):
+            keep[a:b] = False
+        child, info = _prefill(lm, ids[keep], removed, spans)
+    else:
+        child, info = redact_cache(lm, cache, spans, recompute_ratio=ratio, select_layer=layer)
+        params.update(recompute_ratio=ratio, select_layer=layer)
+    info["repair"] = repair
     t2 = time.perf_counter()
-    params: dict[str, Any] = {"token_spans": [list(s) for s in spans], "recompute_ratio": float(recompute_ratio),
-                              "select_layer": int(select_layer)}
-    if pattern is not None:
-        params["pattern"] = pattern
     return write_child(lm, parent, child, "redact", params, dest=dest, preset=preset, progress=progress,
-                       timings={"decode_s": t1 - t0, "repair_s": t2 - t1}, info=info)
+                       timings={"decode_s": t1 - t0, "repair_s": t2 - t1}, info=info, lineage_key=lineage_key)
+
+
+def _check_spans(spans: Sequence[tuple[int, int]], n: int) -> Sequence[tuple[int, int]]:
+    if sum(b - a for a, b in spans) >= n:
+        raise KvcInputError("the spans cover the whole context: nothing would be left")
+    return spans

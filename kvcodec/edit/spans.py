@@ -10,37 +10,111 @@ one costs nothing).
 
 from __future__ import annotations
 
-import re
+import time
 from typing import Any, Sequence
 
 import numpy as np
 
 from kvcodec.errors import KvcInputError
 
-__all__ = ["MAX_PATTERN_CHARS", "MAX_SPANS", "char_spans_to_tokens", "merge_ranges", "parse_token_span", "regex_spans",
-           "resolve_spans", "token_offsets"]
+__all__ = ["MAX_PATTERN_CHARS", "MAX_SPANS", "MAX_TEXT_CHARS", "PATTERN_SECONDS", "KvcPatternTimeoutError",
+           "char_spans_to_tokens", "int_pairs", "merge_ranges", "parse_token_span", "regex_spans", "resolve_spans", "text_spans",
+           "token_offsets"]
 
 MAX_PATTERN_CHARS = 1000
+MAX_TEXT_CHARS = 100_000  # a literal to find (a paragraph, a page): searched as a literal, never as a regex
 MAX_SPANS = 256
+#: CPU-seconds a pattern may run over the context before it is refused (issue 55): a sane pattern over the
+#: longest context (tens of thousands of characters) takes milliseconds. CPU time, as the ``regex`` module
+#: measures its timeout: on a loaded machine the wall time to the refusal is longer, the work is not
+PATTERN_SECONDS = 2.0
 
 
 def token_offsets(tokenizer: Any, ids: np.ndarray) -> tuple[str, np.ndarray]:
     """The decoded text of ``ids`` and ``ends`` [n+1]: token i covers characters ``[ends[i], ends[i+1])``.
 
-    Each boundary is the length of the decoding of the ids before it (decoded in one call per token; a
-    byte-level BPE token that ends inside a multi-byte character owns nothing until the character is
-    complete). A boundary that moves backwards (a tokenizer whose prefix decodings are not prefixes of
-    each other) is clamped, so the ranges stay ordered.
+    Each boundary is the length of the decoding of the ids before it (a byte-level BPE token that ends inside
+    a multi-byte character owns nothing until the character is complete). A boundary that moves backwards (a
+    tokenizer whose prefix decodings are not prefixes of each other) is clamped, so the ranges stay ordered.
+
+    Why not one decode per prefix (the definition, and what this computed until issue 55): that is quadratic,
+    16.8 s at 8,192 tokens, inside the service's one model slot. The prefix decodings are instead built from
+    short windows: ``decode(ids[:i])`` is the text up to an *anchor* token (a clean character boundary the
+    window already reached) plus what ``decode(ids[anchor - _CONTEXT:i])`` adds after its first
+    ``_CONTEXT`` tokens (the context absorbs what a decoder does at a text's start, such as SentencePiece's
+    dropped leading space). Each window is at most ``_WINDOW + _CONTEXT`` tokens, so the whole map costs
+    O(n) decodes of bounded length. Every anchor is checked against the full decoding, and so is the end; a
+    tokenizer whose decoding is not local in this sense (the check fails) gets the per-prefix definition.
     """
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
     text = tokenizer.decode(ids.tolist())
+    ends = _windowed_ends(tokenizer, ids.tolist(), text)
+    if ends is None:
+        ends = _prefix_ends(tokenizer, ids.tolist(), text)
+    return text, ends
+
+
+_WINDOW = 24  # tokens decoded past the anchor before it moves on
+_CONTEXT = 4  # tokens decoded before the anchor, and dropped from the window's text
+
+
+def _clamp(n: int, ends: np.ndarray, i: int, total: int) -> int:
+    return min(max(n, int(ends[i - 1])), total)
+
+
+def _prefix_ends(tokenizer: Any, ids: list[int], text: str) -> np.ndarray:
+    """The definition: one decode per prefix (quadratic; the fallback of :func:`token_offsets`)."""
     ends = np.zeros(len(ids) + 1, dtype=np.int64)
     for i in range(1, len(ids)):
-        piece = tokenizer.decode(ids[:i].tolist())
+        piece = tokenizer.decode(ids[:i])
         n = len(piece) if text.startswith(piece) else len(piece.rstrip("\ufffd"))
-        ends[i] = min(max(n, ends[i - 1]), len(text))
+        ends[i] = _clamp(n, ends, i, len(text))
     ends[len(ids)] = len(text)
-    return text, ends
+    return ends
+
+
+def _windowed_ends(tokenizer: Any, ids: list[int], text: str) -> np.ndarray | None:
+    """The same boundaries as :func:`_prefix_ends` from bounded windows (:func:`token_offsets`), or None when
+    the tokenizer's decoding is not local (an anchor or the end disagrees with the full decoding)."""
+    n_ids = len(ids)
+    ends = np.zeros(n_ids + 1, dtype=np.int64)
+    anchor, base = 0, 0  # decode(ids[:anchor]) == text[:base]
+    ctx, ctx_len = 0, 0  # the window starts at ids[ctx]; decode(ids[ctx:anchor]) has ctx_len characters
+    for i in range(1, n_ids + 1):
+        w = tokenizer.decode(ids[ctx:i])
+        if w[:ctx_len] != text[base - ctx_len:base]:
+            return None  # the context decodes differently inside a longer window: not local
+        tail = w[ctx_len:]
+        is_prefix = text.startswith(tail, base)
+        if i == n_ids:
+            if not (is_prefix and base + len(tail) == len(text)):
+                return None
+            ends[i] = len(text)
+            return ends
+        if is_prefix:
+            n = base + len(tail)
+        else:  # what the definition computes for a piece that is not a prefix of the text
+            stripped = tail.rstrip("\ufffd")
+            n = base + len(stripped) if stripped else len(text[:base].rstrip("\ufffd"))
+        ends[i] = _clamp(n, ends, i, len(text))
+        if i - anchor >= _WINDOW and is_prefix and tail and not tail.endswith("\ufffd"):
+            moved = _context_at(tokenizer, ids, text, i, base + len(tail))
+            if moved is not None:  # else: no clean context yet (inside a multi-byte character), keep the anchor
+                anchor, base, (ctx, ctx_len) = i, base + len(tail), moved
+    return ends  # no tokens, or one
+
+
+def _context_at(tokenizer: Any, ids: list[int], text: str, i: int, base: int) -> tuple[int, int] | None:
+    """A window start ``c`` (about ``_CONTEXT`` tokens before ``i``) whose decoding up to ``i`` is the text's
+    up to ``base``, as (c, its length); None if none of a few starts is (each starts inside a character)."""
+    for back in range(_CONTEXT, 2 * _CONTEXT + 4):
+        c = max(0, i - back)
+        ct = tokenizer.decode(ids[c:i])
+        if len(ct) <= base and ct == text[base - len(ct):base]:
+            return c, len(ct)
+        if c == 0:
+            break
+    return None
 
 
 def char_spans_to_tokens(ends: np.ndarray, spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -67,20 +141,82 @@ def merge_ranges(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def regex_spans(text: str, pattern: str) -> list[tuple[int, int]]:
-    """Character spans of every non-empty match of ``pattern`` in ``text``."""
+class KvcPatternTimeoutError(KvcInputError):
+    """A pattern that did not finish within :data:`PATTERN_SECONDS` (catastrophic backtracking, most likely)."""
+
+
+def regex_spans(text: str, pattern: str, seconds: float | None = None) -> list[tuple[int, int]]:
+    """Character spans of every non-empty match of ``pattern`` in ``text``, found within ``seconds``
+    (default :data:`PATTERN_SECONDS`).
+
+    Why the ``regex`` module and not ``re``: a pattern such as ``(a+)+$`` backtracks for longer than the
+    universe lasts, and ``re`` can neither stop it nor let another thread run meanwhile (it holds the GIL:
+    through ``kvc serve`` one such request froze every tenant, issue 55). ``regex`` takes a ``timeout`` and,
+    with ``concurrent=True``, matches with the GIL released, so the service's event loop and other edits run on.
+    Its syntax is ``re``'s (version 0) plus extensions.
+    """
+    import regex
+
     if not isinstance(pattern, str) or not pattern or len(pattern) > MAX_PATTERN_CHARS:
         raise KvcInputError(f"the pattern must be a non-empty regular expression of at most {MAX_PATTERN_CHARS} characters")
     try:
-        rx = re.compile(pattern)
-    except re.error as exc:
+        rx = regex.compile(pattern)
+    except (regex.error, ValueError, TypeError, OverflowError, RecursionError) as exc:
         raise KvcInputError(f"bad regular expression {pattern!r:.60}: {exc}") from None
-    spans = [m.span() for m in rx.finditer(text) if m.end() > m.start()]
+    bound = PATTERN_SECONDS if seconds is None else seconds
+    deadline = time.thread_time() + bound  # regex's timeout is this thread's CPU time too
+    spans: list[tuple[int, int]] = []
+    try:
+        for m in rx.finditer(text, timeout=bound, concurrent=True):
+            if m.end() > m.start():
+                spans.append(m.span())
+                if len(spans) > MAX_SPANS:
+                    break
+            if time.thread_time() > deadline:  # the bound is on the whole search, not each match
+                raise TimeoutError
+    except TimeoutError:
+        raise KvcPatternTimeoutError(f"the pattern {pattern!r:.60} did not finish within {bound:g} CPU-seconds over the "
+                                     f"{len(text)}-character context (catastrophic backtracking?); simplify it") from None
     if not spans:
         raise KvcInputError(f"the pattern {pattern!r:.60} matches nothing in the stored context")
     if len(spans) > MAX_SPANS:
-        raise KvcInputError(f"the pattern matches {len(spans)} spans (limit {MAX_SPANS})")
+        raise KvcInputError(f"the pattern matches more than {MAX_SPANS} spans (limit {MAX_SPANS})")
     return spans
+
+
+def text_spans(text: str, literal: str) -> list[tuple[int, int]]:
+    """Character spans of every occurrence of ``literal`` in ``text`` (left to right, not overlapping).
+
+    A literal is searched as a literal (``str.find``, linear), with its own limit: a paragraph to redact is
+    ordinary, and escaping it into a regex would count it against the pattern's cap (issue 55)."""
+    if not isinstance(literal, str) or not literal:
+        raise KvcInputError("the text to find is empty")
+    if len(literal) > MAX_TEXT_CHARS:
+        raise KvcInputError(f"the text to find has {len(literal)} characters (limit {MAX_TEXT_CHARS})")
+    spans: list[tuple[int, int]] = []
+    at = text.find(literal)
+    while at >= 0:
+        spans.append((at, at + len(literal)))
+        if len(spans) > MAX_SPANS:
+            raise KvcInputError(f"the text occurs more than {MAX_SPANS} times (limit {MAX_SPANS})")
+        at = text.find(literal, at + len(literal))
+    if not spans:
+        raise KvcInputError(f"the text {literal!r:.60} does not occur in the stored context")
+    return spans
+
+
+def int_pairs(v: Any, what: str) -> list[tuple[int, int]]:
+    """``v`` as (start, end) integer pairs, refused in one line otherwise: a float, a string or a bool is not
+    coerced (issue 55: ``[(1.7, "3")]`` was read as ``[(1, 3)]``)."""
+    try:
+        pairs = list(v)
+        ok = all(len(p) == 2 and all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in p)
+                 for p in pairs)
+    except TypeError:
+        ok = False
+    if not ok or isinstance(v, (str, bytes)):
+        raise KvcInputError(f"{what} must be (start, end) integer pairs")
+    return [(int(a), int(b)) for a, b in pairs]
 
 
 def parse_token_span(s: str) -> tuple[int, int]:
@@ -102,7 +238,7 @@ def resolve_spans(tokenizer: Any, ids: np.ndarray, *, pattern: str | None = None
         raise KvcInputError("name the span by exactly one of: a pattern, a text, character spans, token spans")
     n = len(ids)
     if token_spans is not None:
-        spans = [(int(a), int(b)) for a, b in token_spans]
+        spans = int_pairs(token_spans, "token spans")
         if not spans or len(spans) > MAX_SPANS:
             raise KvcInputError(f"give 1 to {MAX_SPANS} token spans")
         for a, b in spans:
@@ -111,13 +247,11 @@ def resolve_spans(tokenizer: Any, ids: np.ndarray, *, pattern: str | None = None
         return merge_ranges(spans)
     decoded, ends = token_offsets(tokenizer, ids)
     if text is not None:
-        if not isinstance(text, str) or not text:
-            raise KvcInputError("the text to find is empty")
-        spans_c = regex_spans(decoded, re.escape(text))
+        spans_c = text_spans(decoded, text)
     elif pattern is not None:
         spans_c = regex_spans(decoded, pattern)
     else:
-        spans_c = [(int(a), int(b)) for a, b in (char_spans or [])]
+        spans_c = int_pairs(char_spans, "character spans")
         if not spans_c or len(spans_c) > MAX_SPANS:
             raise KvcInputError(f"give 1 to {MAX_SPANS} character spans")
     return char_spans_to_tokens(ends, spans_c)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from kvcodec.core.kvcache import KVCache
-from kvcodec.edit.entry import EditResult, open_parent, write_child
+from kvcodec.edit.entry import EditResult, check_dest, open_parent, write_child
 from kvcodec.edit.spans import resolve_spans
 from kvcodec.errors import KvcInputError
 from kvcodec.format.bias import AttentionBias
@@ -34,15 +34,22 @@ __all__ = ["DEFAULT_ALPHA", "check_heads", "parse_heads", "pasta_bias", "steer",
 DEFAULT_ALPHA = 0.01  # PASTA's default scaling of the non-emphasised keys' attention
 
 
+def _is_int(x: Any) -> bool:
+    """An integer (Python or NumPy), not a bool, a float or a string: the edit API never coerces (issue 55)."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
 def check_heads(lm: Any, heads: Any) -> list[tuple[int, int]]:
     """``heads`` as sorted, distinct (layer, head) pairs within ``lm``'s layers and query heads (else one line)."""
     L, H = lm.fingerprint.num_layers, model_attention_heads(lm)
     try:
-        pairs = sorted({(int(a), int(b)) for a, b in heads if not isinstance(a, bool) and not isinstance(b, bool)
-                        and float(a) == int(a) and float(b) == int(b)})
+        given = list(heads)
+        if not all(len(p) == 2 and all(_is_int(x) for x in p) for p in given):
+            raise TypeError
+        pairs = sorted({(int(a), int(b)) for a, b in given})
     except (TypeError, ValueError):
         raise KvcInputError("heads must be (layer, head) integer pairs") from None
-    if not pairs or len(pairs) != len(list(heads)):
+    if not pairs or len(pairs) != len(given):
         raise KvcInputError("heads must be distinct (layer, head) integer pairs, at least one")
     for a, b in pairs:
         if not (0 <= a < L and 0 <= b < H):
@@ -97,6 +104,7 @@ def steer(lm: Any, source: Any, heads: Sequence[tuple[int, int]], *, pattern: st
     """Emphasise in the stored entry ``source`` the spans named by exactly one of ``pattern``, ``text``,
     ``char_spans``, ``token_spans`` or ``auto`` (the ``auto`` sentences the query-independent scorer of
     :mod:`kvcodec.edit.autospans` ranks highest), on ``heads``, into a new entry that carries its attention bias."""
+    check_dest(source, dest)
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
     parent = open_parent(source)
@@ -104,6 +112,8 @@ def steer(lm: Any, source: Any, heads: Sequence[tuple[int, int]], *, pattern: st
     ids = parent.reader.token_ids
     if ids is None:
         raise KvcInputError("the entry stores only the hash of its token ids; steer needs the ids")
+    if parent.reader.header.pruned:  # its stored tokens are not all of ids: the child would silently be unpruned
+        raise KvcInputError("the entry is a pruned cache (its tokens are not all stored); edits need a full cache")
     if parent.reader.header.attention_bias is not None:
         raise KvcInputError("the entry is already steered; steer its parent again instead of stacking biases")
     if auto is not None:

@@ -3,7 +3,9 @@
 Body: ``{"op": "append" | "redact" | "steer", "params": {...}}`` (the parameters of :mod:`kvcodec.edit.stored`).
 The entry at ``key`` is read from the caller's tenant view (another tenant's entry is not there: 404),
 edited, and the child is put under the key of its own token ids, in the same namespace (201 with
-``{"key", "parent", "bytes", "op", "params", "tokens", ...}``). The parent is never changed. The token
+``{"key", "parent", "bytes", "op", "params", "tokens", ...}``; a redaction answers ``parent_key_mac``, an HMAC
+of the parent key under the tenant's key, instead of ``parent``, and its ``params`` are its log's: the token
+spans, never the pattern). The parent is never changed. A body is at most :data:`EDIT_MAX_BODY` bytes (413). The token
 must be allowed to write to the key's namespace.
 
 Why the service loads a model here, when it otherwise holds none: an edit recomputes K/V (the appended
@@ -27,9 +29,13 @@ from aiohttp import web
 
 from kvcodec.service.checks import HttpError
 
-__all__ = ["EDIT_TIMEOUT", "add_edit_routes", "edit_entry"]
+INLINE_JSON = 64 << 10  # kvcodec.service.app.INLINE_JSON: this module imports nothing of app.py
+
+__all__ = ["EDIT_MAX_BODY", "EDIT_TIMEOUT", "MATCH_SLOTS", "add_edit_routes", "edit_entry"]
 
 EDIT_TIMEOUT = 300.0  # seconds of model work for one edit (a redaction of a long context on a CPU)
+EDIT_MAX_BODY = INLINE_JSON  # bytes of an edit's JSON body: parsed on the event loop, so small
+MATCH_SLOTS = 2  # edits' span matchings running at once in the service (one per tenant)
 
 _models: dict[str, Any] = {}
 _models_lock = threading.Lock()
@@ -48,13 +54,15 @@ def _model(model_dir: str) -> Any:
 async def edit_entry(svc: Any, request: web.Request) -> web.Response:
     """The handler; ``svc`` is the :class:`kvcodec.service.app.KdnService` (passed in: this module imports
     nothing of app.py, which registers it)."""
-    from kvcodec.edit.stored import child_of, put_meta
+    from kvcodec.edit.stored import child_of, lineage_key_for, put_meta, resolve_params
     from kvcodec.store.tenant import PHYS_MODEL
 
     key, p = svc._key(request, write=True)
     if key.model == PHYS_MODEL:
         raise HttpError(400, "edits take a key in clear (the service must know the entry's model and tokens)")
-    _, body = await svc._json_body(request)
+    raw, body = await svc._json_body(request)
+    if body is None:  # larger than the service parses on its event loop: say so, not that its shape is wrong
+        raise HttpError(413, f"edit body of {len(raw)} bytes is larger than the limit of {EDIT_MAX_BODY} bytes")
     if not isinstance(body, dict) or not isinstance(body.get("op"), str):
         raise HttpError(400, 'the body must be a small JSON object {"op": ..., "params": {...}}')
     op, params = body["op"], body.get("params", {})
@@ -67,10 +75,21 @@ async def edit_entry(svc: Any, request: web.Request) -> web.Response:
     if entry is None:
         raise HttpError(404, f"no entry {key}")
     lm = await _model_work(svc, request, p.tenant, _model, model_dir, charge=False)
-    child, res = await _model_work(svc, request, p.tenant, child_of, lm, key, bytes(entry.data), op, params)
-    put = await svc._run(request, st.put, child, res.data, put_meta(op, key))
-    reply = {"key": child.to_str(), "parent": key.to_str(), "bytes": res.size, "stored_in": put.stored_in,
-             "failed": put.failed, **{k: v for k, v in res.to_json().items() if k not in ("output", "size")}}
+    # spans first, in a store thread of the tenant's and outside the model slot: a pattern runs under its time
+    # bound with the GIL released (kvcodec.edit.spans.regex_spans), and a slow one delays only this request
+    if isinstance(params, dict) and any(params.get(k) is not None for k in ("pattern", "text", "char_spans")):
+        params = await _match_work(svc, request, p.tenant, resolve_params, lm, bytes(entry.data), op, params)
+    lkey = lineage_key_for(st, key.namespace)
+    child, res = await _model_work(svc, request, p.tenant, child_of, lm, key, bytes(entry.data), op, params, None, lkey)
+    put = await svc._run(request, st.put, child, res.data, put_meta(op, key, lkey))
+    # a redaction's answer names its parent as its stored meta does (keyed), never by the key in clear
+    parent = put_meta(op, key, lkey)["edit"]
+    reply = {"key": child.to_str(), "bytes": res.size, "stored_in": put.stored_in, "failed": put.failed,
+             **{k: v for k, v in res.to_json().items() if k not in ("output", "size")}}
+    if "parent" in parent:
+        reply["parent"] = parent["parent"]
+    elif "parent_mac" in parent:
+        reply["parent_key_mac"] = parent["parent_mac"]
     return web.Response(status=201, text=json.dumps(reply, sort_keys=True), content_type="application/json")
 
 
@@ -95,8 +114,28 @@ async def _model_work(svc: Any, request: web.Request, tenant: str, fn: Any, *arg
     return await svc._run(request, fn, *args, timeout=EDIT_TIMEOUT, on_done=done, charge=charge)
 
 
+async def _match_work(svc: Any, request: web.Request, tenant: str, fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` (an edit's span matching) in a store thread, *outside* the model slot: at most
+    :data:`MATCH_SLOTS` at once in the service and one per tenant (``svc.match_sched``), paced to and charged
+    against the tenant's CPU share like its worker jobs. Why: a pattern runs for up to its time bound
+    (:data:`kvcodec.edit.spans.PATTERN_SECONDS`) with the GIL released; without these bounds one tenant's
+    catastrophic patterns, sent in parallel, would hold every core for that long (issue 55)."""
+    deadline = time.monotonic() + min(EDIT_TIMEOUT, svc._left(request))
+    await svc.workers.pace(tenant, deadline)
+    await svc.match_sched.acquire(tenant, min(deadline, time.monotonic() + svc.config.queue_timeout))
+
+    def done() -> None:
+        svc.match_sched.release(tenant)
+
+    return await svc._run(request, fn, *args, on_done=done)
+
+
 def add_edit_routes(svc: Any, router: web.UrlDispatcher, api: str) -> None:
     """Register the edit route of ``svc`` (called once by :meth:`kvcodec.service.app.KdnService.app`)."""
+    from kvcodec.service.fair import FairScheduler
+
+    if getattr(svc, "match_sched", None) is None:  # an edit's span matching: a few at a time, one per tenant
+        svc.match_sched = FairScheduler(MATCH_SLOTS, 1, max_queued=svc.config.tenant_queue, name="edit pattern")
 
     def handler(request: web.Request) -> Awaitable[web.StreamResponse]:
         return edit_entry(svc, request)

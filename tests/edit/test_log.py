@@ -51,3 +51,35 @@ def test_the_chain_length_is_bounded():
     full = [rec(f"{i:064x}") for i in range(MAX_EDITS)]
     with pytest.raises(KvcInputError, match="already been edited"):
         extend_log({EDITS_META_KEY: full}, C, T, "append", {})
+
+
+def test_a_redaction_seals_what_came_before_and_names_its_parent_only_by_a_keyed_digest():
+    """Issue 55: a redacted child's log carries no plain digest of any ancestor and no earlier parameters."""
+    from kvcodec.edit.log import lineage_mac, redaction_log
+
+    parent_meta = {EDITS_META_KEY: [{**rec(A), "params": {"appended_token_ids_sha256": C, "tokens": 3}}]}
+    log = redaction_log(parent_meta, B, {"token_spans": [[1, 2]], "removed_tokens": 1}, lineage_key=b"k" * 32)
+    assert log[0] == {"op": "append", "sealed": True}
+    assert log[1] == {"op": "redact", "params": {"token_spans": [[1, 2]], "removed_tokens": 1},
+                      "parent_mac": lineage_mac(b"k" * 32, B)}
+    text = str(log)
+    assert A not in text and B not in text and C not in text and T not in text
+    parsed = parse_log({EDITS_META_KEY: log})
+    assert parsed[0].sealed and parsed[1].redaction and parsed[1].parent_sha256 is None
+    # editing the redacted child further names it (it no longer holds the secret) in clear, as any edit does
+    more = extend_log({EDITS_META_KEY: log}, C, T, "append", {})
+    assert [r.op for r in parse_log({EDITS_META_KEY: more})] == ["append", "redact", "append"]
+    assert redaction_log({}, B, {})[-1] == {"op": "redact", "params": {}}  # no key: no parent named at all
+
+
+@pytest.mark.parametrize("bad, msg", [
+    ([{"op": "append", "sealed": True}], "no redaction follows"),
+    ([{"op": "append", "sealed": True, "params": {}}, {"op": "redact", "params": {}}], "sealed record is exactly"),
+    ([{"op": "append", "sealed": "yes"}, {"op": "redact", "params": {}}], "sealed record is exactly"),
+    ([{"op": "append", "params": {}}], "only a redaction"),
+    ([{"op": "redact", "params": {}, "parent_mac": "xyz"}], "parent_mac must be 64"),
+    ([{"op": "redact", "params": {}, "extra": 1}], "only a redaction"),
+])
+def test_hostile_redaction_logs_are_one_format_error(bad, msg):
+    with pytest.raises(KvcFormatError, match=msg):
+        parse_log({EDITS_META_KEY: bad})

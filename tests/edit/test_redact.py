@@ -1,4 +1,6 @@
-"""``redact`` on the real embedded model: an e-mail address leaves the context, the rest is repaired."""
+"""``redact`` on the real embedded model: an e-mail address leaves the context, the rest is prefilled afresh
+(the default) or repaired CacheBlend-style (``repair="blend"``). What the child may still say about what was
+removed is tests/edit/test_redact_privacy.py's."""
 
 from __future__ import annotations
 
@@ -23,6 +25,12 @@ N, CONT = 160, 16
 @pytest.fixture(scope="module")
 def redacted(lm, entry):
     _, data = entry(N)
+    return data, redact(lm, data, pattern=EMAIL, repair="blend")
+
+
+@pytest.fixture(scope="module")
+def redacted_prefill(lm, entry):
+    _, data = entry(N)
     return data, redact(lm, data, pattern=EMAIL)
 
 
@@ -44,9 +52,21 @@ def test_the_address_is_gone_and_the_ids_and_log_say_so(lm, redacted, changelog_
         assert np.array_equal(r.token_ids, want)
         log = parse_log(r.header.meta)
     assert "jak@debian.org" not in lm.tokenizer.decode(want.tolist())
-    assert log[-1].op == "redact" and log[-1].parent_sha256 == file_sha256(data)
-    assert log[-1].params["pattern"] == EMAIL
-    assert res.info["recomputed_tokens"] >= 1
+    # the log names the parent by no plain digest and does not repeat the pattern (issue 55)
+    assert log[-1].op == "redact" and log[-1].parent_sha256 is None and log[-1].parent_token_ids_sha256 is None
+    assert "pattern" not in log[-1].params and log[-1].params["removed_tokens"] == b - a
+    assert file_sha256(data) not in res.data.decode("latin-1")
+    assert res.info["recomputed_tokens"] >= 1 and log[-1].params["repair"] == "blend"
+
+
+def test_the_default_is_a_prefill_of_the_kept_ids(lm, redacted_prefill):
+    """repair='prefill': the child's K/V are a fresh prefill of its ids, bit for bit."""
+    _, res = redacted_prefill
+    fresh = capture(lm, token_ids=res.cache.token_ids)
+    assert res.params["repair"] == "prefill" and res.info["recomputed_tokens"] == len(res.cache.token_ids)
+    want = fresh.to(res.cache.dtype)
+    assert all(torch.equal(a, b) for a, b in zip(res.cache.keys, want.keys))
+    assert all(torch.equal(a, b) for a, b in zip(res.cache.values, want.values))
 
 
 def test_within_the_balanced_kl_target_of_a_reprefill(lm, redacted, reprefill):
@@ -86,5 +106,7 @@ def test_refusals(lm, other_lm, entry):
         redact_cache(lm, cache, [(0, N)])
     with pytest.raises(KvcInputError, match="matches nothing"):
         redact(lm, data, pattern="no-such-address@nowhere")
-    with pytest.raises(KvcInputError, match="recompute ratio"):
-        redact(lm, data, token_spans=[(3, 5)], recompute_ratio=float("nan"))
+    with pytest.raises(KvcInputError, match="recompute_ratio"):
+        redact(lm, data, token_spans=[(3, 5)], repair="blend", recompute_ratio=float("nan"))
+    with pytest.raises(KvcInputError, match="tune repair='blend'"):
+        redact(lm, data, token_spans=[(3, 5)], recompute_ratio=0.1)

@@ -40,7 +40,10 @@ def test_edit_through_the_service(lm, entry, service):
     assert status == 201, out
     reply = json.loads(out)
     child = StoreKey.from_str(reply["key"])
-    assert reply["parent"] == key.to_str() and child != key and reply["removed_tokens"] > 0
+    assert child != key and reply["removed_tokens"] > 0
+    # a redaction's answer names its parent by an HMAC under the tenant's key only, and repeats no pattern
+    assert "parent" not in reply and "parent_sha256" not in reply and len(reply["parent_key_mac"]) == 64
+    assert key.digest not in out.decode() and EMAIL not in out.decode() and "pattern" not in reply["params"]
     status, _, got = service.request("GET", path_of(child))
     assert status == 200
     with KvcReader(got) as r:
@@ -97,3 +100,73 @@ def test_model_edits_run_one_at_a_time_and_free_their_slot(lm, entry, service):
     assert max(g["kvc_edit_queue"] for g in seen) >= 1, seen  # the others waited for the slot
     assert _gauges(service) == {"kvc_edits_running": 0, "kvc_edit_queue": 0}, "nothing is held after the edits"
     assert service.request("POST", edit, body=json.dumps({"op": "redact", "params": {"pattern": EMAIL}}).encode())[0] == 201
+
+
+def _aaa_entry(lm, n_chars: int = 400):
+    """An entry whose text is ``a`` x n_chars then ``!``: ``(a|aa)+$`` backtracks over it for ever."""
+    from kvcodec.api import encode
+    from kvcodec.models.capture import capture, tokenize
+
+    ids = tokenize(lm.tokenizer, "a" * n_chars + "!")
+    return ids, encode(capture(lm, token_ids=ids), None, preset="lossless").data
+
+
+def test_a_catastrophic_pattern_is_refused_and_the_service_keeps_answering(lm, entry, service):
+    """Issue 55: one tenant's catastrophic pattern froze ``kvc serve`` (``re`` holds the GIL and never ends). Now the edit
+    is refused in one line (400) once the pattern's bound passes, and while it runs the service answers
+    ``/healthz``, another tenant's read and another tenant's edit: each of them comes back before the
+    catastrophic edit does (an order, not a duration)."""
+    import threading
+    import time
+
+    from kvcodec.edit.spans import PATTERN_SECONDS
+
+    ids, data = _aaa_entry(lm)
+    bad_key = StoreKey.for_tokens(ids, model=lm.fingerprint.id, codec=codec_key("lossless"), namespace="a")
+    assert service.put_raw(bad_key, data) in (200, 201)
+    cache, good = entry(160)
+    other = StoreKey.for_tokens(cache.token_ids, model=lm.fingerprint.id, codec=codec_key("lossless"), namespace="b")
+    assert service.put_raw(other, good, token=TOK_B) in (200, 201)
+    # warm the model (the first edit loads it) so the order below is the pattern's doing
+    assert service.request("POST", path_of(other) + "/edit", token=TOK_B,
+                           body=json.dumps({"op": "redact", "params": {"token_spans": [[2, 4]]}}).encode())[0] == 201
+    done: dict[str, float] = {}
+    answer: list = []
+
+    def attack() -> None:
+        answer.append(service.request("POST", path_of(bad_key) + "/edit",
+                                      body=json.dumps({"op": "redact", "params": {"pattern": "(a|aa)+$"}}).encode()))
+        done["attack"] = time.monotonic()
+
+    t = threading.Thread(target=attack)
+    t0 = time.monotonic()
+    t.start()
+    time.sleep(0.3)  # the pattern is running
+    assert service.request("GET", "/healthz", token=None)[0] == 200
+    done["healthz"] = time.monotonic()
+    assert service.request("GET", path_of(other), token=TOK_B)[2] == good
+    done["read"] = time.monotonic()
+    status, _, out = service.request("POST", path_of(other) + "/edit", token=TOK_B,
+                                     body=json.dumps({"op": "redact", "params": {"token_spans": [[5, 9]]}}).encode())
+    assert status == 201, out
+    done["edit"] = time.monotonic()
+    t.join(120)
+    status, _, out = answer[0]
+    assert status == 400, out
+    msg = json.loads(out)["error"]
+    assert "did not finish within" in msg and "\n" not in msg
+    assert done["attack"] - t0 >= PATTERN_SECONDS  # it really ran to its bound (CPU-seconds: wall is longer) ...
+    assert max(done["healthz"], done["read"]) < done["attack"]  # ... while the others were answered
+
+
+def test_edit_body_and_id_refusals(lm, entry, service):
+    """An oversized body is refused for its size (413), not its shape; a token id of 2**63 is a 400, not a 500."""
+    cache, data = entry(160)
+    key = StoreKey.for_tokens(cache.token_ids, model=lm.fingerprint.id, codec=codec_key("lossless"), namespace="a")
+    assert service.put_raw(key, data) in (200, 201)
+    edit = path_of(key) + "/edit"
+    big = json.dumps({"op": "redact", "params": {"text": "x" * (80 << 10)}}).encode()
+    status, _, out = service.request("POST", edit, body=big)
+    assert status == 413 and "larger than the limit" in json.loads(out)["error"], out
+    status, _, out = service.request("POST", edit, body=json.dumps({"op": "append", "params": {"token_ids": [2 ** 63]}}).encode())
+    assert status == 400 and "2**63" in json.loads(out)["error"], out

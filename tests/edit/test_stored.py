@@ -53,7 +53,8 @@ def test_refusals(lm, other_lm, stores, entry):
     _, data = entry(160)
     for op, params, msg in [("rewrite", {}, "unknown edit"), ("redact", {"heads": 3}, "takes no parameter 'heads'"),
                             ("redact", {"token_spans": [[1, "x"]]}, "integer pairs"), ("append", {"text": 7}, "string"),
-                            ("redact", {"token_spans": [[1, 3]], "recompute_ratio": float("inf")}, "recompute ratio"),
+                            ("redact", {"token_spans": [[1, 3]], "repair": "blend", "recompute_ratio": float("inf")}, "recompute_ratio"),
+                                ("redact", {"token_spans": [[1, 3]], "recompute_ratio": 0.1}, "tune repair='blend'"),
                             ("steer", {"token_spans": [[1, 3]], "heads": [[99, 0]]}, "out of range"),
                             ("steer", {"token_spans": [[1, 3]], "heads": [[0, 0]], "alpha": float("nan")}, "finite"),
                             ("steer", {"token_spans": [[1, 3]]}, "heads must be a list")]:
