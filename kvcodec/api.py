@@ -104,6 +104,7 @@ def encode(
     """
     from kvcodec.plan.presets import check_overrides, get_plan, preset_info
 
+    _check_source_dest(source, dest)
     targeted = target_kl is not None or target_dppl is not None
     if target_kl is not None and target_dppl is not None:
         raise KvcInputError("give only one of target_kl and target_dppl")
@@ -155,6 +156,7 @@ def encode(
         cache = load_capture(source)
     if model is not None and not isinstance(model, str) and not isinstance(model, os.PathLike):
         get_lm()  # a loaded model costs nothing: check it against the cache now
+    _check_against_cache(cache, overrides, chunk_tokens, chunk_heads)
     elems = context_elements(cache)  # the unpruned context's elements: what every rate is charged against
     target = None
     if targeted:
@@ -212,15 +214,73 @@ def open(source: str | os.PathLike | bytes | Any, *, model: Any = None, **kw: An
     ``model`` (a loaded model or its fingerprint), when given, is checked against the file's
     fingerprint before anything is decoded: a cache never loads into a different model. ``kw``
     go to :class:`~kvcodec.format.KvcReader` (e.g. ``max_decoded_bytes``, ``attachment_resolver``).
+    ``model`` may also be a model name or directory, as :func:`encode` takes it (it is loaded).
+
+    Everything it refuses is one :class:`~kvcodec.errors.KvcError` line (issue 55: a path with a NUL byte, a
+    range reader whose ``read`` raises ``OSError``, ``model="smollm2"`` escaped as raw errors).
     """
-    r = KvcReader(source, **kw)
+    if isinstance(source, (str, os.PathLike)) and "\0" in os.fspath(source):
+        raise KvcInputError("the path contains a NUL byte")
+    try:
+        r = KvcReader(source, **kw)
+    except OSError as exc:
+        from kvcodec.atomic import io_error
+
+        raise io_error(exc, f"reading {source if isinstance(source, (str, os.PathLike)) else type(source).__name__}") from None
     if model is not None:
         try:
-            r.check_model(model)
+            r.check_model(_model(model) if isinstance(model, (str, os.PathLike)) else model)
+        except OSError as exc:
+            r.close()
+            from kvcodec.atomic import io_error
+
+            raise io_error(exc, "reading the file") from None
         except BaseException:
             r.close()
             raise
     return r
+
+
+def _check_against_cache(cache: KVCache, overrides: dict[str, Any], chunk_tokens: Any, chunk_heads: Any) -> None:
+    """Settings that cannot mean anything for this cache, refused in one line (issue 55: ``kvc encode
+    --chunk-heads 99`` on a 3-head cache and ``--config '{"preset": "balanced", "sink": 100000}'`` on a short
+    context were written silently and exited 0)."""
+    heads = int(cache.keys[0].shape[0]) if cache.keys else 0
+    for name, v, hi in (("chunk_heads", chunk_heads, heads), ("chunk_tokens", chunk_tokens, None)):
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1 or (hi is not None and v > hi):
+            raise KvcInputError(f"{name} must be an integer in [1, {hi if hi is not None else 'tokens'}]"
+                                f"{f' (the cache has {heads} KV heads)' if hi is not None else ''}, got {v!r:.40}")
+    n = int(cache.num_context_tokens)
+    sink = overrides.get("sink")
+    if isinstance(sink, int) and not isinstance(sink, bool) and sink > n:
+        raise KvcInputError(f"sink ({sink}) is more tokens than the context has ({n})")
+
+
+def _check_source_dest(source: Any, dest: Any) -> None:
+    """Refuse, in one line and before any work, a source :func:`encode` cannot read and a destination it cannot
+    write or must not (issue 55: ``encode(src, src)`` replaced a 6 MB capture with a ``.kvc``; ``bytes`` as
+    the source, a read-only or text-mode file object as the destination escaped as raw errors)."""
+    import io
+
+    if source is not None and not isinstance(source, (KVCache, str, os.PathLike)):
+        raise KvcInputError(f"the source must be a KVCache or the path of a capture, got {type(source).__name__}")
+    for p, what in ((source, "source"), (dest, "destination")):
+        if isinstance(p, (str, os.PathLike)) and "\0" in os.fspath(p):
+            raise KvcInputError(f"the {what} path contains a NUL byte")
+    if dest is None or isinstance(dest, (str, os.PathLike)):
+        if isinstance(dest, (str, os.PathLike)) and isinstance(source, (str, os.PathLike)):
+            from kvcodec.atomic import check_output
+
+            check_output(dest, inputs=[source])
+        return
+    if isinstance(dest, io.TextIOBase):
+        raise KvcInputError("the destination file is open in text mode; open it in binary mode ('wb')")
+    write = getattr(dest, "write", None)
+    writable = getattr(dest, "writable", None)
+    if not callable(write) or (callable(writable) and not writable()):
+        raise KvcInputError(f"the destination {type(dest).__name__} is not writable (open it with 'wb')")
 
 
 def _model(model: Any) -> Any:

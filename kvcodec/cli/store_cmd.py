@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import click
 
@@ -166,6 +166,9 @@ def stats_command(store_url, key_file, as_json):
 
     with _open(store_url, key_file) as st, _failures_in_the_error_line():
         stats = st.stats()
+        for tier, t in zip(st.tiers, stats["tiers"]):
+            if not t.get("error") and not tier.supports_listing and tier.remote:
+                t["error"] = _unreachable(tier)
     errors = [f"{t['name']}: {t['error']}" for t in stats["tiers"] if t.get("error")]
     if as_json:
         emit_json(stats)
@@ -182,6 +185,27 @@ def stats_command(store_url, key_file, as_json):
                    f"corrupt {t['corrupt']}  evictions {t['evictions']}{err}")
     if errors:
         raise KvcStoreError("cannot count " + "; ".join(errors))
+
+
+def _unreachable(tier: Any) -> str | None:
+    """Why a remote tier that cannot list (a plain http source) did not answer one HEAD of its base URL, or
+    None if it answered (any status): it has no entries to count, but an unreachable one is an error, not
+    "?" with exit 0 (issue 55)."""
+    base = getattr(tier, "base", None)
+    if not isinstance(base, str):
+        return None
+    from kvcodec.errors import KvcStoreError
+    from kvcodec.store.ranged import http_request
+
+    try:
+        limits = getattr(tier, "limits", None)
+        if limits is None:
+            http_request(base, method="HEAD")
+        else:
+            http_request(base, method="HEAD", limits=limits)
+    except KvcStoreError as e:
+        return f"{tier.name} {base} is unreachable ({e})"
+    return None
 
 
 @store_group.command("gc")

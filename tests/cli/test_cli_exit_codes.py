@@ -1,0 +1,52 @@
+"""Commands that refuse or fail exit non-zero with one ``kvc: error:`` line (issue 55: these exited 0)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from cliutil import run_kvc
+from kvcodec.core.kvcache import save_capture
+from kvcodec.testing.golden import _synthetic
+
+
+def _one_line(code: int, err: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code != 0 and len(lines) == 1 and lines[0].startswith("kvc: error:") and "Traceback" not in err, (code, err)
+    return lines[0]
+
+
+@pytest.fixture()
+def cap(tmp_path):
+    p = tmp_path / "cap.h5"
+    save_capture(_synthetic(torch.float16, 8), p)
+    return p
+
+
+def test_encode_a_sink_longer_than_the_context(cap, tmp_path, capsys):
+    out = tmp_path / "o.kvc"
+    code, _, err = run_kvc(["encode", str(cap), "-o", str(out), "--config", '{"preset": "near-lossless", "sink": 100000}'],
+                           capsys)
+    assert code == 2 and "sink (100000)" in _one_line(code, err) and not out.exists()
+
+
+def test_encode_more_chunk_heads_than_the_cache_has(cap, tmp_path, capsys):
+    out = tmp_path / "o.kvc"
+    code, _, err = run_kvc(["encode", str(cap), "-o", str(out), "--chunk-heads", "99"], capsys)
+    assert code == 2 and "chunk_heads" in _one_line(code, err) and not out.exists()
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed again when the block ends: nothing listens there
+
+
+def test_store_stats_on_an_unreachable_http_store(capsys):
+    """A plain http source cannot list, so it cannot be counted ("?"), but one that does not answer at all is
+    an error (as a kvc+http one already was)."""
+    url = f"http://127.0.0.1:{_closed_port()}/?connect_timeout=2"
+    code, _, err = run_kvc(["store", "stats", "--store", url], capsys)
+    assert code == 8 and "unreachable" in _one_line(code, err)
