@@ -37,6 +37,8 @@ from kvcodec.core.stage import ChunkContext
 from kvcodec.errors import KvcInputError
 from kvcodec.models.layout import ALL_HEADS
 
+MIN_CONTEXT = 256  # tokens of context per calibration text, at least (fewer: too few samples for a PCA of head_dim 256)
+
 def coded_tensor(cache: Any, layer: int, kind: str, tokens: np.ndarray | None = None) -> np.ndarray:
     """Keys as the plans code them: pre-RoPE, or as they are when the model's RoPE variant has no rope stage.
 
@@ -171,6 +173,31 @@ def attention_metrics(lm: Any, qm: np.ndarray, reg: float = 0.01) -> np.ndarray:
     return out
 
 
+@contextmanager
+def _grad_mode() -> Iterator[None]:
+    """Gradients on, outside inference mode: the Fisher passes' graph and backward passes (and nothing else)."""
+    import torch
+
+    with torch.inference_mode(False), torch.enable_grad():
+        yield
+
+
+@contextmanager
+def _build_mode() -> Iterator[None]:
+    """The autograd mode of a calibration build, whatever its caller's: outside inference mode, no gradients.
+
+    Why: every tensor the build creates and updates in place (the sensitivity accumulators) is then an ordinary
+    tensor, the same under ``kvc calibrate`` as under ``KnowledgeBase.ask``'s ``inference_mode`` (issue 59:
+    under inference mode the accumulator was an inference tensor, which cannot be updated outside it);
+    gradients are on only around the Fisher passes (:func:`_grad_mode`). Entered per call, not per
+    generator step: nothing here yields to a caller from inside it.
+    """
+    import torch
+
+    with torch.inference_mode(False), torch.no_grad():
+        yield
+
+
 def _fisher_gradients(lm: Any, cache: Any, continuation: np.ndarray, samples: int, seed: int) -> Iterator[list[Any]]:
     """Per Hutchinson sample, ``J^T z`` with respect to every stored tensor (keys and values of layer ``l`` at
     ``2l``, ``2l + 1``; each [1, H, T, D]): ``E ||J^T z||^2`` over a block is that block's ``tr(F)``.
@@ -188,8 +215,11 @@ def _fisher_gradients(lm: Any, cache: Any, continuation: np.ndarray, samples: in
     dtype = next(lm.model.parameters()).dtype
     L = cache.num_layers
     gen = torch.Generator().manual_seed(seed)
-    # inference_mode(False): callers (e.g. ask -> deposit -> plan) may run under inference_mode.
-    with torch.inference_mode(False), torch.enable_grad():
+    # The graph is built and each backward pass runs with gradients on and outside inference mode (callers, e.g.
+    # ask -> deposit -> plan, run under inference_mode), but every yield is outside that `with`: the consumer's
+    # loop body runs in its own mode (issue 59: a yield inside the `with` ran the consumer's in-place update on its
+    # inference-mode accumulator outside inference mode, which torch refuses).
+    with _grad_mode():
         leaves = [t.to(dtype).unsqueeze(0).clone().requires_grad_(True) for pair in zip(cache.keys, cache.values) for t in pair]
         past = cache_for(lm, cache, [(leaves[2 * l], leaves[2 * l + 1]) for l in range(L)])
         ids = torch.as_tensor(continuation)[None]
@@ -197,10 +227,12 @@ def _fisher_gradients(lm: Any, cache: Any, continuation: np.ndarray, samples: in
         logits = lm.model(input_ids=ids, past_key_values=past, position_ids=pos, use_cache=True).logits[0]
         p = torch.softmax(logits.detach().double(), -1)
         sp = p.sqrt()
-        for s in range(samples):
+    for s in range(samples):
+        with _grad_mode():
             u = sp * torch.randn(p.shape, generator=gen, dtype=torch.float64)
             z = u - p * u.sum(-1, keepdim=True)
-            yield list(torch.autograd.grad(logits, leaves, grad_outputs=z.to(logits.dtype), retain_graph=s < samples - 1))
+            grads = list(torch.autograd.grad(logits, leaves, grad_outputs=z.to(logits.dtype), retain_graph=s < samples - 1))
+        yield grads
 
 
 def measure_sensitivity(lm: Any, cache: Any, continuation: np.ndarray, sink: int = DEFAULT_SINK,
@@ -212,7 +244,7 @@ def measure_sensitivity(lm: Any, cache: Any, continuation: np.ndarray, sink: int
     each sample (progress). The calibration weighs each coefficient instead (:func:`coefficient_sensitivity`);
     this is the law's isotropic form, which the tests check against noise actually added.
     """
-    acc = np.zeros((cache.num_layers, 2))
+    acc = np.zeros((cache.num_layers, 2))  # numpy: no autograd mode to match
     for s, grads in enumerate(_fisher_gradients(lm, cache, continuation, samples, seed)):
         for i, g in enumerate(grads):
             acc[i // 2, i % 2] += float((g[0, :, sink:].double() ** 2).sum())
@@ -234,14 +266,18 @@ def coefficient_sensitivity(lm: Any, cache: Any, continuation: np.ndarray, basis
     import torch
 
     L, _, H, _, K = basis.shape
-    b = torch.from_numpy(np.asarray(basis, np.float64))  # torch, not numpy: numpy's BLAS threads spin (rate.py)
-    acc = torch.zeros((L, 2, H, K), dtype=torch.float64)
+    # acc is created and updated in place in one mode, whatever the caller's (issue 59); on_sample, the caller's
+    # code, runs in the caller's mode
+    with _build_mode():
+        b = torch.from_numpy(np.asarray(basis, np.float64))  # torch, not numpy: numpy's BLAS threads spin (rate.py)
+        acc = torch.zeros((L, 2, H, K), dtype=torch.float64)
     for s, grads in enumerate(_fisher_gradients(lm, cache, continuation, samples, seed)):
-        for i, g in enumerate(grads):
-            l, ki = i // 2, i % 2
-            x = torch.from_numpy(_coded_frame(g[0].detach().float().numpy(), cache, l, "kv"[ki])).double()
-            x = x[:, max(0, sink - cache.layer_offset(l)):]
-            acc[l, ki] += (x @ b[l, ki]).square().sum(dim=1)
+        with _build_mode():
+            for i, g in enumerate(grads):
+                l, ki = i // 2, i % 2
+                x = torch.from_numpy(_coded_frame(g[0].detach().float().numpy(), cache, l, "kv"[ki])).double()
+                x = x[:, max(0, sink - cache.layer_offset(l)):]
+                acc[l, ki] += (x @ b[l, ki]).square().sum(dim=1)
         if on_sample is not None:
             on_sample(s)
     return 0.5 * acc.numpy() / (samples * len(np.asarray(continuation).reshape(-1)))
@@ -263,6 +299,26 @@ def _layer_progress(lm: Any, step: Any) -> Iterator[None]:
             h.remove()
 
 
+def calibration_context(lm: Any, context: int = CALIB_CONTEXT) -> int:
+    """The context (tokens per calibration text) ``lm`` is calibrated at: ``context``, or less where its window
+    cannot hold it and the continuation. A model that cannot be calibrated at all (its window too short for
+    :data:`MIN_CONTEXT`, its decoder layers or attention where kvcodec cannot find them) is one
+    :class:`KvcInputError` line, before any forward pass."""
+    from kvcodec.models.capture import max_context
+
+    for i in range(len(_decoder_layers(lm))):
+        _self_attn(lm, i)
+    window = max_context(lm)
+    if window is not None and window - SENS_CONTINUATION < context:
+        if window - SENS_CONTINUATION < MIN_CONTEXT:
+            raise KvcInputError(f"cannot calibrate {lm.name}: its context window of {window} tokens is shorter than the "
+                                f"{MIN_CONTEXT + SENS_CONTINUATION} a calibration reads ({MIN_CONTEXT} of context and "
+                                f"{SENS_CONTINUATION} of continuation); the lossless and fp16 presets need none")
+        context = window - SENS_CONTINUATION  # past its window a model's K/V and logits mean nothing
+    return context
+
+
+@_build_mode()  # whatever the caller's autograd mode (kvc calibrate, or ask under inference_mode): issue 59
 def build_calibration(lm: Any, texts: tuple[str, ...] = CALIB_TEXTS, context: int = CALIB_CONTEXT,
                       sink: int = DEFAULT_SINK, progress: bool = True, timings: dict[str, float] | None = None,
                       full_basis: bool = False) -> Calibration:
@@ -278,6 +334,11 @@ def build_calibration(lm: Any, texts: tuple[str, ...] = CALIB_TEXTS, context: in
     backward passes over its 128-token continuation (see benchmarks/bench_calibration.py for the
     measured split). The coefficient sensitivities average every corpus text: one text's estimate of
     which heads matter correlates only ~0.7 with another's (SmolLM2).
+
+    A model whose context window is shorter than ``context`` plus the continuation is calibrated on contexts
+    that fit it; one whose window cannot hold :data:`MIN_CONTEXT` tokens plus the continuation is refused in one
+    line, before any forward pass. The build writes nothing: an interrupted one leaves no file behind
+    (:func:`ensure_calibration` saves, atomically, only a finished one).
     """
     import sys
 
@@ -287,13 +348,15 @@ def build_calibration(lm: Any, texts: tuple[str, ...] = CALIB_TEXTS, context: in
     from kvcodec.texts import load_text
 
     t0 = time.time()
+    context = calibration_context(lm, context)
     ids_all = []
     for name in texts:
         txt = load_text(name)
         ids = tokenize(lm.tokenizer, txt)
         n = min(context, len(ids) - SENS_CONTINUATION)
-        if n < 256:
-            raise KvcInputError(f"calibration text {name} is too short")
+        if n < MIN_CONTEXT:
+            raise KvcInputError(f"calibration text {name} is too short ({len(ids)} tokens with this model's tokenizer, "
+                                f"the calibration needs {MIN_CONTEXT + SENS_CONTINUATION})")
         ids_all.append((ids[:n], ids[n : n + SENS_CONTINUATION]))
     # progress in token-passes: a prefill of n tokens costs n; the sensitivity's forward pass
     # costs ~1 and each backward pass ~2 continuation-lengths (measured, see bench_calibration.py)
@@ -348,17 +411,32 @@ def build_calibration(lm: Any, texts: tuple[str, ...] = CALIB_TEXTS, context: in
     return Calibration(basis, mean, eig, sens, meta)
 
 
-def ensure_calibration(lm: Any) -> Calibration:
+def ensure_calibration(lm: Any, progress: bool = True) -> Calibration:
     """``lm``'s calibration, built (with progress, minutes of forward passes) and saved the first time.
 
     The one place a calibration is built on demand. Entry points that encode with a model
-    (:func:`kvcodec.api.encode`, ``kvc ask``, the demo, the curve) call it once and pass the
+    (:func:`kvcodec.api.encode`, ``kvc ask``, the demo, the curve, the edits) call it once and pass the
     result down; the planner itself only loads one (:func:`kvcodec.calibration.store.require_calibration`).
+    Callable in any autograd mode (:func:`build_calibration`). A model that cannot be calibrated is one
+    :class:`KvcInputError` line that says so and names ``kvc calibrate``; only a finished build is saved
+    (atomically), so an interrupted or failed one leaves nothing a later run would load.
     """
+    import sys
+
     fid = lm.fingerprint.id
     cal = load_calibration(fid)
     if cal is None:
-        cal = build_calibration(lm)
-        save_calibration(cal, fid)
+        try:
+            calibration_context(lm)  # a model that cannot be calibrated: refused before announcing a build
+            if progress:  # one line that survives the progress bar (leave=False): what the minutes were spent on
+                print(f"kvc: {lm.name} has no calibration yet; building it once (the lossy presets need it; "
+                      f"kvc calibrate --model {lm.name} builds it ahead)", file=sys.stderr, flush=True)
+            cal = build_calibration(lm, progress=progress)
+        except KvcInputError as exc:
+            raise KvcInputError(f"{exc} (lossy presets need the model's calibration, built on first use or by "
+                                f"kvc calibrate --model {lm.name})") from None
+        path = save_calibration(cal, fid)
+        if progress:
+            print(f"kvc: calibration of {lm.name} saved: {path}", file=sys.stderr, flush=True)
     cal.check_for(lm.fingerprint)
     return cal

@@ -124,17 +124,22 @@ def _user_paths(fingerprint_id: str) -> list[Path]:
 
 
 def save_calibration(cal: Calibration, fingerprint_id: str) -> Path:
-    """Write the calibration into the user's cache (replacing one of an older version) and index its attachments."""
+    """Index the calibration's attachments, then write it into the user's cache (replacing one of an older version).
+
+    Why in that order: the file is what a later run loads (and then never rebuilds), so it is written last, in one
+    atomic step. A save interrupted before it leaves only index pointers to a calibration that is not there, which
+    resolve to nothing (:func:`_holder`) and are overwritten by the next build's; the other order could leave a
+    calibration whose attachments no index finds, so files encoded with it would not decode here.
+    """
     new, *older = _user_paths(fingerprint_id)
+    idx = calibration_root() / _INDEX
+    idx.mkdir(parents=True, exist_ok=True)
+    for name, arr in cal.attachments.items():  # the sha256 the file's metadata will record (write_calibration_file)
+        ptr = json.dumps({"fingerprint_id": fingerprint_id, "name": name}, sort_keys=True)
+        _atomic_write(idx / f"{array_sha256(arr)}.json", lambda tmp, ptr=ptr: tmp.write_text(ptr))
     path = write_calibration_file(cal, fingerprint_id, new)
     for old in older:
         old.unlink(missing_ok=True)
-    meta = cal.meta
-    idx = calibration_root() / _INDEX
-    idx.mkdir(parents=True, exist_ok=True)
-    for name in cal.attachments:
-        ptr = json.dumps({"fingerprint_id": fingerprint_id, "name": name}, sort_keys=True)
-        _atomic_write(idx / f"{meta['sha256.' + name]}.json", lambda tmp, ptr=ptr: tmp.write_text(ptr))
     _memo_clear()
     return path
 

@@ -66,7 +66,7 @@ from kvcodec.integrations.vllm.config import ConnectorConfig, LAYOUT, chunk_keys
 from kvcodec.integrations.vllm.config import _natural, fingerprint_from_dir, leading_run
 from kvcodec.integrations.hf import decode_device, device_scope
 from kvcodec.integrations.vllm.entries import (
-    ChunkUnreadable, block_table, decode_chunk_layers, encode_chunk, evict_unreadable, fetch_chunk, learn_gather_map,
+    ChunkUnreadable, block_table, check_save_calibration, decode_chunk_layers, encode_chunk, evict_unreadable, fetch_chunk, learn_gather_map,
     next_layer, paged_views, usable_run, write_paged_layer,
 )
 
@@ -192,6 +192,8 @@ class KvcodecConnector(KVConnectorBase_V1):
             raise KvcInputError(f"kvcodec connector: model {model_dir!r} is not a local HF directory; the store "
                                 "key needs the model fingerprint computed from its files")
         self.fingerprint = _model_fingerprint(model_dir)
+        if self.cfg.save:  # a lossy preset without a calibration: refused here, not once per chunk (issue 59)
+            check_save_calibration(self.fingerprint, self.cfg.preset, model_dir)
         self.model_id = self.cfg.model_id or self.fingerprint.id
         self.codec = self.cfg.codec_id
         self.store = _open_store(self.cfg)

@@ -190,6 +190,25 @@ def check_entry(r: Any, fp: Any, ids: list[int], start: int, end: int) -> str | 
     return None
 
 
+def check_save_calibration(fp: Any, preset: str, model_dir: str) -> None:
+    """Refuse (one line, at start-up) saving with a lossy ``preset`` for a model that has no calibration here.
+
+    Why refuse, not build: a calibration is built with the model's HF forward and backward passes (minutes of
+    CPU, the model loaded a second time beside vLLM's), which a serving worker must not start on its own; and
+    without one every chunk's save failed later, one log warning per chunk (issue 59). ``kvc calibrate`` builds
+    it once, ahead, from the same directory vLLM serves. Loads only (``save: false``) need none of this.
+    """
+    from kvcodec.calibration.store import load_calibration
+    from kvcodec.plan.presets import preset_info
+
+    info = preset_info(preset)
+    if not info.lossy or info.settings.get("basis", "pca") != "pca" or load_calibration(fp.id) is not None:
+        return
+    raise KvcInputError(f"kvcodec connector: preset {preset!r} needs the model's calibration, which this machine "
+                        f"does not have; build it once: kvc calibrate --model {model_dir} (or save with a lossless "
+                        "preset, or set save to false)")
+
+
 def encode_chunk(fp: Any, preset: str, ids: list[int], start: int, end: int, keys: list[torch.Tensor],
                  values: list[torch.Tensor]) -> bytes:
     """`.kvc` bytes of the K/V of tokens [start, end) of the prefix ``ids[:end]`` (a pruned-cache file)."""
