@@ -1,5 +1,12 @@
 """``redact``: remove token spans (a paragraph, every match of a regex such as an e-mail address) from a
-stored context, repairing what follows them without a full re-prefill.
+stored context.
+
+Two repairs (``repair=``). **``"prefill"``, the default**, prefills the kept token ids afresh: the child then
+depends on what was removed only through the removed tokens' count and positions, which its edit log records
+(spec/kvc-v1.md §4.5; tests/edit/test_redact_privacy.py checks it). That is the only repair that may be used to
+remove a secret. **``"blend"``** repairs the parent's cache without a full re-prefill, as below; it is faster,
+but the kept tokens after the first span that it does not recompute keep K/V computed attending to the removed
+tokens, so a holder of the child and the model can test guesses of what was removed (issue 55).
 
 Removing tokens from a cache is more than deleting rows: every later token was computed (1) at a position
 that is now wrong and (2) attending to the removed tokens. kvcodec repairs both the way CacheBlend repairs

@@ -25,9 +25,14 @@ def cap(tmp_path):
     return p
 
 
-def test_encode_a_sink_longer_than_the_context(cap, tmp_path, capsys):
+@pytest.mark.model
+def test_encode_a_sink_longer_than_the_context(small_cache, tmp_path, capsys):
+    """A real capture (the issue's case: balanced with the model wrote the whole context as its "sink" and
+    exited 0)."""
+    cap = tmp_path / "real.h5"
+    save_capture(small_cache, cap)
     out = tmp_path / "o.kvc"
-    code, _, err = run_kvc(["encode", str(cap), "-o", str(out), "--config", '{"preset": "near-lossless", "sink": 100000}'],
+    code, _, err = run_kvc(["encode", str(cap), "-o", str(out), "--config", '{"preset": "balanced", "sink": 100000}'],
                            capsys)
     assert code == 2 and "sink (100000)" in _one_line(code, err) and not out.exists()
 

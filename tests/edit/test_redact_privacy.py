@@ -65,7 +65,7 @@ def _allowed(header: dict[str, Any]) -> tuple[dict[str, Any], Any]:
     """The header with the allowed fields taken out, and those fields."""
     h = json.loads(json.dumps(header))
     params = h["meta"]["edits"][-1]["params"]
-    allowed = {k: params.pop(k) for k in ("token_spans", "removed_tokens")}
+    allowed = {k: params.pop(k, None) for k in ("token_spans", "removed_tokens")}
     allowed["parent_mac"] = h["meta"]["edits"][-1].pop("parent_mac", None)
     return h, allowed
 
@@ -75,7 +75,7 @@ def _record(res: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     d.pop("timings")
     d.pop("parent_mac", None)
     d.pop("output", None)
-    allowed = {"token_spans": d["params"].pop("token_spans"), "removed_tokens": d["params"].pop("removed_tokens"),
+    allowed = {"token_spans": d["params"].pop("token_spans"), "removed_tokens": d["params"].pop("removed_tokens", None),
                "spans": d.pop("spans"), "info_removed": d.pop("removed_tokens"), "size": d.pop("size")}
     return d, allowed
 
