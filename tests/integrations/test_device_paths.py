@@ -211,10 +211,11 @@ def test_connector_decodes_a_chunk_entry_into_the_paged_blocks(start, device_dec
 @pytest.mark.parametrize("start,hnd", [(0, False), (12, True)])
 def test_connector_fused_kernel_writes_the_blocks(start, hnd, device_decode, gpu_dev):  # noqa: F811
     """The lossy presets' chain: the fused kernel decodes each chunk into the blocks (a chunk before ``start``
-    is skipped, one straddling it stored from its first wanted token); both stride orders."""
-    ids = list(range(7, 7 + 40))
-    data = _chain_entry(ids, 0, 40)
-    assert check_connector(data, ids, 0, 40, start, gpu_dev, hnd=hnd) == 2
+    is skipped, one straddling it stored from its first wanted token, one whole after it); both stride orders.
+    Three 8-token chunks: each chunk is a kernel launch, and the Triton interpreter runs a launch in seconds."""
+    ids = list(range(7, 7 + 24))
+    data = _chain_entry(ids, 0, 24)
+    assert check_connector(data, ids, 0, 24, start, gpu_dev, hnd=hnd) == 2
 
 
 def test_the_connector_check_fails_on_a_hostround_trip(device_decode, gpu_dev, monkeypatch):  # noqa: F811
