@@ -22,6 +22,11 @@ Backends and attack classes (one phase each, after a no-attack baseline; the att
   ``keylists`` /v1/contains of 600 keys (~58 KB: parsed on the event loop, probed in store threads, no worker);
   ``slowloris`` 200 connections sending their request head a byte at a time; ``stalled`` bodies that
   stop after 10 bytes; ``junk`` unauthenticated requests: malformed HTTP and bad tokens, as fast as it can;
+  ``editregex`` (issue 55) redact edits of the attacker's own entry (the text ``a`` x 400 then ``!``) with the
+  catastrophic pattern ``(a|aa)+$``, which ran for ever and froze the service before the pattern bound; with
+  this class the service runs with ``--model smollm2`` and one honest engine, in every phase (the baseline
+  too), also edits every 2 s: a redact of tokens [2, 4) of a real 96-token entry of its tenant, reported apart
+  (``edit_p99_ms``; the model is loaded, and one edit made, before the baseline);
 * ``cluster`` -- the Redis Cluster tier (3 masters), and ``s3`` -- the S3 tier (moto): ``oversized`` the
   attacker, who can write the shared tier, replaces half of the honest entries with 32 MiB values (intact
   envelopes of another key, so readers keep them); the engines run with ``max_bytes=8M`` (their entries
@@ -64,7 +69,11 @@ ROOT = Path(__file__).resolve().parents[1]
 TOK_HONEST = "bench-attack-honest-0001"
 TOK_MALLORY = "bench-attack-mallory-01"
 STORE_KEY = "5a" * 32
-KDN_CLASSES = ("amplify", "costly", "chunked", "deep", "lookups", "keylists", "slowloris", "stalled", "junk")
+KDN_CLASSES = ("amplify", "costly", "chunked", "deep", "lookups", "keylists", "slowloris", "stalled", "junk", "editregex")
+EDIT_CLASSES = ("editregex",)  # classes that need the service's model, and honest engines that edit
+EDIT_MODEL = "smollm2"
+EVIL_PATTERN = "(a|aa)+$"
+EDIT_EVERY_S = 2.0  # engine 0's honest edits: one every 2 s (the service runs one model edit at a time)
 REMOTE_CLASSES = ("oversized", "forged")
 BIG = 32 << 20
 ATTACKER_ADDR = "127.0.0.2"  # the stranger's own address (any of 127/8 is this machine)
@@ -146,8 +155,23 @@ def _entries(n_docs: int, tokens: int) -> list[tuple[Any, bytes]]:
     return [honest_entry(10_000 * (i + 1), tokens, "honest") for i in range(n_docs)]
 
 
-def engine(url: str, n_docs: int, tokens: int, think_s: float, seed: int, cmds: Any, results: Any) -> None:
-    """One honest engine: runs phases on command, returns each phase's latencies, errors and misses."""
+def _post_edit(port: int, token: str, key: str, body: dict[str, Any], timeout: float = 120) -> tuple[int, bytes]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/entries/{key}/edit", data=json.dumps(body).encode(),
+                                 method="POST", headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def engine(url: str, n_docs: int, tokens: int, think_s: float, seed: int, cmds: Any, results: Any,
+           edit: dict[str, Any] | None = None) -> None:
+    """One honest engine: runs phases on command, returns each phase's latencies, errors and misses.
+    ``edit`` ({"port", "key"}): engine 0 also edits that entry every EDIT_EVERY_S seconds (the editregex class)."""
     os.environ["KVC_STORE_KEY"] = STORE_KEY
     from kvcodec.store import Store, StoreKey
     from kvcodec.store.keys import prefix_keys
@@ -164,10 +188,25 @@ def engine(url: str, n_docs: int, tokens: int, think_s: float, seed: int, cmds: 
         phase, seconds, can_put = cmd
         lat: list[float] = []
         put_lat: list[float] = []
+        edit_lat: list[float] = []
         errors: list[str] = []
         misses = 0
         end = time.monotonic() + seconds
+        next_edit = time.monotonic() + rng.uniform(0, EDIT_EVERY_S)
         while time.monotonic() < end:
+            if edit is not None and seed == 0 and time.monotonic() >= next_edit:
+                next_edit = time.monotonic() + EDIT_EVERY_S
+                t0 = time.perf_counter()
+                try:
+                    status, body = _post_edit(edit["port"], TOK_HONEST, edit["key"],
+                                              {"op": "redact", "params": {"token_spans": [[2, 4]]}})
+                    if status != 201:
+                        errors.append(f"edit: {status} {body[:120]!r}")
+                except Exception as e:  # noqa: BLE001 - every failure is an honest error, reported
+                    errors.append(f"edit {type(e).__name__}: {str(e)[:200]}")
+                edit_lat.append(time.perf_counter() - t0)
+                time.sleep(think_s)
+                continue
             i = rng.randrange(n_docs)
             key, data = docs[i]
             is_put = can_put and rng.random() < 0.1
@@ -195,7 +234,8 @@ def engine(url: str, n_docs: int, tokens: int, think_s: float, seed: int, cmds: 
             time.sleep(think_s)
         import resource
 
-        results.put({"phase": phase, "lat": lat + put_lat, "read_lat": lat, "put_lat": put_lat, "errors": errors, "misses": misses,
+        results.put({"phase": phase, "lat": lat + put_lat, "read_lat": lat, "put_lat": put_lat, "edit_lat": edit_lat,
+                     "errors": errors, "misses": misses,
                      "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss})
 
 
@@ -219,13 +259,15 @@ class Tally:
             self.status[str(what)] = self.status.get(str(what), 0) + 1
 
 
-def _kdn_attack(kind: str, port: int, seconds: float, threads: int, ready: Callable[[], None]) -> dict[str, Any]:
+def _kdn_attack(kind: str, port: int, seconds: float, threads: int, ready: Callable[[], None],
+                evil: dict[str, Any] | None = None) -> dict[str, Any]:
     from kvcodec.store import StoreKey
     from kvcodec.testing.attacks import (
         amplification_entry, chunked, costly_entry, deep_json, raw_request, request_head, slow_head,
     )
 
     tally = Tally()
+    edit_s: list[float] = []  # editregex: seconds from the edit's request to its answer
     amp = amplification_entry(7, 500, "mallory")
     costly = [costly_entry(100 + i, 64, "mallory") for i in range(8)] if kind == "costly" else []
     big_json = b'{"keys": ["' + b"x" * (32 << 20) + b'"]}' if kind == "chunked" else b""
@@ -273,6 +315,20 @@ def _kdn_attack(kind: str, port: int, seconds: float, threads: int, ready: Calla
             else:
                 tally.add(raw_request(port, request_head("GET", "/v1/whoami", f"not-a-token-{i}"), timeout=10,
                                       source=ATTACKER_ADDR)[0])
+        elif kind == "editregex":
+            assert evil is not None
+            t0 = time.monotonic()
+            status, body = _post_edit(port, TOK_MALLORY, evil["key"],
+                                      {"op": "redact", "params": {"pattern": EVIL_PATTERN}}, timeout=120)
+            took = time.monotonic() - t0
+            with tally.lock:
+                edit_s.append(took)
+            msg = ""
+            try:
+                msg = json.loads(body).get("error", "")
+            except ValueError:
+                pass
+            tally.add(f"{status} {'bound' if 'did not finish within' in msg else msg[:60]}")
         elif kind == "slowloris":
             held = slow_head(port, interval=0.5, limit_s=max(0.5, end - time.monotonic()), source=ATTACKER_ADDR)
             tally.add(f"held {int(held)} s")
@@ -292,7 +348,10 @@ def _kdn_attack(kind: str, port: int, seconds: float, threads: int, ready: Calla
         t.start()
     for t in ts:
         t.join(seconds + 90)
-    return {"requests": tally.n, "answers": dict(sorted(tally.status.items()))}
+    out: dict[str, Any] = {"requests": tally.n, "answers": dict(sorted(tally.status.items()))}
+    if edit_s:
+        out["edit_answer_s"] = {"min": round(min(edit_s), 2), "max": round(max(edit_s), 2)}
+    return out
 
 
 def _remote_attack(kind: str, url: str, seconds: float, raw: Any, ready: Callable[[], None]) -> dict[str, Any]:
@@ -339,7 +398,7 @@ def attacker_main(kind: str, target: dict[str, Any], seconds: float, threads: in
         out.put("ready")
 
     if target["kind"] == "kdn":
-        res = _kdn_attack(kind, target["port"], seconds, threads, ready)
+        res = _kdn_attack(kind, target["port"], seconds, threads, ready, target.get("evil"))
     else:
         res = _remote_attack(kind, target["url"], seconds, _raw_access(target), ready)
     res["cpu_s"] = round(used() - start[0], 2)  # the attacker's own CPU during the attack: it shares the cores
@@ -391,16 +450,18 @@ class Backend:
 class KdnBackend(Backend):
     kind = "kdn"
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, model: str | None = None) -> None:
         from kvcodec.testing.servers import free_port, subprocess_env, wait_port
 
         self.port = free_port()
+        self.evil: dict[str, Any] | None = None
         tokens = tmp / "tokens.json"
         tokens.write_text(json.dumps({"tokens": [{"token": TOK_HONEST, "tenant": "honest"},
                                                  {"token": TOK_MALLORY, "tenant": "mallory"}]}))
         self.log = open(tmp / "serve.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen([sys.executable, "-m", "kvcodec", "serve", "--store", str(tmp / "kdn-store"),
-                                      "--port", str(self.port), "--tokens", str(tokens)],
+                                      "--port", str(self.port), "--tokens", str(tokens),
+                                      *(["--model", model] if model else [])],
                                      env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=self.log)
         wait_port(self.port, timeout=120, proc=self.proc)
         time.sleep(1.0)  # the worker processes start after the port opens
@@ -412,7 +473,41 @@ class KdnBackend(Backend):
         return [self.proc.pid]
 
     def target(self) -> dict[str, Any]:
-        return {"kind": "kdn", "port": self.port}
+        return {"kind": "kdn", "port": self.port, "evil": self.evil}
+
+    def edit_entries(self, model: str) -> dict[str, Any]:
+        """Put the editregex class's entries: each honest tenant's real 96-token entry to edit, and the
+        attacker's own entry of ``a`` x 400 then ``!`` (its catastrophic pattern's text). Returns the honest
+        engines' edit target."""
+        from kvcodec.api import encode
+        from kvcodec.models.capture import capture, tokenize
+        from kvcodec.models.load import load_model
+        import urllib.request
+
+        from kvcodec.store import StoreKey
+        from kvcodec.store.keys import codec_key
+        from kvcodec.texts import load_text
+
+        lm = load_model(model)
+        out = {}
+        for who, token, text, ns in (("honest", TOK_HONEST, None, "honest"), ("evil", TOK_MALLORY, "a" * 400 + "!", "mallory")):
+            ids = tokenize(lm.tokenizer, text) if text is not None else tokenize(lm.tokenizer, load_text("apache2"))[:96]
+            data = encode(capture(lm, token_ids=ids), None, preset="lossless").data
+            key = StoreKey.for_tokens(ids, model=lm.fingerprint.id, codec=codec_key("lossless"), namespace=ns)
+            # a PUT with the key in clear (as curl would send it): an edit names the entry by its logical key
+            req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/entries/{key.to_str()}", data=data,
+                                         method="PUT", headers={"Authorization": f"Bearer {token}"})
+            with urllib.request.urlopen(req, timeout=60) as r:
+                if r.status not in (200, 201):
+                    raise SystemExit(f"could not store the {who} entry to edit: HTTP {r.status}")
+            out[who] = {"port": self.port, "key": key.to_str()}
+        # the service loads the model on its first edit: that happens here, not in the baseline phase
+        status, body = _post_edit(self.port, TOK_HONEST, out["honest"]["key"],
+                                  {"op": "redact", "params": {"token_spans": [[2, 4]]}}, timeout=600)
+        if status != 201:
+            raise SystemExit(f"the warm-up edit failed: HTTP {status} {body[:200]!r}")
+        self.evil = out["evil"]
+        return out["honest"]
 
     def stop(self) -> None:
         from kvcodec.testing.servers import stop_process
@@ -475,11 +570,14 @@ class S3Backend(Backend):
 def run_backend(kind: str, a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     (tmp / kind).mkdir(parents=True, exist_ok=True)
     entries = _entries(a.docs, a.doc_tokens)  # before any server starts: a failure here leaves none behind
-    be: Backend = {"kdn": KdnBackend, "cluster": ClusterBackend, "s3": S3Backend}[kind](tmp / kind)
+    edits = kind == "kdn" and any(c in a.classes for c in EDIT_CLASSES)
+    be: Backend = KdnBackend(tmp / kind, EDIT_MODEL if edits else None) if kind == "kdn" else \
+        {"cluster": ClusterBackend, "s3": S3Backend}[kind](tmp / kind)
     ctx = mp.get_context("spawn")
     out: dict[str, Any] = {"backend": kind, "engines": a.engines, "phases": []}
     try:
         be.restore(entries)
+        edit_target = be.edit_entries(EDIT_MODEL) if edits and isinstance(be, KdnBackend) else None
         phases: list[tuple[str, str | None]] = [("baseline", None)]
         if kind == "kdn":
             phases += [(c, c) for c in KDN_CLASSES if c in a.classes]
@@ -495,8 +593,8 @@ def run_backend(kind: str, a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             cmds, procs = [], []
             for e in range(a.engines):
                 q = ctx.Queue()
-                p = ctx.Process(target=engine, args=(be.url(cap), a.docs, a.doc_tokens, a.think_ms / 1000, e, q, res),
-                                daemon=True)
+                p = ctx.Process(target=engine, args=(be.url(cap), a.docs, a.doc_tokens, a.think_ms / 1000, e, q, res,
+                                                     edit_target), daemon=True)
                 p.start()
                 cmds.append(q)
                 procs.append(p)
@@ -536,6 +634,7 @@ def run_backend(kind: str, a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             lat = [x for r in rows for x in r["lat"]]
             reads = [x for r in rows for x in r["read_lat"]]
             puts = [x for r in rows for x in r["put_lat"]]
+            edit_lat = [x for r in rows for x in r["edit_lat"]]
             errs = [e for r in rows for e in r["errors"]]
             row = {
                 "phase": phase, "attack": attack, "max_bytes": cap, "requests": len(lat),
@@ -545,6 +644,7 @@ def run_backend(kind: str, a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 # the same requests split by kind: where a tail comes from (a read is a lookup + a get)
                 "read_p99_ms": round(1000 * pct(reads, 0.99), 2) if reads else None,
                 "put_p99_ms": round(1000 * pct(puts, 0.99), 2) if puts else None, "puts": len(puts),
+                "edit_p99_ms": round(1000 * pct(edit_lat, 0.99), 2) if edit_lat else None, "edits": len(edit_lat),
                 "errors": len(errs), "error_examples": sorted(set(errs))[:3], "misses": sum(r["misses"] for r in rows),
                 "server_peak_rss_mb": round(srv_rss.peak_kb / 1024, 1),
                 "engines_peak_rss_mb": round(eng_rss.peak_kb / 1024, 1),
@@ -568,6 +668,9 @@ def run_backend(kind: str, a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         ref = base.get("baseline-default" if r["phase"].endswith("-default") else "baseline")
         if ref and r["p99_ms"] and ref["p99_ms"]:
             r["p99_vs_baseline"] = round(r["p99_ms"] / ref["p99_ms"], 2)
+        for k in ("read_p99_ms", "edit_p99_ms"):
+            if ref and r.get(k) and ref.get(k):
+                r[k.replace("_ms", "_vs_baseline")] = round(r[k] / ref[k], 2)
     return out
 
 
@@ -575,7 +678,7 @@ def render_row(kind: str, r: dict[str, Any]) -> str:
     att = r["attacker"] or {}
     seen = att.get("answers") or ({"overwritten": att.get("overwritten")} if att else {})
     return (f"{kind:<8} {r['phase']:<13} n={r['requests']:<5} p50 {r['p50_ms']} ms  p99 {r['p99_ms']} ms "
-            f"(reads {r['read_p99_ms']}, puts {r['put_p99_ms']})  "
+            f"(reads {r['read_p99_ms']}, puts {r['put_p99_ms']}, edits {r.get('edit_p99_ms')} n={r.get('edits')})  "
             f"errors {r['errors']}  misses {r['misses']}  server RSS {r['server_peak_rss_mb']} MB  "
             f"engines RSS {r['engines_peak_rss_mb']} MB  server CPU {r['server_cpu_s']} s / {r['phase_wall_s']} s  "
             f"attacker CPU {att.get('cpu_s', '-')} s  attacker {att.get('requests', '')} {seen}")

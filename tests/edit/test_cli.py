@@ -39,8 +39,29 @@ def test_redact_then_append_through_the_cli(parent, tmp_path, capsys):
         assert np.array_equal(r.token_ids[:info["tokens"]], KvcReader(str(red)).token_ids)
 
 
+def test_redact_through_the_cli_names_its_parent_only_under_a_lineage_key(parent, tmp_path, capsys):
+    """Issue 55: --repair prefill is the default, the log keeps neither the pattern nor a plain parent digest,
+    and --lineage-key-file makes the parent checkable by whoever holds the key."""
+    from kvcodec.edit.log import file_sha256, lineage_mac
+
+    key = tmp_path / "lineage.key"
+    key.write_bytes(b"s" * 32)
+    red = tmp_path / "red.kvc"
+    rc, out, err = run_kvc(["edit", "redact", str(parent), "--pattern", EMAIL, "--lineage-key-file", str(key),
+                            "-o", str(red), "--json"], capsys)
+    assert rc == 0, err
+    info = json.loads(out)
+    assert info["repair"] == "prefill" and "parent_sha256" not in info and "pattern" not in info["params"]
+    with KvcReader(str(red)) as r:
+        rec = r.header.meta["edits"][-1]
+    assert rec["parent_mac"] == info["parent_mac"] == lineage_mac(b"s" * 32, file_sha256(parent.read_bytes()))
+    assert EMAIL not in red.read_bytes().decode("latin-1")
+
+
 @pytest.mark.parametrize("args, msg", [
     (["redact", "{p}", "--pattern", "(", "-o", "{o}"], "bad regular expression"),
+    (["redact", "{p}", "--tokens", "3:5", "--ratio", "0.1", "-o", "{o}"], "tune repair='blend'"),
+    (["redact", "{p}", "--pattern", "(a|aa)+$", "-o", "{o}"], ""),  # matches nothing, quickly or at its bound
     (["redact", "{p}", "--tokens", "3-9", "-o", "{o}"], "START:END"),
     (["redact", "{p}", "--tokens", "0:100000", "-o", "{o}"], "outside"),
     (["append", "{p}", "-o", "{o}"], "exactly one of --text"),

@@ -119,8 +119,6 @@ def test_a_catastrophic_pattern_is_refused_and_the_service_keeps_answering(lm, e
     import threading
     import time
 
-    from kvcodec.edit.spans import PATTERN_SECONDS
-
     ids, data = _aaa_entry(lm)
     bad_key = StoreKey.for_tokens(ids, model=lm.fingerprint.id, codec=codec_key("lossless"), namespace="a")
     assert service.put_raw(bad_key, data) in (200, 201)
@@ -155,6 +153,8 @@ def test_a_catastrophic_pattern_is_refused_and_the_service_keeps_answering(lm, e
     assert status == 400, out
     msg = json.loads(out)["error"]
     assert "did not finish within" in msg and "\n" not in msg
+    from kvcodec.edit.spans import PATTERN_SECONDS
+
     assert done["attack"] - t0 >= PATTERN_SECONDS  # it really ran to its bound (CPU-seconds: wall is longer) ...
     assert max(done["healthz"], done["read"]) < done["attack"]  # ... while the others were answered
 
