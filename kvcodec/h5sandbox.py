@@ -166,11 +166,12 @@ def child() -> None:  # pragma: no cover - runs in the sandbox process
     fd = int(sys.argv[1])
     try:
         f = h5py.File(os.fdopen(fd, "rb"), "r")
-        attrs = {k: _attr(f.attrs.get(k)) for k in ("format", "format_version", "fingerprint", "meta", "dtype")}
+        attrs = {k: _attr(f.attrs.get(k)) for k in ("format", "format_version", "fingerprint", "meta", "dtype",
+                                                     "attention_window")}
         sets: dict[str, Any] = {}
         layers = f.get("layers")
         n_layers = len(layers) if isinstance(layers, h5py.Group) else None
-        names = [("token_ids", "token_ids"), ("positions", "positions")]
+        names = [("token_ids", "token_ids"), ("positions", "positions"), ("attention_scores", "attention_scores")]
         names += [(f"layers.{i}.{k}", f"layers/{i}/{k}") for i in range(min(n_layers or 0, 4096)) for k in ("key", "value")]
         for name, h5name in names:
             obj = f.get(h5name)

@@ -16,17 +16,21 @@ from kvcodec.cli.options import emit_json, json_option, model_option
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Output .h5 or .safetensors.")
 @json_option
 def capture_command(model: str, text_path: str, max_tokens: int | None, output: str, as_json: bool) -> None:
-    """Run prefill on TEXT and write the raw KV cache (HDF5 or safetensors)."""
+    """Run prefill on TEXT and write the raw KV cache (HDF5 or safetensors).
+
+    The prefill also observes the token importance the lossy presets read (the attention of the context's last
+    queries) and the file keeps it, so `kvc encode` of this capture runs no forward pass over the context."""
     from kvcodec.atomic import check_output
     from kvcodec.models.capture import capture
     from kvcodec.core.kvcache import save_capture
     from kvcodec.models.load import load_model
+    from kvcodec.plan.presets import DEFAULT_LOSSY, score_window
     from kvcodec.texts import load_text
 
     check_output(output, inputs=[text_path, model])
     text = load_text(text_path)
     lm = load_model(model)
-    cache = capture(lm, text=text, max_tokens=max_tokens)
+    cache = capture(lm, text=text, max_tokens=max_tokens, score_window=score_window(DEFAULT_LOSSY))
     save_capture(cache, output)
     info = {
         "output": output,
@@ -40,6 +44,7 @@ def capture_command(model: str, text_path: str, max_tokens: int | None, output: 
         "dtype": str(cache.dtype).removeprefix("torch."),
         "kv_elements": cache.num_elements,
         "fp16_bytes": cache.nbytes_fp16,
+        "attention_window": None if cache.attention is None else cache.attention.window,
     }
     if as_json:
         emit_json(info)

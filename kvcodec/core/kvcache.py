@@ -66,8 +66,9 @@ class KVCache:
     fingerprint: ModelFingerprint
     positions: np.ndarray | None = None
     meta: dict[str, Any] = field(default_factory=dict)
-    # token importance observed at capture (AttentionScores); not stored in any file, dropped by every
-    # derived cache whose tokens differ (prefix, pruning); an unpruned cache's only
+    # token importance observed at capture (AttentionScores); kept by the raw capture files (HDF5, safetensors:
+    # `kvc capture` then `kvc encode` is one forward pass), never by a .kvc; dropped by every derived cache whose
+    # tokens differ (prefix, pruning); an unpruned cache's only
     attention: AttentionScores | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -199,11 +200,36 @@ def save_h5(cache: KVCache, path: str | os.PathLike) -> None:
         f.create_dataset("token_ids", data=cache.token_ids.astype(np.int32))
         if cache.positions is not None:
             f.create_dataset("positions", data=np.asarray(cache.positions, dtype=np.int64))
+        if cache.attention is not None:
+            f.attrs["attention_window"] = _window_code(cache.attention.window)
+            f.create_dataset("attention_scores", data=np.asarray(cache.attention.scores, dtype=np.float64))
         grp = f.create_group("layers")
         for i, (k, v) in enumerate(zip(cache.keys, cache.values)):
             g = grp.create_group(str(i))
             g.create_dataset("key", data=_to_numpy(k))
             g.create_dataset("value", data=_to_numpy(v))
+
+
+def _window_code(window: int | None) -> int:
+    """A capture file's ``attention_window``: the observed window, 0 for every query (None)."""
+    return 0 if window is None else int(window)
+
+
+def _attention_from(path: Path, window: Any, scores: np.ndarray | None) -> AttentionScores | None:
+    """The token importance a capture file carries (optional: files before it, and pruned caches, have none).
+
+    It only steers where the encoder spends bits, but a file is untrusted: anything but finite, non-negative
+    float scores with a window code that is a non-negative integer is refused in one line."""
+    if scores is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or not 0 <= int(window) < 1 << 31:
+        raise KvcFormatError(f"{path}: attention scores without a valid attention_window ({window!r:.40})")
+    if scores.dtype.kind != "f":
+        raise KvcFormatError(f"{path}: attention scores must be floats, got {scores.dtype}")
+    scores = np.asarray(scores, dtype=np.float64)
+    if not np.isfinite(scores).all() or (scores < 0).any():
+        raise KvcFormatError(f"{path}: attention scores must be finite and non-negative")
+    return AttentionScores(int(window) or None, scores)
 
 
 def _to_numpy(x: torch.Tensor) -> np.ndarray:
@@ -283,6 +309,10 @@ def _check_layout(path: Path, fp: ModelFingerprint, dtype_name: str, shapes: dic
                 raise KvcFormatError(f"{path}: layer {i} {kind} has shape {tuple(got)}, expected {want}")
     if T <= 0:
         raise KvcFormatError(f"{path}: cache holds no tokens")
+    att = shapes.get("attention_scores")
+    if att is not None and (pos is not None or tuple(att) != (fp.num_layers, n_ctx)):
+        raise KvcFormatError(f"{path}: attention scores have shape {tuple(att)}, expected ({fp.num_layers}, {n_ctx}) "
+                             "on an unpruned capture")
     if pos is not None and tuple(pos) not in ((T,), (fp.num_layers, fp.num_kv_heads, T)):
         raise KvcFormatError(f"{path}: positions have shape {tuple(pos)}, expected ({T},) or "
                              f"({fp.num_layers}, {fp.num_kv_heads}, {T})")
@@ -301,7 +331,8 @@ def _check_not_sparse(path: Path, declared: int, stored: int, what: str) -> None
                              f"(a sparse or bomb-like capture; at most {SPARSE_RATIO}x is accepted)")
 
 
-def _cache_from(layout: _Layout, arrays: dict[str, np.ndarray], meta: Any, path: Path) -> KVCache:
+def _cache_from(layout: _Layout, arrays: dict[str, np.ndarray], meta: Any, path: Path,
+                attention_window: Any = None) -> KVCache:
     if not isinstance(meta, dict):
         raise KvcFormatError(f"{path}: meta must be a JSON object")
     ids = arrays["token_ids"]
@@ -313,7 +344,14 @@ def _cache_from(layout: _Layout, arrays: dict[str, np.ndarray], meta: Any, path:
     fp = layout.fingerprint
     keys = [_from_numpy(arrays[f"layers.{i}.key"], layout.dtype_name) for i in range(fp.num_layers)]
     values = [_from_numpy(arrays[f"layers.{i}.value"], layout.dtype_name) for i in range(fp.num_layers)]
-    return KVCache(keys, values, ids, fp, pos, meta)
+    cache = KVCache(keys, values, ids, fp, pos, meta)
+    cache.attention = _attention_from(path, attention_window, arrays.get("attention_scores"))
+    if cache.attention is not None:
+        try:
+            cache.validate()
+        except KvcFormatError as exc:
+            raise KvcFormatError(f"{path}: {exc}") from None
+    return cache
 
 
 def load_h5(path: str | os.PathLike, max_decoded_bytes: int | None = None) -> KVCache:
@@ -360,7 +398,7 @@ def load_h5(path: str | os.PathLike, max_decoded_bytes: int | None = None) -> KV
             declared = int(np.prod(shapes[name], dtype=object)) * dtypes[name].itemsize
             _check_not_sparse(path, declared, int(d.get("storage", 0)), f"dataset {name!r}")
         arrays = h5.fetch({name: (dtypes[name], shapes[name]) for name in sets})
-    return _cache_from(layout, arrays, meta, path)
+    return _cache_from(layout, arrays, meta, path, attrs.get("attention_window"))
 
 
 # -- safetensors -----------------------------------------------------------
@@ -376,6 +414,9 @@ def save_safetensors(cache: KVCache, path: str | os.PathLike) -> None:
         tensors[f"layers.{i}.key"] = k.contiguous()
         tensors[f"layers.{i}.value"] = v.contiguous()
     meta = {"format": H5_FORMAT, "fingerprint": json.dumps(cache.fingerprint.to_json()), "meta": json.dumps(cache.meta)}
+    if cache.attention is not None:
+        tensors["attention_scores"] = torch.from_numpy(np.asarray(cache.attention.scores, dtype=np.float64))
+        meta["attention_window"] = str(_window_code(cache.attention.window))
     with atomic_path(path) as tmp:
         try:
             save_file(tensors, str(tmp), metadata=meta)
@@ -384,7 +425,7 @@ def save_safetensors(cache: KVCache, path: str | os.PathLike) -> None:
 
 
 _ST_DTYPES = {"F16": ("float16", 2), "F32": ("float32", 4), "BF16": ("bfloat16", 2), "I32": ("int32", 4),
-              "I64": ("int64", 8), "U16": ("uint16", 2)}
+              "I64": ("int64", 8), "U16": ("uint16", 2), "F64": ("float64", 8)}
 _ST_MAX_HEADER = 100 << 20  # the safetensors format's own header limit
 
 
@@ -455,8 +496,11 @@ def load_safetensors(path: str | os.PathLike, max_decoded_bytes: int | None = No
     arrays: dict[str, np.ndarray] = {}
     for name, t in tensors.items():
         arrays[name] = t.view(torch.uint16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+    window = md.get("attention_window")
+    if "attention_scores" in arrays:
+        window = int(window) if isinstance(window, str) and window.isdigit() and len(window) <= 10 else window
     try:
-        return _cache_from(layout, arrays, meta, path)
+        return _cache_from(layout, arrays, meta, path, window)
     except KvcError:
         raise
     except (KeyError, ValueError, TypeError) as exc:

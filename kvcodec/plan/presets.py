@@ -34,10 +34,13 @@ from kvcodec.errors import KvcInputError
 from kvcodec.core.stage import Plan
 from kvcodec.plan.targets import NEAR_TIE, QualityTarget
 
-__all__ = ["PRESETS", "BASELINE_PREFIX", "Plan", "PresetInfo", "available_presets", "check_overrides", "score_window",
+__all__ = ["PRESETS", "BASELINE_PREFIX", "DEFAULT_LOSSY", "Plan", "PresetInfo", "available_presets", "check_overrides", "score_window",
            "get_plan", "parse_config", "preset_info"]
 
 BASELINE_PREFIX = "baseline:"
+# the lossy preset a caller gets when it names none (kvcodec.encode, kvc ask, the KDN): what a capture made
+# before its preset is known (kvc capture) observes the token importance for
+DEFAULT_LOSSY = "balanced"
 _LOSSY_KEYS = frozenset({"step0", "sink", "group", "basis", "deadzone", "calibration", "tokenscale", "max_bits",
                          "rans_blocks"})
 _ZSTD_KEYS = frozenset({"level"})

@@ -137,3 +137,74 @@ def test_bad_inputs_give_one_line_errors(case, tmp_path, capsys, small_cache):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvc: error: "), err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("suffix", [".h5", ".safetensors"])
+@pytest.mark.parametrize("window", [16, None])
+def test_capture_file_keeps_the_observed_importance(lm, gpl3_ids, tmp_path, suffix, window):
+    """The token importance the capture's prefill observed rides in the file (issue 53: `kvc capture` then
+    `kvc encode` ran a second forward pass over the context to recompute it); a file without it loads as before."""
+    cache = capture(lm, token_ids=gpl3_ids[:48], score_window=window or 48)
+    if window is None:  # every query observed: the file's window code 0
+        cache.attention = type(cache.attention)(None, cache.attention.scores)
+    path = tmp_path / f"cap{suffix}"
+    save_capture(cache, path)
+    back = load_capture(path)
+    assert back.attention is not None and back.attention.window == window
+    assert np.array_equal(back.attention.scores, cache.attention.scores)
+    cache.attention = None
+    save_capture(cache, tmp_path / f"plain{suffix}")
+    assert load_capture(tmp_path / f"plain{suffix}").attention is None
+
+
+def test_capture_file_with_hostile_importance_is_one_line(lm, gpl3_ids, tmp_path):
+    """Scores of the wrong shape, negative or non-finite, of an integer dtype, or without a valid window code, are
+    refused in one line before a cache is built."""
+    cache = capture(lm, token_ids=gpl3_ids[:24], score_window=8)
+    good = tmp_path / "good.h5"
+    save_capture(cache, good)
+    cases = {
+        "shape": lambda f: (f.__delitem__("attention_scores"), f.create_dataset("attention_scores", data=np.ones((30, 23)))),
+        "negative": lambda f: f["attention_scores"].__setitem__((0, 0), -1.0),
+        "nan": lambda f: f["attention_scores"].__setitem__((1, 2), np.nan),
+        "integers": lambda f: (f.__delitem__("attention_scores"),
+                               f.create_dataset("attention_scores", data=np.ones((30, 24), np.uint16))),
+        "window": lambda f: f.attrs.__setitem__("attention_window", -3),
+        "no window": lambda f: f.attrs.__delitem__("attention_window"),
+    }
+    for name, mutate in cases.items():
+        bad = tmp_path / f"{name.replace(' ', '_')}.h5"
+        bad.write_bytes(good.read_bytes())
+        with h5py.File(bad, "r+") as f:
+            mutate(f)
+        with pytest.raises(KvcFormatError, match="attention"):
+            load_capture(bad)
+
+
+def test_cli_capture_then_encode_runs_one_forward_pass(tmp_path, capsys, monkeypatch):
+    """`kvc capture` observes the importance the default lossy preset reads, and `kvc encode` of its file plans with
+    it: the model never runs inside the encode, and the file is the one that recomputing the importance gives."""
+    import kvcodec.plan.importance as importance
+
+    text = tmp_path / "doc.txt"
+    text.write_text(Path("/usr/share/common-licenses/Apache-2.0").read_text())
+    cap = tmp_path / "c.h5"
+    code, stdout, err = run_cli(["capture", "--text", str(text), "--max-tokens", "600", "-o", str(cap), "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(stdout)["attention_window"] is not None
+
+    def no_forward(*a, **k):
+        raise AssertionError("the encode ran a forward pass over the context")
+
+    with monkeypatch.context() as m:
+        m.setattr(importance, "_tapped_scores", no_forward)
+        m.setattr(importance, "attention_importance", no_forward)
+        code, _, err = run_cli(["encode", str(cap), "-o", str(tmp_path / "a.kvc"), "--preset", "balanced", "-m", "smollm2"], capsys)
+        assert code == 0, err
+    plain = load_capture(cap)
+    plain.attention = None  # what a capture file without the scores gives: the encoder recomputes them
+    save_capture(plain, tmp_path / "plain.h5")
+    code, _, err = run_cli(["encode", str(tmp_path / "plain.h5"), "-o", str(tmp_path / "b.kvc"), "--preset", "balanced",
+                            "-m", "smollm2"], capsys)
+    assert code == 0, err
+    assert (tmp_path / "a.kvc").stat().st_size == pytest.approx((tmp_path / "b.kvc").stat().st_size, rel=0.01)
