@@ -21,8 +21,10 @@ while it is over its share. The other store threads and the event loop stay free
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable
 
 from aiohttp import web
@@ -31,11 +33,12 @@ from kvcodec.service.checks import HttpError
 
 INLINE_JSON = 64 << 10  # kvcodec.service.app.INLINE_JSON: this module imports nothing of app.py
 
-__all__ = ["EDIT_MAX_BODY", "EDIT_TIMEOUT", "MATCH_SLOTS", "add_edit_routes", "edit_entry"]
+__all__ = ["EDIT_MAX_BODY", "EDIT_TIMEOUT", "MATCH_NICE", "MATCH_SLOTS", "add_edit_routes", "edit_entry"]
 
 EDIT_TIMEOUT = 300.0  # seconds of model work for one edit (a redaction of a long context on a CPU)
 EDIT_MAX_BODY = INLINE_JSON  # bytes of an edit's JSON body: parsed on the event loop, so small
-MATCH_SLOTS = 2  # edits' span matchings running at once in the service (one per tenant)
+MATCH_SLOTS = 4  # edits' span matchings running at once in the service (one per tenant)
+MATCH_NICE = 10  # the niceness of the threads that run them (below the service's other threads)
 
 _models: dict[str, Any] = {}
 _models_lock = threading.Lock()
@@ -127,7 +130,50 @@ async def _match_work(svc: Any, request: web.Request, tenant: str, fn: Any, *arg
     def done() -> None:
         svc.match_sched.release(tenant)
 
-    return await svc._run(request, fn, *args, on_done=done)
+    def niced() -> tuple[Any, BaseException | None, float]:  # in the store thread: the match in a low-priority one
+        try:
+            result, used = _match_pool().submit(_timed, fn, *args).result()
+        except Exception as exc:  # a pattern refused at its bound burned it: charged all the same, below
+            return None, exc, float(getattr(exc, "kvc_cpu_s", 0.0))
+        return result, None, used
+
+    result, exc, used = await svc._run(request, niced, on_done=done)
+    svc.workers.cpu.charge(tenant, used)  # on the event loop, as every charge (the bucket is the loop's)
+    if exc is not None:
+        raise exc
+    return result
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _lower_priority() -> None:
+    """Raise this thread's niceness to :data:`MATCH_NICE` (Linux: niceness is per thread; raising it needs no
+    privilege). Why: a pattern is untrusted work that may burn its whole bound; at a low priority it takes the
+    CPU the service's other threads and the machine's other processes leave, so other tenants' reads and edits
+    keep their latency while it runs (issue 55, bench_kdn_attack.py's editregex class)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), MATCH_NICE)
+    except (AttributeError, OSError):  # not Linux, or not allowed: the bound and the pacing still hold
+        pass
+
+
+def _match_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(MATCH_SLOTS, thread_name_prefix="kvc-match", initializer=_lower_priority)
+        return _pool
+
+
+def _timed(fn: Any, *args: Any) -> tuple[Any, float]:
+    t0 = time.thread_time()
+    try:
+        return fn(*args), time.thread_time() - t0
+    except Exception as exc:
+        exc.kvc_cpu_s = time.thread_time() - t0  # type: ignore[attr-defined]
+        raise
 
 
 def add_edit_routes(svc: Any, router: web.UrlDispatcher, api: str) -> None:
