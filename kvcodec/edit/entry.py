@@ -110,7 +110,7 @@ def child_meta(parent: Parent, op: str, params: Mapping[str, Any], lineage_key: 
     plain digest of the parent, earlier records sealed): whatever else the parent's meta held was written
     about content that included what is being removed."""
     if op == "redact":
-        meta = {k: v for k, v in parent.meta.items() if k in _REDACT_KEEPS_META and isinstance(v, str)}
+        meta: dict[str, Any] = {k: v for k, v in parent.meta.items() if k in _REDACT_KEEPS_META and isinstance(v, str)}
         meta[EDITS_META_KEY] = redaction_log(parent.meta, parent.sha256, params, lineage_key)
         return meta
     meta = {k: v for k, v in parent.meta.items() if k not in _STALE_META}
