@@ -175,6 +175,9 @@ def redact(lm: Any, source: Any, *, pattern: str | None = None, text: str | None
         ids = parent.reader.token_ids
         if ids is None:
             raise KvcInputError("the entry stores only the hash of its token ids; redact needs the ids")
+        if parent.reader.header.attention_bias is not None:  # a prefill of the ids alone would drop the steering
+            raise KvcInputError("the entry is steered (it carries an attention bias); redact its unsteered parent, "
+                                "then steer the result")
         if parent.reader.header.pruned:
             raise KvcInputError("the entry is a pruned cache (its tokens are not all stored); edits need a full cache")
         ids = np.asarray(ids, np.int64)

@@ -175,3 +175,14 @@ def test_steer_refuses_a_pruned_entry(lm, entry):
     pruned = encode(cache, None, preset="lossless", prune="h2o:0.5", model=lm).data
     with pytest.raises(KvcInputError, match="pruned"):
         steer(lm, pruned, [(0, 0)], token_spans=[(3, 5)])
+
+
+def test_redact_refuses_a_steered_entry(lm, entry):
+    """A prefill of the ids alone would silently drop the steering (blend refuses it when it decodes)."""
+    from kvcodec.edit.redact import redact
+    from kvcodec.edit.steer import steer
+
+    _, data = entry(64)
+    steered = steer(lm, data, [(0, 0)], token_spans=[(3, 5)]).data
+    with pytest.raises(KvcInputError, match="steered"):
+        redact(lm, steered, token_spans=[(10, 12)])
