@@ -115,6 +115,11 @@ _CASES = [
     Case("encode", "bench_encode.py", "encode",
          "the encode path alone (rate-controlled plan + write + read-back): CPU-s and MB/s per core, both models",
          args=("--threads", "1"), quick={"models": "smollm2", "tokens": "512", "repeat": 2}),
+    Case("answers", "bench_answers.py", "compression",
+         "answers from the store vs in context: needle QA and RULER-style tasks in held-out texts, accuracy and identical "
+         "answers with 95 % intervals, bits per stored element, per preset (both models, 4K and 8K)",
+         args=("--per-family", "10"), quick={"models": "smollm2", "tokens": "1024", "per_family": 1, "presets": "balanced"},
+         in_all=False),
     Case("cli_encode", "bench_cli_encode.py", "encode",
          "`kvc capture` then `kvc encode`: the encode process's CPU-s against the capture's (one forward pass), and with the scores dropped",
          quick={"texts": "c-stdio", "tokens": "256"}),
