@@ -28,6 +28,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import rag_workload
+
 FAMILIES = ("needle", "multikey", "multivalue", "vartrack", "cwe")
 HELD_OUT_FRACTION = 0.4  # of the questions, by id (hash), never by position or family
 
@@ -39,16 +41,12 @@ _ASK = {
     "vartrack": "Answer from the documents above, with the variable names only, separated by commas. {q}",
     "cwe": "Answer from the list above, with the words only, separated by commas. {q}",
 }
-_SYL_A = ("Bren", "Quor", "Hal", "Tess", "Varn", "Okon", "Pet", "Mar", "Lind", "Skel", "Ardu", "Fen", "Gral", "Isk",
-          "Jov", "Kel", "Rud", "Sab", "Tor", "Ulm")
-_SYL_B = ("vik", "ath", "stead", "wick", "holt", "mere", "dale", "ova", "gard", "ton", "by", "rith", "sund", "lowe",
-          "berg", "ness", "ric", "mont")
-_THINGS = ("archive", "observatory", "ferry line", "seed vault", "harbour office", "glass works", "library", "mill",
-           "lighthouse", "weather station", "printing house", "orchard")
-_FIRST = ("Ilsa", "Tomas", "Maren", "Oskar", "Elvira", "Jonah", "Sunniva", "Aurel", "Petra", "Casimir", "Linnea",
-          "Bruno", "Agnes", "Viggo")
-_LAST = ("Drevanek", "Moltrup", "Haskaria", "Vendelbo", "Quistorp", "Ambrosek", "Tullberg", "Oxenhielm", "Rasmark",
-         "Falkenrud")
+# the invented names of bench_rag's planted facts, a few more syllables and names for more facts per context
+_SYL_A = rag_workload._SYL_A + ("Rud", "Sab", "Tor", "Ulm")
+_SYL_B = rag_workload._SYL_B + ("ric", "mont")
+_THINGS = rag_workload._THINGS
+_FIRST = rag_workload._FIRST + ("Agnes", "Viggo")
+_LAST = rag_workload._LAST + ("Rasmark", "Falkenrud")
 
 
 @dataclass(frozen=True)
