@@ -37,7 +37,8 @@ from kvcodec.core.stage import ChunkContext
 from kvcodec.errors import KvcInputError
 from kvcodec.models.layout import ALL_HEADS
 
-MIN_CONTEXT = 256  # tokens of context per calibration text, at least (fewer: too few samples for a PCA of head_dim 256)
+MIN_CONTEXT = 256  # tokens of context per calibration text, at least (the floor the builder has always had)
+
 
 def coded_tensor(cache: Any, layer: int, kind: str, tokens: np.ndarray | None = None) -> np.ndarray:
     """Keys as the plans code them: pre-RoPE, or as they are when the model's RoPE variant has no rope stage.
@@ -299,6 +300,12 @@ def _layer_progress(lm: Any, step: Any) -> Iterator[None]:
             h.remove()
 
 
+def _advance(bar: Any, n: float) -> None:
+    """``bar.update(n)``, never past its total: the per-layer fractions add up to a hair over it in floating point,
+    and tqdm then printed a TqdmWarning (with its source line) into the progress at the end of every build."""
+    bar.update(max(0.0, min(n, bar.total - bar.n)))
+
+
 def calibration_context(lm: Any, context: int = CALIB_CONTEXT) -> int:
     """The context (tokens per calibration text) ``lm`` is calibrated at: ``context``, or less where its window
     cannot hold it and the continuation. A model that cannot be calibrated at all (its window too short for
@@ -371,7 +378,7 @@ def build_calibration(lm: Any, texts: tuple[str, ...] = CALIB_TEXTS, context: in
         qm = None
         for i, (ctx, _) in enumerate(ids_all):
             t1 = time.time()
-            with _layer_progress(lm, lambda frac, n=len(ctx): bar.update(n * frac)):  # noqa: B008 (binds this text's length)
+            with _layer_progress(lm, lambda frac, n=len(ctx): _advance(bar, n * frac)):  # noqa: B008 (binds this text's length)
                 if i == 0:
                     with _QueryMoments(lm, sink) as qhook:
                         cache = capture(lm, token_ids=ctx)
@@ -393,9 +400,9 @@ def build_calibration(lm: Any, texts: tuple[str, ...] = CALIB_TEXTS, context: in
         t1 = time.time()
         csens = np.zeros(eig.shape)
         for cache, (_, cont) in zip(caches, ids_all):
-            with _layer_progress(lm, lambda frac: bar.update(SENS_CONTINUATION * frac)):  # the forward pass
+            with _layer_progress(lm, lambda frac: _advance(bar, SENS_CONTINUATION * frac)):  # the forward pass
                 csens += coefficient_sensitivity(lm, cache, cont, basis, sink,
-                                                 on_sample=lambda s: bar.update(2 * SENS_CONTINUATION)) / len(caches)
+                                                 on_sample=lambda s: _advance(bar, 2 * SENS_CONTINUATION)) / len(caches)
         basis, eig, sens = fisher_weighted(basis, eig, csens)
         basis = snap_basis(basis)  # the 8-bit grid the file stores (record.py: why it costs no quality)
         timings["sensitivity_s"] = time.time() - t1
