@@ -11,8 +11,9 @@ reader would give it, ``1 / (q + 1)``: the ratio ``a[q, k] (q + 1)`` removes the
 queries spread thinner). The ratios are averaged over those queries, every head and every layer; a
 sentence's score is the mean over its tokens. Queries of ``k``'s own sentence are left out in both readings
 (the second reading of a sentence attends to its first by copying, whatever it says), and so is the first
-token: it is the attention sink, which every model attends to whatever it says. The ``k`` sentences of
-highest score are the spans, returned in text order.
+token: it is the attention sink, which every model attends to whatever it says. Sentences holding the prompt's
+scaffolding (special tokens such as role markers, and the model's chat prefix where the context starts with it:
+:func:`template_tokens`) are never chosen. The ``k`` sentences of highest score are the spans, returned in text order.
 
 **Sentences** are split on the decoded text: after ``.``, ``!``, ``?`` or ``:`` followed by white space, and
 at every line break, mapped to tokens as every other character span is (:mod:`kvcodec.edit.spans`).
@@ -42,7 +43,8 @@ import torch
 from kvcodec.edit.spans import char_spans_to_tokens, token_offsets
 from kvcodec.errors import KvcInputError
 
-__all__ = ["MAX_AUTO_SPANS", "MAX_AUTO_TOKENS", "auto_spans", "check_count", "sentence_spans", "sentence_scores"]
+__all__ = ["MAX_AUTO_SPANS", "MAX_AUTO_TOKENS", "auto_spans", "check_count", "sentence_spans", "sentence_scores",
+           "template_tokens"]
 
 MAX_AUTO_TOKENS = 2048  # read twice: eager weights of 4096 x 4096 per head and layer
 MAX_AUTO_SPANS = 64
@@ -122,7 +124,28 @@ def sentence_scores(lm: Any, ids: np.ndarray) -> tuple[list[tuple[int, int]], np
     got = _attention_received(lm, ids, sentence_of)
     got[0] = np.nan  # the attention sink
     scores = np.array([np.nanmean(got[a:b]) if np.isfinite(got[a:b]).any() else -np.inf for a, b in spans])
+    template = template_tokens(lm.tokenizer, ids)
+    scores[[bool(template[a:b].any()) for a, b in spans]] = -np.inf  # never chosen (module doc)
     return spans, scores
+
+
+def template_tokens(tokenizer: Any, ids: np.ndarray) -> np.ndarray:
+    """Which tokens of ``ids`` are the prompt's scaffolding, not the document: the tokenizer's special tokens (role
+    markers, turn ends, BOS) and, when the context starts with it, the model's own chat prefix (its system prompt,
+    :class:`kvcodec.models.chat.ChatFormat`), as every ``kvc ask`` entry does.
+
+    Why: attention returns to role markers and the system prompt in every context, whatever the document says;
+    ranked by attention they outrank the document, and emphasising them steers nothing the user stored."""
+    from kvcodec.models.chat import ChatFormat
+
+    out = np.isin(ids, np.asarray(sorted(set(getattr(tokenizer, "all_special_ids", None) or [])), dtype=np.int64))
+    try:
+        prefix = ChatFormat.for_tokenizer(tokenizer).prefix
+    except KvcInputError:  # no chat format: only the special tokens are scaffolding
+        return out
+    if 0 < len(prefix) <= len(ids) and np.array_equal(ids[:len(prefix)], prefix):
+        out[:len(prefix)] = True
+    return out
 
 
 def check_count(k: Any) -> int:
@@ -139,7 +162,8 @@ def auto_spans(lm: Any, ids: np.ndarray, k: Any) -> list[tuple[int, int]]:
     chosen (nothing would be steered), contexts outside [2, MAX_AUTO_TOKENS] tokens."""
     k = check_count(k)
     spans, scores = sentence_scores(lm, ids)
-    if k >= len(spans):
-        raise KvcInputError(f"the context has {len(spans)} sentence(s); choosing {k} would emphasise all of it")
+    eligible = int(np.isfinite(scores).sum())  # the prompt's scaffolding is never chosen (template_tokens)
+    if k >= eligible:
+        raise KvcInputError(f"the context has {eligible} sentence(s) of document text; choosing {k} would emphasise all of it")
     best = np.argsort(-scores, kind="stable")[:int(k)]
     return [spans[i] for i in sorted(best)]

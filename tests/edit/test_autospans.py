@@ -45,3 +45,27 @@ def test_hostile_contexts_are_one_line(lm, changelog_ids):
         auto_spans(lm, changelog_ids[:1], 1)
     with pytest.raises(KvcInputError, match=str(MAX_AUTO_TOKENS)):
         auto_spans(lm, np.zeros(MAX_AUTO_TOKENS + 1, np.int64), 1)
+
+
+def test_the_prompt_scaffolding_is_never_chosen(lm, changelog_ids):
+    """On a `kvc ask` entry's context (the model's chat prefix, then the document), no sentence holding the chat
+    prefix or a special token is ever chosen, however many are asked for (issue 57: the system prompt and role
+    markers outranked the document)."""
+    from kvcodec.edit.autospans import template_tokens
+    from kvcodec.models.chat import ChatFormat
+
+    prefix = ChatFormat.for_tokenizer(lm.tokenizer).prefix
+    doc = changelog_ids[:100]
+    special = np.asarray(sorted(lm.tokenizer.all_special_ids), np.int64)
+    ids = np.concatenate([prefix, doc[:50], special[:1], doc[50:]])  # a role marker inside the document too
+    marked = template_tokens(lm.tokenizer, ids)
+    assert marked[:len(prefix)].all() and marked[len(prefix) + 50] and not marked[len(prefix):len(prefix) + 50].any()
+    spans, scores = sentence_scores(lm, ids)
+    touching = [bool(marked[a:b].any()) for a, b in spans]
+    assert any(touching) and all(np.isneginf(s) for s, t in zip(scores, touching) if t)
+    assert all(np.isfinite(s) for s, t in zip(scores, touching) if not t)
+    eligible = len(spans) - sum(touching)
+    for a, b in auto_spans(lm, ids, eligible - 1):
+        assert not marked[a:b].any()
+    with pytest.raises(KvcInputError, match="of document text"):
+        auto_spans(lm, ids, eligible)
