@@ -55,6 +55,22 @@ OTHER_LAYOUTS = ("falcon", "gpt2", "mpt")
 N_TOKENS = 120  # > the sliding windows above
 
 
+@pytest.fixture(autouse=True)
+def _small_builds(monkeypatch):
+    """What an entry point builds for a model on first use (its calibration, its rate model), built from one text
+    at a short context here: these models are random, so the build's path is what the tests check, not its
+    quality, and the default corpus cost ~65 s per family on the 2-core box where ~13 s does (issue 56)."""
+    import functools
+
+    from kvcodec.calibration import build
+    from kvcodec.plan import ratefit
+
+    monkeypatch.setattr(build, "build_calibration", functools.partial(build.build_calibration, texts=("mpl2",),
+                                                                      context=build.MIN_CONTEXT))
+    monkeypatch.setattr(ratefit, "fit_rate_model", functools.partial(ratefit.fit_rate_model, texts=("gpl3",),
+                                                                     lengths=(256,)))
+
+
 @pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory):
     from transformers import AutoConfig, AutoModelForCausalLM
