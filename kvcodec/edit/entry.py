@@ -27,6 +27,9 @@ __all__ = ["EditResult", "Parent", "check_dest", "check_token_ids", "child_meta"
 # meta keys that describe how the parent's K/V were made (or its tokens, one score each) and stop being true
 # of the child
 _STALE_META = ("blend", "target", "config", "h2o_scores")
+# measured on the parent's token ids: stale in a child whose ids differ (append's answers reported their speed-up
+# against the parent's shorter prefill; no prefill of the child's own ids is measured). A steered child has the same ids.
+_STALE_WITH_NEW_IDS = ("prefill_ttft_s",)
 # the only parent meta a redacted child keeps (spec/kvc-v1.md §4.5): the model's name says nothing of the text
 _REDACT_KEEPS_META = ("model",)
 
@@ -113,7 +116,8 @@ def child_meta(parent: Parent, op: str, params: Mapping[str, Any], lineage_key: 
         meta: dict[str, Any] = {k: v for k, v in parent.meta.items() if k in _REDACT_KEEPS_META and isinstance(v, str)}
         meta[EDITS_META_KEY] = redaction_log(parent.meta, parent.sha256, params, lineage_key)
         return meta
-    meta = {k: v for k, v in parent.meta.items() if k not in _STALE_META}
+    stale = _STALE_META + (_STALE_WITH_NEW_IDS if op == "append" else ())
+    meta = {k: v for k, v in parent.meta.items() if k not in stale}
     meta[EDITS_META_KEY] = extend_log(parent.meta, parent.sha256, parent.reader.header.token_ids_sha256, op, params)
     return meta
 

@@ -89,3 +89,20 @@ def test_writes_atomically_to_a_path(lm, entry, changelog_ids, tmp_path):
     res = append(lm, data, token_ids=changelog_ids[OLD:OLD + 4], dest=dest)
     assert res.output == str(dest) and dest.stat().st_size == res.size
     assert [p.name for p in tmp_path.iterdir()] == ["child.kvc"]  # no temp file left behind
+
+
+def test_child_does_not_inherit_the_parents_prefill_time(lm, changelog_ids, tmp_path):
+    """The parent's measured prefill TTFT is not the child's (issue 57: an appended entry's answers reported their
+    speed-up against the parent's shorter prefill): the child's header drops it, so no speed-up is claimed for it."""
+    from kvcodec.api import encode
+    from kvcodec.format import KvcReader
+    from kvcodec.models.capture import capture
+
+    c = capture(lm, token_ids=changelog_ids[:OLD])
+    c.meta["prefill_ttft_s"] = 0.123
+    data = encode(c, None, preset="lossless").data
+    with KvcReader(data) as r:
+        assert r.header.meta["prefill_ttft_s"] == 0.123
+    res = append(lm, data, token_ids=changelog_ids[OLD:OLD + 4])
+    with KvcReader(res.data) as r:
+        assert "prefill_ttft_s" not in r.header.meta and r.header.meta.get("model") == c.meta.get("model")
