@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device("cpu") if smoke else torch.device("cuda")
 
     from kvcodec.models.capture import capture
-    from kvcodec.decode.triton.backend import decode_chunk_gpu, decode_chunk_into
+    from kvcodec.decode.registry import decode_chunk_gpu
+    from kvcodec.decode.triton.backend import decode_chunk_into
     from kvcodec.decode.triton.rans_kernel import RansItem, decode_streams
     from kvcodec.codecs.rans import RansStage
     from kvcodec.models.load import load_model

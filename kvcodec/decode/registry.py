@@ -24,16 +24,16 @@ import importlib
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
-from kvcodec.errors import KvcBackendError, KvcCodecError, KvcError, KvcFormatError, KvcInputError
+from kvcodec.errors import KvcBackendError, KvcCodecError, KvcError, KvcFormatError
 from kvcodec.core.stage import ArraySpec, ChunkContext, Pipeline, SideData
+from kvcodec.decode.device import Device, resolve_device
 
-__all__ = ["BACKENDS", "DEVICES", "Backend", "STRICT_ENV", "backend", "decode_chunk", "decode_with", "gpu_device",
-           "interpret_mode", "resolve_device", "select", "strict", "decode_into", "store_paged", "warm_cpu"]
+__all__ = ["BACKENDS", "Backend", "STRICT_ENV", "backend", "decode_chunk", "decode_chunk_gpu", "decode_with", "select", "strict", "decode_into",
+           "store_paged", "warm_cpu"]
 
 STRICT_ENV = "KVCODEC_STRICT_BACKENDS"
-Device = Literal["cpu", "gpu"]
 
 
 @dataclass(frozen=True)
@@ -159,61 +159,16 @@ def decode_with(pipeline: Pipeline, payload: Any, sides: list[SideData], sizes: 
     return out
 
 
-# --------------------------------------------------------------------------- device
-#: What a caller may ask for: a device, or "auto" (the GPU iff CUDA and Triton are present).
-DEVICES = ("cpu", "gpu", "auto")
-ENV_VAR = "KVCODEC_BACKEND"
-NO_DEVICE_MSG = "no CUDA device; set TRITON_INTERPRET=1 to run the kernels on the CPU"
 
+def decode_chunk_gpu(pipeline: Pipeline, payload: Any, sides: list[SideData], sizes: list[int], spec: ArraySpec,
+                     ctx: ChunkContext, trace: list[str] | None = None) -> Any:
+    """GPU twin of ``Pipeline.decode`` (same checks, same errors, same bits): :func:`decode_with` on the GPU.
 
-
-def interpret_mode() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
-
-
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-def _cuda_available() -> bool:
-    try:
-        import torch
-
-        return bool(torch.cuda.is_available())
-    except Exception:  # pragma: no cover
-        return False
-
-
-def resolve_device(device: str | None = None) -> Device:
-    """``"cpu"`` or ``"gpu"`` from the argument, then $KVCODEC_BACKEND, then auto."""
-    b = device or os.environ.get(ENV_VAR) or "auto"
-    b = b.strip().lower()
-    if b not in DEVICES:
-        raise KvcInputError(f"unknown backend {b!r} (choose from {', '.join(DEVICES)})")
-    if b == "cpu":
-        return "cpu"
-    if b == "auto":
-        return "gpu" if _cuda_available() and _triton_importable() else "cpu"
-    gpu_device()  # raises KvcBackendError when unusable
-    return "gpu"
-
-
-def gpu_device() -> Any:
-    """The torch device the GPU backend runs on: ``cuda`` or, under the interpreter, ``cpu``."""
-    import torch
-
-    if not _triton_importable():
-        raise KvcBackendError("backend 'gpu' needs Triton, which is not installed (pip install kvcodec[gpu])")
-    if interpret_mode():
-        return torch.device("cpu")
-    if not _cuda_available():
-        raise KvcBackendError(NO_DEVICE_MSG)
-    return torch.device("cuda", torch.cuda.current_device())
-
+    Returns a torch tensor of ``spec.shape`` / ``spec.dtype`` on the GPU device. ``trace``, when
+    given, receives the backend that ran and the names of stages that ran on the CPU. (It lived in the
+    Triton backend, which imported this registry back for it: the registry loads that backend by name.)
+    """
+    return decode_with(pipeline, payload, sides, sizes, spec, ctx, device="gpu", trace=trace)
 
 def decode_chunk(
     pipeline: Pipeline,

@@ -32,7 +32,8 @@ from kvcodec.format.container import (
     data_start, load_header, np_le, parse_chunk, parse_index, pipeline_dtype,
 )
 from kvcodec.limits import check_declared, max_decoded_bytes as max_decoded_bytes_limit, max_decoded_ratio as max_ratio_limit
-from kvcodec.decode.registry import decode_chunk, resolve_device
+from kvcodec.decode.device import resolve_device
+from kvcodec.decode.registry import decode_chunk
 from kvcodec.core.source import open_source
 
 if TYPE_CHECKING:  # torch only where tensors are made: opening a file, its header and its chunks need none

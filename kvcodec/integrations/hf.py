@@ -65,7 +65,7 @@ def decode_device(target: torch.device | str, backend: str | None = None) -> str
     cache lands: on the GPU for a CUDA target when Triton is present, on the CPU for a CPU target (never a
     device round trip for a CPU model, never a host round trip for a CUDA one).
     """
-    from kvcodec.decode.registry import ENV_VAR, resolve_device
+    from kvcodec.decode.device import ENV_VAR, resolve_device
 
     b = (backend or os.environ.get(ENV_VAR) or "auto").strip().lower()
     if b != "auto":

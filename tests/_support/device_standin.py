@@ -101,7 +101,7 @@ def device_decode(monkeypatch):
     """Every chunk the GPU decoders hand the container reader comes back as a :class:`DeviceOnly` tensor,
     and the record of host copies starts empty. Yields that record."""
     pytest.importorskip("triton")
-    from kvcodec.decode.registry import resolve_device
+    from kvcodec.decode.device import resolve_device
     from kvcodec.format import reader
 
     real = reader.decode_chunk
@@ -123,7 +123,7 @@ def device_decode(monkeypatch):
 def gpu_dev():
     """The device the GPU decoders write to: ``cuda`` on a GPU, the CPU under the Triton interpreter."""
     pytest.importorskip("triton")
-    from kvcodec.decode.registry import gpu_device
+    from kvcodec.decode.device import gpu_device
 
     return gpu_device()
 

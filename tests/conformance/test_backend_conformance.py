@@ -43,7 +43,7 @@ def _bits(x) -> np.ndarray:
 
 def _gpu_usable() -> bool:
     try:
-        from kvcodec.decode.registry import gpu_device
+        from kvcodec.decode.device import gpu_device
 
         gpu_device()
     except Exception:

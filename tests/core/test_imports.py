@@ -57,6 +57,56 @@ def test_nothing_outside_the_gpu_package_imports_it_statically():
     assert not bad, bad
 
 
+def _named_imports(path: Path) -> set[str]:
+    """Modules ``path`` loads by name: ``importlib.import_module("kvcodec....")`` and the decoder registry's
+    ``Backend(..., "kvcodec....", ...)`` entries (any string literal naming a kvcodec module counts)."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("kvcodec."):
+            name = node.value
+            if (ROOT / Path(*name.split("."))).with_suffix(".py").is_file() or (ROOT / Path(*name.split(".")) / "__init__.py").is_file():
+                out.add(name)
+    return out
+
+
+def test_no_import_cycle_in_the_decoders_counting_imports_by_name():
+    """No cycle among the decode package's modules when a module loaded by name (importlib, the decoder registry's
+    table) is an arrow too (issue 56: the registry loaded the Triton backends by name and they imported the registry
+    back for the device). Every import at any depth counts, as for lint-imports.
+
+    The stage table (``kvcodec.core.stage`` names the codec modules, which import it) is the same pattern and still a
+    circle by this count; it goes with the entry-point registry (issue 56), so only ``kvcodec.decode`` is held here."""
+    graph: dict[str, set[str]] = {}
+    files = {}
+    for f in sorted((ROOT / "kvcodec").rglob("*.py")):
+        mod = "kvcodec." + ".".join(f.relative_to(ROOT / "kvcodec").with_suffix("").parts)
+        mod = mod.removesuffix(".__init__")
+        files[mod] = f
+    for mod, f in files.items():
+        pkg = mod if f.name == "__init__.py" else mod.rsplit(".", 1)[0]
+        names = {n for n in _imports(f, pkg) | _named_imports(f) if n in files and n != mod and n.startswith("kvcodec.decode")}
+        graph[mod] = names
+    seen: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(m: str) -> None:
+        seen[m] = 1
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if seen.get(n) == 1:
+                cycles.append(stack[stack.index(n):] + [n])
+            elif n not in seen:
+                visit(n)
+        stack.pop()
+        seen[m] = 2
+
+    for m in sorted(graph):
+        if m.startswith("kvcodec.decode") and m not in seen:
+            visit(m)
+    assert not cycles, cycles[:5]
+
+
 def test_opening_a_lossless_file_does_not_import_the_lossy_codec(tmp_path):
     """Reading a lossless .kvc imports neither the lossy presets, the calibration store, the GPU code nor numba's
     fused decoder's planner (kvcodec.plan.presets) -- the container stands on its own."""

@@ -25,7 +25,7 @@ triton = pytest.importorskip("triton")
 from kvcodec.entropy import rans  # noqa: E402
 from kvcodec.codecs.rans import RansStage  # noqa: E402
 from kvcodec.errors import KvcFormatError  # noqa: E402
-from kvcodec.decode.registry import gpu_device  # noqa: E402
+from kvcodec.decode.device import gpu_device  # noqa: E402
 from kvcodec.core.stage import ArraySpec, ChunkContext  # noqa: E402
 
 pytestmark = pytest.mark.triton

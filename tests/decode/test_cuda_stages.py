@@ -20,7 +20,7 @@ import torch  # noqa: E402
 
 from kvcodec.codecs.rans import RansBankStage, RansStage  # noqa: E402
 from kvcodec.errors import KvcFormatError, KvcInputError  # noqa: E402
-from kvcodec.decode.registry import gpu_device  # noqa: E402
+from kvcodec.decode.device import gpu_device  # noqa: E402
 from kvcodec.core.stage import ArraySpec, ChunkContext, Pipeline  # noqa: E402
 
 pytestmark = pytest.mark.triton
@@ -42,12 +42,12 @@ def _same(gpu, cpu) -> None:
 
 def _check_pipeline(pipe: Pipeline, x: np.ndarray, ctx: ChunkContext, expect_fallbacks=(), expect_path=None):
     """GPU decode == CPU decode; ``expect_path``: "fused" or "stages" (the registry's pick, from the decode's trace)."""
-    from kvcodec.decode.triton import backend
+    from kvcodec.decode import registry
     payload, sides, sizes = pipe.encode(x, ctx)
     spec = ArraySpec(tuple(x.shape), str(x.dtype))
     cpu = pipe.decode(payload, sides, sizes, spec, ctx)
     trace: list[str] = []
-    gpu = backend.decode_chunk_gpu(pipe, payload, sides, sizes, spec, ctx, trace=trace)
+    gpu = registry.decode_chunk_gpu(pipe, payload, sides, sizes, spec, ctx, trace=trace)
     _same(gpu, cpu)
     assert sorted(t.removeprefix("cpu:") for t in trace if t.startswith("cpu:")) == sorted(expect_fallbacks)
     if expect_path is not None:
@@ -209,7 +209,7 @@ def test_unknown_stage_falls_back_to_cpu():
 
 
 def test_malformed_side_data_and_payload_like_cpu():
-    from kvcodec.decode.triton import backend
+    from kvcodec.decode import registry
     from kvcodec.codecs.quantize import QuantizeStage
 
     rng = np.random.default_rng(1)
@@ -221,7 +221,7 @@ def test_malformed_side_data_and_payload_like_cpu():
 
     def both(payload, sides):
         msgs = []
-        for fn in (pipe.decode, lambda *a: backend.decode_chunk_gpu(pipe, *a)):
+        for fn in (pipe.decode, lambda *a: registry.decode_chunk_gpu(pipe, *a)):
             try:
                 fn(payload, sides, sizes, spec, ctx)
                 msgs.append(None)
@@ -271,7 +271,7 @@ def test_layout_writers_hf_and_paged():
 @pytest.mark.model
 def test_decode_into_layouts(chunks, small_cache):
     """Decode a real chunk on the 'GPU' and write it into HF and paged tensors: equals the CPU decode."""
-    from kvcodec.decode.triton import backend
+    from kvcodec.decode import registry
     from kvcodec.decode.triton.dequant_kernels import store_hf, store_paged
     from kvcodec.codecs.keep import KeepStage
     from kvcodec.codecs.quantize import QuantizeStage
@@ -283,7 +283,7 @@ def test_decode_into_layouts(chunks, small_cache):
     payload, sides, sizes = pipe.encode(x, ctx)
     spec = ArraySpec(x.shape, "float16")
     cpu = pipe.decode(payload, sides, sizes, spec, ctx)
-    y = backend.decode_chunk_gpu(pipe, payload, sides, sizes, spec, ctx)
+    y = registry.decode_chunk_gpu(pipe, payload, sides, sizes, spec, ctx)
     H, Tn, D = x.shape
     hf = torch.zeros((1, H, Tn + 3, D), dtype=torch.float16, device=DEV)
     store_hf(y, hf, token_start=3)
@@ -443,7 +443,7 @@ def test_fused_chain_into_layouts(chunks, pca_attachments):
 @pytest.mark.model
 def test_fused_chain_malformed_like_cpu(chunks, pca_attachments):
     """Malformed side data reaching the fused kernel's host checks: the CPU decode's KvcFormatError, word for word."""
-    from kvcodec.decode.triton import backend
+    from kvcodec.decode import registry
     layer, kind, x = chunks[0]
     pipe = _chain(rope_dim=64, ts=_tokenscale(T, 4))
     ctx = ChunkContext(layer=layer, kind=kind, attachments=pca_attachments, encoder=_ts_inputs(4))
@@ -463,7 +463,7 @@ def test_fused_chain_malformed_like_cpu(chunks, pca_attachments):
                 mutated(i_ts, mult=np.array([1.0], np.float32)), mutated(i_ts, junk=np.zeros(1)), mutated(i_keep, kept=kept),
                 mutated(i_tr, extra=np.zeros(1))):
         msgs = []
-        for fn in (pipe.decode, lambda *a: backend.decode_chunk_gpu(pipe, *a)):
+        for fn in (pipe.decode, lambda *a: registry.decode_chunk_gpu(pipe, *a)):
             with pytest.raises(KvcFormatError) as e:
                 fn(payload, bad, sizes, spec, ctx)
             msgs.append(str(e.value))

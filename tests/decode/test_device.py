@@ -1,4 +1,4 @@
-"""Device selection (kvcodec.decode.registry) and import hygiene of kvcodec.decode.triton (no kernels run here)."""
+"""Device selection (kvcodec.decode.device) and import hygiene of kvcodec.decode.triton (no kernels run here)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from kvcodec.errors import KvcBackendError, KvcInputError
 
 
 def test_import_needs_no_triton_or_gpu():
-    code = ("import sys; import kvcodec, kvcodec.decode.triton, kvcodec.decode.triton.backend, kvcodec.decode.registry as b; "
+    code = ("import sys; import kvcodec, kvcodec.decode.triton, kvcodec.decode.triton.backend, kvcodec.decode.registry, kvcodec.decode.device as b; "
             "assert 'triton' not in sys.modules, 'triton imported'; print(b.resolve_device('cpu'))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "KVCODEC_BACKEND": ""})
     assert r.returncode == 0, r.stderr
@@ -20,7 +20,7 @@ def test_import_needs_no_triton_or_gpu():
 
 
 def test_resolve_order(monkeypatch):
-    from kvcodec.decode import registry as b
+    from kvcodec.decode import device as b
     monkeypatch.delenv("KVCODEC_BACKEND", raising=False)
     assert b.resolve_device("cpu") == "cpu"
     monkeypatch.setenv("KVCODEC_BACKEND", "cpu")
@@ -34,14 +34,14 @@ def test_resolve_order(monkeypatch):
 
 
 def test_auto_never_picks_the_interpreter(monkeypatch):
-    from kvcodec.decode import registry as b
+    from kvcodec.decode import device as b
     monkeypatch.setattr(b, "_cuda_available", lambda: False)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert b.resolve_device("auto") == "cpu"
 
 
 def test_gpu_without_device_is_a_clear_error(monkeypatch):
-    from kvcodec.decode import registry as b
+    from kvcodec.decode import device as b
     monkeypatch.setattr(b, "_cuda_available", lambda: False)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(KvcBackendError, match="no CUDA device; set TRITON_INTERPRET=1"):
@@ -56,7 +56,7 @@ def test_gpu_without_device_is_a_clear_error(monkeypatch):
 
 
 def test_gpu_without_triton(monkeypatch):
-    from kvcodec.decode import registry as b
+    from kvcodec.decode import device as b
     monkeypatch.setattr(b, "_triton_importable", lambda: False)
     with pytest.raises(KvcBackendError, match="Triton"):
         b.resolve_device("gpu")

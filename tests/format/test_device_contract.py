@@ -33,7 +33,7 @@ class DeviceOnly(torch.Tensor):
 def device_chunks(monkeypatch):
     """Every chunk the GPU path decodes comes back as a DeviceOnly tensor."""
     pytest.importorskip("triton")
-    from kvcodec.decode.registry import resolve_device
+    from kvcodec.decode.device import resolve_device
     from kvcodec.format import reader
 
     real = reader.decode_chunk

@@ -12,7 +12,7 @@ from kvcodec.errors import KvcFormatError, KvcInputError, KvcModelMismatchError,
 from kvcodec.format import (
     ExternalAttachment, KvcReader, encode_kvc_bytes, lossless_pipeline, raw_pipeline, read_kvc, write_kvc,
 )
-from kvcodec.decode.registry import resolve_device
+from kvcodec.decode.device import resolve_device
 from kvcodec.plan.presets import get_plan
 from kvcodec.core.kvcache import KVCache
 

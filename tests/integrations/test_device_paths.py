@@ -221,8 +221,7 @@ def test_connector_fused_kernel_writes_the_blocks(start, hnd, device_decode, gpu
 def test_the_connector_check_fails_on_a_hostround_trip(device_decode, gpu_dev, monkeypatch):  # noqa: F811
     """Decoding into the blocks through numpy (a staging copy on the host) fails the check."""
     import kvcodec.decode.triton.backend as backend
-
-    real = backend.decode_chunk_gpu
+    from kvcodec.decode.registry import decode_chunk_gpu as real
 
     def staged(pipeline, payload, sides, sizes, spec, ctx, dst, token_start=0, block_table=None, trace=None):
         from kvcodec.decode.triton.dequant_kernels import store_paged

@@ -3,9 +3,10 @@
 Importing this package imports nothing heavy (no Triton, no CUDA):
 
 * :mod:`kvcodec.decode.triton.backend`: the ``triton-stages`` and ``triton-fused``
-  implementations the registry (:mod:`kvcodec.decode.registry`, which also picks the
-  device) dispatches to, ``decode_chunk_gpu`` (the arguments of ``Pipeline.decode``) and
-  ``decode_chunk_into`` (decode straight into an HF per-layer tensor or a paged cache);
+  implementations the registry (:mod:`kvcodec.decode.registry`; the device is
+  :mod:`kvcodec.decode.device`'s) dispatches to, and ``decode_chunk_into`` (decode straight into
+  an HF per-layer tensor or a paged cache); a whole chunk on the GPU is the registry's
+  ``decode_chunk_gpu`` (the arguments of ``Pipeline.decode``);
 * :mod:`kvcodec.decode.triton.rans_kernel`: the 32-lane rANS v1 decode kernel;
 * :mod:`kvcodec.decode.triton.dequant_kernels`: the fused kernel for the transform-codec
   chain (every lossy preset: dequantize, tokenscale, inverse transform, kept

@@ -1,7 +1,7 @@
 """The GPU chunk decoders (the ``triton-*`` implementations of :mod:`kvcodec.decode.registry`).
 
-Which device decodes is the registry's choice (:func:`kvcodec.decode.registry.resolve_device`).
-``decode_chunk_gpu`` has the arguments of ``Pipeline.decode`` and returns a torch tensor (on the CUDA device, or a CPU tensor under the
+Which device decodes is the registry's choice (:func:`kvcodec.decode.device.resolve_device`).
+:func:`kvcodec.decode.registry.decode_chunk_gpu` has the arguments of ``Pipeline.decode`` and returns a torch tensor (on the CUDA device, or a CPU tensor under the
 interpreter) equal bit for bit to ``Pipeline.decode``. Stages:
 
 * bytes->bytes stages (zstd, ...): always on the CPU (they run before the
@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcodec.decode.registry import gpu_device
+from kvcodec.decode.device import gpu_device
 from kvcodec.errors import KvcBackendError, KvcFormatError
 
 def supports_fused(pipeline: Any, spec: Any) -> bool:
@@ -52,25 +52,6 @@ def decode_stages(pipeline: Any, payload: Any, sides: Any, sizes: Any, spec: Any
                   trace: list[str] | None = None) -> Any:
     """The ``triton-stages`` backend: each stage's kernel (or its CPU implementation) in turn."""
     return _decode(pipeline, payload, sides, sizes, spec, ctx, fused=False, trace=trace)
-
-
-def decode_chunk_gpu(
-    pipeline: Any,
-    payload: bytes | memoryview,
-    sides: list[dict[str, np.ndarray]],
-    sizes: list[int],
-    spec: Any,
-    ctx: Any,
-    trace: list[str] | None = None,
-) -> Any:
-    """GPU twin of ``Pipeline.decode`` (same checks, same errors, same bits).
-
-    Returns a torch tensor of ``spec.shape`` / ``spec.dtype`` on the GPU device. ``trace``, when
-    given, receives the backend that ran and the names of stages that ran on the CPU.
-    """
-    from kvcodec.decode.registry import decode_with
-
-    return decode_with(pipeline, payload, sides, sizes, spec, ctx, device="gpu", trace=trace)
 
 
 def decode_chunk_into(pipeline: Any, payload: bytes | memoryview, sides: list[dict[str, np.ndarray]], sizes: list[int],

@@ -44,7 +44,7 @@ import triton.language as tl
 
 from kvcodec.errors import KvcFormatError, KvcInputError
 from kvcodec.lru import BoundedLRU
-from kvcodec.decode.registry import interpret_mode
+from kvcodec.decode.device import interpret_mode
 from kvcodec.decode.triton.rans_kernel import check_interpreter
 
 BLOCK = 512

@@ -43,7 +43,7 @@ import triton.language as tl
 
 from kvcodec.entropy import constants as K
 from kvcodec.entropy import rans
-from kvcodec.decode.registry import interpret_mode
+from kvcodec.decode.device import interpret_mode
 from kvcodec.errors import KvcBackendError, KvcFormatError
 
 N_LANES = K.N_LANES
