@@ -344,14 +344,8 @@ def _cache_from(layout: _Layout, arrays: dict[str, np.ndarray], meta: Any, path:
     fp = layout.fingerprint
     keys = [_from_numpy(arrays[f"layers.{i}.key"], layout.dtype_name) for i in range(fp.num_layers)]
     values = [_from_numpy(arrays[f"layers.{i}.value"], layout.dtype_name) for i in range(fp.num_layers)]
-    cache = KVCache(keys, values, ids, fp, pos, meta)
-    cache.attention = _attention_from(path, attention_window, arrays.get("attention_scores"))
-    if cache.attention is not None:
-        try:
-            cache.validate()
-        except KvcFormatError as exc:
-            raise KvcFormatError(f"{path}: {exc}") from None
-    return cache
+    # the scores' shape was checked against the declared layout (_check_layout); the constructor validates once
+    return KVCache(keys, values, ids, fp, pos, meta, _attention_from(path, attention_window, arrays.get("attention_scores")))
 
 
 def load_h5(path: str | os.PathLike, max_decoded_bytes: int | None = None) -> KVCache:
