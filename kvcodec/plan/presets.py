@@ -273,13 +273,7 @@ def get_plan(name: str, cache: Any, lm: Any = None, *, rate: str = "predict", ca
         from kvcodec.plan.ratefit import ensure_rate_model
 
         # the rate model: shipped, or fitted once per model with progress (kvc calibrate fits it too)
-        try:
-            rm = ensure_rate_model(lm, args["cal"], lossy_settings())
-        except KvcInputError as exc:  # a model the fit cannot measure (e.g. a window too short for its texts)
-            if "kvc calibrate" in str(exc):
-                raise
-            raise KvcInputError(f"{exc} (lossy presets need the model's rate model, fitted on first use or by "
-                                f"kvc calibrate --model {getattr(lm, 'name', 'MODEL')})") from None
+        rm = ensure_rate_model(lm, args["cal"], lossy_settings())
         return controlled_plan(cache, lm, name, args, target, rm, check=rate == "check", importance=importance)
     if importance is not None:
         args["importance"] = importance

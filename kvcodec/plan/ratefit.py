@@ -83,7 +83,8 @@ def fit_rate_model(lm: Any, cal: Calibration, presets: Mapping[str, Mapping[str,
             if T >= 256 and (name, T) not in [(j[0], j[1]) for j in jobs]:
                 jobs.append((name, T, ids))
     if not jobs:
-        raise KvcInputError("rate model: no fit text is long enough for this model")
+        raise KvcInputError(f"rate model: no fit text is long enough for this model (its window); lossy presets need the "
+                            f"model's rate model, fitted on first use or by kvc calibrate --model {lm.name}")
     fit: list[dict[str, Any]] = []
     t0 = time.time()
     layer_factor = None
@@ -198,7 +199,8 @@ def _fit_factor(fit: list[dict[str, Any]], presets: list[str]
     for preset in presets:
         mine = {T: v for (p, T), v in logs.items() if p == preset}
         if not mine:
-            raise KvcInputError(f"rate model: no usable measurement for preset {preset}")
+            raise KvcInputError(f"rate model: no usable measurement for preset {preset}; lossy presets need the model's "
+                                "rate model, fitted on first use or by kvc calibrate --model MODEL")
         t0 = T_REF if T_REF in mine else min(mine)
         la = float(np.mean(mine[t0]))
         alpha[preset] = math.exp(la)
