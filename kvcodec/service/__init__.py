@@ -5,6 +5,7 @@ Clients reach it through the store URL ``kvc+http://host:port`` (:mod:`kvcodec.s
 """
 
 from kvcodec.service.auth import Principal, TokenTable
-from kvcodec.service.app import KdnService, ServiceConfig, make_app, serve
+from kvcodec.service.app import KdnService, make_app, serve
+from kvcodec.service.config import ServiceConfig
 
 __all__ = ["Principal", "TokenTable", "KdnService", "ServiceConfig", "make_app", "serve"]

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcodec.errors import KvcError, KvcFormatError, KvcInputError
+from kvcodec.kdn_protocol import MAX_CONTAINS
 from kvcodec.store.keys import DEFAULT_CHUNK, StoreKey, chunk_hashes, prefix_keys
 from kvcodec.store.tenant import PHYS_MODEL
 
-MAX_CONTAINS = 4096            # keys per /v1/contains (the client tier's MAX_CONTAINS)
 MAX_LOOKUP_TOKENS = 1 << 20    # token ids per lookup
 MAX_LOOKUP_CANDIDATES = 4096   # prefixes one lookup may test (ceil(tokens / chunk))
 HASH_BUDGET_FACTOR = 64        # an entry's digest check hashes at most this many times its token ids

@@ -30,8 +30,7 @@ from typing import Any, Awaitable
 from aiohttp import web
 
 from kvcodec.service.checks import HttpError
-
-INLINE_JSON = 64 << 10  # kvcodec.service.app.INLINE_JSON: this module imports nothing of app.py
+from kvcodec.service.config import INLINE_JSON
 
 __all__ = ["EDIT_MAX_BODY", "EDIT_TIMEOUT", "MATCH_NICE", "MATCH_SLOTS", "add_edit_routes", "edit_entry"]
 

@@ -14,7 +14,7 @@ gives the runner its own connection handler (:class:`KdnRequestHandler`):
 * **malformed HTTP** (a bad request line, headers or framing, refused by
   aiohttp's parser before any route): the documented one-line JSON error
   (spec/kdn-v1.md §2) instead of aiohttp's plain text, and one rate-limited
-  log line (:class:`~kvcodec.service.app.LogLimiter`), never a traceback.
+  log line (:class:`~kvcodec.service.httputil.LogLimiter`), never a traceback.
 
 :func:`run` serves until SIGINT or SIGTERM.
 """

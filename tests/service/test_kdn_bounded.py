@@ -443,7 +443,7 @@ def test_large_lookups_and_key_lists_are_probed_in_slices_with_the_same_answer(s
     """Lookups and /v1/contains probe their keys PROBE_SLICE at a time (the GIL is released between turns, issue 35):
     entries found in any slice are all reported, and a key of a namespace the token may not use is refused with
     403 wherever it sits in the list, whether the body is parsed here (<= 64 KiB) or by a worker."""
-    from kvcodec.service.app import INLINE_JSON, PROBE_SLICE
+    from kvcodec.service.config import INLINE_JSON, PROBE_SLICE
     from kvcodec.store import StoreKey
     from kvcodec.testing.attacks import SMALL_FP
 

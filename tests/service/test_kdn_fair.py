@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from kvcodec.errors import KvcFormatError, KvcInputError
-from kvcodec.service.app import ServiceConfig, parse_range
+from kvcodec.service.config import ServiceConfig
+from kvcodec.service.httputil import parse_range
 from kvcodec.service.checks import HttpError, check_digest, check_entry, lookup_candidates, parse_json, parse_lookup
 from kvcodec.service.fair import FairScheduler, Overloaded, TokenBucket
 from kvcodec.service.worker import TEST_OPS_ENV

@@ -10,7 +10,8 @@ import pytest
 from cliutil import run_kvc
 from kvcodec.errors import KvcInputError
 from kvcodec.service.auth import TokenTable, token_hash
-from kvcodec.service.app import _resolve_range, chunk_candidates
+from kvcodec.service.checks import chunk_candidates
+from kvcodec.service.httputil import resolve_range
 from kvcodec.store import Store, StoreKey
 from kvcodec.store.keys import chunk_hashes
 
@@ -66,13 +67,13 @@ def test_kdn_down_is_a_miss_and_a_reported_put(tmp_path):
 
 
 def test_range_resolution():
-    assert _resolve_range(slice(0, 10), 100) == (0, 10)
-    assert _resolve_range(slice(90, None), 100) == (90, 100)
-    assert _resolve_range(slice(90, 500), 100) == (90, 100)
-    assert _resolve_range(slice(-10, None), 100) == (90, 100)
-    assert _resolve_range(slice(-500, None), 100) == (0, 100)
-    assert _resolve_range(slice(100, None), 100)[0] is None
-    assert _resolve_range(slice(0, None), 0)[0] is None
+    assert resolve_range(slice(0, 10), 100) == (0, 10)
+    assert resolve_range(slice(90, None), 100) == (90, 100)
+    assert resolve_range(slice(90, 500), 100) == (90, 100)
+    assert resolve_range(slice(-10, None), 100) == (90, 100)
+    assert resolve_range(slice(-500, None), 100) == (0, 100)
+    assert resolve_range(slice(100, None), 100)[0] is None
+    assert resolve_range(slice(0, None), 0)[0] is None
 
 
 def test_chunk_candidates_cover_every_chunking_that_keys_use():
@@ -109,7 +110,9 @@ def test_a_model_load_is_charged_to_nobody_an_edit_to_its_tenant(tmp_path):
     import time
 
     from kvcodec.service import edit
-    from kvcodec.service.app import _DEADLINE, PRINCIPAL, KdnService, ServiceConfig
+    from kvcodec.service.admission import DEADLINE, PRINCIPAL
+    from kvcodec.service.app import KdnService
+    from kvcodec.service.config import ServiceConfig
     from kvcodec.service.auth import Principal, TokenTable
 
     def burn(seconds: float) -> str:
@@ -120,7 +123,7 @@ def test_a_model_load_is_charged_to_nobody_an_edit_to_its_tenant(tmp_path):
 
     svc = KdnService(Store.open(str(tmp_path / "s")), TokenTable.single("tok-0123456789abcdef"),
                      ServiceConfig(tenant_worker_cpu=0.5))
-    request = {PRINCIPAL: Principal("t", ("default",)), _DEADLINE: time.monotonic() + 60}
+    request = {PRINCIPAL: Principal("t", ("default",)), DEADLINE: time.monotonic() + 60}
 
     async def main() -> None:
         full = svc.workers.cpu.balance("t")
@@ -142,7 +145,9 @@ def test_store_thread_cpu_is_charged_to_the_tenant(tmp_path):
     import asyncio
     import time
 
-    from kvcodec.service.app import _DEADLINE, PRINCIPAL, SERVICE_CPU_WEIGHT, KdnService, ServiceConfig
+    from kvcodec.service.admission import DEADLINE, PRINCIPAL
+    from kvcodec.service.app import KdnService
+    from kvcodec.service.config import SERVICE_CPU_WEIGHT, ServiceConfig
     from kvcodec.service.auth import Principal, TokenTable
 
     def burn(seconds: float) -> None:
@@ -152,7 +157,7 @@ def test_store_thread_cpu_is_charged_to_the_tenant(tmp_path):
 
     svc = KdnService(Store.open(str(tmp_path / "s")), TokenTable.single("tok-0123456789abcdef"),
                      ServiceConfig(tenant_worker_cpu=0.5))
-    request = {PRINCIPAL: Principal("t", ("default",)), _DEADLINE: time.monotonic() + 60}
+    request = {PRINCIPAL: Principal("t", ("default",)), DEADLINE: time.monotonic() + 60}
 
     async def main() -> None:
         full = svc.workers.cpu.balance("t")
@@ -174,7 +179,9 @@ def test_key_probes_wait_while_the_tenant_is_over_its_cpu_share(tmp_path):
     import asyncio
     import time
 
-    from kvcodec.service.app import _DEADLINE, PRINCIPAL, KdnService, ServiceConfig
+    from kvcodec.service.admission import DEADLINE, PRINCIPAL
+    from kvcodec.service.app import KdnService
+    from kvcodec.service.config import ServiceConfig
     from kvcodec.service.auth import Principal, TokenTable
     from kvcodec.service.fair import Overloaded
     from kvcodec.store import StoreKey
@@ -184,7 +191,7 @@ def test_key_probes_wait_while_the_tenant_is_over_its_cpu_share(tmp_path):
     keys = [StoreKey.for_tokens([i, i + 1], model="m", codec="c") for i in range(40)]
 
     def request(tenant: str, seconds: float) -> dict:
-        return {PRINCIPAL: Principal(tenant, ("default",)), _DEADLINE: time.monotonic() + seconds}
+        return {PRINCIPAL: Principal(tenant, ("default",)), DEADLINE: time.monotonic() + seconds}
 
     async def main() -> None:
         svc.workers.cpu.charge("b", svc.workers.cpu.balance("b") + 0.75)  # 0.75 CPU-s into debt: 1.5 s to refill

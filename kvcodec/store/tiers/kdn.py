@@ -38,6 +38,7 @@ from typing import Any, Iterable, Iterator, Mapping
 from urllib.parse import parse_qsl, quote, urlsplit, urlunsplit
 
 from kvcodec.errors import KvcError, KvcInputError, KvcStoreError
+from kvcodec.kdn_protocol import CONTAINS, CONTENT_TYPE, ENTRIES, H_CRC, H_CREATED, H_META, MAX_CONTAINS, MAX_META_HEADER, WHOAMI
 from kvcodec.store.keys import StoreKey
 from kvcodec.store.options import parse_size, redact
 from kvcodec.store.ranged import HttpLimits, HttpRangeReader, http_request
@@ -45,19 +46,11 @@ from kvcodec.store.outage import OutageGuard
 from kvcodec.store.tiers.base import MAX_TIER_META, Entry, EntryInfo, Tier, as_bytes, check_meta, crc32c, log
 
 TOKEN_ENV = "KVC_TOKEN"
-API = "/v1"
-# Header names shared with the server (kvcodec.service.app).
-H_META = "X-Kvc-Meta"
-H_CRC = "X-Kvc-Crc32c"
-H_CREATED = "X-Kvc-Created"
-CONTENT_TYPE = "application/vnd.kvcodec.kvc"
-MAX_META_HEADER = 60 << 10  # JSON metadata in one header: under http.client's 64 KiB line limit (a seal holds 64 hex per MiB of entry)
-MAX_CONTAINS = 4096     # keys per /v1/contains request
 MAX_REPLY = 64 << 20    # bytes read from a JSON answer (a listing of many entries)
 
 
 def entry_path(key: StoreKey) -> str:
-    return f"{API}/entries/{quote(key.to_str(), safe='')}"
+    return f"{ENTRIES}/{quote(key.to_str(), safe='')}"
 
 
 class KdnTier(Tier):
@@ -202,7 +195,7 @@ class KdnTier(Tier):
             part = keys[i:i + MAX_CONTAINS]
             try:
                 status, _, body = self._request(
-                    "POST", f"{API}/contains", json.dumps({"keys": [k.to_str() for k in part]}).encode(),
+                    "POST", CONTAINS, json.dumps({"keys": [k.to_str() for k in part]}).encode(),
                     {"Content-Type": "application/json"})
                 if status != 200:
                     raise self._refused("contains", status, body)
@@ -226,7 +219,7 @@ class KdnTier(Tier):
         return True
 
     def ls(self, with_meta: bool = False) -> Iterator[EntryInfo]:
-        status, _, body = self._request("GET", f"{API}/entries?meta={int(with_meta)}")
+        status, _, body = self._request("GET", f"{ENTRIES}?meta={int(with_meta)}")
         if status != 200:
             raise self._refused("ls", status, body)
         try:
@@ -249,7 +242,7 @@ class KdnTier(Tier):
 
     def whoami(self) -> dict[str, Any]:
         """The tenant and namespaces the server maps this tier's token to."""
-        status, _, body = self._request("GET", f"{API}/whoami")
+        status, _, body = self._request("GET", WHOAMI)
         if status != 200:
             raise self._refused("whoami", status, body)
         return json.loads(body)
