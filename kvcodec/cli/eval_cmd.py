@@ -27,7 +27,7 @@ def eval_command(kvc_file: str, model: str, text_path: str, continuation: int | 
     """
     from kvcodec.atomic import check_input
     from kvcodec.models.capture import tokenize
-    from kvcodec.eval.curve import eval_kvc_file
+    from kvcodec.eval.fileeval import eval_kvc_file
     from kvcodec.errors import KvcInputError
     from kvcodec.models.load import load_model
     from kvcodec.texts import load_text
@@ -96,7 +96,8 @@ def curve_command(model: str, texts: tuple[str, ...], max_tokens: int, continuat
     context in its text. The plot has one panel per text (x: bits/element,
     y: mean KL, both log), one line per method family (its Pareto frontier).
     """
-    from kvcodec.eval.curve import run_curve, summary_table
+    from kvcodec.eval.curve import run_curve
+    from kvcodec.eval.report import summary_table
     from kvcodec.errors import KvcInputError
 
     if threads is not None:

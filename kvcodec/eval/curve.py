@@ -22,274 +22,43 @@ fingerprint, context tokens, continuation, method and kvcodec source code) are
 reused. The code digest is part of the key because a preset's name does not
 pin what it does: a row computed by older code is recomputed, never shown as
 the current code's result.
+
+This module runs the sweep: captures, one measurement, resumable rows.  The methods it compares are
+:mod:`kvcodec.eval.methods`, its outputs are written by :mod:`kvcodec.eval.report` (whose frontier and table
+helpers benchmarks import from here, the name they have always used), and ``kvc eval``'s one-file measurement is
+:mod:`kvcodec.eval.fileeval`.
 """
 
 from __future__ import annotations
 
-import csv
 import functools
-import math
 import hashlib
-import io
 import json
 import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
-from kvcodec.models.cachelayout import cache_prefix
-from kvcodec.atomic import atomic_path, atomic_write_text, check_output, check_outputs_differ
+from kvcodec.atomic import atomic_write_text, check_output, check_outputs_differ
 from kvcodec.errors import KvcError, KvcInputError
 from kvcodec.format import KvcReader, write_kvc
 from kvcodec.digest import token_ids_sha256
 from kvcodec.core.kvcache import KVCache
-from kvcodec.calibration.store import default_resolver
-from kvcodec.plan.presets import get_plan
-from kvcodec.plan import pipelines as codecplan
 from kvcodec.plan.pipelines import external_bytes
-from kvcodec.plan.presets import PRESETS as _PRESETS
+from kvcodec.eval.methods import Method, TextCase, select_methods
+from kvcodec.eval.report import PLOT_FORMATS, bits_at_kl, pareto, plot_curve, summary_table, write_csv
 
-LOSSY_PRESETS = [n for n, p in _PRESETS.items() if p.lossy]
+# bits_at_kl, pareto, plot_curve, summary_table and write_csv are the report's (kvcodec.eval.report): named here
+# because benchmarks/ (bench_curve.py, bench_calibration.py) import them from this module
+__all__ = ["run_curve", "measure", "load_case", "cached_capture", "default_capture_dir", "charged_bits", "rate_fields",
+           "read_kvc_cache", "kv_elements", "code_digest", "bits_at_kl", "pareto", "plot_curve", "summary_table",
+           "write_csv"]
 
-PLOT_FORMATS = (".png", ".svg", ".pdf")  # what --plot writes (matplotlib backends without extra deps)
 SCHEMA = "kvcodec-curve/1"
-BASELINE_FAMILIES = ("fp16", "fp16+zstd", "int8", "kivi", "cachegen")
-# real peer libraries (kvcodec/eval/peers.py): run their own code, skipped with a reason when not installed
-PEER_FAMILIES = ("hf-quanto", "hf-hqq", "kvpress")
-# kvcodec's lossy presets in another configuration: family -> (keyword arguments of _preset, row note)
-_PRESET_VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
-    "kvcodec-fixed": ({"rate": "fixed"}, "the preset's table step0, without rate control"),
-    "kvcodec-checked": ({"rate": "check"}, "rate control confirmed by the opt-in encode-time check (--check)"),
-    "kvcodec-embedded": ({"embedded": True}, "calibration embedded in the file (its bytes are charged to this one file)"),
-}
-ALL_FAMILIES = ("kvcodec", "kvcodec-kl", *BASELINE_FAMILIES, *PEER_FAMILIES, "h2o")
-# not in "all": the lossy presets at their table step0, with the opt-in check, or with an embedded calibration
-EXTRA_FAMILIES = ("kvcodec-fixed", "kvcodec-checked", "kvcodec-embedded")
-DEFAULT_TARGET_KLS = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2)
-DEFAULT_H2O_BUDGETS = ("h2o:0.2", "h2o:0.35", "h2o:0.5", "h2o:0.75")
-CSV_FIELDS = (
-    "text", "family", "method", "bits_per_element", "ratio_vs_fp16", "file_bytes", "kl_mean", "dppl_percent",
-    "top1_agreement", "greedy_match", "ppl_exact", "ppl_decoded", "context_tokens", "stored_tokens",
-    "continuation_tokens", "external_bytes", "encode_s", "decode_s", "eval_s", "error",
-)
-
-
-# -- the codec's presets ------------------------------------------------------------------
-def codec_presets() -> list[str]:
-    """Preset names worth sweeping: ``lossless`` and ``fp16`` (format) and the lossy presets (codec).
-
-    ``raw`` (fp32 as is) and ``zstd`` (lossless minus shuffle) are left out of sweeps.
-    """
-    return ["lossless", "fp16"] + [n for n in LOSSY_PRESETS if n not in ("lossless", "fp16")]
-
-
-# -- method registry ----------------------------------------------------------------------
-@dataclass
-class TextCase:
-    """One text: the exact capture and what the evaluation needs from it."""
-
-    name: str
-    cache: KVCache
-    continuation: np.ndarray
-    tokens_sha: str
-    exact_logits: Any = None
-    exact_greedy: list[int] | None = None
-    scores: np.ndarray | None = None  # H2O attention scores, computed on demand
-    kvpress_kept: dict[str, np.ndarray] | None = None  # kvpress runner key -> kept indices, computed on demand
-    near_tie_at: int | None = None  # first exact greedy step with a top-2 margin under guard.NEAR_TIE (None: none)
-
-
-@dataclass
-class Method:
-    family: str
-    setting: str
-    # (lm, case) -> (cache to encode, plan with .pipelines/.attachments/.preset[/.chunk_tokens])
-    build: Callable[[Any, TextCase], tuple[KVCache, Any]] | None
-    note: str = ""
-    # peers that are not .kvc encoders: (lm, case) -> (the cache the peer attends to, bits it stores)
-    roundtrip: Callable[[Any, TextCase], tuple[KVCache, int]] | None = None
-
-    @property
-    def key(self) -> str:
-        return f"{self.family}/{self.setting}"
-
-
-@dataclass
-class MethodList:
-    methods: list[Method] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-
-
-def _baseline(name: str) -> Callable[[Any, TextCase], tuple[KVCache, Any]]:
-    def build(lm: Any, case: TextCase) -> tuple[KVCache, Any]:
-        from kvcodec.plan.baselines import get_baseline_plan
-
-        return case.cache, get_baseline_plan(name, case.cache)
-
-    return build
-
-
-def _preset(name: str, rate: str = "predict", embedded: bool = False) -> Callable[[Any, TextCase], tuple[KVCache, Any]]:
-    def build(lm: Any, case: TextCase) -> tuple[KVCache, Any]:
-        from kvcodec.calibration.build import ensure_calibration
-        from kvcodec.plan.presets import preset_info
-
-        cal = ensure_calibration(lm) if lm is not None and preset_info(name).lossy else None
-        if embedded:  # the calibration travels inside the file (self-contained; its bytes are in file_bytes)
-            return case.cache, get_plan(name, case.cache, lm=lm, cal=cal, calibration="embedded")
-        return case.cache, get_plan(name, case.cache, lm=lm, cal=cal, rate=rate)
-
-    return build
-
-
-TUNE_TOKENS = 256
-
-
-def _target(kl: float) -> Callable[[Any, TextCase], tuple[KVCache, Any]]:
-    """kvcodec at a KL target, tuned *without* peeking at the evaluation continuation.
-
-    ``plan_for_target`` bisects the rate knob on a cache and a continuation;
-    here the cache is the context minus its last TUNE_TOKENS tokens and the
-    continuation is those tokens, all inside the context. The knob found is
-    then applied to the full cache, which is evaluated on the held-out text
-    that follows it.
-    """
-    def build(lm: Any, case: TextCase) -> tuple[KVCache, Any]:
-        c = case.cache
-        n_tune = min(TUNE_TOKENS, c.num_tokens // 4)
-        if c.positions is not None or n_tune < 2:
-            raise KvcInputError("target-KL tuning needs an unpruned cache of at least 8 tokens")
-        tune = cache_prefix(c, c.num_tokens - n_tune, lm)
-        _, info = codecplan.plan_for_target(tune, lm, target_kl=kl, continuation=c.token_ids[c.num_tokens - n_tune:])
-        plan = codecplan.transform_plan(c, info["step0"], lm=lm, preset=f"target-kl-{kl:g}")
-        plan.params = dict(getattr(plan, "params", {}) or {}, tuned_kl=info.get("kl_mean"), tuned_on="context tail")
-        return c, plan
-
-    return build
-
-
-def _hf_quant(name: str) -> Callable[[Any, TextCase], tuple[KVCache, int]]:
-    def roundtrip(lm: Any, case: TextCase) -> tuple[KVCache, int]:
-        from kvcodec.eval.peers import HFQuantSpec, hf_quantized_roundtrip
-
-        return hf_quantized_roundtrip(case.cache, HFQuantSpec.parse(name))
-
-    return roundtrip
-
-
-def _kvpress(name: str, every: list[str]) -> Callable[[Any, TextCase], tuple[KVCache, int]]:
-    """A kvpress press (real library, own venv): the presses of ``every`` run once per text, in one subprocess."""
-    def roundtrip(lm: Any, case: TextCase) -> tuple[KVCache, int]:
-        from kvcodec.eval.peers import KvpressSpec, kvpress_indices, kvpress_roundtrip
-
-        spec = KvpressSpec.parse(name)
-        if case.kvpress_kept is None or spec.runner_key not in case.kvpress_kept:
-            case.kvpress_kept = kvpress_indices(lm, case.cache, [KvpressSpec.parse(n) for n in every])
-        return kvpress_roundtrip(case.cache, case.kvpress_kept[spec.runner_key], spec)
-
-    return roundtrip
-
-
-def _h2o(spec: str) -> Callable[[Any, TextCase], tuple[KVCache, Any]]:
-    def build(lm: Any, case: TextCase) -> tuple[KVCache, Any]:
-        from kvcodec.plan.baselines import get_baseline_plan
-        from kvcodec.prune.budget import parse_prune
-        from kvcodec.prune.h2o import attention_scores, h2o_prune
-
-        budget = parse_prune(spec)
-        if case.scores is None:
-            _, case.scores = attention_scores(lm, case.cache.token_ids, budget.window)
-        pruned = h2o_prune(case.cache, case.scores, budget)
-        return pruned, get_baseline_plan("fp16", pruned)
-
-    return build
-
-
-def select_methods(selected: list[str] | None = None, target_kls: list[float] | None = None,
-                   h2o_budgets: list[str] | None = None) -> MethodList:
-    """Methods for the families/names in ``selected`` (default: all).
-
-    Entries may be families (``kivi``), one setting (``kivi2``, ``kvcodec:NAME``,
-    ``h2o:0.25``) or ``all``.
-    """
-    sel = [s.strip() for s in (selected or ["all"]) if s.strip()]
-    if "all" in sel:
-        sel = [s for s in sel if s != "all"] + list(ALL_FAMILIES)
-    out = MethodList()
-    seen: set[str] = set()
-    kv_names: list[str] = []  # every kvpress setting selected: their presses run in one subprocess per text
-
-    def add(m: Method) -> None:
-        if m.key not in seen:
-            seen.add(m.key)
-            out.methods.append(m)
-
-    bl_family = {"fp16": ["fp16"], "fp16+zstd": ["fp16+zstd"], "int8": ["int8"], "kivi": ["kivi2", "kivi4"],
-                 "cachegen": ["cachegen-lo", "cachegen", "cachegen-hi", "cachegen-ctx-lo", "cachegen-ctx", "cachegen-ctx-hi"],
-                 "kivi-window": ["kivi2-window", "kivi4-window"]}
-    bl_of = {name: fam for fam, names in bl_family.items() for name in names}
-    for s in sel:
-        if s in bl_family:
-            for name in bl_family[s]:
-                add(Method(s, name, _baseline(name)))
-        elif s in bl_of:
-            add(Method(bl_of[s], s, _baseline(s)))
-        elif s == "kvcodec" or s.startswith("kvcodec:"):
-            for n in codec_presets() if s == "kvcodec" else [s.split(":", 1)[1]]:
-                add(Method("kvcodec", n, _preset(n)))
-        elif s.split(":", 1)[0] in _PRESET_VARIANTS:
-            fam = s.split(":", 1)[0]
-            kw, note = _PRESET_VARIANTS[fam]
-            for n in list(LOSSY_PRESETS) if s == fam else [s.split(":", 1)[1]]:
-                if n not in LOSSY_PRESETS:
-                    raise KvcInputError(f"{fam}: {n!r} is not a lossy preset ({', '.join(LOSSY_PRESETS)})")
-                add(Method(fam, n, _preset(n, **kw), note=note))
-        elif s == "kvpress" or s.startswith("kvpress:"):
-            from kvcodec.eval.peers import DEFAULT_KVPRESS_SPECS, KvpressSpec, kvpress_available
-
-            reason = kvpress_available()
-            if reason is not None:
-                if not any(n.startswith("kvpress") for n in out.notes):
-                    out.notes.append(f"kvpress skipped: {reason}")
-                continue
-            names = [sp.name for sp in DEFAULT_KVPRESS_SPECS] if s == "kvpress" else [KvpressSpec.parse(s.split(":", 1)[1]).name]
-            kv_names.extend(names)
-            for n in names:
-                add(Method("kvpress", n, None, roundtrip=_kvpress(n, kv_names),
-                           note="real library (NVIDIA kvpress 0.5.5, own venv) picks the kept tokens; "
-                                "bits = kept fraction x 16, or the QuantizedCache's stored bits of the kept entries"))
-        elif s in PEER_FAMILIES or s.split(":", 1)[0] in PEER_FAMILIES:
-            from kvcodec.eval.peers import DEFAULT_SPECS, HFQuantSpec, available
-
-            fam = s.split(":", 1)[0]
-            backend = fam.removeprefix("hf-")
-            reason = available(backend)
-            if reason is not None:
-                if not any(backend in n for n in out.notes):
-                    out.notes.append(f"{fam} skipped: {reason}")
-                continue
-            specs = [sp for sp in DEFAULT_SPECS if sp.backend == backend] if ":" not in s else [HFQuantSpec.parse(s.split(":", 1)[1])]
-            for sp in specs:
-                add(Method(fam, sp.name, None, roundtrip=_hf_quant(sp.name),
-                           note="real library (transformers QuantizedCache); bits = codes + 16-bit scales/zeros"))
-        elif s == "kvcodec-kl":
-            for kl in target_kls or DEFAULT_TARGET_KLS:
-                add(Method("kvcodec-kl", f"kl<={kl:g}", _target(float(kl)),
-                           note=f"rate knob tuned on the context's last {TUNE_TOKENS} tokens, evaluated on the held-out continuation"))
-        elif s == "h2o" or s.startswith("h2o:"):
-            for spec in ([s] if s.startswith("h2o:") else (h2o_budgets or list(DEFAULT_H2O_BUDGETS))):
-                add(Method("h2o", spec, _h2o(spec), note="H2O pruning only; kept tokens stored as fp16"))
-        else:
-            raise KvcInputError(
-                f"unknown method {s!r} (families: {', '.join(ALL_FAMILIES)}; or one of "
-                f"{', '.join(bl_of)}, kvcodec:PRESET, h2o:BUDGET)"
-            )
-    return out
 
 
 # -- captures ----------------------------------------------------------------------------
@@ -470,14 +239,6 @@ def load_previous(path: str | os.PathLike | None) -> dict[tuple, dict[str, Any]]
     return {_row_key(r): r for r in obj.get("rows", []) if isinstance(r, dict) and not r.get("error")}
 
 
-def write_csv(rows: list[dict[str, Any]], path: str | os.PathLike) -> None:
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=list(CSV_FIELDS), extrasaction="ignore")
-    w.writeheader()
-    for r in rows:
-        w.writerow(r)
-    atomic_write_text(path, buf.getvalue())
-
 
 def run_curve(
     model: str,
@@ -575,176 +336,3 @@ def run_curve(
         plot_curve(result, plot_out)
     return result
 
-
-# -- plotting -----------------------------------------------------------------------------
-KL_FLOOR = 1e-7
-
-
-def pareto(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Points not dominated (fewer-or-equal bits and lower KL), sorted by bits."""
-    front: list[tuple[float, float]] = []
-    for b, k in sorted(points, key=lambda p: (p[0], p[1])):
-        if not front or k < front[-1][1]:
-            front.append((b, k))
-    return front
-
-
-def bits_at_kl(front: list[tuple[float, float]], kl: float) -> float | None:
-    """Bits of a Pareto frontier of (bits, KL) points at ``kl``, log-log interpolated; None outside its KL range."""
-    pts = sorted(front, key=lambda p: p[1])  # increasing KL = decreasing bits
-    for (b0, k0), (b1, k1) in zip(pts, pts[1:]):
-        if k0 <= kl <= k1:
-            if k1 == k0:
-                return min(b0, b1)
-            t = (math.log(kl) - math.log(k0)) / (math.log(k1) - math.log(k0))
-            return math.exp(math.log(b0) + t * (math.log(b1) - math.log(b0)))
-    return pts[0][0] if pts and kl == pts[0][1] else None
-
-
-def plot_curve(result: dict[str, Any], out: str | os.PathLike) -> None:
-    """One subplot per text: x = bits/element (log), y = mean KL (log); a line per family (its Pareto frontier)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in result["rows"] if not r.get("error") and r.get("bits_per_element")]
-    texts = list(dict.fromkeys(r["text"] for r in rows)) or ["(no data)"]
-    families = list(dict.fromkeys(r["family"] for r in rows))
-    colors = {f: plt.cm.tab10(i % 10) for i, f in enumerate(families)}
-    markers = "osD^v<>PX*hp"
-    fig, axes = plt.subplots(1, len(texts), figsize=(6.2 * len(texts), 5.2), squeeze=False)
-    for ax, text in zip(axes[0], texts):
-        for fam in families:
-            fr = [r for r in rows if r["text"] == text and r["family"] == fam]
-            if not fr:
-                continue
-            pts = [(float(r["bits_per_element"]), max(float(r["kl_mean"]), KL_FLOOR)) for r in fr]
-            front = pareto(pts)
-            ax.plot([p[0] for p in front], [p[1] for p in front], "-", color=colors[fam], lw=1.6, alpha=0.85, label=fam)
-            for i, (r, (b, k)) in enumerate(zip(fr, pts)):
-                on = (b, k) in front
-                ax.plot([b], [k], markers[i % len(markers)], color=colors[fam], ms=6,
-                        mfc=colors[fam] if on else "none")
-                ax.annotate(str(r["method"]), (b, k), textcoords="offset points", xytext=(4, 3), fontsize=6, color=colors[fam])
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
-
-        ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 4.0, 6.0)))
-        ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
-        ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.axhline(KL_FLOOR, color="0.7", lw=0.6, ls=":")
-        ax.set_xlabel("bits per KV element (real .kvc file bytes; log)")
-        ax.set_ylabel(f"mean KL(exact || decoded), nats (log; 0 drawn at {KL_FLOOR:g})")
-        ax.set_title(f"{text}: {result['settings'].get('max_tokens')} ctx, {result['settings'].get('continuation')} cont. tokens",
-                     fontsize=10)
-        ax.grid(True, which="both", lw=0.3, alpha=0.5)
-        ax.legend(fontsize=7, loc="best", title="family (line = Pareto frontier;\nfilled = on frontier)", title_fontsize=6)
-    fig.suptitle(f"kvcodec rate vs. quality, model {result.get('model')} (one panel per text)", fontsize=11)
-    fig.tight_layout()
-    try:
-        with atomic_path(out) as tmp:  # the temp name has no image suffix: name the format
-            fig.savefig(tmp, dpi=130, format=Path(out).suffix.lstrip(".").lower() or "png")
-    finally:
-        plt.close(fig)
-
-
-def summary_table(rows: list[dict[str, Any]]) -> str:
-    """Markdown table (text x method) of the measured rows."""
-    head = "| text | family | method | bits/elem | ratio vs fp16 | KL (nats) | ΔPPL % | top-1 | greedy |"
-    lines = [head, "|" + "---|" * 9]
-    for r in rows:
-        if r.get("error"):
-            lines.append(f"| {r['text']} | {r['family']} | {r['method']} | error: {r['error']} | | | | | |")
-            continue
-        lines.append(
-            f"| {r['text']} | {r['family']} | {r['method']} | {r['bits_per_element']:.3f} | {r['ratio_vs_fp16']:.2f}x | "
-            f"{r['kl_mean']:.2e} | {r['dppl_percent']:+.3f} | {r['top1_agreement']:.3f} | {r['greedy_match']:.3f} |"
-        )
-    return "\n".join(lines)
-
-
-# -- `kvc eval`: one file against the text it was made from ----------------------------------
-EVAL_CONTINUATION = 1024  # kvc eval's default: ΔPPL's interval narrows as 1/sqrt(tokens)
-
-
-def eval_kvc_file(lm: Any, path: str | os.PathLike, text_ids: np.ndarray, continuation: int | None = None,
-                  greedy_tokens: int = 16) -> dict[str, Any]:
-    """Quality and rate of one `.kvc` file, continued on the text tokens following its context.
-
-    Checks (each a one-line :class:`KvcError`): the file's model is ``lm``;
-    the file's token ids are the text's first tokens; the text has
-    ``continuation`` more tokens (None: up to :data:`EVAL_CONTINUATION`, as many as it has). The exact reference cache is recomputed by
-    prefill of the file's token ids. A lingua-pruned file (a compressed prompt)
-    is compared with the exact cache of its whole original context, both
-    continued on the tokens after that context.
-    """
-    from kvcodec.models.capture import capture
-    from kvcodec.errors import KvcInputError as _In
-    from kvcodec.models.quality import evaluate
-
-    if continuation is not None and continuation < 2:
-        raise _In(f"--continuation must be at least 2, got {continuation}")
-    path = Path(path)
-    if not path.is_file():
-        raise _In(f"no such file: {path}")
-    size = path.stat().st_size
-    with KvcReader(str(path), attachment_resolver=default_resolver) as r:
-        lm.fingerprint.check_compatible(r.fingerprint, what=".kvc file")
-        ids = r.token_ids
-        n_ctx = int(r.header.num_context_tokens)
-        text_ids = np.asarray(text_ids, dtype=np.int64).reshape(-1)
-        prune = (r.header.meta or {}).get("prune")
-        exact_ids = None
-        if isinstance(prune, dict) and prune.get("method") == "lingua":  # a compressed prompt of the text's first tokens
-            from kvcodec.prune.lingua import unpack_mask
-
-            n_orig = prune.get("context_tokens")
-            n_orig = n_orig if isinstance(n_orig, int) and not isinstance(n_orig, bool) else -1
-            orig = text_ids[: max(n_orig, 0)]
-            if n_orig < 1 or len(orig) < n_orig or token_ids_sha256(orig) != prune.get("original_ids_sha256"):
-                raise _In(f"the text's first {n_orig} tokens are not the context this lingua-pruned file was made from")
-            if ids is None or not np.array_equal(orig[unpack_mask(str(prune.get("kept_mask_b64")), n_orig)], ids):
-                raise _In("the file's kept tokens are not the kept-token mask of its original context")
-            exact_ids, n_ctx = orig, n_orig
-        elif ids is None:  # the file stores only a hash of its ids: the text's first tokens must match it
-            ids = text_ids[:n_ctx]
-            if len(ids) < n_ctx or token_ids_sha256(ids) != r.header.token_ids_sha256:
-                raise _In(f"the text's first {n_ctx} tokens are not the tokens this file encodes (hash mismatch)")
-        else:
-            common = min(len(ids), len(text_ids))
-            diff = np.flatnonzero(ids[:common] != text_ids[:common])
-            if diff.size:
-                raise _In(f"the text differs from the tokens this file encodes at token {int(diff[0])} "
-                          f"(file {int(ids[diff[0]])}, text {int(text_ids[diff[0]])})")
-            if len(text_ids) < n_ctx:
-                raise _In(f"the text has only {len(text_ids)} tokens but the file encodes a {n_ctx}-token context")
-        if continuation is None:
-            continuation = min(EVAL_CONTINUATION, len(text_ids) - n_ctx)
-            if continuation < 2:
-                raise _In(f"the text has only {len(text_ids) - n_ctx} tokens after the file's {n_ctx}-token context; "
-                          "at least 2 are needed to score a continuation")
-        if len(text_ids) < n_ctx + continuation:
-            raise _In(f"the text has only {len(text_ids) - n_ctx} tokens after the file's {n_ctx}-token context, "
-                      f"fewer than --continuation {continuation}")
-        t0 = time.perf_counter()
-        decoded = r.read_cache(token_ids=ids)
-        t_dec = time.perf_counter() - t0
-        preset = r.header.codec if hasattr(r.header, "codec") else None
-    exact = capture(lm, token_ids=ids if exact_ids is None else exact_ids)  # lingua: the full original context
-    cont = text_ids[n_ctx : n_ctx + continuation]
-    t0 = time.perf_counter()
-    if exact_ids is None:
-        q = evaluate(lm, exact, decoded, cont, greedy_tokens=greedy_tokens)
-    else:
-        from kvcodec.prune import evaluate_pruned
-
-        q = evaluate_pruned(lm, exact, decoded, cont, greedy_tokens=greedy_tokens)
-    t_eval = time.perf_counter() - t0
-    out: dict[str, Any] = rate_fields(size, exact)  # charged against the whole (unpruned) context's K+V elements
-    out.update(q.to_json())
-    out.update(file=str(path), preset=preset, context_tokens=n_ctx, stored_tokens=decoded.num_tokens,
-               pruned=decoded.positions is not None or exact_ids is not None, decode_s=round(t_dec, 3), eval_s=round(t_eval, 3),
-               greedy_tokens=greedy_tokens)
-    return out

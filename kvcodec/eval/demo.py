@@ -17,7 +17,8 @@ import torch
 
 from kvcodec.atomic import check_output, ensure_output_dir
 from kvcodec.models.capture import select_context, tokenize
-from kvcodec.eval.curve import Method, TextCase, cached_capture, default_capture_dir, measure, run_curve
+from kvcodec.eval.curve import cached_capture, default_capture_dir, measure, run_curve
+from kvcodec.eval.methods import Method, TextCase
 from kvcodec.format import KvcReader, write_kvc
 from kvcodec.digest import token_ids_sha256
 from kvcodec.models.load import load_model

@@ -178,13 +178,13 @@ def test_curve_cli_writes_outputs_and_resumes(tmp_path, capsys):
 
 
 def test_pareto_frontier():
-    from kvcodec.eval.curve import pareto
+    from kvcodec.eval.report import pareto
 
     assert pareto([(4, 0.1), (2, 0.5), (3, 0.6), (8, 0.01), (9, 0.02)]) == [(2, 0.5), (4, 0.1), (8, 0.01)]
 
 
 def test_every_family_is_selected():
-    from kvcodec.eval.curve import codec_presets, select_methods
+    from kvcodec.eval.methods import codec_presets, select_methods
     from kvcodec.plan.presets import PRESETS
 
     got = select_methods(["h2o", "kvcodec-kl", "kvcodec", "int8"], target_kls=[1e-3], h2o_budgets=["h2o:0.5"])

@@ -157,7 +157,7 @@ def test_real_peer_bits_and_roundtrip(real_cache, name):
 def test_peer_families_are_selected_or_skipped_with_a_reason(monkeypatch):
     """Real peers run when their library is installed; a missing one is a printed note, never a faked row."""
     from kvcodec.eval import peers
-    from kvcodec.eval.curve import select_methods
+    from kvcodec.eval.methods import select_methods
 
     got = select_methods(["hf-quanto", "hf-hqq:hqq4-g64-kivi"])
     for backend, n in (("quanto", 8), ("hqq", 1)):
@@ -210,7 +210,7 @@ def test_kvpress_roundtrip_keeps_the_press_tokens_and_charges_them(real_cache):
 
 def test_kvpress_is_skipped_with_a_reason_when_its_venv_is_missing(monkeypatch, tmp_path):
     """No .venv-kvpress: the kvpress family is a printed note, never a faked row."""
-    from kvcodec.eval.curve import select_methods
+    from kvcodec.eval.methods import select_methods
 
     monkeypatch.setenv("KVCODEC_KVPRESS_PYTHON", str(tmp_path / "missing" / "python"))
     got = select_methods(["kvpress", "int8"])
