@@ -1,0 +1,171 @@
+"""LMCache chunk <-> `.kvc` bytes, with no LMCache import (the main test suite covers it).
+
+One LMCache chunk object is one KV tensor of one model's chunk of tokens. In LMCache's multiprocess mode it has
+the layout ``KV_2LTD``: ``[2, num_layers, num_tokens, num_kv_heads * head_dim]`` (K then V). That is the only
+layout this codec accepts; MLA's single-plane ``[num_layers, num_tokens, dim]``, a chunk object of several
+kernel groups (hybrid models), and the per-layer formats of LMCache's non-MP engine are refused in one line.
+
+Why a frame around the `.kvc`: LMCache's ``fs`` L2 adapter (and others) read a stored object back into a buffer
+of exactly ``estimate_serialized_size`` bytes and count a shorter file as a miss ("Incomplete read"), while a
+`.kvc` with trailing bytes is not a `.kvc`. So the serialized object is ``MAGIC | u64 length | .kvc | zero
+padding``; :func:`unframe` (and ``python -m kvcodec.integrations.lmcache extract``) gives the `.kvc` back for
+``kvc info`` / ``kvc verify``.
+
+Post-RoPE keys: a chunk carries no absolute positions (LMCache keys it by a content hash). The codec encodes it
+as a context of its own starting at position 0: the lossy presets un-rotate its keys by the angles of positions
+0..T-1, not the true ones, and the decoder re-rotates by the same angles, so the keys come back post-RoPE at
+their true positions (the rotation is undone exactly, the stored keys are only rotated by a constant per-chunk
+offset). What it costs is energy compaction in the calibrated basis: docs/guide/engines.md gives the measured
+difference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvcodec.errors import KvcFormatError, KvcInputError, KvcModelMismatchError
+
+MAGIC = b"KVCLMC01"  # the frame: magic, u64 little-endian length of the .kvc, the .kvc, zero padding
+_HEAD = struct.Struct("<8sQ")
+FRAME_OVERHEAD = _HEAD.size
+DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+# the .kvc's own header JSON (fingerprint, meta), chunk index and footer beyond the per-layer allowance
+_KVC_SLACK = 64 << 10
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """One KV_2LTD chunk's shape: ``[2, layers, tokens, heads * head_dim]`` of ``dtype``."""
+
+    layers: int
+    tokens: int
+    width: int
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.layers * self.tokens * self.width * self.dtype.itemsize
+
+
+def chunk_layout(shapes: Any, dtypes: Any) -> ChunkLayout:
+    """The chunk layout of an LMCache ``MemoryLayoutDesc`` (shapes, dtypes), or one KvcInputError line why not."""
+    shapes, dtypes = list(shapes), list(dtypes)
+    if len(shapes) != 1 or len(dtypes) != 1:
+        raise KvcInputError(f"kvcodec serde: a chunk object of {len(shapes)} kernel groups is not supported "
+                            "(one KV_2LTD tensor per object only: no hybrid models)")
+    shape, dtype = tuple(int(d) for d in shapes[0]), dtypes[0]
+    if len(shape) == 3:
+        raise KvcInputError(f"kvcodec serde: layout {list(shape)} is MLA's single plane [layers, tokens, dim]; "
+                            "only KV_2LTD [2, layers, tokens, heads*head_dim] is supported")
+    if len(shape) != 4 or shape[0] != 2 or min(shape) < 1:
+        raise KvcInputError(f"kvcodec serde: layout {list(shape)} is not KV_2LTD [2, layers, tokens, heads*head_dim]")
+    if dtype not in DTYPES:
+        raise KvcInputError(f"kvcodec serde: dtype {dtype} is not supported (float16, bfloat16, float32)")
+    return ChunkLayout(shape[1], shape[2], shape[3], dtype)
+
+
+def check_model_layout(lay: ChunkLayout, fp: Any) -> None:
+    """Refuse a chunk whose shape is not this model's KV (one line): it would be encoded under the wrong model."""
+    dims = set(fp.head_dims)
+    if len(dims) != 1:
+        raise KvcInputError(f"kvcodec serde: model {fp.id} has layers of different head sizes {sorted(dims)}, which a "
+                            "KV_2LTD chunk cannot hold")
+    want = fp.num_kv_heads * fp.head_dims[0]
+    if lay.layers != fp.num_layers or lay.width != want:
+        raise KvcInputError(f"kvcodec serde: chunk [2, {lay.layers}, {lay.tokens}, {lay.width}] does not fit the model "
+                            f"({fp.num_layers} layers x {fp.num_kv_heads} KV heads x {fp.head_dims[0]})")
+
+
+def upper_bound(lay: ChunkLayout, fp: Any | None = None) -> int:
+    """Bytes no serialized chunk of ``lay`` exceeds, whatever its values (the serde's estimate).
+
+    Why it holds: the serializer encodes with its preset and, should that ever not fit (incompressible values
+    under zstd grow by its frame overhead), encodes again with the ``raw`` preset, whose payload is the raw
+    values. So the bound is the raw bytes plus the frame and the `.kvc`'s own header, chunk index and footer
+    (fingerprint and metadata JSON, per-layer records), with room to spare; tests/integrations/lmcache checks it
+    on incompressible chunks of every preset.
+    """
+    fp_json = 0 if fp is None else len(str(getattr(fp, "rope", ""))) + 4096
+    return FRAME_OVERHEAD + lay.nbytes + 1024 * 2 * lay.layers + fp_json + _KVC_SLACK
+
+
+def key_meta(key: Any) -> dict[str, Any]:
+    """What a `.kvc` records of its LMCache ObjectKey, checked again at deserialize."""
+    return {"chunk_hash": bytes(key.chunk_hash).hex(), "model_name": str(key.model_name), "kv_rank": int(key.kv_rank),
+            "object_group_id": int(getattr(key, "object_group_id", 0)), "cache_salt": str(getattr(key, "cache_salt", ""))}
+
+
+def key_digest(key: Any) -> str:
+    """64 hex digits binding every field of an ObjectKey (a store key's digest)."""
+    m = key_meta(key)
+    blob = "\0".join([m["chunk_hash"], m["model_name"], str(m["kv_rank"]), str(m["object_group_id"]), m["cache_salt"]])
+    return hashlib.sha256(b"lmcache-object-key\0" + blob.encode()).hexdigest()
+
+
+def to_cache(tensor: torch.Tensor, fp: Any, meta: dict[str, Any]) -> Any:
+    """A KV_2LTD chunk tensor as a KVCache of ``fp``'s model: a context of its own (positions 0..T-1)."""
+    from kvcodec.core.kvcache import KVCache
+
+    lay = chunk_layout([tensor.shape], [tensor.dtype])
+    check_model_layout(lay, fp)
+    h, d = fp.num_kv_heads, fp.head_dims[0]
+    t = tensor.detach().to("cpu")
+    keys = [t[0, i].reshape(lay.tokens, h, d).transpose(0, 1).contiguous() for i in range(lay.layers)]
+    values = [t[1, i].reshape(lay.tokens, h, d).transpose(0, 1).contiguous() for i in range(lay.layers)]
+    # token ids: the chunk has none (LMCache keys it by a hash, recorded in meta); zeros keep the file valid
+    return KVCache(keys, values, np.zeros(lay.tokens, dtype=np.int64), fp, None, {"source": "lmcache", **meta})
+
+
+def frame(kvc: bytes, capacity: int, pad: bool) -> bytes:
+    """The serialized object: the frame head, the `.kvc`, and zeros up to ``capacity`` when ``pad``."""
+    n = FRAME_OVERHEAD + len(kvc)
+    if n > capacity:
+        raise KvcInputError(f"kvcodec serde: the encoded chunk ({n} bytes) exceeds the buffer ({capacity} bytes)")
+    out = _HEAD.pack(MAGIC, len(kvc)) + kvc
+    return out + bytes(capacity - n) if pad else out
+
+
+def unframe(blob: bytes | memoryview) -> bytes:
+    """The `.kvc` inside a serialized object, or one KvcFormatError line (not ours, truncated, forged length)."""
+    mv = memoryview(blob).cast("B")
+    if len(mv) < FRAME_OVERHEAD:
+        raise KvcFormatError(f"kvcodec serde: object of {len(mv)} bytes is shorter than its frame")
+    magic, n = _HEAD.unpack_from(mv, 0)
+    if magic != MAGIC:
+        raise KvcFormatError(f"kvcodec serde: not a kvcodec object (magic {bytes(magic)!r})")
+    if n > len(mv) - FRAME_OVERHEAD:
+        raise KvcFormatError(f"kvcodec serde: frame says {n} bytes, the object holds {len(mv) - FRAME_OVERHEAD}")
+    return bytes(mv[FRAME_OVERHEAD:FRAME_OVERHEAD + n])
+
+
+def check_entry(r: Any, fp: Any, key: Any, lay: ChunkLayout) -> None:
+    """Refuse (KvcError) a `.kvc` that is not this key's chunk of this model in this layout: never decode it into
+    the cache. Another model, another chunk (a renamed or swapped file), another shape: all a miss."""
+    if not fp.same_model(r.fingerprint):
+        raise KvcModelMismatchError(f"kvcodec serde: object written for model {r.fingerprint.id}, this key's model "
+                                    f"is {fp.id}")
+    meta = r.header.meta if isinstance(r.header.meta, dict) else {}
+    if meta.get("source") != "lmcache" or meta.get("chunk_hash") != key_meta(key)["chunk_hash"]:
+        raise KvcFormatError("kvcodec serde: object was written for another chunk (its recorded key differs)")
+    for f in ("kv_rank", "object_group_id", "cache_salt"):
+        if meta.get(f) != key_meta(key)[f]:
+            raise KvcFormatError(f"kvcodec serde: object was written for another {f}")
+    h = r.header
+    if int(h.num_layers) != lay.layers or int(h.num_tokens) != lay.tokens or h.ragged or r.positions is not None:
+        raise KvcFormatError(f"kvcodec serde: object holds {h.num_layers} layers x {h.num_tokens} tokens, the buffer "
+                             f"wants {lay.layers} x {lay.tokens}")
+
+
+def write_chunk(r: Any, dst: torch.Tensor, lay: ChunkLayout) -> None:
+    """Decode every layer of reader ``r`` into the KV_2LTD tensor ``dst`` (same dtype in and out: bit-exact for
+    the lossless presets)."""
+    for i, k, v in r.iter_layers():
+        # [H, T, D] -> [T, H*D]
+        dst[0, i].copy_(k.transpose(0, 1).reshape(lay.tokens, lay.width))
+        dst[1, i].copy_(v.transpose(0, 1).reshape(lay.tokens, lay.width))

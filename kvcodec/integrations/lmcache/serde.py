@@ -1,0 +1,233 @@
+"""The LMCache serde ``kvcodec``: LMCache's multiprocess-mode ``Serializer`` / ``Deserializer``, wrapped by its
+``AsyncSerdeProcessor`` and registered under the type name ``kvcodec`` (needs ``pip install kvcodec[lmcache]``).
+
+Selected per L2 adapter in LMCache's config::
+
+    {"type": "fs", "base_path": "/var/cache/lmcache",
+     "serde": {"type": "kvcodec", "preset": "lossless",
+               "models": {"HuggingFaceTB/SmolLM2-135M": "smollm2"}}}
+
+Options (the ``serde`` dict, all checked when LMCache builds the adapter, before the first store):
+
+* ``preset``: a kvcodec preset (``lossless`` default; ``near-lossless`` / ``balanced`` / ``small`` need the
+  model's calibration on this machine: ``kvc calibrate --model DIR`` once; refused at configuration otherwise).
+* ``models``: LMCache model name (the ``ObjectKey``'s) -> kvcodec model (a shipped name or an HF directory);
+  a name not listed is itself tried as one. Every listed model's fingerprint (and calibration, for a lossy
+  preset) is resolved at configuration: a missing one is refused then, in one line.
+* ``pad``: true (default) pads every object to ``estimate_serialized_size``: LMCache's ``fs`` adapter (0.5.6)
+  reads a stored object back into a buffer of exactly that size and counts a shorter file as a miss. So over
+  ``fs`` the bytes on disk do not shrink; they do with the kvcodec L2 adapter (:mod:`.adapter`), which stores the
+  `.kvc` itself. ``pad: false`` is for adapters that read back what was stored.
+* ``verify``: the writer's read-back (``"file"`` default, ``"off"``); ``max_workers``: the processor's threads.
+
+What the serde refuses, as :class:`~kvcodec.errors.KvcError` (LMCache logs it: a failed store, or a load counted
+as a miss): a layout other than one KV_2LTD tensor (:mod:`.chunks`), a chunk whose shape is not its model's,
+a model it cannot resolve, and at deserialize anything that is not this key's chunk of this model: another
+model's or codec's object, a renamed file, hostile bytes. Nothing is ever decoded into the wrong cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Mapping
+
+import torch
+from lmcache.v1.distributed.serde.async_processor import AsyncSerdeProcessor
+from lmcache.v1.distributed.serde.base import Deserializer, Serializer
+from lmcache.v1.distributed.serde.factory import get_registered_serde_types, register_serde_factory
+
+import kvcodec
+from kvcodec.errors import KvcError, KvcInputError, KvcModelNotFoundError
+from kvcodec.integrations.lmcache.chunks import (
+    check_entry, check_model_layout, chunk_layout, frame, key_meta, to_cache, unframe, upper_bound,
+    write_chunk,
+)
+
+log = logging.getLogger("kvcodec.integrations.lmcache")
+SERDE_NAME = "kvcodec"
+_OPTIONS = frozenset({"preset", "models", "pad", "verify", "max_workers"})
+
+
+class ModelResolver:
+    """LMCache model name -> kvcodec fingerprint (and calibration), resolved once per name.
+
+    Why a fingerprint and not the model: the serde only needs the cache's identity (layers, heads, RoPE, the
+    weights' digest) to write and check `.kvc` headers; loading weights in LMCache's server would cost seconds
+    and memory per model for nothing. The fingerprint of an HF directory is the one ``load_model`` gives.
+    """
+
+    def __init__(self, preset: str, models: Mapping[str, str] | None = None) -> None:
+        from kvcodec.plan.presets import preset_info
+
+        self.info = preset_info(preset, "kvcodec serde: preset")
+        if self.info.name.startswith("baseline:"):
+            raise KvcInputError("kvcodec serde: baselines are not stored formats")
+        if models is not None and (not isinstance(models, Mapping) or
+                                   not all(isinstance(k, str) and isinstance(v, str) for k, v in models.items())):
+            raise KvcInputError("kvcodec serde: models must map LMCache model names to kvcodec models (strings)")
+        self.models = dict(models or {})
+        self._fps: dict[str, Any] = {}
+        self._cals: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def fingerprint(self, model_name: str) -> Any:
+        """The fingerprint of ``model_name``'s kvcodec model, or one KvcModelNotFoundError line."""
+        with self._lock:
+            fp = self._fps.get(model_name)
+        if fp is not None:
+            return fp
+        from kvcodec.models.fingerprint import fingerprint_dir
+        from kvcodec.models.load import resolve_model_dir
+
+        target = self.models.get(model_name, model_name)
+        try:
+            fp = fingerprint_dir(resolve_model_dir(target))
+        except KvcModelNotFoundError as e:
+            raise KvcModelNotFoundError(f"kvcodec serde: LMCache model {model_name!r}: {e}; map it with the serde "
+                                        "option models: {NAME: shipped model or HF directory}") from None
+        with self._lock:
+            self._fps[model_name] = fp
+        return fp
+
+    def calibration(self, model_name: str) -> Any:
+        """The model's calibration for a lossy preset (None for the lossless ones), or one line how to build it.
+
+        Why not build it here: building runs the model's forward and backward passes for minutes, which a cache
+        server must not start on its own in the middle of a store."""
+        if not self.info.lossy:
+            return None
+        fp = self.fingerprint(model_name)
+        with self._lock:
+            cal = self._cals.get(fp.id)
+        if cal is not None:
+            return cal
+        from kvcodec.calibration.store import load_calibration
+
+        cal = load_calibration(fp.id)
+        if cal is None:
+            raise KvcInputError(f"kvcodec serde: preset {self.info.name!r} needs the calibration of LMCache model "
+                                f"{model_name!r}, which this machine does not have; build it once with kvc calibrate "
+                                f"--model {self.models.get(model_name, model_name)} (or use the lossless preset)")
+        with self._lock:
+            self._cals[fp.id] = cal
+        return cal
+
+
+class KvcodecSerializer(Serializer):
+    """LMCache ``Serializer``: one KV_2LTD chunk -> a framed `.kvc` (:func:`chunks.frame`) in ``dst``."""
+
+    def __init__(self, resolver: ModelResolver, pad: bool = True, verify: str = "file") -> None:
+        self.resolver, self.pad, self.verify = resolver, pad, verify
+
+    def encode(self, tensor: torch.Tensor, key: Any) -> bytes:
+        """The `.kvc` of one chunk (no frame), through kvcodec's public encode; the adapter stores these as is."""
+        fp = self.resolver.fingerprint(str(key.model_name))
+        cache = to_cache(tensor, fp, key_meta(key))
+        cal = self.resolver.calibration(str(key.model_name))
+        enc = kvcodec.encode(cache, None, preset=self.resolver.info.name, calibration=cal, verify=self.verify)
+        assert enc.data is not None
+        return enc.data
+
+    def serialize(self, src: Any, dst: Any, key: Any) -> int:
+        tensor, out = src.tensor, dst.tensor
+        if tensor is None or out is None:
+            raise KvcInputError("kvcodec serde: source and destination must hold tensors")
+        lay = chunk_layout([tensor.shape], [tensor.dtype])
+        capacity = int(out.numel() * out.element_size())
+        data = self.encode(tensor, key)
+        if len(data) + 16 > capacity:  # never past the estimate: the raw preset's payload is the raw values
+            fp = self.resolver.fingerprint(str(key.model_name))
+            data = kvcodec.encode(to_cache(tensor, fp, key_meta(key)), None, preset="raw", verify=self.verify).data or b""
+        del lay  # checked: a layout LMCache should never have sized a buffer for is refused before any work
+        blob = frame(data, capacity, self.pad)  # padded to the buffer LMCache reads back into (fs: exactly that)
+        flat = out.reshape(-1).view(torch.uint8)
+        flat[:len(blob)].copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+        return len(blob)
+
+    def estimate_serialized_size(self, layout_desc: Any) -> int:
+        """A true upper bound for any chunk of this layout (:func:`chunks.upper_bound`); an unsupported layout is
+        refused here, at LMCache's first allocation, when no model name is at hand yet."""
+        lay = chunk_layout(layout_desc.shapes, layout_desc.dtypes)
+        return upper_bound(lay, self._any_fingerprint())
+
+    def _any_fingerprint(self) -> Any:
+        # the bound allows for the largest fingerprint record among the configured models (or a generous default)
+        fps = [self.resolver.fingerprint(m) for m in self.resolver.models]
+        return max(fps, key=lambda f: len(f.rope)) if fps else None
+
+
+class KvcodecDeserializer(Deserializer):
+    """LMCache ``Deserializer``: a framed `.kvc` -> the chunk, after checking it is this key's chunk of this model.
+
+    Everything wrong raises KvcError, which LMCache's processor reports as a failed task and its serde wrapper
+    as a miss for the whole load: the tokens are computed again, never taken from a wrong cache.
+    """
+
+    def __init__(self, resolver: ModelResolver) -> None:
+        self.resolver = resolver
+
+    def decode_into(self, data: bytes, dst: torch.Tensor, key: Any) -> None:
+        lay = chunk_layout([dst.shape], [dst.dtype])
+        fp = self.resolver.fingerprint(str(key.model_name))
+        check_model_layout(lay, fp)
+        with kvcodec.open(data) as r:
+            check_entry(r, fp, key, lay)
+            write_chunk(r, dst, lay)
+
+    def deserialize(self, src: Any, dst: Any, key: Any) -> None:
+        if src.tensor is None or dst.tensor is None:
+            raise KvcInputError("kvcodec serde: source and destination must hold tensors")
+        raw = src.tensor.reshape(-1).view(torch.uint8)
+        self.decode_into(unframe(raw.numpy().tobytes()), dst.tensor, key)
+
+
+def parse_options(kwargs: Mapping[str, object]) -> dict[str, Any]:
+    """The serde dict's options, checked (one KvcInputError line for the first bad one)."""
+    extra = set(kwargs) - _OPTIONS
+    if extra:
+        raise KvcInputError(f"kvcodec serde: unknown option(s) {sorted(extra)} (known: {sorted(_OPTIONS)})")
+    opts: dict[str, Any] = {"preset": kwargs.get("preset", "lossless"), "models": kwargs.get("models"),
+                            "pad": kwargs.get("pad", True), "verify": kwargs.get("verify", "file"),
+                            "max_workers": kwargs.get("max_workers", 1)}
+    if not isinstance(opts["pad"], bool):
+        raise KvcInputError("kvcodec serde: pad must be true or false")
+    if opts["verify"] not in ("file", "off"):
+        raise KvcInputError("kvcodec serde: verify must be \"file\" or \"off\"")
+    w = opts["max_workers"]
+    if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= 64:
+        raise KvcInputError("kvcodec serde: max_workers must be an integer in [1, 64]")
+    return opts
+
+
+def make_codec(kwargs: Mapping[str, object]) -> tuple[KvcodecSerializer, KvcodecDeserializer]:
+    """The serializer and deserializer for a serde dict, with every configured model resolved now."""
+    opts = parse_options(kwargs)
+    resolver = ModelResolver(opts["preset"], opts["models"])
+    for name in resolver.models:  # at configuration: a missing model or calibration is one line now
+        resolver.fingerprint(name)
+        resolver.calibration(name)
+    return KvcodecSerializer(resolver, opts["pad"], opts["verify"]), KvcodecDeserializer(resolver)
+
+
+def create_serde(kwargs: dict[str, object]) -> Any:
+    """LMCache's serde factory for ``{"type": "kvcodec", ...}``: an ``AsyncSerdeProcessor``.
+
+    LMCache's config parser turns a ValueError into its own one-line refusal; KvcError is raised as is."""
+    ser, de = make_codec(kwargs)
+    return AsyncSerdeProcessor(ser, de, max_workers=int(parse_options(kwargs)["max_workers"]))
+
+
+def register() -> bool:
+    """Register the ``kvcodec`` serde with LMCache (idempotent); True if this call registered it."""
+    if SERDE_NAME in get_registered_serde_types():
+        return False
+    try:
+        register_serde_factory(SERDE_NAME, create_serde)
+    except ValueError:  # a concurrent register won
+        return False
+    return True
+
+
+__all__ = ["SERDE_NAME", "KvcodecSerializer", "KvcodecDeserializer", "ModelResolver", "create_serde", "make_codec",
+           "register", "KvcError"]

@@ -1,0 +1,134 @@
+"""The kvcodec-store L2 adapter, loaded by the real lmcache 0.5.6 plugin adapter from its ``--l2-adapter`` JSON, on
+real SmolLM2 KV chunks. Runs in .venv-lmcache (``bash .ci/lmcache.sh``); skipped in a venv without lmcache.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("lmcache.v1.distributed.l2_adapters.plugin_l2_adapter",
+                    reason="lmcache is not installed (bash .ci/lmcache.sh builds its venv)")
+
+import kvcodec  # noqa: E402
+from kvcodec.errors import KvcError  # noqa: E402
+from kvcodec.integrations.lmcache import register  # noqa: E402
+from kvcodec.integrations.lmcache.adapter import KvcodecStoreL2Adapter  # noqa: E402
+from kvcodec.store import Store, TenantKey  # noqa: E402
+from lmc import MODEL_NAME, adapter, key, l1_manager, layout, load, lookup, real_chunks, store  # noqa: E402
+
+pytestmark = pytest.mark.model
+CHUNK = 32
+MODELS = {MODEL_NAME: "smollm2"}
+
+
+@pytest.fixture(scope="module")
+def chunks(lm):
+    return real_chunks(lm, 2, CHUNK)
+
+
+@pytest.fixture(scope="module")
+def l1():
+    m = l1_manager()
+    yield m
+    m.close()
+
+
+@pytest.fixture
+def tenant(tmp_path):
+    TenantKey.generate(tmp_path / "a.key")
+    return str(tmp_path / "a.key")
+
+
+def plugin(url, key_file, namespace="default", serde=None, **params):
+    spec = {"type": "plugin", "module_path": "kvcodec.integrations.lmcache.adapter", "class_name": "KvcodecStoreL2Adapter",
+            "adapter_params": {"store_url": str(url), "namespace": namespace, "key_file": key_file, "models": MODELS,
+                               **params}}
+    if serde is not None:
+        spec["serde"] = serde
+    return spec
+
+
+def test_plugin_round_trip_as_kvc_entries(tmp_path, chunks, l1, tenant):
+    _, ts = chunks
+    url = tmp_path / "store"
+    ad = adapter(plugin(url, tenant), l1)
+    assert isinstance(ad, KvcodecStoreL2Adapter)  # LMCache's plugin loader built ours
+    keys = [key(0), key(1)]
+    try:
+        assert lookup(ad, keys, layout(ts[0])) == [False, False]
+        assert store(ad, l1, keys, ts)
+        assert lookup(ad, keys, layout(ts[0])) == [True, True]
+        hits, got = load(ad, l1, keys, ts[0])
+        assert hits == [True, True]
+        for a, b in zip(ts, got):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+        # each chunk is a plain .kvc entry of the store, smaller than the chunk (lossless, real KV)
+        with Store.open(str(url), key=TenantKey.load(tenant)) as st:
+            ent = st.get_entry(ad.store_key(keys[0]))
+            assert ent is not None and ent.meta["lmcache"] == "kv"
+            assert len(ent.data) < ts[0].numel() * 2
+            with kvcodec.open(ent.data) as r:
+                assert r.header.num_tokens == CHUNK and r.header.meta["chunk_hash"] == keys[0].chunk_hash.hex()
+    finally:
+        ad.close()
+
+
+def test_tenancy_namespace_and_seal(tmp_path, chunks, l1, tenant):
+    """Another namespace does not see the entries; another tenant key's store refuses them (sealed): both a miss."""
+    _, ts = chunks
+    url = tmp_path / "store"
+    ad = adapter(plugin(url, tenant, namespace="team-a"), l1)
+    try:
+        assert store(ad, l1, [key(0)], [ts[0]])
+    finally:
+        ad.close()
+    other_ns = adapter(plugin(url, tenant, namespace="team-b"), l1)
+    TenantKey.generate(tmp_path / "b.key")
+    other_key = str(tmp_path / "b.key")
+    other_tenant = adapter(plugin(url, other_key, namespace="team-a"), l1)
+    try:
+        assert load(other_ns, l1, [key(0)], ts[0])[0] == [False]
+        assert load(other_tenant, l1, [key(0)], ts[0])[0] == [False]
+    finally:
+        other_ns.close()
+        other_tenant.close()
+
+
+def test_hostile_and_wrong_entries_are_misses(tmp_path, chunks, l1, tenant):
+    _, ts = chunks
+    url = tmp_path / "store"
+    ad = adapter(plugin(url, tenant), l1)
+    try:
+        assert store(ad, l1, [key(0)], [ts[0]])
+        with Store.open(str(url), key=TenantKey.load(tenant)) as st:
+            good = st.get(ad.store_key(key(0)))
+            assert good is not None
+            # chunk 0's entry planted under chunk 1's key, then garbage, then a truncated entry
+            for data in (good, b"\0" * 100, good[: len(good) // 2], bytes(reversed(good))):
+                st.put(ad.store_key(key(1)), data, {"lmcache": "kv"})
+                assert load(ad, l1, [key(1)], ts[0])[0] == [False]
+    finally:
+        ad.close()
+
+
+def test_serde_in_front_of_the_plugin(tmp_path, chunks, l1, tenant):
+    """The ``kvcodec`` serde on this adapter: LMCache hands it the serde's bytes, stored as they are."""
+    register()
+    _, ts = chunks
+    ad = adapter(plugin(tmp_path / "store", tenant, serde={"type": "kvcodec", "models": MODELS, "pad": False}), l1)
+    try:
+        assert store(ad, l1, [key(0)], [ts[0]])
+        hits, got = load(ad, l1, [key(0)], ts[0])
+        assert hits == [True] and torch.equal(got[0].view(torch.int16), ts[0].view(torch.int16))
+    finally:
+        ad.close()
+
+
+def test_bad_params_refused_at_configuration(tmp_path):
+    for bad in ({}, {"store_url": str(tmp_path), "colour": 1}, {"store_url": str(tmp_path), "namespace": "a b"},
+                {"store_url": str(tmp_path), "preset": "nope"},
+                {"store_url": str(tmp_path), "models": {"x/y": "no-such-model"}}):
+        with pytest.raises(KvcError) as e:
+            KvcodecStoreL2Adapter(bad)
+        assert "\n" not in str(e.value)

@@ -1,0 +1,226 @@
+"""The ``kvcodec`` serde inside the real lmcache 0.5.6 (its own L1 manager, ``fs`` L2 adapter, serde wrapper and
+``AsyncSerdeProcessor``), on real SmolLM2 KV chunks. Runs in .venv-lmcache (``bash .ci/lmcache.sh``); skipped in a
+venv without lmcache.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("lmcache.v1.distributed.serde", reason="lmcache is not installed (bash .ci/lmcache.sh builds its venv)")
+
+from lmcache.v1.distributed.api import MemoryLayoutDesc  # noqa: E402
+from lmcache.v1.distributed.serde.factory import get_registered_serde_types  # noqa: E402
+
+import kvcodec  # noqa: E402
+from kvcodec.errors import KvcError  # noqa: E402
+from kvcodec.integrations.lmcache import register  # noqa: E402
+from kvcodec.integrations.lmcache.chunks import MAGIC, chunk_layout, unframe, upper_bound  # noqa: E402
+from kvcodec.integrations.lmcache.serde import make_codec  # noqa: E402
+from lmc import MODEL_NAME, adapter, key, l1_manager, layout, load, lookup, real_chunks, store  # noqa: E402
+
+pytestmark = pytest.mark.model
+CHUNK = 32
+MODELS = {MODEL_NAME: "smollm2"}
+
+
+@pytest.fixture(scope="module")
+def chunks(lm):
+    return real_chunks(lm, 2, CHUNK)
+
+
+@pytest.fixture(scope="module")
+def l1():
+    m = l1_manager()
+    yield m
+    m.close()
+
+
+def fs_spec(path, **serde):
+    return {"type": "fs", "base_path": str(path), "serde": {"type": "kvcodec", "models": MODELS, **serde}}
+
+
+def test_registered_by_one_call():
+    register()
+    assert register() is False  # idempotent
+    assert "kvcodec" in get_registered_serde_types()
+    assert {"fp8"} <= set(get_registered_serde_types())  # beside LMCache's own
+
+
+def test_lossless_bit_exact_through_fs(tmp_path, chunks, l1):
+    register()
+    _, ts = chunks
+    ad = adapter(fs_spec(tmp_path), l1)
+    try:
+        keys = [key(0), key(1)]
+        assert store(ad, l1, keys, ts)
+        assert lookup(ad, keys, layout(ts[0])) == [True, True]
+        hits, got = load(ad, l1, keys, ts[0])
+        assert hits == [True, True]
+        for a, b in zip(ts, got):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))  # bit for bit
+    finally:
+        ad.close()
+    files = [os.path.join(r, f) for r, _, fs in os.walk(tmp_path) for f in fs]
+    assert len(files) == 2
+    # the stored object is LMCache's buffer: the frame, a .kvc that kvc verify accepts, zero padding
+    with open(files[0], "rb") as f:
+        blob = f.read()
+    assert blob[:8] == MAGIC
+    out = tmp_path / "x.kvc"
+    r = subprocess.run([sys.executable, "-m", "kvcodec.integrations.lmcache", "extract", files[0], str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    v = subprocess.run([sys.executable, "-m", "kvcodec", "verify", str(out)], capture_output=True, text=True)
+    assert v.returncode == 0, v.stdout + v.stderr
+    with kvcodec.open(str(out)) as rd:
+        assert rd.header.num_tokens == CHUNK and rd.header.meta["source"] == "lmcache"
+
+
+def test_wrong_model_or_chunk_is_a_miss(tmp_path, chunks, l1):
+    """An object stored under one key and read under another (a renamed file), or of another model, is refused
+    at deserialize: LMCache counts a miss, and the buffer is not filled from it."""
+    register()
+    _, ts = chunks
+    ad = adapter(fs_spec(tmp_path), l1)
+    try:
+        assert store(ad, l1, [key(0)], [ts[0]])
+        files = [os.path.join(r, f) for r, _, fs in os.walk(tmp_path) for f in fs]
+        src = files[0]
+        # the same bytes under chunk 7's file name: the fs adapter finds it, the serde refuses it
+        os.link(src, src.replace((0).to_bytes(8, "big").hex(), (7).to_bytes(8, "big").hex()))
+        assert lookup(ad, [key(7)], layout(ts[0])) == [True]
+        hits, got = load(ad, l1, [key(7)], ts[0])
+        assert hits == [False]
+        # hostile bytes in the object: a miss, never a crash
+        with open(src, "r+b") as f:
+            f.seek(200)
+            f.write(os.urandom(4096))
+        hits, _ = load(ad, l1, [key(0)], ts[0])
+        assert hits == [False]
+    finally:
+        ad.close()
+
+
+def test_deserialize_refuses_other_model_and_codec(chunks):
+    _, ts = chunks
+    ser, de = make_codec({"models": MODELS})
+    data = ser.encode(ts[0], key(0))
+    dst = torch.empty_like(ts[0])
+    de.decode_into(data, dst, key(0))
+    assert torch.equal(dst.view(torch.int16), ts[0].view(torch.int16))
+    with pytest.raises(KvcError):
+        de.decode_into(data, dst, key(1))  # another chunk
+    with pytest.raises(KvcError):
+        de.decode_into(data, dst, key(0, salt="tenant-b"))  # another user's salt
+    with pytest.raises(KvcError):
+        make_codec({"models": {"other/model": "no-such-model"}})  # at configuration
+    fp8 = ts[0].to(torch.float8_e4m3fn).view(torch.uint8).reshape(-1).numpy().tobytes()
+    for hostile in (b"", b"KVCLMC01", fp8, MAGIC + (1 << 60).to_bytes(8, "little") + b"x" * 64,
+                    MAGIC + len(data).to_bytes(8, "little") + data[:-9] + bytes(9)):
+        with pytest.raises(KvcError):
+            de.decode_into(unframe(hostile), dst, key(0))
+
+
+@pytest.mark.parametrize("shape,dtype", [((30, 32, 192), torch.bfloat16), ((2, 30, 32, 192), torch.int8),
+                                         ((3, 30, 32, 192), torch.bfloat16), ((2, 30, 32), torch.float16)])
+def test_unsupported_layouts_refused_in_one_line(shape, dtype):
+    ser, _ = make_codec({"models": MODELS})
+    with pytest.raises(KvcError) as e:
+        ser.estimate_serialized_size(MemoryLayoutDesc(shapes=[torch.Size(shape)], dtypes=[dtype]))
+    assert "\n" not in str(e.value)
+    with pytest.raises(KvcError):  # two kernel groups in one object
+        ser.estimate_serialized_size(MemoryLayoutDesc(shapes=[torch.Size((2, 30, 32, 192))] * 2,
+                                                      dtypes=[torch.bfloat16] * 2))
+
+
+def test_bad_options_refused_at_configuration():
+    for bad in ({"preset": "nope"}, {"pad": "yes"}, {"verify": 1}, {"max_workers": 0}, {"colour": 1},
+                {"models": ["smollm2"]}):
+        with pytest.raises(KvcError):
+            make_codec({"models": MODELS, **bad})
+
+
+@pytest.mark.parametrize("preset", ["lossless", "zstd", "balanced", "small"])
+def test_estimate_is_an_upper_bound(preset, chunks):
+    """Real chunks and incompressible ones (uniform random bits in every value for the lossless presets; wide
+    Gaussian noise, no structure, for the lossy ones), in every preset: the output never exceeds the estimate."""
+    _, ts = chunks
+    ser, _ = make_codec({"models": MODELS, "preset": preset, "pad": False})
+    g = torch.Generator().manual_seed(1)
+    bits = torch.randint(-(1 << 15), 1 << 15, ts[0].shape, generator=g, dtype=torch.int32).to(torch.int16)
+    bits = bits.view(torch.bfloat16).clone()
+    bits[bits.isnan() | bits.isinf()] = 1.0
+    gauss = (torch.randn(ts[0].shape, generator=g) * 50).to(torch.bfloat16)
+    lossy = preset in ("balanced", "small")
+
+    class Obj:  # LMCache's MemoryObj as the serializer sees it: a tensor
+        def __init__(self, tensor):
+            self.tensor = tensor
+
+    for t in (ts[0], gauss if lossy else bits):
+        est = ser.estimate_serialized_size(layout(t))
+        assert est == upper_bound(chunk_layout([t.shape], [t.dtype]), ser._any_fingerprint())
+        dst = Obj(torch.zeros(est, dtype=torch.uint8))  # a buffer of exactly the estimate, as LMCache allocates
+        n = ser.serialize(Obj(t), dst, key(0))
+        assert 0 < n <= est
+    if lossy:  # values no lossy code can hold: refused in one line, never a crash
+        with pytest.raises(KvcError):
+            ser.serialize(Obj(bits), Obj(torch.zeros(est, dtype=torch.uint8)), key(0))
+
+
+def _kl(lm, cache, restored, ids):
+    """Mean KL(original || restored) of the next-token distributions over ``ids`` continued from each cache."""
+    outs = []
+    for c in (cache, restored):
+        with torch.no_grad():
+            out = lm.model(input_ids=torch.as_tensor(ids)[None], past_key_values=c.to_dynamic_cache(torch.float32),
+                           use_cache=True)
+        outs.append(torch.log_softmax(out.logits[0].float(), -1))
+    p, q = outs
+    return float((p.exp() * (p - q)).sum(-1).mean())
+
+
+@pytest.mark.parametrize("preset", [
+    "near-lossless",
+    # Measured 2.8e-2 against the promise's 1e-2 (issue 54): LMCache's server has no model, so the serde encodes at
+    # the preset's fixed step without rate control (the whole 64-token cache, encoded the same way: 1.8e-2; with
+    # the model: 8.6e-3), and each chunk is a context of its own. Strict: this fails once the promise holds.
+    pytest.param("balanced", marks=pytest.mark.xfail(strict=True, reason="no rate control without the model (issue 54)")),
+])
+def test_lossy_within_promise(preset, tmp_path, chunks, l1, lm):
+    """The restored chunks, put back together, continue the text within the preset's KL promise."""
+    from kvcodec.core.kvcache import KVCache
+    from kvcodec.models.capture import tokenize
+    from kvcodec.plan.presets import preset_info
+    from kvcodec.texts import load_text
+
+    register()
+    cache, ts = chunks
+    ad = adapter(fs_spec(tmp_path, preset=preset), l1)
+    try:
+        keys = [key(0), key(1)]
+        assert store(ad, l1, keys, ts)
+        hits, got = load(ad, l1, keys, ts[0])
+    finally:
+        ad.close()
+    assert hits == [True, True]
+    fp = lm.fingerprint
+    h, d = fp.num_kv_heads, fp.head_dims[0]
+
+    def as_cache(chunk_list):
+        ks = [torch.cat([c[0, i].reshape(CHUNK, h, d).transpose(0, 1) for c in chunk_list], 1).float() for i in range(fp.num_layers)]
+        vs = [torch.cat([c[1, i].reshape(CHUNK, h, d).transpose(0, 1) for c in chunk_list], 1).float() for i in range(fp.num_layers)]
+        return KVCache(ks, vs, cache.token_ids, fp)
+
+    ids = tokenize(lm.tokenizer, load_text("gpl3"))[2 * CHUNK:2 * CHUNK + 32]
+    kl = _kl(lm, as_cache(ts), as_cache(got), ids)
+    promise = preset_info(preset).target
+    assert promise is not None
+    print(f"{preset}: KL {kl:.2e} (promise {promise.kl})")
+    assert kl <= promise.kl  # NaN (a buffer the load left unfilled: load() NaN-fills first) fails too
