@@ -3,7 +3,7 @@
     bash benchmarks/gpu_check                 # on a CUDA machine
     bash benchmarks/gpu_check --quick         # anywhere: TRITON_INTERPRET=1 on the CPU, tiny sizes (CI)
 
-Four steps, each recorded (passed / failed / skipped, with the reason) in ONE results file, the harness's
+Five steps, each recorded (passed / failed / skipped, with the reason) in ONE results file, the harness's
 result document (``benchmarks/harness.py``; default ``benchmarks/results/gpu_check/<machine-id>[-quick].json``,
 ``--result`` to change it) whose ``results`` hold every step and ``results.table``, the short text table
 also printed at the end:
@@ -30,6 +30,9 @@ also printed at the end:
     Median of ``--repeats`` after a warm-up.
 (d) **vLLM on the GPU**: ``tests/integrations/vllm_connector/test_vllm_connector.py`` on real CUDA where vLLM imports;
     skipped with the reason otherwise.
+(e) **SGLang HiCache with the kvcodec backend** (``benchmarks/gpu_check_sglang.py``): an SGLang server on the
+    embedded model with ``--hicache-storage-backend dynamic`` and kvcodec's backend; a prompt answered, the caches
+    flushed, the same prompt answered from the store's pages. Skipped with the reason where SGLang or CUDA is missing.
 
 Targets (BENCHMARKS.md, "GPU"): whole-file decode >= 200 GB/s on an H100; ``.kvc`` TTFT <= 0.5 x prefill TTFT
 at 8K tokens. ``--quick`` runs every step under the Triton interpreter on the CPU with tiny sizes (one layer
@@ -61,6 +64,7 @@ from typing import Any, Callable  # noqa: E402
 import numpy as np  # noqa: E402
 
 import harness  # noqa: E402
+from gpu_check_sglang import step_sglang  # noqa: E402
 
 ROOT = harness.REPO
 BUDGET_S = 470.0  # the whole check, under the 8 minutes of the issue
@@ -465,6 +469,8 @@ def table(res: dict[str, Any]) -> list[str]:
                          f"{r['status']}{' (' + str(r['why'])[:70] + ')' if r.get('why') else ''}")
     dd = res["steps"]["vllm"]
     lines.append(f"(d) vLLM on the GPU: {dd['status']}{': ' + dd['why'] if dd.get('why') else ''}")
+    e = res["steps"]["sglang"]
+    lines.append(f"(e) SGLang HiCache + kvcodec backend: {e['status']}{': ' + e['why'] if e.get('why') else ''}")
     lines.append(f"targets: decode >= {TARGET_GBPS:.0f} GB/s on an H100 -> {b.get('meets_target')}; "
                  f".kvc TTFT <= {TARGET_TTFT_RATIO} x prefill at 8K -> "
                  f"{[r.get('meets_target') for m in c.get('models', {}).values() for r in m.get('rows', []) if 'meets_target' in r] or None}")
@@ -479,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ttft-tokens", default="4096,8192", help="HF TTFT: context lengths (quick: 16)")
     ap.add_argument("--ttft-presets", default="lossless,balanced", help="HF TTFT: presets of the .kvc")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs after one warm-up (quick: one, no warm-up)")
-    ap.add_argument("--steps", default="tests,decode,ttft,vllm", help="which steps run (the others are recorded as skipped)")
+    ap.add_argument("--steps", default="tests,decode,ttft,vllm,sglang", help="which steps run (the others are recorded as skipped)")
     run = harness.cli(ap, argv, case="gpu_check")
     args = run.args
     quick = run.quick
@@ -501,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     skipped = {"status": "skipped", "why": "not in --steps"}
     if not quick and not torch.cuda.is_available():
         why = "no CUDA device: run this on a GPU machine, or --quick to check the script on the CPU"
-        for s in ("tests", "decode", "ttft", "vllm"):
+        for s in ("tests", "decode", "ttft", "vllm", "sglang"):
             res["steps"][s] = {"status": "skipped", "why": why}
         res["status"], res["wall_s"] = "no_gpu", time.perf_counter() - t0
         res["table"] = table(res)
@@ -534,6 +540,7 @@ def main(argv: list[str] | None = None) -> int:
         res["steps"]["ttft"] = skipped
     print(f"(c) ttft: {res['steps']['ttft']['status']}", flush=True)
     res["steps"]["vllm"] = step_vllm(quick, dl) if "vllm" in steps else skipped
+    res["steps"]["sglang"] = step_sglang(quick, dl.left(), ROOT) if "sglang" in steps else skipped
     statuses = [s["status"] for s in res["steps"].values()]
     res["status"] = "failed" if "failed" in statuses else "passed"
     res["wall_s"] = time.perf_counter() - t0

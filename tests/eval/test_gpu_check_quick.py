@@ -29,7 +29,7 @@ def test_gpu_check_quick_runs_every_step(tmp_path):
     res = doc["results"]
     assert res["status"] == "passed" and res["quick"] is True
     steps = res["steps"]
-    assert set(steps) == {"tests", "decode", "ttft", "vllm"}
+    assert set(steps) == {"tests", "decode", "ttft", "vllm", "sglang"}
     assert steps["tests"]["status"] == "passed" and steps["tests"]["counts"].get("passed", 0) >= 3
     rows = {row["preset"]: row for row in steps["decode"]["rows"]}
     assert list(rows) == PRESETS and all(row["status"] == "passed" and row["gbps"] > 0 for row in rows.values())
@@ -41,6 +41,7 @@ def test_gpu_check_quick_runs_every_step(tmp_path):
             assert row["first_token_identical"] is True and row["kvc_s"] > 0 and row["prefill_s"] > 0
     assert models["smollm2"]["status"] == "passed"
     assert steps["vllm"]["status"] in ("passed", "skipped") and (steps["vllm"]["status"] == "passed" or steps["vllm"]["why"])
+    assert steps["sglang"]["status"] == "skipped" and steps["sglang"]["why"]  # HiCache needs CUDA
     table = "\n".join(res["table"])
-    assert "(a)" in table and "(b)" in table and "(c)" in table and "(d)" in table
+    assert "(e)" in table and "(a)" in table and "(b)" in table and "(c)" in table and "(d)" in table
     assert table in r.stdout  # the same short table is printed

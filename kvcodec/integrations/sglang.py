@@ -1,0 +1,216 @@
+"""kvcodec as an SGLang HiCache storage backend: HiCache's L3 pages stored as `.kvc` entries of a kvcodec store.
+
+Loaded by SGLang's ``dynamic`` backend (``sglang/srt/mem_cache/storage/backend_factory.py``)::
+
+    python -m sglang.launch_server --model-path MODEL --enable-hierarchical-cache \\
+        --hicache-storage-backend dynamic \\
+        --hicache-storage-backend-extra-config '{"backend_name": "kvcodec",
+            "module_path": "kvcodec.integrations.sglang", "class_name": "KvcodecHiCacheStorage",
+            "store_url": "/var/cache/kvc", "namespace": "default", "model": "MODEL_DIR"}'
+
+Options (the same extra-config dict): ``store_url`` (any kvcodec store URL: directory, ``redis://``, ``s3://``,
+``kdn://``...), ``namespace``, ``key_file`` (the store's tenant key), ``model`` (the kvcodec model, a shipped name
+or the HF directory SGLang serves; default: SGLang's ``model_name``), ``preset`` (a lossless preset:
+``lossless`` default, ``zstd``, ``fp16``, ``raw``), ``verify``.
+
+What it implements of ``HiCacheStorage``: ``get``, ``batch_get``, ``set``, ``batch_set``, ``exists`` and
+``batch_exists`` (the page-copy interface: HiCache hands each page as one flat tensor of the host pool's
+dtype). The zero-copy ``*_v1`` / ``*_v2`` calls are not implemented (SGLang then uses the page-copy ones).
+
+Why lossless only, and why no MLA or split heads: a flat page's element order is the host pool's (layer-first or
+page-first, K and V planes), which only a GPU run of SGLang shows. A lossless preset round-trips any order bit for
+bit, so pages are encoded as ``[2, layers, tokens, heads*head_dim]`` whatever they hold; a lossy preset would
+quantize in the wrong basis if the order differed, so it is refused at configuration until the GPU check
+(benchmarks/gpu_check.py, its SGLang step) has confirmed the order. An MLA page or a tensor-parallel shard of heads
+does not fit the model's fingerprint shape and is refused at configuration too.
+
+Importing this module needs no SGLang: the class derives from SGLang's ``HiCacheStorage`` when SGLang is
+installed, else from ``object`` (the tests run it against SGLang's own ABC where SGLang installs).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import Any
+
+import torch
+
+import kvcodec
+from kvcodec.errors import KvcError, KvcFormatError, KvcInputError, KvcModelMismatchError
+
+try:  # pragma: no cover - depends on the venv
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage as _Base
+except ImportError:  # SGLang is GPU-gated; the backend is importable (and testable) without it
+    _Base = object  # type: ignore[assignment,misc]
+
+log = logging.getLogger("kvcodec.integrations.sglang")
+LOSSLESS = ("lossless", "zstd", "fp16", "raw")
+_OPTIONS = frozenset({"backend_name", "module_path", "class_name", "store_url", "namespace", "key_file", "model",
+                      "preset", "verify", "memory_bytes"})
+
+
+class KvcodecHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
+    """SGLang ``HiCacheStorage`` over a kvcodec :class:`~kvcodec.store.Store`: one `.kvc` entry per page."""
+
+    def __init__(self, storage_config: Any, kwargs: dict[str, Any] | None = None) -> None:
+        from kvcodec.models.fingerprint import fingerprint_dir
+        from kvcodec.models.load import resolve_model_dir
+        from kvcodec.store import Store, StoreKey, TenantKey
+        from kvcodec.store.keys import codec_key
+
+        extra = dict(getattr(storage_config, "extra_config", None) or {})
+        unknown = set(extra) - _OPTIONS
+        if unknown:
+            raise KvcInputError(f"kvcodec HiCache backend: unknown option(s) {sorted(unknown)} (known: {sorted(_OPTIONS)})")
+        if getattr(storage_config, "is_mla_model", False):
+            raise KvcInputError("kvcodec HiCache backend: MLA models are not supported (their pages hold one latent plane)")
+        if int(getattr(storage_config, "tp_size", 1)) > 1 or int(getattr(storage_config, "pp_size", 1)) > 1:
+            raise KvcInputError("kvcodec HiCache backend: tensor/pipeline-parallel shards are not supported (tp_size and "
+                                "pp_size must be 1: a shard's page holds part of the model's heads or layers)")
+        self.preset = str(extra.get("preset", "lossless"))
+        if self.preset not in LOSSLESS:
+            raise KvcInputError(f"kvcodec HiCache backend: preset must be lossless ({', '.join(LOSSLESS)}), got "
+                                f"{self.preset!r}: a flat page's element order is unconfirmed on CPU")
+        self.verify = str(extra.get("verify", "file"))
+        if self.verify not in ("file", "off"):
+            raise KvcInputError("kvcodec HiCache backend: verify must be \"file\" or \"off\"")
+        url = extra.get("store_url")
+        if not isinstance(url, str) or not url:
+            raise KvcInputError("kvcodec HiCache backend: store_url is required in the extra config")
+        model = extra.get("model") or getattr(storage_config, "model_name", None)
+        if not isinstance(model, str) or not model:
+            raise KvcInputError("kvcodec HiCache backend: give model (a shipped model name or the served HF directory)")
+        self.fp = fingerprint_dir(resolve_model_dir(model))
+        if len(set(self.fp.head_dims)) != 1:
+            raise KvcInputError(f"kvcodec HiCache backend: model {model} has layers of different head sizes")
+        self.namespace = str(extra.get("namespace", "default"))
+        StoreKey("m", "c", self.namespace, 0, "0" * 64)  # a bad namespace is refused now, in one line
+        self.codec = codec_key(self.preset)
+        key = TenantKey.load(extra["key_file"]) if extra.get("key_file") else None
+        self.store = Store.open(url, key=key, memory_bytes=extra.get("memory_bytes"))
+        self.rank = f"tp{getattr(storage_config, 'tp_rank', 0)}-pp{getattr(storage_config, 'pp_rank', 0)}"
+
+    # -- keys and pages ---------------------------------------------------------------------------------------
+    def _key(self, key: str) -> Any:
+        from kvcodec.store import StoreKey
+
+        d = hashlib.sha256(f"sglang-hicache\0{self.fp.id}\0{self.rank}\0{key}".encode()).hexdigest()
+        return StoreKey(_store_id(self.fp.architecture), self.codec, self.namespace, 0, d)
+
+    def _page(self, flat: torch.Tensor) -> tuple[int, int, int]:
+        """(layers, tokens, width) of a flat page of this model, or one KvcInputError line."""
+        fp = self.fp
+        width = fp.num_kv_heads * fp.head_dims[0]
+        per_token = 2 * fp.num_layers * width
+        n = int(flat.numel())
+        if n == 0 or n % per_token:
+            raise KvcInputError(f"kvcodec HiCache backend: a page of {n} elements is not whole tokens of this model "
+                                f"({per_token} per token)")
+        return fp.num_layers, n // per_token, width
+
+    def _encode(self, key: str, value: torch.Tensor) -> bytes:
+        from kvcodec.core.kvcache import KVCache
+
+        import numpy as np
+
+        lay = self._page(value)
+        fp = self.fp
+        h, d = fp.num_kv_heads, fp.head_dims[0]
+        t = value.detach().to("cpu").contiguous().reshape(2, lay[0], lay[1], lay[2])
+        ks = [t[0, i].reshape(lay[1], h, d).transpose(0, 1).contiguous() for i in range(lay[0])]
+        vs = [t[1, i].reshape(lay[1], h, d).transpose(0, 1).contiguous() for i in range(lay[0])]
+        cache = KVCache(ks, vs, np.zeros(lay[1], dtype=np.int64), fp, None,
+                        {"source": "sglang", "page_key": hashlib.sha256(key.encode()).hexdigest(), "rank": self.rank})
+        enc = kvcodec.encode(cache, None, preset=self.preset, verify=self.verify)
+        assert enc.data is not None
+        return enc.data
+
+    def _decode(self, key: str, data: bytes, out: torch.Tensor) -> None:
+        lay = self._page(out)
+        with kvcodec.open(data) as r:
+            if not self.fp.same_model(r.fingerprint):
+                raise KvcModelMismatchError(f"page written for model {r.fingerprint.id}, this model is {self.fp.id}")
+            meta = r.header.meta if isinstance(r.header.meta, dict) else {}
+            if meta.get("source") != "sglang" or meta.get("page_key") != hashlib.sha256(key.encode()).hexdigest() \
+                    or meta.get("rank") != self.rank:
+                raise KvcFormatError("entry was written for another page")
+            if int(r.header.num_tokens) != lay[1] or int(r.header.num_layers) != lay[0]:
+                raise KvcFormatError(f"entry holds {r.header.num_tokens} tokens, the page {lay[1]}")
+            view = out.view(2, lay[0], lay[1], lay[2])
+            for i, k, v in r.iter_layers():
+                view[0, i].copy_(k.transpose(0, 1).reshape(lay[1], lay[2]))
+                view[1, i].copy_(v.transpose(0, 1).reshape(lay[1], lay[2]))
+
+    # -- HiCacheStorage ---------------------------------------------------------------------------------------
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+        """Fill ``target_location`` (a flat page) from the store; None on a miss or an unusable entry."""
+        if target_location is None:
+            log.warning("kvcodec HiCache backend: get without a target page is not supported")
+            return None
+        try:
+            data = self.store.get(self._key(key))
+            if data is None:
+                return None
+            self._decode(key, data, target_location)
+            return target_location
+        except KvcError as e:
+            log.warning("kvcodec HiCache backend: page %s is a miss: %s", key[:16], e)
+            return None
+
+    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list[torch.Tensor | None]:
+        locs = target_locations or [None] * len(keys)
+        return [self.get(k, t) for k, t in zip(keys, locs)]
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        """Store one flat page; False (logged) on anything the store or the codec refuses."""
+        page = value if value is not None else target_location
+        if not isinstance(page, torch.Tensor):
+            return False
+        try:
+            sk = self._key(key)
+            if self.store.contains(sk):
+                return True
+            return bool(self.store.put(sk, self._encode(key, page), {"sglang": "page"}).ok)
+        except KvcError as e:
+            log.warning("kvcodec HiCache backend: page %s not stored: %s", key[:16], e)
+            return False
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None) -> bool:
+        vals = values if values is not None else target_locations
+        if vals is None or len(vals) != len(keys):
+            return False
+        return all([self.set(k, v) for k, v in zip(keys, vals)])  # every page is tried, as HiCacheFile does not
+
+    def exists(self, key: str) -> bool:
+        try:
+            return bool(self.store.contains(self._key(key)))
+        except KvcError:
+            return False
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        """The number of leading pages found (SGLang's prefix semantics), in one store round trip."""
+        try:
+            found = self.store.contains_many([self._key(k) for k in keys])
+        except KvcError:
+            return 0
+        for i, f in enumerate(found):
+            if not f:
+                return i
+        return len(keys)
+
+    def clear(self) -> None:
+        return None  # a shared store is never wiped by one engine
+
+    def get_stats(self) -> dict[str, Any]:
+        return {"hits": self.store.hits, "misses": self.store.misses, "store": self.store.url}
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def _store_id(name: str) -> str:
+    import re
+
+    s = re.sub(r"[^A-Za-z0-9._+=-]", "-", name).lstrip("._+=-")[:100]
+    return s or "model"
