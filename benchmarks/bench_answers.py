@@ -7,6 +7,13 @@ through ``KnowledgeBase.ask`` from the store (``source == "store"`` is checked).
 also answers by a plain prefill (a ``KnowledgeBase`` miss) and reports whether the two agree
 (``lossless_is_in_context``), so that shortcut is checked, not assumed.
 
+Methods: kvcodec presets by name, or a preset at a fixed step (``faithful:step0=0.2``: a step sweep, deposited with
+``KnowledgeBase(overrides=...)``); and the real peers (``--peers``), whose K/V are round-tripped by the peer's own code
+(HF QuantizedCache's quanto / HQQ layers, ``kvcodec.eval.peers``) or cast to fp8 e4m3 (what LMCache's ``fp8`` serde
+stores), then answered by the same greedy decode ``KnowledgeBase.ask`` uses (``greedy_from``), checked on the exact
+cache against the in-context answers (``direct_is_in_context``). Peers store nothing in a store, so their bits are
+what the library holds (codes + 16-bit scales and zero points; fp8: 8 bits).
+
 Scores (benchmarks/answer_tasks.py): exact accuracy (every reference in the output) and the share of answers
 token-for-token identical to in-context, each with its 95 % Wilson interval, per (model, context length,
 preset), over all questions and over the held-out questions alone; bits per stored element are the entries'
@@ -22,11 +29,12 @@ import argparse
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import harness
-from answer_tasks import FAMILIES, make_contexts, score, wilson
+from answer_tasks import FAMILIES, make_context, score, wilson
 
 
 def _rate(k: int, n: int) -> dict[str, Any]:
@@ -37,15 +45,47 @@ def _rate(k: int, n: int) -> dict[str, Any]:
 def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     exact = sum(r["exact"] for r in rows)
     same = sum(r["identical"] for r in rows)
-    return {"accuracy": _rate(exact, len(rows)), "identical": _rate(same, len(rows))}
+    same16 = sum(r.get("identical16", r["identical"]) for r in rows)
+    # identical: the whole greedy answer (up to --max-new-tokens); identical16: its first 16 tokens (an answer's
+    # value comes first; what follows it is often the model's own continuation, where near-ties flip)
+    return {"accuracy": _rate(exact, len(rows)), "identical": _rate(same, len(rows)), "identical16": _rate(same16, len(rows))}
+
+
+def parse_method(m: str) -> tuple[str, dict[str, Any]]:
+    """``preset`` or ``preset:key=value,key=value`` (values as JSON numbers) -> (preset, overrides)."""
+    import json
+
+    preset, _, rest = m.partition(":")
+    over = {}
+    for kv in filter(None, rest.split(";")):
+        k, _, v = kv.partition("=")
+        over[k] = json.loads(v)
+    return preset, over
+
+
+def peer_roundtrip(cache: Any, peer: str) -> tuple[Any, int]:
+    """(the cache a peer attends to, the bits it stores) for ``peer``: an HF QuantizedCache setting or ``fp8``."""
+    import torch
+
+    from kvcodec.core.kvcache import KVCache
+    from kvcodec.eval.peers import HFQuantSpec, hf_quantized_roundtrip
+
+    if peer == "fp8":
+        cast = [[t.to(torch.float8_e4m3fn).to(t.dtype) for t in ts] for ts in (cache.keys, cache.values)]
+        return (KVCache(cast[0], cast[1], cache.token_ids, cache.fingerprint, cache.positions, dict(cache.meta)),
+                8 * cache.num_elements)
+    return hf_quantized_roundtrip(cache, HFQuantSpec.parse(peer))
 
 
 def run_model(name: str, lengths: list[int], families: list[str], per_family: int, presets: list[str],
-              texts: list[str], max_new: int, seed: int, say: Any) -> dict[str, Any]:
+              texts: list[str], max_new: int, seed: int, say: Any, peers: tuple[str, ...] = (), start: int = 0) -> dict[str, Any]:
     import torch
 
-    from kvcodec.models.capture import tokenize
+    from kvcodec.integrations.hf import greedy_from
+    from kvcodec.models.cachelayout import cache_for_model
+    from kvcodec.models.capture import capture, tokenize
     from kvcodec.models.load import load_model
+    from kvcodec.plan.presets import capture_window
     from kvcodec.runtime.knowledge import KnowledgeBase
     from kvcodec.texts import load_text
 
@@ -57,44 +97,63 @@ def run_model(name: str, lengths: list[int], families: list[str], per_family: in
     out: dict[str, Any] = {"model": name, "lengths": {}}
     checked_prefill = False
     with tempfile.TemporaryDirectory(prefix="kvc-answers-") as tmp:
-        kbs = {p: KnowledgeBase(lm, store=str(Path(tmp) / p), preset=p) for p in ["lossless", *presets]}
+        kbs = {m: KnowledgeBase(lm, store=str(Path(tmp) / str(i)), preset=parse_method(m)[0], overrides=parse_method(m)[1])
+               for i, m in enumerate(["lossless", *presets])}
         for T in lengths:
-            contexts = make_contexts(families, per_family, T, count, load_text, texts, seed)
-            rows: dict[str, list[dict[str, Any]]] = {p: [] for p in kbs}
-            bits: dict[str, list[float]] = {p: [] for p in kbs}
+            contexts = [make_context(f, i, T, count, load_text, texts, seed)
+                        for f in families for i in range(start, start + per_family)]
+            methods = [*kbs, *peers]
+            rows: dict[str, list[dict[str, Any]]] = {p: [] for p in methods}
+            bits: dict[str, list[float]] = {p: [] for p in methods}
             t0 = time.time()
             for ci, ctx in enumerate(contexts):
                 docs = [ctx.text]
                 ids, _ = kbs["lossless"].context_ids(docs)
-                with torch.inference_mode():
-                    cache = kbs[presets[0] if presets else "lossless"].capture(ids)
+                with torch.inference_mode():  # once per context, observing what any preset reads
+                    cache = capture(lm, token_ids=ids, score_window=capture_window())
                 for p, kb in kbs.items():
                     bits[p].append(kb.deposit(cache)["bits_per_element"])
-                answers: dict[str, list[Any]] = {p: [] for p in kbs}
+                answers: dict[str, list[Any]] = {p: [] for p in methods}
+                peer_caches = {}
+                for p in peers:
+                    dec, nbits = peer_roundtrip(cache, p)
+                    peer_caches[p] = dec
+                    bits[p].append(nbits / cache.num_elements)
                 for q in ctx.questions:
                     for p, kb in kbs.items():
                         a = kb.ask(docs, q.question, max_new_tokens=max_new, store_new=False)
                         if a.source != "store":
                             raise SystemExit(f"{name} {ctx.id} {p}: answered from {a.source}, not the store")
                         answers[p].append(a)
+                    qids = kbs["lossless"].question_ids(q.question)
+                    with torch.inference_mode():
+                        for p in peers:
+                            toks, _ = greedy_from(lm, cache_for_model(lm, peer_caches[p]), len(ids), qids, max_new)
+                            answers[p].append(_Direct(lm.tokenizer.decode(toks, skip_special_tokens=True).strip(), toks))
                     if not checked_prefill:
                         miss = KnowledgeBase(lm, store=str(Path(tmp) / "prefill"), preset="lossless")
                         a = miss.ask(docs, q.question, max_new_tokens=max_new, store_new=False)
                         out["lossless_is_in_context"] = a.source == "prefill" and a.answer_ids == answers["lossless"][-1].answer_ids
+                        if peers:  # the peers' path (greedy_from on a cache handed to the model) on the exact cache
+                            with torch.inference_mode():
+                                toks, _ = greedy_from(lm, cache_for_model(lm, cache), len(ids), qids, max_new)
+                            out["direct_is_in_context"] = toks == answers["lossless"][-1].answer_ids
                         checked_prefill = True
                 for qi, q in enumerate(ctx.questions):
                     ref = answers["lossless"][qi].answer_ids
-                    for p in kbs:
+                    for p in methods:
                         a = answers[p][qi]
                         s = score(a.answer, q.answers)
                         rows[p].append({"id": q.id, "family": q.family, "split": q.split, "exact": bool(s["exact"]),
-                                        "share": s["share"], "identical": a.answer_ids == ref, "answer": a.answer})
+                                        "share": s["share"], "identical": a.answer_ids == ref,
+                                        "identical16": list(a.answer_ids[:16]) == list(ref[:16]), "answer": a.answer})
                 say(f"{name} {T}: context {ci + 1}/{len(contexts)} ({ctx.family}, {len(ids)} tokens) "
-                    + " ".join(f"{p} {sum(r['exact'] for r in rows[p])}/{len(rows[p])}" for p in kbs)
+                    + " ".join(f"{p} {sum(r['exact'] for r in rows[p])}/{len(rows[p])}"
+                               f" ={sum(r['identical'] for r in rows[p])}" for p in methods)
                     + f" [{time.time() - t0:.0f} s]")
             res: dict[str, Any] = {"contexts": len(contexts), "questions": len(rows["lossless"]), "methods": {}}
-            for p in kbs:
-                method = "in-context" if p == "lossless" else p
+            for p in methods:
+                method = "in-context" if p == "lossless" else (f"peer:{p}" if p in peers else p)
                 held = [r for r in rows[p] if r["split"] == "held-out"]
                 # in context stores nothing: its answers come from the lossless entry, whose bits are reported beside
                 res["methods"][method] = {
@@ -107,6 +166,14 @@ def run_model(name: str, lengths: list[int], families: list[str], per_family: in
     return out
 
 
+@dataclass
+class _Direct:
+    """A peer's answer (the fields of ``Answer`` the scoring reads)."""
+
+    answer: str
+    answer_ids: list[int]
+
+
 def main(argv: list[str] | None = None) -> None:
     from kvcodec.texts import HELD_OUT
 
@@ -115,7 +182,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", default="4096,8192", help="context lengths (tokens, approximate)")
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--per-family", type=int, default=10, help="contexts per family and length")
-    ap.add_argument("--presets", default="near-lossless,balanced,small", help="lossy presets compared with in-context")
+    ap.add_argument("--start", type=int, default=0, help="index of each family's first context (to split a run in parts "
+                    "whose questions do not overlap)")
+    ap.add_argument("--presets", default="faithful,near-lossless,balanced,small",
+                    help="kvcodec methods compared with in-context: presets, or PRESET:step0=X for a step sweep")
+    ap.add_argument("--peers", default="", help="real peers: HF QuantizedCache settings (quanto4-g32-kivi, hqq2-g64-hf) "
+                    "and fp8 (LMCache's fp8 serde)")
     ap.add_argument("--texts", default=",".join(t for t in HELD_OUT if t != "changelog-apt"),
                     help="haystack texts (held-out by default)")
     ap.add_argument("--max-new-tokens", type=int, default=32)
@@ -131,11 +203,13 @@ def main(argv: list[str] | None = None) -> None:
 
     results = [run_model(m, [int(t) for t in a.tokens.split(",")], families, a.per_family,
                          [p for p in a.presets.split(",") if p], [t for t in a.texts.split(",") if t],
-                         a.max_new_tokens, a.seed, say) for m in a.models.split(",") if m]
+                         a.max_new_tokens, a.seed, say, tuple(p for p in a.peers.split(",") if p), a.start)
+               for m in a.models.split(",") if m]
     for r in results:
         for T, res in r["lengths"].items():
             print(f"{r['model']} {T} tokens: {res['questions']} questions in {res['contexts']} contexts "
-                  f"(lossless = in-context checked: {r.get('lossless_is_in_context')})")
+                  f"(lossless = in-context checked: {r.get('lossless_is_in_context')}; "
+                  f"peers' path = in-context: {r.get('direct_is_in_context')})")
             for m, v in res["methods"].items():
                 acc, same, ho = v["all"]["accuracy"], v["all"]["identical"], v["held_out"]["accuracy"]
                 b = "     -" if v["bits_per_element"] is None else f"{v['bits_per_element']:6.2f}"

@@ -47,8 +47,7 @@ def main(argv=None) -> None:
     from kvcodec.format import encode_kvc_bytes
     from kvcodec.models.capture import capture, tokenize
     from kvcodec.models.load import load_model
-    from kvcodec.plan.presets import get_plan, lossy_settings, score_window
-    from kvcodec.plan.ratefit import ensure_rate_model
+    from kvcodec.plan.presets import get_plan, rate_model, score_window
     from kvcodec.texts import load_text
 
     torch.set_num_threads(a.threads)
@@ -59,7 +58,7 @@ def main(argv=None) -> None:
     for model in [m for m in a.models.split(",") if m]:
         lm = load_model(model)
         cal = ensure_calibration(lm)
-        ensure_rate_model(lm, cal, lossy_settings())
+        rate_model(lm, cal)
         warm = capture(lm, token_ids=tokenize(lm.tokenizer, load_text("gpl3"))[:256])
         for preset in presets:
             plan = get_plan(preset, warm, lm=lm, cal=cal)

@@ -161,8 +161,7 @@ def main(argv=None) -> None:
     from kvcodec.models.load import load_model
     from kvcodec.models.quality import continue_logits
     from kvcodec.format import encode_kvc_bytes
-    from kvcodec.plan.presets import get_plan, lossy_settings, score_window
-    from kvcodec.plan.ratefit import ensure_rate_model
+    from kvcodec.plan.presets import get_plan, rate_model, score_window
     from kvcodec.texts import load_text
 
     torch.set_num_threads(a.threads)
@@ -171,7 +170,7 @@ def main(argv=None) -> None:
     for model in [m for m in a.models.split(",") if m]:
         lm = load_model(model)
         cal = ensure_calibration(lm)
-        ensure_rate_model(lm, cal, lossy_settings())  # fitted once (or shipped): not an encode's cost
+        rate_model(lm, cal)  # fitted once (or shipped): not an encode's cost
         window = max_context(lm)
         warm = capture(lm, token_ids=tokenize(lm.tokenizer, load_text("gpl3"))[:256])
         for preset in presets:  # untimed: one-time loads (numba kernels, imports), not a document's cost

@@ -22,6 +22,7 @@ from kvcodec.core.kvcache import KVCache
 from kvcodec.core.stage import Plan
 from kvcodec.errors import KvcInputError
 from kvcodec.format import KvcReader
+from kvcodec.plan.presets import DEFAULT_LOSSY
 from kvcodec.rate import PruneRecord, bits_per_element, context_elements
 
 __all__ = ["Encoded", "encode", "open"]
@@ -69,7 +70,7 @@ def encode(
     source: Source | None,
     dest: str | os.PathLike | BinaryIO | None = None,
     *,
-    preset: str | None = "balanced",
+    preset: str | None = DEFAULT_LOSSY,
     overrides: dict[str, Any] | None = None,
     model: Any = None,
     text: str | None = None,
@@ -109,9 +110,9 @@ def encode(
     if target_kl is not None and target_dppl is not None:
         raise KvcInputError("give only one of target_kl and target_dppl")
     if preset is None and not targeted:
-        raise KvcInputError("give a preset (preset=None is balanced's settings at a target_kl / target_dppl)")
+        raise KvcInputError(f"give a preset (preset=None is the default {DEFAULT_LOSSY}'s settings at a target_kl / target_dppl)")
     if preset is None:
-        preset = "balanced"
+        preset = DEFAULT_LOSSY
     baseline = preset is not None and preset.startswith("baseline:")
     info = None if preset is None or baseline else preset_info(preset)
     overrides = check_overrides(info.name, dict(overrides or {}), "overrides") if info is not None else dict(overrides or {})

@@ -16,6 +16,9 @@ Format (JSON, ``kvcodec-ratemodel`` version 1)::
      "rival_per_step": g,      # near-lossless: max rival logit gain per unit step0 (linear law)
      "layer_factor": [[fk, fv], ...],  # per layer, K and V: measured / predicted KL of that tensor alone
      "presets_sha256": ...,    # the preset settings it was fitted for (others: refitted)
+     "answer_step": {"faithful": {"factor": f, "tried": [...]}},  # the answer probe (kvcodec.plan.answercheck)
+     "preset_sha256": {"balanced": ..., ...},  # per preset: its settings' digest (a preset added later is
+                               # fitted alone and merged; one whose settings changed is refitted)
      "fit": [...]}             # the fit's measurements, for the record
 """
 
@@ -26,7 +29,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Any, Callable, TypeGuard
 
 import numpy as np
 
@@ -41,6 +44,7 @@ SHORT_EXPONENT = 1.0  # below t_ref tokens (outside the fit): the prediction x (
 ALPHA_RANGE = (1e-3, 1e3)  # a fitted alpha outside this is a broken fit or a tampered file
 BETA_RANGE = (0.0, 2.0)
 CURVE_RANGE = (0.0, 5.0)  # log growth at a curve point: 0 (none) .. e^5 (a broken fit or a tampered file beyond)
+ANSWER_FACTOR_RANGE = (1.0 / 64, 1.0)  # the answer probe only ever lowers a step
 LAYER_FACTOR_RANGE = (1.0 / 64, 64.0)  # the fit clips to [1/16, 16]; beyond this a file is broken or tampered
 
 
@@ -59,6 +63,18 @@ class RateModel:
     presets_sha256: str = ""  # the preset settings it was fitted for: other settings make it stale
     curve: dict[str, list[list[float]]] = field(default_factory=dict)  # per preset: [[tokens, log growth from t_ref], ...]
     layer_factor: list[list[float]] | None = None  # [L][2]: the calibration's sensitivity x this = the measured one
+    # per preset: the digest of the settings its alpha and curve were fitted for. Why per preset: a preset added to
+    # the table (or one whose settings change) is fitted alone, at ~1/(1 + presets) of a whole fit, and merged; the
+    # others' constants and the per-layer factors stay (empty: a file from before, judged by presets_sha256 alone)
+    preset_sha256: dict[str, str] = field(default_factory=dict)
+    # per preset that promises answers: the answer probe's record (kvcodec.plan.answercheck), whose "factor" (<= 1)
+    # multiplies the step rate control picks: what keeps the probe's answers identical on this model
+    answer_step: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def answer_factor(self, preset: str) -> float:
+        """The step factor that keeps ``preset``'s probe answers on this model (1: none measured, or none needed)."""
+        rec = self.answer_step.get(preset)
+        return float(rec["factor"]) if rec is not None else 1.0
 
     def allocated(self, cal: Calibration) -> Calibration:
         """``cal`` with each (layer, kind)'s sensitivity times its measured ``layer_factor`` (the same bases and means,
@@ -138,11 +154,20 @@ class RateModel:
                                                             for v in r) for r in lf)):
             raise bad("layer_factor")
         fit, fit_s, psha = d.get("fit", []), d.get("fit_s"), d.get("presets_sha256", "")
+        per = d.get("preset_sha256", {})
+        if not (isinstance(per, dict) and set(per) <= set(alpha) and all(isinstance(v, str) for v in per.values())):
+            raise bad("preset_sha256")
+        ans = d.get("answer_step", {})
+        if not (isinstance(ans, dict) and set(ans) <= set(alpha) and all(
+                isinstance(v, dict) and _num(v.get("factor")) and ANSWER_FACTOR_RANGE[0] <= v["factor"] <= ANSWER_FACTOR_RANGE[1]
+                for v in ans.values())):
+            raise bad("answer_step")
         return cls(fid, sha, {k: float(v) for k, v in alpha.items()}, {k: float(v) for k, v in beta.items()},
                    int(t_ref), None if rps is None else float(rps), fit if isinstance(fit, list) else [],
                    float(fit_s) if _num(fit_s) else None, psha if isinstance(psha, str) else "",
                    {k: [[float(p[0]), float(p[1])] for p in c] for k, c in curve.items()},
-                   None if lf is None else [[float(v) for v in r] for r in lf])
+                   None if lf is None else [[float(v) for v in r] for r in lf], dict(per),
+                   {k: {**v, "factor": float(v["factor"])} for k, v in ans.items()})
 
 
 def allocate(cal: Calibration, layer_factor: list[list[float]]) -> Calibration:
@@ -211,13 +236,15 @@ def presets_sha256(settings: Any) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def load_rate_model(cal: Calibration, presets_digest: str | None = None) -> RateModel | None:
+def load_rate_model(cal: Calibration, presets_digest: str | None = None,
+                    accept: Callable[[RateModel], bool] | None = None) -> RateModel | None:
     """The rate model fitted with ``cal`` (the user's, else the shipped one) for the settings whose digest is
-    ``presets_digest`` (None: any), or None when there is none yet (a stale one is not used)."""
+    ``presets_digest`` (None: any) and that ``accept`` takes (None: any), or None when there is none yet (a stale
+    one is not used)."""
     for path in (rate_model_path(cal), shipped_rate_model_path(cal)):
         if path.is_file():
             rm = _read(path, cal)
-            if presets_digest is None or rm.presets_sha256 == presets_digest:
+            if (presets_digest is None or rm.presets_sha256 == presets_digest) and (accept is None or accept(rm)):
                 return rm
     return None
 

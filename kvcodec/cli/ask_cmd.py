@@ -5,13 +5,15 @@ from __future__ import annotations
 import click
 
 from kvcodec.cli.options import emit_json, json_option, model_option
+from kvcodec.plan.presets import DEFAULT_LOSSY
 
 
 @click.command("ask")
 @model_option
 @click.option("--doc", "docs", multiple=True, required=True, help="Document (file or corpus name); repeat for a prefix chain.")
 @click.option("--store", "store_url", default=None, help="Store URL: a directory, redis://..., or a comma list (default: the user cache).")
-@click.option("--preset", default="balanced", show_default=True, help="Codec preset for new entries.")
+@click.option("--preset", default=DEFAULT_LOSSY, show_default=True,
+              help="Codec preset for new entries (the default keeps answers: docs/guide/presets.md).")
 @click.option("--namespace", default="default", show_default=True, help="Tenant namespace: entries never cross namespaces.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=48, show_default=True)
 @click.option("--no-store", is_flag=True, help="Answer without depositing new entries.")

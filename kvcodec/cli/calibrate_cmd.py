@@ -22,10 +22,10 @@ def calibrate_command(model, force, basis, as_json) -> None:
     from kvcodec.models.load import load_model
     from kvcodec.codecs.blocks import channel_blocks
     from kvcodec.calibration.build import build_calibration
-    from kvcodec.calibration.ratemodel import load_rate_model, rate_model_path, save_rate_model
+    from kvcodec.calibration.ratemodel import rate_model_path, save_rate_model
     from kvcodec.calibration.store import load_calibration, save_calibration
-    from kvcodec.plan.presets import lossy_settings
-    from kvcodec.plan.ratefit import fit_rate_model, settings_digest
+    from kvcodec.plan.presets import answer_targets, lossy_settings, rate_model
+    from kvcodec.plan.ratefit import find_rate_model, fit_rate_model
 
     lm = load_model(model)
     fid = lm.fingerprint.id
@@ -37,11 +37,16 @@ def calibrate_command(model, force, basis, as_json) -> None:
         cal = build_calibration(lm, timings=timings, full_basis=basis == "full")
         save_calibration(cal, fid)
         timings.setdefault("total_s", time.perf_counter() - t0)
-    rm = None if built else load_rate_model(cal, settings_digest(lossy_settings()))
+    rm = None if built else find_rate_model(cal, lossy_settings(), answer_targets())
     fitted = rm is None
-    if rm is None:  # a new calibration makes the old rate model stale: it is bound to the calibration's sha256
-        rm = fit_rate_model(lm, cal, lossy_settings())
+    if rm is None and built:  # a new calibration makes the old rate model stale: it is bound to the calibration's sha256
+        rm = fit_rate_model(lm, cal, lossy_settings(), answers=answer_targets())
         save_rate_model(rm, rate_model_path(cal))
+    elif rm is None:  # a preset added or changed since: fitted alone and merged when the per-layer factors still hold
+        t0 = time.perf_counter()
+        rm = rate_model(lm, cal)
+        timings["rate_model_s"] = round(time.perf_counter() - t0, 1)
+    if built:
         timings["rate_model_s"] = float(rm.fit_s or 0.0)
     size = cal.path.stat().st_size if cal.path is not None else None  # what ships to a decoder of this model's files
     report = {"model": model, "fingerprint": fid, "path": str(cal.path), "built": built, "timings": timings,

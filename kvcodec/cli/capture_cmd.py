@@ -24,13 +24,13 @@ def capture_command(model: str, text_path: str, max_tokens: int | None, output: 
     from kvcodec.models.capture import capture
     from kvcodec.core.kvcache import save_capture
     from kvcodec.models.load import load_model
-    from kvcodec.plan.presets import DEFAULT_LOSSY, score_window
+    from kvcodec.plan.presets import capture_window
     from kvcodec.texts import load_text
 
     check_output(output, inputs=[text_path, model])
     text = load_text(text_path)
     lm = load_model(model)
-    cache = capture(lm, text=text, max_tokens=max_tokens, score_window=score_window(DEFAULT_LOSSY))
+    cache = capture(lm, text=text, max_tokens=max_tokens, score_window=capture_window())
     save_capture(cache, output)
     info = {
         "output": output,

@@ -70,6 +70,28 @@ def greedy(lm: LoadedModel, cache: KVCache, first_token: int, n: int) -> list[in
     return out
 
 
+@torch.inference_mode()
+def greedy_answer(lm: LoadedModel, cache: KVCache, question: np.ndarray, n: int) -> list[int]:
+    """Up to ``n`` greedy tokens answering ``question`` (token ids, fed after ``cache``), stopping at EOS."""
+    past = cache_for_model(lm, cache)
+    ids = torch.as_tensor(np.asarray(question, dtype=np.int64)).unsqueeze(0)
+    pos = cache.next_position
+    logits = lm.model(input_ids=ids, past_key_values=past, position_ids=torch.arange(pos, pos + ids.shape[1]).unsqueeze(0),
+                      use_cache=True, logits_to_keep=1).logits[0, -1]
+    pos += ids.shape[1]
+    eos = getattr(lm.tokenizer, "eos_token_id", None)
+    out: list[int] = []
+    for _ in range(n):
+        tok = int(logits.argmax())
+        out.append(tok)
+        if tok == eos or len(out) == n:
+            break
+        logits = lm.model(input_ids=torch.tensor([[tok]]), past_key_values=past, position_ids=torch.tensor([[pos]]),
+                          use_cache=True).logits[0, -1]
+        pos += 1
+    return out
+
+
 def compare_logits(exact: torch.Tensor, decoded: torch.Tensor, continuation: np.ndarray) -> dict[str, Any]:
     """KL, top-1 agreement and PPL from two logit matrices over the same tokens.
 

@@ -34,13 +34,13 @@ from kvcodec.errors import KvcInputError
 from kvcodec.core.stage import Plan
 from kvcodec.plan.targets import NEAR_TIE, QualityTarget
 
-__all__ = ["PRESETS", "BASELINE_PREFIX", "DEFAULT_LOSSY", "Plan", "PresetInfo", "available_presets", "check_overrides", "score_window",
+__all__ = ["PRESETS", "BASELINE_PREFIX", "DEFAULT_LOSSY", "Plan", "PresetInfo", "answer_targets", "available_presets", "check_overrides", "score_window",
            "get_plan", "parse_config", "preset_info"]
 
 BASELINE_PREFIX = "baseline:"
 # the lossy preset a caller gets when it names none (kvcodec.encode, kvc ask, the KDN): what a capture made
 # before its preset is known (kvc capture) observes the token importance for
-DEFAULT_LOSSY = "balanced"
+DEFAULT_LOSSY = "faithful"
 _LOSSY_KEYS = frozenset({"step0", "sink", "group", "basis", "deadzone", "calibration", "tokenscale", "max_bits",
                          "rans_blocks"})
 _ZSTD_KEYS = frozenset({"level"})
@@ -58,6 +58,9 @@ class PresetInfo:
     settings: Mapping[str, Any] = field(default_factory=dict)
     target: QualityTarget | None = None
     kl_range: tuple[float, float] | None = None  # the mean KL targets this preset's settings can reach (target_kl)
+    # it promises answers too (issue 53): greedy answers to questions about the context identical to in-context ones.
+    # Rate control then also applies the model's answer probe (kvcodec.plan.answercheck), measured at fit time
+    answers: bool = False
 
 
 # step0 of each lossy preset is in units of the cache's values (SmolLM2-135M-tuned by bench_codec.py
@@ -78,6 +81,14 @@ PRESETS: dict[str, PresetInfo] = {
     "balanced": PresetInfo("balanced", True, True, _LOSSY_KEYS,
                            {"step0": 0.33, "sink": 4, "group": 8, "tokenscale": {"max_log2": 2.0}},
                            QualityTarget(kl=0.01, top1=0.93, dppl_percent=1.0), (3e-4, 0.05)),
+    # the KDN's default (issue 53): its promise is on answers. Why no tokenscale: an importance learned from the
+    # context's own attention coarsens exactly the facts that only a later question reads. Why this KL: a greedy
+    # answer is identical only if every one of its tokens is, so identical answers need top-1 agreement near 0.999;
+    # on SmolLM2 at 4K tokens uniform steps kept 11 of 11 answers at step 0.06 (KL 1.0e-4, 4.9 bits/element), 10 of
+    # 11 at 0.12, 8 of 11 at 0.33 (BENCHMARKS.md "Answers")
+    "faithful": PresetInfo("faithful", True, True, _LOSSY_KEYS,
+                           {"step0": 0.065, "sink": 4, "group": 8},
+                           QualityTarget(kl=2e-4, top1=0.98, dppl_percent=0.5), (1e-5, 0.01), answers=True),
     "small": PresetInfo("small", True, True, _LOSSY_KEYS,
                         {"step0": 0.8, "sink": 4, "group": 8, "tokenscale": {"max_log2": 3.0}},
                         QualityTarget(kl=0.05, top1=0.85, dppl_percent=5.0), (3e-3, 0.2)),
@@ -88,6 +99,20 @@ CONFIG_KEYS = frozenset({"preset"}) | _LOSSY_KEYS | _ZSTD_KEYS
 def lossy_settings() -> dict[str, Mapping[str, Any]]:
     """The settings of every preset with a promise (what a model's rate model is fitted on)."""
     return {n: p.settings for n, p in PRESETS.items() if p.lossy and p.target is not None}
+
+
+def rate_model(lm: Any, cal: Any, progress: bool = True) -> Any:
+    """The model's rate model for this preset table (its settings and answer probes): loaded, extended or fitted
+    once (:func:`kvcodec.plan.ratefit.ensure_rate_model`). The one way callers get it, so every caller asks for
+    the same settings and none makes another's stale."""
+    from kvcodec.plan.ratefit import ensure_rate_model
+
+    return ensure_rate_model(lm, cal, lossy_settings(), progress=progress, answers=answer_targets())
+
+
+def answer_targets() -> dict[str, QualityTarget]:
+    """The presets that promise answers, with their targets: what the rate model's answer probe runs for."""
+    return {n: p.target for n, p in PRESETS.items() if p.answers and p.target is not None}
 
 
 def available_presets() -> list[str]:
@@ -191,6 +216,13 @@ def score_window(name: str | None, overrides: Mapping[str, Any] | None = None) -
     return w if isinstance(w, int) and not isinstance(w, bool) and w > 0 else None
 
 
+def capture_window() -> int | None:
+    """The widest token-importance window any preset reads: what a capture made before its preset is known
+    (``kvc capture``) observes, so a later encode with any preset runs no forward pass over the context."""
+    windows = [w for w in (score_window(n) for n in PRESETS) if w is not None]
+    return max(windows) if windows else None
+
+
 def target_for(info: PresetInfo, target_kl: float | None = None, target_dppl: float | None = None) -> QualityTarget:
     """``info``'s promise with its mean KL replaced by ``target_kl``, or by the KL a mean ΔPPL of ``target_dppl`` %
     corresponds to (``log(1 + dppl/100)``: a continuation drawn from the model has mean NLL change = KL).
@@ -215,6 +247,22 @@ def target_for(info: PresetInfo, target_kl: float | None = None, target_dppl: fl
     return replace(info.target, kl=kl, dppl_percent=info.target.dppl_percent * scale,
                    rival_gain=info.target.rival_gain if scale <= 1 else 0.0,
                    greedy_tokens=info.target.greedy_tokens if scale <= 1 else 0)
+
+
+_WARNED: set[tuple[str, str]] = set()
+
+
+def _warn_answer_factor(lm: Any, name: str, rm: Any) -> None:
+    """One warning line per (model, preset) whose answer probe lowered the step: never a silent change of rate."""
+    f = rm.answer_factor(name)
+    key = (str(rm.fingerprint_id), name)
+    if f < 1.0 and key not in _WARNED:
+        import logging
+
+        _WARNED.add(key)
+        logging.getLogger("kvcodec.plan").warning(
+            "%s: preset %s lost answers on this model's answer probe at its KL-chosen step; depositing at x%g that "
+            "step (more bits) to keep them", getattr(lm, "name", rm.fingerprint_id), name, f)
 
 
 def get_plan(name: str, cache: Any, lm: Any = None, *, rate: str = "predict", cal: Any = None,
@@ -270,11 +318,12 @@ def get_plan(name: str, cache: Any, lm: Any = None, *, rate: str = "predict", ca
                   and args.get("basis", "pca") == "pca")
     if controlled:
         from kvcodec.plan.rate import controlled_plan
-        from kvcodec.plan.ratefit import ensure_rate_model
 
         # the rate model: shipped, or fitted once per model with progress (kvc calibrate fits it too)
-        rm = ensure_rate_model(lm, args["cal"], lossy_settings())
-        return controlled_plan(cache, lm, name, args, target, rm, check=rate == "check", importance=importance)
+        rm = rate_model(lm, args["cal"])
+        plan = controlled_plan(cache, lm, name, args, target, rm, check=rate == "check", importance=importance)
+        _warn_answer_factor(lm, name, rm)
+        return plan
     if importance is not None:
         args["importance"] = importance
     from kvcodec.plan.pipelines import transform_plan

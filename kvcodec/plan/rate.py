@@ -349,9 +349,12 @@ def controlled_plan(cache: Any, lm: Any, preset: str, args: dict[str, Any], targ
         s_rg = RIVAL_AIM * target.rival_gain / rm.rival_per_step
         if s_rg < step0:
             step0, bound = s_rg, "rival_gain"
+    answer_factor = rm.answer_factor(preset)  # < 1: this model lost probe answers at the KL-chosen step (answercheck)
+    if answer_factor < 1.0:
+        step0, bound = step0 * answer_factor, "answers"
     pred = predict(step0)
     record: dict[str, Any] = {"mode": "check" if check else "predict", "step0": step0, "predicted_kl": pred, "aim_kl": aim,
-              "bound": bound, "factor": factor, "rate_model_fit_s": rm.fit_s,
+              "bound": bound, "factor": factor, "answer_factor": answer_factor, "rate_model_fit_s": rm.fit_s,
               "choose_s": round(time.perf_counter() - t0, 3)}
     if check:
         from kvcodec.plan.check import guarded_plan

@@ -32,6 +32,7 @@ import math
 import sys
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -60,9 +61,14 @@ ALLOC_SHRINK = 0.5
 
 def fit_rate_model(lm: Any, cal: Calibration, presets: Mapping[str, Mapping[str, Any]],
                    texts: tuple[str, ...] = FIT_TEXTS, lengths: tuple[int, ...] = FIT_TOKENS,
-                   progress: bool = True) -> RateModel:
+                   progress: bool = True, layer_factor: list[list[float]] | None = None,
+                   answers: Mapping[str, Any] | None = None) -> RateModel:
     """Measure the predictor against the real model on ``texts`` x ``lengths`` for each lossy preset of
-    ``presets`` (name -> its table settings, ``step0`` included) (module docstring)."""
+    ``presets`` (name -> its table settings, ``step0`` included) (module docstring). ``layer_factor``: per-layer
+    factors already measured for this calibration (a rate model being extended by a preset): used as they are.
+    ``answers`` (name -> its :class:`~kvcodec.plan.targets.QualityTarget`: the presets that promise answers,
+    :func:`kvcodec.plan.presets.answer_targets`): each of those in ``presets`` then gets the answer probe
+    (:mod:`kvcodec.plan.answercheck`) at the step its fitted constants choose."""
     import torch
     from tqdm import tqdm
 
@@ -74,6 +80,8 @@ def fit_rate_model(lm: Any, cal: Calibration, presets: Mapping[str, Mapping[str,
     from kvcodec.plan.rate import raw_predictor
     from kvcodec.texts import load_text
 
+    answers = _answers(answers)
+    cal0 = cal  # the calibration as stored (rate control allocates it with the layer factors itself)
     window = max_context(lm)
     jobs: list[tuple[str, int, np.ndarray]] = []
     for name in texts:
@@ -87,8 +95,9 @@ def fit_rate_model(lm: Any, cal: Calibration, presets: Mapping[str, Mapping[str,
                             f"model's rate model, fitted on first use or by kvc calibrate --model {lm.name}")
     fit: list[dict[str, Any]] = []
     t0 = time.time()
-    layer_factor = None
-    if ALLOC_PRESET in presets:
+    if layer_factor is not None:
+        cal = allocate(cal, layer_factor)
+    elif ALLOC_PRESET in presets:
         alloc = [(name, T, ids) for name, T, ids in jobs if T == max(t for n, t, _ in jobs if n == name and t <= ALLOC_TOKENS)]
         layer_factor = measure_layer_factor(lm, cal, presets[ALLOC_PRESET], alloc, progress)
         cal = allocate(cal, layer_factor)
@@ -110,8 +119,35 @@ def fit_rate_model(lm: Any, cal: Calibration, presets: Mapping[str, Mapping[str,
                 bar.update(1)
     alpha, curve, beta = _fit_factor(fit, list(presets))
     nl = [r["rival_gain"] / r["step0"] for r in fit if r["preset"] == "near-lossless"]
-    return RateModel(str(cal.meta["fingerprint_id"]), str(cal.meta["content_sha256"]), alpha, beta, T_REF,
-                     max(nl) if nl else None, fit, round(time.time() - t0, 1), settings_digest(presets), curve, layer_factor)
+    rm = RateModel(str(cal.meta["fingerprint_id"]), str(cal.meta["content_sha256"]), alpha, beta, T_REF,
+                   max(nl) if nl else None, fit, 0.0, settings_digest(presets), curve, layer_factor,
+                   _digests(presets, answers))
+    for name in [n for n in presets if n in answers]:
+        rm.answer_step[name] = _answer_probe(lm, cal0, name, presets[name], answers[name], rm, progress)
+    rm.fit_s = round(time.time() - t0, 1)
+    return rm
+
+
+def _answer_probe(lm: Any, cal: Calibration, name: str, table: Mapping[str, Any], target: Any, rm: RateModel,
+                  progress: bool) -> dict[str, Any]:
+    """The answer probe of preset ``name`` at the steps ``rm`` chooses (:mod:`kvcodec.plan.answercheck`)."""
+    from tqdm import tqdm
+
+    from kvcodec.plan.answercheck import STEP_FACTORS, answer_step_factor, probe_contexts
+    from kvcodec.plan.rate import controlled_plan
+
+    contexts = probe_contexts(lm)
+    if not contexts:
+        return {"factor": 1.0, "tried": [], "texts": [], "note": "no probe text fits the model's window"}
+    args = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in table.items()}
+
+    def plan_at(cache: Any, factor: float) -> Any:
+        return controlled_plan(cache, lm, name, {**args, "cal": cal}, target,
+                               replace(rm, answer_step={name: {"factor": factor}}))
+
+    with tqdm(total=len(contexts) * len(STEP_FACTORS), desc=f"kvc: checking {name}'s answers on {lm.name}",
+              file=sys.stderr, disable=not progress, leave=False, dynamic_ncols=True) as bar:
+        return answer_step_factor(lm, contexts, plan_at, progress=lambda: bar.update(1))
 
 
 def measure_layer_factor(lm: Any, cal: Calibration, table: Mapping[str, Any], jobs: list[tuple[str, int, np.ndarray]],
@@ -223,11 +259,73 @@ def settings_digest(presets: Mapping[str, Mapping[str, Any]]) -> str:
                            for n, p in sorted(presets.items())})
 
 
-def ensure_rate_model(lm: Any, cal: Calibration, presets: Mapping[str, Mapping[str, Any]], progress: bool = True) -> RateModel:
-    """``cal``'s rate model for ``presets``: the user's or the shipped one, else fitted once (with progress) and saved
-    (also when the one on disk was fitted for other settings)."""
-    rm = load_rate_model(cal, settings_digest(presets))
-    if rm is None:
-        rm = fit_rate_model(lm, cal, presets, progress=progress)
-        save_rate_model(rm, rate_model_path(cal))
+def _answers(answers: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    return answers if answers is not None else {}
+
+
+def _digests(presets: Mapping[str, Mapping[str, Any]], answers: Mapping[str, Any]) -> dict[str, str]:
+    """Per preset, what its constants are fitted for: its settings with the tokenscale defaults merged in, and, for a
+    preset that promises answers, the answer probe's version and its target (either changing refits that preset)."""
+    from kvcodec.plan.answercheck import PROBE_VERSION
+
+    return {n: settings_digest({"": {**dict(t), **({"answer_probe": [PROBE_VERSION, repr(answers[n])]} if n in answers else {})}})
+            for n, t in presets.items()}
+
+
+def covered(rm: RateModel, presets: Mapping[str, Mapping[str, Any]], answers: Mapping[str, Any] | None = None) -> set[str]:
+    """The presets of ``presets`` whose constants ``rm`` holds for their current settings (and answer probe).
+
+    A file from before per-preset digests is judged as a whole: it covers the presets it fitted when the digest of
+    their current settings is the one it recorded (none of them promised answers then)."""
+    if rm.preset_sha256:
+        want = _digests(presets, _answers(answers))
+        return {n for n in presets if n in rm.alpha and rm.preset_sha256.get(n) == want[n]}
+    names = set(rm.alpha)
+    if names <= set(presets) and not names & set(_answers(answers)) and \
+            rm.presets_sha256 == settings_digest({n: presets[n] for n in names}):
+        return names
+    return set()
+
+
+def merge_rate_models(base: RateModel, part: RateModel, presets: Mapping[str, Mapping[str, Any]],
+                      answers: Mapping[str, Any] | None = None) -> RateModel:
+    """``base``'s constants for the presets it covers, ``part``'s for the rest (fitted with ``base``'s layer factors)."""
+    keep = covered(base, presets, answers) - set(part.alpha)
+    digests = _digests(presets, _answers(answers))
+    return replace(base, alpha={**{n: base.alpha[n] for n in keep}, **part.alpha},
+                   beta={**{n: v for n, v in base.beta.items() if n in keep}, **part.beta},
+                   curve={**{n: v for n, v in base.curve.items() if n in keep}, **part.curve},
+                   rival_per_step=part.rival_per_step if "near-lossless" in part.alpha else base.rival_per_step,
+                   fit=[r for r in base.fit if r.get("preset") in keep] + part.fit,
+                   fit_s=round((base.fit_s or 0.0) + (part.fit_s or 0.0), 1), presets_sha256=settings_digest(presets),
+                   preset_sha256={n: digests[n] for n in keep | set(part.alpha)},
+                   answer_step={**{n: v for n, v in base.answer_step.items() if n in keep}, **part.answer_step})
+
+
+def find_rate_model(cal: Calibration, presets: Mapping[str, Mapping[str, Any]],
+                    answers: Mapping[str, Any] | None = None) -> RateModel | None:
+    """``cal``'s rate model (the user's, else the shipped one) covering every preset of ``presets``, or None."""
+    return load_rate_model(cal, accept=lambda r: covered(r, presets, answers) == set(presets))
+
+
+def ensure_rate_model(lm: Any, cal: Calibration, presets: Mapping[str, Mapping[str, Any]], progress: bool = True,
+                      answers: Mapping[str, Any] | None = None) -> RateModel:
+    """``cal``'s rate model for ``presets`` (and the answer probes of ``answers``, :func:`fit_rate_model`): the user's
+    or the shipped one, else fitted once (with progress) and saved. Callers pass the preset table's own
+    (:func:`kvcodec.plan.presets.rate_model`): other settings make the stored one stale.
+
+    One that covers some of the presets (a preset added since, or one whose settings changed) and has its per-layer
+    factors for the current allocation preset is extended: only the missing presets are fitted, with those factors
+    (the per-layer measurement is most of a whole fit's cost). Otherwise the whole model is fitted anew."""
+    rm = find_rate_model(cal, presets, answers)
+    if rm is not None:
+        return rm
+    base = load_rate_model(cal, accept=lambda r: r.layer_factor is not None and ALLOC_PRESET in covered(r, presets, answers))
+    if base is not None:
+        missing = {n: t for n, t in presets.items() if n not in covered(base, presets, answers)}
+        rm = merge_rate_models(base, fit_rate_model(lm, cal, missing, progress=progress, layer_factor=base.layer_factor,
+                                                    answers=answers), presets, answers)
+    else:
+        rm = fit_rate_model(lm, cal, presets, progress=progress, answers=answers)
+    save_rate_model(rm, rate_model_path(cal))
     return rm

@@ -19,7 +19,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -30,7 +30,7 @@ from kvcodec.models.chat import ChatFormat
 from kvcodec.models.sdpa_schedule import fast_sdpa
 from kvcodec.errors import KvcError, KvcInputError
 from kvcodec.format import KvcReader, encode_kvc_bytes
-from kvcodec.plan.presets import get_plan
+from kvcodec.plan.presets import DEFAULT_LOSSY, check_overrides, get_plan
 from kvcodec.integrations.hf import greedy_from, load_cache
 from kvcodec.core.kvcache import KVCache
 from kvcodec.models.load import LoadedModel, cache_root
@@ -79,13 +79,17 @@ class KnowledgeBase:
     """Documents as cached KV in a store, for one model, preset and namespace."""
 
     def __init__(
-        self, lm: LoadedModel, store: Store | str | None = None, preset: str = "balanced", namespace: str = "default"
+        self, lm: LoadedModel, store: Store | str | None = None, preset: str = DEFAULT_LOSSY, namespace: str = "default",
+        overrides: Mapping[str, Any] | None = None,
     ) -> None:
+        """``overrides``: the preset's settings to change (checked now, by the one validator), e.g. a fixed ``step0``
+        for a step sweep; they are part of the entries' codec key, so they never share entries with the plain preset."""
         self.lm = lm
-        self.store = store if isinstance(store, Store) else Store.open(store or default_store_url())
         self.preset = preset
+        self.overrides = check_overrides(preset, dict(overrides or {}), "overrides")
+        self.store = store if isinstance(store, Store) else Store.open(store or default_store_url())
         self.namespace = namespace
-        self.codec = codec_key(preset)
+        self.codec = codec_key(preset, self.overrides)
         self.chat = ChatFormat.for_tokenizer(lm.tokenizer)
         self._cal: Any = None
 
@@ -156,7 +160,7 @@ class KnowledgeBase:
         from kvcodec.models.capture import capture
         from kvcodec.plan.presets import score_window
 
-        return capture(self.lm, token_ids=ids, score_window=score_window(self.preset))
+        return capture(self.lm, token_ids=ids, score_window=score_window(self.preset, self.overrides))
 
     def deposit(self, cache: KVCache, prefill_ttft_s: float | None = None) -> dict[str, Any]:
         """Encode a context's KV with the preset and put it in every tier.
@@ -168,7 +172,7 @@ class KnowledgeBase:
         ids = cache.token_ids
         if prefill_ttft_s is not None:
             cache.meta["prefill_ttft_s"] = prefill_ttft_s
-        plan = get_plan(self.preset, cache, lm=self.lm, cal=self._calibration())
+        plan = get_plan(self.preset, cache, lm=self.lm, cal=self._calibration(), **self.overrides)
         data = encode_kvc_bytes(cache, plan, meta=cache.meta)
         res = self.store.put(self.key(ids), data, {"preset": self.preset, "tokens": int(len(ids)), "prefill_ttft_s": prefill_ttft_s})
         return {

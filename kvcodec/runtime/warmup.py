@@ -36,7 +36,7 @@ import numpy as np
 from kvcodec.paths import cache_root
 
 log = logging.getLogger(__name__)
-PRESETS = ("lossless", "near-lossless", "balanced")  # small uses balanced's kernels
+PRESETS = ("lossless", "near-lossless", "faithful", "balanced")  # small uses balanced's kernels
 
 
 def warmup_dir() -> Path:

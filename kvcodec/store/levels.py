@@ -38,7 +38,7 @@ MANIFEST_VERSION = 1
 MAX_MANIFEST_BYTES = 1 << 20
 MAX_CHUNKS = 4096
 # Ascending quality; a manifest lists its levels in this order (spec/levels-v1.md §3).
-LEVEL_RANK = ("small", "balanced", "near-lossless", "fp16", "lossless")
+LEVEL_RANK = ("small", "balanced", "faithful", "near-lossless", "fp16", "lossless")
 
 
 def parse_levels(spec: str | list[str] | tuple[str, ...]) -> list[str]:

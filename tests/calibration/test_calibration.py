@@ -184,7 +184,7 @@ def test_kvc_calibrate_reports_the_shipped_calibration(lm, tmp_path, monkeypatch
     assert rep["path"].startswith(str(C_store.SHIPPED_DIR))
     assert rep["version"] == C_record.CALIB_VERSION and rep["bytes"] == Path(rep["path"]).stat().st_size
     assert rep["rate_model_fitted"] is False  # the embedded model ships its rate model too: no minutes of fitting
-    assert set(rep["rate_model"]["alpha"]) == {"near-lossless", "balanced", "small"}
+    assert set(rep["rate_model"]["alpha"]) == {"near-lossless", "faithful", "balanced", "small"}
 
 
 def _moments(D: int, L: int = 2, H: int = 2, seed: int = 0):

@@ -14,7 +14,7 @@ import pytest
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
-PRESETS = ["lossless", "fp16", "zstd", "raw", "near-lossless", "balanced", "small"]
+PRESETS = ["lossless", "fp16", "zstd", "raw", "near-lossless", "faithful", "balanced", "small"]
 
 
 def test_gpu_check_quick_runs_every_step(tmp_path):

@@ -42,7 +42,7 @@ pytestmark = [pytest.mark.model, pytest.mark.slow]
 N_CONTEXT = 600  # > Gemma 3's sliding window (512): its sliding layers drop tokens in transformers' cache
 N_CONT = 64
 GREEDY = 16
-PRESETS = ("lossless", "fp16", "near-lossless", "balanced", "small")
+PRESETS = ("lossless", "fp16", "near-lossless", "faithful", "balanced", "small")
 
 
 def _installed(name: str) -> bool:
@@ -160,13 +160,13 @@ def test_every_preset_encodes_verifies_and_evaluates(mlm, doc):
         print(f"{mlm.name} {name}: {bits[name]:.2f} bits/el, KL {q[name].kl_mean:.2e}, dPPL {q[name].dppl_percent:+.2f} %, "
               f"top-1 {q[name].top1_agreement:.3f}, greedy {q[name].greedy_match:.2f}")
     assert q["lossless"].kl_mean == 0.0 and q["lossless"].greedy_match == 1.0
-    assert bits["lossless"] > bits["fp16"] > bits["near-lossless"] > bits["balanced"] > bits["small"]
+    assert bits["lossless"] > bits["fp16"] > bits["near-lossless"] > bits["faithful"] > bits["balanced"] > bits["small"]
     assert q["fp16"].kl_mean < 1e-4
     # near-lossless: its distributions match the exact cache's closely. (Greedy identity over 16 tokens, the
     # preset's stated promise, is measured in BENCHMARKS.md: it fails on apache2 for both models -- a near-tie
     # flips -- so it is a per-file check for the quality-targeted presets of issue 15, not a fixed-step property.)
     assert q["near-lossless"].kl_mean < 1e-3 and q["near-lossless"].top1_agreement >= 0.95, q["near-lossless"]
-    assert q["near-lossless"].kl_mean < q["balanced"].kl_mean < q["small"].kl_mean
+    assert q["near-lossless"].kl_mean < q["faithful"].kl_mean < q["balanced"].kl_mean < q["small"].kl_mean
 
 
 def test_ask_from_the_store_and_blend(mlm, tmp_path):

@@ -68,7 +68,7 @@ def test_vllm_config_uses_the_one_preset_table():
 
 def test_the_table_declares_which_presets_use_the_model():
     assert available_presets() == list(PRESETS)
-    assert {n for n, p in PRESETS.items() if p.uses_model} == {"near-lossless", "balanced", "small"}
+    assert {n for n, p in PRESETS.items() if p.uses_model} == {"near-lossless", "faithful", "balanced", "small"}
     assert not preset_info("lossless").uses_model
     with pytest.raises(KvcInputError, match="unknown preset"):
         preset_info("turbo")

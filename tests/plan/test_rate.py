@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -216,7 +217,8 @@ def test_get_plan_routes_lossy_presets_through_rate_control(monkeypatch, small_c
     calls = []
     monkeypatch.setattr(rate, "controlled_plan", lambda cache, lm, name, args, target, rm, check, importance:
                         calls.append((name, "step0" in args, target, check)) or "controlled")
-    monkeypatch.setattr(ratefit, "ensure_rate_model", lambda lm, cal, presets: None)
+    no_probe = SimpleNamespace(answer_factor=lambda preset: 1.0, fingerprint_id="test")
+    monkeypatch.setattr(ratefit, "ensure_rate_model", lambda lm, cal, presets, **k: no_probe)
     assert get_plan("balanced", small_cache, lm=object()) == "controlled"
     assert get_plan("small", small_cache, lm=object(), rate="check") == "controlled"
     assert calls == [("balanced", True, presets.PRESETS["balanced"].target, False),
@@ -287,10 +289,11 @@ def test_a_rate_model_fitted_for_other_settings_is_refitted(lm, tmp_path, monkey
     monkeypatch.setattr(ratemodel, "shipped_rate_model_path", lambda c: tmp_path / "none.json")
     fits = []
 
-    def fake_fit(lm_, cal_, presets, progress=True):
+    def fake_fit(lm_, cal_, presets, progress=True, answers=None, layer_factor=None):
         fits.append(1)
-        return ratemodel.RateModel(str(cal_.meta["fingerprint_id"]), str(cal_.meta["content_sha256"]), {"balanced": 1.0},
-                                   {}, 1024, None, [], 0.0, ratefit.settings_digest(presets))
+        return ratemodel.RateModel(str(cal_.meta["fingerprint_id"]), str(cal_.meta["content_sha256"]),
+                                   {n: 1.0 for n in presets}, {}, 1024, None, [], 0.0, ratefit.settings_digest(presets),
+                                   {}, None, ratefit._digests(presets, answers or {}))
 
     monkeypatch.setattr(ratefit, "fit_rate_model", fake_fit)
     ratefit.ensure_rate_model(lm, cal, lossy_settings())
@@ -299,3 +302,78 @@ def test_a_rate_model_fitted_for_other_settings_is_refitted(lm, tmp_path, monkey
     changed = {**lossy_settings(), "balanced": {**lossy_settings()["balanced"], "tokenscale": {"max_log2": 1.0}}}
     ratefit.ensure_rate_model(lm, cal, changed)
     assert len(fits) == 2
+
+
+def test_a_preset_added_later_is_fitted_alone_and_merged(lm, tmp_path, monkeypatch):
+    """A rate model that covers some presets (a preset was added to the table since) is extended: only the missing
+    preset is fitted, with the model's per-layer factors, and the others' constants stay. A legacy file (one digest
+    for all its presets) covers them while their settings are unchanged; a changed preset is refitted alone."""
+    from kvcodec.calibration import ratemodel
+    from kvcodec.calibration.build import ensure_calibration
+    from kvcodec.plan import ratefit
+    from kvcodec.plan.presets import lossy_settings
+
+    cal = ensure_calibration(lm)
+    path = tmp_path / "rm.json"
+    monkeypatch.setattr(ratemodel, "rate_model_path", lambda c: path)
+    monkeypatch.setattr(ratefit, "rate_model_path", lambda c: path)
+    monkeypatch.setattr(ratemodel, "shipped_rate_model_path", lambda c: tmp_path / "none.json")
+    old = {n: t for n, t in lossy_settings().items() if n != "faithful"}
+    legacy = ratemodel.RateModel(str(cal.meta["fingerprint_id"]), str(cal.meta["content_sha256"]),
+                                 {n: 1.5 for n in old}, {}, 1024, None, [], 10.0, ratefit.settings_digest(old),
+                                 {}, [[1.0, 1.0]] * cal.sensitivity.shape[0])
+    ratemodel.save_rate_model(legacy, path)
+    fits: list[tuple[set[str], object]] = []
+
+    def fake_fit(lm_, cal_, presets, progress=True, layer_factor=None, answers=None):
+        fits.append((set(presets), layer_factor))
+        return ratemodel.RateModel(legacy.fingerprint_id, legacy.calibration_sha256, {n: 2.0 for n in presets}, {}, 1024,
+                                   None, [], 1.0, ratefit.settings_digest(presets), {}, layer_factor,
+                                   {}, {n: {"factor": 0.5} for n in presets if n == "faithful"})
+
+    monkeypatch.setattr(ratefit, "fit_rate_model", fake_fit)
+    rm = ratefit.ensure_rate_model(lm, cal, lossy_settings())
+    assert fits == [({"faithful"}, legacy.layer_factor)]  # only the new preset, with the stored layer factors
+    assert rm.alpha == {**{n: 1.5 for n in old}, "faithful": 2.0} and rm.answer_factor("faithful") == 0.5
+    assert ratefit.covered(rm, lossy_settings()) == set(lossy_settings())
+    assert ratefit.ensure_rate_model(lm, cal, lossy_settings()).alpha == rm.alpha and len(fits) == 1  # saved, loaded
+    changed = {**lossy_settings(), "small": {**lossy_settings()["small"], "step0": 0.9}}
+    rm2 = ratefit.ensure_rate_model(lm, cal, changed)
+    assert fits[-1][0] == {"small"} and rm2.alpha["small"] == 2.0 and rm2.alpha["balanced"] == 1.5
+
+
+def test_rate_control_applies_the_answer_probes_factor(lm, real_cache, monkeypatch):
+    """A model whose answer probe lost answers at the KL-chosen step gets that step times the probe's factor, and
+    the record says why (bound "answers"); get_plan warns once in one line."""
+    import logging
+
+    from dataclasses import replace
+
+    from kvcodec.calibration.build import ensure_calibration
+    from kvcodec.plan import presets as presets_mod
+    from kvcodec.plan import ratefit
+    from kvcodec.plan.presets import PRESETS
+    from kvcodec.plan.rate import controlled_plan
+
+    cache = real_cache(192)
+    cal = ensure_calibration(lm)
+    rm = presets_mod.rate_model(lm, cal, progress=False)
+    info = PRESETS["faithful"]
+    args = {**dict(info.settings), "cal": cal}
+    free = controlled_plan(cache, lm, "faithful", args, info.target, replace(rm, answer_step={}))
+    half = controlled_plan(cache, lm, "faithful", args, info.target, replace(rm, answer_step={"faithful": {"factor": 0.5}}))
+    assert half.params["rate"]["step0"] == pytest.approx(0.5 * free.params["rate"]["step0"])
+    assert half.params["rate"]["bound"] == "answers" and free.params["rate"]["answer_factor"] == 1.0
+    monkeypatch.setattr(ratefit, "ensure_rate_model", lambda *a, **k: replace(rm, answer_step={"faithful": {"factor": 0.5}},
+                                                                                fingerprint_id="test-warn"))
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("kvcodec.plan").addHandler(handler)
+    try:
+        presets_mod.get_plan("faithful", cache, lm=lm, cal=cal)
+        presets_mod.get_plan("faithful", cache, lm=lm, cal=cal)
+    finally:
+        logging.getLogger("kvcodec.plan").removeHandler(handler)
+    msgs = [r.getMessage() for r in records if "answer probe" in r.getMessage()]
+    assert len(msgs) == 1 and "\n" not in msgs[0] and "x0.5" in msgs[0]

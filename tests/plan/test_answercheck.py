@@ -1,0 +1,44 @@
+"""The answer probe (kvcodec.plan.answercheck): planted facts in tuning texts, answers compared token for token."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+
+@pytest.fixture(scope="module")
+def lm():
+    from kvcodec.models.load import load_model
+
+    return load_model("smollm2")
+
+
+def test_probe_contexts_plant_every_fact_in_the_chat_format(lm):
+    """Each probe context starts with the model's chat prefix, holds every planted fact once, fits its budget, and is
+    the same on every call (the probe's verdict must not move between fits)."""
+    from kvcodec.models.chat import ChatFormat
+    from kvcodec.plan.answercheck import FACTS, PROBE_TEXTS, probe_contexts
+
+    a, b = probe_contexts(lm, tokens=768), probe_contexts(lm, tokens=768)
+    assert [c.text for c in a] == list(PROBE_TEXTS)
+    prefix = ChatFormat.for_tokenizer(lm.tokenizer).prefix
+    for c, d in zip(a, b):
+        assert np.array_equal(c.ids, d.ids) and len(c.ids) <= 768 and np.array_equal(c.ids[:len(prefix)], prefix)
+        text = lm.tokenizer.decode(c.ids)
+        assert text.count("The access code of the") == FACTS and len(c.questions) == FACTS
+
+
+def test_the_probe_keeps_the_step_that_keeps_answers_and_lowers_one_that_loses_them(lm):
+    """Exact K/V keep every answer at factor 1; K/V destroyed at factor 1 and exact below it are kept only at the
+    next factor; destroyed at every factor: the last factor, with what each try saw."""
+    from kvcodec.plan.answercheck import STEP_FACTORS, answer_step_factor, probe_contexts
+    from kvcodec.plan.presets import get_plan
+
+    ctx = probe_contexts(lm, tokens=640)[:1]
+    lossless = lambda cache, f: get_plan("lossless", cache)  # noqa: E731
+    wrecked = lambda cache, f: get_plan("balanced", cache, lm=None, step0=50.0)  # noqa: E731
+    assert answer_step_factor(lm, ctx, lossless)["factor"] == 1.0
+    r = answer_step_factor(lm, ctx, lambda cache, f: (wrecked if f == 1.0 else lossless)(cache, f))
+    assert r["factor"] == STEP_FACTORS[1] and r["tried"][0]["identical"] < r["tried"][0]["questions"]
+    r = answer_step_factor(lm, ctx, wrecked)
+    assert r["factor"] == STEP_FACTORS[-1] and len(r["tried"]) == len(STEP_FACTORS)
