@@ -220,7 +220,7 @@ def _encode_levels(text_path: str | None, levels: str, store_url: str | None, na
     from kvcodec.runtime.knowledge import KnowledgeBase, read_docs
     from kvcodec.models.load import DEFAULT_MODEL, load_model
     from kvcodec.store.levels import parse_levels
-    from kvcodec.runtime.stream import encode_levels
+    from kvcodec.runtime.level_encode import encode_levels
 
     names = parse_levels(levels)  # refuse bad names before loading anything
     if text_path is None:

@@ -3,7 +3,8 @@
 from kvcodec.errors import KvcUnknownCodecError
 from kvcodec.format.container import MAGIC, VERSION_MAJOR, VERSION_MINOR, IndexEntry
 from kvcodec.codecs.lossless import Raw, Shuffle, Zstd, lossless_pipeline, raw_pipeline
-from kvcodec.format.reader import AttachmentInfo, BlobInfo, KvcHeader, KvcReader, read_kvc, verify_kvc
+from kvcodec.format.header import AttachmentInfo, BlobInfo, KvcHeader
+from kvcodec.format.reader import KvcReader, read_kvc, verify_kvc
 from kvcodec.format.writer import ExternalAttachment, WriteOptions, array_sha256, encode_kvc_bytes, write_kvc, write_kvc_stream
 
 __all__ = [

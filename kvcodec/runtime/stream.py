@@ -13,7 +13,7 @@ Two threads, so decoding overlaps transfer:
 
 * the *planner* decides chunk ``i`` as soon as the link is free (while the
   main thread is still decoding or prefilling earlier chunks) and downloads it
-  through :class:`ProgressiveReader`, which fetches the `.kvc` trailer (its
+  through :class:`~kvcodec.runtime.progressive.ProgressiveReader`, which fetches the `.kvc` trailer (its
   index) first and then the body in order, in seal-block pieces;
 * the *main* thread opens each chunk as soon as its trailer has arrived and
   decodes it layer by layer, each ``read`` waiting only for the bytes of the
@@ -34,7 +34,7 @@ Estimators (defaults documented in ``spec/levels-v1.md`` §6):
   rate; only when the caller supplied the manifest (nothing timed) is the
   first chunk fetched at the smallest level as a probe.
 * **decode and prefill speed**: seconds per token, per level for decoding,
-  a prior from :class:`Priors` replaced by an exponential moving average of
+  a prior from :class:`~kvcodec.runtime.speeds.Priors` replaced by an exponential moving average of
   what this process measured.
 
 A stalled or dropped link is detected by the main thread (no new piece for
@@ -44,6 +44,10 @@ transfer that works but is so slow that its text would be ready sooner and it
 would miss the budget is abandoned too, and that chunk is prefilled from text;
 the link is not failed: the rate it showed becomes a bandwidth sample, so later
 chunks are planned with it (a smaller level, or text).
+
+This module is the streamer (its two threads and its decisions).  Writing the entry is
+:mod:`kvcodec.runtime.level_encode`, the background-filled reader is :mod:`kvcodec.runtime.progressive`, the
+estimators are :mod:`kvcodec.runtime.speeds`.
 """
 
 from __future__ import annotations
@@ -52,13 +56,13 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from kvcodec.errors import KvcError, KvcFormatError, KvcInputError, KvcStoreError
+from kvcodec.errors import KvcError, KvcFormatError, KvcStoreError
 from kvcodec.core.kvcache import KVCache
 from kvcodec.models.load import LoadedModel
 from kvcodec.store import Store, StoreKey
@@ -68,90 +72,22 @@ from kvcodec.store.levels import (
     MAX_CHUNKS,
     ChunkLevels,
     LevelManifest,
-    level_keys,
-    level_meta,
     manifest_key,
-    parse_levels,
 )
-from kvcodec.store.ranged import RangeReader
+from kvcodec.runtime.level_encode import encode_levels
+from kvcodec.runtime.progressive import ProgressiveReader, one_line
+from kvcodec.runtime.speeds import SPEEDS, Speeds, harmonic_mean
+
+# encode_levels is level_encode's, Speeds and SPEEDS the estimators': named here because benchmarks/bench_stream.py
+# imports them from this module
+__all__ = ["AdaptiveStreamer", "ChunkChoice", "StreamReport", "Streamed", "read_manifest", "TEXT", "encode_levels",
+           "SPEEDS", "Speeds"]
 
 log = logging.getLogger("kvcodec.runtime.stream")
 
 TEXT = "text"
 STALL_FLOOR_BPS = 10e6 / 8  # bandwidth assumed by the stall rule before any estimate
 FIRST_PIECE_GRACE_S = 0.25  # before a second piece arrives, a transfer is judged only after this long
-
-
-# ----------------------------------------------------------------------------- writing
-def encode_levels(
-    lm: LoadedModel, store: Store, ids: np.ndarray, levels: list[str] | str, *, chunk_tokens: int = 256,
-    namespace: str = "default", cache: KVCache | None = None,
-    progress: Callable[[str], None] | None = None,
-) -> dict[str, Any]:
-    """Prefill ``ids`` once, encode every chunk at every level and put the multi-level entry in ``store``.
-
-    Level chunks are put first and the manifest last, so a manifest that is
-    found names chunks that were written (spec/levels-v1.md §4). ``cache``
-    (the exact KV of ``ids``) skips the prefill.
-    """
-    from kvcodec.models.capture import capture
-    from kvcodec.format import encode_kvc_bytes
-    from kvcodec.plan.presets import get_plan
-
-    names = parse_levels(levels)
-    if not isinstance(chunk_tokens, int) or chunk_tokens < 256 or chunk_tokens % 256:
-        raise KvcInputError(f"chunk tokens must be a positive multiple of 256, got {chunk_tokens!r}")
-    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-    key = manifest_key(ids, model=lm.fingerprint.id, namespace=namespace)
-    from kvcodec.calibration.build import ensure_calibration
-
-    cal = ensure_calibration(lm)  # every level is a lossy preset of one model: resolved once, for every chunk
-    t0 = time.perf_counter()
-    if cache is None:  # every token in every layer: a level chunk is a token range of all layers
-        cache = capture(lm, token_ids=ids, full_layers=True)
-    elif not np.array_equal(cache.token_ids, ids) or cache.positions is not None:
-        raise KvcInputError("the given cache is not the exact cache of these tokens")
-    elif cache.ragged:
-        raise KvcInputError("level chunks need every token in every layer; this cache's sliding-window layers keep "
-                            "only their window (capture it with full_layers=True)")
-    lm.fingerprint.check_compatible(cache.fingerprint, what="cache")
-    prefill_s = time.perf_counter() - t0
-    chunks: list[ChunkLevels] = []
-    encode_s: dict[str, float] = {n: 0.0 for n in names}
-    n_chunks = -(-len(ids) // chunk_tokens)
-    ends = [min((i + 1) * chunk_tokens, len(ids)) for i in range(n_chunks)]
-    keys = {lv: level_keys(ids, lv, ends, model=lm.fingerprint.id, namespace=namespace) for lv in names}
-    importance = None
-    if any(lv in ("small", "balanced") for lv in names):  # the token-scaled presets weight tokens by attention
-        from kvcodec.plan.importance import cache_importance
-
-        importance = cache_importance(lm, cache)
-    for i, e in enumerate(ends):
-        s = i * chunk_tokens
-        part = KVCache([k[:, s:e] for k in cache.keys], [v[:, s:e] for v in cache.values], ids[:e],
-                       cache.fingerprint, positions=np.arange(s, e, dtype=np.int64))
-        sizes: dict[str, int] = {}
-        for lv in names:
-            if progress:
-                progress(f"chunk {i + 1}/{n_chunks} [{s}, {e}) at {lv}")
-            t1 = time.perf_counter()
-            kw = {"importance": importance[:, s:e]} if importance is not None and lv in ("small", "balanced") else {}
-            plan = get_plan(lv, part, lm=lm, cal=cal, **kw)
-            data = encode_kvc_bytes(part, plan)
-            encode_s[lv] += time.perf_counter() - t1
-            store.put(keys[lv][i], data, level_meta(lv, s, e))
-            sizes[lv] = len(data)
-        chunks.append(ChunkLevels(s, e, sizes))
-    man = LevelManifest(key, chunk_tokens, names, chunks)
-    store.put(key, man.to_bytes(), {"levels": names, "chunk_tokens": chunk_tokens})
-    elems = cache.num_elements
-    return {
-        "key": key.to_str(), "tokens": int(len(ids)), "chunk_tokens": chunk_tokens, "chunks": n_chunks,
-        "levels": {lv: {"bytes": sum(c.bytes[lv] for c in chunks),
-                        "bits_per_element": sum(c.bytes[lv] for c in chunks) * 8 / elems,
-                        "encode_s": encode_s[lv]} for lv in names},
-        "prefill_s": prefill_s, "total_s": time.perf_counter() - t0,
-    }
 
 
 def read_manifest(store: Store, key: StoreKey) -> LevelManifest | None:
@@ -166,150 +102,6 @@ def read_manifest(store: Store, key: StoreKey) -> LevelManifest | None:
         return None
 
 
-# ----------------------------------------------------------------------------- the link
-class ProgressiveReader(RangeReader):
-    """A range reader filled in the background: trailer first, then the body in order.
-
-    ``fill()`` (run by the planner thread) reads the inner reader in pieces;
-    ``read`` (the main thread's decoder) blocks until the bytes it asks for
-    have arrived, the fill failed, or ``give_up()`` is called. Arrival times
-    give the chunk's throughput.
-    """
-
-    def __init__(self, inner: RangeReader, piece: int, name: str, tail: int = 64 << 10) -> None:
-        self.inner, self.size, self.name = inner, inner.size, name
-        self.piece = max(4096, int(piece))
-        n = -(-self.size // self.piece)
-        last = max(0, n - 1)
-        tail_first = max(0, (self.size - tail) // self.piece)
-        self.order = list(range(tail_first, last + 1)) + list(range(0, tail_first))
-        self._have: dict[int, bytes] = {}
-        self._cond = threading.Condition()
-        self._error: BaseException | None = None
-        self._abandoned = False
-        self.started = time.perf_counter()
-        self.finished: float | None = None
-        self.last_progress = self.started
-        self.received = 0
-        self.first_at: float | None = None  # when the first piece arrived, and its size (the give-up rule's rate)
-        self.first_bytes = 0
-        self.slow_Bps: float | None = None  # set when abandoned as too slow (not failed): the rate it showed
-
-    def fill(self) -> None:
-        try:
-            for p in self.order:
-                with self._cond:
-                    if self._abandoned:
-                        return
-                start = p * self.piece
-                buf = self.inner.read(start, min(self.piece, self.size - start))
-                with self._cond:
-                    self._have[p] = buf
-                    self.received += len(buf)
-                    self.last_progress = time.perf_counter()
-                    if self.first_at is None:
-                        self.first_at, self.first_bytes = self.last_progress, len(buf)
-                    self._cond.notify_all()
-            with self._cond:
-                self.finished = time.perf_counter()
-                self._cond.notify_all()
-        except BaseException as e:  # reported to the reader thread, which falls back to text
-            with self._cond:
-                self._error = e
-                self._cond.notify_all()
-        finally:
-            try:
-                self.inner.close()
-            except Exception:  # pragma: no cover - best effort
-                pass
-
-    def give_up(self, why: str) -> None:
-        with self._cond:
-            self._abandoned = True
-            if self._error is None:
-                self._error = KvcStoreError(why)
-            self._cond.notify_all()
-
-    def wait_until(self, pred: Callable[[], bool], check: Callable[[], str | None]) -> None:
-        """Wait for ``pred`` (under the lock); ``check()`` returning a reason gives up."""
-        with self._cond:
-            while not pred():
-                if self._error is not None:
-                    raise KvcStoreError(f"{self.name}: transfer failed: {_one_line(self._error)}")
-                why = check()
-                if why:
-                    self._abandoned = True
-                    self._error = KvcStoreError(why)
-                    raise KvcStoreError(f"{self.name}: {why}")
-                self._cond.wait(0.02)
-
-    def _read(self, offset: int, length: int) -> bytes:
-        first, last = offset // self.piece, (offset + length - 1) // self.piece
-        self.wait_until(lambda: all(p in self._have for p in range(first, last + 1)), self.check or (lambda: None))
-        with self._cond:
-            joined = b"".join(self._have[p] for p in range(first, last + 1))
-        lo = offset - first * self.piece
-        return joined[lo:lo + length]
-
-    check: Callable[[], str | None] | None = None  # set by the consumer: a reason to stop waiting, or None
-
-    def throughput(self) -> float | None:
-        if self.finished is None or self.finished <= self.started:
-            return None
-        return self.size / (self.finished - self.started)
-
-
-# ----------------------------------------------------------------------------- estimates
-@dataclass
-class Priors:
-    """Speeds assumed before this process has measured any (replaced by measurements).
-
-    Defaults are this project's 2-vCPU Xeon with SmolLM2-135M (README: 2048
-    tokens prefilled in 13 s; a 2048-token balanced `.kvc` decoded in 0.82 s).
-    """
-
-    prefill_s_per_token: float = 13.0 / 2048
-    decode_s_per_token: dict[str, float] = field(default_factory=lambda: {lv: 0.82 / 2048 for lv in LEVEL_RANK})
-    first_token_s: float = 0.05  # the question's last-token logits and argmax beyond its prefill
-
-
-class Speeds:
-    """Process-wide measured speeds (EMA), per store URL bandwidth history."""
-
-    def __init__(self, priors: Priors | None = None, alpha: float = 0.5) -> None:
-        self.priors = priors or Priors()
-        self.alpha = alpha
-        self.prefill: float | None = None
-        self.decode: dict[str, float] = {}
-        self.bw: dict[str, list[float]] = {}
-        self._lock = threading.Lock()
-
-    def _ema(self, old: float | None, new: float) -> float:
-        return new if old is None else (1 - self.alpha) * old + self.alpha * new
-
-    def prefill_spt(self) -> float:
-        return self.prefill if self.prefill is not None else self.priors.prefill_s_per_token
-
-    def decode_spt(self, level: str) -> float:
-        return self.decode.get(level, self.priors.decode_s_per_token.get(level, 0.82 / 2048))
-
-    def saw_prefill(self, tokens: int, seconds: float) -> None:
-        if tokens > 0:
-            with self._lock:
-                self.prefill = self._ema(self.prefill, seconds / tokens)
-
-    def saw_decode(self, level: str, tokens: int, seconds: float) -> None:
-        if tokens > 0:
-            with self._lock:
-                self.decode[level] = self._ema(self.decode.get(level), seconds / tokens)
-
-
-SPEEDS = Speeds()
-
-
-def harmonic_mean(xs: list[float]) -> float | None:
-    xs = [x for x in xs if x > 0]
-    return len(xs) / sum(1.0 / x for x in xs) if xs else None
 
 
 # ----------------------------------------------------------------------------- choices
@@ -426,7 +218,7 @@ class AdaptiveStreamer:
             try:
                 manifest = read_manifest(self.store, key)
             except KvcError as e:
-                problem = f"manifest unreadable: {_one_line(e)}"
+                problem = f"manifest unreadable: {one_line(e)}"
             if manifest is not None:  # a lower bound on the link's rate: latency included, tiny payload
                 floor_bw = len(manifest.to_bytes()) / max(time.perf_counter() - tm, 1e-6)
         if manifest is None:
@@ -566,10 +358,10 @@ class _Run:
                         it.reader = ProgressiveReader(inner, piece, str(key))
                         it.reader.started = t1
                     except KvcError as e:
-                        it.choice.fell_back = f"{lv}: {_one_line(e)}"
+                        it.choice.fell_back = f"{lv}: {one_line(e)}"
                         it.choice.choice = TEXT
                         it.est_s = self._prefill_s(it.choice.end - it.choice.start)
-                        self.fail_link(_one_line(e))
+                        self.fail_link(one_line(e))
                     self.items.put(it)
                     if it.reader is not None:
                         it.reader.fill()
@@ -582,7 +374,7 @@ class _Run:
                         elif it.reader.slow_Bps is not None:  # abandoned for the budget: the link works, slowly
                             self.saw_bandwidth(it.reader.slow_Bps)
                         elif it.reader._error is not None:
-                            self.fail_link(_one_line(it.reader._error))
+                            self.fail_link(one_line(it.reader._error))
                 else:
                     self.items.put(it)
         finally:
@@ -658,11 +450,11 @@ class _Run:
                     self._append_kv(past, it, pos)
                     self.s.speeds.saw_decode(c.choice, c.end - c.start, time.perf_counter() - t1)
                 except KvcError as e:
-                    it.reader.give_up(_one_line(e))
-                    c.fell_back = f"{c.choice}: {_one_line(e)}"
+                    it.reader.give_up(one_line(e))
+                    c.fell_back = f"{c.choice}: {one_line(e)}"
                     c.choice = TEXT
                     if it.reader.slow_Bps is None:  # too slow is not failed: plan() turns it into a sample
-                        self.fail_link(_one_line(e))
+                        self.fail_link(one_line(e))
                     _truncate(past, pos)
                     t1 = time.perf_counter()
             if c.choice == TEXT:
@@ -719,7 +511,3 @@ def _truncate(past: Any, n: int) -> None:
         if getattr(layer, "keys", None) is not None and layer.keys.numel() and layer.keys.shape[-2] > n:
             layer.keys = layer.keys[..., :n, :]
             layer.values = layer.values[..., :n, :]
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__

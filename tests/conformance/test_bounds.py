@@ -25,7 +25,9 @@ from kvcodec.codecs.lossless import fp16_pipeline
 from kvcodec.core.kvcache import load_capture, load_h5, load_safetensors, save_h5, save_safetensors
 from kvcodec.limits import MAX_DECODED_ENV, MAX_RATIO_ENV
 from kvcodec.decode.cpu import fused as fastdecode
-from formatutil import assert_same_cache, crc, header_obj, split, assemble, synthetic_cache, with_header  # noqa: E402
+from formatutil import assert_same_cache, synthetic_cache  # noqa: E402
+
+from kvcodec.testing.surgery import assemble, crc, header_obj, split, with_header  # noqa: E402
 
 FIELDS = struct.Struct("<IBBHIIIIQQII")
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from formatutil import SYNTH_FP, assemble, header_obj, split, synthetic_cache, with_header
+from formatutil import SYNTH_FP, synthetic_cache
+
+from kvcodec.testing.surgery import assemble, header_obj, split, with_header
 from kvcodec.errors import KvcFormatError, KvcInputError
 from kvcodec.format import KvcReader, encode_kvc_bytes, raw_pipeline
 from kvcodec.format.bias import AttentionBias

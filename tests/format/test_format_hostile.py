@@ -19,7 +19,9 @@ from hypothesis import strategies as st
 from kvcodec.errors import KvcCodecError, KvcFormatError
 from kvcodec.format import KvcReader, KvcUnknownCodecError, encode_kvc_bytes, lossless_pipeline, raw_pipeline, verify_kvc
 
-from formatutil import assemble, assert_same_cache, crc, header_obj, split, synthetic_cache, with_header  # noqa: E402,F401
+from formatutil import assert_same_cache, synthetic_cache  # noqa: E402,F401
+
+from kvcodec.testing.surgery import assemble, crc, header_obj, split, with_header  # noqa: E402,F401
 
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 MEM_LIMIT = 24 << 20

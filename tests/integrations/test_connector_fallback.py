@@ -22,7 +22,7 @@ from kvcodec.integrations.vllm.entries import (
     usable_run,
 )
 
-from formatutil import header_obj, split, with_header  # noqa: E402
+from kvcodec.testing.surgery import header_obj, split, with_header  # noqa: E402
 
 pytestmark = pytest.mark.model
 

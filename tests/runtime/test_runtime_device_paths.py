@@ -88,7 +88,7 @@ N = 256
 
 @pytest.fixture(scope="module")
 def level_entry(lm, gpl3_ids, real_cache, tmp_path_factory):
-    from kvcodec.runtime.stream import encode_levels
+    from kvcodec.runtime.level_encode import encode_levels
     from kvcodec.store import Store
 
     d = tmp_path_factory.mktemp("device-levels") / "store"

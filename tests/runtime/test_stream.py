@@ -30,14 +30,9 @@ from kvcodec.models.quality import compare_logits, continue_logits
 from kvcodec.testing.netshape import ShapedLink
 from kvcodec.store import Store, TenantKey
 from kvcodec.store.levels import manifest_key
-from kvcodec.runtime.stream import (
-    TEXT,
-    AdaptiveStreamer,
-    Priors,
-    Speeds,
-    encode_levels,
-    read_manifest,
-)
+from kvcodec.runtime.level_encode import encode_levels
+from kvcodec.runtime.speeds import Priors, Speeds
+from kvcodec.runtime.stream import TEXT, AdaptiveStreamer, read_manifest
 
 pytestmark = pytest.mark.model
 

@@ -20,7 +20,7 @@ from kvcodec.runtime.knowledge import KnowledgeBase
 from kvcodec.store import Store
 
 from cliutil import run_kvc  # noqa: E402
-from formatutil import header_obj, split, with_header  # noqa: E402
+from kvcodec.testing.surgery import header_obj, split, with_header  # noqa: E402
 
 pytestmark = pytest.mark.model
 
