@@ -373,27 +373,40 @@ def test_kvc_demo_and_curve_cold(models, doc, cache, tmp_path):
 
 
 # -- the vLLM connector's save ----------------------------------------------------------------------------------------
-def test_vllm_save_needs_a_calibration(models, cache):
+def test_vllm_save_needs_a_calibration(models, cache, caplog):
     """The connector plans its saves without a model (vLLM holds it), so it cannot build a calibration: a lossy
     save preset on a model without one is refused in one line naming ``kvc calibrate`` (at the connector's
-    start-up: :func:`check_save_calibration`); once it exists, chunks encode with it and nothing is built."""
+    start-up: :func:`check_save_calibration`); with no preset named it stores lossless entries and says so in one
+    warning line; once the calibration exists, the default is the KDN's (faithful), chunks encode with it and
+    nothing is built."""
+    import logging
+
     import torch
 
     from kvcodec.errors import KvcInputError
     from kvcodec.format import KvcReader
     from kvcodec.integrations.vllm.config import fingerprint_from_dir
-    from kvcodec.integrations.vllm.entries import check_save_calibration, encode_chunk
+    from kvcodec.integrations.vllm.entries import check_save_calibration, encode_chunk, resolve_save_preset
+    from kvcodec.plan.presets import DEFAULT_LOSSY
 
     d = str(models["dense"])
     fp = fingerprint_from_dir(d)
     with pytest.raises(KvcInputError, match=f"kvc calibrate --model {d}") as exc:
         check_save_calibration(fp, "balanced", d)
     assert "\n" not in str(exc.value)
+    with pytest.raises(KvcInputError, match=f"kvc calibrate --model {d}"):
+        resolve_save_preset(fp, "balanced", d)
+    assert resolve_save_preset(fp, "balanced", d, save=False) == "balanced"  # loads only: nothing to encode
     check_save_calibration(fp, "lossless", d)  # needs none
+    with caplog.at_level(logging.WARNING, "kvcodec.integrations.vllm"):
+        assert resolve_save_preset(fp, None, d) == "lossless"
+    warned = [r.getMessage() for r in caplog.records if "no preset configured" in r.getMessage()]
+    assert len(warned) == 1 and f"kvc calibrate --model {d}" in warned[0] and "\n" not in warned[0]
     assert calibrations(cache) == []
     kvc(cache, "calibrate", "-m", d)
     before = on_disk(cache)
     check_save_calibration(fp, "balanced", d)
+    assert resolve_save_preset(fp, None, d) == DEFAULT_LOSSY
     lm = _lm(models, "dense")
     assert lm.fingerprint.id == fp.id
     L, H, D = fp.num_layers, fp.num_kv_heads, fp.head_dims[0]

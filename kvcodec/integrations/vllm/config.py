@@ -10,7 +10,8 @@ vLLM side (``--kv-transfer-config``)::
      "kv_role": "kv_both",
      "kv_connector_extra_config": {
          "store_url": "/var/cache/kvc",       # required: any kvcodec.store URL
-         "preset": "lossless",                # any kvcodec preset (lossless, zstd, near-lossless, ...)
+         "preset": "faithful",                # any kvcodec preset; default: faithful where the model has a
+                                              # calibration here, else lossless (one warning line at start-up)
          "namespace": "default",              # tenant / salt; part of every key
          "chunk_tokens": 256,                 # store chunk; a multiple of vLLM's block size
          "save": true,                        # save new prefixes (false: load only)
@@ -47,7 +48,7 @@ from typing import Any, Mapping, Sequence
 
 from kvcodec.errors import KvcInputError, KvcModelNotFoundError
 
-DEFAULT_PRESET = "lossless"
+DEFAULT_PRESET = None  # not named: resolved at start-up (entries.resolve_save_preset: faithful, or lossless + a warning)
 DEFAULT_CHUNK_TOKENS = 256
 LAYOUT = "vllm-chunk-v1"  # recorded in each entry's metadata
 
@@ -78,7 +79,7 @@ def _as_int(name: str, v: Any, lo: int) -> int:
 @dataclass(frozen=True)
 class ConnectorConfig:
     store_url: str
-    preset: str = DEFAULT_PRESET
+    preset: str | None = DEFAULT_PRESET
     namespace: str = "default"
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     save: bool = True
@@ -100,11 +101,12 @@ class ConnectorConfig:
             raise KvcInputError("kvcodec connector: kv_connector_extra_config.store_url is required "
                                 "(a directory, file://, redis://, http(s):// or mem:// store URL)")
         preset = extra.get("preset", DEFAULT_PRESET)
-        if not isinstance(preset, str) or not preset:
-            raise KvcInputError(f"kvcodec connector: preset must be a preset name, got {preset!r}")
-        from kvcodec.plan.presets import preset_info
+        if preset is not None:
+            if not isinstance(preset, str) or not preset:
+                raise KvcInputError(f"kvcodec connector: preset must be a preset name, got {preset!r}")
+            from kvcodec.plan.presets import preset_info
 
-        preset_info(preset, "kvcodec connector")  # the one preset table (the connector has no model: fixed step0)
+            preset_info(preset, "kvcodec connector")  # the one preset table (the connector has no model: fixed step0)
         ns = extra.get("namespace", "default")
         from kvcodec.store.keys import check_id
 
@@ -125,6 +127,9 @@ class ConnectorConfig:
         """The store key's ``codec`` part: :func:`kvcodec.store.keys.codec_key` of the preset, as every other writer."""
         from kvcodec.store.keys import codec_key
 
+        if self.preset is None:
+            raise KvcInputError("kvcodec connector: the default preset is chosen at start-up, from the model "
+                                "(entries.resolve_save_preset); no codec before that")
         return codec_key(self.preset)
 
     def check_block_size(self, block_size: int) -> None:

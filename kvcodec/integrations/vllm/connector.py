@@ -48,7 +48,7 @@ import contextlib
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -66,8 +66,8 @@ from kvcodec.integrations.vllm.config import ConnectorConfig, LAYOUT, chunk_keys
 from kvcodec.integrations.vllm.config import _natural, fingerprint_from_dir, leading_run
 from kvcodec.integrations.hf import decode_device, device_scope
 from kvcodec.integrations.vllm.entries import (
-    ChunkUnreadable, block_table, check_save_calibration, decode_chunk_layers, encode_chunk, evict_unreadable, fetch_chunk, learn_gather_map,
-    next_layer, paged_views, usable_run, write_paged_layer,
+    ChunkUnreadable, block_table, decode_chunk_layers, encode_chunk, evict_unreadable, fetch_chunk, learn_gather_map,
+    next_layer, paged_views, resolve_save_preset, usable_run, write_paged_layer,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -192,8 +192,10 @@ class KvcodecConnector(KVConnectorBase_V1):
             raise KvcInputError(f"kvcodec connector: model {model_dir!r} is not a local HF directory; the store "
                                 "key needs the model fingerprint computed from its files")
         self.fingerprint = _model_fingerprint(model_dir)
-        if self.cfg.save:  # a lossy preset without a calibration: refused here, not once per chunk (issue 59)
-            check_save_calibration(self.fingerprint, self.cfg.preset, model_dir)
+        # the preset named (a lossy one without a calibration: refused here, not once per chunk, issue 59), or the
+        # default: faithful where the model has a calibration, else lossless with a warning (issue 53)
+        self.preset: str = resolve_save_preset(self.fingerprint, self.cfg.preset, model_dir, self.cfg.save)
+        self.cfg = replace(self.cfg, preset=self.preset)
         self.model_id = self.cfg.model_id or self.fingerprint.id
         self.codec = self.cfg.codec_id
         self.store = _open_store(self.cfg)
@@ -434,10 +436,10 @@ class KvcodecConnector(KVConnectorBase_V1):
                 continue
             t0 = time.perf_counter()
             try:
-                data = encode_chunk(self.fingerprint, self.cfg.preset, s.token_ids, s.start, s.end,
+                data = encode_chunk(self.fingerprint, self.preset, s.token_ids, s.start, s.end,
                                     [layers[i][0] for i in range(len(layers))], [layers[i][1] for i in range(len(layers))])
                 self.store.put(s.key, data, {"layout": LAYOUT, "start": s.start, "end": s.end,
-                                             "preset": self.cfg.preset})
+                                             "preset": self.preset})
                 _count("saved_chunks")
                 _count("save_bytes", len(data))
             except Exception as e:

@@ -209,6 +209,30 @@ def check_save_calibration(fp: Any, preset: str, model_dir: str) -> None:
                         "preset, or set save to false)")
 
 
+def resolve_save_preset(fp: Any, preset: str | None, model_dir: str, save: bool = True) -> str:
+    """The preset the connector stores with: the one the config names (refused in one line when it is lossy and the
+    model has no calibration here, :func:`check_save_calibration`), else the KDN's default lossy preset where the
+    model has a calibration, else ``lossless`` with one warning line saying how to get the smaller entries.
+
+    Why not always the default: a lossy preset needs the model's calibration, which a serving worker must not build
+    (:func:`check_save_calibration`); refusing to start because the user named nothing would be worse than storing
+    lossless entries, and doing it silently would hide a 5x larger store. Loads use whatever the entry says.
+    """
+    from kvcodec.calibration.store import load_calibration
+    from kvcodec.plan.presets import DEFAULT_LOSSY
+
+    if preset is not None:
+        if save:
+            check_save_calibration(fp, preset, model_dir)
+        return preset
+    if load_calibration(fp.id) is not None:
+        return DEFAULT_LOSSY
+    log.warning("kvcodec connector: no preset configured and the model has no calibration on this machine; storing "
+                "lossless entries (build the calibration once for %s entries: kvc calibrate --model %s)",
+                DEFAULT_LOSSY, model_dir)
+    return "lossless"
+
+
 def encode_chunk(fp: Any, preset: str, ids: list[int], start: int, end: int, keys: list[torch.Tensor],
                  values: list[torch.Tensor]) -> bytes:
     """`.kvc` bytes of the K/V of tokens [start, end) of the prefix ``ids[:end]`` (a pruned-cache file)."""

@@ -22,7 +22,10 @@ OTHER = ModelFingerprint("llama", 2, 3, (64, 64), '{"rope_theta": 10000.0}', "a"
 
 def test_config_defaults_and_errors():
     c = ConnectorConfig.from_extra({"store_url": "/tmp/x"})
-    assert (c.preset, c.namespace, c.chunk_tokens, c.save, c.load) == ("lossless", "default", 256, True, True)
+    assert (c.preset, c.namespace, c.chunk_tokens, c.save, c.load) == (None, "default", 256, True, True)
+    with pytest.raises(KvcInputError, match="start-up"):  # the default is resolved from the model, at start-up
+        _ = c.codec_id
+    c = ConnectorConfig.from_extra({"store_url": "/tmp/x", "preset": "lossless"})
     assert c.codec_id == codec_key("lossless")
     for bad, word in [({}, "store_url"), ({"store_url": " "}, "store_url"), ({"store_url": "x", "preset": "nope"}, "preset"),
                       ({"store_url": "x", "namespace": "a b"}, "namespace"), ({"store_url": "x", "chunk_tokens": 0}, "chunk_tokens"),
