@@ -110,9 +110,9 @@ def encode(
     if target_kl is not None and target_dppl is not None:
         raise KvcInputError("give only one of target_kl and target_dppl")
     if preset is None and not targeted:
-        raise KvcInputError(f"give a preset (preset=None is the default {DEFAULT_LOSSY}'s settings at a target_kl / target_dppl)")
-    if preset is None:
-        preset = DEFAULT_LOSSY
+        raise KvcInputError("give a preset (preset=None is balanced's settings at a target_kl / target_dppl)")
+    if preset is None:  # a KL promise asked for by itself: the codec whose bits buy KL best (importance-weighted steps)
+        preset = "balanced"
     baseline = preset is not None and preset.startswith("baseline:")
     info = None if preset is None or baseline else preset_info(preset)
     overrides = check_overrides(info.name, dict(overrides or {}), "overrides") if info is not None else dict(overrides or {})

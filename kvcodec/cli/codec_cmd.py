@@ -95,7 +95,7 @@ def parse_codec_config(value: str) -> tuple[str, dict[str, Any]]:
 @click.option("--level-chunk-tokens", type=click.IntRange(min=256), default=256, show_default=True,
               help="--levels: tokens per streamed chunk (a multiple of 256).")
 @click.option("--preset", default="lossless", show_default=True,
-              help="lossless | zstd | raw | fp16, or a lossy preset (near-lossless, balanced, small).")
+              help="lossless | zstd | raw | fp16, or a lossy preset (near-lossless, faithful, balanced, small).")
 @click.option("--config", "config", default=None,
               help='A preset and parameter overrides as JSON (inline or a file), e.g. \'{"preset": "balanced", "step0": 0.25}\'.')
 @click.option("--prune", "prune_spec", default=None, help=PRUNE_HELP)
