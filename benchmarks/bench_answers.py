@@ -21,6 +21,7 @@ real bytes x 8 over the K+V elements of the context. Calibration is the shipped 
 (amortised, not charged per entry).
 
     python benchmarks/bench_answers.py --models smollm2,gemma3-270m --tokens 4096,8192 --per-family 10
+    python benchmarks/bench_answers.py --merge part-a.json part-b.json   # pool the parts of a run split by --start
 """
 
 from __future__ import annotations
@@ -174,8 +175,59 @@ class _Direct:
     answer_ids: list[int]
 
 
+def pooled(docs: list[dict[str, Any]]) -> dict[tuple[str, str, str], dict[str, Any]]:
+    """Rows of several result documents (parts of one run split by ``--start``: disjoint questions) pooled per
+    (model, context length, method), with their summaries recomputed over all of them."""
+    rows: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    bits: dict[tuple[str, str, str], list[tuple[float, int]]] = {}
+    for doc in docs:
+        for r in doc["results"]["models"]:
+            for T, res in r["lengths"].items():
+                for m, v in res["methods"].items():
+                    key = (r["model"], T, m)
+                    rows.setdefault(key, []).extend(v["rows"])
+                    b = v["bits_per_element"] if v["bits_per_element"] is not None else v.get("lossless_entry_bits_per_element")
+                    bits.setdefault(key, []).append((b, res["contexts"]))
+    out = {}
+    for key, rs in rows.items():
+        ids = [r["id"] for r in rs]
+        if len(set(ids)) != len(ids):
+            raise SystemExit(f"{key}: a question appears in two parts (overlapping --start ranges)")
+        n = sum(c for _, c in bits[key])
+        out[key] = {"questions": len(rs), "bits_per_element": sum(b * c for b, c in bits[key]) / n,
+                    "all": _summary(rs), "held_out": _summary([r for r in rs if r["split"] == "held-out"]),
+                    "by_family": {f: _summary([r for r in rs if r["family"] == f]) for f in sorted({r["family"] for r in rs})}}
+    return out
+
+
+def _line(name: str, bits: float | None, v: dict[str, Any]) -> str:
+    def iv(x: dict[str, Any]) -> str:
+        return f"{x['rate']:.3f} [{x['ci95'][0]:.3f}, {x['ci95'][1]:.3f}]" if x["rate"] is not None else "-"
+
+    b = "     -" if bits is None else f"{bits:6.2f}"
+    return (f"  {name:24s} {b} bits/el  accuracy {iv(v['all']['accuracy'])}  identical {iv(v['all']['identical'])}  "
+            f"first 16 tokens {iv(v['all']['identical16'])}  held-out: accuracy {iv(v['held_out']['accuracy'])} "
+            f"identical {iv(v['held_out']['identical'])} (n={v['held_out']['accuracy']['n']})")
+
+
+def merge_main(paths: list[str]) -> None:
+    """``--merge A.json B.json ...``: the pooled table of parts of one run (no model is loaded)."""
+    import json
+
+    table = pooled([json.loads(Path(p).read_text()) for p in paths])
+    for (model, T, m), v in sorted(table.items()):
+        print(f"{model} {T} ({v['questions']} questions) " + _line(m, None if m == "in-context" else v["bits_per_element"], v))
+        for f, s in v["by_family"].items():
+            print(f"      {f:10s} accuracy {s['accuracy']['k']}/{s['accuracy']['n']}  identical {s['identical']['k']}/{s['identical']['n']}"
+                  f"  first 16 {s['identical16']['k']}/{s['identical16']['n']}")
+
+
 def main(argv: list[str] | None = None) -> None:
     from kvcodec.texts import HELD_OUT
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--merge"]:
+        return merge_main(argv[1:])
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="smollm2,gemma3-270m")
@@ -211,11 +263,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"(lossless = in-context checked: {r.get('lossless_is_in_context')}; "
                   f"peers' path = in-context: {r.get('direct_is_in_context')})")
             for m, v in res["methods"].items():
-                acc, same, ho = v["all"]["accuracy"], v["all"]["identical"], v["held_out"]["accuracy"]
-                b = "     -" if v["bits_per_element"] is None else f"{v['bits_per_element']:6.2f}"
-                print(f"  {m:14s} {b} bits/el  accuracy {acc['rate']:.3f} "
-                      f"[{acc['ci95'][0]:.3f}, {acc['ci95'][1]:.3f}]  identical {same['rate']:.3f} "
-                      f"[{same['ci95'][0]:.3f}, {same['ci95'][1]:.3f}]  held-out accuracy {ho['rate'] if ho['rate'] is not None else float('nan'):.3f} (n={ho['n']})")
+                print(_line(m, v["bits_per_element"], v))
     run.emit({"models": results})
 
 

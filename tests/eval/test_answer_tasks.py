@@ -91,3 +91,24 @@ def test_wilson_interval():
     lo, hi = wilson(17, 18)
     assert 0.74 < lo < 0.75 and 0.99 < hi <= 1.0
     assert wilson(0, 10)[0] == 0.0 and wilson(10, 10)[1] == 1.0 and wilson(0, 0) == (0.0, 1.0)
+
+
+def test_parts_of_a_split_run_pool_into_one_table():
+    """bench_answers --merge: the rows of parts split by --start pool per (model, length, method), the summaries are
+    recomputed over all of them (not averaged), bits are weighted by contexts, and a question in two parts is refused."""
+    import bench_answers
+
+    def doc(rows, bits, contexts):
+        v = {"bits_per_element": bits, "rows": rows}
+        return {"results": {"models": [{"model": "m", "lengths": {"4096": {"contexts": contexts, "methods": {"p": v}}}}]}}
+
+    def row(i, exact, same, split="held-in"):
+        return {"id": f"q{i}", "family": "needle", "split": split, "exact": exact, "identical": same, "identical16": same}
+
+    a = doc([row(0, True, True), row(1, False, True, "held-out")], 4.0, 1)
+    b = doc([row(2, True, False), row(3, True, True), row(4, False, False, "held-out")], 5.0, 3)
+    t = bench_answers.pooled([a, b])[("m", "4096", "p")]
+    assert t["questions"] == 5 and t["all"]["accuracy"]["k"] == 3 and t["all"]["identical"]["k"] == 3
+    assert t["held_out"]["accuracy"]["n"] == 2 and t["bits_per_element"] == pytest.approx((4.0 + 3 * 5.0) / 4)
+    with pytest.raises(SystemExit, match="two parts"):
+        bench_answers.pooled([a, a])
