@@ -94,7 +94,7 @@ VERIFY_POLICIES = ("file", "off")
 LOSSY_BOUND = 2.0  # read-back: a lossy chunk decoded farther than this x its input's energy is corrupt (small zeroes whole low-sensitivity tensors: ~1)
 
 
-def _plan_options(plan: Plan | PipelineSpec, options: WriteOptions | None, kw: dict[str, Any]) -> tuple[PipelineSpec, WriteOptions]:
+def plan_options(plan: Plan | PipelineSpec, options: WriteOptions | None, kw: dict[str, Any]) -> tuple[PipelineSpec, WriteOptions]:
     """The pipelines and options that encode ``plan``: the plan's attachments, preset, layout and encoder inputs,
     then ``options``, then the entry point's keyword arguments on top (a misspelt name is a TypeError).
 
@@ -115,16 +115,16 @@ def _check_verify(verify: str) -> None:
         raise KvcInputError(f"verify must be one of {', '.join(VERIFY_POLICIES)}, got {verify!r}")
 
 
-def _is_bf16(t: Any) -> bool:
+def is_bf16(t: Any) -> bool:
     """Whether a tensor (or cache) is bfloat16, which numpy lacks (written as float32 chunks)."""
     return str(t.dtype) == "torch.bfloat16"
 
 
-def _tensor_dtype(cache: KVCache) -> str:
+def tensor_dtype(cache: KVCache) -> str:
     return str(cache.dtype).removeprefix("torch.")
 
 
-def _ranges(n: int, step: int | None) -> list[tuple[int, int]]:
+def chunk_ranges(n: int, step: int | None) -> list[tuple[int, int]]:
     step = n if not step else step
     return [(a, min(a + step, n)) for a in range(0, n, step)]
 
@@ -163,7 +163,7 @@ def _check_array_blob(name: str, arr: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np_le(arr.dtype.name))
 
 
-def _resolve_pipelines(pipelines: PipelineSpec, n_layers: int) -> tuple[list[Pipeline], dict[tuple[int, str], int]]:
+def resolve_pipelines(pipelines: PipelineSpec, n_layers: int) -> tuple[list[Pipeline], dict[tuple[int, str], int]]:
     """The header's pipeline table (one entry per distinct config) and each tensor's table index.
 
     Every tensor is encoded with its table entry, so layers with equal configs share stage
@@ -199,7 +199,7 @@ def write_kvc_stream(cache: KVCache, f: BinaryIO, plan: Plan | PipelineSpec, opt
     and :func:`encode_kvc_bytes` verify what they wrote. ``kw`` are :class:`WriteOptions`
     fields, applied over ``options``.
     """
-    pipelines, opts = _plan_options(plan, options, kw)
+    pipelines, opts = plan_options(plan, options, kw)
     return _write(cache, f, pipelines, opts, None)
 
 
@@ -209,21 +209,21 @@ def _write(cache: KVCache, f: BinaryIO, pipelines: PipelineSpec, opts: WriteOpti
     cache.validate()
     fp = cache.fingerprint
     T, H, L = cache.num_tokens, fp.num_kv_heads, fp.num_layers
-    tdtype = _tensor_dtype(cache)
+    tdtype = tensor_dtype(cache)
     if T > MAX_TOKENS or cache.num_context_tokens > MAX_TOKENS:
         raise KvcInputError(f"caches of more than {MAX_TOKENS} tokens cannot be stored")
     for name, v in (("chunk_tokens", chunk_tokens), ("chunk_heads", chunk_heads)):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
             raise KvcInputError(f"{name} must be a positive integer, got {v!r}")
-    h_ranges = _ranges(H, chunk_heads)
+    h_ranges = chunk_ranges(H, chunk_heads)
     # layer i's chunks tile its stored tokens [T - layer_tokens[i], T) in the sequence's coordinates (spec §4.2)
     offsets = [cache.layer_offset(i) for i in range(L)]
-    t_ranges = [[(a + off, b + off) for a, b in _ranges(T - off, chunk_tokens)] for off in offsets]
+    t_ranges = [[(a + off, b + off) for a, b in chunk_ranges(T - off, chunk_tokens)] for off in offsets]
     itemsize = 2 if tdtype == "bfloat16" else np.dtype(tdtype).itemsize
     biggest = max(h1 - h0 for h0, h1 in h_ranges) * max(t1 - t0 for r in t_ranges for t0, t1 in r) * max(fp.head_dims) * itemsize
     if biggest > MAX_CHUNK_DECODED_BYTES:
         raise KvcInputError(f"a chunk would hold {biggest} bytes (limit {MAX_CHUNK_DECODED_BYTES}); use chunk_tokens")
-    table, pid = _resolve_pipelines(pipelines, L)
+    table, pid = resolve_pipelines(pipelines, L)
     if opts.encoder_inputs is None and any(s.name in ENCODER_INPUT_STAGES for p in table for s in p.stages):
         # a plan's per-layer inputs dropped on the way (its pipelines passed without the plan) would encode
         # every token alike and lose quality silently
@@ -316,7 +316,7 @@ def _write(cache: KVCache, f: BinaryIO, pipelines: PipelineSpec, opts: WriteOpti
             p = table[pid[(layer, kind)]]
             inputs = opts.encoder_inputs(layer, kind) if opts.encoder_inputs is not None else {}
             t = tensor.detach().cpu()
-            if _is_bf16(t):
+            if is_bf16(t):
                 t = t.float()
             full = t.contiguous().numpy()
             off = offsets[layer]
@@ -423,7 +423,7 @@ class _Expectation:
         key = (layer, kind)
         if self._tensor is None or self._tensor[0] != key:
             t = (self.cache.keys if kind == "k" else self.cache.values)[layer].detach().cpu()
-            self._tensor = (key, (t.float() if _is_bf16(t) else t).contiguous().numpy())
+            self._tensor = (key, (t.float() if is_bf16(t) else t).contiguous().numpy())
         return self._tensor[1]
 
     def add(self, p: Pipeline, arr: np.ndarray, payload: bytes, sides: list, sizes: list[int], ctx: Any) -> None:
@@ -510,7 +510,7 @@ class _Expectation:
 
 
 def _declared_bytes(cache: KVCache) -> int:
-    itemsize = 4 if _is_bf16(cache) else cache.dtype.itemsize
+    itemsize = 4 if is_bf16(cache) else cache.dtype.itemsize
     return max(1, cache.num_elements * itemsize)
 
 
@@ -525,7 +525,7 @@ def write_kvc(cache: KVCache, dest: str | os.PathLike | BinaryIO, plan: Plan | P
     readable and seekable (e.g. ``BytesIO``), otherwise it cannot be.
     """
     _check_verify(verify)
-    pipelines, opts = _plan_options(plan, options, kw)
+    pipelines, opts = plan_options(plan, options, kw)
     if not isinstance(dest, (str, os.PathLike)):
         readable = verify == "file" and _readable(dest)
         start = dest.tell() if readable else 0
@@ -549,54 +549,6 @@ def write_kvc(cache: KVCache, dest: str | os.PathLike | BinaryIO, plan: Plan | P
     return n
 
 
-def roundtrip(cache: KVCache, plan: Plan | PipelineSpec) -> tuple[KVCache, int]:
-    """``cache`` encoded under ``plan`` and decoded again, with no container: (decoded cache, payload bytes).
-
-    For measurements that decode right away and store nothing (the quality check's probes, target
-    searches). Each tensor is chunked as :func:`write_kvc` chunks it by default (the plan's
-    ``chunk_tokens``, all heads per chunk), encoded with the same chunk contexts, and decoded by
-    the pipeline's normative stage-by-stage decode, which every decoder a reader may pick matches
-    bit for bit; so the decoded cache is the one a file of this plan would read back as. The byte
-    count is the chunks' payloads and side data, without the header, index and padding.
-    """
-    import torch
-
-    from kvcodec.core.kvcache import KVCache
-
-    pipelines, opts = _plan_options(plan, None, {})
-    cache.validate()
-    fp = cache.fingerprint
-    T, L = cache.num_tokens, fp.num_layers
-    table, pid = _resolve_pipelines(pipelines, L)
-    positions = None if cache.positions is None else np.asarray(cache.positions, dtype=np.int64)
-    arrays: dict[str, np.ndarray] = {}
-    for name, a in (opts.attachments or {}).items():
-        arr = a.array if isinstance(a, ExternalAttachment) else a
-        if arr is not None:
-            arrays[name] = arr
-    tdtype = _tensor_dtype(cache)
-    nbytes, j = 0, 0
-    out: dict[str, list[Any]] = {"k": [], "v": []}
-    for layer in range(L):
-        off = cache.layer_offset(layer)
-        for kind, tensor in (("k", cache.keys[layer]), ("v", cache.values[layer])):
-            p = table[pid[(layer, kind)]]
-            inputs = opts.encoder_inputs(layer, kind) if opts.encoder_inputs is not None else {}
-            t = tensor.detach().cpu()
-            full = (t.float() if _is_bf16(t) else t).contiguous().numpy()
-            rows = []
-            for t0, t1 in _ranges(T - off, opts.chunk_tokens):
-                arr = np.ascontiguousarray(full[:, t0:t1, :])
-                ctx = chunk_context(layer, kind, t0 + off, t1 + off, 0, fp.num_kv_heads, positions, arrays, j, inputs)
-                payload, sides, sizes = p.encode(arr, ctx)
-                nbytes += len(payload) + sum(a.nbytes for side in sides for a in side.values())
-                rows.append(np.ascontiguousarray(p.decode(payload, sides, sizes, ArraySpec(tuple(arr.shape), arr.dtype.name), ctx)))
-                j += 1
-            dec = torch.from_numpy(np.ascontiguousarray(rows[0] if len(rows) == 1 else np.concatenate(rows, axis=1)))
-            out[kind].append(dec.to(torch.bfloat16) if tdtype == "bfloat16" else dec)
-    return KVCache(out["k"], out["v"], cache.token_ids, fp, cache.positions, dict(cache.meta)), nbytes
-
-
 def _readable(f: Any) -> bool:
     try:
         return bool(f.readable() and f.seekable())
@@ -608,7 +560,7 @@ def encode_kvc_bytes(cache: KVCache, plan: Plan | PipelineSpec, options: WriteOp
                      verify: str = "file", **kw: Any) -> bytes:
     """The `.kvc` bytes of ``cache`` under ``plan`` (same arguments as :func:`write_kvc`; verified the same way)."""
     _check_verify(verify)
-    pipelines, opts = _plan_options(plan, options, kw)
+    pipelines, opts = plan_options(plan, options, kw)
     buf = io.BytesIO()
     expect = _Expectation(cache) if verify == "file" else None
     _write(cache, buf, pipelines, opts, expect)

@@ -107,7 +107,7 @@ def answer_step_factor(lm: Any, contexts: list[ProbeContext], plan_at: Callable[
                        progress: Callable[[], None] | None = None) -> dict[str, Any]:
     """The largest of :data:`STEP_FACTORS` at which the plans ``plan_at(cache, factor)`` keep every probe answer
     identical to the exact cache's, and what was seen at each factor tried (module docstring)."""
-    from kvcodec.format.writer import roundtrip
+    from kvcodec.format.probe import roundtrip
     from kvcodec.models.capture import capture
 
     caches = [capture(lm, token_ids=c.ids) for c in contexts]

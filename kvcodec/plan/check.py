@@ -174,7 +174,7 @@ def guarded_plan(cache: Any, lm: Any, preset: str, args: dict[str, Any], target:
     """
     from kvcodec.models.quality import continue_logits
     from kvcodec.calibration.store import require_calibration
-    from kvcodec.format.writer import roundtrip
+    from kvcodec.format.probe import roundtrip
     from kvcodec.plan.pipelines import TOKENSCALE_DEFAULT, transform_plan
     from kvcodec.plan.importance import cache_importance
 

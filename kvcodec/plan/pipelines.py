@@ -221,7 +221,7 @@ def plan_for_target(cache: Any, lm: Any, target_kl: float | None = None, target_
     Quality is measured with the real model on ``continuation`` (tokens that
     follow the cache). Returns (plan, {"step0", "kl_mean", "dppl_percent", "bytes"}).
     """
-    from kvcodec.format.writer import roundtrip
+    from kvcodec.format.probe import roundtrip
     from kvcodec.models.quality import compare_logits, continue_logits
 
     if (target_kl is None) == (target_dppl is None):

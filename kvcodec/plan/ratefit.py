@@ -72,7 +72,7 @@ def fit_rate_model(lm: Any, cal: Calibration, presets: Mapping[str, Mapping[str,
     import torch
     from tqdm import tqdm
 
-    from kvcodec.format.writer import roundtrip
+    from kvcodec.format.probe import roundtrip
     from kvcodec.models.capture import max_context, tokenize
     from kvcodec.models.quality import continue_logits
     from kvcodec.plan.check import max_rival_gain
@@ -165,7 +165,7 @@ def measure_layer_factor(lm: Any, cal: Calibration, table: Mapping[str, Any], jo
     import torch
     from tqdm import tqdm
 
-    from kvcodec.format.writer import roundtrip
+    from kvcodec.format.probe import roundtrip
     from kvcodec.models.quality import continue_logits
     from kvcodec.plan.pipelines import transform_plan
     from kvcodec.plan.rate import noise_predictor

@@ -19,7 +19,7 @@ def test_noise_power_is_the_codecs_own_error_in_the_metric(lm, real_cache):
     with tokenscale's classes: if it mirrored the quantizer wrongly (step, widening, dropped
     coefficients, multipliers), the KL it predicts would be off by the same factor."""
     from kvcodec.calibration.build import coded_tensor, ensure_calibration
-    from kvcodec.format.writer import roundtrip
+    from kvcodec.format.probe import roundtrip
     from kvcodec.plan import rate
     from kvcodec.plan.importance import cache_importance
     from kvcodec.plan.pipelines import TOKENSCALE_DEFAULT, kept_coefficients, layer_steps, token_classes, transform_plan
