@@ -2,7 +2,8 @@
 
 The probability model (counts -> 12-bit tables, ideal code lengths, v2's table banks) is
 :mod:`kvcodec.entropy.model`; the bitstream constants are
-:mod:`kvcodec.entropy.constants` (shared with the Triton decoder).
+:mod:`kvcodec.entropy.constants` (shared with the Triton decoder); the compiled loops (the encoder's body,
+the stream checks, the scalar decoder) are :mod:`kvcodec.entropy.rans_kernels`.
 
 The normative definitions are the spec files; this module is their CPU implementation. In short:
 
@@ -37,14 +38,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit
 
 from kvcodec.errors import KvcFormatError
 from kvcodec.entropy.constants import (
     E_FINAL_STATE, E_FREQ_RANGE, E_FREQ_SUM, E_LEB_LONG, E_LEB_NONCANON, E_OVERRUN, E_TRUNC, E_UNDERRUN, N_LANES, OK,
-    PROB_BITS, PROB_SCALE, RANS_L, SLOT_MASK, STATE_BYTES, TABLE_CUM_SHIFT, TABLE_FREQ_SHIFT, WORD_BITS, WORD_MASK,
-    X_MAX_SHIFT,
+    PROB_BITS, PROB_SCALE, RANS_L, SLOT_MASK, STATE_BYTES, WORD_BITS,
 )
+from kvcodec.entropy import rans_kernels as kernels
 from kvcodec.entropy.model import block_counts, count_symbols, cumulative, learn_bank, normalize_freqs
 
 __all__ = [
@@ -65,56 +65,6 @@ def _leb128(freqs: np.ndarray) -> np.ndarray:
     out[pos] = np.where(two, (v & 0x7F) | 0x80, v).astype(np.uint8)
     out[pos[two] + 1] = (v[two] >> 7).astype(np.uint8)
     return out
-
-
-@njit(cache=True)
-def _encode_body(symbols, freqs, cums, table_of, bsyms, out, start, n_words):  # pragma: no cover - numba
-    """Encode every context of ``symbols`` [C, N] into ``out`` from byte ``start``.
-
-    Symbol ``i`` of context ``c`` is coded with table ``table_of[c, i // bsyms]`` of ``freqs`` / ``cums``
-    (v1: one table per context, ``table_of[c, 0] = c`` and ``bsyms >= N``). Writes, per context, 32 LE u32
-    final states, the LE u16 words in stream order, zero padding to 4 bytes (``out`` is pre-zeroed).
-    Returns the end offset.
-    """
-    C, N = symbols.shape
-    nb = table_of.shape[1]
-    scratch = np.empty(N, dtype=np.uint16)
-    st = np.empty(N_LANES, dtype=np.int64)
-    pos = start
-    for c in range(C):
-        for k in range(N_LANES):
-            st[k] = RANS_L
-        row = symbols[c]
-        wp = N  # words are produced last-first: fill scratch from the end
-        for b in range(nb - 1, -1, -1):
-            t = table_of[c, b]
-            fr = freqs[t]
-            cu = cums[t]
-            for i in range(min(N, (b + 1) * bsyms) - 1, b * bsyms - 1, -1):
-                lane = i & (N_LANES - 1)
-                s = row[i]
-                f = np.int64(fr[s])
-                x = st[lane]
-                if x >= (f << X_MAX_SHIFT):  # x_max = ((L >> P) << WORD_BITS) * f
-                    wp -= 1
-                    scratch[wp] = x & WORD_MASK
-                    x >>= WORD_BITS
-                st[lane] = ((x // f) << PROB_BITS) + (x % f) + np.int64(cu[s])
-        for k in range(N_LANES):
-            x = st[k]
-            out[pos] = x & 0xFF
-            out[pos + 1] = (x >> 8) & 0xFF
-            out[pos + 2] = (x >> 16) & 0xFF
-            out[pos + 3] = (x >> 24) & 0xFF
-            pos += 4
-        for k in range(wp, N):
-            w = scratch[k]
-            out[pos] = w & 0xFF
-            out[pos + 1] = w >> 8
-            pos += 2
-        n_words[c] = N - wp
-        pos = (pos + 3) & ~3
-    return pos
 
 
 def _excl_cumsum(v: np.ndarray) -> np.ndarray:
@@ -175,7 +125,7 @@ def encode_contexts(symbols: np.ndarray, freqs: np.ndarray | None = None) -> byt
     cap = body_start + C * _pad4(STATE_BYTES + 2 * N)
     out = np.zeros(cap, dtype=np.uint8)
     n_words = np.zeros(C, dtype=np.int64)
-    end = _encode_body(symbols, freqs, cums, _own_tables(C), max(N, 1), out, body_start, n_words)
+    end = kernels.encode_body(symbols, freqs, cums, _own_tables(C), max(N, 1), out, body_start, n_words)
     # header: u32 C, u16 A, per context u32 n_symbols, u32 n_words, A x LEB128
     out[0:4] = np.frombuffer(np.uint32(C).astype("<u4").tobytes(), np.uint8)
     out[4:6] = np.frombuffer(np.uint16(A).astype("<u2").tobytes(), np.uint8)
@@ -242,7 +192,7 @@ def encode_banked(symbols: np.ndarray, block_symbols: int, max_tables: int = 8,
     body_start = _pad4(header)
     out = np.zeros(body_start + C * _pad4(STATE_BYTES + 2 * N), dtype=np.uint8)
     n_words = np.zeros(C, dtype=np.int64)
-    end = _encode_body(symbols, freqs, cums, table_of.astype(np.int64), block_symbols, out, body_start, n_words)
+    end = kernels.encode_body(symbols, freqs, cums, table_of.astype(np.int64), block_symbols, out, body_start, n_words)
     out[0:8] = np.frombuffer(np.uint32(C).astype("<u4").tobytes() + np.uint16(A).astype("<u2").tobytes()
                              + bytes([K, 0]), np.uint8)
     pos = 8
@@ -287,103 +237,6 @@ class RansStream:
         return int(self.sym_offsets[-1])
 
 
-@njit(cache=True)
-def _read_table(buf, pos, row):  # pragma: no cover - numba
-    """Read one table of ``row.size`` canonical LEB128 frequencies from ``pos`` into ``row``.
-    Returns (OK, next offset) or (error code, offset; for E_FREQ_SUM the table's sum)."""
-    n = buf.shape[0]
-    total = 0
-    for s in range(row.shape[0]):
-        if pos >= n:
-            return E_TRUNC, pos
-        b0 = np.int64(buf[pos])
-        if b0 < 128:
-            v = b0
-            pos += 1
-        else:
-            if pos + 1 >= n:
-                return E_TRUNC, pos
-            b1 = np.int64(buf[pos + 1])
-            if b1 >= 128:
-                return E_LEB_LONG, pos
-            if b1 == 0:
-                return E_LEB_NONCANON, pos
-            v = (b0 & 0x7F) | (b1 << 7)
-            pos += 2
-        if v > PROB_SCALE:
-            return E_FREQ_RANGE, pos
-        row[s] = v
-        total += v
-    if total != PROB_SCALE:
-        return E_FREQ_SUM, total
-    return OK, pos
-
-
-@njit(cache=True)
-def _parse_tables(buf, C, A, n_sym, n_words, freqs):  # pragma: no cover - numba
-    """Read the per-context header entries (v1). Returns (code, context, byte offset)."""
-    n = buf.shape[0]
-    pos = 6
-    for c in range(C):
-        if pos + 8 > n:
-            return E_TRUNC, c, pos
-        v = np.int64(0)
-        for k in range(4):
-            v |= np.int64(buf[pos + k]) << (8 * k)
-        n_sym[c] = v
-        v = np.int64(0)
-        for k in range(4):
-            v |= np.int64(buf[pos + 4 + k]) << (8 * k)
-        n_words[c] = v
-        code, pos = _read_table(buf, pos + 8, freqs[c])
-        if code != OK:
-            return code, c, pos
-    return OK, C, pos
-
-
-_B_HEADER_PAD, _B_SIZE, _B_LOW, _B_IDLE, _B_WORD_PAD = 1, 2, 3, 4, 5
-
-
-@njit(cache=True)
-def _parse_body(b, pos, body, ns, nw, data_off, states):  # pragma: no cover - numba
-    """The checks after the frequency tables, in one pass (numpy did them in ~20 small array ops,
-    most of a chunk's parse time): zero header padding ``b[pos:body]``; each context's block of
-    ``STATE_BYTES + 2 * n_words`` bytes padded to 4 (its offset into ``data_off``), the blocks
-    ending exactly at the buffer's end; final states (into ``states``) >= L, exactly L for lanes
-    that get no symbol; zero padding after each context's words. Returns (OK, 0, 0) or
-    (code, context or described size, lane) of the first violation, in that order of checks."""
-    n = b.size
-    for i in range(pos, body):
-        if b[i] != 0:
-            return _B_HEADER_PAD, 0, 0
-    C = ns.size
-    off = np.int64(body)
-    for c in range(C):
-        data_off[c] = off
-        off += (STATE_BYTES + 2 * nw[c] + 3) & ~3
-    if off != n:
-        return _B_SIZE, off, 0
-    for c in range(C):
-        for k in range(N_LANES):
-            o = data_off[c] + 4 * k
-            states[c, k] = (np.uint32(b[o]) | np.uint32(b[o + 1]) << 8 | np.uint32(b[o + 2]) << 16
-                            | np.uint32(b[o + 3]) << 24)
-    for c in range(C):
-        for k in range(N_LANES):
-            if states[c, k] < RANS_L:
-                return _B_LOW, c, k
-    for c in range(C):
-        for k in range(N_LANES):
-            if k >= ns[c] and states[c, k] != RANS_L:
-                return _B_IDLE, c, k
-    for c in range(C):
-        ps = data_off[c] + STATE_BYTES + 2 * nw[c]
-        pe = data_off[c] + ((STATE_BYTES + 2 * nw[c] + 3) & ~3)
-        if pe > ps and (b[ps] | b[ps + 1]) != 0:
-            return _B_WORD_PAD, c, 0
-    return OK, 0, 0
-
-
 def _as_u8(buf: bytes | bytearray | memoryview | np.ndarray) -> np.ndarray:
     if isinstance(buf, np.ndarray):
         if buf.dtype != np.uint8 or buf.ndim != 1:
@@ -425,7 +278,7 @@ def parse_header(
     ns = np.zeros(C, dtype=np.int64)
     nw = np.zeros(C, dtype=np.int64)
     freqs = np.zeros((C, A), dtype=np.uint32)
-    code, c, pos = _parse_tables(b, C, A, ns, nw, freqs)
+    code, c, pos = kernels.parse_tables(b, C, A, ns, nw, freqs)
     if code != OK:
         raise _table_error(code, f"context {c}", pos)
     if C and not freqs[:, A - 1].any():
@@ -449,8 +302,8 @@ def parse_header(
 
 
 def _table_error(code: int, which: str, pos: int) -> KvcFormatError:
-    """The one-line error of a :func:`_read_table` failure in ``which`` ("context 3" in v1, "table 1" in v2);
-    ``pos`` is the offset, or the table's sum for E_FREQ_SUM."""
+    """The one-line error of a :func:`kvcodec.entropy.rans_kernels.read_table` failure in ``which`` ("context 3" in
+    v1, "table 1" in v2); ``pos`` is the offset, or the table's sum for E_FREQ_SUM."""
     return KvcFormatError("rans: " + {
         E_TRUNC: f"truncated in the header of {which} (offset {pos})",
         E_LEB_LONG: f"frequency of {which} at offset {pos} is longer than 2 LEB128 bytes",
@@ -470,26 +323,16 @@ def _check_body(b: np.ndarray, pos: int, ns: np.ndarray, nw: np.ndarray) -> tupl
         raise KvcFormatError(f"rans: context {c} claims {nw[c]} words for {ns[c]} symbols (at most one word per symbol)")
     data_off = np.empty(C, dtype=np.int64)
     states = np.empty((C, N_LANES), dtype=np.uint32)
-    code, c, k = _parse_body(b, pos, _pad4(pos), ns, nw, data_off, states)
+    code, c, k = kernels.parse_body(b, pos, _pad4(pos), ns, nw, data_off, states)
     if code != OK:
         raise KvcFormatError("rans: " + {
-            _B_HEADER_PAD: "nonzero padding after the header",
-            _B_SIZE: f"stream is {n} bytes, its header describes {c}",
-            _B_LOW: f"final state of context {c} lane {k} is below L = 2**16",
-            _B_IDLE: f"lane {k} of context {c} gets no symbol but its state is not L",
-            _B_WORD_PAD: "nonzero padding after a context's words",
+            kernels.B_HEADER_PAD: "nonzero padding after the header",
+            kernels.B_SIZE: f"stream is {n} bytes, its header describes {c}",
+            kernels.B_LOW: f"final state of context {c} lane {k} is below L = 2**16",
+            kernels.B_IDLE: f"lane {k} of context {c} gets no symbol but its state is not L",
+            kernels.B_WORD_PAD: "nonzero padding after a context's words",
         }[code])
     return data_off, states
-
-
-@njit(cache=True)
-def _parse_bank(buf, pos, freqs):  # pragma: no cover - numba
-    """Read K x A canonical LEB128 frequencies from ``pos`` (v2). Returns (code, table, byte offset or sum)."""
-    for t in range(freqs.shape[0]):
-        code, pos = _read_table(buf, pos, freqs[t])
-        if code != OK:
-            return code, t, pos
-    return OK, freqs.shape[0], pos
 
 
 def parse_banked(buf: bytes | bytearray | memoryview | np.ndarray, n_contexts: int, n_symbols: int,
@@ -522,7 +365,7 @@ def parse_banked(buf: bytes | bytearray | memoryview | np.ndarray, n_contexts: i
     if 8 + K * A + C * nb + 4 * C > n:
         raise KvcFormatError(f"rans: header of {K} tables x {A} frequencies and {C} contexts does not fit in {n} bytes")
     freqs = np.zeros((K, A), dtype=np.uint32)
-    code, t, pos = _parse_bank(b, 8, freqs)
+    code, t, pos = kernels.parse_bank(b, 8, freqs)
     if code != OK:
         raise _table_error(code, f"table {t}", pos)
     if pos + C * nb + 4 * C > n:
@@ -553,65 +396,6 @@ def parse_banked(buf: bytes | bytearray | memoryview | np.ndarray, n_contexts: i
 # --------------------------------------------------------------------------- decoders
 
 
-@njit(cache=True)
-def _slot_table(freqs, cums, t, tab):  # pragma: no cover - numba
-    """tab[slot] = sym | (f - 1) << 8 | (slot - cum) << 20 for table ``t``."""
-    for s in range(freqs.shape[1]):
-        f = np.int64(freqs[t, s])
-        cm = np.int64(cums[t, s])
-        for k in range(f):
-            tab[cm + k] = np.uint32(s | ((f - 1) << TABLE_FREQ_SHIFT) | (k << TABLE_CUM_SHIFT))
-
-
-@njit(cache=True)
-def _decode_kernel(freqs, cums, table_of, bsyms, states, n_symbols, sym_offsets, n_words, word_start, words, out,
-                   err):  # pragma: no cover - numba
-    """Scalar decoder. Processing symbols in index order is exactly the spec's
-    step-by-step, ascending-lane refill order; symbol i of context c uses table
-    ``table_of[c, i // bsyms]`` (its slot table is rebuilt when the table changes).
-    Returns 0 or an error code with the failing context in err[0]."""
-    C = states.shape[0]
-    nb = table_of.shape[1]
-    tab = np.empty(PROB_SCALE, dtype=np.uint32)
-    st = np.empty(N_LANES, dtype=np.int64)
-    last = words.shape[0] - 1
-    cur = -1
-    for c in range(C):
-        for k in range(N_LANES):
-            st[k] = states[c, k]
-        n = n_symbols[c]
-        o = sym_offsets[c]
-        p = word_start[c]
-        pend = p + n_words[c]
-        for b in range(nb):
-            t = table_of[c, b]
-            if t != cur:
-                _slot_table(freqs, cums, t, tab)
-                cur = t
-            for i in range(b * bsyms, min(n, (b + 1) * bsyms)):
-                lane = i & (N_LANES - 1)
-                x = st[lane]
-                e = np.int64(tab[x & (PROB_SCALE - 1)])
-                out[o + i] = e & 0xFF
-                x = (((e >> TABLE_FREQ_SHIFT) & SLOT_MASK) + 1) * (x >> PROB_BITS) + (e >> TABLE_CUM_SHIFT)
-                if x < RANS_L:
-                    q = p if p < last else last  # never read outside `words`; overrun is checked below
-                    x = (x << WORD_BITS) | np.int64(words[q])
-                    p += 1
-                st[lane] = x
-        if p > pend:
-            err[0] = c
-            return E_OVERRUN
-        if p < pend:
-            err[0] = c
-            return E_UNDERRUN
-        for k in range(N_LANES):
-            if st[k] != RANS_L:
-                err[0] = c
-                return E_FINAL_STATE
-    return OK
-
-
 DECODE_ERRORS = {
     E_OVERRUN: "reads past the end of its word stream",
     E_UNDERRUN: "leaves words unread",
@@ -628,7 +412,7 @@ def decode(stream: RansStream) -> np.ndarray:
         return out
     words = stream.words if stream.words.size else np.zeros(1, np.uint16)
     err = np.zeros(1, dtype=np.int64)
-    code = _decode_kernel(
+    code = kernels.decode_kernel(
         stream.freqs, stream.cums, stream.table_of, stream.block_symbols, stream.states, stream.n_symbols,
         stream.sym_offsets, stream.n_words, stream.word_start, words, out, err,
     )

@@ -50,7 +50,7 @@ from kvcodec.lru import BoundedLRU, weak
 from kvcodec.core.stage import ArraySpec, ChunkContext, Pipeline, SideData
 from kvcodec.codecs.blocks import channel_blocks
 from kvcodec.decode.cpu.simd import ROW_BLOCKS, f16_bits16, rans16, row
-from kvcodec.entropy.rans import _slot_table
+from kvcodec.entropy.rans_kernels import slot_table
 
 __all__ = ["supports", "decode", "rope_tables_cached", "f32_to_f16_bits", "HEAD_DIMS"]
 
@@ -127,7 +127,7 @@ def _decode_kernel(freqs, cums, table_of, bsyms, tabs, states, n_symbols, word_s
     cache_all = tabs.shape[0] > 1 or freqs.shape[0] == 1
     if cache_all:
         for t in range(freqs.shape[0]):
-            _slot_table(freqs, cums, t, tabs[t])
+            slot_table(freqs, cums, t, tabs[t])
     tab = tabs[0]
     cur = 0 if cache_all else -1
     ntb = table_of.shape[1]
@@ -174,7 +174,7 @@ def _decode_kernel(freqs, cums, table_of, bsyms, tabs, states, n_symbols, word_s
                 if cache_all:
                     tab = tabs[t]
                 elif t != cur:
-                    _slot_table(freqs, cums, t, tab)
+                    slot_table(freqs, cums, t, tab)
                     cur = t
                 mend = min(ng, (b + 1) * bsyms // 16)
                 while m < mend:
