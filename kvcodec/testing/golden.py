@@ -32,7 +32,6 @@ the Hadamard basis, so they need no calibration (an embedded PCA basis is ~2 MB 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 from pathlib import Path
@@ -42,26 +41,23 @@ import numpy as np
 import torch
 import zstandard
 
-from kvcodec.entropy.rans import encode_contexts
-from kvcodec.codecs.rans import RansStage, to_contexts
 from kvcodec.core.fingerprint import ModelFingerprint
 from kvcodec.format.reader import KvcReader
 from kvcodec.format.writer import encode_kvc_bytes
 from kvcodec.core.kvcache import KVCache
 from kvcodec.plan.presets import get_plan
 from kvcodec.testing import vectors as V
+from kvcodec.testing.golden_calibration import check_calibration_vectors, write_calibration_vectors
+from kvcodec.testing.golden_rans import write_rans_bank_vectors, write_rans_vectors
+from kvcodec.testing.vectors import ROOT, refuse_existing, sha256_hex
 from kvcodec.codecs.tokenscale import TokenClasses, vector_cases
 from kvcodec.core.stage import ArraySpec, ChunkContext, stage_from_json
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository (the vectors live in spec/)
 VECTOR_DIR = ROOT / "spec" / "vectors" / "kvc"
 LOSSY_DIR = ROOT / "spec" / "vectors" / "kvc-lossy"
 CODEC_DIR = ROOT / "spec" / "vectors" / "codec"
 
 
-def _refuse_existing(path: Path) -> None:
-    if path.exists():
-        raise SystemExit(f"{path} exists: golden vectors are never overwritten (add a new vector under a new name)")
 SYNTH_FP = ModelFingerprint("synthetic", 2, 2, (4, 4), '{"rope_theta": 10000.0}', "a" * 64, "b" * 64, "float32", version=1)  # the vectors are v1
 
 
@@ -131,12 +127,8 @@ def stacked(cache: KVCache) -> np.ndarray:
     return (arr.float() if arr.dtype == torch.bfloat16 else arr).numpy()
 
 
-def _sha(b: bytes) -> str:
-    return hashlib.sha256(b).hexdigest()
-
-
 def write_vectors(out: Path = VECTOR_DIR) -> dict[str, Any]:
-    _refuse_existing(out / "manifest.json")
+    refuse_existing(out / "manifest.json")
     out.mkdir(parents=True, exist_ok=True)
     manifest: dict[str, Any] = {"format": "kvc 1.0", "zstd_version": zstandard.ZSTD_VERSION, "vectors": {}}
     for name, params in cases().items():
@@ -146,8 +138,8 @@ def write_vectors(out: Path = VECTOR_DIR) -> dict[str, Any]:
         (out / f"{name}.kvc").write_bytes(data)
         np.save(out / f"{name}.expected.npy", exp, allow_pickle=False)
         manifest["vectors"][name] = {
-            "file": f"{name}.kvc", "sha256": _sha(data), "bytes": len(data),
-            "expected": f"{name}.expected.npy", "expected_sha256": _sha((out / f"{name}.expected.npy").read_bytes()),
+            "file": f"{name}.kvc", "sha256": sha256_hex(data), "bytes": len(data),
+            "expected": f"{name}.expected.npy", "expected_sha256": sha256_hex((out / f"{name}.expected.npy").read_bytes()),
             "params": params,
         }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
@@ -171,7 +163,7 @@ def check_vectors(vdir: Path = VECTOR_DIR) -> list[str]:
     problems = []
     for name, v in manifest["vectors"].items():
         data = (vdir / v["file"]).read_bytes()
-        if _sha(data) != v["sha256"]:
+        if sha256_hex(data) != v["sha256"]:
             problems.append(f"{name}: file sha256 differs from the manifest")
         exp = np.load(vdir / v["expected"], allow_pickle=False)
         with KvcReader(data) as r:
@@ -208,12 +200,12 @@ def _edit_chain() -> dict[str, tuple[KVCache, str]]:
     p1 = KVCache([torch.cat([a, b[:, 6:]], 1) for a, b in zip(p0.keys, more.keys)],
                  [torch.cat([a, b[:, 6:]], 1) for a, b in zip(p0.values, more.values)], ids1, p0.fingerprint)
     d0 = enc(p0)
-    p1.meta = {EDITS_META_KEY: extend_log({}, _sha(d0), token_ids_sha256(p0.token_ids), "append",
+    p1.meta = {EDITS_META_KEY: extend_log({}, sha256_hex(d0), token_ids_sha256(p0.token_ids), "append",
                                           {"tokens": 2, "appended_token_ids_sha256": token_ids_sha256(ids1[6:])})}
     d1 = enc(p1)
     keep = [0, 1, 4, 5, 6, 7]
     p2 = KVCache([k[:, keep] for k in p1.keys], [v[:, keep] for v in p1.values], ids1[keep], p1.fingerprint,
-                 meta={EDITS_META_KEY: extend_log(p1.meta, _sha(d1), token_ids_sha256(ids1), "redact",
+                 meta={EDITS_META_KEY: extend_log(p1.meta, sha256_hex(d1), token_ids_sha256(ids1), "redact",
                                                   {"token_spans": [[2, 4]], "recompute_ratio": 0.1, "select_layer": 1})})
     rec = p1.meta[EDITS_META_KEY][0]
     loops = KVCache(p2.keys, p2.values, p2.token_ids, p2.fingerprint, meta={EDITS_META_KEY: [rec, rec]})
@@ -225,14 +217,14 @@ def _edit_chain() -> dict[str, tuple[KVCache, str]]:
 
 def write_edit_vectors(out: Path = EDIT_DIR) -> dict[str, Any]:
     """Write the edit-log vectors (all of them, once: refuses if the manifest exists)."""
-    _refuse_existing(out / "manifest.json")
+    refuse_existing(out / "manifest.json")
     out.mkdir(parents=True, exist_ok=True)
     manifest: dict[str, Any] = {"format": "kvc 1.0 edit log (spec/kvc-v1.md 4.5)", "vectors": {}}
     for name, (cache, verdict) in _edit_chain().items():
         data = encode_kvc_bytes(cache, get_plan("raw", cache).pipelines, preset="raw", writer=EDIT_WRITER)
-        _refuse_existing(out / f"{name}.kvc")
+        refuse_existing(out / f"{name}.kvc")
         (out / f"{name}.kvc").write_bytes(data)
-        manifest["vectors"][name] = {"file": f"{name}.kvc", "sha256": _sha(data), "bytes": len(data), "verdict": verdict}
+        manifest["vectors"][name] = {"file": f"{name}.kvc", "sha256": sha256_hex(data), "bytes": len(data), "verdict": verdict}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return manifest
 
@@ -248,7 +240,7 @@ def check_edit_vectors(vdir: Path = EDIT_DIR) -> list[str]:
     sha = {name: v["sha256"] for name, v in manifest["vectors"].items()}
     for name, v in manifest["vectors"].items():
         data = (vdir / v["file"]).read_bytes()
-        if _sha(data) != v["sha256"]:
+        if sha256_hex(data) != v["sha256"]:
             problems.append(f"{name}: file sha256 differs from the manifest")
         cache = built[name][0]
         again = encode_kvc_bytes(cache, get_plan("raw", cache).pipelines, preset="raw", writer=EDIT_WRITER)
@@ -257,7 +249,7 @@ def check_edit_vectors(vdir: Path = EDIT_DIR) -> list[str]:
         with KvcReader(data) as r:
             r.read_cache()
             try:
-                log = parse_log(r.header.meta, own_sha256=_sha(data))
+                log = parse_log(r.header.meta, own_sha256=sha256_hex(data))
             except KvcFormatError:
                 log = None
         if v["verdict"].startswith("reject"):
@@ -293,18 +285,18 @@ def _bias_file(cache: KVCache, bias: Any) -> bytes:
 
 def write_bias_vectors(out: Path = BIAS_DIR) -> dict[str, Any]:
     """Write the attention-bias vectors (once: refuses if the manifest exists)."""
-    _refuse_existing(out / "manifest.json")
+    refuse_existing(out / "manifest.json")
     out.mkdir(parents=True, exist_ok=True)
     manifest: dict[str, Any] = {"format": "kvc 1.0 attention bias (spec/kvc-v1.md 4.6, required feature bit 1)", "vectors": {}}
     for name, (cache, bias) in _bias_cases().items():
         data = _bias_file(cache, bias)
-        _refuse_existing(out / f"{name}.kvc")
+        refuse_existing(out / f"{name}.kvc")
         (out / f"{name}.kvc").write_bytes(data)
         dense = np.stack([bias.dense(layer, cache.num_context_tokens) for layer in range(cache.num_layers)])
-        manifest["vectors"][name] = {"file": f"{name}.kvc", "sha256": _sha(data), "bytes": len(data),
+        manifest["vectors"][name] = {"file": f"{name}.kvc", "sha256": sha256_hex(data), "bytes": len(data),
                                      "bias": bias.to_json(), "dense_shape": list(dense.shape),
-                                     "dense_float32_sha256": _sha(dense.astype("<f4").tobytes()),
-                                     "decoded_sha256": _sha(stacked(cache).tobytes())}
+                                     "dense_float32_sha256": sha256_hex(dense.astype("<f4").tobytes()),
+                                     "decoded_sha256": sha256_hex(stacked(cache).tobytes())}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return manifest
 
@@ -318,7 +310,7 @@ def check_bias_vectors(vdir: Path = BIAS_DIR) -> list[str]:
     problems = []
     for name, v in manifest["vectors"].items():
         data = (vdir / v["file"]).read_bytes()
-        if _sha(data) != v["sha256"]:
+        if sha256_hex(data) != v["sha256"]:
             problems.append(f"{name}: file sha256 differs from the manifest")
         with KvcReader(data) as r:
             bias = r.header.attention_bias
@@ -327,7 +319,7 @@ def check_bias_vectors(vdir: Path = BIAS_DIR) -> list[str]:
                 continue
             n = r.header.num_context_tokens
             dense = np.stack([bias.dense(layer, n) for layer in range(r.header.num_layers)])
-            if _sha(dense.astype("<f4").tobytes()) != v["dense_float32_sha256"]:
+            if sha256_hex(dense.astype("<f4").tobytes()) != v["dense_float32_sha256"]:
                 problems.append(f"{name}: the dense bias differs")
             try:
                 r.read_layer(0)
@@ -336,86 +328,11 @@ def check_bias_vectors(vdir: Path = BIAS_DIR) -> list[str]:
                 pass
             layers = [r.read_layer(i, backend="cpu", apply_bias=True) for i in range(r.header.num_layers)]
             got = np.stack([np.stack([k.numpy(), vv.numpy()]) for k, vv in layers])
-            if _sha(got.tobytes()) != v["decoded_sha256"]:
+            if sha256_hex(got.tobytes()) != v["decoded_sha256"]:
                 problems.append(f"{name}: decoded tensors differ")
         cache, b = _bias_cases()[name]
         if _bias_file(cache, b) != data:
             problems.append(f"{name}: re-encoding does not reproduce the file byte for byte")
-    return problems
-
-
-# --------------------------------------------------------------------------- calibration files (spec/vectors/calibration)
-CALIB_DIR = ROOT / "spec" / "vectors" / "calibration"
-CALIB_FID = "c" * 32  # the fingerprint id the vectors are bound to
-
-
-def _calibration_case() -> Any:
-    """A small calibration with a block-diagonal basis (2 layers, 2 heads, head_dim 32 as two 16-channel blocks),
-    snapped to the v3 grid: what a reader of spec/codec-v1.md "Calibration file" must reproduce."""
-    from kvcodec.calibration.record import BASIS_GRID, Calibration, snap_basis
-
-    rng = np.random.default_rng(38)
-    L, H, D, b = 2, 2, 32, 16
-    basis = np.zeros((L, 2, H, D, D))
-    for blk in range(D // b):
-        q = np.linalg.qr(rng.standard_normal((L, 2, H, b, b)))[0] * rng.uniform(0.05, 3.0, (L, 2, H, 1, b))
-        basis[..., blk * b:(blk + 1) * b, blk * b:(blk + 1) * b] = q
-    eig = np.sort(rng.random((L, 2, H, D)), axis=-1)[..., ::-1].astype(np.float32)
-    mean = rng.standard_normal((L, 2, H, D)).astype(np.float32)
-    sens = (1 + rng.random((L, 2))).astype(np.float32)
-    return Calibration(snap_basis(basis), mean, np.ascontiguousarray(eig), sens,
-                       {"texts": ["synthetic"], "channel_blocks": [[0, 16], [16, 32]], "basis_grid": BASIS_GRID})
-
-
-def _array_digests(cal: Any) -> dict[str, str]:
-    return {"pca.basis": _sha(np.ascontiguousarray(cal.basis).astype("<f2").tobytes()),
-            "pca.mean": _sha(np.ascontiguousarray(cal.mean).astype("<f4").tobytes()),
-            "pca.eigval": _sha(np.ascontiguousarray(cal.eigval).astype("<f4").tobytes()),
-            "sens.kl_per_mse": _sha(np.ascontiguousarray(cal.sensitivity).astype("<f4").tobytes())}
-
-
-def write_calibration_vectors(out: Path = CALIB_DIR) -> dict[str, Any]:
-    """Write the calibration-file vectors (once: refuses if the manifest exists). The file's bytes depend on the
-    zstd library's compressor, so the check compares what a reader gets, not the bytes a writer makes."""
-    from kvcodec.calibration.store import write_calibration_file
-
-    _refuse_existing(out / "manifest.json")
-    out.mkdir(parents=True, exist_ok=True)
-    cal = _calibration_case()
-    path = out / "v3_blocks.safetensors"
-    _refuse_existing(path)
-    write_calibration_file(cal, CALIB_FID, path)
-    manifest = {"format": "kvcodec-calibration version 3 (spec/codec-v1.md, Calibration file)",
-                "vectors": {"v3_blocks": {"file": path.name, "sha256": _sha(path.read_bytes()), "fingerprint_id": CALIB_FID,
-                                          "shape": list(cal.basis.shape), "content_sha256": cal.meta["content_sha256"],
-                                          "arrays_sha256": _array_digests(cal),
-                                          "attachments_sha256": {k: cal.meta["sha256." + k] for k in cal.attachments}}}}
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    return manifest
-
-
-def check_calibration_vectors(vdir: Path = CALIB_DIR) -> list[str]:
-    """Each vector loads (bound to its fingerprint), gives the manifest's arrays bit for bit, and a calibration
-    re-written from them loads back to the same arrays."""
-    import tempfile
-
-    from kvcodec.calibration.store import load_calibration_file, write_calibration_file
-
-    manifest = json.loads((vdir / "manifest.json").read_text())
-    problems = []
-    for name, v in manifest["vectors"].items():
-        path = vdir / v["file"]
-        if _sha(path.read_bytes()) != v["sha256"]:
-            problems.append(f"{name}: file sha256 differs from the manifest")
-        cal = load_calibration_file(path, v["fingerprint_id"])
-        if _array_digests(cal) != v["arrays_sha256"] or cal.meta["content_sha256"] != v["content_sha256"]:
-            problems.append(f"{name}: the arrays read differ from the manifest's")
-        if {k: cal.meta["sha256." + k] for k in cal.attachments} != v["attachments_sha256"]:
-            problems.append(f"{name}: attachment sha256 entries differ")
-        with tempfile.TemporaryDirectory() as d:
-            again = load_calibration_file(write_calibration_file(cal, v["fingerprint_id"], Path(d) / "again.safetensors"))
-            if _array_digests(again) != v["arrays_sha256"]:
-                problems.append(f"{name}: re-writing does not give the same arrays back")
     return problems
 
 
@@ -447,11 +364,11 @@ def _real_cache(text: str, tokens: int, importance: bool = False) -> tuple[KVCac
 
 def write_lossy_vectors(out: Path = LOSSY_DIR) -> dict[str, Any]:
     """Write the lossy vectors (all of them, once: refuses if the manifest exists)."""
-    _refuse_existing(out / "manifest.json")
+    refuse_existing(out / "manifest.json")
     out.mkdir(parents=True, exist_ok=True)
     manifest: dict[str, Any] = {"format": "kvc 1.0", "vectors": {}}
     for name, params in lossy_cases().items():
-        _refuse_existing(out / f"{name}.kvc")
+        refuse_existing(out / f"{name}.kvc")
         cache, importance = _real_cache(params["text"], params["tokens"], params.get("importance", False))
         plan = get_plan(params["preset"], cache, importance=importance, **params["overrides"])
         data = encode_kvc_bytes(cache, plan)
@@ -459,9 +376,9 @@ def write_lossy_vectors(out: Path = LOSSY_DIR) -> dict[str, Any]:
             exp = stacked(r.read_cache(backend="cpu"))
         (out / f"{name}.kvc").write_bytes(data)
         manifest["vectors"][name] = {
-            "file": f"{name}.kvc", "sha256": _sha(data), "bytes": len(data), "decoded_sha256": _sha(exp.tobytes()),
+            "file": f"{name}.kvc", "sha256": sha256_hex(data), "bytes": len(data), "decoded_sha256": sha256_hex(exp.tobytes()),
             "decoded_dtype": exp.dtype.name, "decoded_shape": list(exp.shape),
-            "input_sha256": _sha(np.ascontiguousarray(stacked(cache)).tobytes()), "params": params,
+            "input_sha256": sha256_hex(np.ascontiguousarray(stacked(cache)).tobytes()), "params": params,
         }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return manifest
@@ -471,7 +388,7 @@ def lossy_decoded_digest(data: bytes, backend: str = "cpu") -> tuple[str, str, l
     """(sha256, dtype, shape) of what a lossy vector decodes to, stacked as the manifest records it."""
     with KvcReader(data) as r:
         got = np.ascontiguousarray(stacked(r.read_cache(backend=backend)))
-    return _sha(got.tobytes()), got.dtype.name, list(got.shape)
+    return sha256_hex(got.tobytes()), got.dtype.name, list(got.shape)
 
 
 def check_lossy_vectors(vdir: Path = LOSSY_DIR, backend: str = "cpu") -> list[str]:
@@ -480,7 +397,7 @@ def check_lossy_vectors(vdir: Path = LOSSY_DIR, backend: str = "cpu") -> list[st
     problems = []
     for name, v in manifest["vectors"].items():
         data = (vdir / v["file"]).read_bytes()
-        if _sha(data) != v["sha256"]:
+        if sha256_hex(data) != v["sha256"]:
             problems.append(f"{name}: file sha256 differs from the manifest")
         if lossy_decoded_digest(data, backend) != (v["decoded_sha256"], v["decoded_dtype"], v["decoded_shape"]):
             problems.append(f"{name}: decodes to other tensors than the manifest's decoded_sha256")
@@ -562,118 +479,6 @@ def write_tokenscale_vectors(root: Path = CODEC_DIR) -> None:
         dec = st.decode(enc, side, ArraySpec(tuple(x.shape), str(x.dtype)), ctx)
         extra = {"encoder": {"classes": case["classes"].tolist(), "table": case["table"].tolist()}} if "classes" in case else None
         _write_case(root / name, case["meta"], {**case, "ctx": {}}, x, enc, side, dec, {}, extra)
-
-
-# --------------------------------------------------------------------------- rans (spec/vectors/rans)
-RANS_DIR = ROOT / "spec" / "vectors" / "rans"
-
-
-def _renorm_example() -> np.ndarray:
-    """40 symbols, mostly 0, with rare symbols in lanes 0, 3 and 5 (spec worked example 2)."""
-    sym = np.zeros(40, dtype=np.uint8)
-    sym[[0, 32, 3, 35, 5]] = [1, 2, 2, 1, 1]
-    return sym.reshape(1, 40, 1)
-
-
-# explicit tables for vectors coded with encode_contexts(symbols, freqs) instead of the stage default
-_VECTOR_FREQS = {"renorm": [[4064, 16, 16]]}
-
-
-def _vector_inputs() -> dict[str, tuple[np.ndarray, int | None, str]]:
-    """Small, deterministic stage inputs (H, T, D) covering the corner cases."""
-    rng = np.random.default_rng(20250101)
-
-    def laplace(shape, scale):
-        return np.clip(np.round(rng.laplace(0, scale, size=shape)) + 8, 0, 15).astype(np.uint8)
-
-    return {
-        "renorm": (_renorm_example(), None, "explicit table [4064, 16, 16]: two renormalisation words; spec worked example 2"),
-        "tiny": (np.array([[[0, 1, 0, 2], [0, 0, 1, 0]]], dtype=np.uint8), None, "1 head, 2 tokens, 4 channels; the worked example of spec/rans-v1.md"),
-        "single_symbol": (np.full((2, 5, 8), 7, dtype=np.uint8), None, "one distinct symbol: f = 4096, no words, all states L"),
-        "partial_step": (laplace((1, 33, 1), 2.0), None, "33 symbols: a full step plus a 1-lane step"),
-        "laplace_groups": (laplace((2, 64, 16), 1.5), 4, "2 heads x 4 channel groups of 4, 4-bit Laplace"),
-        "all_symbols": (rng.permutation(np.arange(1024) % 256).astype(np.uint8).reshape(1, 32, 32), None, "all 256 symbols, uniform: two-byte LEB128 frequencies"),
-        "skewed": (np.where(rng.random((3, 100, 3)) < 0.995, 0, rng.integers(1, 256, (3, 100, 3))).astype(np.uint8), None, "very skewed: rare symbols get f = 1"),
-    }
-
-
-def write_rans_vectors(directory: Path = RANS_DIR) -> dict:
-    """Write the rANS vectors (stage inputs + encoded streams + manifest) into an empty directory."""
-    _refuse_existing(directory / "manifest.json")
-
-    directory.mkdir(parents=True, exist_ok=True)
-    manifest: dict[str, Any] = {"format": "rans", "version": 1, "vectors": []}
-    for name, (arr, g, desc) in _vector_inputs().items():
-        stage = RansStage(channel_group=g)
-        freqs = _VECTOR_FREQS.get(name)
-        if freqs is None:
-            data, side = stage.encode(arr, ChunkContext())
-            assert not side
-        else:
-            data = encode_contexts(to_contexts(arr, g), np.asarray(freqs, dtype=np.uint32))
-        manifest["vectors"].append(_rans_vector(directory, name, desc, arr, data, stage.get_config(),
-                                                {"freqs": freqs} if freqs is not None else {}))
-    (directory / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    return manifest
-
-
-def _rans_vector(directory: Path, name: str, desc: str, arr: np.ndarray, data: bytes, config: dict,
-                 extra: dict) -> dict[str, Any]:
-    """Write one rANS vector's input and stream; its manifest entry (``extra``: an explicit table or bank)."""
-    np.save(directory / f"{name}.npy", arr, allow_pickle=False)
-    (directory / f"{name}.bin").write_bytes(data)
-    return {"name": name, "description": desc, "shape": list(arr.shape), "dtype": "uint8", "config": config,
-            "input": f"{name}.npy", "encoded": f"{name}.bin", **extra, "encoded_bytes": len(data),
-            "input_sha256": hashlib.sha256(np.ascontiguousarray(arr).tobytes()).hexdigest(),
-            "encoded_sha256": hashlib.sha256(data).hexdigest()}
-
-
-RANS_BANK_DIR = ROOT / "spec" / "vectors" / "rans-v2"
-# explicit banks (freqs, table_of) for v2 vectors coded through encode_banked(..., bank=...)
-_BANK_VECTOR_BANKS = {"bank_tiny": ([[3072, 1024, 0, 0], [0, 0, 2048, 2048]], [[0, 1]])}
-
-
-def _bank_vector_inputs() -> dict[str, tuple[np.ndarray, int | None, int, str]]:
-    """Small, deterministic rans v2 stage inputs (H, T, D), channel group, block_tokens, description."""
-    rng = np.random.default_rng(20261128)
-    tiny = np.zeros((1, 64, 1), np.uint8)
-    tiny[0, :32, 0] = [1 if i in (0, 5, 31) else 0 for i in range(32)]
-    tiny[0, 32:, 0] = [3 if i in (1, 2, 40) else 2 for i in range(32, 64)]
-    scale = np.repeat(rng.uniform(0.3, 5.0, (2, 3)), 32, axis=1)[:, :, None]  # a scale per 32-token block
-    blocks = np.clip(np.abs(np.round(rng.laplace(0, 1, (2, 96, 8)) * scale)) * 2, 0, 63).astype(np.uint8)
-    return {
-        "bank_tiny": (tiny, None, 32, "1 context, 2 blocks of 32 tokens, an explicit bank of 2 tables; spec/rans-v2.md's worked example"),
-        "bank_blocks": (blocks, 4, 32, "2 heads x 2 groups of 4 channels, 3 blocks of 32 tokens whose scale differs; the encoder's bank"),
-        "bank_partial": (np.clip(np.round(rng.laplace(0, 2.0, (1, 70, 3))) + 8, 0, 15).astype(np.uint8), None, 32,
-                         "70 tokens x 3 channels: the last block is partial (6 tokens)"),
-        "bank_one_table": (np.full((2, 40, 4), 5, np.uint8), 2, 32, "one distinct symbol: a bank of one table f = 4096, no words"),
-        "bank_all_symbols": (rng.permutation(np.arange(2048) % 256).astype(np.uint8).reshape(1, 64, 32), 32, 32,
-                             "all 256 symbols: two-byte LEB128 frequencies"),
-        "bank_empty": (np.zeros((2, 0, 8), np.uint8), 4, 32, "no tokens: 4 contexts of 0 symbols, one table f_0 = 4096"),
-    }
-
-
-def write_rans_bank_vectors(directory: Path = RANS_BANK_DIR) -> dict:
-    """Write the rANS v2 vectors (stage inputs + encoded streams + manifest) into an empty directory."""
-    from kvcodec.codecs.rans import RansBankStage
-    from kvcodec.entropy.rans import encode_banked
-
-    _refuse_existing(directory / "manifest.json")
-    directory.mkdir(parents=True, exist_ok=True)
-    manifest: dict[str, Any] = {"format": "rans", "version": 2, "vectors": []}
-    for name, (arr, g, block, desc) in _bank_vector_inputs().items():
-        stage = RansBankStage(channel_group=g, block_tokens=block)
-        bank = _BANK_VECTOR_BANKS.get(name)
-        if bank is None:
-            data, side = stage.encode(arr, ChunkContext())
-            assert not side
-        else:
-            data = encode_banked(to_contexts(arr, g), stage.block_symbols(arr.shape),
-                                 bank=(np.asarray(bank[0], np.uint32), np.asarray(bank[1], np.uint8)))
-        manifest["vectors"].append(_rans_vector(directory, name, desc, arr, data, stage.get_config(),
-                                                {"bank": {"freqs": bank[0], "table_of": bank[1]}} if bank is not None else {}))
-    (directory / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    return manifest
 
 
 def main(argv: list[str] | None = None) -> int:

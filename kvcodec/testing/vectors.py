@@ -1,4 +1,6 @@
-"""Golden vectors of the codec stages (spec/vectors/codec/<case>/).
+"""Where the golden vectors live (spec/vectors/), the rule that none is overwritten, and the codec stages' cases.
+
+The codec stages' vectors (spec/vectors/codec/<case>/):
 
 Each case directory holds ``case.json`` ({"stage": {name, version, config},
 "ctx": {layer, kind, token_start}, "spec": {shape, dtype}}), ``input.npy``,
@@ -10,6 +12,7 @@ encoded + side, the normative result). Written by ``kvcodec/testing/golden.py co
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -18,7 +21,17 @@ import numpy as np
 
 from kvcodec.core.stage import ArraySpec, ChunkContext, stage_from_json
 
-VECTOR_DIR = Path(__file__).resolve().parents[2] / "spec" / "vectors" / "codec"
+ROOT = Path(__file__).resolve().parents[2]  # the repository (the vectors live in spec/)
+VECTOR_DIR = ROOT / "spec" / "vectors" / "codec"
+
+
+def refuse_existing(path: Path) -> None:
+    if path.exists():
+        raise SystemExit(f"{path} exists: golden vectors are never overwritten (add a new vector under a new name)")
+
+
+def sha256_hex(b: bytes) -> str:
+    return hashlib.sha256(b).hexdigest()
 
 
 def ctx_of(case: dict[str, Any], attach: dict[str, np.ndarray]) -> ChunkContext:

@@ -330,6 +330,6 @@ def test_decode_refuses_a_bad_calibration(case, small_cache):
 def test_calibration_golden_vectors():
     """spec/vectors/calibration: a v3 file (block-diagonal basis on its grid) reads back to the manifest's arrays,
     bit for bit, and re-writing it gives the same arrays; never regenerated (kvcodec/testing/golden.py)."""
-    from kvcodec.testing.golden import check_calibration_vectors
+    from kvcodec.testing.golden_calibration import check_calibration_vectors
 
     assert check_calibration_vectors() == []
