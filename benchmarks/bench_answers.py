@@ -64,6 +64,9 @@ def parse_method(m: str) -> tuple[str, dict[str, Any]]:
     return preset, over
 
 
+PEER_BLOCK = 128  # HF QuantizedCache's residual_length: the tokens it quantizes come in whole blocks of this many
+
+
 def peer_roundtrip(cache: Any, peer: str) -> tuple[Any, int]:
     """(the cache a peer attends to, the bits it stores) for ``peer``: an HF QuantizedCache setting or ``fp8``."""
     import torch
@@ -75,7 +78,16 @@ def peer_roundtrip(cache: Any, peer: str) -> tuple[Any, int]:
         cast = [[t.to(torch.float8_e4m3fn).to(t.dtype) for t in ts] for ts in (cache.keys, cache.values)]
         return (KVCache(cast[0], cast[1], cache.token_ids, cache.fingerprint, cache.positions, dict(cache.meta)),
                 8 * cache.num_elements)
-    return hf_quantized_roundtrip(cache, HFQuantSpec.parse(peer))
+    # HF's QuantizedCache quantizes whole blocks and keeps the most recent tokens (up to its residual_length, 128) in
+    # full precision: the same here, the residual charged at 16 bits per element (in the peer's favour)
+    n = cache.num_tokens - cache.num_tokens % PEER_BLOCK
+    head = KVCache([k[:, :n] for k in cache.keys], [v[:, :n] for v in cache.values], cache.token_ids[:n],
+                   cache.fingerprint, None, dict(cache.meta))
+    dec, bits = hf_quantized_roundtrip(head, HFQuantSpec.parse(peer))
+    keys = [torch.cat([d, k[:, n:]], 1) for d, k in zip(dec.keys, cache.keys)]
+    values = [torch.cat([d, v[:, n:]], 1) for d, v in zip(dec.values, cache.values)]
+    rest = sum(k[:, n:].numel() + v[:, n:].numel() for k, v in zip(cache.keys, cache.values))
+    return KVCache(keys, values, cache.token_ids, cache.fingerprint, cache.positions, dict(cache.meta)), bits + 16 * rest
 
 
 def run_model(name: str, lengths: list[int], families: list[str], per_family: int, presets: list[str],
