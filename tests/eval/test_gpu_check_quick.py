@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from kvcodec.plan.presets import PRESETS as PRESET_TABLE
+
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
-PRESETS = ["lossless", "fp16", "zstd", "raw", "near-lossless", "faithful", "balanced", "small"]
+PRESETS = list(PRESET_TABLE)  # every preset, in the table's order
 
 
 def test_gpu_check_quick_runs_every_step(tmp_path):
