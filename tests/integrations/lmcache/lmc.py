@@ -25,6 +25,7 @@ from lmcache.v1.distributed.serde import create_serde_processor
 
 MODEL_NAME = "HuggingFaceTB/SmolLM2-135M"  # what LMCache's ObjectKey carries; the serde maps it to "smollm2"
 TAG = "test"
+CHUNK = 32  # tokens per LMCache chunk in these tests
 
 
 def real_chunks(lm: Any, n_chunks: int, chunk_tokens: int, dtype: torch.dtype = torch.bfloat16) -> tuple[Any, list[torch.Tensor]]:

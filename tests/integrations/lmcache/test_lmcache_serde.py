@@ -22,23 +22,10 @@ from kvcodec.errors import KvcError  # noqa: E402
 from kvcodec.integrations.lmcache import register  # noqa: E402
 from kvcodec.integrations.lmcache.chunks import MAGIC, chunk_layout, unframe, upper_bound  # noqa: E402
 from kvcodec.integrations.lmcache.serde import make_codec  # noqa: E402
-from lmc import MODEL_NAME, adapter, key, l1_manager, layout, load, lookup, real_chunks, store  # noqa: E402
+from lmc import CHUNK, MODEL_NAME, adapter, key, layout, load, lookup, store  # noqa: E402
 
 pytestmark = pytest.mark.model
-CHUNK = 32
 MODELS = {MODEL_NAME: "smollm2"}
-
-
-@pytest.fixture(scope="module")
-def chunks(lm):
-    return real_chunks(lm, 2, CHUNK)
-
-
-@pytest.fixture(scope="module")
-def l1():
-    m = l1_manager()
-    yield m
-    m.close()
 
 
 def fs_spec(path, **serde):
