@@ -53,10 +53,10 @@ import torch  # noqa: E402
 
 import harness  # noqa: E402
 from common import get_cache  # noqa: E402  (the cache on disk: $KVC_BENCH_CACHE/speed-<text>-<tokens>.h5)
-from kvcodec.calibration.store import default_resolver  # noqa: E402
+from kvcodec.calibration.store import default_resolver, load_calibration  # noqa: E402
 from kvcodec.format.reader import KvcReader  # noqa: E402
 from kvcodec.format.writer import write_kvc  # noqa: E402
-from kvcodec.plan.presets import get_plan  # noqa: E402
+from kvcodec.plan.presets import get_plan, preset_info  # noqa: E402
 
 
 def kernel_uses_zmm() -> bool | None:
@@ -82,6 +82,11 @@ def host_simd_flags() -> str:
     flags = harness.machine()["simd"]
     wanted = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vbmi2")
     return " ".join(f for f in flags if f in wanted) or "unknown"
+
+
+def needs_calibration(preset: str) -> bool:
+    """A lossy preset plans with the model's calibration; the lossless ones and ``baseline:NAME`` do not."""
+    return not preset.startswith("baseline:") and preset_info(preset).lossy
 
 
 def best(fn, repeat: int) -> float:
@@ -118,11 +123,23 @@ def main(argv: list[str] | None = None) -> None:
     np.save(raw, np.concatenate([a.ravel() for a in arrays]))  # flat: a ragged cache's layers differ in length
     offs = np.cumsum([0] + [a.size for a in arrays])
     L = cache.fingerprint.num_layers
+    presets = [p for p in args.presets.split(",") if p]
     lm = None
     if args.model:
         from kvcodec.models.load import load_model
 
         lm = load_model(args.lm)
+    # The lossy presets need the model's calibration. get_plan only loads one (never builds), so a model this
+    # machine has not calibrated (a local HF dir of an unseen model) crashed here; `kvc encode` builds it on first
+    # use, and so does this benchmark now: before any timing, once, with progress.
+    cal = None
+    if any(needs_calibration(p) for p in presets):
+        cal = load_calibration(cache.fingerprint.id)
+        if cal is None:
+            from kvcodec.calibration.build import ensure_calibration
+            from kvcodec.models.load import load_model
+
+            cal = ensure_calibration(lm or load_model(args.lm))
 
     def raw_read():
         a = np.load(raw)
@@ -134,8 +151,8 @@ def main(argv: list[str] | None = None) -> None:
 
     res: dict = {"lm": args.lm, "text": args.text, "tokens": args.tokens, "model_plan": bool(args.model), "fp16_mb": mb, "loadavg_start": os.getloadavg()[0],
                  "raw_read_s": t_raw, "raw_read_mb_s": mb / t_raw, "memcpy_s": t_mem, "memcpy_mb_s": mb / t_mem, "presets": {}}
-    for name in [p for p in args.presets.split(",") if p]:
-        plan = get_plan(name, cache, lm=lm)
+    for name in presets:
+        plan = get_plan(name, cache, lm=lm, cal=cal if needs_calibration(name) else None)
         buf = io.BytesIO()
 
         def enc():
