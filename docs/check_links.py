@@ -10,7 +10,8 @@ Checked:
   ``scripts/...``, ``spec/...``, ``docs/...``, ``.ci/...``), in prose and in code blocks;
   placeholders (``<package>``, ``*``) are skipped;
 * dotted names ``kvcodec.a.b[.Name[.attr]]``: the module exists, and ``Name`` (and
-  ``attr``) is defined in it (read from the source; nothing is imported).
+  ``attr``) is defined in it (read from the source; nothing is imported); the plugin
+  registry's entry-point groups (``kvcodec.stages``, ...) are names, not modules.
 
 Pure standard library, no kvcodec import: it runs anywhere, in well under a second.
 """
@@ -28,6 +29,17 @@ PENDING: set[str] = set()
 LINK = re.compile(r"(?<!!)\[(?:[^\]\[]|\[[^\]]*\])*\]\(([^)\s]+)\)")
 PATH = re.compile(r"(?<![\w./-])((?:kvcodec|tests|benchmarks|scripts|spec|docs|\.ci)/[\w./<>*{}-]*)")
 DOTTED = re.compile(r"(?<![\w./-])(kvcodec(?:\.[A-Za-z_]\w*)+)")
+
+
+def plugin_groups() -> set[str]:
+    """The plugin registry's entry-point group names (``kvcodec.stages``, ...): names, not modules.
+
+    Read from kvcodec/registry.py's ``*_GROUP = "..."`` constants (source only, as everything here)."""
+    src = (ROOT / "kvcodec" / "registry.py").read_text(encoding="utf-8")
+    return set(re.findall(r'^[A-Z]+_GROUP = "([\w.]+)"', src, re.M))
+
+
+GROUPS = plugin_groups()
 
 
 def pages() -> list[Path]:
@@ -134,7 +146,7 @@ def check(page: Path) -> list[str]:
                 errors.append(f"{where}: no such path {p}")
         for d in DOTTED.findall(line):
             d = d.rstrip(".")
-            if d in examples:
+            if d in examples or d in GROUPS:
                 continue
             err = check_dotted(d)
             if err:

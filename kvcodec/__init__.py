@@ -24,6 +24,8 @@ from kvcodec.errors import (
 )
 
 from kvcodec.version import __version__
+from kvcodec import plugins as _plugins  # noqa: F401  (declares kvcodec's own stages, decoders and tiers; imports none)
+
 __all__ = [
     "encode", "open", "load_into",
     "KvcError", "KvcInputError", "KvcFormatError", "KvcModelMismatchError",

@@ -4,7 +4,8 @@ A tensor's pipeline is: zero or more array->array stages, exactly one
 array->bytes stage, zero or more bytes->bytes stages. Each stage has a
 ``name``, an integer ``version`` and a JSON ``config``; the `.kvc` header
 stores ``{"name", "version", "config"}`` for each stage and readers look the
-class up in :data:`REGISTRY`. An unknown name or version is a
+class up in :data:`REGISTRY`, whose versions the module providing each name registers when the plugin
+registry (:data:`STAGES`, :mod:`kvcodec.registry`) imports it. An unknown name or version is a
 :class:`~kvcodec.errors.KvcCodecError` that names it.
 
 Stages may emit *side data* (scales, zero points, kept-token indices ...):
@@ -25,11 +26,13 @@ import json
 from abc import ABC, ABCMeta, abstractmethod
 from collections.abc import Mapping
 from dataclasses import FrozenInstanceError, dataclass, field
+from types import ModuleType
 from typing import Any, Callable, ClassVar, Literal, Union
 
 import numpy as np
 
 from kvcodec.errors import KvcCodecError, KvcFormatError
+from kvcodec.registry import STAGES_GROUP, Registry
 
 StageKind = Literal["array->array", "array->bytes", "bytes->bytes"]
 SideData = dict[str, np.ndarray]
@@ -175,41 +178,47 @@ class BytesToBytes(Stage):
         """Invert ``encode``; never produce more than ``max_size`` bytes."""
 
 
-REGISTRY: dict[tuple[str, int], type[Stage]] = {}
+REGISTRY: dict[tuple[str, int], type[Stage]] = {}  # every loaded stage version, (name, version) -> class
+
+
+def _check_stage(name: str, obj: Any, builtin: bool) -> str | None:
+    """What the stage group holds: a module that registers ``name`` on import, or a Stage subclass called ``name``."""
+    if isinstance(obj, type) and issubclass(obj, Stage):
+        if getattr(obj, "name", None) != name:
+            return f"is the stage {getattr(obj, 'name', None)!r}, not {name!r}"
+        try:
+            register(obj)
+        except KvcCodecError as exc:
+            return f"cannot be registered: {exc}"
+    elif not isinstance(obj, ModuleType):
+        return f"is a {type(obj).__name__}, not a Stage subclass or a module that registers one"
+    if not any(n == name for n, _ in REGISTRY):
+        return f"registers no stage {name!r}"
+    return None
+
+
+# The stage group of the one plugin registry (kvcodec/registry.py): a reader meets stages by name in a file's header
+# and the registry imports the module that provides the name then -- kvcodec's own are declared in kvcodec/plugins.py,
+# any installed package's through its "kvcodec.stages" entry points -- so opening a lossless file does not import the
+# lossy codec, and this interface module imports none of the modules that implement it.
+STAGES: Registry[Any] = Registry(STAGES_GROUP, "codec", KvcCodecError, _check_stage)
 
 
 def register(cls: type[Stage]) -> type[Stage]:
-    """Class decorator adding a stage to the registry under (name, version)."""
+    """Class decorator adding a stage version to :data:`REGISTRY` under (name, version).
+
+    The name must be one its module provides in the plugin registry (:data:`STAGES`): a module cannot add versions
+    to a stage another module provides (a file's stages decode as their provider defines them)."""
     key = (cls.name, cls.version)
     if key in REGISTRY and REGISTRY[key] is not cls:
         raise KvcCodecError(f"codec {cls.name!r} v{cls.version} registered twice")
+    if cls.name in STAGES.names(entry_points=False):
+        owner = STAGES.target(cls.name).partition(":")[0]
+        if owner != cls.__module__:
+            raise KvcCodecError(f"codec {cls.name!r} is provided by {owner}; {cls.__module__}.{cls.__qualname__} "
+                                "cannot register it")
     REGISTRY[key] = cls
     return cls
-
-
-# Built-in stage name -> the module that defines and registers it. Why names and not imports: a
-# reader meets stages by name in a file's header (numcodecs finds codecs through entry points the
-# same way), so a stage's module is imported only when a file uses it -- opening a lossless file
-# does not import the lossy codec -- and this interface module does not import the modules that
-# implement it (no import cycle). tests/conformance/test_stage_checklist.py checks this table against REGISTRY.
-BUILTIN_STAGES: dict[str, str] = {
-    "cast": "kvcodec.codecs.lossless", "raw": "kvcodec.codecs.lossless", "shuffle": "kvcodec.codecs.lossless",
-    "zstd": "kvcodec.codecs.lossless",
-    "rans": "kvcodec.codecs.rans",
-    "rope": "kvcodec.codecs.rope", "keep": "kvcodec.codecs.keep", "transform": "kvcodec.codecs.transform",
-    "quantize": "kvcodec.codecs.quantize", "tokenscale": "kvcodec.codecs.tokenscale",
-    "bl_int8_token": "kvcodec.codecs.baselines", "bl_kivi": "kvcodec.codecs.baselines",
-    "bl_cachegen": "kvcodec.codecs.baselines",
-}
-
-
-def load_builtin_stages(names: Any = None) -> None:
-    """Import the modules registering the built-in stages ``names`` (all of them by default)."""
-    import importlib
-
-    wanted = BUILTIN_STAGES if names is None else [n for n in names if n in BUILTIN_STAGES]
-    for module in sorted({BUILTIN_STAGES[n] for n in wanted}):
-        importlib.import_module(module)
 
 
 def stage_from_json(obj: Any) -> Stage:
@@ -221,12 +230,13 @@ def stage_from_json(obj: Any) -> Stage:
         raise KvcFormatError(f"codec {name!r}: version must be an int and config an object")
     cls = REGISTRY.get((name, version))
     if cls is None:
-        load_builtin_stages([name] if name in BUILTIN_STAGES else None)
+        if not STAGES.has(name):
+            raise KvcCodecError(f"unknown codec {name!r} version {version} (known: {', '.join(STAGES.names())})")
+        STAGES.get(name)  # imports its provider: KvcCodecError for one that is broken or declared twice
         cls = REGISTRY.get((name, version))
     if cls is None:
-        load_builtin_stages()
-        known = sorted(f"{n} v{v}" for n, v in REGISTRY)
-        raise KvcCodecError(f"unknown codec {name!r} version {version} (known: {', '.join(known)})")
+        known = ", ".join(f"v{v}" for n, v in sorted(REGISTRY) if n == name)
+        raise KvcCodecError(f"unknown codec {name!r} version {version} (known: {name} {known})")
     return cls.from_config(config)
 
 

@@ -13,9 +13,11 @@ the reference succeeds, the backend has a bug -- it raises :class:`KvcBackendErr
 ``KVCODEC_STRICT_BACKENDS=1`` (tests/conftest.py sets it) and warns once otherwise, returning
 the reference's result. There is no silent fallback.
 
-Implementations live in their own modules and are imported by name when first used, so this
-registry (imported by the container reader) pulls in neither numba kernels nor Triton until a
-chunk needs them.
+Each backend is a :class:`Backend` in the decoder group of the one plugin registry
+(:mod:`kvcodec.registry`, :data:`DECODERS`): kvcodec's own four below, and any installed package's
+``kvcodec.decoders`` entry points. A Backend names its implementation's module by string, imported
+when first used, so this registry (imported by the container reader) pulls in neither numba kernels
+nor Triton until a chunk needs them.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ from typing import Any, Callable
 from kvcodec.errors import KvcBackendError, KvcCodecError, KvcError, KvcFormatError
 from kvcodec.core.stage import ArraySpec, ChunkContext, Pipeline, SideData
 from kvcodec.decode.device import Device, resolve_device
+from kvcodec.registry import DECODERS_GROUP, Registry, generation
 
-__all__ = ["BACKENDS", "Backend", "STRICT_ENV", "backend", "decode_chunk", "decode_chunk_gpu", "decode_with", "select", "strict", "decode_into",
+__all__ = ["DECODERS", "Backend", "STRICT_ENV", "backend", "backends", "decode_chunk", "decode_chunk_gpu", "decode_with", "select", "strict", "decode_into",
            "store_paged", "warm_cpu"]
 
 STRICT_ENV = "KVCODEC_STRICT_BACKENDS"
@@ -71,17 +74,47 @@ class Backend:
         return fn(pipeline, payload, sides, sizes, spec, ctx)
 
 
-BACKENDS: tuple[Backend, ...] = (
-    Backend("reference", "cpu", 0, "kvcodec.decode.registry", "_supports_all", "_reference_decode", reference=True,
-            summary="every pipeline: each stage's numpy decode (the codec's definition, spec/codec-v1.md)"),
-    Backend("numba-fused", "cpu", 10, "kvcodec.decode.cpu.fused", "supports", "decode",
-            summary="raw[-shuffle]-zstd, and [rope] [keep] transform [tokenscale] quantize(step, v1/v2) rans with head_dim "
-                    "32/64/80/96/128/256, rANS groups 1/2/4/8/16k; float16/float32 chunks"),
-    Backend("triton-stages", "gpu", 0, "kvcodec.decode.triton.backend", "supports_stages", "decode_stages", reference=True,
-            summary="every pipeline: rANS kernel, per-stage Triton kernels, CPU for stages without one"),
-    Backend("triton-fused", "gpu", 10, "kvcodec.decode.triton.backend", "supports_fused", "decode_fused",
-            summary="[rope] [keep] transform [tokenscale] quantize(step, v1) rans, float16/float32 chunks: one kernel"),
-)
+REFERENCE = Backend("reference", "cpu", 0, "kvcodec.decode.registry", "_supports_all", "_reference_decode", reference=True,
+                    summary="every pipeline: each stage's numpy decode (the codec's definition, spec/codec-v1.md)")
+NUMBA_FUSED = Backend("numba-fused", "cpu", 10, "kvcodec.decode.cpu.fused", "supports", "decode",
+                      summary="raw[-shuffle]-zstd, and [rope] [keep] transform [tokenscale] quantize(step, v1/v2) rans with "
+                              "head_dim 32/64/80/96/128/256, rANS groups 1/2/4/8/16k; float16/float32 chunks")
+TRITON_STAGES = Backend("triton-stages", "gpu", 0, "kvcodec.decode.triton.backend", "supports_stages", "decode_stages",
+                        reference=True,
+                        summary="every pipeline: rANS kernel, per-stage Triton kernels, CPU for stages without one")
+TRITON_FUSED = Backend("triton-fused", "gpu", 10, "kvcodec.decode.triton.backend", "supports_fused", "decode_fused",
+                       summary="[rope] [keep] transform [tokenscale] quantize(step, v1) rans, float16/float32 chunks: one kernel")
+
+
+def _check_backend(name: str, obj: Any, builtin: bool) -> str | None:
+    """What the decoder group holds: a Backend called ``name``; only kvcodec's own may be a device's reference."""
+    if not isinstance(obj, Backend):
+        return f"is a {type(obj).__name__}, not a kvcodec.decode.registry.Backend"
+    if obj.name != name:
+        return f"is the backend {obj.name!r}, not {name!r}"
+    if obj.device not in ("cpu", "gpu") or not isinstance(obj.rank, int) or isinstance(obj.rank, bool):
+        return f"declares device {obj.device!r} and rank {obj.rank!r} (want 'cpu' or 'gpu' and an int)"
+    if obj.reference and not builtin:
+        return "claims to be a device's reference decoder (only kvcodec's own are)"
+    return None
+
+
+# The decoder group of the one plugin registry (kvcodec/registry.py): kvcodec's four above are declared in
+# kvcodec/plugins.py, an installed package's through its "kvcodec.decoders" entry points (each a Backend).
+DECODERS: Registry[Backend] = Registry(DECODERS_GROUP, "decoder backend", KvcBackendError, _check_backend)
+_listing: tuple[int, tuple[Backend, ...]] = (-1, ())
+
+
+def backends() -> tuple[Backend, ...]:
+    """Every decoder backend: kvcodec's, then installed plugins' (one that fails to load is skipped with a warning).
+
+    Loads the Backend descriptions only; each implementation's module is imported when it first decodes or checks a
+    chunk. Read once per change of the registry (:func:`kvcodec.registry.generation`)."""
+    global _listing
+    gen = generation()
+    if _listing[0] != gen:
+        _listing = (gen, tuple(DECODERS.load_all().values()))
+    return _listing[1]
 
 
 def _supports_all(pipeline: Pipeline, spec: ArraySpec) -> bool:
@@ -94,11 +127,8 @@ def _reference_decode(pipeline: Pipeline, payload: Any, sides: list[SideData], s
 
 
 def backend(name: str) -> Backend:
-    """The registered backend called ``name``."""
-    for b in BACKENDS:
-        if b.name == name:
-            return b
-    raise KvcBackendError(f"unknown decoder backend {name!r} (known: {', '.join(b.name for b in BACKENDS)})")
+    """The registered backend called ``name`` (KvcBackendError: unknown, or a plugin that fails to load)."""
+    return DECODERS.get(name)
 
 
 def select(pipeline: Pipeline, spec: ArraySpec, device: Device = "cpu") -> list[Backend]:
@@ -108,14 +138,14 @@ def select(pipeline: Pipeline, spec: ArraySpec, device: Device = "cpu") -> list[
     instance per distinct pipeline), so a file's chunks pay the static checks once per shape.
     """
     memo: dict[tuple, list[Backend]] = pipeline.__dict__.setdefault("_backend_choice", {})
-    key = (spec.shape, spec.dtype, device)
+    key = (spec.shape, spec.dtype, device, generation())
     hit = memo.get(key)
     if hit is not None:
         return hit
-    eligible = [b for b in BACKENDS if b.device == device and (b.reference or b.supports(pipeline, spec))]
-    if not eligible:
+    eligible = [b for b in backends() if b.device == device and (b.reference or b.supports(pipeline, spec))]
+    if not any(b.reference for b in eligible):
         raise KvcBackendError(f"no decoder backend for device {device!r}")
-    chosen = sorted(eligible, key=lambda b: -b.rank)
+    chosen = sorted(eligible, key=lambda b: (b.reference, -b.rank))  # the reference decides failures: always last
     if len(memo) < 64:
         memo[key] = chosen
     return chosen

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvcodec.decode.registry import BACKENDS, STRICT_ENV, Backend, backend, decode_with, select
+from kvcodec.decode.registry import STRICT_ENV, Backend, backend, backends, decode_with, select
 from kvcodec.errors import KvcBackendError
 from kvcodec.format import KvcReader, write_kvc
 from kvcodec.core.stage import ArraySpec, ChunkContext, Pipeline, stage_from_json
@@ -52,7 +52,7 @@ def _gpu_usable() -> bool:
 
 
 def _backends(device: str) -> list[Backend]:
-    return [b for b in BACKENDS if b.device == device and (device == "cpu" or _gpu_usable())]
+    return [b for b in backends() if b.device == device and (device == "cpu" or _gpu_usable())]
 
 
 def _check_chunk(pipe: Pipeline, payload, sides, sizes, spec: ArraySpec, ctx: ChunkContext, used: set[str],

@@ -58,24 +58,25 @@ def test_nothing_outside_the_gpu_package_imports_it_statically():
 
 
 def _named_imports(path: Path) -> set[str]:
-    """Modules ``path`` loads by name: ``importlib.import_module("kvcodec....")`` and the decoder registry's
-    ``Backend(..., "kvcodec....", ...)`` entries (any string literal naming a kvcodec module counts)."""
+    """Modules ``path`` loads by name: ``importlib.import_module("kvcodec....")``, the decoder registry's
+    ``Backend(..., "kvcodec....", ...)`` entries and the plugin declarations' ``"kvcodec....:attr"`` targets (any
+    string literal naming a kvcodec module, or a module and an attribute, counts)."""
     out: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("kvcodec."):
-            name = node.value
+            name = node.value.partition(":")[0]
             if (ROOT / Path(*name.split("."))).with_suffix(".py").is_file() or (ROOT / Path(*name.split(".")) / "__init__.py").is_file():
                 out.add(name)
     return out
 
 
-def test_no_import_cycle_in_the_decoders_counting_imports_by_name():
-    """No cycle among the decode package's modules when a module loaded by name (importlib, the decoder registry's
-    table) is an arrow too (issue 56: the registry loaded the Triton backends by name and they imported the registry
-    back for the device). Every import at any depth counts, as for lint-imports.
-
-    The stage table (``kvcodec.core.stage`` names the codec modules, which import it) is the same pattern and still a
-    circle by this count; it goes with the entry-point registry (issue 56), so only ``kvcodec.decode`` is held here."""
+def test_no_import_cycle_counting_imports_by_name():
+    """No cycle among kvcodec's modules when a module loaded by name (importlib, a decoder Backend's module, a plugin
+    declaration's target) is an arrow too (issue 56: the decoder registry loaded the Triton backends by name and they
+    imported it back for the device; core.stage named the codec modules, which import it). Every import at any depth
+    counts, as for lint-imports; an import of a module's own enclosing package does not (Python imports the package
+    first whatever the module names, and a package re-exporting its modules is the usual shape). kvcodec's own
+    plugins are named only by kvcodec/plugins.py, which only the root package imports."""
     graph: dict[str, set[str]] = {}
     files = {}
     for f in sorted((ROOT / "kvcodec").rglob("*.py")):
@@ -84,8 +85,7 @@ def test_no_import_cycle_in_the_decoders_counting_imports_by_name():
         files[mod] = f
     for mod, f in files.items():
         pkg = mod if f.name == "__init__.py" else mod.rsplit(".", 1)[0]
-        names = {n for n in _imports(f, pkg) | _named_imports(f) if n in files and n != mod and n.startswith("kvcodec.decode")}
-        graph[mod] = names
+        graph[mod] = {n for n in _imports(f, pkg) | _named_imports(f) if n in files and n != mod and not mod.startswith(n + ".")}
     seen: dict[str, int] = {}
     stack: list[str] = []
     cycles: list[list[str]] = []
@@ -102,9 +102,11 @@ def test_no_import_cycle_in_the_decoders_counting_imports_by_name():
         seen[m] = 2
 
     for m in sorted(graph):
-        if m.startswith("kvcodec.decode") and m not in seen:
+        if m not in seen:
             visit(m)
     assert not cycles, cycles[:5]
+    assert {"kvcodec.codecs.rans", "kvcodec.decode.registry", "kvcodec.store.tiers.s3"} <= graph["kvcodec.plugins"]
+    assert [m for m, names in graph.items() if "kvcodec.plugins" in names] == ["kvcodec"]  # the root package only
 
 
 def test_opening_a_lossless_file_does_not_import_the_lossy_codec(tmp_path):

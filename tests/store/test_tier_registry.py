@@ -1,4 +1,5 @@
-"""The scheme table (kvcodec/store/tiers/registry.py), the lazy tier exports, and the conformance suite's own teeth."""
+"""The tier group of the plugin registry (kvcodec/store/tiers/registry.py), the lazy tier exports, and the conformance
+suite's own teeth. An installed package's tier (entry points): tests/core/test_plugin_package.py."""
 
 from __future__ import annotations
 
@@ -16,21 +17,21 @@ from kvcodec.testing.store import TierBackend, TierTests
 from store_fixtures import subprocess_env
 
 
-def test_table_and_classes_agree():
-    seen: set[str] = set()
-    for e in registry.TIERS:
-        cls = registry.load(e)
-        assert cls.__name__ == e.class_name and issubclass(cls, Tier)
-        assert cls.schemes == e.schemes, f"{e.target} declares {cls.schemes}, the table says {e.schemes}"
-        assert not seen & set(e.schemes), "a scheme names exactly one tier"
-        seen |= set(e.schemes)
-        for s in e.schemes:
-            assert registry.tier_class(f"{s.upper()}://somewhere") is cls  # schemes are case-insensitive
+def test_declarations_and_classes_agree():
+    """kvcodec/plugins.py declares each scheme of each built-in tier class, and nothing else for it."""
+    by_class: dict[type, list[str]] = {}
+    for s in registry.TIERS.builtin_names():
+        cls = registry.TIERS.get(s)
+        assert issubclass(cls, Tier) and cls.__name__ == registry.TIERS.target(s).rpartition(":")[2]
+        by_class.setdefault(cls, []).append(s)
+        assert registry.tier_class(f"{s.upper()}://somewhere") is cls  # schemes are case-insensitive
+    for cls, schemes in by_class.items():
+        assert tuple(schemes) == cls.schemes, f"{cls.__name__} declares {cls.schemes}, kvcodec/plugins.py {schemes}"
     assert registry.tier_class("relative/dir") is registry.tier_class("/abs/dir") is registry.tier_class("file:///x")
-    assert registry.known_schemes() == [s for e in registry.TIERS for s in e.schemes]
+    assert registry.known_schemes()[:len(registry.TIERS.builtin_names())] == registry.TIERS.builtin_names()
 
 
-def test_unknown_scheme_message_is_written_from_the_table():
+def test_unknown_scheme_message_lists_every_known_scheme():
     with pytest.raises(KvcInputError) as e:
         Store.open("ftp://host/x")
     msg = str(e.value)
@@ -40,9 +41,10 @@ def test_unknown_scheme_message_is_written_from_the_table():
 
 
 def test_every_tier_is_exported_lazily():
-    for e in registry.TIERS:
-        assert e.class_name in kvcodec.store.__all__
-        assert getattr(kvcodec.store, e.class_name) is registry.load(e)
+    for s in registry.TIERS.builtin_names():
+        cls = registry.TIERS.get(s)
+        assert cls.__name__ in kvcodec.store.__all__
+        assert getattr(kvcodec.store, cls.__name__) is cls
     with pytest.raises(AttributeError):
         kvcodec.store.NoSuchTier  # noqa: B018
 
@@ -94,11 +96,13 @@ class DictTier(Tier):
 
 
 @pytest.fixture
-def table(monkeypatch):
-    """The registry's table, restored after the test."""
-    monkeypatch.setattr(registry, "TIERS", list(registry.TIERS))
+def table():
+    """The tier group; the schemes a test registers are removed after it."""
+    before = set(registry.TIERS.names(entry_points=False))
     DictTier.shelf.clear()
-    return registry.TIERS
+    yield registry.TIERS
+    for s in set(registry.TIERS.names(entry_points=False)) - before:
+        registry.TIERS.unregister(s)
 
 
 def test_register_a_tier_from_outside(table):

@@ -1,0 +1,1 @@
+"""kvcodec plugin example: a stage, a decoder and a tier, declared as entry points in ../pyproject.toml."""
