@@ -75,8 +75,11 @@ def ask_command(model, docs, store_url, preset, namespace, max_new_tokens, no_st
                              store_new=not no_store)
     else:
         ans = kb.ask(texts, question, max_new_tokens=max_new_tokens, store_new=not no_store)
+    # A speed-up is only claimed against a prefill timed on this context's entry. An entry written without one (an
+    # appended child: the parent's prefill timed other, shorter ids, issue 57; one put by `kvc store put`) says so.
+    unmeasured = ans.source != "prefill" and not ans.prefill_ttft_s
     if as_json:
-        emit_json(ans.to_json())
+        emit_json(dict(ans.to_json(), speedup_vs_prefill=None) if unmeasured else ans.to_json())
         return
     click.echo(ans.answer)
     line = f"[{ans.source}: {ans.cached_tokens}/{ans.context_tokens} context tokens from the store; TTFT {ans.ttft_s * 1000:.0f} ms"
@@ -84,6 +87,8 @@ def ask_command(model, docs, store_url, preset, namespace, max_new_tokens, no_st
         line += f"; recompute ratio {recompute_ratio:g}"
     if ans.source != "prefill" and ans.prefill_ttft_s:
         line += f" vs {ans.prefill_ttft_s * 1000:.0f} ms by prefill ({ans.prefill_ttft_s / ans.ttft_s:.1f}x faster)"
+    elif unmeasured:
+        line += "; no prefill of this context was timed, so no speed-up is claimed"
     click.echo(line + "]", err=True)
     if ans.stored:
         s = ans.stored
