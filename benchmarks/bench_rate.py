@@ -74,6 +74,34 @@ def _row(lm, cache, cont, exact, preset, cal, prefill_cpu, n_first):
             "fp16_mb": fp16_mb, "encode_mb_s_per_core": fp16_mb / sw.cpu, "kl_windows": kl_windows}
 
 
+CHAT_QUESTION = "What does the document above say? Answer in detail, point by point."
+
+
+def _chat_context(lm, text: str, T: int, n_cont: int):
+    """A ``kvc ask`` context of about ``T`` tokens and its continuation (issue 57, ``--chat``).
+
+    The context is what ``KnowledgeBase`` stores for one document: the model's own chat prefix (system turn,
+    user-turn opener, special tokens) and the document cut to fill ``T`` tokens, ending as a stored document does
+    (``doc_ids``: ``"\n\n"``). The continuation is what follows it when the entry is used: the question turn
+    (the template's closers and the assistant opener) and the model's own greedy answer from the exact cache,
+    ``n_cont`` tokens in all (not stopped at EOS: the promise is on a continuation of that length)."""
+    import torch
+
+    from kvcodec.models.capture import capture, tokenize
+    from kvcodec.models.chat import ChatFormat
+    from kvcodec.models.quality import greedy
+
+    chat = ChatFormat.for_tokenizer(lm.tokenizer)
+    body = tokenize(lm.tokenizer, text)[:max(1, T - len(chat.prefix) - 2)]
+    doc = lm.tokenizer.decode(body.tolist(), skip_special_tokens=True).rstrip() + "\n\n"
+    ids = np.concatenate([chat.prefix, tokenize(lm.tokenizer, doc)])
+    q = chat.question_ids(CHAT_QUESTION)
+    with torch.inference_mode():
+        full = capture(lm, token_ids=np.concatenate([ids, q[:-1]]))
+        answer = greedy(lm, full, int(q[-1]), max(1, n_cont - len(q)))
+    return ids, np.asarray(np.concatenate([q, answer]), np.int64)[:n_cont]
+
+
 def _summary(rows, presets):
     from kvcodec.plan.presets import PRESETS
 
@@ -145,6 +173,10 @@ def main(argv=None) -> None:
                          "figures stay the first window's): how much of a row's KL is the text that follows it")
     ap.add_argument("--presets", default="near-lossless,balanced,small")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--chat", action="store_true",
+                    help="contexts as kvc ask stores them (the model's chat prefix + the document) continued by the "
+                         "question turn and the model's greedy answer (issue 57); ΔPPL is then not reported (the "
+                         "continuation is the model's own)")
     ap.add_argument("--report-from", default=None, help="print the tables of this saved result (JSON) and exit")
     run = harness.cli(ap, argv, case="rate")
     a = run.args
@@ -177,9 +209,14 @@ def main(argv=None) -> None:
             plan = get_plan(preset, warm, lm=lm, cal=cal)
             encode_kvc_bytes(warm, plan, chunk_tokens=plan.chunk_tokens, preset=preset)
         for name in [t for t in a.texts.split(",") if t]:
-            ids = tokenize(lm.tokenizer, load_text(name))
+            ids0 = ids = tokenize(lm.tokenizer, load_text(name))
             for T in [int(x) for x in a.tokens.split(",") if x]:
                 n_cont = a.continuation * a.windows
+                if a.chat and len(ids0) >= T:
+                    ids, cont_ids = _chat_context(lm, load_text(name), T, n_cont)
+                    ids, T = np.concatenate([ids, cont_ids]), len(ids)
+                else:
+                    ids = ids0
                 if len(ids) < T + n_cont or (window and T + n_cont > window):
                     skipped.append({"model": model, "text": name, "tokens": T, "why": f"{len(ids)} tokens in the text"})
                     continue
@@ -192,7 +229,9 @@ def main(argv=None) -> None:
                     exact = continue_logits(lm, cache, cont)
                 for preset in presets:
                     r = _row(lm, cache, cont, exact, preset, cal, pf.cpu, a.continuation)
-                    r.update(model=model, text=name, tokens=T, prefill_cpu_s=pf.cpu, capture_cpu_s=sw.cpu,
+                    if a.chat:
+                        r["dppl_terms"] = []  # the model's own greedy answer: its NLL change is not a ΔPPL of text
+                    r.update(model=model, text=name, tokens=T, chat=a.chat, prefill_cpu_s=pf.cpu, capture_cpu_s=sw.cpu,
                              capture_over_prefill_cpu=sw.cpu / pf.cpu)
                     rows.append(r)
                     print(f"{model} {name} {T} {preset}: {r['bits_per_element']:.3f} b/el KL {r['kl']:.3g} "

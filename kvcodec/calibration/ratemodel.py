@@ -19,7 +19,8 @@ Format (JSON, ``kvcodec-ratemodel`` version 1)::
      "answer_step": {"faithful": {"factor": f, "tried": [...]}},  # the answer probe (kvcodec.plan.answercheck)
      "preset_sha256": {"balanced": ..., ...},  # per preset: its settings' digest (a preset added later is
                                # fitted alone and merged; one whose settings changed is refitted)
-     "fit": [...]}             # the fit's measurements, for the record
+     "fit": [...]}             # the fit's measurements: KL, and ``dnll`` (the mean NLL change on the real
+                               # continuation) from which :meth:`RateModel.dppl_ratio` is derived
 """
 
 from __future__ import annotations
@@ -46,6 +47,11 @@ BETA_RANGE = (0.0, 2.0)
 CURVE_RANGE = (0.0, 5.0)  # log growth at a curve point: 0 (none) .. e^5 (a broken fit or a tampered file beyond)
 ANSWER_FACTOR_RANGE = (1.0 / 64, 1.0)  # the answer probe only ever lowers a step
 LAYER_FACTOR_RANGE = (1.0 / 64, 64.0)  # the fit clips to [1/16, 16]; beyond this a file is broken or tampered
+# rows whose KL is below this say nothing of the ratio: their NLL change is the continuation's sampling noise
+# (~sqrt(2 KL / tokens)), many times their mean; near-lossless and faithful rows fall below it
+DPPL_KL_FLOOR = 1e-3
+DPPL_RATIO_RANGE = (0.25, 16.0)  # a pooled ratio outside this is a broken fit or a tampered file: clipped
+DPPL_MIN_ROWS = 4
 
 
 @dataclass
@@ -75,6 +81,23 @@ class RateModel:
         """The step factor that keeps ``preset``'s probe answers on this model (1: none measured, or none needed)."""
         rec = self.answer_step.get(preset)
         return float(rec["factor"]) if rec is not None else 1.0
+
+    def dppl_ratio(self) -> float | None:
+        """This model's KL-to-ΔPPL ratio: over the fit's rows with KL >= :data:`DPPL_KL_FLOOR`, the summed mean NLL
+        change of the real continuation over the summed KL (pooled: one row's NLL change is mostly sampling noise).
+        None when the fit did not record NLL changes (a file from before, or too few rows).
+
+        Why: a ΔPPL "in expectation" equals the KL only on text the model itself would write (``E_p[log p/q]``).
+        Real text is not drawn from the model, and how far the two part is a property of the model: measured on
+        an unseen 0.5B model, ``balanced``'s ΔPPL ran about 2x its KL (issue 57), on SmolLM2 about half. Rate
+        control aims at the tighter of the KL and ΔPPL promises with it (:func:`kvcodec.plan.rate.controlled_plan`).
+        """
+        rows = [r for r in self.fit if isinstance(r, dict) and _num(r.get("kl")) and _num(r.get("dnll"))
+                and r["kl"] >= DPPL_KL_FLOOR]
+        if len(rows) < DPPL_MIN_ROWS:
+            return None
+        kl = sum(float(r["kl"]) for r in rows)
+        return float(np.clip(sum(float(r["dnll"]) for r in rows) / kl, *DPPL_RATIO_RANGE))
 
     def allocated(self, cal: Calibration) -> Calibration:
         """``cal`` with each (layer, kind)'s sensitivity times its measured ``layer_factor`` (the same bases and means,

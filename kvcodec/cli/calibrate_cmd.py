@@ -25,7 +25,7 @@ def calibrate_command(model, force, basis, as_json) -> None:
     from kvcodec.calibration.ratemodel import rate_model_path, save_rate_model
     from kvcodec.calibration.store import load_calibration, save_calibration
     from kvcodec.plan.presets import answer_targets, lossy_settings, rate_model
-    from kvcodec.plan.ratefit import find_rate_model, fit_rate_model
+    from kvcodec.plan.ratefit import find_rate_model, fit_rate_model, with_dnll
 
     lm = load_model(model)
     fid = lm.fingerprint.id
@@ -37,32 +37,45 @@ def calibrate_command(model, force, basis, as_json) -> None:
         cal = build_calibration(lm, timings=timings, full_basis=basis == "full")
         save_calibration(cal, fid)
         timings.setdefault("total_s", time.perf_counter() - t0)
-    rm = None if built else find_rate_model(cal, lossy_settings(), answer_targets())
-    fitted = rm is None
-    if rm is None and built:  # a new calibration makes the old rate model stale: it is bound to the calibration's sha256
-        rm = fit_rate_model(lm, cal, lossy_settings(), answers=answer_targets())
+    if built:  # a new calibration makes the old rate model stale: it is bound to the calibration's sha256
+        rm, fitted = fit_rate_model(lm, cal, lossy_settings(), answers=answer_targets()), True
         save_rate_model(rm, rate_model_path(cal))
-    elif rm is None:  # a preset added or changed since: fitted alone and merged when the per-layer factors still hold
+    else:  # a preset added or changed since (fitted alone and merged), or rows without the NLL change (measured)
+        had = find_rate_model(cal, lossy_settings(), answer_targets())
         t0 = time.perf_counter()
         rm = rate_model(lm, cal)
-        timings["rate_model_s"] = round(time.perf_counter() - t0, 1)
+        if rm.dppl_ratio() is None and not any("dnll" in r for r in rm.fit):  # fitted before rows recorded it
+            rm = with_dnll(lm, cal, rm, lossy_settings())
+            save_rate_model(rm, rate_model_path(cal))
+        fitted = rm is not had
+        if fitted:
+            timings["rate_model_s"] = round(time.perf_counter() - t0, 1)
     if built:
         timings["rate_model_s"] = float(rm.fit_s or 0.0)
     size = cal.path.stat().st_size if cal.path is not None else None  # what ships to a decoder of this model's files
     report = {"model": model, "fingerprint": fid, "path": str(cal.path), "built": built, "timings": timings,
               "version": cal.meta.get("version"), "bytes": size,
               "channel_blocks": cal.meta.get("channel_blocks"), "rate_model_fitted": fitted,
-              "rate_model": {k: v for k, v in rm.to_json().items() if k != "fit"}}
+              "rate_model": {k: v for k, v in rm.to_json().items() if k != "fit"},
+              # ΔPPL per unit KL on real text (kvcodec.calibration.ratemodel.RateModel.dppl_ratio); rate control aims
+              # at the tighter of the KL and ΔPPL promises with it
+              "dppl_ratio": rm.dppl_ratio()}
     if as_json:
         emit_json(report)
     elif built:
         click.echo(f"calibrated {model} in {timings['total_s']:.0f} s -> {cal.path} ({size:,} bytes); rate model fitted in "
-                   f"{timings.get('rate_model_s', 0):.0f} s (alpha {', '.join(f'{k} {v:.2f}' for k, v in rm.alpha.items())})")
+                   f"{timings.get('rate_model_s', 0):.0f} s (alpha {', '.join(f'{k} {v:.2f}' for k, v in rm.alpha.items())}; "
+                   f"ΔPPL/KL {_ratio(rm.dppl_ratio())})")
     else:
         has = "full" if cal.meta.get("channel_blocks") is None else "blocks"
         note = "" if has == basis or len(channel_blocks(lm.fingerprint.head_dims[0])) == 1 else f"; it has the {has} basis"
         old = "" if cal.meta.get("version") != 2 else "; version 2: a rebuild stores it in about half the bytes"
-        click.echo(f"{model} already has a calibration: {cal.path} ({size:,} bytes){note}{old} (--force rebuilds it)")
+        click.echo(f"{model} already has a calibration: {cal.path} ({size:,} bytes){note}{old} (--force rebuilds it); "
+                   f"ΔPPL/KL {_ratio(rm.dppl_ratio())}")
+
+
+def _ratio(r: float | None) -> str:
+    return "not measured" if r is None else f"{r:.2f}"
 
 
 COMMANDS = [calibrate_command]

@@ -69,31 +69,12 @@ def fit_rate_model(lm: Any, cal: Calibration, presets: Mapping[str, Mapping[str,
     ``answers`` (name -> its :class:`~kvcodec.plan.targets.QualityTarget`: the presets that promise answers,
     :func:`kvcodec.plan.presets.answer_targets`): each of those in ``presets`` then gets the answer probe
     (:mod:`kvcodec.plan.answercheck`) at the step its fitted constants choose."""
-    import torch
-    from tqdm import tqdm
-
-    from kvcodec.format.probe import roundtrip
-    from kvcodec.models.capture import max_context, tokenize
-    from kvcodec.models.quality import continue_logits
-    from kvcodec.plan.check import max_rival_gain
-    from kvcodec.plan.pipelines import transform_plan
-    from kvcodec.plan.rate import raw_predictor
-    from kvcodec.texts import load_text
-
     answers = _answers(answers)
     cal0 = cal  # the calibration as stored (rate control allocates it with the layer factors itself)
-    window = max_context(lm)
-    jobs: list[tuple[str, int, np.ndarray]] = []
-    for name in texts:
-        ids = tokenize(lm.tokenizer, load_text(name))
-        for T in lengths:
-            T = min(T, len(ids) - FIT_CONTINUATION, (window - FIT_CONTINUATION) if isinstance(window, int) else T)
-            if T >= 256 and (name, T) not in [(j[0], j[1]) for j in jobs]:
-                jobs.append((name, T, ids))
+    jobs = _jobs(lm, texts, lengths)
     if not jobs:
         raise KvcInputError(f"rate model: no fit text is long enough for this model (its window); lossy presets need the "
                             f"model's rate model, fitted on first use or by kvc calibrate --model {lm.name}")
-    fit: list[dict[str, Any]] = []
     t0 = time.time()
     if layer_factor is not None:
         cal = allocate(cal, layer_factor)
@@ -101,22 +82,7 @@ def fit_rate_model(lm: Any, cal: Calibration, presets: Mapping[str, Mapping[str,
         alloc = [(name, T, ids) for name, T, ids in jobs if T == max(t for n, t, _ in jobs if n == name and t <= ALLOC_TOKENS)]
         layer_factor = measure_layer_factor(lm, cal, presets[ALLOC_PRESET], alloc, progress)
         cal = allocate(cal, layer_factor)
-    with tqdm(total=len(jobs) * (1 + len(presets)), desc=f"kvc: fitting the rate model of {lm.name}", file=sys.stderr,
-              disable=not progress, leave=False, dynamic_ncols=True) as bar, torch.inference_mode():
-        for name, T, ids in jobs:
-            cache, cont, exact, imp = _fit_job(lm, ids, T)
-            lp_e = torch.log_softmax(exact.double(), -1)
-            bar.update(1)
-            for preset, table in presets.items():
-                settings, step0 = _table(table)
-                pred = raw_predictor(cache, cal, settings, imp)(step0)
-                dec, _ = roundtrip(cache, transform_plan(cache, step0, cal=cal, lm=lm, preset=preset, importance=imp, **settings))
-                got = continue_logits(lm, dec, cont)
-                lp_d = torch.log_softmax(got.double(), -1)
-                kl = float((lp_e.exp() * (lp_e - lp_d)).sum(-1).clamp_min(0).mean())
-                fit.append({"text": name, "tokens": T, "preset": preset, "step0": step0, "kl": kl, "predicted": pred,
-                            "rival_gain": max_rival_gain(exact, got)})
-                bar.update(1)
+    fit = _measure(lm, cal, jobs, presets, f"kvc: fitting the rate model of {lm.name}", progress)
     alpha, curve, beta = _fit_factor(fit, list(presets))
     nl = [r["rival_gain"] / r["step0"] for r in fit if r["preset"] == "near-lossless"]
     rm = RateModel(str(cal.meta["fingerprint_id"]), str(cal.meta["content_sha256"]), alpha, beta, T_REF,
@@ -193,6 +159,60 @@ def measure_layer_factor(lm: Any, cal: Calibration, table: Mapping[str, Any], jo
                     bar.update(1)
     f = np.exp(ALLOC_SHRINK * logs / len(jobs))
     return [[float(f[l, 0]), float(f[l, 1])] for l in range(L)]
+
+
+def _jobs(lm: Any, texts: tuple[str, ...], lengths: tuple[int, ...]) -> list[tuple[str, int, np.ndarray]]:
+    """The fit's (text, tokens, the text's ids) at each length that fits the text and the model's window."""
+    from kvcodec.models.capture import max_context, tokenize
+    from kvcodec.texts import load_text
+
+    window = max_context(lm)
+    jobs: list[tuple[str, int, np.ndarray]] = []
+    for name in texts:
+        ids = tokenize(lm.tokenizer, load_text(name))
+        for T in lengths:
+            T = min(T, len(ids) - FIT_CONTINUATION, (window - FIT_CONTINUATION) if isinstance(window, int) else T)
+            if T >= 256 and (name, T) not in [(j[0], j[1]) for j in jobs]:
+                jobs.append((name, T, ids))
+    return jobs
+
+
+def _measure(lm: Any, cal: Calibration, jobs: list[tuple[str, int, np.ndarray]], presets: Mapping[str, Mapping[str, Any]],
+             desc: str, progress: bool) -> list[dict[str, Any]]:
+    """One fit row per (job, preset) at the preset's table step: the real model's KL on the continuation against
+    the exact cache, the raw prediction, the largest rival-logit gain, and ``dnll``: the mean change of the real
+    continuation's NLL (positions 1.., as :func:`kvcodec.models.quality.compare_logits` scores ΔPPL), from which
+    :meth:`RateModel.dppl_ratio` comes at no extra forward pass."""
+    import torch
+    from tqdm import tqdm
+
+    from kvcodec.format.probe import roundtrip
+    from kvcodec.models.quality import continue_logits
+    from kvcodec.plan.check import max_rival_gain
+    from kvcodec.plan.pipelines import transform_plan
+    from kvcodec.plan.rate import raw_predictor
+
+    fit: list[dict[str, Any]] = []
+    with tqdm(total=len(jobs) * (1 + len(presets)), desc=desc, file=sys.stderr, disable=not progress, leave=False,
+              dynamic_ncols=True) as bar, torch.inference_mode():
+        for name, T, ids in jobs:
+            cache, cont, exact, imp = _fit_job(lm, ids, T)
+            lp_e = torch.log_softmax(exact.double(), -1)
+            tgt = torch.as_tensor(cont[1:], dtype=torch.int64)[:, None]
+            nll_e = -lp_e[:-1].gather(1, tgt)[:, 0]
+            bar.update(1)
+            for preset, table in presets.items():
+                settings, step0 = _table(table)
+                pred = raw_predictor(cache, cal, settings, imp)(step0)
+                dec, _ = roundtrip(cache, transform_plan(cache, step0, cal=cal, lm=lm, preset=preset, importance=imp, **settings))
+                got = continue_logits(lm, dec, cont)
+                lp_d = torch.log_softmax(got.double(), -1)
+                kl = float((lp_e.exp() * (lp_e - lp_d)).sum(-1).clamp_min(0).mean())
+                dnll = float((-lp_d[:-1].gather(1, tgt)[:, 0] - nll_e).mean())
+                fit.append({"text": name, "tokens": T, "preset": preset, "step0": step0, "kl": kl, "predicted": pred,
+                            "rival_gain": max_rival_gain(exact, got), "dnll": dnll})
+                bar.update(1)
+    return fit
 
 
 def _fit_job(lm: Any, ids: np.ndarray, T: int) -> tuple[Any, np.ndarray, Any, np.ndarray | None]:
@@ -306,6 +326,28 @@ def find_rate_model(cal: Calibration, presets: Mapping[str, Mapping[str, Any]],
                     answers: Mapping[str, Any] | None = None) -> RateModel | None:
     """``cal``'s rate model (the user's, else the shipped one) covering every preset of ``presets``, or None."""
     return load_rate_model(cal, accept=lambda r: covered(r, presets, answers) == set(presets))
+
+
+def with_dnll(lm: Any, cal: Calibration, rm: RateModel, presets: Mapping[str, Mapping[str, Any]],
+              progress: bool = True) -> RateModel:
+    """For ``kvc calibrate`` of a model whose rate model predates the ΔPPL ratio (an encode never runs it: a model
+    without the ratio is planned on its KL promise, as before): ``rm`` with its rows of the presets whose KL says something of the ΔPPL ratio (mean row KL >=
+    :data:`~kvcodec.calibration.ratemodel.DPPL_KL_FLOOR`) measured again with their NLL change: for a rate model
+    fitted before rows recorded it. The same jobs and steps as the fit (the calibration allocated with ``rm``'s
+    layer factors): the KL column comes out the same up to float sums, and the fitted constants are kept."""
+    from kvcodec.calibration.ratemodel import DPPL_KL_FLOOR
+
+    names = {r.get("preset") for r in rm.fit}
+    redo = {n: t for n, t in presets.items() if n in names and n in rm.alpha
+            and np.mean([r["kl"] for r in rm.fit if r.get("preset") == n]) >= DPPL_KL_FLOOR}
+    if not redo:
+        return rm
+    t0 = time.time()
+    want = {(str(r["text"]), int(r["tokens"])) for r in rm.fit if r.get("preset") in redo}
+    jobs = [j for j in _jobs(lm, FIT_TEXTS, FIT_TOKENS) if (j[0], j[1]) in want]
+    rows = _measure(lm, rm.allocated(cal), jobs, redo, f"kvc: measuring {lm.name}'s KL-to-ΔPPL ratio", progress)
+    return replace(rm, fit=[r for r in rm.fit if r.get("preset") not in redo] + rows,
+                   fit_s=round((rm.fit_s or 0.0) + time.time() - t0, 1))
 
 
 def ensure_rate_model(lm: Any, cal: Calibration, presets: Mapping[str, Mapping[str, Any]], progress: bool = True,

@@ -377,3 +377,84 @@ def test_rate_control_applies_the_answer_probes_factor(lm, real_cache, monkeypat
         logging.getLogger("kvcodec.plan").removeHandler(handler)
     msgs = [r.getMessage() for r in records if "answer probe" in r.getMessage()]
     assert len(msgs) == 1 and "\n" not in msgs[0] and "x0.5" in msgs[0]
+
+
+def _rows(pairs):
+    return [{"preset": "balanced", "text": "t", "tokens": 1024, "kl": kl, "dnll": d} for kl, d in pairs]
+
+
+def test_dppl_ratio_pools_the_rows_that_carry_signal():
+    """The KL-to-ΔPPL ratio is pooled (sum of NLL changes over sum of KLs) over rows whose KL is above the floor:
+    a row below it is the continuation's sampling noise. Too few rows, or rows from before (no ``dnll``): None. A
+    tampered row cannot push the ratio outside its range."""
+    from kvcodec.calibration.ratemodel import DPPL_KL_FLOOR, DPPL_RATIO_RANGE, RateModel
+
+    def rm(fit):
+        return RateModel("f", "s", {"balanced": 1.0}, {}, 1024, fit=fit)
+
+    good = _rows([(0.01, 0.02), (0.02, 0.03), (0.01, 0.01), (0.04, 0.10)])
+    assert rm(good).dppl_ratio() == pytest.approx(0.16 / 0.08)
+    noisy = good + _rows([(DPPL_KL_FLOOR / 10, 5.0)])  # below the floor: ignored, however large its NLL change
+    assert rm(noisy).dppl_ratio() == pytest.approx(2.0)
+    assert rm(good[:3]).dppl_ratio() is None
+    assert rm([{k: v for k, v in r.items() if k != "dnll"} for r in good]).dppl_ratio() is None
+    assert rm(good + _rows([(0.01, 1e6)])).dppl_ratio() == DPPL_RATIO_RANGE[1]
+    assert rm(good + _rows([(0.01, float("nan")), (0.01, "2")])).dppl_ratio() == pytest.approx(2.0)
+
+
+def test_rate_control_aims_at_the_tighter_of_kl_and_dppl(lm, real_cache):
+    """On a model whose ΔPPL runs 3x its KL, balanced's ΔPPL promise (1 % in expectation) binds before its KL
+    promise: the aim is DPPL_AIM x log(1.01) / 3 and the step is smaller; at a ratio of 0.5 the KL promise binds
+    as before, and the record names the bound and the ratio."""
+    from dataclasses import replace
+
+    from kvcodec.calibration.build import ensure_calibration
+    from kvcodec.calibration.ratemodel import load_rate_model
+    from kvcodec.plan.presets import PRESETS
+    from kvcodec.plan.rate import AIM, DPPL_AIM, controlled_plan
+
+    cache = real_cache(192)
+    cal = ensure_calibration(lm)
+    rm = load_rate_model(cal)
+    assert rm is not None
+    info = PRESETS["balanced"]
+    args = {**dict(info.settings), "cal": cal}
+    low = controlled_plan(cache, lm, "balanced", args, info.target, replace(rm, fit=_rows([(0.01, 0.005)] * 4)))
+    high = controlled_plan(cache, lm, "balanced", args, info.target, replace(rm, fit=_rows([(0.01, 0.03)] * 4)))
+    assert low.params["rate"]["bound"] == "kl" and low.params["rate"]["aim_kl"] == pytest.approx(AIM * info.target.kl)
+    assert low.params["rate"]["dppl_ratio"] == pytest.approx(0.5)
+    assert high.params["rate"]["bound"] == "dppl" and high.params["rate"]["dppl_ratio"] == pytest.approx(3.0)
+    assert high.params["rate"]["aim_kl"] == pytest.approx(DPPL_AIM * math.log1p(info.target.dppl_percent / 100) / 3.0)
+    assert high.params["rate"]["step0"] < low.params["rate"]["step0"]
+    assert high.params["rate"]["predicted_kl"] <= high.params["rate"]["aim_kl"] * 1.01
+
+
+def test_a_rate_model_from_before_gains_its_nll_changes(lm, monkeypatch):
+    """with_dnll (kvc calibrate on a rate model from before the ratio) re-measures the rows of the presets whose KL
+    carries signal (not near-lossless's), on the fit's own jobs, and keeps the fitted constants and the other rows."""
+    from dataclasses import replace
+
+    from kvcodec.calibration.build import ensure_calibration
+    from kvcodec.calibration.ratemodel import load_rate_model
+    from kvcodec.plan import ratefit
+    from kvcodec.plan.presets import lossy_settings
+
+    cal = ensure_calibration(lm)
+    shipped = load_rate_model(cal)
+    old = replace(shipped, fit=[{k: v for k, v in r.items() if k != "dnll"} for r in shipped.fit])
+    assert old.dppl_ratio() is None
+    calls: list = []
+
+    def fake_measure(lm_, cal_, jobs, presets, desc, progress):
+        calls.append((sorted(presets), len(jobs)))
+        return [{"text": n, "tokens": T, "preset": p, "step0": 1.0, "kl": 0.01, "predicted": 0.01, "rival_gain": 0.0,
+                 "dnll": 0.015} for n, T, _ in jobs for p in presets]
+
+    monkeypatch.setattr(ratefit, "_measure", fake_measure)
+    monkeypatch.setattr(ratefit, "_jobs", lambda lm_, texts, lengths: [(r["text"], r["tokens"], None) for r in old.fit
+                                                                         if r["preset"] == "near-lossless"])
+    got = ratefit.with_dnll(lm, cal, old, lossy_settings(), progress=False)
+    assert len(calls) == 1 and "near-lossless" not in calls[0][0] and "balanced" in calls[0][0]
+    assert calls[0][1] == len([r for r in old.fit if r["preset"] == "balanced"])
+    assert got.alpha == old.alpha and got.dppl_ratio() == pytest.approx(1.5)
+    assert [r for r in got.fit if r["preset"] == "near-lossless"] == [r for r in old.fit if r["preset"] == "near-lossless"]
