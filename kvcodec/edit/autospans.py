@@ -12,8 +12,8 @@ queries spread thinner). The ratios are averaged over those queries, every head 
 sentence's score is the mean over its tokens. Queries of ``k``'s own sentence are left out in both readings
 (the second reading of a sentence attends to its first by copying, whatever it says), and so is the first
 token: it is the attention sink, which every model attends to whatever it says. Sentences holding the prompt's
-scaffolding (special tokens such as role markers, and the model's chat prefix where the context starts with it:
-:func:`template_tokens`) are never chosen. The ``k`` sentences of highest score are the spans, returned in text order.
+scaffolding (any special token, such as a role marker, and the model's chat template around the user content where
+the context starts or ends with it: :func:`template_tokens`) are never chosen. The ``k`` sentences of highest score are the spans, returned in text order.
 
 **Sentences** are split on the decoded text: after ``.``, ``!``, ``?`` or ``:`` followed by white space, and
 at every line break, mapped to tokens as every other character span is (:mod:`kvcodec.edit.spans`).
@@ -44,7 +44,7 @@ from kvcodec.edit.spans import char_spans_to_tokens, token_offsets
 from kvcodec.errors import KvcInputError
 
 __all__ = ["MAX_AUTO_SPANS", "MAX_AUTO_TOKENS", "auto_spans", "check_count", "sentence_spans", "sentence_scores",
-           "template_tokens"]
+           "special_ids", "template_tokens"]
 
 MAX_AUTO_TOKENS = 2048  # read twice: eager weights of 4096 x 4096 per head and layer
 MAX_AUTO_SPANS = 64
@@ -129,22 +129,47 @@ def sentence_scores(lm: Any, ids: np.ndarray) -> tuple[list[tuple[int, int]], np
     return spans, scores
 
 
+def special_ids(tokenizer: Any) -> np.ndarray:
+    """Every special token id of ``tokenizer``: the named ones (``all_special_ids``: BOS, EOS, PAD, ...) and every
+    added token marked special. Why both: transformers 5 lists only the named ones in ``all_special_ids``, so Gemma 3's
+    ``<start_of_turn>`` / ``<end_of_turn>`` and SmolLM2's ``<file_sep>`` are in the second set only."""
+    ids = {int(i) for i in getattr(tokenizer, "all_special_ids", None) or []}
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    ids |= {int(i) for i, tok in added.items() if getattr(tok, "special", False)}
+    return np.asarray(sorted(ids), dtype=np.int64)
+
+
 def template_tokens(tokenizer: Any, ids: np.ndarray) -> np.ndarray:
-    """Which tokens of ``ids`` are the prompt's scaffolding, not the document: the tokenizer's special tokens (role
-    markers, turn ends, BOS) and, when the context starts with it, the model's own chat prefix (its system prompt,
-    :class:`kvcodec.models.chat.ChatFormat`), as every ``kvc ask`` entry does.
+    """Which tokens of ``ids`` are the prompt's scaffolding, not the document: the tokenizer's special tokens
+    (:func:`special_ids`: role markers, turn ends, BOS, wherever they are), and the model's own chat template around
+    the user content (:class:`kvcodec.models.chat.ChatFormat`, rendered around a sentinel): its head where the context
+    starts with it (the system prompt and user-turn opener every ``kvc ask`` entry starts with), and, where the context
+    ends with the question turn's closer (a whole prompt cached with its question), that closer, the assistant opener
+    and the turn's ``Question:``.
 
     Why: attention returns to role markers and the system prompt in every context, whatever the document says;
     ranked by attention they outrank the document, and emphasising them steers nothing the user stored."""
     from kvcodec.models.chat import ChatFormat
 
-    out = np.isin(ids, np.asarray(sorted(set(getattr(tokenizer, "all_special_ids", None) or [])), dtype=np.int64))
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    out = np.isin(ids, special_ids(tokenizer))
     try:
-        prefix = ChatFormat.for_tokenizer(tokenizer).prefix
+        fmt = ChatFormat.for_tokenizer(tokenizer)
     except KvcInputError:  # no chat format: only the special tokens are scaffolding
         return out
-    if 0 < len(prefix) <= len(ids) and np.array_equal(ids[:len(prefix)], prefix):
-        out[:len(prefix)] = True
+    head = fmt.prefix
+    if 0 < len(head) <= len(ids) and np.array_equal(ids[:len(head)], head):
+        out[:len(head)] = True
+    q_head, tail = fmt.question_scaffold()
+    end = len(ids) - len(tail)
+    if len(tail) and end >= 0 and np.array_equal(ids[end:], tail):
+        out[end:] = True
+        # the question turn's opening words: their last occurrence before the tail
+        at = end - len(q_head)
+        while len(q_head) and at >= 0 and not np.array_equal(ids[at:at + len(q_head)], q_head):
+            at -= 1
+        if len(q_head) and at >= 0:
+            out[at:at + len(q_head)] = True
     return out
 
 

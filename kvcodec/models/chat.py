@@ -93,6 +93,16 @@ class ChatFormat:
             raise KvcInputError("the chat format gives an empty prompt prefix")
         return cls(prefix=prefix, question_head=question_head, question_tail=tail, templated=templated, tokenizer=tokenizer)
 
+    def question_scaffold(self) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids of the question turn's own words around the question: (before it, after it), e.g.
+        ``Question:`` and the turn closer + assistant opener; both empty in the plain format, whose question line is
+        the user's. What ends a whole prompt cached with its question, which span choosers must not take for content."""
+        if not self.templated:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        head = _encode(self.tokenizer, self.question_head.rstrip()) if self.question_head.strip() else np.zeros(0, np.int64)
+        tail = _encode(self.tokenizer, self.question_tail) if self.question_tail else np.zeros(0, np.int64)
+        return head, tail
+
     def question_ids(self, question: str) -> np.ndarray:
         """Token ids of the question turn: the question, then the assistant-turn opener."""
         if not question.strip():

@@ -69,3 +69,36 @@ def test_the_prompt_scaffolding_is_never_chosen(lm, changelog_ids):
         assert not marked[a:b].any()
     with pytest.raises(KvcInputError, match="of document text"):
         auto_spans(lm, ids, eligible)
+
+
+def test_a_kvc_ask_prompt_never_gets_its_scaffolding_chosen(lm, tmp_path):
+    """A whole prompt as `kvc ask` builds it (KnowledgeBase: the model's chat prefix, two documents, then the question
+    turn, as a cache of the full prompt holds it), a document of which holds a special token that transformers 5
+    leaves out of ``all_special_ids`` (SmolLM2's ``<file_sep>``, special among the tokenizer's added tokens): every
+    special token, the chat prefix, the question turn's ``Question:`` and its closer/assistant opener are marked, no
+    document token is, and however many sentences are asked for, no chosen span touches a marked token (issue 57:
+    the system prompt and role markers were emphasised instead of the document)."""
+    from kvcodec.edit.autospans import template_tokens
+    from kvcodec.runtime.knowledge import KnowledgeBase
+
+    tok = lm.tokenizer
+    fsep = tok.convert_tokens_to_ids("<file_sep>")
+    assert fsep not in tok.all_special_ids  # the case the named list misses
+    kb = KnowledgeBase(lm, str(tmp_path / "st"), preset="lossless")
+    docs = ["The service listens on port 8443. Its logs rotate daily.\n<file_sep>\nBackups run at midnight.",
+            "Access needs a badge. Visitors sign in at the desk. The desk closes at six."]
+    ctx, _ = kb.context_ids(docs)
+    ids = np.concatenate([ctx, kb.question_ids("Which port does the service use?")])
+    marked = template_tokens(tok, ids)
+    n_prefix, (q_head, tail) = len(kb.prefix_ids()), kb.chat.question_scaffold()
+    assert marked[:n_prefix].all() and marked[ids == fsep].all() and marked[np.isin(ids, tok.all_special_ids)].all()
+    assert len(tail) > 1 and marked[len(ids) - len(tail):].all()
+    assert marked[len(ctx):len(ctx) + len(q_head)].all() and not marked[len(ctx) + len(q_head):len(ids) - len(tail)].any()
+    assert not marked[n_prefix:len(ctx)][ids[n_prefix:len(ctx)] != fsep].any()  # the documents' own words
+    spans, scores = sentence_scores(lm, ids)
+    eligible = int(np.isfinite(scores).sum())
+    assert 0 < eligible < len(spans)
+    chosen = auto_spans(lm, ids, eligible - 1)
+    assert len(chosen) == eligible - 1 and not any(marked[a:b].any() for a, b in chosen)
+    text = " ".join(tok.decode(ids[a:b].tolist()) for a, b in chosen)
+    assert not any(s in text for s in ("<|im_", "<file_sep>", "Answer the question using", "Question:"))
