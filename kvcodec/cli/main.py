@@ -67,12 +67,14 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _attach() -> None:
-    from kvcodec.cli import (ask_cmd, calibrate_cmd, capture_cmd, codec_cmd, demo_cmd, edit_cmd, eval_cmd, prune_cmd, serve_cmd,
-                             store_cmd)
+    from kvcodec.cli import (ask_cmd, calibrate_cmd, capture_cmd, codec_cmd, demo_cmd, edit_cmd, eval_cmd, profile_cmd, prune_cmd,
+                             serve_cmd, store_cmd)
 
     for mod in (capture_cmd, demo_cmd, codec_cmd, eval_cmd, ask_cmd, store_cmd, serve_cmd, prune_cmd, calibrate_cmd, edit_cmd):
         for cmd in mod.COMMANDS:
             cli.add_command(cmd)
+    for cmd in profile_cmd.EDIT_COMMANDS:  # `kvc edit profile-heads`: beside the edits, in a module of its own
+        edit_cmd.edit_group.add_command(cmd)
 
 
 _attach()

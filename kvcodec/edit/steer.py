@@ -9,8 +9,8 @@ is: prefill the stored token ids once under the bias, store those K/V, and store
 context (the stored cache is only the source of the token ids and the model check).
 
 Which heads: PASTA profiles each head alone on held-out tasks and keeps the best. kvcodec's procedure
-(:func:`kvcodec.edit.steer_profile.profile_heads`, run by benchmarks/bench_edit.py) is documented there;
-the caller names the heads (``heads=[(layer, head), ...]``) or passes the profiled ones.
+(:func:`kvcodec.edit.steer_profile.profile_heads`, run by ``kvc edit profile-heads`` and benchmarks/bench_edit.py)
+is documented there; the caller names the heads (``heads=[(layer, head), ...]``) or passes the profiled ones.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from kvcodec.errors import KvcInputError
 from kvcodec.format.bias import AttentionBias
 from kvcodec.integrations.attn_bias import biased_attention, model_attention_heads
 
-__all__ = ["DEFAULT_ALPHA", "check_heads", "parse_heads", "pasta_bias", "steer", "steer_cache"]
+__all__ = ["DEFAULT_ALPHA", "check_alpha", "check_heads", "parse_heads", "pasta_bias", "steer", "steer_cache"]
 
 DEFAULT_ALPHA = 0.01  # PASTA's default scaling of the non-emphasised keys' attention
 
@@ -73,14 +73,20 @@ def parse_heads(spec: str, attention_heads: int) -> list[tuple[int, int]]:
     return out
 
 
+def check_alpha(alpha: Any) -> float:
+    """``alpha`` (the attention kept on keys outside the spans) as a float in (0, 1] whose log a bias can hold, else
+    one line; apart so that callers doing minutes of work before the bias (head profiling) refuse it first."""
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or not 0 < alpha <= 1:
+        raise KvcInputError(f"alpha must be a finite number in (0, 1] (the attention kept outside the spans), got {alpha!r}")
+    if math.log(alpha) < -1e4:
+        raise KvcInputError(f"alpha {alpha!r} is too small (log below -10000)")
+    return float(alpha)
+
+
 def pasta_bias(lm: Any, heads: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]], context_tokens: int,
                alpha: float = DEFAULT_ALPHA) -> AttentionBias:
     """PASTA's bias: log(``alpha``) on the keys outside ``spans`` for ``heads`` (validated; NaN/inf refused)."""
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or not 0 < alpha <= 1:
-        raise KvcInputError(f"alpha must be a finite number in (0, 1] (the attention kept outside the spans), got {alpha!r}")
-    value = math.log(alpha)
-    if value < -1e4:
-        raise KvcInputError(f"alpha {alpha!r} is too small (log below -10000)")
+    value = math.log(check_alpha(alpha))
     if not spans or spans[0][0] == 0 and spans[-1][1] == context_tokens and len(spans) == 1:
         raise KvcInputError("the emphasised spans cover the whole context: nothing would be steered")
     return AttentionBias.outside(model_attention_heads(lm), check_heads(lm, heads), value, spans, context_tokens)

@@ -14,21 +14,29 @@ alone on 1,000 examples of four tasks and intersects the per-task top-k. Here ea
 other held-out texts, names and values than the evaluation set, and the ``top`` layers with the largest mean
 margin gain are kept (only layers whose gain is positive). Their heads are the steered heads. The profile is
 query-independent (it never sees the evaluation questions), as an offline edit must be.
+:func:`profile_heads` runs the whole procedure for a model (``kvc edit profile-heads``): a new model's heads are
+profiled before it is steered, since steering the wrong layers lowers the margin.
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
 from kvcodec.edit.spans import char_spans_to_tokens, token_offsets
+from kvcodec.errors import KvcInputError
 from kvcodec.integrations.attn_bias import biased_attention, model_attention_heads
 
-__all__ = ["FactExample", "answer_margin", "fact_examples", "profile_layers"]
+__all__ = ["FactExample", "PROFILE_EXAMPLES", "PROFILE_TEXTS", "answer_margin", "fact_examples", "heads_spec",
+           "profile_heads", "profile_layers"]
+
+PROFILE_TEXTS = ("apache2", "changelog-apt")  # held-out texts, none of them the evaluation's (bench_edit.py)
+PROFILE_EXAMPLES = 6  # what a 2-core CPU affords per layer (docs/guide/edit.md)
+MAX_PROFILE_EXAMPLES = 1000  # PASTA's own count: more is a mistake, not a profile
 
 _SERVERS = ("staging", "backup", "billing", "archive", "mail", "build", "print", "search")
 _VALUES = ("walrus", "tulip", "comet", "granite", "saffron", "harbor", "violet", "cobalt", "meadow", "falcon",
@@ -63,6 +71,9 @@ def fact_examples(tokenizer: Any, texts: Sequence[str], n: int, seed: int, facts
 
     rng = random.Random(seed)
     paras = [p for t in texts for p in _paragraphs(load_text(t))]
+    if len(paras) < passages:
+        raise KvcInputError(f"the texts {', '.join(texts)} hold {len(paras)} paragraph(s) of 150+ characters; "
+                            f"each example needs {passages} distractors")
     out = []
     for _ in range(n):
         servers = rng.sample(_SERVERS, facts)
@@ -112,23 +123,76 @@ def answer_margin(lm: Any, cache: Any, ex: FactExample, bias: Any = None) -> flo
     return scores[0] - max(scores[1:])
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _check_profile(lm: Any, top: Any, layers: Sequence[int] | None) -> list[int]:
+    """The layers to profile (all by default) as distinct ints in range, and ``top`` checked; else one line."""
+    L = lm.fingerprint.num_layers
+    if not _is_int(top) or not 1 <= top <= L:
+        raise KvcInputError(f"top must be an integer in [1, {L}] (the model's layers), got {top!r:.40}")
+    chosen = list(range(L)) if layers is None else list(layers)
+    if not chosen or not all(_is_int(x) and 0 <= x < L for x in chosen) or len(set(chosen)) != len(chosen):
+        raise KvcInputError(f"layers to profile must be distinct integers in [0, {L - 1}], at least one")
+    return [int(x) for x in chosen]
+
+
 def profile_layers(lm: Any, examples: Sequence[FactExample], alpha: float = 0.01, top: int = 3,
-                   layers: Sequence[int] | None = None) -> dict[str, Any]:
+                   layers: Sequence[int] | None = None, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Steer each layer alone (all its heads) on ``examples``; keep the ``top`` layers of largest positive mean
-    margin gain. Returns ``{"heads": [[layer, head], ...], "gain_by_layer": {...}, "baseline_margin": ...}``."""
-    from kvcodec.edit.steer import pasta_bias, steer_cache
+    margin gain. Returns ``{"heads": [[layer, head], ...], "layers": [...], "heads_spec": "L:*,..." (None when no
+    layer gains), "gain_by_layer": {...}, "baseline_margin": ...}``. ``progress`` gets a line per profiled layer
+    (minutes in all: each layer costs a steered prefill and four scored answers per example)."""
+    from kvcodec.edit.steer import check_alpha, pasta_bias, steer_cache
     from kvcodec.models.capture import capture
 
+    todo = _check_profile(lm, top, layers)
+    check_alpha(alpha)
+    if not examples:
+        raise KvcInputError("profiling needs at least one example")
     H = model_attention_heads(lm)
     plain = [capture(lm, token_ids=ex.context) for ex in examples]
     base = [answer_margin(lm, c, ex) for c, ex in zip(plain, examples)]
     gains: dict[int, float] = {}
-    for layer in (layers if layers is not None else range(lm.fingerprint.num_layers)):
+    for i, layer in enumerate(todo):
         g = []
         for ex, b0 in zip(examples, base):
             bias = pasta_bias(lm, [(layer, h) for h in range(H)], [ex.span], len(ex.context), alpha)
             g.append(answer_margin(lm, steer_cache(lm, ex.context, bias), ex, bias) - b0)
-        gains[int(layer)] = float(np.mean(g))
-    best = [layer for layer, g in sorted(gains.items(), key=lambda kv: -kv[1]) if g > 0][:top]
-    return {"heads": [[layer, h] for layer in sorted(best) for h in range(H)], "layers": sorted(best),
+        gains[layer] = float(np.mean(g))
+        if progress is not None:
+            progress(f"layer {layer} ({i + 1}/{len(todo)}): mean margin gain {gains[layer]:+.3f} nats")
+    best = sorted([layer for layer, g in sorted(gains.items(), key=lambda kv: -kv[1]) if g > 0][:top])
+    return {"heads": [[layer, h] for layer in best for h in range(H)], "layers": best, "heads_spec": heads_spec(best),
             "gain_by_layer": gains, "baseline_margin": float(np.mean(base)), "alpha": alpha, "examples": len(examples)}
+
+
+def heads_spec(layers: Sequence[int]) -> str | None:
+    """Every head of ``layers`` as ``kvc edit steer --heads`` takes them (``"20:*,23:*"``); None for no layer."""
+    return ",".join(f"{layer}:*" for layer in layers) or None
+
+
+def profile_heads(lm: Any, texts: Sequence[str] = PROFILE_TEXTS, examples: int = PROFILE_EXAMPLES, top: int = 3,
+                  alpha: float = 0.01, layers: Sequence[int] | None = None, seed: int = 1,
+                  progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """The heads to steer on ``lm``: :func:`profile_layers` on ``examples`` key-fact examples drawn from ``texts``
+    (names of :mod:`kvcodec.texts` or text files). Everything is checked before the first forward pass; the result
+    adds the texts and the seconds it took."""
+    import time
+
+    from kvcodec.edit.steer import check_alpha
+
+    if not _is_int(examples) or not 1 <= examples <= MAX_PROFILE_EXAMPLES:
+        raise KvcInputError(f"examples must be an integer in [1, {MAX_PROFILE_EXAMPLES}], got {examples!r:.40}")
+    _check_profile(lm, top, layers)
+    check_alpha(alpha)
+    if not texts:
+        raise KvcInputError("give at least one text to draw the profiling examples from")
+    t0 = time.perf_counter()
+    exs = fact_examples(lm.tokenizer, list(texts), int(examples), seed=seed)
+    if progress is not None:
+        n = lm.fingerprint.num_layers if layers is None else len(layers)
+        progress(f"profiling {n} layer(s) on {len(exs)} key-fact example(s) from {', '.join(texts)}")
+    out = profile_layers(lm, exs, alpha=alpha, top=top, layers=layers, progress=progress)
+    return dict(out, texts=list(texts), seconds=round(time.perf_counter() - t0, 1))
