@@ -24,6 +24,21 @@ with those after the reference cache (KL(reference || edit) mean over the positi
   the same heads also steer the K sentences :mod:`kvcodec.edit.autospans` chooses without the question;
   reported: their accuracy and margin, how often the asked fact was among them, the scorer's time.
 
+* **promise** (``--parts promise``, issue 57): does an edited entry keep its preset's promise? The parent is a
+  ``--preset`` (balanced) entry of the first ``--tokens`` tokens, encoded with the model (rate control), and its
+  own KL / top-1 against the exact prefill are reported beside its children. Append: the next
+  ``--append-tokens`` tokens, by the default repair (``auto``: a lossy parent's child is prefilled afresh) and by
+  the old path (``incremental``: the new tokens over the decoded parent). Redact: the span
+  ``[tokens/3, tokens/3 + span_tokens)``, by the default (``prefill``) and by ``blend``. Each child (encoded at the
+  parent's preset, as ``kvc edit`` does) is decoded and scored against an **exact prefill of its own ids**: KL and
+  top-1 over the ``--continuation-tokens`` after its context (the append child: the tokens after the appended
+  ones; the redact child: those after the parent's context), with its bits/element, the promise its log
+  records, and the edit's time (one run). A model with no rate model on this machine is refused (the benchmark
+  never starts a calibration)::
+
+      python benchmarks/bench_edit.py --parts promise --models smollm2 --tokens 1024 --append-tokens 128 \
+          --span-tokens 48 --continuation-tokens 256 --texts apache2,c-stdio,py-argparse,changelog-apt
+
 Timings: each method ``--repeats`` times, interleaved, the minimum reported (the box is shared; the
 minimum is the least disturbed run). CPU, ``--threads`` torch threads.
 
@@ -111,6 +126,93 @@ def run_text(lm: Any, text: str, n: int, n_app: int, span: int, n_cont: int, rat
                                    "recomputed_tokens": info["recomputed_tokens"]}
     del wdec
     return {"text": text, "tokens": n, "append": app, "redact": red}
+
+
+def _scored(lm: Any, data: bytes, ref: torch.Tensor, cont: np.ndarray) -> dict[str, Any]:
+    """KL / top-1 of the entry ``data`` against the exact logits ``ref`` over ``cont``, its bits/element and the
+    promise its edit log records (None: never edited)."""
+    from kvcodec.edit.log import entry_promise
+    from kvcodec.rate import bits_per_element
+
+    with KvcReader(data) as r:
+        cache = r.read_cache()
+        bits = bits_per_element(len(data), r.header.num_elements)
+        edited, promise = entry_promise(r.header.meta)
+    q = compare_logits(ref, continue_logits(lm, cache, cont), cont)
+    return {"kl": float(q["kl_mean"]), "top1": float(q["top1_agreement"]), "bits_per_element": bits, "edited": edited,
+            "promise": promise}
+
+
+def check_rate_model(lm: Any, preset: str) -> None:
+    """Refuse (one line) a lossy preset on a model with no rate model on this machine: encoding would start its
+    calibration and rate fit (tens of minutes), which this benchmark must not do behind the caller's back."""
+    from kvcodec.calibration.store import calibration_dir
+
+    if PRESETS[preset].lossy and not list(calibration_dir(lm.fingerprint.id).glob("ratemodel-*.json")):
+        raise SystemExit(f"{lm.name}: no rate model on this machine yet (kvc calibrate builds it); not starting one")
+
+
+def run_promise(lm: Any, text: str, n: int, n_app: int, span: int, n_cont: int, preset: str,
+                log: Callable[[str], None]) -> dict[str, Any]:
+    from kvcodec.edit.append import append
+    from kvcodec.edit.redact import redact
+    from kvcodec.errors import KvcError
+
+    ids = tokenize(lm.tokenizer, load_text(text))
+    if len(ids) < n + n_app + n_cont:
+        raise SystemExit(f"{text}: only {len(ids)} tokens, {n + n_app + n_cont} needed")
+    lm.warm_up()
+    log(f"{text}: {preset} parent of {n} tokens")
+    exact = capture(lm, token_ids=ids[:n])
+    t = time.perf_counter()
+    pdata = encode(exact, None, preset=preset, model=lm).data
+    out: dict[str, Any] = {"text": text, "preset": preset, "tokens": n, "encode_s": time.perf_counter() - t}
+    out["parent"] = _scored(lm, pdata, continue_logits(lm, exact, ids[n:n + n_cont]), ids[n:n + n_cont])
+
+    def edit(fn: Callable[[], Any], ref: torch.Tensor, cont: np.ndarray) -> dict[str, Any]:
+        t = time.perf_counter()
+        try:
+            res = fn()
+        except KvcError as exc:  # a refusal is a result (Gemma's sliding window refuses blend past 512 tokens)
+            return {"refused": str(exc)}
+        row = _scored(lm, res.data, ref, cont)
+        row.update(edit_s=time.perf_counter() - t, repair=res.info.get("repair"), timings=res.timings)
+        return row
+
+    new, cont = ids[n:n + n_app], ids[n + n_app:n + n_app + n_cont]
+    ref = continue_logits(lm, capture(lm, token_ids=ids[:n + n_app]), cont)
+    out["append"] = {"tokens": n_app}
+    for repair in ("auto", "incremental"):
+        log(f"{text}: append {n_app} tokens, repair={repair}")
+        out["append"][repair] = edit(lambda: append(lm, pdata, token_ids=new, repair=repair), ref, cont)
+    a = n // 3
+    kept, cont = np.concatenate([ids[:a], ids[a + span:n]]), ids[n:n + n_cont]
+    ref = continue_logits(lm, capture(lm, token_ids=kept), cont)
+    out["redact"] = {"span": [a, a + span]}
+    for repair in ("prefill", "blend"):
+        log(f"{text}: redact [{a}, {a + span}), repair={repair}")
+        out["redact"][repair] = edit(lambda: redact(lm, pdata, token_spans=[(a, a + span)], repair=repair), ref, cont)
+    return out
+
+
+def markdown_promise(model: str, results: list[dict]) -> str:
+    def cell(r: dict[str, Any]) -> str:
+        if "refused" in r:
+            return f"refused: {r['refused']}"
+        ok = r["kl"] <= target.kl and r["top1"] >= target.top1
+        said = ("not edited" if not r["edited"] else "promise: none" if r["promise"] is None or "none" in r["promise"]
+                else f"promise: {r['promise']['preset']}")
+        return f"{r['kl']:.4f} / {r['top1']:.3f}{'' if ok else ' ✗'} ({r['bits_per_element']:.2f} b; {said})"
+
+    target = PRESETS[results[0]["preset"]].target
+    assert target is not None
+    out = [f"**{model}** ({results[0]['preset']}; KL / top-1 against an exact prefill of each entry's own ids)\n",
+           "| text | parent | append: auto (default) | append: incremental | redact: prefill (default) | redact: blend |",
+           "|---|---|---|---|---|---|"]
+    for r in results:
+        out.append(f"| {r['text']} | {cell(r['parent'])} | {cell(r['append']['auto'])} | {cell(r['append']['incremental'])} "
+                   f"| {cell(r['redact']['prefill'])} | {cell(r['redact']['blend'])} |")
+    return "\n".join(out)
 
 
 def run_steer(lm: Any, a: Any, log: Callable[[str], None]) -> dict[str, Any]:
@@ -207,7 +309,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ratios", default="0,0.05,0.1,0.2")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
-    ap.add_argument("--parts", default="append,redact,steer", help="which edits to measure")
+    ap.add_argument("--parts", default="append,redact,steer", help="which edits to measure (also: promise)")
+    ap.add_argument("--preset", default="balanced", help="the promise part's parent preset")
     ap.add_argument("--profile-texts", dest="profile_texts", default="apache2,changelog-apt")
     ap.add_argument("--profile-examples", dest="profile_examples", type=int, default=6)
     ap.add_argument("--eval-texts", dest="eval_texts", default="py-argparse,c-stdio,pydoc-exec")
@@ -227,8 +330,13 @@ def main(argv: list[str] | None = None) -> None:
     parts = {p.strip() for p in a.parts.split(",") if p.strip()}
     by_model: dict[str, list[dict]] = {}
     steered: dict[str, dict] = {}
+    promised: dict[str, list[dict]] = {}
     for name in [m.strip() for m in a.models.split(",") if m.strip()]:
         lm = load_model(name)
+        if "promise" in parts:
+            check_rate_model(lm, a.preset)
+            promised[name] = [run_promise(lm, t.strip(), a.tokens, a.append_tokens, a.span_tokens, a.continuation_tokens,
+                                          a.preset, log) for t in a.texts.split(",") if t.strip()]
         if parts & {"append", "redact"}:
             by_model[name] = [run_text(lm, t.strip(), a.tokens, a.append_tokens, a.span_tokens, a.continuation_tokens,
                                        ratios, a.repeats, log) for t in a.texts.split(",") if t.strip()]
@@ -237,15 +345,17 @@ def main(argv: list[str] | None = None) -> None:
     env = {"torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "load_avg": os.getloadavg(),
            "platform": platform.platform(), "torch": torch.__version__, "kl_target": target}
     if a.as_json:
-        print(json.dumps({"env": env, "models": by_model, "steer": steered}, indent=2))
+        print(json.dumps({"env": env, "models": by_model, "steer": steered, "promise": promised}, indent=2))
     else:
+        for name, res in promised.items():
+            print(markdown_promise(name, res) + "\n")
         for name, res in by_model.items():
             print(markdown(name, res, target) + "\n")
         for name, st in steered.items():
             print(markdown_steer(name, st) + "\n")
         print(f"CPU, {env['torch_threads']} torch thread(s), load average at end {env['load_avg'][0]:.2f} (shared machine); "
-              f"minimum of {a.repeats} interleaved runs; ✗: above the balanced preset's KL target {target}.")
-    run.emit({"env": env, "models": by_model, "steer": steered})
+              f"minimum of {a.repeats} interleaved runs (the promise part: one run); ✗: outside the preset's promise.")
+    run.emit({"env": env, "models": by_model, "steer": steered, "promise": promised})
 
 
 if __name__ == "__main__":

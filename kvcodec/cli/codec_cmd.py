@@ -37,6 +37,9 @@ def render_info(d: dict[str, Any]) -> str:
         lines.append(f"  pipeline {p['id']}: {p['pipeline']}  [K layers {p['k_layers'] or '-'}; V layers {p['v_layers'] or '-'}]")
     for n, a in d["attachments"].items():
         lines.append(f"  attachment {n}: {a['dtype']}{tuple(a['shape'])}{' (external)' if a['external'] else ''}")
+    from kvcodec.cli.edit_cmd import render_edit
+
+    lines += render_edit(d.get("edit"))  # an edited entry's edits and promise (spec/kvc-v1.md 4.5)
     lines.append(
         f"size:        {d['bytes']:,} bytes = {d['bits_per_element']:.3f} bits per KV element "
         f"({d['kv_elements']:,} elements); ratio vs fp16 {d['ratio_vs_fp16']:.2f}x"
@@ -270,10 +273,12 @@ def decode_command(input_path: str, output: str, backend: str | None, as_json: b
 def info_command(path: str, as_json: bool) -> None:
     """Describe a .kvc file: model, tokens, codec, sizes and overheads (no decoding)."""
     from kvcodec.atomic import check_input
+    from kvcodec.cli.edit_cmd import edit_summary
     from kvcodec.format import KvcReader
 
     with KvcReader(check_input(path)) as r:
         d = r.describe(path)
+    d["edit"] = edit_summary(d["meta"])
     if as_json:
         emit_json(d)
     else:

@@ -23,6 +23,8 @@ def _load(model: str) -> Any:
 
 
 def _render(res: Any, as_json: bool) -> None:
+    from kvcodec.edit.log import promise_text
+
     info = res.to_json()
     if as_json:
         emit_json(info)
@@ -30,10 +32,40 @@ def _render(res: Any, as_json: bool) -> None:
     t = ", ".join(f"{k.removesuffix('_s')} {v:.2f} s" for k, v in info["timings"].items())
     extra = ""
     if res.op == "redact":
-        extra = f", removed {info['removed_tokens']} tokens, recomputed {info['recomputed_tokens']}"
+        extra = f", removed {info['removed_tokens']} tokens, recomputed {info['recomputed_tokens']} ({info['repair']})"
+    elif res.op == "append":
+        extra = f", {info['repair']}: prefilled {info['prefilled_tokens']}"
     elif res.op == "steer":
         extra = f", {info['steered_heads']} heads steered towards {len(info['spans'])} span(s)"
     click.echo(f"{info['output']}: {res.op} -> {info['tokens']} tokens{extra}, {info['size']:,} bytes ({info['preset']}); {t}")
+    click.echo(f"  promise: {promise_text(res.promise)}")
+
+
+def edit_summary(meta: Any) -> dict[str, Any] | None:
+    """What ``kvc info --json`` reports of an entry's edit log (None: never edited, so its preset's promise is
+    that of any encode): the edits' ops and the entry's promise (:func:`kvcodec.edit.log.entry_promise`). A
+    malformed log is reported, not trusted: ``{"error": ...}`` and no promise."""
+    from kvcodec.edit.log import entry_promise, parse_log
+    from kvcodec.errors import KvcFormatError
+
+    try:
+        edited, promise = entry_promise(meta if isinstance(meta, dict) else {})
+    except KvcFormatError as exc:
+        return {"error": str(exc), "promise": None}
+    if not edited:
+        return None
+    return {"ops": [r.op for r in parse_log(meta)], "promise": promise}
+
+
+def render_edit(summary: dict[str, Any] | None) -> list[str]:
+    """``kvc info``'s lines for an edited entry (none for an entry never edited)."""
+    from kvcodec.edit.log import promise_text
+
+    if summary is None:
+        return []
+    if "error" in summary:
+        return [f"edits:       the edit log is invalid ({summary['error']}); no promise is claimed"]
+    return [f"edits:       {' -> '.join(summary['ops'])}", f"promise:     {promise_text(summary['promise'])}"]
 
 
 _preset = click.option("--preset", default=None, help="Preset of the edited entry (default: the parent's).")
@@ -50,13 +82,17 @@ def edit_group() -> None:
 @_entry
 @click.option("--text", "text", default=None, help="The text to append.")
 @click.option("--text-file", "text_file", default=None, type=click.Path(dir_okay=False), help="A UTF-8 file holding it.")
+@click.option("--repair", type=click.Choice(["auto", "prefill", "incremental"]), default="auto", show_default=True,
+              help="auto: keep the preset's promise (a lossy ENTRY's child is prefilled afresh, an exact one's only "
+                   "over its new text); prefill: always prefill the whole child; incremental: always only the new "
+                   "text (on a lossy ENTRY the child carries its error and promises nothing).")
 @_output
 @_preset
 @model_option
 @json_option
-def append_command(entry: str, text: str | None, text_file: str | None, output: str, preset: str | None, model: str,
-                   as_json: bool) -> None:
-    """Extend ENTRY's context with more text, prefilling only the new text over the stored cache."""
+def append_command(entry: str, text: str | None, text_file: str | None, repair: str, output: str, preset: str | None,
+                   model: str, as_json: bool) -> None:
+    """Extend ENTRY's context with more text (docs/guide/edit.md says what the child promises)."""
     from kvcodec.atomic import check_output
     from kvcodec.edit.append import append
     from kvcodec.errors import KvcInputError
@@ -68,7 +104,7 @@ def append_command(entry: str, text: str | None, text_file: str | None, output: 
 
         text = load_text(text_file)
     check_output(output, inputs=[entry])
-    res = append(_load(model), entry, text=text, dest=output, preset=preset, progress=_say(as_json))
+    res = append(_load(model), entry, text=text, dest=output, preset=preset, progress=_say(as_json), repair=repair)
     _render(res, as_json)
 
 

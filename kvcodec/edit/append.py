@@ -1,6 +1,19 @@
-"""``append``: extend a stored context with more text, prefilling only the new text.
+"""``append``: extend a stored context with more text.
 
-The parent's cache is decoded and handed to the model as its past; the new tokens are prefilled over it at
+Two repairs (``repair=``), chosen by what the parent is (issue 57):
+
+* **``"incremental"``** (what ``"auto"``, the default, runs on an *exact* parent: a lossless codec and no carried
+  error, :attr:`kvcodec.edit.entry.Parent.carried`): prefill only the new text over the decoded parent, below.
+  On an exact parent the child's K/V are a prefill of its ids to float rounding, so the child keeps its preset's
+  promise. On a lossy parent the decoded K/V carry the parent's decode error into every new token and the
+  child's encode adds its own (SmolLM2, balanced: 0.049 nats against 0.01 promised), so the child's log records
+  that it promises nothing; it is there for whoever wants the cheap path and knows it.
+* **``"prefill"``** (what ``"auto"`` runs on a lossy parent): prefill all the child's ids (the parent's stored ids
+  and the new ones) afresh and encode that: the preset's promise holds as for any encode. It costs a prefill of
+  the whole context, which is the price of the promise: a lossy parent already spends its preset's whole error
+  budget, so no tighter encode of the child can make room for the error it would carry.
+
+The incremental path: the parent's cache is decoded and handed to the model as its past; the new tokens are prefilled over it at
 positions ``n .. n+m-1`` (one forward of ``m`` tokens), and the child stores the parent's K/V followed by the
 new tokens' (a sliding-window layer keeps its last ``window - 1``, as after any prefill). Cost: the parent's
 decode plus the new text's own prefill over the stored context, never a prefill of the old text.
@@ -26,12 +39,16 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from kvcodec.edit.entry import EditResult, check_dest, check_token_ids, open_parent, write_child
+from kvcodec.edit.entry import EditResult, breaks, check_dest, check_token_ids, keeps, open_parent, write_child
 from kvcodec.errors import KvcInputError
 from kvcodec.models.cachelayout import cache_for
-from kvcodec.models.capture import cache_from_hf, check_fits, context_ids
+from kvcodec.models.capture import cache_from_hf, capture, check_fits, context_ids
 
-__all__ = ["append", "append_cache"]
+__all__ = ["REPAIRS", "append", "append_cache"]
+
+#: how an append computes the child's K/V: ``"auto"`` (``"prefill"`` on a lossy parent, else ``"incremental"``),
+#: ``"prefill"`` (all the child's ids afresh), ``"incremental"`` (the new tokens over the decoded parent)
+REPAIRS = ("auto", "prefill", "incremental")
 
 
 @torch.inference_mode()
@@ -61,10 +78,16 @@ def append_cache(lm: Any, cache: Any, new_ids: np.ndarray) -> tuple[Any, torch.T
 
 
 def append(lm: Any, source: Any, text: str | None = None, token_ids: Any = None, dest: Any = None,
-           preset: str | None = None, progress: Callable[[str], None] | None = None) -> EditResult:
+           preset: str | None = None, progress: Callable[[str], None] | None = None, repair: str = "auto") -> EditResult:
     """Extend the stored entry ``source`` (a `.kvc` path or bytes) by ``text`` (or ``token_ids``) into a new
     entry at ``dest`` (None: bytes in the result), encoded with the parent's preset unless ``preset`` is given.
+
+    ``repair`` (:data:`REPAIRS`, module doc): ``"auto"`` keeps the preset's promise (re-prefilling the child when
+    the parent is lossy); ``"incremental"`` is always the cheap path, and on a lossy parent its child's log says
+    it promises nothing. The parent must store its token ids (the child stores them, and a prefill needs them).
     """
+    if repair not in REPAIRS:
+        raise KvcInputError(f"repair must be one of {', '.join(REPAIRS)}, got {repair!r:.40}")
     check_dest(source, dest)
     if text is not None and not isinstance(text, str):
         raise KvcInputError(f"text must be a string, got {type(text).__name__}")
@@ -73,17 +96,45 @@ def append(lm: Any, source: Any, text: str | None = None, token_ids: Any = None,
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
     parent = open_parent(source)
+    hd = parent.reader.header
+    parent.reader.check_model(lm)
+    if hd.pruned:
+        raise KvcInputError("the entry is a pruned cache (its tokens are not all stored); edits need a full cache")
+    if hd.attention_bias is not None:  # neither path may drop the steering, nor prefill new text without it
+        raise KvcInputError("the entry is steered (it carries an attention bias); append to its unsteered parent, "
+                            "then steer the result")
+    if parent.reader.token_ids is None:
+        raise KvcInputError("the entry stores only the hash of its token ids; append needs the ids")
     new = context_ids(lm, text, token_ids)
-    say(f"decoding the stored entry ({parent.reader.header.num_context_tokens} tokens)")
+    old = np.asarray(parent.reader.token_ids, np.int64)
+    carried = parent.carried
+    path = repair if repair != "auto" else ("prefill" if carried else "incremental")
+    params = {"tokens": int(len(new)), "appended_token_ids_sha256": _ids_sha(new), "repair": path}
+    info: dict[str, Any] = {"parent_tokens": int(len(old)), "appended_tokens": int(len(new)), "repair": path}
+    if path == "prefill":
+        ids = np.concatenate([old, new])
+        check_fits(lm, len(ids), "the extended context")
+        why = f" ({carried}, so the child is prefilled afresh)" if carried else ""
+        say(f"prefilling all {len(ids)} tokens of the child{why}")
+        t1 = time.perf_counter()
+        child = capture(lm, token_ids=ids)
+        t2 = time.perf_counter()
+        info["prefilled_tokens"] = int(len(ids))
+        return write_child(lm, parent, child, "append", params, dest=dest, preset=preset, progress=progress,
+                           timings={"prepare_s": t1 - t0, "prefill_s": t2 - t1}, info=info,
+                           promise=keeps("fresh prefill of the child's ids"))
+    say(f"decoding the stored entry ({hd.num_context_tokens} tokens)")
     cache = parent.decode(lm)
     t1 = time.perf_counter()
-    say(f"prefilling {len(new)} new tokens over it")
+    say(f"prefilling {len(new)} new tokens over it (incremental: the stored K/V are reused"
+        + (f"; {carried}" if carried else "") + ")")
     child, _ = append_cache(lm, cache, new)
     t2 = time.perf_counter()
-    params = {"tokens": int(len(new)), "appended_token_ids_sha256": _ids_sha(new)}
+    info["prefilled_tokens"] = int(len(new))
+    promise = (breaks(f"{carried} (repair=incremental)") if carried else
+               keeps("the exact parent's K/V and a prefill of the new tokens over them (a fresh prefill's to float rounding)"))
     return write_child(lm, parent, child, "append", params, dest=dest, preset=preset, progress=progress,
-                       timings={"decode_s": t1 - t0, "prefill_s": t2 - t1},
-                       info={"parent_tokens": int(cache.num_context_tokens), "appended_tokens": int(len(new))})
+                       timings={"decode_s": t1 - t0, "prefill_s": t2 - t1}, info=info, promise=promise)
 
 
 def _ids_sha(ids: np.ndarray) -> str:

@@ -5,6 +5,17 @@ model at hand (a cache never loads into a different model), decodes it, and writ
 token ids are the edited context's and whose header carries the edit log (:mod:`kvcodec.edit.log`). The
 child is encoded with the parent's preset unless the caller names another, through the one encode path
 (:func:`kvcodec.api.encode`: plan, quality check, atomic write with read-back).
+
+What the child promises (issue 57). A preset's promise (balanced: mean KL <= 0.01, top-1 >= 0.93) is measured
+against an exact prefill of the file's token ids. The encode keeps it for the K/V it is handed, so it holds for
+the child only when those K/V are a prefill of the child's ids (to float rounding): a fresh prefill, or an
+exact (lossless) parent extended by a prefill of the new tokens. A lossy parent's decode error cannot be
+budgeted away inside the child's encode: a parent written at its promise already spends the whole budget (the
+child measured 5-7x balanced's KL). So each edit says which case it is, and the log records it
+(``promise``, :func:`kvcodec.edit.log.check_promise`): :func:`keeps` with the basis, or :func:`breaks` with
+the reason. A child that keeps its preset's promise is encoded with the quality check
+(:mod:`kvcodec.plan.check`), which confirms the step on the child's own tail: the promise is then written
+into its log on a measurement, not on rate control's prediction alone.
 """
 
 from __future__ import annotations
@@ -18,11 +29,12 @@ import numpy as np
 
 from kvcodec.core.kvcache import KVCache
 from kvcodec.digest import token_ids_sha256
-from kvcodec.edit.log import EDITS_META_KEY, extend_log, file_sha256, parse_log, redaction_log
+from kvcodec.edit.log import EDITS_META_KEY, entry_promise, extend_log, file_sha256, parse_log, redaction_log
 from kvcodec.errors import KvcInputError
 from kvcodec.format import KvcReader
 
-__all__ = ["EditResult", "Parent", "check_dest", "check_token_ids", "child_meta", "open_parent", "write_child"]
+__all__ = ["EXACT_CODECS", "EditResult", "Parent", "breaks", "check_dest", "check_token_ids", "child_meta", "keeps",
+           "open_parent", "write_child"]
 
 # meta keys that describe how the parent's K/V were made (or its tokens, one score each) and stop being true
 # of the child
@@ -32,6 +44,19 @@ _STALE_META = ("blend", "target", "config", "h2o_scores")
 _STALE_WITH_NEW_IDS = ("prefill_ttft_s",)
 # the only parent meta a redacted child keeps (spec/kvc-v1.md §4.5): the model's name says nothing of the text
 _REDACT_KEEPS_META = ("model",)
+#: codecs whose decode is the encoded cache bit for bit (kvcodec.plan.presets): every other codec (the lossy
+#: presets, ``fp16``'s cast, a baseline) is lossy for what an edit carries over
+EXACT_CODECS = ("lossless", "zstd", "raw")
+
+
+def keeps(basis: str) -> dict[str, str]:
+    """An edit whose child's K/V are a prefill of its ids (``basis`` says how): the child's preset promise holds."""
+    return {"basis": basis}
+
+
+def breaks(reason: str) -> dict[str, str]:
+    """An edit whose child's K/V are not a prefill of its ids (``reason`` says why): the child promises nothing."""
+    return {"none": reason}
 
 
 @dataclass
@@ -49,6 +74,19 @@ class Parent:
     @property
     def preset(self) -> str | None:
         return self.reader.header.codec
+
+    @property
+    def carried(self) -> str | None:
+        """Why the parent's decoded K/V are *not* an exact prefill of its ids (None: they are). An edit that reuses
+        them (an incremental append, a blend repair) carries that error into the child."""
+        if self.reader.header.codec not in EXACT_CODECS:
+            return f"the parent is lossy ({self.reader.header.codec}): its decode error is carried"
+        edited, promise = entry_promise(self.reader.header.meta)
+        if edited and (promise is None or "none" in promise):
+            return "the parent has no promise (an edit left its K/V off a prefill of its ids): that error is carried"
+        if self.reader.header.attention_bias is not None:
+            return "the parent is steered"
+        return None
 
     def decode(self, lm: Any) -> KVCache:
         """The parent's cache, checked against ``lm`` before anything is decoded (the model's device and dtype
@@ -106,19 +144,22 @@ def check_dest(source: Any, dest: Any) -> None:
         check_output(dest, inputs=[source] if isinstance(source, (str, os.PathLike)) else [])
 
 
-def child_meta(parent: Parent, op: str, params: Mapping[str, Any], lineage_key: bytes | None = None) -> dict[str, Any]:
-    """The child's header meta: the parent's (minus what no longer holds) with the edit log extended.
+def child_meta(parent: Parent, op: str, params: Mapping[str, Any], lineage_key: bytes | None = None,
+               promise: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The child's header meta: the parent's (minus what no longer holds) with the edit log extended by a record
+    carrying the child's ``promise``.
 
     A redaction keeps only the model's name of the parent's meta, and its log is :func:`redaction_log`'s (no
     plain digest of the parent, earlier records sealed): whatever else the parent's meta held was written
     about content that included what is being removed."""
     if op == "redact":
         meta: dict[str, Any] = {k: v for k, v in parent.meta.items() if k in _REDACT_KEEPS_META and isinstance(v, str)}
-        meta[EDITS_META_KEY] = redaction_log(parent.meta, parent.sha256, params, lineage_key)
+        meta[EDITS_META_KEY] = redaction_log(parent.meta, parent.sha256, params, lineage_key, promise)
         return meta
     stale = _STALE_META + (_STALE_WITH_NEW_IDS if op == "append" else ())
     meta = {k: v for k, v in parent.meta.items() if k not in stale}
-    meta[EDITS_META_KEY] = extend_log(parent.meta, parent.sha256, parent.reader.header.token_ids_sha256, op, params)
+    meta[EDITS_META_KEY] = extend_log(parent.meta, parent.sha256, parent.reader.header.token_ids_sha256, op, params,
+                                      promise)
     return meta
 
 
@@ -137,6 +178,7 @@ class EditResult:
     preset: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
+    promise: dict[str, Any] | None = None  # the log record's (kvcodec.edit.log.check_promise)
 
     @property
     def sha256(self) -> str | None:
@@ -149,7 +191,8 @@ class EditResult:
         d: dict[str, Any] = {"op": self.op, "params": self.params, "output": self.output,
                              "size": self.size, "preset": self.preset, "tokens": int(self.cache.num_context_tokens),
                              "token_ids_sha256": token_ids_sha256(self.cache.token_ids),
-                             "timings": {k: round(v, 6) for k, v in self.timings.items()}, **self.info}
+                             "timings": {k: round(v, 6) for k, v in self.timings.items()}, **self.info,
+                             "promise": self.promise}
         if self.op == "redact":
             log = self.cache.meta.get(EDITS_META_KEY) or [{}]
             if log[-1].get("parent_mac") is not None:
@@ -170,19 +213,40 @@ def _child_preset(parent: Parent, preset: str | None) -> str:
                         "name the edited entry's preset (--preset)")
 
 
+def _promise(name: str, how: Mapping[str, str]) -> dict[str, Any]:
+    """The log's ``promise`` of a child encoded with preset ``name``: ``how`` is :func:`keeps` or :func:`breaks`."""
+    from kvcodec.plan.presets import preset_info
+
+    if "none" in how:
+        return {"none": how["none"]}
+    target = preset_info(name).target
+    bounds = {} if target is None else {"kl": float(target.kl), "top1": float(target.top1)}
+    return {"preset": name, **bounds, "basis": how["basis"]}
+
+
 def write_child(lm: Any, parent: Parent, cache: KVCache, op: str, params: Mapping[str, Any], dest: Any = None,
                 preset: str | None = None, progress: Callable[[str], None] | None = None,
                 timings: dict[str, float] | None = None, info: dict[str, Any] | None = None,
-                attention_bias: Any = None, lineage_key: bytes | None = None) -> EditResult:
+                attention_bias: Any = None, lineage_key: bytes | None = None,
+                promise: Mapping[str, str] | None = None) -> EditResult:
     """Encode the edited ``cache`` as a new entry (``dest`` a path, or None for bytes) carrying the edit log
-    (and ``attention_bias``, spec/kvc-v1.md 4.6, for a steered cache)."""
+    (and ``attention_bias``, spec/kvc-v1.md 4.6, for a steered cache).
+
+    ``promise`` is :func:`keeps` or :func:`breaks` (the edit knows which); a steered cache promises nothing (its
+    bias changes the outputs by design, and its encode runs without the model's quality check)."""
     from kvcodec.api import encode
+    from kvcodec.plan.presets import preset_info
 
     t0 = time.perf_counter()
     name = _child_preset(parent, preset)
+    if attention_bias is not None:
+        promise = breaks("steered: the attention bias changes the outputs by design (encoded without the quality check)")
+    if promise is None:
+        raise ValueError("write_child needs the edit's promise (keeps or breaks)")
+    said = _promise(name, promise)
     child = KVCache([k.detach().cpu() for k in cache.keys], [v.detach().cpu() for v in cache.values],
                     np.asarray(cache.token_ids, np.int64), cache.fingerprint, None,
-                    child_meta(parent, op, params, lineage_key))
+                    child_meta(parent, op, params, lineage_key, said))
     dtype = parent.reader.header.dtype
     import torch
 
@@ -191,15 +255,24 @@ def write_child(lm: Any, parent: Parent, cache: KVCache, op: str, params: Mappin
         child = child.to(want)
     t = dict(timings or {})
     if attention_bias is None:
-        enc = encode(child, dest, preset=name, model=lm, progress=progress)
+        # A child that records its preset's promise is encoded with the quality check (kvcodec.plan.check): rate
+        # control alone missed on a fresh prefill of an appended child (SmolLM2, apache2, 1,152 tokens: KL 0.0115
+        # for balanced's 0.01; checked 0.0080 at 1.78 instead of 1.38 bits/element, BENCHMARKS.md "Offline
+        # editing"). The edit has the model and the exact K/V at hand, and it writes the promise into the log.
+        check = "basis" in said and preset_info(name).lossy
+        enc = encode(child, dest, preset=name, model=lm, progress=progress, check=check)
         t["encode_s"] = time.perf_counter() - t0
+        out = dict(info or {})
+        rec = enc.plan.params.get("check")
+        if isinstance(rec, dict):
+            out["quality_check"] = {"met": rec.get("met"), "tries": len(rec.get("tries") or [])}
         return EditResult(cache=child, op=op, params=dict(params), parent_sha256=parent.sha256, size=enc.size,
-                          output=enc.output, data=enc.data, preset=enc.preset, timings=t, info=dict(info or {}))
+                          output=enc.output, data=enc.data, preset=enc.preset, timings=t, info=out, promise=said)
     # A steered cache: the writer must store its bias. The plan is made without the model: its quality check
     # would continue the cache *without* the bias and measure the wrong thing (a lossy preset then uses
     # uniform steps, as without a model).
     from kvcodec.format import encode_kvc_bytes, write_kvc
-    from kvcodec.plan.presets import get_plan, preset_info
+    from kvcodec.plan.presets import get_plan
 
     cal = None
     if preset_info(name).lossy:
@@ -216,4 +289,4 @@ def write_child(lm: Any, parent: Parent, cache: KVCache, op: str, params: Mappin
     t["encode_s"] = time.perf_counter() - t0
     return EditResult(cache=child, op=op, params=dict(params), parent_sha256=parent.sha256, size=size,
                       output=None if dest is None else os.fspath(dest), data=data, preset=plan.preset, timings=t,
-                      info=dict(info or {}))
+                      info=dict(info or {}), promise=said)

@@ -14,6 +14,13 @@ interpret ``meta`` for decoding), so every 1.x reader reads an edited file as it
 the edited cache (which carries the header's ``meta``) keeps its provenance. A loader that must understand an
 edit (a steering bias) is told so by a required feature bit, not by this log.
 
+Each record written since issue 57 also says what the edited entry **promises** (``promise``): the preset's
+promise (mean KL, top-1) on a continuation against an exact prefill of the child's own ids, and on what basis
+(a fresh prefill, or an exact parent extended), or ``{"none": why}`` when the child's K/V are not what a prefill
+of its ids computes (a lossy parent's decode error carried by an incremental append or a blend repair, a
+steering bias). Why in the log: the header's codec names the preset the child was *encoded* with, and without
+this field a reader takes that preset's promise for granted where it does not hold (issue 57: 5-7x the KL).
+
 The log is also checked, because it is read from files others wrote: it must be a list of at most
 :data:`MAX_EDITS` well-formed records, and no parent may appear twice in it, nor the parent file itself
 (either would be a chain that loops: an entry cannot descend from itself).
@@ -29,8 +36,8 @@ from typing import Any, Mapping
 
 from kvcodec.errors import KvcFormatError, KvcInputError
 
-__all__ = ["EDITS_META_KEY", "EDIT_OPS", "LINEAGE_DOMAIN", "MAX_EDITS", "EditRecord", "extend_log", "file_sha256",
-           "lineage_mac", "parse_log", "redaction_log"]
+__all__ = ["EDITS_META_KEY", "EDIT_OPS", "LINEAGE_DOMAIN", "MAX_EDITS", "EditRecord", "check_promise", "entry_promise",
+           "extend_log", "file_sha256", "lineage_mac", "parse_log", "promise_text", "redaction_log"]
 
 EDITS_META_KEY = "edits"
 EDIT_OPS = ("append", "redact", "steer")
@@ -38,6 +45,37 @@ MAX_EDITS = 64  # a longer chain is refused: re-prefill the text instead of stac
 MAX_PARAMS_CHARS = 4096  # a record's parameters as JSON (regexes and spans included)
 
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
+_PROMISE_TEXT = 200  # characters of a promise's preset name, basis or reason
+
+
+def check_promise(obj: Any, what: str = "promise") -> dict[str, Any]:
+    """A record's ``promise`` (spec/kvc-v1.md §4.5), validated: exactly ``{"none": reason}``, or
+    ``{"preset": name, "basis": how}`` with the preset's ``kl`` and ``top1`` when it has a quality target."""
+    import math
+
+    def text(v: Any) -> bool:
+        return isinstance(v, str) and 0 < len(v) <= _PROMISE_TEXT
+
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+    if isinstance(obj, dict) and set(obj) == {"none"} and text(obj["none"]):
+        return dict(obj)
+    if isinstance(obj, dict) and {"preset", "basis"} <= set(obj) <= {"preset", "basis", "kl", "top1"} \
+            and text(obj["preset"]) and text(obj["basis"]) and all(number(obj[k]) for k in ("kl", "top1") if k in obj):
+        return dict(obj)
+    raise KvcFormatError(f"{what} must be {{\"none\": reason}} or {{\"preset\", \"basis\"[, \"kl\", \"top1\"]}} "
+                         f"(texts of at most {_PROMISE_TEXT} characters, non-negative numbers)")
+
+
+def promise_text(promise: Mapping[str, Any] | None) -> str:
+    """One line for people (``kvc info``, ``kvc edit``): what an edited entry's promise is."""
+    if promise is None:
+        return "not recorded (the edit predates promise records): assume none"
+    if "none" in promise:
+        return f"none: {promise['none']}"
+    bounds = ", ".join(f"{op} {promise[k]:g}" for k, op in (("kl", "mean KL <="), ("top1", "top-1 >=")) if k in promise)
+    return f"{promise['preset']}{f' ({bounds})' if bounds else ''} against an exact prefill of its ids; {promise['basis']}"
 
 
 def file_sha256(data: bytes | memoryview) -> str:
@@ -78,6 +116,7 @@ class EditRecord:
     params: dict[str, Any] = field(default_factory=dict)
     parent_mac: str | None = None
     sealed: bool = False
+    promise: dict[str, Any] | None = None  # what the child promises (check_promise); None in records before issue 57
 
     @property
     def redaction(self) -> bool:
@@ -91,9 +130,12 @@ class EditRecord:
             d: dict[str, Any] = {"op": self.op, "params": dict(self.params)}
             if self.parent_mac is not None:
                 d["parent_mac"] = self.parent_mac
-            return d
-        return {"op": self.op, "params": dict(self.params), "parent_sha256": self.parent_sha256,
-                "parent_token_ids_sha256": self.parent_token_ids_sha256}
+        else:
+            d = {"op": self.op, "params": dict(self.params), "parent_sha256": self.parent_sha256,
+                 "parent_token_ids_sha256": self.parent_token_ids_sha256}
+        if self.promise is not None:
+            d["promise"] = dict(self.promise)
+        return d
 
     @classmethod
     def from_json(cls, obj: Any, i: int) -> "EditRecord":
@@ -112,18 +154,19 @@ class EditRecord:
         params = obj.get("params", {})
         if not isinstance(params, dict) or len(json.dumps(params)) > MAX_PARAMS_CHARS:
             raise KvcFormatError(f"{what}: params must be an object of at most {MAX_PARAMS_CHARS} JSON characters")
+        promise = None if obj.get("promise") is None else check_promise(obj["promise"], f"{what}: promise")
         if "parent_sha256" not in obj and "parent_token_ids_sha256" not in obj:
-            if op != "redact" or not set(obj) <= {"op", "params", "parent_mac"}:
+            if op != "redact" or not set(obj) <= {"op", "params", "parent_mac", "promise"}:
                 raise KvcFormatError(f"{what}: only a redaction names its parent by a keyed digest (parent_mac)")
             mac = obj.get("parent_mac")
             if mac is not None and (not isinstance(mac, str) or not _HEX64.match(mac)):
                 raise KvcFormatError(f"{what}: parent_mac must be 64 lowercase hex digits")
-            return cls("redact", None, None, params, parent_mac=mac)
+            return cls("redact", None, None, params, parent_mac=mac, promise=promise)
         p, t = obj.get("parent_sha256"), obj.get("parent_token_ids_sha256")
         for name, v in (("parent_sha256", p), ("parent_token_ids_sha256", t)):
             if not isinstance(v, str) or not _HEX64.match(v):
                 raise KvcFormatError(f"{what}: {name} must be 64 lowercase hex digits")
-        return cls(str(op), str(p), str(t), params)
+        return cls(str(op), str(p), str(t), params, promise=promise)
 
 
 def parse_log(meta: Mapping[str, Any], own_sha256: str | None = None) -> list[EditRecord]:
@@ -152,26 +195,39 @@ def parse_log(meta: Mapping[str, Any], own_sha256: str | None = None) -> list[Ed
 
 
 def extend_log(parent_meta: Mapping[str, Any], parent_sha256: str, parent_token_ids_sha256: str, op: str,
-               params: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The child's edit log: the parent's (validated) plus one record for this edit, as header JSON.
+               params: Mapping[str, Any], promise: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The child's edit log: the parent's (validated) plus one record for this edit (and the child's
+    ``promise``), as header JSON.
 
     This is the plain record (append, steer): it names the parent by its digests. A redaction's log is
     :func:`redaction_log`'s."""
     log = _room(parent_meta, parent_sha256)
-    rec = EditRecord(op, parent_sha256, parent_token_ids_sha256, dict(params))
+    rec = EditRecord(op, parent_sha256, parent_token_ids_sha256, dict(params),
+                     promise=None if promise is None else dict(promise))
     EditRecord.from_json(rec.to_json(), len(log))  # the same checks a reader applies
     return [r.to_json() for r in log] + [rec.to_json()]
 
 
 def redaction_log(parent_meta: Mapping[str, Any], parent_sha256: str, params: Mapping[str, Any],
-                  lineage_key: bytes | None = None) -> list[dict[str, Any]]:
+                  lineage_key: bytes | None = None, promise: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
     """A redacted child's edit log: every earlier record sealed (its op only), then the redaction's record with
-    ``params`` and, when ``lineage_key`` is given, ``parent_mac`` (:func:`lineage_mac`); nothing else."""
+    ``params``, the child's ``promise`` (a function of the preset and the repair alone, never of what was
+    removed) and, when ``lineage_key`` is given, ``parent_mac`` (:func:`lineage_mac`); nothing else."""
     log = _room(parent_meta, parent_sha256)
     mac = None if lineage_key is None else lineage_mac(lineage_key, parent_sha256)
-    rec = EditRecord("redact", None, None, dict(params), parent_mac=mac)
+    rec = EditRecord("redact", None, None, dict(params), parent_mac=mac, promise=None if promise is None else dict(promise))
     EditRecord.from_json(rec.to_json(), len(log))
     return [EditRecord(r.op, None, None, {}, sealed=True).to_json() for r in log] + [rec.to_json()]
+
+
+def entry_promise(meta: Mapping[str, Any]) -> tuple[bool, dict[str, Any] | None]:
+    """(edited?, promise) of an entry's header ``meta``: an entry never edited is (False, None) and promises what
+    its preset promises for any encode; an edited one promises what its last record says (None: the record
+    predates the field, so nothing is claimed). A malformed log is refused (:func:`parse_log`)."""
+    log = parse_log(meta)
+    if not log:
+        return False, None
+    return True, log[-1].promise
 
 
 def _room(parent_meta: Mapping[str, Any], parent_sha256: str) -> list[EditRecord]:

@@ -8,6 +8,12 @@ remove a secret. **``"blend"``** repairs the parent's cache without a full re-pr
 but the kept tokens after the first span that it does not recompute keep K/V computed attending to the removed
 tokens, so a holder of the child and the model can test guesses of what was removed (issue 55).
 
+What the child promises (issue 57, :mod:`kvcodec.edit.entry`): after ``"prefill"`` its K/V are a fresh prefill of
+its ids, so its preset's promise holds as for any encode; after ``"blend"`` they are not (the repair is
+approximate, and on a lossy parent it also carries the parent's decode error), so its log says it promises
+nothing, except for a pure truncation of an exact parent (the exact prefix). The promise is a function of the
+preset, the repair and the parent's codec, never of what was removed, so it tells nothing about the secret.
+
 Removing tokens from a cache is more than deleting rows: every later token was computed (1) at a position
 that is now wrong and (2) attending to the removed tokens. kvcodec repairs both the way CacheBlend repairs
 independently cached chunks, by reusing :func:`kvcodec.runtime.blend.blend` itself:
@@ -41,7 +47,7 @@ import numpy as np
 import torch
 
 from kvcodec.core.kvcache import KVCache
-from kvcodec.edit.entry import EditResult, check_dest, open_parent, write_child
+from kvcodec.edit.entry import EditResult, breaks, check_dest, keeps, open_parent, write_child
 from kvcodec.edit.spans import resolve_spans
 from kvcodec.errors import KvcInputError
 from kvcodec.runtime.blend import blend, layer_inv_freqs, rerotate_keys
@@ -195,13 +201,22 @@ def redact(lm: Any, source: Any, *, pattern: str | None = None, text: str | None
         for a, b in _check_spans(spans, len(ids)):
             keep[a:b] = False
         child, info = _prefill(lm, ids[keep], removed, spans)
+        promise = keeps("fresh prefill of the child's ids")
     else:
         child, info = redact_cache(lm, cache, spans, recompute_ratio=ratio, select_layer=layer)
         params.update(recompute_ratio=ratio, select_layer=layer)
+        carried = parent.carried
+        if carried:
+            promise = breaks(f"{carried} (repair=blend)")
+        elif info["truncation"]:
+            promise = keeps("the exact parent's prefix (the span ended the context)")
+        else:
+            promise = breaks("blend's repair is approximate: its K/V are not a prefill of the child's ids (repair=blend)")
     info["repair"] = repair
     t2 = time.perf_counter()
     return write_child(lm, parent, child, "redact", params, dest=dest, preset=preset, progress=progress,
-                       timings={"decode_s": t1 - t0, "repair_s": t2 - t1}, info=info, lineage_key=lineage_key)
+                       timings={"decode_s": t1 - t0, "repair_s": t2 - t1}, info=info, lineage_key=lineage_key,
+                       promise=promise)
 
 
 def _check_spans(spans: Sequence[tuple[int, int]], n: int) -> Sequence[tuple[int, int]]:

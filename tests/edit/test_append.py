@@ -106,3 +106,74 @@ def test_child_does_not_inherit_the_parents_prefill_time(lm, changelog_ids, tmp_
     res = append(lm, data, token_ids=changelog_ids[OLD:OLD + 4])
     with KvcReader(res.data) as r:
         assert "prefill_ttft_s" not in r.header.meta and r.header.meta.get("model") == c.meta.get("model")
+
+
+# -- what the child promises (issue 57) ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def lossy_parent(lm, changelog_ids):
+    """A balanced entry of the first OLD tokens (uniform steps: encoded without the model, fast): lossy."""
+    from kvcodec.api import encode
+
+    return encode(capture(lm, token_ids=changelog_ids[:OLD]), None, preset="balanced").data
+
+
+def _record(data):
+    with KvcReader(data) as r:
+        return r.header.meta["edits"][-1], r.read_cache(), r.header.codec
+
+
+def test_on_a_lossy_parent_auto_prefills_the_childs_ids_afresh(lm, lossy_parent, changelog_ids):
+    """The decoded parent's error is not carried: the child's K/V are a fresh prefill of all its ids, bit for bit
+    (same shapes, same kernels), and the log records the preset's promise on that basis."""
+    res = append(lm, lossy_parent, token_ids=changelog_ids[OLD:OLD + NEW], preset="lossless")
+    rec, child, _ = _record(res.data)
+    fresh = capture(lm, token_ids=changelog_ids[:OLD + NEW])
+    for a, b in zip(child.keys + child.values, fresh.keys + fresh.values):
+        assert torch.equal(a, b)
+    assert rec["params"]["repair"] == "prefill" and res.info["repair"] == "prefill" and res.info["prefilled_tokens"] == OLD + NEW
+    assert rec["promise"] == res.promise == {"preset": "lossless", "basis": "fresh prefill of the child's ids"}
+    assert set(res.timings) == {"prepare_s", "prefill_s", "encode_s"}  # no decode of the parent ran
+
+
+def test_the_childs_promise_is_its_presets(lm, lossy_parent, changelog_ids):
+    res = append(lm, lossy_parent, token_ids=changelog_ids[OLD:OLD + 8])
+    rec, _, codec = _record(res.data)
+    assert codec == "balanced"
+    assert rec["promise"] == {"preset": "balanced", "kl": 0.01, "top1": 0.93, "basis": "fresh prefill of the child's ids"}
+    assert res.info["quality_check"]["met"] is True  # the promise is written on the check's measurement
+    cheap = append(lm, lossy_parent, token_ids=changelog_ids[OLD:OLD + 8], repair="incremental")
+    assert "quality_check" not in cheap.info and "none" in cheap.promise  # no promise, nothing to confirm
+
+
+def test_incremental_on_a_lossy_parent_carries_its_error_and_promises_nothing(lm, lossy_parent, changelog_ids):
+    res = append(lm, lossy_parent, token_ids=changelog_ids[OLD:OLD + NEW], preset="lossless", repair="incremental")
+    rec, child, _ = _record(res.data)
+    with KvcReader(lossy_parent) as r:
+        parent = r.read_cache()
+    assert all(torch.equal(c[:, :OLD], p) for c, p in zip(child.keys, parent.keys))  # the decoded parent, error included
+    fresh = capture(lm, token_ids=changelog_ids[:OLD + NEW])
+    assert max(float((a - b).abs().max()) for a, b in zip(child.keys, fresh.keys)) > 1e-2
+    assert rec["params"]["repair"] == "incremental" and "none" in rec["promise"] and "lossy (balanced)" in rec["promise"]["none"]
+    # an exact re-encode of that child still carries the error: appending to it again re-prefills by default
+    again = append(lm, res.data, token_ids=changelog_ids[OLD + NEW:OLD + NEW + 4], preset="lossless")
+    assert again.info["repair"] == "prefill" and "basis" in again.promise
+
+
+def test_on_an_exact_parent_auto_is_incremental_and_keeps_the_promise(appended):
+    _, _, res = appended
+    rec, _, _ = _record(res.data)
+    assert rec["params"]["repair"] == "incremental" and res.info["prefilled_tokens"] == NEW
+    assert rec["promise"]["preset"] == "lossless" and rec["promise"]["basis"].startswith("the exact parent's K/V")
+
+
+def test_promise_refusals_are_one_line(lm, changelog_ids):
+    from kvcodec.format import encode_kvc_bytes
+    from kvcodec.plan.presets import get_plan
+
+    c = capture(lm, token_ids=changelog_ids[:16])
+    hashed = encode_kvc_bytes(c, get_plan("balanced", c), store_token_ids=False)
+    with pytest.raises(KvcInputError, match="only the hash of its token ids; append needs the ids"):
+        append(lm, hashed, text="more")
+    with pytest.raises(KvcInputError, match="repair must be one of auto, prefill, incremental"):
+        append(lm, hashed, text="more", repair="blend")

@@ -102,3 +102,33 @@ def test_steer_auto_through_the_cli(parent, tmp_path, capsys):
     assert 1 <= len(info["spans"]) <= 2  # two sentences; adjacent ones merge into one span
     with KvcReader(str(out_path)) as r:
         assert r.header.meta["edits"][-1]["params"]["auto"] == 2
+
+
+def test_kvc_info_says_what_an_edited_entry_promises(parent, tmp_path, capsys):
+    """Issue 57: the edit prints its repair and promise; ``kvc info`` (text and --json) shows the entry's promise,
+    and nothing about edits for an entry never edited."""
+    lossy = tmp_path / "lossy.kvc"
+    with KvcReader(str(parent)) as r:
+        cache = r.read_cache()
+    from kvcodec.api import encode
+
+    encode(cache, lossy, preset="balanced")  # no model: uniform steps, still lossy
+    cheap, fresh = tmp_path / "cheap.kvc", tmp_path / "fresh.kvc"
+    rc, out, err = run_kvc(["edit", "append", str(lossy), "--text", " More text.", "--repair", "incremental",
+                            "--preset", "lossless", "-o", str(cheap)], capsys)
+    assert rc == 0, err
+    assert "incremental: prefilled" in out and "promise: none: the parent is lossy (balanced)" in out
+    assert "decode error is carried" in err  # the progress line names the path
+    rc, out, err = run_kvc(["edit", "append", str(lossy), "--text", " More text.", "--preset", "lossless",
+                            "-o", str(fresh)], capsys)
+    assert rc == 0, err
+    assert "prefill: prefilled" in out and "prefilled afresh" in err
+    rc, out, _ = run_kvc(["info", str(cheap)], capsys)
+    assert "edits:       append" in out and "promise:     none: the parent is lossy (balanced)" in out
+    rc, out, _ = run_kvc(["info", str(fresh), "--json"], capsys)
+    assert json.loads(out)["edit"] == {"ops": ["append"], "promise": {"preset": "lossless",
+                                                                      "basis": "fresh prefill of the child's ids"}}
+    rc, out, _ = run_kvc(["info", str(lossy), "--json"], capsys)
+    assert json.loads(out)["edit"] is None
+    rc, out, _ = run_kvc(["info", str(lossy)], capsys)
+    assert "promise:" not in out and "edits:" not in out

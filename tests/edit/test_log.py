@@ -83,3 +83,31 @@ def test_a_redaction_seals_what_came_before_and_names_its_parent_only_by_a_keyed
 def test_hostile_redaction_logs_are_one_format_error(bad, msg):
     with pytest.raises(KvcFormatError, match=msg):
         parse_log({EDITS_META_KEY: bad})
+
+
+def test_a_record_carries_the_childs_promise():
+    """Issue 57: the promise rides on the record, a sealed record drops it, a redaction record may carry it."""
+    from kvcodec.edit.log import entry_promise, promise_text, redaction_log
+
+    keeps = {"preset": "balanced", "kl": 0.01, "top1": 0.93, "basis": "fresh prefill of the child's ids"}
+    log = extend_log({}, A, T, "append", {"repair": "prefill"}, keeps)
+    assert log[-1]["promise"] == keeps and entry_promise({EDITS_META_KEY: log}) == (True, keeps)
+    assert promise_text(keeps).startswith("balanced (mean KL <= 0.01, top-1 >= 0.93) against an exact prefill")
+    none = {"none": "the parent is lossy (balanced): its decode error is carried (repair=incremental)"}
+    red = redaction_log({EDITS_META_KEY: log}, B, {"repair": "blend"}, promise=none)
+    assert red[0] == {"op": "append", "sealed": True} and red[1]["promise"] == none
+    assert entry_promise({EDITS_META_KEY: red}) == (True, none) and promise_text(none).startswith("none: the parent")
+    assert entry_promise({}) == (False, None) and entry_promise({EDITS_META_KEY: [rec(A)]}) == (True, None)
+    assert promise_text(None).startswith("not recorded")
+
+
+@pytest.mark.parametrize("promise", [
+    {"preset": "balanced"}, {"none": ""}, {"none": "x", "preset": "balanced"}, {"preset": "b", "basis": "x", "kl": -1},
+    {"preset": "b", "basis": "x", "kl": float("nan")}, {"preset": "b", "basis": "x", "top1": True},
+    {"preset": "b", "basis": "x" * 201}, {"preset": "b", "basis": "x", "extra": 1}, "balanced", [],
+])
+def test_hostile_promises_are_one_format_error(promise):
+    with pytest.raises(KvcFormatError, match="promise must be"):
+        parse_log({EDITS_META_KEY: [{**rec(A), "promise": promise}]})
+    with pytest.raises(KvcFormatError, match="promise must be"):
+        parse_log({EDITS_META_KEY: [{"op": "redact", "params": {}, "promise": promise}]})

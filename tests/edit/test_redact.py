@@ -110,3 +110,20 @@ def test_refusals(lm, other_lm, entry):
         redact(lm, data, token_spans=[(3, 5)], repair="blend", recompute_ratio=float("nan"))
     with pytest.raises(KvcInputError, match="tune repair='blend'"):
         redact(lm, data, token_spans=[(3, 5)], recompute_ratio=0.1)
+
+
+def test_the_log_says_what_the_child_promises(lm, entry, redacted, redacted_prefill, changelog_ids):
+    """Issue 57: a prefill repair keeps the preset's promise; a blend repair does not (approximate, and on a lossy
+    parent it carries the parent's decode error), except a truncation of an exact parent."""
+    from kvcodec.api import encode
+
+    for res, kind in ((redacted_prefill[1], "basis"), (redacted[1], "none")):
+        with KvcReader(res.data) as r:
+            assert r.header.meta["edits"][-1]["promise"] == res.promise and kind in res.promise
+    assert redacted_prefill[1].promise == {"preset": "lossless", "basis": "fresh prefill of the child's ids"}
+    assert "approximate" in redacted[1].promise["none"]
+    _, data = entry(N)
+    assert "basis" in redact(lm, data, token_spans=[(N - 10, N)], repair="blend").promise
+    lossy = encode(capture(lm, token_ids=changelog_ids[:N]), None, preset="balanced").data
+    assert "lossy (balanced)" in redact(lm, lossy, token_spans=[(N - 10, N)], repair="blend", preset="lossless").promise["none"]
+    assert "basis" in redact(lm, lossy, token_spans=[(10, 20)], preset="lossless").promise

@@ -117,8 +117,11 @@ def test_a_steered_entry_is_not_steered_again_nor_edited_blindly(lm, steered):
     _, _, res = steered
     with pytest.raises(KvcInputError, match="already steered"):
         steer(lm, res.data, [(0, 0)], token_spans=[(0, 3)])
-    with pytest.raises(KvcFormatError, match="attention bias"):
+    with pytest.raises(KvcInputError, match="steered .*append to its unsteered parent"):
         append(lm, res.data, text="more")
+    with pytest.raises(KvcInputError, match="steered"):
+        append(lm, res.data, text="more", repair="prefill")
+    assert res.promise is not None and res.promise["none"].startswith("steered")
 
 
 def test_the_profiled_heads_help_on_the_key_fact_task(lm):
