@@ -7,25 +7,37 @@ file. Everything else (``kvc encode``, ``kvc ask``, the KDN service, the vLLM co
 benchmarks) is built on these and on the packages below them; the CLI only parses, calls
 this, and renders the :class:`Encoded` record.
 
+The one door to the encoder (issue 56): :func:`encode_cache` is the step every encode ends in (a cache
+and a preset, or a ready plan, in; one verified file or its bytes out), with :func:`make_plan` (the
+planner's inputs resolved once: the model where the preset uses one, the calibration, loaded or built once
+by :func:`resolve_calibration`) and :func:`capture` (a prefill that observes what the preset's plan reads)
+as its front ends. The packages above this one (runtime, integrations, eval, edit, service) encode only
+through these, and read the preset table only through :func:`preset_info` / :data:`PRESETS`: a
+``forbidden`` contract in pyproject.toml keeps them off ``kvcodec.format.writer`` and
+``kvcodec.plan.presets``.
+
 Loading a file straight into an engine lives with the engines: ``kvcodec.load_into`` is
-:func:`kvcodec.integrations.hf.load_into`.
+:func:`kvcodec.integrations.hf.load_cache`, which is :func:`open` (with the model check) plus the
+transformers cache adapter.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO, Callable, Mapping
 
 
 from kvcodec.core.kvcache import KVCache
 from kvcodec.core.stage import Plan
 from kvcodec.errors import KvcInputError
 from kvcodec.format import KvcReader
-from kvcodec.plan.presets import DEFAULT_LOSSY
+from kvcodec.plan.presets import BASELINE_PREFIX, DEFAULT_LOSSY, PRESETS, PresetInfo, check_overrides, preset_info
 from kvcodec.rate import PruneRecord, bits_per_element, context_elements
 
-__all__ = ["Encoded", "encode", "open"]
+__all__ = ["DEFAULT_LOSSY", "PRESETS", "Encoded", "PresetInfo", "capture", "check_overrides", "encode", "encode_cache",
+           "make_plan", "open", "preset_info", "resolve_calibration"]
 
 Source = KVCache | str | os.PathLike
 
@@ -103,8 +115,6 @@ def encode(
     given for a lossy preset with a model, it is loaded, or built once (minutes, with progress).
     ``verify`` is the writer's read-back policy (``"file"`` or ``"off"``).
     """
-    from kvcodec.plan.presets import check_overrides, get_plan, preset_info
-
     _check_source_dest(source, dest)
     targeted = target_kl is not None or target_dppl is not None
     if target_kl is not None and target_dppl is not None:
@@ -141,12 +151,8 @@ def encode(
     if source is None:
         if text is None:
             raise KvcInputError("give a cache or capture path, or text= (and model=) to capture")
-        from kvcodec.models.capture import capture
-        from kvcodec.plan.presets import score_window
-
         say(f"capturing {'the first ' + str(max_tokens) + ' tokens of ' if max_tokens else ''}the text on the model")
-        # the prefill observes the token importance the plan reads: no second forward pass at encode
-        cache = capture(get_lm(), text=text, max_tokens=max_tokens, score_window=score_window(preset, overrides))
+        cache = capture(get_lm(), text=text, max_tokens=max_tokens, preset=preset, overrides=overrides)
     elif isinstance(source, KVCache):
         cache = source
     else:
@@ -176,37 +182,126 @@ def encode(
 
     use_model = targeted or (lossy and info is not None and info.uses_model and (model is not None or
                                                                                 not isinstance(source, KVCache)))
-    cal = calibration
-    if cal is None and (lossy or targeted) and use_model:
-        from kvcodec.calibration.build import ensure_calibration
-
-        cal = ensure_calibration(get_lm())  # resolved once for this encode, passed down
-    meta: dict[str, Any] | None = None
-    plan = get_plan(preset, cache, lm=get_lm() if use_model else None, cal=cal, rate="check" if check else "predict",
-                    target=target, **overrides)
+    plan = make_plan(cache, preset, overrides=overrides, model=get_lm() if use_model else None, calibration=calibration,
+                     rate="check" if check else "predict", target=target)
     label = f"{plan.preset}+config" if overrides else str(plan.preset)
+    meta: dict[str, Any] | None = None
     if overrides:
         meta = {"config": {"preset": preset, **overrides}}
     if targeted:
         label = f"target-kl-{target_kl:g}" if target_kl is not None else f"target-dppl-{target_dppl:g}"
         meta = {"target": {"kl": target_kl, "dppl_percent": target_dppl, "preset": preset, **plan.params.get("rate", {})}}
-    opts: dict[str, Any] = {"chunk_tokens": chunk_tokens if chunk_tokens is not None else plan.chunk_tokens,
-                            "chunk_heads": chunk_heads, "preset": label, "meta": meta}
-    say(f"encoding with {label}")
+    enc = encode_cache(cache, plan, dest, label=label, meta=meta, chunk_tokens=chunk_tokens, chunk_heads=chunk_heads,
+                       verify=verify, progress=say)
+    # charged against the context before pruning; the prune record only when this call pruned
+    return dataclasses.replace(enc, kv_elements=elems, prune=PruneRecord.from_meta(cache.meta) if budget is not None else None,
+                               target=None if meta is None else meta.get("target"))
+
+
+def capture(model: Any, *, text: str | None = None, token_ids: Any = None, max_tokens: int | None = None,
+            preset: str | None = DEFAULT_LOSSY, overrides: Mapping[str, Any] | None = None) -> KVCache:
+    """The cache of ``text`` (or ``token_ids``, the first ``max_tokens``) on ``model``, made for an encode with
+    ``preset`` (+ ``overrides``): the prefill also observes the token importance that preset's plan reads, so the
+    encode runs no second forward pass (:func:`kvcodec.models.capture.capture`'s ``score_window``)."""
+    from kvcodec.models.capture import capture as prefill
+    from kvcodec.plan.presets import score_window
+
+    return prefill(_model(model), text=text, token_ids=token_ids, max_tokens=max_tokens,
+                   score_window=score_window(preset, dict(overrides or {})))
+
+
+def resolve_calibration(model: Any, preset: str, *, build: bool = True) -> Any:
+    """The calibration an encode with ``preset`` plans with when ``model`` is at hand, resolved once (per encode,
+    or once by a caller that encodes many caches of one model): for a lossy preset, the model's, loaded, or built
+    and saved the first time (``build``; minutes, with progress:
+    :func:`kvcodec.calibration.build.ensure_calibration`). None otherwise: the planner then loads the cache's
+    model's own and refuses, in one line naming ``kvc calibrate``, a model that has none."""
+    if model is None or not build or not _lossy(preset):
+        return None
+    from kvcodec.calibration.build import ensure_calibration
+
+    return ensure_calibration(_model(model))
+
+
+def make_plan(cache: KVCache, preset: str, *, overrides: Mapping[str, Any] | None = None, model: Any = None,
+              calibration: Any = None, rate: str = "predict", importance: Any = None, target: Any = None,
+              build_calibration: bool = True) -> Plan:
+    """The plan of ``preset`` (a preset name or ``baseline:NAME``) + ``overrides`` for ``cache``, its inputs resolved
+    here, once: ``model`` goes to the planner only where the preset uses one (rate control, token importance; a
+    ``target`` uses it too); ``calibration`` (None: :func:`resolve_calibration` with ``build_calibration``);
+    ``rate`` (``"predict"``, ``"check"``, ``"fixed"``) and ``importance`` ([L, T], precomputed) as
+    :func:`kvcodec.plan.presets.get_plan` takes them. The one way above this module to turn a preset into a plan."""
+    from kvcodec.plan.presets import get_plan
+
+    info = None if isinstance(preset, str) and preset.startswith(BASELINE_PREFIX) else preset_info(preset)
+    lm = _model(model) if model is not None and info is not None and (info.uses_model or target is not None) else None
+    cal = calibration if calibration is not None else resolve_calibration(lm, preset, build=build_calibration)
+    return get_plan(preset, cache, lm=lm, cal=cal, rate=rate, importance=importance, target=target, **dict(overrides or {}))
+
+
+def encode_cache(
+    cache: KVCache,
+    preset: str | Plan = DEFAULT_LOSSY,
+    dest: str | os.PathLike | BinaryIO | None = None,
+    *,
+    overrides: Mapping[str, Any] | None = None,
+    model: Any = None,
+    calibration: Any = None,
+    rate: str = "predict",
+    importance: Any = None,
+    build_calibration: bool = True,
+    label: str | None = None,
+    meta: Mapping[str, Any] | None = None,
+    chunk_tokens: int | None = None,
+    chunk_heads: int | None = None,
+    attention_bias: Any = None,
+    verify: str = "file",
+    progress: Callable[[str], None] | None = None,
+) -> Encoded:
+    """Encode ``cache`` with ``preset`` into a verified `.kvc` at ``dest`` (a path, atomically, or a binary file),
+    or into bytes (``dest=None``: :attr:`Encoded.data`). The one way to encode: :func:`encode` (capture, prune,
+    targets), the runtime, the engines, the evaluation and the edits all end here.
+
+    ``preset`` is a preset name (planned by :func:`make_plan` with ``overrides``, ``model``, ``calibration``,
+    ``rate``, ``importance`` and ``build_calibration``) or a ready :class:`~kvcodec.core.stage.Plan` (a baseline's,
+    a target search's: then no planning input may be given). The file: ``label`` is the header's codec name
+    (default: the plan's preset), ``meta`` is merged over the cache's, ``chunk_tokens`` / ``chunk_heads`` the chunk
+    layout (default: the plan's), ``attention_bias`` the bias a loader must apply (spec/kvc-v1.md 4.6), ``verify``
+    the writer's read-back policy (``"file"`` or ``"off"``).
+
+    A cache with an ``attention_bias`` (a steered edit) is planned without the model: its rate control and token
+    importance would measure the cache without its bias (a lossy preset then uses its table step, as without a
+    model); the model still supplies the calibration.
+    """
+    if not isinstance(preset, str):
+        if overrides or importance is not None or calibration is not None:
+            raise KvcInputError("a ready plan takes no planning inputs (overrides, importance, calibration)")
+        plan = preset
+    else:
+        if attention_bias is not None:
+            calibration = calibration if calibration is not None else resolve_calibration(model, preset, build=build_calibration)
+            model = None
+        plan = make_plan(cache, preset, overrides=overrides, model=model, calibration=calibration, rate=rate,
+                         importance=importance, build_calibration=build_calibration)
+    name = label if label is not None else str(plan.preset)
+    # only what is given: an option left out is the plan's own (its chunk layout, its preset name)
+    opts: dict[str, Any] = {k: v for k, v in (("chunk_tokens", chunk_tokens), ("chunk_heads", chunk_heads), ("preset", label),
+                              ("meta", meta), ("attention_bias", attention_bias)) if v is not None}
+    if progress is not None:
+        progress(f"encoding with {name}")
     data = None
     if dest is None:
-        from kvcodec.format import encode_kvc_bytes
+        from kvcodec.format.writer import encode_kvc_bytes
 
         data = encode_kvc_bytes(cache, plan, verify=verify, **opts)
         n = len(data)
     else:
-        from kvcodec.format import write_kvc
+        from kvcodec.format.writer import write_kvc
 
         n = write_kvc(cache, dest, plan, verify=verify, **opts)
-    prec = PruneRecord.from_meta(cache.meta) if budget is not None else None
-    return Encoded(output=None if dest is None or not isinstance(dest, (str, os.PathLike)) else os.fspath(dest),
-                   preset=label, size=n, kv_elements=elems, plan=plan, prune=prec,
-                   target=None if meta is None else meta.get("target"), data=data, meta=meta or {})
+    return Encoded(output=os.fspath(dest) if isinstance(dest, (str, os.PathLike)) else None, preset=name, size=n,
+                   kv_elements=context_elements(cache), plan=plan, prune=PruneRecord.from_meta(cache.meta), data=data,
+                   meta=dict(meta or {}))
 
 
 def open(source: str | os.PathLike | bytes | Any, *, model: Any = None, **kw: Any) -> KvcReader:  # noqa: A001
@@ -291,6 +386,11 @@ def _model(model: Any) -> Any:
     from kvcodec.models.load import load_model
 
     return load_model(str(model))
+
+
+def _lossy(preset: Any) -> bool:
+    """Whether ``preset`` names a lossy preset (a baseline is not one: it plans without a calibration)."""
+    return not (isinstance(preset, str) and preset.startswith(BASELINE_PREFIX)) and preset_info(preset).lossy
 
 
 def _budget(prune: Any) -> Any:

@@ -1,5 +1,6 @@
 """Rates: the ONE definition of bits per element, of the elements a file is charged against, and of
-the pruning record (:class:`PruneRecord`) that says what a pruned cache was cut from.
+the pruning record (:class:`PruneRecord`, written by :func:`prune_record`) that says what a pruned cache
+was cut from: the accounting every encode, report and pruner goes through.
 
 Why one: the CLI, the curve, the store paths and the benchmarks each divided bytes by an element
 count of their own, and a pruned cache must be charged against its *unpruned* context (the
@@ -54,6 +55,19 @@ class PruneRecord:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def prune_record(method: str, spec: str, context_tokens: int, kept_tokens: int, positions: str,
+                 **extra: Any) -> dict[str, Any]:
+    """The ``meta["prune"]`` record a pruner writes (``kvcodec.prune``): the fields :class:`PruneRecord` reads,
+    with ``kept_fraction`` derived here so a record cannot disagree with itself, then the method's own
+    (``extra``: H2O's heavy/recent split, lingua's kept mask, ...). ``context_tokens`` is the original context,
+    which every rate of the pruned cache is charged against (:func:`context_elements`)."""
+    clash = sorted(set(extra) & {"method", "spec", "context_tokens", "kept_tokens", "kept_fraction", "positions"})
+    if clash:
+        raise ValueError(f"prune_record: {clash} are the record's own fields")
+    return {"method": method, "spec": spec, "context_tokens": context_tokens, "kept_tokens": kept_tokens,
+            "kept_fraction": kept_tokens / context_tokens, "positions": positions, **extra}
 
 
 def context_tokens(num_context_tokens: int, meta: Any) -> int:

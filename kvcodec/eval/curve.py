@@ -45,10 +45,12 @@ import numpy as np
 
 from kvcodec.atomic import atomic_write_text, check_output, check_outputs_differ
 from kvcodec.errors import KvcError, KvcInputError
-from kvcodec.format import KvcReader, write_kvc
+from kvcodec.api import encode_cache
+from kvcodec.format import KvcReader
 from kvcodec.digest import token_ids_sha256
 from kvcodec.core.kvcache import KVCache
 from kvcodec.plan.pipelines import external_bytes
+from kvcodec.rate import bits_per_element, context_elements
 from kvcodec.eval.methods import Method, TextCase, select_methods
 from kvcodec.eval.report import PLOT_FORMATS, bits_at_kl, pareto, plot_curve, summary_table, write_csv
 
@@ -111,9 +113,9 @@ def load_case(lm: Any, text: str, max_tokens: int, continuation: int, capture_di
 
 # -- one measurement ----------------------------------------------------------------------
 def kv_elements(cache: KVCache) -> int:
-    """K+V elements of the *full* context (pruned caches are charged against the unpruned count)."""
-    fp = cache.fingerprint
-    return 2 * fp.num_kv_heads * sum(fp.head_dims) * cache.num_context_tokens
+    """K+V elements of the *full* context (pruned caches are charged against the unpruned count):
+    :func:`kvcodec.rate.context_elements`, the one definition."""
+    return context_elements(cache)
 
 
 def charged_bits(row: dict[str, Any], store_docs: int = 1) -> float:
@@ -124,7 +126,7 @@ def charged_bits(row: dict[str, Any], store_docs: int = 1) -> float:
 
 
 def rate_fields(file_bytes: int, cache: KVCache) -> dict[str, float]:
-    bpe = file_bytes * 8 / kv_elements(cache)
+    bpe = bits_per_element(file_bytes, kv_elements(cache))
     return {"bits_per_element": bpe, "ratio_vs_fp16": 16.0 / bpe, "file_bytes": int(file_bytes), "kv_elements": kv_elements(cache)}
 
 
@@ -159,7 +161,7 @@ def measure(lm: Any, case: TextCase, method: Method, workdir: str | os.PathLike,
         to_encode, plan = method.build(lm, case)
         tag = hashlib.sha256(method.key.encode()).hexdigest()[:12]
         path = Path(workdir) / f"{case.tokens_sha[:12]}-{tag}.kvc"
-        write_kvc(to_encode, path, plan, meta={"curve_method": method.key})
+        encode_cache(to_encode, plan, path, meta={"curve_method": method.key})
         t_enc = time.perf_counter() - t0
     size = path.stat().st_size
     t0 = time.perf_counter()

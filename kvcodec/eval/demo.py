@@ -19,10 +19,11 @@ from kvcodec.atomic import check_output, ensure_output_dir
 from kvcodec.models.capture import select_context, tokenize
 from kvcodec.eval.curve import cached_capture, default_capture_dir, measure, run_curve
 from kvcodec.eval.methods import Method, TextCase
-from kvcodec.format import KvcReader, write_kvc
+from kvcodec.api import encode_cache
+from kvcodec.format import KvcReader
 from kvcodec.digest import token_ids_sha256
 from kvcodec.models.load import load_model
-from kvcodec.plan.presets import get_plan
+from kvcodec.rate import bits_per_element
 from kvcodec.texts import load_text
 from kvcodec.runtime.ttft import cold_ttft, median_time, ttft_kvc, ttft_prefill
 
@@ -80,13 +81,10 @@ def run_main_job(
     log(f"encoding with preset {preset} ...")
     path = check_output(out_dir / f"{Path(text).name}-{len(ids)}-{preset}.kvc", inputs=[text])
     t0 = time.perf_counter()
-    from kvcodec.calibration.build import ensure_calibration
-    from kvcodec.plan.presets import preset_info
-
-    plan = get_plan(preset, cache, lm=lm, cal=ensure_calibration(lm) if preset_info(preset).lossy else None)
-    write_kvc(cache, path, plan)
+    enc = encode_cache(cache, preset, path, model=lm)
+    plan = enc.plan
     report.update(kvc_file=str(path), kvc_bytes=path.stat().st_size, encode_s=time.perf_counter() - t0,
-                  kv_elements=cache.num_elements, fp16_bytes=cache.nbytes_fp16, tokens=len(ids))
+                  kv_elements=enc.kv_elements, fp16_bytes=cache.nbytes_fp16, tokens=len(ids))
     with KvcReader(path) as r:
         problems = r.verify()
     report["verify"] = "ok" if not problems else problems[0]
@@ -134,7 +132,7 @@ def run_main_job(
 
 def render(report: dict[str, Any]) -> str:
     q, t = report["quality"], report["ttft"]
-    bpe = report["kvc_bytes"] * 8 / report["kv_elements"]
+    bpe = bits_per_element(report["kvc_bytes"], report["kv_elements"])
     lines = [
         f"model      {report['model']} (fingerprint {report['fingerprint']})",
         f"document   {report['text']}: {report['tokens']} tokens captured",

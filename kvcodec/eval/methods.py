@@ -16,9 +16,9 @@ import numpy as np
 from kvcodec.core.kvcache import KVCache
 from kvcodec.errors import KvcInputError
 from kvcodec.models.cachelayout import cache_prefix
+from kvcodec.api import PRESETS as _PRESETS
+from kvcodec.api import make_plan
 from kvcodec.plan import pipelines as codecplan
-from kvcodec.plan.presets import PRESETS as _PRESETS
-from kvcodec.plan.presets import get_plan
 
 LOSSY_PRESETS = [n for n, p in _PRESETS.items() if p.lossy]
 BASELINE_FAMILIES = ("fp16", "fp16+zstd", "int8", "kivi", "cachegen")
@@ -94,13 +94,9 @@ def _baseline(name: str) -> Callable[[Any, TextCase], tuple[KVCache, Any]]:
 
 def _preset(name: str, rate: str = "predict", embedded: bool = False) -> Callable[[Any, TextCase], tuple[KVCache, Any]]:
     def build(lm: Any, case: TextCase) -> tuple[KVCache, Any]:
-        from kvcodec.calibration.build import ensure_calibration
-        from kvcodec.plan.presets import preset_info
-
-        cal = ensure_calibration(lm) if lm is not None and preset_info(name).lossy else None
-        if embedded:  # the calibration travels inside the file (self-contained; its bytes are in file_bytes)
-            return case.cache, get_plan(name, case.cache, lm=lm, cal=cal, calibration="embedded")
-        return case.cache, get_plan(name, case.cache, lm=lm, cal=cal, rate=rate)
+        # the calibration travels inside the file when embedded (self-contained; its bytes are in file_bytes)
+        return case.cache, make_plan(case.cache, name, model=lm, rate=rate,
+                                     overrides={"calibration": "embedded"} if embedded else None)
 
     return build
 

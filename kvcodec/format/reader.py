@@ -284,7 +284,7 @@ class KvcReader:
     def check_model(self, model: Any) -> None:
         """Raise KvcModelMismatchError unless ``model`` (LoadedModel or ModelFingerprint) is this file's model."""
         fp = model if isinstance(model, ModelFingerprint) else model.fingerprint
-        self.fingerprint.check_compatible(fp, what=".kvc file")
+        fp.check_compatible(self.fingerprint, what=".kvc file")  # the model's view: "<x> in the .kvc file, <y> in the model"
 
     def read_cache(self, backend: str | None = None, model: Any = None, token_ids: np.ndarray | None = None) -> KVCache:
         """The whole cache. ``model`` (if given) is checked first; ``token_ids`` supplies ids the file omits."""

@@ -126,10 +126,14 @@ def load_cache(source: Any, lm: LoadedModel, backend: str | None = None, prefetc
     model's, :func:`model_device`) and is decoded there unless ``backend`` names another decoder
     (:func:`decode_device`).
     """
+    from kvcodec.api import open as open_kvc
     from kvcodec.format import KvcReader
 
-    reader = source if isinstance(source, KvcReader) else KvcReader(source)
-    lm.fingerprint.check_compatible(reader.fingerprint, what=".kvc file")
+    if isinstance(source, KvcReader):
+        reader = source
+        reader.check_model(lm)
+    else:  # kvcodec.open: the reader, checked against the model before anything is decoded
+        reader = open_kvc(source, model=lm)
     dtype = next(lm.model.parameters()).dtype
     target = target_device(device, lm)
     where = decode_device(target, backend)

@@ -45,6 +45,7 @@ from kvcodec.models.attention_tap import tapped
 from kvcodec.errors import KvcInputError
 from kvcodec.core.kvcache import KVCache
 from kvcodec.prune.budget import DEFAULT_WINDOW, H2OBudget
+from kvcodec.rate import prune_record
 
 _STATE = threading.local()
 _CHUNK = 256
@@ -170,19 +171,11 @@ def h2o_prune(cache: KVCache, scores: np.ndarray, budget: H2OBudget) -> KVCache:
     same = bool((kept == kept[:1, :1]).all())
     positions = kept[0, 0].copy() if same else kept
     meta = dict(cache.meta)
-    meta["prune"] = {
-        "method": "h2o",
-        "spec": budget.spec(),
-        "heavy": heavy,
-        "recent": recent,
-        "window": "all" if budget.window is None else budget.window,
-        "context_tokens": T,
-        "kept_tokens": heavy + recent,
-        "kept_fraction": (heavy + recent) / T,
-        "per_head": not same,
-        "positions": "original",
-        "reason": "per KV head: the recent last tokens plus the heavy tokens that received the most attention",
-    }
+    meta["prune"] = prune_record(
+        "h2o", budget.spec(), T, heavy + recent, "original",
+        heavy=heavy, recent=recent, window="all" if budget.window is None else budget.window, per_head=not same,
+        reason="per KV head: the recent last tokens plus the heavy tokens that received the most attention",
+    )
     return KVCache(keys, values, cache.token_ids, cache.fingerprint, positions, meta)
 
 

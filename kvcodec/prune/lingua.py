@@ -36,6 +36,7 @@ from kvcodec.errors import KvcInputError
 from kvcodec.digest import token_ids_sha256
 from kvcodec.core.kvcache import KVCache
 from kvcodec.prune.budget import LinguaBudget
+from kvcodec.rate import prune_record
 
 
 @torch.inference_mode()
@@ -172,21 +173,14 @@ def lingua_select(
     kept = select_lingua(info, keep, budget.segment, relevance, budget.spread)
     dropped = np.setdiff1d(np.arange(n), kept)
     finite = np.isfinite(info)
-    rec: dict[str, Any] = {
-        "method": "lingua",
-        "spec": budget.spec(),
-        "context_tokens": n,
-        "kept_tokens": int(len(kept)),
-        "kept_fraction": len(kept) / n,
-        "segment": budget.segment,
-        "question_aware": question is not None,
-        "positions": "renumbered",
-        "original_ids_sha256": token_ids_sha256(ids),
-        "kept_mask_b64": pack_mask(kept, n),
-        "kept_mean_nll": float(info[kept][finite[kept]].mean()) if finite[kept].any() else None,
-        "dropped_mean_nll": float(info[dropped].mean()) if len(dropped) else None,
-        "reason": f"lowest self-information -log p(token | prefix) within each {budget.segment}-token segment",
-    }
+    rec = prune_record(
+        "lingua", budget.spec(), n, int(len(kept)), "renumbered",
+        segment=budget.segment, question_aware=question is not None, original_ids_sha256=token_ids_sha256(ids),
+        kept_mask_b64=pack_mask(kept, n),
+        kept_mean_nll=float(info[kept][finite[kept]].mean()) if finite[kept].any() else None,
+        dropped_mean_nll=float(info[dropped].mean()) if len(dropped) else None,
+        reason=f"lowest self-information -log p(token | prefix) within each {budget.segment}-token segment",
+    )
     if relevance is not None:
         rec["segment_relevance"] = [round(float(r), 4) for r in relevance]
         rec["spread"] = budget.spread

@@ -29,11 +29,12 @@ from kvcodec.models.capture import check_fits, model_cache, tokenize
 from kvcodec.models.chat import ChatFormat
 from kvcodec.models.sdpa_schedule import fast_sdpa
 from kvcodec.errors import KvcError, KvcInputError
-from kvcodec.format import KvcReader, encode_kvc_bytes
-from kvcodec.plan.presets import DEFAULT_LOSSY, check_overrides, get_plan
+from kvcodec.api import DEFAULT_LOSSY, check_overrides, encode_cache, resolve_calibration
+from kvcodec.format import KvcReader
 from kvcodec.integrations.hf import greedy_from, load_cache
 from kvcodec.core.kvcache import KVCache
 from kvcodec.models.load import LoadedModel, cache_root
+from kvcodec.rate import bits_per_element, context_elements
 from kvcodec.store import Store, StoreKey
 from kvcodec.store.keys import codec_key
 
@@ -94,12 +95,10 @@ class KnowledgeBase:
         self._cal: Any = None
 
     def _calibration(self) -> Any:
-        """The model's calibration for a lossy preset (built once, with progress, if the model has none)."""
-        from kvcodec.calibration.build import ensure_calibration
-        from kvcodec.plan.presets import preset_info
-
-        if self._cal is None and preset_info(self.preset).lossy:
-            self._cal = ensure_calibration(self.lm)
+        """The model's calibration for a lossy preset (built once, with progress, if the model has none), resolved
+        once for every deposit (:func:`kvcodec.api.resolve_calibration`)."""
+        if self._cal is None:
+            self._cal = resolve_calibration(self.lm, self.preset)
         return self._cal
 
     # -- tokens ------------------------------------------------------------
@@ -157,10 +156,9 @@ class KnowledgeBase:
         second prefill of the whole context: Gemma 3's 8K-token deposit cost two
         prefills). Observed by the capture's own prefill, it costs no forward.
         """
-        from kvcodec.models.capture import capture
-        from kvcodec.plan.presets import score_window
+        from kvcodec.api import capture
 
-        return capture(self.lm, token_ids=ids, score_window=score_window(self.preset, self.overrides))
+        return capture(self.lm, token_ids=ids, preset=self.preset, overrides=self.overrides)
 
     def deposit(self, cache: KVCache, prefill_ttft_s: float | None = None) -> dict[str, Any]:
         """Encode a context's KV with the preset and put it in every tier.
@@ -172,12 +170,14 @@ class KnowledgeBase:
         ids = cache.token_ids
         if prefill_ttft_s is not None:
             cache.meta["prefill_ttft_s"] = prefill_ttft_s
-        plan = get_plan(self.preset, cache, lm=self.lm, cal=self._calibration(), **self.overrides)
-        data = encode_kvc_bytes(cache, plan, meta=cache.meta)
+        enc = encode_cache(cache, self.preset, overrides=self.overrides, model=self.lm, calibration=self._calibration(),
+                           meta=cache.meta)
+        data = enc.data
+        assert data is not None
         res = self.store.put(self.key(ids), data, {"preset": self.preset, "tokens": int(len(ids)), "prefill_ttft_s": prefill_ttft_s})
         return {
             "key": self.key(ids).to_str(), "bytes": len(data), "encode_s": time.perf_counter() - t0,
-            "bits_per_element": len(data) * 8 / cache.num_elements, "stored_in": res.stored_in, "failed": res.failed,
+            "bits_per_element": enc.bits_per_element, "stored_in": res.stored_in, "failed": res.failed,
         }
 
     # -- unreadable entries ------------------------------------------------------
@@ -408,9 +408,10 @@ class KnowledgeBase:
         deps = [d for _, d in done if d is not None]
         if deps:
             n_bytes = sum(d["bytes"] for d in deps)
-            elems = sum(c.num_elements for c, d in done if d is not None)
+            elems = sum(context_elements(c) for c, d in done if d is not None)
             stored = {
-                "chunks": deps, "keys": [d["key"] for d in deps], "bytes": n_bytes, "bits_per_element": n_bytes * 8 / elems,
+                "chunks": deps, "keys": [d["key"] for d in deps], "bytes": n_bytes,
+                "bits_per_element": bits_per_element(n_bytes, elems),
                 "encode_s": sum(d["encode_s"] for d in deps),
                 "stored_in": sorted(set.intersection(*(set(d["stored_in"]) for d in deps))),
                 "failed": {t: e for d in deps for t, e in d["failed"].items()},

@@ -15,6 +15,7 @@ import numpy as np
 from kvcodec.core.kvcache import KVCache
 from kvcodec.errors import KvcInputError
 from kvcodec.models.load import LoadedModel
+from kvcodec.rate import bits_per_element, context_elements
 from kvcodec.store import Store
 from kvcodec.store.levels import (
     ChunkLevels,
@@ -37,18 +38,15 @@ def encode_levels(
     found names chunks that were written (spec/levels-v1.md §4). ``cache``
     (the exact KV of ``ids``) skips the prefill.
     """
-    from kvcodec.format import encode_kvc_bytes
+    from kvcodec.api import encode_cache, resolve_calibration
     from kvcodec.models.capture import capture
-    from kvcodec.plan.presets import get_plan
 
     names = parse_levels(levels)
     if not isinstance(chunk_tokens, int) or chunk_tokens < 256 or chunk_tokens % 256:
         raise KvcInputError(f"chunk tokens must be a positive multiple of 256, got {chunk_tokens!r}")
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
     key = manifest_key(ids, model=lm.fingerprint.id, namespace=namespace)
-    from kvcodec.calibration.build import ensure_calibration
-
-    cal = ensure_calibration(lm)  # every level is a lossy preset of one model: resolved once, for every chunk
+    cals = {lv: resolve_calibration(lm, lv) for lv in names}  # resolved once per level (and model), for every chunk
     t0 = time.perf_counter()
     if cache is None:  # every token in every layer: a level chunk is a token range of all layers
         cache = capture(lm, token_ids=ids, full_layers=True)
@@ -79,19 +77,19 @@ def encode_levels(
                 progress(f"chunk {i + 1}/{n_chunks} [{s}, {e}) at {lv}")
             t1 = time.perf_counter()
             kw: dict[str, Any] = {"importance": importance[:, s:e]} if importance is not None and lv in ("small", "balanced") else {}
-            plan = get_plan(lv, part, lm=lm, cal=cal, **kw)
-            data = encode_kvc_bytes(part, plan)
+            data = encode_cache(part, lv, model=lm, calibration=cals[lv], **kw).data
+            assert data is not None
             encode_s[lv] += time.perf_counter() - t1
             store.put(keys[lv][i], data, level_meta(lv, s, e))
             sizes[lv] = len(data)
         chunks.append(ChunkLevels(s, e, sizes))
     man = LevelManifest(key, chunk_tokens, names, chunks)
     store.put(key, man.to_bytes(), {"levels": names, "chunk_tokens": chunk_tokens})
-    elems = cache.num_elements
+    elems = context_elements(cache)
     return {
         "key": key.to_str(), "tokens": int(len(ids)), "chunk_tokens": chunk_tokens, "chunks": n_chunks,
         "levels": {lv: {"bytes": sum(c.bytes[lv] for c in chunks),
-                        "bits_per_element": sum(c.bytes[lv] for c in chunks) * 8 / elems,
+                        "bits_per_element": bits_per_element(sum(c.bytes[lv] for c in chunks), elems),
                         "encode_s": encode_s[lv]} for lv in names},
         "prefill_s": prefill_s, "total_s": time.perf_counter() - t0,
     }

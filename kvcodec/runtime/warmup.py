@@ -50,8 +50,8 @@ def warm(model: str = "smollm2", tokens: int = 64) -> dict[str, float]:
 
     from kvcodec.models.capture import capture
     from kvcodec.atomic import atomic_write_bytes, ensure_output_dir
-    from kvcodec.format import KvcReader, encode_kvc_bytes
-    from kvcodec.plan.presets import get_plan
+    from kvcodec.api import encode_cache
+    from kvcodec.format import KvcReader
     from kvcodec.integrations.hf import load_cache
     from kvcodec.models.load import load_model
     from kvcodec.texts import load_text
@@ -65,8 +65,9 @@ def warm(model: str = "smollm2", tokens: int = 64) -> dict[str, float]:
     ensure_output_dir(warmup_dir())
     for preset in PRESETS:
         t1 = time.perf_counter()
-        plan = get_plan(preset, cache, lm=lm, rate="fixed")  # compiles the kernels; rate control only adds work
-        data = encode_kvc_bytes(cache, plan)
+        # compiles the kernels: rate control only adds work, and a missing calibration is an error here, not a build
+        data = encode_cache(cache, preset, model=lm, rate="fixed", build_calibration=False).data
+        assert data is not None
         with KvcReader(data) as r:
             r.read_cache()
         atomic_write_bytes(warmup_dir() / f"{preset}.kvc", data)

@@ -58,7 +58,7 @@ class ModelResolver:
     """
 
     def __init__(self, preset: str, models: Mapping[str, str] | None = None) -> None:
-        from kvcodec.plan.presets import preset_info
+        from kvcodec.api import preset_info
 
         self.info = preset_info(preset, "kvcodec serde: preset")
         if self.info.name.startswith("baseline:"):

@@ -104,7 +104,7 @@ class ConnectorConfig:
         if preset is not None:
             if not isinstance(preset, str) or not preset:
                 raise KvcInputError(f"kvcodec connector: preset must be a preset name, got {preset!r}")
-            from kvcodec.plan.presets import preset_info
+            from kvcodec.api import preset_info
 
             preset_info(preset, "kvcodec connector")  # the one preset table (the connector has no model: fixed step0)
         ns = extra.get("namespace", "default")

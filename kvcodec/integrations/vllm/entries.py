@@ -198,8 +198,8 @@ def check_save_calibration(fp: Any, preset: str, model_dir: str) -> None:
     without one every chunk's save failed later, one log warning per chunk (issue 59). ``kvc calibrate`` builds
     it once, ahead, from the same directory vLLM serves. Loads only (``save: false``) need none of this.
     """
+    from kvcodec.api import preset_info
     from kvcodec.calibration.store import load_calibration
-    from kvcodec.plan.presets import preset_info
 
     info = preset_info(preset)
     if not info.lossy or info.settings.get("basis", "pca") != "pca" or load_calibration(fp.id) is not None:
@@ -218,8 +218,8 @@ def resolve_save_preset(fp: Any, preset: str | None, model_dir: str, save: bool 
     (:func:`check_save_calibration`); refusing to start because the user named nothing would be worse than storing
     lossless entries, and doing it silently would hide a 5x larger store. Loads use whatever the entry says.
     """
+    from kvcodec.api import DEFAULT_LOSSY
     from kvcodec.calibration.store import load_calibration
-    from kvcodec.plan.presets import DEFAULT_LOSSY
 
     if preset is not None:
         if save:
@@ -236,15 +236,15 @@ def resolve_save_preset(fp: Any, preset: str | None, model_dir: str, save: bool 
 def encode_chunk(fp: Any, preset: str, ids: list[int], start: int, end: int, keys: list[torch.Tensor],
                  values: list[torch.Tensor]) -> bytes:
     """`.kvc` bytes of the K/V of tokens [start, end) of the prefix ``ids[:end]`` (a pruned-cache file)."""
-    from kvcodec.format import encode_kvc_bytes
-    from kvcodec.plan.presets import get_plan
+    from kvcodec.api import encode_cache
     from kvcodec.core.kvcache import KVCache
 
     pos = np.arange(start, end, dtype=np.int64) if start > 0 else None
     cache = KVCache(keys, values, np.asarray(ids[:end], dtype=np.int64), fp, pos,
                     {"source": "vllm", "layout": LAYOUT, "start": start, "end": end})
-    plan = get_plan(preset, cache)
-    return encode_kvc_bytes(cache, plan, meta=cache.meta)
+    data = encode_cache(cache, preset, meta=cache.meta).data  # no model in a serving worker: the preset's table step
+    assert data is not None
+    return data
 
 
 def decode_chunk_layers(r: Any, start: int, end: int, backend: str | None = None):
