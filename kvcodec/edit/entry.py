@@ -203,7 +203,7 @@ class EditResult:
 
 
 def _child_preset(parent: Parent, preset: str | None) -> str:
-    from kvcodec.plan.presets import PRESETS
+    from kvcodec.api import PRESETS
 
     if preset is not None:
         return preset
@@ -215,7 +215,7 @@ def _child_preset(parent: Parent, preset: str | None) -> str:
 
 def _promise(name: str, how: Mapping[str, str]) -> dict[str, Any]:
     """The log's ``promise`` of a child encoded with preset ``name``: ``how`` is :func:`keeps` or :func:`breaks`."""
-    from kvcodec.plan.presets import preset_info
+    from kvcodec.api import preset_info
 
     if "none" in how:
         return {"none": how["none"]}
@@ -234,8 +234,7 @@ def write_child(lm: Any, parent: Parent, cache: KVCache, op: str, params: Mappin
 
     ``promise`` is :func:`keeps` or :func:`breaks` (the edit knows which); a steered cache promises nothing (its
     bias changes the outputs by design, and its encode runs without the model's quality check)."""
-    from kvcodec.api import encode
-    from kvcodec.plan.presets import preset_info
+    from kvcodec.api import encode, encode_cache, preset_info
 
     t0 = time.perf_counter()
     name = _child_preset(parent, preset)
@@ -268,25 +267,11 @@ def write_child(lm: Any, parent: Parent, cache: KVCache, op: str, params: Mappin
             out["quality_check"] = {"met": rec.get("met"), "tries": len(rec.get("tries") or [])}
         return EditResult(cache=child, op=op, params=dict(params), parent_sha256=parent.sha256, size=enc.size,
                           output=enc.output, data=enc.data, preset=enc.preset, timings=t, info=out, promise=said)
-    # A steered cache: the writer must store its bias. The plan is made without the model: its quality check
-    # would continue the cache *without* the bias and measure the wrong thing (a lossy preset then uses
-    # uniform steps, as without a model).
-    from kvcodec.format import encode_kvc_bytes, write_kvc
-    from kvcodec.plan.presets import get_plan
-
-    cal = None
-    if preset_info(name).lossy:
-        from kvcodec.calibration.build import ensure_calibration
-
-        cal = ensure_calibration(lm)
-    plan = get_plan(name, child, cal=cal)
-    data = None
-    if dest is None:
-        data = encode_kvc_bytes(child, plan, attention_bias=attention_bias)
-        size = len(data)
-    else:
-        size = write_kvc(child, dest, plan, attention_bias=attention_bias)
+    # A steered cache: the writer must store its bias. encode_cache plans it without the model (its quality check
+    # would continue the cache *without* the bias and measure the wrong thing: a lossy preset then uses uniform
+    # steps, as without a model) and with the model's calibration.
+    enc = encode_cache(child, name, dest, model=lm, attention_bias=attention_bias)
     t["encode_s"] = time.perf_counter() - t0
-    return EditResult(cache=child, op=op, params=dict(params), parent_sha256=parent.sha256, size=size,
-                      output=None if dest is None else os.fspath(dest), data=data, preset=plan.preset, timings=t,
-                      info=dict(info or {}), promise=said)
+    return EditResult(cache=child, op=op, params=dict(params), parent_sha256=parent.sha256, size=enc.size,
+                      output=enc.output, data=enc.data, preset=enc.plan.preset, timings=t, info=dict(info or {}),
+                      promise=said)
