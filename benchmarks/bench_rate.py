@@ -74,32 +74,24 @@ def _row(lm, cache, cont, exact, preset, cal, prefill_cpu, n_first):
             "fp16_mb": fp16_mb, "encode_mb_s_per_core": fp16_mb / sw.cpu, "kl_windows": kl_windows}
 
 
-CHAT_QUESTION = "What does the document above say? Answer in detail, point by point."
-
-
 def _chat_context(lm, text: str, T: int, n_cont: int):
     """A ``kvc ask`` context of about ``T`` tokens and its continuation (issue 57, ``--chat``).
 
     The context is what ``KnowledgeBase`` stores for one document: the model's own chat prefix (system turn,
     user-turn opener, special tokens) and the document cut to fill ``T`` tokens, ending as a stored document does
-    (``doc_ids``: ``"\n\n"``). The continuation is what follows it when the entry is used: the question turn
-    (the template's closers and the assistant opener) and the model's own greedy answer from the exact cache,
-    ``n_cont`` tokens in all (not stopped at EOS: the promise is on a continuation of that length)."""
-    import torch
-
-    from kvcodec.models.capture import capture, tokenize
+    (``doc_ids``: ``"\\n\\n"``). The continuation is what follows it when the entry is used, as the rate model's
+    chat factor measures it (:func:`kvcodec.plan.chatfactor.chat_continuation`): the question turn and the model's
+    own greedy answer from the exact cache, ``n_cont`` tokens in all (not stopped at EOS)."""
+    from kvcodec.models.capture import tokenize
     from kvcodec.models.chat import ChatFormat
-    from kvcodec.models.quality import greedy
+    from kvcodec.plan.chatfactor import CHAT_QUESTION, chat_continuation
 
     chat = ChatFormat.for_tokenizer(lm.tokenizer)
     body = tokenize(lm.tokenizer, text)[:max(1, T - len(chat.prefix) - 2)]
     doc = lm.tokenizer.decode(body.tolist(), skip_special_tokens=True).rstrip() + "\n\n"
     ids = np.concatenate([chat.prefix, tokenize(lm.tokenizer, doc)])
     q = chat.question_ids(CHAT_QUESTION)
-    with torch.inference_mode():
-        full = capture(lm, token_ids=np.concatenate([ids, q[:-1]]))
-        answer = greedy(lm, full, int(q[-1]), max(1, n_cont - len(q)))
-    return ids, np.asarray(np.concatenate([q, answer]), np.int64)[:n_cont]
+    return ids, chat_continuation(lm, ids, max(1, n_cont - len(q)))[:n_cont]
 
 
 def _summary(rows, presets):

@@ -17,6 +17,7 @@ Format (JSON, ``kvcodec-ratemodel`` version 1)::
      "layer_factor": [[fk, fv], ...],  # per layer, K and V: measured / predicted KL of that tensor alone
      "presets_sha256": ...,    # the preset settings it was fitted for (others: refitted)
      "answer_step": {"faithful": {"factor": f, "tried": [...]}},  # the answer probe (kvcodec.plan.answercheck)
+     "chat_factor": {"balanced": {"factor": f, "rows": [...]}},  # chat contexts (kvcodec.plan.chatfactor)
      "preset_sha256": {"balanced": ..., ...},  # per preset: its settings' digest (a preset added later is
                                # fitted alone and merged; one whose settings changed is refitted)
      "fit": [...]}             # the fit's measurements: KL, and ``dnll`` (the mean NLL change on the real
@@ -46,6 +47,7 @@ ALPHA_RANGE = (1e-3, 1e3)  # a fitted alpha outside this is a broken fit or a ta
 BETA_RANGE = (0.0, 2.0)
 CURVE_RANGE = (0.0, 5.0)  # log growth at a curve point: 0 (none) .. e^5 (a broken fit or a tampered file beyond)
 ANSWER_FACTOR_RANGE = (1.0 / 64, 1.0)  # the answer probe only ever lowers a step
+CHAT_FACTOR_RANGE = (1.0, 16.0)  # the chat factor only ever raises a prediction
 LAYER_FACTOR_RANGE = (1.0 / 64, 64.0)  # the fit clips to [1/16, 16]; beyond this a file is broken or tampered
 # rows whose KL is below this say nothing of the ratio: their NLL change is the continuation's sampling noise
 # (~sqrt(2 KL / tokens)), many times their mean; near-lossless and faithful rows fall below it
@@ -76,6 +78,15 @@ class RateModel:
     # per preset that promises answers: the answer probe's record (kvcodec.plan.answercheck), whose "factor" (<= 1)
     # multiplies the step rate control picks: what keeps the probe's answers identical on this model
     answer_step: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # per lossy preset: measured over predicted KL on chat contexts continued by a question and the model's answer
+    # (kvcodec.plan.chatfactor), >= 1; rate control multiplies its prediction by it for a context in the model's chat
+    # format (empty: not measured, a file from before: the factor is 1 as it was)
+    chat_factor: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def chat(self, preset: str) -> float:
+        """The factor rate control's prediction of ``preset`` is multiplied by on a chat context (1: none measured)."""
+        rec = self.chat_factor.get(preset)
+        return float(rec["factor"]) if rec is not None else 1.0
 
     def answer_factor(self, preset: str) -> float:
         """The step factor that keeps ``preset``'s probe answers on this model (1: none measured, or none needed)."""
@@ -185,12 +196,18 @@ class RateModel:
                 isinstance(v, dict) and _num(v.get("factor")) and ANSWER_FACTOR_RANGE[0] <= v["factor"] <= ANSWER_FACTOR_RANGE[1]
                 for v in ans.values())):
             raise bad("answer_step")
+        chat = d.get("chat_factor", {})
+        if not (isinstance(chat, dict) and set(chat) <= set(alpha) and all(
+                isinstance(v, dict) and _num(v.get("factor")) and CHAT_FACTOR_RANGE[0] <= v["factor"] <= CHAT_FACTOR_RANGE[1]
+                for v in chat.values())):
+            raise bad("chat_factor")
         return cls(fid, sha, {k: float(v) for k, v in alpha.items()}, {k: float(v) for k, v in beta.items()},
                    int(t_ref), None if rps is None else float(rps), fit if isinstance(fit, list) else [],
                    float(fit_s) if _num(fit_s) else None, psha if isinstance(psha, str) else "",
                    {k: [[float(p[0]), float(p[1])] for p in c] for k, c in curve.items()},
                    None if lf is None else [[float(v) for v in r] for r in lf], dict(per),
-                   {k: {**v, "factor": float(v["factor"])} for k, v in ans.items()})
+                   {k: {**v, "factor": float(v["factor"])} for k, v in ans.items()},
+                   {k: {**v, "factor": float(v["factor"])} for k, v in chat.items()})
 
 
 def allocate(cal: Calibration, layer_factor: list[list[float]]) -> Calibration:

@@ -24,8 +24,8 @@ def calibrate_command(model, force, basis, as_json) -> None:
     from kvcodec.calibration.build import build_calibration
     from kvcodec.calibration.ratemodel import rate_model_path, save_rate_model
     from kvcodec.calibration.store import load_calibration, save_calibration
-    from kvcodec.plan.presets import answer_targets, lossy_settings, rate_model
-    from kvcodec.plan.ratefit import find_rate_model, fit_rate_model, with_dnll
+    from kvcodec.plan.presets import answer_targets, lossy_settings, preset_targets, rate_model
+    from kvcodec.plan.ratefit import find_rate_model, fit_rate_model, with_chat_factor, with_dnll
 
     lm = load_model(model)
     fid = lm.fingerprint.id
@@ -38,7 +38,7 @@ def calibrate_command(model, force, basis, as_json) -> None:
         save_calibration(cal, fid)
         timings.setdefault("total_s", time.perf_counter() - t0)
     if built:  # a new calibration makes the old rate model stale: it is bound to the calibration's sha256
-        rm, fitted = fit_rate_model(lm, cal, lossy_settings(), answers=answer_targets()), True
+        rm, fitted = fit_rate_model(lm, cal, lossy_settings(), answers=answer_targets(), targets=preset_targets()), True
         save_rate_model(rm, rate_model_path(cal))
     else:  # a preset added or changed since (fitted alone and merged), or rows without the NLL change (measured)
         had = find_rate_model(cal, lossy_settings(), answer_targets())
@@ -46,6 +46,9 @@ def calibrate_command(model, force, basis, as_json) -> None:
         rm = rate_model(lm, cal)
         if rm.dppl_ratio() is None and not any("dnll" in r for r in rm.fit):  # fitted before rows recorded it
             rm = with_dnll(lm, cal, rm, lossy_settings())
+            save_rate_model(rm, rate_model_path(cal))
+        if not rm.chat_factor:  # fitted before chat contexts were measured
+            rm = with_chat_factor(lm, cal, rm, lossy_settings(), preset_targets())
             save_rate_model(rm, rate_model_path(cal))
         fitted = rm is not had
         if fitted:
@@ -59,7 +62,9 @@ def calibrate_command(model, force, basis, as_json) -> None:
               "rate_model": {k: v for k, v in rm.to_json().items() if k != "fit"},
               # ΔPPL per unit KL on real text (kvcodec.calibration.ratemodel.RateModel.dppl_ratio); rate control aims
               # at the tighter of the KL and ΔPPL promises with it
-              "dppl_ratio": rm.dppl_ratio()}
+              "dppl_ratio": rm.dppl_ratio(),
+              # per preset: measured / predicted KL on chat contexts (kvcodec.plan.chatfactor), applied to them
+              "chat_factor": {n: v["factor"] for n, v in rm.chat_factor.items()}}
     if as_json:
         emit_json(report)
     elif built:

@@ -117,3 +117,19 @@ def _encode(tokenizer: Any, text: str) -> np.ndarray:
     if text.strip():
         return tokenize(tokenizer, text)
     return np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+
+
+def is_chat_context(lm: Any, token_ids: Any) -> bool:
+    """Whether ``token_ids`` open with ``lm``'s own chat prefix, as every context ``KnowledgeBase`` and ``kvc ask``
+    store does: a context a question will follow (rate control's chat factor, :mod:`kvcodec.plan.chatfactor`)."""
+    if token_ids is None or getattr(lm, "tokenizer", None) is None:
+        return False
+    memo = getattr(lm, "__dict__", {}).get("_kvc_chat_prefix")
+    if memo is None:
+        memo = ChatFormat.for_tokenizer(lm.tokenizer).prefix  # the template's, or the plain format's system line
+        try:
+            lm.__dict__["_kvc_chat_prefix"] = memo
+        except (AttributeError, TypeError):
+            pass
+    ids = np.asarray(token_ids).reshape(-1)
+    return bool(memo.size) and ids.size > memo.size and bool(np.array_equal(ids[:memo.size], memo))

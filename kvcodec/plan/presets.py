@@ -107,7 +107,13 @@ def rate_model(lm: Any, cal: Any, progress: bool = True) -> Any:
     the same settings and none makes another's stale."""
     from kvcodec.plan.ratefit import ensure_rate_model
 
-    return ensure_rate_model(lm, cal, lossy_settings(), progress=progress, answers=answer_targets())
+    return ensure_rate_model(lm, cal, lossy_settings(), progress=progress, answers=answer_targets(),
+                             targets=preset_targets())
+
+
+def preset_targets() -> dict[str, QualityTarget]:
+    """Every preset with a promise, with its target: what the rate model's chat factors are measured for."""
+    return {n: p.target for n, p in PRESETS.items() if p.lossy and p.target is not None}
 
 
 def answer_targets() -> dict[str, QualityTarget]:

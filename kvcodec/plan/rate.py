@@ -338,6 +338,13 @@ def controlled_plan(cache: Any, lm: Any, preset: str, args: dict[str, Any], targ
         importance = cache_importance(lm, cache, window={**TOKENSCALE_DEFAULT, **args["tokenscale"]}["window"])
     raw = raw_predictor(cache, cal, {k: v for k, v in args.items() if k != "cal"}, importance)
     factor = rm.factor(preset, int(cache.num_tokens))
+    chat = 1.0
+    if rm.chat_factor.get(preset) is not None:
+        from kvcodec.models.chat import is_chat_context
+
+        if is_chat_context(lm, cache.token_ids):  # a question will read this context more than prose does (issue 57)
+            chat = rm.chat(preset)
+            factor *= chat
     aim, bound = AIM * target.kl, "kl"
     ratio = rm.dppl_ratio()  # this model's ΔPPL per unit KL on real text (None: its fit did not measure it)
     if ratio is not None and getattr(target, "dppl_percent", None):
@@ -361,7 +368,7 @@ def controlled_plan(cache: Any, lm: Any, preset: str, args: dict[str, Any], targ
         step0, bound = step0 * answer_factor, "answers"
     pred = predict(step0)
     record: dict[str, Any] = {"mode": "check" if check else "predict", "step0": step0, "predicted_kl": pred, "aim_kl": aim,
-              "bound": bound, "factor": factor, "answer_factor": answer_factor, "dppl_ratio": ratio, "rate_model_fit_s": rm.fit_s,
+              "bound": bound, "factor": factor, "answer_factor": answer_factor, "dppl_ratio": ratio, "chat_factor": chat, "rate_model_fit_s": rm.fit_s,
               "choose_s": round(time.perf_counter() - t0, 3)}
     if check:
         from kvcodec.plan.check import guarded_plan

@@ -62,13 +62,15 @@ ALLOC_SHRINK = 0.5
 def fit_rate_model(lm: Any, cal: Calibration, presets: Mapping[str, Mapping[str, Any]],
                    texts: tuple[str, ...] = FIT_TEXTS, lengths: tuple[int, ...] = FIT_TOKENS,
                    progress: bool = True, layer_factor: list[list[float]] | None = None,
-                   answers: Mapping[str, Any] | None = None) -> RateModel:
+                   answers: Mapping[str, Any] | None = None, targets: Mapping[str, Any] | None = None) -> RateModel:
     """Measure the predictor against the real model on ``texts`` x ``lengths`` for each lossy preset of
     ``presets`` (name -> its table settings, ``step0`` included) (module docstring). ``layer_factor``: per-layer
     factors already measured for this calibration (a rate model being extended by a preset): used as they are.
     ``answers`` (name -> its :class:`~kvcodec.plan.targets.QualityTarget`: the presets that promise answers,
     :func:`kvcodec.plan.presets.answer_targets`): each of those in ``presets`` then gets the answer probe
-    (:mod:`kvcodec.plan.answercheck`) at the step its fitted constants choose."""
+    (:mod:`kvcodec.plan.answercheck`) at the step its fitted constants choose. ``targets`` (name -> its target, every
+    lossy preset: :func:`kvcodec.plan.presets.preset_targets`): the presets of ``presets`` among them then get their
+    chat factor (:mod:`kvcodec.plan.chatfactor`), last, at the steps the rest of the fit chooses."""
     answers = _answers(answers)
     cal0 = cal  # the calibration as stored (rate control allocates it with the layer factors itself)
     jobs = _jobs(lm, texts, lengths)
@@ -90,8 +92,26 @@ def fit_rate_model(lm: Any, cal: Calibration, presets: Mapping[str, Mapping[str,
                    _digests(presets, answers))
     for name in [n for n in presets if n in answers]:
         rm.answer_step[name] = _answer_probe(lm, cal0, name, presets[name], answers[name], rm, progress)
+    rm.chat_factor = _chat_factors(lm, cal0, presets, targets, rm, progress)
     rm.fit_s = round(time.time() - t0, 1)
     return rm
+
+
+def _chat_factors(lm: Any, cal: Calibration, presets: Mapping[str, Mapping[str, Any]], targets: Mapping[str, Any] | None,
+                  rm: RateModel, progress: bool) -> dict[str, dict[str, Any]]:
+    from kvcodec.plan.chatfactor import measure_chat_factor
+
+    want = {n: (presets[n], targets[n]) for n in presets if targets and n in targets}
+    return measure_chat_factor(lm, cal, want, rm, progress) if want else {}
+
+
+def with_chat_factor(lm: Any, cal: Calibration, rm: RateModel, presets: Mapping[str, Mapping[str, Any]],
+                     targets: Mapping[str, Any], progress: bool = True) -> RateModel:
+    """For ``kvc calibrate`` of a model whose rate model predates the chat factor (an encode never runs it: such a
+    model plans chat contexts as plain text, as before): ``rm`` with the chat factors of ``presets`` measured."""
+    t0 = time.time()
+    got = _chat_factors(lm, cal, {n: t for n, t in presets.items() if n in rm.alpha}, targets, rm, progress)
+    return replace(rm, chat_factor={**rm.chat_factor, **got}, fit_s=round((rm.fit_s or 0.0) + time.time() - t0, 1))
 
 
 def _answer_probe(lm: Any, cal: Calibration, name: str, table: Mapping[str, Any], target: Any, rm: RateModel,
@@ -319,7 +339,8 @@ def merge_rate_models(base: RateModel, part: RateModel, presets: Mapping[str, Ma
                    fit=[r for r in base.fit if r.get("preset") in keep] + part.fit,
                    fit_s=round((base.fit_s or 0.0) + (part.fit_s or 0.0), 1), presets_sha256=settings_digest(presets),
                    preset_sha256={n: digests[n] for n in keep | set(part.alpha)},
-                   answer_step={**{n: v for n, v in base.answer_step.items() if n in keep}, **part.answer_step})
+                   answer_step={**{n: v for n, v in base.answer_step.items() if n in keep}, **part.answer_step},
+                   chat_factor={**{n: v for n, v in base.chat_factor.items() if n in keep}, **part.chat_factor})
 
 
 def find_rate_model(cal: Calibration, presets: Mapping[str, Mapping[str, Any]],
@@ -351,7 +372,7 @@ def with_dnll(lm: Any, cal: Calibration, rm: RateModel, presets: Mapping[str, Ma
 
 
 def ensure_rate_model(lm: Any, cal: Calibration, presets: Mapping[str, Mapping[str, Any]], progress: bool = True,
-                      answers: Mapping[str, Any] | None = None) -> RateModel:
+                      answers: Mapping[str, Any] | None = None, targets: Mapping[str, Any] | None = None) -> RateModel:
     """``cal``'s rate model for ``presets`` (and the answer probes of ``answers``, :func:`fit_rate_model`): the user's
     or the shipped one, else fitted once (with progress) and saved. Callers pass the preset table's own
     (:func:`kvcodec.plan.presets.rate_model`): other settings make the stored one stale.
@@ -366,8 +387,8 @@ def ensure_rate_model(lm: Any, cal: Calibration, presets: Mapping[str, Mapping[s
     if base is not None:
         missing = {n: t for n, t in presets.items() if n not in covered(base, presets, answers)}
         rm = merge_rate_models(base, fit_rate_model(lm, cal, missing, progress=progress, layer_factor=base.layer_factor,
-                                                    answers=answers), presets, answers)
+                                                    answers=answers, targets=targets), presets, answers)
     else:
-        rm = fit_rate_model(lm, cal, presets, progress=progress, answers=answers)
+        rm = fit_rate_model(lm, cal, presets, progress=progress, answers=answers, targets=targets)
     save_rate_model(rm, rate_model_path(cal))
     return rm

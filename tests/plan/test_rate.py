@@ -109,7 +109,9 @@ def test_rate_model_file_round_trips_and_refuses_tampering(lm, tmp_path):
                    {"curve": {"balanced": [[2048.0, 99.0]]}}, {"curve": [[2048.0, 0.1]]}, {"curve": {"balanced": [[2048.0]]}},
                    {"curve": {"unfitted": []}}, {"beta": 0.3}, {"beta": {"balanced": 9.0}}, {"layer_factor": [[1.0]]},
                    {"layer_factor": [[1.0, 1e3]]}, {"layer_factor": [[1.0, float("nan")]]}, {"layer_factor": "1"},
-                   {"layer_factor": []}, {"version": 2}):
+                   {"layer_factor": []}, {"version": 2}, {"chat_factor": {"balanced": {"factor": 0.5}}},
+                   {"chat_factor": {"balanced": {"factor": 99.0}}}, {"chat_factor": {"unfitted": {"factor": 2.0}}},
+                   {"chat_factor": {"balanced": 2.0}}):
         with pytest.raises(KvcFormatError) as e:
             ratemodel._read(_model_file(tmp_path, cal, **change), cal)
         assert "\n" not in str(e.value)
@@ -458,3 +460,35 @@ def test_a_rate_model_from_before_gains_its_nll_changes(lm, monkeypatch):
     assert calls[0][1] == len([r for r in old.fit if r["preset"] == "balanced"])
     assert got.alpha == old.alpha and got.dppl_ratio() == pytest.approx(1.5)
     assert [r for r in got.fit if r["preset"] == "near-lossless"] == [r for r in old.fit if r["preset"] == "near-lossless"]
+
+
+def test_rate_control_applies_the_chat_factor_to_chat_contexts_only(lm, real_cache):
+    """A context that opens with the model's chat prefix (what kvc ask and KnowledgeBase store) is predicted with the
+    preset's chat factor, so it gets a smaller step; plain text of the same length is planned as before."""
+    from dataclasses import replace
+
+    from kvcodec.calibration.build import ensure_calibration
+    from kvcodec.calibration.ratemodel import load_rate_model
+    from kvcodec.models.capture import capture
+    from kvcodec.models.chat import ChatFormat, is_chat_context
+    from kvcodec.plan.presets import PRESETS
+    from kvcodec.plan.rate import controlled_plan
+
+    plain = real_cache(192)
+    prefix = ChatFormat.for_tokenizer(lm.tokenizer).prefix
+    chat = capture(lm, token_ids=np.concatenate([prefix, plain.token_ids[:192 - len(prefix)]]))
+    assert is_chat_context(lm, chat.token_ids) and not is_chat_context(lm, plain.token_ids)
+    assert not is_chat_context(lm, prefix)  # the prefix alone holds no document
+    cal = ensure_calibration(lm)
+    rm = replace(load_rate_model(cal), chat_factor={"balanced": {"factor": 4.0}}, fit=[])
+    info = PRESETS["balanced"]
+    args = {**dict(info.settings), "cal": cal}
+
+    def step(cache, model):
+        return controlled_plan(cache, lm, "balanced", args, info.target, model).params["rate"]
+
+    assert step(plain, rm)["step0"] == step(plain, replace(rm, chat_factor={}))["step0"]
+    assert step(plain, rm)["chat_factor"] == 1.0
+    with_f, without = step(chat, rm), step(chat, replace(rm, chat_factor={}))
+    assert with_f["chat_factor"] == 4.0 and with_f["step0"] < without["step0"]
+    assert with_f["predicted_kl"] <= with_f["aim_kl"] * 1.01  # the prediction it aims with includes the factor
