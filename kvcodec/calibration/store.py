@@ -271,6 +271,10 @@ SHIPPED_SHA256: dict[str, str] = {
     # superseded: recipe fisher-hutchinson-4 (one step per layer and kind, unweighted columns), the shipped file of
     # 2026-11-28 02:35 UTC (commit 9f5c4cd); decodes what was encoded with it
     "16bd8b283912494e7a18b0cb1cbc4e74.560557a2.safetensors": "560557a2da16ab9ba5e8ce6ebc61967d2258935472e4af59887b7e4455838adb",
+    # Gemma 3 270M (the model matrix's second model, installed by .ci/setup), calibration v3, recipe
+    # fisher-coefficient-8x3, built 2026-12-06 by kvc calibrate (38 s; its rate model 4,464 s + 350 s on the loaded box):
+    # shipped so that no shipped model calibrates on first use (issue 54)
+    "d541051fec7d1cd2e469e9e6473f3579.safetensors": "783ce537b2867263a954732a996b119a0125a22c066557facfb0752cade43e20",
 }
 
 
