@@ -291,7 +291,7 @@ def test_a_rate_model_fitted_for_other_settings_is_refitted(lm, tmp_path, monkey
     monkeypatch.setattr(ratemodel, "shipped_rate_model_path", lambda c: tmp_path / "none.json")
     fits = []
 
-    def fake_fit(lm_, cal_, presets, progress=True, answers=None, layer_factor=None):
+    def fake_fit(lm_, cal_, presets, progress=True, answers=None, layer_factor=None, targets=None):
         fits.append(1)
         return ratemodel.RateModel(str(cal_.meta["fingerprint_id"]), str(cal_.meta["content_sha256"]),
                                    {n: 1.0 for n in presets}, {}, 1024, None, [], 0.0, ratefit.settings_digest(presets),
@@ -327,7 +327,7 @@ def test_a_preset_added_later_is_fitted_alone_and_merged(lm, tmp_path, monkeypat
     ratemodel.save_rate_model(legacy, path)
     fits: list[tuple[set[str], object]] = []
 
-    def fake_fit(lm_, cal_, presets, progress=True, layer_factor=None, answers=None):
+    def fake_fit(lm_, cal_, presets, progress=True, layer_factor=None, answers=None, targets=None):
         fits.append((set(presets), layer_factor))
         return ratemodel.RateModel(legacy.fingerprint_id, legacy.calibration_sha256, {n: 2.0 for n in presets}, {}, 1024,
                                    None, [], 1.0, ratefit.settings_digest(presets), {}, layer_factor,
