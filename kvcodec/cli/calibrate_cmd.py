@@ -40,17 +40,17 @@ def calibrate_command(model, force, basis, as_json) -> None:
     if built:  # a new calibration makes the old rate model stale: it is bound to the calibration's sha256
         rm, fitted = fit_rate_model(lm, cal, lossy_settings(), answers=answer_targets(), targets=preset_targets()), True
         save_rate_model(rm, rate_model_path(cal))
-    else:  # a preset added or changed since (fitted alone and merged), or rows without the NLL change (measured)
+    else:  # a preset added or changed since (fitted alone and merged), or measurements a rate model from before lacks
         had = find_rate_model(cal, lossy_settings(), answer_targets())
         t0 = time.perf_counter()
-        rm = rate_model(lm, cal)
+        fitted = had is None
+        rm = rate_model(lm, cal) if had is None else had
         if rm.dppl_ratio() is None and not any("dnll" in r for r in rm.fit):  # fitted before rows recorded it
-            rm = with_dnll(lm, cal, rm, lossy_settings())
+            rm, fitted = with_dnll(lm, cal, rm, lossy_settings()), True
             save_rate_model(rm, rate_model_path(cal))
         if not rm.chat_factor:  # fitted before chat contexts were measured
-            rm = with_chat_factor(lm, cal, rm, lossy_settings(), preset_targets())
+            rm, fitted = with_chat_factor(lm, cal, rm, lossy_settings(), preset_targets()), True
             save_rate_model(rm, rate_model_path(cal))
-        fitted = rm is not had
         if fitted:
             timings["rate_model_s"] = round(time.perf_counter() - t0, 1)
     if built:
