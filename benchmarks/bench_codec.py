@@ -35,7 +35,7 @@ from kvcodec.format import KvcReader, encode_kvc_bytes  # noqa: E402
 from kvcodec.plan import pipelines as P  # noqa: E402
 from kvcodec.calibration.build import ensure_calibration  # noqa: E402
 from kvcodec.plan.presets import PRESETS  # noqa: E402
-from kvcodec.rate import bits_per_element  # noqa: E402
+from kvcodec.accounting import bits_per_element  # noqa: E402
 from kvcodec.texts import DEFAULT_BENCH_TEXTS, load_text  # noqa: E402
 
 

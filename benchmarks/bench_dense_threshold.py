@@ -75,14 +75,14 @@ def ab(calls: list[list], values: list[int], repeat: int) -> dict[int, float]:
 def real_files(presets: list[str], tokens: int) -> list[tuple[str, Path]]:
     from kvcodec.format.writer import write_kvc
     from kvcodec.models.load import load_model
-    from kvcodec.plan.presets import get_plan
+    from kvcodec.api import make_plan
 
     cache = get_cache("gpl3", tokens)
     lm = load_model("smollm2")
     d = Path(tempfile.mkdtemp(prefix="kvc-dense-ab-"))
     out = []
     for p in presets:
-        plan = get_plan(p, cache, lm=lm)
+        plan = make_plan(cache, p, model=lm)
         buf = io.BytesIO()
         write_kvc(cache, buf, plan)
         (d / f"{p}.kvc").write_bytes(buf.getvalue())

@@ -132,7 +132,7 @@ def _scored(lm: Any, data: bytes, ref: torch.Tensor, cont: np.ndarray) -> dict[s
     """KL / top-1 of the entry ``data`` against the exact logits ``ref`` over ``cont``, its bits/element and the
     promise its edit log records (None: never edited)."""
     from kvcodec.edit.log import entry_promise
-    from kvcodec.rate import bits_per_element
+    from kvcodec.accounting import bits_per_element
 
     with KvcReader(data) as r:
         cache = r.read_cache()

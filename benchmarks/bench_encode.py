@@ -47,7 +47,9 @@ def main(argv=None) -> None:
     from kvcodec.format import encode_kvc_bytes
     from kvcodec.models.capture import capture, tokenize
     from kvcodec.models.load import load_model
-    from kvcodec.plan.presets import get_plan, rate_model, score_window
+    from kvcodec.api import make_plan
+    from kvcodec.api import resolve_rate_model
+    from kvcodec.plan.presets import score_window
     from kvcodec.texts import load_text
 
     torch.set_num_threads(a.threads)
@@ -58,10 +60,10 @@ def main(argv=None) -> None:
     for model in [m for m in a.models.split(",") if m]:
         lm = load_model(model)
         cal = ensure_calibration(lm)
-        rate_model(lm, cal)
+        resolve_rate_model(lm, cal)
         warm = capture(lm, token_ids=tokenize(lm.tokenizer, load_text("gpl3"))[:256])
         for preset in presets:
-            plan = get_plan(preset, warm, lm=lm, cal=cal)
+            plan = make_plan(warm, preset, model=lm, calibration=cal)
             encode_kvc_bytes(warm, plan, chunk_tokens=plan.chunk_tokens, preset=preset)
         ids = tokenize(lm.tokenizer, load_text(a.text))
         for T in [int(x) for x in a.tokens.split(",") if x]:
@@ -74,7 +76,7 @@ def main(argv=None) -> None:
                 cpu, data = [], b""
                 for _ in range(a.repeat):
                     with harness.stopwatch() as sw:
-                        plan = get_plan(preset, cache, lm=lm, cal=cal)
+                        plan = make_plan(cache, preset, model=lm, calibration=cal)
                         data = encode_kvc_bytes(cache, plan, chunk_tokens=plan.chunk_tokens, preset=preset)
                     cpu.append(sw.cpu)
                 best = min(cpu)

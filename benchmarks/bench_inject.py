@@ -82,7 +82,7 @@ def main(argv=None) -> None:
     from kvcodec.calibration.build import ensure_calibration
     from kvcodec.models.capture import max_context
     from kvcodec.models.load import load_model
-    from kvcodec.plan.presets import rate_model
+    from kvcodec.api import resolve_rate_model
     from kvcodec.runtime.knowledge import KnowledgeBase
     from kvcodec.store import Store, TenantKey
 
@@ -96,7 +96,7 @@ def main(argv=None) -> None:
     for model in [m for m in a.models.split(",") if m]:
         lm = load_model(model)
         cal = ensure_calibration(lm)  # per model, shared by every file: not a document's cost
-        rate_model(lm, cal)
+        resolve_rate_model(lm, cal)
         ids = corpus_ids(lm, [t for t in a.texts.split(",") if t])
         window = max_context(lm)
         with tempfile.TemporaryDirectory(prefix="bench-inject-") as root:

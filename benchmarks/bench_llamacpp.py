@@ -52,7 +52,7 @@ from common import QUESTION, long_ids
 from kvcodec.models.capture import capture, tokenize  # noqa: E402
 from kvcodec.models.quality import compare_logits, continue_logits  # noqa: E402
 from kvcodec.format import KvcReader, encode_kvc_bytes  # noqa: E402
-from kvcodec.plan.presets import get_plan
+from kvcodec.api import make_plan
 from kvcodec.integrations.hf import greedy_from, load_cache  # noqa: E402
 from kvcodec.integrations.llamacpp import gguf_fingerprint, load_kvc  # noqa: E402
 from kvcodec.models.load import _gguf_path, load_model  # noqa: E402
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     hf_exact_logits = continue_logits(lm, exact, cont)
     identity = gguf_fingerprint(gguf)
     for preset in args.presets.split(","):
-        plan = get_plan(preset, exact, lm=lm)
+        plan = make_plan(exact, preset, model=lm)
         data = encode_kvc_bytes(exact, plan)
         path = tmp / f"doc-{preset}.kvc"
         path.write_bytes(data)

@@ -28,6 +28,7 @@ from kvcodec.eval.curve import cached_capture, default_capture_dir
 from kvcodec.models.quality import continue_logits, evaluate
 from kvcodec.format import KvcReader
 from kvcodec.models.load import load_model
+from kvcodec.api import make_plan
 from kvcodec.plan.presets import get_plan
 from kvcodec.format import encode_kvc_bytes
 from kvcodec.plan.check import greedy_with_margins, max_rival_gain
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
         cont = all_ids[len(ids):len(ids) + 256]
         exact = continue_logits(lm, cache, cont)
         greedy, margins = greedy_with_margins(lm, cache, int(cont[0]), 16)
-        for method, plan_fn in (("near-lossless", lambda: get_plan("near-lossless", cache, lm=lm)),
+        for method, plan_fn in (("near-lossless", lambda: make_plan(cache, "near-lossless", model=lm)),
                                 ("fp16", lambda: get_plan("fp16", cache)),
                                 ("near-lossless 8-bit codes (before)", lambda: get_plan("near-lossless", cache, lm=lm, step0=0.02, max_bits=8))):
             with harness.stopwatch(cpu=None) as sw:

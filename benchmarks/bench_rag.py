@@ -188,12 +188,13 @@ def calibrate(lm: LoadedModel, preset: str, res: Results) -> None:
     Its row says which happened, so the report can show it beside the injection.
     """
     from kvcodec.calibration.build import ensure_calibration
-    from kvcodec.plan.presets import preset_info, rate_model
+    from kvcodec.api import resolve_rate_model
+    from kvcodec.plan.presets import preset_info
 
     if not preset_info(preset).lossy:
         return
     with harness.stopwatch() as sw:  # bases + sensitivities, then the rate model the controlled presets plan with
-        rate_model(lm, ensure_calibration(lm))  # loaded when this machine has them
+        resolve_rate_model(lm, ensure_calibration(lm))  # loaded when this machine has them
     if not res.find(kind="calibration", model=lm.name):  # the first time of the run; a resumed run loads or rebuilds
         res.add({"kind": "calibration", "model": lm.name, "wall_s": sw.wall, "cpu_s": sw.cpu})
     print(f"  calibration of {lm.name} ready in {sw.wall:.1f} s (not part of the injection)", file=sys.stderr)

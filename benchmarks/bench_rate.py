@@ -44,10 +44,11 @@ def _row(lm, cache, cont, exact, preset, cal, prefill_cpu, n_first):
 
     from kvcodec.format import KvcReader, encode_kvc_bytes
     from kvcodec.models.quality import continue_logits
-    from kvcodec.plan.presets import PRESETS, get_plan
+    from kvcodec.api import make_plan
+    from kvcodec.plan.presets import PRESETS
 
     with harness.stopwatch() as sw:
-        plan = get_plan(preset, cache, lm=lm, cal=cal)
+        plan = make_plan(cache, preset, model=lm, calibration=cal)
         data = encode_kvc_bytes(cache, plan, chunk_tokens=plan.chunk_tokens, preset=preset)
     dec = KvcReader(data).read_cache()
     with torch.inference_mode():
@@ -80,11 +81,11 @@ def _chat_context(lm, text: str, T: int, n_cont: int):
     The context is what ``KnowledgeBase`` stores for one document: the model's own chat prefix (system turn,
     user-turn opener, special tokens) and the document cut to fill ``T`` tokens, ending as a stored document does
     (``doc_ids``: ``"\\n\\n"``). The continuation is what follows it when the entry is used, as the rate model's
-    chat factor measures it (:func:`kvcodec.plan.chatfactor.chat_continuation`): the question turn and the model's
+    chat factor measures it (:func:`kvcodec.onboard.chatfactor.chat_continuation`): the question turn and the model's
     own greedy answer from the exact cache, ``n_cont`` tokens in all (not stopped at EOS)."""
     from kvcodec.models.capture import tokenize
     from kvcodec.models.chat import ChatFormat
-    from kvcodec.plan.chatfactor import CHAT_QUESTION, chat_continuation
+    from kvcodec.onboard.chatfactor import CHAT_QUESTION, chat_continuation
 
     chat = ChatFormat.for_tokenizer(lm.tokenizer)
     body = tokenize(lm.tokenizer, text)[:max(1, T - len(chat.prefix) - 2)]
@@ -185,7 +186,9 @@ def main(argv=None) -> None:
     from kvcodec.models.load import load_model
     from kvcodec.models.quality import continue_logits
     from kvcodec.format import encode_kvc_bytes
-    from kvcodec.plan.presets import get_plan, rate_model, score_window
+    from kvcodec.api import make_plan
+    from kvcodec.api import resolve_rate_model
+    from kvcodec.plan.presets import score_window
     from kvcodec.texts import load_text
 
     torch.set_num_threads(a.threads)
@@ -194,11 +197,11 @@ def main(argv=None) -> None:
     for model in [m for m in a.models.split(",") if m]:
         lm = load_model(model)
         cal = ensure_calibration(lm)
-        rate_model(lm, cal)  # fitted once (or shipped): not an encode's cost
+        resolve_rate_model(lm, cal)  # fitted once (or shipped): not an encode's cost
         window = max_context(lm)
         warm = capture(lm, token_ids=tokenize(lm.tokenizer, load_text("gpl3"))[:256])
         for preset in presets:  # untimed: one-time loads (numba kernels, imports), not a document's cost
-            plan = get_plan(preset, warm, lm=lm, cal=cal)
+            plan = make_plan(warm, preset, model=lm, calibration=cal)
             encode_kvc_bytes(warm, plan, chunk_tokens=plan.chunk_tokens, preset=preset)
         for name in [t for t in a.texts.split(",") if t]:
             ids0 = ids = tokenize(lm.tokenizer, load_text(name))

@@ -56,7 +56,8 @@ from common import get_cache  # noqa: E402  (the cache on disk: $KVC_BENCH_CACHE
 from kvcodec.calibration.store import default_resolver, load_calibration  # noqa: E402
 from kvcodec.format.reader import KvcReader  # noqa: E402
 from kvcodec.format.writer import write_kvc  # noqa: E402
-from kvcodec.plan.presets import get_plan, preset_info  # noqa: E402
+from kvcodec.api import make_plan  # noqa: E402
+from kvcodec.plan.presets import preset_info  # noqa: E402
 
 
 def kernel_uses_zmm() -> bool | None:
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     res: dict = {"lm": args.lm, "text": args.text, "tokens": args.tokens, "model_plan": bool(args.model), "fp16_mb": mb, "loadavg_start": os.getloadavg()[0],
                  "raw_read_s": t_raw, "raw_read_mb_s": mb / t_raw, "memcpy_s": t_mem, "memcpy_mb_s": mb / t_mem, "presets": {}}
     for name in presets:
-        plan = get_plan(name, cache, lm=lm, cal=cal if needs_calibration(name) else None)
+        plan = make_plan(cache, name, model=lm, calibration=cal if needs_calibration(name) else None)
         buf = io.BytesIO()
 
         def enc():

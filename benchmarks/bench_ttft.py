@@ -43,7 +43,7 @@ from common import QUESTION, long_ids
 from kvcodec.atomic import atomic_write_text
 from kvcodec.models.capture import capture, tokenize
 from kvcodec.format import encode_kvc_bytes
-from kvcodec.plan.presets import get_plan
+from kvcodec.api import make_plan
 from kvcodec.integrations.hf import greedy_from, load_cache
 from kvcodec.runtime.ttft import cold_ttft, ttft_prefill
 from kvcodec.models.load import load_model
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
         for n in [int(x) for x in args.tokens.split(",")]:
             ids = long_ids(lm.tokenizer, n)
             cache = capture(lm, token_ids=ids)
-            plan = get_plan(args.preset, cache, lm=lm)
+            plan = make_plan(cache, args.preset, model=lm)
             data = encode_kvc_bytes(cache, plan)
             path = tmp / f"doc{n}.kvc"
             path.write_bytes(data)

@@ -26,7 +26,7 @@ import harness
 
 from kvcodec.models.capture import capture, tokenize
 from kvcodec.format import write_kvc
-from kvcodec.plan.presets import get_plan
+from kvcodec.api import make_plan
 from kvcodec.models.load import load_model
 from kvcodec.texts import load_text
 
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     with tempfile.TemporaryDirectory() as td:
         for preset in a.presets.split(","):
-            plan = get_plan(preset, cache, lm=lm)
+            plan = make_plan(cache, preset, model=lm)
             times: dict[bool, list[float]] = {True: [], False: []}
             size = 0
             for rep in range(a.repeat + 1):  # the first round warms numba / caches and is not counted

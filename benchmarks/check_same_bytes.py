@@ -32,6 +32,7 @@ try:  # the package layout (issue 32)
     from kvcodec.models.load import load_model
     from kvcodec.plan.baseline_plans import BASELINES, get_baseline_plan
     from kvcodec.plan.importance import cache_importance
+    from kvcodec.api import make_plan
     from kvcodec.plan.presets import get_plan
     from kvcodec.texts import load_text
 
@@ -93,7 +94,7 @@ def main() -> None:
     if a.guarded:
         lm = lm or load_model("smollm2")
         for p in ["near-lossless", "balanced", "small"]:
-            plan = get_plan(p, cache, lm=lm)
+            plan = make_plan(cache, p, model=lm)
             h(f"{p}+model", plan)
             out[f"{p}+model"] += f" step0={plan.params.get('step0')}"
     for k, v in out.items():

@@ -29,15 +29,16 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable, Mapping
 
 
+from kvcodec.accounting import PruneRecord, bits_per_element, context_elements
 from kvcodec.core.kvcache import KVCache
 from kvcodec.core.stage import Plan
 from kvcodec.errors import KvcInputError
 from kvcodec.format import KvcReader
-from kvcodec.plan.presets import BASELINE_PREFIX, DEFAULT_LOSSY, PRESETS, PresetInfo, check_overrides, preset_info
-from kvcodec.rate import PruneRecord, bits_per_element, context_elements
+from kvcodec.plan.presets import BASELINE_PREFIX, DEFAULT_LOSSY, PRESETS, RATE_MODES, PresetInfo, check_overrides, preset_info
 
 __all__ = ["DEFAULT_LOSSY", "PRESETS", "Encoded", "PresetInfo", "capture", "check_overrides", "encode", "encode_cache",
-           "make_plan", "open", "preset_info", "resolve_calibration"]
+           "make_plan", "open", "preset_info", "resolve_calibration",
+           "resolve_rate_model"]
 
 Source = KVCache | str | os.PathLike
 
@@ -105,7 +106,7 @@ def encode(
     model directory; lossy presets use it for their quality check and token importance, and it
     must be the cache's model. ``preset`` + ``overrides`` choose the codec
     (:func:`kvcodec.plan.presets.get_plan`). Lossy presets with a model choose their step by rate
-    control (:mod:`kvcodec.plan.rate`: the step whose predicted KL is a fixed fraction of the
+    control (:mod:`kvcodec.plan.ratecontrol`: the step whose predicted KL is a fixed fraction of the
     preset's promise); ``target_kl`` / ``target_dppl`` (a mean ΔPPL in expectation, taken as the
     KL it corresponds to) replace the promise, within the preset's range (``preset=None``:
     ``balanced``'s settings). ``check`` confirms the step on the document's tail with the real
@@ -223,20 +224,41 @@ def resolve_calibration(model: Any, preset: str, *, build: bool = True) -> Any:
     return ensure_calibration(_model(model))
 
 
+def resolve_rate_model(model: Any, calibration: Any, progress: bool = True) -> Any:
+    """The model's rate model for this preset table (its settings, answer probes and chat factors): the user's or
+    the shipped one, else fitted once and saved (minutes, with progress:
+    :func:`kvcodec.onboard.ratefit.ensure_rate_model`). The one way callers get it, so every caller asks for the
+    same settings and none makes another's stale; resolved here, before planning: the planner never fits."""
+    from kvcodec.onboard.ratefit import ensure_rate_model
+    from kvcodec.plan.presets import answer_targets, lossy_settings, preset_targets
+
+    return ensure_rate_model(_model(model), calibration, lossy_settings(), progress=progress, answers=answer_targets(),
+                             targets=preset_targets())
+
+
 def make_plan(cache: KVCache, preset: str, *, overrides: Mapping[str, Any] | None = None, model: Any = None,
               calibration: Any = None, rate: str = "predict", importance: Any = None, target: Any = None,
-              build_calibration: bool = True) -> Plan:
+              build_calibration: bool = True, rate_model: Any = None) -> Plan:
     """The plan of ``preset`` (a preset name or ``baseline:NAME``) + ``overrides`` for ``cache``, its inputs resolved
     here, once: ``model`` goes to the planner only where the preset uses one (rate control, token importance; a
     ``target`` uses it too); ``calibration`` (None: :func:`resolve_calibration` with ``build_calibration``);
     ``rate`` (``"predict"``, ``"check"``, ``"fixed"``) and ``importance`` ([L, T], precomputed) as
-    :func:`kvcodec.plan.presets.get_plan` takes them. The one way above this module to turn a preset into a plan."""
-    from kvcodec.plan.presets import get_plan
+    :func:`kvcodec.plan.presets.get_plan` takes them; the model's ``rate_model`` where rate control uses it
+    (None: :func:`resolve_rate_model`). The one way above this module to turn a preset into a plan."""
+    from kvcodec.plan.presets import get_plan, rate_controlled
 
     info = None if isinstance(preset, str) and preset.startswith(BASELINE_PREFIX) else preset_info(preset)
+    over = dict(overrides or {})
     lm = _model(model) if model is not None and info is not None and (info.uses_model or target is not None) else None
     cal = calibration if calibration is not None else resolve_calibration(lm, preset, build=build_calibration)
-    return get_plan(preset, cache, lm=lm, cal=cal, rate=rate, importance=importance, target=target, **dict(overrides or {}))
+    rm = rate_model
+    if rm is None and lm is not None and rate in RATE_MODES and rate_controlled(preset, rate, target, **check_overrides(preset, over)):
+        if cal is None:  # the planner's own lookup, made here: the rate model is fitted on the calibration
+            from kvcodec.calibration.store import require_calibration
+
+            cal = require_calibration(cache.fingerprint)
+        rm = resolve_rate_model(lm, cal)
+    return get_plan(preset, cache, lm=lm, cal=cal, rate=rate, importance=importance, target=target, rm=rm, **over)
 
 
 def encode_cache(

@@ -40,7 +40,7 @@ NAMED: dict[str, str] = {
 }
 # Three documents of different kinds used by tests and benchmarks by default (all in TUNING).
 DEFAULT_BENCH_TEXTS = ("gpl3", "pydoc", "lgpl21")
-# Presets and codec constants are tuned on these only (the rate model, kvcodec.plan.ratefit, is fitted
+# Presets and codec constants are tuned on these only (the rate model, kvcodec.onboard.ratefit, is fitted
 # on one of each kind: a license, reference prose, Python source, a C header).
 TUNING: tuple[str, ...] = ("gpl3", "pydoc", "lgpl21", "py-textwrap", "c-linux-bpf")
 # Reported on, never tuned on, and disjoint from the calibration corpus

@@ -270,7 +270,7 @@ def coefficient_sensitivity(lm: Any, cache: Any, continuation: np.ndarray, basis
     # acc is created and updated in place in one mode, whatever the caller's (issue 59); on_sample, the caller's
     # code, runs in the caller's mode
     with _build_mode():
-        b = torch.from_numpy(np.asarray(basis, np.float64))  # torch, not numpy: numpy's BLAS threads spin (rate.py)
+        b = torch.from_numpy(np.asarray(basis, np.float64))  # torch, not numpy: numpy's BLAS threads spin (plan/ratecontrol.py)
         acc = torch.zeros((L, 2, H, K), dtype=torch.float64)
     for s, grads in enumerate(_fisher_gradients(lm, cache, continuation, samples, seed)):
         with _build_mode():

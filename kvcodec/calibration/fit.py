@@ -108,7 +108,7 @@ def fisher_weighted(basis: np.ndarray, eigval: np.ndarray, csens: np.ndarray) ->
     (the basis is the decoder's, whatever its scale).
 
     The returned sensitivity is the layer's sum of ``csens``: then a coefficient-domain error of mean power N per
-    element costs KL ``sens * N`` whatever column it falls on (what :mod:`kvcodec.plan.rate` predicts with).
+    element costs KL ``sens * N`` whatever column it falls on (what :mod:`kvcodec.plan.ratecontrol` predicts with).
     Columns are re-sorted by decreasing weighted variance, since the transform keeps the first ``k``.
     """
     c = np.maximum(np.asarray(csens, np.float64), 0.0)

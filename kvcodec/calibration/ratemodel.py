@@ -1,4 +1,4 @@
-"""A model's rate model: the fitted constants of the KL predictor (:mod:`kvcodec.plan.rate`), stored beside its calibration.
+"""A model's rate model: the fitted constants of the KL predictor (:mod:`kvcodec.plan.ratecontrol`), stored beside its calibration.
 
 Why a file of its own and not more tensors in the calibration: ``.kvc`` files reference a
 calibration by its content sha256, so changing it would orphan every file written before; the
@@ -16,8 +16,8 @@ Format (JSON, ``kvcodec-ratemodel`` version 1)::
      "rival_per_step": g,      # near-lossless: max rival logit gain per unit step0 (linear law)
      "layer_factor": [[fk, fv], ...],  # per layer, K and V: measured / predicted KL of that tensor alone
      "presets_sha256": ...,    # the preset settings it was fitted for (others: refitted)
-     "answer_step": {"faithful": {"factor": f, "tried": [...]}},  # the answer probe (kvcodec.plan.answercheck)
-     "chat_factor": {"balanced": {"factor": f, "rows": [...]}},  # chat contexts (kvcodec.plan.chatfactor)
+     "answer_step": {"faithful": {"factor": f, "tried": [...]}},  # the answer probe (kvcodec.onboard.answercheck)
+     "chat_factor": {"balanced": {"factor": f, "rows": [...]}},  # chat contexts (kvcodec.onboard.chatfactor)
      "preset_sha256": {"balanced": ..., ...},  # per preset: its settings' digest (a preset added later is
                                # fitted alone and merged; one whose settings changed is refitted)
      "fit": [...]}             # the fit's measurements: KL, and ``dnll`` (the mean NLL change on the real
@@ -75,11 +75,11 @@ class RateModel:
     # the table (or one whose settings change) is fitted alone, at ~1/(1 + presets) of a whole fit, and merged; the
     # others' constants and the per-layer factors stay (empty: a file from before, judged by presets_sha256 alone)
     preset_sha256: dict[str, str] = field(default_factory=dict)
-    # per preset that promises answers: the answer probe's record (kvcodec.plan.answercheck), whose "factor" (<= 1)
+    # per preset that promises answers: the answer probe's record (kvcodec.onboard.answercheck), whose "factor" (<= 1)
     # multiplies the step rate control picks: what keeps the probe's answers identical on this model
     answer_step: dict[str, dict[str, Any]] = field(default_factory=dict)
     # per lossy preset: measured over predicted KL on chat contexts continued by a question and the model's answer
-    # (kvcodec.plan.chatfactor), >= 1; rate control multiplies its prediction by it for a context in the model's chat
+    # (kvcodec.onboard.chatfactor), >= 1; rate control multiplies its prediction by it for a context in the model's chat
     # format (empty: not measured, a file from before: the factor is 1 as it was)
     chat_factor: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -101,7 +101,7 @@ class RateModel:
         Why: a ΔPPL "in expectation" equals the KL only on text the model itself would write (``E_p[log p/q]``).
         Real text is not drawn from the model, and how far the two part is a property of the model: measured on
         an unseen 0.5B model, ``balanced``'s ΔPPL ran about 2x its KL (issue 57), on SmolLM2 about half. Rate
-        control aims at the tighter of the KL and ΔPPL promises with it (:func:`kvcodec.plan.rate.controlled_plan`).
+        control aims at the tighter of the KL and ΔPPL promises with it (:func:`kvcodec.plan.ratecontrol.controlled_plan`).
         """
         rows = [r for r in self.fit if isinstance(r, dict) and _num(r.get("kl")) and _num(r.get("dnll"))
                 and r["kl"] >= DPPL_KL_FLOOR]

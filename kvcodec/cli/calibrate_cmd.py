@@ -24,8 +24,9 @@ def calibrate_command(model, force, basis, as_json) -> None:
     from kvcodec.calibration.build import build_calibration
     from kvcodec.calibration.ratemodel import rate_model_path, save_rate_model
     from kvcodec.calibration.store import load_calibration, save_calibration
-    from kvcodec.plan.presets import answer_targets, lossy_settings, preset_targets, rate_model
-    from kvcodec.plan.ratefit import find_rate_model, fit_rate_model, with_chat_factor, with_dnll
+    from kvcodec.api import resolve_rate_model
+    from kvcodec.plan.presets import answer_targets, lossy_settings, preset_targets
+    from kvcodec.onboard.ratefit import find_rate_model, fit_rate_model, with_chat_factor, with_dnll
 
     lm = load_model(model)
     fid = lm.fingerprint.id
@@ -44,7 +45,7 @@ def calibrate_command(model, force, basis, as_json) -> None:
         had = find_rate_model(cal, lossy_settings(), answer_targets())
         t0 = time.perf_counter()
         fitted = had is None
-        rm = rate_model(lm, cal) if had is None else had
+        rm = resolve_rate_model(lm, cal) if had is None else had
         if rm.dppl_ratio() is None and not any("dnll" in r for r in rm.fit):  # fitted before rows recorded it
             rm, fitted = with_dnll(lm, cal, rm, lossy_settings()), True
             save_rate_model(rm, rate_model_path(cal))
@@ -63,7 +64,7 @@ def calibrate_command(model, force, basis, as_json) -> None:
               # ΔPPL per unit KL on real text (kvcodec.calibration.ratemodel.RateModel.dppl_ratio); rate control aims
               # at the tighter of the KL and ΔPPL promises with it
               "dppl_ratio": rm.dppl_ratio(),
-              # per preset: measured / predicted KL on chat contexts (kvcodec.plan.chatfactor), applied to them
+              # per preset: measured / predicted KL on chat contexts (kvcodec.onboard.chatfactor), applied to them
               "chat_factor": {n: v["factor"] for n, v in rm.chat_factor.items()}}
     if as_json:
         emit_json(report)

@@ -50,7 +50,7 @@ from kvcodec.format import KvcReader
 from kvcodec.digest import token_ids_sha256
 from kvcodec.core.kvcache import KVCache
 from kvcodec.plan.pipelines import external_bytes
-from kvcodec.rate import bits_per_element, context_elements
+from kvcodec.accounting import bits_per_element, context_elements
 from kvcodec.eval.methods import Method, TextCase, select_methods
 from kvcodec.eval.report import PLOT_FORMATS, bits_at_kl, pareto, plot_curve, summary_table, write_csv
 
@@ -114,7 +114,7 @@ def load_case(lm: Any, text: str, max_tokens: int, continuation: int, capture_di
 # -- one measurement ----------------------------------------------------------------------
 def kv_elements(cache: KVCache) -> int:
     """K+V elements of the *full* context (pruned caches are charged against the unpruned count):
-    :func:`kvcodec.rate.context_elements`, the one definition."""
+    :func:`kvcodec.accounting.context_elements`, the one definition."""
     return context_elements(cache)
 
 

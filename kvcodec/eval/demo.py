@@ -23,7 +23,7 @@ from kvcodec.api import encode_cache
 from kvcodec.format import KvcReader
 from kvcodec.digest import token_ids_sha256
 from kvcodec.models.load import load_model
-from kvcodec.rate import bits_per_element
+from kvcodec.accounting import bits_per_element
 from kvcodec.texts import load_text
 from kvcodec.runtime.ttft import cold_ttft, median_time, ttft_kvc, ttft_prefill
 

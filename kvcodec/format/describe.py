@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvcodec.rate import PruneRecord, bits_per_element, context_tokens
+from kvcodec.accounting import PruneRecord, bits_per_element, context_tokens
 
 
 def _stage_str(s: Any) -> str:

@@ -121,7 +121,7 @@ def _encode(tokenizer: Any, text: str) -> np.ndarray:
 
 def is_chat_context(lm: Any, token_ids: Any) -> bool:
     """Whether ``token_ids`` open with ``lm``'s own chat prefix, as every context ``KnowledgeBase`` and ``kvc ask``
-    store does: a context a question will follow (rate control's chat factor, :mod:`kvcodec.plan.chatfactor`)."""
+    store does: a context a question will follow (rate control's chat factor, :mod:`kvcodec.onboard.chatfactor`)."""
     if token_ids is None or getattr(lm, "tokenizer", None) is None:
         return False
     memo = getattr(lm, "__dict__", {}).get("_kvc_chat_prefix")

@@ -1,7 +1,7 @@
 """The opt-in encode-time check (``--check``): confirm the rate control's step on the document's tail with the real model.
 
 By default the encoder picks ``step0`` from the rate model's prediction with no model forward
-pass (:mod:`kvcodec.plan.rate`). A user who wants a measurement on *this* document asks for this
+pass (:mod:`kvcodec.plan.ratecontrol`). A user who wants a measurement on *this* document asks for this
 check: it starts at the predicted step and lowers it until the probe meets the promise (a
 statistical check, not a proof). A probe whose KL is far from the prediction is logged as a
 warning (the rate model is off for this text) and the measured step is used: never a silent miss.

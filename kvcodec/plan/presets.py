@@ -34,7 +34,7 @@ from kvcodec.errors import KvcInputError
 from kvcodec.core.stage import Plan
 from kvcodec.plan.targets import NEAR_TIE, QualityTarget
 
-__all__ = ["PRESETS", "BASELINE_PREFIX", "DEFAULT_LOSSY", "Plan", "PresetInfo", "answer_targets", "available_presets", "check_overrides", "score_window",
+__all__ = ["PRESETS", "BASELINE_PREFIX", "DEFAULT_LOSSY", "Plan", "PresetInfo", "answer_targets", "available_presets", "check_overrides", "rate_controlled", "score_window",
            "get_plan", "parse_config", "preset_info"]
 
 BASELINE_PREFIX = "baseline:"
@@ -59,7 +59,7 @@ class PresetInfo:
     target: QualityTarget | None = None
     kl_range: tuple[float, float] | None = None  # the mean KL targets this preset's settings can reach (target_kl)
     # it promises answers too (issue 53): greedy answers to questions about the context identical to in-context ones.
-    # Rate control then also applies the model's answer probe (kvcodec.plan.answercheck), measured at fit time
+    # Rate control then also applies the model's answer probe (kvcodec.onboard.answercheck), measured at fit time
     answers: bool = False
 
 
@@ -99,16 +99,6 @@ CONFIG_KEYS = frozenset({"preset"}) | _LOSSY_KEYS | _ZSTD_KEYS
 def lossy_settings() -> dict[str, Mapping[str, Any]]:
     """The settings of every preset with a promise (what a model's rate model is fitted on)."""
     return {n: p.settings for n, p in PRESETS.items() if p.lossy and p.target is not None}
-
-
-def rate_model(lm: Any, cal: Any, progress: bool = True) -> Any:
-    """The model's rate model for this preset table (its settings and answer probes): loaded, extended or fitted
-    once (:func:`kvcodec.plan.ratefit.ensure_rate_model`). The one way callers get it, so every caller asks for
-    the same settings and none makes another's stale."""
-    from kvcodec.plan.ratefit import ensure_rate_model
-
-    return ensure_rate_model(lm, cal, lossy_settings(), progress=progress, answers=answer_targets(),
-                             targets=preset_targets())
 
 
 def preset_targets() -> dict[str, QualityTarget]:
@@ -271,8 +261,19 @@ def _warn_answer_factor(lm: Any, name: str, rm: Any) -> None:
             "step (more bits) to keep them", getattr(lm, "name", rm.fingerprint_id), name, f)
 
 
+def rate_controlled(name: str, rate: str = "predict", target: QualityTarget | None = None, **overrides: Any) -> bool:
+    """Whether :func:`get_plan` chooses preset ``name``'s step by rate control when given the model (and so needs
+    the model's rate model, resolved before planning by :func:`kvcodec.api.resolve_rate_model`): a lossy preset
+    with a promise (or ``target``), a PCA basis, no ``step0`` override, ``rate`` not ``"fixed"``."""
+    if rate == "fixed" or "step0" in overrides or (isinstance(name, str) and name.startswith(BASELINE_PREFIX)):
+        return False
+    info = preset_info(name)
+    basis = overrides.get("basis", info.settings.get("basis", "pca"))
+    return info.lossy and (target or info.target) is not None and basis == "pca"
+
+
 def get_plan(name: str, cache: Any, lm: Any = None, *, rate: str = "predict", cal: Any = None,
-             importance: Any = None, target: QualityTarget | None = None, **overrides: Any) -> Plan:
+             importance: Any = None, target: QualityTarget | None = None, rm: Any = None, **overrides: Any) -> Plan:
     """The plan of preset ``name`` (or ``baseline:NAME``) for ``cache``.
 
     ``overrides`` are the preset's settings to change (checked by :func:`check_overrides`).
@@ -281,10 +282,12 @@ def get_plan(name: str, cache: Any, lm: Any = None, *, rate: str = "predict", ca
     not given, once, and passed down; a model without one is a one-line error naming ``kvc
     calibrate``: building one is the caller's choice,
     :func:`kvcodec.calibration.build.ensure_calibration`), and precomputed per-(layer, token)
-    importance [L, T] (so a caller scoring the context once can reuse it).
+    importance [L, T] (so a caller scoring the context once can reuse it), and ``rm``, the model's rate
+    model (:class:`~kvcodec.calibration.ratemodel.RateModel`), which rate control needs
+    (:func:`rate_controlled`): the planner never fits or builds one (:func:`kvcodec.api.make_plan` resolves it).
 
     ``rate`` (lossy presets with a model and no ``step0`` override) chooses ``step0``:
-    ``"predict"`` (default) from the rate model's predicted KL (:mod:`kvcodec.plan.rate`, no model
+    ``"predict"`` (default) from the rate model's predicted KL (:mod:`kvcodec.plan.ratecontrol`, no model
     forward pass beyond the token importance); ``"check"`` predicts, then confirms on the
     document's tail with the real model (:mod:`kvcodec.plan.check`); ``"fixed"`` is the preset's
     table step. Without a model every lossy preset encodes at its table step. ``target`` replaces
@@ -320,13 +323,12 @@ def get_plan(name: str, cache: Any, lm: Any = None, *, rate: str = "predict", ca
     if cal is not None:
         args["cal"] = cal
     target = target or info.target
-    controlled = (rate != "fixed" and lm is not None and "step0" not in overrides and target is not None
-                  and args.get("basis", "pca") == "pca")
-    if controlled:
-        from kvcodec.plan.rate import controlled_plan
+    if lm is not None and rate_controlled(name, rate, target, **overrides):
+        from kvcodec.plan.ratecontrol import controlled_plan
 
-        # the rate model: shipped, or fitted once per model with progress (kvc calibrate fits it too)
-        rm = rate_model(lm, args["cal"])
+        if rm is None:  # the planner only plans: the rate model is an input, fitted or loaded before (kvcodec.api)
+            raise KvcInputError(f"preset {name}: rate control needs the model's rate model (rm=); plan through "
+                                "kvcodec.api.make_plan, which resolves it, or pass rate='fixed'")
         plan = controlled_plan(cache, lm, name, args, target, rm, check=rate == "check", importance=importance)
         _warn_answer_factor(lm, name, rm)
         return plan

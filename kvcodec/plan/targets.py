@@ -1,7 +1,7 @@
 """What a lossy preset promises on a continuation of its document (:class:`QualityTarget`).
 
 Its own module because the preset table (:mod:`kvcodec.plan.presets`), the rate control
-(:mod:`kvcodec.plan.rate`) and the opt-in encode-time check (:mod:`kvcodec.plan.check`) all name it.
+(:mod:`kvcodec.plan.ratecontrol`) and the opt-in encode-time check (:mod:`kvcodec.plan.check`) all name it.
 
 **Promises are stated on stable measures** (issue 33). Mean KL (nats per token) against the exact
 cache and top-1 agreement have a per-token spread small enough that a few hundred tokens measure

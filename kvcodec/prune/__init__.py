@@ -36,7 +36,7 @@ from kvcodec.prune.h2o import (
     select_h2o,
 )
 from kvcodec.prune.lingua import capture_lingua, lingua_select, original_indices, self_information
-from kvcodec.rate import PruneRecord
+from kvcodec.accounting import PruneRecord
 
 __all__ = [
     "H2OBudget", "LinguaBudget", "PruneBudget", "parse_prune", "apply_prune", "capture_with_scores",
@@ -107,7 +107,7 @@ def apply_prune(
 
 
 def kept_fraction(cache: KVCache) -> float:
-    """Fraction of the original context a (possibly pruned) cache keeps (its prune record's, :mod:`kvcodec.rate`)."""
+    """Fraction of the original context a (possibly pruned) cache keeps (its prune record's, :mod:`kvcodec.accounting`)."""
     rec = PruneRecord.from_meta(cache.meta)
     if rec is not None and rec.kept_fraction is not None:
         return rec.kept_fraction

@@ -45,7 +45,7 @@ from kvcodec.models.attention_tap import tapped
 from kvcodec.errors import KvcInputError
 from kvcodec.core.kvcache import KVCache
 from kvcodec.prune.budget import DEFAULT_WINDOW, H2OBudget
-from kvcodec.rate import prune_record
+from kvcodec.accounting import prune_record
 
 _STATE = threading.local()
 _CHUNK = 256

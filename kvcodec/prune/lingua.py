@@ -36,7 +36,7 @@ from kvcodec.errors import KvcInputError
 from kvcodec.digest import token_ids_sha256
 from kvcodec.core.kvcache import KVCache
 from kvcodec.prune.budget import LinguaBudget
-from kvcodec.rate import prune_record
+from kvcodec.accounting import prune_record
 
 
 @torch.inference_mode()

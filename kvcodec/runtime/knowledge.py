@@ -34,7 +34,7 @@ from kvcodec.format import KvcReader
 from kvcodec.integrations.hf import greedy_from, load_cache
 from kvcodec.core.kvcache import KVCache
 from kvcodec.models.load import LoadedModel, cache_root
-from kvcodec.rate import bits_per_element, context_elements
+from kvcodec.accounting import bits_per_element, context_elements
 from kvcodec.store import Store, StoreKey
 from kvcodec.store.keys import codec_key
 

@@ -15,7 +15,7 @@ import numpy as np
 from kvcodec.core.kvcache import KVCache
 from kvcodec.errors import KvcInputError
 from kvcodec.models.load import LoadedModel
-from kvcodec.rate import bits_per_element, context_elements
+from kvcodec.accounting import bits_per_element, context_elements
 from kvcodec.store import Store
 from kvcodec.store.levels import (
     ChunkLevels,

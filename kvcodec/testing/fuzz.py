@@ -78,7 +78,7 @@ def make_seeds(out: Path, tokens: int, lm: Any = None) -> None:
 
     from kvcodec.models.capture import capture, tokenize
     from kvcodec.format import write_kvc
-    from kvcodec.plan.presets import get_plan
+    from kvcodec.api import make_plan
     from kvcodec.models.load import load_model
     from kvcodec.prune import apply_prune
     from kvcodec.texts import load_text
@@ -89,7 +89,7 @@ def make_seeds(out: Path, tokens: int, lm: Any = None) -> None:
     cache = capture(lm, token_ids=ids)
 
     def put(name: str, c: Any, preset: str, **kw: Any) -> None:
-        plan = get_plan(preset, c, lm=lm, **kw.pop("plan", {}))
+        plan = make_plan(c, preset, model=lm, overrides=kw.pop("plan", {}))
         write_kvc(c, out / f"{name}.kvc", plan,
                   meta=c.meta, **kw)
         print(f"seed {name}: {(out / f'{name}.kvc').stat().st_size} bytes", file=sys.stderr)

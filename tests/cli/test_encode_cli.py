@@ -178,7 +178,7 @@ def test_encode_check_json_reports_the_step_written(model_patched, real_cache, t
     from kvcodec.calibration.ratemodel import RateModel
     from kvcodec.calibration.store import require_calibration
     from kvcodec.plan.pipelines import layer_steps
-    from kvcodec.plan.presets import rate_model
+    from kvcodec.api import resolve_rate_model
 
     real = RateModel.factor
     monkeypatch.setattr(RateModel, "factor", lambda self, preset, tokens: real(self, preset, tokens) / 30)
@@ -196,7 +196,7 @@ def test_encode_check_json_reports_the_step_written(model_patched, real_cache, t
     assert rate["step0"] == pytest.approx(tries[-2 if tries[-1].get("floor") else -1]["step0"])
     assert rate["step0"] < rate["predicted_step0"]
     cal = require_calibration(model_patched.fingerprint)
-    want = np.float32(layer_steps(rate_model(model_patched, cal).allocated(cal), rate["step0"]))
+    want = np.float32(layer_steps(resolve_rate_model(model_patched, cal).allocated(cal), rate["step0"]))
     info = json.loads(run_main(["info", str(out), "--json"], capsys)[1])
     got = {st["config"]["step"] for p in info["pipelines"] for st in p["stages"] if st["name"] == "quantize"}
     assert sorted(got) == pytest.approx(sorted(set(want.ravel().tolist())), rel=1e-6)

@@ -252,13 +252,13 @@ def test_bad_configs(cfg):
 def test_balanced_meets_kl_on_real_cache(lm, gpl3_ids):
     from kvcodec.models.capture import capture
     from kvcodec.models.quality import compare_logits, continue_logits
-    from kvcodec.plan.presets import get_plan
+    from kvcodec.api import make_plan
     from kvcodec.format import KvcReader, encode_kvc_bytes
-    from kvcodec.rate import bits_per_element
+    from kvcodec.accounting import bits_per_element
 
     cache = capture(lm, token_ids=gpl3_ids[:512])
     cont = gpl3_ids[512:576]
-    plan = get_plan("balanced", cache, lm=lm)
+    plan = make_plan(cache, "balanced", model=lm)
     data = encode_kvc_bytes(cache, plan)
     dec = KvcReader(data).read_cache()
     m = compare_logits(continue_logits(lm, cache, cont), continue_logits(lm, dec, cont), cont)

@@ -17,7 +17,7 @@ import kvcodec
 from kvcodec.core.kvcache import save_capture
 from kvcodec import api
 from kvcodec.errors import KvcError, KvcInputError, KvcIOError, KvcModelMismatchError
-from kvcodec.rate import PruneRecord, context_elements, prune_record
+from kvcodec.accounting import PruneRecord, context_elements, prune_record
 from kvcodec.testing.golden import _synthetic
 
 
@@ -136,18 +136,25 @@ def test_make_plan_gives_the_model_and_calibration_only_to_presets_that_use_them
 
     cache = load_capture(capture_file)
     model = SimpleNamespace(fingerprint=cache.fingerprint, model=None)  # a loaded model, as far as the API looks
+    import kvcodec.calibration.store as store
+
     monkeypatch.setattr(build, "ensure_calibration", lambda lm: ("calibration of", lm))
+    monkeypatch.setattr(store, "require_calibration", lambda fp: "stored")
+    monkeypatch.setattr(api, "resolve_rate_model", lambda lm, cal: ("rate model of", cal))  # resolved here, not planned
     seen: list = []
-    monkeypatch.setattr(presets, "get_plan", lambda name, c, **kw: seen.append((name, kw["lm"], kw["cal"], kw["rate"])))
+    monkeypatch.setattr(presets, "get_plan", lambda name, c, **kw: seen.append((name, kw["lm"], kw["cal"], kw["rate"], kw["rm"])))
     api.make_plan(cache, "lossless", model=model)
     api.make_plan(cache, "baseline:int8", model=model)
     api.make_plan(cache, "balanced", model=model, rate="fixed")
     api.make_plan(cache, "balanced", model=model, build_calibration=False)
     api.make_plan(cache, "balanced", model=model, calibration="given")
+    api.make_plan(cache, "balanced", model=model, calibration="given", overrides={"step0": 0.5})
     api.make_plan(cache, "balanced")
-    assert seen == [("lossless", None, None, "predict"), ("baseline:int8", None, None, "predict"),
-                    ("balanced", model, ("calibration of", model), "fixed"), ("balanced", model, None, "predict"),
-                    ("balanced", model, "given", "predict"), ("balanced", None, None, "predict")]
+    assert seen == [("lossless", None, None, "predict", None), ("baseline:int8", None, None, "predict", None),
+                    ("balanced", model, ("calibration of", model), "fixed", None),
+                    ("balanced", model, "stored", "predict", ("rate model of", "stored")),
+                    ("balanced", model, "given", "predict", ("rate model of", "given")),
+                    ("balanced", model, "given", "predict", None), ("balanced", None, None, "predict", None)]
     assert api.resolve_calibration(None, "balanced") is None and api.resolve_calibration(model, "fp16") is None
 
 

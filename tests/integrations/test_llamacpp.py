@@ -25,6 +25,7 @@ else:
 from kvcodec.models.capture import capture, tokenize  # noqa: E402
 from kvcodec.errors import KvcInputError, KvcModelMismatchError  # noqa: E402
 from kvcodec.format import encode_kvc_bytes  # noqa: E402
+from kvcodec.api import make_plan
 from kvcodec.plan.presets import get_plan
 from kvcodec.integrations.llamacpp import LlamaShape, capture_llamacpp, check_target, gguf_fingerprint, load_kvc  # noqa: E402
 from kvcodec.models.load import _gguf_path  # noqa: E402
@@ -99,7 +100,7 @@ def kvc_files(lm, doc):
     cache = capture(lm, token_ids=doc)
     out = {}
     for preset in ("fp16", "near-lossless"):
-        plan = get_plan(preset, cache, lm=lm)
+        plan = make_plan(cache, preset, model=lm)
         out[preset] = encode_kvc_bytes(cache, plan)
     return out
 

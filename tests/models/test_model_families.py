@@ -63,7 +63,7 @@ def _small_builds(monkeypatch):
     import functools
 
     from kvcodec.calibration import build
-    from kvcodec.plan import ratefit
+    from kvcodec.onboard import ratefit
 
     monkeypatch.setattr(build, "build_calibration", functools.partial(build.build_calibration, texts=("mpl2",),
                                                                       context=build.MIN_CONTEXT))
@@ -99,7 +99,7 @@ def family_dirs(tmp_path_factory):
 def test_family_flow(family, family_dirs, tmp_path):
     from kvcodec.models.capture import capture, tokenize
     from kvcodec.format import KvcReader, write_kvc
-    from kvcodec.plan.presets import get_plan
+    from kvcodec.api import make_plan
     from kvcodec.runtime.knowledge import KnowledgeBase
     from kvcodec.models.load import load_model
     from kvcodec.texts import load_text
@@ -130,7 +130,7 @@ def test_family_flow(family, family_dirs, tmp_path):
                     ensure_calibration(lm)
                 continue
             ensure_calibration(lm)
-        plan = get_plan(preset, cache, lm=lm)
+        plan = make_plan(cache, preset, model=lm)
         p = tmp_path / f"{preset}.kvc"
         write_kvc(cache, p, plan)
         with KvcReader(p) as r:

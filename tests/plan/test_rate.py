@@ -20,7 +20,7 @@ def test_noise_power_is_the_codecs_own_error_in_the_metric(lm, real_cache):
     coefficients, multipliers), the KL it predicts would be off by the same factor."""
     from kvcodec.calibration.build import coded_tensor, ensure_calibration
     from kvcodec.format.probe import roundtrip
-    from kvcodec.plan import rate
+    from kvcodec.plan import ratecontrol as rate
     from kvcodec.plan.importance import cache_importance
     from kvcodec.plan.pipelines import TOKENSCALE_DEFAULT, kept_coefficients, layer_steps, token_classes, transform_plan
     from kvcodec.plan.presets import PRESETS
@@ -50,7 +50,7 @@ def test_noise_power_is_the_codecs_own_error_in_the_metric(lm, real_cache):
 
 
 def test_choose_step0_takes_the_largest_step_under_the_aim():
-    from kvcodec.plan.rate import STEP_BRACKET, choose_step0
+    from kvcodec.plan.ratecontrol import STEP_BRACKET, choose_step0
 
     calls: list[float] = []
 
@@ -157,7 +157,7 @@ def test_layer_factor_is_each_tensors_measured_over_predicted_kl(lm, gpl3_ids, m
     from dataclasses import replace
 
     from kvcodec.calibration.build import ensure_calibration
-    from kvcodec.plan import ratefit
+    from kvcodec.onboard import ratefit
     from kvcodec.plan.presets import lossy_settings
 
     monkeypatch.setattr(ratefit, "FIT_CONTINUATION", 32)
@@ -180,7 +180,7 @@ def test_layer_factor_is_each_tensors_measured_over_predicted_kl(lm, gpl3_ids, m
 
 def test_fit_factor_alpha_curve_and_slope():
     """alpha at t_ref, the length curve (never decreasing) and beta (its last segment's slope), per preset."""
-    from kvcodec.plan.ratefit import _fit_factor
+    from kvcodec.onboard.ratefit import _fit_factor
 
     def rows(preset, T, *ratios):
         return [{"preset": preset, "tokens": T, "kl": r, "predicted": 1.0} for r in ratios]
@@ -213,16 +213,18 @@ def test_targets_outside_a_presets_range_are_one_line():
 
 def test_get_plan_routes_lossy_presets_through_rate_control(monkeypatch, small_cache):
     """With a model and no step0: rate control (predict, or check on request); the table step otherwise."""
-    from kvcodec.plan import presets, rate, ratefit
+    from kvcodec.plan import presets
+    from kvcodec.plan import ratecontrol as rate
     from kvcodec.plan.presets import get_plan
 
     calls = []
     monkeypatch.setattr(rate, "controlled_plan", lambda cache, lm, name, args, target, rm, check, importance:
                         calls.append((name, "step0" in args, target, check)) or "controlled")
     no_probe = SimpleNamespace(answer_factor=lambda preset: 1.0, fingerprint_id="test")
-    monkeypatch.setattr(ratefit, "ensure_rate_model", lambda lm, cal, presets, **k: no_probe)
-    assert get_plan("balanced", small_cache, lm=object()) == "controlled"
-    assert get_plan("small", small_cache, lm=object(), rate="check") == "controlled"
+    assert get_plan("balanced", small_cache, lm=object(), rm=no_probe) == "controlled"
+    assert get_plan("small", small_cache, lm=object(), rate="check", rm=no_probe) == "controlled"
+    with pytest.raises(KvcInputError, match="rate model"):  # the planner only plans: it never fits one
+        get_plan("balanced", small_cache, lm=object())
     assert calls == [("balanced", True, presets.PRESETS["balanced"].target, False),
                      ("small", True, presets.PRESETS["small"].target, True)]
     fixed = get_plan("balanced", small_cache, lm=None)  # no model: the golden-vector path, table step
@@ -240,17 +242,18 @@ def test_rate_control_lands_inside_the_promise_on_a_held_out_text(lm):
     beyond token importance (the opt-in check is off)."""
     import torch
 
+    from kvcodec.api import make_plan
     from kvcodec.calibration.build import ensure_calibration
     from kvcodec.format import KvcReader, encode_kvc_bytes
     from kvcodec.models.capture import capture, tokenize
     from kvcodec.models.quality import compare_logits, continue_logits
-    from kvcodec.plan.presets import PRESETS, get_plan
+    from kvcodec.plan.presets import PRESETS
     from kvcodec.texts import load_text
 
     ids = tokenize(lm.tokenizer, load_text("c-stdlib"))
     cache = capture(lm, token_ids=ids[:768])
     cont = ids[768:1024]
-    plan = get_plan("balanced", cache, lm=lm, cal=ensure_calibration(lm))
+    plan = make_plan(cache, "balanced", model=lm, calibration=ensure_calibration(lm))
     r = plan.params["rate"]
     assert r["mode"] == "predict" and "check" not in plan.params
     assert r["predicted_kl"] <= r["aim_kl"] * (1 + 1e-9)
@@ -282,7 +285,7 @@ def test_a_rate_model_fitted_for_other_settings_is_refitted(lm, tmp_path, monkey
     tokenscale default) make it stale: ensure_rate_model fits anew instead of predicting with wrong constants."""
     from kvcodec.calibration import ratemodel
     from kvcodec.calibration.build import ensure_calibration
-    from kvcodec.plan import ratefit
+    from kvcodec.onboard import ratefit
     from kvcodec.plan.presets import lossy_settings
 
     cal = ensure_calibration(lm)
@@ -312,7 +315,7 @@ def test_a_preset_added_later_is_fitted_alone_and_merged(lm, tmp_path, monkeypat
     for all its presets) covers them while their settings are unchanged; a changed preset is refitted alone."""
     from kvcodec.calibration import ratemodel
     from kvcodec.calibration.build import ensure_calibration
-    from kvcodec.plan import ratefit
+    from kvcodec.onboard import ratefit
     from kvcodec.plan.presets import lossy_settings
 
     cal = ensure_calibration(lm)
@@ -352,29 +355,28 @@ def test_rate_control_applies_the_answer_probes_factor(lm, real_cache, monkeypat
     from dataclasses import replace
 
     from kvcodec.calibration.build import ensure_calibration
+    from kvcodec.api import resolve_rate_model
     from kvcodec.plan import presets as presets_mod
-    from kvcodec.plan import ratefit
     from kvcodec.plan.presets import PRESETS
-    from kvcodec.plan.rate import controlled_plan
+    from kvcodec.plan.ratecontrol import controlled_plan
 
     cache = real_cache(192)
     cal = ensure_calibration(lm)
-    rm = presets_mod.rate_model(lm, cal, progress=False)
+    rm = resolve_rate_model(lm, cal, progress=False)
     info = PRESETS["faithful"]
     args = {**dict(info.settings), "cal": cal}
     free = controlled_plan(cache, lm, "faithful", args, info.target, replace(rm, answer_step={}))
     half = controlled_plan(cache, lm, "faithful", args, info.target, replace(rm, answer_step={"faithful": {"factor": 0.5}}))
     assert half.params["rate"]["step0"] == pytest.approx(0.5 * free.params["rate"]["step0"])
     assert half.params["rate"]["bound"] == "answers" and free.params["rate"]["answer_factor"] == 1.0
-    monkeypatch.setattr(ratefit, "ensure_rate_model", lambda *a, **k: replace(rm, answer_step={"faithful": {"factor": 0.5}},
-                                                                                fingerprint_id="test-warn"))
+    warned = replace(rm, answer_step={"faithful": {"factor": 0.5}}, fingerprint_id="test-warn")
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append  # type: ignore[method-assign]
     logging.getLogger("kvcodec.plan").addHandler(handler)
     try:
-        presets_mod.get_plan("faithful", cache, lm=lm, cal=cal)
-        presets_mod.get_plan("faithful", cache, lm=lm, cal=cal)
+        presets_mod.get_plan("faithful", cache, lm=lm, cal=cal, rm=warned)
+        presets_mod.get_plan("faithful", cache, lm=lm, cal=cal, rm=warned)
     finally:
         logging.getLogger("kvcodec.plan").removeHandler(handler)
     msgs = [r.getMessage() for r in records if "answer probe" in r.getMessage()]
@@ -413,7 +415,7 @@ def test_rate_control_aims_at_the_tighter_of_kl_and_dppl(lm, real_cache):
     from kvcodec.calibration.build import ensure_calibration
     from kvcodec.calibration.ratemodel import load_rate_model
     from kvcodec.plan.presets import PRESETS
-    from kvcodec.plan.rate import AIM, DPPL_AIM, controlled_plan
+    from kvcodec.plan.ratecontrol import AIM, DPPL_AIM, controlled_plan
 
     cache = real_cache(192)
     cal = ensure_calibration(lm)
@@ -438,7 +440,7 @@ def test_a_rate_model_from_before_gains_its_nll_changes(lm, monkeypatch):
 
     from kvcodec.calibration.build import ensure_calibration
     from kvcodec.calibration.ratemodel import load_rate_model
-    from kvcodec.plan import ratefit
+    from kvcodec.onboard import ratefit
     from kvcodec.plan.presets import lossy_settings
 
     cal = ensure_calibration(lm)
@@ -472,7 +474,7 @@ def test_rate_control_applies_the_chat_factor_to_chat_contexts_only(lm, real_cac
     from kvcodec.models.capture import capture
     from kvcodec.models.chat import ChatFormat, is_chat_context
     from kvcodec.plan.presets import PRESETS
-    from kvcodec.plan.rate import controlled_plan
+    from kvcodec.plan.ratecontrol import controlled_plan
 
     plain = real_cache(192)
     prefix = ChatFormat.for_tokenizer(lm.tokenizer).prefix

@@ -19,9 +19,9 @@ def test_no_files_no_thread(tmp_path, monkeypatch):
 def test_prewarm_decodes_the_setup_files(tmp_path, monkeypatch, small_cache, lm):
     """A real balanced `.kvc` in the warm-up dir is decoded (codec stack imported) without error."""
     from kvcodec.format import KvcReader, encode_kvc_bytes
-    from kvcodec.plan.presets import get_plan
+    from kvcodec.api import make_plan
 
-    plan = get_plan("balanced", small_cache, lm=lm)
+    plan = make_plan(small_cache, "balanced", model=lm)
     d = tmp_path / "warmup"
     d.mkdir()
     (d / "balanced.kvc").write_bytes(encode_kvc_bytes(small_cache, plan))

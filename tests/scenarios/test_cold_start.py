@@ -495,7 +495,7 @@ def test_interrupted_build_leaves_nothing_loadable(where, models, cache, monkeyp
 
             mp.setattr(store, "_atomic_write", failing)
         if where == "ratefit":
-            import kvcodec.plan.ratefit as ratefit
+            import kvcodec.onboard.ratefit as ratefit
 
             cal = ensure_calibration(lm, progress=False)
 

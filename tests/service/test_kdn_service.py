@@ -38,10 +38,10 @@ def service(tmp_path_factory):
 def entry(lm, real_cache):
     """A real 300-token .kvc (preset balanced) of the GPL-3 text and its key in namespace a."""
     from kvcodec.format import encode_kvc_bytes
-    from kvcodec.plan.presets import get_plan
+    from kvcodec.api import make_plan
 
     cache = real_cache(300)
-    plan = get_plan("balanced", cache, lm=lm)
+    plan = make_plan(cache, "balanced", model=lm)
     data = encode_kvc_bytes(cache, plan)
     key = StoreKey.for_tokens(cache.token_ids, model=lm.fingerprint.id, codec="balanced-test", namespace="a")
     return key, data, cache

@@ -35,7 +35,8 @@ from kvcodec.models.load import load_model
 from kvcodec.models.quality import compare_logits, continue_logits
 from kvcodec.plan.importance import attention_importance
 from kvcodec.plan.pipelines import external_bytes
-from kvcodec.plan.presets import get_plan, score_window
+from kvcodec.api import make_plan
+from kvcodec.plan.presets import score_window
 from kvcodec.texts import load_text
 
 T, CONT = 2048, 256
@@ -82,7 +83,7 @@ def main() -> None:
                 over = {"step0": s}
                 if ts is not None:
                     over["tokenscale"] = {"max_log2": 2.0, **ts}
-                plan = get_plan("balanced", cache, lm=lm, cal=cal, importance=imp, **over)
+                plan = make_plan(cache, "balanced", model=lm, calibration=cal, importance=imp, overrides=over)
                 blob = encode_kvc_bytes(cache, plan, chunk_tokens=plan.chunk_tokens, preset="balanced")
                 dec = KvcReader(blob).read_cache()
                 row["cal_bits_amortised_per_stored"] = 8 * external_bytes(plan) / 100 / stored

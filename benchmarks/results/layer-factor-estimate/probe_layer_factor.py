@@ -28,8 +28,8 @@ from kvcodec.models.load import load_model
 from kvcodec.models.quality import continue_logits
 from kvcodec.plan.pipelines import transform_plan
 from kvcodec.plan.presets import lossy_settings
-from kvcodec.plan.rate import noise_predictor
-from kvcodec.plan.ratefit import ALLOC_PRESET, FIT_TEXTS, _fit_job, _table
+from kvcodec.plan.ratecontrol import noise_predictor
+from kvcodec.onboard.ratefit import ALLOC_PRESET, FIT_TEXTS, _fit_job, _table
 from kvcodec.texts import load_text
 
 

@@ -16,7 +16,8 @@ from kvcodec.format import KvcReader, encode_kvc_bytes
 from kvcodec.models.capture import capture, tokenize
 from kvcodec.models.load import load_model
 from kvcodec.models.quality import continue_logits
-from kvcodec.plan.presets import get_plan, score_window
+from kvcodec.api import make_plan
+from kvcodec.plan.presets import score_window
 from kvcodec.texts import load_text
 
 CONT = 1280
@@ -32,7 +33,7 @@ def main() -> None:
         ids = tokenize(lm.tokenizer, load_text(name))
         cache = capture(lm, token_ids=ids[:T], score_window=score_window("balanced"))
         cont = np.asarray(ids[T:T + CONT], np.int64)
-        plan = get_plan("balanced", cache, lm=lm, cal=cal)
+        plan = make_plan(cache, "balanced", model=lm, calibration=cal)
         dec = KvcReader(encode_kvc_bytes(cache, plan, chunk_tokens=plan.chunk_tokens, preset="balanced")).read_cache()
         with torch.inference_mode():
             lp_e = torch.log_softmax(continue_logits(lm, cache, cont).double(), -1)

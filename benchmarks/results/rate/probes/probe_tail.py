@@ -17,7 +17,8 @@ from kvcodec.format import KvcReader, encode_kvc_bytes
 from kvcodec.models.capture import capture, tokenize
 from kvcodec.models.load import load_model
 from kvcodec.models.quality import continue_logits
-from kvcodec.plan.presets import get_plan, score_window
+from kvcodec.api import make_plan
+from kvcodec.plan.presets import score_window
 from kvcodec.texts import HELD_OUT, load_text
 
 
@@ -37,7 +38,7 @@ def main() -> None:
             if len(ids) < T + 320:
                 continue
             cache = capture(lm, token_ids=ids[:T], score_window=score_window("balanced"))
-            plan = get_plan("balanced", cache, lm=lm, cal=cal)
+            plan = make_plan(cache, "balanced", model=lm, calibration=cal)
             dec = KvcReader(encode_kvc_bytes(cache, plan, chunk_tokens=plan.chunk_tokens, preset="balanced")).read_cache()
             cont = np.asarray(ids[T:T + 320], np.int64)
             tail = np.asarray(ids[T - tail_n:T], np.int64)

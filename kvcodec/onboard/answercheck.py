@@ -12,7 +12,7 @@ spread-out depths of the tuning texts :data:`PROBE_TEXTS` (:data:`kvcodec.texts.
 set), asks about each one through the model's own chat template (:mod:`kvcodec.models.chat`), and
 compares the greedy answer from the decoded cache with the exact cache's, token for token. The result is
 the largest factor of :data:`STEP_FACTORS` at which every answer of every text is identical; rate control
-multiplies the preset's step by it (:func:`kvcodec.plan.rate.controlled_plan`), and says so in one
+multiplies the preset's step by it (:func:`kvcodec.plan.ratecontrol.controlled_plan`), and says so in one
 warning line when it is below 1: the model is deposited at a safer rate, never silently.
 
 It is a screen, not a benchmark: :data:`FACTS` x :data:`PROBE_TEXTS` questions cannot show a 97 % rate,

@@ -1,6 +1,6 @@
 """Fitting a model's rate model (:class:`kvcodec.calibration.ratemodel.RateModel`): once per model, on tuning texts.
 
-The predictor of :mod:`kvcodec.plan.rate` gets the shape of KL(step) from first principles;
+The predictor of :mod:`kvcodec.plan.ratecontrol` gets the shape of KL(step) from first principles;
 what it cannot know is how far the calibration's Fisher trace, measured on other text at
 another length, is from this model's KL on a continuation. So this measures exactly that, on
 texts nothing is evaluated on (:data:`kvcodec.texts.TUNING`, never the held-out set): for each
@@ -68,9 +68,9 @@ def fit_rate_model(lm: Any, cal: Calibration, presets: Mapping[str, Mapping[str,
     factors already measured for this calibration (a rate model being extended by a preset): used as they are.
     ``answers`` (name -> its :class:`~kvcodec.plan.targets.QualityTarget`: the presets that promise answers,
     :func:`kvcodec.plan.presets.answer_targets`): each of those in ``presets`` then gets the answer probe
-    (:mod:`kvcodec.plan.answercheck`) at the step its fitted constants choose. ``targets`` (name -> its target, every
+    (:mod:`kvcodec.onboard.answercheck`) at the step its fitted constants choose. ``targets`` (name -> its target, every
     lossy preset: :func:`kvcodec.plan.presets.preset_targets`): the presets of ``presets`` among them then get their
-    chat factor (:mod:`kvcodec.plan.chatfactor`), last, at the steps the rest of the fit chooses."""
+    chat factor (:mod:`kvcodec.onboard.chatfactor`), last, at the steps the rest of the fit chooses."""
     answers = _answers(answers)
     cal0 = cal  # the calibration as stored (rate control allocates it with the layer factors itself)
     jobs = _jobs(lm, texts, lengths)
@@ -99,7 +99,7 @@ def fit_rate_model(lm: Any, cal: Calibration, presets: Mapping[str, Mapping[str,
 
 def _chat_factors(lm: Any, cal: Calibration, presets: Mapping[str, Mapping[str, Any]], targets: Mapping[str, Any] | None,
                   rm: RateModel, progress: bool) -> dict[str, dict[str, Any]]:
-    from kvcodec.plan.chatfactor import measure_chat_factor
+    from kvcodec.onboard.chatfactor import measure_chat_factor
 
     want = {n: (presets[n], targets[n]) for n in presets if targets and n in targets}
     return measure_chat_factor(lm, cal, want, rm, progress) if want else {}
@@ -116,11 +116,11 @@ def with_chat_factor(lm: Any, cal: Calibration, rm: RateModel, presets: Mapping[
 
 def _answer_probe(lm: Any, cal: Calibration, name: str, table: Mapping[str, Any], target: Any, rm: RateModel,
                   progress: bool) -> dict[str, Any]:
-    """The answer probe of preset ``name`` at the steps ``rm`` chooses (:mod:`kvcodec.plan.answercheck`)."""
+    """The answer probe of preset ``name`` at the steps ``rm`` chooses (:mod:`kvcodec.onboard.answercheck`)."""
     from tqdm import tqdm
 
-    from kvcodec.plan.answercheck import STEP_FACTORS, answer_step_factor, probe_contexts
-    from kvcodec.plan.rate import controlled_plan
+    from kvcodec.onboard.answercheck import STEP_FACTORS, answer_step_factor, probe_contexts
+    from kvcodec.plan.ratecontrol import controlled_plan
 
     contexts = probe_contexts(lm)
     if not contexts:
@@ -154,7 +154,7 @@ def measure_layer_factor(lm: Any, cal: Calibration, table: Mapping[str, Any], jo
     from kvcodec.format.probe import roundtrip
     from kvcodec.models.quality import continue_logits
     from kvcodec.plan.pipelines import transform_plan
-    from kvcodec.plan.rate import noise_predictor
+    from kvcodec.plan.ratecontrol import noise_predictor
 
     settings, step0 = _table(table)
     sens = cal.sensitivity.astype(np.float64)
@@ -210,7 +210,7 @@ def _measure(lm: Any, cal: Calibration, jobs: list[tuple[str, int, np.ndarray]],
     from kvcodec.models.quality import continue_logits
     from kvcodec.plan.check import max_rival_gain
     from kvcodec.plan.pipelines import transform_plan
-    from kvcodec.plan.rate import raw_predictor
+    from kvcodec.plan.ratecontrol import raw_predictor
 
     fit: list[dict[str, Any]] = []
     with tqdm(total=len(jobs) * (1 + len(presets)), desc=desc, file=sys.stderr, disable=not progress, leave=False,
@@ -306,7 +306,7 @@ def _answers(answers: Mapping[str, Any] | None) -> Mapping[str, Any]:
 def _digests(presets: Mapping[str, Mapping[str, Any]], answers: Mapping[str, Any]) -> dict[str, str]:
     """Per preset, what its constants are fitted for: its settings with the tokenscale defaults merged in, and, for a
     preset that promises answers, the answer probe's version and its target (either changing refits that preset)."""
-    from kvcodec.plan.answercheck import PROBE_VERSION
+    from kvcodec.onboard.answercheck import PROBE_VERSION
 
     return {n: settings_digest({"": {**dict(t), **({"answer_probe": [PROBE_VERSION, repr(answers[n])]} if n in answers else {})}})
             for n, t in presets.items()}
@@ -375,7 +375,7 @@ def ensure_rate_model(lm: Any, cal: Calibration, presets: Mapping[str, Mapping[s
                       answers: Mapping[str, Any] | None = None, targets: Mapping[str, Any] | None = None) -> RateModel:
     """``cal``'s rate model for ``presets`` (and the answer probes of ``answers``, :func:`fit_rate_model`): the user's
     or the shipped one, else fitted once (with progress) and saved. Callers pass the preset table's own
-    (:func:`kvcodec.plan.presets.rate_model`): other settings make the stored one stale.
+    (:func:`kvcodec.api.resolve_rate_model`): other settings make the stored one stale.
 
     One that covers some of the presets (a preset added since, or one whose settings changed) and has its per-layer
     factors for the current allocation preset is extended: only the missing presets are fitted, with those factors

@@ -1,4 +1,4 @@
-"""The answer probe (kvcodec.plan.answercheck): planted facts in tuning texts, answers compared token for token."""
+"""The answer probe (kvcodec.onboard.answercheck): planted facts in tuning texts, answers compared token for token."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def test_probe_contexts_plant_every_fact_in_the_chat_format(lm):
     """Each probe context starts with the model's chat prefix, holds every planted fact once, fits its budget, and is
     the same on every call (the probe's verdict must not move between fits)."""
     from kvcodec.models.chat import ChatFormat
-    from kvcodec.plan.answercheck import FACTS, PROBE_TEXTS, probe_contexts
+    from kvcodec.onboard.answercheck import FACTS, PROBE_TEXTS, probe_contexts
 
     a, b = probe_contexts(lm, tokens=768), probe_contexts(lm, tokens=768)
     assert [c.text for c in a] == list(PROBE_TEXTS)
@@ -31,7 +31,7 @@ def test_probe_contexts_plant_every_fact_in_the_chat_format(lm):
 def test_the_probe_keeps_the_step_that_keeps_answers_and_lowers_one_that_loses_them(lm):
     """Exact K/V keep every answer at factor 1; K/V destroyed at factor 1 and exact below it are kept only at the
     next factor; destroyed at every factor: the last factor, with what each try saw."""
-    from kvcodec.plan.answercheck import STEP_FACTORS, answer_step_factor, probe_contexts
+    from kvcodec.onboard.answercheck import STEP_FACTORS, answer_step_factor, probe_contexts
     from kvcodec.plan.presets import get_plan
 
     ctx = probe_contexts(lm, tokens=640)[:1]

@@ -1,6 +1,6 @@
 """The chat factor: rate control's prediction on the contexts a KDN stores (issue 57).
 
-Why a factor of its own: the rate model (:mod:`kvcodec.plan.ratefit`) is fitted on plain text continued by the
+Why a factor of its own: the rate model (:mod:`kvcodec.onboard.ratefit`) is fitted on plain text continued by the
 text that follows it. A ``kvc ask`` context is the model's chat prefix and a document, and what follows it is a
 question turn and the model's answer, which reads the document far more than a continuation of prose does.
 Measured on SmolLM2 (``balanced``, held-out texts, ``benchmarks/bench_rate.py --chat``): measured over predicted
@@ -9,7 +9,7 @@ KL of 1.3-2.7x on such contexts, where plain text's geometric mean is 1.09; file
 two texts): the error is not in the template, it is in what the answer reads.
 
 What it measures, once per model with its rate model (``kvc calibrate``, or the first fit): the answer probe's
-contexts (:func:`kvcodec.plan.answercheck.probe_contexts`: tuning texts in the model's chat format, never the
+contexts (:func:`kvcodec.onboard.answercheck.probe_contexts`: tuning texts in the model's chat format, never the
 held-out set), each continued by :data:`CHAT_QUESTION` and the model's own greedy answer from the exact cache
 (:data:`ANSWER_TOKENS` tokens). Each lossy preset is planned by rate control as it would be for that context, the
 decoded cache continued, and the preset's factor is the geometric mean of measured over predicted KL, at least 1
@@ -59,8 +59,8 @@ def measure_chat_factor(lm: Any, cal: Any, presets: Mapping[str, tuple[Mapping[s
     from kvcodec.format.probe import roundtrip
     from kvcodec.models.capture import capture
     from kvcodec.models.quality import continue_logits
-    from kvcodec.plan.answercheck import probe_contexts
-    from kvcodec.plan.rate import controlled_plan
+    from kvcodec.onboard.answercheck import probe_contexts
+    from kvcodec.plan.ratecontrol import controlled_plan
 
     contexts = probe_contexts(lm)
     bare = replace(rm, chat_factor={})

@@ -25,7 +25,7 @@ measured per-layer factor (:meth:`RateModel.allocated`: the plan's steps follow 
 power per element over the coded tokens (sink tokens are stored exactly; dropped coefficients
 count their whole value). ``alpha`` absorbs what the law leaves out (the Fisher trace was
 measured on another text and length; the second-order approximation): it is fitted per model
-and preset once, on tuning texts (:mod:`kvcodec.plan.ratefit`), and stored beside the model's
+and preset once, on tuning texts (:mod:`kvcodec.onboard.ratefit`), and stored beside the model's
 calibration.
 
 **Choosing the step.** The preset's promise is a mean KL ``target``; the encoder aims at
