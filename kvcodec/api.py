@@ -238,25 +238,30 @@ def resolve_rate_model(model: Any, calibration: Any, progress: bool = True) -> A
 
 def make_plan(cache: KVCache, preset: str, *, overrides: Mapping[str, Any] | None = None, model: Any = None,
               calibration: Any = None, rate: str = "predict", importance: Any = None, target: Any = None,
-              build_calibration: bool = True, rate_model: Any = None) -> Plan:
+              build_calibration: bool = True, rate_model: Any = None, measure: bool = True) -> Plan:
     """The plan of ``preset`` (a preset name or ``baseline:NAME``) + ``overrides`` for ``cache``, its inputs resolved
     here, once: ``model`` goes to the planner only where the preset uses one (rate control, token importance; a
     ``target`` uses it too); ``calibration`` (None: :func:`resolve_calibration` with ``build_calibration``);
     ``rate`` (``"predict"``, ``"check"``, ``"fixed"``) and ``importance`` ([L, T], precomputed) as
     :func:`kvcodec.plan.presets.get_plan` takes them; the model's ``rate_model`` where rate control uses it
-    (None: :func:`resolve_rate_model`). The one way above this module to turn a preset into a plan."""
+    (None: :func:`resolve_rate_model`). ``measure=False`` plans without the model (no rate control, no token
+    importance: the table step) while the model still supplies the calibration: a steered cache, whose measures
+    would miss its bias. The one way above this module to turn a preset into a plan; the planner gets every input
+    resolved and never fits or builds."""
     from kvcodec.plan.presets import get_plan, rate_controlled
 
     info = None if isinstance(preset, str) and preset.startswith(BASELINE_PREFIX) else preset_info(preset)
     over = dict(overrides or {})
     lm = _model(model) if model is not None and info is not None and (info.uses_model or target is not None) else None
     cal = calibration if calibration is not None else resolve_calibration(lm, preset, build=build_calibration)
+    if not measure:
+        lm = None
     rm = rate_model
     if rm is None and lm is not None and rate in RATE_MODES and rate_controlled(preset, rate, target, **check_overrides(preset, over)):
-        if cal is None:  # the planner's own lookup, made here: the rate model is fitted on the calibration
+        if cal is None:  # the model's stored one (the planner checks it against the cache): the rate model's basis
             from kvcodec.calibration.store import require_calibration
 
-            cal = require_calibration(cache.fingerprint)
+            cal = require_calibration(lm.fingerprint)
         rm = resolve_rate_model(lm, cal)
     return get_plan(preset, cache, lm=lm, cal=cal, rate=rate, importance=importance, target=target, rm=rm, **over)
 
@@ -299,12 +304,9 @@ def encode_cache(
         if overrides or importance is not None or calibration is not None:
             raise KvcInputError("a ready plan takes no planning inputs (overrides, importance, calibration)")
         plan = preset
-    else:
-        if attention_bias is not None:
-            calibration = calibration if calibration is not None else resolve_calibration(model, preset, build=build_calibration)
-            model = None
+    else:  # a steered cache (attention_bias) is planned without measuring it: its measures would miss the bias
         plan = make_plan(cache, preset, overrides=overrides, model=model, calibration=calibration, rate=rate,
-                         importance=importance, build_calibration=build_calibration)
+                         importance=importance, build_calibration=build_calibration, measure=attention_bias is None)
     name = label if label is not None else str(plan.preset)
     # only what is given: an option left out is the plan's own (its chunk layout, its preset name)
     opts: dict[str, Any] = {k: v for k, v in (("chunk_tokens", chunk_tokens), ("chunk_heads", chunk_heads), ("preset", label),

@@ -173,7 +173,6 @@ def guarded_plan(cache: Any, lm: Any, preset: str, args: dict[str, Any], target:
     ``params['check']`` records the probe, every try and the time the check cost.
     """
     from kvcodec.models.quality import continue_logits
-    from kvcodec.calibration.store import require_calibration
     from kvcodec.format.probe import roundtrip
     from kvcodec.plan.pipelines import TOKENSCALE_DEFAULT, transform_plan
     from kvcodec.plan.importance import cache_importance
@@ -193,7 +192,6 @@ def guarded_plan(cache: Any, lm: Any, preset: str, args: dict[str, Any], target:
     prefix = cache_prefix(cache, T - n, lm)
     exact_logits = continue_logits(lm, prefix, probe)
     exact_greedy, margins = greedy_with_margins(lm, prefix, int(probe[0]), target.greedy_tokens) if target.greedy_tokens else ([], [])
-    args["cal"] = args.get("cal") or require_calibration(cache.fingerprint)
     prefix_args = dict(args)
     if args.get("tokenscale") is not None:  # the prefix's own importance: its last queries, not the probe's
         window = {**TOKENSCALE_DEFAULT, **args["tokenscale"]}["window"]

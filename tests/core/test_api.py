@@ -159,6 +159,9 @@ def test_make_plan_gives_the_model_and_calibration_only_to_presets_that_use_them
 
 
 def test_a_steered_cache_is_planned_without_the_model(monkeypatch, capture_file):
+    """A cache with an attention bias is planned without measuring it (no model to the planner, so no rate control
+    and no rate model), with the model's calibration, resolved by the API as for any other encode."""
+    import kvcodec.plan.presets as presets
     from kvcodec.core.kvcache import load_capture
 
     class Planned(Exception):
@@ -166,21 +169,23 @@ def test_a_steered_cache_is_planned_without_the_model(monkeypatch, capture_file)
 
     seen: dict = {}
 
-    def spy(cache, preset, **kw):
+    def spy(name, cache, **kw):
         seen.clear()
         seen.update(kw)
         raise Planned
 
     cache = load_capture(capture_file)
     model = SimpleNamespace(fingerprint=cache.fingerprint, model=None)
-    monkeypatch.setattr(api, "make_plan", spy)
+    monkeypatch.setattr(presets, "get_plan", spy)
     monkeypatch.setattr(api, "resolve_calibration", lambda m, preset, build=True: ("calibration of", m, preset))
+    monkeypatch.setattr(api, "resolve_rate_model", lambda lm, cal: ("rate model of", cal))
     with pytest.raises(Planned):
         api.encode_cache(cache, "balanced", model=model, attention_bias=object())
-    assert seen["model"] is None and seen["calibration"] == ("calibration of", model, "balanced")
+    assert seen["lm"] is None and seen["cal"] == ("calibration of", model, "balanced") and seen["rm"] is None
     with pytest.raises(Planned):
         api.encode_cache(cache, "balanced", model=model)
-    assert seen["model"] is model and seen["calibration"] is None
+    assert seen["lm"] is model and seen["cal"] == ("calibration of", model, "balanced")
+    assert seen["rm"] == ("rate model of", seen["cal"])
 
 
 def test_open_names_each_side_of_a_model_mismatch():
