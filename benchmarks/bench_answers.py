@@ -16,9 +16,12 @@ what the library holds (codes + 16-bit scales and zero points; fp8: 8 bits).
 
 Scores (benchmarks/answer_tasks.py): exact accuracy (every reference in the output) and the share of answers
 token-for-token identical to in-context, each with its 95 % Wilson interval, per (model, context length,
-preset), over all questions and over the held-out questions alone; bits per stored element are the entries'
-real bytes x 8 over the K+V elements of the context. Calibration is the shipped one where the model has it
-(amortised, not charged per entry).
+preset), over all questions and over the held-out questions alone. Bits, two ways, for every method: per context
+element (``bits_per_element``: bytes x 8 over the K+V elements of every layer at every context token, what
+``kvcodec.accounting`` charges a file) and per stored element (``bits_per_stored_element``: over the K+V elements
+the cache holds). They agree on SmolLM2; on a sliding-window model (Gemma 3: 15 of 18 layers keep their last 511
+tokens, the ragged layout) a 4K context stores about 27 % of its context elements, so the first reads about 3.7x
+lower. Calibration is the shipped one where the model has it (amortised, not charged per entry).
 
     python benchmarks/bench_answers.py --models smollm2,gemma3-270m --tokens 4096,8192 --per-family 10
     python benchmarks/bench_answers.py --merge part-a.json part-b.json   # pool the parts of a run split by --start
@@ -65,6 +68,15 @@ def parse_method(m: str) -> tuple[str, dict[str, Any]]:
 
 
 PEER_BLOCK = 128  # HF QuantizedCache's residual_length: the tokens it quantizes come in whole blocks of this many
+
+
+def entry_bits(nbits: float, cache: Any) -> tuple[float, float]:
+    """(bits per context element, bits per stored element) of ``nbits`` stored for ``cache``: over the K+V elements
+    of every layer at every context token (``kvcodec.accounting.context_elements``), and over the elements the cache
+    holds (a sliding-window layer keeps only its window; the two agree on a cache without one)."""
+    from kvcodec.accounting import context_elements
+
+    return nbits / context_elements(cache), nbits / cache.num_elements
 
 
 def peer_roundtrip(cache: Any, peer: str) -> tuple[Any, int]:
@@ -117,21 +129,23 @@ def run_model(name: str, lengths: list[int], families: list[str], per_family: in
                         for f in families for i in range(start, start + per_family)]
             methods = [*kbs, *peers]
             rows: dict[str, list[dict[str, Any]]] = {p: [] for p in methods}
-            bits: dict[str, list[float]] = {p: [] for p in methods}
+            bits: dict[str, list[tuple[float, float]]] = {p: [] for p in methods}  # (per context, per stored element)
+            tokens: list[int] = []
             t0 = time.time()
             for ci, ctx in enumerate(contexts):
                 docs = [ctx.text]
                 ids, _ = kbs["lossless"].context_ids(docs)
                 with torch.inference_mode():  # once per context, observing what any preset reads
                     cache = capture(lm, token_ids=ids, score_window=capture_window())
+                tokens.append(len(ids))
                 for p, kb in kbs.items():
-                    bits[p].append(kb.deposit(cache)["bits_per_element"])
+                    bits[p].append(entry_bits(8 * kb.deposit(cache)["bytes"], cache))
                 answers: dict[str, list[Any]] = {p: [] for p in methods}
                 peer_caches = {}
                 for p in peers:
                     dec, nbits = peer_roundtrip(cache, p)
                     peer_caches[p] = dec
-                    bits[p].append(nbits / cache.num_elements)
+                    bits[p].append(entry_bits(nbits, cache))
                 for q in ctx.questions:
                     for p, kb in kbs.items():
                         a = kb.ask(docs, q.question, max_new_tokens=max_new, store_new=False)
@@ -164,14 +178,20 @@ def run_model(name: str, lengths: list[int], families: list[str], per_family: in
                     + " ".join(f"{p} {sum(r['exact'] for r in rows[p])}/{len(rows[p])}"
                                f" ={sum(r['identical'] for r in rows[p])}" for p in methods)
                     + f" [{time.time() - t0:.0f} s]")
-            res: dict[str, Any] = {"contexts": len(contexts), "questions": len(rows["lossless"]), "methods": {}}
+            res: dict[str, Any] = {"contexts": len(contexts), "questions": len(rows["lossless"]),
+                                   "context_tokens": tokens, "methods": {}}
             for p in methods:
                 method = "in-context" if p == "lossless" else (f"peer:{p}" if p in peers else p)
                 held = [r for r in rows[p] if r["split"] == "held-out"]
                 # in context stores nothing: its answers come from the lossless entry, whose bits are reported beside
+                per_ctx = sum(b for b, _ in bits[p]) / len(bits[p])
+                per_stored = sum(b for _, b in bits[p]) / len(bits[p])
                 res["methods"][method] = {
-                    "bits_per_element": None if p == "lossless" else sum(bits[p]) / len(bits[p]),
-                    **({"lossless_entry_bits_per_element": sum(bits[p]) / len(bits[p])} if p == "lossless" else {}),
+                    "bits_per_element": None if p == "lossless" else per_ctx,
+                    "bits_per_stored_element": None if p == "lossless" else per_stored,
+                    **({"lossless_entry_bits_per_element": per_ctx, "lossless_entry_bits_per_stored_element": per_stored}
+                       if p == "lossless" else {}),
+                    "bits_per_context": [list(b) for b in bits[p]],  # each context's (per context, per stored element)
                     "all": _summary(rows[p]), "held_out": _summary(held),
                     "by_family": {f: _summary([r for r in rows[p] if r["family"] == f]) for f in families},
                     "rows": rows[p]}
@@ -189,9 +209,11 @@ class _Direct:
 
 def pooled(docs: list[dict[str, Any]]) -> dict[tuple[str, str, str], dict[str, Any]]:
     """Rows of several result documents (parts of one run split by ``--start``: disjoint questions) pooled per
-    (model, context length, method), with their summaries recomputed over all of them."""
+    (model, context length, method), with their summaries recomputed over all of them. Bits are weighted by contexts;
+    bits per stored element is None where a part lacks it (a document written before it was recorded)."""
     rows: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     bits: dict[tuple[str, str, str], list[tuple[float, int]]] = {}
+    stored: dict[tuple[str, str, str], list[tuple[float | None, int]]] = {}
     for doc in docs:
         for r in doc["results"]["models"]:
             for T, res in r["lengths"].items():
@@ -200,24 +222,34 @@ def pooled(docs: list[dict[str, Any]]) -> dict[tuple[str, str, str], dict[str, A
                     rows.setdefault(key, []).extend(v["rows"])
                     b = v["bits_per_element"] if v["bits_per_element"] is not None else v.get("lossless_entry_bits_per_element")
                     bits.setdefault(key, []).append((b, res["contexts"]))
+                    sb = v.get("bits_per_stored_element")  # absent from documents written before it was recorded
+                    if sb is None:
+                        sb = v.get("lossless_entry_bits_per_stored_element")
+                    stored.setdefault(key, []).append((sb, res["contexts"]))
     out = {}
     for key, rs in rows.items():
         ids = [r["id"] for r in rs]
         if len(set(ids)) != len(ids):
             raise SystemExit(f"{key}: a question appears in two parts (overlapping --start ranges)")
         n = sum(c for _, c in bits[key])
+        sbs = stored[key]
         out[key] = {"questions": len(rs), "bits_per_element": sum(b * c for b, c in bits[key]) / n,
+                    "bits_per_stored_element": (None if any(b is None for b, _ in sbs)
+                                                else sum(float(b or 0) * c for b, c in sbs) / n),
                     "all": _summary(rs), "held_out": _summary([r for r in rs if r["split"] == "held-out"]),
                     "by_family": {f: _summary([r for r in rs if r["family"] == f]) for f in sorted({r["family"] for r in rs})}}
     return out
 
 
-def _line(name: str, bits: float | None, v: dict[str, Any]) -> str:
+def _line(name: str, bits: float | None, v: dict[str, Any], stored: float | None = None) -> str:
     def iv(x: dict[str, Any]) -> str:
         return f"{x['rate']:.3f} [{x['ci95'][0]:.3f}, {x['ci95'][1]:.3f}]" if x["rate"] is not None else "-"
 
-    b = "     -" if bits is None else f"{bits:6.2f}"
-    return (f"  {name:24s} {b} bits/el  accuracy {iv(v['all']['accuracy'])}  identical {iv(v['all']['identical'])}  "
+    def num(x: float | None) -> str:
+        return "     -" if x is None else f"{x:6.2f}"
+
+    return (f"  {name:24s} {num(bits)} bits/el ({num(stored)} per stored el)  accuracy {iv(v['all']['accuracy'])}  "
+            f"identical {iv(v['all']['identical'])}  "
             f"first 16 tokens {iv(v['all']['identical16'])}  held-out: accuracy {iv(v['held_out']['accuracy'])} "
             f"identical {iv(v['held_out']['identical'])} (n={v['held_out']['accuracy']['n']})")
 
@@ -228,7 +260,8 @@ def merge_main(paths: list[str]) -> None:
 
     table = pooled([json.loads(Path(p).read_text()) for p in paths])
     for (model, T, m), v in sorted(table.items()):
-        print(f"{model} {T} ({v['questions']} questions) " + _line(m, None if m == "in-context" else v["bits_per_element"], v))
+        print(f"{model} {T} ({v['questions']} questions) " + _line(m, None if m == "in-context" else v["bits_per_element"], v,
+                                                                   None if m == "in-context" else v["bits_per_stored_element"]))
         for f, s in v["by_family"].items():
             print(f"      {f:10s} accuracy {s['accuracy']['k']}/{s['accuracy']['n']}  identical {s['identical']['k']}/{s['identical']['n']}"
                   f"  first 16 {s['identical16']['k']}/{s['identical16']['n']}")
@@ -275,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"(lossless = in-context checked: {r.get('lossless_is_in_context')}; "
                   f"peers' path = in-context: {r.get('direct_is_in_context')})")
             for m, v in res["methods"].items():
-                print(_line(m, v["bits_per_element"], v))
+                print(_line(m, v["bits_per_element"], v, v["bits_per_stored_element"]))
     run.emit({"models": results})
 
 

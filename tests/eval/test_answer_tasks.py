@@ -112,3 +112,42 @@ def test_parts_of_a_split_run_pool_into_one_table():
     assert t["held_out"]["accuracy"]["n"] == 2 and t["bits_per_element"] == pytest.approx((4.0 + 3 * 5.0) / 4)
     with pytest.raises(SystemExit, match="two parts"):
         bench_answers.pooled([a, a])
+
+
+def test_bits_per_stored_element_on_a_ragged_cache():
+    """bench_answers reports every method's bits two ways: over the K+V elements of every layer at every context token
+    (kvcodec.accounting's charge) and over the elements the cache holds. A sliding-window layer keeps only its window
+    (Gemma 3: 15 of 18 layers keep 511 tokens), so on a ragged cache the first is the smaller; they agree otherwise."""
+    import bench_answers
+    from formatutil import ragged_cache, synthetic_cache
+
+    r = ragged_cache()  # 12 context tokens, 2 layers x 2 heads x head_dim 8; layer 0 keeps its last 5 tokens
+    per_ctx, per_stored = bench_answers.entry_bits(1088.0, r)
+    assert r.num_elements == 2 * 2 * 8 * (5 + 12)
+    assert per_ctx == pytest.approx(1088.0 / (2 * 2 * 16 * 12)) and per_stored == pytest.approx(1088.0 / r.num_elements)
+    assert per_stored > per_ctx
+    a, b = bench_answers.entry_bits(1088.0, synthetic_cache(T=12))
+    assert a == pytest.approx(b)
+
+
+def test_pooled_bits_per_stored_element():
+    """--merge pools bits per stored element weighted by contexts like bits per element, the in-context row from the
+    lossless entry's; a part written before it was recorded leaves it None rather than mixing two rates."""
+    import bench_answers
+
+    def doc(bits, stored, contexts, i, lossless=None):
+        v = {"bits_per_element": bits, "rows": [{"id": f"q{i}", "family": "needle", "split": "held-in", "exact": True,
+                                                 "identical": True, "identical16": True}]}
+        if stored is not None:
+            v["bits_per_stored_element"] = stored
+        if lossless is not None:
+            v.update(bits_per_element=None, bits_per_stored_element=None, lossless_entry_bits_per_element=lossless[0],
+                     lossless_entry_bits_per_stored_element=lossless[1])
+        return {"results": {"models": [{"model": "m", "lengths": {"4096": {"contexts": contexts, "methods": {"p": v}}}}]}}
+
+    t = bench_answers.pooled([doc(1.0, 4.0, 1, 0), doc(2.0, 6.0, 3, 1)])[("m", "4096", "p")]
+    assert t["bits_per_element"] == pytest.approx(7.0 / 4) and t["bits_per_stored_element"] == pytest.approx(22.0 / 4)
+    old = bench_answers.pooled([doc(1.0, 4.0, 1, 0), doc(2.0, None, 3, 1)])[("m", "4096", "p")]
+    assert old["bits_per_stored_element"] is None
+    t = bench_answers.pooled([doc(0, 0, 1, 0, lossless=(7.4, 27.0))])[("m", "4096", "p")]
+    assert t["bits_per_element"] == pytest.approx(7.4) and t["bits_per_stored_element"] == pytest.approx(27.0)
