@@ -54,6 +54,7 @@ LAYER_FACTOR_RANGE = (1.0 / 64, 64.0)  # the fit clips to [1/16, 16]; beyond thi
 DPPL_KL_FLOOR = 1e-3
 DPPL_RATIO_RANGE = (0.25, 16.0)  # a pooled ratio outside this is a broken fit or a tampered file: clipped
 DPPL_MIN_ROWS = 4
+RECIPE_NAMES = ("quick", "thorough")  # kvcodec.onboard.ratefit.RECIPES' names (the record knows no fitter)
 
 
 @dataclass
@@ -82,6 +83,9 @@ class RateModel:
     # (kvcodec.onboard.chatfactor), >= 1; rate control multiplies its prediction by it for a context in the model's chat
     # format (empty: not measured, a file from before: the factor is 1 as it was)
     chat_factor: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # which fit measured it (kvcodec.onboard.ratefit.FitRecipe): "quick" (a first use, plain kvc calibrate: two texts,
+    # no per-layer factors) or "thorough" (kvc calibrate --thorough, the shipped models; a file from before)
+    recipe: str = "thorough"
 
     def chat(self, preset: str) -> float:
         """The factor rate control's prediction of ``preset`` is multiplied by on a chat context (1: none measured)."""
@@ -201,13 +205,16 @@ class RateModel:
                 isinstance(v, dict) and _num(v.get("factor")) and CHAT_FACTOR_RANGE[0] <= v["factor"] <= CHAT_FACTOR_RANGE[1]
                 for v in chat.values())):
             raise bad("chat_factor")
+        recipe = d.get("recipe", "thorough")
+        if recipe not in RECIPE_NAMES:
+            raise bad("recipe")
         return cls(fid, sha, {k: float(v) for k, v in alpha.items()}, {k: float(v) for k, v in beta.items()},
                    int(t_ref), None if rps is None else float(rps), fit if isinstance(fit, list) else [],
                    float(fit_s) if _num(fit_s) else None, psha if isinstance(psha, str) else "",
                    {k: [[float(p[0]), float(p[1])] for p in c] for k, c in curve.items()},
                    None if lf is None else [[float(v) for v in r] for r in lf], dict(per),
                    {k: {**v, "factor": float(v["factor"])} for k, v in ans.items()},
-                   {k: {**v, "factor": float(v["factor"])} for k, v in chat.items()})
+                   {k: {**v, "factor": float(v["factor"])} for k, v in chat.items()}, recipe)
 
 
 def allocate(cal: Calibration, layer_factor: list[list[float]]) -> Calibration:

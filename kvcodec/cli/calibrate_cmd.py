@@ -13,10 +13,13 @@ from kvcodec.cli.options import emit_json, json_option, model_option
 @click.option("--basis", type=click.Choice(["blocks", "full"]), default="blocks", show_default=True,
               help="blocks: a block-diagonal PCA for head_dim > 64 (64-channel blocks; decode ~2x faster at head_dim 256); "
                    "full: one PCA per whole head (files ~5-10 %% smaller there, decode at about half the speed).")
+@click.option("--thorough", is_flag=True,
+              help="Fit the thorough rate model (four texts at 1K-4K tokens and per-layer factors: fewer bits at the same "
+                   "promises, ~5x the CPU of the quick one a first use fits); replaces a quick one.")
 @json_option
-def calibrate_command(model, force, basis, as_json) -> None:
+def calibrate_command(model, force, basis, thorough, as_json) -> None:
     """Build MODEL's PCA bases and sensitivities, and fit its rate model (the lossy presets need both; encode builds
-    them on first use)."""
+    them on first use, with the quick rate model)."""
     import time
 
     from kvcodec.models.load import load_model
@@ -26,7 +29,7 @@ def calibrate_command(model, force, basis, as_json) -> None:
     from kvcodec.calibration.store import load_calibration, save_calibration
     from kvcodec.api import resolve_rate_model
     from kvcodec.plan.presets import answer_targets, lossy_settings, preset_targets
-    from kvcodec.onboard.ratefit import find_rate_model, fit_rate_model, with_chat_factor, with_dnll
+    from kvcodec.onboard.ratefit import QUICK, THOROUGH, find_rate_model, fit_rate_model, with_chat_factor, with_dnll
 
     lm = load_model(model)
     fid = lm.fingerprint.id
@@ -38,11 +41,13 @@ def calibrate_command(model, force, basis, as_json) -> None:
         cal = build_calibration(lm, timings=timings, full_basis=basis == "full")
         save_calibration(cal, fid)
         timings.setdefault("total_s", time.perf_counter() - t0)
-    if built:  # a new calibration makes the old rate model stale: it is bound to the calibration's sha256
-        rm, fitted = fit_rate_model(lm, cal, lossy_settings(), answers=answer_targets(), targets=preset_targets()), True
+    had = None if built else find_rate_model(cal, lossy_settings(), answer_targets())
+    refit = built or (thorough and (had is None or had.recipe != THOROUGH.name))
+    if refit:  # a new calibration makes the old rate model stale (it is bound to the calibration's sha256), or --thorough
+        rm, fitted = fit_rate_model(lm, cal, lossy_settings(), answers=answer_targets(), targets=preset_targets(),
+                                    recipe=THOROUGH if thorough else QUICK), True
         save_rate_model(rm, rate_model_path(cal))
     else:  # a preset added or changed since (fitted alone and merged), or measurements a rate model from before lacks
-        had = find_rate_model(cal, lossy_settings(), answer_targets())
         t0 = time.perf_counter()
         fitted = had is None
         rm = resolve_rate_model(lm, cal) if had is None else had
@@ -54,7 +59,7 @@ def calibrate_command(model, force, basis, as_json) -> None:
             save_rate_model(rm, rate_model_path(cal))
         if fitted:
             timings["rate_model_s"] = round(time.perf_counter() - t0, 1)
-    if built:
+    if refit:
         timings["rate_model_s"] = float(rm.fit_s or 0.0)
     size = cal.path.stat().st_size if cal.path is not None else None  # what ships to a decoder of this model's files
     report = {"model": model, "fingerprint": fid, "path": str(cal.path), "built": built, "timings": timings,
@@ -65,18 +70,21 @@ def calibrate_command(model, force, basis, as_json) -> None:
               # at the tighter of the KL and ΔPPL promises with it
               "dppl_ratio": rm.dppl_ratio(),
               # per preset: measured / predicted KL on chat contexts (kvcodec.onboard.chatfactor), applied to them
-              "chat_factor": {n: v["factor"] for n, v in rm.chat_factor.items()}}
+              "chat_factor": {n: v["factor"] for n, v in rm.chat_factor.items()},
+              # which fit measured the rate model: quick (a first use, this command) or thorough (--thorough, shipped)
+              "rate_model_recipe": rm.recipe}
     if as_json:
         emit_json(report)
     elif built:
-        click.echo(f"calibrated {model} in {timings['total_s']:.0f} s -> {cal.path} ({size:,} bytes); rate model fitted in "
-                   f"{timings.get('rate_model_s', 0):.0f} s (alpha {', '.join(f'{k} {v:.2f}' for k, v in rm.alpha.items())}; "
+        click.echo(f"calibrated {model} in {timings['total_s']:.0f} s -> {cal.path} ({size:,} bytes); {rm.recipe} rate model "
+                   f"fitted in {timings.get('rate_model_s', 0):.0f} s (alpha {', '.join(f'{k} {v:.2f}' for k, v in rm.alpha.items())}; "
                    f"ΔPPL/KL {_ratio(rm.dppl_ratio())})")
     else:
         has = "full" if cal.meta.get("channel_blocks") is None else "blocks"
         note = "" if has == basis or len(channel_blocks(lm.fingerprint.head_dims[0])) == 1 else f"; it has the {has} basis"
         old = "" if cal.meta.get("version") != 2 else "; version 2: a rebuild stores it in about half the bytes"
-        click.echo(f"{model} already has a calibration: {cal.path} ({size:,} bytes){note}{old} (--force rebuilds it); "
+        fit = f"; {rm.recipe} rate model fitted in {timings['rate_model_s']:.0f} s" if fitted else f"; {rm.recipe} rate model"
+        click.echo(f"{model} already has a calibration: {cal.path} ({size:,} bytes){note}{old} (--force rebuilds it){fit}; "
                    f"ΔPPL/KL {_ratio(rm.dppl_ratio())}")
 
 

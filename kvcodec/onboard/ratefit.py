@@ -22,8 +22,16 @@ otherwise exact cache, its KL over its predicted KL (``sens[l,k] * N[l,k]``); th
 clipped to [1/16, 16], shrunk halfway to 1 in log (:data:`ALLOC_SHRINK`). The alphas are then fitted with the
 sensitivities it corrects, since the steps follow them.
 
-Cost: one capture per (text, length) (the prefill observes the token importance itself) and a few
-continuations: minutes on two cores; shipped models ship theirs (``kvcodec/data/calibration``).
+Two recipes (:class:`FitRecipe`), because a new model must be usable minutes after its first use (issue 54):
+
+* :data:`QUICK`, what a first use and a plain ``kvc calibrate`` fit: two tuning texts at 1K and 4K tokens, no
+  per-layer factors (the calibration's own Fisher sensitivities allocate the bits). The per-layer measurement is 2L
+  continuations per text: measured on Gemma 3 270M, 462 of a thorough fit's 885 CPU-s (the quick fit: 229 s). Its alphas are fitted on
+  the allocation it plans with, so it keeps the same promises; what it gives up is bits (BENCHMARKS.md, "Onboarding").
+* :data:`THOROUGH` (``kvc calibrate --thorough``; what the shipped models ship): four texts at 1K, 2K and 4K
+  and the per-layer factors.
+
+The record says which one fitted it (``RateModel.recipe``); a thorough fit replaces a quick one, never the reverse.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ import math
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -59,13 +67,35 @@ ALLOC_CLIP = 16.0  # a layer factor outside [1/16, 16] is clipped: a tensor whos
 ALLOC_SHRINK = 0.5
 
 
+@dataclass(frozen=True)
+class FitRecipe:
+    """What one rate-model fit measures: ``texts`` (tuning texts) at ``lengths`` tokens, and whether it measures the
+    per-layer factors (module docstring)."""
+
+    name: str
+    texts: tuple[str, ...]
+    lengths: tuple[int, ...]
+    layer_factor: bool
+
+
+THOROUGH = FitRecipe("thorough", FIT_TEXTS, FIT_TOKENS, True)
+# a license and Python source: on both shipped models' thorough fits these two ran at or above the other two tuning
+# texts' measured/predicted ratio at 1K and 4K in most rows, so alphas fitted on them lean conservative; 4K because
+# the length curve of the importance-weighted presets is not predictable from 1K and 2K (SmolLM2 balanced: +0.02 in
+# log at 2K, +0.35 at 4K)
+QUICK = FitRecipe("quick", ("gpl3", "py-textwrap"), (1024, 4096), False)
+RECIPES = {r.name: r for r in (QUICK, THOROUGH)}
+
+
 def fit_rate_model(lm: Any, cal: Calibration, presets: Mapping[str, Mapping[str, Any]],
-                   texts: tuple[str, ...] = FIT_TEXTS, lengths: tuple[int, ...] = FIT_TOKENS,
+                   texts: tuple[str, ...] | None = None, lengths: tuple[int, ...] | None = None,
                    progress: bool = True, layer_factor: list[list[float]] | None = None,
-                   answers: Mapping[str, Any] | None = None, targets: Mapping[str, Any] | None = None) -> RateModel:
-    """Measure the predictor against the real model on ``texts`` x ``lengths`` for each lossy preset of
-    ``presets`` (name -> its table settings, ``step0`` included) (module docstring). ``layer_factor``: per-layer
-    factors already measured for this calibration (a rate model being extended by a preset): used as they are.
+                   answers: Mapping[str, Any] | None = None, targets: Mapping[str, Any] | None = None,
+                   recipe: FitRecipe = THOROUGH) -> RateModel:
+    """Measure the predictor against the real model on ``texts`` x ``lengths`` (None: the ``recipe``'s) for each lossy
+    preset of ``presets`` (name -> its table settings, ``step0`` included) (module docstring). ``layer_factor``:
+    per-layer factors already measured for this calibration (a rate model being extended by a preset): used as they
+    are; otherwise the ``recipe`` says whether they are measured.
     ``answers`` (name -> its :class:`~kvcodec.plan.targets.QualityTarget`: the presets that promise answers,
     :func:`kvcodec.plan.presets.answer_targets`): each of those in ``presets`` then gets the answer probe
     (:mod:`kvcodec.onboard.answercheck`) at the step its fitted constants choose. ``targets`` (name -> its target, every
@@ -73,14 +103,14 @@ def fit_rate_model(lm: Any, cal: Calibration, presets: Mapping[str, Mapping[str,
     chat factor (:mod:`kvcodec.onboard.chatfactor`), last, at the steps the rest of the fit chooses."""
     answers = _answers(answers)
     cal0 = cal  # the calibration as stored (rate control allocates it with the layer factors itself)
-    jobs = _jobs(lm, texts, lengths)
+    jobs = _jobs(lm, recipe.texts if texts is None else texts, recipe.lengths if lengths is None else lengths)
     if not jobs:
         raise KvcInputError(f"rate model: no fit text is long enough for this model (its window); lossy presets need the "
                             f"model's rate model, fitted on first use or by kvc calibrate --model {lm.name}")
     t0 = time.time()
     if layer_factor is not None:
         cal = allocate(cal, layer_factor)
-    elif ALLOC_PRESET in presets:
+    elif recipe.layer_factor and ALLOC_PRESET in presets:
         alloc = [(name, T, ids) for name, T, ids in jobs if T == max(t for n, t, _ in jobs if n == name and t <= ALLOC_TOKENS)]
         layer_factor = measure_layer_factor(lm, cal, presets[ALLOC_PRESET], alloc, progress)
         cal = allocate(cal, layer_factor)
@@ -89,7 +119,7 @@ def fit_rate_model(lm: Any, cal: Calibration, presets: Mapping[str, Mapping[str,
     nl = [r["rival_gain"] / r["step0"] for r in fit if r["preset"] == "near-lossless"]
     rm = RateModel(str(cal.meta["fingerprint_id"]), str(cal.meta["content_sha256"]), alpha, beta, T_REF,
                    max(nl) if nl else None, fit, 0.0, settings_digest(presets), curve, layer_factor,
-                   _digests(presets, answers))
+                   _digests(presets, answers), recipe=recipe.name)
     for name in [n for n in presets if n in answers]:
         rm.answer_step[name] = _answer_probe(lm, cal0, name, presets[name], answers[name], rm, progress)
     rm.chat_factor = _chat_factors(lm, cal0, presets, targets, rm, progress)
@@ -372,23 +402,27 @@ def with_dnll(lm: Any, cal: Calibration, rm: RateModel, presets: Mapping[str, Ma
 
 
 def ensure_rate_model(lm: Any, cal: Calibration, presets: Mapping[str, Mapping[str, Any]], progress: bool = True,
-                      answers: Mapping[str, Any] | None = None, targets: Mapping[str, Any] | None = None) -> RateModel:
+                      answers: Mapping[str, Any] | None = None, targets: Mapping[str, Any] | None = None,
+                      recipe: FitRecipe = QUICK) -> RateModel:
     """``cal``'s rate model for ``presets`` (and the answer probes of ``answers``, :func:`fit_rate_model`): the user's
-    or the shipped one, else fitted once (with progress) and saved. Callers pass the preset table's own
-    (:func:`kvcodec.api.resolve_rate_model`): other settings make the stored one stale.
+    or the shipped one, else fitted once with ``recipe`` (a first use: :data:`QUICK`, with progress) and saved.
+    Callers pass the preset table's own (:func:`kvcodec.api.resolve_rate_model`): other settings make the stored one
+    stale.
 
-    One that covers some of the presets (a preset added since, or one whose settings changed) and has its per-layer
-    factors for the current allocation preset is extended: only the missing presets are fitted, with those factors
-    (the per-layer measurement is most of a whole fit's cost). Otherwise the whole model is fitted anew."""
+    One that covers some of the presets (a preset added since, or one whose settings changed) is extended with its
+    own recipe: only the missing presets are fitted, with its per-layer factors (a thorough model's per-layer
+    measurement is most of its cost). Otherwise the whole model is fitted anew."""
     rm = find_rate_model(cal, presets, answers)
     if rm is not None:
         return rm
-    base = load_rate_model(cal, accept=lambda r: r.layer_factor is not None and ALLOC_PRESET in covered(r, presets, answers))
+    base = load_rate_model(cal, accept=lambda r: (r.recipe == QUICK.name and bool(covered(r, presets, answers)))
+                           or (r.layer_factor is not None and ALLOC_PRESET in covered(r, presets, answers)))
     if base is not None:
         missing = {n: t for n, t in presets.items() if n not in covered(base, presets, answers)}
         rm = merge_rate_models(base, fit_rate_model(lm, cal, missing, progress=progress, layer_factor=base.layer_factor,
-                                                    answers=answers, targets=targets), presets, answers)
+                                                    answers=answers, targets=targets,
+                                                    recipe=RECIPES.get(base.recipe, THOROUGH)), presets, answers)
     else:
-        rm = fit_rate_model(lm, cal, presets, progress=progress, answers=answers, targets=targets)
+        rm = fit_rate_model(lm, cal, presets, progress=progress, answers=answers, targets=targets, recipe=recipe)
     save_rate_model(rm, rate_model_path(cal))
     return rm

@@ -187,6 +187,51 @@ def test_kvc_calibrate_reports_the_shipped_calibration(lm, tmp_path, monkeypatch
     assert set(rep["rate_model"]["alpha"]) == {"near-lossless", "faithful", "balanced", "small"}
 
 
+def test_kvc_calibrate_thorough_replaces_a_quick_rate_model_and_says_which(lm, tmp_path, monkeypatch, capsys):
+    """Onboarding (issue 54): a plain `kvc calibrate` keeps the model's rate model; `--thorough` refits it with the
+    thorough recipe when the one it has is quick (and the report names the recipe); a thorough one is kept."""
+    import json
+    from dataclasses import replace
+
+    from kvcodec.calibration import ratemodel
+    from kvcodec.onboard import ratefit
+
+    shipped = ratefit.find_rate_model(C_store.load_calibration(lm.fingerprint.id), _lossy(), _answers())
+    path = tmp_path / "rm.json"
+    ratemodel.save_rate_model(replace(shipped, recipe="quick"), path)
+    monkeypatch.setattr(ratemodel, "rate_model_path", lambda c: path)
+    monkeypatch.setattr(ratemodel, "shipped_rate_model_path", lambda c: tmp_path / "none.json")
+    fits = []
+
+    def fake_fit(lm_, cal_, presets, answers=None, targets=None, recipe=None, **k):
+        fits.append(recipe.name)
+        return replace(shipped, recipe=recipe.name)
+
+    monkeypatch.setattr(ratefit, "fit_rate_model", fake_fit)
+    code, out, err = run_kvc(["calibrate", "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["rate_model_recipe"] == "quick" and fits == []
+    code, out, err = run_kvc(["calibrate", "--thorough", "--json"], capsys)
+    assert code == 0, err
+    rep = json.loads(out)
+    assert fits == ["thorough"] and rep["rate_model_recipe"] == "thorough" and rep["rate_model_fitted"] is True
+    assert ratemodel.RateModel.from_json(json.loads(path.read_text()), "f").recipe == "thorough"
+    code, out, err = run_kvc(["calibrate", "--thorough", "--json"], capsys)
+    assert code == 0 and fits == ["thorough"] and json.loads(out)["rate_model_fitted"] is False  # kept
+
+
+def _lossy():
+    from kvcodec.plan.presets import lossy_settings
+
+    return lossy_settings()
+
+
+def _answers():
+    from kvcodec.plan.presets import answer_targets
+
+    return answer_targets()
+
+
 def _moments(D: int, L: int = 2, H: int = 2, seed: int = 0):
     from kvcodec.calibration.fit import Moments
 

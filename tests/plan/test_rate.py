@@ -294,7 +294,7 @@ def test_a_rate_model_fitted_for_other_settings_is_refitted(lm, tmp_path, monkey
     monkeypatch.setattr(ratemodel, "shipped_rate_model_path", lambda c: tmp_path / "none.json")
     fits = []
 
-    def fake_fit(lm_, cal_, presets, progress=True, answers=None, layer_factor=None, targets=None):
+    def fake_fit(lm_, cal_, presets, progress=True, answers=None, layer_factor=None, targets=None, recipe=None):
         fits.append(1)
         return ratemodel.RateModel(str(cal_.meta["fingerprint_id"]), str(cal_.meta["content_sha256"]),
                                    {n: 1.0 for n in presets}, {}, 1024, None, [], 0.0, ratefit.settings_digest(presets),
@@ -330,8 +330,9 @@ def test_a_preset_added_later_is_fitted_alone_and_merged(lm, tmp_path, monkeypat
     ratemodel.save_rate_model(legacy, path)
     fits: list[tuple[set[str], object]] = []
 
-    def fake_fit(lm_, cal_, presets, progress=True, layer_factor=None, answers=None, targets=None):
+    def fake_fit(lm_, cal_, presets, progress=True, layer_factor=None, answers=None, targets=None, recipe=None):
         fits.append((set(presets), layer_factor))
+        assert recipe is ratefit.THOROUGH  # the legacy model is a thorough one: extended with its own recipe
         return ratemodel.RateModel(legacy.fingerprint_id, legacy.calibration_sha256, {n: 2.0 for n in presets}, {}, 1024,
                                    None, [], 1.0, ratefit.settings_digest(presets), {}, layer_factor,
                                    {}, {n: {"factor": 0.5} for n in presets if n == "faithful"})
@@ -345,6 +346,48 @@ def test_a_preset_added_later_is_fitted_alone_and_merged(lm, tmp_path, monkeypat
     changed = {**lossy_settings(), "small": {**lossy_settings()["small"], "step0": 0.9}}
     rm2 = ratefit.ensure_rate_model(lm, cal, changed)
     assert fits[-1][0] == {"small"} and rm2.alpha["small"] == 2.0 and rm2.alpha["balanced"] == 1.5
+
+
+def test_a_first_use_fits_the_quick_recipe_and_says_so(lm, tmp_path, monkeypatch):
+    """Onboarding (issue 54): a model without a rate model gets the quick recipe (two texts at 1K and 4K, no per-layer
+    factors: never the 2L-continuation measurement); the record says so, and a later preset extends it quick too."""
+    from kvcodec.calibration import ratemodel
+    from kvcodec.calibration.build import ensure_calibration
+    from kvcodec.onboard import ratefit
+    from kvcodec.plan.presets import lossy_settings
+
+    cal = ensure_calibration(lm)
+    path = tmp_path / "rm.json"
+    monkeypatch.setattr(ratemodel, "rate_model_path", lambda c: path)
+    monkeypatch.setattr(ratefit, "rate_model_path", lambda c: path)
+    monkeypatch.setattr(ratemodel, "shipped_rate_model_path", lambda c: tmp_path / "none.json")
+
+    def no_layers(*a, **k):
+        raise AssertionError("the quick recipe measured per-layer factors")
+
+    jobs: list[tuple[str, int]] = []
+
+    def measure(lm_, cal_, jobs_, presets, desc, progress):
+        jobs.extend((n, t) for n, t, _ in jobs_)
+        return [{"text": n, "tokens": t, "preset": p, "step0": 0.1, "kl": 0.01, "predicted": 0.01, "rival_gain": 0.01,
+                 "dnll": 0.01} for n, t, _ in jobs_ for p in presets]
+
+    monkeypatch.setattr(ratefit, "measure_layer_factor", no_layers)
+    monkeypatch.setattr(ratefit, "_measure", measure)
+    monkeypatch.setattr(ratefit, "_answer_probe", lambda *a, **k: {"factor": 1.0})
+    monkeypatch.setattr(ratefit, "_chat_factors", lambda *a, **k: {})
+    old = {n: t for n, t in lossy_settings().items() if n != "small"}
+    rm = ratefit.ensure_rate_model(lm, cal, old, progress=False)
+    assert rm.recipe == "quick" and rm.layer_factor is None and rm.allocated(cal) is cal
+    assert {n for n, _ in jobs} == set(ratefit.QUICK.texts) and {t for _, t in jobs} == set(ratefit.QUICK.lengths)
+    assert ratemodel.RateModel.from_json(json.loads(path.read_text()), "f").recipe == "quick"
+    jobs.clear()
+    rm2 = ratefit.ensure_rate_model(lm, cal, lossy_settings(), progress=False)  # a preset added: fitted alone, quick
+    assert rm2.recipe == "quick" and set(rm2.alpha) == set(lossy_settings()) and {n for n, _ in jobs} == set(ratefit.QUICK.texts)
+    d = rm2.to_json()
+    assert ratemodel.RateModel.from_json({k: v for k, v in d.items() if k != "recipe"}, "f").recipe == "thorough"  # before
+    with pytest.raises(KvcFormatError, match="recipe"):
+        ratemodel.RateModel.from_json({**d, "recipe": "lazy"}, "f")
 
 
 def test_rate_control_applies_the_answer_probes_factor(lm, real_cache, monkeypatch):
@@ -451,7 +494,7 @@ def test_a_rate_model_from_before_gains_its_nll_changes(lm, monkeypatch):
 
     def fake_measure(lm_, cal_, jobs, presets, desc, progress):
         calls.append((sorted(presets), len(jobs)))
-        return [{"text": n, "tokens": T, "preset": p, "step0": 1.0, "kl": 0.01, "predicted": 0.01, "rival_gain": 0.0,
+        return [{"text": n, "tokens": T, "preset": p, "step0": 1.0, "kl": 0.01, "predicted": 0.01, "rival_gain": 0.01,
                  "dnll": 0.015} for n, T, _ in jobs for p in presets]
 
     monkeypatch.setattr(ratefit, "_measure", fake_measure)
