@@ -25,11 +25,9 @@ def calibrate_command(model, force, basis, thorough, as_json) -> None:
     from kvcodec.models.load import load_model
     from kvcodec.codecs.blocks import channel_blocks
     from kvcodec.calibration.build import build_calibration
-    from kvcodec.calibration.ratemodel import rate_model_path, save_rate_model
     from kvcodec.calibration.store import load_calibration, save_calibration
-    from kvcodec.api import resolve_rate_model
     from kvcodec.plan.presets import answer_targets, lossy_settings, preset_targets
-    from kvcodec.onboard.ratefit import QUICK, THOROUGH, find_rate_model, fit_rate_model, with_chat_factor, with_dnll
+    from kvcodec.onboard.ratefit import calibrate_rate_model
 
     lm = load_model(model)
     fid = lm.fingerprint.id
@@ -41,26 +39,11 @@ def calibrate_command(model, force, basis, thorough, as_json) -> None:
         cal = build_calibration(lm, timings=timings, full_basis=basis == "full")
         save_calibration(cal, fid)
         timings.setdefault("total_s", time.perf_counter() - t0)
-    had = None if built else find_rate_model(cal, lossy_settings(), answer_targets())
-    refit = built or (thorough and (had is None or had.recipe != THOROUGH.name))
-    if refit:  # a new calibration makes the old rate model stale (it is bound to the calibration's sha256), or --thorough
-        rm, fitted = fit_rate_model(lm, cal, lossy_settings(), answers=answer_targets(), targets=preset_targets(),
-                                    recipe=THOROUGH if thorough else QUICK), True
-        save_rate_model(rm, rate_model_path(cal))
-    else:  # a preset added or changed since (fitted alone and merged), or measurements a rate model from before lacks
-        t0 = time.perf_counter()
-        fitted = had is None
-        rm = resolve_rate_model(lm, cal) if had is None else had
-        if rm.dppl_ratio() is None and not any("dnll" in r for r in rm.fit):  # fitted before rows recorded it
-            rm, fitted = with_dnll(lm, cal, rm, lossy_settings()), True
-            save_rate_model(rm, rate_model_path(cal))
-        if not rm.chat_factor:  # fitted before chat contexts were measured
-            rm, fitted = with_chat_factor(lm, cal, rm, lossy_settings(), preset_targets()), True
-            save_rate_model(rm, rate_model_path(cal))
-        if fitted:
-            timings["rate_model_s"] = round(time.perf_counter() - t0, 1)
-    if refit:
-        timings["rate_model_s"] = float(rm.fit_s or 0.0)
+    t0 = time.perf_counter()
+    rm, fitted = calibrate_rate_model(lm, cal, lossy_settings(), answer_targets(), preset_targets(), fresh=built,
+                                      thorough=thorough)
+    if fitted:
+        timings["rate_model_s"] = round(time.perf_counter() - t0, 1)
     size = cal.path.stat().st_size if cal.path is not None else None  # what ships to a decoder of this model's files
     report = {"model": model, "fingerprint": fid, "path": str(cal.path), "built": built, "timings": timings,
               "version": cal.meta.get("version"), "bytes": size,

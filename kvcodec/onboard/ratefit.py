@@ -426,3 +426,30 @@ def ensure_rate_model(lm: Any, cal: Calibration, presets: Mapping[str, Mapping[s
         rm = fit_rate_model(lm, cal, presets, progress=progress, answers=answers, targets=targets, recipe=recipe)
     save_rate_model(rm, rate_model_path(cal))
     return rm
+
+
+def calibrate_rate_model(lm: Any, cal: Calibration, presets: Mapping[str, Mapping[str, Any]], answers: Mapping[str, Any],
+                         targets: Mapping[str, Any], *, fresh: bool, thorough: bool,
+                         progress: bool = True) -> tuple[RateModel, bool]:
+    """What ``kvc calibrate`` does to ``cal``'s rate model: (the rate model, whether anything was fitted or measured).
+
+    ``fresh`` (a calibration just built: an older rate model is bound to another sha256) or ``thorough`` over a model
+    whose rate model is not a thorough one: fitted anew, :data:`THOROUGH` or :data:`QUICK`, and saved. Otherwise the one
+    it has (a preset added or changed since: fitted alone and merged, :func:`ensure_rate_model`), with what a file
+    from before lacks measured and saved: the fit rows' NLL changes (:func:`with_dnll`), the chat factors
+    (:func:`with_chat_factor`)."""
+    had = None if fresh else find_rate_model(cal, presets, answers)
+    if fresh or (thorough and (had is None or had.recipe != THOROUGH.name)):
+        rm = fit_rate_model(lm, cal, presets, progress=progress, answers=answers, targets=targets,
+                            recipe=THOROUGH if thorough else QUICK)
+        save_rate_model(rm, rate_model_path(cal))
+        return rm, True
+    fitted = had is None
+    rm = ensure_rate_model(lm, cal, presets, progress, answers, targets) if had is None else had
+    if rm.dppl_ratio() is None and not any("dnll" in r for r in rm.fit):  # fitted before rows recorded it
+        rm, fitted = with_dnll(lm, cal, rm, presets, progress), True
+        save_rate_model(rm, rate_model_path(cal))
+    if not rm.chat_factor:  # fitted before chat contexts were measured
+        rm, fitted = with_chat_factor(lm, cal, rm, presets, targets, progress), True
+        save_rate_model(rm, rate_model_path(cal))
+    return rm, fitted

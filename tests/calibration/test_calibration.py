@@ -200,6 +200,7 @@ def test_kvc_calibrate_thorough_replaces_a_quick_rate_model_and_says_which(lm, t
     path = tmp_path / "rm.json"
     ratemodel.save_rate_model(replace(shipped, recipe="quick"), path)
     monkeypatch.setattr(ratemodel, "rate_model_path", lambda c: path)
+    monkeypatch.setattr(ratefit, "rate_model_path", lambda c: path)  # where the fit saves: never the user's cache
     monkeypatch.setattr(ratemodel, "shipped_rate_model_path", lambda c: tmp_path / "none.json")
     fits = []
 
