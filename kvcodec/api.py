@@ -236,6 +236,41 @@ def resolve_rate_model(model: Any, calibration: Any, progress: bool = True) -> A
                              targets=preset_targets())
 
 
+def check_by_default(model: Any, preset: str, calibration: Any = None, overrides: Mapping[str, Any] | None = None) -> str | None:
+    """Why a knowledge base's deposits of ``preset`` on ``model`` are checked with the model (``rate="check"``), or
+    None where rate control's prediction alone is trusted.
+
+    Why a default of its own (issue 57): a KDN stores chat contexts, and the rate model's chat probe (its contexts
+    continued by a question and the model's answer, :mod:`kvcodec.onboard.chatfactor`) measures how far the
+    prediction lands from the KL there. The chat factor corrects the mean; a probe row still off by more than rate
+    control's margin (``1 / AIM``: it aims at ``AIM`` x the promise) after the factor, or a factor clipped at its
+    ceiling, says that on this model predict-only can miss the promise on a context like it. Then every deposit
+    pays for the check (a decode and a forward over the context's last 256 tokens) rather than risk a silent miss.
+    A preset without rate control, a model without a calibration at hand, or a rate model from before the chat
+    probe: None (as before)."""
+    from kvcodec.plan.presets import rate_controlled
+    from kvcodec.plan.ratecontrol import AIM
+
+    if model is None or not _lossy(preset) or not rate_controlled(preset, "predict", None, **dict(overrides or {})):
+        return None
+    lm = _model(model)
+    cal = calibration if calibration is not None else resolve_calibration(lm, preset)
+    if cal is None:
+        return None
+    rm = resolve_rate_model(lm, cal)
+    worst = rm.chat_residual(preset)
+    if worst is None:
+        return None
+    from kvcodec.calibration.ratemodel import CHAT_FACTOR_RANGE
+
+    if rm.chat(preset) >= CHAT_FACTOR_RANGE[1]:
+        return f"the chat factor of {preset} reached its ceiling ({rm.chat(preset):g}) on this model's chat probe"
+    if worst * AIM > 1.0:
+        return (f"a chat probe context measured {worst:.2f}x the corrected prediction of {preset}, beyond rate "
+                f"control's margin ({1 / AIM:.2f}x)")
+    return None
+
+
 def make_plan(cache: KVCache, preset: str, *, overrides: Mapping[str, Any] | None = None, model: Any = None,
               calibration: Any = None, rate: str = "predict", importance: Any = None, target: Any = None,
               build_calibration: bool = True, rate_model: Any = None, measure: bool = True) -> Plan:

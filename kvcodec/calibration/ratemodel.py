@@ -92,6 +92,19 @@ class RateModel:
         rec = self.chat_factor.get(preset)
         return float(rec["factor"]) if rec is not None else 1.0
 
+    def chat_residual(self, preset: str) -> float | None:
+        """The worst measured-over-predicted KL among ``preset``'s chat probe rows once its chat factor is applied
+        (None: not measured). Why: the factor is the rows' geometric mean, so one row's residual says how far the
+        corrected prediction can still be off on a context like it; a KDN turns its encode-time check on where that
+        exceeds rate control's margin (:func:`kvcodec.api.check_by_default`)."""
+        rec = self.chat_factor.get(preset)
+        if rec is None:
+            return None
+        rows = rec.get("rows")
+        ratios = [float(r["kl"]) / float(r["predicted"]) for r in (rows if isinstance(rows, list) else [])
+                  if isinstance(r, dict) and _num(r.get("kl")) and _num(r.get("predicted")) and r["predicted"] > 0]
+        return max(ratios) / float(rec["factor"]) if ratios else None
+
     def answer_factor(self, preset: str) -> float:
         """The step factor that keeps ``preset``'s probe answers on this model (1: none measured, or none needed)."""
         rec = self.answer_step.get(preset)

@@ -25,10 +25,13 @@ from kvcodec.plan.presets import DEFAULT_LOSSY
 @click.option("--ttft-budget", type=float, default=None,
               help="Stream the documents' multi-level entry (kvc encode --levels) within this many seconds to the first "
                    "token: each chunk at the highest level that fits, else from its text; --json reports every choice.")
+@click.option("--check/--no-check", "check", default=None,
+              help="Confirm each new entry's step with the model on the context's tail (kvc encode --check). Default: "
+                   "on for a model whose calibration measured that the prediction alone can miss on chat contexts.")
 @json_option
 @click.argument("question")
 def ask_command(model, docs, store_url, preset, namespace, max_new_tokens, no_store, blend, recompute_ratio, ttft_budget,
-                as_json, question) -> None:
+                check, as_json, question) -> None:
     """Answer QUESTION about the documents; the first call prefills and stores, later calls load."""
     from kvcodec.errors import KvcInputError
     from kvcodec.plan.presets import available_presets
@@ -56,7 +59,7 @@ def ask_command(model, docs, store_url, preset, namespace, max_new_tokens, no_st
     prewarm(context_bytes(resolve_model_dir(model), sum(len(t) for t in texts) // 4))
     lm = load_model(model)
     lm.warm_up()  # a fresh process's first forward pays one-time set-up: pay it here, not in the first token
-    kb = KnowledgeBase(lm, store_url, preset=preset, namespace=namespace)
+    kb = KnowledgeBase(lm, store_url, preset=preset, namespace=namespace, check=check)
     if ttft_budget is not None:
         ans, report = kb.ask_streamed(texts, question, ttft_budget, max_new_tokens=max_new_tokens)
         if as_json:
@@ -94,6 +97,9 @@ def ask_command(model, docs, store_url, preset, namespace, max_new_tokens, no_st
         s = ans.stored
         what = f"{len(s['chunks'])} chunk(s), " if "chunks" in s else ""
         click.echo(f"[stored {what}{s['bytes']:,} bytes ({s['bits_per_element']:.2f} bits/element) in {', '.join(s['stored_in'])}]", err=True)
+        if s.get("checked"):
+            click.echo(f"[its step was checked with the model on the context's tail{': ' + s['check_reason'] if s.get('check_reason') else ''}]",
+                       err=True)
         if s["failed"]:
             click.echo(f"[warning: not stored in {s['failed']}]", err=True)
 

@@ -29,7 +29,7 @@ from kvcodec.models.capture import check_fits, model_cache, tokenize
 from kvcodec.models.chat import ChatFormat
 from kvcodec.models.sdpa_schedule import fast_sdpa
 from kvcodec.errors import KvcError, KvcInputError
-from kvcodec.api import DEFAULT_LOSSY, check_overrides, encode_cache, resolve_calibration
+from kvcodec.api import DEFAULT_LOSSY, check_by_default, check_overrides, encode_cache, resolve_calibration
 from kvcodec.format import KvcReader
 from kvcodec.integrations.hf import greedy_from, load_cache
 from kvcodec.core.kvcache import KVCache
@@ -81,10 +81,14 @@ class KnowledgeBase:
 
     def __init__(
         self, lm: LoadedModel, store: Store | str | None = None, preset: str = DEFAULT_LOSSY, namespace: str = "default",
-        overrides: Mapping[str, Any] | None = None,
+        overrides: Mapping[str, Any] | None = None, check: bool | None = None,
     ) -> None:
         """``overrides``: the preset's settings to change (checked now, by the one validator), e.g. a fixed ``step0``
-        for a step sweep; they are part of the entries' codec key, so they never share entries with the plain preset."""
+        for a step sweep; they are part of the entries' codec key, so they never share entries with the plain preset.
+        ``check``: confirm each deposit's step with the model (``kvc encode --check``); None decides per model, once,
+        at the first deposit (:func:`kvcodec.api.check_by_default`: on where the rate model's chat probe says the
+        prediction alone can miss the promise). The check changes the step, not the promise, so a checked entry and
+        an unchecked one share a key."""
         self.lm = lm
         self.preset = preset
         self.overrides = check_overrides(preset, dict(overrides or {}), "overrides")
@@ -93,6 +97,8 @@ class KnowledgeBase:
         self.codec = codec_key(preset, self.overrides)
         self.chat = ChatFormat.for_tokenizer(lm.tokenizer)
         self._cal: Any = None
+        self.check = check
+        self.check_reason: str | None = None  # why the deposits are checked when check=None chose it
 
     def _calibration(self) -> Any:
         """The model's calibration for a lossy preset (built once, with progress, if the model has none), resolved
@@ -100,6 +106,15 @@ class KnowledgeBase:
         if self._cal is None:
             self._cal = resolve_calibration(self.lm, self.preset)
         return self._cal
+
+    def _rate(self) -> str:
+        """``"check"`` or ``"predict"`` for this knowledge base's deposits (``check``), decided once."""
+        if self.check is None:
+            self.check_reason = check_by_default(self.lm, self.preset, self._calibration(), self.overrides)
+            self.check = self.check_reason is not None
+            if self.check:
+                log.warning("kvc: checking each deposit of %s with the model: %s", self.preset, self.check_reason)
+        return "check" if self.check else "predict"
 
     # -- tokens ------------------------------------------------------------
     def context_ids(self, docs: list[str]) -> tuple[np.ndarray, list[int]]:
@@ -171,13 +186,14 @@ class KnowledgeBase:
         if prefill_ttft_s is not None:
             cache.meta["prefill_ttft_s"] = prefill_ttft_s
         enc = encode_cache(cache, self.preset, overrides=self.overrides, model=self.lm, calibration=self._calibration(),
-                           meta=cache.meta)
+                           meta=cache.meta, rate=self._rate())
         data = enc.data
         assert data is not None
         res = self.store.put(self.key(ids), data, {"preset": self.preset, "tokens": int(len(ids)), "prefill_ttft_s": prefill_ttft_s})
         return {
             "key": self.key(ids).to_str(), "bytes": len(data), "encode_s": time.perf_counter() - t0,
             "bits_per_element": enc.bits_per_element, "stored_in": res.stored_in, "failed": res.failed,
+            "checked": bool(self.check), **({"check_reason": self.check_reason} if self.check_reason else {}),
         }
 
     # -- unreadable entries ------------------------------------------------------

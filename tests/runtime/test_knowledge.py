@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from kvcodec.runtime.knowledge import KnowledgeBase
@@ -157,3 +158,48 @@ def test_balanced_entry_from_the_store_stays_within_the_preset_quality(lm, gpl3_
     decoded = KvcReader(data).read_cache()
     q = evaluate(lm, exact, decoded, gpl3_ids[512:640], greedy_tokens=0)
     assert 0 < q.kl_mean <= 0.01, q
+
+
+def _weak_chat(rm, factor, ratios):
+    """``rm`` with ``balanced``'s chat probe rows at these measured-over-predicted ratios and this factor."""
+    from dataclasses import replace
+
+    rows = [{"text": "t", "tokens": 512, "kl": 1e-3 * r, "predicted": 1e-3} for r in ratios]
+    return replace(rm, chat_factor={"balanced": {"factor": factor, "rows": rows, "version": 1}})
+
+
+def test_the_kdn_checks_deposits_where_the_chat_probe_says_prediction_can_miss(lm, gpl3_ids, tmp_path, monkeypatch):
+    """Issue 57: a knowledge base turns the encode-time check on by itself where the model's chat probe measured a
+    context that the corrected prediction would send past the promise (a row > 1/AIM after the factor, or a factor
+    at its ceiling), and only there; an explicit check=True/False wins; the check really runs on the deposit."""
+    import kvcodec.api as api
+    import kvcodec.plan.check as check_mod
+    from kvcodec.calibration.build import ensure_calibration
+    from kvcodec.calibration.ratemodel import CHAT_FACTOR_RANGE, load_rate_model
+    from kvcodec.plan.ratecontrol import AIM
+
+    cal = ensure_calibration(lm)
+    shipped = load_rate_model(cal)
+    assert api.check_by_default(lm, "balanced", cal) is None  # the shipped model's probe: prediction trusted
+    margin = 1 / AIM
+    cases = {(2.0, (2.0 * margin * 1.1, 1.0)): True, (2.0, (2.0 * margin * 0.9, 1.0)): False,
+             (CHAT_FACTOR_RANGE[1], (16.0, 16.0)): True}
+    for (factor, ratios), weak in cases.items():
+        rm = _weak_chat(shipped, factor, ratios)
+        monkeypatch.setattr(api, "resolve_rate_model", lambda *a, rm=rm, **k: rm)
+        got = api.check_by_default(lm, "balanced", cal)
+        assert (got is not None) == weak, (factor, ratios, got)
+        assert api.check_by_default(lm, "balanced", cal, {"step0": 0.2}) is None  # a fixed step: no rate control
+        assert api.check_by_default(lm, "near-lossless", cal) is None  # its rows are not measured here
+
+    rm = _weak_chat(shipped, 2.0, (2.0 * margin * 1.5, 1.0))
+    monkeypatch.setattr(api, "resolve_rate_model", lambda *a, **k: rm)
+    calls = []
+    real = check_mod.guarded_plan
+    monkeypatch.setattr(check_mod, "guarded_plan", lambda *a, **k: calls.append(1) or real(*a, **k))
+    kb = KnowledgeBase(lm, str(tmp_path / "st"), preset="balanced")
+    cache = kb.capture(np.concatenate([kb.prefix_ids(), gpl3_ids[:320]]))  # a chat context, as kvc ask stores
+    stored = kb.deposit(cache)
+    assert stored["checked"] and "chat probe" in stored["check_reason"] and calls == [1]
+    kb2 = KnowledgeBase(lm, str(tmp_path / "st2"), preset="balanced", check=False)  # the caller's word wins
+    assert kb2._rate() == "predict" and kb2.check_reason is None
