@@ -118,7 +118,7 @@ def reference_cost(lm, timings: dict[str, float], repeats: int = 2) -> dict[str,
 
 def quality_rows(lm, cals: dict[str, C_record.Calibration], texts: list[str], presets: list[str], ctx: int, cont: int,
                  rate_match: bool = False, sweep: tuple[float, ...] = (1.0,)) -> list[dict]:
-    from kvcodec.plan.importance import cache_importance
+    from kvcodec.models.importance import cache_importance
 
     rows = []
     for name in texts:

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.pop("tokenscale", None)
             if args.get("tokenscale") is not None:
                 if importance is None:
-                    from kvcodec.plan.importance import cache_importance
+                    from kvcodec.models.importance import cache_importance
 
                     importance = cache_importance(lm, cache, window={**P.TOKENSCALE_DEFAULT, **args["tokenscale"]}["window"])
                 args["importance"] = importance

@@ -29,7 +29,7 @@ from kvcodec.format.writer import write_kvc
 from kvcodec.models.load import load_model
 from kvcodec.plan.presets import get_plan
 from kvcodec.format import KvcReader
-from kvcodec.plan.check import greedy_with_margins, max_rival_gain
+from kvcodec.models.quality import greedy_with_margins, max_rival_gain
 from kvcodec.texts import load_text
 
 

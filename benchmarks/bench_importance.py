@@ -22,7 +22,8 @@ from kvcodec.models.capture import select_context, tokenize
 from kvcodec.eval.curve import cached_capture, default_capture_dir
 from kvcodec.models.load import load_model
 from kvcodec.plan.pipelines import TOKENSCALE_DEFAULT
-from kvcodec.plan.importance import attention_importance, cache_importance, token_multipliers
+from kvcodec.models.importance import attention_importance, cache_importance
+from kvcodec.plan.importance import token_multipliers
 from kvcodec.texts import load_text
 
 

@@ -31,7 +31,7 @@ from kvcodec.models.load import load_model
 from kvcodec.api import make_plan
 from kvcodec.plan.presets import get_plan
 from kvcodec.format import encode_kvc_bytes
-from kvcodec.plan.check import greedy_with_margins, max_rival_gain
+from kvcodec.models.quality import greedy_with_margins, max_rival_gain
 from kvcodec.texts import HELD_OUT, load_text
 
 

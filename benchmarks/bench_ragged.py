@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     from kvcodec.format import KvcReader, encode_kvc_bytes
     from kvcodec.models.load import load_model
     from kvcodec.plan.presets import get_plan
-    from kvcodec.plan.importance import cache_importance
+    from kvcodec.models.importance import cache_importance
     from kvcodec.texts import load_text
 
     lm = load_model(args.lm)

@@ -31,7 +31,10 @@ try:  # the package layout (issue 32)
     from kvcodec.models.capture import capture, tokenize
     from kvcodec.models.load import load_model
     from kvcodec.plan.baseline_plans import BASELINES, get_baseline_plan
-    from kvcodec.plan.importance import cache_importance
+    try:
+        from kvcodec.models.importance import cache_importance
+    except ImportError:  # before issue 56 moved the measurement next to the model
+        from kvcodec.plan.importance import cache_importance  # type: ignore[no-redef]
     from kvcodec.api import make_plan
     from kvcodec.plan.presets import get_plan
     from kvcodec.texts import load_text

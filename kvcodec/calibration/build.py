@@ -47,12 +47,11 @@ def coded_tensor(cache: Any, layer: int, kind: str, tokens: np.ndarray | None = 
     positions: the same values as selecting them afterwards, without rotating the tokens a caller drops
     (the rate search reads 512 of a 4K cache's tokens)."""
     t = (cache.keys if kind == "k" else cache.values)[layer]
-    if tokens is None:
-        return _coded_frame(t.float().numpy(), cache, layer, kind)
-    import torch
+    if tokens is not None:
+        import torch
 
-    idx = torch.from_numpy(np.asarray(tokens, np.int64))
-    return _coded_frame(t.index_select(1, idx).float().numpy(), cache, layer, kind, tokens)
+        t = t.index_select(1, torch.from_numpy(np.asarray(tokens, np.int64)))
+    return _coded_frame(t.float().numpy(), cache, layer, kind, tokens)
 
 
 def _coded_frame(x: np.ndarray, cache: Any, layer: int, kind: str, tokens: np.ndarray | None = None) -> np.ndarray:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -9,6 +10,19 @@ import numpy as np
 from kvcodec.codecs.common import FLOATS, check3, float32_copy, int_param, no_extra
 from kvcodec.core.stage import ArraySpec, ArrayToArray, ChunkContext, SideData, register, side_array
 from kvcodec.errors import KvcCodecError, KvcFormatError
+
+
+def keep_dtype(t: Any) -> str:
+    """The ``dtype`` of a keep stage over tensor ``t`` [H, T, D] (a torch tensor): float16 unless its values could
+    overflow it (then float32).
+
+    The kept rows are pre-RoPE keys (a rotation mixes channel pairs, so a
+    component can grow by up to sqrt(2)) or values; a file must never hold an
+    fp16 side array that overflowed, which its reader would reject.
+    """
+    amax = float(t.detach().abs().max()) if t.numel() else 0.0
+    return "float16" if amax * math.sqrt(2.0) < float(np.finfo(np.float16).max) else "float32"
+
 
 def keep_decode(rest: np.ndarray, kept: np.ndarray, sink: int, recent: int) -> np.ndarray:
     """Re-insert kept tokens: out = concat(kept[:, :sink], rest, kept[:, sink:]) as float32."""

@@ -375,3 +375,38 @@ def chunk_context(
         extra={"chunk": chunk, "token_end": token_end, "head_start": head_start, "head_end": head_end},
         encoder=encoder if encoder is not None else {},
     )
+
+
+def chunk_ranges(n: int, step: int | None) -> list[tuple[int, int]]:
+    step = n if not step else step
+    return [(a, min(a + step, n)) for a in range(0, n, step)]
+
+
+def pipeline_table(pipelines: PipelineSpec, n_layers: int, *, max_stages: int,
+                   max_pipelines: int) -> tuple[list[Pipeline], dict[tuple[int, str], int]]:
+    """The header's pipeline table (one entry per distinct config) and each tensor's table index.
+
+    Every tensor is encoded with its table entry, so layers with equal configs share stage
+    objects: stages are immutable configuration and a tensor's encoder-only inputs come
+    from ``WriteOptions.encoder_inputs`` (tests/codecs/test_quant_tokenscale.py checks that layers
+    merged into one entry keep their own token classes). ``max_stages`` / ``max_pipelines`` are the container's
+    limits (:func:`kvcodec.format.writer.resolve_pipelines` passes them).
+    """
+    table: list[Pipeline] = []
+    keys: dict[str, int] = {}
+    ids: dict[tuple[int, str], int] = {}
+    for layer in range(n_layers):
+        for kind in ("k", "v"):
+            p = pipelines(layer, kind) if callable(pipelines) and not isinstance(pipelines, Pipeline) else pipelines
+            if not isinstance(p, Pipeline):
+                raise KvcCodecError(f"pipeline for layer {layer} {kind.upper()} is a {type(p).__name__}, not a Pipeline")
+            if len(p.stages) > max_stages:
+                raise KvcCodecError(f"pipeline for layer {layer} has {len(p.stages)} stages (limit {max_stages})")
+            key = json.dumps(p.to_json(), sort_keys=True)
+            if key not in keys:
+                keys[key] = len(table)
+                table.append(p)
+            ids[(layer, kind)] = keys[key]
+    if len(table) > max_pipelines:
+        raise KvcCodecError(f"{len(table)} distinct pipelines exceed the limit {max_pipelines}")
+    return table, ids

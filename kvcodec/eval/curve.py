@@ -143,14 +143,14 @@ def measure(lm: Any, case: TextCase, method: Method, workdir: str | os.PathLike,
     ``encoded``: (path, plan, encode seconds) of a file the caller already wrote with this
     method's plan (the demo's own file): it is measured as it is, not encoded a second time.
     """
-    from kvcodec.models.quality import continue_logits, evaluate
-    from kvcodec.plan.check import first_near_tie, greedy_with_margins
+    from kvcodec.models.quality import continue_logits, evaluate, first_near_tie, greedy_with_margins
+    from kvcodec.plan.targets import NEAR_TIE
 
     if case.exact_logits is None:
         case.exact_logits = continue_logits(lm, case.cache, case.continuation)
         case.exact_greedy, margins = (greedy_with_margins(lm, case.cache, int(case.continuation[0]), greedy_tokens)
                                       if greedy_tokens else ([], []))
-        case.near_tie_at = first_near_tie(margins)
+        case.near_tie_at = first_near_tie(margins, NEAR_TIE)
     if method.roundtrip is not None:
         return dict(_measure_roundtrip(lm, case, method, greedy_tokens), greedy_near_tie_at=case.near_tie_at)
     if encoded is not None:

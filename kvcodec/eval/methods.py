@@ -118,9 +118,12 @@ def _target(kl: float) -> Callable[[Any, TextCase], tuple[KVCache, Any]]:
         n_tune = min(TUNE_TOKENS, c.num_tokens // 4)
         if c.positions is not None or n_tune < 2:
             raise KvcInputError("target-KL tuning needs an unpruned cache of at least 8 tokens")
+        from kvcodec.calibration.store import require_calibration
+
+        cal = require_calibration(c.fingerprint)  # the planner's input, resolved once for the search and the plan
         tune = cache_prefix(c, c.num_tokens - n_tune, lm)
-        _, info = codecplan.plan_for_target(tune, lm, target_kl=kl, continuation=c.token_ids[c.num_tokens - n_tune:])
-        plan = codecplan.transform_plan(c, info["step0"], lm=lm, preset=f"target-kl-{kl:g}")
+        _, info = codecplan.plan_for_target(tune, lm, target_kl=kl, continuation=c.token_ids[c.num_tokens - n_tune:], cal=cal)
+        plan = codecplan.transform_plan(c, info["step0"], cal=cal, lm=lm, preset=f"target-kl-{kl:g}")
         plan.params = dict(getattr(plan, "params", {}) or {}, tuned_kl=info.get("kl_mean"), tuned_on="context tail")
         return c, plan
 

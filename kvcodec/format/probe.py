@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvcodec.core.stage import ArraySpec, PipelineSpec, Plan, chunk_context
-from kvcodec.format.writer import ExternalAttachment, chunk_ranges, is_bf16, plan_options, resolve_pipelines, tensor_dtype
+from kvcodec.core.stage import ArraySpec, PipelineSpec, Plan, chunk_context, chunk_ranges, pipeline_table
+from kvcodec.format.container import MAX_PIPELINES, MAX_STAGES
+from kvcodec.format.writer import ExternalAttachment, is_bf16, plan_options, tensor_dtype
 
 if TYPE_CHECKING:  # importing the probe must not import torch
     from kvcodec.core.kvcache import KVCache
@@ -37,7 +38,7 @@ def roundtrip(cache: KVCache, plan: Plan | PipelineSpec) -> tuple[KVCache, int]:
     cache.validate()
     fp = cache.fingerprint
     T, L = cache.num_tokens, fp.num_layers
-    table, pid = resolve_pipelines(pipelines, L)
+    table, pid = pipeline_table(pipelines, L, max_stages=MAX_STAGES, max_pipelines=MAX_PIPELINES)
     positions = None if cache.positions is None else np.asarray(cache.positions, dtype=np.int64)
     arrays: dict[str, np.ndarray] = {}
     for name, a in (opts.attachments or {}).items():

@@ -25,7 +25,7 @@ from kvcodec.digest import array_sha256
 from kvcodec.atomic import atomic_file
 from kvcodec.errors import KvcCodecError, KvcError, KvcFormatError, KvcInputError
 from kvcodec.digest import token_ids_sha256
-from kvcodec.core.stage import ArraySpec, EncoderInputsSpec, Pipeline, PipelineSpec, Plan, chunk_context
+from kvcodec.core.stage import ArraySpec, EncoderInputsSpec, Pipeline, PipelineSpec, Plan, chunk_context, chunk_ranges, pipeline_table
 from kvcodec.format.bias import AttentionBias
 from kvcodec.format.container import (
     ALIGN, DTYPE_BY_NAME, FEATURE_ATTENTION_BIAS, FEATURE_RAGGED, FOOTER_SIZE, MAX_BLOB_BYTES, MAX_BLOB_NDIM, MAX_CHUNK_DECODED_BYTES, MAX_PIPELINES,
@@ -124,11 +124,6 @@ def tensor_dtype(cache: KVCache) -> str:
     return str(cache.dtype).removeprefix("torch.")
 
 
-def chunk_ranges(n: int, step: int | None) -> list[tuple[int, int]]:
-    step = n if not step else step
-    return [(a, min(a + step, n)) for a in range(0, n, step)]
-
-
 def _small_int_array(a: np.ndarray) -> np.ndarray:
     a = np.asarray(a, dtype=np.int64)
     if a.size == 0 or (a.min() >= -(1 << 31) and a.max() < (1 << 31)):
@@ -163,34 +158,6 @@ def _check_array_blob(name: str, arr: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np_le(arr.dtype.name))
 
 
-def resolve_pipelines(pipelines: PipelineSpec, n_layers: int) -> tuple[list[Pipeline], dict[tuple[int, str], int]]:
-    """The header's pipeline table (one entry per distinct config) and each tensor's table index.
-
-    Every tensor is encoded with its table entry, so layers with equal configs share stage
-    objects: stages are immutable configuration and a tensor's encoder-only inputs come
-    from ``WriteOptions.encoder_inputs`` (tests/codecs/test_quant_tokenscale.py checks that layers
-    merged into one entry keep their own token classes).
-    """
-    table: list[Pipeline] = []
-    keys: dict[str, int] = {}
-    ids: dict[tuple[int, str], int] = {}
-    for layer in range(n_layers):
-        for kind in ("k", "v"):
-            p = pipelines(layer, kind) if callable(pipelines) and not isinstance(pipelines, Pipeline) else pipelines
-            if not isinstance(p, Pipeline):
-                raise KvcCodecError(f"pipeline for layer {layer} {kind.upper()} is a {type(p).__name__}, not a Pipeline")
-            if len(p.stages) > MAX_STAGES:
-                raise KvcCodecError(f"pipeline for layer {layer} has {len(p.stages)} stages (limit {MAX_STAGES})")
-            key = json.dumps(p.to_json(), sort_keys=True)
-            if key not in keys:
-                keys[key] = len(table)
-                table.append(p)
-            ids[(layer, kind)] = keys[key]
-    if len(table) > MAX_PIPELINES:
-        raise KvcCodecError(f"{len(table)} distinct pipelines exceed the limit {MAX_PIPELINES}")
-    return table, ids
-
-
 def write_kvc_stream(cache: KVCache, f: BinaryIO, plan: Plan | PipelineSpec, options: WriteOptions | None = None,
                      **kw: Any) -> int:
     """Write ``cache`` as `.kvc` under ``plan`` to the binary stream ``f`` (sequential writes only); return bytes written.
@@ -223,7 +190,7 @@ def _write(cache: KVCache, f: BinaryIO, pipelines: PipelineSpec, opts: WriteOpti
     biggest = max(h1 - h0 for h0, h1 in h_ranges) * max(t1 - t0 for r in t_ranges for t0, t1 in r) * max(fp.head_dims) * itemsize
     if biggest > MAX_CHUNK_DECODED_BYTES:
         raise KvcInputError(f"a chunk would hold {biggest} bytes (limit {MAX_CHUNK_DECODED_BYTES}); use chunk_tokens")
-    table, pid = resolve_pipelines(pipelines, L)
+    table, pid = pipeline_table(pipelines, L, max_stages=MAX_STAGES, max_pipelines=MAX_PIPELINES)
     if opts.encoder_inputs is None and any(s.name in ENCODER_INPUT_STAGES for p in table for s in p.stages):
         # a plan's per-layer inputs dropped on the way (its pipelines passed without the plan) would encode
         # every token alike and lose quality silently

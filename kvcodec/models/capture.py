@@ -128,7 +128,7 @@ def capture(
 
     ``score_window`` (an encoder's token-importance window): the prefill also observes the attention of the
     context's last ``score_window`` queries and attaches it (``cache.attention``), so the encoder needs no
-    second forward pass (:func:`kvcodec.plan.importance.cache_importance`). The keys and values are those
+    second forward pass (:func:`kvcodec.models.importance.cache_importance`). The keys and values are those
     of a plain prefill, bit for bit; the observation costs a few percent of it.
     """
     ids = context_ids(lm, text, token_ids, max_tokens)

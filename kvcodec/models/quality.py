@@ -92,6 +92,59 @@ def greedy_answer(lm: LoadedModel, cache: KVCache, question: np.ndarray, n: int)
     return out
 
 
+def greedy_with_margins(lm: LoadedModel, cache: KVCache, first_token: int, n: int) -> tuple[list[int], list[float]]:
+    """``n`` greedy tokens after feeding ``first_token`` to ``cache``, and each step's top-2 logit margin."""
+    past = cache_for_model(lm, cache)
+    tok, pos, toks, margins = int(first_token), cache.next_position, [], []
+    with torch.inference_mode():
+        for _ in range(n):
+            logits = lm.model(input_ids=torch.tensor([[tok]]), past_key_values=past,
+                              position_ids=torch.tensor([[pos]]), use_cache=True).logits[0, -1]
+            top = torch.topk(logits.float(), 2).values
+            tok, pos = int(logits.argmax()), pos + 1
+            toks.append(tok)
+            margins.append(float(top[0] - top[1]))
+    return toks, margins
+
+
+def first_near_tie(margins: list[float], near_tie: float) -> int | None:
+    """Index of the first greedy step whose exact top-2 margin is under ``near_tie`` (None: no near-tie;
+    the presets' threshold is :data:`kvcodec.plan.targets.NEAR_TIE`)."""
+    return next((i for i, m in enumerate(margins) if m < near_tie), None)
+
+
+def greedy_promise_met(exact: list[int], got: list[int], exact_margins: list[float], near_tie: float) -> bool:
+    """Identical up to the first near-tie of the exact run (that token and what follows are not promised)."""
+    tie = first_near_tie(exact_margins, near_tie)
+    upto = len(exact) if tie is None else tie
+    return list(got[:upto]) == list(exact[:upto])
+
+
+def max_rival_gain(exact_logits: Any, dec_logits: Any) -> float:
+    """Largest gain of any token's logit over the exact top-1 token's, decoded vs exact, over all positions.
+
+    A greedy token can flip only where this exceeds the exact top-2 margin, so a
+    probe whose gain stays under the near-tie threshold bounds the flips to near-ties.
+    """
+    g = dec_logits.double() - exact_logits.double()
+    top = exact_logits.argmax(-1, keepdim=True)
+    return float((g.max(-1).values - g.gather(-1, top)[..., 0]).max()) if g.numel() else 0.0
+
+
+def probe_terms(exact_logits: Any, dec_logits: Any, tokens: np.ndarray) -> dict[str, Any]:
+    """The encode-time check's measures of a decoded prefix's logits against the exact prefix's on ``tokens``
+    (:class:`kvcodec.plan.check.ProbeStats` without the greedy check): mean KL, top-1 agreement, the per-token
+    ΔPPL terms' mean and spread, their count, and :func:`max_rival_gain`."""
+    lp_e = torch.log_softmax(exact_logits.double(), -1)
+    lp_d = torch.log_softmax(dec_logits.double(), -1)
+    kl = float((lp_e.exp() * (lp_e - lp_d)).sum(-1).clamp_min(0).mean())
+    tgt = torch.as_tensor(np.asarray(tokens[1:], np.int64))[:, None]
+    d = (lp_e[:-1].gather(1, tgt) - lp_d[:-1].gather(1, tgt))[:, 0]
+    top1 = float((exact_logits.argmax(-1) == dec_logits.argmax(-1)).double().mean())
+    return {"kl": kl, "top1": top1, "d_mean": float(d.mean()), "d_std": float(d.std()) if d.numel() > 1 else 0.0,
+            "n": int(d.numel()), "rival_gain": max_rival_gain(exact_logits, dec_logits)}
+
+
 def compare_logits(exact: torch.Tensor, decoded: torch.Tensor, continuation: np.ndarray) -> dict[str, Any]:
     """KL, top-1 agreement and PPL from two logit matrices over the same tokens.
 

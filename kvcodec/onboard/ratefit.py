@@ -237,8 +237,7 @@ def _measure(lm: Any, cal: Calibration, jobs: list[tuple[str, int, np.ndarray]],
     from tqdm import tqdm
 
     from kvcodec.format.probe import roundtrip
-    from kvcodec.models.quality import continue_logits
-    from kvcodec.plan.check import max_rival_gain
+    from kvcodec.models.quality import continue_logits, max_rival_gain
     from kvcodec.plan.pipelines import transform_plan
     from kvcodec.plan.ratecontrol import raw_predictor
 
@@ -269,7 +268,7 @@ def _fit_job(lm: Any, ids: np.ndarray, T: int) -> tuple[Any, np.ndarray, Any, np
     """(cache of the first ``T`` tokens, the continuation's ids, its exact logits, the cache's token importance)."""
     from kvcodec.models.capture import capture
     from kvcodec.models.quality import continue_logits
-    from kvcodec.plan.importance import cache_importance
+    from kvcodec.models.importance import cache_importance
     from kvcodec.plan.pipelines import TOKENSCALE_DEFAULT
 
     window_q = TOKENSCALE_DEFAULT["window"]

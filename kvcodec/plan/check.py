@@ -40,7 +40,7 @@ tokens identical up to the first token whose exact top-2 margin is below
 **Greedy tokens by construction: the rival gain.** A 16-token greedy check on
 the probe is a sample of 16 margins; the continuation a user asks has others.
 A greedy token can flip only where some token's logit gains more on the exact
-top-1 token's than the exact top-2 margin (:func:`max_rival_gain`). So
+top-1 token's than the exact top-2 margin (:func:`kvcodec.models.quality.max_rival_gain`). So
 ``near-lossless`` also bounds the largest such gain over all probe positions
 (256 positions x the vocabulary) by ``NEAR_TIE``: flips are then confined to
 near-ties, which the promise exempts. The bound is a maximum over 256 probe
@@ -64,7 +64,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcodec.models.cachelayout import cache_for_model, cache_prefix
+from kvcodec.models.cachelayout import cache_prefix
 from kvcodec.plan.targets import NEAR_TIE, QualityTarget
 
 log = logging.getLogger("kvcodec.guard")
@@ -110,60 +110,6 @@ class ProbeStats:
         return r
 
 
-def greedy_with_margins(lm: Any, cache: Any, first_token: int, n: int) -> tuple[list[int], list[float]]:
-    """``n`` greedy tokens after feeding ``first_token`` to ``cache``, and each step's top-2 logit margin."""
-    import torch
-
-    past = cache_for_model(lm, cache)
-    tok, pos, toks, margins = int(first_token), cache.next_position, [], []
-    with torch.inference_mode():
-        for _ in range(n):
-            logits = lm.model(input_ids=torch.tensor([[tok]]), past_key_values=past,
-                              position_ids=torch.tensor([[pos]]), use_cache=True).logits[0, -1]
-            top = torch.topk(logits.float(), 2).values
-            tok, pos = int(logits.argmax()), pos + 1
-            toks.append(tok)
-            margins.append(float(top[0] - top[1]))
-    return toks, margins
-
-
-def first_near_tie(margins: list[float], near_tie: float = NEAR_TIE) -> int | None:
-    """Index of the first greedy step whose exact top-2 margin is under ``near_tie`` (None: no near-tie)."""
-    return next((i for i, m in enumerate(margins) if m < near_tie), None)
-
-
-def greedy_promise_met(exact: list[int], got: list[int], exact_margins: list[float], near_tie: float = NEAR_TIE) -> bool:
-    """Identical up to the first near-tie of the exact run (that token and what follows are not promised)."""
-    tie = first_near_tie(exact_margins, near_tie)
-    upto = len(exact) if tie is None else tie
-    return list(got[:upto]) == list(exact[:upto])
-
-
-def max_rival_gain(exact_logits: Any, dec_logits: Any) -> float:
-    """Largest gain of any token's logit over the exact top-1 token's, decoded vs exact, over all positions.
-
-    A greedy token can flip only where this exceeds the exact top-2 margin, so a
-    probe whose gain stays under ``NEAR_TIE`` bounds the flips to near-ties.
-    """
-    g = dec_logits.double() - exact_logits.double()
-    top = exact_logits.argmax(-1, keepdim=True)
-    return float((g.max(-1).values - g.gather(-1, top)[..., 0]).max()) if g.numel() else 0.0
-
-
-def probe_stats(exact_logits: Any, dec_logits: Any, tokens: np.ndarray, greedy_ok: bool = True) -> ProbeStats:
-    """KL and the per-token ΔPPL terms of a decoded prefix's logits against the exact prefix's on ``tokens``."""
-    import torch
-
-    lp_e = torch.log_softmax(exact_logits.double(), -1)
-    lp_d = torch.log_softmax(dec_logits.double(), -1)
-    kl = float((lp_e.exp() * (lp_e - lp_d)).sum(-1).clamp_min(0).mean())
-    tgt = torch.as_tensor(np.asarray(tokens[1:], np.int64))[:, None]
-    d = (lp_e[:-1].gather(1, tgt) - lp_d[:-1].gather(1, tgt))[:, 0]
-    top1 = float((exact_logits.argmax(-1) == dec_logits.argmax(-1)).double().mean())
-    return ProbeStats(kl=kl, top1=top1, d_mean=float(d.mean()), d_std=float(d.std()) if d.numel() > 1 else 0.0,
-                      n=int(d.numel()), greedy_ok=greedy_ok, rival_gain=max_rival_gain(exact_logits, dec_logits))
-
-
 def guarded_plan(cache: Any, lm: Any, preset: str, args: dict[str, Any], target: QualityTarget,
                  probe_tokens: int = PROBE_TOKENS, predicted_kl: float | None = None, verbose: bool = False) -> Any:
     """The plan of ``preset`` for ``cache`` at the largest ``step0`` (from ``args['step0']`` down) that meets ``target`` on the probe.
@@ -172,10 +118,10 @@ def guarded_plan(cache: Any, lm: Any, preset: str, args: dict[str, Any], target:
     from it (:data:`OFF_RATIO`) is warned about. Returns a :class:`~kvcodec.core.stage.Plan` whose
     ``params['check']`` records the probe, every try and the time the check cost.
     """
-    from kvcodec.models.quality import continue_logits
+    from kvcodec.models.quality import continue_logits, first_near_tie, greedy_promise_met, greedy_with_margins, probe_terms
     from kvcodec.format.probe import roundtrip
     from kvcodec.plan.pipelines import TOKENSCALE_DEFAULT, transform_plan
-    from kvcodec.plan.importance import cache_importance
+    from kvcodec.models.importance import cache_importance
 
     t_start = time.perf_counter()
     args = dict(args)
@@ -205,8 +151,8 @@ def guarded_plan(cache: Any, lm: Any, preset: str, args: dict[str, Any], target:
         same = True
         if target.greedy_tokens:
             got, _ = greedy_with_margins(lm, dec, int(probe[0]), target.greedy_tokens)
-            same = greedy_promise_met(exact_greedy, got, margins)
-        s = probe_stats(exact_logits, continue_logits(lm, dec, probe), probe, same)
+            same = greedy_promise_met(exact_greedy, got, margins, NEAR_TIE)
+        s = ProbeStats(**probe_terms(exact_logits, continue_logits(lm, dec, probe), probe), greedy_ok=same)
         ok = s.meets(target)
         tries.append({"step0": step0, "probe_payload_bytes": nbytes, "kl_mean": s.kl, "top1": s.top1,
                       "dppl_percent": 100.0 * math.expm1(s.d_mean), "greedy_ok": same if target.greedy_tokens else None,
@@ -233,6 +179,6 @@ def guarded_plan(cache: Any, lm: Any, preset: str, args: dict[str, Any], target:
                     f"encoded at step0 {step0:.3g}")
     plan = transform_plan(cache, step0, lm=lm, preset=preset, importance=whole_importance, **args)  # the whole context
     plan.params["check"] = {"checked": True, "met": ok, "target": asdict(target), "probe_tokens": n,
-                            "near_tie_at": first_near_tie(margins) if target.greedy_tokens else None,
+                            "near_tie_at": first_near_tie(margins, NEAR_TIE) if target.greedy_tokens else None,
                             "predictor_off": off, "tries": tries, "check_s": round(time.perf_counter() - t_start, 3)}
     return plan

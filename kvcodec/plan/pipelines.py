@@ -34,7 +34,7 @@ from kvcodec.calibration.record import Calibration
 from kvcodec.calibration.store import require_calibration
 from kvcodec.plan.importance import token_multipliers
 from kvcodec.codecs.rope_tables import layer_rope_config
-from kvcodec.codecs.keep import KeepStage
+from kvcodec.codecs.keep import KeepStage, keep_dtype
 from kvcodec.codecs.quantize import QuantizeStage, WideQuantizeStage
 from kvcodec.codecs.rope import RopeStage
 from kvcodec.codecs.transform import TransformStage
@@ -50,18 +50,6 @@ TOKENSCALE_DEFAULT: dict[str, Any] = {"window": 512, "bits": 4, "log2_step": 0.5
 # 0.016 (balanced) on pydoc-exec at 4,096 tokens against 0.025 and 0.006 with 2 % of the importance
 # spread uniformly (BENCHMARKS.md "Rate control"): a prior that every coded token may be read.
 KEEP_VAR_FRACTION = 0.02  # drop a PCA coefficient when its variance < this x step^2
-
-
-def keep_dtype(cache: Any, layer: int, kind: str) -> str:
-    """float16 for the kept sink tokens unless this tensor's values could overflow it (then float32).
-
-    The kept rows are pre-RoPE keys (a rotation mixes channel pairs, so a
-    component can grow by up to sqrt(2)) or values; a file must never hold an
-    fp16 side array that overflowed, which its reader would reject.
-    """
-    t = (cache.keys if kind == "k" else cache.values)[layer]
-    amax = float(t.detach().abs().max()) if t.numel() else 0.0
-    return "float16" if amax * math.sqrt(2.0) < float(np.finfo(np.float16).max) else "float32"
 
 
 def layer_steps(cal: Calibration, step0: float) -> np.ndarray:
@@ -122,6 +110,8 @@ def transform_plan(cache: Any, step0: float, sink: int = 4, group: int = 8, cal:
                    max_bits: int = 8, rans_blocks: int = RANS_BLOCKS) -> Plan:
     """The transform-codec plan at rate knob ``step0``.
 
+    ``cal``: the model's calibration, an input a PCA plan requires (resolved by its caller, once:
+    :func:`kvcodec.plan.presets.get_plan`, :func:`kvcodec.api.make_plan`; never looked up here).
     ``calibration``: "external" (reference the per-model calibration by sha256),
     "embedded" (store the truncated bases in the file) or "none" (Hadamard).
     ``max_bits`` over 8 codes with ``quantize`` v2 (16-bit codes as two byte planes; the
@@ -135,10 +125,10 @@ def transform_plan(cache: Any, step0: float, sink: int = 4, group: int = 8, cal:
     D = fp.head_dims[0]
     if any(d != D for d in fp.head_dims):
         raise KvcCodecError("transform presets need one head_dim for all layers")
-    if basis == "pca" and cal is None:
-        cal = require_calibration(fp)
     if basis == "pca":
-        assert cal is not None
+        if cal is None:
+            raise KvcInputError("a PCA plan needs the model's calibration (cal=): plan through kvcodec.api.make_plan, "
+                                "which resolves it, or pass kvcodec.calibration.store.require_calibration(fingerprint)")
         cal.check_for(fp)  # also a calibration handed in by the caller: never encode with another model's
         steps = layer_steps(cal, step0)
         ks = kept_coefficients(cal, steps, group)
@@ -164,7 +154,7 @@ def transform_plan(cache: Any, step0: float, sink: int = 4, group: int = 8, cal:
         ts_opts = dict(TOKENSCALE_DEFAULT)
         ts_opts.update(tokenscale)
         if importance is None and lm is not None:
-            from kvcodec.plan.importance import cache_importance
+            from kvcodec.models.importance import cache_importance
 
             importance = cache_importance(lm, cache, window=ts_opts["window"])
         if importance is not None and np.shape(importance) == (fp.num_layers, cache.num_tokens):
@@ -179,7 +169,7 @@ def transform_plan(cache: Any, step0: float, sink: int = 4, group: int = 8, cal:
         if rope_cfg is not None:
             st.append(RopeStage(**rope_cfg))
         if sink:
-            st.append(KeepStage(sink=sink, recent=0, dtype=keep_dtype(cache, layer, kind)))
+            st.append(KeepStage(sink=sink, recent=0, dtype=keep_dtype((cache.keys if kind == "k" else cache.values)[layer])))
         st.append(TransformStage(basis=basis, k=int(ks[layer, ki]), attachment="pca"))
         if ts_classes is not None and ts_opts is not None and kind in ts_opts["kinds"]:
             st.append(TokenScaleStage(bits=ts_opts["bits"]))
@@ -232,7 +222,7 @@ def plan_for_target(cache: Any, lm: Any, target_kl: float | None = None, target_
     exact = continue_logits(lm, cache, continuation)
     cal = kw.pop("cal", None) or require_calibration(cache.fingerprint)
     if kw.get("tokenscale") is not None and kw.get("importance") is None:  # score the context once, not per probe
-        from kvcodec.plan.importance import cache_importance
+        from kvcodec.models.importance import cache_importance
 
         kw["importance"] = cache_importance(lm, cache, window={**TOKENSCALE_DEFAULT, **kw["tokenscale"]}["window"])
 

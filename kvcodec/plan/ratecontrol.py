@@ -37,13 +37,12 @@ No model forward pass is needed beyond the token importance the plan computes an
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from numba import njit
 
 from kvcodec.calibration.ratemodel import RateModel
+from kvcodec.codecs.quantnoise import Coefficients, NoiseModel
 from kvcodec.calibration.record import Calibration
 from kvcodec.errors import KvcInputError
 from kvcodec.plan.importance import floored
@@ -57,20 +56,6 @@ SEARCH_TOKENS = 512  # tokens per (layer, kind) the step search evaluates (a str
 SEARCH_RTOL = 2e-3  # the search stops within this of the aim (or of the step)
 SEARCH_EVALS = 12  # predictions the search may make (4-6 in practice)
 STEP_BRACKET = (1e-4, 16.0)
-
-
-@dataclass
-class Coefficients:
-    """One cache's full-basis transform coefficients per (layer, kind), and what weights their tokens.
-
-    ``y[l][k]``: float32 [H, T', D] coefficients of the coded tokens (sink excluded; a strided
-    subsample when ``stride`` > 1); ``w[l]``: float64 [T'] token weights summing to 1.
-    Computed once per encode: every candidate step reuses them.
-    """
-
-    y: list[list[np.ndarray]]
-    w: list[np.ndarray]
-    token_index: list[np.ndarray]  # absolute token index of each column of y[l][*] (for tokenscale classes)
 
 
 def _projections(cal: Calibration) -> Any:
@@ -129,101 +114,8 @@ def coefficients(cache: Any, cal: Calibration, sink: int, importance: np.ndarray
     return Coefficients(ys, ws, idx)
 
 
-@njit(cache=True, nogil=True)
-def _coded_noise(z, k, st, omega, deadzone):  # pragma: no cover - numba
-    """sum_t omega[t] sum_{h, d < k} ((r - q) st[h, d])^2 with r = z[h, t, d] / st[h, d] and q its quantisation
-    (round half to even, or the deadzone's floor(|r| + 0.5 - deadzone)), in the quantize stage's float32."""
-    H, T, _ = z.shape
-    half = np.float32(0.5 - deadzone)
-    tot = 0.0
-    for t in range(T):
-        acc = 0.0
-        for h in range(H):
-            for d in range(k):
-                s = st[h, d]
-                r = z[h, t, d] / s
-                if deadzone != 0.0:
-                    a = np.floor(abs(r) + half)
-                    q = a if r >= 0 else -a
-                else:
-                    q = np.rint(r)
-                e = np.float64((r - q) * s)
-                acc += e * e
-        tot += omega[t] * acc
-    return tot
-
-
-@dataclass
-class NoiseModel:
-    """The step-independent part of :func:`noise_power` for one set of coefficients and tokenscale multipliers,
-    prepared once so that each candidate step of the search costs one pass over the coefficients.
-
-    Per (layer, kind): ``z`` float32 [H, T', D] (the coefficients over their token's multiplier, what the
-    quantizer rounds), ``amax`` [H, D] (max over tokens of ``|z|``: the range that widens a step),
-    ``omega`` float64 [T'] (token weight x multiplier^2: the weight of a token's rounding error) and
-    ``dropped`` float64 [D + 1] (weighted power of the coefficients from ``k`` on, for every ``k``: what
-    dropping them costs).
-    """
-
-    z: list[list[np.ndarray]]
-    amax: list[list[np.ndarray]]
-    omega: list[list[np.ndarray]]
-    dropped: list[list[np.ndarray]]
-
-    @classmethod
-    def prepare(cls, co: Coefficients, multipliers: list[np.ndarray] | None = None, kinds: str = "kv") -> "NoiseModel":
-        zs, amaxs, omegas, drops = [], [], [], []
-        for l in range(len(co.y)):
-            ml = None if multipliers is None else multipliers[l][co.token_index[l]].astype(np.float32)
-            zr, ar, orow, dr = [], [], [], []
-            for ki in range(2):
-                m = ml if "kv"[ki] in kinds else None
-                y = co.y[l][ki]
-                z = np.ascontiguousarray(y if m is None else y / m[None, :, None], np.float32)
-                w = co.w[l]
-                zr.append(z)
-                ar.append(np.abs(z).max(axis=1) if z.shape[1] else np.zeros(z.shape[::2], np.float32))
-                orow.append(w if m is None else w * m.astype(np.float64) ** 2)
-                col = np.einsum("htd,t->d", y.astype(np.float64) ** 2, w) if y.shape[1] else np.zeros(y.shape[2])
-                dr.append(np.concatenate([np.cumsum(col[::-1])[::-1], [0.0]]))
-            zs.append(zr)
-            amaxs.append(ar)
-            omegas.append(orow)
-            drops.append(dr)
-        return cls(zs, amaxs, omegas, drops)
-
-    def power(self, steps: np.ndarray, kept: np.ndarray, max_bits: int, deadzone: float = 0.0) -> np.ndarray:
-        """Weighted coefficient-domain error power per element [L, 2] at ``steps`` [L, 2] (:func:`noise_power`)."""
-        L = len(self.z)
-        out = np.zeros((L, 2))
-        lim = (1 << (max_bits - 1)) - 1
-        for l in range(L):
-            for ki in range(2):
-                z = self.z[l][ki]
-                H, T, D = z.shape
-                if T == 0:
-                    continue
-                k = int(kept[l, ki])
-                st = np.ascontiguousarray(np.maximum(np.float32(steps[l, ki]), self.amax[l][ki][:, :k] / (lim + 0.49)), np.float32)
-                coded = _coded_noise(z, k, st, self.omega[l][ki], float(deadzone)) if k else 0.0
-                out[l, ki] = (coded + float(self.dropped[l][ki][k])) / (H * D)
-        return out
-
-
-def noise_power(co: Coefficients, steps: np.ndarray, kept: np.ndarray, max_bits: int,
-                multipliers: list[np.ndarray] | None = None, deadzone: float = 0.0, kinds: str = "kv") -> np.ndarray:
-    """Weighted coefficient-domain error power per element [L, 2] of quantising ``co`` at ``steps`` [L, 2].
-
-    ``kept`` [L, 2]: coefficients coded (the rest are dropped: their error is their value);
-    ``multipliers[l]``: tokenscale's step multiplier per token of layer ``l`` (None: 1), indexed
-    by absolute token. Mirrors the quantize stage: the step of a (head, coefficient) widens to
-    ``amax / (2**(max_bits-1) - 0.51)`` where its range would not fit ``max_bits``.
-    """
-    return NoiseModel.prepare(co, multipliers, kinds).power(steps, kept, max_bits, deadzone)
-
-
 def noise_predictor(cache: Any, cal: Calibration, settings: dict[str, Any], importance: np.ndarray | None) -> Any:
-    """``step0 -> N`` [L, 2] (:func:`noise_power`) of the transform plan with ``settings`` (a lossy preset's, without
+    """``step0 -> N`` [L, 2] (:func:`kvcodec.codecs.quantnoise.noise_power`) of the transform plan with ``settings`` (a lossy preset's, without
     ``step0``) on ``cache``: the same per-layer steps, kept coefficients and tokenscale classes as
     :func:`kvcodec.plan.pipelines.transform_plan` builds."""
     from kvcodec.plan.pipelines import TOKENSCALE_DEFAULT, kept_coefficients, layer_steps, token_classes
@@ -328,15 +220,12 @@ def controlled_plan(cache: Any, lm: Any, preset: str, args: dict[str, Any], targ
     """
     import time
 
-    from kvcodec.plan.importance import cache_importance
+    from kvcodec.models.importance import cache_importance
     from kvcodec.plan.pipelines import TOKENSCALE_DEFAULT, transform_plan
     t0 = time.perf_counter()
     args = dict(args)
     start = args.pop("step0", None)  # the table step: where the search starts
     cal = args["cal"] = rm.allocated(args["cal"])  # the measured per-layer sensitivity: predictions and steps
-    if importance is None and args.get("tokenscale") is not None:
-        importance = cache_importance(lm, cache, window={**TOKENSCALE_DEFAULT, **args["tokenscale"]}["window"])
-    raw = raw_predictor(cache, cal, {k: v for k, v in args.items() if k != "cal"}, importance)
     factor = rm.factor(preset, int(cache.num_tokens))
     chat = 1.0
     if rm.chat_factor.get(preset) is not None:
@@ -345,6 +234,9 @@ def controlled_plan(cache: Any, lm: Any, preset: str, args: dict[str, Any], targ
         if is_chat_context(lm, cache.token_ids):  # a question will read this context more than prose does (issue 57)
             chat = rm.chat(preset)
             factor *= chat
+    if importance is None and args.get("tokenscale") is not None:
+        importance = cache_importance(lm, cache, window={**TOKENSCALE_DEFAULT, **args["tokenscale"]}["window"])
+    raw = raw_predictor(cache, cal, {k: v for k, v in args.items() if k != "cal"}, importance)
     aim, bound = AIM * target.kl, "kl"
     ratio = rm.dppl_ratio()  # this model's ΔPPL per unit KL on real text (None: its fit did not measure it)
     if ratio is not None and getattr(target, "dppl_percent", None):

@@ -64,7 +64,7 @@ def encode_levels(
     keys = {lv: level_keys(ids, lv, ends, model=lm.fingerprint.id, namespace=namespace) for lv in names}
     importance = None
     if any(lv in ("small", "balanced") for lv in names):  # the token-scaled presets weight tokens by attention
-        from kvcodec.plan.importance import cache_importance
+        from kvcodec.models.importance import cache_importance
 
         importance = cache_importance(lm, cache)
     for i, e in enumerate(ends):

@@ -354,7 +354,7 @@ def _real_cache(text: str, tokens: int, importance: bool = False) -> tuple[KVCac
     from kvcodec.models.capture import capture
     from kvcodec.models.load import load_model
     from kvcodec.plan.pipelines import TOKENSCALE_DEFAULT
-    from kvcodec.plan.importance import cache_importance
+    from kvcodec.models.importance import cache_importance
     from kvcodec.texts import load_text
 
     lm = load_model("smollm2")

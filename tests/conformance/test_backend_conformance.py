@@ -110,7 +110,7 @@ def test_golden_rans_vectors_every_backend(used):
 def test_real_cache_every_preset_every_backend(used, lm, small_cache):
     from kvcodec.plan.baselines import BASELINES  # noqa: F401  (baseline names)
     from kvcodec.plan.presets import get_plan
-    from kvcodec.plan.importance import cache_importance
+    from kvcodec.models.importance import cache_importance
 
     imp = cache_importance(lm, small_cache)
     plans = [(get_plan(p, small_cache), p in ("lossless", "near-lossless")) for p in ("lossless", "fp16", "zstd", "raw", "near-lossless", "small")]

@@ -184,7 +184,7 @@ def test_capture_file_with_hostile_importance_is_one_line(lm, gpl3_ids, tmp_path
 def test_cli_capture_then_encode_runs_one_forward_pass(tmp_path, capsys, monkeypatch):
     """`kvc capture` observes the importance the default lossy preset reads, and `kvc encode` of its file plans with
     it: the model never runs inside the encode, and the file is the one that recomputing the importance gives."""
-    import kvcodec.plan.importance as importance
+    import kvcodec.models.importance as importance
 
     text = tmp_path / "doc.txt"
     text.write_text(Path("/usr/share/common-licenses/Apache-2.0").read_text())

@@ -114,7 +114,7 @@ def test_family_flow(family, family_dirs, tmp_path):
         assert cache.ragged
         _continues_like_a_fresh_prefill(lm, cache, ids)
         # a ragged cache cannot rerun its last queries (their keys were dropped): the capture observes them
-        from kvcodec.plan.importance import attention_importance
+        from kvcodec.models.importance import attention_importance
 
         scored = capture(lm, token_ids=ids, score_window=64)
         assert all(torch.equal(a, b) for a, b in zip(cache.keys + cache.values, scored.keys + scored.values))

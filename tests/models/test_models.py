@@ -238,7 +238,7 @@ def test_blend_through_the_models_own_forward(mlm):
 
 def test_token_importance_uses_each_layers_mask(mlm, doc):
     """A sliding layer's keys that no future query can see get importance 0; full layers keep theirs."""
-    from kvcodec.plan.importance import cache_importance
+    from kvcodec.models.importance import cache_importance
 
     cache, _ = doc
     imp = cache_importance(mlm, cache, window=256)

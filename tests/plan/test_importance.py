@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvcodec.plan.importance import attention_importance, cache_importance
+from kvcodec.models.importance import attention_importance, cache_importance
 
 pytestmark = pytest.mark.model
 

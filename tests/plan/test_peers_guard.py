@@ -55,11 +55,13 @@ def _probe_quality(lm, cache, step0, args, n):
 def test_check_meets_a_target_the_starting_step_misses(lm, stdio_cache):
     """A target tighter than the starting step's quality forces step0 down (predicted, not blind halving); the
     step it writes meets the target when re-measured independently."""
+    from kvcodec.calibration.store import require_calibration
     from kvcodec.plan.check import CHECK_MARGIN, MAX_TRIES, guarded_plan
     from kvcodec.plan.targets import QualityTarget
     from kvcodec.plan.presets import PRESETS
 
     args = {k: v for k, v in PRESETS["balanced"].settings.items() if k != "tokenscale"}
+    args["cal"] = require_calibration(stdio_cache.fingerprint)  # the planner's input (kvcodec.api.make_plan resolves it)
     target = QualityTarget(kl=4e-3, top1=0.9, dppl_percent=1.0)
     plan = guarded_plan(stdio_cache, lm, "balanced", dict(args), target)
     g = plan.params["check"]
@@ -75,10 +77,12 @@ def test_check_meets_a_target_the_starting_step_misses(lm, stdio_cache):
 @pytest.mark.model
 def test_check_warns_when_the_prediction_was_far_off(lm, stdio_cache, caplog):
     """A first probe far from the rate model's prediction is a warning naming both numbers, never a silent miss."""
+    from kvcodec.calibration.store import require_calibration
     from kvcodec.plan.check import guarded_plan
     from kvcodec.plan.presets import PRESETS
 
     args = {k: v for k, v in PRESETS["balanced"].settings.items() if k != "tokenscale"}
+    args["cal"] = require_calibration(stdio_cache.fingerprint)
     with caplog.at_level("WARNING", logger="kvcodec.guard"):
         plan = guarded_plan(stdio_cache, lm, "balanced", dict(args), PRESETS["balanced"].target, predicted_kl=1e-9)
     assert plan.params["check"]["predictor_off"] > 3
@@ -105,20 +109,22 @@ def test_step_prediction_follows_the_kl_law():
 
 def test_greedy_promise_stops_at_the_first_near_tie():
     """Identical greedy tokens are promised up to the exact run's first top-2 margin under NEAR_TIE."""
-    from kvcodec.plan.check import NEAR_TIE, first_near_tie, greedy_promise_met
+    from kvcodec.models.quality import first_near_tie, greedy_promise_met
+    from kvcodec.plan.targets import NEAR_TIE
 
     exact, margins = [5, 6, 7, 8], [1.0, 0.5, NEAR_TIE / 2, 2.0]
-    assert first_near_tie(margins) == 2 and first_near_tie([1.0, 1.0]) is None
-    assert greedy_promise_met(exact, [5, 6, 9, 9], margins)  # flipped at the near-tie: not promised
-    assert not greedy_promise_met(exact, [5, 4, 7, 8], margins)  # flipped at a clear margin: a miss
-    assert greedy_promise_met(exact, exact, [1.0] * 4) and not greedy_promise_met(exact, [5, 6, 7, 9], [1.0] * 4)
+    assert first_near_tie(margins, NEAR_TIE) == 2 and first_near_tie([1.0, 1.0], NEAR_TIE) is None
+    assert greedy_promise_met(exact, [5, 6, 9, 9], margins, NEAR_TIE)  # flipped at the near-tie: not promised
+    assert not greedy_promise_met(exact, [5, 4, 7, 8], margins, NEAR_TIE)  # flipped at a clear margin: a miss
+    assert greedy_promise_met(exact, exact, [1.0] * 4, NEAR_TIE) and not greedy_promise_met(exact, [5, 6, 7, 9], [1.0] * 4, NEAR_TIE)
 
 
 def test_rival_gain_bounds_where_a_greedy_token_can_flip():
     """max_rival_gain: the largest gain of any token on the exact top-1; a flip needs more than the margin."""
     import torch
 
-    from kvcodec.plan.check import ProbeStats, max_rival_gain
+    from kvcodec.models.quality import max_rival_gain
+    from kvcodec.plan.check import ProbeStats
     from kvcodec.plan.targets import NEAR_TIE, QualityTarget
 
     exact = torch.tensor([[3.0, 2.9, 0.0], [0.0, 1.0, 5.0]])

@@ -20,8 +20,9 @@ def test_noise_power_is_the_codecs_own_error_in_the_metric(lm, real_cache):
     coefficients, multipliers), the KL it predicts would be off by the same factor."""
     from kvcodec.calibration.build import coded_tensor, ensure_calibration
     from kvcodec.format.probe import roundtrip
+    from kvcodec.codecs.quantnoise import noise_power
     from kvcodec.plan import ratecontrol as rate
-    from kvcodec.plan.importance import cache_importance
+    from kvcodec.models.importance import cache_importance
     from kvcodec.plan.pipelines import TOKENSCALE_DEFAULT, kept_coefficients, layer_steps, token_classes, transform_plan
     from kvcodec.plan.presets import PRESETS
 
@@ -36,7 +37,7 @@ def test_noise_power_is_the_codecs_own_error_in_the_metric(lm, real_cache):
     classes, table = token_classes(imp, sink, opts)
     co = rate.coefficients(cache, cal, sink, None, max_tokens=None)  # uniform weights: a plain mean
     steps = layer_steps(cal, step0)
-    got = rate.noise_power(co, steps, kept_coefficients(cal, steps, settings["group"]), 8, [table[c] for c in classes])
+    got = noise_power(co, steps, kept_coefficients(cal, steps, settings["group"]), 8, [table[c] for c in classes])
     want = np.zeros_like(got)
     for l in range(cache.num_layers):
         for ki, kind in enumerate("kv"):

@@ -33,7 +33,7 @@ from kvcodec.format import KvcReader, encode_kvc_bytes
 from kvcodec.models.capture import capture, tokenize
 from kvcodec.models.load import load_model
 from kvcodec.models.quality import compare_logits, continue_logits
-from kvcodec.plan.importance import attention_importance
+from kvcodec.models.importance import attention_importance
 from kvcodec.plan.pipelines import external_bytes
 from kvcodec.api import make_plan
 from kvcodec.plan.presets import score_window
