@@ -1,7 +1,10 @@
 """``python -m kvcodec.integrations.lmcache extract OBJECT OUT.kvc``: the `.kvc` inside a stored serde object.
+``python -m kvcodec.integrations.lmcache server ARGS...``: ``lmcache server ARGS...`` with the serde registered.
 
 Why: LMCache's ``fs`` adapter stores the serde's framed, padded object (kvcodec.integrations.lmcache.chunks);
-``kvc info`` / ``kvc verify`` read the `.kvc` this writes.
+``kvc info`` / ``kvc verify`` read the `.kvc` this writes. LMCache 0.5.6 has no entry point for third-party
+serdes, so ``"serde": {"type": "kvcodec"}`` in an ``--l2-adapter`` needs :func:`register` called in the server's
+process before it parses its arguments: ``server`` does that, then runs LMCache's own CLI.
 """
 
 from __future__ import annotations
@@ -14,8 +17,16 @@ from kvcodec.integrations.lmcache.chunks import unframe
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["server"]:
+        from kvcodec.integrations.lmcache import register
+        from lmcache.cli.main import main as lmcache_main
+
+        register()
+        lmcache_main(args)
+        return 0
     if len(args) != 3 or args[0] != "extract":
-        print("usage: python -m kvcodec.integrations.lmcache extract OBJECT OUT.kvc", file=sys.stderr)
+        print("usage: python -m kvcodec.integrations.lmcache extract OBJECT OUT.kvc\n"
+              "       python -m kvcodec.integrations.lmcache server LMCACHE_SERVER_ARGS...", file=sys.stderr)
         return 2
     try:
         with open(args[1], "rb") as f:
