@@ -103,14 +103,40 @@ def answers(lm: Any, cache: Any, questions: tuple[np.ndarray, ...], n: int = ANS
     return [greedy_answer(lm, cache, q, n) for q in questions]
 
 
-def answer_step_factor(lm: Any, contexts: list[ProbeContext], plan_at: Callable[[Any, float], Any],
-                       progress: Callable[[], None] | None = None) -> dict[str, Any]:
-    """The largest of :data:`STEP_FACTORS` at which the plans ``plan_at(cache, factor)`` keep every probe answer
-    identical to the exact cache's, and what was seen at each factor tried (module docstring)."""
-    from kvcodec.format.probe import roundtrip
+def probe_caches(lm: Any, contexts: list[ProbeContext]) -> list[Any]:
+    """The exact cache of each probe context (one prefill each). The answer probe and the chat factors
+    (:mod:`kvcodec.onboard.chatfactor`) read the same contexts, so a rate-model fit prefills them once and hands both
+    the caches (a prefill is deterministic: the same caches, bit for bit, as each prefilling its own)."""
     from kvcodec.models.capture import capture
 
-    caches = [capture(lm, token_ids=c.ids) for c in contexts]
+    return [capture(lm, token_ids=c.ids) for c in contexts]
+
+
+class Probe:
+    """A model's probe contexts (:func:`probe_contexts`) and, on first use, their exact caches (:func:`probe_caches`):
+    what one rate-model fit hands its answer probe and its chat factors, so each context is tokenized and prefilled
+    once."""
+
+    def __init__(self, lm: Any) -> None:
+        self.lm = lm
+        self.contexts = probe_contexts(lm)
+        self._caches: list[Any] | None = None
+
+    @property
+    def caches(self) -> list[Any]:
+        if self._caches is None:
+            self._caches = probe_caches(self.lm, self.contexts)
+        return self._caches
+
+
+def answer_step_factor(lm: Any, contexts: list[ProbeContext], plan_at: Callable[[Any, float], Any],
+                       progress: Callable[[], None] | None = None, caches: list[Any] | None = None) -> dict[str, Any]:
+    """The largest of :data:`STEP_FACTORS` at which the plans ``plan_at(cache, factor)`` keep every probe answer
+    identical to the exact cache's, and what was seen at each factor tried (module docstring). ``caches``: the
+    contexts' exact caches (:func:`probe_caches`), read and never changed; None prefills them."""
+    from kvcodec.format.probe import roundtrip
+
+    caches = probe_caches(lm, contexts) if caches is None else caches
     exact = [answers(lm, cache, c.questions) for cache, c in zip(caches, contexts)]
     tried = []
     for factor in STEP_FACTORS:

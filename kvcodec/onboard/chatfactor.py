@@ -33,43 +33,52 @@ ANSWER_TOKENS = 128  # the answer's greedy tokens in each continuation (not stop
 VERSION = 1
 
 
-def chat_continuation(lm: Any, ids: np.ndarray, n: int = ANSWER_TOKENS) -> np.ndarray:
+def chat_continuation(lm: Any, ids: np.ndarray, n: int = ANSWER_TOKENS, cache: Any = None) -> np.ndarray:
     """What follows the chat context ``ids`` when it is used: the question turn of :data:`CHAT_QUESTION` and the
-    model's ``n`` greedy answer tokens from the exact cache of ``ids`` and that turn."""
+    model's ``n`` greedy answer tokens, fed after the exact cache of ``ids`` as ``kvc ask`` feeds a question after a
+    stored context. ``cache``: that cache when the caller has it (the chat factors' probe contexts), else prefilled."""
     import torch
 
+    from kvcodec.models.cachelayout import cache_for_model
     from kvcodec.models.capture import capture
     from kvcodec.models.chat import ChatFormat
-    from kvcodec.models.quality import greedy
 
     q = ChatFormat.for_tokenizer(lm.tokenizer).question_ids(CHAT_QUESTION)
     with torch.inference_mode():
-        full = capture(lm, token_ids=np.concatenate([np.asarray(ids, np.int64), q[:-1]]))
-        answer = greedy(lm, full, int(q[-1]), n)
-    return np.asarray(np.concatenate([q, answer]), np.int64)
+        cache = capture(lm, token_ids=np.asarray(ids, np.int64)) if cache is None else cache
+        past, pos, answer = cache_for_model(lm, cache), cache.next_position, []
+        feed = torch.as_tensor(np.asarray(q, np.int64)).unsqueeze(0)
+        for _ in range(n):
+            logits = lm.model(input_ids=feed, past_key_values=past, use_cache=True, logits_to_keep=1,
+                              position_ids=torch.arange(pos, pos + feed.shape[1]).unsqueeze(0)).logits[0, -1]
+            pos += feed.shape[1]
+            answer.append(int(logits.argmax()))
+            feed = torch.tensor([[answer[-1]]])
+    return np.asarray(np.concatenate([q, np.asarray(answer, np.int64)]), np.int64)
 
 
 def measure_chat_factor(lm: Any, cal: Any, presets: Mapping[str, tuple[Mapping[str, Any], Any]], rm: Any,
-                        progress: bool = True) -> dict[str, dict[str, Any]]:
+                        progress: bool = True, probe: Any = None) -> dict[str, dict[str, Any]]:
     """Per preset of ``presets`` (name -> (its table settings, its target)): ``{"factor", "rows", "version"}``
-    (module docstring), with ``rm``'s other constants as they are (its chat factors ignored while measuring)."""
+    (module docstring), with ``rm``'s other constants as they are (its chat factors ignored while measuring).
+    ``probe``: the fit's :class:`~kvcodec.onboard.answercheck.Probe` (its contexts and caches, shared with the answer
+    probe); None makes one."""
     import torch
     from tqdm import tqdm
 
     from kvcodec.format.probe import roundtrip
-    from kvcodec.models.capture import capture
     from kvcodec.models.quality import continue_logits
-    from kvcodec.onboard.answercheck import probe_contexts
+    from kvcodec.onboard.answercheck import Probe
     from kvcodec.plan.ratecontrol import controlled_plan
 
-    contexts = probe_contexts(lm)
+    probe = Probe(lm) if probe is None else probe
+    contexts = probe.contexts
     bare = replace(rm, chat_factor={})
     rows: dict[str, list[dict[str, Any]]] = {n: [] for n in presets}
     with tqdm(total=len(contexts) * (1 + len(presets)), desc=f"kvc: measuring {lm.name}'s rate on chat contexts",
               file=sys.stderr, disable=not progress, leave=False, dynamic_ncols=True) as bar, torch.inference_mode():
-        for c in contexts:
-            cache = capture(lm, token_ids=c.ids)
-            cont = chat_continuation(lm, c.ids)
+        for c, cache in zip(contexts, probe.caches):
+            cont = chat_continuation(lm, c.ids, cache=cache)
             lp_e = torch.log_softmax(continue_logits(lm, cache, cont).double(), -1)
             bar.update(1)
             for name, (table, target) in presets.items():

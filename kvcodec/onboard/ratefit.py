@@ -120,19 +120,28 @@ def fit_rate_model(lm: Any, cal: Calibration, presets: Mapping[str, Mapping[str,
     rm = RateModel(str(cal.meta["fingerprint_id"]), str(cal.meta["content_sha256"]), alpha, beta, T_REF,
                    max(nl) if nl else None, fit, 0.0, settings_digest(presets), curve, layer_factor,
                    _digests(presets, answers), recipe=recipe.name)
+    probe = _probe(lm) if any(n in answers or (targets and n in targets) for n in presets) else None
     for name in [n for n in presets if n in answers]:
-        rm.answer_step[name] = _answer_probe(lm, cal0, name, presets[name], answers[name], rm, progress)
-    rm.chat_factor = _chat_factors(lm, cal0, presets, targets, rm, progress)
+        rm.answer_step[name] = _answer_probe(lm, cal0, name, presets[name], answers[name], rm, progress, probe)
+    rm.chat_factor = _chat_factors(lm, cal0, presets, targets, rm, progress, probe)
     rm.fit_s = round(time.time() - t0, 1)
     return rm
 
 
+def _probe(lm: Any) -> Any:
+    """The answer probe's contexts, whose prefills the answer probe and the chat factors share
+    (:class:`kvcodec.onboard.answercheck.Probe`)."""
+    from kvcodec.onboard.answercheck import Probe
+
+    return Probe(lm)
+
+
 def _chat_factors(lm: Any, cal: Calibration, presets: Mapping[str, Mapping[str, Any]], targets: Mapping[str, Any] | None,
-                  rm: RateModel, progress: bool) -> dict[str, dict[str, Any]]:
+                  rm: RateModel, progress: bool, probe: Any = None) -> dict[str, dict[str, Any]]:
     from kvcodec.onboard.chatfactor import measure_chat_factor
 
     want = {n: (presets[n], targets[n]) for n in presets if targets and n in targets}
-    return measure_chat_factor(lm, cal, want, rm, progress) if want else {}
+    return measure_chat_factor(lm, cal, want, rm, progress, probe) if want else {}
 
 
 def with_chat_factor(lm: Any, cal: Calibration, rm: RateModel, presets: Mapping[str, Mapping[str, Any]],
@@ -145,14 +154,16 @@ def with_chat_factor(lm: Any, cal: Calibration, rm: RateModel, presets: Mapping[
 
 
 def _answer_probe(lm: Any, cal: Calibration, name: str, table: Mapping[str, Any], target: Any, rm: RateModel,
-                  progress: bool) -> dict[str, Any]:
-    """The answer probe of preset ``name`` at the steps ``rm`` chooses (:mod:`kvcodec.onboard.answercheck`)."""
+                  progress: bool, probe: Any = None) -> dict[str, Any]:
+    """The answer probe of preset ``name`` at the steps ``rm`` chooses (:mod:`kvcodec.onboard.answercheck`); ``probe``:
+    the fit's shared :class:`~kvcodec.onboard.answercheck.Probe` (None: one of its own)."""
     from tqdm import tqdm
 
-    from kvcodec.onboard.answercheck import STEP_FACTORS, answer_step_factor, probe_contexts
+    from kvcodec.onboard.answercheck import STEP_FACTORS, Probe, answer_step_factor
     from kvcodec.plan.ratecontrol import controlled_plan
 
-    contexts = probe_contexts(lm)
+    probe = Probe(lm) if probe is None else probe
+    contexts = probe.contexts
     if not contexts:
         return {"factor": 1.0, "tried": [], "texts": [], "note": "no probe text fits the model's window"}
     args = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in table.items()}
@@ -163,7 +174,7 @@ def _answer_probe(lm: Any, cal: Calibration, name: str, table: Mapping[str, Any]
 
     with tqdm(total=len(contexts) * len(STEP_FACTORS), desc=f"kvc: checking {name}'s answers on {lm.name}",
               file=sys.stderr, disable=not progress, leave=False, dynamic_ncols=True) as bar:
-        return answer_step_factor(lm, contexts, plan_at, progress=lambda: bar.update(1))
+        return answer_step_factor(lm, contexts, plan_at, progress=lambda: bar.update(1), caches=probe.caches)
 
 
 def measure_layer_factor(lm: Any, cal: Calibration, table: Mapping[str, Any], jobs: list[tuple[str, int, np.ndarray]],
