@@ -390,7 +390,7 @@ def pipeline_table(pipelines: PipelineSpec, n_layers: int, *, max_stages: int,
     objects: stages are immutable configuration and a tensor's encoder-only inputs come
     from ``WriteOptions.encoder_inputs`` (tests/codecs/test_quant_tokenscale.py checks that layers
     merged into one entry keep their own token classes). ``max_stages`` / ``max_pipelines`` are the container's
-    limits (:func:`kvcodec.format.writer.resolve_pipelines` passes them).
+    limits (the writer and :mod:`kvcodec.format.probe` pass them).
     """
     table: list[Pipeline] = []
     keys: dict[str, int] = {}
