@@ -113,20 +113,37 @@ def probe_caches(lm: Any, contexts: list[ProbeContext]) -> list[Any]:
 
 
 class Probe:
-    """A model's probe contexts (:func:`probe_contexts`) and, on first use, their exact caches (:func:`probe_caches`):
-    what one rate-model fit hands its answer probe and its chat factors, so each context is tokenized and prefilled
-    once."""
+    """A model's probe contexts (:func:`probe_contexts`) and, on first use, their exact caches (:func:`probe_caches`)
+    and token importance (:meth:`importance`): what one rate-model fit hands its answer probe and its chat factors, so
+    each context is tokenized, prefilled and scored once."""
 
     def __init__(self, lm: Any) -> None:
         self.lm = lm
         self.contexts = probe_contexts(lm)
         self._caches: list[Any] | None = None
+        self._importance: dict[tuple[int, Any], Any] = {}
 
     @property
     def caches(self) -> list[Any]:
         if self._caches is None:
             self._caches = probe_caches(self.lm, self.contexts)
         return self._caches
+
+    def importance(self, cache: Any, tokenscale: Any) -> Any:
+        """The token importance rate control plans ``cache`` (one of :attr:`caches`) with for a preset whose
+        ``tokenscale`` setting this is (None: it weighs no tokens, and gets None), computed once per cache and window:
+        :func:`~kvcodec.plan.ratecontrol.controlled_plan` computes it per call when not given it, per preset and per
+        step factor (a forward pass each; a whole prefill on a model with sliding-window layers)."""
+        if tokenscale is None:
+            return None
+        from kvcodec.models.importance import cache_importance
+        from kvcodec.plan.pipelines import TOKENSCALE_DEFAULT
+
+        window = {**TOKENSCALE_DEFAULT, **tokenscale}["window"]
+        key = (id(cache), window)
+        if key not in self._importance:
+            self._importance[key] = cache_importance(self.lm, cache, window=window)
+        return self._importance[key]
 
 
 def answer_step_factor(lm: Any, contexts: list[ProbeContext], plan_at: Callable[[Any, float], Any],

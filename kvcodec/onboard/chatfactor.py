@@ -83,7 +83,8 @@ def measure_chat_factor(lm: Any, cal: Any, presets: Mapping[str, tuple[Mapping[s
             bar.update(1)
             for name, (table, target) in presets.items():
                 args = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in table.items()}
-                plan = controlled_plan(cache, lm, name, {**args, "cal": cal}, target, bare)
+                plan = controlled_plan(cache, lm, name, {**args, "cal": cal}, target, bare,
+                                       importance=probe.importance(cache, args.get("tokenscale")))
                 pred = float(plan.params["rate"]["predicted_kl"])
                 dec, _ = roundtrip(cache, plan)
                 lp_d = torch.log_softmax(continue_logits(lm, dec, cont).double(), -1)

@@ -170,7 +170,8 @@ def _answer_probe(lm: Any, cal: Calibration, name: str, table: Mapping[str, Any]
 
     def plan_at(cache: Any, factor: float) -> Any:
         return controlled_plan(cache, lm, name, {**args, "cal": cal}, target,
-                               replace(rm, answer_step={name: {"factor": factor}}))
+                               replace(rm, answer_step={name: {"factor": factor}}),
+                               importance=probe.importance(cache, args.get("tokenscale")))
 
     with tqdm(total=len(contexts) * len(STEP_FACTORS), desc=f"kvc: checking {name}'s answers on {lm.name}",
               file=sys.stderr, disable=not progress, leave=False, dynamic_ncols=True) as bar:

@@ -1,5 +1,6 @@
-"""A rate-model fit prefills the answer probe's contexts once, for the answer probe and the chat factors (issue 54,
-item 6), and its rate model is the one each of them prefilling its own contexts gives, number for number."""
+"""A rate-model fit prefills and scores the answer probe's contexts once, for the answer probe and the chat factors
+(issue 54, item 6), and its rate model is the one each of them prefilling its own contexts (and rate control scoring
+each context per preset) gives, number for number."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ def test_shared_probe_prefills_give_the_same_rate_model(family, tmp_path, monkey
     prefills.clear()
     with monkeypatch.context() as mp:
         mp.setattr(ratefit, "_probe", lambda lm: None)  # as before: each measurement prefills its own
+        mp.setattr(answercheck.Probe, "importance", lambda self, cache, tokenscale: None)  # and controlled_plan scores
         alone = fit()
     assert len(prefills) == len([n for n in lossy_settings() if n in answer_targets()]) + 1
     a, b = shared.to_json(), alone.to_json()
