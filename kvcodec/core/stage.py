@@ -378,6 +378,8 @@ def chunk_context(
 
 
 def chunk_ranges(n: int, step: int | None) -> list[tuple[int, int]]:
+    """``[start, end)`` ranges covering ``0..n`` in pieces of ``step`` (one piece when ``step`` is None or 0): the
+    chunk grid the writer encodes and the round-trip probe measures, from one definition."""
     step = n if not step else step
     return [(a, min(a + step, n)) for a in range(0, n, step)]
 
