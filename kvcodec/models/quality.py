@@ -71,8 +71,9 @@ def greedy(lm: LoadedModel, cache: KVCache, first_token: int, n: int) -> list[in
 
 
 @torch.inference_mode()
-def greedy_answer(lm: LoadedModel, cache: KVCache, question: np.ndarray, n: int) -> list[int]:
-    """Up to ``n`` greedy tokens answering ``question`` (token ids, fed after ``cache``), stopping at EOS."""
+def greedy_answer(lm: LoadedModel, cache: KVCache, question: np.ndarray, n: int, stop_at_eos: bool = True) -> list[int]:
+    """Up to ``n`` greedy tokens answering ``question`` (token ids, fed after ``cache``), stopping at EOS unless
+    ``stop_at_eos`` is False (then exactly ``n``: a continuation whose length is fixed, as the chat factors use)."""
     past = cache_for_model(lm, cache)
     ids = torch.as_tensor(np.asarray(question, dtype=np.int64)).unsqueeze(0)
     pos = cache.next_position
@@ -84,7 +85,7 @@ def greedy_answer(lm: LoadedModel, cache: KVCache, question: np.ndarray, n: int)
     for _ in range(n):
         tok = int(logits.argmax())
         out.append(tok)
-        if tok == eos or len(out) == n:
+        if (stop_at_eos and tok == eos) or len(out) == n:
             break
         logits = lm.model(input_ids=torch.tensor([[tok]]), past_key_values=past, position_ids=torch.tensor([[pos]]),
                           use_cache=True).logits[0, -1]

@@ -39,21 +39,14 @@ def chat_continuation(lm: Any, ids: np.ndarray, n: int = ANSWER_TOKENS, cache: A
     stored context. ``cache``: that cache when the caller has it (the chat factors' probe contexts), else prefilled."""
     import torch
 
-    from kvcodec.models.cachelayout import cache_for_model
     from kvcodec.models.capture import capture
     from kvcodec.models.chat import ChatFormat
+    from kvcodec.models.quality import greedy_answer
 
     q = ChatFormat.for_tokenizer(lm.tokenizer).question_ids(CHAT_QUESTION)
     with torch.inference_mode():
         cache = capture(lm, token_ids=np.asarray(ids, np.int64)) if cache is None else cache
-        past, pos, answer = cache_for_model(lm, cache), cache.next_position, []
-        feed = torch.as_tensor(np.asarray(q, np.int64)).unsqueeze(0)
-        for _ in range(n):
-            logits = lm.model(input_ids=feed, past_key_values=past, use_cache=True, logits_to_keep=1,
-                              position_ids=torch.arange(pos, pos + feed.shape[1]).unsqueeze(0)).logits[0, -1]
-            pos += feed.shape[1]
-            answer.append(int(logits.argmax()))
-            feed = torch.tensor([[answer[-1]]])
+        answer = greedy_answer(lm, cache, q, n, stop_at_eos=False)
     return np.asarray(np.concatenate([q, np.asarray(answer, np.int64)]), np.int64)
 
 
