@@ -30,7 +30,7 @@ decoded cache.
 
 Timings are medians of ``--repeats`` after one warm-up.
 
-    python benchmarks/bench_llamacpp.py --tokens 2048 --threads 1 --json benchmarks/results/llamacpp.json
+    python benchmarks/bench_llamacpp.py --tokens 2048 --threads 1 --json benchmarks/results/llamacpp/llamacpp.json
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ smallest top-2 margin among the 16 greedy steps (a flip below 0.02 is a near-tie
 promise exempts). Decode MB/s is fp16-equivalent bytes over the best of 3 decodes,
 numba-fused backend, one thread.
 
-    python benchmarks/bench_near_lossless.py [--model smollm2] [--texts apache2,...] [--out benchmarks/results/near_lossless.json]
+    python benchmarks/bench_near_lossless.py [--model smollm2] [--texts apache2,...] [--out benchmarks/results/near_lossless/near_lossless.json]
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--texts", default=",".join(HELD_OUT))
     ap.add_argument("--tokens", type=int, default=1024)
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/near_lossless.json"))
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/near_lossless/near_lossless.json"))
     run = harness.cli(ap, argv, case="near_lossless")
     args = run.args
     torch.set_num_threads(1)

@@ -46,7 +46,7 @@ are kept), and the summary and table are computed from the file. ``--small``
 runs a minute-scale version of everything.
 
     python benchmarks/bench_rag.py --small --out rag-small
-    nohup python benchmarks/bench_rag.py --out benchmarks/results/rag-table1 &
+    nohup python benchmarks/bench_rag.py --out benchmarks/results/rag/table1 &
 """
 
 from __future__ import annotations

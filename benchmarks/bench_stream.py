@@ -23,7 +23,7 @@ after the context, from the assembled cache, against the exact cache.
 The process is warmed first (one unshaped load per level and one prefill:
 codec imports, numba kernels, measured speeds), as a serving process would be.
 
-    python benchmarks/bench_stream.py --tokens 768 --json-out benchmarks/results/stream.json
+    python benchmarks/bench_stream.py --tokens 768 --json-out benchmarks/results/stream/stream.json
 """
 
 from __future__ import annotations

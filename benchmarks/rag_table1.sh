@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The full Table 1 run of issue 34 (benchmarks/bench_rag.py), one (model, shape) at a time, each resuming the run
 # directory, so a run cut short keeps every finished (model, shape) whole. Rerun the same command to continue.
-#   bash benchmarks/rag_table1.sh [RUN_DIR]      (default benchmarks/results/rag-table1)
+#   bash benchmarks/rag_table1.sh [RUN_DIR]      (default benchmarks/results/rag/table1)
 # Per (model, shape): deposit the knowledge base once (--requests 0), then the in-context and KV-cache requests
 # on SHARDS processes (--shard i/N: one torch thread each, so N cores). Then per model, fine-tuning: LoRA until
 # FT_X times the model's KV-cache injection wall time (first shape), however many epochs that is, then its
@@ -12,7 +12,7 @@
 # to within 2 points of in-context.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${1:-benchmarks/results/rag-table1}
+OUT=${1:-benchmarks/results/rag/table1}
 PY=${PY:-.venv/bin/python}
 PRESET=${PRESET:-near-lossless}
 SHARDS=${SHARDS:-2}

@@ -270,7 +270,7 @@ class WideQuantizeStage(QuantizeStage):
     coefficient channel whose range exceeds 127 steps gets its step widened to
     fit. That is invisible at ``balanced``'s steps but sets ``near-lossless``'s
     quality floor: below step0 ~0.02 KL stops falling (~4e-5 on SmolLM2) and
-    greedy tokens flip at clear margins (issue 15; benchmarks/results/floor.txt).
+    greedy tokens flip at clear margins (issue 15; benchmarks/results/floor/floor.txt).
     The rANS coder stays a byte coder: the high bytes and the low bytes are
     separate channels, so each gets its own tables (the high plane of a narrow
     channel is all zeros and costs almost nothing; the low plane of a wide one

@@ -15,8 +15,8 @@ as the continuation. Three importances, each swept over step0 and joined log-log
 Bits are the file's (calibration external, not counted here; amortised over 100 documents it adds
 ``cal_bits_amortised``) over the K+V elements the cache stores, and over the full context's.
 
-Run: ``python benchmarks/results/issue38-oracle/probe_oracle.py gemma3-270m c-stdio py-argparse changelog-apt
-> benchmarks/results/issue38-oracle/gemma3-270m.jsonl`` (one JSON row per text).
+Run: ``python benchmarks/results/rate/issue38-oracle/probe_oracle.py gemma3-270m c-stdio py-argparse changelog-apt
+> benchmarks/results/rate/issue38-oracle/gemma3-270m.jsonl`` (one JSON row per text).
 """
 
 import json

@@ -1,6 +1,6 @@
 """Probe (issue 54, item 6): each (layer, kind)'s KL at balanced's step from Fisher gradients, against measuring it.
 
-    python benchmarks/results/layer-factor-estimate/probe_layer_factor.py MODEL S CONT NMEAS [TEXTS]
+    python benchmarks/results/rate/layer-factor-estimate/probe_layer_factor.py MODEL S CONT NMEAS [TEXTS]
 
 For each rate-model fit text at 2,048 tokens: the codec's real coefficient errors c of every K/V tensor (decoded
 minus exact, in the plans' coded frame), S Hutchinson Fisher gradients g over the first CONT continuation tokens,
