@@ -234,6 +234,16 @@ def join_chunks(chunks: list, like, fp32: bool = True):
     return KVCache(ks, vs, like.token_ids, like.fingerprint)
 
 
+def _rope_offset(data) -> int:
+    """The chunk offset a kvcodec serde object records (0: none recorded)."""
+    import kvcodec
+    from kvcodec.integrations.lmcache.chunks import unframe
+
+    with kvcodec.open(unframe(data.numpy().tobytes())) as r:
+        meta = r.header.meta if isinstance(r.header.meta, dict) else {}
+    return int(meta.get("rope_offset", 0))
+
+
 def _obj_key(model_name: str, text: str, i: int):
     import hashlib
 
@@ -245,6 +255,24 @@ def _obj_key(model_name: str, text: str, i: int):
 # ------------------------------------------------------------------------------------------------ measuring
 
 
+SERDE_KEYS = ("rope_offset",)  # serde options a method may set beside the preset's overrides
+
+
+def parse_method(m: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """``preset`` or ``preset:key=value;key=value`` (values as JSON, or a bare word) -> (preset, the serde's
+    ``overrides``, other serde options: ``rope_offset=zero``)."""
+    preset, _, rest = m.partition(":")
+    over, opts = {}, {}
+    for kv in filter(None, rest.split(";")):
+        k, _, v = kv.partition("=")
+        try:
+            val = json.loads(v)
+        except json.JSONDecodeError:
+            val = v
+        (opts if k in SERDE_KEYS else over)[k] = val
+    return preset, over, opts
+
+
 def build_methods(a, model: str, model_name: str, model_dir: str, fp, dtype) -> tuple[list, list[dict]]:
     """Every method's serde object; a method that cannot even be built here is a row with its reason."""
     from kvcodec.integrations.lmcache import register
@@ -252,13 +280,16 @@ def build_methods(a, model: str, model_name: str, model_dir: str, fp, dtype) -> 
     register()
     L, H, D = fp.num_layers, fp.num_kv_heads, fp.head_dims[0]
     specs: list[tuple[str, Any]] = [("fp8", lambda: MPSerde("fp8", {"type": "fp8", "fp8_dtype": "float8_e4m3fn"}))]
-    for p in [x for x in a.turboquant_presets.split(",") if x]:
+    for p in [x for x in a.turboquant_presets.split(",") if x and not a.fp8_only]:
         specs.append((f"turboquant:{p}", lambda p=p: MPSerde(f"turboquant:{p}", {"type": "turboquant", "preset": p,
                                                                                   "head_dim": D})))
-    specs.append(("cachegen", lambda: CacheGen(model_dir, L, H, D, a.chunk, dtype)))
+    if not a.fp8_only:
+        specs.append(("cachegen", lambda: CacheGen(model_dir, L, H, D, a.chunk, dtype)))
     for p in [x for x in a.presets.split(",") if x]:
-        specs.append((f"kvcodec:{p}", lambda p=p: MPSerde(f"kvcodec:{p}", {
-            "type": "kvcodec", "preset": p, "models": {model_name: model}, "pad": False})))
+        preset, over, opts = parse_method(p)
+        specs.append((f"kvcodec:{p}", lambda p=p, preset=preset, over=over, opts=opts: MPSerde(f"kvcodec:{p}", {
+            "type": "kvcodec", "preset": preset, "models": {model_name: model}, "pad": False,
+            **({"overrides": over} if over else {}), **opts})))
     methods, failed = [], []
     for name, make in specs:
         try:
@@ -304,11 +335,13 @@ def measure_text(lm, a, text: str, methods: list, model_name: str, dtype, broken
         if m.name in broken:
             continue
         row: dict[str, Any] = {"method": m.name, "config": m.kwargs}
-        nbytes, enc, dec, got = [], [], [], []
+        nbytes, enc, dec, got, offsets = [], [], [], [], []
         try:
             for i, t in enumerate(chunks):
                 key = _obj_key(model_name, text, i)
                 data, ce = m.encode(t, key)
+                if m.name.startswith("kvcodec:"):
+                    offsets.append(_rope_offset(data))
                 back, cd = m.decode(data, t, key)
                 nbytes.append(int(data.numel()))
                 enc.append(ce)
@@ -322,6 +355,8 @@ def measure_text(lm, a, text: str, methods: list, model_name: str, dtype, broken
         nonfinite = int(sum((~torch.isfinite(c)).sum() for c in got))
         with torch.inference_mode():
             q = compare_logits(ref_logits, continue_logits(lm, dec_cache, cont), cont)
+        if offsets:  # the serde's estimate of each chunk's start against the truth (i * chunk)
+            row.update(rope_offsets=offsets, rope_offsets_right=sum(o == i * a.chunk for i, o in enumerate(offsets)))
         row.update(bytes_per_chunk=nbytes, bytes=sum(nbytes), bits_per_element=sum(nbytes) * 8 / elems,
                    encode_cpu_s=enc, decode_cpu_s=dec, encode_cpu_s_per_chunk=float(np.mean(enc)),
                    decode_cpu_s_per_chunk=float(np.mean(dec)),
@@ -350,9 +385,10 @@ def _whole_rows(lm, a, chunks, cache, cont, ref_logits, out) -> None:
 
     whole = join_chunks(chunks, cache, fp32=False)
     for p in [x for x in a.presets.split(",") if x]:
-        cal = load_calibration(cache.fingerprint.id) if preset_info(p).lossy else None
+        preset, over, _ = parse_method(p)
+        cal = load_calibration(cache.fingerprint.id) if preset_info(preset).lossy else None
         c0 = time.process_time()
-        enc = kvcodec.encode(whole, None, preset=p, calibration=cal, verify="file")
+        enc = kvcodec.encode(whole, None, preset=preset, overrides=over or None, calibration=cal, verify="file")
         ce = time.process_time() - c0
         assert enc.data is not None
         c0 = time.process_time()
@@ -362,7 +398,7 @@ def _whole_rows(lm, a, chunks, cache, cont, ref_logits, out) -> None:
         with torch.inference_mode():
             q = compare_logits(ref_logits, continue_logits(lm, dec.to(torch.float32), cont), cont)
         n = len(chunks)
-        row = {"method": f"whole:{p}", "config": {"preset": p, "tokens": a.tokens}, "bytes_per_chunk": [len(enc.data) / n] * n,
+        row = {"method": f"whole:{p}", "config": {"preset": preset, "overrides": over, "tokens": a.tokens}, "bytes_per_chunk": [len(enc.data) / n] * n,
                "bytes": len(enc.data), "bits_per_element": len(enc.data) * 8 / out["elements"],
                "encode_cpu_s": [ce / n] * n, "decode_cpu_s": [cd / n] * n, "encode_cpu_s_per_chunk": ce / n,
                "decode_cpu_s_per_chunk": cd / n, "encode_mb_s_per_core": out["fp16_mb_per_chunk"] * n / ce,
@@ -396,6 +432,8 @@ def summarize(texts: list[dict], methods_order: list[str], broken: dict, failed:
             "encode_mb_s_per_core": mb / float(np.mean(enc)), "decode_mb_s_per_core": mb / float(np.mean(dec)),
             "nonfinite": sum(r["nonfinite"] for r in rows), "bit_exact": all(r["bit_exact"] for r in rows),
         }
+        if all("rope_offsets" in r for r in rows):
+            per[name]["rope_offsets_right"] = sum(r["rope_offsets_right"] for r in rows)
     fp8 = per.get("fp8")
     vs: list[dict[str, Any]] = []
     if fp8:
@@ -411,8 +449,10 @@ def summarize(texts: list[dict], methods_order: list[str], broken: dict, failed:
                        "top1_at_least_fp8": s["top1"] >= fp8["top1"]})
     ok = [v for v in vs if v["equal_or_better"]]
     best = max(ok, key=lambda v: v["bytes_ratio"]) if ok else None
+    both = [v for v in ok if v["top1_at_least_fp8"]]  # mean KL at most fp8's and mean top-1 at least fp8's
+    best_both = max(both, key=lambda v: v["bytes_ratio"]) if both else None
     prefill = [t["prefill_fp16_mb_s_per_core"] for t in done]
-    return {"methods": per, "vs_fp8": vs, "best_at_equal_or_better": best,
+    return {"methods": per, "vs_fp8": vs, "best_at_equal_or_better": best, "best_at_equal_or_better_kl_and_top1": best_both,
             "prefill_fp16_mb_s_per_core": float(np.median(prefill)) if prefill else None,
             "prefill_fp16_mb_s_per_core_range": [min(prefill), max(prefill)] if prefill else None,
             "cast": {"kl": float(np.mean([t["cast"]["kl"] for t in done])) if done else None},
@@ -451,6 +491,13 @@ def markdown(model_doc: dict) -> str:
     lines.append("Best kvcodec preset at equal or better mean KL than fp8: "
                  + (f"`{b['method']}`, fp8's bytes / its bytes = {b['bytes_ratio']:.2f}x (top-1 "
                     f"{'at least' if b['top1_at_least_fp8'] else 'below'} fp8's)" if b else "none"))
+    b2 = s.get("best_at_equal_or_better_kl_and_top1")
+    lines.append("Best at mean KL at most fp8's and mean top-1 at least fp8's: "
+                 + (f"`{b2['method']}`, {b2['bytes_ratio']:.2f}x" if b2 else "none"))
+    offs = {n: m["rope_offsets_right"] for n, m in s["methods"].items() if "rope_offsets_right" in m}
+    if offs:
+        lines.append("Chunk offsets the serde found right (of " + str(next(iter(s["methods"].values()))["chunks"])
+                     + "): " + ", ".join(f"{n} {k}" for n, k in offs.items()))
     return "\n".join(lines)
 
 
@@ -463,8 +510,11 @@ def main(argv=None) -> None:
     ap.add_argument("--continuation", type=int, default=256)
     ap.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="the chunks' dtype (what the engine holds)")
     ap.add_argument("--presets", default="lossless,near-lossless,faithful,balanced,small",
-                    help="kvcodec presets, through kvcodec's LMCache serde")
+                    help="kvcodec presets, through kvcodec's LMCache serde; PRESET:step0=X (';'-separated KEY=JSON) "
+                    "gives the serde the preset with those overrides (a step sweep)")
     ap.add_argument("--turboquant-presets", default="turboquant_k8v4,turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc")
+    ap.add_argument("--fp8-only", action="store_true",
+                    help="of LMCache's serdes only fp8 (the reference for a step sweep): no turboquant, no cachegen")
     ap.add_argument("--whole", action="store_true",
                     help="reference rows (not LMCache): each kvcodec preset on the whole context at once, no model")
     ap.add_argument("--threads", type=int, default=1)

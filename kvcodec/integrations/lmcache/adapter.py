@@ -11,7 +11,7 @@ Loaded by LMCache's plugin adapter (``lmcache/v1/distributed/l2_adapters/plugin_
 ``adapter_params``: ``store_url`` (any :class:`kvcodec.store.Store` URL: a directory, ``redis://``,
 ``redis+cluster://``, ``s3://``, ``kdn://`` / ``http://``, comma-separated tiers), ``namespace`` (the store keys'
 namespace: tenancy as the store has it), ``key_file`` (the tenant key: entries are sealed with it and another
-tenant's are refused; default: the store's own default key), ``preset`` / ``models`` / ``verify`` (as the serde,
+tenant's are refused; default: the store's own default key), ``preset`` / ``overrides`` / ``models`` / ``verify`` / ``rope_offset`` (as the serde,
 :mod:`.serde`), ``max_workers`` (I/O and codec threads).
 
 Why encode here and not only in the serde: given LMCache's KV chunks (no ``serde`` on this adapter), each chunk
@@ -43,7 +43,8 @@ from kvcodec.store import Store, StoreKey, TenantKey
 from kvcodec.store.keys import codec_key
 
 log = logging.getLogger("kvcodec.integrations.lmcache")
-_PARAMS = frozenset({"store_url", "namespace", "key_file", "preset", "models", "verify", "max_workers", "memory_bytes"})
+_PARAMS = frozenset({"store_url", "namespace", "key_file", "preset", "overrides", "models", "verify", "max_workers",
+                     "memory_bytes", "rope_offset"})
 
 
 def store_model_id(model_name: str) -> str:
@@ -70,14 +71,15 @@ class KvcodecStoreL2Adapter(L2AdapterInterface):
             raise KvcInputError("kvcodec L2 adapter: adapter_params.store_url is required (a kvcodec store URL)")
         self.namespace = str(p.get("namespace", "default"))
         StoreKey("m", "c", self.namespace, 0, "0" * 64)  # refuse a bad namespace now, in one line
-        opts = parse_options({k: p[k] for k in ("preset", "models", "verify", "max_workers") if k in p})
-        resolver = ModelResolver(opts["preset"], opts["models"])
+        opts = parse_options({k: p[k] for k in ("preset", "overrides", "models", "verify", "max_workers", "rope_offset")
+                              if k in p})
+        resolver = ModelResolver(opts["preset"], opts["models"], opts["overrides"])
         for name in resolver.models:  # at configuration: a missing model or calibration is one line now
             resolver.fingerprint(name)
             resolver.calibration(name)
-        self._ser = KvcodecSerializer(resolver, pad=False, verify=opts["verify"])
+        self._ser = KvcodecSerializer(resolver, pad=False, verify=opts["verify"], rope_offset=opts["rope_offset"])
         self._de = KvcodecDeserializer(resolver)
-        self.codec = codec_key(resolver.info.name)
+        self.codec = codec_key(resolver.info.name, resolver.overrides)  # another step is another codec (spec/store-keys.md §1)
         key = TenantKey.load(p["key_file"]) if p.get("key_file") else None
         self.store = Store.open(url, key=key, memory_bytes=p.get("memory_bytes"))
         self._pool = ThreadPoolExecutor(max_workers=opts["max_workers"], thread_name_prefix="kvcodec-l2")

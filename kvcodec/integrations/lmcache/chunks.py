@@ -156,16 +156,121 @@ def check_entry(r: Any, fp: Any, key: Any, lay: ChunkLayout) -> None:
     for f in ("kv_rank", "object_group_id", "cache_salt"):
         if meta.get(f) != key_meta(key)[f]:
             raise KvcFormatError(f"kvcodec serde: object was written for another {f}")
+    off = meta.get("rope_offset", 0)
+    if isinstance(off, bool) or not isinstance(off, int) or not 0 <= off < OFFSET_CAP:
+        raise KvcFormatError(f"kvcodec serde: object records a bad rope_offset {off!r}")
     h = r.header
     if int(h.num_layers) != lay.layers or int(h.num_tokens) != lay.tokens or h.ragged or r.positions is not None:
         raise KvcFormatError(f"kvcodec serde: object holds {h.num_layers} layers x {h.num_tokens} tokens, the buffer "
                              f"wants {lay.layers} x {lay.tokens}")
 
 
-def write_chunk(r: Any, dst: torch.Tensor, lay: ChunkLayout) -> None:
+def write_chunk(r: Any, dst: torch.Tensor, lay: ChunkLayout, ropes: list[tuple[float, int] | None] | None = None) -> None:
     """Decode every layer of reader ``r`` into the KV_2LTD tensor ``dst`` (same dtype in and out: bit-exact for
-    the lossless presets)."""
+    the lossless presets); keys rotated forward by the object's ``rope_offset`` (:func:`shift_cache`), if any."""
+    meta = r.header.meta if isinstance(r.header.meta, dict) else {}
+    off = int(meta.get("rope_offset", 0))
+    if off and ropes is None:
+        raise KvcFormatError("kvcodec serde: object records a rope_offset but no RoPE parameters were given")
     for i, k, v in r.iter_layers():
+        if off:
+            assert ropes is not None
+            k = rotate(k, off, ropes[i])
         # [H, T, D] -> [T, H*D]
         dst[0, i].copy_(k.transpose(0, 1).reshape(lay.tokens, lay.width))
         dst[1, i].copy_(v.transpose(0, 1).reshape(lay.tokens, lay.width))
+
+
+# ------------------------------------------------------------------------------------------------ the RoPE offset
+# Why: a chunk's keys are post-RoPE at positions off..off+T-1, and the codec un-rotates a chunk as a context of its
+# own (positions 0..T-1), so its stored keys stay rotated by the constant angle of ``off`` per frequency: the
+# calibrated PCA basis (fitted on pre-RoPE keys) then compacts them badly. Measured on SmolLM2's 256-token chunks at
+# faithful's settings with step0 0.2: keys 2.65 bits per element against 1.99 at the true positions (BENCHMARKS.md,
+# "LMCache serdes"). LMCache keys a chunk by a content hash, so ``off`` is not given: it is estimated from the keys
+# themselves (:func:`estimate_offset`), the keys are rotated back by it before encoding (so the `.kvc` holds the
+# chunk re-based to position 0: a valid file, RoPE being relative), and the offset is recorded in the `.kvc`'s meta
+# (``rope_offset``) for the deserializer to rotate the decoded keys forward again. A wrong estimate costs bytes,
+# never correctness: the decoder rotates by exactly the recorded offset.
+OFFSET_CAP = 1 << 17  # positions the search tries: [0, min(this, the model's max_position_embeddings))
+
+
+def layer_ropes(fp: Any) -> list[tuple[float, int] | None]:
+    """(theta, rotary dim) of each layer of ``fp``, None where the layer has no plain RoPE (its keys are left as is)."""
+    from kvcodec.codecs.rope_tables import layer_rope_config
+
+    out: list[tuple[float, int] | None] = []
+    for i in range(fp.num_layers):
+        c = layer_rope_config(fp, i, fp.head_dims[i])
+        out.append(None if c is None else (float(c["theta"]), int(c["dim"])))
+    return out
+
+
+def rotate(x: torch.Tensor, delta: int, rope: tuple[float, int] | None) -> torch.Tensor:
+    """Keys ``x`` [H, T, D] rotated by the RoPE angle of ``delta`` positions (negative: back), float32."""
+    from kvcodec.codecs.rope_tables import rope_tables
+
+    x = x.to(torch.float32)
+    if rope is None or delta == 0:
+        return x
+    theta, dim = rope
+    cos, sin = (torch.from_numpy(a) for a in rope_tables(np.array([delta], dtype=np.int64), theta, dim))  # [1, dim]
+    r = x[..., :dim]
+    h = dim // 2
+    rh = torch.cat([-r[..., h:], r[..., :h]], dim=-1)
+    out = x.clone()
+    out[..., :dim] = r * cos + rh * sin
+    return out
+
+
+def estimate_offset(keys: list[torch.Tensor], ropes: list[tuple[float, int] | None], key_means: Any, step: int = 16,
+                    cap: int = OFFSET_CAP) -> int:
+    """The position offset in [0, cap) (searched on multiples of ``step``, then to the position) at which the chunk's post-RoPE ``keys`` (per layer
+    [H, T, D], positions off..off+T-1) agree best with the calibration's pre-RoPE key means ``key_means`` [L, H, D].
+
+    Why it works: un-rotating each key by its index t (0..T-1) leaves the chunk's mean pre-RoPE key rotated by the
+    angle of ``off`` alone; in complex form per frequency pair j, ``z_j = mean_j * exp(i theta_j off)``. The offset
+    maximises ``Re sum_j conj(mu_j) z_j exp(-i theta_j off)`` (least squares against the calibrated means mu), a sum
+    over the model's few distinct frequencies, evaluated on every candidate at once."""
+    from kvcodec.codecs.rope_tables import inv_freq, rope_tables
+
+    acc: dict[float, complex] = {}
+    for i, (k, rope) in enumerate(zip(keys, ropes)):
+        if rope is None:
+            continue
+        theta, dim = rope
+        h = dim // 2
+        T = k.shape[1]
+        cos, sin = (torch.from_numpy(a) for a in rope_tables(np.arange(T, dtype=np.int64), theta, dim))  # [T, dim]
+        r = k[..., :dim].to(torch.float32)
+        rh = torch.cat([-r[..., h:], r[..., :h]], dim=-1)
+        m = (r * cos - rh * sin).mean(1).double().numpy()  # [H, dim]: the mean of the keys un-rotated by t
+        mu = np.asarray(key_means[i], dtype=np.float64)[:, :dim]
+        z = (m[:, :h] + 1j * m[:, h:]) * np.conj(mu[:, :h] + 1j * mu[:, h:])
+        for f, c in zip(inv_freq(theta, dim), z.sum(0)):
+            acc[float(f)] = acc.get(float(f), 0j) + complex(c)
+    if not acc or step < 1 or cap <= step:
+        return 0
+    f = np.fromiter(acc, dtype=np.float64)
+    c = np.array(list(acc.values()), dtype=np.complex128)
+
+    def argbest(cand: np.ndarray) -> int:
+        best, score = 0, -np.inf
+        for s in range(0, len(cand), 4096):  # bounded memory: 4096 candidates x frequencies at a time
+            p = cand[s:s + 4096]
+            sc = (np.exp(-1j * np.outer(p, f)) @ c).real
+            j = int(np.argmax(sc))
+            if sc[j] > score:
+                best, score = int(p[j]), float(sc[j])
+        return best
+
+    coarse = argbest(np.arange(0, cap, step, dtype=np.float64))  # then every position within a step of it
+    return argbest(np.arange(max(0, coarse - step + 1), min(cap, coarse + step), dtype=np.float64))
+
+
+def shift_cache(cache: Any, delta: int, ropes: list[tuple[float, int] | None]) -> Any:
+    """``cache`` (float32) with every key rotated by ``delta`` positions; ``rope_offset`` = -delta in its meta."""
+    from kvcodec.core.kvcache import KVCache
+
+    keys = [rotate(k, delta, r) for k, r in zip(cache.keys, ropes)]
+    values = [v.to(torch.float32) for v in cache.values]
+    return KVCache(keys, values, cache.token_ids, cache.fingerprint, None, {**cache.meta, "rope_offset": -delta})

@@ -14,10 +14,23 @@ Options (the ``serde`` dict, all checked when LMCache builds the adapter, before
 * ``models``: LMCache model name (the ``ObjectKey``'s) -> kvcodec model (a shipped name or an HF directory);
   a name not listed is itself tried as one. Every listed model's fingerprint (and calibration, for a lossy
   preset) is resolved at configuration: a missing one is refused then, in one line.
+* ``overrides``: the preset's settings to change, as ``kvcodec.encode(overrides=...)`` and ``kvc encode --config``
+  take them (e.g. ``{"step0": 0.12}``: a fixed step between ``faithful``'s 0.065 and ``balanced``'s 0.33; the
+  keys a preset takes are in docs/guide/presets.md). Checked at configuration by kvcodec's one validator
+  (:func:`kvcodec.api.check_overrides`): an unknown key or a bad value is one line then. Why it matters here: the
+  server has no model, so a lossy preset runs at its fixed step, and ``step0`` is the only way to choose the
+  bits-for-quality point between two presets (benchmarks/BENCHMARKS.md, "LMCache serdes").
 * ``pad``: true (default) pads every object to ``estimate_serialized_size``: LMCache's ``fs`` adapter (0.5.6)
   reads a stored object back into a buffer of exactly that size and counts a shorter file as a miss. So over
   ``fs`` the bytes on disk do not shrink; they do with the kvcodec L2 adapter (:mod:`.adapter`), which stores the
   `.kvc` itself. ``pad: false`` is for adapters that read back what was stored.
+* ``rope_offset``: ``"search"`` (default) or ``"zero"``. A lossy preset stores keys un-rotated (pre-RoPE), but a
+  chunk does not say at which position it starts. ``"search"`` estimates that offset from the keys and the
+  calibration's key means (:func:`.chunks.estimate_offset`), re-bases the chunk to position 0 before encoding,
+  records the offset in the `.kvc` (meta ``rope_offset``) and rotates the keys back at deserialize; a chunk found
+  at an offset above 0 is then encoded with ``sink: 0`` (its first tokens are not the model's attention sinks)
+  unless ``overrides`` sets ``sink``. ``"zero"`` encodes every chunk as if it started at position 0 (before
+  2026-12-07: 13 % more bytes on SmolLM2's 256-token chunks). Lossless presets do neither.
 * ``verify``: the writer's read-back (``"file"`` default, ``"off"``); ``max_workers``: the processor's threads.
 
 What the serde refuses, as :class:`~kvcodec.errors.KvcError` (LMCache logs it: a failed store, or a load counted
@@ -40,13 +53,13 @@ from lmcache.v1.distributed.serde.factory import get_registered_serde_types, reg
 import kvcodec
 from kvcodec.errors import KvcError, KvcInputError, KvcModelNotFoundError
 from kvcodec.integrations.lmcache.chunks import (
-    check_entry, check_model_layout, chunk_layout, frame, key_meta, to_cache, unframe, upper_bound,
-    write_chunk,
+    check_entry, check_model_layout, chunk_layout, estimate_offset, frame, key_meta, layer_ropes, shift_cache,
+    to_cache, unframe, upper_bound, write_chunk,
 )
 
 log = logging.getLogger("kvcodec.integrations.lmcache")
 SERDE_NAME = "kvcodec"
-_OPTIONS = frozenset({"preset", "models", "pad", "verify", "max_workers"})
+_OPTIONS = frozenset({"preset", "overrides", "models", "pad", "verify", "max_workers", "rope_offset"})
 
 
 class ModelResolver:
@@ -57,18 +70,24 @@ class ModelResolver:
     and memory per model for nothing. The fingerprint of an HF directory is the one ``load_model`` gives.
     """
 
-    def __init__(self, preset: str, models: Mapping[str, str] | None = None) -> None:
-        from kvcodec.api import preset_info
+    def __init__(self, preset: str, models: Mapping[str, str] | None = None,
+                 overrides: Mapping[str, Any] | None = None) -> None:
+        from kvcodec.api import check_overrides, preset_info
 
         self.info = preset_info(preset, "kvcodec serde: preset")
         if self.info.name.startswith("baseline:"):
             raise KvcInputError("kvcodec serde: baselines are not stored formats")
+        if overrides is not None and not isinstance(overrides, Mapping):
+            raise KvcInputError(f"kvcodec serde: overrides must be an object of preset settings, e.g. "
+                                f"{{\"step0\": 0.12}}; got {type(overrides).__name__}")
+        self.overrides = check_overrides(self.info.name, dict(overrides or {}), "kvcodec serde: overrides")
         if models is not None and (not isinstance(models, Mapping) or
                                    not all(isinstance(k, str) and isinstance(v, str) for k, v in models.items())):
             raise KvcInputError("kvcodec serde: models must map LMCache model names to kvcodec models (strings)")
         self.models = dict(models or {})
         self._fps: dict[str, Any] = {}
         self._cals: dict[str, Any] = {}
+        self._ropes: dict[str, Any] = {}
         self._lock = threading.Lock()
 
     def fingerprint(self, model_name: str) -> Any:
@@ -89,6 +108,17 @@ class ModelResolver:
         with self._lock:
             self._fps[model_name] = fp
         return fp
+
+    def ropes(self, model_name: str) -> list[Any]:
+        """Each layer's (theta, rotary dim) of ``model_name``'s model, None where it has no plain RoPE."""
+        fp = self.fingerprint(model_name)
+        with self._lock:
+            r = self._ropes.get(fp.id)
+        if r is None:
+            r = layer_ropes(fp)
+            with self._lock:
+                self._ropes[fp.id] = r
+        return r
 
     def calibration(self, model_name: str) -> Any:
         """The model's calibration for a lossy preset (None for the lossless ones), or one line how to build it.
@@ -117,15 +147,25 @@ class ModelResolver:
 class KvcodecSerializer(Serializer):
     """LMCache ``Serializer``: one KV_2LTD chunk -> a framed `.kvc` (:func:`chunks.frame`) in ``dst``."""
 
-    def __init__(self, resolver: ModelResolver, pad: bool = True, verify: str = "file") -> None:
-        self.resolver, self.pad, self.verify = resolver, pad, verify
+    def __init__(self, resolver: ModelResolver, pad: bool = True, verify: str = "file",
+                 rope_offset: str = "search") -> None:
+        self.resolver, self.pad, self.verify, self.rope_offset = resolver, pad, verify, rope_offset
 
     def encode(self, tensor: torch.Tensor, key: Any) -> bytes:
         """The `.kvc` of one chunk (no frame), through kvcodec's public encode; the adapter stores these as is."""
-        fp = self.resolver.fingerprint(str(key.model_name))
+        name = str(key.model_name)
+        fp = self.resolver.fingerprint(name)
         cache = to_cache(tensor, fp, key_meta(key))
-        cal = self.resolver.calibration(str(key.model_name))
-        enc = kvcodec.encode(cache, None, preset=self.resolver.info.name, calibration=cal, verify=self.verify)
+        cal = self.resolver.calibration(name)
+        over = dict(self.resolver.overrides)
+        if self.rope_offset == "search" and cal is not None and self.resolver.info.lossy:
+            ropes = self.resolver.ropes(name)
+            off = estimate_offset(cache.keys, ropes, cal.mean[:, 0])
+            if off:
+                cache = shift_cache(cache, -off, ropes)
+                over.setdefault("sink", 0)
+        enc = kvcodec.encode(cache, None, preset=self.resolver.info.name, overrides=over or None,
+                             calibration=cal, verify=self.verify)
         assert enc.data is not None
         return enc.data
 
@@ -173,7 +213,7 @@ class KvcodecDeserializer(Deserializer):
         check_model_layout(lay, fp)
         with kvcodec.open(data) as r:
             check_entry(r, fp, key, lay)
-            write_chunk(r, dst, lay)
+            write_chunk(r, dst, lay, self.resolver.ropes(str(key.model_name)))
 
     def deserialize(self, src: Any, dst: Any, key: Any) -> None:
         if src.tensor is None or dst.tensor is None:
@@ -187,13 +227,16 @@ def parse_options(kwargs: Mapping[str, object]) -> dict[str, Any]:
     extra = set(kwargs) - _OPTIONS
     if extra:
         raise KvcInputError(f"kvcodec serde: unknown option(s) {sorted(extra)} (known: {sorted(_OPTIONS)})")
-    opts: dict[str, Any] = {"preset": kwargs.get("preset", "lossless"), "models": kwargs.get("models"),
+    opts: dict[str, Any] = {"preset": kwargs.get("preset", "lossless"), "overrides": kwargs.get("overrides"),
+                            "models": kwargs.get("models"),
                             "pad": kwargs.get("pad", True), "verify": kwargs.get("verify", "file"),
-                            "max_workers": kwargs.get("max_workers", 1)}
+                            "max_workers": kwargs.get("max_workers", 1), "rope_offset": kwargs.get("rope_offset", "search")}
     if not isinstance(opts["pad"], bool):
         raise KvcInputError("kvcodec serde: pad must be true or false")
     if opts["verify"] not in ("file", "off"):
         raise KvcInputError("kvcodec serde: verify must be \"file\" or \"off\"")
+    if opts["rope_offset"] not in ("search", "zero"):
+        raise KvcInputError("kvcodec serde: rope_offset must be \"search\" or \"zero\"")
     w = opts["max_workers"]
     if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= 64:
         raise KvcInputError("kvcodec serde: max_workers must be an integer in [1, 64]")
@@ -203,11 +246,11 @@ def parse_options(kwargs: Mapping[str, object]) -> dict[str, Any]:
 def make_codec(kwargs: Mapping[str, object]) -> tuple[KvcodecSerializer, KvcodecDeserializer]:
     """The serializer and deserializer for a serde dict, with every configured model resolved now."""
     opts = parse_options(kwargs)
-    resolver = ModelResolver(opts["preset"], opts["models"])
+    resolver = ModelResolver(opts["preset"], opts["models"], opts["overrides"])
     for name in resolver.models:  # at configuration: a missing model or calibration is one line now
         resolver.fingerprint(name)
         resolver.calibration(name)
-    return KvcodecSerializer(resolver, opts["pad"], opts["verify"]), KvcodecDeserializer(resolver)
+    return KvcodecSerializer(resolver, opts["pad"], opts["verify"], opts["rope_offset"]), KvcodecDeserializer(resolver)
 
 
 def create_serde(kwargs: dict[str, object]) -> Any:

@@ -115,6 +115,8 @@ def test_serde_in_front_of_the_plugin(tmp_path, chunks, l1, tenant):
 def test_bad_params_refused_at_configuration(tmp_path):
     for bad in ({}, {"store_url": str(tmp_path), "colour": 1}, {"store_url": str(tmp_path), "namespace": "a b"},
                 {"store_url": str(tmp_path), "preset": "nope"},
+                {"store_url": str(tmp_path), "preset": "faithful", "overrides": {"step0": 0}},
+                {"store_url": str(tmp_path), "preset": "lossless", "overrides": {"step0": 0.1}},
                 {"store_url": str(tmp_path), "models": {"x/y": "no-such-model"}}):
         with pytest.raises(KvcError) as e:
             KvcodecStoreL2Adapter(bad)

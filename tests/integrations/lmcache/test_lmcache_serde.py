@@ -128,9 +128,79 @@ def test_unsupported_layouts_refused_in_one_line(shape, dtype):
 
 def test_bad_options_refused_at_configuration():
     for bad in ({"preset": "nope"}, {"pad": "yes"}, {"verify": 1}, {"max_workers": 0}, {"colour": 1},
-                {"models": ["smollm2"]}):
+                {"models": ["smollm2"]}, {"rope_offset": "guess"}, {"rope_offset": 0}):
         with pytest.raises(KvcError):
             make_codec({"models": MODELS, **bad})
+
+
+@pytest.mark.parametrize("bad", [
+    {"overrides": {"step0": -0.1}}, {"overrides": {"step0": "0.12"}}, {"overrides": {"step0": float("nan")}},
+    {"overrides": {"colour": 1}}, {"overrides": [0.12]}, {"overrides": {"sink": -1}},
+    {"preset": "lossless", "overrides": {"step0": 0.12}},  # lossless takes no step
+])
+def test_bad_overrides_refused_at_configuration(bad):
+    """A bad ``overrides`` is one KvcError line when the serde is built (make_codec, and LMCache's own factory from
+    an adapter's serde dict), before any chunk is stored."""
+    from lmcache.v1.distributed.serde import SerdeConfig, create_serde_processor
+
+    register()
+    spec = {"models": MODELS, "preset": "faithful", **bad}
+    with pytest.raises(KvcError) as e:
+        make_codec(spec)
+    assert "\n" not in str(e.value) and "overrides" in str(e.value)
+    with pytest.raises(KvcError):
+        create_serde_processor(SerdeConfig("kvcodec", spec))
+
+
+class _Obj:  # LMCache's MemoryObj as the serializer sees it: a tensor
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+def _round_trip(spec, t):
+    """(serialized bytes, decoded chunk) of chunk ``t`` through the serde built from ``spec``."""
+    ser, de = make_codec(spec)
+    dst = _Obj(torch.zeros(ser.estimate_serialized_size(layout(t)), dtype=torch.uint8))
+    n = ser.serialize(_Obj(t), dst, key(0))
+    back = _Obj(torch.full_like(t, float("nan")))
+    de.deserialize(_Obj(dst.tensor[:n].clone()), back, key(0))
+    return dst.tensor[:n].clone(), back.tensor
+
+
+def test_overrides_step_round_trips(chunks):
+    """``overrides: {"step0": X}`` reaches the encoder: a coarser step than faithful's is fewer bytes and a larger
+    error, and the object decodes through the deserializer, which needs no overrides (the steps are in the `.kvc`)."""
+    _, ts = chunks
+    base = {"models": MODELS, "preset": "faithful", "pad": False}
+    got = {s: _round_trip({**base, "overrides": {"step0": s}} if s else base, ts[0]) for s in (None, 0.2)}
+    err = {s: float((b.float() - ts[0].float()).abs().mean()) for s, (_, b) in got.items()}
+    assert all(torch.isfinite(b).all() for _, b in got.values())
+    assert len(got[0.2][0]) < len(got[None][0]) and err[0.2] > err[None]
+    assert err[0.2] < 0.2  # within the step: decoded, not garbage
+    # and a deserializer built without the overrides (another LMCache process) decodes it the same
+    _, de = make_codec(base)
+    back = _Obj(torch.full_like(ts[0], float("nan")))
+    de.deserialize(_Obj(got[0.2][0]), back, key(0))
+    assert torch.equal(back.tensor.view(torch.int16), got[0.2][1].view(torch.int16))
+
+
+def test_rope_offset_found_recorded_and_undone(chunks):
+    """``rope_offset: search`` (the default) finds the second chunk's true start (CHUNK) from its keys alone, records
+    it in the `.kvc`, and the deserializer rotates the keys back: the chunk comes back as close as with ``zero``, in
+    no more bytes; the first chunk (offset 0) is encoded as before, byte for byte."""
+    _, ts = chunks
+    base = {"models": MODELS, "preset": "faithful", "pad": False}
+    for i, t in enumerate(ts):
+        data, back = _round_trip(base, t)
+        zdata, zback = _round_trip({**base, "rope_offset": "zero"}, t)
+        with kvcodec.open(unframe(data.numpy().tobytes())) as r:
+            assert r.header.meta.get("rope_offset", 0) == i * CHUNK
+        err, zerr = ((b.float() - t.float()).pow(2).mean().item() for b in (back, zback))
+        assert torch.isfinite(back).all() and err <= 1.5 * zerr
+        if i == 0:
+            assert torch.equal(data, zdata)
+        else:
+            assert len(data) < len(zdata)
 
 
 @pytest.mark.parametrize("preset", ["lossless", "zstd", "balanced", "small"])
