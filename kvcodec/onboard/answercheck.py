@@ -97,10 +97,11 @@ def _planted(prefix: np.ndarray, paras: list[str], facts: list[str], tokenizer: 
 
 
 def answers(lm: Any, cache: Any, questions: tuple[np.ndarray, ...], n: int = ANSWER_TOKENS) -> list[list[int]]:
-    """The greedy answer (up to ``n`` tokens, stopping at EOS) to each question fed after ``cache``."""
-    from kvcodec.models.quality import greedy_answer
+    """The greedy answer (up to ``n`` tokens, stopping at EOS) to each question fed after ``cache``, the questions
+    batched (:func:`kvcodec.models.quality.greedy_answers`)."""
+    from kvcodec.models.quality import greedy_answers
 
-    return [greedy_answer(lm, cache, q, n) for q in questions]
+    return greedy_answers(lm, cache, list(questions), n)
 
 
 def probe_caches(lm: Any, contexts: list[ProbeContext]) -> list[Any]:

@@ -50,6 +50,17 @@ def chat_continuation(lm: Any, ids: np.ndarray, n: int = ANSWER_TOKENS, cache: A
     return np.asarray(np.concatenate([q, np.asarray(answer, np.int64)]), np.int64)
 
 
+def chat_continuations(lm: Any, caches: list[Any], n: int = ANSWER_TOKENS) -> list[np.ndarray]:
+    """:func:`chat_continuation` of each of the exact ``caches`` (the probe contexts'), their greedy answers batched
+    (:func:`kvcodec.models.quality.greedy_answers`: each step reads the model's weights once for all of them)."""
+    from kvcodec.models.chat import ChatFormat
+    from kvcodec.models.quality import greedy_answers
+
+    q = ChatFormat.for_tokenizer(lm.tokenizer).question_ids(CHAT_QUESTION)
+    answers = greedy_answers(lm, list(caches), [q] * len(caches), n, stop_at_eos=False)
+    return [np.asarray(np.concatenate([q, np.asarray(a, np.int64)]), np.int64) for a in answers]
+
+
 def measure_chat_factor(lm: Any, cal: Any, presets: Mapping[str, tuple[Mapping[str, Any], Any]], rm: Any,
                         progress: bool = True, probe: Any = None) -> dict[str, dict[str, Any]]:
     """Per preset of ``presets`` (name -> (its table settings, its target)): ``{"factor", "rows", "version"}``
@@ -60,7 +71,7 @@ def measure_chat_factor(lm: Any, cal: Any, presets: Mapping[str, tuple[Mapping[s
     from tqdm import tqdm
 
     from kvcodec.format.probe import roundtrip
-    from kvcodec.models.quality import continue_logits
+    from kvcodec.models.quality import ExactSide, continue_logits
     from kvcodec.onboard.answercheck import Probe
     from kvcodec.plan.ratecontrol import controlled_plan
 
@@ -70,9 +81,9 @@ def measure_chat_factor(lm: Any, cal: Any, presets: Mapping[str, tuple[Mapping[s
     rows: dict[str, list[dict[str, Any]]] = {n: [] for n in presets}
     with tqdm(total=len(contexts) * (1 + len(presets)), desc=f"kvc: measuring {lm.name}'s rate on chat contexts",
               file=sys.stderr, disable=not progress, leave=False, dynamic_ncols=True) as bar, torch.inference_mode():
-        for c, cache in zip(contexts, probe.caches):
-            cont = chat_continuation(lm, c.ids, cache=cache)
-            lp_e = torch.log_softmax(continue_logits(lm, cache, cont).double(), -1)
+        conts = chat_continuations(lm, probe.caches)
+        for c, cache, cont in zip(contexts, probe.caches, conts):
+            side = ExactSide(continue_logits(lm, cache, cont))
             bar.update(1)
             for name, (table, target) in presets.items():
                 args = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in table.items()}
@@ -80,8 +91,7 @@ def measure_chat_factor(lm: Any, cal: Any, presets: Mapping[str, tuple[Mapping[s
                                        importance=probe.importance(cache, args.get("tokenscale")))
                 pred = float(plan.params["rate"]["predicted_kl"])
                 dec, _ = roundtrip(cache, plan)
-                lp_d = torch.log_softmax(continue_logits(lm, dec, cont).double(), -1)
-                kl = float((lp_e.exp() * (lp_e - lp_d)).sum(-1).clamp_min(0).mean())
+                kl = side.compare(continue_logits(lm, dec, cont))["kl"]
                 rows[name].append({"text": c.text, "tokens": int(len(c.ids)), "kl": kl, "predicted": pred})
                 bar.update(1)
     from kvcodec.calibration.ratemodel import CHAT_FACTOR_RANGE

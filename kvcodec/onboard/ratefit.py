@@ -194,7 +194,7 @@ def measure_layer_factor(lm: Any, cal: Calibration, table: Mapping[str, Any], jo
     from tqdm import tqdm
 
     from kvcodec.format.probe import roundtrip
-    from kvcodec.models.quality import continue_logits
+    from kvcodec.models.quality import ExactSide, continue_logits
     from kvcodec.plan.pipelines import transform_plan
     from kvcodec.plan.ratecontrol import noise_predictor
 
@@ -206,7 +206,7 @@ def measure_layer_factor(lm: Any, cal: Calibration, table: Mapping[str, Any], jo
               disable=not progress, leave=False, dynamic_ncols=True) as bar, torch.inference_mode():
         for _name, T, ids in jobs:
             cache, cont, exact, imp = _fit_job(lm, ids, T)
-            lp_e = torch.log_softmax(exact.double(), -1)
+            side = ExactSide(exact)
             predicted = sens * noise_predictor(cache, cal, settings, imp)(step0)
             dec, _ = roundtrip(cache, transform_plan(cache, step0, cal=cal, lm=lm, preset=ALLOC_PRESET, importance=imp, **settings))
             bar.update(1)
@@ -215,8 +215,7 @@ def measure_layer_factor(lm: Any, cal: Calibration, table: Mapping[str, Any], jo
                     one = copy.copy(cache)  # every tensor exact but this one
                     one.keys, one.values = list(cache.keys), list(cache.values)
                     (one.keys if kind == "k" else one.values)[l] = (dec.keys if kind == "k" else dec.values)[l]
-                    lp_d = torch.log_softmax(continue_logits(lm, one, cont).double(), -1)
-                    kl = float((lp_e.exp() * (lp_e - lp_d)).sum(-1).clamp_min(0).mean())
+                    kl = side.compare(continue_logits(lm, one, cont))["kl"]
                     logs[l, ki] += math.log(np.clip(max(kl, 1e-30) / max(predicted[l, ki], 1e-30), 1 / ALLOC_CLIP, ALLOC_CLIP))
                     bar.update(1)
     f = np.exp(ALLOC_SHRINK * logs / len(jobs))
@@ -249,7 +248,7 @@ def _measure(lm: Any, cal: Calibration, jobs: list[tuple[str, int, np.ndarray]],
     from tqdm import tqdm
 
     from kvcodec.format.probe import roundtrip
-    from kvcodec.models.quality import continue_logits, max_rival_gain
+    from kvcodec.models.quality import ExactSide, continue_logits
     from kvcodec.plan.pipelines import transform_plan
     from kvcodec.plan.ratecontrol import raw_predictor
 
@@ -258,20 +257,15 @@ def _measure(lm: Any, cal: Calibration, jobs: list[tuple[str, int, np.ndarray]],
               dynamic_ncols=True) as bar, torch.inference_mode():
         for name, T, ids in jobs:
             cache, cont, exact, imp = _fit_job(lm, ids, T)
-            lp_e = torch.log_softmax(exact.double(), -1)
-            tgt = torch.as_tensor(cont[1:], dtype=torch.int64)[:, None]
-            nll_e = -lp_e[:-1].gather(1, tgt)[:, 0]
+            side = ExactSide(exact, cont)
             bar.update(1)
             for preset, table in presets.items():
                 settings, step0 = _table(table)
                 pred = raw_predictor(cache, cal, settings, imp)(step0)
                 dec, _ = roundtrip(cache, transform_plan(cache, step0, cal=cal, lm=lm, preset=preset, importance=imp, **settings))
-                got = continue_logits(lm, dec, cont)
-                lp_d = torch.log_softmax(got.double(), -1)
-                kl = float((lp_e.exp() * (lp_e - lp_d)).sum(-1).clamp_min(0).mean())
-                dnll = float((-lp_d[:-1].gather(1, tgt)[:, 0] - nll_e).mean())
-                fit.append({"text": name, "tokens": T, "preset": preset, "step0": step0, "kl": kl, "predicted": pred,
-                            "rival_gain": max_rival_gain(exact, got), "dnll": dnll})
+                got = side.compare(continue_logits(lm, dec, cont))
+                fit.append({"text": name, "tokens": T, "preset": preset, "step0": step0, "kl": got["kl"], "predicted": pred,
+                            "rival_gain": got["rival_gain"], "dnll": got["dnll"]})
                 bar.update(1)
     return fit
 
