@@ -275,30 +275,65 @@ def make_plan(cache: KVCache, preset: str, *, overrides: Mapping[str, Any] | Non
               calibration: Any = None, rate: str = "predict", importance: Any = None, target: Any = None,
               build_calibration: bool = True, rate_model: Any = None, measure: bool = True) -> Plan:
     """The plan of ``preset`` (a preset name or ``baseline:NAME``) + ``overrides`` for ``cache``, its inputs resolved
-    here, once: ``model`` goes to the planner only where the preset uses one (rate control, token importance; a
-    ``target`` uses it too); ``calibration`` (None: :func:`resolve_calibration` with ``build_calibration``);
-    ``rate`` (``"predict"``, ``"check"``, ``"fixed"``) and ``importance`` ([L, T], precomputed) as
-    :func:`kvcodec.plan.presets.get_plan` takes them; the model's ``rate_model`` where rate control uses it
-    (None: :func:`resolve_rate_model`). ``measure=False`` plans without the model (no rate control, no token
-    importance: the table step) while the model still supplies the calibration: a steered cache, whose measures
-    would miss its bias. The one way above this module to turn a preset into a plan; the planner gets every input
-    resolved and never fits or builds."""
-    from kvcodec.plan.presets import get_plan, rate_controlled
+    here, once, and handed to the planner as data (:func:`kvcodec.plan.presets.plan_preset`, which looks nothing up,
+    fits nothing and runs no model but the opt-in check's):
 
+    * ``model`` is used only where the preset uses one (rate control, token importance; a ``target`` uses it too);
+    * ``calibration`` (None: :func:`resolve_calibration` with ``build_calibration``; without a model, the cache's
+      model's stored one, or one line naming ``kvc calibrate``);
+    * the model's ``rate_model`` where rate control chooses the step (None: :func:`resolve_rate_model`), and this
+      context's factor on its prediction (the length factor, times the chat factor on a chat context);
+    * ``importance`` ([L, T], precomputed; None: measured here with the model where the preset weighs tokens).
+
+    ``rate``: ``"predict"`` (rate control's predicted step), ``"check"`` (that step confirmed on the document's tail
+    with the model, :mod:`kvcodec.plan.check`) or ``"fixed"`` (the preset's table step). ``measure=False`` plans
+    without the model (no rate control, no token importance: the table step) while the model still supplies the
+    calibration: a steered cache, whose measures would miss its bias. The one way above this module to turn a
+    preset into a plan."""
+    from kvcodec.plan.presets import plan_preset, preset_args, rate_controlled
+
+    if rate not in RATE_MODES:
+        raise KvcInputError(f"rate must be one of {', '.join(RATE_MODES)}, got {rate!r}")
     info = None if isinstance(preset, str) and preset.startswith(BASELINE_PREFIX) else preset_info(preset)
-    over = dict(overrides or {})
+    over = dict(overrides or {}) if info is None else check_overrides(preset, dict(overrides or {}))
     lm = _model(model) if model is not None and info is not None and (info.uses_model or target is not None) else None
     cal = calibration if calibration is not None else resolve_calibration(lm, preset, build=build_calibration)
     if not measure:
         lm = None
+    lossy = info is not None and info.lossy
+    args = preset_args(preset, over) if lossy else {}
+    controlled = lm is not None and lossy and rate_controlled(preset, rate, target, **over)
     rm = rate_model
-    if rm is None and lm is not None and rate in RATE_MODES and rate_controlled(preset, rate, target, **check_overrides(preset, over)):
-        if cal is None:  # the model's stored one (the planner checks it against the cache): the rate model's basis
+    if controlled and rm is None and lm is not None:
+        if cal is None:  # the model's stored one (checked against the cache when planning): the rate model's basis
             from kvcodec.calibration.store import require_calibration
 
             cal = require_calibration(lm.fingerprint)
         rm = resolve_rate_model(lm, cal)
-    return get_plan(preset, cache, lm=lm, cal=cal, rate=rate, importance=importance, target=target, rm=rm, **over)
+    # each input below reads the cache: looked up, then measured, then planned with, in that order
+    if lossy and cal is None and args.get("basis", "pca") == "pca":
+        from kvcodec.calibration.store import require_calibration
+
+        cal = require_calibration(cache.fingerprint)  # no model at hand: the cache's model's own
+    rate_inputs = None
+    if controlled:
+        from kvcodec.plan.ratecontrol import RateInputs
+
+        factor, chat = rm.factor(preset, int(cache.num_tokens)), 1.0
+        if rm.chat_factor.get(preset) is not None:
+            from kvcodec.models.chat import is_chat_context
+
+            if is_chat_context(lm, cache.token_ids):  # a question will read this context more than prose does (issue 57)
+                chat = rm.chat(preset)
+                factor *= chat
+        rate_inputs = RateInputs(rm, factor, chat, getattr(lm, "name", None))
+    if importance is None and lm is not None and args.get("tokenscale") is not None:
+        from kvcodec.models.importance import cache_importance
+        from kvcodec.plan.pipelines import TOKENSCALE_DEFAULT
+
+        importance = cache_importance(lm, cache, window={**TOKENSCALE_DEFAULT, **args["tokenscale"]}["window"])
+    return plan_preset(preset, cache, cal=cal, importance=importance, target=target, rate=rate_inputs,
+                       check_model=lm if controlled and rate == "check" else None, **over)
 
 
 def encode_cache(

@@ -112,11 +112,30 @@ class ProbeStats:
 
 def guarded_plan(cache: Any, lm: Any, preset: str, args: dict[str, Any], target: QualityTarget,
                  probe_tokens: int = PROBE_TOKENS, predicted_kl: float | None = None, verbose: bool = False) -> Any:
-    """The plan of ``preset`` for ``cache`` at the largest ``step0`` (from ``args['step0']`` down) that meets ``target`` on the probe.
+    """The plan of ``preset`` for ``cache`` at the step :func:`guarded_step` checks (``args['importance']``: the whole
+    context's token importance, when the preset weighs tokens). Returns a :class:`~kvcodec.core.stage.Plan` whose
+    ``params['check']`` records the probe, every try and the time the check cost."""
+    from kvcodec.plan.pipelines import transform_plan
+
+    args = dict(args)
+    whole_importance = args.pop("importance", None)
+    step0, record = guarded_step(cache, lm, preset, args, target, probe_tokens, predicted_kl, verbose)
+    plan = transform_plan(cache, step0, lm=lm, preset=preset, importance=whole_importance,
+                          **{k: v for k, v in args.items() if k != "step0"})
+    plan.params["check"] = record
+    return plan
+
+
+def guarded_step(cache: Any, lm: Any, preset: str, args: dict[str, Any], target: QualityTarget,
+                 probe_tokens: int = PROBE_TOKENS, predicted_kl: float | None = None,
+                 verbose: bool = False) -> tuple[float, dict[str, Any]]:
+    """The largest ``step0`` (from ``args['step0']`` down) at which the plan of ``preset`` (``args``: its settings with
+    ``cal``) meets ``target`` on the probe, and the check's record: ``(step0, record)``. The caller builds the
+    whole context's plan at that step, once (:func:`kvcodec.plan.ratecontrol.rate_controlled_plan`).
 
     ``predicted_kl`` is the rate model's prediction at ``args['step0']``: a first probe this far
-    from it (:data:`OFF_RATIO`) is warned about. Returns a :class:`~kvcodec.core.stage.Plan` whose
-    ``params['check']`` records the probe, every try and the time the check cost.
+    from it (:data:`OFF_RATIO`) is warned about. The record (``params['check']``) holds the probe, every try and
+    the time the check cost; a pruned or short context is not checked (``checked: False``, the step unchanged).
     """
     from kvcodec.models.quality import continue_logits, first_near_tie, greedy_promise_met, greedy_with_margins, probe_terms
     from kvcodec.format.probe import roundtrip
@@ -126,14 +145,12 @@ def guarded_plan(cache: Any, lm: Any, preset: str, args: dict[str, Any], target:
     t_start = time.perf_counter()
     args = dict(args)
     step0 = float(args.pop("step0"))
-    whole_importance = args.pop("importance", None)
+    args.pop("importance", None)  # the whole context's: the tries plan the prefix with its own
     T = int(cache.num_tokens)
     n = min(probe_tokens, T // 4)
     if cache.positions is not None or n < MIN_PROBE_TOKENS:
-        plan = transform_plan(cache, step0, lm=lm, preset=preset, importance=whole_importance, **args)
-        plan.params["check"] = {"checked": False, "reason": "pruned cache or context under "
-                                f"{4 * MIN_PROBE_TOKENS} tokens: encoded at the predicted step0 unchecked"}
-        return plan
+        return step0, {"checked": False, "reason": "pruned cache or context under "
+                       f"{4 * MIN_PROBE_TOKENS} tokens: encoded at the predicted step0 unchecked"}
     probe = np.asarray(cache.token_ids[T - n:], np.int64)
     prefix = cache_prefix(cache, T - n, lm)
     exact_logits = continue_logits(lm, prefix, probe)
@@ -147,7 +164,7 @@ def guarded_plan(cache: Any, lm: Any, preset: str, args: dict[str, Any], target:
     off: float | None = None
     for i in range(MAX_TRIES):
         # the pipelines' own round trip on the prefix: no container, nothing stored
-        dec, nbytes = roundtrip(prefix, transform_plan(prefix, step0, lm=lm, preset=preset, **prefix_args))
+        dec, nbytes = roundtrip(prefix, transform_plan(prefix, step0, preset=preset, **prefix_args))
         same = True
         if target.greedy_tokens:
             got, _ = greedy_with_margins(lm, dec, int(probe[0]), target.greedy_tokens)
@@ -177,8 +194,6 @@ def guarded_plan(cache: Any, lm: Any, preset: str, args: dict[str, Any], target:
                     f"{', greedy tokens up to the first near-tie' if target.greedy_tokens else ''}"
                     f"{f', logit gain of a rival token <= {target.rival_gain:g}' if target.rival_gain else ''}); "
                     f"encoded at step0 {step0:.3g}")
-    plan = transform_plan(cache, step0, lm=lm, preset=preset, importance=whole_importance, **args)  # the whole context
-    plan.params["check"] = {"checked": True, "met": ok, "target": asdict(target), "probe_tokens": n,
-                            "near_tie_at": first_near_tie(margins, NEAR_TIE) if target.greedy_tokens else None,
-                            "predictor_off": off, "tries": tries, "check_s": round(time.perf_counter() - t_start, 3)}
-    return plan
+    return step0, {"checked": True, "met": ok, "target": asdict(target), "probe_tokens": n,
+                   "near_tie_at": first_near_tie(margins, NEAR_TIE) if target.greedy_tokens else None,
+                   "predictor_off": off, "tries": tries, "check_s": round(time.perf_counter() - t_start, 3)}

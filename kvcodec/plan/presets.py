@@ -35,7 +35,7 @@ from kvcodec.core.stage import Plan
 from kvcodec.plan.targets import NEAR_TIE, QualityTarget
 
 __all__ = ["PRESETS", "BASELINE_PREFIX", "DEFAULT_LOSSY", "Plan", "PresetInfo", "answer_targets", "available_presets", "check_overrides", "rate_controlled", "score_window",
-           "get_plan", "parse_config", "preset_info"]
+           "get_plan", "plan_preset", "preset_args", "parse_config", "preset_info"]
 
 BASELINE_PREFIX = "baseline:"
 # the lossy preset a caller gets when it names none (kvcodec.encode, kvc ask, the KDN): what a capture made
@@ -248,7 +248,7 @@ def target_for(info: PresetInfo, target_kl: float | None = None, target_dppl: fl
 _WARNED: set[tuple[str, str]] = set()
 
 
-def _warn_answer_factor(lm: Any, name: str, rm: Any) -> None:
+def _warn_answer_factor(model: str | None, name: str, rm: Any) -> None:
     """One warning line per (model, preset) whose answer probe lowered the step: never a silent change of rate."""
     f = rm.answer_factor(name)
     key = (str(rm.fingerprint_id), name)
@@ -258,13 +258,13 @@ def _warn_answer_factor(lm: Any, name: str, rm: Any) -> None:
         _WARNED.add(key)
         logging.getLogger("kvcodec.plan").warning(
             "%s: preset %s lost answers on this model's answer probe at its KL-chosen step; depositing at x%g that "
-            "step (more bits) to keep them", getattr(lm, "name", rm.fingerprint_id), name, f)
+            "step (more bits) to keep them", model if model is not None else rm.fingerprint_id, name, f)
 
 
 def rate_controlled(name: str, rate: str = "predict", target: QualityTarget | None = None, **overrides: Any) -> bool:
-    """Whether :func:`get_plan` chooses preset ``name``'s step by rate control when given the model (and so needs
-    the model's rate model, resolved before planning by :func:`kvcodec.api.resolve_rate_model`): a lossy preset
-    with a promise (or ``target``), a PCA basis, no ``step0`` override, ``rate`` not ``"fixed"``."""
+    """Whether preset ``name``'s step is chosen by rate control when the model is at hand (and so needs the model's
+    rate model, resolved before planning by :func:`kvcodec.api.resolve_rate_model`): a lossy preset with a promise
+    (or ``target``), a PCA basis, no ``step0`` override, ``rate`` not ``"fixed"``."""
     if rate == "fixed" or "step0" in overrides or (isinstance(name, str) and name.startswith(BASELINE_PREFIX)):
         return False
     info = preset_info(name)
@@ -272,21 +272,75 @@ def rate_controlled(name: str, rate: str = "predict", target: QualityTarget | No
     return info.lossy and (target or info.target) is not None and basis == "pca"
 
 
+def preset_args(name: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Lossy preset ``name``'s settings with (checked) ``overrides`` over them: what its transform plan is built from."""
+    args: dict[str, Any] = {k: (dict(v) if isinstance(v, dict) else v) for k, v in preset_info(name).settings.items()}
+    args.update(overrides)
+    return args
+
+
+def plan_preset(name: str, cache: Any, *, cal: Any = None, importance: Any = None, target: QualityTarget | None = None,
+                rate: Any = None, check_model: Any = None, **overrides: Any) -> Plan:
+    """The plan of preset ``name`` (or ``baseline:NAME``) + ``overrides`` for ``cache``, from inputs resolved before
+    planning (:func:`kvcodec.api.make_plan`): the planner only plans, it looks nothing up, fits nothing and runs no
+    model (but the opt-in check's).
+
+    ``cal``: the model's calibration, which a PCA plan requires (never looked up here); ``importance``: the context's
+    token importance [L, T] where the preset weighs tokens (None: uniform steps); ``rate``: rate control's inputs
+    (:class:`~kvcodec.plan.ratecontrol.RateInputs`: the model's rate model and this context's factor; None: the
+    preset's table step); ``check_model``: the model that confirms rate control's step on the document's tail
+    (:mod:`kvcodec.plan.check`, ``rate="check"``); ``target`` replaces the preset's promise (:func:`target_for`).
+    """
+    if isinstance(name, str) and name.startswith(BASELINE_PREFIX):
+        from kvcodec.plan.baseline_plans import get_baseline_plan
+
+        return get_baseline_plan(name.removeprefix(BASELINE_PREFIX), cache, **overrides)
+    info = preset_info(name)
+    overrides = check_overrides(name, overrides)
+    if info.lossy:
+        args = preset_args(name, overrides)
+        if cal is not None:
+            args["cal"] = cal
+        target = target or info.target
+        if rate is not None and rate_controlled(name, "predict", target, **overrides):
+            from kvcodec.plan.ratecontrol import rate_controlled_plan
+
+            plan = rate_controlled_plan(cache, name, args, target, rate, importance, check_model=check_model)
+            _warn_answer_factor(rate.model, name, rate.rm)
+            return plan
+        if importance is not None:
+            args["importance"] = importance
+        from kvcodec.plan.pipelines import transform_plan
+
+        return transform_plan(cache, preset=name, **args)
+    from kvcodec.codecs.lossless import fp16_pipeline, lossless_pipeline, raw_pipeline
+
+    level = overrides.get("level", 3)
+    if name == "lossless":
+        return Plan(lossless_pipeline(_dtype(cache), level=level), {}, name)
+    if name == "fp16":
+        if _dtype(cache) == "bfloat16":
+            raise KvcInputError("preset 'fp16' would change a bfloat16 cache's range; use 'lossless'")
+        return Plan(fp16_pipeline(level=level), {}, name)
+    if name == "zstd":
+        return Plan(lossless_pipeline(_dtype(cache), level=level, shuffle=False), {}, name)
+    return Plan(raw_pipeline(_dtype(cache)), {}, name)
+
+
 def get_plan(name: str, cache: Any, lm: Any = None, *, rate: str = "predict", cal: Any = None,
              importance: Any = None, target: QualityTarget | None = None, rm: Any = None, **overrides: Any) -> Plan:
-    """The plan of preset ``name`` (or ``baseline:NAME``) for ``cache``.
+    """The plan of preset ``name`` (or ``baseline:NAME``) for ``cache``, its missing inputs resolved here: for scripts,
+    tests and golden vectors that name a preset and hold a cache. An encode plans through
+    :func:`kvcodec.api.make_plan`, which resolves the inputs once and calls :func:`plan_preset`.
 
-    ``overrides`` are the preset's settings to change (checked by :func:`check_overrides`).
-    ``lm``, ``cal`` and ``importance`` are encoder inputs, not settings: the model (lossy
-    presets: rate control and token importance), the model's calibration (resolved here when
-    not given, once, and passed down; a model without one is a one-line error naming ``kvc
-    calibrate``: building one is the caller's choice,
-    :func:`kvcodec.calibration.build.ensure_calibration`), and precomputed per-(layer, token)
-    importance [L, T] (so a caller scoring the context once can reuse it), and ``rm``, the model's rate
-    model (:class:`~kvcodec.calibration.ratemodel.RateModel`), which rate control needs
-    (:func:`rate_controlled`): the planner never fits or builds one (:func:`kvcodec.api.make_plan` resolves it).
+    ``overrides`` are the preset's settings to change (checked by :func:`check_overrides`). ``cal``: the model's
+    calibration (looked up here when not given: a model without one is a one-line error naming ``kvc calibrate``;
+    building one is the caller's choice, :func:`kvcodec.calibration.build.ensure_calibration`); ``importance``:
+    precomputed per-(layer, token) importance [L, T] (measured with ``lm`` when not given and the preset weighs
+    tokens); ``rm``: the model's rate model (:class:`~kvcodec.calibration.ratemodel.RateModel`), which rate control
+    needs (:func:`rate_controlled`): never fitted here (:func:`kvcodec.api.resolve_rate_model`).
 
-    ``rate`` (lossy presets with a model and no ``step0`` override) chooses ``step0``:
+    ``rate`` (lossy presets with a model ``lm`` and no ``step0`` override) chooses ``step0``:
     ``"predict"`` (default) from the rate model's predicted KL (:mod:`kvcodec.plan.ratecontrol`, no model
     forward pass beyond the token importance); ``"check"`` predicts, then confirms on the
     document's tail with the real model (:mod:`kvcodec.plan.check`); ``"fixed"`` is the preset's
@@ -296,44 +350,30 @@ def get_plan(name: str, cache: Any, lm: Any = None, *, rate: str = "predict", ca
     if rate not in RATE_MODES:
         raise KvcInputError(f"rate must be one of {', '.join(RATE_MODES)}, got {rate!r}")
     if isinstance(name, str) and name.startswith(BASELINE_PREFIX):
-        from kvcodec.plan.baseline_plans import get_baseline_plan
-
-        return get_baseline_plan(name.removeprefix(BASELINE_PREFIX), cache, **overrides)
+        return plan_preset(name, cache, **overrides)
     info = preset_info(name)
     overrides = check_overrides(name, overrides)
     if not info.lossy:
-        from kvcodec.codecs.lossless import fp16_pipeline, lossless_pipeline, raw_pipeline
-
-        level = overrides.get("level", 3)
-        if name == "lossless":
-            return Plan(lossless_pipeline(_dtype(cache), level=level), {}, name)
-        if name == "fp16":
-            if _dtype(cache) == "bfloat16":
-                raise KvcInputError("preset 'fp16' would change a bfloat16 cache's range; use 'lossless'")
-            return Plan(fp16_pipeline(level=level), {}, name)
-        if name == "zstd":
-            return Plan(lossless_pipeline(_dtype(cache), level=level, shuffle=False), {}, name)
-        return Plan(raw_pipeline(_dtype(cache)), {}, name)
-    args: dict[str, Any] = {k: (dict(v) if isinstance(v, dict) else v) for k, v in info.settings.items()}
-    args.update(overrides)
+        return plan_preset(name, cache, **overrides)
+    args = preset_args(name, overrides)
     if cal is None and args.get("basis", "pca") == "pca":
         from kvcodec.calibration.store import require_calibration
 
         cal = require_calibration(cache.fingerprint)  # resolved once here, passed down; never built here
-    if cal is not None:
-        args["cal"] = cal
-    target = target or info.target
-    if lm is not None and rate_controlled(name, rate, target, **overrides):
+    if lm is not None and rate_controlled(name, rate, target or info.target, **overrides):
         from kvcodec.plan.ratecontrol import controlled_plan
 
         if rm is None:  # the planner only plans: the rate model is an input, fitted or loaded before (kvcodec.api)
             raise KvcInputError(f"preset {name}: rate control needs the model's rate model (rm=); plan through "
                                 "kvcodec.api.make_plan, which resolves it, or pass rate='fixed'")
-        plan = controlled_plan(cache, lm, name, args, target, rm, check=rate == "check", importance=importance)
-        _warn_answer_factor(lm, name, rm)
+        if cal is not None:
+            args["cal"] = cal
+        plan = controlled_plan(cache, lm, name, args, target or info.target, rm, check=rate == "check", importance=importance)
+        _warn_answer_factor(getattr(lm, "name", None), name, rm)
         return plan
-    if importance is not None:
-        args["importance"] = importance
-    from kvcodec.plan.pipelines import transform_plan
+    if lm is not None and importance is None and args.get("tokenscale") is not None:
+        from kvcodec.models.importance import cache_importance
+        from kvcodec.plan.pipelines import TOKENSCALE_DEFAULT
 
-    return transform_plan(cache, preset=name, lm=lm, **args)
+        importance = cache_importance(lm, cache, window={**TOKENSCALE_DEFAULT, **args["tokenscale"]}["window"])
+    return plan_preset(name, cache, cal=cal, importance=importance, target=target, **overrides)

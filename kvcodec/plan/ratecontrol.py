@@ -37,6 +37,7 @@ No model forward pass is needed beyond the token importance the plan computes an
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -206,36 +207,53 @@ def choose_step0(predict: Any, aim_kl: float, bracket: tuple[float, float] = STE
     return math.exp(a)
 
 
-def controlled_plan(cache: Any, lm: Any, preset: str, args: dict[str, Any], target: Any, rm: RateModel,
-                    check: bool = False, importance: np.ndarray | None = None) -> Any:
-    """The plan of lossy ``preset`` for ``cache`` at the ``step0`` whose predicted KL is ``AIM`` x ``target.kl``.
+@dataclass(frozen=True)
+class RateInputs:
+    """What rate control plans a context with besides the cache, its calibration and its token importance, resolved
+    before planning (:func:`kvcodec.api.make_plan`; :func:`controlled_plan` with the model at hand): the model's rate
+    model, the factor on this context's raw prediction (the rate model's length factor, times the chat factor on a
+    context a question will follow) and that chat factor (1.0: none applied), and the model's name for warnings."""
 
-    ``args`` are the preset's settings (with ``cal``); ``rm`` the model's rate model; ``importance`` the context's token
-    importance when the caller has it (computed here once when tokenscale needs it, and shared by
-    the prediction and the plan). Near-lossless's greedy promise also caps the step by the rate
-    model's rival-gain law. ``check`` then confirms on the document's tail
-    (:func:`kvcodec.plan.check.guarded_plan`). The choice is recorded in ``params["rate"]``: ``step0`` is
-    the step written; with ``check``, ``predicted_step0`` is the rate control's own and ``check_tries`` how many
-    steps the check probed.
-    """
+    rm: RateModel
+    factor: float
+    chat: float = 1.0
+    model: str | None = None
+
+
+def context_inputs(lm: Any, cache: Any, preset: str, rm: RateModel, tokenscale: Any = None,
+                   importance: np.ndarray | None = None) -> tuple[RateInputs, np.ndarray | None]:
+    """Rate control's inputs for ``cache`` measured with the model ``lm`` at hand: the context's factor (the chat
+    factor where ``lm``'s chat prefix opens it, issue 57) and, where the preset weighs tokens (``tokenscale``) and
+    none is given, its token importance (one forward pass). For callers that hold the model and plan with rate
+    control directly (:func:`controlled_plan`: the rate model's fits); :func:`kvcodec.api.make_plan` resolves the same."""
+    from kvcodec.models.chat import is_chat_context
+    from kvcodec.models.importance import cache_importance
+    from kvcodec.plan.pipelines import TOKENSCALE_DEFAULT
+
+    factor = rm.factor(preset, int(cache.num_tokens))
+    chat = 1.0
+    if rm.chat_factor.get(preset) is not None and is_chat_context(lm, cache.token_ids):
+        chat = rm.chat(preset)  # a question will read this context more than prose does (issue 57)
+        factor *= chat
+    if importance is None and tokenscale is not None:
+        importance = cache_importance(lm, cache, window={**TOKENSCALE_DEFAULT, **tokenscale}["window"])
+    return RateInputs(rm, factor, chat, getattr(lm, "name", None)), importance
+
+
+def controlled_step(cache: Any, preset: str, args: dict[str, Any], target: Any, rate: RateInputs,
+                    importance: np.ndarray | None = None, check: bool = False) -> tuple[float, dict[str, Any], dict[str, Any]]:
+    """The ``step0`` whose predicted KL is ``AIM`` x ``target.kl`` (or the tighter ΔPPL aim, the rival-gain cap, the
+    answer probe's factor), with no model: ``(step0, record, args)``, where ``args`` are ``args`` (the preset's settings
+    with ``cal``) with the calibration the rate model allocated (what the plan's steps follow) and without ``step0``,
+    and ``record`` is rate control's choice (``params["rate"]``; ``check``: its mode is ``"check"``)."""
     import time
 
-    from kvcodec.models.importance import cache_importance
-    from kvcodec.plan.pipelines import TOKENSCALE_DEFAULT, transform_plan
     t0 = time.perf_counter()
+    rm = rate.rm
     args = dict(args)
     start = args.pop("step0", None)  # the table step: where the search starts
     cal = args["cal"] = rm.allocated(args["cal"])  # the measured per-layer sensitivity: predictions and steps
-    factor = rm.factor(preset, int(cache.num_tokens))
-    chat = 1.0
-    if rm.chat_factor.get(preset) is not None:
-        from kvcodec.models.chat import is_chat_context
-
-        if is_chat_context(lm, cache.token_ids):  # a question will read this context more than prose does (issue 57)
-            chat = rm.chat(preset)
-            factor *= chat
-    if importance is None and args.get("tokenscale") is not None:
-        importance = cache_importance(lm, cache, window={**TOKENSCALE_DEFAULT, **args["tokenscale"]}["window"])
+    factor = rate.factor
     raw = raw_predictor(cache, cal, {k: v for k, v in args.items() if k != "cal"}, importance)
     aim, bound = AIM * target.kl, "kl"
     ratio = rm.dppl_ratio()  # this model's ΔPPL per unit KL on real text (None: its fit did not measure it)
@@ -260,18 +278,44 @@ def controlled_plan(cache: Any, lm: Any, preset: str, args: dict[str, Any], targ
         step0, bound = step0 * answer_factor, "answers"
     pred = predict(step0)
     record: dict[str, Any] = {"mode": "check" if check else "predict", "step0": step0, "predicted_kl": pred, "aim_kl": aim,
-              "bound": bound, "factor": factor, "answer_factor": answer_factor, "dppl_ratio": ratio, "chat_factor": chat, "rate_model_fit_s": rm.fit_s,
-              "choose_s": round(time.perf_counter() - t0, 3)}
-    if check:
-        from kvcodec.plan.check import guarded_plan
+              "bound": bound, "factor": factor, "answer_factor": answer_factor, "dppl_ratio": ratio, "chat_factor": rate.chat,
+              "rate_model_fit_s": rm.fit_s, "choose_s": round(time.perf_counter() - t0, 3)}
+    return step0, record, args
 
-        plan = guarded_plan(cache, lm, preset, {**args, "step0": step0, "importance": importance}, target, predicted_kl=pred)
-    else:
-        plan = transform_plan(cache, step0, lm=lm, preset=preset, importance=importance, **args)
+
+def rate_controlled_plan(cache: Any, preset: str, args: dict[str, Any], target: Any, rate: RateInputs,
+                         importance: np.ndarray | None = None, check_model: Any = None) -> Any:
+    """The plan of lossy ``preset`` for ``cache`` at the step rate control chooses (:func:`controlled_step`), built
+    once. ``check_model``: the model the opt-in check confirms that step with on the document's tail
+    (:func:`kvcodec.plan.check.guarded_step`, which may lower it) before the plan is built. The choice is recorded in
+    ``params["rate"]``: ``step0`` is the step written; with the check, ``predicted_step0`` is the rate control's own
+    and ``check_tries`` how many steps the check probed (its record: ``params["check"]``)."""
+    from kvcodec.plan.pipelines import transform_plan
+
+    step0, record, args = controlled_step(cache, preset, args, target, rate, importance, check=check_model is not None)
+    predicted, checked = step0, None
+    if check_model is not None:
+        from kvcodec.plan.check import guarded_step
+
+        step0, checked = guarded_step(cache, check_model, preset, {**args, "step0": step0}, target,
+                                      predicted_kl=record["predicted_kl"])
+    plan = transform_plan(cache, step0, preset=preset, importance=importance, **args)
+    if checked is not None:
+        plan.params["check"] = checked
     # the step written, which the check may have lowered; the rate control's own choice stays beside it
     record["step0"] = float(plan.params.get("step0", step0))
-    if check:
-        record["predicted_step0"] = step0
-        record["check_tries"] = len(plan.params.get("check", {}).get("tries", []))
+    if checked is not None:
+        record["predicted_step0"] = predicted
+        record["check_tries"] = len(checked.get("tries", []))
     plan.params["rate"] = record
     return plan
+
+
+def controlled_plan(cache: Any, lm: Any, preset: str, args: dict[str, Any], target: Any, rm: RateModel,
+                    check: bool = False, importance: np.ndarray | None = None) -> Any:
+    """:func:`rate_controlled_plan` with the model ``lm`` at hand: its inputs measured here (:func:`context_inputs`:
+    the chat factor, the token importance when not given), for the rate model's own fits
+    (:mod:`kvcodec.onboard`), which plan many contexts of one model; an encode plans through
+    :func:`kvcodec.api.make_plan`, which resolves them before planning. ``check`` confirms the step with ``lm``."""
+    rate, importance = context_inputs(lm, cache, preset, rm, args.get("tokenscale"), importance)
+    return rate_controlled_plan(cache, preset, args, target, rate, importance, check_model=lm if check else None)

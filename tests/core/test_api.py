@@ -129,63 +129,89 @@ def test_a_pruned_cache_is_charged_against_its_context():
         prune_record("h2o", "h2o:0.5", 8, 4, "original", kept_fraction=0.9)
 
 
-def test_make_plan_gives_the_model_and_calibration_only_to_presets_that_use_them(monkeypatch, capture_file):
-    import kvcodec.calibration.build as build
+class _RateModel:
+    """A rate model as far as the API looks: this context's factor is its token count (no chat factor measured)."""
+
+    chat_factor: dict = {}
+
+    def __init__(self, cal):
+        self.cal = cal
+
+    def factor(self, preset, tokens):
+        return float(tokens)
+
+
+class _Planned(Exception):
+    """Raised by the planner spy with ``stop``: the encode ends where it would have planned."""
+
+
+def _planner_spy(monkeypatch, stop=False):
+    """Every input the planner (``plan_preset``) is handed, with the model's measures stubbed out."""
+    import kvcodec.models.importance as importance
     import kvcodec.plan.presets as presets
+
+    monkeypatch.setattr(api, "resolve_rate_model", lambda lm, cal: _RateModel(cal))  # resolved here, not planned
+    monkeypatch.setattr(importance, "cache_importance", lambda lm, c, window: ("importance of", lm, window))
+    seen: list = []
+
+    def spy(name, c, **kw):
+        rate = kw.get("rate")
+        seen.append((name, kw.get("cal"), None if rate is None else (rate.rm.cal, rate.factor, rate.chat),
+                     kw.get("importance"), kw.get("check_model")))
+        if stop:
+            raise _Planned
+
+    monkeypatch.setattr(presets, "plan_preset", spy)
+    return seen
+
+
+def test_make_plan_resolves_the_planners_inputs_and_uses_the_model_only_where_the_preset_does(monkeypatch, capture_file):
+    """The API resolves the calibration (the model's, or without one the cache's model's stored one), the rate
+    model and this context's factor, and the token importance, and hands them to the planner as data; the model
+    itself reaches the planner only for the opt-in check (issue 56: the planner only plans)."""
+    import kvcodec.calibration.build as build
+    import kvcodec.calibration.store as store
     from kvcodec.core.kvcache import load_capture
 
     cache = load_capture(capture_file)
     model = SimpleNamespace(fingerprint=cache.fingerprint, model=None)  # a loaded model, as far as the API looks
-    import kvcodec.calibration.store as store
-
     monkeypatch.setattr(build, "ensure_calibration", lambda lm: ("calibration of", lm))
     monkeypatch.setattr(store, "require_calibration", lambda fp: "stored")
-    monkeypatch.setattr(api, "resolve_rate_model", lambda lm, cal: ("rate model of", cal))  # resolved here, not planned
-    seen: list = []
-    monkeypatch.setattr(presets, "get_plan", lambda name, c, **kw: seen.append((name, kw["lm"], kw["cal"], kw["rate"], kw["rm"])))
+    seen = _planner_spy(monkeypatch)
     api.make_plan(cache, "lossless", model=model)
     api.make_plan(cache, "baseline:int8", model=model)
     api.make_plan(cache, "balanced", model=model, rate="fixed")
     api.make_plan(cache, "balanced", model=model, build_calibration=False)
-    api.make_plan(cache, "balanced", model=model, calibration="given")
+    api.make_plan(cache, "balanced", model=model, calibration="given", rate="check")
     api.make_plan(cache, "balanced", model=model, calibration="given", overrides={"step0": 0.5})
     api.make_plan(cache, "balanced")
-    assert seen == [("lossless", None, None, "predict", None), ("baseline:int8", None, None, "predict", None),
-                    ("balanced", model, ("calibration of", model), "fixed", None),
-                    ("balanced", model, "stored", "predict", ("rate model of", "stored")),
-                    ("balanced", model, "given", "predict", ("rate model of", "given")),
-                    ("balanced", model, "given", "predict", None), ("balanced", None, None, "predict", None)]
+    imp, T = ("importance of", model, 512), float(cache.num_tokens)
+    assert seen == [("lossless", None, None, None, None), ("baseline:int8", None, None, None, None),
+                    ("balanced", ("calibration of", model), None, imp, None),
+                    ("balanced", "stored", ("stored", T, 1.0), imp, None),
+                    ("balanced", "given", ("given", T, 1.0), imp, model),
+                    ("balanced", "given", None, imp, None), ("balanced", "stored", None, None, None)]
     assert api.resolve_calibration(None, "balanced") is None and api.resolve_calibration(model, "fp16") is None
+    with pytest.raises(KvcInputError, match="rate must be one of"):
+        api.make_plan(cache, "balanced", rate="guess")
 
 
 def test_a_steered_cache_is_planned_without_the_model(monkeypatch, capture_file):
-    """A cache with an attention bias is planned without measuring it (no model to the planner, so no rate control
-    and no rate model), with the model's calibration, resolved by the API as for any other encode."""
-    import kvcodec.plan.presets as presets
+    """A cache with an attention bias is planned without measuring it (no rate control, no rate model, no token
+    importance), with the model's calibration, resolved by the API as for any other encode."""
     from kvcodec.core.kvcache import load_capture
-
-    class Planned(Exception):
-        pass
-
-    seen: dict = {}
-
-    def spy(name, cache, **kw):
-        seen.clear()
-        seen.update(kw)
-        raise Planned
 
     cache = load_capture(capture_file)
     model = SimpleNamespace(fingerprint=cache.fingerprint, model=None)
-    monkeypatch.setattr(presets, "get_plan", spy)
     monkeypatch.setattr(api, "resolve_calibration", lambda m, preset, build=True: ("calibration of", m, preset))
-    monkeypatch.setattr(api, "resolve_rate_model", lambda lm, cal: ("rate model of", cal))
-    with pytest.raises(Planned):
+    seen = _planner_spy(monkeypatch, stop=True)
+    with pytest.raises(_Planned):
         api.encode_cache(cache, "balanced", model=model, attention_bias=object())
-    assert seen["lm"] is None and seen["cal"] == ("calibration of", model, "balanced") and seen["rm"] is None
-    with pytest.raises(Planned):
+    with pytest.raises(_Planned):
         api.encode_cache(cache, "balanced", model=model)
-    assert seen["lm"] is model and seen["cal"] == ("calibration of", model, "balanced")
-    assert seen["rm"] == ("rate model of", seen["cal"])
+    cal = ("calibration of", model, "balanced")
+    assert seen == [("balanced", cal, None, None, None),
+                    ("balanced", cal, (cal, float(cache.num_tokens), 1.0), ("importance of", model, 512), None)]
 
 
 def test_open_names_each_side_of_a_model_mismatch():

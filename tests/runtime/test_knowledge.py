@@ -195,8 +195,8 @@ def test_the_kdn_checks_deposits_where_the_chat_probe_says_prediction_can_miss(l
     rm = _weak_chat(shipped, 2.0, (2.0 * margin * 1.5, 1.0))
     monkeypatch.setattr(api, "resolve_rate_model", lambda *a, **k: rm)
     calls = []
-    real = check_mod.guarded_plan
-    monkeypatch.setattr(check_mod, "guarded_plan", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = check_mod.guarded_step
+    monkeypatch.setattr(check_mod, "guarded_step", lambda *a, **k: calls.append(1) or real(*a, **k))
     kb = KnowledgeBase(lm, str(tmp_path / "st"), preset="balanced")
     cache = kb.capture(np.concatenate([kb.prefix_ids(), gpl3_ids[:320]]))  # a chat context, as kvc ask stores
     stored = kb.deposit(cache)
