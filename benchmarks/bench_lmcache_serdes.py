@@ -15,7 +15,9 @@ vLLM hands them), then serialize and deserialize every chunk with each method:
   ``submit_deserialize`` on its thread pool, completion read from its event fd, the destination buffer sized by its
   ``estimate_serialized_size``. ``fp8`` (``float8_e4m3fn``), ``turboquant`` (each ``--turboquant-presets``,
   ``head_dim`` set to the model's), and kvcodec's own serde ``kvcodec`` at each ``--presets`` (the path LMCache
-  users get: no model in the server, so the lossy presets run at their fixed step, without rate control).
+  users get: no model in the server, so the lossy presets run at their fixed step, without rate control). A method
+  ``PRESET:step0=X`` gives the serde ``"overrides": {"step0": X}`` (a step sweep; any of the preset's overrides,
+  ``;``-separated), and ``rope_offset=zero`` its option of that name (the chunk offset search off).
 * ``cachegen``: LMCache's non-multiprocess engine serde, built as its remote backend builds it
   (``CreateSerde("cachegen", LMCacheMetadata, LMCacheEngineConfig)``; the model name is the model's HF directory,
   which its ``CacheGenConfig.from_model_name`` reads the layer count from) and called as that backend calls it
