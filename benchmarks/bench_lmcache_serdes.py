@@ -493,7 +493,8 @@ def markdown(model_doc: dict) -> str:
     lines.append("Best kvcodec preset at equal or better mean KL than fp8: "
                  + (f"`{b['method']}`, fp8's bytes / its bytes = {b['bytes_ratio']:.2f}x (top-1 "
                     f"{'at least' if b['top1_at_least_fp8'] else 'below'} fp8's)" if b else "none"))
-    b2 = s.get("best_at_equal_or_better_kl_and_top1")
+    both = [v for v in s["vs_fp8"] if v["equal_or_better"] and v["top1_at_least_fp8"]]  # also for files before it
+    b2 = max(both, key=lambda v: v["bytes_ratio"]) if both else None
     lines.append("Best at mean KL at most fp8's and mean top-1 at least fp8's: "
                  + (f"`{b2['method']}`, {b2['bytes_ratio']:.2f}x" if b2 else "none"))
     offs = {n: m["rope_offsets_right"] for n, m in s["methods"].items() if "rope_offsets_right" in m}
