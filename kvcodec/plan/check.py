@@ -47,7 +47,7 @@ near-ties, which the promise exempts. The bound is a maximum over 256 probe
 positions standing for a 16-token greedy run, which is its margin. Gains scale
 with the step, so a miss predicts the next step linearly. This needs codes finer than 8 bits on wide coefficient
 channels (``quantize`` v2, ``max_bits`` 16): with v1 the gain floors at ~0.3
-(benchmarks/results/floor.txt).
+(benchmarks/results/floor/floor.txt).
 
 The chosen ``step0`` is then applied to the whole context (the caller encodes
 it once). Nothing in the file format changes: ``step0`` is already in every
