@@ -1,7 +1,7 @@
 """Decode whole `.kvc` files in a loop, one thread, and print the seconds: the body of an interleaved A/B of two
 checkouts (BENCHMARKS.md, "The package re-layout did not change decode speed").
 
-    OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1 python benchmarks/decode_loop.py A.kvc [B.kvc ...] REPEATS
+    OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1 python benchmarks/checks/decode_loop.py A.kvc [B.kvc ...] REPEATS
 
 Each file is decoded once first (the JIT cache loads), then REPEATS times each. It uses only
 ``KvcReader(bytes).read_cache(backend="cpu")``, which every checkout since the container's first version has.

@@ -4,7 +4,7 @@ Run it on two checkouts and diff the outputs: a refactor must leave every byte t
 the quality check's choices included (``--guarded``: the lossy presets with the model, so the encode-time
 check picks step0 on the real model).
 
-    python benchmarks/check_same_bytes.py --guarded > after.txt
+    python benchmarks/checks/check_same_bytes.py --guarded > after.txt
     (cd /path/to/old/checkout && python /path/to/this/check_same_bytes.py --guarded) > before.txt
     diff before.txt after.txt
 

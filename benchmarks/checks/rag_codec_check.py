@@ -5,7 +5,7 @@ A diagnostic, not an injection measurement: only the differing requests' segment
 store), each request is asked again exactly as bench_rag asked it (same segment, history slice and question),
 and its answer is printed beside the run's ICL and KV-cache answers.
 
-    python benchmarks/rag_codec_check.py --out RUN_DIR --preset near-lossless [--model gemma3-270m --shape 4k]
+    python benchmarks/checks/rag_codec_check.py --out RUN_DIR --preset near-lossless [--model gemma3-270m --shape 4k]
 """
 
 from __future__ import annotations
@@ -14,10 +14,14 @@ import argparse
 import json
 from pathlib import Path
 
+import sys
+
 import torch
 
-import bench_rag as b
-import rag_workload as w
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the benchmarks folder: bench_rag, rag_workload
+
+import bench_rag as b  # noqa: E402
+import rag_workload as w  # noqa: E402
 
 from kvcodec.models.capture import tokenize
 from kvcodec.models.load import load_model

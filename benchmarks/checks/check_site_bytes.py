@@ -7,8 +7,8 @@ itself (capture, prune, overrides, target) and ``kvcodec.load_into`` (next-token
 and its refusal of another model). Run it on two checkouts and diff the outputs: moving these onto one encode
 door must leave every byte unchanged.
 
-    PYTHONPATH=/path/to/old/checkout python benchmarks/check_site_bytes.py > before.txt
-    python benchmarks/check_site_bytes.py > after.txt
+    PYTHONPATH=/path/to/old/checkout python benchmarks/checks/check_site_bytes.py > before.txt
+    python benchmarks/checks/check_site_bytes.py > after.txt
     diff before.txt after.txt
 
 The cache is check_same_bytes.py's (``$KVC_BENCH_CACHE/speed-gpl3-256.h5``, captured there when missing). Only
