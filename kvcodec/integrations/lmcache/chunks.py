@@ -207,19 +207,15 @@ def layer_ropes(fp: Any) -> list[tuple[float, int] | None]:
 
 def rotate(x: torch.Tensor, delta: int, rope: tuple[float, int] | None) -> torch.Tensor:
     """Keys ``x`` [H, T, D] rotated by the RoPE angle of ``delta`` positions (negative: back), float32."""
+    from kvcodec.codecs.rope import rope_decode
     from kvcodec.codecs.rope_tables import rope_tables
 
     x = x.to(torch.float32)
     if rope is None or delta == 0:
         return x
     theta, dim = rope
-    cos, sin = (torch.from_numpy(a) for a in rope_tables(np.array([delta], dtype=np.int64), theta, dim))  # [1, dim]
-    r = x[..., :dim]
-    h = dim // 2
-    rh = torch.cat([-r[..., h:], r[..., :h]], dim=-1)
-    out = x.clone()
-    out[..., :dim] = r * cos + rh * sin
-    return out
+    cos, sin = rope_tables(np.array([delta], dtype=np.int64), theta, dim)  # [1, dim]: one angle for every token
+    return torch.from_numpy(rope_decode(x.numpy(), cos, sin, dim))  # the rope stage's own rotation (float32)
 
 
 def estimate_offset(keys: list[torch.Tensor], ropes: list[tuple[float, int] | None], key_means: Any, step: int = 16,
