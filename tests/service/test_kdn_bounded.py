@@ -401,18 +401,25 @@ def test_connections_per_address_are_capped(tmp_path):
 
 
 def _held_open(port: int, head: bytes, piece: bytes, limit_s: float = 15.0) -> tuple[bytes, float]:
-    """Send ``head``, then ``piece`` over and over until the server closes; (its answer, seconds after it)."""
+    """Send ``head``, then ``piece`` over and over until the server closes; (its answer, seconds after it).
+
+    A send that fails (the server closed: EPIPE, or ECONNRESET once its close met unread bytes) stops the sending,
+    not the reading: the answer the server sent before closing is still in this socket's queue, and a recv returns
+    it before the error. Breaking out at the failed send lost it whenever the reset arrived between a recv and the
+    next send (a clean-clone CI run, 2026-12-07: an empty answer 0.67 s after the 413 was sent)."""
     with socket.create_connection(("127.0.0.1", port), timeout=limit_s) as s:
         s.sendall(head)
         answer, answered_at, t0 = b"", None, time.monotonic()
         s.setblocking(False)
+        sending = True
         while time.monotonic() - t0 < limit_s:
-            try:
-                s.send(piece)
-            except BlockingIOError:
-                pass
-            except OSError:
-                break
+            if sending:
+                try:
+                    s.send(piece)
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    sending = False
             try:
                 got = s.recv(65536)
                 if not got:
