@@ -40,14 +40,10 @@ def chat_continuation(lm: Any, ids: np.ndarray, n: int = ANSWER_TOKENS, cache: A
     import torch
 
     from kvcodec.models.capture import capture
-    from kvcodec.models.chat import ChatFormat
-    from kvcodec.models.quality import greedy_answer
 
-    q = ChatFormat.for_tokenizer(lm.tokenizer).question_ids(CHAT_QUESTION)
     with torch.inference_mode():
         cache = capture(lm, token_ids=np.asarray(ids, np.int64)) if cache is None else cache
-        answer = greedy_answer(lm, cache, q, n, stop_at_eos=False)
-    return np.asarray(np.concatenate([q, np.asarray(answer, np.int64)]), np.int64)
+    return chat_continuations(lm, [cache], n)[0]  # one row: greedy_answers is greedy_answer itself
 
 
 def chat_continuations(lm: Any, caches: list[Any], n: int = ANSWER_TOKENS) -> list[np.ndarray]:
