@@ -351,8 +351,10 @@ def build_calibration(lm: Any, texts: tuple[str, ...] = CALIB_TEXTS, context: in
     from tqdm import tqdm
 
     from kvcodec.models.capture import capture, tokenize
+    from kvcodec.models.compute import compute_dtype_name, onboard_model
     from kvcodec.texts import load_text
 
+    lm = onboard_model(lm)  # bfloat16 where this CPU computes it natively (kvcodec.models.compute)
     t0 = time.time()
     context = calibration_context(lm, context)
     ids_all = []
@@ -414,6 +416,8 @@ def build_calibration(lm: Any, texts: tuple[str, ...] = CALIB_TEXTS, context: in
     }
     if len(blocks) > 1:  # the recipe since the block-diagonal basis (absent: one PCA per head)
         meta["channel_blocks"] = [list(b) for b in blocks]
+    if compute_dtype_name(lm) is not None:  # measured in another dtype than the model's own (absent: its own)
+        meta["compute_dtype"] = compute_dtype_name(lm)
     return Calibration(basis, mean, eig, sens, meta)
 
 

@@ -86,6 +86,9 @@ class RateModel:
     # which fit measured it (kvcodec.onboard.ratefit.FitRecipe): "quick" (a first use, plain kvc calibrate: two texts,
     # no per-layer factors) or "thorough" (kvc calibrate --thorough, the shipped models; a file from before)
     recipe: str = "thorough"
+    # the dtype its prefills and chat answers ran in when it is not the model's own (kvcodec.models.compute: bfloat16
+    # on a CPU that computes it natively); None: the model's own. The KLs and answers it measures are the model's own
+    prefill_dtype: str | None = None
 
     def chat(self, preset: str) -> float:
         """The factor rate control's prediction of ``preset`` is multiplied by on a chat context (1: none measured)."""
@@ -221,13 +224,16 @@ class RateModel:
         recipe = d.get("recipe", "thorough")
         if recipe not in RECIPE_NAMES:
             raise bad("recipe")
+        cdt = d.get("prefill_dtype")
+        if cdt not in (None, "float32", "bfloat16", "float16"):
+            raise bad("prefill_dtype")
         return cls(fid, sha, {k: float(v) for k, v in alpha.items()}, {k: float(v) for k, v in beta.items()},
                    int(t_ref), None if rps is None else float(rps), fit if isinstance(fit, list) else [],
                    float(fit_s) if _num(fit_s) else None, psha if isinstance(psha, str) else "",
                    {k: [[float(p[0]), float(p[1])] for p in c] for k, c in curve.items()},
                    None if lf is None else [[float(v) for v in r] for r in lf], dict(per),
                    {k: {**v, "factor": float(v["factor"])} for k, v in ans.items()},
-                   {k: {**v, "factor": float(v["factor"])} for k, v in chat.items()}, recipe)
+                   {k: {**v, "factor": float(v["factor"])} for k, v in chat.items()}, recipe, cdt)
 
 
 def allocate(cal: Calibration, layer_factor: list[list[float]]) -> Calibration:

@@ -76,6 +76,9 @@ class LoadedModel:
     tokenizer: object
     name: str
     path: Path
+    # set on an onboarding twin (kvcodec.models.compute.onboard_model): the model it computes for, whose fingerprint
+    # and layout it answers with
+    onboard_of: "LoadedModel | None" = None
 
     @cached_property
     def layout(self) -> ModelLayout:

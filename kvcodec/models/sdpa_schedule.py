@@ -141,7 +141,8 @@ def split_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
         k2, v2 = k2.repeat_interleave(rep, dim=1), v2.repeat_interleave(rep, dim=1)
     o2, l2 = flash(query, k2, v2, 0.0, True, scale=scale)
     lse = torch.logaddexp(l1, l2)
-    return o1 * torch.exp(l1 - lse).unsqueeze(-1) + o2 * torch.exp(l2 - lse).unsqueeze(-1)
+    # the log-sum-exps are float32 whatever the inputs: the merge is cast back, or a bf16 layer's o_proj gets float32
+    return (o1 * torch.exp(l1 - lse).unsqueeze(-1) + o2 * torch.exp(l2 - lse).unsqueeze(-1)).to(query.dtype)
 
 
 def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,

@@ -118,8 +118,11 @@ class Probe:
     and token importance (:meth:`importance`): what one rate-model fit hands its answer probe and its chat factors, so
     each context is tokenized, prefilled and scored once."""
 
-    def __init__(self, lm: Any) -> None:
+    def __init__(self, lm: Any, fast: Any = None) -> None:
         self.lm = lm
+        # what prefills the contexts and scores their tokens: the onboarding twin (kvcodec.models.compute) when given;
+        # the answers and KLs read from the caches run on ``lm``
+        self.fast = lm if fast is None else fast
         self.contexts = probe_contexts(lm)
         self._caches: list[Any] | None = None
         self._importance: dict[tuple[int, Any], Any] = {}
@@ -127,7 +130,7 @@ class Probe:
     @property
     def caches(self) -> list[Any]:
         if self._caches is None:
-            self._caches = probe_caches(self.lm, self.contexts)
+            self._caches = probe_caches(self.fast, self.contexts)
         return self._caches
 
     def importance(self, cache: Any, tokenscale: Any) -> Any:
@@ -143,7 +146,7 @@ class Probe:
         window = {**TOKENSCALE_DEFAULT, **tokenscale}["window"]
         key = (id(cache), window)
         if key not in self._importance:
-            self._importance[key] = cache_importance(self.lm, cache, window=window)
+            self._importance[key] = cache_importance(self.fast, cache, window=window)
         return self._importance[key]
 
 

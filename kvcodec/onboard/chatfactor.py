@@ -77,7 +77,9 @@ def measure_chat_factor(lm: Any, cal: Any, presets: Mapping[str, tuple[Mapping[s
     rows: dict[str, list[dict[str, Any]]] = {n: [] for n in presets}
     with tqdm(total=len(contexts) * (1 + len(presets)), desc=f"kvc: measuring {lm.name}'s rate on chat contexts",
               file=sys.stderr, disable=not progress, leave=False, dynamic_ncols=True) as bar, torch.inference_mode():
-        conts = chat_continuations(lm, probe.caches)
+        # the answers generated on the prefilling model (bfloat16 where onboarding runs so): any of the model's own
+        # greedy answers is a chat continuation to score; the KLs are read in ``lm``'s own dtype
+        conts = chat_continuations(probe.fast, probe.caches)
         for c, cache, cont in zip(contexts, probe.caches, conts):
             side = ExactSide(continue_logits(lm, cache, cont))
             bar.update(1)

@@ -101,6 +101,11 @@ def fit_rate_model(lm: Any, cal: Calibration, presets: Mapping[str, Mapping[str,
     (:mod:`kvcodec.onboard.answercheck`) at the step its fitted constants choose. ``targets`` (name -> its target, every
     lossy preset: :func:`kvcodec.plan.presets.preset_targets`): the presets of ``presets`` among them then get their
     chat factor (:mod:`kvcodec.onboard.chatfactor`), last, at the steps the rest of the fit chooses."""
+    from kvcodec.models.compute import compute_dtype_name, onboard_model
+
+    # the prefills in bfloat16 where this CPU computes it natively; every continuation a KL or an answer is read
+    # from runs in the model's own dtype, whose noise floor is 1e-7 where bfloat16's is 1e-3 (kvcodec.models.compute)
+    fast = onboard_model(lm)
     answers = _answers(answers)
     cal0 = cal  # the calibration as stored (rate control allocates it with the layer factors itself)
     jobs = _jobs(lm, recipe.texts if texts is None else texts, recipe.lengths if lengths is None else lengths)
@@ -112,15 +117,15 @@ def fit_rate_model(lm: Any, cal: Calibration, presets: Mapping[str, Mapping[str,
         cal = allocate(cal, layer_factor)
     elif recipe.layer_factor and ALLOC_PRESET in presets:
         alloc = [(name, T, ids) for name, T, ids in jobs if T == max(t for n, t, _ in jobs if n == name and t <= ALLOC_TOKENS)]
-        layer_factor = measure_layer_factor(lm, cal, presets[ALLOC_PRESET], alloc, progress)
+        layer_factor = measure_layer_factor(lm, cal, presets[ALLOC_PRESET], alloc, progress, fast)
         cal = allocate(cal, layer_factor)
-    fit = _measure(lm, cal, jobs, presets, f"kvc: fitting the rate model of {lm.name}", progress)
+    fit = _measure(lm, cal, jobs, presets, f"kvc: fitting the rate model of {lm.name}", progress, fast)
     alpha, curve, beta = _fit_factor(fit, list(presets))
     nl = [r["rival_gain"] / r["step0"] for r in fit if r["preset"] == "near-lossless"]
     rm = RateModel(str(cal.meta["fingerprint_id"]), str(cal.meta["content_sha256"]), alpha, beta, T_REF,
                    max(nl) if nl else None, fit, 0.0, settings_digest(presets), curve, layer_factor,
-                   _digests(presets, answers), recipe=recipe.name)
-    probe = _probe(lm) if any(n in answers or (targets and n in targets) for n in presets) else None
+                   _digests(presets, answers), recipe=recipe.name, prefill_dtype=compute_dtype_name(fast))
+    probe = _probe(lm, fast) if any(n in answers or (targets and n in targets) for n in presets) else None
     for name in [n for n in presets if n in answers]:
         rm.answer_step[name] = _answer_probe(lm, cal0, name, presets[name], answers[name], rm, progress, probe)
     rm.chat_factor = _chat_factors(lm, cal0, presets, targets, rm, progress, probe)
@@ -128,12 +133,12 @@ def fit_rate_model(lm: Any, cal: Calibration, presets: Mapping[str, Mapping[str,
     return rm
 
 
-def _probe(lm: Any) -> Any:
-    """The answer probe's contexts, whose prefills the answer probe and the chat factors share
-    (:class:`kvcodec.onboard.answercheck.Probe`)."""
+def _probe(lm: Any, fast: Any = None) -> Any:
+    """The answer probe's contexts, whose prefills (by ``fast``, the onboarding twin, when given) the answer probe
+    and the chat factors share (:class:`kvcodec.onboard.answercheck.Probe`)."""
     from kvcodec.onboard.answercheck import Probe
 
-    return Probe(lm)
+    return Probe(lm, fast)
 
 
 def _chat_factors(lm: Any, cal: Calibration, presets: Mapping[str, Mapping[str, Any]], targets: Mapping[str, Any] | None,
@@ -148,8 +153,11 @@ def with_chat_factor(lm: Any, cal: Calibration, rm: RateModel, presets: Mapping[
                      targets: Mapping[str, Any], progress: bool = True) -> RateModel:
     """For ``kvc calibrate`` of a model whose rate model predates the chat factor (an encode never runs it: such a
     model plans chat contexts as plain text, as before): ``rm`` with the chat factors of ``presets`` measured."""
+    from kvcodec.models.compute import onboard_model
+
     t0 = time.time()
-    got = _chat_factors(lm, cal, {n: t for n, t in presets.items() if n in rm.alpha}, targets, rm, progress)
+    got = _chat_factors(lm, cal, {n: t for n, t in presets.items() if n in rm.alpha}, targets, rm, progress,
+                        _probe(lm, onboard_model(lm)))
     return replace(rm, chat_factor={**rm.chat_factor, **got}, fit_s=round((rm.fit_s or 0.0) + time.time() - t0, 1))
 
 
@@ -179,9 +187,10 @@ def _answer_probe(lm: Any, cal: Calibration, name: str, table: Mapping[str, Any]
 
 
 def measure_layer_factor(lm: Any, cal: Calibration, table: Mapping[str, Any], jobs: list[tuple[str, int, np.ndarray]],
-                         progress: bool = True) -> list[list[float]]:
+                         progress: bool = True, fast: Any = None) -> list[list[float]]:
     """Per (layer, kind): measured / predicted KL of that tensor alone, geometric mean over ``jobs`` (text, tokens,
     ids) at the preset ``table``'s step (module docstring). [L][2], clipped to [1/ALLOC_CLIP, ALLOC_CLIP].
+    ``fast``: the model the prefills run on (:func:`_fit_job`).
 
     Why one tensor at a time: the KL of small independent perturbations adds up (measured on Gemma 3, gpl3: the
     36 tensors' KLs sum to 0.0100 against 0.0107 with all of them decoded), so each tensor's share is its own
@@ -205,7 +214,7 @@ def measure_layer_factor(lm: Any, cal: Calibration, table: Mapping[str, Any], jo
     with tqdm(total=len(jobs) * (1 + 2 * L), desc=f"kvc: measuring {lm.name}'s per-layer sensitivity", file=sys.stderr,
               disable=not progress, leave=False, dynamic_ncols=True) as bar, torch.inference_mode():
         for _name, T, ids in jobs:
-            cache, cont, exact, imp = _fit_job(lm, ids, T)
+            cache, cont, exact, imp = _fit_job(lm, ids, T, fast)
             side = ExactSide(exact)
             predicted = sens * noise_predictor(cache, cal, settings, imp)(step0)
             dec, _ = roundtrip(cache, transform_plan(cache, step0, cal=cal, lm=lm, preset=ALLOC_PRESET, importance=imp, **settings))
@@ -239,7 +248,7 @@ def _jobs(lm: Any, texts: tuple[str, ...], lengths: tuple[int, ...]) -> list[tup
 
 
 def _measure(lm: Any, cal: Calibration, jobs: list[tuple[str, int, np.ndarray]], presets: Mapping[str, Mapping[str, Any]],
-             desc: str, progress: bool) -> list[dict[str, Any]]:
+             desc: str, progress: bool, fast: Any = None) -> list[dict[str, Any]]:
     """One fit row per (job, preset) at the preset's table step: the real model's KL on the continuation against
     the exact cache, the raw prediction, the largest rival-logit gain, and ``dnll``: the mean change of the real
     continuation's NLL (positions 1.., as :func:`kvcodec.models.quality.compare_logits` scores ΔPPL), from which
@@ -256,7 +265,7 @@ def _measure(lm: Any, cal: Calibration, jobs: list[tuple[str, int, np.ndarray]],
     with tqdm(total=len(jobs) * (1 + len(presets)), desc=desc, file=sys.stderr, disable=not progress, leave=False,
               dynamic_ncols=True) as bar, torch.inference_mode():
         for name, T, ids in jobs:
-            cache, cont, exact, imp = _fit_job(lm, ids, T)
+            cache, cont, exact, imp = _fit_job(lm, ids, T, fast)
             side = ExactSide(exact, cont)
             bar.update(1)
             for preset, table in presets.items():
@@ -270,17 +279,24 @@ def _measure(lm: Any, cal: Calibration, jobs: list[tuple[str, int, np.ndarray]],
     return fit
 
 
-def _fit_job(lm: Any, ids: np.ndarray, T: int) -> tuple[Any, np.ndarray, Any, np.ndarray | None]:
-    """(cache of the first ``T`` tokens, the continuation's ids, its exact logits, the cache's token importance)."""
+def _fit_job(lm: Any, ids: np.ndarray, T: int, fast: Any = None) -> tuple[Any, np.ndarray, Any, np.ndarray | None]:
+    """(cache of the first ``T`` tokens, the continuation's ids, its exact logits, the cache's token importance).
+
+    ``fast`` (the onboarding twin, :func:`kvcodec.models.compute.onboard_model`; None: ``lm``) runs the prefill; the
+    exact logits are ``lm``'s own over that cache. Why that split: a continuation scored in bfloat16 carries a KL
+    floor of ~1e-3 of its own (SmolLM2, 1K tokens, balanced's step: 0.0042 measured where float32 says 0.0020,
+    faithful 0.0020 for 8.3e-5), while a bfloat16 prefill's cache, continued in float32, gives float32's KL to 10 %
+    on every preset (BENCHMARKS.md, "Onboarding a new model")."""
     from kvcodec.models.capture import capture
     from kvcodec.models.quality import continue_logits
     from kvcodec.models.importance import cache_importance
     from kvcodec.plan.pipelines import TOKENSCALE_DEFAULT
 
     window_q = TOKENSCALE_DEFAULT["window"]
-    cache = capture(lm, token_ids=ids[:T], score_window=window_q)  # importance observed by the prefill
+    fast = lm if fast is None else fast
+    cache = capture(fast, token_ids=ids[:T], score_window=window_q)  # importance observed by the prefill
     cont = np.asarray(ids[T:T + FIT_CONTINUATION], np.int64)
-    return cache, cont, continue_logits(lm, cache, cont), cache_importance(lm, cache, window=window_q)
+    return cache, cont, continue_logits(lm, cache, cont), cache_importance(fast, cache, window=window_q)
 
 
 def _table(table: Mapping[str, Any]) -> tuple[dict[str, Any], float]:

@@ -205,3 +205,13 @@ def test_a_sliding_window_model_prefills_and_answers_the_same(tmp_path, monkeypa
     toks, _ = greedy_from(lm, past, 300, ids[300:], 3)  # 100 new tokens over the windows' caches: blocks again
     assert banded == [100, 100]
     assert toks[0] == int(want.argmax())
+
+
+def test_split_keeps_a_bfloat16_query_s_dtype():
+    """The flash kernel's log-sum-exps are float32 whatever the inputs; the merged output is the query's dtype, or a
+    bfloat16 layer's output projection gets float32 (an onboarding twin's importance pass failed on that)."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, h, t, 32, generator=g).to(torch.bfloat16) for h, t in ((4, 5), (2, 12), (2, 12)))
+    got = pa.split_prefix_attention(q, k, v, 7, 0.2)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), masked(q.float(), k.float(), v.float(), 7, 0.2), atol=3e-2, rtol=3e-2)

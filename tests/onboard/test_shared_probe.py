@@ -18,6 +18,8 @@ def test_shared_probe_prefills_give_the_same_rate_model(family, tmp_path, monkey
     from kvcodec.plan.presets import answer_targets, lossy_settings, preset_targets
 
     monkeypatch.setenv("KVCODEC_CACHE", str(tmp_path / "cache"))
+    # the claim is about sharing: both fits prefill in the model's own dtype (the bfloat16 twin: test_onboard_dtype.py)
+    monkeypatch.setenv("KVCODEC_ONBOARD_DTYPE", "float32")
     lm = load_model(str(make_tiny_model(tmp_path / family, family, window=1280)))  # the probe contexts need ~1,000 tokens
     cal = ensure_calibration(lm, progress=False)
     prefills: list[int] = []
@@ -37,7 +39,7 @@ def test_shared_probe_prefills_give_the_same_rate_model(family, tmp_path, monkey
     assert prefills and prefills[0] > 0 and len(prefills) == 1  # one prefill per context, for the whole fit
     prefills.clear()
     with monkeypatch.context() as mp:
-        mp.setattr(ratefit, "_probe", lambda lm: None)  # as before: each measurement prefills its own
+        mp.setattr(ratefit, "_probe", lambda lm, fast=None: None)  # as before: each measurement prefills its own
         mp.setattr(answercheck.Probe, "importance", lambda self, cache, tokenscale: None)  # and controlled_plan scores
         alone = fit()
     assert len(prefills) == len([n for n in lossy_settings() if n in answer_targets()]) + 1

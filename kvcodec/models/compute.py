@@ -1,0 +1,85 @@
+"""The dtype a model's onboarding runs its prefills in (issue 54: a new model usable within minutes).
+
+A first ``kvc calibrate`` is forward passes: the calibration's captures and Fisher backward passes, the rate model's
+prefills and continuations, the answer probe's greedy answers. In float32 they cost a 0.5B model ~480 CPU-s on a
+2-vCPU Xeon; on a CPU with native bfloat16 matrix units (AMX, AVX512-BF16) a prefill runs ~3.5x faster in bfloat16.
+
+Not every pass may move to bfloat16. A continuation scored in bfloat16 carries a KL floor of ~1e-3 of its own
+(SmolLM2, 1,024 tokens: 0.0042 where float32 measures 0.0020 at ``balanced``'s step, 0.0020 where it measures 8.3e-5 at
+``faithful``'s), which a rate model fitted that way reads as the codec's: ``faithful``'s fitted constant came out 12x
+float32's. A bfloat16 prefill's cache continued in float32 gives float32's KL to 10 % on every preset. So onboarding
+uses this module's twin for what measures statistics or makes text (the calibration's captures and Fisher passes,
+the rate fit's and probes' prefills and token importance, the chat factors' greedy answers), and the model itself
+for every continuation a KL, an NLL or an answer is read from (BENCHMARKS.md, "Onboarding a new model").
+
+:func:`onboard_model` hands out a bfloat16 twin of a float32 model when this CPU computes bfloat16 natively, and the
+model itself otherwise. The twin keeps the model's fingerprint and layout: what it measures is filed under the model
+the user runs. ``KVCODEC_ONBOARD_DTYPE`` (``auto``, ``float32``, ``bfloat16``) overrides the choice; a file records
+the dtype it was measured in when that is not the model's own (:func:`compute_dtype_name`).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+from kvcodec.errors import KvcInputError
+
+ENV = "KVCODEC_ONBOARD_DTYPE"
+CHOICES = ("auto", "float32", "bfloat16")
+
+
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AMX tiles or AVX512-BF16); elsewhere torch emulates it, slower
+    than float32."""
+    import torch
+
+    try:
+        return bool(torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch without the probes: assume not
+        return False
+
+
+def onboard_dtype(model_dtype: str) -> str:
+    """The dtype onboarding computes in for a model whose weights are ``model_dtype`` (module docstring)."""
+    choice = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if choice not in CHOICES:
+        raise KvcInputError(f"{ENV}={choice!r:.40}: expected one of {', '.join(CHOICES)}")
+    if model_dtype != "float32":  # a half-precision model already computes in its own dtype
+        return model_dtype
+    if choice == "auto":
+        return "bfloat16" if native_bf16() else "float32"
+    return choice
+
+
+def _dtype_name(lm: Any) -> str:
+    return str(next(lm.model.parameters()).dtype).removeprefix("torch.")
+
+
+def onboard_model(lm: Any) -> Any:
+    """``lm`` itself, or a twin of it in :func:`onboard_dtype` (same tokenizer, fingerprint and layout; its own
+    weights, so ``lm`` is never touched and another thread may keep using it)."""
+    import torch
+
+    from kvcodec.models.load import LoadedModel
+
+    want = onboard_dtype(_dtype_name(lm))
+    if want == _dtype_name(lm) or getattr(lm, "onboard_of", None) is not None:
+        return lm
+    dt = getattr(torch, want)
+    # parameters converted one by one (tied ones stay tied: deepcopy's memo maps each once); buffers such as RoPE's
+    # inverse frequencies keep their float32, as transformers keeps them when it loads a model in bfloat16
+    memo: dict[int, Any] = {id(p): torch.nn.Parameter(p.detach().to(dt), requires_grad=False)
+                            for p in lm.model.parameters()}
+    model = copy.deepcopy(lm.model, memo)
+    model.eval()
+    twin = LoadedModel(model=model, tokenizer=lm.tokenizer, name=lm.name, path=lm.path, onboard_of=lm)
+    twin.__dict__["fingerprint"] = lm.fingerprint  # cached_property slots: the twin answers for lm
+    twin.__dict__["layout"] = lm.layout
+    return twin
+
+
+def compute_dtype_name(lm: Any) -> str | None:
+    """The dtype ``lm`` computes in when it is an onboarding twin (recorded in what it measures), else None."""
+    return _dtype_name(lm) if getattr(lm, "onboard_of", None) is not None else None
