@@ -1,13 +1,14 @@
 """The dtype a model's onboarding runs its prefills in (issue 54: a new model usable within minutes).
 
 A first ``kvc calibrate`` is forward passes: the calibration's captures and Fisher backward passes, the rate model's
-prefills and continuations, the answer probe's greedy answers. In float32 they cost a 0.5B model ~480 CPU-s on a
+prefills and continuations, the answer probe's greedy answers. In float32 they cost a 0.5B model 400-490 CPU-s on a
 2-vCPU Xeon; on a CPU with native bfloat16 matrix units (AMX, AVX512-BF16) a prefill runs ~3.5x faster in bfloat16.
 
 Not every pass may move to bfloat16. A continuation scored in bfloat16 carries a KL floor of ~1e-3 of its own
 (SmolLM2, 1,024 tokens: 0.0042 where float32 measures 0.0020 at ``balanced``'s step, 0.0020 where it measures 8.3e-5 at
 ``faithful``'s), which a rate model fitted that way reads as the codec's: ``faithful``'s fitted constant came out 12x
-float32's. A bfloat16 prefill's cache continued in float32 gives float32's KL to 10 % on every preset. So onboarding
+float32's. A bfloat16 prefill's cache continued in float32 gives float32's KL to 12 % at ``balanced``, ``small`` and
+``faithful`` on both shipped models (``near-lossless``'s ~3e-7: 2.4e-7 for 3.8e-7 on Gemma 3). So onboarding
 uses this module's twin for what measures statistics or makes text (the calibration's captures and Fisher passes,
 the rate fit's and probes' prefills and token importance, the chat factors' greedy answers), and the model itself
 for every continuation a KL, an NLL or an answer is read from (BENCHMARKS.md, "Onboarding a new model").

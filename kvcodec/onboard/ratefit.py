@@ -285,8 +285,8 @@ def _fit_job(lm: Any, ids: np.ndarray, T: int, fast: Any = None) -> tuple[Any, n
     ``fast`` (the onboarding twin, :func:`kvcodec.models.compute.onboard_model`; None: ``lm``) runs the prefill; the
     exact logits are ``lm``'s own over that cache. Why that split: a continuation scored in bfloat16 carries a KL
     floor of ~1e-3 of its own (SmolLM2, 1K tokens, balanced's step: 0.0042 measured where float32 says 0.0020,
-    faithful 0.0020 for 8.3e-5), while a bfloat16 prefill's cache, continued in float32, gives float32's KL to 10 %
-    on every preset (BENCHMARKS.md, "Onboarding a new model")."""
+    faithful 0.0020 for 8.3e-5), while a bfloat16 prefill's cache, continued in float32, gives float32's KL to 12 %
+    at balanced, small and faithful on both shipped models (BENCHMARKS.md, "Onboarding a new model")."""
     from kvcodec.models.capture import capture
     from kvcodec.models.quality import continue_logits
     from kvcodec.models.importance import cache_importance
