@@ -86,8 +86,9 @@ class RateModel:
     # which fit measured it (kvcodec.onboard.ratefit.FitRecipe): "quick" (a first use, plain kvc calibrate: two texts,
     # no per-layer factors) or "thorough" (kvc calibrate --thorough, the shipped models; a file from before)
     recipe: str = "thorough"
-    # the dtype its prefills and chat answers ran in when it is not the model's own (kvcodec.models.compute: bfloat16
-    # on a CPU that computes it natively); None: the model's own. The KLs and answers it measures are the model's own
+    # the dtype its prefills and chat answers ran in where that was not the model's own, for any of its measurements (a
+    # merged or extended model: any part's; kvcodec.models.compute: bfloat16 on a CPU that computes it natively); None:
+    # the model's own throughout. The KLs and answers it measures are always read in the model's own dtype
     prefill_dtype: str | None = None
 
     def chat(self, preset: str) -> float:

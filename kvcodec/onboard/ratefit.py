@@ -153,12 +153,14 @@ def with_chat_factor(lm: Any, cal: Calibration, rm: RateModel, presets: Mapping[
                      targets: Mapping[str, Any], progress: bool = True) -> RateModel:
     """For ``kvc calibrate`` of a model whose rate model predates the chat factor (an encode never runs it: such a
     model plans chat contexts as plain text, as before): ``rm`` with the chat factors of ``presets`` measured."""
-    from kvcodec.models.compute import onboard_model
+    from kvcodec.models.compute import compute_dtype_name, onboard_model
 
     t0 = time.time()
+    fast = onboard_model(lm)
     got = _chat_factors(lm, cal, {n: t for n, t in presets.items() if n in rm.alpha}, targets, rm, progress,
-                        _probe(lm, onboard_model(lm)))
-    return replace(rm, chat_factor={**rm.chat_factor, **got}, fit_s=round((rm.fit_s or 0.0) + time.time() - t0, 1))
+                        _probe(lm, fast))
+    return replace(rm, chat_factor={**rm.chat_factor, **got}, fit_s=round((rm.fit_s or 0.0) + time.time() - t0, 1),
+                   prefill_dtype=rm.prefill_dtype or compute_dtype_name(fast))
 
 
 def _answer_probe(lm: Any, cal: Calibration, name: str, table: Mapping[str, Any], target: Any, rm: RateModel,
@@ -391,7 +393,8 @@ def merge_rate_models(base: RateModel, part: RateModel, presets: Mapping[str, Ma
                    fit_s=round((base.fit_s or 0.0) + (part.fit_s or 0.0), 1), presets_sha256=settings_digest(presets),
                    preset_sha256={n: digests[n] for n in keep | set(part.alpha)},
                    answer_step={**{n: v for n, v in base.answer_step.items() if n in keep}, **part.answer_step},
-                   chat_factor={**{n: v for n, v in base.chat_factor.items() if n in keep}, **part.chat_factor})
+                   chat_factor={**{n: v for n, v in base.chat_factor.items() if n in keep}, **part.chat_factor},
+                   prefill_dtype=base.prefill_dtype or part.prefill_dtype)
 
 
 def find_rate_model(cal: Calibration, presets: Mapping[str, Mapping[str, Any]],

@@ -74,3 +74,18 @@ def test_a_rate_model_s_prefill_dtype_is_checked(tmp_path):
     d["prefill_dtype"] = "int4"
     with pytest.raises(KvcFormatError, match="prefill_dtype"):
         RateModel.from_json(d, "x")
+
+
+def test_a_merged_rate_model_says_a_part_was_prefilled_in_bfloat16():
+    from dataclasses import replace
+
+    from kvcodec.calibration.ratemodel import RateModel
+    from kvcodec.onboard.ratefit import merge_rate_models
+    from kvcodec.plan.presets import lossy_settings
+
+    presets = {n: t for n, t in lossy_settings().items() if n in ("balanced", "small")}
+    base = RateModel("f" * 16, "0" * 64, {"balanced": 1.0}, {}, 1024)
+    part = replace(base, alpha={"small": 2.0}, prefill_dtype="bfloat16")
+    assert merge_rate_models(base, part, presets).prefill_dtype == "bfloat16"
+    assert merge_rate_models(part, base, presets).prefill_dtype == "bfloat16"
+    assert merge_rate_models(base, base, presets).prefill_dtype is None
