@@ -16,8 +16,13 @@ basis to the grid of calibration v3 (``kvcodec.calibration.record.snap_basis``):
 float noise of rebuilding on another machine or thread count, so the change of format is all that changes.
 Before replacing a shipped file, copy it to ``<fingerprint id>.<first 8 hex of its sha256>.safetensors`` and pin
 that too (``SHIPPED_SHA256``): files encoded against it then still decode. A new file's rate
-model must be fitted afterwards (it is bound to the calibration's content sha256): run ``kvc calibrate``
-on the model, then copy the fitted ``ratemodel-v*.json`` over ``<fingerprint id>.ratemodel.json``.
+model must be fitted afterwards (it is bound to the calibration's content sha256): run
+``KVCODEC_ONBOARD_DTYPE=float32 kvc calibrate --thorough`` on the model, then copy the fitted ``ratemodel-v*.json`` over
+``<fingerprint id>.ratemodel.json``.
+
+A shipped file is built in the model's own float32 (this script sets ``KVCODEC_ONBOARD_DTYPE=float32`` unless told
+otherwise): the bfloat16 prefills of :mod:`kvcodec.models.compute` buy a first use minutes, which a file built once
+and shipped does not need, and a shipped file should not depend on the CPU that built it.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import os
 import sys
 from pathlib import Path
 
@@ -45,6 +51,7 @@ def main() -> None:
     ap.add_argument("--model", default=DEFAULT_MODEL, help="the model (default: the embedded one, whose file ships)")
     ap.add_argument("--out", type=Path, help="write here instead of the package's data directory")
     args = ap.parse_args()
+    os.environ.setdefault("KVCODEC_ONBOARD_DTYPE", "float32")  # module docstring: shipped files in the model's own dtype
     torch.set_num_threads(args.threads)
     lm = load_model(args.model)
     timings: dict[str, float] = {"total_s": 0.0}
