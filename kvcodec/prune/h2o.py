@@ -205,8 +205,18 @@ MASKED_NAME = "kvc_h2o_masked_eager"
 
 def _masked_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                       scaling: float | None = None, dropout: float = 0.0, **kwargs: Any) -> Any:
-    """Eager attention where continuation queries cannot see the dropped context tokens of each head."""
-    ctx_len, visible = _STATE.masked  # int, [layers, kv_heads, ctx_len] bool
+    """Eager attention where continuation queries cannot see the dropped context tokens of each head.
+
+    Only the thread inside :func:`masked_prefill_logits` has a mask; the implementation name is set on the model's
+    config, which every thread shares, so another thread's forward of the same model meanwhile (or one after an
+    interleaved restore left the name set) gets transformers' own SDPA, never this thread's mask or an error."""
+    state = getattr(_STATE, "masked", None)
+    if state is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    ctx_len, visible = state  # int, [layers, kv_heads, ctx_len] bool
     hq, tq, d = query.shape[1:]
     hkv, tk = key.shape[1], key.shape[2]
     group = hq // hkv
