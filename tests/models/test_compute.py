@@ -65,3 +65,24 @@ def test_the_twin_answers_for_the_model_and_leaves_it_alone(monkeypatch, lm, gpl
     agree = (exact.argmax(-1) == half.argmax(-1)).float().mean().item()
     assert agree >= 0.9, agree  # bfloat16 rounding moves near-ties only
     assert (half - exact).abs().mean().item() < 0.1 * exact.std().item()
+
+
+def test_no_twin_where_its_weights_would_not_fit_in_memory(monkeypatch, lm):
+    monkeypatch.setenv(compute.ENV, "bfloat16")
+    weights = sum(p.numel() for p in lm.model.parameters()) * 2
+    monkeypatch.setattr(compute, "available_memory", lambda: int(weights / compute.TWIN_MEMORY_SHARE) - 1)
+    assert compute.onboard_model(lm) is lm
+    monkeypatch.setattr(compute, "available_memory", lambda: int(weights / compute.TWIN_MEMORY_SHARE) + 1)
+    assert compute.onboard_model(lm) is not lm
+    monkeypatch.setattr(compute, "available_memory", lambda: None)  # unknown: no guard to apply
+    assert compute.onboard_model(lm) is not lm
+
+
+def test_available_memory_reads_the_os():
+    import os
+
+    got = compute.available_memory()
+    if os.path.exists("/proc/meminfo"):
+        assert isinstance(got, int) and 0 < got <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    else:
+        assert got is None
