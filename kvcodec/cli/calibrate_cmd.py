@@ -55,7 +55,9 @@ def calibrate_command(model, force, basis, thorough, as_json) -> None:
               # per preset: measured / predicted KL on chat contexts (kvcodec.onboard.chatfactor), applied to them
               "chat_factor": {n: v["factor"] for n, v in rm.chat_factor.items()},
               # which fit measured the rate model: quick (a first use, this command) or thorough (--thorough, shipped)
-              "rate_model_recipe": rm.recipe}
+              "rate_model_recipe": rm.recipe,
+              # what onboarding's prefills ran in where not the model's own dtype (kvcodec.models.compute; null: its own)
+              "compute_dtype": {"calibration": cal.meta.get("compute_dtype"), "rate_model": rm.prefill_dtype}}
     if as_json:
         emit_json(report)
     elif built:

@@ -206,16 +206,18 @@ def test_kvc_calibrate_thorough_replaces_a_quick_rate_model_and_says_which(lm, t
 
     def fake_fit(lm_, cal_, presets, answers=None, targets=None, recipe=None, **k):
         fits.append(recipe.name)
-        return replace(shipped, recipe=recipe.name)
+        return replace(shipped, recipe=recipe.name, prefill_dtype="bfloat16")
 
     monkeypatch.setattr(ratefit, "fit_rate_model", fake_fit)
     code, out, err = run_kvc(["calibrate", "--json"], capsys)
     assert code == 0, err
     assert json.loads(out)["rate_model_recipe"] == "quick" and fits == []
+    assert json.loads(out)["compute_dtype"] == {"calibration": None, "rate_model": None}  # shipped: float32 throughout
     code, out, err = run_kvc(["calibrate", "--thorough", "--json"], capsys)
     assert code == 0, err
     rep = json.loads(out)
     assert fits == ["thorough"] and rep["rate_model_recipe"] == "thorough" and rep["rate_model_fitted"] is True
+    assert rep["compute_dtype"] == {"calibration": None, "rate_model": "bfloat16"}
     assert ratemodel.RateModel.from_json(json.loads(path.read_text()), "f").recipe == "thorough"
     code, out, err = run_kvc(["calibrate", "--thorough", "--json"], capsys)
     assert code == 0 and fits == ["thorough"] and json.loads(out)["rate_model_fitted"] is False  # kept
