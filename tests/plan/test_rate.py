@@ -368,7 +368,7 @@ def test_a_first_use_fits_the_quick_recipe_and_says_so(lm, tmp_path, monkeypatch
 
     jobs: list[tuple[str, int]] = []
 
-    def measure(lm_, cal_, jobs_, presets, desc, progress):
+    def measure(lm_, cal_, jobs_, presets, desc, progress, fast=None):
         jobs.extend((n, t) for n, t, _ in jobs_)
         return [{"text": n, "tokens": t, "preset": p, "step0": 0.1, "kl": 0.01, "predicted": 0.01, "rival_gain": 0.01,
                  "dnll": 0.01} for n, t, _ in jobs_ for p in presets]
