@@ -25,9 +25,12 @@ from __future__ import annotations
 
 import copy
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvcodec.errors import KvcInputError
+
+if TYPE_CHECKING:
+    from kvcodec.models.load import LoadedModel
 
 ENV = "KVCODEC_ONBOARD_DTYPE"
 CHOICES = ("auto", "float32", "bfloat16")
@@ -71,30 +74,28 @@ def onboard_dtype(model_dtype: str) -> str:
     return choice
 
 
-def _dtype_name(lm: Any) -> str:
-    return str(next(lm.model.parameters()).dtype).removeprefix("torch.")
-
-
-def onboard_model(lm: Any) -> Any:
+def onboard_model(lm: LoadedModel) -> LoadedModel:
     """``lm`` itself, or a twin of it in :func:`onboard_dtype` (same tokenizer, fingerprint and layout; its own
     weights, so ``lm`` is never touched and another thread may keep using it)."""
     import torch
 
     from kvcodec.models.load import LoadedModel
 
-    want = onboard_dtype(_dtype_name(lm))
-    if want == _dtype_name(lm) or getattr(lm, "onboard_of", None) is not None:
+    own = lm.weights_dtype
+    want = onboard_dtype(own)
+    if want == own or lm.onboard_of is not None:
         return lm
     dt = getattr(torch, want)
-    need = sum(p.numel() for p in lm.model.parameters()) * torch.finfo(dt).bits // 8
+    src: Any = lm.model  # a transformers PreTrainedModel (LoadedModel types it as object)
+    need = sum(p.numel() for p in src.parameters()) * torch.finfo(dt).bits // 8
     avail = available_memory()
     if avail is not None and need > TWIN_MEMORY_SHARE * avail:  # module docstring; the model's own dtype is exact
         return lm
     # parameters converted one by one (tied ones stay tied: deepcopy's memo maps each once); buffers such as RoPE's
     # inverse frequencies keep their float32, as transformers keeps them when it loads a model in bfloat16
     memo: dict[int, Any] = {id(p): torch.nn.Parameter(p.detach().to(dt), requires_grad=False)
-                            for p in lm.model.parameters()}
-    model = copy.deepcopy(lm.model, memo)
+                            for p in src.parameters()}
+    model = copy.deepcopy(src, memo)
     model.eval()
     twin = LoadedModel(model=model, tokenizer=lm.tokenizer, name=lm.name, path=lm.path, onboard_of=lm)
     twin.__dict__["fingerprint"] = lm.fingerprint  # cached_property slots: the twin answers for lm
@@ -102,6 +103,6 @@ def onboard_model(lm: Any) -> Any:
     return twin
 
 
-def compute_dtype_name(lm: Any) -> str | None:
+def compute_dtype_name(lm: LoadedModel) -> str | None:
     """The dtype ``lm`` computes in when it is an onboarding twin (recorded in what it measures), else None."""
-    return _dtype_name(lm) if getattr(lm, "onboard_of", None) is not None else None
+    return lm.weights_dtype if lm.onboard_of is not None else None

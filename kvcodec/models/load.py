@@ -115,12 +115,16 @@ class LoadedModel:
                        position_ids=torch.arange(12, 16).unsqueeze(0), use_cache=True, logits_to_keep=1)
         return time.perf_counter() - t0
 
+    @property
+    def weights_dtype(self) -> str:
+        """The dtype the weights are held (and the model computes) in, e.g. ``"float32"``."""
+        return str(next(self.model.parameters()).dtype).removeprefix("torch.")
+
     @cached_property
     def fingerprint(self) -> ModelFingerprint:
         """From the model directory's files when there is one (cached per directory), else from memory."""
-        dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
         if (Path(self.path) / "config.json").is_file():
-            return fingerprint_dir(self.path, self.tokenizer, dtype=dtype)
+            return fingerprint_dir(self.path, self.tokenizer, dtype=self.weights_dtype)
         return fingerprint_model(self.model, self.tokenizer)
 
 

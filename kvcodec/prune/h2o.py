@@ -246,13 +246,9 @@ def masked_prefill_logits(lm: Any, token_ids: np.ndarray, context_len: int, kept
     continuation so far. This is what a correctly loaded pruned cache must
     reproduce; it involves no cache gather and no explicit position ids.
     """
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from kvcodec.models.hfimport import register_sdpa_variant
 
-    if MASKED_NAME not in AttentionInterface._global_mapping:
-        AttentionInterface.register(MASKED_NAME, _masked_attention)
-    if MASKED_NAME not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
-        AttentionMaskInterface.register(MASKED_NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    register_sdpa_variant(MASKED_NAME, _masked_attention)  # with SDPA's mask builder, once per process
     L, H = lm.fingerprint.num_layers, lm.fingerprint.num_kv_heads
     kept = np.asarray(kept)
     if kept.ndim == 1:
