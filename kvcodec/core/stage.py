@@ -31,6 +31,7 @@ from typing import Any, Callable, ClassVar, Literal, Union
 
 import numpy as np
 
+from kvcodec.digest import array_sha256
 from kvcodec.errors import KvcCodecError, KvcFormatError
 from kvcodec.registry import STAGES_GROUP, Registry
 
@@ -324,6 +325,30 @@ class Pipeline:
 
 PipelineSpec = Union[Pipeline, Callable[[int, str], Pipeline]]
 
+#: The pipeline table's limits (spec/kvc-v1.md): stages per pipeline and distinct pipelines per file. Here, not in
+#: the container, because the round-trip probe (:mod:`kvcodec.core.roundtrip`) builds the same table with no container.
+MAX_STAGES = 32
+MAX_PIPELINES = 65535
+
+
+@dataclass(frozen=True)
+class ExternalAttachment:
+    """A plan's attachment referenced by identity only; the reader resolves it by name / sha256.
+
+    Here, beside :class:`Plan`, because a plan carries them (a calibration's bases) to the writer and to the
+    round-trip probe alike."""
+
+    sha256: str
+    dtype: str
+    shape: tuple[int, ...]
+    # the array itself when the writer has it (never stored in the file): lets the writer read its output back
+    array: np.ndarray | None = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def of(cls, arr: np.ndarray) -> "ExternalAttachment":
+        arr = np.asarray(arr)
+        return cls(array_sha256(arr), arr.dtype.name, tuple(int(d) for d in arr.shape), arr)
+
 
 @dataclass
 class Plan:
@@ -331,7 +356,7 @@ class Plan:
 
     ``pipelines`` is one pipeline for every tensor or a ``(layer, kind) -> Pipeline``
     function; ``attachments`` maps name -> array (stored in the file) or
-    :class:`~kvcodec.format.writer.ExternalAttachment` (referenced by sha256);
+    :class:`ExternalAttachment` (referenced by sha256);
     ``params`` records the plan's settings (written under ``meta["plan"]`` by callers
     that want them); ``chunk_tokens`` is a layout the plan requires (the baselines' KIVI
     window needs a whole tensor per chunk), None for the writer's default;
@@ -392,7 +417,7 @@ def pipeline_table(pipelines: PipelineSpec, n_layers: int, *, max_stages: int,
     objects: stages are immutable configuration and a tensor's encoder-only inputs come
     from ``WriteOptions.encoder_inputs`` (tests/codecs/test_quant_tokenscale.py checks that layers
     merged into one entry keep their own token classes). ``max_stages`` / ``max_pipelines`` are the container's
-    limits (the writer and :mod:`kvcodec.format.probe` pass them).
+    limits (:data:`MAX_STAGES`, :data:`MAX_PIPELINES`: the writer and :mod:`kvcodec.core.roundtrip` pass them).
     """
     table: list[Pipeline] = []
     keys: dict[str, int] = {}

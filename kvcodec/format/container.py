@@ -27,6 +27,7 @@ import google_crc32c
 import numpy as np
 
 from kvcodec.core.dtypes import DTYPE_BY_NAME, DTYPE_CODES, np_le
+from kvcodec.core.stage import MAX_PIPELINES, MAX_STAGES  # noqa: F401  (the container's limits; header and writer read them here)
 from kvcodec.errors import KvcCodecError, KvcFormatError
 
 # -- 3. preamble ------------------------------------------------------------
@@ -64,8 +65,6 @@ MAX_BLOB_NDIM = 4
 MAX_SIDE_NDIM = 4
 MAX_SIDE_ARRAYS = 1024
 MAX_SIDE_NAME = 64
-MAX_STAGES = 32
-MAX_PIPELINES = 65535
 STAGE_SLACK = 1 << 16  # intermediate byte strings may not exceed 2 * decoded + this
 MAX_JSON_DEPTH = 64
 

@@ -13,7 +13,7 @@ import json
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, BinaryIO, Callable
 
 import google_crc32c
@@ -25,7 +25,10 @@ from kvcodec.digest import array_sha256
 from kvcodec.atomic import atomic_file
 from kvcodec.errors import KvcCodecError, KvcError, KvcFormatError, KvcInputError
 from kvcodec.digest import token_ids_sha256
-from kvcodec.core.stage import ArraySpec, EncoderInputsSpec, Pipeline, PipelineSpec, Plan, chunk_context, chunk_ranges, pipeline_table
+from kvcodec.core.dtypes import is_bf16, tensor_dtype
+from kvcodec.core.stage import (
+    ArraySpec, EncoderInputsSpec, ExternalAttachment, Pipeline, PipelineSpec, Plan, chunk_context, chunk_ranges, pipeline_table,
+)
 from kvcodec.format.bias import AttentionBias
 from kvcodec.format.container import (
     ALIGN, DTYPE_BY_NAME, FEATURE_ATTENTION_BIAS, FEATURE_RAGGED, FOOTER_SIZE, MAX_BLOB_BYTES, MAX_BLOB_NDIM, MAX_CHUNK_DECODED_BYTES, MAX_PIPELINES,
@@ -44,22 +47,6 @@ def writer_version() -> str:
     from kvcodec.version import __version__
 
     return f"kvcodec {__version__}"
-
-
-@dataclass(frozen=True)
-class ExternalAttachment:
-    """An attachment referenced by identity only; the reader resolves it by name / sha256."""
-
-    sha256: str
-    dtype: str
-    shape: tuple[int, ...]
-    # the array itself when the writer has it (never stored in the file): lets the writer read its output back
-    array: np.ndarray | None = field(default=None, compare=False, repr=False)
-
-    @classmethod
-    def of(cls, arr: np.ndarray) -> "ExternalAttachment":
-        arr = np.asarray(arr)
-        return cls(array_sha256(arr), arr.dtype.name, tuple(int(d) for d in arr.shape), arr)
 
 
 @dataclass(frozen=True)
@@ -113,15 +100,6 @@ def plan_options(plan: Plan | PipelineSpec, options: WriteOptions | None, kw: di
 def _check_verify(verify: str) -> None:
     if verify not in VERIFY_POLICIES:
         raise KvcInputError(f"verify must be one of {', '.join(VERIFY_POLICIES)}, got {verify!r}")
-
-
-def is_bf16(t: Any) -> bool:
-    """Whether a tensor (or cache) is bfloat16, which numpy lacks (written as float32 chunks)."""
-    return str(t.dtype) == "torch.bfloat16"
-
-
-def tensor_dtype(cache: KVCache) -> str:
-    return str(cache.dtype).removeprefix("torch.")
 
 
 def _small_int_array(a: np.ndarray) -> np.ndarray:

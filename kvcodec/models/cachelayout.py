@@ -170,5 +170,6 @@ def cache_prefix(cache: Any, n: int, lm: Any) -> Any:
 
     lm.fingerprint.check_compatible(cache.fingerprint)
     kv = prefill_kv(lm.model, cache.token_ids[:n])
-    out = KVCache([k for k, _ in kv], [v for _, v in kv], cache.token_ids[:n], cache.fingerprint, None, dict(cache.meta))
-    return out if out.dtype == cache.dtype else out.to(cache.dtype)
+    dt = cache.dtype  # built in the cache's own dtype (the model may compute in another), not built and then converted
+    return KVCache([k.to(dt) for k, _ in kv], [v.to(dt) for _, v in kv], cache.token_ids[:n], cache.fingerprint, None,
+                   dict(cache.meta))

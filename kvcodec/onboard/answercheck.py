@@ -155,7 +155,7 @@ def answer_step_factor(lm: Any, contexts: list[ProbeContext], plan_at: Callable[
     """The largest of :data:`STEP_FACTORS` at which the plans ``plan_at(cache, factor)`` keep every probe answer
     identical to the exact cache's, and what was seen at each factor tried (module docstring). ``caches``: the
     contexts' exact caches (:func:`probe_caches`), read and never changed; None prefills them."""
-    from kvcodec.format.probe import roundtrip
+    from kvcodec.core.roundtrip import roundtrip
 
     caches = probe_caches(lm, contexts) if caches is None else caches
     exact = [answers(lm, cache, c.questions) for cache, c in zip(caches, contexts)]

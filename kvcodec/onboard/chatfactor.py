@@ -66,7 +66,7 @@ def measure_chat_factor(lm: Any, cal: Any, presets: Mapping[str, tuple[Mapping[s
     import torch
     from tqdm import tqdm
 
-    from kvcodec.format.probe import roundtrip
+    from kvcodec.core.roundtrip import roundtrip
     from kvcodec.models.quality import ExactSide, continue_logits
     from kvcodec.onboard.answercheck import Probe
     from kvcodec.plan.ratecontrol import controlled_plan

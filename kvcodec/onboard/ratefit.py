@@ -204,7 +204,7 @@ def measure_layer_factor(lm: Any, cal: Calibration, table: Mapping[str, Any], jo
     import torch
     from tqdm import tqdm
 
-    from kvcodec.format.probe import roundtrip
+    from kvcodec.core.roundtrip import roundtrip
     from kvcodec.models.quality import ExactSide, continue_logits
     from kvcodec.plan.pipelines import transform_plan
     from kvcodec.plan.ratecontrol import noise_predictor
@@ -258,7 +258,7 @@ def _measure(lm: Any, cal: Calibration, jobs: list[tuple[str, int, np.ndarray]],
     import torch
     from tqdm import tqdm
 
-    from kvcodec.format.probe import roundtrip
+    from kvcodec.core.roundtrip import roundtrip
     from kvcodec.models.quality import ExactSide, continue_logits
     from kvcodec.plan.pipelines import transform_plan
     from kvcodec.plan.ratecontrol import raw_predictor

@@ -138,7 +138,7 @@ def guarded_step(cache: Any, lm: Any, preset: str, args: dict[str, Any], target:
     the time the check cost; a pruned or short context is not checked (``checked: False``, the step unchanged).
     """
     from kvcodec.models.quality import continue_logits, first_near_tie, greedy_promise_met, greedy_with_margins, probe_terms
-    from kvcodec.format.probe import roundtrip
+    from kvcodec.core.roundtrip import roundtrip
     from kvcodec.plan.pipelines import TOKENSCALE_DEFAULT, transform_plan
     from kvcodec.models.importance import cache_importance
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from kvcodec.errors import KvcCodecError, KvcInputError
 from kvcodec.lru import BoundedLRU
-from kvcodec.core.stage import EncoderInputs, Pipeline, Plan
+from kvcodec.core.stage import EncoderInputs, ExternalAttachment, Pipeline, Plan
 from kvcodec.calibration.record import Calibration
 from kvcodec.calibration.store import require_calibration
 from kvcodec.plan.importance import token_multipliers
@@ -141,8 +141,6 @@ def transform_plan(cache: Any, step0: float, sink: int = 4, group: int = 8, cal:
         if calibration == "embedded":
             attachments = cal.truncated(ks)
         elif calibration == "external":
-            from kvcodec.format.writer import ExternalAttachment
-
             attachments = {n: ExternalAttachment.of(a) for n, a in cal.attachments.items()}
         else:
             raise KvcInputError(f"calibration must be 'external' or 'embedded' for a PCA plan, got {calibration!r}")
@@ -211,7 +209,7 @@ def plan_for_target(cache: Any, lm: Any, target_kl: float | None = None, target_
     Quality is measured with the real model on ``continuation`` (tokens that
     follow the cache). Returns (plan, {"step0", "kl_mean", "dppl_percent", "bytes"}).
     """
-    from kvcodec.format.probe import roundtrip
+    from kvcodec.core.roundtrip import roundtrip
     from kvcodec.models.quality import compare_logits, continue_logits
 
     if (target_kl is None) == (target_dppl is None):

@@ -189,9 +189,10 @@ class KnowledgeBase:
                            meta=cache.meta, rate=self._rate())
         data = enc.data
         assert data is not None
-        res = self.store.put(self.key(ids), data, {"preset": self.preset, "tokens": int(len(ids)), "prefill_ttft_s": prefill_ttft_s})
+        key = self.key(ids)
+        res = self.store.put(key, data, {"preset": self.preset, "tokens": int(len(ids)), "prefill_ttft_s": prefill_ttft_s})
         return {
-            "key": self.key(ids).to_str(), "bytes": len(data), "encode_s": time.perf_counter() - t0,
+            "key": key.to_str(), "bytes": len(data), "encode_s": time.perf_counter() - t0,
             "bits_per_element": enc.bits_per_element, "stored_in": res.stored_in, "failed": res.failed,
             "checked": bool(self.check), **({"check_reason": self.check_reason} if self.check_reason else {}),
         }

@@ -35,7 +35,7 @@ def test_a_file_encoded_with_a_superseded_shipped_calibration_still_decodes(real
     """After the shipped calibration is replaced, a store's entries encoded against the old one decode from the
     package alone (the pinned superseded file), and new encodes use the current one."""
     from kvcodec.format import KvcReader, encode_kvc_bytes
-    from kvcodec.format.probe import roundtrip
+    from kvcodec.core.roundtrip import roundtrip
     from kvcodec.plan.pipelines import transform_plan
 
     monkeypatch.setenv("KVCODEC_CACHE", str(tmp_path))  # no user calibrations, no attachment index

@@ -19,7 +19,7 @@ def test_noise_power_is_the_codecs_own_error_in_the_metric(lm, real_cache):
     with tokenscale's classes: if it mirrored the quantizer wrongly (step, widening, dropped
     coefficients, multipliers), the KL it predicts would be off by the same factor."""
     from kvcodec.calibration.build import coded_tensor, ensure_calibration
-    from kvcodec.format.probe import roundtrip
+    from kvcodec.core.roundtrip import roundtrip
     from kvcodec.codecs.quantnoise import noise_power
     from kvcodec.plan import ratecontrol as rate
     from kvcodec.models.importance import cache_importance

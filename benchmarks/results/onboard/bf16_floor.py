@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from kvcodec.calibration.store import load_calibration
-from kvcodec.format.probe import roundtrip
+from kvcodec.core.roundtrip import roundtrip
 from kvcodec.models.capture import capture, tokenize
 from kvcodec.models.compute import onboard_model
 from kvcodec.models.load import load_model

@@ -20,7 +20,7 @@ from kvcodec.onboard import ratefit as rf
 from kvcodec.plan.presets import lossy_settings
 from kvcodec.models.capture import capture, tokenize
 from kvcodec.models.quality import ExactSide, continue_logits
-from kvcodec.format.probe import roundtrip
+from kvcodec.core.roundtrip import roundtrip
 from kvcodec.plan.pipelines import transform_plan
 from kvcodec.texts import load_text
 

@@ -22,7 +22,7 @@ import torch
 
 from kvcodec.calibration.build import _coded_frame, _fisher_gradients
 from kvcodec.calibration.store import require_calibration
-from kvcodec.format.probe import roundtrip
+from kvcodec.core.roundtrip import roundtrip
 from kvcodec.models.capture import tokenize
 from kvcodec.models.load import load_model
 from kvcodec.models.quality import continue_logits

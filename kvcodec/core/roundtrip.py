@@ -1,9 +1,13 @@
 """The round-trip probe: a cache encoded under a plan and decoded again, with no container.
 
 Quality checks and target searches measure a plan by decoding right away and storing nothing; the
-probe chunks and encodes each tensor the way :func:`kvcodec.format.writer.write_kvc` does (its plan
-options, pipeline table and chunk ranges) and decodes it with the pipeline's normative decode, but
-writes no header, index or file.
+probe chunks and encodes each tensor the way :func:`kvcodec.format.writer.write_kvc` does (the plan's
+attachments, layout and encoder inputs, the same pipeline table and chunk ranges) and decodes it with the
+pipeline's normative decode, but writes no header, index or file.
+
+Why in core, below the planner and the container: it needs only the plan and the pipelines (both core), and the
+planner's check and target searches call it; in the container package the planner's probes went down into the
+writer's package and back (issue 56).
 """
 
 from __future__ import annotations
@@ -12,9 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvcodec.core.stage import ArraySpec, PipelineSpec, Plan, chunk_context, chunk_ranges, pipeline_table
-from kvcodec.format.container import MAX_PIPELINES, MAX_STAGES
-from kvcodec.format.writer import ExternalAttachment, is_bf16, plan_options, tensor_dtype
+from kvcodec.core.dtypes import is_bf16, tensor_dtype
+from kvcodec.core.stage import (
+    MAX_PIPELINES, MAX_STAGES, ArraySpec, ExternalAttachment, PipelineSpec, Plan, chunk_context, chunk_ranges, pipeline_table,
+)
 
 if TYPE_CHECKING:  # importing the probe must not import torch
     from kvcodec.core.kvcache import KVCache
@@ -34,14 +39,15 @@ def roundtrip(cache: KVCache, plan: Plan | PipelineSpec) -> tuple[KVCache, int]:
 
     from kvcodec.core.kvcache import KVCache
 
-    pipelines, opts = plan_options(plan, None, {})
+    if not isinstance(plan, Plan):  # a bare pipeline is the plan of just that pipeline, as the writer takes it
+        plan = Plan(plan)
     cache.validate()
     fp = cache.fingerprint
     T, L = cache.num_tokens, fp.num_layers
-    table, pid = pipeline_table(pipelines, L, max_stages=MAX_STAGES, max_pipelines=MAX_PIPELINES)
+    table, pid = pipeline_table(plan.pipelines, L, max_stages=MAX_STAGES, max_pipelines=MAX_PIPELINES)
     positions = None if cache.positions is None else np.asarray(cache.positions, dtype=np.int64)
     arrays: dict[str, np.ndarray] = {}
-    for name, a in (opts.attachments or {}).items():
+    for name, a in (plan.attachments or {}).items():
         arr = a.array if isinstance(a, ExternalAttachment) else a
         if arr is not None:
             arrays[name] = arr
@@ -52,11 +58,11 @@ def roundtrip(cache: KVCache, plan: Plan | PipelineSpec) -> tuple[KVCache, int]:
         off = cache.layer_offset(layer)
         for kind, tensor in (("k", cache.keys[layer]), ("v", cache.values[layer])):
             p = table[pid[(layer, kind)]]
-            inputs = opts.encoder_inputs(layer, kind) if opts.encoder_inputs is not None else {}
+            inputs = plan.encoder_inputs(layer, kind) if plan.encoder_inputs is not None else {}
             t = tensor.detach().cpu()
             full = (t.float() if is_bf16(t) else t).contiguous().numpy()
             rows = []
-            for t0, t1 in chunk_ranges(T - off, opts.chunk_tokens):
+            for t0, t1 in chunk_ranges(T - off, plan.chunk_tokens):
                 arr = np.ascontiguousarray(full[:, t0:t1, :])
                 ctx = chunk_context(layer, kind, t0 + off, t1 + off, 0, fp.num_kv_heads, positions, arrays, j, inputs)
                 payload, sides, sizes = p.encode(arr, ctx)
