@@ -34,7 +34,6 @@ materialises ``heads x n x n`` weights per layer.
 from __future__ import annotations
 
 import re
-import threading
 from typing import Any
 
 import numpy as np
@@ -42,6 +41,7 @@ import torch
 
 from kvcodec.edit.spans import char_spans_to_tokens, token_offsets
 from kvcodec.errors import KvcInputError
+from kvcodec.models.attention_choice import whole_model_attention
 
 __all__ = ["MAX_AUTO_SPANS", "MAX_AUTO_TOKENS", "auto_spans", "check_count", "sentence_spans", "sentence_scores",
            "special_ids", "template_tokens"]
@@ -49,7 +49,6 @@ __all__ = ["MAX_AUTO_SPANS", "MAX_AUTO_TOKENS", "auto_spans", "check_count", "se
 MAX_AUTO_TOKENS = 2048  # read twice: eager weights of 4096 x 4096 per head and layer
 MAX_AUTO_SPANS = 64
 _BREAK = re.compile(r"(?<=[.!?:])\s+|\n+")
-_eager_lock = threading.Lock()
 
 
 def sentence_spans(tokenizer: Any, ids: np.ndarray) -> list[tuple[int, int]]:
@@ -93,17 +92,12 @@ def _attention_received(lm: Any, ids: np.ndarray, sentence_of: np.ndarray) -> np
         total.add_((w[0].double().mean(0)[:, :n] * weight).sum(0) / count)
 
     handles = [layer.self_attn.register_forward_hook(hook) for layer in layers]
-    cfg = lm.model.config
-    with _eager_lock:
-        saved = getattr(cfg, "_attn_implementation", None) or "eager"
-        try:
-            lm.model.set_attn_implementation("eager")
-            with torch.inference_mode():
-                lm.model(input_ids=torch.as_tensor(twice, dtype=torch.long)[None], use_cache=False)
-        finally:
-            for h in handles:
-                h.remove()
-            lm.model.set_attn_implementation(saved)
+    try:
+        with whole_model_attention(lm, "eager"), torch.inference_mode():  # waits for other threads' attention variants
+            lm.model(input_ids=torch.as_tensor(twice, dtype=torch.long)[None], use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
     if not layers:
         raise KvcInputError(f"cannot find the decoder layers of {type(lm.model).__name__}")
     return (total / len(layers)).numpy()

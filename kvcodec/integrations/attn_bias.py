@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from kvcodec.errors import KvcInputError, KvcModelMismatchError
+from kvcodec.models.attention_choice import own_attention
 
 __all__ = ["biased_attention", "model_attention_heads"]
 
@@ -121,7 +122,7 @@ def biased_attention(lm: Any, bias: Any, context_tokens: int) -> Iterator[None]:
     if bias.attention_heads != heads:
         raise KvcModelMismatchError(f"the attention bias is for {bias.attention_heads} heads per layer, the model has {heads}")
     cfg = lm.model.config.get_text_config(decoder=True)
-    impl = getattr(cfg, "_attn_implementation", None) or getattr(lm.model.config, "_attn_implementation", "eager")
+    impl = own_attention(lm, cfg)  # its own, even while another thread runs a kvcodec variant of it
     if impl not in ("sdpa", "eager"):
         raise KvcInputError(f"an attention bias needs an attention implementation that takes a mask (sdpa or eager), "
                             f"the model uses {impl!r}")

@@ -16,9 +16,8 @@ import threading
 from typing import Any, Iterator, Protocol
 
 from kvcodec.errors import KvcInputError
-from kvcodec.models.hfimport import register_sdpa_variant
+from kvcodec.models.attention_choice import use_attention
 
-ATTN_NAME = "kvc_tap_sdpa"
 _CHUNK = 128  # query rows per softmax block: bounds the collector's memory at any context length
 _STATE = threading.local()
 
@@ -42,16 +41,12 @@ def _attention(module: Any, query: Any, key: Any, value: Any, attention_mask: An
 
 @contextlib.contextmanager
 def tapped(lm: Any, collector: Collector) -> Iterator[Collector]:
-    """Within this block, every attention call of ``lm`` also feeds ``collector``."""
-    register_sdpa_variant(ATTN_NAME, _attention)
-    cfg = lm.model.config
-    old = cfg._attn_implementation
+    """Within this block, every attention call of ``lm`` in this thread also feeds ``collector``."""
     _STATE.collector = collector
-    cfg._attn_implementation = ATTN_NAME
     try:
-        yield collector
+        with use_attention(lm, _attention):
+            yield collector
     finally:
-        cfg._attn_implementation = old
         _STATE.collector = None
 
 

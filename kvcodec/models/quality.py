@@ -175,9 +175,6 @@ def _greedy_batch(lm: LoadedModel, caches: list[KVCache], qs: list[np.ndarray], 
     return out
 
 
-_GQA_MASKED = "kvc_gqa_masked_sdpa"
-
-
 def _gqa_masked_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                           scaling: float | None = None, dropout: float = 0.0, **kwargs: Any) -> Any:
     """transformers' SDPA attention, except that a masked call with grouped query heads reads each KV head once
@@ -198,21 +195,15 @@ def _gqa_masked_attention(module: Any, query: torch.Tensor, key: torch.Tensor, v
 
 @contextmanager
 def _gqa_masked(lm: LoadedModel, on: bool) -> Iterator[None]:
-    """Within this block (when ``on``), ``lm``'s SDPA attention is :func:`_gqa_masked_attention` (a model on another
-    implementation is left as it is)."""
-    from kvcodec.models.hfimport import register_sdpa_variant
+    """Within this block (when ``on``), this thread's SDPA attention of ``lm`` is :func:`_gqa_masked_attention` (a
+    model on another implementation, or one this thread already runs a variant of, is left as it is)."""
+    from kvcodec.models.attention_choice import use_attention
 
-    cfg = lm.model.config
-    old = cfg._attn_implementation
-    if not on or old != "sdpa":
+    if not on:
         yield
         return
-    register_sdpa_variant(_GQA_MASKED, _gqa_masked_attention)
-    cfg._attn_implementation = _GQA_MASKED
-    try:
+    with use_attention(lm, _gqa_masked_attention, outermost=True):
         yield
-    finally:
-        cfg._attn_implementation = old
 
 
 def greedy_with_margins(lm: LoadedModel, cache: KVCache, first_token: int, n: int) -> tuple[list[int], list[float]]:

@@ -34,7 +34,7 @@ Not scheduled: padding rows that see nothing, soft-capping, attention sinks,
 position biases, paged caches, dropout, a single new token, value heads of
 another width, a device other than the CPU, a kernel the torch build lacks.
 
-:func:`fast_sdpa` switches a model to this for a block of code: the prefills
+:func:`fast_sdpa` runs a model's attention through this for a block of code, in the calling thread: the prefills
 (:func:`kvcodec.models.capture.prefill`, the importance tap, whose output is
 this function's) and every answer over a cache (``greedy_from``), so both
 sides of a comparison run on the same engine.
@@ -49,9 +49,8 @@ from typing import Any, Iterator
 
 import torch
 
-from kvcodec.models.hfimport import register_sdpa_variant
+from kvcodec.models.attention_choice import use_attention
 
-ATTN_NAME = "kvc_fast_sdpa"
 _STATE = threading.local()
 
 
@@ -183,23 +182,16 @@ def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.
 
 @contextlib.contextmanager
 def fast_sdpa(lm: Any) -> Iterator[None]:
-    """Within this block, ``lm``'s SDPA attention runs through :func:`attention` (see the module).
+    """Within this block, this thread's SDPA attention of ``lm`` runs through :func:`attention` (see the module).
 
     A model on another attention implementation (eager, flash) is left as it
-    is, and so is one already switched (a nested or concurrent block, or the
-    importance tap, whose own function calls :func:`attention`): the
-    outermost block restores ``sdpa``, after which an inner one runs on
-    transformers' path, which is the same attention.
+    is, and so is one this thread already runs a variant of (a nested block, or
+    the importance tap, whose own function calls :func:`attention`). Other
+    threads are not affected (:mod:`kvcodec.models.attention_choice`).
     """
-    cfg = lm.model.config
-    old = cfg._attn_implementation
-    if old != "sdpa":
-        yield
-        return
-    register_sdpa_variant(ATTN_NAME, attention)
-    cfg._attn_implementation = ATTN_NAME
-    try:
-        yield
-    finally:
-        cfg._attn_implementation = old
-        _STATE.checked = _STATE.band = None
+    with use_attention(lm, attention, outermost=True) as on:
+        try:
+            yield
+        finally:
+            if on:
+                _STATE.checked = _STATE.band = None

@@ -200,16 +200,12 @@ def scores_from_meta(obj: Any) -> np.ndarray:
 
 
 # -- an independent reference for pruned continuation ----------------------
-MASKED_NAME = "kvc_h2o_masked_eager"
-
-
 def _masked_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                       scaling: float | None = None, dropout: float = 0.0, **kwargs: Any) -> Any:
     """Eager attention where continuation queries cannot see the dropped context tokens of each head.
 
-    Only the thread inside :func:`masked_prefill_logits` has a mask; the implementation name is set on the model's
-    config, which every thread shares, so another thread's forward of the same model meanwhile (or one after an
-    interleaved restore left the name set) gets transformers' own SDPA, never this thread's mask or an error."""
+    Chosen for the thread inside :func:`masked_prefill_logits` only (:mod:`kvcodec.models.attention_choice`), which
+    sets the mask; a call without one (never expected) is transformers' own SDPA, not an error."""
     state = getattr(_STATE, "masked", None)
     if state is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -246,9 +242,8 @@ def masked_prefill_logits(lm: Any, token_ids: np.ndarray, context_len: int, kept
     continuation so far. This is what a correctly loaded pruned cache must
     reproduce; it involves no cache gather and no explicit position ids.
     """
-    from kvcodec.models.hfimport import register_sdpa_variant
+    from kvcodec.models.attention_choice import use_attention
 
-    register_sdpa_variant(MASKED_NAME, _masked_attention)  # with SDPA's mask builder, once per process
     L, H = lm.fingerprint.num_layers, lm.fingerprint.num_kv_heads
     kept = np.asarray(kept)
     if kept.ndim == 1:
@@ -256,13 +251,10 @@ def masked_prefill_logits(lm: Any, token_ids: np.ndarray, context_len: int, kept
     visible = np.zeros((L, H, context_len), dtype=bool)
     np.put_along_axis(visible, kept, True, axis=-1)
     ids = torch.as_tensor(np.asarray(token_ids, dtype=np.int64)).reshape(1, -1)
-    cfg = lm.model.config
-    old = cfg._attn_implementation
     _STATE.masked = (context_len, visible)
-    cfg._attn_implementation = MASKED_NAME
     try:
-        out = lm.model(input_ids=ids, use_cache=False, logits_to_keep=torch.arange(context_len, ids.shape[1]))
+        with use_attention(lm, _masked_attention):  # this thread's forwards only
+            out = lm.model(input_ids=ids, use_cache=False, logits_to_keep=torch.arange(context_len, ids.shape[1]))
     finally:
-        cfg._attn_implementation = old
         _STATE.masked = None
     return out.logits[0].float()

@@ -73,6 +73,7 @@ import numpy as np
 import torch
 
 from kvcodec.integrations.hf import land, model_device, target_device
+from kvcodec.models.attention_choice import own_attention
 from kvcodec.models.cachelayout import cache_for_model
 from kvcodec.models.cachelayout import DynamicCache, DynamicLayer, check_layer_tokens, kept_tokens
 from kvcodec.models.layout import DYNAMIC, NOPE, PLAIN, SCALED, STATIC_SCALED_ROPE
@@ -261,7 +262,7 @@ class _Forward:
     def __init__(self, lm: Any, K: list[torch.Tensor], V: list[torch.Tensor], windows: list[int | None]) -> None:
         self.model = lm.model
         cfg = self.model.config.get_text_config(decoder=True)
-        impl = getattr(cfg, "_attn_implementation", None) or getattr(self.model.config, "_attn_implementation", "eager")
+        impl = own_attention(lm, cfg)  # its own, even while another thread runs a kvcodec variant of it
         if impl not in ("sdpa", "eager"):
             raise KvcInputError(f"blend needs an attention implementation that takes an explicit mask (sdpa or eager), "
                                 f"the model uses {impl!r}")

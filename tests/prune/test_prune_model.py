@@ -181,27 +181,3 @@ def test_apply_prune_refuses_bad_requests(lm, scored):
         apply_prune(cache, "h2o:1.5", lm=lm)
     with pytest.raises(KvcInputError, match="shape"):
         h2o_prune(cache, scores[:, :, :10], parse_prune("h2o:0.5"))
-
-
-def test_the_masked_reference_s_name_without_its_mask_is_plain_sdpa(lm, gpl3_ids):
-    """The reference sets its attention by name on the shared config: a forward of another thread meanwhile (no mask
-    of its own) gets transformers' SDPA, the same logits, instead of an AttributeError or the other thread's mask."""
-    import threading
-
-    from kvcodec.prune import h2o
-
-    masked_prefill_logits(lm, gpl3_ids[:40], 32, np.arange(32))  # registers the name
-    ids = torch.as_tensor(np.asarray(gpl3_ids[:48], dtype=np.int64))[None]
-    cfg = lm.model.config
-    old = cfg._attn_implementation
-    got: list = []
-    with torch.inference_mode():
-        plain = lm.model(input_ids=ids).logits
-        cfg._attn_implementation = h2o.MASKED_NAME
-        try:
-            t = threading.Thread(target=lambda: got.append(lm.model(input_ids=ids).logits))
-            t.start()
-            t.join()
-        finally:
-            cfg._attn_implementation = old
-    assert len(got) == 1 and torch.equal(got[0], plain)
