@@ -112,6 +112,8 @@ def use_attention(lm: Any, fn: AttentionFn, *, outermost: bool = False) -> Itera
                                 "same model")
         st = _open.get(id(cfg))
         own = st.own if st is not None else str(cfg._attn_implementation)
+        if own == DISPATCH:  # a copy made while a block was open (its own config, no block of its own): SDPA's
+            own = "sdpa"
         stack = chosen.get(id(cfg))
         apply = id(cfg) not in _whole and not (outermost and (own != "sdpa" or stack))
         if apply:

@@ -142,3 +142,20 @@ def test_a_whole_model_switch_waits_for_open_variants_and_they_wait_for_it(lm, i
             with whole_model_attention(lm, "eager"):
                 pass
     assert lm.model.config._attn_implementation == "sdpa"
+
+
+def test_a_copy_made_inside_a_block_runs_sdpa_and_takes_variants(tmp_path):
+    """A model copied while a block was open on it (the onboarding twin is one) holds a config naming the dispatcher
+    with no block of its own: it runs SDPA, an outermost variant still applies to it, and it ends on SDPA."""
+    from kvcodec.models.load import load_model
+    from tests._support.tiny_models import make_tiny_model
+
+    lm = load_model(str(make_tiny_model(tmp_path / "m", "dense")))
+    ids = torch.arange(1, 17).unsqueeze(0)
+    plain = _logits(lm, ids)
+    lm.model.config._attn_implementation = DISPATCH
+    assert own_attention(lm) == "sdpa" and torch.equal(_logits(lm, ids), plain)
+    calls: list[int] = []
+    with use_attention(lm, _recorder(calls), outermost=True) as on:
+        _logits(lm, ids)
+    assert on and len(calls) == 2 and lm.model.config._attn_implementation == "sdpa"
