@@ -64,6 +64,18 @@ def _config_ids(model: Any) -> frozenset[int]:
     return keys
 
 
+def _register() -> None:
+    """Register :data:`DISPATCH` with transformers, with SDPA's mask builder (once per process): every variant wraps
+    SDPA, so a model switched to it must get exactly the masks SDPA gets."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    if DISPATCH not in AttentionInterface._global_mapping:
+        AttentionInterface.register(DISPATCH, _dispatch)
+    if DISPATCH not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+        AttentionMaskInterface.register(DISPATCH, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+
+
 def _sdpa(module: Any, *args: Any, **kwargs: Any) -> Any:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -99,8 +111,6 @@ def use_attention(lm: Any, fn: AttentionFn, *, outermost: bool = False) -> Itera
     another variant, they leave the attention as it is). Otherwise ``fn`` applies on any implementation, nested
     blocks included (the importance tap, the H2O reference: their function is the measurement).
     """
-    from kvcodec.models.hfimport import register_sdpa_variant
-
     cfg = lm.model.config
     chosen: dict[int, list[AttentionFn]] = _local.__dict__.setdefault("chosen", {})
     me = threading.get_ident()
@@ -118,7 +128,7 @@ def use_attention(lm: Any, fn: AttentionFn, *, outermost: bool = False) -> Itera
         apply = id(cfg) not in _whole and not (outermost and (own != "sdpa" or stack))
         if apply:
             if st is None:
-                register_sdpa_variant(DISPATCH, _dispatch)
+                _register()
                 st = _open[id(cfg)] = _Open(own, _config_ids(lm.model))
                 cfg._attn_implementation = DISPATCH
             st.blocks += 1

@@ -18,7 +18,7 @@ import sys
 from types import ModuleType
 from typing import Any
 
-__all__ = ["cache_utils", "hqq_quantizer", "models", "register_sdpa_variant"]
+__all__ = ["cache_utils", "hqq_quantizer", "models"]
 
 
 def _no_hqq(*args: Any, **kwargs: Any) -> bool:
@@ -69,19 +69,3 @@ def hqq_quantizer() -> None:
         from hqq.core.quantize import Quantizer
 
         cu.HQQQuantizer = Quantizer  # type: ignore[attr-defined]
-
-
-def register_sdpa_variant(name: str, fn: Any) -> None:
-    """Register attention function ``fn`` under ``name``, with SDPA's mask builder, once per process.
-
-    kvcodec's attention functions (the importance tap, the split prefix
-    attention) wrap SDPA, so a model switched to ``name`` must get exactly the
-    masks SDPA gets.
-    """
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-
-    if name not in AttentionInterface._global_mapping:
-        AttentionInterface.register(name, fn)
-    if name not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
-        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
