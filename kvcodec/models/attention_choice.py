@@ -89,16 +89,23 @@ def _dispatch(module: Any, query: Any, key: Any, value: Any, attention_mask: Any
     return fn(module, query, key, value, attention_mask, **kwargs)
 
 
+def _own(name: str, model_cfg: Any) -> str:
+    """The implementation a config naming ``name`` stands for (call with :data:`_lock` held): :data:`DISPATCH` is the
+    model's own while its blocks are open, and SDPA's on a copy made meanwhile (its own config, no block of its own,
+    as the onboarding twin may be), since the dispatcher runs SDPA for a model with no block open."""
+    if name != DISPATCH:
+        return name
+    st = _open.get(id(model_cfg))
+    return st.own if st is not None else "sdpa"
+
+
 def own_attention(lm: Any, cfg: Any = None) -> str:
     """The attention implementation ``lm``'s config (or ``cfg``, one of its configs) names, kvcodec's blocks aside:
     ``"sdpa"``, ``"eager"``, ... (what a caller that needs an explicit mask asks)."""
     cfg = lm.model.config if cfg is None else cfg
     name = getattr(cfg, "_attn_implementation", None) or getattr(lm.model.config, "_attn_implementation", None) or "eager"
-    if name != DISPATCH:
-        return str(name)
     with _lock:
-        st = _open.get(id(lm.model.config))
-        return st.own if st is not None else "sdpa"  # (never seen: the last block restores the own name)
+        return _own(str(name), lm.model.config)
 
 
 @contextlib.contextmanager
@@ -121,9 +128,7 @@ def use_attention(lm: Any, fn: AttentionFn, *, outermost: bool = False) -> Itera
             raise KvcInputError("an attention variant was asked for inside this thread's whole-model switch of the "
                                 "same model")
         st = _open.get(id(cfg))
-        own = st.own if st is not None else str(cfg._attn_implementation)
-        if own == DISPATCH:  # a copy made while a block was open (its own config, no block of its own): SDPA's
-            own = "sdpa"
+        own = _own(str(cfg._attn_implementation), cfg)
         stack = chosen.get(id(cfg))
         apply = id(cfg) not in _whole and not (outermost and (own != "sdpa" or stack))
         if apply:

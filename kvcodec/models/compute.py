@@ -28,7 +28,6 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from kvcodec.errors import KvcInputError
-from kvcodec.models.attention_choice import own_attention
 
 if TYPE_CHECKING:
     from kvcodec.models.load import LoadedModel
@@ -98,8 +97,6 @@ def onboard_model(lm: LoadedModel) -> LoadedModel:
                             for p in src.parameters()}
     model = copy.deepcopy(src, memo)
     model.eval()
-    # the copy's config is its own: it names the model's own attention, not a variant another thread has open on lm
-    model.config._attn_implementation = own_attention(lm)
     twin = LoadedModel(model=model, tokenizer=lm.tokenizer, name=lm.name, path=lm.path, onboard_of=lm)
     twin.__dict__["fingerprint"] = lm.fingerprint  # cached_property slots: the twin answers for lm
     twin.__dict__["layout"] = lm.layout
