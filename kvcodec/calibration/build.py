@@ -20,6 +20,7 @@ calibration is a one-line KvcError at encode and at decode, never used.
 
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -35,7 +36,9 @@ from kvcodec.codecs.rope_tables import layer_rope_config, positions_for
 from kvcodec.codecs.rope import RopeStage
 from kvcodec.core.stage import ChunkContext
 from kvcodec.errors import KvcInputError
-from kvcodec.models.layout import ALL_HEADS
+from kvcodec.models.layout import ALL_HEADS, PER_HEAD_QKV
+
+log = logging.getLogger("kvcodec.calibration")
 
 MIN_CONTEXT = 256  # tokens of context per calibration text, at least (the floor the builder has always had)
 
@@ -74,63 +77,54 @@ def _coded_frame(x: np.ndarray, cache: Any, layer: int, kind: str, tokens: np.nd
     return x
 
 
-def _decoder_layers(lm: Any) -> Any:
-    layers = lm.layout.decoder_layers(lm.model)
-    if layers is None:
-        raise KvcInputError(f"cannot calibrate {type(lm.model).__name__}: its decoder layers are not at .model.layers "
-                            "(GPT-2/Falcon-style module layouts); the lossless and fp16 presets need no calibration")
-    return layers
-
-
-def _self_attn(lm: Any, i: int) -> Any:
-    att = lm.layout.attention_module(lm.model, i)
-    if att is None:
-        layer = _decoder_layers(lm)[i]
-        raise KvcInputError(f"cannot calibrate {type(lm.model).__name__}: decoder layer {i} "
-                            f"({type(layer).__name__}) has no self_attn module")
-    return att
-
-
 class _QueryMoments:
     """Collects E[q^2] of the pre-RoPE queries per (layer, kv head, channel) during any forward pass.
 
     Hooked into the q projections while the first calibration text is
     captured, so the attention metric costs no forward pass of its own.
     Where the queries are and how they are normalised is the model's layout
-    (:meth:`kvcodec.models.layout.ModelLayout.query`).
+    (:meth:`kvcodec.models.layout.ModelLayout.query`). A layer whose query projection kvcodec cannot find (GPT-2,
+    Falcon and MPT keep their blocks outside ``.model.layers``; CodeGen's fused projection is not one it reads)
+    keeps even weights, 1 per channel: its keys are then fitted by plain squared error, which costs bits at a
+    promise, never the promise (rate control measures KL on the real model). ``even`` lists those layers.
     """
 
     def __init__(self, lm: Any, sink: int) -> None:
         lay = lm.layout
         self.nq, self.nkv, self.D = lay.num_heads, lay.num_kv_heads, lay.head_dim
-        self.layers = _decoder_layers(lm)
+        self.L = lay.num_layers
         self._lm = lm
         self.sink = sink
         self.moments: np.ndarray | None = None
+        self.even: list[int] = []
         self._hooks: list[Any] = []
 
     def __enter__(self) -> "_QueryMoments":
-        self.moments = np.zeros((len(self.layers), self.nkv, self.D))
+        self.moments = np.ones((self.L, self.nkv, self.D))
         lm = self._lm
-        for i in range(len(self.layers)):
-            att = _self_attn(lm, i)
-            # separate q projection (LLaMA, Qwen, Gemma, Mistral) or the first nq*D outputs of a fused one (Phi-3)
-            proj, q_norm, scope = lm.layout.query(lm.model, i)
+        for i in range(self.L):
+            # separate q projection (LLaMA, Qwen, Gemma, Mistral), the first nq*D outputs of a fused one (Phi-3), or
+            # each head's first D of its [q | k | v] (GPT-NeoX)
+            proj, q_norm, scope, order = lm.layout.query(lm.model, i)
             if proj is None:
-                raise KvcInputError(f"cannot calibrate {type(lm.model).__name__}: layer {i}'s attention "
-                                    f"({type(att).__name__}) has neither q_proj nor a fused qkv_proj")
-            self._hooks.append(proj.register_forward_hook(self._hook(i, q_norm, scope)))
+                self.even.append(i)
+                continue
+            self._hooks.append(proj.register_forward_hook(self._hook(i, q_norm, scope, order)))
         return self
 
-    def _hook(self, i: int, q_norm: Any, scope: str | None) -> Any:
+    def _hook(self, i: int, q_norm: Any, scope: str | None, order: str) -> Any:
         def hook(mod: Any, inp: Any, o: Any) -> None:
-            q = o[0, :, : self.nq * self.D].detach()
+            T = o.shape[1]
+            if order == PER_HEAD_QKV:
+                q = o[0].detach().reshape(T, self.nq, 3 * self.D)[..., : self.D].reshape(T, self.nq * self.D)
+            else:
+                q = o[0, :, : self.nq * self.D].detach()
             if q_norm is not None:  # the keys meet the normalised queries
                 if scope == ALL_HEADS:  # OLMo 2: one norm over all query heads
                     q = q_norm(q)
-                else:  # Qwen3, Gemma 3: each query head normalised on its own
-                    q = q_norm(q.reshape(o.shape[1], self.nq, self.D))
-            q = q.reshape(o.shape[1], self.nq, self.D)
+                else:  # Qwen3, Gemma 3, Phi: each query head normalised on its own
+                    q = q_norm(q.reshape(T, self.nq, self.D))
+            q = q.reshape(T, self.nq, self.D)
             q = q.double()[self.sink:]
             # HF repeat_kv: kv head h serves q heads h*r..h*r+r-1
             assert self.moments is not None
@@ -143,30 +137,33 @@ class _QueryMoments:
         self._hooks.clear()
 
 
-def attention_metrics(lm: Any, qm: np.ndarray, reg: float = 0.01) -> np.ndarray:
+def attention_metrics(lm: Any, qm: np.ndarray, reg: float = 0.01, even: list[int] | None = None) -> np.ndarray:
     """Distortion metric per (layer, kind, kv head) [L, 2, H, D, D], each normalised to trace D, + reg*I.
 
     Keys (pre-RoPE): diagonal, channel pair (i, i+D/2) weighted by the mean of the
     queries' E[q_i^2] and E[q_{i+D/2}^2] (``qm`` [L, H, D]; RoPE rotates within pairs).
-    Values: W_o^T W_o over the output-projection columns of the query heads that share the KV head.
+    Values: W_o^T W_o over the output-projection columns of the query heads that share the KV head, or the
+    identity where kvcodec cannot find the output projection (appended to ``even``, when given: see
+    :class:`_QueryMoments`).
     """
     L, H, D = qm.shape
     r = lm.layout.num_heads // H
     out = np.zeros((L, 2, H, D, D))
     h2 = D // 2
     for l in range(L):
-        att = _self_attn(lm, l)
         o_proj = lm.layout.output_projection(lm.model, l)
-        if o_proj is None:
-            raise KvcInputError(f"cannot calibrate {type(lm.model).__name__}: layer {l}'s attention "
-                                f"({type(att).__name__}) has no o_proj output projection")
-        wo = o_proj.weight.detach().double().numpy()
+        wo = o_proj.weight.detach().double().numpy() if o_proj is not None else None
+        if wo is None and even is not None:
+            even.append(l)
         for h in range(H):
             d = qm[l, h]
             d = np.concatenate([(d[:h2] + d[h2:]) / 2] * 2)
             mk = np.diag(d)
-            blk = wo[:, h * r * D : (h + 1) * r * D]
-            mv = sum(blk[:, j * D : (j + 1) * D].T @ blk[:, j * D : (j + 1) * D] for j in range(r))
+            if wo is None:
+                mv = np.eye(D)
+            else:
+                blk = wo[:, h * r * D : (h + 1) * r * D]
+                mv = sum(blk[:, j * D : (j + 1) * D].T @ blk[:, j * D : (j + 1) * D] for j in range(r))
             for ki, m in enumerate((mk, mv)):
                 m = m * (D / np.trace(m))
                 out[l, ki, h] = m + reg * np.eye(D)
@@ -285,8 +282,13 @@ def coefficient_sensitivity(lm: Any, cache: Any, continuation: np.ndarray, basis
 
 @contextmanager
 def _layer_progress(lm: Any, step: Any) -> Iterator[None]:
-    """Calls ``step(1 / L)`` after each decoder layer's forward pass (progress within one prefill)."""
-    layers = _decoder_layers(lm)
+    """Calls ``step(1 / L)`` after each decoder layer's forward pass (progress within one prefill); ``step(1)`` after
+    the whole pass where kvcodec does not find the decoder layers."""
+    layers = lm.layout.decoder_layers(lm.model)
+    if layers is None:
+        yield
+        step(1.0)
+        return
 
     def hook(*args: Any) -> None:  # returns None: a forward hook's return value replaces the layer's output
         step(1.0 / len(layers))
@@ -308,12 +310,9 @@ def _advance(bar: Any, n: float) -> None:
 def calibration_context(lm: Any, context: int = CALIB_CONTEXT) -> int:
     """The context (tokens per calibration text) ``lm`` is calibrated at: ``context``, or less where its window
     cannot hold it and the continuation. A model that cannot be calibrated at all (its window too short for
-    :data:`MIN_CONTEXT`, its decoder layers or attention where kvcodec cannot find them) is one
-    :class:`KvcInputError` line, before any forward pass."""
+    :data:`MIN_CONTEXT`) is one :class:`KvcInputError` line, before any forward pass."""
     from kvcodec.models.capture import max_context
 
-    for i in range(len(_decoder_layers(lm))):
-        _self_attn(lm, i)
     window = max_context(lm)
     if window is not None and window - SENS_CONTINUATION < context:
         if window - SENS_CONTINUATION < MIN_CONTEXT:
@@ -383,7 +382,7 @@ def build_calibration(lm: Any, texts: tuple[str, ...] = CALIB_TEXTS, context: in
                 if i == 0:
                     with _QueryMoments(lm, sink) as qhook:
                         cache = capture(lm, token_ids=ctx)
-                    qm = qhook.moments
+                    qm, even_k = qhook.moments, qhook.even
                 else:
                     cache = capture(lm, token_ids=ctx)
             caches.append(cache)
@@ -396,7 +395,8 @@ def build_calibration(lm: Any, texts: tuple[str, ...] = CALIB_TEXTS, context: in
         t1 = time.time()
         assert qm is not None
         blocks = [(0, D)] if full_basis else channel_blocks(D)
-        basis, mean, eig = compute_pca(mom, attention_metrics(lm, qm), blocks)
+        even_v: list[int] = []
+        basis, mean, eig = compute_pca(mom, attention_metrics(lm, qm, even=even_v), blocks)
         timings["pca_s"] = time.time() - t1
         t1 = time.time()
         csens = np.zeros(eig.shape)
@@ -414,6 +414,13 @@ def build_calibration(lm: Any, texts: tuple[str, ...] = CALIB_TEXTS, context: in
         "sensitivity": f"fisher-coefficient-{SENS_SAMPLES}x{len(texts)}", "tokens": int(sum(len(c) for c, _ in ids_all)),
         "weighting": "attention-v1", "column_weighting": COLUMN_WEIGHTING, "basis_grid": BASIS_GRID,
     }
+    if even_k or even_v:  # layers whose attention modules kvcodec cannot read: plain squared error (absent: none)
+        meta["even_weights"] = {"k": even_k, "v": even_v}
+        log.warning("calibrating %s: kvcodec cannot find the %s of %d of its %d layers (%s); those layers' %s are "
+                    "fitted by plain squared error, which costs bits, not the promise", lm.name,
+                    " and ".join(w for w, e in (("query projection", even_k), ("output projection", even_v)) if e),
+                    len(set(even_k) | set(even_v)), fp.num_layers, lm.layout.family,
+                    " and ".join(w for w, e in (("keys", even_k), ("values", even_v)) if e))
     if len(blocks) > 1:  # the recipe since the block-diagonal basis (absent: one PCA per head)
         meta["channel_blocks"] = [list(b) for b in blocks]
     if compute_dtype_name(lm) is not None:  # measured in another dtype than the model's own (absent: its own)

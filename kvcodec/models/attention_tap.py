@@ -41,11 +41,20 @@ def _attention(module: Any, query: Any, key: Any, value: Any, attention_mask: An
 
 @contextlib.contextmanager
 def tapped(lm: Any, collector: Collector) -> Iterator[Collector]:
-    """Within this block, every attention call of ``lm`` in this thread also feeds ``collector``."""
+    """Within this block, every attention call of ``lm`` in this thread also feeds ``collector``.
+
+    A forward that fails inside it on the model's own code (MPT builds no attention mask for a function it did not
+    name, and then calls a method on the missing mask) is one :class:`KvcInputError` line: that model's attention
+    cannot be observed, as for a family that never calls transformers' attention functions
+    (:meth:`ImportanceCollector.stacked`)."""
     _STATE.collector = collector
     try:
         with use_attention(lm, _attention):
-            yield collector
+            try:
+                yield collector
+            except (AttributeError, TypeError, ValueError, RuntimeError) as exc:
+                raise KvcInputError(f"cannot observe {lm.layout.family}'s attention ({type(exc).__name__}: "
+                                    f"{str(exc)[:120]})") from None
     finally:
         _STATE.collector = None
 
@@ -110,5 +119,6 @@ class ImportanceCollector:
 
         missing = [i for i in range(num_layers) if i not in self.scores]
         if missing:
-            raise KvcInputError(f"no attention scores for layers {missing[:5]} (unsupported model?)")
+            raise KvcInputError(f"no attention scores for layers {missing[:5]}: this model's attention does not go "
+                                "through transformers' attention functions, so token importance cannot observe it")
         return np.stack([self.scores[i] for i in range(num_layers)])

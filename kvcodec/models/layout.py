@@ -49,6 +49,10 @@ CONFIG_NAMES: dict[str, tuple[str, ...]] = {
 PER_HEAD = "per_head"  # each query head normalised on its own (Qwen3, Gemma 3)
 ALL_HEADS = "all_heads"  # one norm over every query head's projection (OLMo 2)
 
+# where the queries sit in a query projection's output
+LEADING = "leading"  # the first heads * head_dim outputs (a separate q_proj, or Phi-3's fused qkv_proj)
+PER_HEAD_QKV = "per_head_qkv"  # per head, [q | k | v] of head_dim each (GPT-NeoX's fused query_key_value)
+
 
 @dataclass(frozen=True)
 class Family:
@@ -67,6 +71,8 @@ class Family:
     #: :data:`PER_HEAD` or :data:`ALL_HEADS`; None: read from the norm's size (``heads * head_dim``
     #: weights: all heads, OLMo 2 / OLMoE; else per head, Qwen3 / Gemma 3)
     q_norm_scope: str | None = None
+    #: :data:`LEADING` or :data:`PER_HEAD_QKV`: where the queries sit in the query projection's output
+    q_order: str = LEADING
     #: the attention's output projection (the calibration's value metric reads its weight)
     o_proj: str = "o_proj"
 
@@ -74,11 +80,18 @@ class Family:
 #: Per-family overrides, keyed by the config's ``model_type``; "" is the generic layout every other family gets.
 #: Decoder layers are ``model.get_decoder().layers`` for all of them (LLaMA, Qwen, Gemma, Mistral, Phi-3, OLMo,
 #: SmolLM3, ...); families whose blocks live elsewhere (GPT-2 and Falcon: ``.transformer.h``; MPT:
-#: ``.transformer.blocks``) are captured, coded and stored, but not calibrated or blended (one-line refusals).
+#: ``.transformer.blocks``) are captured, coded, stored and calibrated (with even weights where kvcodec cannot find
+#: their attention modules: :mod:`kvcodec.calibration.build`), but not blended (a one-line refusal).
 FAMILIES: dict[str, Family] = {
     "": Family(),
     # MPT: config.json says n_layers / n_heads / d_model; multi-head attention (no KV-head count), ALiBi (no RoPE)
     "mpt": Family(config_names={"layers": ("n_layers",), "heads": ("n_heads",)}),
+    # GPT-NeoX (Pythia): `attention` with one fused query_key_value, per head [q | k | v], and a `dense` output
+    "gpt_neox": Family(attention="attention", q_proj=("query_key_value",), q_order=PER_HEAD_QKV, o_proj="dense"),
+    # Phi-1/1.5/2: separate q_proj, a per-head `q_layernorm` when qk_layernorm, and a `dense` output
+    "phi": Family(q_norm="q_layernorm", o_proj="dense"),
+    # OPT: learned absolute positions, `out_proj` output
+    "opt": Family(o_proj="out_proj"),
 }
 
 
@@ -270,6 +283,7 @@ class AttentionLayout:
     q_norm: str | None  # the query norm, on the attention module
     q_norm_scope: str | None  # PER_HEAD | ALL_HEADS, with q_norm
     o_proj: str | None  # the output projection, on the attention module
+    q_order: str = LEADING  # LEADING | PER_HEAD_QKV: where the queries sit in q_proj's output
 
 
 def _decoder_layers(model: Any) -> Any | None:
@@ -288,7 +302,7 @@ def _attention_layout(fam: Family, layer: Any, q_width: int) -> AttentionLayout:
         w = getattr(norm, "weight", None)
         scope = fam.q_norm_scope or (ALL_HEADS if w is not None and w.numel() == q_width else PER_HEAD)
     return AttentionLayout(fam.attention, q_proj, fam.q_norm if norm is not None else None, scope,
-                           fam.o_proj if hasattr(att, fam.o_proj) else None)
+                           fam.o_proj if hasattr(att, fam.o_proj) else None, fam.q_order)
 
 
 @dataclass(frozen=True)
@@ -367,15 +381,29 @@ class ModelLayout:
         layers: Any = _decoder_layers(model)
         return getattr(layers[layer], name) if name is not None else None
 
-    def query(self, model: Any, layer: int) -> tuple[Any | None, Any | None, str | None]:
-        """(query projection, query norm, its scope) of ``layer``: the projection's first ``num_heads * head_dim``
-        outputs are the queries (the whole output of a separate q_proj), normalised by the norm if there is one."""
+    def query(self, model: Any, layer: int) -> tuple[Any | None, Any | None, str | None, str]:
+        """(query projection, query norm, its scope, where the queries sit in its output) of ``layer``: the
+        projection's first ``num_heads * head_dim`` outputs (:data:`LEADING`: the whole output of a separate
+        q_proj) or each head's first ``head_dim`` of its ``[q | k | v]`` (:data:`PER_HEAD_QKV`), normalised by the
+        norm if there is one. All None (and :data:`LEADING`) where the layout has no decoder layers."""
+        if not self.has_layers or layer >= len(self.attention):
+            return None, None, None, LEADING
         a = self.attention[layer]
         att = self.attention_module(model, layer)
         proj = getattr(att, a.q_proj) if a.q_proj is not None else None
         norm = getattr(att, a.q_norm) if a.q_norm is not None else None
-        return proj, norm, a.q_norm_scope
+        return proj, norm, a.q_norm_scope, a.q_order
 
     def output_projection(self, model: Any, layer: int) -> Any | None:
+        """The attention's output projection of ``layer`` (its weight: [hidden, heads * head_dim]), or None."""
+        if not self.has_layers or layer >= len(self.attention):
+            return None
         a = self.attention[layer]
-        return getattr(self.attention_module(model, layer), a.o_proj) if a.o_proj is not None else None
+        att = self.attention_module(model, layer)
+        proj = getattr(att, a.o_proj, None) if att is not None and a.o_proj is not None else None
+        import torch
+
+        # a Linear's weight is [out, in] over the heads' outputs; anything else (GPT-2's Conv1D is [in, out]) is
+        # not read as one
+        ok = isinstance(proj, torch.nn.Linear) and int(proj.weight.shape[1]) == self.num_heads * self.head_dim
+        return proj if ok else None

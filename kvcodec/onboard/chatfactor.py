@@ -52,7 +52,17 @@ def chat_continuations(lm: Any, caches: list[Any], n: int = ANSWER_TOKENS) -> li
     from kvcodec.models.chat import ChatFormat
     from kvcodec.models.quality import greedy_answers
 
+    from kvcodec.models.capture import max_context
+
     q = ChatFormat.for_tokenizer(lm.tokenizer).question_ids(CHAT_QUESTION)
+    window = max_context(lm)
+    if window is not None:  # never past the model's window (answercheck.CONTINUATION_ROOM leaves room for it)
+        n = min(n, window - len(q) - max(int(c.num_tokens) for c in caches))
+        if n < 1:
+            from kvcodec.errors import KvcInputError
+
+            raise KvcInputError(f"a chat context of {max(int(c.num_tokens) for c in caches)} tokens leaves no room for "
+                                f"an answer in {lm.name}'s context window of {window}")
     answers = greedy_answers(lm, list(caches), [q] * len(caches), n, stop_at_eos=False)
     return [np.asarray(np.concatenate([q, np.asarray(a, np.int64)]), np.int64) for a in answers]
 

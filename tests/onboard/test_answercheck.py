@@ -42,3 +42,36 @@ def test_the_probe_keeps_the_step_that_keeps_answers_and_lowers_one_that_loses_t
     assert r["factor"] == STEP_FACTORS[1] and r["tried"][0]["identical"] < r["tried"][0]["questions"]
     r = answer_step_factor(lm, ctx, wrecked)
     assert r["factor"] == STEP_FACTORS[-1] and len(r["tried"]) == len(STEP_FACTORS)
+
+
+def test_probe_contexts_and_chat_answers_stay_inside_a_small_window(tmp_path):
+    """A model whose window is shorter than the probe's budget (OPT: learned positions, which fail in their embedding
+    lookup past it) gets probe contexts that leave room for the chat factor's question and answer, and a chat
+    continuation never runs past the window: it is cut to fit, or refused in one line when nothing fits."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kvcodec.errors import KvcInputError
+    from kvcodec.models.capture import capture
+    from kvcodec.models.load import load_model, shipped_model_dir
+    from kvcodec.onboard.answercheck import CONTINUATION_ROOM, probe_contexts
+    from kvcodec.onboard.chatfactor import chat_continuations
+
+    window = 640
+    cfg = AutoConfig.for_model("opt", hidden_size=64, ffn_dim=128, word_embed_proj_dim=64, num_hidden_layers=1,
+                               num_attention_heads=2, vocab_size=49152, max_position_embeddings=window)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "opt")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(shipped_model_dir("smollm2") / f, tmp_path / "opt" / f)
+    small = load_model(str(tmp_path / "opt"))
+    ctx = probe_contexts(small)
+    assert ctx and all(len(c.ids) <= window - CONTINUATION_ROOM for c in ctx)
+    near = capture(small, token_ids=np.resize(ctx[0].ids, window - 40))
+    (cont,) = chat_continuations(small, [near])
+    assert 0 < len(cont) <= 40  # the question turn and as many answer tokens as fit (128 asked)
+    full = capture(small, token_ids=np.resize(ctx[0].ids, window - 2))
+    with pytest.raises(KvcInputError, match="no room for an answer"):
+        chat_continuations(small, [full])
