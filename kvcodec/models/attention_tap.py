@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from typing import Any, Iterator, Protocol
 
 from kvcodec.errors import KvcInputError
@@ -20,6 +21,12 @@ from kvcodec.models.attention_choice import use_attention
 
 _CHUNK = 128  # query rows per softmax block: bounds the collector's memory at any context length
 _STATE = threading.local()
+
+
+class AttentionNotObserved(KvcInputError):
+    """The model's attention cannot be observed through the tap: it does not call transformers' attention functions
+    (Falcon, Bloom, GPT-J, CodeGen, GPT-Neo in transformers 5.19), or its forward fails on one it did not name (MPT).
+    :mod:`kvcodec.models.importance` then reads the attention weights the model itself returns (:func:`tap_sees`)."""
 
 
 class Collector(Protocol):
@@ -53,10 +60,34 @@ def tapped(lm: Any, collector: Collector) -> Iterator[Collector]:
             try:
                 yield collector
             except (AttributeError, TypeError, ValueError, RuntimeError) as exc:
-                raise KvcInputError(f"cannot observe {lm.layout.family}'s attention ({type(exc).__name__}: "
-                                    f"{str(exc)[:120]})") from None
+                raise AttentionNotObserved(f"cannot observe {lm.layout.family}'s attention ({type(exc).__name__}: "
+                                           f"{str(exc)[:120]})") from None
     finally:
         _STATE.collector = None
+
+
+_SEES: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+_SEES_LOCK = threading.Lock()
+
+
+def tap_sees(lm: Any) -> bool:
+    """Whether :func:`tapped` observes every layer of ``lm``: a two-token forward under the tap, once per model."""
+    import torch
+
+    with _SEES_LOCK:
+        seen = _SEES.get(lm.model)
+    if seen is None:
+        col = ImportanceCollector(None, 2, list(lm.layout.windows or ()))
+        try:
+            with torch.inference_mode(), tapped(lm, col):
+                lm.model(input_ids=torch.tensor([[0, 1]]), use_cache=False, logits_to_keep=1)
+            col.stacked(lm.fingerprint.num_layers)
+            seen = True
+        except AttentionNotObserved:
+            seen = False
+        with _SEES_LOCK:
+            _SEES[lm.model] = seen
+    return seen
 
 
 class ImportanceCollector:
@@ -119,6 +150,6 @@ class ImportanceCollector:
 
         missing = [i for i in range(num_layers) if i not in self.scores]
         if missing:
-            raise KvcInputError(f"no attention scores for layers {missing[:5]}: this model's attention does not go "
-                                "through transformers' attention functions, so token importance cannot observe it")
+            raise AttentionNotObserved(f"no attention scores for layers {missing[:5]}: this model's attention does not "
+                                       "go through transformers' attention functions")
         return np.stack([self.scores[i] for i in range(num_layers)])

@@ -138,8 +138,18 @@ def capture(
     if isinstance(score_window, bool) or not isinstance(score_window, int) or score_window <= 0:
         raise KvcInputError(f"score_window must be a positive number of queries, got {score_window!r}")
     from kvcodec.core.kvcache import AttentionScores
-    from kvcodec.models.attention_tap import ImportanceCollector, tapped
+    from kvcodec.models.attention_tap import ImportanceCollector, tap_sees, tapped
 
+    if not tap_sees(lm):  # a model the tap cannot observe: a plain prefill, then the weights its eager attention returns
+        from kvcodec.models.importance import cache_importance
+
+        past, _ = prefill(lm, ids, full_layers=full_layers)
+        cache = cache_from_hf(past, ids, lm, meta={"model": lm.name})
+        scores = cache_importance(lm, cache, score_window)
+        assert scores is not None  # an unpruned cache
+        cache.attention = AttentionScores(score_window, scores)
+        cache.validate()
+        return cache
     col = ImportanceCollector(score_window, len(ids), list(lm.layout.windows or ()), squared=True)
     with tapped(lm, col):
         past, _ = prefill(lm, ids, full_layers=full_layers)

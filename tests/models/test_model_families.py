@@ -53,7 +53,7 @@ FAMILIES = {
 # lossless works, and the calibration weighs their keys and values evenly
 OTHER_LAYOUTS = ("falcon", "gpt2", "mpt")
 # families whose attention does not run through transformers' attention functions (Falcon), or whose forward fails on
-# one it did not name (MPT): token importance cannot observe them, so the lossy presets refuse them in one line
+# one it did not name (MPT): token importance reads the weights their eager attention returns instead of the tap
 UNTAPPED = ("falcon", "mpt")
 N_TOKENS = 120  # > the sliding windows above
 
@@ -122,6 +122,14 @@ def test_family_flow(family, family_dirs, tmp_path):
         scored = capture(lm, token_ids=ids, score_window=64)
         assert all(torch.equal(a, b) for a, b in zip(cache.keys + cache.values, scored.keys + scored.values))
         np.testing.assert_array_equal(scored.attention.scores, attention_importance(lm, ids, 64))
+        # the eager weights a model the tap cannot observe is read by: the same scores, sliding masks included
+        from kvcodec.models.importance import _eager_scores
+
+        eager = _eager_scores(lm, torch.as_tensor(np.asarray(ids, np.int64))[None], 64, len(ids), True)
+        np.testing.assert_allclose(eager, scored.attention.scores, rtol=1e-4, atol=1e-9)
+    from kvcodec.models.attention_tap import tap_sees
+
+    assert tap_sees(lm) == (family not in UNTAPPED)
     for preset in ("lossless", "balanced"):
         if preset != "lossless":  # the entry points build a model's calibration once (get_plan only loads it)
             from kvcodec.calibration.build import ensure_calibration
@@ -130,12 +138,6 @@ def test_family_flow(family, family_dirs, tmp_path):
             if family in OTHER_LAYOUTS:  # attention modules kvcodec cannot find: every layer fitted by squared error
                 every = list(range(lm.fingerprint.num_layers))
                 assert cal.meta["even_weights"] == {"k": every, "v": every}
-                if family in UNTAPPED:  # and its attention cannot be observed for token importance: one line
-                    from kvcodec.errors import KvcInputError
-
-                    with pytest.raises(KvcInputError, match="attention"):
-                        make_plan(cache, preset, model=lm)
-                    continue
             else:
                 assert "even_weights" not in cal.meta
         plan = make_plan(cache, preset, model=lm)

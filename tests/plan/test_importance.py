@@ -85,3 +85,45 @@ def test_encoding_text_runs_the_model_once(lm, monkeypatch):
     monkeypatch.setattr(lm.model, "forward", counted)
     out = kvcodec.encode(None, None, preset="balanced", model=lm, text=load_text("c-stdio"), max_tokens=160)
     assert calls == [160] and out.plan.params["rate"]["mode"] == "predict"
+
+
+@pytest.mark.parametrize("window", [None, 48])
+def test_eager_weights_give_the_tapped_importance(lm, real_cache, window, monkeypatch):
+    """A model the tap cannot observe (Falcon, Bloom, GPT-J, MPT, ...) is scored from the weights its eager attention
+    returns, in chunks of queries: on a model both can read, the same scores as the tap's (float rounding apart),
+    over a full prefill and over a cached prefix, whatever the chunk size."""
+    import torch
+
+    from kvcodec.models import importance
+
+    cache = real_cache(160)
+    tapped = attention_importance(lm, cache.token_ids, window)
+    monkeypatch.setattr(importance, "EAGER_BYTES", 4 * 30 * 9 * 160 * 7)  # 7 queries a chunk: the chunks must add up
+    ids = torch.as_tensor(np.asarray(cache.token_ids, np.int64))[None]
+    eager = importance._eager_scores(lm, ids, window, 160, True)
+    np.testing.assert_allclose(eager, tapped, rtol=1e-4, atol=1e-9)
+    monkeypatch.setattr(importance, "tap_sees", lambda lm: False)
+    blind = cache_importance(lm, cache, window)  # over the cache's prefix when the window is shorter than the context
+    np.testing.assert_allclose(blind, tapped, rtol=1e-4, atol=1e-9)
+    assert not np.array_equal(importance._eager_scores(lm, ids, window, 160, False), eager)  # a, not a^2: other scores
+
+
+def test_capture_of_a_model_the_tap_cannot_observe(lm, gpl3_ids, monkeypatch):
+    """capture(score_window=W) on such a model: the plain prefill's K/V bit for bit, and the importance from its
+    eager weights."""
+    import torch
+
+    from kvcodec.models import attention_tap, importance
+    from kvcodec.models.capture import capture
+
+    ids = gpl3_ids[:200]
+    want = capture(lm, token_ids=ids, score_window=64)
+    monkeypatch.setattr(attention_tap, "tap_sees", lambda lm: False)
+    monkeypatch.setattr(importance, "tap_sees", lambda lm: False)
+    eager = []
+    monkeypatch.setattr(importance, "_eager_scores", lambda *a, f=importance._eager_scores: eager.append(1) or f(*a))
+    got = capture(lm, token_ids=ids, score_window=64)
+    assert all(torch.equal(a, b) for a, b in zip(want.keys + want.values, got.keys + got.values))
+    assert got.attention.window == 64
+    np.testing.assert_allclose(got.attention.scores, want.attention.scores, rtol=1e-4, atol=1e-9)
+    assert eager == [1]
