@@ -85,8 +85,10 @@ class _QueryMoments:
     Where the queries are and how they are normalised is the model's layout
     (:meth:`kvcodec.models.layout.ModelLayout.query`). A layer whose query projection kvcodec cannot find (GPT-2,
     Falcon and MPT keep their blocks outside ``.model.layers``; CodeGen's fused projection is not one it reads)
-    keeps even weights, 1 per channel: its keys are then fitted by plain squared error, which costs bits at a
-    promise, never the promise (rate control measures KL on the real model). ``even`` lists those layers.
+    keeps even weights, 1 per channel: its keys are then fitted by plain squared error. The promises are rate
+    control's as on any model (the Fisher sensitivities of the basis's own coefficients are measured on the real model),
+    and on SmolLM2 even weights cost no measurable bits at equal KL (benchmarks/results/families/even_weights_cost.py:
+    0.99x, 12 points). ``even`` lists those layers.
     """
 
     def __init__(self, lm: Any, sink: int) -> None:
@@ -417,7 +419,7 @@ def build_calibration(lm: Any, texts: tuple[str, ...] = CALIB_TEXTS, context: in
     if even_k or even_v:  # layers whose attention modules kvcodec cannot read: plain squared error (absent: none)
         meta["even_weights"] = {"k": even_k, "v": even_v}
         log.warning("calibrating %s: kvcodec cannot find the %s of %d of its %d layers (%s); those layers' %s are "
-                    "fitted by plain squared error, which costs bits, not the promise", lm.name,
+                    "fitted by plain squared error (rate control still measures this model's KL)", lm.name,
                     " and ".join(w for w, e in (("query projection", even_k), ("output projection", even_v)) if e),
                     len(set(even_k) | set(even_v)), fp.num_layers, lm.layout.family,
                     " and ".join(w for w, e in (("keys", even_k), ("values", even_v)) if e))

@@ -48,6 +48,8 @@ def calibrate_command(model, force, basis, thorough, as_json) -> None:
     report = {"model": model, "fingerprint": fid, "path": str(cal.path), "built": built, "timings": timings,
               "version": cal.meta.get("version"), "bytes": size,
               "channel_blocks": cal.meta.get("channel_blocks"), "rate_model_fitted": fitted,
+              # layers whose attention modules kvcodec cannot read, fitted by plain squared error (null: none)
+              "even_weights": cal.meta.get("even_weights"),
               "rate_model": {k: v for k, v in rm.to_json().items() if k != "fit"},
               # ΔPPL per unit KL on real text (kvcodec.calibration.ratemodel.RateModel.dppl_ratio); rate control aims
               # at the tighter of the KL and ΔPPL promises with it

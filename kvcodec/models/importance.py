@@ -65,11 +65,13 @@ def _eager_scores(lm: Any, ids: Any, window: int | None, total: int, squared: bo
     L, hq = lm.fingerprint.num_layers, lm.layout.num_heads
     acc = torch.zeros((L, T), dtype=torch.float64)
     chunk = max(1, EAGER_BYTES // (4 * L * hq * T))
-    with whole_model_attention(lm, "eager"), torch.inference_mode():
+    with torch.inference_mode():
         past = DynamicCache() if past is None else past
-        if start > q0:  # the queries before the window: their keys, not their weights
+        if start > q0:  # the queries before the window: their keys, not their weights (so on the model's own
+            # attention: eager would hold every layer's whole [T, T] map of them)
             lm.model(input_ids=ids[:, : start - q0], past_key_values=past, use_cache=True, logits_to_keep=1,
                      position_ids=torch.arange(q0, start).reshape(1, -1))
+    with whole_model_attention(lm, "eager"), torch.inference_mode():
         for a in range(start, T, chunk):
             b = min(T, a + chunk)
             out = lm.model(input_ids=ids[:, a - q0 : b - q0], past_key_values=past, use_cache=True, logits_to_keep=1,

@@ -33,10 +33,9 @@ PROBE_TEXTS = ("gpl3", "pydoc")  # tuning texts (kvcodec.texts.TUNING): nothing 
 PROBE_TOKENS = 2048  # each probe context, at most (less in a smaller window)
 FACTS = 4  # per text
 ANSWER_TOKENS = 12  # greedy tokens compared per answer (the facts' answers are 1-4 words)
-# tokens a probe context leaves free in the model's window for what it is continued with: the chat factor's question
-# turn and its 128-token answer (kvcodec.onboard.chatfactor), the longest; past the window a model with learned
-# positions (OPT, GPT-2) fails in its embedding lookup, and any other one's logits mean nothing
-CONTINUATION_ROOM = 192
+# tokens a probe context leaves free in the model's window for what it is continued with: a question and its answer
+# here; the chat factor's longer answer is cut to what the window holds (kvcodec.onboard.chatfactor.chat_continuations)
+CONTINUATION_ROOM = 96
 STEP_FACTORS = (1.0, 0.5, 0.25)  # tried in turn; the last is taken if none keeps every answer
 _NAMES = ("Varnholt", "Quessel", "Brindmoor", "Tallowick", "Ostrander", "Helvik", "Marrowby", "Dunsk")
 _THINGS = ("archive", "lighthouse", "observatory", "foundry", "mill", "library", "harbour office", "seed bank")

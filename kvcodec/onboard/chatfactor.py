@@ -54,9 +54,11 @@ def chat_continuations(lm: Any, caches: list[Any], n: int = ANSWER_TOKENS) -> li
 
     from kvcodec.models.capture import max_context
 
+    if not caches:  # a window too short for any probe context: nothing to continue
+        return []
     q = ChatFormat.for_tokenizer(lm.tokenizer).question_ids(CHAT_QUESTION)
     window = max_context(lm)
-    if window is not None:  # never past the model's window (answercheck.CONTINUATION_ROOM leaves room for it)
+    if window is not None:  # never past the model's window: learned positions (OPT, GPT-2) fail in their embedding
         n = min(n, window - len(q) - max(int(c.num_tokens) for c in caches))
         if n < 1:
             from kvcodec.errors import KvcInputError

@@ -70,6 +70,7 @@ def test_probe_contexts_and_chat_answers_stay_inside_a_small_window(tmp_path):
     ctx = probe_contexts(small)
     assert ctx and all(len(c.ids) <= window - CONTINUATION_ROOM for c in ctx)
     near = capture(small, token_ids=np.resize(ctx[0].ids, window - 40))
+    assert chat_continuations(small, []) == []  # no probe context fits: nothing to continue
     (cont,) = chat_continuations(small, [near])
     assert 0 < len(cont) <= 40  # the question turn and as many answer tokens as fit (128 asked)
     full = capture(small, token_ids=np.resize(ctx[0].ids, window - 2))

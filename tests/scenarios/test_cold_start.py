@@ -427,17 +427,17 @@ def one_line(stderr: str, prefix: str) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("kind", ["short-window", "gpt2-layout"])
-def test_uncalibratable_model_is_one_line(kind, cache, tmp_path):
-    """A model whose calibration cannot be built. ``kvc ask`` (lossy by default) still answers (by prefill: the
-    answer needs no store) and warns in one line that it could not store the entry, why, and ``kvc calibrate``;
-    ``kvc calibrate`` fails in one line; nothing is built or left in the calibration store."""
+def test_uncalibratable_model_is_one_line(cache, tmp_path):
+    """A model whose calibration cannot be built (its window holds no calibration text). ``kvc ask`` (lossy by
+    default) still answers (by prefill: the answer needs no store) and warns in one line that it could not store the
+    entry, why, and ``kvc calibrate``; ``kvc calibrate`` fails in one line; nothing is built or left in the
+    calibration store."""
     from kvcodec.texts import load_text
 
-    m = make_tiny_model(tmp_path / kind, *(("dense", 256) if kind == "short-window" else ("gpt2", 512)))
+    m = make_tiny_model(tmp_path / "short-window", "dense", 256)
     doc = tmp_path / "doc.txt"
     doc.write_text(load_text("gpl3")[:200])
-    why = "context window of 256 tokens" if kind == "short-window" else "not at .model.layers"
+    why = "context window of 256 tokens"
     r = kvc(cache, "ask", "-m", str(m), "--doc", str(doc), "--max-new-tokens", "4", QUESTION)
     assert "[prefill:" in r.stderr  # answered (a random model's answer may be blank)
     warn = one_line(r.stderr, "kvc: warning:")
@@ -446,6 +446,28 @@ def test_uncalibratable_model_is_one_line(kind, cache, tmp_path):
     r = kvc(cache, "calibrate", "-m", str(m), ok=False)
     assert r.returncode != 0 and why in one_line(r.stderr, "kvc: error:")
     assert calibrations(cache) == []
+
+
+def test_a_model_whose_attention_modules_kvcodec_cannot_find_calibrates(cache, tmp_path):
+    """GPT-2 keeps its blocks at ``.transformer.h``: the calibration weighs its keys and values evenly, says so in one
+    warning line (and in the file's ``even_weights``), and ``kvc ask`` stores the entry that the next ask reads (until
+    2026-12-07 it was refused, and every ask of such a model was a prefill)."""
+    import json
+
+    from kvcodec.texts import load_text
+
+    m = make_tiny_model(tmp_path / "gpt2", "gpt2", 1024)
+    doc = tmp_path / "doc.txt"
+    doc.write_text(load_text("gpl3")[:200])
+    r = kvc(cache, "calibrate", "-m", str(m), "--json")
+    warn = one_line(r.stderr, "kvc: warning:")
+    assert "plain squared error" in warn and "2 of its 2 layers" in warn
+    assert json.loads(r.stdout)["even_weights"] == {"k": [0, 1], "v": [0, 1]}
+    assert len(calibrations(cache)) == 1
+    first = kvc(cache, "ask", "-m", str(m), "--doc", str(doc), "--max-new-tokens", "4", QUESTION)
+    again = kvc(cache, "ask", "-m", str(m), "--doc", str(doc), "--max-new-tokens", "4", QUESTION)
+    assert "[prefill:" in first.stderr and "[store:" in again.stderr, again.stderr[-1500:]
+    assert "warning" not in first.stderr + again.stderr
 
 
 def test_window_too_short_for_the_rate_fit_is_one_line(cache, tmp_path):
