@@ -153,3 +153,46 @@ class ImportanceCollector:
             raise AttentionNotObserved(f"no attention scores for layers {missing[:5]}: this model's attention does not "
                                        "go through transformers' attention functions")
         return np.stack([self.scores[i] for i in range(num_layers)])
+
+
+EAGER_BYTES = 1 << 28  # attention weights one eager chunk of queries may return, all layers together
+
+
+def eager_attention_sums(lm: Any, ids: Any, window: int | None, total: int, squared: bool, past: Any = None) -> Any:
+    """Per layer, query head and key: the sum over the last ``window`` queries of their attention weight (``a``, or
+    ``a^2``), [L, heads, total] float64, read from the weights the model's eager attention returns
+    (``output_attentions``): what the tap's collectors compute, for a model the tap cannot observe (:func:`tap_sees`).
+
+    ``ids`` [1, n] are the last ``n`` of ``total`` tokens, run over ``past`` (the cache of the ones before; None: none,
+    then a fresh cache, which this extends). Queries before the window are run once, on the model's own attention,
+    for their keys only (eager would hold every layer's whole [T, T] map of them); the window's run in chunks whose
+    weights, every layer's together, stay under :data:`EAGER_BYTES`.
+    """
+    import torch
+    from transformers import DynamicCache
+
+    from kvcodec.models.attention_choice import whole_model_attention
+
+    T, tq = int(total), int(ids.shape[1])
+    q0 = T - tq
+    start = q0 if window is None else max(q0, T - window)
+    L, hq = lm.fingerprint.num_layers, lm.layout.num_heads
+    acc = torch.zeros((L, hq, T), dtype=torch.float64)
+    chunk = max(1, EAGER_BYTES // (4 * L * hq * T))
+    with torch.inference_mode():
+        past = DynamicCache() if past is None else past
+        if start > q0:
+            lm.model(input_ids=ids[:, : start - q0], past_key_values=past, use_cache=True, logits_to_keep=1,
+                     position_ids=torch.arange(q0, start).reshape(1, -1))
+    with whole_model_attention(lm, "eager"), torch.inference_mode():
+        for a in range(start, T, chunk):
+            b = min(T, a + chunk)
+            out = lm.model(input_ids=ids[:, a - q0 : b - q0], past_key_values=past, use_cache=True, logits_to_keep=1,
+                           position_ids=torch.arange(a, b).reshape(1, -1), output_attentions=True)
+            if out.attentions is None or len(out.attentions) != L:
+                raise KvcInputError(f"{lm.layout.family} returns no attention weights in eager mode: its attention "
+                                    "cannot be measured")
+            for layer, p in enumerate(out.attentions):
+                p = p[0].double()  # [heads, queries, keys]; the keys end at the chunk's last query
+                acc[layer, :, b - p.shape[-1] : b] += (p * p if squared else p).sum(1)
+    return acc

@@ -22,13 +22,12 @@ from typing import Any
 import numpy as np
 
 from kvcodec.errors import KvcInputError
-from kvcodec.models.attention_tap import ImportanceCollector, tap_sees, tapped
+from kvcodec.models.attention_tap import ImportanceCollector, eager_attention_sums, tap_sees, tapped
 from kvcodec.models.cachelayout import cache_for_model
 
 DEFAULT_WINDOW = 256
 
 
-EAGER_BYTES = 1 << 28  # attention weights one eager chunk of queries may return, all layers together
 
 
 def _tapped_scores(lm: Any, ids: Any, window: int | None, total: int, squared: bool, **forward: Any) -> np.ndarray:
@@ -47,42 +46,14 @@ def _tapped_scores(lm: Any, ids: Any, window: int | None, total: int, squared: b
 
 
 def _eager_scores(lm: Any, ids: Any, window: int | None, total: int, squared: bool, past: Any = None) -> np.ndarray:
-    """:func:`_tapped_scores` from the attention weights the model returns in eager mode (``output_attentions``), for
-    a model whose attention the tap cannot observe. The same scores up to float rounding (a test compares them on a
-    model both can read): mean ``a^2`` (or ``a``) over the last ``window`` queries and every query head, per key.
-
-    ``ids`` are the last ``len(ids)`` of ``total`` tokens, run over ``past`` (the cache of the ones before; None:
-    none). Queries before the window are run once for their keys only; the window's run in chunks whose weights,
-    every layer's together, stay under :data:`EAGER_BYTES` (a 4K-token context's whole map per layer would not)."""
-    import torch
-    from transformers import DynamicCache
-
-    from kvcodec.models.attention_choice import whole_model_attention
-
-    T, tq = int(total), int(ids.shape[1])
-    q0 = T - tq
-    start = q0 if window is None else max(q0, T - window)
-    L, hq = lm.fingerprint.num_layers, lm.layout.num_heads
-    acc = torch.zeros((L, T), dtype=torch.float64)
-    chunk = max(1, EAGER_BYTES // (4 * L * hq * T))
-    with torch.inference_mode():
-        past = DynamicCache() if past is None else past
-        if start > q0:  # the queries before the window: their keys, not their weights (so on the model's own
-            # attention: eager would hold every layer's whole [T, T] map of them)
-            lm.model(input_ids=ids[:, : start - q0], past_key_values=past, use_cache=True, logits_to_keep=1,
-                     position_ids=torch.arange(q0, start).reshape(1, -1))
-    with whole_model_attention(lm, "eager"), torch.inference_mode():
-        for a in range(start, T, chunk):
-            b = min(T, a + chunk)
-            out = lm.model(input_ids=ids[:, a - q0 : b - q0], past_key_values=past, use_cache=True, logits_to_keep=1,
-                           position_ids=torch.arange(a, b).reshape(1, -1), output_attentions=True)
-            if out.attentions is None or len(out.attentions) != L:
-                raise KvcInputError(f"{lm.layout.family} returns no attention weights in eager mode: its token "
-                                    "importance cannot be measured")
-            for layer, p in enumerate(out.attentions):
-                p = p[0].double()  # [heads, queries, keys]; the keys end at the chunk's last query
-                acc[layer, b - p.shape[-1] : b] += (p * p if squared else p).sum((0, 1))
-    scores = acc / ((T - start) * hq)
+    """:func:`_tapped_scores` from the attention weights the model returns in eager mode, for a model whose attention
+    the tap cannot observe (:func:`~kvcodec.models.attention_tap.eager_attention_sums`). The same scores up to float
+    rounding (a test compares them on a model both can read): mean ``a^2`` (or ``a``) over the last ``window`` queries
+    and every query head, per key, with the collector's sliding-window rule."""
+    T = int(total)
+    start = T - int(ids.shape[1]) if window is None else max(T - int(ids.shape[1]), T - window)
+    sums = eager_attention_sums(lm, ids, window, T, squared, past)
+    scores = sums.sum(1) / ((T - start) * lm.layout.num_heads)
     for layer, sw in enumerate(lm.layout.windows or ()):
         if sw is not None:  # no future query can see keys k <= T - sw (ImportanceCollector.add)
             scores[layer, : max(0, T - sw + 1)] = 0.0

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvcodec.models.attention_tap import tapped
+from kvcodec.models.attention_tap import eager_attention_sums, tap_sees, tapped
 from kvcodec.errors import KvcInputError
 from kvcodec.core.kvcache import KVCache
 from kvcodec.prune.budget import DEFAULT_WINDOW, H2OBudget
@@ -101,6 +101,11 @@ def attention_scores(lm: Any, token_ids: np.ndarray, window: int | None = DEFAUL
         raise KvcInputError("H2O token pruning of sliding-window models is not supported (their layers keep different "
                             "tokens; use the lossy presets, whose token importance follows each layer's window)")
     ids = torch.as_tensor(np.asarray(token_ids, dtype=np.int64)).reshape(1, -1)
+    if not tap_sees(lm):  # attention the tap cannot observe: a plain prefill, and the weights its eager attention returns
+        out = lm.model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
+        L, hkv, T = lm.fingerprint.num_layers, lm.fingerprint.num_kv_heads, ids.shape[1]
+        sums = eager_attention_sums(lm, ids, window, T, squared=False)
+        return out.past_key_values, sums.view(L, hkv, -1, T).sum(2).float().numpy()
     with tapped(lm, _Collector(window, lm.fingerprint.num_kv_heads)) as col:
         out = lm.model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
     return out.past_key_values, col.result(lm.fingerprint.num_layers)

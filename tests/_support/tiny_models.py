@@ -28,9 +28,13 @@ FAMILIES: dict[str, dict[str, Any]] = {
     # Gemma 3's layout: sliding-window and global layers, one KV head, per-head q/k norms
     "sliding": dict(model_type="gemma3_text", num_attention_heads=4, num_key_value_heads=1, head_dim=32,
                     sliding_window=48, layer_types=["sliding_attention", "full_attention"]),
-    # GPT-2's layout: decoder layers outside .model.layers, learned positions (no calibration possible)
+    # GPT-2's layout: decoder layers outside .model.layers, learned positions (calibrated with even weights)
     "gpt2": dict(model_type="gpt2", n_head=4),
 }
+#: the model-family tests' size (tests/models/test_model_families.py, tests/calibration/test_attention_layouts.py):
+#: the embedded model's tokenizer and vocabulary, two layers
+FAMILY_SIZE: dict[str, Any] = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, vocab_size=49152,
+                                   max_position_embeddings=1024)
 
 
 @functools.cache
@@ -72,4 +76,28 @@ def make_tiny_model(dest: Path, family: str, window: int = WINDOW, seed: int = 0
     dest = Path(dest)
     model.save_pretrained(dest)
     tok.save_pretrained(dest)
+    return dest
+
+
+def save_family_model(dest: Path, config: dict[str, Any], bfloat16: bool = False) -> Path:
+    """Save a random :data:`FAMILY_SIZE` model of ``config`` (its ``model_type`` and the family's own settings), seeded
+    0, with the embedded model's tokenizer, at ``dest``."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kvcodec.models.load import shipped_model_dir
+
+    kw = dict(config)
+    cfg = AutoConfig.for_model(kw.pop("model_type"), **FAMILY_SIZE, **kw)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    if bfloat16:
+        model = model.to(torch.bfloat16)
+    dest = Path(dest)
+    model.save_pretrained(dest)
+    tok = shipped_model_dir("smollm2")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tok / f, dest / f)
     return dest

@@ -10,15 +10,11 @@ queries: RoPE rotates within channel pairs, so each pair's energy is the same be
 
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
-import torch
 
 pytestmark = pytest.mark.model
 
-SMALL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, vocab_size=49152, max_position_embeddings=1024)
 FAMILIES = {
     # one fused query_key_value, per head [q | k | v]; full rotary so that every pair is rotated whole
     "gpt_neox": dict(model_type="gpt_neox", num_attention_heads=4, rotary_pct=1.0),
@@ -31,23 +27,11 @@ FAMILIES = {
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from kvcodec.models.load import load_model, shipped_model_dir
+    from kvcodec.models.load import load_model
+    from tests._support.tiny_models import save_family_model
 
     root = tmp_path_factory.mktemp("attention-layouts")
-    tok = shipped_model_dir("smollm2")
-    out = {}
-    for name, kw in FAMILIES.items():
-        kw = dict(kw)
-        cfg = AutoConfig.for_model(kw.pop("model_type"), **SMALL, **kw)
-        torch.manual_seed(0)
-        d = root / name
-        AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
-        for f in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(tok / f, d / f)
-        out[name] = load_model(str(d))
-    return out
+    return {name: load_model(str(save_family_model(root / name, kw))) for name, kw in FAMILIES.items()}
 
 
 class _Queries:

@@ -12,15 +12,12 @@ Quality per real model is in benchmarks/BENCHMARKS.md ("Model matrix").
 
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
 import torch
 
 pytestmark = pytest.mark.model
 
-SMALL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, vocab_size=49152, max_position_embeddings=1024)
 FAMILIES = {
     # k/v biases, GQA
     "qwen2": dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2),
@@ -76,26 +73,10 @@ def _small_builds(monkeypatch):
 
 @pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from kvcodec.models.load import shipped_model_dir
+    from tests._support.tiny_models import save_family_model
 
     root = tmp_path_factory.mktemp("families")
-    tok = shipped_model_dir("smollm2")
-    out = {}
-    for name, kw in FAMILIES.items():
-        kw = dict(kw)
-        cfg = AutoConfig.for_model(kw.pop("model_type"), **SMALL, **kw)
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(cfg)
-        if name.endswith("bf16"):
-            model = model.to(torch.bfloat16)
-        d = root / name
-        model.save_pretrained(d)
-        for f in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(tok / f, d / f)
-        out[name] = d
-    return out
+    return {name: save_family_model(root / name, kw, bfloat16=name.endswith("bf16")) for name, kw in FAMILIES.items()}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -257,22 +238,16 @@ SCALED_ROPE = {
 def test_blend_rerotates_statically_scaled_rope(tmp_path):
     """CacheBlend re-positions keys of linear / llama3 / YaRN scaled RoPE (transformers' own frequencies) exactly;
     dynamic NTK (frequencies depend on the sequence length) is refused with one line naming it."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from kvcodec.runtime.blend import blend
     from kvcodec.models.capture import capture, tokenize
     from kvcodec.errors import KvcInputError
-    from kvcodec.models.load import load_model, shipped_model_dir
+    from kvcodec.models.load import load_model
     from kvcodec.texts import load_text
+    from tests._support.tiny_models import save_family_model
 
-    tok = shipped_model_dir("smollm2")
     for name, rp in SCALED_ROPE.items():
-        cfg = AutoConfig.for_model("llama", **SMALL, num_attention_heads=4, num_key_value_heads=2, rope_parameters=rp)
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / name)
-        for f in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(tok / f, tmp_path / name / f)
-        lm = load_model(str(tmp_path / name))
+        lm = load_model(str(save_family_model(tmp_path / name, dict(model_type="llama", num_attention_heads=4,
+                                                                      num_key_value_heads=2, rope_parameters=rp))))
         ids = tokenize(lm.tokenizer, load_text("c-stdio"))[:120]
         chunks = [capture(lm, token_ids=ids[:70]), capture(lm, token_ids=ids[70:112])]
         if name == "dynamic":

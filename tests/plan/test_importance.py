@@ -94,11 +94,11 @@ def test_eager_weights_give_the_tapped_importance(lm, real_cache, window, monkey
     over a full prefill and over a cached prefix, whatever the chunk size."""
     import torch
 
-    from kvcodec.models import importance
+    from kvcodec.models import attention_tap, importance
 
     cache = real_cache(160)
     tapped = attention_importance(lm, cache.token_ids, window)
-    monkeypatch.setattr(importance, "EAGER_BYTES", 4 * 30 * 9 * 160 * 7)  # 7 queries a chunk: the chunks must add up
+    monkeypatch.setattr(attention_tap, "EAGER_BYTES", 4 * 30 * 9 * 160 * 7)  # 7 queries a chunk: the chunks must add up
     ids = torch.as_tensor(np.asarray(cache.token_ids, np.int64))[None]
     eager = importance._eager_scores(lm, ids, window, 160, True)
     np.testing.assert_allclose(eager, tapped, rtol=1e-4, atol=1e-9)
@@ -127,3 +127,19 @@ def test_capture_of_a_model_the_tap_cannot_observe(lm, gpl3_ids, monkeypatch):
     assert got.attention.window == 64
     np.testing.assert_allclose(got.attention.scores, want.attention.scores, rtol=1e-4, atol=1e-9)
     assert eager == [1]
+
+
+def test_h2o_scores_of_a_model_the_tap_cannot_observe(lm, gpl3_ids, monkeypatch):
+    """H2O's per-KV-head scores read from the eager weights equal the tap's (float rounding apart), and the cache is
+    the plain prefill's, bit for bit."""
+    import torch
+
+    from kvcodec.prune import h2o
+
+    ids = gpl3_ids[:160]
+    past, want = h2o.attention_scores(lm, ids, window=48)
+    monkeypatch.setattr(h2o, "tap_sees", lambda lm: False)
+    past2, got = h2o.attention_scores(lm, ids, window=48)
+    assert got.shape == want.shape == (lm.fingerprint.num_layers, lm.fingerprint.num_kv_heads, 160)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+    assert all(torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values) for a, b in zip(past.layers, past2.layers))
