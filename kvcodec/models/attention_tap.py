@@ -54,6 +54,7 @@ def tapped(lm: Any, collector: Collector) -> Iterator[Collector]:
     name, and then calls a method on the missing mask) is one :class:`KvcInputError` line: that model's attention
     cannot be observed, as for a family that never calls transformers' attention functions
     (:meth:`ImportanceCollector.stacked`)."""
+    outer = getattr(_STATE, "collector", None)  # a block inside another one's (tap_sees' probe) gives it back
     _STATE.collector = collector
     try:
         with use_attention(lm, _attention):
@@ -63,7 +64,7 @@ def tapped(lm: Any, collector: Collector) -> Iterator[Collector]:
                 raise AttentionNotObserved(f"cannot observe {lm.layout.family}'s attention ({type(exc).__name__}: "
                                            f"{str(exc)[:120]})") from None
     finally:
-        _STATE.collector = None
+        _STATE.collector = outer
 
 
 _SEES: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
@@ -184,15 +185,20 @@ def eager_attention_sums(lm: Any, ids: Any, window: int | None, total: int, squa
         if start > q0:
             lm.model(input_ids=ids[:, : start - q0], past_key_values=past, use_cache=True, logits_to_keep=1,
                      position_ids=torch.arange(q0, start).reshape(1, -1))
-    with whole_model_attention(lm, "eager"), torch.inference_mode():
-        for a in range(start, T, chunk):
-            b = min(T, a + chunk)
-            out = lm.model(input_ids=ids[:, a - q0 : b - q0], past_key_values=past, use_cache=True, logits_to_keep=1,
-                           position_ids=torch.arange(a, b).reshape(1, -1), output_attentions=True)
-            if out.attentions is None or len(out.attentions) != L:
-                raise KvcInputError(f"{lm.layout.family} returns no attention weights in eager mode: its attention "
-                                    "cannot be measured")
-            for layer, p in enumerate(out.attentions):
-                p = p[0].double()  # [heads, queries, keys]; the keys end at the chunk's last query
-                acc[layer, :, b - p.shape[-1] : b] += (p * p if squared else p).sum(1)
+    try:
+        with whole_model_attention(lm, "eager"), torch.inference_mode():
+            for a in range(start, T, chunk):
+                b = min(T, a + chunk)
+                out = lm.model(input_ids=ids[:, a - q0 : b - q0], past_key_values=past, use_cache=True,
+                               logits_to_keep=1, position_ids=torch.arange(a, b).reshape(1, -1), output_attentions=True)
+                weights = getattr(out, "attentions", None)
+                if weights is None or len(weights) != L or any(w is None or w.dim() != 4 for w in weights):
+                    raise KvcInputError(f"{lm.layout.family} returns no attention weights in eager mode: its attention "
+                                        "cannot be measured")
+                for layer, p in enumerate(weights):
+                    p = p[0].double()  # [heads, queries, keys]; the keys end at the chunk's last query
+                    acc[layer, :, b - p.shape[-1] : b] += (p * p if squared else p).sum(1)
+    except (AttributeError, TypeError, ValueError, RuntimeError) as exc:  # a model without an eager implementation
+        raise KvcInputError(f"cannot read {lm.layout.family}'s attention weights in eager mode ({type(exc).__name__}: "
+                            f"{str(exc)[:120]})") from None
     return acc

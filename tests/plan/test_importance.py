@@ -143,3 +143,26 @@ def test_h2o_scores_of_a_model_the_tap_cannot_observe(lm, gpl3_ids, monkeypatch)
     assert got.shape == want.shape == (lm.fingerprint.num_layers, lm.fingerprint.num_kv_heads, 160)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
     assert all(torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values) for a, b in zip(past.layers, past2.layers))
+
+
+def test_a_model_without_eager_weights_is_one_line(lm, monkeypatch):
+    """A model the tap cannot observe and that has no eager attention (or returns no weights from it) is refused in
+    one KvcInputError line, never a raw error from transformers."""
+    import torch
+
+    from kvcodec.errors import KvcInputError
+    from kvcodec.models.attention_tap import eager_attention_sums
+
+    ids = torch.arange(100, 140).reshape(1, -1)
+
+    def no_eager(name):
+        raise ValueError(f"{name} is not supported by this model")
+
+    monkeypatch.setattr(lm.model, "set_attn_implementation", no_eager)
+    with pytest.raises(KvcInputError, match="attention weights in eager mode"):
+        eager_attention_sums(lm, ids, 16, 40, True)
+    monkeypatch.undo()
+    real = lm.model.forward
+    monkeypatch.setattr(lm.model, "forward", lambda *a, **k: real(*a, **{**k, "output_attentions": False}))
+    with pytest.raises(KvcInputError, match="returns no attention weights"):
+        eager_attention_sums(lm, ids, 16, 40, True)
