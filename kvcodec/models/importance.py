@@ -28,8 +28,6 @@ from kvcodec.models.cachelayout import cache_for_model
 DEFAULT_WINDOW = 256
 
 
-
-
 def _tapped_scores(lm: Any, ids: Any, window: int | None, total: int, squared: bool, **forward: Any) -> np.ndarray:
     """One forward of ``ids`` (over ``forward``'s past, if any) with the attention tap; [L, total] scores. On a model
     the tap cannot observe (:func:`~kvcodec.models.attention_tap.tap_sees`), the weights its eager attention returns

@@ -49,22 +49,21 @@ def chat_continuation(lm: Any, ids: np.ndarray, n: int = ANSWER_TOKENS, cache: A
 def chat_continuations(lm: Any, caches: list[Any], n: int = ANSWER_TOKENS) -> list[np.ndarray]:
     """:func:`chat_continuation` of each of the exact ``caches`` (the probe contexts'), their greedy answers batched
     (:func:`kvcodec.models.quality.greedy_answers`: each step reads the model's weights once for all of them)."""
+    from kvcodec.errors import KvcInputError
+    from kvcodec.models.capture import max_context
     from kvcodec.models.chat import ChatFormat
     from kvcodec.models.quality import greedy_answers
-
-    from kvcodec.models.capture import max_context
 
     if not caches:  # a window too short for any probe context: nothing to continue
         return []
     q = ChatFormat.for_tokenizer(lm.tokenizer).question_ids(CHAT_QUESTION)
     window = max_context(lm)
     if window is not None:  # never past the model's window: learned positions (OPT, GPT-2) fail in their embedding
-        n = min(n, window - len(q) - max(int(c.num_tokens) for c in caches))
+        longest = max(int(c.num_tokens) for c in caches)
+        n = min(n, window - len(q) - longest)
         if n < 1:
-            from kvcodec.errors import KvcInputError
-
-            raise KvcInputError(f"a chat context of {max(int(c.num_tokens) for c in caches)} tokens leaves no room for "
-                                f"an answer in {lm.name}'s context window of {window}")
+            raise KvcInputError(f"a chat context of {longest} tokens leaves no room for an answer in {lm.name}'s "
+                                f"context window of {window}")
     answers = greedy_answers(lm, list(caches), [q] * len(caches), n, stop_at_eos=False)
     return [np.asarray(np.concatenate([q, np.asarray(a, np.int64)]), np.int64) for a in answers]
 
