@@ -140,20 +140,17 @@ def capture(
     from kvcodec.core.kvcache import AttentionScores
     from kvcodec.models.attention_tap import ImportanceCollector, tap_sees, tapped
 
-    if not tap_sees(lm):  # a model the tap cannot observe: a plain prefill, then the weights its eager attention returns
-        from kvcodec.models.importance import cache_importance
+    import contextlib
 
-        past, _ = prefill(lm, ids, full_layers=full_layers)
-        cache = cache_from_hf(past, ids, lm, meta={"model": lm.name})
-        scores = cache_importance(lm, cache, score_window)
-        assert scores is not None  # an unpruned cache
-        cache.attention = AttentionScores(score_window, scores)
-        cache.validate()
-        return cache
-    col = ImportanceCollector(score_window, len(ids), list(lm.layout.windows or ()), squared=True)
-    with tapped(lm, col):
+    from kvcodec.models.importance import cache_importance
+
+    # a model the tap cannot observe: a plain prefill, then the weights its eager attention returns (cache_importance)
+    col = ImportanceCollector(score_window, len(ids), list(lm.layout.windows or ()), squared=True) if tap_sees(lm) else None
+    with tapped(lm, col) if col is not None else contextlib.nullcontext():
         past, _ = prefill(lm, ids, full_layers=full_layers)
     cache = cache_from_hf(past, ids, lm, meta={"model": lm.name})
-    cache.attention = AttentionScores(score_window, col.stacked(lm.fingerprint.num_layers))
+    scores = col.stacked(lm.fingerprint.num_layers) if col is not None else cache_importance(lm, cache, score_window)
+    assert scores is not None  # an unpruned cache
+    cache.attention = AttentionScores(score_window, scores)
     cache.validate()
     return cache

@@ -388,21 +388,19 @@ class ModelLayout:
         norm if there is one. All None (and :data:`LEADING`) where the layout has no decoder layers."""
         if not self.has_layers or layer >= len(self.attention):
             return None, None, None, LEADING
-        a = self.attention[layer]
-        att = self.attention_module(model, layer)
+        a, att = self.attention[layer], self.attention_module(model, layer)
         proj = getattr(att, a.q_proj) if a.q_proj is not None else None
         norm = getattr(att, a.q_norm) if a.q_norm is not None else None
         return proj, norm, a.q_norm_scope, a.q_order
 
     def output_projection(self, model: Any, layer: int) -> Any | None:
         """The attention's output projection of ``layer`` (its weight: [hidden, heads * head_dim]), or None."""
-        if not self.has_layers or layer >= len(self.attention):
-            return None
-        a = self.attention[layer]
-        att = self.attention_module(model, layer)
-        proj = getattr(att, a.o_proj, None) if att is not None and a.o_proj is not None else None
         import torch
 
+        if not self.has_layers or layer >= len(self.attention):
+            return None
+        a, att = self.attention[layer], self.attention_module(model, layer)
+        proj = getattr(att, a.o_proj, None) if att is not None and a.o_proj is not None else None
         # a Linear's weight is [out, in] over the heads' outputs; anything else (GPT-2's Conv1D is [in, out]) is
         # not read as one
         ok = isinstance(proj, torch.nn.Linear) and int(proj.weight.shape[1]) == self.num_heads * self.head_dim
