@@ -48,26 +48,42 @@ def device_chunks(monkeypatch):
     monkeypatch.setattr(reader, "decode_chunk", decode)
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = torch.Tensor.as_subclass(t, torch.Tensor).cpu()
+    return t.view(torch.int16 if t.dtype != torch.float32 else torch.int32)
+
+
 @pytest.mark.parametrize("preset", ["lossless", "balanced"])
 @pytest.mark.parametrize("chunking", [{}, {"chunk_tokens": 8, "chunk_heads": 1}])
 def test_reader_keeps_gpu_chunks_on_the_device(small_cache, preset, chunking, device_chunks):
+    """Every layer read (read_layer) and the whole cache (read_cache) stay device tensors, bit for bit the CPU decode.
+
+    read_cache is read_layer over every layer, and a layer is assembled from its decoded chunks the same way
+    whatever codec made them (``KvcReader._read_tensor``). So the whole cache is read for ``lossless`` and, for
+    ``balanced`` (whose 60 transform-codec tensors take about two minutes under the Triton interpreter), the
+    first and last layers: they exercise that codec's kernels and the same assembly.
+    """
     from kvcodec.plan.presets import get_plan
 
     cache = small_cache.prefix(24)
     buf = io.BytesIO()
     write_kvc(cache, buf, get_plan(preset, cache), **chunking)
+    layers = (0, cache.num_layers - 1)
     with KvcReader(buf.getvalue()) as cpu_r:
-        want = cpu_r.read_cache(backend="cpu")
+        want = [t for i in layers for t in cpu_r.read_layer(i, backend="cpu")]
+        if preset == "lossless":
+            whole = cpu_r.read_cache(backend="cpu")
+            want += whole.keys + whole.values
     with KvcReader(buf.getvalue()) as r:
-        k, v = r.read_layer(1, backend="gpu")
-        got = r.read_cache(backend="gpu")
-    assert type(k) is DeviceOnly and type(v) is DeviceOnly
-    assert all(type(t) is DeviceOnly for t in got.keys + got.values)
-    for a, b in zip(want.keys + want.values, got.keys + got.values):  # bit for bit the CPU decode
+        got = [t for i in layers for t in r.read_layer(i, backend="gpu")]
+        if preset == "lossless":
+            whole = r.read_cache(backend="gpu")
+            got += whole.keys + whole.values
+    assert len(got) == len(want) > 0
+    assert all(type(t) is DeviceOnly for t in got)
+    for a, b in zip(want, got):  # bit for bit the CPU decode
         assert a.dtype == b.dtype and a.shape == b.shape
-        assert torch.equal(a.view(torch.int16 if a.dtype != torch.float32 else torch.int32),
-                           torch.Tensor.as_subclass(b, torch.Tensor).cpu()
-                           .view(torch.int16 if b.dtype != torch.float32 else torch.int32))
+        assert torch.equal(_bits(a), _bits(b))
 
 
 def test_the_stand_in_catches_a_host_round_trip(small_cache, device_chunks):
