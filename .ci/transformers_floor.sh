@@ -4,6 +4,7 @@
 # "GPU"): per-layer cache kwargs as one dict, other GGUF token roles, Gemma 3's tokenizer without merges.
 # This installs 5.17.0 (and the huggingface_hub it needs) into a folder put ahead of the main venv's packages,
 # then runs the HF-loader and model tests on the embedded model with a model cache of its own.
+# TF_FLOOR_SETUP_ONLY=1: install only (.ci/run does it in the background during the main suite).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 t0=$(date +%s)
@@ -16,6 +17,7 @@ if [ ! -f "$FLOOR/.kvcodec-ok" ]; then
     echo "*" > "$FLOOR/.gitignore"
     touch "$FLOOR/.kvcodec-ok"
 fi
+[ -n "${TF_FLOOR_SETUP_ONLY:-}" ] && { echo "transformers-floor-ci: ready in $(( $(date +%s) - t0 )) s"; exit 0; }
 cache=$(mktemp -d)
 trap 'rm -rf "$cache"' EXIT
 PYTHONPATH="$PWD/$FLOOR" KVCODEC_CACHE="$cache" .venv/bin/python - <<'PY'
