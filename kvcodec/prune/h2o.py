@@ -81,7 +81,9 @@ class _Collector:
     def result(self, num_layers: int) -> np.ndarray:
         missing = [i for i in range(num_layers) if i not in self.scores]
         if missing:
-            raise KvcInputError(f"no attention scores were collected for layers {missing[:5]} (unsupported model?)")
+            # tap_sees() saw every layer on its probe: a layer missing here skipped the tap on this input only
+            raise KvcInputError(f"no attention scores were collected for layers {missing[:5]} of {num_layers}: this "
+                                f"model's attention bypassed the tap on this input (its probe saw every layer)")
         return torch.stack([self.scores[i] for i in range(num_layers)]).numpy()
 
 
