@@ -394,10 +394,14 @@ def test_fused_decoder_on_other_cpu_targets(tmp_path):
         runs[cpu] = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
                                       "-k", "f16_conversion or synthetic_pipelines or every_head_dim"],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    for cpu, p in runs.items():
-        out, err = p.communicate(timeout=900)
-        assert p.returncode == 0, f"{cpu}: " + out[-3000:] + err[-3000:]
-        assert " passed" in out, cpu
+    try:
+        for cpu, p in runs.items():
+            out, err = p.communicate(timeout=900)
+            assert p.returncode == 0, f"{cpu}: " + out[-3000:] + err[-3000:]
+            assert " passed" in out, cpu
+    finally:
+        for p in runs.values():
+            p.kill()
 
 
 _WARM_PROBE = r"""

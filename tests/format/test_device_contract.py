@@ -60,7 +60,7 @@ def test_reader_keeps_gpu_chunks_on_the_device(small_cache, preset, chunking, de
 
     read_cache is read_layer over every layer, and a layer is assembled from its decoded chunks the same way
     whatever codec made them (``KvcReader._read_tensor``). So the whole cache is read for ``lossless`` and, for
-    ``balanced`` (whose 60 transform-codec tensors take about two minutes under the Triton interpreter), the
+    ``balanced`` (whose 60 transform-codec tensors took 65-73 s per case under the Triton interpreter), the
     first and last layers: they exercise that codec's kernels and the same assembly.
     """
     from kvcodec.plan.presets import get_plan
