@@ -91,6 +91,13 @@ def tap_sees(lm: Any) -> bool:
     return seen
 
 
+def window_start(first_query: int, total: int, window: int | None) -> int:
+    """The absolute position of the first scored query: the last ``window`` of the context's ``total`` tokens (all of
+    them for None), but none before ``first_query``, the first one run. The one rule of the collector, the eager
+    weights and their normalisation (:func:`kvcodec.models.importance._eager_scores`)."""
+    return first_query if window is None else max(first_query, total - window)
+
+
 class ImportanceCollector:
     """Per layer, the mean ``a`` and ``a^2`` of the context's last ``window`` queries over every key position.
 
@@ -120,7 +127,7 @@ class ImportanceCollector:
             raise KvcInputError(f"importance scoring got {tq} queries over {tk} keys of a {T}-token context")
         q0, k0 = T - tq, T - tk  # absolute positions of the first query and the first key
         k_rep = k.repeat_interleave(hq // hkv, dim=0).transpose(1, 2)
-        start = q0 if self.window is None else max(q0, T - self.window)
+        start = window_start(q0, T, self.window)
         acc = torch.zeros(tk, dtype=torch.float64)
         kpos = torch.arange(k0, T)
         sw = self.attention_windows[layer] if layer < len(self.attention_windows) else None
@@ -176,7 +183,7 @@ def eager_attention_sums(lm: Any, ids: Any, window: int | None, total: int, squa
 
     T, tq = int(total), int(ids.shape[1])
     q0 = T - tq
-    start = q0 if window is None else max(q0, T - window)
+    start = window_start(q0, T, window)
     L, hq = lm.fingerprint.num_layers, lm.layout.num_heads
     acc = torch.zeros((L, hq, T), dtype=torch.float64)
     chunk = max(1, EAGER_BYTES // (4 * L * hq * T))

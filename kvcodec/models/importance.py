@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from kvcodec.errors import KvcInputError
-from kvcodec.models.attention_tap import ImportanceCollector, eager_attention_sums, tap_sees, tapped
+from kvcodec.models.attention_tap import ImportanceCollector, eager_attention_sums, tap_sees, tapped, window_start
 from kvcodec.models.cachelayout import cache_for_model
 
 DEFAULT_WINDOW = 256
@@ -49,7 +49,7 @@ def _eager_scores(lm: Any, ids: Any, window: int | None, total: int, squared: bo
     rounding (a test compares them on a model both can read): mean ``a^2`` (or ``a``) over the last ``window`` queries
     and every query head, per key, with the collector's sliding-window rule."""
     T = int(total)
-    start = T - int(ids.shape[1]) if window is None else max(T - int(ids.shape[1]), T - window)
+    start = window_start(T - int(ids.shape[1]), T, window)
     sums = eager_attention_sums(lm, ids, window, T, squared, past)
     scores = sums.sum(1) / ((T - start) * lm.layout.num_heads)
     for layer, sw in enumerate(lm.layout.windows or ()):
