@@ -36,7 +36,8 @@ from kvcodec.errors import KvcInputError
 from kvcodec.format import KvcReader
 from kvcodec.plan.presets import BASELINE_PREFIX, DEFAULT_LOSSY, PRESETS, RATE_MODES, PresetInfo, check_overrides, preset_info
 
-__all__ = ["DEFAULT_LOSSY", "PRESETS", "Encoded", "PresetInfo", "capture", "check_overrides", "encode", "encode_cache",
+__all__ = ["DEFAULT_LOSSY", "PRESETS", "Encoded", "PresetInfo", "capture", "check_overrides", "default_preset", "encode",
+           "encode_cache",
            "make_plan", "open", "preset_info", "resolve_calibration",
            "resolve_rate_model"]
 
@@ -234,6 +235,29 @@ def resolve_rate_model(model: Any, calibration: Any, progress: bool = True) -> A
 
     return ensure_rate_model(_model(model), calibration, lossy_settings(), progress=progress, answers=answer_targets(),
                              targets=preset_targets())
+
+
+def default_preset(model: Any) -> tuple[str, str | None]:
+    """The preset a knowledge base deposits with when none is named, and why it is not :data:`DEFAULT_LOSSY` (None
+    when it is): ``lossless`` for a model whose context window cannot hold what every lossy preset is planned from,
+    its calibration and its rate model's fit (:func:`~kvcodec.calibration.build.min_calibration_window`,
+    :func:`~kvcodec.onboard.ratefit.min_fit_window`).
+
+    Why a fallback and not the lossy default: neither can ever be built for such a model, so every lossy deposit
+    would fail and every answer would be a prefill; lossless entries need neither, and keep the store's answers
+    exact at about 1.5x fewer bytes than fp16. Decided from the model's config alone, before any lookup, so the
+    entries' codec key never changes between asks. A preset named by the caller is used as named."""
+    from kvcodec.calibration.build import min_calibration_window
+    from kvcodec.models.capture import max_context
+    from kvcodec.onboard.ratefit import min_fit_window
+
+    lm = _model(model)
+    window = max_context(lm)
+    need = max(min_calibration_window(), min_fit_window())
+    if window is None or window >= need:
+        return DEFAULT_LOSSY, None
+    return "lossless", (f"{lm.name}'s context window of {window} tokens is shorter than the {need} that a lossy "
+                        f"preset's calibration and rate model are measured on")
 
 
 def check_by_default(model: Any, preset: str, calibration: Any = None, overrides: Mapping[str, Any] | None = None) -> str | None:

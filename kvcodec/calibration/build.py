@@ -309,6 +309,11 @@ def _advance(bar: Any, n: float) -> None:
     bar.update(max(0.0, min(n, bar.total - bar.n)))
 
 
+def min_calibration_window() -> int:
+    """The shortest context window a calibration can be built in: :data:`MIN_CONTEXT` tokens and the continuation."""
+    return MIN_CONTEXT + SENS_CONTINUATION
+
+
 def calibration_context(lm: Any, context: int = CALIB_CONTEXT) -> int:
     """The context (tokens per calibration text) ``lm`` is calibrated at: ``context``, or less where its window
     cannot hold it and the continuation. A model that cannot be calibrated at all (its window too short for
@@ -317,7 +322,7 @@ def calibration_context(lm: Any, context: int = CALIB_CONTEXT) -> int:
 
     window = max_context(lm)
     if window is not None and window - SENS_CONTINUATION < context:
-        if window - SENS_CONTINUATION < MIN_CONTEXT:
+        if window < min_calibration_window():
             raise KvcInputError(f"cannot calibrate {lm.name}: its context window of {window} tokens is shorter than the "
                                 f"{MIN_CONTEXT + SENS_CONTINUATION} a calibration reads ({MIN_CONTEXT} of context and "
                                 f"{SENS_CONTINUATION} of continuation); the lossless and fp16 presets need none")

@@ -12,8 +12,9 @@ from kvcodec.plan.presets import DEFAULT_LOSSY
 @model_option
 @click.option("--doc", "docs", multiple=True, required=True, help="Document (file or corpus name); repeat for a prefix chain.")
 @click.option("--store", "store_url", default=None, help="Store URL: a directory, redis://..., or a comma list (default: the user cache).")
-@click.option("--preset", default=DEFAULT_LOSSY, show_default=True,
-              help="Codec preset for new entries (the default keeps answers: docs/guide/presets.md).")
+@click.option("--preset", default=None,
+              help=f"Codec preset for new entries. Default: {DEFAULT_LOSSY}, which keeps answers (docs/guide/presets.md), "
+                   "or lossless, with a warning, for a model whose window cannot hold a calibration.")
 @click.option("--namespace", default="default", show_default=True, help="Tenant namespace: entries never cross namespaces.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=48, show_default=True)
 @click.option("--no-store", is_flag=True, help="Answer without depositing new entries.")
@@ -43,7 +44,7 @@ def ask_command(model, docs, store_url, preset, namespace, max_new_tokens, no_st
         raise KvcInputError("--recompute-ratio only applies with --blend")
     if blend and not 0.0 <= recompute_ratio <= 1.0:  # refused before loading the model
         raise KvcInputError(f"--recompute-ratio must lie in [0, 1], got {recompute_ratio:g}")
-    if preset not in available_presets():
+    if preset is not None and preset not in available_presets():
         raise KvcInputError(f"unknown preset {preset!r} (available: {', '.join(available_presets())})")
     if max_new_tokens < 1:
         raise KvcInputError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")

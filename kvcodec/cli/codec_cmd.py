@@ -231,7 +231,8 @@ def _encode_levels(text_path: str | None, levels: str, store_url: str | None, na
     if chunk_tokens < 256 or chunk_tokens % 256:
         raise KvcInputError(f"--level-chunk-tokens must be a positive multiple of 256, got {chunk_tokens}")
     docs = read_docs([text_path])
-    kb = KnowledgeBase(load_model(model or DEFAULT_MODEL), store_url, namespace=namespace)
+    # the knowledge base only tokenizes here: its levels are named, so it takes no default preset (nor its warning)
+    kb = KnowledgeBase(load_model(model or DEFAULT_MODEL), store_url, preset="lossless", namespace=namespace)
     ids, _ = kb.context_ids(docs)
     check_fits(kb.lm, len(ids), "the document")
     say = (lambda m: None) if as_json else (lambda m: click.echo(f"kvc: {m} ...", err=True))

@@ -56,6 +56,7 @@ from kvcodec.errors import KvcInputError
 FIT_TEXTS = ("gpl3", "pydoc", "py-textwrap", "c-linux-bpf")
 FIT_TOKENS = (1024, 2048, 4096)
 FIT_CONTINUATION = 256
+MIN_FIT_TOKENS = 256  # a fit context shorter than this says little about the presets' operating contexts
 T_REF = 1024
 ALLOC_PRESET = "balanced"  # the operating point the per-layer sensitivities are measured at (its table step)
 ALLOC_TOKENS = 2048
@@ -233,6 +234,12 @@ def measure_layer_factor(lm: Any, cal: Calibration, table: Mapping[str, Any], jo
     return [[float(f[l, 0]), float(f[l, 1])] for l in range(L)]
 
 
+def min_fit_window() -> int:
+    """The shortest context window that holds a fit job (:data:`MIN_FIT_TOKENS` of context and its continuation):
+    below it the rate model cannot be fitted, and no lossy preset can be planned for the model."""
+    return MIN_FIT_TOKENS + FIT_CONTINUATION
+
+
 def _jobs(lm: Any, texts: tuple[str, ...], lengths: tuple[int, ...]) -> list[tuple[str, int, np.ndarray]]:
     """The fit's (text, tokens, the text's ids) at each length that fits the text and the model's window."""
     from kvcodec.models.capture import max_context, tokenize
@@ -244,7 +251,7 @@ def _jobs(lm: Any, texts: tuple[str, ...], lengths: tuple[int, ...]) -> list[tup
         ids = tokenize(lm.tokenizer, load_text(name))
         for T in lengths:
             T = min(T, len(ids) - FIT_CONTINUATION, (window - FIT_CONTINUATION) if isinstance(window, int) else T)
-            if T >= 256 and (name, T) not in [(j[0], j[1]) for j in jobs]:
+            if T >= MIN_FIT_TOKENS and (name, T) not in [(j[0], j[1]) for j in jobs]:
                 jobs.append((name, T, ids))
     return jobs
 

@@ -29,7 +29,7 @@ from kvcodec.models.capture import check_fits, model_cache, tokenize
 from kvcodec.models.chat import ChatFormat
 from kvcodec.models.sdpa_schedule import fast_sdpa
 from kvcodec.errors import KvcError, KvcInputError
-from kvcodec.api import DEFAULT_LOSSY, check_by_default, check_overrides, encode_cache, resolve_calibration
+from kvcodec.api import check_by_default, check_overrides, default_preset, encode_cache, resolve_calibration
 from kvcodec.format import KvcReader
 from kvcodec.integrations.hf import greedy_from, load_cache
 from kvcodec.core.kvcache import KVCache
@@ -80,16 +80,22 @@ class KnowledgeBase:
     """Documents as cached KV in a store, for one model, preset and namespace."""
 
     def __init__(
-        self, lm: LoadedModel, store: Store | str | None = None, preset: str = DEFAULT_LOSSY, namespace: str = "default",
+        self, lm: LoadedModel, store: Store | str | None = None, preset: str | None = None, namespace: str = "default",
         overrides: Mapping[str, Any] | None = None, check: bool | None = None,
     ) -> None:
-        """``overrides``: the preset's settings to change (checked now, by the one validator), e.g. a fixed ``step0``
+        """``preset``: the codec of new entries; None: the KDN's default (:func:`kvcodec.api.default_preset`: the
+        lossy default, or ``lossless`` with one warning line for a model whose window cannot hold a calibration).
+        ``overrides``: the preset's settings to change (checked now, by the one validator), e.g. a fixed ``step0``
         for a step sweep; they are part of the entries' codec key, so they never share entries with the plain preset.
         ``check``: confirm each deposit's step with the model (``kvc encode --check``); None decides per model, once,
         at the first deposit (:func:`kvcodec.api.check_by_default`: on where the rate model's chat probe says the
         prediction alone can miss the promise). The check changes the step, not the promise, so a checked entry and
         an unchecked one share a key."""
         self.lm = lm
+        if preset is None:
+            preset, why = default_preset(lm)
+            if why is not None:
+                log.warning("storing %s entries: %s", preset, why)
         self.preset = preset
         self.overrides = check_overrides(preset, dict(overrides or {}), "overrides")
         self.store = store if isinstance(store, Store) else Store.open(store or default_store_url())
@@ -113,7 +119,7 @@ class KnowledgeBase:
             self.check_reason = check_by_default(self.lm, self.preset, self._calibration(), self.overrides)
             self.check = self.check_reason is not None
             if self.check:
-                log.warning("kvc: checking each deposit of %s with the model: %s", self.preset, self.check_reason)
+                log.warning("checking each deposit of %s with the model: %s", self.preset, self.check_reason)
         return "check" if self.check else "predict"
 
     # -- tokens ------------------------------------------------------------

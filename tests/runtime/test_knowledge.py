@@ -203,3 +203,34 @@ def test_the_kdn_checks_deposits_where_the_chat_probe_says_prediction_can_miss(l
     assert stored["checked"] and "chat probe" in stored["check_reason"] and calls == [1]
     kb2 = KnowledgeBase(lm, str(tmp_path / "st2"), preset="balanced", check=False)  # the caller's word wins
     assert kb2._rate() == "predict" and kb2.check_reason is None
+
+
+def test_default_preset_falls_back_to_lossless_where_no_calibration_fits_the_window(lm, tmp_path, monkeypatch, caplog):
+    """No preset named: the lossy default, except for a model whose window cannot hold the calibration or the rate
+    fit (512 tokens: 256 of context and 256 of continuation), which would make every lossy deposit fail; that one
+    stores lossless entries, with one warning naming its window. A named preset is used as named, without warning."""
+    import logging
+
+    import kvcodec.models.capture as capture_mod
+    from kvcodec import api
+    from kvcodec.calibration.build import min_calibration_window
+    from kvcodec.onboard.ratefit import min_fit_window
+
+    assert api.default_preset(lm) == (api.DEFAULT_LOSSY, None)  # SmolLM2's 8K window
+    need = max(min_calibration_window(), min_fit_window())
+    assert need == 512
+    for window, want in ((need, api.DEFAULT_LOSSY), (need - 1, "lossless"), (256, "lossless"), (None, api.DEFAULT_LOSSY)):
+        monkeypatch.setattr(capture_mod, "max_context", lambda _lm, w=window: w)
+        preset, why = api.default_preset(lm)
+        assert preset == want and (why is None) == (want == api.DEFAULT_LOSSY), (window, preset, why)
+        if why is not None:
+            assert f"window of {window} tokens" in why and str(need) in why
+    monkeypatch.setattr(capture_mod, "max_context", lambda _lm: 256)
+    why = api.default_preset(lm)[1]
+    caplog.set_level(logging.WARNING, logger="kvcodec.runtime.knowledge")
+    kb = KnowledgeBase(lm, str(tmp_path / "st"))
+    assert kb.preset == "lossless" and kb.codec == codec_key("lossless", {})
+    assert [r.getMessage() for r in caplog.records] == [f"storing lossless entries: {why}"]
+    caplog.clear()
+    assert KnowledgeBase(lm, str(tmp_path / "st"), preset="balanced").preset == "balanced" and not caplog.records
+

@@ -428,21 +428,29 @@ def one_line(stderr: str, prefix: str) -> str:
 
 
 def test_uncalibratable_model_is_one_line(cache, tmp_path):
-    """A model whose calibration cannot be built (its window holds no calibration text). ``kvc ask`` (lossy by
-    default) still answers (by prefill: the answer needs no store) and warns in one line that it could not store the
-    entry, why, and ``kvc calibrate``; ``kvc calibrate`` fails in one line; nothing is built or left in the
-    calibration store."""
+    """A model whose calibration cannot be built (its window holds no calibration text). ``kvc ask`` with the default
+    preset stores lossless entries, says so in one warning line naming the window, and the next ask loads from the
+    store; with a lossy preset named, it still answers (by prefill: the answer needs no store) and warns in one line
+    that it could not store the entry, why, and ``kvc calibrate``; ``kvc calibrate`` fails in one line; nothing is
+    built or left in the calibration store."""
     from kvcodec.texts import load_text
 
     m = make_tiny_model(tmp_path / "short-window", "dense", 256)
     doc = tmp_path / "doc.txt"
     doc.write_text(load_text("gpl3")[:200])
     why = "context window of 256 tokens"
-    r = kvc(cache, "ask", "-m", str(m), "--doc", str(doc), "--max-new-tokens", "4", QUESTION)
+    first = kvc(cache, "ask", "-m", str(m), "--doc", str(doc), "--max-new-tokens", "4", QUESTION)
+    again = kvc(cache, "ask", "-m", str(m), "--doc", str(doc), "--max-new-tokens", "4", QUESTION)
+    assert "[prefill:" in first.stderr and "[store:" in again.stderr, again.stderr[-1500:]
+    for r in (first, again):
+        warn = one_line(r.stderr, "kvc: warning:")
+        assert "storing lossless entries" in warn and why in warn
+        not_built(r.stderr)
+    r = kvc(cache, "ask", "-m", str(m), "--doc", str(doc), "--max-new-tokens", "4", "--preset", "balanced", QUESTION)
     assert "[prefill:" in r.stderr  # answered (a random model's answer may be blank)
     warn = one_line(r.stderr, "kvc: warning:")
     assert why in warn and f"kvc calibrate --model {m}" in warn
-    assert "has no calibration yet" not in r.stderr and "kvc: calibrating" not in r.stderr  # refused before any pass
+    not_built(r.stderr)  # refused before any pass
     r = kvc(cache, "calibrate", "-m", str(m), ok=False)
     assert r.returncode != 0 and why in one_line(r.stderr, "kvc: error:")
     assert calibrations(cache) == []
@@ -471,14 +479,15 @@ def test_a_model_whose_attention_modules_kvcodec_cannot_find_calibrates(cache, t
 
 
 def test_window_too_short_for_the_rate_fit_is_one_line(cache, tmp_path):
-    """A window that holds a calibration (384 tokens and up) but not the rate model's fit (512): the entry is not
-    stored, in one warning line naming ``kvc calibrate``; the calibration, complete, is kept."""
+    """A window that holds a calibration (384 tokens and up) but not the rate model's fit (512), with a lossy preset
+    named (without one, ``kvc ask`` stores lossless entries: the test above): the entry is not stored, in one
+    warning line naming ``kvc calibrate``; the calibration, complete, is kept."""
     from kvcodec.texts import load_text
 
     m = make_tiny_model(tmp_path / "m", "dense", window=400)
     doc = tmp_path / "doc.txt"
     doc.write_text(load_text("gpl3")[:200])
-    r = kvc(cache, "ask", "-m", str(m), "--doc", str(doc), "--max-new-tokens", "4", QUESTION)
+    r = kvc(cache, "ask", "-m", str(m), "--doc", str(doc), "--max-new-tokens", "4", "--preset", "balanced", QUESTION)
     assert r.stdout.strip()
     built_now(r.stderr)
     assert f"kvc calibrate --model {m}" in one_line(r.stderr, "kvc: warning:")
