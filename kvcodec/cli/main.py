@@ -7,7 +7,9 @@ printed on one line with the error's exit code; no traceback reaches users.
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import sys
 
 import click
@@ -40,6 +42,43 @@ def _show_warnings() -> None:
             lib.setLevel(logging.WARNING)
 
 
+def _one_line(text: object) -> str:
+    """``text`` on one line: a message that quotes a path or a value holding a newline must not become two
+    lines of output (the CLI's promise: one ``kvc: error:`` line)."""
+    return " ".join(str(text).split())
+
+
+def _terminal_write_failed(exc: OSError) -> bool:
+    """Whether ``exc`` came out of writing the command's output (every line goes through ``click.echo``): a
+    full disk or a closed pipe on stdout is not a library bug, and gets one line, not a traceback."""
+    tb = exc.__traceback__
+    while tb is not None:
+        f = tb.tb_frame
+        if f.f_code.co_name == "echo" and f.f_globals.get("__name__") == "click.utils":
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _stdout_failed(exc: OSError) -> None:
+    """Report a failed write to stdout on stderr (one line) and exit with KvcIOError's code. stdout is pointed
+    at /dev/null first, so the interpreter's final flush of what could not be written adds nothing."""
+    from kvcodec.errors import KvcIOError
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # stdout already closed, or not a real file (a test's capture)
+        pass
+    why = "the reader closed the pipe" if exc.errno == errno.EPIPE else (exc.strerror or str(exc))
+    try:
+        click.echo(f"kvc: error: cannot write the output: {_one_line(why)}", err=True)
+    except OSError:  # stderr is gone too: the exit code is all that is left
+        pass
+    sys.exit(KvcIOError.exit_code)
+
+
 def main(argv: list[str] | None = None) -> None:
     from kvcodec.runtime.allocator import tune_allocator
 
@@ -48,14 +87,18 @@ def main(argv: list[str] | None = None) -> None:
     try:
         rv = cli.main(args=argv, prog_name="kvc", standalone_mode=False)
     except KvcError as exc:
-        click.echo(f"kvc: error: {exc}", err=True)
+        click.echo(f"kvc: error: {_one_line(exc)}", err=True)
         sys.exit(exc.exit_code)
+    except OSError as exc:
+        if not _terminal_write_failed(exc):
+            raise
+        _stdout_failed(exc)
     except click.exceptions.Abort:
         click.echo("kvc: aborted", err=True)
         sys.exit(130)
     except click.UsageError as exc:  # bad arguments are bad input: one line like every other error
         cmd = exc.ctx.command_path if exc.ctx is not None else "kvc"
-        msg = " ".join(exc.format_message().split())
+        msg = _one_line(exc.format_message())
         click.echo(f"kvc: error: {msg} (see '{cmd} --help')", err=True)
         sys.exit(exc.exit_code)
     except click.ClickException as exc:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -55,3 +58,27 @@ def test_store_stats_on_an_unreachable_http_store(capsys):
     url = f"http://127.0.0.1:{_closed_port()}/?connect_timeout=2"
     code, _, err = run_kvc(["store", "stats", "--store", url], capsys)
     assert code == 8 and "unreachable" in _one_line(code, err)
+
+
+def test_a_newline_in_a_path_stays_one_error_line(tmp_path, capsys):
+    """A message quoting a name that holds a newline is still one line (it printed as two)."""
+    code, _, err = run_kvc(["info", str(tmp_path / "a\nb.kvc")], capsys)
+    assert code == 2 and "a b.kvc" in _one_line(code, err)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_full_stdout_is_one_error_line(tmp_path):
+    """Output that cannot be written (stdout on a full disk) is one ``kvc: error:`` line and KvcIOError's exit
+    code, not a traceback (`kvc info x.kvc > /dev/full` and `kvc --help > /dev/full` printed one)."""
+    from kvcodec.errors import KvcIOError
+    from kvcodec.format import write_kvc
+    from kvcodec.plan.presets import get_plan
+
+    c = _synthetic(torch.float16, 8)
+    write_kvc(c, tmp_path / "s.kvc", get_plan("lossless", c).pipelines)
+    for args in (["--help"], ["info", str(tmp_path / "s.kvc")]):
+        with open("/dev/full", "w") as full:
+            p = subprocess.run([sys.executable, "-m", "kvcodec", *args], stdout=full, stderr=subprocess.PIPE, text=True,
+                               timeout=120)
+        assert p.returncode == KvcIOError.exit_code, p.stderr
+        assert _one_line(p.returncode, p.stderr) == "kvc: error: cannot write the output: No space left on device"
