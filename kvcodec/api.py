@@ -32,7 +32,7 @@ from typing import Any, BinaryIO, Callable, Mapping
 from kvcodec.accounting import PruneRecord, bits_per_element, context_elements
 from kvcodec.core.kvcache import KVCache
 from kvcodec.core.stage import Plan
-from kvcodec.errors import KvcInputError
+from kvcodec.errors import KvcInputError, is_int
 from kvcodec.format import KvcReader
 from kvcodec.plan.presets import BASELINE_PREFIX, DEFAULT_LOSSY, PRESETS, RATE_MODES, PresetInfo, check_overrides, preset_info
 
@@ -118,6 +118,7 @@ def encode(
     ``verify`` is the writer's read-back policy (``"file"`` or ``"off"``).
     """
     _check_source_dest(source, dest)
+    _check_types(preset=preset, overrides=overrides, progress=progress)
     targeted = target_kl is not None or target_dppl is not None
     if target_kl is not None and target_dppl is not None:
         raise KvcInputError("give only one of target_kl and target_dppl")
@@ -435,6 +436,9 @@ def open(source: str | os.PathLike | bytes | Any, *, model: Any = None, **kw: An
     """
     if isinstance(source, (str, os.PathLike)) and "\0" in os.fspath(source):
         raise KvcInputError("the path contains a NUL byte")
+    unknown = sorted(set(kw) - _READER_OPTIONS)
+    if unknown:  # open(path, bogus=1) escaped as TypeError
+        raise KvcInputError(f"kvcodec.open takes no option {unknown[0]!r} (it takes model, {', '.join(sorted(_READER_OPTIONS))})")
     try:
         r = KvcReader(source, **kw)
     except OSError as exc:
@@ -455,6 +459,10 @@ def open(source: str | os.PathLike | bytes | Any, *, model: Any = None, **kw: An
     return r
 
 
+#: the keywords :func:`open` passes on to the reader
+_READER_OPTIONS = frozenset(("attachment_resolver", "max_decoded_bytes", "max_decoded_ratio", "max_chunk_bytes"))
+
+
 def _check_against_cache(cache: KVCache, overrides: dict[str, Any], chunk_tokens: Any, chunk_heads: Any) -> None:
     """Settings that cannot mean anything for this cache, refused in one line (issue 55: ``kvc encode
     --chunk-heads 99`` on a 3-head cache and ``--config '{"preset": "balanced", "sink": 100000}'`` on a short
@@ -463,13 +471,24 @@ def _check_against_cache(cache: KVCache, overrides: dict[str, Any], chunk_tokens
     for name, v, hi in (("chunk_heads", chunk_heads, heads), ("chunk_tokens", chunk_tokens, None)):
         if v is None:
             continue
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1 or (hi is not None and v > hi):
+        if not is_int(v, 1, hi if hi is not None else (1 << 31) - 1):  # 2**70 tokens failed only the read-back
             raise KvcInputError(f"{name} must be an integer in [1, {hi if hi is not None else 'tokens'}]"
                                 f"{f' (the cache has {heads} KV heads)' if hi is not None else ''}, got {v!r:.40}")
     n = int(cache.num_context_tokens)
     sink = overrides.get("sink")
     if isinstance(sink, int) and not isinstance(sink, bool) and sink > n:
         raise KvcInputError(f"sink ({sink}) is more tokens than the context has ({n})")
+
+
+def _check_types(*, preset: Any, overrides: Any, progress: Any) -> None:
+    """Arguments of the wrong type, refused in one line before any work (``preset=3``, ``overrides=[1]``,
+    ``progress=3`` escaped as AttributeError / TypeError)."""
+    if preset is not None and not isinstance(preset, str):
+        raise KvcInputError(f"preset must be a preset name (a str), got {type(preset).__name__}")
+    if overrides is not None and not isinstance(overrides, Mapping):
+        raise KvcInputError(f"overrides must be a dict of preset settings, got {type(overrides).__name__}")
+    if progress is not None and not callable(progress):
+        raise KvcInputError(f"progress must be a callable taking one str, got {type(progress).__name__}")
 
 
 def _check_source_dest(source: Any, dest: Any) -> None:
@@ -489,6 +508,8 @@ def _check_source_dest(source: Any, dest: Any) -> None:
 
             check_output(dest, inputs=[source])
         return
+    if getattr(dest, "closed", False) is True:
+        raise KvcInputError(f"the destination {type(dest).__name__} is closed")
     if isinstance(dest, io.TextIOBase):
         raise KvcInputError("the destination file is open in text mode; open it in binary mode ('wb')")
     write = getattr(dest, "write", None)
@@ -512,8 +533,12 @@ def _lossy(preset: Any) -> bool:
 
 
 def _budget(prune: Any) -> Any:
-    if prune is None or not isinstance(prune, str):
-        return prune
-    from kvcodec.prune import parse_prune
+    if prune is None:
+        return None
+    from kvcodec.prune import PruneBudget, parse_prune
 
-    return parse_prune(prune)
+    if isinstance(prune, str):
+        return parse_prune(prune)
+    if not isinstance(prune, PruneBudget):  # prune=3 loaded the model, then failed on it as another model's
+        raise KvcInputError(f"prune must be a spec string such as 'h2o:0.5' or a parsed budget, got {type(prune).__name__}")
+    return prune

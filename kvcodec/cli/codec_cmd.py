@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -318,12 +317,11 @@ def verify_command(path: str, backend: str | None, max_decoded: str | None, max_
             problems, chunks, size = r.verify(backend=backend), len(r.entries), r.size
     if as_json:
         emit_json({"file": path, "ok": not problems, "problems": problems, "chunks": chunks, "bytes": size})
-        if problems:
-            sys.exit(KvcFormatError.exit_code)
-        return
-    if problems:
+    if problems:  # with --json too: the JSON on stdout, the one error line on stderr (it exited 3 silently)
         more = f" (+{len(problems) - 1} more problems)" if len(problems) > 1 else ""
         raise KvcFormatError(f"{path}: {problems[0]}{more}")
+    if as_json:
+        return
     click.echo(f"OK {path}: {size:,} bytes, {chunks} chunks, all CRC32C, padding and decodes verified")
 
 

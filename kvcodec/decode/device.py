@@ -46,6 +46,8 @@ def _cuda_available() -> bool:
 
 def resolve_device(device: str | None = None) -> Device:
     """``"cpu"`` or ``"gpu"`` from the argument, then $KVCODEC_BACKEND, then auto."""
+    if device is not None and not isinstance(device, str):  # backend=3 escaped as AttributeError
+        raise KvcInputError(f"backend must be one of {', '.join(DEVICES)}, got {type(device).__name__}")
     b = device or os.environ.get(ENV_VAR) or "auto"
     b = b.strip().lower()
     if b not in DEVICES:

@@ -58,6 +58,9 @@ class KvcReader:
             raise KvcInputError(f"max_chunk_bytes must be a positive integer, got {max_chunk_bytes!r}")
         self._max_chunk = MAX_CHUNK_DECODED_BYTES if max_chunk_bytes is None else min(max_chunk_bytes,
                                                                                        MAX_CHUNK_DECODED_BYTES)
+        if attachment_resolver is not None and not (isinstance(attachment_resolver, Mapping) or callable(attachment_resolver)):
+            raise KvcInputError("attachment_resolver must be a mapping of name -> array or a callable, got "
+                                f"{type(attachment_resolver).__name__}")
         self._src = open_source(source)
         self._resolver = attachment_resolver or default_resolver
         self._attachments: dict[str, np.ndarray] | None = None
@@ -283,7 +286,9 @@ class KvcReader:
 
     def check_model(self, model: Any) -> None:
         """Raise KvcModelMismatchError unless ``model`` (LoadedModel or ModelFingerprint) is this file's model."""
-        fp = model if isinstance(model, ModelFingerprint) else model.fingerprint
+        fp = model if isinstance(model, ModelFingerprint) else getattr(model, "fingerprint", None)
+        if not isinstance(fp, ModelFingerprint):  # model=3 escaped as AttributeError
+            raise KvcInputError(f"model must be a loaded model or a ModelFingerprint, got {type(model).__name__}")
         fp.check_compatible(self.fingerprint, what=".kvc file")  # the model's view: "<x> in the .kvc file, <y> in the model"
 
     def read_cache(self, backend: str | None = None, model: Any = None, token_ids: np.ndarray | None = None) -> KVCache:
@@ -322,6 +327,9 @@ class KvcReader:
         decoded array must satisfy (bit equality with what was encoded).
         """
         problems: list[str] = []
+        # a backend that cannot be used is the caller's problem, not the file's: raised, never listed as one of
+        # its problems (`kvc verify --backend gpu` without CUDA said every chunk of a good file was bad)
+        resolve_device(backend)
         if expected is not None and len(expected) != len(self.entries):
             raise KvcFormatError(f"file has {len(self.entries)} chunks, {len(expected)} were written")
 

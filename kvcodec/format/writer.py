@@ -472,16 +472,21 @@ def write_kvc(cache: KVCache, dest: str | os.PathLike | BinaryIO, plan: Plan | P
     _check_verify(verify)
     pipelines, opts = plan_options(plan, options, kw)
     if not isinstance(dest, (str, os.PathLike)):
-        readable = verify == "file" and _readable(dest)
-        start = dest.tell() if readable else 0
-        expect = _Expectation(cache) if readable else None
-        n = _write(cache, dest, pipelines, opts, expect)
-        if expect is not None:
-            end = dest.tell()
-            dest.seek(start)
-            data = dest.read(n)
-            dest.seek(end)
-            expect.check(data, cache, "output stream")
+        try:
+            readable = verify == "file" and _readable(dest)
+            start = dest.tell() if readable else 0
+            expect = _Expectation(cache) if readable else None
+            n = _write(cache, dest, pipelines, opts, expect)
+            if expect is not None:
+                end = dest.tell()
+                dest.seek(start)
+                data = dest.read(n)
+                dest.seek(end)
+                expect.check(data, cache, "output stream")
+        except OSError as exc:  # a file object on a full disk escaped as a raw OSError
+            from kvcodec.atomic import io_error
+
+            raise io_error(exc, "cannot write the output stream") from None
         return n
     # atomic_path refuses outputs that are not regular files or lack a directory, and renames
     # only on a clean exit: a file that fails the read-back never appears at ``dest``.

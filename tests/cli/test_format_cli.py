@@ -97,8 +97,15 @@ def test_bad_inputs(tmp_path, capture_file, capsys, monkeypatch):
     code, _, err = run_main(["verify", str(flipped)], capsys)
     _one_line_error(code, err)
     assert "CRC32C" in err
-    code, o, _ = run_main(["verify", str(flipped), "--json"], capsys)
+    code, o, err = run_main(["verify", str(flipped), "--json"], capsys)
     assert code == 3 and json.loads(o)["ok"] is False
+    _one_line_error(code, err)  # the JSON on stdout and the error line (it exited 3 without one)
+    # a backend that cannot be used is the caller's error, never a problem of the (good) file
+    monkeypatch.setenv("KVCODEC_BACKEND", "tpu")
+    code, _, err = run_main(["verify", str(good)], capsys)
+    _one_line_error(code, err)
+    assert code == 2 and "unknown backend 'tpu'" in err and "g.kvc" not in err
+    monkeypatch.delenv("KVCODEC_BACKEND")
     code, _, err = run_main(["encode", str(tmp_path / "missing.h5"), "-o", str(tmp_path / "x.kvc")], capsys)
     _one_line_error(code, err)
     code, _, err = run_main(["encode", str(garbage), "-o", str(tmp_path / "x.kvc")], capsys)
@@ -111,5 +118,8 @@ def test_bad_inputs(tmp_path, capture_file, capsys, monkeypatch):
     assert not (tmp_path / "x.kvc").exists()
     if not torch.cuda.is_available():
         code, _, err = run_main(["decode", str(good), "-o", str(tmp_path / "o.h5"), "--backend", "gpu"], capsys)
+        _one_line_error(code, err)
+        assert code == 7
+        code, _, err = run_main(["verify", str(good), "--backend", "gpu"], capsys)  # said the good file was bad (3)
         _one_line_error(code, err)
         assert code == 7

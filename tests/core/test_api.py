@@ -68,6 +68,28 @@ def test_encode_refuses_settings_that_cannot_apply(capture_file):
         kvcodec.encode(capture_file, None, preset="near-lossless", overrides={"sink": 100000})
 
 
+@pytest.mark.parametrize("kw, words", [
+    ({"preset": 3}, "preset must be a preset name"), ({"overrides": 3}, "overrides must be a dict"),
+    ({"overrides": [1]}, "overrides must be a dict"), ({"progress": 3}, "progress must be a callable"),
+    ({"prune": 3}, "prune must be a spec string"), ({"chunk_tokens": 2**70}, "chunk_tokens must be an integer"),
+])
+def test_encode_refuses_arguments_of_the_wrong_type(capture_file, kw, words):
+    """Each escaped as AttributeError / TypeError, or (chunk_tokens=2**70) failed only the writer's read-back;
+    prune=3 loaded the default model first."""
+    with pytest.raises(KvcInputError, match=words):
+        kvcodec.encode(capture_file, None, **{"preset": "lossless", **kw})
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_encode_into_a_file_object_that_cannot_be_written(capture_file, tmp_path):
+    with open("/dev/full", "wb", buffering=0) as full, pytest.raises(KvcIOError, match="no space left"):
+        kvcodec.encode(capture_file, full, preset="lossless", verify="off")
+    with open(tmp_path / "closed.kvc", "wb") as f:
+        pass
+    with pytest.raises(KvcInputError, match="closed"):
+        kvcodec.encode(capture_file, f, preset="lossless")
+
+
 class _FailingReader:
     """A range reader whose reads fail as a network or disk would."""
 
@@ -87,6 +109,21 @@ def test_open_refusals_are_kvc_errors(kvc_file):
         kvcodec.open(_FailingReader())
     with pytest.raises(KvcError):
         kvcodec.open(kvc_file, model="no-such-model-name")
+    # each escaped as AttributeError / TypeError
+    for model in (3, object()):
+        with pytest.raises(KvcInputError, match="model must be a loaded model or a ModelFingerprint"):
+            kvcodec.open(kvc_file, model=model)
+    with pytest.raises(KvcInputError, match="takes no option 'bogus'"):
+        kvcodec.open(kvc_file, bogus=1)
+    with pytest.raises(KvcInputError, match="attachment_resolver must be"):
+        kvcodec.open(kvc_file, attachment_resolver=3)
+    with kvcodec.open(kvc_file) as r:
+        with pytest.raises(KvcInputError, match="model must be"):
+            r.read_cache(model=3)
+        with pytest.raises(KvcInputError, match="backend must be one of"):
+            r.read_layer(0, backend=3)
+        with pytest.raises(KvcInputError, match="unknown backend 'tpu'"):  # the caller's error, not the file's problem
+            r.verify(backend="tpu")
 
 
 @pytest.mark.model
