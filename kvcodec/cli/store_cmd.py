@@ -85,6 +85,13 @@ def put_command(kvc_file, store_url, key_file, namespace, as_json):
     with _open(store_url, key_file) as st, _failures_in_the_error_line():
         res = st.put(key, data, {"source": Path(kvc_file).name, "preset": reader.header.codec,
                                  "tokens": reader.header.num_context_tokens})
+        kept = [t.name for t in st.tiers if t.persistent and t.name in res.stored_in]
+        lost = "; ".join(f"{t.name}: {res.tiers.get(t.name, 'not tried')}" for t in st.tiers if t.persistent)
+    if not kept:  # a store of read-only tiers (http://...) kept it only in this process's memory, and exited 0
+        from kvcodec.errors import KvcStoreError
+
+        raise KvcStoreError(f"{kvc_file} was stored in no persistent tier of the store"
+                            + (f" ({lost})" if lost else " (it has none)"))
     out = {"key": key.to_str(), "bytes": len(data), "stored_in": res.stored_in, "failed": res.failed}
     emit_json(out) if as_json else click.echo(f"{key.to_str()}  {len(data):,} bytes -> {', '.join(res.stored_in)}")
     if res.failed:  # stored somewhere, but not everywhere asked: a failure all the same
@@ -107,10 +114,12 @@ def get_command(key, output, store_url, key_file, as_json):
 
     check_output(output)
     k = _key(key)
-    with _open(store_url, key_file) as st:
+    with _open(store_url, key_file) as st, _failures_in_the_error_line():
         data = st.get(k)
-    if data is None:
-        raise KvcStoreError(f"no entry {k} for this tenant key in the store")
+        down = _read_failures(st) if data is None else []
+    if data is None:  # a tier that could not be read may hold it: said in the one line (it was a warning line too)
+        raise KvcStoreError(f"no entry {k} for this tenant key in the store"
+                            + (f"; could not read {'; '.join(down)}" if down else ""))
     atomic_write_bytes(Path(output), data)
     emit_json({"key": k.to_str(), "output": output, "bytes": len(data)}) if as_json else \
         click.echo(f"{output}: {len(data):,} bytes")
@@ -130,6 +139,10 @@ def ls_command(store_url, key_file, namespace, model_id, as_json):
     failures: list[str] = []
     with _open(store_url, key_file) as st, _failures_in_the_error_line():
         rows = st.ls(with_meta=True, namespace=namespace, model=model_id, failures=failures)
+        for tier in st.tiers:  # as stats does: a source that cannot list is no error, one that does not answer is
+            why = _unreachable(tier) if not tier.supports_listing and tier.remote else None
+            if why:
+                failures.append(f"{tier.name}: {why}")
     if as_json:
         emit_json([r.to_dict() for r in rows])
     else:
@@ -149,7 +162,7 @@ def rm_command(key, store_url, key_file, as_json):
     from kvcodec.errors import KvcStoreError
 
     k = _key(key)
-    with _open(store_url, key_file) as st:
+    with _open(store_url, key_file) as st, _failures_in_the_error_line():  # the failures are in the error line
         if not st.rm(k):
             raise KvcStoreError(f"no entry {k} for this tenant key in the store")
     emit_json({"removed": k.to_str()}) if as_json else click.echo(f"removed {k}")
@@ -185,6 +198,18 @@ def stats_command(store_url, key_file, as_json):
                    f"corrupt {t['corrupt']}  evictions {t['evictions']}{err}")
     if errors:
         raise KvcStoreError("cannot count " + "; ".join(errors))
+
+
+def _read_failures(st: Any) -> list[str]:
+    """The tiers of ``st`` whose reads failed (a failed read is a miss), each with why."""
+    out = []
+    for t in st.tiers:
+        guard = getattr(t, "guard", None)
+        if guard is not None and not guard.up:
+            out.append(f"{t.name}: {guard.what} is unreachable ({guard.last_error})")
+        elif t.counters.errors:
+            out.append(f"{t.name}: " + (_unreachable(t) or "its read failed"))
+    return out
 
 
 def _unreachable(tier: Any) -> str | None:

@@ -105,3 +105,43 @@ def test_an_output_naming_a_directory_is_refused_even_when_the_entry_exists(tmp_
     assert code == 2 and "names a directory" in err
     code, out, _ = run_kvc(["store", "get", k.to_str(), "-o", str(tmp_path / "ok.bin"), "--store", url], capsys)
     assert code == 0 and (tmp_path / "ok.bin").read_bytes() == b"payload"
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed again when the block ends: nothing listens there
+
+
+def test_unreachable_and_read_only_tiers_are_one_line_errors(tmp_path, capsys, monkeypatch):
+    """A store of one read-only http source: ``put`` kept the entry only in the process's memory and exited 0;
+    on an unreachable one ``ls`` exited 0 with an empty listing, and ``get`` printed a warning line and then
+    "no entry", not saying the store could not be read."""
+    import torch
+
+    from formatutil import synthetic_cache
+    from kvcodec.format import write_kvc
+    from kvcodec.plan.presets import get_plan
+
+    monkeypatch.setenv("KVC_STORE_KEY", "ab" * 32)
+    c = synthetic_cache(torch.float32, T=8)
+    kvc = tmp_path / "s.kvc"
+    write_kvc(c, kvc, get_plan("lossless", c).pipelines)
+    url = f"http://127.0.0.1:{_closed_port()}/?connect_timeout=2"
+
+    def one_line(args):
+        code, _, err = run_kvc(args, capsys)
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert code == 8 and len(lines) == 1 and lines[0].startswith("kvc: error:"), (args, err)
+        return lines[0]
+
+    assert "stored in no persistent tier" in one_line(["store", "put", str(kvc), "--store", url])
+    assert "unreachable" in one_line(["store", "ls", "--store", url])
+    assert "could not read http" in one_line(["store", "get", GOOD, "-o", str(tmp_path / "o.kvc"), "--store", url])
+    assert not (tmp_path / "o.kvc").exists()
+    # beside a directory tier, the http source is only skipped by put and rm: no error
+    both = f"{tmp_path / 'st'},{url}"
+    code, out, err = run_kvc(["store", "put", str(kvc), "--store", both, "--json"], capsys)
+    assert code == 0 and json.loads(out)["stored_in"] == ["memory", "directory"], err
