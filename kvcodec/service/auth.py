@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,7 +79,15 @@ class TokenTable:
     def from_file(cls, path: str | os.PathLike[str]) -> "TokenTable":
         p = Path(path)
         try:
-            obj = json.loads(p.read_text(encoding="utf-8"))
+            # a FIFO blocked for good and /dev/zero was read without end: only a regular file of bounded size
+            mode = os.stat(p).st_mode
+            if not stat.S_ISREG(mode):
+                raise KvcInputError(f"token file {p} is not a regular file")
+            with p.open("rb") as f:
+                raw = f.read(MAX_TOKEN_FILE + 1)
+            if len(raw) > MAX_TOKEN_FILE:
+                raise KvcInputError(f"token file {p} is larger than {MAX_TOKEN_FILE:,} bytes")
+            obj = json.loads(raw.decode("utf-8"))
         except FileNotFoundError:
             raise KvcInputError(f"no such token file: {p}") from None
         except (OSError, UnicodeDecodeError, ValueError) as e:
@@ -113,6 +122,10 @@ class TokenTable:
                 raise KvcInputError(f"{where}: duplicate token")
             out[h] = Principal(tenant, tuple(_check_name(n, "namespace", where) for n in nss), write)
         return cls(out)
+
+
+#: the largest token file read (some 100,000 tokens)
+MAX_TOKEN_FILE = 16 << 20
 
 
 def _check_token(t: object, where: str = "token") -> str:

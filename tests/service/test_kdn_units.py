@@ -42,6 +42,23 @@ def test_token_file(tmp_path):
         TokenTable.from_file(f)
 
 
+def test_a_token_file_that_is_not_a_regular_file_is_refused_at_once(tmp_path):
+    """`kvc serve --tokens FIFO` blocked for good, `--tokens /dev/zero` read without end."""
+    import os
+
+    from kvcodec.service import auth
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for p in (fifo, "/dev/zero"):
+        with pytest.raises(KvcInputError, match="not a regular file"):
+            TokenTable.from_file(p)
+    big = tmp_path / "big.json"
+    big.write_bytes(b" " * (auth.MAX_TOKEN_FILE + 1))
+    with pytest.raises(KvcInputError, match="larger than"):
+        TokenTable.from_file(big)
+
+
 def test_kdn_urls_never_show_the_token():
     st = Store.open("kvc+http://:s3cret-token@127.0.0.1:9/?timeout=0.2")
     assert "s3cret" not in st.url and "s3cret" not in str(st.stats())
