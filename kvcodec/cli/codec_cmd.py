@@ -69,6 +69,10 @@ def _positive(ctx: click.Context, param: click.Parameter, value: float | None) -
     return value
 
 
+#: the largest --config file read (a preset and its overrides take a few hundred bytes)
+MAX_CONFIG_FILE = 1 << 20
+
+
 def parse_codec_config(value: str) -> tuple[str, dict[str, Any]]:
     """(preset, overrides) of ``--config``: a JSON object, inline or in a file, checked by :func:`kvcodec.plan.presets.parse_config`."""
     import json
@@ -76,12 +80,29 @@ def parse_codec_config(value: str) -> tuple[str, dict[str, Any]]:
     from kvcodec.errors import KvcInputError
     from kvcodec.plan.presets import parse_config
 
-    src = Path(value)
-    text = src.read_text(encoding="utf-8") if not value.lstrip().startswith("{") and src.is_file() else value
+    text = value
+    if not value.lstrip().startswith("{"):
+        src = Path(value)
+        try:
+            is_file = src.is_file()
+        except (OSError, ValueError):  # a name too long for a file (inline JSON) escaped as OSError
+            is_file = False
+        if is_file:  # a file that is not UTF-8 escaped as UnicodeDecodeError; one of any size was read whole
+            try:
+                with open(src, "rb") as f:
+                    raw = f.read(MAX_CONFIG_FILE + 1)
+            except OSError as exc:
+                raise KvcInputError(f"cannot read the --config file {value}: {exc.strerror or exc}") from None
+            if len(raw) > MAX_CONFIG_FILE:
+                raise KvcInputError(f"the --config file {value} is larger than {MAX_CONFIG_FILE:,} bytes")
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise KvcInputError(f"the --config file {value} is not UTF-8 text") from None
     try:
         cfg = json.loads(text)
-    except ValueError as exc:
-        raise KvcInputError(f"--config is neither a JSON object nor a JSON file ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # JSON nested thousands deep escaped as RecursionError
+        raise KvcInputError(f"--config is neither a JSON object nor a JSON file ({str(exc)[:200]})") from None
     return parse_config(cfg, "--config")
 
 

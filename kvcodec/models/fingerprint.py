@@ -148,7 +148,7 @@ def _read_json(path: Path, what: str) -> Any:
             raise KvcModelNotFoundError(f"{path}: {what} is not a regular file of at most 64 MiB")
         with open(path, "rb") as f:
             return json.loads(f.read(_MAX_JSON_FILE + 1))
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested thousands deep
         raise KvcModelNotFoundError(f"{path}: unreadable {what} ({exc})") from None
 
 

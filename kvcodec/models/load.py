@@ -354,8 +354,8 @@ def check_weights(path: Path) -> list[Path]:
     if index.is_file():
         try:
             shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise KvcModelNotFoundError(f"model directory {path}: unreadable {index.name} ({exc})") from None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:  # Recursion: nested too deep
+            raise KvcModelNotFoundError(f"model directory {path}: unreadable {index.name} ({str(exc)[:200]})") from None
         for shard in shards:
             if not isinstance(shard, str) or Path(shard).name != shard or not (path / shard).is_file():
                 raise KvcModelNotFoundError(f"model directory {path}: {index.name} names a missing shard {shard!r}")

@@ -90,8 +90,8 @@ class TokenTable:
             obj = json.loads(raw.decode("utf-8"))
         except FileNotFoundError:
             raise KvcInputError(f"no such token file: {p}") from None
-        except (OSError, UnicodeDecodeError, ValueError) as e:
-            raise KvcInputError(f"token file {p} is not readable JSON: {e}") from None
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:  # RecursionError: JSON nested too deep
+            raise KvcInputError(f"token file {p} is not readable JSON: {str(e)[:200]}") from None
         rows = obj.get("tokens") if isinstance(obj, dict) else None
         if not isinstance(rows, list):
             raise KvcInputError(f"token file {p}: expected {{\"tokens\": [...]}}")

@@ -51,6 +51,15 @@ def hostile(tmp_path, monkeypatch):
     Path("index_model", "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "../../etc/passwd"}}))
     Path("index_model", "model-00001.safetensors").write_bytes(struct.pack("<Q", len(hdr)) + hdr + b"\0" * 4000000)
     Path("hdr_model", "model.safetensors").write_bytes(struct.pack("<Q", 1 << 60) + b"{}")
+    # JSON nested 100,000 deep (the json module's RecursionError), a config file that is not UTF-8
+    deep = "[" * 100_000 + "]" * 100_000
+    Path("deep.json").write_text(deep)
+    Path("bin.json").write_bytes(b"\xff\xfe{")
+    Path("deep_st").mkdir()
+    Path("deep_st", "kvstore.json").write_text(deep)
+    Path("deep_index").mkdir()
+    Path("deep_index", "config.json").write_text(cfg)
+    Path("deep_index", "model.safetensors.index.json").write_text(deep)
     return tmp_path
 
 
@@ -104,6 +113,11 @@ CASES = [
     ["serve", "--tenant-queue", "-1"], ["capture", "--text", "u.txt", "--max-tokens", "0", "-o", "c.h5"],
     ["encode", "s.h5", "-o", "o.kvc", "--chunk-heads", "0"], ["eval", "s.kvc", "--text", "u.txt", "--continuation", "-1"],
     ["curve", "--text", "u.txt", "--threads", "0"], ["demo", "--max-tokens", "0", "--no-curve"],
+    # tracebacks: a --config file nested too deep or not UTF-8, inline JSON nested too deep, an inline value too long
+    # for a file name; a store marker nested too deep
+    ["encode", "s.h5", "-o", "o.kvc", "--config", "deep.json"], ["encode", "s.h5", "-o", "o.kvc", "--config", "bin.json"],
+    ["encode", "s.h5", "-o", "o.kvc", "--config", '{"preset":' + "[" * 50_000 + "]" * 50_000 + "}"],
+    ["encode", "s.h5", "-o", "o.kvc", "--config", "x" * 5000], ["store", "ls", "--store", "deep_st"],
 ]
 
 
@@ -124,7 +138,7 @@ def test_hostile_arguments_are_one_line_errors(hostile, args, capsys):
 @pytest.mark.parametrize("model, words", [
     ("pickle_model", "only pickle weights"), ("trunc_model", "truncated"), ("cfg_only", "no .safetensors"),
     ("index_model", "missing shard"), ("hdr_model", "not a readable safetensors"), ("/nonexistent", "neither"),
-    ("u.txt", "neither"), ("adir", "no config.json"),
+    ("u.txt", "neither"), ("adir", "no config.json"), ("deep_index", "unreadable model.safetensors.index.json"),
 ])
 @pytest.mark.parametrize("command", [
     ["capture", "--text", "u.txt", "-o", "c.h5"], ["encode", "--text", "u.txt", "-o", "o.kvc"],

@@ -37,9 +37,10 @@ def test_token_file(tmp_path):
         f.write_text(json.dumps(bad))
         with pytest.raises(KvcInputError):
             TokenTable.from_file(f)
-    f.write_text("{not json")
-    with pytest.raises(KvcInputError, match="JSON"):
-        TokenTable.from_file(f)
+    for text in ("{not json", "[" * 100_000 + "]" * 100_000):  # nested that deep escaped as RecursionError
+        f.write_text(text)
+        with pytest.raises(KvcInputError, match="JSON"):
+            TokenTable.from_file(f)
 
 
 def test_a_token_file_that_is_not_a_regular_file_is_refused_at_once(tmp_path):

@@ -65,6 +65,7 @@ from kvcodec.store.tiers.base import (
 
 MARKER = "kvstore.json"
 MARKER_CONTENT = {"format": "kvcodec-store", "layout": 2}
+_MAX_MARKER = 1 << 16  # a marker is some 40 bytes: a larger one is not read whole
 SUFFIX = ".kve"
 TMP_SUFFIX = ".tmp"
 
@@ -158,9 +159,9 @@ class DirectoryTier(Tier):
         if os.path.isfile(marker):
             try:
                 with open(marker, encoding="utf-8") as f:
-                    m = json.load(f)
-            except (OSError, ValueError) as e:
-                raise KvcStoreError(f"{self.root}: unreadable store marker {MARKER}: {e}") from None
+                    m = json.loads(f.read(_MAX_MARKER + 1))
+            except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested thousands deep
+                raise KvcStoreError(f"{self.root}: unreadable store marker {MARKER}: {str(e)[:200]}") from None
             if not isinstance(m, dict) or m.get("format") != MARKER_CONTENT["format"]:
                 raise KvcStoreError(f"{self.root}: {MARKER} is not a kvcodec store marker")
             if m.get("layout") == 1 and create:
