@@ -233,8 +233,8 @@ def load_previous(path: str | os.PathLike | None) -> dict[tuple, dict[str, Any]]
     if path is None or not Path(path).is_file():
         return {}
     try:
-        obj = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError):
+        obj = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):  # not UTF-8 (UnicodeDecodeError) or nested too deep escaped
         return {}
     if not isinstance(obj, dict) or obj.get("schema") != SCHEMA:
         return {}

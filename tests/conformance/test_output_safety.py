@@ -148,6 +148,16 @@ def test_curve_outputs_must_differ_and_plot_needs_an_image_name(tmp_path, capsys
         run_curve("smollm2", ["gpl3"], json_out="/dev/null")
 
 
+def test_curve_ignores_a_previous_output_it_cannot_read(tmp_path):
+    """`kvc curve --json X` resumes from X; an X that is not UTF-8 or nested 100,000 deep escaped as a traceback
+    (UnicodeDecodeError, RecursionError) after the model had loaded."""
+    from kvcodec.eval.curve import load_previous
+
+    for data in (b"\xff\xfe{", b"[" * 100_000 + b"]" * 100_000, b"{"):
+        (tmp_path / "prev.json").write_bytes(data)
+        assert load_previous(tmp_path / "prev.json") == {}
+
+
 def test_demo_out_dir_that_is_a_file_is_one_line(tmp_path, capsys):
     f = tmp_path / "file"
     f.write_text("x")
