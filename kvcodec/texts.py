@@ -118,12 +118,19 @@ def load_text(name_or_path: str) -> str:
         path = Path(FILES[name_or_path])
     else:
         path = Path(name_or_path)
-    if not path.is_file():
-        raise KvcInputError(f"no such text file: {path}")
+    try:
+        is_file = path.is_file()
+    except OSError:  # a name too long for a file (text given inline) escaped as OSError ENAMETOOLONG
+        is_file = False
+    if not is_file:
+        shown = str(path) if len(str(path)) <= 200 else str(path)[:200] + "..."
+        raise KvcInputError(f"no such text file: {shown}")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise KvcInputError(f"{path} is not UTF-8 text") from None
+    except OSError as exc:  # unreadable (permission denied, I/O error) escaped as a raw OSError
+        raise KvcInputError(f"cannot read the text file {path}: {exc.strerror or exc}") from None
     if not text.strip():
         raise KvcInputError(f"{path} is empty")
     return text

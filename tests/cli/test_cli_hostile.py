@@ -118,6 +118,9 @@ CASES = [
     ["encode", "s.h5", "-o", "o.kvc", "--config", "deep.json"], ["encode", "s.h5", "-o", "o.kvc", "--config", "bin.json"],
     ["encode", "s.h5", "-o", "o.kvc", "--config", '{"preset":' + "[" * 50_000 + "]" * 50_000 + "}"],
     ["encode", "s.h5", "-o", "o.kvc", "--config", "x" * 5000], ["store", "ls", "--store", "deep_st"],
+    # a --text / --doc too long for a file name (the text given inline) escaped as OSError ENAMETOOLONG
+    ["capture", "--text", "x" * 5000, "-o", "c.h5"], ["ask", "--doc", "x" * 5000, "q"],
+    ["eval", "s.kvc", "--text", "x" * 5000],
 ]
 
 
