@@ -70,13 +70,17 @@ def store_group() -> None:
 @json_option
 def put_command(kvc_file, store_url, key_file, namespace, as_json):
     """Verify KVC_FILE and store it under its content key."""
-    from kvcodec.errors import KvcFormatError, KvcInputError
+    from kvcodec.errors import KvcFormatError
     from kvcodec.format import KvcReader
     from kvcodec.runtime.knowledge import key_for_file
 
-    if not Path(kvc_file).is_file():
-        raise KvcInputError(f"{kvc_file}: no such regular file")
-    data = Path(kvc_file).read_bytes()
+    from kvcodec.atomic import check_input, io_error
+
+    check_input(kvc_file)  # a name too long for a file escaped as OSError ENAMETOOLONG
+    try:
+        data = Path(kvc_file).read_bytes()
+    except OSError as exc:
+        raise io_error(exc, f"cannot read {kvc_file}") from None
     reader = KvcReader(data)
     problems = reader.verify()
     if problems:

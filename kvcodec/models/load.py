@@ -327,7 +327,11 @@ def resolve_model_dir(name: str = DEFAULT_MODEL) -> Path:
     if name in SHIPPED:
         return shipped_model_dir(name)
     path = Path(name).expanduser()
-    if not path.is_dir():
+    try:
+        is_dir = path.is_dir()
+    except OSError:  # a name too long for a path escaped as OSError ENAMETOOLONG
+        is_dir = False
+    if not is_dir:
         raise KvcModelNotFoundError(f"model {name!r} is neither a shipped model ({', '.join(SHIPPED)}) nor a local directory")
     if not (path / "config.json").is_file():
         raise KvcModelNotFoundError(f"model directory {path} has no config.json (not an HF model directory)")

@@ -120,7 +120,8 @@ CASES = [
     ["encode", "s.h5", "-o", "o.kvc", "--config", "x" * 5000], ["store", "ls", "--store", "deep_st"],
     # a --text / --doc too long for a file name (the text given inline) escaped as OSError ENAMETOOLONG
     ["capture", "--text", "x" * 5000, "-o", "c.h5"], ["ask", "--doc", "x" * 5000, "q"],
-    ["eval", "s.kvc", "--text", "x" * 5000],
+    ["eval", "s.kvc", "--text", "x" * 5000], ["store", "put", "x" * 5000, "--store", "st"],
+    ["store", "put", "fifo", "--store", "st"], ["store", "put", "adir", "--store", "st"],
 ]
 
 
@@ -142,6 +143,7 @@ def test_hostile_arguments_are_one_line_errors(hostile, args, capsys):
     ("pickle_model", "only pickle weights"), ("trunc_model", "truncated"), ("cfg_only", "no .safetensors"),
     ("index_model", "missing shard"), ("hdr_model", "not a readable safetensors"), ("/nonexistent", "neither"),
     ("u.txt", "neither"), ("adir", "no config.json"), ("deep_index", "unreadable model.safetensors.index.json"),
+    ("m" * 5000, "neither"),  # escaped as OSError ENAMETOOLONG
 ])
 @pytest.mark.parametrize("command", [
     ["capture", "--text", "u.txt", "-o", "c.h5"], ["encode", "--text", "u.txt", "-o", "o.kvc"],
