@@ -39,7 +39,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from kvcodec.edit.entry import EditResult, breaks, check_dest, check_token_ids, keeps, open_parent, write_child
+from kvcodec.edit.entry import (EditResult, breaks, check_child_preset, check_dest, check_token_ids, keeps, open_parent,
+                                write_child)
 from kvcodec.errors import KvcInputError
 from kvcodec.models.cachelayout import cache_for
 from kvcodec.models.capture import cache_from_hf, capture, check_fits, context_ids
@@ -96,6 +97,7 @@ def append(lm: Any, source: Any, text: str | None = None, token_ids: Any = None,
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
     parent = open_parent(source)
+    check_child_preset(parent, preset)
     hd = parent.reader.header
     parent.reader.check_model(lm)
     if hd.pruned:

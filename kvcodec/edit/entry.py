@@ -202,6 +202,16 @@ class EditResult:
         return d
 
 
+def check_child_preset(parent: Parent, preset: str | None) -> str:
+    """The child's preset, checked right after the parent is opened: an unknown ``preset`` was refused only
+    after the edit's prefill (seconds to minutes of work) had run."""
+    from kvcodec.api import preset_info
+
+    name = _child_preset(parent, preset)
+    preset_info(name)
+    return name
+
+
 def _child_preset(parent: Parent, preset: str | None) -> str:
     from kvcodec.api import PRESETS
 

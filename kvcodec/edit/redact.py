@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from kvcodec.core.kvcache import KVCache
-from kvcodec.edit.entry import EditResult, breaks, check_dest, keeps, open_parent, write_child
+from kvcodec.edit.entry import EditResult, breaks, check_child_preset, check_dest, keeps, open_parent, write_child
 from kvcodec.edit.spans import resolve_spans
 from kvcodec.errors import KvcInputError
 from kvcodec.runtime.blend import blend, layer_inv_freqs, rerotate_keys
@@ -176,6 +176,7 @@ def redact(lm: Any, source: Any, *, pattern: str | None = None, text: str | None
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
     parent = open_parent(source)
+    check_child_preset(parent, preset)
     if repair == "prefill":
         parent.reader.check_model(lm)
         ids = parent.reader.token_ids

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from kvcodec.core.kvcache import KVCache
-from kvcodec.edit.entry import EditResult, check_dest, open_parent, write_child
+from kvcodec.edit.entry import EditResult, check_child_preset, check_dest, open_parent, write_child
 from kvcodec.edit.spans import resolve_spans
 from kvcodec.errors import KvcInputError
 from kvcodec.format.bias import AttentionBias
@@ -114,6 +114,7 @@ def steer(lm: Any, source: Any, heads: Sequence[tuple[int, int]], *, pattern: st
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
     parent = open_parent(source)
+    check_child_preset(parent, preset)
     parent.reader.check_model(lm)
     ids = parent.reader.token_ids
     if ids is None:

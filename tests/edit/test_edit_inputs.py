@@ -186,3 +186,22 @@ def test_redact_refuses_a_steered_entry(lm, entry):
     steered = steer(lm, data, [(0, 0)], token_spans=[(3, 5)]).data
     with pytest.raises(KvcInputError, match="steered"):
         redact(lm, steered, token_spans=[(10, 12)])
+
+
+def test_an_unknown_preset_is_refused_before_the_model_runs(lm, entry, monkeypatch):
+    """`kvc edit redact ENTRY --text X --preset nope` prefilled the child, then refused the preset."""
+    from kvcodec.edit.append import append
+    from kvcodec.edit.redact import redact
+    from kvcodec.edit.steer import steer
+
+    _, data = entry(64)
+
+    def no_forward(*a, **kw):
+        raise AssertionError("the model ran before the preset was checked")
+
+    monkeypatch.setattr(lm.model, "forward", no_forward)
+    for edit in (lambda: append(lm, data, text=" more", preset="nope"),
+                 lambda: redact(lm, data, token_spans=[(3, 5)], preset="nope"),
+                 lambda: steer(lm, data, [(0, 0)], token_spans=[(3, 5)], preset="nope")):
+        with pytest.raises(KvcInputError, match="unknown preset 'nope'"):
+            edit()
