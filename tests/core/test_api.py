@@ -90,6 +90,23 @@ def test_encode_into_a_file_object_that_cannot_be_written(capture_file, tmp_path
         kvcodec.encode(capture_file, f, preset="lossless")
 
 
+def test_read_cache_refuses_token_ids_that_are_not_integers():
+    """A file that stores only the hash of its ids takes them from the caller: "abc", a dict and 2**70 escaped as
+    ValueError / TypeError / OverflowError, and float ids were truncated."""
+    from kvcodec.format.writer import encode_kvc_bytes
+    from kvcodec.plan.presets import get_plan
+
+    c = _synthetic(torch.float16, 8)
+    r = kvcodec.open(encode_kvc_bytes(c, get_plan("lossless", c), store_token_ids=False))
+    for bad in ("abc", {"a": 1}, np.array([2**70] * 8, dtype=object), np.asarray(c.token_ids, np.float64), [1.5] * 8):
+        with pytest.raises(KvcInputError, match="token_ids must be integers"):
+            r.read_cache(token_ids=bad)
+    with pytest.raises(KvcInputError, match="do not match"):
+        r.read_cache(token_ids=[1] * 8)
+    assert r.read_cache(token_ids=torch.from_numpy(np.asarray(c.token_ids))).num_context_tokens == 8
+    assert r.read_cache(token_ids=list(map(int, c.token_ids))).num_context_tokens == 8
+
+
 class _FailingReader:
     """A range reader whose reads fail as a network or disk would."""
 
