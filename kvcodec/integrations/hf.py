@@ -127,8 +127,11 @@ def load_cache(source: Any, lm: LoadedModel, backend: str | None = None, prefetc
     (:func:`decode_device`).
     """
     from kvcodec.api import open as open_kvc
+    from kvcodec.errors import KvcInputError
     from kvcodec.format import KvcReader
 
+    if not (hasattr(lm, "model") and hasattr(lm, "fingerprint")):  # None, a fingerprint, a name: AttributeError
+        raise KvcInputError(f"load_into needs a loaded model (kvcodec.models.load.load_model), got {type(lm).__name__}")
     if isinstance(source, KvcReader):
         reader = source
         reader.check_model(lm)

@@ -47,6 +47,18 @@ def test_generate_one_liner_matches_prefill_greedy(lm, gpl3_ids):
     assert from_kvc == greedy_from(lm, past, n_ctx, question, 8)[0]
 
 
+def test_refuses_what_is_not_a_loaded_model(tmp_path):
+    """``kvcodec.load_into(path, None)`` (or a fingerprint, or a model name) escaped as AttributeError."""
+    import kvcodec
+    from kvcodec.errors import KvcInputError
+    from kvcodec.testing.golden import _synthetic
+
+    c = _synthetic(torch.float16, 8)
+    for lm in (None, c.fingerprint, "smollm2", 3):
+        with pytest.raises(KvcInputError, match="needs a loaded model"):
+            kvcodec.load_into(_kvc(c), lm)
+
+
 def test_refuses_a_file_of_another_model(other_lm, small_cache):
     with pytest.raises(KvcModelMismatchError):
         load_cache(_kvc(small_cache), other_lm)
