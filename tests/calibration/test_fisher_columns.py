@@ -100,9 +100,10 @@ def test_coefficient_sensitivity_predicts_noise_on_one_coefficient(lm, real_cach
     L, H, D = cache.num_layers, cache.keys[0].shape[0], cache.keys[0].shape[-1]
     rng = np.random.default_rng(0)
     ortho = np.linalg.qr(rng.standard_normal((L, 2, H, D, D)))[0]
-    tr = C_build.coefficient_sensitivity(lm, cache, cont, ortho, sink=sink, samples=16, seed=1)
-    iso = C_build.measure_sensitivity(lm, cache, cont, sink=sink, samples=16, seed=1)
-    np.testing.assert_allclose(tr.sum(axis=(-1, -2)), iso, rtol=1e-4)  # same samples: tr(B^T F B) = tr(F)
+    # same samples: tr(B^T F B) = tr(F), an identity for any number of them (4: each sample is a backward pass)
+    tr = C_build.coefficient_sensitivity(lm, cache, cont, ortho, sink=sink, samples=4, seed=1)
+    iso = C_build.measure_sensitivity(lm, cache, cont, sink=sink, samples=4, seed=1)
+    np.testing.assert_allclose(tr.sum(axis=(-1, -2)), iso, rtol=1e-4)
     # the real (pre-RoPE) PCA basis: its key columns are structured in the RoPE frame, so reading the gradient in
     # the wrong frame misses some of them by 5-15x (layer 20, head 2: ~8x on the most sensitive column)
     basis = require_calibration(cache.fingerprint).basis.astype(np.float64)
