@@ -200,6 +200,8 @@ def select_methods(selected: list[str] | None = None, target_kls: list[float] | 
             add(Method(bl_of[s], s, _baseline(s)))
         elif s == "kvcodec" or s.startswith("kvcodec:"):
             for n in codec_presets() if s == "kvcodec" else [s.split(":", 1)[1]]:
+                if n not in _PRESETS:  # refused here, not when its turn comes after the model load and the captures
+                    raise KvcInputError(f"kvcodec:{n}: unknown preset (available: {', '.join(_PRESETS)})")
                 add(Method("kvcodec", n, _preset(n)))
         elif s.split(":", 1)[0] in _PRESET_VARIANTS:
             fam = s.split(":", 1)[0]
@@ -242,6 +244,10 @@ def select_methods(selected: list[str] | None = None, target_kls: list[float] | 
                            note=f"rate knob tuned on the context's last {TUNE_TOKENS} tokens, evaluated on the held-out continuation"))
         elif s == "h2o" or s.startswith("h2o:"):
             for spec in ([s] if s.startswith("h2o:") else (h2o_budgets or list(DEFAULT_H2O_BUDGETS))):
+                from kvcodec.prune.budget import H2OBudget, parse_prune
+
+                if not isinstance(parse_prune(spec), H2OBudget):  # parsed only when its turn came (--h2o bogus)
+                    raise KvcInputError(f"--h2o: not an H2O budget: {spec!r} (e.g. h2o:0.25)")
                 add(Method("h2o", spec, _h2o(spec), note="H2O pruning only; kept tokens stored as fp16"))
         else:
             raise KvcInputError(

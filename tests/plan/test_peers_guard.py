@@ -240,3 +240,17 @@ def test_kvpress_runner_in_its_venv(lm, real_cache):
         assert idx.shape == (L, H, int(128 * (1 - sp.ratio)))
         assert all(len(np.unique(idx[l, h])) == idx.shape[-1] for l in range(L) for h in range(H))
     assert not np.array_equal(got["expected_attention:0.25"], got["observed_attention:0.25"])  # different presses choose differently
+
+
+def test_bad_method_settings_are_refused_when_selected():
+    """`kvc curve --h2o bogus` or `--methods kvcodec:nope` was refused only when that method's turn came, after the
+    model load, the captures and every method before it."""
+    from kvcodec.errors import KvcInputError
+    from kvcodec.eval.methods import select_methods
+
+    for args in ((["h2o"], None, ["bogus"]), (["h2o"], None, ["lingua:0.5"]), (["h2o:bogus"], None, None),
+                 (["kvcodec:nope"], None, None)):
+        with pytest.raises(KvcInputError):
+            select_methods(*args)
+    assert [m.key for m in select_methods(["h2o", "kvcodec:balanced"], None, ["h2o:0.3"]).methods] == \
+        ["h2o/h2o:0.3", "kvcodec/balanced"]
