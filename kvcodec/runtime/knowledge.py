@@ -36,7 +36,7 @@ from kvcodec.core.kvcache import KVCache
 from kvcodec.models.load import LoadedModel, cache_root
 from kvcodec.accounting import bits_per_element, context_elements
 from kvcodec.store import Store, StoreKey
-from kvcodec.store.keys import codec_key
+from kvcodec.store.keys import check_id, codec_key
 
 log = logging.getLogger("kvcodec.runtime.knowledge")
 
@@ -92,6 +92,8 @@ class KnowledgeBase:
         prediction alone can miss the promise). The check changes the step, not the promise, so a checked entry and
         an unchecked one share a key."""
         self.lm = lm
+        # a namespace no key can carry (`kvc ask --namespace a/b`) answered by prefill with two warning lines, exit 0
+        check_id("namespace", namespace)
         if preset is None:
             preset, why = default_preset(lm)
             if why is not None:

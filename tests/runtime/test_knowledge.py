@@ -41,6 +41,19 @@ def test_prefix_chain_reuses_the_first_document(lm, tmp_path):
     assert again.source == "store" and again.answer_ids == chained.answer_ids
 
 
+@pytest.mark.parametrize("ns", ["a/b", "", "x" * 200])
+def test_a_namespace_no_key_can_carry_is_refused(lm, tmp_path, ns, capsys):
+    """`kvc ask --namespace a/b` answered by prefill with two warning lines and exited 0."""
+    from kvcodec.errors import KvcInputError
+
+    with pytest.raises(KvcInputError, match="namespace"):
+        KnowledgeBase(lm, str(tmp_path / "st"), preset="lossless", namespace=ns)
+    code, out, err = run_kvc(["ask", "--doc", "apache2", "Q?", "--store", str(tmp_path / "st"), "--namespace", ns,
+                              "--max-new-tokens", "1"], capsys)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and "namespace" in lines[0] and not out, err
+
+
 def test_other_codec_namespace_or_model_miss(lm, other_lm, tmp_path):
     url = str(tmp_path / "st")
     KnowledgeBase(lm, url, preset="lossless", namespace="tenant-a").ask([DOC], "Q?", max_new_tokens=1)
