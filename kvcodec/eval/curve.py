@@ -229,6 +229,17 @@ def _row_key(row: dict[str, Any]) -> tuple:
             row.get("family"), row.get("method"), row.get("code"))
 
 
+def check_greedy(lm: Any, n_ctx: int, continuation: int, greedy_tokens: Any) -> None:
+    """Refuse greedy tokens the model cannot generate within its context window (``--greedy-tokens 100000000`` ran
+    on for as long as anyone let it): the greedy run continues the context by ``greedy_tokens + 1`` tokens."""
+    from kvcodec.errors import KvcInputError, is_int
+    from kvcodec.models.capture import check_fits
+
+    if not is_int(greedy_tokens):
+        raise KvcInputError(f"greedy_tokens must be an integer >= 0, got {greedy_tokens!r}")
+    check_fits(lm, n_ctx + max(int(continuation), greedy_tokens + 1), "the context + continuation / greedy tokens")
+
+
 def load_previous(path: str | os.PathLike | None) -> dict[tuple, dict[str, Any]]:
     if path is None or not Path(path).is_file():
         return {}
@@ -285,6 +296,7 @@ def run_curve(
     if capture_dir == "default":
         capture_dir = default_capture_dir()
     lm = lm or load_model(model)
+    check_greedy(lm, max_tokens, continuation, greedy_tokens)  # before any capture, not after the first method
     previous = load_previous(json_out)
     result: dict[str, Any] = {
         "schema": SCHEMA,

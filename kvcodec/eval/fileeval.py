@@ -16,7 +16,7 @@ import numpy as np
 
 from kvcodec.calibration.store import default_resolver
 from kvcodec.digest import token_ids_sha256
-from kvcodec.eval.curve import rate_fields
+from kvcodec.eval.curve import check_greedy, rate_fields
 from kvcodec.format import KvcReader
 
 EVAL_CONTINUATION = 1024  # kvc eval's default: ΔPPL's interval narrows as 1/sqrt(tokens)
@@ -81,6 +81,7 @@ def eval_kvc_file(lm: Any, path: str | os.PathLike, text_ids: np.ndarray, contin
         if len(text_ids) < n_ctx + continuation:
             raise _In(f"the text has only {len(text_ids) - n_ctx} tokens after the file's {n_ctx}-token context, "
                       f"fewer than --continuation {continuation}")
+        check_greedy(lm, n_ctx, continuation, greedy_tokens)
         t0 = time.perf_counter()
         decoded = r.read_cache(token_ids=ids)
         t_dec = time.perf_counter() - t0

@@ -123,6 +123,7 @@ def test_eval_pruned_cache(lm, cache, tmp_path, capsys):
         ("short", "fewer than --continuation"),
         ("model", "different model"),
         ("missing", "no such file"),
+        ("greedy", "more than the model's context window"),  # --greedy-tokens 100000000 ran on without end
     ],
 )
 def test_eval_bad_inputs(case, match, kvc_files, tmp_path, capsys):
@@ -135,6 +136,8 @@ def test_eval_bad_inputs(case, match, kvc_files, tmp_path, capsys):
         path = kvc_files["alien"]
     elif case == "missing":
         path = tmp_path / "nope.kvc"
+    elif case == "greedy":
+        args = [*args, "--greedy-tokens", "100000000"]
     code, out, err = run_cli(["eval", str(path), *args, "--json"], capsys)
     assert code != 0 and out == ""
     lines = err.strip().splitlines()
