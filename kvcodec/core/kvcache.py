@@ -72,7 +72,15 @@ class KVCache:
     attention: AttentionScores | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.token_ids = np.asarray(self.token_ids, dtype=np.int64).reshape(-1)
+        try:
+            ids = np.asarray(self.token_ids)
+        except (ValueError, TypeError, OverflowError):
+            ids = None
+        # "abc" escaped as ValueError, float ids were truncated to integers
+        if ids is None or (ids.size and ids.dtype.kind not in "iu"):
+            raise KvcFormatError(f"token ids must be integers, got {type(self.token_ids).__name__}"
+                                 f"{'' if ids is None else ' of ' + str(ids.dtype)}")
+        self.token_ids = ids.astype(np.int64).reshape(-1)
         self.validate()
 
     # -- shape facts -------------------------------------------------------
@@ -123,6 +131,15 @@ class KVCache:
 
     def validate(self) -> None:
         fp = self.fingerprint
+        if not isinstance(fp, ModelFingerprint):  # None escaped as AttributeError
+            raise KvcFormatError(f"the cache's fingerprint must be a ModelFingerprint, got {type(fp).__name__}")
+        for name, xs in (("key", self.keys), ("value", self.values)):
+            if not isinstance(xs, (list, tuple)):
+                raise KvcFormatError(f"the cache's {name}s must be a list of tensors, got {type(xs).__name__}")
+            for i, x in enumerate(xs):  # numpy arrays escaped as AttributeError, meta tensors as NotImplementedError
+                if not isinstance(x, torch.Tensor) or x.device.type == "meta":
+                    raise KvcFormatError(f"layer {i} {name} must be a torch.Tensor holding data, got "
+                                         f"{'a meta tensor' if isinstance(x, torch.Tensor) else type(x).__name__}")
         if len(self.keys) != fp.num_layers or len(self.values) != fp.num_layers:
             raise KvcFormatError(f"cache has {len(self.keys)} key / {len(self.values)} value layers, model has {fp.num_layers}")
         for i, (k, v) in enumerate(zip(self.keys, self.values)):

@@ -107,6 +107,25 @@ def test_read_cache_refuses_token_ids_that_are_not_integers():
     assert r.read_cache(token_ids=list(map(int, c.token_ids))).num_context_tokens == 8
 
 
+def test_a_cache_of_the_wrong_parts_is_refused_when_built():
+    """A KVCache (what encode takes) of numpy arrays, without a fingerprint or of meta tensors escaped as
+    AttributeError / NotImplementedError; float token ids were truncated, "abc" escaped as ValueError."""
+    from kvcodec.core.kvcache import KVCache
+    from kvcodec.errors import KvcFormatError
+
+    c = _synthetic(torch.float16, 8)
+    for keys, values, ids, fp, words in (
+        ([k.numpy() for k in c.keys], c.values, c.token_ids, c.fingerprint, "must be a torch.Tensor"),
+        ([k.to("meta") for k in c.keys], c.values, c.token_ids, c.fingerprint, "meta tensor"),
+        (c.keys, c.values, c.token_ids, None, "fingerprint must be a ModelFingerprint"),
+        (c.keys, c.values, c.token_ids.astype(np.float64) + 0.5, c.fingerprint, "token ids must be integers"),
+        (c.keys, c.values, "abc", c.fingerprint, "token ids must be integers"),
+    ):
+        with pytest.raises(KvcFormatError, match=words):
+            KVCache(keys, values, ids, fp)
+    assert KVCache(c.keys, c.values, torch.from_numpy(np.asarray(c.token_ids)), c.fingerprint).num_context_tokens == 8
+
+
 class _FailingReader:
     """A range reader whose reads fail as a network or disk would."""
 
