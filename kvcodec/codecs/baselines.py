@@ -48,9 +48,21 @@ from kvcodec.core.stage import ArraySpec, ArrayToArray, ArrayToBytes, ChunkConte
 _FLOAT_DTYPES = ("float16", "float32", "float64")
 
 
+_FP16_MAX = 65504.0
+
+
 def _check_float(name: str, arr: np.ndarray) -> np.ndarray:
+    """A float array every baseline can code: finite and within float16, whose scales they store (one NaN, inf or
+    1e30 made every other value of its token or channel NaN in the decoded file, silently)."""
     if arr.dtype.kind != "f":
         raise KvcCodecError(f"codec {name!r} codes float arrays, got {arr.dtype}")
+    if arr.size:
+        if not np.isfinite(arr).all():
+            raise KvcCodecError(f"codec {name!r}: input contains NaN or inf")
+        big = float(np.abs(arr).max())
+        if big > _FP16_MAX:
+            raise KvcCodecError(f"codec {name!r}: a value of magnitude {big:.4g} overflows the float16 scales it stores "
+                                "(max 65504); use the lossless preset for this cache")
     return arr
 
 

@@ -236,6 +236,20 @@ def test_int8_and_cachegen_zero_rows():
     assert not y[:, 5].any()
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, 1e30])
+def test_a_value_the_baselines_cannot_code_is_refused(bad):
+    """One NaN, inf or 1e30 made every other value of its token (int8, cachegen) NaN in the decoded file, silently;
+    the codec presets already refused such input."""
+    from kvcodec.codecs.baselines import Int8TokenStage
+    from kvcodec.errors import KvcCodecError
+
+    x = np.random.default_rng(0).standard_normal((2, 40, 8)).astype(np.float32)
+    x[1, 7, 3] = bad
+    for st in (Int8TokenStage(), KiviStage(bits=2, group=32, residual=0, mode="key"), CacheGenStage(bins=16)):
+        with pytest.raises(KvcCodecError, match="NaN or inf|overflows"):
+            st.encode(x, ChunkContext())
+
+
 def test_cachegen_layer_split_is_lmcache_literal():
     L = 30
     assert [cachegen_bins(l, "k", L) for l in (0, 9, 10, 29)] == [32, 32, 16, 16]
