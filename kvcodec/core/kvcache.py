@@ -429,10 +429,12 @@ def save_safetensors(cache: KVCache, path: str | os.PathLike) -> None:
         tensors["attention_scores"] = torch.from_numpy(np.asarray(cache.attention.scores, dtype=np.float64))
         meta["attention_window"] = str(_window_code(cache.attention.window))
     with atomic_path(path) as tmp:
+        mode = os.stat(tmp).st_mode & 0o777  # 0666 & ~umask, as atomic_path made it
         try:
             save_file(tensors, str(tmp), metadata=meta)
         except SafetensorError as exc:  # its I/O errors (disk full, ...) are not OSErrors
             raise io_error_in(exc, f"cannot write {path}") from None
+        os.chmod(tmp, mode)  # safetensors re-creates the file 0600: a capture was unreadable to the group, unlike an .h5
 
 
 _ST_DTYPES = {"F16": ("float16", 2), "F32": ("float32", 4), "BF16": ("bfloat16", 2), "I32": ("int32", 4),

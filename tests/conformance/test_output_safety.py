@@ -255,9 +255,12 @@ def test_new_files_get_umask_permissions_not_0600(tmp_path):
     old = os.umask(0o022)
     try:
         atomic.atomic_write_bytes(tmp_path / "p", b"x")
+        for name in ("c.h5", "c.safetensors"):  # safetensors' own writer made its capture 0600
+            save_capture(synthetic_cache(torch.float32, T=8), tmp_path / name)
     finally:
         os.umask(old)
-    assert (tmp_path / "p").stat().st_mode & 0o777 == 0o644
+    for name in ("p", "c.h5", "c.safetensors"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o644, name
 
 
 # -- disk full / read-only filesystem --------------------------------------------------------
