@@ -177,6 +177,10 @@ def open_source(source: Any) -> ByteSource:
     if hasattr(source, "size") and callable(getattr(source, "read", None)) and not hasattr(source, "seek"):
         return RangeObjectSource(source)
     if callable(getattr(source, "read", None)) and callable(getattr(source, "seek", None)):
+        import io
+
+        if isinstance(source, io.TextIOBase):  # read as text, its first non-UTF-8 byte escaped as UnicodeDecodeError
+            raise KvcInputError("the file object is open in text mode; open the .kvc file in binary mode ('rb')")
         return FileObjectSource(source)
     if hasattr(source, "size") and callable(getattr(source, "read", None)):
         return RangeObjectSource(source)

@@ -153,6 +153,8 @@ def test_open_refusals_are_kvc_errors(kvc_file):
         kvcodec.open(kvc_file, bogus=1)
     with pytest.raises(KvcInputError, match="attachment_resolver must be"):
         kvcodec.open(kvc_file, attachment_resolver=3)
+    with open(kvc_file) as text, pytest.raises(KvcInputError, match="text mode"):  # escaped as UnicodeDecodeError
+        kvcodec.open(text)
     with kvcodec.open(kvc_file) as r:
         with pytest.raises(KvcInputError, match="model must be"):
             r.read_cache(model=3)
