@@ -10,9 +10,25 @@ import click
 from kvcodec.cli.options import emit_json, json_option
 
 
+def _printable(x: Any) -> Any:
+    """``x`` with every string's control and format characters (newline, ESC, BEL, bidi overrides) escaped: a
+    file's writer, codec or meta strings are the file's, and one holding "\\nmodel: ..." printed a forged line
+    in `kvc info` (and an ANSI sequence reached the terminal)."""
+    import unicodedata
+
+    if isinstance(x, str):
+        return "".join(c if unicodedata.category(c) not in ("Cc", "Cf") else ascii(c)[1:-1] for c in x)
+    if isinstance(x, dict):
+        return {_printable(k): _printable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_printable(v) for v in x)
+    return x
+
+
 def render_info(d: dict[str, Any]) -> str:
     from kvcodec.core.fingerprint import FINGERPRINT_VERSION
 
+    d = _printable(d)
     sz = d["sizes"]
     m = d["model"]
     lines = [

@@ -123,3 +123,26 @@ def test_bad_inputs(tmp_path, capture_file, capsys, monkeypatch):
         code, _, err = run_main(["verify", str(good), "--backend", "gpu"], capsys)  # said the good file was bad (3)
         _one_line_error(code, err)
         assert code == 7
+
+
+def test_info_escapes_the_files_control_characters(tmp_path, capsys):
+    """A file's writer / codec / meta strings holding a newline printed a forged line in `kvc info` (here a second
+    "model:" line), and an ANSI or BEL sequence reached the terminal."""
+    from kvcodec.format import write_kvc
+    from kvcodec.plan.presets import get_plan
+    from kvcodec.testing.surgery import Parts
+
+    c = synthetic_cache(torch.float32, T=8)
+    good = tmp_path / "g.kvc"
+    write_kvc(c, good, get_plan("lossless", c).pipelines)
+    p = Parts(good.read_bytes())
+    h = p.own_header()
+    h["writer"] = "kvcodec 0.1.0\nmodel:       FORGED \x1b[2J"
+    h["codec"] = "lossless\x07\u202e"
+    evil = tmp_path / "evil.kvc"
+    evil.write_bytes(p.build())
+    code, out, err = run_main(["info", str(evil)], capsys)
+    assert code == 0, err
+    assert [ln for ln in out.splitlines() if ln.startswith("model:")] == [out.splitlines()[1]]
+    assert "FORGED" in out.splitlines()[0] and not any(ch in out for ch in "\x1b\x07\u202e")
+    assert "codec:       lossless\\x07\\u202e" in out
