@@ -30,7 +30,7 @@ class _WarningLine(logging.Handler):
     """
 
     def emit(self, record: logging.LogRecord) -> None:
-        click.echo(f"kvc: warning: {' '.join(record.getMessage().split())}", err=True)
+        click.echo(f"kvc: warning: {_one_line(record.getMessage())}", err=True)
 
 
 def _show_warnings() -> None:
@@ -44,8 +44,12 @@ def _show_warnings() -> None:
 
 def _one_line(text: object) -> str:
     """``text`` on one line: a message that quotes a path or a value holding a newline must not become two
-    lines of output (the CLI's promise: one ``kvc: error:`` line)."""
-    return " ".join(str(text).split())
+    lines of output (the CLI's promise: one ``kvc: error:`` line), nor carry a quoted control or format character
+    (ESC, BEL, a bidi override) to the terminal: those are escaped."""
+    import unicodedata
+
+    flat = " ".join(str(text).split())
+    return "".join(c if unicodedata.category(c) not in ("Cc", "Cf") else ascii(c)[1:-1] for c in flat)
 
 
 def _terminal_write_failed(exc: OSError) -> bool:

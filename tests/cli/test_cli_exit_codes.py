@@ -64,6 +64,8 @@ def test_a_newline_in_a_path_stays_one_error_line(tmp_path, capsys):
     """A message quoting a name that holds a newline is still one line (it printed as two)."""
     code, _, err = run_kvc(["info", str(tmp_path / "a\nb.kvc")], capsys)
     assert code == 2 and "a b.kvc" in _one_line(code, err)
+    code, _, err = run_kvc(["info", str(tmp_path / "a\x1b[2J\x07b.kvc")], capsys)  # no ESC / BEL to the terminal
+    assert code == 2 and "a\\x1b[2J\\x07b.kvc" in _one_line(code, err)
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
