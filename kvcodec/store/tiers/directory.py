@@ -141,7 +141,12 @@ class DirectoryTier(Tier):
             path = unquote(p.path)
             opts = dict(parse_qsl(p.query))
         else:
-            path = os.path.expanduser(url)
+            # a plain path takes the same ?options (kvc store ... --store st?max_bytes=1G made a directory called
+            # "st?max_bytes=1G", uncapped, and `st?bogus=1` was accepted)
+            path, sep, query = url.partition("?")
+            path = os.path.expanduser(path)
+            if sep:
+                opts = dict(parse_qsl(query, keep_blank_values=True))
         mb = opts.pop("max_bytes", None)
         max_bytes = parse_size(mb) if mb is not None else (
             parse_size(defaults.max_bytes) if defaults.max_bytes is not None else None)
