@@ -67,6 +67,8 @@ def decode_device(target: torch.device | str, backend: str | None = None) -> str
     """
     from kvcodec.decode.device import ENV_VAR, resolve_device
 
+    if backend is not None and not isinstance(backend, str):  # backend=3 escaped as AttributeError
+        return resolve_device(backend)  # raises: one KvcInputError line
     b = (backend or os.environ.get(ENV_VAR) or "auto").strip().lower()
     if b != "auto":
         return resolve_device(b)
@@ -86,8 +88,27 @@ def device_scope(target: torch.device | str) -> Iterator[None]:
 
 
 def target_device(device: torch.device | str | None, lm: Any = None) -> torch.device:
-    """``device`` (default: ``lm``'s, :func:`model_device`) with a CUDA device's index made explicit."""
-    dev = torch.device(device) if device is not None else model_device(lm) if lm is not None else torch.device("cpu")
+    """``device`` (default: ``lm``'s, :func:`model_device`) with a CUDA device's index made explicit.
+
+    A device that cannot hold the cache is one line: an unknown name ("tpu", 3) escaped as RuntimeError, "cuda"
+    without CUDA as AssertionError, and "meta" (no data) or a CUDA index past the last device were accepted."""
+    if device is None:
+        dev = model_device(lm) if lm is not None else torch.device("cpu")
+    else:
+        from kvcodec.errors import KvcBackendError, KvcInputError
+
+        try:
+            dev = torch.device(device) if isinstance(device, (str, torch.device)) else None
+        except (RuntimeError, ValueError, TypeError):
+            dev = None
+        own = model_device(lm).type if lm is not None else "cpu"
+        if dev is None or dev.type not in ("cpu", "cuda", own):
+            raise KvcInputError(f"device must be 'cpu', 'cuda[:N]' or the model's own device type, got {device!r}")
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise KvcBackendError(f"device {device!r}: no CUDA device is available")
+            if dev.index is not None and not 0 <= dev.index < torch.cuda.device_count():
+                raise KvcInputError(f"device {device!r}: there are {torch.cuda.device_count()} CUDA devices")
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev

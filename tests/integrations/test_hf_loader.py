@@ -59,6 +59,23 @@ def test_refuses_what_is_not_a_loaded_model(tmp_path):
             kvcodec.load_into(_kvc(c), lm)
 
 
+def test_refuses_a_device_or_backend_that_cannot_hold_the_cache(lm, small_cache):
+    """device="tpu" / 3 escaped as RuntimeError, "cuda" without CUDA as AssertionError, "meta" was accepted (a
+    cache without data); backend=3 escaped as AttributeError."""
+    import kvcodec
+    from kvcodec.errors import KvcError, KvcInputError
+
+    data = _kvc(small_cache)
+    for device in ("tpu", 3, "meta", "cuda", "cuda:99"):
+        if device == "cuda" and torch.cuda.is_available():  # a usable device there
+            continue
+        with pytest.raises(KvcError):
+            kvcodec.load_into(data, lm, device=device)
+    with pytest.raises(KvcInputError, match="backend must be"):
+        kvcodec.load_into(data, lm, backend=3)
+    assert kvcodec.load_into(data, lm, device="cpu").cache.get_seq_length() == small_cache.num_tokens
+
+
 def test_refuses_a_file_of_another_model(other_lm, small_cache):
     with pytest.raises(KvcModelMismatchError):
         load_cache(_kvc(small_cache), other_lm)
