@@ -205,7 +205,8 @@ def stats_command(store_url, key_file, as_json):
 
 
 def _read_failures(st: Any) -> list[str]:
-    """The tiers of ``st`` whose reads failed (a failed read is a miss), each with why."""
+    """The tiers of ``st`` whose reads failed or whose copy was corrupt (either is a miss), each with why: the
+    store's own warning lines about them are kept quiet, so the error line says it."""
     out = []
     for t in st.tiers:
         guard = getattr(t, "guard", None)
@@ -213,6 +214,8 @@ def _read_failures(st: Any) -> list[str]:
             out.append(f"{t.name}: {guard.what} is unreachable ({guard.last_error})")
         elif t.counters.errors:
             out.append(f"{t.name}: " + (_unreachable(t) or "its read failed"))
+        if t.counters.corrupt:
+            out.append(f"{t.name}: its copy was corrupt (moved to quarantine)")
     return out
 
 

@@ -145,3 +145,28 @@ def test_unreachable_and_read_only_tiers_are_one_line_errors(tmp_path, capsys, m
     both = f"{tmp_path / 'st'},{url}"
     code, out, err = run_kvc(["store", "put", str(kvc), "--store", both, "--json"], capsys)
     assert code == 0 and json.loads(out)["stored_in"] == ["memory", "directory"], err
+
+
+def test_get_of_a_corrupt_entry_says_so(tmp_path, capsys, monkeypatch):
+    """The store quarantines a corrupt copy and treats it as a miss: the one error line says it was corrupt."""
+    import torch
+
+    from formatutil import synthetic_cache
+    from kvcodec.format import write_kvc
+    from kvcodec.plan.presets import get_plan
+
+    monkeypatch.setenv("KVC_STORE_KEY", "ab" * 32)
+    c = synthetic_cache(torch.float32, T=8)
+    kvc = tmp_path / "s.kvc"
+    write_kvc(c, kvc, get_plan("lossless", c).pipelines)
+    st = tmp_path / "st"
+    code, out, err = run_kvc(["store", "put", str(kvc), "--store", str(st), "--json"], capsys)
+    assert code == 0, err
+    key = json.loads(out)["key"]
+    (obj,) = st.glob("objects/*/*/*.kve")
+    b = bytearray(obj.read_bytes())
+    b[len(b) // 2] ^= 1
+    obj.write_bytes(bytes(b))
+    code, _, err = run_kvc(["store", "get", key, "-o", str(tmp_path / "o.kvc"), "--store", str(st)], capsys)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 8 and len(lines) == 1 and "corrupt" in lines[0], err
