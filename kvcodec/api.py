@@ -118,7 +118,7 @@ def encode(
     ``verify`` is the writer's read-back policy (``"file"`` or ``"off"``).
     """
     _check_source_dest(source, dest)
-    _check_types(preset=preset, overrides=overrides, progress=progress)
+    _check_types(preset=preset, overrides=overrides, progress=progress, text=text, max_tokens=max_tokens)
     targeted = target_kl is not None or target_dppl is not None
     if target_kl is not None and target_dppl is not None:
         raise KvcInputError("give only one of target_kl and target_dppl")
@@ -480,9 +480,14 @@ def _check_against_cache(cache: KVCache, overrides: dict[str, Any], chunk_tokens
         raise KvcInputError(f"sink ({sink}) is more tokens than the context has ({n})")
 
 
-def _check_types(*, preset: Any, overrides: Any, progress: Any) -> None:
+def _check_types(*, preset: Any, overrides: Any, progress: Any, text: Any = None, max_tokens: Any = None) -> None:
     """Arguments of the wrong type, refused in one line before any work (``preset=3``, ``overrides=[1]``,
-    ``progress=3`` escaped as AttributeError / TypeError)."""
+    ``progress=3``, ``text=3`` / ``b"..."``, ``max_tokens="x"`` escaped as AttributeError / TypeError / ValueError;
+    ``max_tokens=2.5`` / ``True`` were taken as numbers)."""
+    if text is not None and not isinstance(text, str):
+        raise KvcInputError(f"text must be a str (the document, already loaded), got {type(text).__name__}")
+    if max_tokens is not None and not is_int(max_tokens, 1):
+        raise KvcInputError(f"max_tokens must be a positive integer, got {max_tokens!r:.40}")
     if preset is not None and not isinstance(preset, str):
         raise KvcInputError(f"preset must be a preset name (a str), got {type(preset).__name__}")
     if overrides is not None and not isinstance(overrides, Mapping):

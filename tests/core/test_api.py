@@ -80,6 +80,18 @@ def test_encode_refuses_arguments_of_the_wrong_type(capture_file, kw, words):
         kvcodec.encode(capture_file, None, **{"preset": "lossless", **kw})
 
 
+@pytest.mark.parametrize("kw, words", [
+    ({"text": 3}, "text must be a str"), ({"text": b"some text"}, "text must be a str"), ({"text": ["a"]}, "text must be"),
+    ({"text": "some text", "max_tokens": "x"}, "max_tokens must be"), ({"text": "some text", "max_tokens": 2.5}, "max_tokens"),
+    ({"text": "some text", "max_tokens": True}, "max_tokens must be"),
+])
+def test_encode_refuses_a_text_or_max_tokens_of_the_wrong_type(kw, words):
+    """Refused before the model is looked up (model="/nonexistent" is never reached): text=3 and max_tokens="x"
+    escaped as AttributeError / TypeError after the model had loaded, max_tokens=2.5 / True were taken."""
+    with pytest.raises(KvcInputError, match=words):
+        kvcodec.encode(None, None, model="/nonexistent", preset="lossless", **kw)
+
+
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
 def test_encode_into_a_file_object_that_cannot_be_written(capture_file, tmp_path):
     with open("/dev/full", "wb", buffering=0) as full, pytest.raises(KvcIOError, match="no space left"):
