@@ -104,7 +104,16 @@ def context_ids(
     """The validated context token ids of ``text`` or ``token_ids``, truncated to ``max_tokens``."""
     if (text is None) == (token_ids is None):
         raise KvcInputError("give exactly one of text or token_ids")
-    ids = tokenize(lm.tokenizer, text) if text is not None else np.asarray(token_ids, dtype=np.int64).reshape(-1)
+    if text is not None:
+        ids = tokenize(lm.tokenizer, text)
+    else:  # "abc" escaped as ValueError, float ids were truncated
+        try:
+            arr = np.asarray(token_ids)
+        except (ValueError, TypeError, OverflowError):
+            arr = None
+        if arr is None or (arr.size and arr.dtype.kind not in "iu"):
+            raise KvcInputError(f"token ids must be integers, got {type(token_ids).__name__}")
+        ids = arr.astype(np.int64).reshape(-1)
     if ids.size == 0:
         raise KvcInputError("no tokens to capture")
     vocab = int(lm.model.config.get_text_config().vocab_size)

@@ -183,6 +183,15 @@ def test_open_takes_a_model_name_as_encode_does(lm, small_cache):
         assert r.header.num_context_tokens == small_cache.num_context_tokens
 
 
+@pytest.mark.model
+def test_capture_refuses_token_ids_that_are_not_integers(lm):
+    """kvcodec.api.capture(lm, token_ids="abc") escaped as ValueError; float ids were truncated."""
+    for bad in ("abc", [1.5, 2.0], {"a": 1}):
+        with pytest.raises(KvcInputError, match="token ids must be integers"):
+            api.capture(lm, token_ids=bad)
+    assert api.capture(lm, token_ids=[1, 2, 3]).num_context_tokens == 3
+
+
 def test_encode_cache_is_the_writer_with_the_plan_resolved(capture_file):
     from kvcodec.core.kvcache import load_capture
     from kvcodec.format import encode_kvc_bytes
