@@ -22,11 +22,12 @@ def capture_command(model: str, text_path: str, max_tokens: int | None, output: 
     queries) and the file keeps it, so `kvc encode` of this capture runs no forward pass over the context."""
     from kvcodec.atomic import check_output
     from kvcodec.models.capture import capture
-    from kvcodec.core.kvcache import save_capture
+    from kvcodec.core.kvcache import capture_path, save_capture
     from kvcodec.models.load import load_model
     from kvcodec.plan.presets import capture_window
     from kvcodec.texts import load_text
 
+    capture_path(output)  # before the prefill that would write it
     check_output(output, inputs=[text_path, model])
     text = load_text(text_path)
     lm = load_model(model)

@@ -291,8 +291,9 @@ def decode_command(input_path: str, output: str, backend: str | None, as_json: b
     """Decode a .kvc file back into a raw capture (same layout as kvc capture)."""
     from kvcodec.atomic import check_input, check_output
     from kvcodec.format import read_kvc
-    from kvcodec.core.kvcache import save_capture
+    from kvcodec.core.kvcache import capture_path, save_capture
 
+    capture_path(output)
     check_output(output, inputs=[check_input(input_path)])
     cache = read_kvc(input_path, backend=backend)
     save_capture(cache, output)

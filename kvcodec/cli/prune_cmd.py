@@ -28,10 +28,11 @@ def prune_command(input_path: str, spec: str, output: str, model: str | None, qu
     """
     from kvcodec.atomic import check_input, check_output
     from kvcodec.errors import KvcInputError
-    from kvcodec.core.kvcache import load_capture, save_capture
+    from kvcodec.core.kvcache import capture_path, load_capture, save_capture
     from kvcodec.prune import apply_prune, parse_prune
 
     budget = parse_prune(spec)  # refuse a bad spec before loading anything
+    capture_path(output)
     check_input(input_path)
     check_output(output, inputs=[input_path, model])
     cache = load_capture(input_path)

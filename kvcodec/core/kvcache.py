@@ -535,10 +535,24 @@ def _pread_exact(fd: int, offset: int, length: int, path: Path, size: int) -> by
 def load_capture(path: str | os.PathLike) -> KVCache:
     """Load a raw capture by extension (.h5/.hdf5 or .safetensors)."""
     p = Path(path)
-    return load_safetensors(p) if p.suffix == ".safetensors" else load_h5(p)
+    return load_safetensors(p) if p.suffix.lower() == ".safetensors" else load_h5(p)
+
+
+CAPTURE_SUFFIXES = (".h5", ".hdf5", ".safetensors")
+
+
+def capture_path(path: str | os.PathLike) -> Path:
+    """``path`` as a capture's output, whose extension says its format: ``.h5`` / ``.hdf5`` (HDF5) or
+    ``.safetensors``. Any other is one :class:`KvcInputError` line, checked before the work that writes it: an
+    HDF5 file silently written under ``x.kvc`` or ``x.txt`` is read back as neither."""
+    p = Path(path)
+    if p.suffix.lower() not in CAPTURE_SUFFIXES:
+        raise KvcInputError(f"a capture is written as {', '.join(CAPTURE_SUFFIXES)}; {str(p)!r} has none of these "
+                            "extensions")
+    return p
 
 
 def save_capture(cache: KVCache, path: str | os.PathLike) -> None:
-    """Write a raw capture by extension (.safetensors, else HDF5)."""
-    p = Path(path)
-    (save_safetensors if p.suffix == ".safetensors" else save_h5)(cache, p)
+    """Write a raw capture in the format its extension names (:func:`capture_path`)."""
+    p = capture_path(path)
+    (save_safetensors if p.suffix.lower() == ".safetensors" else save_h5)(cache, p)

@@ -97,6 +97,16 @@ def test_bad_inputs(tmp_path, capture_file, capsys, monkeypatch):
     code, _, err = run_main(["verify", str(flipped)], capsys)
     _one_line_error(code, err)
     assert "CRC32C" in err
+    # a capture's extension names its format: any other is refused before the work, and nothing is written (an
+    # HDF5 file was written under .kvc or .txt, which no reader takes for one)
+    for name in ("o.kvc", "o.txt", "o"):
+        for argv in (["decode", str(good), "-o", str(tmp_path / name)],
+                     ["prune", str(capture_file), "--prune", "h2o:0.5", "-o", str(tmp_path / name)]):
+            code, _, err = run_main(argv, capsys)
+            _one_line_error(code, err)
+            assert ".h5, .hdf5, .safetensors" in err and not (tmp_path / name).exists()
+    code, _, err = run_main(["decode", str(good), "-o", str(tmp_path / "o.HDF5")], capsys)
+    assert code == 0 and load_capture(tmp_path / "o.HDF5").num_tokens > 0
     code, o, err = run_main(["verify", str(flipped), "--json"], capsys)
     assert code == 3 and json.loads(o)["ok"] is False
     _one_line_error(code, err)  # the JSON on stdout and the error line (it exited 3 without one)
