@@ -39,6 +39,17 @@ def test_odd_store_urls_are_one_line_errors(url, capsys):
     assert code == 2 and err.startswith("kvc: error:") and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("flt", [["--namespace", "a/b"], ["--namespace", ""], ["--namespace", "n" * 200],
+                                 ["--model", "m:x"]])
+def test_ls_filters_no_key_can_carry_are_one_line_errors(flt, tmp_path, capsys):
+    """``kvc store ls --namespace a/b`` listed nothing and exited 0, as if the store held no such entry."""
+    code, out, err = run_kvc(["store", "ls", "--store", str(tmp_path / "st"), *flt], capsys)
+    assert code == 2 and err.startswith("kvc: error:") and err.count("\n") == 1 and not out, err
+    assert "is invalid" in err
+    code, out, err = run_kvc(["store", "ls", "--store", str(tmp_path / "st"), "--namespace", "ok", "--json"], capsys)
+    assert code == 0 and json.loads(out) == [], err
+
+
 def test_key_file_errors(tmp_path, capsys):
     code, out, _ = run_kvc(["store", "keygen", "-o", str(tmp_path / "a.key"), "--json"], capsys)
     assert code == 0 and len(json.loads(out)["key_id"]) == 16
