@@ -27,8 +27,8 @@ def capture_command(model: str, text_path: str, max_tokens: int | None, output: 
     from kvcodec.plan.presets import capture_window
     from kvcodec.texts import load_text
 
-    capture_path(output)  # before the prefill that would write it
     check_output(output, inputs=[text_path, model])
+    capture_path(output)  # before the prefill that would write it
     text = load_text(text_path)
     lm = load_model(model)
     cache = capture(lm, text=text, max_tokens=max_tokens, score_window=capture_window())

@@ -293,8 +293,8 @@ def decode_command(input_path: str, output: str, backend: str | None, as_json: b
     from kvcodec.format import read_kvc
     from kvcodec.core.kvcache import capture_path, save_capture
 
-    capture_path(output)
     check_output(output, inputs=[check_input(input_path)])
+    capture_path(output)  # after the checks on what the output is: those say more (onto the input, a device)
     cache = read_kvc(input_path, backend=backend)
     save_capture(cache, output)
     info = {"input": input_path, "output": output, "layers": cache.num_layers, "tokens": cache.num_tokens,

@@ -32,9 +32,9 @@ def prune_command(input_path: str, spec: str, output: str, model: str | None, qu
     from kvcodec.prune import apply_prune, parse_prune
 
     budget = parse_prune(spec)  # refuse a bad spec before loading anything
-    capture_path(output)
     check_input(input_path)
     check_output(output, inputs=[input_path, model])
+    capture_path(output)
     cache = load_capture(input_path)
     if question is not None and budget.method != "lingua":
         raise KvcInputError("--question only applies to lingua pruning")

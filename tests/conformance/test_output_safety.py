@@ -341,12 +341,13 @@ def test_disk_full_on_a_real_tiny_filesystem(tiny_tmpfs, tmp_path, capsys):
     src = tmp_path / "a.kvc"
     write_kvc(c, src, get_plan("raw", c).pipelines)
     (tiny_tmpfs / "keep").write_bytes(b"old")
-    for args in (["encode", str(cap), "--preset", "raw", "-o", str(tiny_tmpfs / "keep")], ["decode", str(src), "-o", str(tiny_tmpfs / "keep")],
+    (tiny_tmpfs / "keep.h5").write_bytes(b"old")  # a capture's name says its format (.h5 / .hdf5 / .safetensors)
+    for args in (["encode", str(cap), "--preset", "raw", "-o", str(tiny_tmpfs / "keep")], ["decode", str(src), "-o", str(tiny_tmpfs / "keep.h5")],
                  ["decode", str(src), "-o", str(tiny_tmpfs / "x.safetensors")]):
         code, _, err = run_kvc(args, capsys)
         line = one_line_error(code, err)
         assert code == KvcIOError.exit_code and "no space left" in line, line
-        assert (tiny_tmpfs / "keep").read_bytes() == b"old"
+        assert (tiny_tmpfs / "keep").read_bytes() == b"old" and (tiny_tmpfs / "keep.h5").read_bytes() == b"old"
         assert _temps(tiny_tmpfs) == []
 
 
