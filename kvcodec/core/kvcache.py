@@ -72,15 +72,7 @@ class KVCache:
     attention: AttentionScores | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        try:
-            ids = np.asarray(self.token_ids)
-        except (ValueError, TypeError, OverflowError):
-            ids = None
-        # "abc" escaped as ValueError, float ids were truncated to integers
-        if ids is None or (ids.size and ids.dtype.kind not in "iu"):
-            raise KvcFormatError(f"token ids must be integers, got {type(self.token_ids).__name__}"
-                                 f"{'' if ids is None else ' of ' + str(ids.dtype)}")
-        self.token_ids = ids.astype(np.int64).reshape(-1)
+        self.token_ids = as_token_ids(self.token_ids, "token ids", KvcFormatError)
         self.validate()
 
     # -- shape facts -------------------------------------------------------
@@ -536,6 +528,25 @@ def load_capture(path: str | os.PathLike) -> KVCache:
     """Load a raw capture by extension (.h5/.hdf5 or .safetensors)."""
     p = Path(path)
     return load_safetensors(p) if p.suffix.lower() == ".safetensors" else load_h5(p)
+
+
+def as_token_ids(token_ids: Any, what: str = "token ids", error: type[Exception] = KvcInputError,
+                 allow_empty: bool = True) -> np.ndarray:
+    """``token_ids`` as a flat int64 array, or one ``error`` line: the one check of ids a caller hands in (a cache,
+    a capture, a reader's expected ids). ``"abc"``, a dict and 2**70 escaped as ValueError / TypeError /
+    OverflowError, floats (100.0) were truncated to ids, and uint64 ids past 2**63 wrapped to negative ones."""
+    try:
+        arr = np.asarray(token_ids)
+    except (ValueError, TypeError, OverflowError):
+        arr = None
+    bad = arr is None or ((arr.size or not allow_empty) and arr.dtype.kind not in "iu")
+    if not bad and arr is not None and arr.size and arr.dtype.kind == "u" and int(arr.max()) >= 1 << 63:
+        bad = True
+    if bad:
+        raise error(f"{what} must be integers, got {type(token_ids).__name__}"
+                    f"{'' if arr is None else ' of ' + str(arr.dtype)}")
+    assert arr is not None
+    return arr.astype(np.int64).reshape(-1)
 
 
 CAPTURE_SUFFIXES = (".h5", ".hdf5", ".safetensors")

@@ -40,18 +40,6 @@ if TYPE_CHECKING:  # torch only where tensors are made: opening a file, its head
 Resolver = Mapping[str, np.ndarray] | Callable[[str, "AttachmentInfo"], "np.ndarray | None"]
 _TAIL_READ = 1 << 16
 
-def _given_token_ids(token_ids: Any) -> np.ndarray:
-    """``token_ids`` a caller passed as int64, or one KvcInputError line: ``"abc"``, a dict and 2**70 escaped as
-    ValueError / TypeError / OverflowError, and floats (100.0) were truncated to ids."""
-    try:
-        arr = np.asarray(token_ids)
-    except (ValueError, TypeError, OverflowError):
-        arr = None
-    if arr is None or arr.dtype.kind not in "iu" or (arr.size and arr.dtype.kind == "u" and int(arr.max()) >= 1 << 63):
-        raise KvcInputError(f"token_ids must be integers (a sequence or an integer array), got {type(token_ids).__name__}")
-    return arr.astype(np.int64).reshape(-1)
-
-
 class KvcReader:
     """Random access to a `.kvc` file. ``source``: bytes, path, binary file, or object with size + read(offset, length)."""
 
@@ -307,14 +295,15 @@ class KvcReader:
         """The whole cache. ``model`` (if given) is checked first; ``token_ids`` supplies ids the file omits."""
         if model is not None:
             self.check_model(model)
+        from kvcodec.core.kvcache import KVCache, as_token_ids
+
         ids = self.token_ids
         if ids is None:
             if token_ids is None:
                 raise KvcInputError("this file stores only the hash of its token ids; pass token_ids=")
-            ids = _given_token_ids(token_ids)
+            ids = as_token_ids(token_ids, "token_ids", allow_empty=False)
             if token_ids_sha256(ids) != self.header.token_ids_sha256:
                 raise KvcInputError("the given token ids do not match the file's token_ids_sha256")
-        from kvcodec.core.kvcache import KVCache
 
         keys, values = [], []
         for _, k, v in self.iter_layers(backend):

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from kvcodec.errors import KvcInputError
-from kvcodec.core.kvcache import KVCache
+from kvcodec.core.kvcache import KVCache, as_token_ids
 from kvcodec.models.load import LoadedModel
 from kvcodec.models.sdpa_schedule import fast_sdpa
 
@@ -106,14 +106,8 @@ def context_ids(
         raise KvcInputError("give exactly one of text or token_ids")
     if text is not None:
         ids = tokenize(lm.tokenizer, text)
-    else:  # "abc" escaped as ValueError, float ids were truncated
-        try:
-            arr = np.asarray(token_ids)
-        except (ValueError, TypeError, OverflowError):
-            arr = None
-        if arr is None or (arr.size and arr.dtype.kind not in "iu"):
-            raise KvcInputError(f"token ids must be integers, got {type(token_ids).__name__}")
-        ids = arr.astype(np.int64).reshape(-1)
+    else:
+        ids = as_token_ids(token_ids)
     if ids.size == 0:
         raise KvcInputError("no tokens to capture")
     vocab = int(lm.model.config.get_text_config().vocab_size)

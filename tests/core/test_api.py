@@ -132,6 +132,8 @@ def test_a_cache_of_the_wrong_parts_is_refused_when_built():
         (c.keys, c.values, c.token_ids, None, "fingerprint must be a ModelFingerprint"),
         (c.keys, c.values, c.token_ids.astype(np.float64) + 0.5, c.fingerprint, "token ids must be integers"),
         (c.keys, c.values, "abc", c.fingerprint, "token ids must be integers"),
+        # uint64 ids past 2**63 wrapped to negative ones (the reader's check refused them; now the one check does)
+        (c.keys, c.values, np.full(8, 1 << 63, dtype=np.uint64), c.fingerprint, "token ids must be integers"),
     ):
         with pytest.raises(KvcFormatError, match=words):
             KVCache(keys, values, ids, fp)
