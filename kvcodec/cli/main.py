@@ -7,17 +7,43 @@ printed on one line with the error's exit code; no traceback reaches users.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import sys
+from typing import Any, Iterator
 
 import click
 
 from kvcodec.errors import KvcError
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Root(click.Group):
+    """The ``kvc`` group. A write to stdout that fails inside a command reaches :func:`main` as one error line:
+    click's own ``main`` catches ``EPIPE`` (``kvc info --json x | true``) and exits 1 with nothing said, even
+    outside its standalone mode, so it is answered here, before click sees it."""
+
+    def make_context(self, *args: Any, **kwargs: Any) -> click.Context:  # ``kvc --help`` / ``--version`` print here
+        with _answer_write_failures():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx: click.Context) -> Any:  # every command, and its own ``--help``
+        with _answer_write_failures():
+            return super().invoke(ctx)
+
+
+@contextlib.contextmanager
+def _answer_write_failures() -> Iterator[None]:
+    try:
+        yield
+    except OSError as exc:
+        if not _terminal_write_failed(exc):
+            raise
+        _stdout_failed(exc)
+
+
+@click.group(cls=_Root, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="kvcodec", prog_name="kvc")
 def cli() -> None:
     """kvcodec: compress, store and deliver LLM KV caches (.kvc files)."""

@@ -14,12 +14,13 @@ store's range readers). Accepted inputs:
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
-from kvcodec.errors import KvcFormatError, KvcInputError
+from kvcodec.errors import KvcError, KvcFormatError, KvcInputError, KvcIOError
 
 
 class ByteSource:
@@ -144,8 +145,9 @@ class FileObjectSource(ByteSource):
             raise KvcInputError(f"the file object is not seekable ({exc}); reading .kvc from a pipe is not supported") from None
 
     def _read(self, offset: int, length: int) -> bytes:
-        self._f.seek(offset)
-        b = self._f.read(length)
+        with _foreign(self.name, offset):
+            self._f.seek(offset)
+            b = self._f.read(length)
         if not isinstance(b, (bytes, bytearray)) or len(b) != length:
             got = len(b) if isinstance(b, (bytes, bytearray)) else type(b).__name__
             raise KvcFormatError(f"short read in {self.name}: wanted {length} bytes at offset {offset}, got {got}")
@@ -164,7 +166,22 @@ class RangeObjectSource(ByteSource):
         self.name = str(getattr(obj, "url", None) or getattr(obj, "name", None) or type(obj).__name__)
 
     def _read(self, offset: int, length: int) -> bytes | memoryview:
-        return self._obj.read(offset, length)  # its length is checked by ByteSource.read
+        with _foreign(self.name, offset):
+            return self._obj.read(offset, length)  # its length is checked by ByteSource.read
+
+
+@contextlib.contextmanager
+def _foreign(name: str, offset: int) -> Iterator[None]:
+    """A caller's file or range object that fails its own way (an ``OSError``, a ``ValueError`` from a closed
+    file, any exception of its own), as one :class:`~kvcodec.errors.KvcIOError` line naming the source and the
+    offset; the object's exception stays chained for whoever debugs it. A KvcError of its own passes as it is."""
+    try:
+        yield
+    except KvcError:
+        raise
+    except Exception as exc:
+        why = (exc.strerror if isinstance(exc, OSError) else None) or " ".join(str(exc).split()) or "no message"
+        raise KvcIOError(f"{name}: reading at offset {offset} failed: {type(exc).__name__}: {why}"[:400]) from exc
 
 
 def open_source(source: Any) -> ByteSource:

@@ -204,10 +204,35 @@ def load_cache(source: Any, lm: LoadedModel, backend: str | None = None, prefetc
 def generate(
     lm: LoadedModel, source: Any, input_ids: np.ndarray | list[int], max_new_tokens: int = 32, backend: str | None = None
 ) -> list[int]:
-    """Greedy continuation of a cached context followed by ``input_ids`` (e.g. a question), on the model's device."""
+    """Greedy continuation of a cached context followed by ``input_ids`` (e.g. a question), on the model's device.
+
+    The ids and ``max_new_tokens`` are checked before the cache is read (``input_ids="x"`` escaped as ValueError)."""
+    _new_token_ids(lm, input_ids, max_new_tokens)
     loaded = load_cache(source, lm, backend=backend)
     with loaded.steering(lm):  # a steered file's attention bias (spec/kvc-v1.md 4.6)
         return greedy_from(lm, loaded.cache, loaded.next_position, input_ids, max_new_tokens)[0]
+
+
+def _new_token_ids(lm: LoadedModel, ids: Any, max_new_tokens: Any) -> np.ndarray:
+    """The tokens fed after a cached context, as int64, or one :class:`KvcInputError` line: integers the model's
+    embedding has (an id past it escaped as IndexError from the embedding), at least one, and a whole number of
+    new tokens to decode."""
+    from kvcodec.core.kvcache import as_token_ids
+
+    arr = as_token_ids(ids, "the tokens after the cached context")
+    if arr.size == 0:
+        raise KvcInputError("need at least one token after the cached context")
+    try:
+        emb = lm.model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):  # a stand-in model, or one that does not say
+        emb = None
+    vocab = int(getattr(emb, "num_embeddings", 0) or getattr(getattr(lm.model, "config", None), "vocab_size", 0) or 0)
+    if vocab and (int(arr.min()) < 0 or int(arr.max()) >= vocab):
+        bad = int(arr.min()) if int(arr.min()) < 0 else int(arr.max())
+        raise KvcInputError(f"token id {bad} is outside the model's vocabulary [0, {vocab})")
+    if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise KvcInputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r:.40}")
+    return arr
 
 
 @torch.inference_mode()
@@ -220,11 +245,7 @@ def greedy_from(
     was known (for time-to-first-token). Inputs go to the model's device (:func:`model_device`).
     """
     dev = model_device(lm)
-    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-    if ids.size == 0:
-        raise KvcInputError("need at least one token after the cached context")
-    if max_new_tokens < 1:
-        raise KvcInputError("max_new_tokens must be at least 1")
+    ids = _new_token_ids(lm, ids, max_new_tokens)
     eos = getattr(lm.tokenizer, "eos_token_id", None)
     pos = torch.arange(next_position, next_position + len(ids), device=dev).unsqueeze(0)
     with fast_sdpa(lm):  # the new tokens over the cached ones as two fast SDPA calls (the module says why)

@@ -84,3 +84,23 @@ def test_a_full_stdout_is_one_error_line(tmp_path):
                                timeout=120)
         assert p.returncode == KvcIOError.exit_code, p.stderr
         assert _one_line(p.returncode, p.stderr) == "kvc: error: cannot write the output: No space left on device"
+
+
+def test_a_closed_pipe_on_stdout_is_one_error_line(tmp_path):
+    """``kvc info --json x | true``: the reader has gone before the first line is written. click's own main
+    caught the EPIPE and exited 1 with nothing said; now it is the one line and exit code a full disk gets.
+    The pipe's read end is closed before the command can write (its imports alone take far longer)."""
+    from kvcodec.errors import KvcIOError
+    from kvcodec.format import write_kvc
+    from kvcodec.plan.presets import get_plan
+
+    c = _synthetic(torch.float16, 8)
+    write_kvc(c, tmp_path / "s.kvc", get_plan("lossless", c).pipelines)
+    for args in (["info", "--json", str(tmp_path / "s.kvc")], ["--help"], ["info", "--help"]):
+        p = subprocess.Popen([sys.executable, "-m", "kvcodec", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+        assert p.stdout is not None and p.stderr is not None
+        p.stdout.close()
+        err = p.stderr.read()
+        assert p.wait(timeout=120) == KvcIOError.exit_code, (args, err)
+        assert _one_line(p.returncode, err) == "kvc: error: cannot write the output: the reader closed the pipe"

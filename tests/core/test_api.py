@@ -179,6 +179,39 @@ def test_open_refusals_are_kvc_errors(kvc_file):
 
 
 @pytest.mark.model
+class _OwnErrorReader:
+    """A caller's range reader that fails its own way: a ValueError, as a closed client or a parser would."""
+
+    def __init__(self, data: bytes, broken: bool) -> None:
+        self.data, self.broken, self.size = data, broken, len(data)
+
+    def read(self, offset: int, length: int) -> bytes:
+        if self.broken:
+            raise ValueError("client is closed\nsecond line")
+        return self.data[offset : offset + length]
+
+
+def test_a_callers_reader_failing_its_own_way_is_one_kvc_error(kvc_file):
+    """A range reader (or file object) whose read raises its own exception, not an OSError, passed through raw.
+    Now one KvcIOError line naming the source and the offset, with the caller's exception chained, whether the
+    read fails at open (the trailer) or later (a layer's chunks); the same for a closed file object."""
+    data = kvc_file.read_bytes()
+    with pytest.raises(KvcIOError, match=r"_OwnErrorReader: reading at offset \d+ failed: ValueError: client is closed "
+                                         r"second line") as ei:
+        kvcodec.open(_OwnErrorReader(data, True))
+    assert isinstance(ei.value.__cause__, ValueError) and "\n" not in str(ei.value)
+    src = _OwnErrorReader(data, False)
+    with kvcodec.open(src) as r:  # the header and index read fine; the chunks do not
+        src.broken = True
+        with pytest.raises(KvcIOError, match="failed: ValueError"):
+            r.read_cache()
+    f = open(kvc_file, "rb")  # noqa: SIM115 - closed under the reader on purpose
+    with kvcodec.open(f) as r:
+        f.close()
+        with pytest.raises(KvcIOError, match="failed: ValueError: .*closed file"):
+            r.read_cache()
+
+
 def test_open_takes_a_model_name_as_encode_does(lm, small_cache):
     data = kvcodec.encode(small_cache, None, preset="lossless").data
     with kvcodec.open(data, model="smollm2") as r:

@@ -47,6 +47,23 @@ def test_generate_one_liner_matches_prefill_greedy(lm, gpl3_ids):
     assert from_kvc == greedy_from(lm, past, n_ctx, question, 8)[0]
 
 
+def test_generate_refuses_bad_new_tokens_before_reading_the_cache(lm, gpl3_ids):
+    """``generate(input_ids="x")`` escaped as ValueError, an id past the vocabulary as IndexError from the
+    embedding, ``max_new_tokens=2.5`` / ``"8"`` as TypeError: each is one KvcInputError line, before the cache is
+    read (the source here is not even a .kvc file)."""
+    from kvcodec.errors import KvcInputError
+
+    vocab = lm.model.get_input_embeddings().num_embeddings
+    for ids, words in (("x", "must be integers, got str"), ([1.5, 2.0], "must be integers"), ([], "at least one token"),
+                       ([3, vocab], f"token id {vocab} is outside the model's vocabulary"), ([-1], "token id -1"),
+                       (np.full(2, 1 << 63, dtype=np.uint64), "must be integers")):
+        with pytest.raises(KvcInputError, match=words):
+            generate(lm, b"not a kvc file", ids)
+    for n in (0, 2.5, "8", True):
+        with pytest.raises(KvcInputError, match="max_new_tokens must be a positive integer"):
+            generate(lm, b"not a kvc file", gpl3_ids[:4], max_new_tokens=n)
+
+
 def test_refuses_what_is_not_a_loaded_model(tmp_path):
     """``kvcodec.load_into(path, None)`` (or a fingerprint, or a model name) escaped as AttributeError."""
     import kvcodec
