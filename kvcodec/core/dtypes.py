@@ -31,3 +31,22 @@ def is_bf16(t: Any) -> bool:
 def tensor_dtype(cache: Any) -> str:
     """A cache's tensor dtype as the header names it (``float16``, ``bfloat16``, ``float32``)."""
     return str(cache.dtype).removeprefix("torch.")
+
+
+def f32_to_bf16(t: Any) -> Any:
+    """A float32 torch tensor narrowed to bfloat16 as torch rounds it, except a NaN that is an exact bfloat16 value,
+    whose bits (sign and payload) are kept.
+
+    Why: bfloat16 travels through the codecs as exact float32 and torch's float32 -> bfloat16 conversion turns every
+    NaN into one canonical NaN (0xFFFF), so a lossless bfloat16 cache holding another NaN did not come back bit for
+    bit (float16 and float32 do). A lossy decode's NaN that is not an exact bfloat16 keeps torch's conversion: its
+    top half alone could read as an infinity."""
+    import torch
+
+    out = t.to(torch.bfloat16)
+    nan = torch.isnan(t)
+    if bool(nan.any()):
+        bits = t.view(torch.int32)
+        keep = nan & ((bits & 0xFFFF) == 0)
+        out = torch.where(keep, (bits >> 16).to(torch.int16).view(torch.bfloat16), out)
+    return out

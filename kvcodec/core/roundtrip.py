@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvcodec.core.dtypes import is_bf16, tensor_dtype
+from kvcodec.core.dtypes import f32_to_bf16, is_bf16, tensor_dtype
 from kvcodec.core.stage import (
     MAX_PIPELINES, MAX_STAGES, ArraySpec, ExternalAttachment, PipelineSpec, Plan, chunk_context, chunk_ranges, pipeline_table,
 )
@@ -70,5 +70,5 @@ def roundtrip(cache: KVCache, plan: Plan | PipelineSpec) -> tuple[KVCache, int]:
                 rows.append(np.ascontiguousarray(p.decode(payload, sides, sizes, ArraySpec(tuple(arr.shape), arr.dtype.name), ctx)))
                 j += 1
             dec = torch.from_numpy(np.ascontiguousarray(rows[0] if len(rows) == 1 else np.concatenate(rows, axis=1)))
-            out[kind].append(dec.to(torch.bfloat16) if tdtype == "bfloat16" else dec)
+            out[kind].append(f32_to_bf16(dec) if tdtype == "bfloat16" else dec)
     return KVCache(out["k"], out["v"], cache.token_ids, fp, cache.positions, dict(cache.meta)), nbytes

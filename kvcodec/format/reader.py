@@ -20,6 +20,7 @@ from kvcodec.calibration.store import default_resolver
 from kvcodec.digest import array_sha256
 from kvcodec.errors import KvcError, KvcFormatError, KvcInputError, is_int
 from kvcodec.core.fingerprint import ModelFingerprint
+from kvcodec.core.dtypes import f32_to_bf16
 from kvcodec.digest import token_ids_sha256
 from kvcodec.core.stage import ArraySpec, chunk_context
 from kvcodec.format.container import (
@@ -263,7 +264,7 @@ class KvcReader:
                 group = []
         full = rows[0] if len(rows) == 1 else cat(rows, axis=1)
         t = full.contiguous() if on_device else torch.from_numpy(np.ascontiguousarray(full))
-        return t.to(torch.bfloat16) if self.header.dtype == "bfloat16" else t
+        return f32_to_bf16(t) if self.header.dtype == "bfloat16" else t
 
     def read_layer(self, i: int, backend: str | None = None, apply_bias: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of layer ``i``, (kv_heads, tokens, head_dim) in the original dtype.

@@ -304,3 +304,21 @@ def test_ragged_capture_files_roundtrip(tmp_path, suffix):
     save_capture(bad, tmp_path / f"bad{suffix}")
     with pytest.raises(KvcFormatError):
         load_capture(tmp_path / f"bad{suffix}")
+
+
+@pytest.mark.parametrize("preset", ["lossless", "zstd", "raw"])
+def test_bf16_nan_payloads_subnormals_and_negative_zero_are_bit_exact(preset):
+    """A lossless bfloat16 cache comes back bit for bit whatever its values: before, every NaN other than 0xFFFF
+    (the canonical 0x7FC0 included) came back as 0xFFFF, torch's float32 -> bfloat16 conversion at the reader."""
+    import kvcodec
+    from kvcodec.testing.golden import _synthetic
+
+    c = _synthetic(torch.bfloat16, 8)
+    odd = torch.tensor([0x7FC0, 0xFFC0, 0x7FC1, 0x7F81, 0xFFFF, 0x0001, 0x807F, 0x8000, 0x7F80, 0xFF80],
+                       dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    keys = [k.clone() for k in c.keys]
+    keys[0].view(-1)[:len(odd)] = odd
+    cache = KVCache(keys, c.values, c.token_ids, c.fingerprint, None)
+    with kvcodec.open(kvcodec.encode(cache, None, preset=preset).data) as r:
+        k0 = r.read_layer(0)[0]
+    assert k0.dtype == torch.bfloat16 and torch.equal(k0.view(torch.int16), keys[0].view(torch.int16))
