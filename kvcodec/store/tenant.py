@@ -188,7 +188,12 @@ class TenantKey:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "TenantKey":
-        """Read a key file (64 hex characters); refuse one that others may write."""
+        """Read a key file (64 hex characters); refuse one that others may write.
+
+        Why the type check: the engine integrations pass a config's ``key_file`` as is, and a number, a null or a
+        path with a NUL byte escaped as a TypeError / ValueError traceback instead of one line."""
+        if not isinstance(path, (str, os.PathLike)) or "\0" in str(path):
+            raise KvcInputError(f"store key file must be a path, got {ascii(path)[:80]}")
         p = os.fspath(path)
         try:
             fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO must not block us

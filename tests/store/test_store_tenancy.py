@@ -328,6 +328,9 @@ def test_key_provisioning(tmp_path, monkeypatch):
         TenantKey.load(tmp_path / "fifo")                 # never blocks on a FIFO
     with pytest.raises(KvcInputError, match="no such store key file"):
         TenantKey.load(tmp_path / "missing.key")
+    for bad in (5, None, 1.5, str(kf) + "\0"):  # an engine config's key_file as given: before, TypeError / ValueError
+        with pytest.raises(KvcInputError, match="must be a path"):
+            TenantKey.load(bad)
     # two processes with the default key share entries; a memory-only store needs no key file
     assert Store.open("mem://").key.source == "ephemeral"
 

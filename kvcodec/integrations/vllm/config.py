@@ -69,9 +69,9 @@ def _as_bool(name: str, v: Any) -> bool:
 def _as_int(name: str, v: Any, lo: int) -> int:
     try:
         i = int(v)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an infinite float (JSON's 1e999)
         raise KvcInputError(f"kvcodec connector: {name} must be an integer, got {v!r}") from None
-    if isinstance(v, bool) or i != v and not isinstance(v, str) or i < lo:
+    if isinstance(v, bool) or i != v and not isinstance(v, str) or not lo <= i < 1 << 63:
         raise KvcInputError(f"kvcodec connector: {name} must be an integer >= {lo}, got {v!r}")
     return i
 

@@ -29,7 +29,11 @@ def test_config_defaults_and_errors():
     assert c.codec_id == codec_key("lossless")
     for bad, word in [({}, "store_url"), ({"store_url": " "}, "store_url"), ({"store_url": "x", "preset": "nope"}, "preset"),
                       ({"store_url": "x", "namespace": "a b"}, "namespace"), ({"store_url": "x", "chunk_tokens": 0}, "chunk_tokens"),
-                      ({"store_url": "x", "save": "maybe"}, "save"), ({"store_url": "x", "stor_url": "y"}, "unknown")]:
+                      ({"store_url": "x", "save": "maybe"}, "save"), ({"store_url": "x", "stor_url": "y"}, "unknown"),
+                      # JSON's 1e999 and a float past int64: before, an OverflowError traceback / a 300-digit chunk size
+                      ({"store_url": "x", "chunk_tokens": float("inf")}, "chunk_tokens"),
+                      ({"store_url": "x", "min_load_tokens": float("-inf")}, "min_load_tokens"),
+                      ({"store_url": "x", "chunk_tokens": 1e300}, "chunk_tokens")]:
         with pytest.raises(KvcInputError, match=word):
             ConnectorConfig.from_extra(bad)
     c.check_block_size(128)
