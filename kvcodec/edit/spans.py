@@ -10,6 +10,7 @@ one costs nothing).
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, Sequence
 
@@ -17,9 +18,9 @@ import numpy as np
 
 from kvcodec.errors import KvcInputError
 
-__all__ = ["MAX_PATTERN_CHARS", "MAX_SPANS", "MAX_TEXT_CHARS", "PATTERN_SECONDS", "KvcPatternTimeoutError",
+__all__ = ["MAX_PATTERN_CHARS", "MAX_PATTERN_UNROLLED", "MAX_SPANS", "MAX_TEXT_CHARS", "PATTERN_SECONDS", "KvcPatternTimeoutError",
            "char_spans_to_tokens", "int_pairs", "merge_ranges", "parse_token_span", "regex_spans", "resolve_spans", "text_spans",
-           "token_offsets"]
+           "token_offsets", "unrolled_size"]
 
 MAX_PATTERN_CHARS = 1000
 MAX_TEXT_CHARS = 100_000  # a literal to find (a paragraph, a page): searched as a literal, never as a regex
@@ -28,6 +29,11 @@ MAX_SPANS = 256
 #: longest context (tens of thousands of characters) takes milliseconds. CPU time, as the ``regex`` module
 #: measures its timeout: on a loaded machine the wall time to the refusal is longer, the work is not
 PATTERN_SECONDS = 2.0
+#: the most pattern elements a regex may stand for once its counted repeats are unrolled (:func:`unrolled_size`).
+#: ``regex`` compiles ``x{m}`` as m copies of ``x``, at the compile, before any timeout applies: nested counts
+#: multiply (``(?:(?:a{1000}){1000}){1000}`` took gigabytes, and minutes, before its first match was tried). A
+#: million copies took 270 MB; this bound is about 30 MB, far past any pattern a redaction names.
+MAX_PATTERN_UNROLLED = 100_000
 
 
 def token_offsets(tokenizer: Any, ids: np.ndarray) -> tuple[str, np.ndarray]:
@@ -141,6 +147,79 @@ def merge_ranges(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
+_COUNT = re.compile(r"\{([0-9]*)(?:,([0-9]*))?\}")
+_BRACED_ESCAPES = "pPNxXLgukU"  # an escape letter that may be followed by {...} (a property, a name, a code point)
+
+
+def _skip_class(pattern: str, i: int) -> int:
+    """The index after the character class opening at ``pattern[i] == "["`` (nested classes, as version 1 allows)."""
+    depth, i = 1, i + 1
+    if i < len(pattern) and pattern[i] == "^":
+        i += 1
+    if i < len(pattern) and pattern[i] == "]":  # a leading ] is a literal
+        i += 1
+    while i < len(pattern) and depth:
+        c = pattern[i]
+        if c == "\\":
+            i += 1
+        elif c == "[":
+            depth += 1
+        elif c == "]":
+            depth -= 1
+        i += 1
+    return i
+
+
+def unrolled_size(pattern: str) -> int:
+    """An upper bound of how many elements ``pattern`` stands for with its counted repeats unrolled: each atom
+    (a character, an escape, a class) counts 1, a group the sum of its contents (alternatives added), and
+    ``{m}``, ``{m,n}``, ``{m,}`` multiply what they repeat by their largest finite count. What ``regex``'s
+    compile builds grows with it (:data:`MAX_PATTERN_UNROLLED`); a brace that is not a count is an atom."""
+    frames: list[list[int]] = [[0, 0]]  # per open group: [total, weight of its last atom]
+    i, n = 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        top = frames[-1]
+        if c == "(":
+            frames.append([0, 0])
+            i += 1
+            continue
+        if c == ")" and len(frames) > 1:
+            total = max(frames.pop()[0], 1)
+            frames[-1][0] += total
+            frames[-1][1] = total
+            i += 1
+            continue
+        if c == "{":
+            m = _COUNT.match(pattern, i)
+            if m and (m.group(1) or m.group(2)) and top[1]:
+                counts = [int(g) for g in m.groups() if g]
+                times = max(counts)
+                top[0] += top[1] * (times - 1)
+                top[1] *= times
+                i = m.end()
+                continue
+        if c in "*+?|":
+            top[1] = top[1] if c != "|" else 0
+            i += 1
+            continue
+        if c == "[":
+            i = _skip_class(pattern, i)
+        elif c == "\\":
+            i += 2
+            if i < n and pattern[i] in "{<" and pattern[i - 1] in _BRACED_ESCAPES:
+                close = pattern.find("}" if pattern[i] == "{" else ">", i)
+                i = n if close < 0 else close + 1
+        else:
+            i += 1
+        top[0] += 1
+        top[1] = 1
+    while len(frames) > 1:  # an unbalanced pattern: regex refuses it, the bound still counts it
+        total = frames.pop()[0]
+        frames[-1][0] += total
+    return frames[0][0]
+
+
 class KvcPatternTimeoutError(KvcInputError):
     """A pattern that did not finish within :data:`PATTERN_SECONDS` (catastrophic backtracking, most likely)."""
 
@@ -159,6 +238,10 @@ def regex_spans(text: str, pattern: str, seconds: float | None = None) -> list[t
 
     if not isinstance(pattern, str) or not pattern or len(pattern) > MAX_PATTERN_CHARS:
         raise KvcInputError(f"the pattern must be a non-empty regular expression of at most {MAX_PATTERN_CHARS} characters")
+    size = unrolled_size(pattern)
+    if size > MAX_PATTERN_UNROLLED:
+        raise KvcInputError(f"the pattern {pattern!r:.60} repeats too much: its counted repeats ({{m}}, {{m,n}}) stand "
+                            f"for {size:,} elements (limit {MAX_PATTERN_UNROLLED:,}); repeat less, or use * or +")
     try:
         rx = regex.compile(pattern)
     except (regex.error, ValueError, TypeError, OverflowError, RecursionError) as exc:
@@ -177,6 +260,9 @@ def regex_spans(text: str, pattern: str, seconds: float | None = None) -> list[t
                     break
             if time.thread_time() > deadline:  # the bound is on the whole search, not each match
                 raise TimeoutError
+    except MemoryError:  # regex caps its backtracking stack: an endless recursion ((?R), (?&name)) reaches the cap
+        raise KvcInputError(f"the pattern {pattern!r:.60} ran out of the matcher's memory over the {len(text)}-character "
+                            "context (a recursion that never consumes a character?); simplify it") from None
     except TimeoutError:
         raise KvcPatternTimeoutError(f"the pattern {pattern!r:.60} did not finish within {bound:g} CPU-seconds over the "
                                      f"{len(text)}-character context (catastrophic backtracking?); simplify it") from None

@@ -63,3 +63,26 @@ def test_parse_token_span():
     assert parse_token_span("3:9") == (3, 9)
     with pytest.raises(KvcInputError, match="START:END"):
         parse_token_span("3-9")
+
+
+@pytest.mark.parametrize("pattern, msg", [
+    # regex unrolls counted repeats at compile, before any timeout: nested counts took gigabytes and minutes
+    ("(?:(?:a{1000}){1000}){1000}", "repeats too much"),
+    ("(?:x{1000}y{1000}){1000}", "repeats too much"),  # siblings add up: 2 million, about 550 MB
+    # an endless recursion fills regex's backtracking stack: its MemoryError escaped as a traceback
+    ("(?R)", "ran out of the matcher's memory"),
+    ("(?(DEFINE)(?<x>(?&x)))(?&x)", "ran out of the matcher's memory"),
+])
+def test_a_pattern_that_would_exhaust_memory_is_one_input_error(pattern, msg):
+    """A hostile pattern costs neither unbounded memory at its compile nor a traceback at its match; patterns with
+    ordinary counts (an IP address, a brace run) still match."""
+    from kvcodec.edit.spans import regex_spans
+
+    text = "host 10.0.0.1 {{{{{ said hello " * 200
+    with pytest.raises(KvcInputError, match=msg):
+        regex_spans(text, pattern)
+    assert regex_spans(text, r"\d{1,3}(?:\.\d{1,3}){3}")[0] == (5, 13)
+    assert regex_spans(text, r"[{]{5}")[0] == (14, 19)
+    from kvcodec.edit.spans import unrolled_size
+
+    assert unrolled_size(r"\p{L}{3,}") == 3 and unrolled_size(r"\d{1,3}(?:\.\d{1,3}){3}") == 18
