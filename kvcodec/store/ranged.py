@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import stat
 import threading
 from dataclasses import dataclass
 from email.message import Message
@@ -204,15 +205,27 @@ class FileRangeReader(RangeReader):
     :class:`KvcFormatError` (short read).
     """
 
-    def __init__(self, path: str | os.PathLike[str], base: int = 0, length: int | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str], base: int = 0, length: int | None = None, *,
+                 follow_symlinks: bool = True) -> None:
+        """``follow_symlinks=False``: a symlink at ``path`` is refused (a store's entry is never one).
+
+        The file is opened without blocking and checked on its descriptor: a FIFO at ``path`` held the open
+        until some writer appeared (for ever), and a device node is not a file of known size."""
         self.name = os.fspath(path)
+        flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+        if not follow_symlinks:
+            flags |= getattr(os, "O_NOFOLLOW", 0)
         try:
-            self._fd: int | None = os.open(self.name, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+            self._fd: int | None = os.open(self.name, flags)
         except FileNotFoundError:
             raise KvcStoreError(f"{self.name}: no such file") from None
         except OSError as e:
             raise KvcStoreError(f"{self.name}: cannot open: {e.strerror or e}") from None
-        total = os.fstat(self._fd).st_size
+        st = os.fstat(self._fd)
+        if not stat.S_ISREG(st.st_mode):
+            self.close()
+            raise KvcStoreError(f"{self.name}: not a regular file; refusing to read it")
+        total = st.st_size
         if base < 0 or base > total:
             self.close()
             raise KvcFormatError(f"{self.name}: window base {base} outside file of {total} bytes")

@@ -259,6 +259,28 @@ def test_file_range_reader(tmp_path):
         open_range_reader("s3://bucket/x")
 
 
+def test_file_range_reader_refuses_what_is_not_a_regular_file(tmp_path):
+    """A FIFO at the path held the open until a writer appeared (for ever: kvcodec.store.open_range_reader hung), a
+    device read as an empty file; a store's entry reopened for a ranged read may not have become a symlink."""
+    fifo = tmp_path / "entry.kve"
+    os.mkfifo(fifo)
+    writer = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)  # a writer is there, so a blocking open returns (no hang here)
+    try:
+        with pytest.raises(KvcStoreError, match="not a regular file"):
+            open_range_reader(str(fifo))
+    finally:
+        os.close(writer)
+    with pytest.raises(KvcStoreError, match="not a regular file"):
+        open_range_reader("/dev/null")
+    real = tmp_path / "real.bin"
+    real.write_bytes(b"x" * 100)
+    link = tmp_path / "link.bin"
+    link.symlink_to(real)
+    assert FileRangeReader(link).size == 100  # a caller's own symlink is followed
+    with pytest.raises(KvcStoreError, match="cannot open"):
+        FileRangeReader(link, follow_symlinks=False)
+
+
 @pytest.mark.parametrize("marker", ["[1]", "null", '"kvcodec-store"', "{", '{"format": "kvcodec-store", "layout": 9}'])
 def test_odd_store_marker_is_a_store_error(tmp_path, marker):
     (tmp_path / "s").mkdir()

@@ -349,7 +349,8 @@ class DirectoryTier(Tier):
             raise KvcStoreError(f"{path}: read failed: {e.strerror or e}") from None
         if h["key"] != key.to_str():
             return None
-        return FileRangeReader(path, base=FIXED_SIZE + hl, length=dl), h.get("meta", {})
+        # opened again by name: what is there now must still be a regular file, never a symlink or FIFO swapped in
+        return FileRangeReader(path, base=FIXED_SIZE + hl, length=dl, follow_symlinks=False), h.get("meta", {})
 
     # -- writes -----------------------------------------------------------------
     def put(self, key: StoreKey, data: bytes, meta: Mapping[str, Any] | None = None,
