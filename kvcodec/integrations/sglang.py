@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 import kvcodec
+from kvcodec.core.dtypes import tensor_dtype
 from kvcodec.errors import KvcError, KvcFormatError, KvcInputError, KvcModelMismatchError
 
 try:  # pragma: no cover - depends on the venv
@@ -56,7 +57,7 @@ class KvcodecHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
     def __init__(self, storage_config: Any, kwargs: dict[str, Any] | None = None) -> None:
         from kvcodec.models.fingerprint import fingerprint_dir
         from kvcodec.models.load import resolve_model_dir
-        from kvcodec.store import Store, StoreKey, TenantKey
+        from kvcodec.store import Store, TenantKey
         from kvcodec.store.keys import codec_key
 
         extra = dict(getattr(storage_config, "extra_config", None) or {})
@@ -84,8 +85,9 @@ class KvcodecHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
         self.fp = fingerprint_dir(resolve_model_dir(model))
         if len(set(self.fp.head_dims)) != 1:
             raise KvcInputError(f"kvcodec HiCache backend: model {model} has layers of different head sizes")
-        self.namespace = str(extra.get("namespace", "default"))
-        StoreKey("m", "c", self.namespace, 0, "0" * 64)  # a bad namespace is refused now, in one line
+        from kvcodec.store.keys import check_id
+
+        self.namespace = check_id("namespace", extra.get("namespace", "default"))  # a null or a number too, now
         self.codec = codec_key(self.preset)
         key = TenantKey.load(extra["key_file"]) if extra.get("key_file") else None
         self.store = Store.open(url, key=key, memory_bytes=extra.get("memory_bytes"))
@@ -95,7 +97,7 @@ class KvcodecHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
     def _key(self, key: str) -> Any:
         from kvcodec.store import StoreKey
 
-        d = hashlib.sha256(f"sglang-hicache\0{self.fp.id}\0{self.rank}\0{key}".encode()).hexdigest()
+        d = hashlib.sha256(f"sglang-hicache\0{self.fp.id}\0{self.rank}\0".encode() + _key_bytes(key)).hexdigest()
         return StoreKey(_store_id(self.fp.architecture), self.codec, self.namespace, 0, d)
 
     def _page(self, flat: torch.Tensor) -> tuple[int, int, int]:
@@ -121,7 +123,7 @@ class KvcodecHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
         ks = [t[0, i].reshape(lay[1], h, d).transpose(0, 1).contiguous() for i in range(lay[0])]
         vs = [t[1, i].reshape(lay[1], h, d).transpose(0, 1).contiguous() for i in range(lay[0])]
         cache = KVCache(ks, vs, np.zeros(lay[1], dtype=np.int64), fp, None,
-                        {"source": "sglang", "page_key": hashlib.sha256(key.encode()).hexdigest(), "rank": self.rank})
+                        {"source": "sglang", "page_key": hashlib.sha256(_key_bytes(key)).hexdigest(), "rank": self.rank})
         enc = kvcodec.encode(cache, None, preset=self.preset, verify=self.verify)
         assert enc.data is not None
         return enc.data
@@ -132,11 +134,13 @@ class KvcodecHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
             if not self.fp.same_model(r.fingerprint):
                 raise KvcModelMismatchError(f"page written for model {r.fingerprint.id}, this model is {self.fp.id}")
             meta = r.header.meta if isinstance(r.header.meta, dict) else {}
-            if meta.get("source") != "sglang" or meta.get("page_key") != hashlib.sha256(key.encode()).hexdigest() \
+            if meta.get("source") != "sglang" or meta.get("page_key") != hashlib.sha256(_key_bytes(key)).hexdigest() \
                     or meta.get("rank") != self.rank:
                 raise KvcFormatError("entry was written for another page")
             if int(r.header.num_tokens) != lay[1] or int(r.header.num_layers) != lay[0]:
                 raise KvcFormatError(f"entry holds {r.header.num_tokens} tokens, the page {lay[1]}")
+            if r.header.dtype != tensor_dtype(out):  # another pool's dtype: cast, bf16 past 65504 was inf in fp16
+                raise KvcFormatError(f"entry holds {r.header.dtype} values, the page is {tensor_dtype(out)}")
             view = out.view(2, lay[0], lay[1], lay[2])
             for i, k, v in r.iter_layers():
                 view[0, i].copy_(k.transpose(0, 1).reshape(lay[1], lay[2]))
@@ -155,7 +159,7 @@ class KvcodecHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
             self._decode(key, data, target_location)
             return target_location
         except KvcError as e:
-            log.warning("kvcodec HiCache backend: page %s is a miss: %s", key[:16], e)
+            log.warning("kvcodec HiCache backend: page %s is a miss: %s", str(key)[:16], e)
             return None
 
     def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list[torch.Tensor | None]:
@@ -173,7 +177,7 @@ class KvcodecHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
                 return True
             return bool(self.store.put(sk, self._encode(key, page), {"sglang": "page"}).ok)
         except KvcError as e:
-            log.warning("kvcodec HiCache backend: page %s not stored: %s", key[:16], e)
+            log.warning("kvcodec HiCache backend: page %s not stored: %s", str(key)[:16], e)
             return False
 
     def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None) -> bool:
@@ -207,6 +211,14 @@ class KvcodecHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
 
     def close(self) -> None:
         self.store.close()
+
+
+def _key_bytes(key: Any) -> bytes:
+    """A page key's bytes, or one KvcInputError line: SGLang's keys are hex strings, but a bytes or None key (an
+    AttributeError) or a lone surrogate (a UnicodeEncodeError) escaped every call as a traceback before."""
+    if not isinstance(key, str):
+        raise KvcInputError(f"kvcodec HiCache backend: a page key must be a string, got {type(key).__name__}")
+    return key.encode("utf-8", "surrogatepass")
 
 
 def _store_id(name: str) -> str:

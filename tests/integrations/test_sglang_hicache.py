@@ -147,6 +147,30 @@ def test_wrong_page_model_or_bytes_is_a_miss(tmp_path, pages, key_file):
         b.close()
 
 
+def test_other_dtype_page_and_odd_keys(tmp_path, pages, key_file):
+    """A bfloat16 page read into another pool's dtype is a miss: before, it was cast (bfloat16 past 65504 came back
+    inf in float16; an int8 buffer took truncated values). A bytes or None key is refused, a lone surrogate is a key
+    like any other: before, an AttributeError / UnicodeEncodeError traceback out of set, get and exists."""
+    b = backend({"store_url": str(tmp_path / "s"), "key_file": key_file})
+    try:
+        page = pages[0].clone()
+        page[0] = 1e30  # in bfloat16's range, not float16's
+        assert b.set("a" * 64, page)
+        for dt in (torch.float16, torch.float32, torch.int8):
+            assert b.get("a" * 64, torch.zeros(page.shape, dtype=dt)) is None
+        out = torch.empty_like(page)
+        assert b.get("a" * 64, out) is out and torch.equal(out.view(torch.int16), page.view(torch.int16))
+        for k in (b"a" * 64, None, 7):
+            assert not b.set(k, page) and b.get(k, torch.empty_like(page)) is None and not b.exists(k)
+            assert b.batch_exists([k]) == 0
+        assert b.set("\udc80", page) and b.exists("\udc80") and b.get("\udc80", out) is out
+    finally:
+        b.close()
+    for ns in (None, 5):  # before, taken as the namespaces "None" and "5"
+        with pytest.raises(KvcError, match="namespace"):
+            backend({"store_url": str(tmp_path / "s"), "namespace": ns})
+
+
 @pytest.mark.parametrize("bad", [{"preset": "balanced"}, {"colour": 1}, {}, {"store_url": "/tmp", "namespace": "a b"},
                                  {"store_url": "/tmp", "model": "no-such-model"}])
 def test_bad_config_refused_in_one_line(bad):

@@ -40,7 +40,7 @@ from kvcodec.errors import KvcError, KvcInputError
 from kvcodec.integrations.lmcache.chunks import key_digest
 from kvcodec.integrations.lmcache.serde import KvcodecDeserializer, KvcodecSerializer, ModelResolver, parse_options
 from kvcodec.store import Store, StoreKey, TenantKey
-from kvcodec.store.keys import codec_key
+from kvcodec.store.keys import check_id, codec_key
 
 log = logging.getLogger("kvcodec.integrations.lmcache")
 _PARAMS = frozenset({"store_url", "namespace", "key_file", "preset", "overrides", "models", "verify", "max_workers",
@@ -69,8 +69,7 @@ class KvcodecStoreL2Adapter(L2AdapterInterface):
         url = p.get("store_url")
         if not isinstance(url, str) or not url:
             raise KvcInputError("kvcodec L2 adapter: adapter_params.store_url is required (a kvcodec store URL)")
-        self.namespace = str(p.get("namespace", "default"))
-        StoreKey("m", "c", self.namespace, 0, "0" * 64)  # refuse a bad namespace now, in one line
+        self.namespace = check_id("namespace", p.get("namespace", "default"))  # a null or a number too, now
         opts = parse_options({k: p[k] for k in ("preset", "overrides", "models", "verify", "max_workers", "rope_offset")
                               if k in p})
         resolver = ModelResolver(opts["preset"], opts["models"], opts["overrides"])

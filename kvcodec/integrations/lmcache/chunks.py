@@ -119,7 +119,9 @@ def to_cache(tensor: torch.Tensor, fp: Any, meta: dict[str, Any]) -> Any:
     keys = [t[0, i].reshape(lay.tokens, h, d).transpose(0, 1).contiguous() for i in range(lay.layers)]
     values = [t[1, i].reshape(lay.tokens, h, d).transpose(0, 1).contiguous() for i in range(lay.layers)]
     # token ids: the chunk has none (LMCache keys it by a hash, recorded in meta); zeros keep the file valid
-    return KVCache(keys, values, np.zeros(lay.tokens, dtype=np.int64), fp, None, {"source": "lmcache", **meta})
+    # dtype: the chunk's own, which a re-based lossy chunk's header (float32, :func:`shift_cache`) no longer says
+    return KVCache(keys, values, np.zeros(lay.tokens, dtype=np.int64), fp, None,
+                   {"source": "lmcache", "dtype": DTYPES[lay.dtype], **meta})
 
 
 def frame(kvc: bytes, capacity: int, pad: bool) -> bytes:
@@ -160,6 +162,12 @@ def check_entry(r: Any, fp: Any, key: Any, lay: ChunkLayout) -> None:
     if isinstance(off, bool) or not isinstance(off, int) or not 0 <= off < OFFSET_CAP:
         raise KvcFormatError(f"kvcodec serde: object records a bad rope_offset {off!r}")
     h = r.header
+    # Why: LMCache's ObjectKey has no dtype, so an engine serving the model in float16 finds the entries of one
+    # serving it in bfloat16 (a shared store); cast, a bfloat16 value past 65504 loaded as inf and a lossless
+    # entry was rounded. An entry from before the meta recorded it: its header's dtype, unless re-based (float32).
+    stored = meta.get("dtype", None if off else h.dtype)
+    if stored is not None and stored != DTYPES[lay.dtype]:
+        raise KvcFormatError(f"kvcodec serde: object holds {stored} values, the buffer is {DTYPES[lay.dtype]}")
     if int(h.num_layers) != lay.layers or int(h.num_tokens) != lay.tokens or h.ragged or r.positions is not None:
         raise KvcFormatError(f"kvcodec serde: object holds {h.num_layers} layers x {h.num_tokens} tokens, the buffer "
                              f"wants {lay.layers} x {lay.tokens}")

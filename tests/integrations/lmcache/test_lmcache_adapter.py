@@ -117,7 +117,10 @@ def test_bad_params_refused_at_configuration(tmp_path):
                 {"store_url": str(tmp_path), "preset": "nope"},
                 {"store_url": str(tmp_path), "preset": "faithful", "overrides": {"step0": 0}},
                 {"store_url": str(tmp_path), "preset": "lossless", "overrides": {"step0": 0.1}},
-                {"store_url": str(tmp_path), "models": {"x/y": "no-such-model"}}):
+                {"store_url": str(tmp_path), "models": {"x/y": "no-such-model"}},
+                # before, the namespaces "None" and "5"; a key_file number was a TypeError traceback
+                {"store_url": str(tmp_path), "namespace": None}, {"store_url": str(tmp_path), "namespace": 5},
+                {"store_url": str(tmp_path), "key_file": 5}):
         with pytest.raises(KvcError) as e:
             KvcodecStoreL2Adapter(bad)
         assert "\n" not in str(e.value)

@@ -114,6 +114,28 @@ def test_deserialize_refuses_other_model_and_codec(chunks):
             de.decode_into(unframe(hostile), dst, key(0))
 
 
+def test_another_dtype_buffer_is_a_miss(chunks):
+    """LMCache's ObjectKey has no dtype: a bfloat16 chunk's object read into a float16 or float32 buffer (an engine
+    serving the model in another dtype, on a shared store) is refused. Before, it was cast: a bfloat16 value past
+    65504 loaded as inf in float16."""
+    _, ts = chunks
+    big = ts[0].clone()
+    big[0, 0, 0, 0] = 1e30
+    # near-lossless on the second chunk: found at offset 32, re-based, its header says float32
+    for preset, t in (("lossless", big), ("near-lossless", ts[1])):
+        ser, de = make_codec({"models": MODELS, "preset": preset})
+        data = ser.encode(t, key(0))
+        with kvcodec.open(data) as r:
+            assert (r.header.meta.get("rope_offset", 0) > 0) == (preset != "lossless")
+        for dt in (torch.float16, torch.float32):
+            with pytest.raises(KvcError, match="values, the buffer is"):
+                de.decode_into(data, torch.zeros(t.shape, dtype=dt), key(0))
+        out = torch.empty_like(t)
+        de.decode_into(data, out, key(0))
+        if preset == "lossless":
+            assert torch.equal(out.view(torch.int16), t.view(torch.int16))
+
+
 @pytest.mark.parametrize("shape,dtype", [((30, 32, 192), torch.bfloat16), ((2, 30, 32, 192), torch.int8),
                                          ((3, 30, 32, 192), torch.bfloat16), ((2, 30, 32), torch.float16)])
 def test_unsupported_layouts_refused_in_one_line(shape, dtype):
