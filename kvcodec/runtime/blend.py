@@ -77,8 +77,9 @@ from kvcodec.models.attention_choice import own_attention
 from kvcodec.models.cachelayout import cache_for_model
 from kvcodec.models.cachelayout import DynamicCache, DynamicLayer, check_layer_tokens, kept_tokens
 from kvcodec.models.layout import DYNAMIC, NOPE, PLAIN, SCALED, STATIC_SCALED_ROPE
-from kvcodec.errors import KvcInputError
-from kvcodec.core.kvcache import KVCache
+from kvcodec.errors import KvcInputError, is_int
+from kvcodec.core.kvcache import KVCache, as_token_ids
+from kvcodec.models.capture import check_fits
 from kvcodec.codecs.rope_tables import inv_freq, rope_angles
 
 DEFAULT_RATIO = 0.15
@@ -184,8 +185,10 @@ def _place(lm: Any, chunks: Sequence[KVCache], extra: int, device: torch.device)
     windows = list(lm.layout.windows)
     for i, c in enumerate(chunks):
         _check_chunk(i, c, fp, windows)
-    freqs = layer_inv_freqs(lm)
     lengths = [c.num_tokens for c in chunks]
+    # before any allocation: chunks + query past the model's window were placed and run (memory growing with them)
+    check_fits(lm, sum(lengths) + extra, "the blended chunks + query")
+    freqs = layer_inv_freqs(lm)
     offsets = [int(o) for o in np.cumsum([0] + lengths[:-1])]
     T = sum(lengths) + extra
     keys, values, stored = [], [], []
@@ -389,7 +392,7 @@ def _validate_ratio(recompute_ratio: Any) -> float:
 
 
 def _query_tensor(lm: Any, query_ids: Any) -> torch.Tensor:
-    q = np.asarray(query_ids, dtype=np.int64).reshape(-1)
+    q = as_token_ids(query_ids, "query token ids")
     if q.size == 0:
         raise KvcInputError("blend needs at least one query token")
     vocab = int(lm.model.config.get_text_config().vocab_size)
@@ -530,8 +533,8 @@ class BlendGeneration:
 @torch.inference_mode()
 def continue_from(lm: Any, result: BlendResult, max_new_tokens: int, stop_ids: Sequence[int] | None = None) -> list[int]:
     """Greedy tokens after a blended cache (the first comes from ``logits_last``)."""
-    if max_new_tokens < 0:
-        raise KvcInputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    _check_new_tokens(max_new_tokens)
+    check_fits(lm, result.next_position + max_new_tokens, "the blended context + answer")
     stop = set(int(s) for s in (stop_ids or []))
     out: list[int] = []
     if max_new_tokens == 0:
@@ -548,6 +551,12 @@ def continue_from(lm: Any, result: BlendResult, max_new_tokens: int, stop_ids: S
             input_ids=torch.tensor([[tok]], device=dev), past_key_values=past, position_ids=torch.tensor([[pos]], device=dev),
             use_cache=True).logits[0, -1]
         tok, pos = int(logits.argmax()), pos + 1
+
+
+def _check_new_tokens(max_new_tokens: Any) -> None:
+    """An integer >= 0 or one line (``"x"``, None escaped as TypeError after the whole blend; 2.5 was taken)."""
+    if not is_int(max_new_tokens):
+        raise KvcInputError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r:.40}")
 
 
 def _stop_ids(lm: Any) -> list[int]:
@@ -571,7 +580,11 @@ def generate_blended(
 ) -> BlendGeneration:
     """Blend ``chunks`` under ``query_ids`` on ``device`` (default: the model's) and greedily generate up to
     ``max_new_tokens`` tokens."""
+    _check_new_tokens(max_new_tokens)  # before the blend: a bad answer length never costs its work
     t0 = time.perf_counter()
+    if all(isinstance(c, KVCache) for c in chunks):
+        n = sum(c.num_tokens for c in chunks) + len(as_token_ids(query_ids, "query token ids")) + max_new_tokens
+        check_fits(lm, n, "the blended chunks + query + answer")
     res = blend(lm, chunks, query_ids, recompute_ratio=recompute_ratio, select_layer=select_layer, device=device)
     t1 = time.perf_counter()
     toks = continue_from(lm, res, max_new_tokens, _stop_ids(lm) if stop_at_eos else None)

@@ -192,3 +192,27 @@ def test_bad_inputs_are_input_errors(lm, pieces, chunk_caches):
         blend(lm, [pruned], query)
     with pytest.raises(KvcInputError):
         blend(lm, ["not a cache"], query)
+
+
+def test_query_ids_answer_length_and_window_are_checked_before_the_work(lm, pieces, chunk_caches):
+    """Query ids that are not integers were coerced or escaped ("abc" ValueError, [1.7] read as [1], 2**63 as
+    OverflowError); an answer length that is not an integer escaped as TypeError after the whole blend (2.5 was
+    taken); chunks and a query past the model's window were blended, and an answer was generated past it."""
+    from kvcodec.models.capture import max_context
+
+    _, query = pieces
+    a = chunk_caches["A"]
+    for bad in (["abc"], [1.7, 2.2], np.array([2**63 + 5], dtype=np.uint64)):
+        with pytest.raises(KvcInputError, match="query token ids must be integers"):
+            blend(lm, [a], bad)
+    for bad in ("x", None, 2.5, True, -1):
+        with pytest.raises(KvcInputError, match="max_new_tokens must be an integer"):
+            generate_blended(lm, [a], query, max_new_tokens=bad)
+    window = max_context(lm)
+    with pytest.raises(KvcInputError, match="context window"):
+        blend(lm, [a], np.full(window, 5))
+    with pytest.raises(KvcInputError, match="context window"):
+        generate_blended(lm, [a], query, max_new_tokens=window)
+    res = blend(lm, [a], query, recompute_ratio=0.0)
+    with pytest.raises(KvcInputError, match="context window"):
+        continue_from(lm, res, window)
