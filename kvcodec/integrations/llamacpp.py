@@ -251,9 +251,7 @@ def state_bytes(reader: Any, shape: LlamaShape, backend: str | None = None) -> b
     buf[:k_off] = pre
     out = np.frombuffer(buf, dtype=np.uint8)
     for i in range(shape.n_layer):
-        k, v = reader.read_layer(i, backend=backend)
-        k = k.numpy().astype(np.float16, copy=False)
-        v = v.numpy().astype(np.float16, copy=False)
+        k, v = (_fp16(x, i) for x in reader.read_layer(i, backend=backend))
         if k.shape != (shape.n_head_kv, t, shape.head_dim) or v.shape != k.shape:
             raise KvcInputError(f"layer {i} decodes to K {tuple(k.shape)} / V {tuple(v.shape)}, not ({shape.n_head_kv}, {t}, {shape.head_dim})")
         ko = k_off + i * (len(k_head) + layer_bytes)
@@ -264,6 +262,25 @@ def state_bytes(reader: Any, shape: LlamaShape, backend: str | None = None) -> b
         rows = v.transpose(1, 0, 2).reshape(t, hd)
         out[vo + len(v_head):vo + len(v_head) + layer_bytes] = np.ascontiguousarray(rows.T if shape.v_trans else rows).view(np.uint8).reshape(-1)
     return buf
+
+
+def _fp16(x: Any, layer: int) -> np.ndarray:
+    """A decoded layer tensor as float16 numpy on the host, or one KvcInputError line.
+
+    Why: llama.cpp's KV cache here is fp16. ``Tensor.numpy()`` raised a TypeError for a bfloat16 `.kvc` (what
+    LMCache, vLLM and SGLang engines store) and for a layer decoded on the GPU, and numpy's cast silently turned
+    a finite value past float16's 65504 (a bfloat16 or float32 file) into inf in llama.cpp's cache."""
+    import torch
+
+    t = x.detach().to("cpu")
+    if t.dtype != torch.float16:
+        t = t.to(torch.float32)
+        big = torch.isfinite(t) & (t.abs() > 65504)
+        if bool(big.any()):
+            raise KvcInputError(f"layer {layer} holds finite values up to {float(t[big].abs().max()):.4g}, beyond float16's "
+                                "65504: llama.cpp's fp16 KV cache cannot hold them")
+        t = t.to(torch.float16)
+    return t.numpy()
 
 
 def load_kvc(llm: Any, source: Any, backend: str | None = None, identity: ModelFingerprint | None = None) -> int:

@@ -220,3 +220,33 @@ def test_contexts_that_cannot_hold_it_are_refused(kvc_files):
         load_kvc(_llm(kv=8), kvc_files["fp16"])  # q8_0 KV cache
     with pytest.raises(KvcInputError, match="raise n_ctx"):
         load_kvc(_llm(n_ctx=128), kvc_files["fp16"])
+
+
+def test_bfloat16_and_float32_files_become_fp16_state_or_one_line():
+    """The state of a bfloat16 `.kvc` (what LMCache, vLLM and SGLang store) is the float16 file's: before, a
+    TypeError traceback (``Tensor.numpy()`` of bfloat16). A finite value past float16's 65504 (bfloat16, float32)
+    is refused in one line: before, it became inf in llama.cpp's cache."""
+    import torch
+
+    import kvcodec
+    from kvcodec.core.kvcache import KVCache
+    from kvcodec.integrations.llamacpp import GGML_TYPE_F16, ROPE_NEOX, state_bytes
+    from kvcodec.testing.golden import _synthetic
+
+    def state(dt, big=False):
+        c = _synthetic(dt, 8)
+        keys = [k.clone() for k in c.keys]
+        if big:
+            keys[1][0, 2, 3] = 1e6
+        fp = c.fingerprint
+        shape = LlamaShape(n_layer=fp.num_layers, n_head_kv=fp.num_kv_heads, head_dim=fp.head_dims[0], n_vocab=50000,
+                           n_ctx=64, rope_type=ROPE_NEOX, v_trans=False, type_k=GGML_TYPE_F16, type_v=GGML_TYPE_F16)
+        with kvcodec.open(kvcodec.encode(KVCache(keys, c.values, c.token_ids, fp, None), None, preset="lossless").data) as r:
+            return state_bytes(r, shape)
+
+    half = state(torch.float16)
+    assert state(torch.bfloat16) == state(torch.bfloat16) and len(state(torch.bfloat16)) == len(half)
+    assert state(torch.float32) == half  # the synthetic values are exact in float16
+    for dt in (torch.bfloat16, torch.float32):
+        with pytest.raises(KvcInputError, match="beyond float16's 65504"):
+            state(dt, big=True)
