@@ -28,11 +28,15 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m kvcodec.integrations.lmcache extract OBJECT OUT.kvc\n"
               "       python -m kvcodec.integrations.lmcache server LMCACHE_SERVER_ARGS...", file=sys.stderr)
         return 2
+    # Why these helpers: a plain open() blocked forever on a FIFO, read /dev/zero until memory ran out, and wrote
+    # the output in place: onto the object itself (the input destroyed), a FIFO (blocked) or a device.
+    from kvcodec.atomic import atomic_write_bytes
+    from kvcodec.limits import open_regular
+
     try:
-        with open(args[1], "rb") as f:
+        with open(open_regular(args[1], "an LMCache object"), "rb") as f:
             data = unframe(f.read())
-        with open(args[2], "wb") as f:
-            f.write(data)
+        atomic_write_bytes(args[2], data, inputs=[args[1]])
     except KvcError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code

@@ -67,6 +67,15 @@ def test_lossless_bit_exact_through_fs(tmp_path, chunks, l1):
     assert v.returncode == 0, v.stdout + v.stderr
     with kvcodec.open(str(out)) as rd:
         assert rd.header.num_tokens == CHUNK and rd.header.meta["source"] == "lmcache"
+    # before: the object itself as the output was replaced by its .kvc, a FIFO as the object or the output hung
+    os.mkfifo(tmp_path / "fifo")
+    for args in ([files[0], files[0]], [str(tmp_path / "fifo"), str(tmp_path / "y.kvc")], [files[0], str(tmp_path / "fifo")],
+                 ["/dev/zero", str(tmp_path / "y.kvc")]):
+        r = subprocess.run([sys.executable, "-m", "kvcodec.integrations.lmcache", "extract", *args],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
+    with open(files[0], "rb") as f:
+        assert f.read() == blob
 
 
 def test_wrong_model_or_chunk_is_a_miss(tmp_path, chunks, l1):
