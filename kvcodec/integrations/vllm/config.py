@@ -76,6 +76,19 @@ def _as_int(name: str, v: Any, lo: int) -> int:
     return i
 
 
+def _as_size(name: str, v: Any) -> int | None:
+    """A byte size (``512M``, ``1000``), checked now: a list or a dict reached the store cache's dict key at
+    start-up as an unhashable-type TypeError traceback; a bad string was reported only when the store opened."""
+    from kvcodec.store.options import parse_size
+
+    if v is None:
+        return None
+    try:
+        return parse_size(v)
+    except KvcInputError as e:
+        raise KvcInputError(f"kvcodec connector: {name}: {e}") from None
+
+
 @dataclass(frozen=True)
 class ConnectorConfig:
     store_url: str
@@ -119,7 +132,7 @@ class ConnectorConfig:
             chunk_tokens=_as_int("chunk_tokens", extra.get("chunk_tokens", DEFAULT_CHUNK_TOKENS), 1),
             save=_as_bool("save", extra.get("save", True)), load=_as_bool("load", extra.get("load", True)),
             min_load_tokens=_as_int("min_load_tokens", extra.get("min_load_tokens", 0), 0),
-            memory_bytes=extra.get("memory_bytes"), model_id=model_id,
+            memory_bytes=_as_size("memory_bytes", extra.get("memory_bytes")), model_id=model_id,
         )
 
     @property

@@ -25,6 +25,7 @@ def test_config_defaults_and_errors():
     assert (c.preset, c.namespace, c.chunk_tokens, c.save, c.load) == (None, "default", 256, True, True)
     with pytest.raises(KvcInputError, match="start-up"):  # the default is resolved from the model, at start-up
         _ = c.codec_id
+    assert ConnectorConfig.from_extra({"store_url": "/tmp/x", "memory_bytes": "1M"}).memory_bytes == 1 << 20
     c = ConnectorConfig.from_extra({"store_url": "/tmp/x", "preset": "lossless"})
     assert c.codec_id == codec_key("lossless")
     for bad, word in [({}, "store_url"), ({"store_url": " "}, "store_url"), ({"store_url": "x", "preset": "nope"}, "preset"),
@@ -33,7 +34,10 @@ def test_config_defaults_and_errors():
                       # JSON's 1e999 and a float past int64: before, an OverflowError traceback / a 300-digit chunk size
                       ({"store_url": "x", "chunk_tokens": float("inf")}, "chunk_tokens"),
                       ({"store_url": "x", "min_load_tokens": float("-inf")}, "min_load_tokens"),
-                      ({"store_url": "x", "chunk_tokens": 1e300}, "chunk_tokens")]:
+                      ({"store_url": "x", "chunk_tokens": 1e300}, "chunk_tokens"),
+                      # before, an unhashable-type TypeError when the store opened at start-up
+                      ({"store_url": "x", "memory_bytes": [1]}, "memory_bytes"),
+                      ({"store_url": "x", "memory_bytes": {"a": 1}}, "memory_bytes")]:
         with pytest.raises(KvcInputError, match=word):
             ConnectorConfig.from_extra(bad)
     c.check_block_size(128)
