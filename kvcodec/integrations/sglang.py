@@ -9,7 +9,7 @@ Loaded by SGLang's ``dynamic`` backend (``sglang/srt/mem_cache/storage/backend_f
             "store_url": "/var/cache/kvc", "namespace": "default", "model": "MODEL_DIR"}'
 
 Options (the same extra-config dict): ``store_url`` (any kvcodec store URL: directory, ``redis://``, ``s3://``,
-``kdn://``...), ``namespace``, ``key_file`` (the store's tenant key), ``model`` (the kvcodec model, a shipped name
+``kvc+http://``...), ``namespace``, ``key_file`` (the store's tenant key), ``model`` (the kvcodec model, a shipped name
 or the HF directory SGLang serves; default: SGLang's ``model_name``), ``preset`` (a lossless preset:
 ``lossless`` default, ``zstd``, ``fp16``, ``raw``), ``verify``.
 

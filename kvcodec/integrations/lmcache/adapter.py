@@ -9,7 +9,7 @@ Loaded by LMCache's plugin adapter (``lmcache/v1/distributed/l2_adapters/plugin_
                                       "models": {"HuggingFaceTB/SmolLM2-135M": "smollm2"}}}'
 
 ``adapter_params``: ``store_url`` (any :class:`kvcodec.store.Store` URL: a directory, ``redis://``,
-``redis+cluster://``, ``s3://``, ``kdn://`` / ``http://``, comma-separated tiers), ``namespace`` (the store keys'
+``redis+cluster://``, ``s3://``, ``kvc+http://`` (a shared ``kvc serve`` KDN), comma-separated tiers), ``namespace`` (the store keys'
 namespace: tenancy as the store has it), ``key_file`` (the tenant key: entries are sealed with it and another
 tenant's are refused; default: the store's own default key), ``preset`` / ``overrides`` / ``models`` / ``verify`` / ``rope_offset`` (as the serde,
 :mod:`.serde`), ``max_workers`` (I/O and codec threads).
