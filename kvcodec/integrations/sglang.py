@@ -164,6 +164,9 @@ class KvcodecHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
 
     def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list[torch.Tensor | None]:
         locs = target_locations or [None] * len(keys)
+        if len(locs) != len(keys):  # zip() cut the answer short: SGLang reads one result per key
+            log.warning("kvcodec HiCache backend: batch_get of %d keys with %d target pages", len(keys), len(locs))
+            return [None] * len(keys)
         return [self.get(k, t) for k, t in zip(keys, locs)]
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:

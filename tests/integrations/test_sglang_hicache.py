@@ -164,6 +164,8 @@ def test_other_dtype_page_and_odd_keys(tmp_path, pages, key_file):
             assert not b.set(k, page) and b.get(k, torch.empty_like(page)) is None and not b.exists(k)
             assert b.batch_exists([k]) == 0
         assert b.set("\udc80", page) and b.exists("\udc80") and b.get("\udc80", out) is out
+        # one result per key, as for batch_set: before, zip() returned 1 for 2 keys and 1 page
+        assert b.batch_get(["a" * 64, "\udc80"], [out]) == [None, None]
     finally:
         b.close()
     for ns in (None, 5):  # before, taken as the namespaces "None" and "5"
