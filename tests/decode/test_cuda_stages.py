@@ -263,7 +263,16 @@ def test_layout_writers_hf_and_paged():
     nan = torch.tensor([[[float("nan"), -float("nan")]]], device=DEV)
     hf = torch.zeros((1, 1, 1, 2), dtype=torch.bfloat16, device=DEV)
     store_hf(nan, hf)
-    assert torch.isnan(hf).all()  # NaN payload bits are platform-specific (torch CPU gives 0xFFFF here); decoded KV is never NaN
+    assert torch.isnan(hf).all()  # a NaN that is not an exact bfloat16: some NaN (torch CPU gives 0xFFFF, CUDA 0x7FC0)
+    # an exact-bfloat16 NaN (a lossless bfloat16 file's) keeps its sign and payload, as the CPU reader
+    # (core.dtypes.f32_to_bf16): before, every NaN became 0x7FC0 here
+    bits = torch.tensor([0x7FC00000, 0xFFC00000, 0x7FC10000, 0x7F810000], dtype=torch.int64).to(torch.int32)
+    exact = bits.view(torch.float32).reshape(1, 1, 4).to(DEV)
+    for shape, store in (((1, 1, 4, 1), store_hf),
+                         ((1, 4, 1, 1), lambda y, t: store_paged(y, t, torch.tensor([0], dtype=torch.int32, device=DEV), 0))):
+        out = torch.zeros(shape, dtype=torch.bfloat16, device=DEV)
+        store(exact.reshape(1, 4, 1), out)
+        assert (out.view(torch.int16).reshape(-1).cpu().to(torch.int32) & 0xFFFF).tolist() == [0x7FC0, 0xFFC0, 0x7FC1, 0x7F81]
     with pytest.raises(KvcInputError):
         store_paged(x, torch.zeros((2, 4, H, D), device=DEV), torch.tensor([0, 1], device=DEV), 0)
 

@@ -157,7 +157,9 @@ def _store_kernel(src_ptr, dst_ptr, bt_ptr, N, T, D, t0, s_h, s_t, s_d, BS, s_bl
     if BF16:  # float32 -> bfloat16, round to nearest even done in integers (the interpreter's cast truncates)
         u = v.to(tl.float32).to(tl.uint32, bitcast=True)
         r = (u + 32767 + ((u >> 16) & 1)) >> 16
-        r = tl.where((u & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, r)  # any NaN -> 0x7FC0, as torch's cast
+        # a NaN that is not an exact bfloat16 -> 0x7FC0; an exact one (a lossless bfloat16 file's) keeps its bits
+        # (r is u >> 16 then), as core.dtypes.f32_to_bf16 on the CPU
+        r = tl.where(((u & 0x7FFFFFFF) > 0x7F800000) & ((u & 0xFFFF) != 0), 0x7FC0, r)
         tl.store(dst_ptr + off, r.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=m)
     else:
         tl.store(dst_ptr + off, v.to(dst_ptr.dtype.element_ty), mask=m)
@@ -229,7 +231,7 @@ def _fused_inverse_kernel(sym_ptr, step_ptr, ts_ptr, bt_ptr, mean_ptr, kept_ptr,
     if BF16:  # float32 -> bfloat16, round to nearest even in integers (as _store_kernel)
         u = x.to(tl.uint32, bitcast=True)
         r = (u + 32767 + ((u >> 16) & 1)) >> 16
-        r = tl.where((u & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, r)
+        r = tl.where(((u & 0x7FFFFFFF) > 0x7F800000) & ((u & 0xFFFF) != 0), 0x7FC0, r)  # as _store_kernel
         tl.store(dst_ptr + off, r.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=m2)
     else:
         tl.store(dst_ptr + off, x.to(dst_ptr.dtype.element_ty), mask=m2)
