@@ -76,6 +76,14 @@ class Answer:
         return d
 
 
+def _check_answer_len(max_new_tokens: Any) -> None:
+    """An answer length is an integer >= 1, or one line ("x" and None escaped as TypeError, 2.5 was taken)."""
+    from kvcodec.errors import is_int
+
+    if not is_int(max_new_tokens, lo=1):
+        raise KvcInputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r:.40}")
+
+
 class KnowledgeBase:
     """Documents as cached KV in a store, for one model, preset and namespace."""
 
@@ -252,8 +260,7 @@ class KnowledgeBase:
         the answer comes from a full prefill; with ``store_new`` a good entry
         then replaces it (and the full context is stored as on any miss).
         """
-        if max_new_tokens < 1:  # checked up front: a bad argument must never look like a bad entry
-            raise KvcInputError("max_new_tokens must be at least 1")
+        _check_answer_len(max_new_tokens)  # checked up front: a bad argument must never look like a bad entry
         t0 = time.perf_counter()
         ids, bounds = self.context_ids(docs)
         q = self.question_ids(question)
@@ -331,10 +338,10 @@ class KnowledgeBase:
         """
         from kvcodec.runtime.stream import AdaptiveStreamer
 
-        if max_new_tokens < 1:
-            raise KvcInputError("max_new_tokens must be at least 1")
-        if budget_s is not None and not budget_s > 0:
-            raise KvcInputError(f"the TTFT budget must be positive seconds, got {budget_s!r}")
+        from kvcodec.runtime.stream import _check_budget
+
+        _check_answer_len(max_new_tokens)
+        _check_budget(budget_s)
         ids, _ = self.context_ids(docs)
         q = self.question_ids(question)
         check_fits(self.lm, len(ids) + len(q) + max_new_tokens, "the documents + question + answer")
@@ -394,8 +401,7 @@ class KnowledgeBase:
         from kvcodec.runtime.blend import _validate_ratio, generate_blended
         from kvcodec.models.capture import capture
 
-        if max_new_tokens < 1:
-            raise KvcInputError("max_new_tokens must be at least 1")
+        _check_answer_len(max_new_tokens)
         t0 = time.perf_counter()
         ratio = _validate_ratio(recompute_ratio)
         if not docs:

@@ -62,8 +62,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from kvcodec.errors import KvcError, KvcFormatError, KvcStoreError
-from kvcodec.core.kvcache import KVCache
+from kvcodec.errors import KvcError, KvcFormatError, KvcInputError, KvcStoreError
+from kvcodec.core.kvcache import KVCache, as_token_ids
 from kvcodec.models.load import LoadedModel
 from kvcodec.store import Store, StoreKey
 from kvcodec.store.keys import DEFAULT_CHUNK
@@ -208,8 +208,15 @@ class AdaptiveStreamer:
     def load(self, ids: np.ndarray, *, budget_s: float | None, question_tokens: int = 0, namespace: str = "default",
              t0: float | None = None, manifest: LevelManifest | None = None) -> Streamed:
         """The KV cache of ``ids`` assembled from the store's multi-level entry (text where needed)."""
+        from kvcodec.models.capture import check_fits, context_ids
+
         t0 = time.perf_counter() if t0 is None else t0
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        # the context's ids checked like any capture's (integers in the vocabulary, within the window) and the budget
+        # a positive number: float ids were truncated, "abc" / an id past the vocabulary / budget "x" escaped as
+        # ValueError / IndexError / TypeError, and a context past the window was streamed and prefilled
+        ids = context_ids(self.lm, token_ids=ids)
+        _check_budget(budget_s)
+        check_fits(self.lm, len(ids) + question_tokens, "the context + question")
         key = manifest_key(ids, model=self.lm.fingerprint.id, namespace=namespace)
         floor_bw = None
         problem = None  # any manifest problem: the whole context is prefilled from text (issue 35), never a failure
@@ -242,10 +249,13 @@ class AdaptiveStreamer:
     def answer(self, ids: np.ndarray, question_ids: np.ndarray, *, budget_s: float | None, max_new_tokens: int = 32,
                namespace: str = "default") -> tuple[list[int], StreamReport]:
         """Stream the context, feed the question, decode greedily; the report carries the TTFT."""
-        from kvcodec.integrations.hf import greedy_from
+        from kvcodec.integrations.hf import _new_token_ids, greedy_from
+        from kvcodec.models.capture import check_fits
 
         t0 = time.perf_counter()
-        q = np.asarray(question_ids, dtype=np.int64).reshape(-1)
+        # checked before the load's work (a float question id was truncated, a bad max_new_tokens refused only after it)
+        q = _new_token_ids(self.lm, question_ids, max_new_tokens)
+        check_fits(self.lm, len(as_token_ids(ids)) + len(q) + max_new_tokens, "the context + question + answer")
         got = self.load(ids, budget_s=budget_s, question_tokens=len(q), namespace=namespace, t0=t0)
         t1 = time.perf_counter()
         out, first_at = greedy_from(self.lm, got.cache, got.n_tokens, q, max_new_tokens)
@@ -254,6 +264,14 @@ class AdaptiveStreamer:
         log.info("stream %s: TTFT %.3f s (budget %s), choices %s", got.report.key, got.report.ttft_s, budget_s,
                  got.report.level_counts())
         return out, got.report
+
+
+def _check_budget(budget_s: Any) -> None:
+    """A TTFT budget is None (no budget) or a number of seconds > 0 (NaN, 0, -1 and True were taken as budgets)."""
+    if budget_s is None:
+        return
+    if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float, np.integer, np.floating)) or not budget_s > 0:
+        raise KvcInputError(f"the TTFT budget must be a positive number of seconds or None, got {budget_s!r:.40}")
 
 
 class _Run:

@@ -260,3 +260,28 @@ def test_any_manifest_problem_prefills_from_text(lm, entry, exact_logits, tmp_pa
     else:
         assert rep.manifest_problem and rep.to_json()["manifest_problem"] == rep.manifest_problem
     assert _kl(lm, got, ids, exact_logits) < 1e-4
+
+
+@pytest.mark.parametrize("kw, msg", [
+    ({"ids": [1.7] * 10}, "must be integers"),  # was truncated to id 1 and streamed
+    ({"ids": ["a"]}, "must be integers"),  # ValueError
+    ({"ids": [10**9]}, r"must lie in \[0"),  # IndexError from the embedding
+    ({"budget_s": "x"}, "TTFT budget"),  # TypeError
+    ({"budget_s": float("nan")}, "TTFT budget"),  # taken as a budget
+    ({"budget_s": -1.0}, "TTFT budget"),
+    ({"question_ids": [2.5]}, "must be integers"),  # was truncated
+    ({"max_new_tokens": 2.5}, "positive integer"),
+    ({"ids": np.full(8200, 5)}, "context window"),  # streamed and prefilled past the window (70 s on the CI box)
+])
+def test_the_streamers_inputs_are_checked_before_any_work(lm, kw, msg):
+    """AdaptiveStreamer.answer's ids, question, budget and answer length are refused in one KvcInputError line."""
+    from kvcodec.errors import KvcInputError
+    from kvcodec.runtime.knowledge import KnowledgeBase
+
+    args = {"ids": np.arange(100, 140), "question_ids": [5], "budget_s": None, "max_new_tokens": 1, **kw}
+    with pytest.raises(KvcInputError, match=msg):
+        AdaptiveStreamer(lm, Store.open("mem://"), speeds=Speeds()).answer(**args)
+    if "budget_s" in kw or "max_new_tokens" in kw:  # the knowledge base's ask takes the same two, checked the same
+        kb = KnowledgeBase(lm, Store.open("mem://"))
+        with pytest.raises(KvcInputError, match=msg.replace("positive integer", "integer >= 1")):
+            kb.ask_streamed(["a document"], "a question?", args["budget_s"], max_new_tokens=args["max_new_tokens"])
