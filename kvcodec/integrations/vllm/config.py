@@ -66,13 +66,17 @@ def _as_bool(name: str, v: Any) -> bool:
     raise KvcInputError(f"kvcodec connector: {name} must be a boolean, got {v!r}")
 
 
-def _as_int(name: str, v: Any, lo: int) -> int:
+MAX_CHUNK_TOKENS = 1 << 20  # past any context: start-up probes one chunk of zero ids ([0] * chunk_tokens)
+
+
+def _as_int(name: str, v: Any, lo: int, hi: int = (1 << 63) - 1) -> int:
     try:
         i = int(v)
     except (TypeError, ValueError, OverflowError):  # OverflowError: an infinite float (JSON's 1e999)
-        raise KvcInputError(f"kvcodec connector: {name} must be an integer, got {v!r}") from None
-    if isinstance(v, bool) or i != v and not isinstance(v, str) or not lo <= i < 1 << 63:
-        raise KvcInputError(f"kvcodec connector: {name} must be an integer >= {lo}, got {v!r}")
+        raise KvcInputError(f"kvcodec connector: {name} must be an integer, got {v!r:.40}") from None
+    if isinstance(v, bool) or i != v and not isinstance(v, str) or not lo <= i <= hi:
+        rng = f">= {lo}" if hi == (1 << 63) - 1 else f"in [{lo}, {hi}]"
+        raise KvcInputError(f"kvcodec connector: {name} must be an integer {rng}, got {v!r:.40}")
     return i
 
 
@@ -129,7 +133,9 @@ class ConnectorConfig:
             check_id("model", model_id)
         return cls(
             store_url=url.strip(), preset=preset, namespace=ns,
-            chunk_tokens=_as_int("chunk_tokens", extra.get("chunk_tokens", DEFAULT_CHUNK_TOKENS), 1),
+            # bounded: a chunk of 10**12 tokens (a multiple of any block size) made the start-up probe allocate
+            # a list of 10**12 ids (MemoryError after minutes of swapping)
+            chunk_tokens=_as_int("chunk_tokens", extra.get("chunk_tokens", DEFAULT_CHUNK_TOKENS), 1, MAX_CHUNK_TOKENS),
             save=_as_bool("save", extra.get("save", True)), load=_as_bool("load", extra.get("load", True)),
             min_load_tokens=_as_int("min_load_tokens", extra.get("min_load_tokens", 0), 0),
             memory_bytes=_as_size("memory_bytes", extra.get("memory_bytes")), model_id=model_id,

@@ -35,6 +35,8 @@ def test_config_defaults_and_errors():
                       ({"store_url": "x", "chunk_tokens": float("inf")}, "chunk_tokens"),
                       ({"store_url": "x", "min_load_tokens": float("-inf")}, "min_load_tokens"),
                       ({"store_url": "x", "chunk_tokens": 1e300}, "chunk_tokens"),
+                      # a multiple of every block size: the start-up probe allocated [0] * 10**12 before
+                      ({"store_url": "x", "chunk_tokens": 10**12}, "chunk_tokens"),
                       # before, an unhashable-type TypeError when the store opened at start-up
                       ({"store_url": "x", "memory_bytes": [1]}, "memory_bytes"),
                       ({"store_url": "x", "memory_bytes": {"a": 1}}, "memory_bytes")]:
