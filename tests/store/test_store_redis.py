@@ -129,6 +129,30 @@ def test_redis_url_validation():
             Store.open(bad)
 
 
+@pytest.mark.parametrize("bad, msg", [
+    # redis-py hands an option it does not parse to its connection class: the store opened, and its first call
+    # escaped as TypeError (a typo, or an option of rediss:// on redis://) or ValueError (a negative timeout)
+    ("redis://127.0.0.1:1/0?max_byts=1G", "unknown redis URL options"),
+    ("redis://127.0.0.1:1/0?ssl_cert_reqs=none", "unknown redis URL options"),
+    ("redis://127.0.0.1:1/0?socket_timeout=-1", "socket_timeout must be a positive"),
+    ("redis://127.0.0.1:1/abc", "database number"),  # redis-py used database 0
+])
+def test_a_redis_url_option_redis_py_would_choke_on_is_refused_at_open(bad, msg):
+    with pytest.raises(KvcInputError, match=msg):
+        Store.open(bad)
+
+
+def test_unix_socket_and_passed_on_options_open():
+    """``unix:///path?db=N``, documented, never opened (urlunsplit dropped its //, which redis-py refused); options
+    redis-py does take are still passed on."""
+    from kvcodec.store import RedisTier
+
+    pool = RedisTier("unix:///tmp/kvc-none.sock?db=2&timeout=0.3").r.connection_pool
+    assert pool.connection_kwargs["path"] == "/tmp/kvc-none.sock" and pool.connection_kwargs["db"] == 2
+    assert RedisTier("rediss://127.0.0.1:1/0?ssl_cert_reqs=none").r.connection_pool.connection_kwargs["ssl_cert_reqs"] == "none"
+    assert RedisTier("redis://127.0.0.1:1/3?client_name=kvc").r.connection_pool.connection_kwargs["db"] == 3
+
+
 def test_redis_outage_goes_through_the_one_guard(caplog):
     """The Redis tier's outage handling is kvcodec.store.outage.OutageGuard, with Redis's own wording."""
     from kvcodec.store import RedisTier

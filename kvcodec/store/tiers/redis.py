@@ -17,7 +17,8 @@ URL: ``redis://[[user]:password@]host:port/db`` or ``rediss://...`` (TLS), or
   length, and the reader's Store accepts its seal (``Tier._check_head``); a server that refuses scripts gets the same
   in separate calls.
 
-Other query options are passed to ``redis.Redis.from_url`` unchanged.
+Other query options are passed to ``redis.Redis.from_url`` unchanged, and checked when the store opens: one its
+connection class does not take (a typo, or ``ssl_cert_reqs`` on ``redis://``) is refused there, not at the first call.
 
 Availability: a connection failure or timeout marks the tier *down* and logs
 one warning for the outage (logger ``kvcodec.store``).  While down, reads
@@ -73,6 +74,32 @@ def _number(text: str, what: str, positive: bool = False, integer: bool = False)
     return v
 
 
+def _check_client_options(pool: Any, url: str) -> None:
+    """The options redis-py was handed, checked when the store opens: redis-py passes an option it does not parse
+    on to its connection class, so a typo (``max_byts=1G``) or an option of another scheme (``ssl_cert_reqs`` on
+    ``redis://``) opened the store and then escaped from its first call as a TypeError, and ``socket_timeout=-1``
+    as a ValueError."""
+    import inspect
+
+    known: set[str] = set()
+    for c in pool.connection_class.__mro__:  # the keywords of each __init__ up to the first without **kwargs
+        init = c.__dict__.get("__init__")
+        if init is None:
+            continue
+        params = inspect.signature(init).parameters.values()
+        known |= {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+        if not any(p.kind == p.VAR_KEYWORD for p in params):
+            break
+    kwargs = pool.connection_kwargs
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise KvcInputError(f"unknown redis URL options {unknown} in {redact(url)!r} (kvcodec's: {', '.join(_OWN_OPTS)})")
+    for k in ("socket_timeout", "socket_connect_timeout"):
+        v = kwargs.get(k)
+        if v is not None and not 0 < float(v) < float("inf"):
+            raise KvcInputError(f"redis URL option {k} must be a positive number of seconds in {redact(url)!r}")
+
+
 class RedisTier(Tier):
     kind = "redis"
     schemes = ("redis", "rediss", "unix")
@@ -95,6 +122,8 @@ class RedisTier(Tier):
             raise KvcInputError(f"bad redis URL {ascii(url.split('@')[-1])}: {e}") from None
         if p.scheme not in ("redis", "rediss", "unix"):
             raise KvcInputError(f"not a redis URL: {redact(url)!r}")
+        if p.scheme != "unix" and not re.fullmatch(r"/?|/[0-9]{1,5}", p.path):  # redis-py took /abc as database 0
+            raise KvcInputError(f"a redis URL's path is its database number (/0), got {ascii(p.path[:40])}")
         q = dict(parse_qsl(p.query, keep_blank_values=True))
         try:
             timeout = _number(q.pop("timeout", "2"), "timeout", positive=True)
@@ -113,6 +142,8 @@ class RedisTier(Tier):
         if any(c in self.prefix for c in "*?[]\\"):
             raise KvcInputError(f"redis key prefix {self.prefix!r} must not contain glob characters")
         clean = urlunsplit((p.scheme, p.netloc, p.path, urlencode(q), p.fragment))
+        if p.scheme == "unix":  # urlunsplit writes unix:/path (no netloc), which redis-py refused: unix:// never opened
+            clean = "unix://" + clean[len("unix:"):]
         super().__init__(name or "redis", redact(url))
         if client is not None:
             self.r = client
@@ -123,6 +154,7 @@ class RedisTier(Tier):
                     retry=Retry(NoBackoff(), 1), health_check_interval=0)
             except ValueError as e:
                 raise KvcInputError(f"bad redis URL {redact(url)!r}: {e}") from None
+            _check_client_options(self.r.connection_pool, url)
         self._errors: tuple[type[BaseException], ...] = (
             redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
         self.guard = OutageGuard(f"redis {self.url}", self.retry_interval, writes_to="redis")
