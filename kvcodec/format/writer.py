@@ -336,6 +336,18 @@ def _near(out: np.ndarray, want: np.ndarray) -> bool:
     return float(d @ d) <= LOSSY_BOUND * float(x @ x)
 
 
+def _refuse_overflow(dec: np.ndarray, x: np.ndarray, ctx: Any) -> None:
+    """One KvcCodecError line if a lossy chunk decodes a finite input value to inf or NaN.
+
+    Why: the read-back accepts an out-of-distribution chunk far from its input when it equals the reference decode,
+    which let a float16 cache with values near 65504 (a constant 60000 under ``balanced``) be written and decoded
+    with inf in it: silently wrong KV. A lossy code's input is always finite (its codecs refuse NaN and inf)."""
+    if dec.shape == x.shape and bool((np.isfinite(x) & ~np.isfinite(dec)).any()):
+        raise KvcCodecError(f"layer {ctx.layer} {ctx.kind.upper()}: the lossy code decodes finite values to inf (values "
+                            "too close to their dtype's maximum, float16's 65504, for this preset); use the lossless "
+                            "preset for this cache")
+
+
 class _Expectation:
     """What each chunk of a file being written must decode to, for the read-back check.
 
@@ -395,7 +407,8 @@ class _Expectation:
 
             def close_to_input_or_reference(out: np.ndarray) -> bool:
                 off = self.cache.layer_offset(layer)
-                if _near(out, self._input(layer, kind)[h0:h1, t0 - off:t1 - off, :]):
+                x = self._input(layer, kind)[h0:h1, t0 - off:t1 - off, :]
+                if _near(out, x):
                     return True
                 # outside the fast bound (degenerate or out-of-distribution input, e.g. an all-zero layer whose
                 # error is the basis mean's rounding): the chunk must then equal the reference decode exactly
@@ -403,6 +416,7 @@ class _Expectation:
                     ref = np.ascontiguousarray(p.decode(payload, sides, sizes, spec, ctx))
                 except KvcError:
                     return False
+                _refuse_overflow(ref, x, ctx)
                 out = np.ascontiguousarray(out)
                 return out.shape == ref.shape and out.dtype == ref.dtype and np.array_equal(
                     out.view(np.uint8), ref.view(np.uint8))
@@ -416,6 +430,7 @@ class _Expectation:
         except KvcError as exc:
             raise KvcCodecError(f"chunk {len(self.checks)} (layer {ctx.layer} {ctx.kind.upper()}): "
                                 f"the encoder's output does not decode: {exc}") from None
+        _refuse_overflow(expected, arr, ctx)
         want = (expected.shape, expected.dtype, crc32c(expected.view(np.uint8).data))
 
         def same_as_reference(out: np.ndarray, want: tuple = want) -> bool:

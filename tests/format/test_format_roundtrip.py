@@ -322,3 +322,25 @@ def test_bf16_nan_payloads_subnormals_and_negative_zero_are_bit_exact(preset):
     with kvcodec.open(kvcodec.encode(cache, None, preset=preset).data) as r:
         k0 = r.read_layer(0)[0]
     assert k0.dtype == torch.bfloat16 and torch.equal(k0.view(torch.int16), keys[0].view(torch.int16))
+
+
+@pytest.mark.model
+def test_lossy_code_that_decodes_finite_float16_to_inf_is_refused(lm):
+    """A float16 cache near the float16 maximum (a constant 60000) under balanced decoded to inf in hundreds of
+    values and was written all the same (the read-back took it as an out-of-distribution chunk equal to its
+    reference decode): silently wrong KV. Now the write is one KvcCodecError line; 30000 still encodes."""
+    import kvcodec
+    from kvcodec.calibration.store import load_calibration
+    from kvcodec.errors import KvcCodecError
+
+    fp = lm.fingerprint
+    cal = load_calibration(fp.id)
+
+    def cache(val):
+        ks = [torch.full((fp.num_kv_heads, 16, fp.head_dims[0]), val, dtype=torch.float16) for _ in range(fp.num_layers)]
+        return KVCache(ks, [k.clone() for k in ks], np.zeros(16, dtype=np.int64), fp, None)
+
+    with pytest.raises(KvcCodecError, match="decodes finite values to inf"):
+        kvcodec.encode(cache(60000.0), None, preset="balanced", calibration=cal)
+    with kvcodec.open(kvcodec.encode(cache(30000.0), None, preset="balanced", calibration=cal).data) as r:
+        assert all(torch.isfinite(k).all() and torch.isfinite(v).all() for _, k, v in r.iter_layers())
