@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from kvcodec.errors import KvcInputError
@@ -24,6 +25,20 @@ def parse_size(s: str | int) -> int:
         raise KvcInputError(f"bad size {ascii(str(s)[:40])}: use e.g. 1000, 512M, 10G (ASCII digits)")
     mult = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
     return int(float(m.group(1)) * mult)
+
+
+def parse_number(text: Any, what: str, positive: bool = False, integer: bool = False) -> float:
+    """A finite number written in ASCII digits, as a URL option gives it (``float`` alone accepts Arabic-Indic
+    digits, nan, inf and -1: an S3 or KDN ``timeout=nan`` opened a store whose every call then failed).
+    Raises ``ValueError``, which each tier words as its own bad-option line."""
+    pat = r"[0-9]{1,12}" if integer else r"[0-9]{1,12}(\.[0-9]{1,9})?"
+    if not re.fullmatch(pat, str(text).strip()):
+        raise ValueError(f"{what}={ascii(str(text)[:40])} is not a {'whole ' if integer else ''}number "
+                         "in ASCII digits")
+    v = float(text)
+    if positive and v <= 0:
+        raise ValueError(f"{what} must be > 0")
+    return v
 
 
 def parse_flag(v: str) -> bool:

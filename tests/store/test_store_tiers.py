@@ -9,7 +9,7 @@ import time
 import pytest
 
 from kvcodec.errors import KvcFormatError, KvcInputError, KvcStoreError
-from kvcodec.store import FileRangeReader, MemoryTier, Store, StoreKey, open_range_reader, parse_size
+from kvcodec.store import FileRangeReader, MemoryTier, Store, StoreKey, TenantKey, open_range_reader, parse_size
 from kvcodec.store.tiers.directory import DirectoryTier
 from kvcodec.store.tenant import AuthRangeReader
 from kvcodec.store.tiers.base import FIXED_SIZE, decode_envelope, encode_envelope
@@ -287,3 +287,19 @@ def test_odd_store_marker_is_a_store_error(tmp_path, marker):
     (tmp_path / "s" / "kvstore.json").write_text(marker)
     with pytest.raises(KvcStoreError):
         DirectoryTier(tmp_path / "s")
+
+
+@pytest.mark.parametrize("url", [
+    "s3://b/p?timeout=nan", "s3://b/p?timeout=inf", "s3://b/p?timeout=-1", "s3://b/p?timeout=\u0662",
+    "s3://b/p?retry_interval=nan", "s3://b/p?retry_interval=-5",
+    "kvc+http://h:1?timeout=nan", "kvc+http://h:1?timeout=-1", "kvc+http://h:1?put_timeout=inf",
+    "kvc+http://h:1?retry_interval=nan",
+])
+def test_a_remote_tiers_seconds_are_finite_ascii_numbers(url):
+    """float() took nan, inf, -1 and Arabic-Indic digits: the store opened and its every call then failed (S3's
+    timeout=nan / inf) or a retry interval of nan / -5 was taken; now one line at open, as the Redis tier's already was."""
+    if url.startswith("s3"):
+        pytest.importorskip("boto3")
+    with pytest.raises(KvcInputError, match="is not a number in ASCII digits"):
+        Store.open(url, key=TenantKey.ephemeral())
+    assert Store.open(url.split("?")[0] + "?timeout=2.5", key=TenantKey.ephemeral())

@@ -40,7 +40,7 @@ from urllib.parse import parse_qsl, quote, urlsplit, urlunsplit
 from kvcodec.errors import KvcError, KvcInputError, KvcStoreError
 from kvcodec.kdn_protocol import CONTAINS, CONTENT_TYPE, ENTRIES, H_CRC, H_CREATED, H_META, MAX_CONTAINS, MAX_META_HEADER, WHOAMI
 from kvcodec.store.keys import StoreKey
-from kvcodec.store.options import parse_size, redact
+from kvcodec.store.options import parse_number, parse_size, redact
 from kvcodec.store.ranged import HttpLimits, HttpRangeReader, http_request
 from kvcodec.store.outage import OutageGuard
 from kvcodec.store.tiers.base import MAX_TIER_META, Entry, EntryInfo, Tier, as_bytes, check_meta, crc32c, log
@@ -71,10 +71,10 @@ class KdnTier(Tier):
             raise KvcInputError(f"kvc+http URL needs a host: {redact(url)!r}")
         q = dict(parse_qsl(p.query))
         try:
-            self.timeout = float(q.pop("timeout", 10.0))
-            self.put_timeout = float(q.pop("put_timeout", 300.0))
+            self.timeout = parse_number(q.pop("timeout", "10"), "timeout", positive=True)
+            self.put_timeout = parse_number(q.pop("put_timeout", "300"), "put_timeout", positive=True)
             self.max_entry = parse_size(q.pop("max_entry", "1G"))
-            self.retry_interval = float(q.pop("retry_interval", 1.0))
+            self.retry_interval = parse_number(q.pop("retry_interval", "1"), "retry_interval")
         except ValueError as e:
             raise KvcInputError(f"bad kvc+http option: {e}") from None
         if q:

@@ -35,7 +35,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from kvcodec.errors import KvcFormatError, KvcInputError, KvcStoreError
 from kvcodec.store.keys import StoreKey
-from kvcodec.store.options import redact
+from kvcodec.store.options import parse_number, redact
 from kvcodec.store.outage import OutageGuard
 from kvcodec.store.tiers.base import (
     HeadCheck,
@@ -60,18 +60,6 @@ if n > tonumber(ARGV[1]) then return n end
 if n > tonumber(ARGV[2]) then return {n, redis.call('GETRANGE', KEYS[1], 0, tonumber(ARGV[3]) - 1)} end
 return redis.call('GET', KEYS[1])
 """
-
-
-def _number(text: str, what: str, positive: bool = False, integer: bool = False) -> float:
-    """A finite number written in ASCII (``float`` alone accepts Arabic-Indic digits, nan and inf)."""
-    pat = r"[0-9]{1,12}" if integer else r"[0-9]{1,12}(\.[0-9]{1,9})?"
-    if not re.fullmatch(pat, str(text).strip()):
-        raise ValueError(f"{what}={ascii(str(text)[:40])} is not a {'whole ' if integer else ''}number "
-                         "in ASCII digits")
-    v = float(text)
-    if positive and v <= 0:
-        raise ValueError(f"{what} must be > 0")
-    return v
 
 
 def _check_client_options(pool: Any, url: str) -> None:
@@ -126,10 +114,10 @@ class RedisTier(Tier):
             raise KvcInputError(f"a redis URL's path is its database number (/0), got {ascii(p.path[:40])}")
         q = dict(parse_qsl(p.query, keep_blank_values=True))
         try:
-            timeout = _number(q.pop("timeout", "2"), "timeout", positive=True)
+            timeout = parse_number(q.pop("timeout", "2"), "timeout", positive=True)
             ttl = q.pop("ttl", None)
-            self.ttl = None if ttl in (None, "", "0") else int(_number(ttl, "ttl", positive=True, integer=True))
-            self.retry_interval = _number(q.pop("retry_interval", "1"), "retry_interval")
+            self.ttl = None if ttl in (None, "", "0") else int(parse_number(ttl, "ttl", positive=True, integer=True))
+            self.retry_interval = parse_number(q.pop("retry_interval", "1"), "retry_interval")
         except ValueError as e:
             raise KvcInputError(f"bad redis URL option in {redact(url)!r}: {e}") from None
         from kvcodec.store.options import parse_size

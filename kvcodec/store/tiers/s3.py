@@ -75,7 +75,7 @@ class S3Tier(Tier):
             import botocore.exceptions as bex
         except ImportError:  # pragma: no cover
             raise KvcStoreError("the s3 tier needs boto3: pip install 'kvcodec[store]'") from None
-        from kvcodec.store.options import parse_flag, parse_size
+        from kvcodec.store.options import parse_flag, parse_number, parse_size
 
         p = urlsplit(url)
         if p.scheme.lower() != "s3" or not p.netloc:
@@ -89,11 +89,11 @@ class S3Tier(Tier):
         try:
             endpoint = q.pop("endpoint_url", None)
             region = q.pop("region", "us-east-1")
-            timeout = float(q.pop("timeout", 10.0))
+            timeout = parse_number(q.pop("timeout", "10"), "timeout", positive=True)
             self.multipart = parse_size(q.pop("multipart", "8M"))
             self.part_size = parse_size(q.pop("part_size", "8M"))
             self.conditional = parse_flag(q.pop("conditional", "1"))
-            retry = float(q.pop("retry_interval", 1.0))
+            retry = parse_number(q.pop("retry_interval", "1"), "retry_interval")
             self.max_entry = parse_size(q.pop("max_bytes", DEFAULT_MAX_ENTRY))
         except ValueError as e:
             raise KvcInputError(f"bad s3 URL option: {e}") from None
