@@ -137,10 +137,31 @@ def redact_command(entry: str, pattern: str | None, literal: str | None, tokens:
     check_output(output, inputs=[entry])
     lineage = None
     if lineage_key_file is not None:
-        lineage = check_input(lineage_key_file).read_bytes()
+        lineage = _read_lineage_key(check_input(lineage_key_file))
     res = redact(_load(model), entry, pattern=pattern, text=literal, token_spans=spans, repair=repair,
                  recompute_ratio=ratio, dest=output, preset=preset, progress=_say(as_json), lineage_key=lineage)
     _render(res, as_json)
+
+
+#: a lineage key is a secret of 16 bytes or more (kvcodec.edit.redact); a file much longer is not one
+MAX_LINEAGE_KEY_BYTES = 4096
+
+
+def _read_lineage_key(path: Any) -> bytes:
+    """The bytes of a lineage key file, read up to :data:`MAX_LINEAGE_KEY_BYTES` (a multi-gigabyte file given by
+    mistake was read whole into memory) or one line (an unreadable one escaped as PermissionError)."""
+    from kvcodec.atomic import io_error
+    from kvcodec.errors import KvcInputError
+
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_LINEAGE_KEY_BYTES + 1)
+    except OSError as exc:
+        raise io_error(exc, f"reading the lineage key file {path}") from None
+    if len(data) > MAX_LINEAGE_KEY_BYTES:
+        raise KvcInputError(f"the lineage key file {path} is longer than {MAX_LINEAGE_KEY_BYTES:,} bytes; a lineage key is "
+                            "a secret of 16 bytes or more")
+    return data
 
 
 @edit_group.command("steer")

@@ -132,3 +132,31 @@ def test_kvc_info_says_what_an_edited_entry_promises(parent, tmp_path, capsys):
     assert json.loads(out)["edit"] is None
     rc, out, _ = run_kvc(["info", str(lossy)], capsys)
     assert "promise:" not in out and "edits:" not in out
+
+
+def test_a_lineage_key_file_is_read_bounded_and_in_one_line(tmp_path, capsys, monkeypatch):
+    """A huge file given as --lineage-key-file was read whole into memory, and an unreadable one escaped as a
+    traceback; both are one error line before the model loads or the entry is opened."""
+    import builtins
+
+    big = tmp_path / "big.key"
+    with open(big, "wb") as f:
+        f.truncate(64 << 20)  # sparse: 64 MiB that cost no disk
+    missing_entry = tmp_path / "never-opened.kvc"
+    rc, out, err = run_kvc(["edit", "redact", str(missing_entry), "--tokens", "0:1", "--lineage-key-file", str(big),
+                            "-o", str(tmp_path / "c.kvc")], capsys)
+    assert rc != 0 and "longer than 4,096 bytes" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    small = tmp_path / "small.key"
+    small.write_bytes(b"s" * 32)
+    real_open = builtins.open
+
+    def deny(path, *a, **k):  # the box runs as root, where chmod 000 denies nothing
+        if str(path) == str(small):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", deny)
+    monkeypatch.setattr("pathlib.Path.read_bytes", lambda self: deny(self).read())
+    rc, out, err = run_kvc(["edit", "redact", str(missing_entry), "--tokens", "0:1", "--lineage-key-file", str(small),
+                            "-o", str(tmp_path / "c.kvc")], capsys)
+    assert rc != 0 and "permission denied" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
