@@ -94,6 +94,12 @@ def root_digest(model: str, codec: str, namespace: str) -> bytes:
     ).digest()
 
 
+def _kind(token_ids: Any) -> str:
+    if isinstance(token_ids, (list, tuple)) and any(isinstance(x, bool) for x in token_ids):
+        return f"a {type(token_ids).__name__} holding booleans"
+    return f"a {type(token_ids).__name__}"
+
+
 def token_bytes(token_ids: Any) -> bytes:
     """Token ids as contiguous little-endian int32 bytes (validated).
 
@@ -113,6 +119,10 @@ def token_bytes(token_ids: Any) -> bytes:
         if a.size and (int(a.min()) < 0 or int(a.max()) >= 2**31):
             raise KvcInputError("token ids must lie in [0, 2**31)")
         return a.astype("<i4", copy=False).tobytes()
+    # a list, tuple or range only, and no bools: array() takes any iterable, so a dict was keyed by its keys, a set in
+    # its arbitrary order, [True, False] as [1, 0], and an iterator was consumed here before the key counted it (TypeError)
+    if not isinstance(token_ids, (list, tuple, range)) or any(isinstance(x, bool) for x in token_ids):
+        raise KvcInputError(f"token ids must be a list, tuple or array of integers, got {_kind(token_ids)}")
     try:
         arr = array("i", token_ids)
     except (TypeError, OverflowError) as e:

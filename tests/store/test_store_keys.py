@@ -177,3 +177,13 @@ def test_non_ascii_and_odd_ids_are_input_errors(bad):
         StoreKey.for_tokens(IDS, model="m", codec="c", namespace=bad)
     with pytest.raises(KvcInputError):
         StoreKey.for_tokens(IDS, model=bad, codec="c")
+
+
+@pytest.mark.parametrize("bad", [[True, False], {3: 4, 1: 2}, {3, 1, 2}, iter([1, 2, 3]), (x for x in [1, 2])])
+def test_ids_that_only_iterate_or_are_booleans_are_refused(bad):
+    """array('i', ...) took any iterable: a dict was keyed by its keys, a set in its arbitrary order, [True, False]
+    as [1, 0] (entries stored under a key that names other tokens), and an iterator was consumed by the hashes
+    before the key counted it (a TypeError traceback)."""
+    with pytest.raises(KvcInputError, match="list, tuple or array of integers"):
+        StoreKey.for_tokens(bad, model="m", codec="c")
+    assert StoreKey.for_tokens(range(1, 4), model="m", codec="c") == StoreKey.for_tokens([1, 2, 3], model="m", codec="c")
