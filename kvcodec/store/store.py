@@ -158,6 +158,8 @@ class Store:
         shared tier objects (connections, directory handles).  The LRU is not
         shared, so one tenant's traffic never evicts another's cached entries.
         """
+        if not isinstance(key, TenantKey):  # None made Store() fall back to this process's default key: the owner's
+            raise KvcInputError(f"for_key needs the tenant's TenantKey, got {type(key).__name__}")
         return Store([MemoryTier(self.memory.max_bytes)] + self.tiers[1:], url=self.url, key=key)
 
     # -- tenant mapping ----------------------------------------------------------------
@@ -450,6 +452,9 @@ class Store:
         caller's names) are deleted (``auth_removed``).  Other tenants'
         partitions are never read, moved or deleted.
         """
+        if isinstance(grace_s, bool) or not isinstance(grace_s, (int, float)) or not 0 <= grace_s < float("inf"):
+            # "x" escaped as TypeError at the first temp file; NaN kept every one for ever
+            raise KvcInputError(f"gc's grace period must be a number of seconds >= 0, got {grace_s!r:.40}")
         out: dict[str, Any] = {}
         for t in self.tiers:
             try:

@@ -127,6 +127,30 @@ def test_for_key_shares_tiers_not_the_lru(tmp_path):
     _cross_tenant(a, b)
 
 
+def test_for_key_without_a_tenant_key_is_refused(tmp_path, monkeypatch):
+    """for_key(None) made a Store that fell back to this process's default key: a service whose tenant lookup
+    came back empty acted as its owner, over the owner's entries."""
+    monkeypatch.setenv("KVC_STORE_KEY", "ab" * 32)
+    owner = Store.open(f"file://{tmp_path}/s?fsync=0")
+    owner.put(key(1), blob(1))
+    for bad in (None, "ab" * 32, b"x" * 32):
+        with pytest.raises(KvcInputError, match="TenantKey"):
+            owner.for_key(bad)  # type: ignore[arg-type]
+
+
+def test_gc_grace_period_is_a_number_of_seconds(tmp_path):
+    """gc(grace_s="x") escaped as TypeError at the first temp file, NaN kept every temp file for ever."""
+    st = Store.open(f"file://{tmp_path}/s?fsync=0", key=A)
+    st.put(key(1), blob(1))
+    part = next(p for p in (tmp_path / "s" / "objects").iterdir())
+    (part / "00").mkdir(exist_ok=True)
+    (part / "00" / ".x.1.abc.tmp").write_bytes(b"half")
+    for bad in ("x", float("nan"), -1, True, None, float("inf")):
+        with pytest.raises(KvcInputError, match="grace period"):
+            st.gc(grace_s=bad)  # type: ignore[arg-type]
+    assert st.gc(grace_s=0)["directory"]["tmp_removed"] == 1
+
+
 def test_directory_cross_tenant(tmp_path):
     url = f"file://{tmp_path}/s?fsync=0"
     _cross_tenant(Store.open(url, key=A), Store.open(url, key=B))
