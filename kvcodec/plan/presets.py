@@ -146,10 +146,16 @@ def _level_ok(v: Any) -> bool:
     return _int(v) and v in ZSTD_LEVELS
 
 
+#: the quantizer's base steps a caller may set (outside it the steps under- or overflow)
+STEP0_RANGE = (1e-12, 1e3)
+
 # The rules are the stages' own limits (QuantizeStage: deadzone in [0, 0.5); Zstd: ZSTD_LEVELS), checked here
 # before any work so a bad value is refused in one line instead of minutes into an encode.
 _CHECKS: dict[str, tuple[Any, str]] = {
-    "step0": (lambda v: _number(v) and v > 0, "a positive number"),
+    # measured on SmolLM2: 1e-12 and 1e3 encode; 1e-300 underflows the weighted steps to 0 and 1e6 passes float16's
+    # range, each refused only after the calibration loaded and the plan was built
+    "step0": (lambda v: _number(v) and STEP0_RANGE[0] <= v <= STEP0_RANGE[1],
+              f"a positive number in [{STEP0_RANGE[0]:g}, {STEP0_RANGE[1]:g}]"),
     "sink": (lambda v: _int(v) and v >= 0, "an integer >= 0"),
     "group": (lambda v: _int(v) and v > 0, "an integer > 0"),
     "basis": (lambda v: v in ("pca", "hadamard"), "'pca' or 'hadamard'"),

@@ -208,6 +208,9 @@ def test_encode_check_json_reports_the_step_written(model_patched, real_cache, t
     (["--config", "[1, 2]"], '"preset" name'),
     (["--config", "{not json"], "neither a JSON object"),
     (["--config", '{"preset": "balanced", "step0": -1}'], "step0 must be a positive number"),
+    # under- and overflowing steps were refused only after the calibration loaded (helper sweep, 2026-12-07)
+    (["--config", '{"preset": "balanced", "step0": 1e-300}'], "step0 must be a positive number in [1e-12, 1000]"),
+    (["--config", '{"preset": "balanced", "step0": 1e308}'], "step0 must be a positive number in [1e-12, 1000]"),
     (["--config", '{"preset": "balanced", "sink": true}'], "sink must be an integer"),
     (["--config", '{"preset": "raw", "step0": 0.3}'], "preset raw does not take ['step0']"),
     (["--config", '{"preset": "balanced", "level": 3}'], "preset balanced does not take ['level']"),
