@@ -65,7 +65,7 @@ from kvcodec.integrations.vllm.config import ConnectorConfig, LAYOUT, chunk_keys
 from kvcodec.integrations.vllm.config import _natural, leading_run
 from kvcodec.integrations.hf import decode_device, device_scope
 from kvcodec.integrations.vllm.entries import (
-    ChunkUnreadable, block_table, decode_chunk_layers, encode_chunk, evict_unreadable, fetch_chunk, learn_gather_map,
+    ChunkUnreadable, block_table, decode_chunk_layers, encode_chunk, evict_unreadable, fetch_chunk, for_cache, learn_gather_map,
     next_layer, paged_views, resolve_save_preset, usable_run, write_paged_layer,
 )
 
@@ -557,8 +557,7 @@ class _LayerLoader:
                 if main is not None and k.is_cuda:  # made on the side stream, read on the forward's: kept until it has
                     k.record_stream(main)
                     v.record_stream(main)
-                k = k.to(device=kv.device, dtype=kv.dtype).contiguous()
-                v = v.to(device=kv.device, dtype=kv.dtype).contiguous()
+                k, v = for_cache(k, kv), for_cache(v, kv)  # refuses values past the engine dtype's range
                 lay.impl.do_kv_cache_update(lay, k, v, kv, ld.slots.to(kv.device))
             except Exception as e:
                 self._fail(ld, f"cache update of layer {layer}: {e}")

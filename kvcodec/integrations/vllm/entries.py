@@ -247,6 +247,22 @@ def encode_chunk(fp: Any, preset: str, ids: list[int], start: int, end: int, key
     return data
 
 
+def for_cache(t: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """``t`` (a decoded K or V) in ``kv``'s device and dtype, contiguous, for the backend's cache-update op.
+
+    Why the check: an entry is shared across engines and dtypes (one written by ``kvc`` or HF in float32 or
+    bfloat16 loads into a float16 engine), and a finite value past float16's 65504 would land in the engine's
+    cache as inf, silently. Such a chunk is refused (:class:`KvcInputError`), so the connector counts it a miss
+    and vLLM recomputes it. Only a narrowing cast pays the check."""
+    out = t.to(device=kv.device, dtype=kv.dtype).contiguous()
+    if (out.dtype != t.dtype and out.is_floating_point() and t.is_floating_point()
+            and torch.finfo(out.dtype).max < torch.finfo(t.dtype).max and bool(torch.isinf(out).any())
+            and bool((torch.isinf(out) & torch.isfinite(t.to(out.device))).any())):
+        raise KvcInputError(f"the entry holds values past {str(out.dtype).removeprefix('torch.')}'s range "
+                            f"({torch.finfo(out.dtype).max:g}), the engine's cache dtype: not loaded")
+    return out
+
+
 def decode_chunk_layers(r: Any, start: int, end: int, backend: str | None = None):
     """Yield (layer, K[T,H,D], V[T,H,D]) of tokens [start, end) from an entry (chunk or whole prefix), decoded by
     ``backend`` (a decoder of :mod:`kvcodec.decode.registry`: the tensors are on its device)."""

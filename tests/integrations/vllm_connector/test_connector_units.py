@@ -183,3 +183,22 @@ def test_fingerprint_from_dir_equals_fingerprint_model(lm):
 
     fp = fingerprint_from_dir(resolve_model_dir("smollm2"), tokenizer=lm.tokenizer)
     assert fp == lm.fingerprint and fp.id == lm.fingerprint.id
+
+
+def test_a_narrowing_load_refuses_values_past_the_engine_dtype():
+    """An entry shared across dtypes (float32 or bfloat16 from ``kvc`` / HF) loading into a float16 engine: a finite
+    value past 65504 became inf in the engine's cache, silently (the staged path's plain cast). Now the chunk is
+    refused (the connector counts it a miss); values in range, widening casts and equal dtypes pass unchanged."""
+    from kvcodec.integrations.vllm.entries import for_cache
+
+    kv16 = torch.zeros(2, 4, dtype=torch.float16)
+    for src in (torch.tensor([[1.0, 70000.0]]), torch.tensor([[1.0, 70000.0]]).to(torch.bfloat16)):
+        with pytest.raises(KvcInputError, match="past float16's range"):
+            for_cache(src, kv16)
+    ok = torch.tensor([[1.5, -65504.0]])
+    assert torch.equal(for_cache(ok, kv16), ok.to(torch.float16))
+    inf = torch.tensor([[float("inf"), 1.0]])  # an inf that was already there is the entry's own, not the cast's
+    assert torch.isinf(for_cache(inf, kv16)).sum() == 1
+    big16 = torch.tensor([[60000.0]], dtype=torch.float16)
+    assert for_cache(big16, torch.zeros(1, dtype=torch.float32)).dtype == torch.float32
+    assert for_cache(big16, kv16) is not None
