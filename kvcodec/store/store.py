@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, cast
 
 from kvcodec.errors import KvcError, KvcFormatError, KvcInputError, KvcStoreError
-from kvcodec.store.keys import DEFAULT_CHUNK, StoreKey, prefix_keys
+from kvcodec.store.keys import DEFAULT_CHUNK, StoreKey, check_id, prefix_keys
 from kvcodec.store.options import DEFAULT_MEMORY_BYTES, TierDefaults, parse_size, redact
 from kvcodec.store.ranged import BytesRangeReader, RangeReader
 from kvcodec.store.tenant import AuthRangeReader, NamespaceKeys, Seal, TenantKey
@@ -400,6 +400,10 @@ class Store:
         A tier that cannot be listed is skipped with a warning; ``failures`` (when given) collects one line
         per such tier, so a caller can tell a partial listing from a complete one (``kvc store ls`` exits
         non-zero)."""
+        # a filter no key can carry (a/b, "", 5) listed nothing, as if the store were empty (or, "", everything)
+        for what, v in (("model", model), ("codec", codec), ("namespace", namespace)):
+            if v is not None:
+                check_id(what, v)
         merged: dict[StoreKey, EntryInfo] = {}
         for t in self.tiers:
             if not t.supports_listing:

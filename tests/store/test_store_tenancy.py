@@ -443,3 +443,14 @@ def test_foreign_files_at_an_entry_name_are_misses(tmp_path):
         assert st.get(k) is None and st.reader(k) is None, plant
         assert st.ls() == [], plant
         assert "error" not in st.gc(grace_s=0)["directory"], plant
+
+
+def test_ls_filters_no_key_can_carry_are_refused(tmp_path):
+    """Store.ls(model=5 / namespace="a/b") listed nothing, as if the store were empty, and namespace="" listed every
+    namespace; the CLI had its own copy of the check (kvc store ls), now Store.ls's."""
+    st = Store.open(f"file://{tmp_path}/s?fsync=0", key=A)
+    st.put(key(1), blob(1))
+    for kw in ({"model": 5}, {"namespace": "a/b"}, {"namespace": ""}, {"codec": "x" * 200}):
+        with pytest.raises(KvcInputError, match="is invalid"):
+            st.ls(**kw)
+    assert [r.key for r in st.ls(namespace="default")] == [key(1)]
