@@ -52,3 +52,24 @@ def f32_to_bf16(t: Any) -> Any:
         keep = nan & ((bits & 0xFFFF) == 0)
         out = torch.where(keep, (bits >> 16).to(torch.int16).view(torch.bfloat16), out)
     return out
+
+
+def cast_in_range(t: Any, dtype: Any) -> Any:
+    """Torch tensor ``t`` cast to ``dtype``; one :class:`~kvcodec.errors.KvcInputError` line where a finite value of
+    ``t`` would become inf (a narrowing cast: float32 or bfloat16 past float16's 65504).
+
+    Why: a `.kvc` entry outlives the engine that wrote it, and loads into models and engines of another dtype (a
+    float32 capture into a float16 model, a bfloat16 LMCache chunk into a float16 vLLM cache). A plain cast puts
+    inf into the cache, silently: the attention then reads NaNs. Only a narrowing cast pays the check."""
+    import torch
+
+    from kvcodec.errors import KvcInputError
+
+    out = t.to(dtype)
+    if (out.dtype != t.dtype and out.is_floating_point() and t.is_floating_point()
+            and torch.finfo(out.dtype).max < torch.finfo(t.dtype).max and bool(torch.isinf(out).any())
+            and bool((torch.isinf(out) & torch.isfinite(t)).any())):
+        name = str(out.dtype).removeprefix("torch.")
+        raise KvcInputError(f"the cache holds values past {name}'s range ({torch.finfo(out.dtype).max:g}), the dtype "
+                            f"it is loaded into: load it into a {str(t.dtype).removeprefix('torch.')} model")
+    return out

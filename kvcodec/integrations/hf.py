@@ -115,10 +115,13 @@ def target_device(device: torch.device | str | None, lm: Any = None) -> torch.de
 
 
 def land(x: torch.Tensor, target: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``x`` on ``target`` in ``dtype``: no copy where it is already there (a device-decoded layer stays put)."""
+    """``x`` on ``target`` in ``dtype``: no copy where it is already there (a device-decoded layer stays put). A
+    value past ``dtype``'s range (a float32 file into a float16 model) is one error line, never an inf in the cache."""
+    from kvcodec.core.dtypes import cast_in_range
+
     if x.device != target:
         x = x.to(target)
-    return x if dtype is None or x.dtype == dtype else x.to(dtype)
+    return x if dtype is None or x.dtype == dtype else cast_in_range(x, dtype)
 
 
 @dataclass

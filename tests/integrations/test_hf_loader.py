@@ -96,3 +96,21 @@ def test_refuses_a_device_or_backend_that_cannot_hold_the_cache(lm, small_cache)
 def test_refuses_a_file_of_another_model(other_lm, small_cache):
     with pytest.raises(KvcModelMismatchError):
         load_cache(_kvc(small_cache), other_lm)
+
+
+def test_a_layer_past_the_model_dtype_is_refused_not_loaded_as_inf():
+    """A float32 (or bfloat16) file loading into a float16 model: each layer is cast to the model's dtype, and a
+    finite value past 65504 became inf in the cache, silently (the attention then reads NaNs). Now one KvcInputError
+    line; values in range, widening casts and equal dtypes land as before."""
+    from kvcodec.errors import KvcInputError
+    from kvcodec.integrations.hf import land
+
+    cpu = torch.device("cpu")
+    for x in (torch.tensor([1.0, 70000.0]), torch.tensor([1.0, 70000.0]).to(torch.bfloat16)):
+        with pytest.raises(KvcInputError, match="past float16's range"):
+            land(x, cpu, torch.float16)
+    ok = torch.tensor([1.5, -65504.0])
+    assert torch.equal(land(ok, cpu, torch.float16), ok.half())
+    assert land(ok, cpu, torch.float32) is ok and land(ok.half(), cpu, torch.float32).dtype == torch.float32
+    inf = torch.tensor([float("inf"), 2.0])  # an inf the file holds is its own, not the cast's
+    assert torch.isinf(land(inf, cpu, torch.float16)).sum() == 1

@@ -250,17 +250,12 @@ def encode_chunk(fp: Any, preset: str, ids: list[int], start: int, end: int, key
 def for_cache(t: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     """``t`` (a decoded K or V) in ``kv``'s device and dtype, contiguous, for the backend's cache-update op.
 
-    Why the check: an entry is shared across engines and dtypes (one written by ``kvc`` or HF in float32 or
-    bfloat16 loads into a float16 engine), and a finite value past float16's 65504 would land in the engine's
-    cache as inf, silently. Such a chunk is refused (:class:`KvcInputError`), so the connector counts it a miss
-    and vLLM recomputes it. Only a narrowing cast pays the check."""
-    out = t.to(device=kv.device, dtype=kv.dtype).contiguous()
-    if (out.dtype != t.dtype and out.is_floating_point() and t.is_floating_point()
-            and torch.finfo(out.dtype).max < torch.finfo(t.dtype).max and bool(torch.isinf(out).any())
-            and bool((torch.isinf(out) & torch.isfinite(t.to(out.device))).any())):
-        raise KvcInputError(f"the entry holds values past {str(out.dtype).removeprefix('torch.')}'s range "
-                            f"({torch.finfo(out.dtype).max:g}), the engine's cache dtype: not loaded")
-    return out
+    An entry is shared across engines and dtypes (one written by ``kvc`` or HF in float32 or bfloat16 loads into a
+    float16 engine): a value past the engine dtype's range is refused (:func:`kvcodec.core.dtypes.cast_in_range`),
+    so the connector counts the chunk a miss and vLLM recomputes it, where a plain cast wrote inf."""
+    from kvcodec.core.dtypes import cast_in_range
+
+    return cast_in_range(t.to(kv.device), kv.dtype).contiguous()
 
 
 def decode_chunk_layers(r: Any, start: int, end: int, backend: str | None = None):
