@@ -71,3 +71,61 @@ class TestKdnTier(TierTests):
         """The service reads the damage (and quarantines the entry); the client sees a plain miss."""
         assert len(os.listdir(self.server.store_dir / "quarantine")) == 1
         assert self._tier_stats(store, tier_name)["misses"] >= 1
+
+
+def test_a_hostile_servers_deeply_nested_json_is_one_store_error_line():
+    """JSON nested 30,000 deep in an entry's meta header, a listing, a contains answer or whoami escaped from the
+    client as RecursionError (a malformed whoami as JSONDecodeError): a hostile KDN server crashed its client. Now
+    the entry is a miss (its seal is gone with its meta), and the rest are one KvcStoreError line."""
+    import logging
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from kvcodec.errors import KvcStoreError
+    from kvcodec.store import TenantKey
+    from kvcodec.store.tiers.base import crc32c
+
+    deep = "[" * 30000 + "]" * 30000
+
+    class Hostile(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def _send(self, body: bytes, headers=()):
+            self.send_response(200)
+            for k, v in headers:
+                self.send_header(k, v)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            if "whoami" in self.path or "/v1/entries?" in self.path:
+                return self._send(deep.encode())
+            self._send(b"abc", [("X-Kvc-Meta", deep[:20000]), ("X-Kvc-Crc32c", f"{crc32c(b'abc'):08x}")])
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self._send(('{"found": ' + deep + "}").encode())
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Hostile)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        url = f"kvc+http://127.0.0.1:{srv.server_port}?timeout=5"
+        t = KdnTier(url)
+        k = StoreKey.for_tokens([1, 2, 3], model="m", codec="c")
+        assert t.get_entry(k).meta == {}
+        with pytest.raises(KvcStoreError, match="not JSON"):
+            list(t.ls())
+        with pytest.raises(KvcStoreError, match="not JSON"):
+            t.whoami()
+        logging.disable(logging.WARNING)
+        try:
+            assert t.contains_many([k]) == [False]
+            st = Store.open(url, key=TenantKey.ephemeral())
+            assert st.get(k) is None  # no seal: refused, not a traceback
+        finally:
+            logging.disable(logging.NOTSET)
+    finally:
+        srv.shutdown()
+        srv.server_close()

@@ -199,10 +199,10 @@ class KdnTier(Tier):
                     {"Content-Type": "application/json"})
                 if status != 200:
                     raise self._refused("contains", status, body)
-                found = json.loads(body)["found"]
+                found = _loads(body, "contains answer")["found"]
                 if not isinstance(found, list) or len(found) != len(part):
                     raise KvcStoreError(f"kdn {self.url}: malformed contains answer")
-            except (KvcStoreError, ValueError, KeyError, TypeError) as e:
+            except (KvcStoreError, KeyError, TypeError) as e:
                 if not isinstance(e, KvcStoreError) or "unreachable" not in str(e):
                     log.warning("store: kdn %s: contains failed: %s", self.url, e)
                 self.counters.add(errors=1)
@@ -223,10 +223,10 @@ class KdnTier(Tier):
         if status != 200:
             raise self._refused("ls", status, body)
         try:
-            rows = json.loads(body)["entries"]
+            rows = _loads(body, "listing")["entries"]
             infos = [EntryInfo(StoreKey.from_str(r["key"]), int(r["size"]), self.name,
                                r.get("meta") if with_meta else None, r.get("mtime")) for r in rows]
-        except (ValueError, KeyError, TypeError, KvcInputError) as e:
+        except (ValueError, KeyError, TypeError, KvcInputError, KvcStoreError) as e:
             raise KvcStoreError(f"kdn {self.url}: malformed listing: {e}") from None
         yield from infos
 
@@ -245,24 +245,42 @@ class KdnTier(Tier):
         status, _, body = self._request("GET", WHOAMI)
         if status != 200:
             raise self._refused("whoami", status, body)
+        out = _loads(body, f"kdn {self.url}: whoami answer")
+        if not isinstance(out, dict):
+            raise KvcStoreError(f"kdn {self.url}: whoami answer is not a JSON object")
+        return out
+
+
+def _loads(body: bytes | str, what: str) -> Any:
+    """JSON a server sent, or one :class:`KvcStoreError` line: malformed, or nested thousands deep (the decoder's
+    RecursionError escaped from get, ls, contains and whoami as a traceback: a hostile server crashed its client)."""
+    try:
         return json.loads(body)
+    except (ValueError, RecursionError) as e:
+        raise KvcStoreError(f"{what} is not JSON: {type(e).__name__}") from None
 
 
 def _meta_of(headers: Any) -> tuple[dict[str, Any], float | None]:
+    """An entry's metadata and creation time from its headers; malformed ones are none (the seal in the meta is
+    then missing, so the Store refuses the entry)."""
+    import math
+
     try:
-        meta = json.loads(headers.get(H_META) or "{}")
+        meta = _loads(headers.get(H_META) or "{}", "meta")
         created = float(headers.get(H_CREATED) or 0) or None
-    except ValueError:
+    except (KvcStoreError, ValueError):
         return {}, None
+    if created is not None and not math.isfinite(created):
+        created = None
     return (meta if isinstance(meta, dict) else {}), created
 
 
 def _reason(body: bytes) -> str:
     """The server's one-line error message from a JSON error body (or the raw start of it)."""
     try:
-        msg = json.loads(body).get("error")
+        msg = _loads(body, "error").get("error")
         if isinstance(msg, str):
             return msg
-    except (ValueError, AttributeError):
+    except (KvcStoreError, AttributeError):
         pass
     return body[:200].decode("utf-8", "replace").strip()
