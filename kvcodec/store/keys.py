@@ -36,7 +36,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from kvcodec.errors import KvcInputError
+from kvcodec.errors import KvcInputError, is_int
 
 KEY_VERSION = 1
 DEFAULT_CHUNK = 256
@@ -149,8 +149,8 @@ def chunk_hashes(
     ``h_i`` identifies the prefix ``token_ids[:min(i*chunk, N)]``; the last
     chunk may be partial.  An empty token list gives an empty list.
     """
-    if not isinstance(chunk, int) or chunk <= 0:
-        raise KvcInputError(f"chunk must be a positive integer, got {chunk!r}")
+    if not is_int(chunk, lo=1):  # True was a chunk of 1: keys of another chunking, so every probe a miss
+        raise KvcInputError(f"chunk must be a positive integer, got {chunk!r:.40}")
     raw = token_bytes(token_ids)
     h = root_digest(model, codec, namespace)
     out: list[bytes] = []
@@ -255,6 +255,8 @@ def prefix_keys(
     Candidates are the chunk boundaries ``k*chunk`` and the full length ``N``
     (when ``N`` is not a multiple of ``chunk``).
     """
+    if not is_int(min_tokens):  # "x" escaped as TypeError at the first comparison
+        raise KvcInputError(f"min_tokens must be an integer >= 0, got {min_tokens!r:.40}")
     hs = chunk_hashes(token_ids, chunk, model=model, codec=codec, namespace=namespace)
     n = _count(token_ids)
     keys = []

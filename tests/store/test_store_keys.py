@@ -187,3 +187,14 @@ def test_ids_that_only_iterate_or_are_booleans_are_refused(bad):
     with pytest.raises(KvcInputError, match="list, tuple or array of integers"):
         StoreKey.for_tokens(bad, model="m", codec="c")
     assert StoreKey.for_tokens(range(1, 4), model="m", codec="c") == StoreKey.for_tokens([1, 2, 3], model="m", codec="c")
+
+
+@pytest.mark.parametrize("kw", [{"chunk": True}, {"chunk": 2.0}, {"min_tokens": "x"}, {"min_tokens": None},
+                                {"min_tokens": 1.5}])
+def test_chunk_and_min_tokens_are_integers(kw):
+    """chunk=True keyed with chunks of one token (every probe of a default-chunked store missed), min_tokens="x"
+    escaped as TypeError."""
+    from kvcodec.store.keys import prefix_keys
+
+    with pytest.raises(KvcInputError, match="must be"):
+        prefix_keys(IDS, model="m", codec="c", **kw)
