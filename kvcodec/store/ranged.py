@@ -74,10 +74,11 @@ _BODY_STATUSES = (200, 206)
 
 def http_request(url: str, *, method: str = "GET", headers: Mapping[str, str] | None = None,
                  limits: HttpLimits = HttpLimits(), max_body: int = 0,
-                 body_statuses: tuple[int, ...] = _BODY_STATUSES) -> HttpResponse:
+                 body_statuses: tuple[int, ...] = _BODY_STATUSES, body: bytes | None = None) -> HttpResponse:
     """One HTTP(S) request with bounded time and a bounded body.
 
-    The body is read only for ``body_statuses`` answers to GET and never beyond
+    ``body`` is sent with the request (a PUT's payload, a POST's JSON). The answer's body is read only for
+    ``body_statuses`` answers to any method but HEAD, and never beyond
     ``max_body`` bytes: a ``Content-Length`` above it, more bytes than it or a
     compressed body raise :class:`KvcStoreError`; a body cut short raises
     :class:`KvcFormatError`.  Redirects are not followed.
@@ -114,10 +115,10 @@ def http_request(url: str, *, method: str = "GET", headers: Mapping[str, str] | 
             conn.sock.settimeout(limits.read)
             if fired.is_set():  # the deadline passed during connect, before the socket was held
                 raise KvcStoreError(late)
-            conn.request(method, target, headers={"Accept-Encoding": "identity", **(headers or {})})
+            conn.request(method, target, body=body, headers={"Accept-Encoding": "identity", **(headers or {})})
             resp = conn.getresponse()
             status, hdrs = resp.status, resp.headers
-            if method != "GET" or status not in body_statuses:
+            if method == "HEAD" or status not in body_statuses:
                 return HttpResponse(status, hdrs, b"")
             enc = (hdrs.get("Content-Encoding") or "identity").strip().lower()
             if enc != "identity":

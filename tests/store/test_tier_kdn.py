@@ -129,3 +129,43 @@ def test_a_hostile_servers_deeply_nested_json_is_one_store_error_line():
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def test_a_server_trickling_its_answer_is_cut_off_at_the_deadline():
+    """ls, contains, put and delete went through urllib, whose timeout bounds each read only: a server sending its
+    listing a byte every half second held ls for as long as it liked (timeout=1 took 20 s for 40 bytes). Now the
+    tier's total deadline (max of timeout and put_timeout) ends it, as it already ended entry reads."""
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from kvcodec.errors import KvcStoreError
+
+    class Trickle(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", "400")
+            self.end_headers()
+            try:
+                for _ in range(400):
+                    self.wfile.write(b" ")
+                    self.wfile.flush()
+                    time.sleep(0.5)
+            except OSError:
+                pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Trickle)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        t = KdnTier(f"kvc+http://127.0.0.1:{srv.server_port}?timeout=1&put_timeout=1.5")
+        t0 = time.monotonic()
+        with pytest.raises(KvcStoreError, match="1.5 s deadline"):
+            list(t.ls())
+        assert time.monotonic() - t0 < 60  # 200 s without the deadline; generous for a loaded box
+    finally:
+        srv.shutdown()
+        srv.server_close()

@@ -31,13 +31,10 @@ from __future__ import annotations
 
 import json
 import os
-import urllib.error
-import urllib.request
-from http.client import HTTPException
 from typing import Any, Iterable, Iterator, Mapping
 from urllib.parse import parse_qsl, quote, urlsplit, urlunsplit
 
-from kvcodec.errors import KvcError, KvcInputError, KvcStoreError
+from kvcodec.errors import KvcError, KvcFormatError, KvcInputError, KvcStoreError
 from kvcodec.kdn_protocol import CONTAINS, CONTENT_TYPE, ENTRIES, H_CRC, H_CREATED, H_META, MAX_CONTAINS, MAX_META_HEADER, WHOAMI
 from kvcodec.store.keys import StoreKey
 from kvcodec.store.options import parse_number, parse_size, redact
@@ -104,25 +101,28 @@ class KdnTier(Tier):
 
     def _request(self, method: str, path: str, body: bytes | None = None,
                  headers: Mapping[str, str] | None = None, timeout: float | None = None
-                 ) -> tuple[int, Mapping[str, str], bytes]:
-        """``(status, headers, body)``; 4xx answers are returned, transport failures raise."""
+                 ) -> tuple[int, Any, bytes]:
+        """``(status, headers, body)``; 4xx answers are returned, transport failures raise.
+
+        Through :func:`~kvcodec.store.ranged.http_request`, as the entry reads are: its total deadline bounds a
+        server that trickles its answer (urllib's timeout bounds each read only, so a listing sent a byte at a
+        time held ``ls`` for as long as the server liked)."""
         self.guard.check(method)
-        req = urllib.request.Request(self.base + path, data=body, method=method, headers=self._headers(headers))
+        limits = self.limits if timeout is None else HttpLimits(
+            connect=self.limits.connect, read=timeout, total=max(timeout, self.limits.total))
         try:
-            try:
-                with urllib.request.urlopen(req, timeout=timeout or self.timeout) as resp:
-                    out = resp.status, resp.headers, resp.read(MAX_REPLY)
-            except urllib.error.HTTPError as e:
-                with e:
-                    out = e.code, e.headers, e.read(MAX_REPLY)
-        except urllib.error.URLError as e:
-            raise self.guard.failed(f"cannot connect: {e.reason}") from None
-        except (HTTPException, OSError) as e:
-            raise self.guard.failed(f"{type(e).__name__}: {e}") from None
-        if out[0] >= 500:
-            raise KvcStoreError(f"kdn {self.url}: {method} {path}: HTTP {out[0]} {_reason(out[2])}")
+            r = http_request(self.base + path, method=method, headers=self._headers(headers), limits=limits,
+                             max_body=MAX_REPLY, body_statuses=tuple(range(200, 600)), body=body)
+        except KvcFormatError as e:  # the answer was cut short
+            raise self.guard.failed(str(e)) from None
+        except KvcStoreError as e:
+            if any(w in str(e) for w in ("deadline", "connect", "transfer", "timeout")):
+                raise self.guard.failed(str(e)) from None
+            raise
+        if r.status >= 500:
+            raise KvcStoreError(f"kdn {self.url}: {method} {path}: HTTP {r.status} {_reason(r.body)}")
         self.guard.ok()
-        return out
+        return r.status, r.headers, r.body
 
     def _refused(self, what: str, status: int, body: bytes) -> KvcStoreError:
         return KvcStoreError(f"kdn {self.url}: {what} refused: HTTP {status} {_reason(body)}")
