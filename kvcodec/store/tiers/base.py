@@ -494,7 +494,10 @@ class MemoryTier(Tier):
     @classmethod
     def from_url(cls, url: str, defaults: TierDefaults) -> "MemoryTier":
         """``mem://[?max_bytes=256M]``: the size of the Store's in-process LRU (default ``defaults.memory_bytes``)."""
-        q = dict(parse_qsl(urlsplit(url).query))
+        p = urlsplit(url)
+        if p.netloc or p.path not in ("", "/"):  # mem://512M was an LRU of the default size, silently
+            raise KvcInputError(f"mem:// takes no host or path, only ?max_bytes=SIZE; got {ascii(url[:80])}")
+        q = dict(parse_qsl(p.query))
         size = parse_size(q.pop("max_bytes")) if "max_bytes" in q else defaults.memory_bytes
         if q:
             raise KvcInputError(f"unknown mem:// options {sorted(q)}")
