@@ -53,6 +53,9 @@ class HttpTier(Tier):
             raise KvcInputError(f"bad http store URL {ascii(url)}: {e}") from None
         if p.scheme not in ("http", "https") or not p.hostname:
             raise KvcInputError(f"not an http(s) URL: {ascii(url)}")
+        if "@" in p.netloc:  # never sent (no Authorization header), yet shown in every warning and in stats
+            raise KvcInputError(f"an http store takes no credentials in its URL (they would not be sent): "
+                                f"{ascii(p.scheme + '://***@' + p.netloc.rpartition('@')[2] + p.path)}")
         q = dict(parse_qsl(p.query))
         try:
             self.limits = HttpLimits(connect=_seconds(q.pop("connect_timeout", 5.0)),
