@@ -90,6 +90,9 @@ def http_request(url: str, *, method: str = "GET", headers: Mapping[str, str] | 
         raise KvcInputError(f"bad URL {ascii(url)}: {e}") from None
     if p.scheme not in ("http", "https") or not host:
         raise KvcInputError(f"not an http(s) URL: {ascii(url)}")
+    if "@" in p.netloc:  # http.client sends no Authorization from them, and every message would show them
+        raise KvcInputError(f"credentials in an http(s) URL are not sent; give them as a header: "
+                            f"{ascii(p.scheme + '://***@' + p.netloc.rpartition('@')[2] + p.path)}")
     target = (p.path or "/") + (f"?{p.query}" if p.query else "")
     cls = HTTPSConnection if p.scheme == "https" else HTTPConnection
     conn = cls(host, port, timeout=limits.connect)

@@ -303,3 +303,11 @@ def test_a_remote_tiers_seconds_are_finite_ascii_numbers(url):
     with pytest.raises(KvcInputError, match="is not a number in ASCII digits"):
         Store.open(url, key=TenantKey.ephemeral())
     assert Store.open(url.split("?")[0] + "?timeout=2.5", key=TenantKey.ephemeral())
+
+
+def test_an_http_range_source_with_credentials_in_its_url_is_refused_unshown():
+    """open_range_reader('http://u:pw@host/x') connected without them (http.client sends no Authorization from a
+    URL) and named the password in every error line."""
+    with pytest.raises(KvcInputError, match="credentials") as exc:
+        open_range_reader("http://u:s3cret@127.0.0.1:1/x.kvc")
+    assert "s3cret" not in str(exc.value)
