@@ -194,6 +194,18 @@ class AdaptiveStreamer:
                  backend: str | None = None) -> None:
         from kvcodec.integrations.hf import decode_device, target_device
 
+        import math
+
+        from kvcodec.errors import is_int
+
+        # checked here, not where used: window "x" / 2.5 escaped as TypeError mid-request, and a stall_s of NaN or
+        # -1 switched the stall rule off or on for good (a NaN one never gave up on a stalled link)
+        if not is_int(window, lo=1):
+            raise KvcInputError(f"window must be an integer >= 1 (bandwidth samples averaged), got {window!r:.40}")
+        if isinstance(stall_s, bool) or not isinstance(stall_s, (int, float)) or not (math.isfinite(stall_s) and stall_s > 0):
+            raise KvcInputError(f"stall_s must be a positive number of seconds, got {stall_s!r:.40}")
+        if fixed is not None and not isinstance(fixed, str):
+            raise KvcInputError(f"fixed must be a level name or {TEXT!r}, got {type(fixed).__name__}")
         self.lm, self.store = lm, store
         self.device = target_device(device, lm)
         self.backend = decode_device(self.device, backend)

@@ -285,3 +285,14 @@ def test_the_streamers_inputs_are_checked_before_any_work(lm, kw, msg):
         kb = KnowledgeBase(lm, Store.open("mem://"))
         with pytest.raises(KvcInputError, match=msg.replace("positive integer", "integer >= 1")):
             kb.ask_streamed(["a document"], "a question?", args["budget_s"], max_new_tokens=args["max_new_tokens"])
+
+
+@pytest.mark.parametrize("kw", [{"window": 0}, {"window": "x"}, {"window": 2.5}, {"stall_s": float("nan")},
+                                {"stall_s": -1}, {"stall_s": "x"}, {"fixed": 5}])
+def test_the_streamers_settings_are_checked_when_it_is_made(lm, kw):
+    """window "x" / 2.5 escaped as TypeError mid-request, window 0 averaged every sample, and a NaN stall_s never
+    gave up on a stalled link; now one line when the streamer is made."""
+    from kvcodec.errors import KvcInputError
+
+    with pytest.raises(KvcInputError, match="must be"):
+        AdaptiveStreamer(lm, Store.open("mem://"), **kw)
