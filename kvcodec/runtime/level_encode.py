@@ -39,12 +39,14 @@ def encode_levels(
     (the exact KV of ``ids``) skips the prefill.
     """
     from kvcodec.api import encode_cache, resolve_calibration
-    from kvcodec.models.capture import capture
+    from kvcodec.models.capture import capture, context_ids
 
     names = parse_levels(levels)
     if not isinstance(chunk_tokens, int) or chunk_tokens < 256 or chunk_tokens % 256:
         raise KvcInputError(f"chunk tokens must be a positive multiple of 256, got {chunk_tokens!r}")
-    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    # checked like any capture's ids (integers in the vocabulary, within the window): float ids were truncated and
+    # stored under the key of other tokens, "abc" escaped as ValueError
+    ids = context_ids(lm, token_ids=ids)
     key = manifest_key(ids, model=lm.fingerprint.id, namespace=namespace)
     cals = {lv: resolve_calibration(lm, lv) for lv in names}  # resolved once per level (and model), for every chunk
     t0 = time.perf_counter()

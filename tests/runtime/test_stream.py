@@ -296,3 +296,13 @@ def test_the_streamers_settings_are_checked_when_it_is_made(lm, kw):
 
     with pytest.raises(KvcInputError, match="must be"):
         AdaptiveStreamer(lm, Store.open("mem://"), **kw)
+
+
+@pytest.mark.parametrize("ids", [[1.7] * 300, ["a"] * 300, [10**9] * 300])
+def test_encode_levels_checks_its_ids_before_any_work(lm, ids):
+    """Float ids were truncated and the entry stored under the key of other tokens; "a" escaped as ValueError (an id
+    past the vocabulary was already refused, by the prefill)."""
+    from kvcodec.errors import KvcInputError
+
+    with pytest.raises(KvcInputError, match="token ids must"):
+        encode_levels(lm, Store.open("mem://"), ids, ["lossless"])
