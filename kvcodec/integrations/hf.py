@@ -233,9 +233,16 @@ def _new_token_ids(lm: LoadedModel, ids: Any, max_new_tokens: Any) -> np.ndarray
     if vocab and (int(arr.min()) < 0 or int(arr.max()) >= vocab):
         bad = int(arr.min()) if int(arr.min()) < 0 else int(arr.max())
         raise KvcInputError(f"token id {bad} is outside the model's vocabulary [0, {vocab})")
-    if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-        raise KvcInputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r:.40}")
+    check_answer_length(max_new_tokens)
     return arr
+
+
+def check_answer_length(max_new_tokens: Any, lo: int = 1) -> None:
+    """The one check of an answer's length (``max_new_tokens``): an integer >= ``lo`` (numpy's too), or one
+    :class:`KvcInputError` line, made before any work (``"x"`` and None escaped as TypeError after a whole load or
+    blend, 2.5 was taken)."""
+    if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) or max_new_tokens < lo:
+        raise KvcInputError(f"max_new_tokens must be an integer >= {lo}, got {max_new_tokens!r:.40}")
 
 
 @torch.inference_mode()

@@ -72,12 +72,12 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from kvcodec.integrations.hf import land, model_device, target_device
+from kvcodec.integrations.hf import check_answer_length, land, model_device, target_device
 from kvcodec.models.attention_choice import own_attention
 from kvcodec.models.cachelayout import cache_for_model
 from kvcodec.models.cachelayout import DynamicCache, DynamicLayer, check_layer_tokens, kept_tokens
 from kvcodec.models.layout import DYNAMIC, NOPE, PLAIN, SCALED, STATIC_SCALED_ROPE
-from kvcodec.errors import KvcInputError, is_int
+from kvcodec.errors import KvcInputError
 from kvcodec.core.kvcache import KVCache, as_token_ids
 from kvcodec.models.capture import check_fits
 from kvcodec.codecs.rope_tables import inv_freq, rope_angles
@@ -533,7 +533,7 @@ class BlendGeneration:
 @torch.inference_mode()
 def continue_from(lm: Any, result: BlendResult, max_new_tokens: int, stop_ids: Sequence[int] | None = None) -> list[int]:
     """Greedy tokens after a blended cache (the first comes from ``logits_last``)."""
-    _check_new_tokens(max_new_tokens)
+    check_answer_length(max_new_tokens, lo=0)
     check_fits(lm, result.next_position + max_new_tokens, "the blended context + answer")
     stop = set(int(s) for s in (stop_ids or []))
     out: list[int] = []
@@ -551,12 +551,6 @@ def continue_from(lm: Any, result: BlendResult, max_new_tokens: int, stop_ids: S
             input_ids=torch.tensor([[tok]], device=dev), past_key_values=past, position_ids=torch.tensor([[pos]], device=dev),
             use_cache=True).logits[0, -1]
         tok, pos = int(logits.argmax()), pos + 1
-
-
-def _check_new_tokens(max_new_tokens: Any) -> None:
-    """An integer >= 0 or one line (``"x"``, None escaped as TypeError after the whole blend; 2.5 was taken)."""
-    if not is_int(max_new_tokens):
-        raise KvcInputError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r:.40}")
 
 
 def _stop_ids(lm: Any) -> list[int]:
@@ -580,7 +574,7 @@ def generate_blended(
 ) -> BlendGeneration:
     """Blend ``chunks`` under ``query_ids`` on ``device`` (default: the model's) and greedily generate up to
     ``max_new_tokens`` tokens."""
-    _check_new_tokens(max_new_tokens)  # before the blend: a bad answer length never costs its work
+    check_answer_length(max_new_tokens, lo=0)  # before the blend: a bad answer length never costs its work
     t0 = time.perf_counter()
     if all(isinstance(c, KVCache) for c in chunks):
         n = sum(c.num_tokens for c in chunks) + len(as_token_ids(query_ids, "query token ids")) + max_new_tokens

@@ -31,7 +31,7 @@ from kvcodec.models.sdpa_schedule import fast_sdpa
 from kvcodec.errors import KvcError, KvcInputError
 from kvcodec.api import check_by_default, check_overrides, default_preset, encode_cache, resolve_calibration
 from kvcodec.format import KvcReader
-from kvcodec.integrations.hf import greedy_from, load_cache
+from kvcodec.integrations.hf import check_answer_length, greedy_from, load_cache
 from kvcodec.core.kvcache import KVCache
 from kvcodec.models.load import LoadedModel, cache_root
 from kvcodec.accounting import bits_per_element, context_elements
@@ -74,14 +74,6 @@ class Answer:
         if self.prefill_ttft_s and self.source != "prefill":
             d["speedup_vs_prefill"] = self.prefill_ttft_s / self.ttft_s
         return d
-
-
-def _check_answer_len(max_new_tokens: Any) -> None:
-    """An answer length is an integer >= 1, or one line ("x" and None escaped as TypeError, 2.5 was taken)."""
-    from kvcodec.errors import is_int
-
-    if not is_int(max_new_tokens, lo=1):
-        raise KvcInputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r:.40}")
 
 
 class KnowledgeBase:
@@ -260,7 +252,7 @@ class KnowledgeBase:
         the answer comes from a full prefill; with ``store_new`` a good entry
         then replaces it (and the full context is stored as on any miss).
         """
-        _check_answer_len(max_new_tokens)  # checked up front: a bad argument must never look like a bad entry
+        check_answer_length(max_new_tokens)  # checked up front: a bad argument must never look like a bad entry
         t0 = time.perf_counter()
         ids, bounds = self.context_ids(docs)
         q = self.question_ids(question)
@@ -340,7 +332,7 @@ class KnowledgeBase:
 
         from kvcodec.runtime.stream import _check_budget
 
-        _check_answer_len(max_new_tokens)
+        check_answer_length(max_new_tokens)
         _check_budget(budget_s)
         ids, _ = self.context_ids(docs)
         q = self.question_ids(question)
@@ -401,7 +393,7 @@ class KnowledgeBase:
         from kvcodec.runtime.blend import _validate_ratio, generate_blended
         from kvcodec.models.capture import capture
 
-        _check_answer_len(max_new_tokens)
+        check_answer_length(max_new_tokens)
         t0 = time.perf_counter()
         ratio = _validate_ratio(recompute_ratio)
         if not docs:

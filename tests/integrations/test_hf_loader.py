@@ -60,7 +60,7 @@ def test_generate_refuses_bad_new_tokens_before_reading_the_cache(lm, gpl3_ids):
         with pytest.raises(KvcInputError, match=words):
             generate(lm, b"not a kvc file", ids)
     for n in (0, 2.5, "8", True):
-        with pytest.raises(KvcInputError, match="max_new_tokens must be a positive integer"):
+        with pytest.raises(KvcInputError, match="max_new_tokens must be an integer >= 1"):
             generate(lm, b"not a kvc file", gpl3_ids[:4], max_new_tokens=n)
 
 
