@@ -220,6 +220,50 @@ def unrolled_size(pattern: str) -> int:
     return frames[0][0]
 
 
+def _skip_ignorable(pattern: str, i: int) -> int:
+    """The index of the next character at or after ``i`` that verbose mode reads: whitespace and ``#`` comments
+    skipped (always, whatever the flags: treating more as ignorable only refuses more)."""
+    n = len(pattern)
+    while i < n:
+        if pattern[i].isspace():
+            i += 1
+        elif pattern[i] == "#":
+            end = pattern.find("\n", i)
+            i = n if end < 0 else end + 1
+        else:
+            break
+    return i
+
+
+def _calls_a_group(pattern: str) -> bool:
+    """Whether ``pattern`` calls itself or a group as a subroutine (``(?R)``, ``(?0)``, ``(?1)``, ``(?-1)``,
+    ``(?+1)``, ``(?&name)``, ``(?P>name)``).
+
+    Why refused outright: a call that recurses without consuming a character grows ``regex``'s backtracking
+    stack to its cap before the match fails, and that cap is memory, not time: ``(?R)`` took 576 MB, and
+    ``(?:(?R)|h)`` about 1 GB, in under a second of CPU (every concurrent edit of ``kvc serve`` may hold one).
+    A span to redact or emphasise never needs recursion. Verbose mode lets whitespace and comments sit after
+    ``(?+``, ``(?-`` and ``(?P`` (``(?P #c\n>x)`` is a call), so they are skipped there. Only escapes are
+    skipped otherwise: a character class is not (in version 0 ``[[]`` is a class of one ``[``, which a
+    nested-class reader would take as still open, hiding what follows), so a ``(?R`` inside a class is refused
+    too, which costs nothing real."""
+    i, n = 0, len(pattern)
+    while i < n:
+        if pattern[i] == "\\":
+            i += 2
+            continue
+        if pattern.startswith("(?", i) and i + 2 < n:
+            c = pattern[i + 2]
+            if c in "R&" or c.isdigit():
+                return True
+            if c in "+-P":
+                j = _skip_ignorable(pattern, i + 3)
+                if j < n and (pattern[j] == ">" if c == "P" else pattern[j].isdigit()):
+                    return True
+        i += 1
+    return False
+
+
 class KvcPatternTimeoutError(KvcInputError):
     """A pattern that did not finish within :data:`PATTERN_SECONDS` (catastrophic backtracking, most likely)."""
 
@@ -238,6 +282,10 @@ def regex_spans(text: str, pattern: str, seconds: float | None = None) -> list[t
 
     if not isinstance(pattern, str) or not pattern or len(pattern) > MAX_PATTERN_CHARS:
         raise KvcInputError(f"the pattern must be a non-empty regular expression of at most {MAX_PATTERN_CHARS} characters")
+    if _calls_a_group(pattern):
+        raise KvcInputError(f"the pattern {pattern!r:.60} calls itself or a group ((?R), (?1), (?&name), (?P>name)): "
+                            "recursion is not taken (the matcher's stack for it grows to gigabytes); name the span "
+                            "without it")
     size = unrolled_size(pattern)
     if size > MAX_PATTERN_UNROLLED:
         raise KvcInputError(f"the pattern {pattern!r:.60} repeats too much: its counted repeats ({{m}}, {{m,n}}) stand "
