@@ -210,8 +210,10 @@ class FileRangeReader(RangeReader):
     """
 
     def __init__(self, path: str | os.PathLike[str], base: int = 0, length: int | None = None, *,
-                 follow_symlinks: bool = True) -> None:
+                 follow_symlinks: bool = True, dir_fd: int | None = None) -> None:
         """``follow_symlinks=False``: a symlink at ``path`` is refused (a store's entry is never one).
+        ``dir_fd``: ``path``'s file is the one of its name in that open directory (a store's entry is opened
+        where the store checked its directories, never through a symlink swapped in above it).
 
         The file is opened without blocking and checked on its descriptor: a FIFO at ``path`` held the open
         until some writer appeared (for ever), and a device node is not a file of known size."""
@@ -220,7 +222,8 @@ class FileRangeReader(RangeReader):
         if not follow_symlinks:
             flags |= getattr(os, "O_NOFOLLOW", 0)
         try:
-            self._fd: int | None = os.open(self.name, flags)
+            self._fd: int | None = os.open(self.name if dir_fd is None else os.path.basename(self.name), flags,
+                                           dir_fd=dir_fd)
         except FileNotFoundError:
             raise KvcStoreError(f"{self.name}: no such file") from None
         except OSError as e:

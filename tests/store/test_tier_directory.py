@@ -42,3 +42,63 @@ def test_a_plain_path_takes_the_same_options_as_a_file_url(tmp_path):
     for bad in ("?bogus=1", "?max_bytes=abc", "?fsync=maybe"):
         with pytest.raises(KvcInputError):
             DirectoryTier.from_url(f"{tmp_path / 'st2'}{bad}", TierDefaults())
+
+
+def _keys(n: int, ns: str = "default") -> list:
+    from kvcodec.store import StoreKey
+
+    return [StoreKey.for_tokens(list(range(i, i + 16)), model="m", codec="c", namespace=ns) for i in range(n)]
+
+
+def test_contains_agrees_with_get_on_damaged_and_foreign_entries(tmp_path):
+    """contains said True for a truncated or bit-flipped entry (os.path.isfile) while every get missed:
+    longest_prefix chose it over an intact shorter prefix, and PUT If-None-Match: * refused to replace it."""
+    import os
+    import shutil
+
+    t = DirectoryTier(tmp_path / "s")
+    ks = _keys(4)
+    for k in ks:
+        t.put(k, os.urandom(3000))
+    flip_last_byte(t.path_for(ks[0]))
+    p1 = t.path_for(ks[1])
+    os.truncate(p1, os.path.getsize(p1) - 10)
+    os.replace(t.path_for(ks[3]), t.path_for(ks[2]))  # ks[3]'s intact entry at ks[2]'s name: another key's
+    assert [t.contains(k) for k in ks] == [False, False, False, False]
+    assert t.counters.corrupt == 2 and os.path.exists(t.path_for(ks[2]))  # damage moved aside, foreign entry kept
+    assert [t.get(k) is not None for k in ks] == [False, False, False, False]
+    shutil.copyfile(t.path_for(ks[2]), t.path_for(ks[3]))
+    assert t.contains(ks[3]) and t.get(ks[3]) is not None and t.contains(ks[3])  # remembered: a stat, no read
+    flip_last_byte(t.path_for(ks[3]))  # damage written in place changes the mtime: checked anew
+    assert not t.contains(ks[3]) and t.get(ks[3]) is None
+
+
+def test_a_planted_directory_or_symlink_is_one_line_and_never_followed(tmp_path):
+    """A directory planted at an entry's name failed its put with "Is a directory"; a symlink planted at a
+    partition or shard directory made puts write (and deletes unlink) outside the store, unseen by ls and gc."""
+    import os
+
+    from kvcodec.errors import KvcStoreError
+
+    t = DirectoryTier(tmp_path / "s")
+    k_dir, k_shard, k_part = _keys(2) + _keys(1, "other")
+    os.makedirs(t.path_for(k_dir))
+    with pytest.raises(KvcStoreError, match="a directory sits at the entry's name"):
+        t.put(k_dir, b"x" * 100)
+    assert not t.contains(k_dir) and t.get(k_dir) is None and t.delete(k_dir) is False
+    outside = tmp_path / "outside"
+    (outside / "part").mkdir(parents=True)
+    (outside / "shard").mkdir()
+    planted = outside / "shard" / os.path.basename(t.path_for(k_shard))
+    planted.write_bytes(b"not the store's")
+    os.makedirs(os.path.dirname(os.path.dirname(t.path_for(k_shard))), exist_ok=True)
+    os.symlink(outside / "shard", os.path.dirname(t.path_for(k_shard)))
+    os.symlink(outside / "part", os.path.dirname(os.path.dirname(t.path_for(k_part))))
+    for k in (k_shard, k_part):
+        with pytest.raises(KvcStoreError, match="never followed"):
+            t.put(k, b"y" * 100)
+        assert t.get(k) is None and not t.contains(k)
+        for op in (t.range_entry, t.delete):
+            with pytest.raises(KvcStoreError, match="never followed"):
+                op(k)
+    assert planted.read_bytes() == b"not the store's" and os.listdir(outside / "part") == []

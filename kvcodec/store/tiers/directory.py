@@ -33,20 +33,20 @@ its entries cannot be authenticated, so they are kept aside, never served.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import secrets
-import stat
 import threading
 import time
 from typing import Any, BinaryIO, Iterator, Mapping
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from kvcodec.errors import KvcFormatError, KvcInputError, KvcStoreError
+from kvcodec.lru import BoundedLRU
 from kvcodec.store.keys import StoreKey
 from kvcodec.store.options import TierDefaults, parse_flag, parse_size
 from kvcodec.store.ranged import FileRangeReader
+from kvcodec.store.tiers.localfs import check_stream, fsync_dir, open_dir, open_regular, why
 from kvcodec.store.tiers.base import (
     FIXED_SIZE,
     MAX_TIER_META,
@@ -70,39 +70,9 @@ SUFFIX = ".kve"
 TMP_SUFFIX = ".tmp"
 
 
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:  # pragma: no cover - platforms without dir fds
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)
-
-
 def _marker_tmp(name: str) -> bool:
     """A marker being written by another process opening the same new store at the same moment."""
     return name.startswith(MARKER + ".") and name.endswith(TMP_SUFFIX)
-
-
-def _open_regular(path: str) -> BinaryIO:
-    """Open ``path`` for reading without following a symlink or blocking on a FIFO planted at an entry's name.
-
-    Entries are only ever created by rename of a regular temp file, so
-    anything else at an entry's name is foreign: an ``OSError``.
-    """
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
-    fd = os.open(path, flags)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise IsADirectoryError(errno.EISDIR, "not a regular file", path)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
 
 
 class DirectoryTier(Tier):
@@ -129,6 +99,7 @@ class DirectoryTier(Tier):
         self._lock = threading.Lock()
         self._init_root(create)
         self._approx: dict[str, int] = {}  # partition -> bytes (measured by a scan, then tracked)
+        self._verified: BoundedLRU[tuple[int, ...]] = BoundedLRU(4096)  # path -> stamp of its last full check
 
     @classmethod
     def from_url(cls, url: str, defaults: TierDefaults) -> "DirectoryTier":
@@ -218,12 +189,30 @@ class DirectoryTier(Tier):
                 os.fsync(f.fileno())
         os.replace(tmp, path)
         if self.fsync:
-            _fsync_dir(os.path.dirname(path))
+            fsync_dir(os.path.dirname(path))
 
     # -- paths ------------------------------------------------------------------
     def path_for(self, key: StoreKey) -> str:
         d = key.digest
         return os.path.join(self.objects, key.namespace, d[:2], d + SUFFIX)
+
+    def _shard_fd(self, key: StoreKey, create: bool = False) -> int:
+        """A descriptor of ``objects/<ns>/<d[:2]>``, opened level by level without following a symlink.
+
+        Why: a symlink planted at a partition or shard directory (``objects/<ns>``, ``objects/<ns>/ab``) made
+        puts write, and deletes unlink, outside the store, where ``ls``, ``gc`` and eviction (which never follow
+        one) could not see them. Entries are then named relative to this descriptor, so a swap after the check
+        changes nothing. Raises ``OSError`` (:func:`_why` says which)."""
+        fd = open_dir(self.objects, None, create)
+        try:
+            for name in (key.namespace, key.digest[:2]):
+                nfd = open_dir(name, fd, create)
+                os.close(fd)
+                fd = nfd
+            return fd
+        except BaseException:
+            os.close(fd)
+            raise
 
     def _partitions(self) -> list[str]:
         try:
@@ -275,10 +264,19 @@ class DirectoryTier(Tier):
         except OSError as e:  # pragma: no cover - read-only store etc.
             log.warning("store %s: cannot quarantine %s: %s", self.root, path, e)
 
-    def _read_file(self, path: str) -> tuple[bytes, bytes, int, os.stat_result] | None:
-        """``(prefix, data, file_size, stat)`` read from one open file (no whole-file copy)."""
+    def _open_entry(self, key: StoreKey) -> BinaryIO:
+        """The entry file of ``key``, opened through :meth:`_shard_fd` (``OSError`` when absent or foreign)."""
+        dfd = self._shard_fd(key)
         try:
-            with _open_regular(path) as f:
+            return open_regular(key.digest + SUFFIX, dfd)
+        finally:
+            os.close(dfd)
+
+    def _read_file(self, path: str, key: StoreKey | None = None) -> tuple[bytes, bytes, int, os.stat_result] | None:
+        """``(prefix, data, file_size, stat)`` read from one open file (no whole-file copy); ``key``: the file
+        is that key's, opened without following a symlink at any level (else ``path``, found by a scan)."""
+        try:
+            with (self._open_entry(key) if key is not None else open_regular(path)) as f:
                 st = os.fstat(f.fileno())
                 fixed = f.read(FIXED_SIZE)
                 try:
@@ -294,12 +292,12 @@ class DirectoryTier(Tier):
             return None
         except OSError as e:
             self.counters.add(errors=1)
-            raise KvcStoreError(f"{path}: read failed: {e.strerror or e}") from None
+            raise KvcStoreError(f"{path}: read failed: {why(e)}") from None
 
     def get_entry(self, key: StoreKey) -> Entry | None:
         path = self.path_for(key)
         try:
-            r = self._read_file(path)
+            r = self._read_file(path, key)
         except KvcStoreError as e:
             log.warning("store %s: %s", self.root, e)
             self.counters.add(misses=1)
@@ -318,15 +316,47 @@ class DirectoryTier(Tier):
             self._quarantine(path, st, str(err))
             self.counters.add(misses=1)
             return None
+        now = time.time_ns()
         try:
-            os.utime(path, None)  # last-used time for LRU eviction
+            os.utime(path, ns=(now, now))  # last-used time for LRU eviction
+            self._verified.put(path, (st.st_dev, st.st_ino, st.st_size, now))
         except OSError:
             pass
         self.counters.add(hits=1)
         return e
 
     def contains(self, key: StoreKey) -> bool:
-        return os.path.isfile(self.path_for(key))
+        """Whether ``get_entry(key)`` would return an entry: ``key``'s file, intact, holding ``key``.
+
+        Why not just "a file is there" (what this answered until the adversarial sweep): a truncated or
+        bit-flipped entry was reported present while every get missed, so ``longest_prefix`` chose it over an
+        intact shorter prefix and ``PUT If-None-Match: *`` refused to replace it. A damaged file is quarantined
+        here as a get would. The whole file is checked once (crc32c over it, read in blocks); while its
+        (device, inode, size, mtime) stay those of that check or of the last get's, the answer is remembered,
+        so a probe costs a stat. Entries are only ever replaced by rename (a new inode), so a new entry is
+        checked anew."""
+        path = self.path_for(key)
+        try:
+            with self._open_entry(key) as f:
+                st = os.fstat(f.fileno())
+                stamp = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+                if self._verified.get(path) == stamp:
+                    return True
+                try:
+                    k = check_stream(f, st.st_size, path)
+                except KvcFormatError as err:
+                    self._quarantine(path, st, str(err))
+                    return False
+        except (FileNotFoundError, IsADirectoryError):
+            return False
+        except OSError as e:
+            self.counters.add(errors=1)
+            log.warning("store %s: %s: read failed: %s", self.root, path, why(e))
+            return False
+        if k != key:  # intact, another key's: a miss, never moved (as get_entry)
+            return False
+        self._verified.put(path, stamp)
+        return True
 
     def range_entry(self, key: StoreKey) -> tuple[FileRangeReader, dict[str, Any]] | None:
         """``(reader over the payload, header meta)`` of ``key`` without reading the payload.
@@ -336,21 +366,30 @@ class DirectoryTier(Tier):
         """
         path = self.path_for(key)
         try:
-            with _open_regular(path) as f:
+            dfd = self._shard_fd(key)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise KvcStoreError(f"{path}: read failed: {why(e)}") from None
+        try:
+            with open_regular(key.digest + SUFFIX, dfd) as f:
                 fixed = f.read(FIXED_SIZE)
                 hl, dl, _ = parse_fixed(fixed, path)
                 hb = f.read(hl)
                 if len(hb) != hl:
                     raise KvcFormatError(f"{path}: truncated header")
                 h = parse_header(hb, path)
+            if h["key"] != key.to_str():
+                return None
+            # opened again, in the same directory: still a regular file, never a symlink or FIFO swapped in
+            return (FileRangeReader(path, base=FIXED_SIZE + hl, length=dl, follow_symlinks=False, dir_fd=dfd),
+                    h.get("meta", {}))
         except FileNotFoundError:
             return None
         except OSError as e:
-            raise KvcStoreError(f"{path}: read failed: {e.strerror or e}") from None
-        if h["key"] != key.to_str():
-            return None
-        # opened again by name: what is there now must still be a regular file, never a symlink or FIFO swapped in
-        return FileRangeReader(path, base=FIXED_SIZE + hl, length=dl, follow_symlinks=False), h.get("meta", {})
+            raise KvcStoreError(f"{path}: read failed: {why(e)}") from None
+        finally:
+            os.close(dfd)
 
     # -- writes -----------------------------------------------------------------
     def put(self, key: StoreKey, data: bytes, meta: Mapping[str, Any] | None = None,
@@ -363,39 +402,35 @@ class DirectoryTier(Tier):
             self.counters.add(put_errors=1)
             raise KvcStoreError(f"{self.root}: entry of {size:,} bytes is larger than the tier's cap of "
                                 f"{self.max_bytes:,} bytes; not stored (raise max_bytes)")
-        path = self.path_for(key)
-        d = os.path.dirname(path)
-        tmp = os.path.join(d, f".{key.digest}.{os.getpid()}.{secrets.token_hex(6)}{TMP_SUFFIX}")
+        path, name = self.path_for(key), key.digest + SUFFIX
+        tmp = f".{key.digest}.{os.getpid()}.{secrets.token_hex(6)}{TMP_SUFFIX}"
         try:
+            dfd = self._shard_fd(key, create=True)
             try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o644)
-            except FileNotFoundError:
-                os.makedirs(d, exist_ok=True)
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o644)
-            try:
-                with os.fdopen(fd, "wb", buffering=0) as f:
-                    for part in (prefix, payload):
-                        mv = memoryview(part)
-                        while mv:
-                            n = f.write(mv)
-                            mv = mv[n:]
-                    if self.fsync:
-                        os.fsync(f.fileno())
-                os.replace(tmp, path)
-            except BaseException:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o644, dir_fd=dfd)
                 try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
-                raise
-            if self.fsync:
-                _fsync_dir(d)
+                    with os.fdopen(fd, "wb", buffering=0) as f:
+                        for part in (prefix, payload):
+                            mv = memoryview(part)
+                            while mv:
+                                n = f.write(mv)
+                                mv = mv[n:]
+                        if self.fsync:
+                            os.fsync(f.fileno())
+                    os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                except BaseException:
+                    try:
+                        os.unlink(tmp, dir_fd=dfd)
+                    except OSError:
+                        pass
+                    raise
+                if self.fsync:
+                    os.fsync(dfd)
+            finally:
+                os.close(dfd)
         except OSError as e:
             self.counters.add(put_errors=1)
-            msg = e.strerror or str(e)
-            if e.errno == errno.ENOSPC:
-                msg = "no space left on device"
-            raise KvcStoreError(f"{self.root}: cannot write entry {key.digest[:16]}: {msg}") from None
+            raise KvcStoreError(f"{self.root}: cannot write entry {key.digest[:16]}: {why(e)}") from None
         self.counters.add(puts=1)
         if self.max_bytes is not None:
             ns = key.namespace
@@ -439,17 +474,21 @@ class DirectoryTier(Tier):
 
     def delete(self, key: StoreKey) -> bool:
         try:
-            os.unlink(self.path_for(key))
+            dfd = self._shard_fd(key)
+            try:
+                os.unlink(key.digest + SUFFIX, dir_fd=dfd)
+            finally:
+                os.close(dfd)
             return True
-        except FileNotFoundError:
+        except (FileNotFoundError, IsADirectoryError):  # a directory planted at the name is no entry: a miss
             return False
         except OSError as e:
-            raise KvcStoreError(f"{self.root}: cannot delete {key.digest[:16]}: {e.strerror or e}") from None
+            raise KvcStoreError(f"{self.root}: cannot delete {key.digest[:16]}: {why(e)}") from None
 
     # -- listing / maintenance ------------------------------------------------------------
     def _read_info(self, path: str, st: os.stat_result, with_meta: bool) -> EntryInfo | None:
         try:
-            with _open_regular(path) as f:
+            with open_regular(path) as f:
                 hl, dl, _ = parse_fixed(f.read(FIXED_SIZE), path)
                 if FIXED_SIZE + hl + dl != st.st_size:
                     return None

@@ -1,0 +1,101 @@
+"""Local-filesystem primitives of the directory tier: opening its directories and entries without following what
+someone planted in them, an error's reason a person can act on, and an envelope checked as a stream.
+
+Why apart from :mod:`kvcodec.store.tiers.directory`: they are the tier's defence against its own directory (a
+symlink, FIFO, file or directory planted at a name the store owns), and each is small and self-contained.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from typing import BinaryIO
+
+from kvcodec.errors import KvcFormatError, KvcInputError
+from kvcodec.store.keys import StoreKey
+from kvcodec.store.tiers.base import FIXED_SIZE, crc32c, crc32c_extend, parse_fixed, parse_header
+
+__all__ = ["check_stream", "fsync_dir", "open_dir", "open_regular", "why"]
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename in ``path`` durable (where the platform can)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:  # pragma: no cover - platforms without dir fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
+
+
+def open_dir(name: str, dir_fd: int | None, create: bool) -> int:
+    """A descriptor of the directory ``name`` (relative to ``dir_fd``), never through a symlink (ELOOP) nor a file
+    (ENOTDIR) planted there; made first when missing and ``create``."""
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        if not create:
+            raise
+        try:
+            os.mkdir(name, 0o755, dir_fd=dir_fd)
+        except FileExistsError:  # another writer made it just now
+            pass
+        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+
+
+def why(e: OSError) -> str:
+    """An ``OSError`` of an entry's write, read or delete as the reason a person can act on."""
+    if e.errno == errno.ENOSPC:
+        return "no space left on device"
+    if e.errno in (errno.ELOOP, errno.ENOTDIR):  # O_NOFOLLOW | O_DIRECTORY on a symlink: ENOTDIR (Linux)
+        return "a symlink or file sits where the store's own directory belongs (never followed: remove it)"
+    if e.errno in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST):
+        return "a directory sits at the entry's name (the store writes none there: remove it)"
+    return e.strerror or str(e)
+
+
+def open_regular(path: str, dir_fd: int | None = None) -> BinaryIO:
+    """Open ``path`` for reading without following a symlink or blocking on a FIFO planted at an entry's name.
+
+    Entries are only ever created by rename of a regular temp file, so
+    anything else at an entry's name is foreign: an ``OSError``.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+    fd = os.open(path, flags, dir_fd=dir_fd)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise IsADirectoryError(errno.EISDIR, "not a regular file", path)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def check_stream(f: BinaryIO, size: int, what: str) -> StoreKey:
+    """The key of the envelope read from ``f`` (``size`` bytes), checked as ``decode_envelope_parts`` checks
+    it but in 1 MiB blocks (no copy of the payload); KvcFormatError on any damage."""
+    fixed = f.read(FIXED_SIZE)
+    hl, dl, crc = parse_fixed(fixed, what)
+    if FIXED_SIZE + hl + dl != size:
+        raise KvcFormatError(f"{what}: size {size} != {FIXED_SIZE + hl + dl} announced (truncated or padded)")
+    hb = f.read(hl)
+    c, left = crc32c_extend(crc32c(fixed[:20]), hb), dl
+    while left > 0:
+        block = f.read(min(left, 1 << 20))
+        if not block:
+            raise KvcFormatError(f"{what}: truncated while read")
+        c, left = crc32c_extend(c, block), left - len(block)
+    if c != crc:
+        raise KvcFormatError(f"{what}: checksum mismatch (crc32c {c:08x} != {crc:08x})")
+    try:
+        return StoreKey.from_str(parse_header(hb, what)["key"])
+    except KvcInputError as e:
+        raise KvcFormatError(f"{what}: bad key in header: {e}") from None
