@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import SplitResult, urlsplit, urlunsplit
 
 from kvcodec.errors import KvcInputError
 
@@ -39,6 +39,26 @@ def parse_number(text: Any, what: str, positive: bool = False, integer: bool = F
     if positive and v <= 0:
         raise ValueError(f"{what} must be > 0")
     return v
+
+
+def url_port(p: SplitResult, what: str) -> int | None:
+    """The port a parsed store URL names (None: the scheme's default), refused in one line when malformed, out
+    of range or 0. Why 0 too: no server listens on port 0, and each tier read it its own way (``kvc+http://h:0``
+    connected to port 80, ``redis+cluster://h:0`` to 6379, ``http://h:0`` opened and then missed every read)."""
+    try:
+        port = p.port
+    except ValueError as e:
+        raise KvcInputError(f"bad port in {what} URL: {e}") from None
+    if port == 0:
+        raise KvcInputError(f"{what} URL names port 0, where no server listens: give the server's port or none")
+    return port
+
+
+def parse_port(text: str, what: str) -> int:
+    """A port written as 1 to 65535 in ASCII digits (``int`` alone took ``"\u0663"`` as 3, and 0 or 99999)."""
+    if not re.fullmatch(r"[0-9]{1,5}", text) or not 0 < int(text) < 65536:
+        raise KvcInputError(f"bad port {ascii(text[:20])} in {what}: a number from 1 to 65535")
+    return int(text)
 
 
 def parse_flag(v: str) -> bool:

@@ -122,3 +122,14 @@ def test_s3_multipart_and_conditional_put(s3_server):  # noqa: F811
     assert plain.get(key(2)) == blob(2)
     # No multipart upload is left behind.
     assert not srv.client().list_multipart_uploads(Bucket=srv.bucket).get("Uploads")
+
+
+def test_s3_multipart_zero_sends_every_entry_in_parts(s3_server):  # noqa: F811
+    """multipart=0 is a meaning, not a mistake: every envelope, however small, is one multipart upload (a single
+    last part may be of any size), and reads it back whole."""
+    srv = s3_server
+    st = Store.open(srv.url(prefix="mp0", multipart="0"), memory_bytes=0)
+    assert st.put(key(3), blob(3)).ok
+    name = "mp0/" + TenantKey.default().namespace("default").physical(key(3)).to_str()
+    assert srv.client().head_object(Bucket=srv.bucket, Key=name)["ETag"].strip('"').endswith("-1")
+    assert Store.open(srv.url(prefix="mp0"), memory_bytes=0).get(key(3)) == blob(3)

@@ -311,3 +311,32 @@ def test_an_http_range_source_with_credentials_in_its_url_is_refused_unshown():
     with pytest.raises(KvcInputError, match="credentials") as exc:
         open_range_reader("http://u:s3cret@127.0.0.1:1/x.kvc")
     assert "s3cret" not in str(exc.value)
+
+
+@pytest.mark.parametrize("url, msg", [
+    ("http://h:0/", "port 0"), ("kvc+http://h:0", "port 0"), ("redis://h:0", "port 0"),
+    ("redis+cluster://h:0", "port 0"), ("redis+cluster://h?nodes=a:0", "bad port '0'"),
+    ("redis+cluster://h?nodes=a:\u0663", "bad port"), ("redis+cluster://h?nodes=a:99999", "bad port"),
+    ("s3://b?endpoint_url=http://h:0", "port 0"), ("s3://b?endpoint_url=ftp://h", "must be http"),
+    ("s3://b?endpoint_url=http://[::1", "bad s3 endpoint_url"),
+    ("http://h/?max_bytes=0", "must be positive"), ("kvc+http://h:1?max_entry=0", "must be positive"),
+])
+def test_store_urls_that_name_no_server_or_hold_nothing_are_refused(url, msg):
+    """Each was accepted and read its own way: kvc+http://h:0 went to port 80 and redis+cluster://h:0 to 6379,
+    http://h:0 and an ftp:// or port-0 S3 endpoint opened a store whose every read missed, a cluster node port
+    '\\u0663' was taken as 3, and max_bytes=0 stored a source whose every entry was over its cap."""
+    if url.startswith(("s3", "redis")):
+        pytest.importorskip("boto3" if url.startswith("s3") else "redis")
+    with pytest.raises(KvcInputError, match=msg):
+        Store.open(url, key=TenantKey.ephemeral())
+
+
+@pytest.mark.parametrize("meta", [{1: "a"}, {None: "a"}, {"a": [{"b": {2: 3}}]}])
+def test_metadata_keys_must_be_strings(tmp_path, meta):
+    """{1: 'a'} was stored as {'1': 'a'} and {None: 'a'} as {'null': 'a'}: a get gave back other metadata than
+    the put's, silently."""
+    st = Store.open(str(tmp_path / "s"), key=TenantKey.ephemeral())
+    k = StoreKey.for_tokens(list(range(16)), model="m", codec="c")
+    with pytest.raises(KvcInputError, match="metadata keys must be strings"):
+        st.put(k, b"x" * 10, meta=meta)
+    assert st.get(k) is None

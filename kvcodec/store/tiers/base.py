@@ -157,6 +157,17 @@ def check_meta(meta: Mapping[str, Any] | None, limit: int = MAX_META) -> dict[st
         raise KvcInputError(f"store metadata is not plain JSON: {type(e).__name__}: {e}") from None
     if len(s) > limit:
         raise KvcInputError(f"store metadata too large: {len(s)} bytes > {limit}")
+    todo: list[Any] = [meta]  # bounded: every node took at least a character of s
+    while todo:
+        v = todo.pop()
+        if isinstance(v, Mapping):
+            bad = [k for k in v if not isinstance(k, str)]
+            if bad:  # JSON writes 1 as "1" and None as "null": what came back was not what was put
+                raise KvcInputError(f"store metadata keys must be strings, got {type(bad[0]).__name__} "
+                                    f"{ascii(bad[0])[:40]}")
+            todo.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            todo.extend(v)
     return json.loads(s)
 
 

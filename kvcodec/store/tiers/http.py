@@ -44,13 +44,13 @@ class HttpTier(Tier):
     remote = True
 
     def __init__(self, url: str, *, name: str | None = None) -> None:
-        from kvcodec.store.options import parse_size
+        from kvcodec.store.options import parse_size, url_port
 
         try:
             p = urlsplit(url)
-            _ = p.port  # validates: ASCII digits in range
         except ValueError as e:
             raise KvcInputError(f"bad http store URL {ascii(url)}: {e}") from None
+        url_port(p, "http store")
         if p.scheme not in ("http", "https") or not p.hostname:
             raise KvcInputError(f"not an http(s) URL: {ascii(url)}")
         if "@" in p.netloc:  # never sent (no Authorization header), yet shown in every warning and in stats
@@ -64,6 +64,8 @@ class HttpTier(Tier):
         except ValueError as e:
             raise KvcInputError(f"bad http store option in {ascii(url)}: {e}") from None
         self.max_entry = parse_size(q.pop("max_bytes", DEFAULT_MAX_ENTRY))
+        if self.max_entry <= 0:  # every object over the cap: a store that misses everything, silently
+            raise KvcInputError("http store max_bytes must be positive")
         if q:
             raise KvcInputError(f"unknown http store options {sorted(q)}")
         path = p.path if p.path.endswith("/") else p.path + "/"

@@ -37,7 +37,7 @@ from urllib.parse import parse_qsl, quote, urlsplit, urlunsplit
 from kvcodec.errors import KvcError, KvcFormatError, KvcInputError, KvcStoreError
 from kvcodec.kdn_protocol import CONTAINS, CONTENT_TYPE, ENTRIES, H_CRC, H_CREATED, H_META, MAX_CONTAINS, MAX_META_HEADER, WHOAMI
 from kvcodec.store.keys import StoreKey
-from kvcodec.store.options import parse_number, parse_size, redact
+from kvcodec.store.options import parse_number, parse_size, redact, url_port
 from kvcodec.store.ranged import HttpLimits, HttpRangeReader, http_request
 from kvcodec.store.outage import OutageGuard
 from kvcodec.store.tiers.base import MAX_TIER_META, Entry, EntryInfo, Tier, as_bytes, check_meta, crc32c, log
@@ -76,13 +76,12 @@ class KdnTier(Tier):
             raise KvcInputError(f"bad kvc+http option: {e}") from None
         if q:
             raise KvcInputError(f"unknown kvc+http options {sorted(q)}")
+        if self.max_entry <= 0:  # every entry over the cap: a store that misses everything, silently
+            raise KvcInputError("kvc+http max_entry must be positive")
         if p.path not in ("", "/"):
             raise KvcInputError(f"kvc+http URL takes no path: {p.path!r}")
         self.token = token or p.password or os.environ.get(TOKEN_ENV) or None
-        try:
-            port = p.port
-        except ValueError as e:
-            raise KvcInputError(f"bad port in kvc+http URL: {e}") from None
+        port = url_port(p, "kvc+http")
         host = p.hostname if ":" not in p.hostname else f"[{p.hostname}]"
         netloc = f"{host}:{port}" if port else host
         self.base = urlunsplit((scheme[4:], netloc, "", "", ""))

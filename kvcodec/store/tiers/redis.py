@@ -103,11 +103,13 @@ class RedisTier(Tier):
         except ImportError:  # pragma: no cover
             raise KvcStoreError("the redis tier needs redis-py: pip install 'kvcodec[store]'") from None
         self._redis_mod = redis
+        from kvcodec.store.options import url_port
+
         try:
             p = urlsplit(url)
-            _ = p.port  # validates: ASCII digits in range
         except ValueError as e:
             raise KvcInputError(f"bad redis URL {ascii(url.split('@')[-1])}: {e}") from None
+        url_port(p, "redis")
         if p.scheme not in ("redis", "rediss", "unix"):
             raise KvcInputError(f"not a redis URL: {redact(url)!r}")
         if p.scheme != "unix" and not re.fullmatch(r"/?|/[0-9]{1,5}", p.path):  # redis-py took /abc as database 0

@@ -30,7 +30,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from kvcodec.errors import KvcInputError, KvcStoreError
 from kvcodec.store.keys import StoreKey
-from kvcodec.store.options import redact
+from kvcodec.store.options import parse_port, redact, url_port
 from kvcodec.store.outage import NodeOutageGuard
 from kvcodec.store.tiers.redis import RedisTier
 
@@ -60,9 +60,10 @@ class RedisClusterTier(RedisTier):
         startup: list[Any] = []
         for hp in filter(None, q.pop("nodes", "").split("+")):
             host, _, port = hp.rpartition(":")
-            if not host or not port.isdigit():
-                raise KvcInputError(f"bad cluster node {hp!r}: use host:port")
-            startup.append(ClusterNode(host, int(port)))
+            if not host:
+                raise KvcInputError(f"bad cluster node {ascii(hp[:60])}: use host:port")
+            startup.append(ClusterNode(host, parse_port(port, f"cluster node {ascii(hp[:60])}")))
+        port0 = url_port(p, "redis+cluster")
         try:
             timeout = float(q.get("timeout", 2.0))
         except ValueError as e:
@@ -71,7 +72,7 @@ class RedisClusterTier(RedisTier):
         own = {k: q.pop(k) for k in ("timeout", "prefix", "ttl", "retry_interval", "max_bytes") if k in q}
         if q:
             raise KvcInputError(f"unknown redis+cluster options {sorted(q)}")
-        kw = dict(host=p.hostname or "127.0.0.1", port=p.port or 6379, startup_nodes=startup or None,
+        kw = dict(host=p.hostname or "127.0.0.1", port=port0 or 6379, startup_nodes=startup or None,
                   username=p.username or None, password=p.password or None, ssl=(base == "rediss"),
                   socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 1),
                   require_full_coverage=False, health_check_interval=0)

@@ -5,10 +5,11 @@ Credentials come from boto3's usual chain (``AWS_ACCESS_KEY_ID`` /
 ``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``, instance roles), never from the
 URL.  Query options:
 
-* ``endpoint_url``: the S3-protocol server (omit for AWS itself);
+* ``endpoint_url``: the S3-protocol server, ``http(s)://host[:port]`` (omit for AWS itself);
 * ``region`` (default ``us-east-1``); ``timeout`` (seconds, default 10);
 * ``multipart`` (size, default ``8M``): envelopes at least this large are
   uploaded in parts of ``part_size`` (default ``8M``, S3's minimum is 5 MiB);
+  ``multipart=0``: every envelope is (a last part may be of any size);
 * ``conditional`` (default 1): writes carry ``If-None-Match: *``, so when many
   engines store the same prefix at once the first complete upload wins and
   the others are no-ops (keys are content addresses: equal keys, equal
@@ -75,7 +76,7 @@ class S3Tier(Tier):
             import botocore.exceptions as bex
         except ImportError:  # pragma: no cover
             raise KvcStoreError("the s3 tier needs boto3: pip install 'kvcodec[store]'") from None
-        from kvcodec.store.options import parse_flag, parse_number, parse_size
+        from kvcodec.store.options import parse_flag, parse_number, parse_size, url_port
 
         p = urlsplit(url)
         if p.scheme.lower() != "s3" or not p.netloc:
@@ -99,6 +100,14 @@ class S3Tier(Tier):
             raise KvcInputError(f"bad s3 URL option: {e}") from None
         if q:
             raise KvcInputError(f"unknown s3 options {sorted(q)}")
+        if endpoint is not None:  # boto3 took ftp://x or http://h:0 and then failed every call, a miss each
+            try:
+                ep = urlsplit(endpoint)
+            except ValueError as e:
+                raise KvcInputError(f"bad s3 endpoint_url {ascii(endpoint[:80])}: {e}") from None
+            if ep.scheme.lower() not in ("http", "https") or not ep.hostname or "@" in ep.netloc:
+                raise KvcInputError(f"s3 endpoint_url must be http(s)://host[:port], got {ascii(endpoint[:80])}")
+            url_port(ep, "s3 endpoint")
         if self.max_entry <= 0:
             raise KvcInputError("s3 max_bytes must be positive")
         if self.part_size < MIN_PART:
