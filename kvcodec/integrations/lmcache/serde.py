@@ -52,6 +52,8 @@ from lmcache.v1.distributed.serde.factory import get_registered_serde_types, reg
 
 import kvcodec
 from kvcodec.errors import KvcError, KvcInputError, KvcModelNotFoundError
+from kvcodec.integrations.buffers import check_buffer
+from kvcodec.integrations.fidelity import layer_steps_of, with_fallback
 from kvcodec.integrations.lmcache.chunks import (
     check_entry, check_model_layout, chunk_layout, estimate_offset, frame, key_meta, layer_ropes, shift_cache,
     to_cache, unframe, upper_bound, write_chunk,
@@ -164,15 +166,27 @@ class KvcodecSerializer(Serializer):
             if off:
                 cache = shift_cache(cache, -off, ropes)
                 over.setdefault("sink", 0)
-        enc = kvcodec.encode(cache, None, preset=self.resolver.info.name, overrides=over or None,
-                             calibration=cal, verify=self.verify)
+        preset = self.resolver.info.name
+        enc = kvcodec.encode(cache, None, preset=preset, overrides=over or None, calibration=cal, verify=self.verify)
         assert enc.data is not None
-        return enc.data
+        if not self.resolver.info.lossy:
+            return enc.data
+
+        def lossless(meta: dict[str, Any]) -> bytes:  # the chunk as handed over (not re-based), bit-exact
+            plain = to_cache(tensor, fp, {**key_meta(key), **meta})
+            return kvcodec.encode(plain, None, preset="lossless", verify=self.verify).data or b""
+
+        steps = layer_steps_of(preset, self.resolver.overrides, cal)
+        return with_fallback(cache, enc.data, preset, steps, lossless, "kvcodec serde")
 
     def serialize(self, src: Any, dst: Any, key: Any) -> int:
         tensor, out = src.tensor, dst.tensor
         if tensor is None or out is None:
             raise KvcInputError("kvcodec serde: source and destination must hold tensors")
+        check_buffer(tensor, "kvcodec serde: the chunk to serialize", write=False)
+        if not check_buffer(out, "kvcodec serde: the destination buffer").is_contiguous():  # written as flat bytes
+            raise KvcInputError("kvcodec serde: the destination buffer must be contiguous (the object is written as "
+                                "its flat bytes)")
         lay = chunk_layout([tensor.shape], [tensor.dtype])
         capacity = int(out.numel() * out.element_size())
         data = self.encode(tensor, key)
@@ -208,17 +222,22 @@ class KvcodecDeserializer(Deserializer):
         self.resolver = resolver
 
     def decode_into(self, data: bytes, dst: torch.Tensor, key: Any) -> None:
+        # a view whose K and V planes share memory (expand) got V written over K, silently: refused before any work
+        check_buffer(dst, "kvcodec serde: the destination chunk")
         lay = chunk_layout([dst.shape], [dst.dtype])
         fp = self.resolver.fingerprint(str(key.model_name))
         check_model_layout(lay, fp)
-        with kvcodec.open(data) as r:
+        # The buffer bounds what the object may declare (its values as float32, as the reader counts them); the
+        # reader's ratio to the file's size would refuse a lossless chunk of zeros (a few KB for megabytes of K/V)
+        with kvcodec.open(data, max_decoded_bytes=lay.nbytes // lay.dtype.itemsize * 4, max_decoded_ratio=0) as r:
             check_entry(r, fp, key, lay)
             write_chunk(r, dst, lay, self.resolver.ropes(str(key.model_name)))
 
     def deserialize(self, src: Any, dst: Any, key: Any) -> None:
         if src.tensor is None or dst.tensor is None:
             raise KvcInputError("kvcodec serde: source and destination must hold tensors")
-        raw = src.tensor.reshape(-1).view(torch.uint8)
+        check_buffer(src.tensor, "kvcodec serde: the serialized object", write=False)
+        raw = src.tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8)  # its bytes in element order
         self.decode_into(unframe(raw.numpy().tobytes()), dst.tensor, key)
 
 

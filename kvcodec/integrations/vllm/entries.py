@@ -90,8 +90,11 @@ def fetch_chunk(store: Any, key: Any, fp: Any, ids: list[int], start: int, end: 
         raise ChunkUnreadable(key, f"store get failed: {e}") from None
     if data is None:
         raise ChunkUnreadable(key, "vanished from the store between lookup and load", vanished=True)
+    # The request bounds what the entry may declare (its tokens' K/V as float32, as the reader counts them); the
+    # reader's ratio to the file's size refused a lossless chunk of zeros (a few KB for megabytes): never loaded
+    bound = 2 * fp.num_layers * end * fp.num_kv_heads * max(fp.head_dims) * 4
     try:
-        r = KvcReader(data)
+        r = KvcReader(data, max_decoded_bytes=bound, max_decoded_ratio=0)
     except KvcError as e:
         raise ChunkUnreadable(key, str(e)) from None
     why = check_entry(r, fp, ids, start, end)
@@ -244,7 +247,18 @@ def encode_chunk(fp: Any, preset: str, ids: list[int], start: int, end: int, key
                     {"source": "vllm", "layout": LAYOUT, "start": start, "end": end})
     data = encode_cache(cache, preset, meta=cache.meta).data  # no model in a serving worker: the preset's table step
     assert data is not None
-    return data
+    from kvcodec.api import preset_info
+
+    if not preset_info(preset).lossy:
+        return data
+    from kvcodec.calibration.store import load_calibration
+    from kvcodec.integrations.fidelity import layer_steps_of, with_fallback
+
+    def lossless(meta: dict[str, Any]) -> bytes:  # a chunk unlike the model's KV (fidelity): stored bit-exact
+        return encode_cache(cache, "lossless", meta={**cache.meta, **meta}).data or b""
+
+    return with_fallback(cache, data, preset, layer_steps_of(preset, None, load_calibration(fp.id)), lossless,
+                         "kvcodec connector")
 
 
 def for_cache(t: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:

@@ -312,3 +312,73 @@ def test_lossy_within_promise(preset, tmp_path, chunks, l1, lm):
     assert promise is not None
     print(f"{preset}: KL {kl:.2e} (promise {promise.kl})")
     assert kl <= promise.kl  # NaN (a buffer the load left unfilled: load() NaN-fills first) fails too
+
+
+def _degenerate(t):
+    zeros = torch.zeros_like(t)
+    const = torch.full_like(t, 3.0)
+    huge = (torch.randn(t.shape, generator=torch.Generator().manual_seed(2)) * 1e4).to(t.dtype)
+    outlier = zeros.clone()
+    outlier[0, 3, 5, 7] = 5000.0
+    return {"zeros": zeros, "constant": const, "huge": huge, "one-outlier": outlier}
+
+
+@pytest.mark.parametrize("preset", ["balanced", "faithful"])
+def test_a_chunk_unlike_the_models_kv_is_stored_lossless(preset, chunks):
+    """Before: a lossy preset decoded an all-zero chunk with errors up to 2.2 (the calibration's mean outside the
+    kept PCA coefficients came back), a constant one, one of values near 1e4 and one hot outlier with errors far
+    past the preset's step, silently. Now such a chunk is stored lossless (bit-exact), the decision in the `.kvc`'s
+    meta; the real chunks keep their lossy bytes, the same as with the check off."""
+    from kvcodec.integrations import fidelity
+
+    _, ts = chunks
+    base = {"models": MODELS, "preset": preset, "pad": False}
+    for name, t in _degenerate(ts[0]).items():
+        data, back = _round_trip(base, t)
+        assert torch.equal(back.view(torch.int16), t.view(torch.int16)), name
+        with kvcodec.open(unframe(data.numpy().tobytes()), max_decoded_ratio=0) as r:
+            assert r.header.meta["fallback_from"] == preset and r.header.codec == "lossless", name
+    ser, _ = make_codec(base)
+    real = [ser.encode(t, key(0)) for t in ts]
+    orig = fidelity.misfit
+    fidelity.misfit = lambda *a: None  # the check off: the plain lossy bytes
+    try:
+        assert real == [ser.encode(t, key(0)) for t in ts]
+    finally:
+        fidelity.misfit = orig
+
+
+def test_a_lossless_chunk_of_zeros_loads(chunks):
+    """A zero chunk is a few KB lossless for megabytes of K/V: the reader's default ratio limit (256x the file)
+    refused it at every load (a miss for ever). The buffer bounds what the object may declare instead."""
+    _, ts = chunks
+    z = torch.zeros(2, ts[0].shape[1], 256, ts[0].shape[3], dtype=ts[0].dtype)  # 256 tokens
+    data, back = _round_trip({"models": MODELS, "pad": False}, z)
+    assert len(data) * 256 < z.numel() * 4 and torch.equal(back.view(torch.int16), z.view(torch.int16))
+
+
+def test_buffers_without_memory_or_sharing_it_are_refused(chunks):
+    """Before: a destination chunk whose K and V planes share memory (``expand``) got V written over K and the load
+    reported success; a ``meta`` destination "loaded" with nothing written; a ``meta`` source and a non-contiguous
+    float destination buffer escaped as NotImplementedError / RuntimeError. Now each is one KvcError line, and a
+    strided destination whose elements are distinct (a permutation, a slice) is written correctly."""
+    _, ts = chunks
+    t = ts[0]
+    ser, de = make_codec({"models": MODELS, "pad": False})
+    buf = torch.zeros(ser.estimate_serialized_size(layout(t)), dtype=torch.uint8)
+    n = ser.serialize(_Obj(t), _Obj(buf), key(0))
+    src = _Obj(buf[:n].clone())
+    L, T, W = t.shape[1:]
+    for dst in (torch.empty(T, L, 2, W, dtype=t.dtype).permute(2, 1, 0, 3),
+                torch.empty(2, L, T, 2 * W, dtype=t.dtype)[..., ::2]):
+        de.deserialize(src, _Obj(dst), key(0))
+        assert torch.equal(dst.contiguous().view(torch.int16), t.view(torch.int16))
+    for dst in (torch.zeros(1, L, T, W, dtype=t.dtype).expand(2, -1, -1, -1),
+                torch.empty(t.shape, dtype=t.dtype, device="meta")):
+        with pytest.raises(KvcError) as e:
+            de.deserialize(src, _Obj(dst), key(0))
+        assert "\n" not in str(e.value)
+    for s, d in ((torch.empty(t.shape, dtype=t.dtype, device="meta"), buf.clone()),
+                 (t, torch.zeros(buf.numel() // 4 + 1, 2, dtype=torch.float32)[:, 0])):
+        with pytest.raises(KvcError):
+            ser.serialize(_Obj(s), _Obj(d), key(0))

@@ -1,0 +1,81 @@
+"""A lossy encode of a chunk an engine hands over, checked against what it decodes to; a chunk it does not hold is
+stored lossless instead, the decision recorded in the `.kvc`'s meta.
+
+Why: the lossy presets code each head in the calibration's PCA basis around the calibration's mean, keep the
+coefficients whose calibrated variance matters at the step, and widen a channel's step when its values pass the
+8-bit (16-bit) codes. That is right for the model's KV and wrong for chunks unlike it, which an engine's buffers do
+hand over (a zeroed page, a constant fill, values far past the calibration's range, one hot outlier): measured on
+SmolLM2 with ``balanced``, an all-zero chunk decoded with errors up to 2.4 (the mean outside the kept
+coefficients came back), a constant 3.0 up to 7.8, an outlier of 5,000 spread errors of 32 over its whole head,
+values of scale 1e4 errors of 3.8e4. The preset's promise (a KL on the model) holds for none of them, silently.
+
+The check, per (layer, K or V), on the chunk as encoded: the decoded error's RMS at most :data:`STEP_FACTOR`
+times the layer's quantizer step (real SmolLM2 chunks, every lossy preset: at most 1.55; the cases above: 4.4 to
+5e4), no larger than the chunk's own RMS, and no decoded value further off than the chunk's largest magnitude
+(real chunks: at most 0.72 of it; a zero layer: any error at all). A chunk that passes keeps its lossy bytes,
+unchanged; one that fails is encoded lossless (bit-exact, and small for the degenerate cases: a zero chunk is a
+few KB), with meta ``fallback_from`` (the preset) and ``fallback_why`` (the first failing layer).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+log = logging.getLogger("kvcodec.integrations")
+STEP_FACTOR = 3.0  # decoded RMS error allowed per layer, in units of its quantizer step (real chunks: <= 1.55)
+
+
+def layer_steps_of(preset: str, overrides: Mapping[str, Any] | None, cal: Any) -> np.ndarray | None:
+    """The quantizer step of every (layer, K/V) [L, 2] that ``preset`` + ``overrides`` plan without a model (the
+    table step: no rate control, no token importance), or None for a preset that is not lossy."""
+    from kvcodec.api import preset_info
+    from kvcodec.plan.pipelines import layer_steps
+
+    info = preset_info(preset)
+    if not info.lossy:
+        return None
+    over = dict(overrides or {})
+    step0 = float(over.get("step0", info.settings["step0"]))
+    if over.get("basis", info.settings.get("basis", "pca")) != "pca" or cal is None:
+        return None  # no calibrated steps: the checks against the chunk's own values only
+    return np.asarray(layer_steps(cal, step0), dtype=np.float64)
+
+
+def misfit(cache: Any, data: bytes, steps: np.ndarray | None) -> str | None:
+    """Why the `.kvc` ``data`` does not hold ``cache`` as its preset promises (None if it does): see the module."""
+    import kvcodec
+
+    with kvcodec.open(data, max_decoded_ratio=0) as r:  # our own bytes, just written
+        for i, k, v in r.iter_layers():
+            for ki, got, want in ((0, k, cache.keys[i]), (1, v, cache.values[i])):
+                x = want.to(torch.float64)
+                e = got.to(torch.float64) - x
+                rms_e, max_e = float(e.pow(2).mean().sqrt()), float(e.abs().max())
+                rms_x, max_x = float(x.pow(2).mean().sqrt()), float(x.abs().max())
+                where = f"layer {i} {'KV'[ki]}"
+                if not np.isfinite(rms_e):
+                    return f"{where} decodes to non-finite values"
+                if steps is not None and rms_e > STEP_FACTOR * float(steps[i, ki]):
+                    return (f"{where}: error RMS {rms_e:.3g} is {rms_e / float(steps[i, ki]):.3g} steps (the preset "
+                            f"allows {STEP_FACTOR:g})")
+                if rms_e > rms_x or max_e > max_x:
+                    return f"{where}: error up to {max_e:.3g} against values up to {max_x:.3g}"
+    return None
+
+
+def with_fallback(cache: Any, data: bytes, preset: str, steps: np.ndarray | None, encode_lossless: Any,
+                  what: str) -> bytes:
+    """``data`` (``cache`` encoded with lossy ``preset``) if it holds the chunk, else ``encode_lossless(meta)``'s
+    bytes: the chunk lossless, ``meta`` the two fallback fields to record. ``what`` names the integration in the
+    warning. Lossless presets pass through unchecked."""
+    why = misfit(cache, data, steps)
+    if why is None:
+        return data
+    log.warning("%s: a chunk unlike the model's KV is stored lossless, not %s (%s)", what, preset, why)
+    out = encode_lossless({"fallback_from": preset, "fallback_why": why})
+    assert isinstance(out, bytes)
+    return out
