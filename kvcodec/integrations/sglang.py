@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
 import kvcodec
 from kvcodec.core.dtypes import tensor_dtype
 from kvcodec.errors import KvcError, KvcFormatError, KvcInputError, KvcModelMismatchError
+from kvcodec.integrations.buffers import check_buffer
 
 try:  # pragma: no cover - depends on the venv
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage as _Base
@@ -60,13 +61,17 @@ class KvcodecHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
         from kvcodec.store import Store, TenantKey
         from kvcodec.store.keys import codec_key
 
-        extra = dict(getattr(storage_config, "extra_config", None) or {})
+        extra = getattr(storage_config, "extra_config", None) or {}
+        if not isinstance(extra, Mapping):  # a JSON string left unparsed: dict() escaped as ValueError
+            raise KvcInputError(f"kvcodec HiCache backend: the extra config must be an object, got {type(extra).__name__}")
+        extra = dict(extra)
         unknown = set(extra) - _OPTIONS
         if unknown:
             raise KvcInputError(f"kvcodec HiCache backend: unknown option(s) {sorted(unknown)} (known: {sorted(_OPTIONS)})")
         if getattr(storage_config, "is_mla_model", False):
             raise KvcInputError("kvcodec HiCache backend: MLA models are not supported (their pages hold one latent plane)")
-        if int(getattr(storage_config, "tp_size", 1)) > 1 or int(getattr(storage_config, "pp_size", 1)) > 1:
+        tp = {f: _count(storage_config, f, d) for f, d in (("tp_size", 1), ("pp_size", 1), ("tp_rank", 0), ("pp_rank", 0))}
+        if tp["tp_size"] > 1 or tp["pp_size"] > 1:
             raise KvcInputError("kvcodec HiCache backend: tensor/pipeline-parallel shards are not supported (tp_size and "
                                 "pp_size must be 1: a shard's page holds part of the model's heads or layers)")
         self.preset = str(extra.get("preset", "lossless"))
@@ -91,7 +96,7 @@ class KvcodecHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
         self.codec = codec_key(self.preset)
         key = TenantKey.load(extra["key_file"]) if extra.get("key_file") else None
         self.store = Store.open(url, key=key, memory_bytes=extra.get("memory_bytes"))
-        self.rank = f"tp{getattr(storage_config, 'tp_rank', 0)}-pp{getattr(storage_config, 'pp_rank', 0)}"
+        self.rank = f"tp{tp['tp_rank']}-pp{tp['pp_rank']}"
 
     # -- keys and pages ---------------------------------------------------------------------------------------
     def _key(self, key: str) -> Any:
@@ -116,7 +121,7 @@ class KvcodecHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
 
         import numpy as np
 
-        lay = self._page(value)
+        lay = self._page(check_buffer(value, "kvcodec HiCache backend: the page to store", write=False))
         fp = self.fp
         h, d = fp.num_kv_heads, fp.head_dims[0]
         t = value.detach().to("cpu").contiguous().reshape(2, lay[0], lay[1], lay[2])
@@ -129,8 +134,15 @@ class KvcodecHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
         return enc.data
 
     def _decode(self, key: str, data: bytes, out: torch.Tensor) -> None:
-        lay = self._page(out)
-        with kvcodec.open(data) as r:
+        lay = self._page(check_buffer(out, "kvcodec HiCache backend: the target page"))
+        try:
+            view = out.view(2, lay[0], lay[1], lay[2])
+        except RuntimeError:  # strides no view of the page's planes fits: one line, not a traceback out of get
+            raise KvcInputError(f"kvcodec HiCache backend: the target page (strides {tuple(out.stride())}) cannot be "
+                                "viewed as its K and V planes") from None
+        # the page bounds what the entry may declare (its values as float32, as the reader counts them): the
+        # reader's ratio to the file's size refused a lossless page of zeros (a miss for ever)
+        with kvcodec.open(data, max_decoded_bytes=int(out.numel()) * 4, max_decoded_ratio=0) as r:
             if not self.fp.same_model(r.fingerprint):
                 raise KvcModelMismatchError(f"page written for model {r.fingerprint.id}, this model is {self.fp.id}")
             meta = r.header.meta if isinstance(r.header.meta, dict) else {}
@@ -141,7 +153,6 @@ class KvcodecHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
                 raise KvcFormatError(f"entry holds {r.header.num_tokens} tokens, the page {lay[1]}")
             if r.header.dtype != tensor_dtype(out):  # another pool's dtype: cast, bf16 past 65504 was inf in fp16
                 raise KvcFormatError(f"entry holds {r.header.dtype} values, the page is {tensor_dtype(out)}")
-            view = out.view(2, lay[0], lay[1], lay[2])
             for i, k, v in r.iter_layers():
                 view[0, i].copy_(k.transpose(0, 1).reshape(lay[1], lay[2]))
                 view[1, i].copy_(v.transpose(0, 1).reshape(lay[1], lay[2]))
@@ -163,7 +174,8 @@ class KvcodecHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
             return None
 
     def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list[torch.Tensor | None]:
-        locs = target_locations or [None] * len(keys)
+        keys = _keys(keys)
+        locs = _pages(target_locations, len(keys), "target_locations")
         if len(locs) != len(keys):  # zip() cut the answer short: SGLang reads one result per key
             log.warning("kvcodec HiCache backend: batch_get of %d keys with %d target pages", len(keys), len(locs))
             return [None] * len(keys)
@@ -184,8 +196,12 @@ class KvcodecHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
             return False
 
     def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None) -> bool:
+        keys = _keys(keys)
         vals = values if values is not None else target_locations
-        if vals is None or len(vals) != len(keys):
+        if vals is None:
+            return False
+        vals = _pages(vals, len(keys), "values")
+        if len(vals) != len(keys):
             return False
         return all([self.set(k, v) for k, v in zip(keys, vals)])  # every page is tried, as HiCacheFile does not
 
@@ -197,6 +213,7 @@ class KvcodecHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """The number of leading pages found (SGLang's prefix semantics), in one store round trip."""
+        keys = _keys(keys)
         try:
             found = self.store.contains_many([self._key(k) for k in keys])
         except KvcError:
@@ -214,6 +231,35 @@ class KvcodecHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
 
     def close(self) -> None:
         self.store.close()
+
+
+def _count(cfg: Any, field: str, default: int) -> int:
+    """A shard count or rank of SGLang's storage config: an integer >= 0 (int('x') escaped as ValueError; a rank
+    like '0/..' went into every key's digest)."""
+    v = getattr(cfg, field, default)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise KvcInputError(f"kvcodec HiCache backend: {field} must be an integer >= 0, got {v!r}")
+    return v
+
+
+def _keys(keys: Any) -> list[Any]:
+    """A batch's keys: a list or tuple (a str was iterated as one-character keys, one answer per character; None
+    escaped as TypeError)."""
+    if not isinstance(keys, (list, tuple)):
+        raise KvcInputError(f"kvcodec HiCache backend: a batch's keys must be a list, got {type(keys).__name__}")
+    return list(keys)
+
+
+def _pages(pages: Any, n: int, what: str) -> list[Any]:
+    """A batch's pages: a list, a tuple, a tensor of one page per row (its rows: views, written in place), or None
+    (no page for any key). A tensor's truth value escaped as RuntimeError, a generator's len() as TypeError."""
+    if pages is None:
+        return [None] * n
+    if isinstance(pages, torch.Tensor) and pages.dim() >= 1:
+        return list(pages.unbind(0))
+    if not isinstance(pages, (list, tuple)):
+        raise KvcInputError(f"kvcodec HiCache backend: {what} must be a list of pages, got {type(pages).__name__}")
+    return list(pages)
 
 
 def _key_bytes(key: Any) -> bytes:

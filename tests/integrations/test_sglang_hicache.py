@@ -186,3 +186,57 @@ def test_mla_and_sharded_refused(tmp_path):
         backend({"store_url": str(tmp_path)}, is_mla_model=True)
     with pytest.raises(KvcError):
         backend({"store_url": str(tmp_path)}, tp_size=2, tp_rank=0)
+
+
+def test_objects_built_the_way_sglang_builds_them_wrong_are_one_line(tmp_path, pages, key_file):
+    """Pages, batches, keys and configs as SGLang's types allow them, wrong: each is a miss / False / one KvcError
+    line. Before: a target page whose elements share memory (expand) and a list target escaped get as RuntimeError /
+    AttributeError; a meta target "loaded" nothing and returned it as a hit; a meta page escaped set as
+    NotImplementedError; a tensor of target pages escaped batch_get as RuntimeError (its truth value), a generator
+    of pages batch_set as TypeError, None keys every batch call as TypeError, and a str of keys was iterated as
+    one-character keys (one answer per character); an extra config left as a JSON string or a tp_size of 'x' escaped
+    as ValueError, a tp_rank of '0/..' went into every key."""
+    b = backend({"store_url": str(tmp_path / "s"), "key_file": key_file})
+    page = pages[0]
+    n = page.numel()
+    try:
+        assert b.set("a" * 64, page)
+        for bad in (torch.zeros(1, dtype=page.dtype).expand(n), [0.0] * 4,
+                    torch.empty(n, dtype=page.dtype, device="meta")):
+            assert b.get("a" * 64, bad) is None
+        assert not b.set("m" * 64, torch.empty(n, dtype=page.dtype, device="meta"))
+        strided = torch.zeros(2 * n, dtype=page.dtype)[::2]  # distinct elements: written in place, correctly
+        assert b.get("a" * 64, strided) is strided and torch.equal(strided.view(torch.int16), page.view(torch.int16))
+        rows = torch.zeros(2, n, dtype=page.dtype)  # one page per row: the rows are filled
+        got = b.batch_get(["a" * 64, "z" * 64], rows)
+        assert got[0] is not None and got[1] is None and torch.equal(rows[0].view(torch.int16), page.view(torch.int16))
+        assert b.batch_set(["b" * 64, "c" * 64], torch.stack([pages[1], pages[2]])) and b.batch_exists(["b" * 64, "c" * 64]) == 2
+        for call in (lambda: b.batch_get(None), lambda: b.batch_get("a" * 64), lambda: b.batch_set(None, [page]),
+                     lambda: b.batch_set(["d" * 64], (p for p in [page])), lambda: b.batch_exists(None),
+                     lambda: b.batch_exists("a" * 64)):
+            with pytest.raises(KvcError) as e:
+                call()
+            assert "\n" not in str(e.value)
+    finally:
+        b.close()
+    for bad in ({"extra_config": '{"store_url": "/tmp"}'}, {"tp_size": "x"}, {"tp_rank": "0/../x"}, {"pp_rank": -1}):
+        cfg = _Config(model_name="smollm2", **{"extra_config": {"store_url": str(tmp_path / "s")}, **bad})
+        from kvcodec.integrations.sglang import KvcodecHiCacheStorage
+
+        with pytest.raises(KvcError) as e:
+            KvcodecHiCacheStorage(cfg, {})
+        assert "\n" not in str(e.value)
+
+
+def test_a_page_of_zeros_loads(tmp_path, key_file, lm):
+    """A lossless page of zeros is a few KB for megabytes of K/V: the reader's ratio limit (256x the file) refused
+    it at every get, a miss for ever. The target page bounds what the entry may declare instead."""
+    fp = lm.fingerprint
+    page = torch.zeros(2 * fp.num_layers * 256 * fp.num_kv_heads * fp.head_dims[0], dtype=torch.bfloat16)
+    b = backend({"store_url": str(tmp_path / "s"), "key_file": key_file})
+    try:
+        assert b.set("0" * 64, page)
+        out = torch.full_like(page, 7.0)
+        assert b.get("0" * 64, out) is out and not out.any()
+    finally:
+        b.close()
