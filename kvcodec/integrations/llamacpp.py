@@ -56,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcodec.errors import KvcInputError, KvcModelMismatchError
+from kvcodec.errors import KvcFormatError, KvcInputError, KvcModelMismatchError
 from kvcodec.core.fingerprint import ModelFingerprint
 
 GGML_TYPE_F16 = 1
@@ -307,15 +307,24 @@ def load_kvc(llm: Any, source: Any, backend: str | None = None, identity: ModelF
     if reader.header.ragged:
         raise KvcInputError("the .kvc's sliding-window layers store only their window (ragged layers); "
                             "loading them into llama.cpp is not supported")
-    check_target(fp, shape, int(reader.header.num_tokens), ids)
+    n = int(reader.header.num_tokens)
+    ids = np.asarray(ids).reshape(-1)
+    if ids.shape != (n,):  # one id was broadcast over every position; another count escaped as numpy's ValueError
+        raise KvcFormatError(f"the .kvc stores {ids.size} token ids for {n} tokens of K/V")
+    if n and int(ids.min()) < 0:
+        raise KvcFormatError(f"the .kvc's token ids include {int(ids.min())}, not a token")
+    check_target(fp, shape, n, ids)
     buf = state_bytes(reader, shape, backend)
     ctx = llm.ctx
     lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
+    # Why now: the memory is empty from here on; should llama.cpp refuse the state, a reused context's old count
+    # made the next eval continue at its old position over an empty cache, silently
+    llm.n_tokens = 0
     arr = (ctypes.c_uint8 * len(buf)).from_buffer(buf)
     if lc.llama_state_seq_set_data(ctx, arr, len(buf), 0) != len(buf):
+        lc.llama_memory_clear(lc.llama_get_memory(ctx), True)  # nothing half-loaded stays behind the zero count
         raise KvcInputError("llama.cpp refused the KV state built from the .kvc (see its log)")
-    n = int(reader.header.num_tokens)
-    llm.n_tokens = n
     llm.input_ids[:n] = ids
+    llm.n_tokens = n
     return n
 
