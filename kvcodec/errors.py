@@ -14,6 +14,11 @@ class KvcError(Exception):
 
     exit_code = 1
 
+    def cli_message(self) -> str:
+        """The message as ``kvc`` shows it: the same, unless the error names Python arguments that the command
+        line spells as flags (:class:`kvcodec.models.capture.KvcWindowError`)."""
+        return str(self)
+
 
 class KvcInputError(KvcError):
     """Bad user input: missing file, empty text, impossible budget, bad option."""

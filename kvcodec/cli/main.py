@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         rv = cli.main(args=argv, prog_name="kvc", standalone_mode=False)
     except KvcError as exc:
-        click.echo(f"kvc: error: {_one_line(exc)}", err=True)
+        click.echo(f"kvc: error: {_one_line(exc.cli_message())}", err=True)
         sys.exit(exc.exit_code)
     except OSError as exc:
         if not _terminal_write_failed(exc):

@@ -229,7 +229,8 @@ def _row_key(row: dict[str, Any]) -> tuple:
             row.get("family"), row.get("method"), row.get("code"))
 
 
-def check_greedy(lm: Any, n_ctx: int, continuation: int, greedy_tokens: Any) -> None:
+def check_greedy(lm: Any, n_ctx: int, continuation: int, greedy_tokens: Any,
+                 lower: tuple[str, ...] = ("max_tokens", "continuation", "greedy_tokens")) -> None:
     """Refuse greedy tokens the model cannot generate within its context window (``--greedy-tokens 100000000`` ran
     on for as long as anyone let it): the greedy run continues the context by ``greedy_tokens + 1`` tokens."""
     from kvcodec.errors import KvcInputError, is_int
@@ -237,7 +238,8 @@ def check_greedy(lm: Any, n_ctx: int, continuation: int, greedy_tokens: Any) -> 
 
     if not is_int(greedy_tokens):
         raise KvcInputError(f"greedy_tokens must be an integer >= 0, got {greedy_tokens!r}")
-    check_fits(lm, n_ctx + max(int(continuation), greedy_tokens + 1), "the context + continuation / greedy tokens")
+    check_fits(lm, n_ctx + max(int(continuation), greedy_tokens + 1), "the context + continuation / greedy tokens",
+               lower)
 
 
 def load_previous(path: str | os.PathLike | None) -> dict[tuple, dict[str, Any]]:

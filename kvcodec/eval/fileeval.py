@@ -81,7 +81,7 @@ def eval_kvc_file(lm: Any, path: str | os.PathLike, text_ids: np.ndarray, contin
         if len(text_ids) < n_ctx + continuation:
             raise _In(f"the text has only {len(text_ids) - n_ctx} tokens after the file's {n_ctx}-token context, "
                       f"fewer than --continuation {continuation}")
-        check_greedy(lm, n_ctx, continuation, greedy_tokens)
+        check_greedy(lm, n_ctx, continuation, greedy_tokens, ("continuation", "greedy_tokens"))
         t0 = time.perf_counter()
         decoded = r.read_cache(token_ids=ids)
         t_dec = time.perf_counter() - t0

@@ -42,16 +42,35 @@ def max_context(lm: LoadedModel) -> int | None:
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
 
-def check_fits(lm: LoadedModel, n_tokens: int, what: str = "the context") -> None:
-    """Refuse more tokens than the model's context window.
+class KvcWindowError(KvcInputError):
+    """More tokens than the model's context window. ``lower``: the caller's arguments, by their Python names, whose
+    values add tokens; the message names them, and ``kvc``, whose flags spell them with dashes, its flags.
+
+    Why: the one message said "use --max-tokens" to every caller, a Python one passing ``max_new_tokens`` and
+    ``kvc ask``, which has no --max-tokens, included."""
+
+    def __init__(self, head: str, lower: tuple[str, ...]) -> None:
+        self.head, self.lower = head, lower
+        super().__init__(self._say(lower))
+
+    def _say(self, names: tuple[str, ...]) -> str:
+        return f"{self.head} (" + (f"lower {' or '.join(names)}, or give" if names else "give") + " a shorter text)"
+
+    def cli_message(self) -> str:
+        return self._say(tuple("--" + n.replace("_", "-") for n in self.lower))
+
+
+def check_fits(lm: LoadedModel, n_tokens: int, what: str = "the context", lower: tuple[str, ...] = ()) -> None:
+    """Refuse more tokens than the model's context window (:class:`KvcWindowError`, naming the arguments in
+    ``lower`` as what to shorten).
 
     Why: past it a model's output is meaningless, and prefill memory grows
     with the length, so a huge text must be an error, not hours of swapping.
     """
     limit = max_context(lm)
     if limit is not None and n_tokens > limit:
-        raise KvcInputError(f"{what} has {n_tokens:,} tokens, more than the model's context window of {limit:,} "
-                            "(use --max-tokens or a shorter text)")
+        raise KvcWindowError(f"{what} has {n_tokens:,} tokens, more than the model's context window of {limit:,}",
+                             lower)
 
 
 def model_cache(lm: LoadedModel) -> Any:
@@ -114,7 +133,7 @@ def context_ids(
     if ids.min() < 0 or ids.max() >= vocab:
         raise KvcInputError(f"token ids must lie in [0, {vocab})")
     ids = select_context(ids, max_tokens)
-    check_fits(lm, len(ids))
+    check_fits(lm, len(ids), lower=("max_tokens",) if max_tokens is not None else ())
     return ids
 
 

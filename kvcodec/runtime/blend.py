@@ -534,7 +534,7 @@ class BlendGeneration:
 def continue_from(lm: Any, result: BlendResult, max_new_tokens: int, stop_ids: Sequence[int] | None = None) -> list[int]:
     """Greedy tokens after a blended cache (the first comes from ``logits_last``)."""
     check_answer_length(max_new_tokens, lo=0)
-    check_fits(lm, result.next_position + max_new_tokens, "the blended context + answer")
+    check_fits(lm, result.next_position + max_new_tokens, "the blended context + answer", ("max_new_tokens",))
     stop = set(int(s) for s in (stop_ids or []))
     out: list[int] = []
     if max_new_tokens == 0:
@@ -578,7 +578,7 @@ def generate_blended(
     t0 = time.perf_counter()
     if all(isinstance(c, KVCache) for c in chunks):
         n = sum(c.num_tokens for c in chunks) + len(as_token_ids(query_ids, "query token ids")) + max_new_tokens
-        check_fits(lm, n, "the blended chunks + query + answer")
+        check_fits(lm, n, "the blended chunks + query + answer", ("max_new_tokens",))
     res = blend(lm, chunks, query_ids, recompute_ratio=recompute_ratio, select_layer=select_layer, device=device)
     t1 = time.perf_counter()
     toks = continue_from(lm, res, max_new_tokens, _stop_ids(lm) if stop_at_eos else None)

@@ -256,7 +256,8 @@ class KnowledgeBase:
         t0 = time.perf_counter()
         ids, bounds = self.context_ids(docs)
         q = self.question_ids(question)
-        check_fits(self.lm, len(ids) + len(q) + max_new_tokens, "the documents + question + answer")
+        check_fits(self.lm, len(ids) + len(q) + max_new_tokens, "the documents + question + answer",
+                   ("max_new_tokens",))
         key, n_cached = self.lookup(ids, bounds)
         timings: dict[str, float] = {"lookup_s": time.perf_counter() - t0}
         unreadable: list[dict[str, str]] = []
@@ -336,7 +337,8 @@ class KnowledgeBase:
         _check_budget(budget_s)
         ids, _ = self.context_ids(docs)
         q = self.question_ids(question)
-        check_fits(self.lm, len(ids) + len(q) + max_new_tokens, "the documents + question + answer")
+        check_fits(self.lm, len(ids) + len(q) + max_new_tokens, "the documents + question + answer",
+                   ("max_new_tokens",))
         out, rep = AdaptiveStreamer(self.lm, self.store, fixed=fixed).answer(
             ids, q, budget_s=budget_s, max_new_tokens=max_new_tokens, namespace=self.namespace)
         cached = sum(c.end - c.start for c in rep.chunks if c.choice != "text")
@@ -402,7 +404,8 @@ class KnowledgeBase:
         parts = [self.doc_ids(d) for d in docs]
         q = self.question_ids(question)
         check_fits(self.lm, len(pre) + sum(len(p) for p in parts) + len(q) + max_new_tokens,
-                   "the documents + question + answer")
+                   "the documents + question + answer",
+                   ("max_new_tokens",))
         chunks: list[KVCache] = [capture(self.lm, token_ids=pre)]
         fresh: dict[str, KVCache] = {}  # chunks captured by this call, by key (a document given twice is captured once)
         unreadable: list[dict[str, str]] = []

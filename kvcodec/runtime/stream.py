@@ -267,7 +267,8 @@ class AdaptiveStreamer:
         t0 = time.perf_counter()
         # checked before the load's work (a float question id was truncated, a bad max_new_tokens refused only after it)
         q = _new_token_ids(self.lm, question_ids, max_new_tokens)
-        check_fits(self.lm, len(as_token_ids(ids)) + len(q) + max_new_tokens, "the context + question + answer")
+        check_fits(self.lm, len(as_token_ids(ids)) + len(q) + max_new_tokens, "the context + question + answer",
+                   ("max_new_tokens",))
         got = self.load(ids, budget_s=budget_s, question_tokens=len(q), namespace=namespace, t0=t0)
         t1 = time.perf_counter()
         out, first_at = greedy_from(self.lm, got.cache, got.n_tokens, q, max_new_tokens)

@@ -51,3 +51,17 @@ def test_an_appended_entrys_answer_claims_no_speedup_against_its_parents_prefill
     code, _, err = run_kvc([*base, *both, Q], capsys)
     assert code == 0 and "[store: " in err and "x faster" not in err and "no prefill of this context was timed" in err
 
+
+
+def test_an_answer_past_the_window_names_the_flag_that_lowers_it(lm, tmp_path, capsys, monkeypatch):
+    """`kvc ask` past the model's window said "use --max-tokens", a flag it does not have; from kvc the message
+    names --max-new-tokens, and from Python the argument max_new_tokens (tests/runtime/test_blend.py)."""
+    import kvcodec.models.load
+    from kvcodec.models.capture import max_context
+
+    monkeypatch.setattr(kvcodec.models.load, "load_model", lambda *a, **k: lm)
+    (tmp_path / "a.txt").write_text(DOC)
+    code, _, err = run_kvc(["ask", "--no-store", "--doc", str(tmp_path / "a.txt"), "--max-new-tokens",
+                            str(max_context(lm)), Q], capsys)
+    assert code == 2 and "context window" in err and "(lower --max-new-tokens, or give a shorter text)" in err, err
+    assert "--max-tokens" not in err

@@ -209,10 +209,12 @@ def test_query_ids_answer_length_and_window_are_checked_before_the_work(lm, piec
         with pytest.raises(KvcInputError, match="max_new_tokens must be an integer"):
             generate_blended(lm, [a], query, max_new_tokens=bad)
     window = max_context(lm)
-    with pytest.raises(KvcInputError, match="context window"):
+    with pytest.raises(KvcInputError, match=r"context window .*\(give a shorter text\)$"):
         blend(lm, [a], np.full(window, 5))
-    with pytest.raises(KvcInputError, match="context window"):
+    # the one message said "use --max-tokens" to every caller: from Python it names the argument, from kvc the flag
+    with pytest.raises(KvcInputError, match=r"context window .*\(lower max_new_tokens, or give a shorter text\)$") as ei:
         generate_blended(lm, [a], query, max_new_tokens=window)
+    assert ei.value.cli_message().endswith("(lower --max-new-tokens, or give a shorter text)")
     res = blend(lm, [a], query, recompute_ratio=0.0)
     with pytest.raises(KvcInputError, match="context window"):
         continue_from(lm, res, window)
