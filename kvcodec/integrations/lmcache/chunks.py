@@ -87,18 +87,34 @@ def upper_bound(lay: ChunkLayout, fp: Any | None = None) -> int:
 
     Why it holds: the serializer encodes with its preset and, should that ever not fit (incompressible values
     under zstd grow by its frame overhead), encodes again with the ``raw`` preset, whose payload is the raw
-    values. So the bound is the raw bytes plus the frame and the `.kvc`'s own header, chunk index and footer
-    (fingerprint and metadata JSON, per-layer records), with room to spare; tests/integrations/lmcache checks it
+    values. So the bound is the raw bytes plus the frame, the token ids and the `.kvc`'s own header, chunk index and
+    footer (fingerprint and metadata JSON, per-layer records), with room to spare; tests/integrations/lmcache checks it
     on incompressible chunks of every preset.
     """
     fp_json = 0 if fp is None else len(str(getattr(fp, "rope", ""))) + 4096
-    return FRAME_OVERHEAD + lay.nbytes + 1024 * 2 * lay.layers + fp_json + _KVC_SLACK
+    # + the chunk's token ids, stored uncompressed (int32, int64 at most): past 32K tokens of SmolLM2 they alone
+    # outgrew the slack, and the raw fallback with them
+    return FRAME_OVERHEAD + lay.nbytes + 8 * lay.tokens + 1024 * 2 * lay.layers + fp_json + _KVC_SLACK
 
 
 def key_meta(key: Any) -> dict[str, Any]:
-    """What a `.kvc` records of its LMCache ObjectKey, checked again at deserialize."""
-    return {"chunk_hash": bytes(key.chunk_hash).hex(), "model_name": str(key.model_name), "kv_rank": int(key.kv_rank),
-            "object_group_id": int(getattr(key, "object_group_id", 0)), "cache_salt": str(getattr(key, "cache_salt", ""))}
+    """What a `.kvc` records of its LMCache ObjectKey, checked again at deserialize; a key whose fields are not
+    ObjectKey's types is one KvcInputError line. Why: ``bytes(chunk_hash)`` of an integer hash (LMCache's
+    CacheEngineKey carries one) allocated that many zero bytes (10**10: 10 GB, then 20 GB of hex), hashes 3 and
+    b"\\0\\0\\0" became one key, and a missing field escaped as AttributeError."""
+    h, name = getattr(key, "chunk_hash", None), getattr(key, "model_name", None)
+    rank, group = getattr(key, "kv_rank", None), getattr(key, "object_group_id", 0)
+    salt = getattr(key, "cache_salt", "")
+    if not isinstance(h, (bytes, bytearray, memoryview)) or not 0 < len(bytes(h)) <= 1024:
+        raise KvcInputError(f"kvcodec serde: an LMCache key's chunk_hash must be 1 to 1024 bytes, got "
+                            f"{type(h).__name__}")
+    if not isinstance(name, str) or not isinstance(salt, str):
+        raise KvcInputError("kvcodec serde: an LMCache key's model_name and cache_salt must be strings")
+    for f, v in (("kv_rank", rank), ("object_group_id", group)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise KvcInputError(f"kvcodec serde: an LMCache key's {f} must be an integer, got {type(v).__name__}")
+    return {"chunk_hash": bytes(h).hex(), "model_name": name, "kv_rank": int(rank), "object_group_id": int(group),
+            "cache_salt": salt}
 
 
 def key_digest(key: Any) -> str:

@@ -1,0 +1,49 @@
+"""LMCache chunk <-> `.kvc` helpers that need no LMCache (kvcodec.integrations.lmcache.chunks), in the main venv."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvcodec
+from kvcodec.core.fingerprint import ModelFingerprint
+from kvcodec.integrations.lmcache.chunks import FRAME_OVERHEAD, chunk_layout, to_cache, upper_bound
+
+TINY = ModelFingerprint("llama", 1, 1, (8,), '{"rope_theta": 10000.0}', "a" * 64, "b" * 64, config_sha256="d" * 64)
+
+
+@pytest.mark.parametrize("tokens", [1, 256, 40_000])
+def test_the_estimate_bounds_a_long_incompressible_chunk(tokens):
+    """The estimate (``upper_bound``) allowed a fixed slack for everything beyond the raw values, but a `.kvc` also
+    stores the chunk's token ids (4 bytes a token): past ~16K tokens of a small model (or 32K tokens of SmolLM2, 755
+    MB: 27 KB over) even the raw fallback exceeded it, and the store failed. Now the ids are in the bound."""
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(-(1 << 15), 1 << 15, (2, 1, tokens, 8), generator=g, dtype=torch.int32).to(torch.int16)
+    t = bits.view(torch.bfloat16).clone()
+    t[t.isnan() | t.isinf()] = 1.0
+    bound = upper_bound(chunk_layout([t.shape], [t.dtype]), TINY)
+    for preset in ("raw", "lossless"):
+        data = kvcodec.encode(to_cache(t, TINY, {}), None, preset=preset, verify="off").data
+        assert FRAME_OVERHEAD + len(data) <= bound, preset
+
+
+class _Key:
+    def __init__(self, **kw):
+        self.chunk_hash, self.model_name, self.kv_rank, self.object_group_id, self.cache_salt = b"h" * 8, "m", 0, 0, ""
+        self.__dict__.update(kw)
+
+
+@pytest.mark.parametrize("bad", [{"chunk_hash": 10**6}, {"chunk_hash": 3}, {"chunk_hash": "ab"}, {"chunk_hash": b""},
+                                 {"model_name": None}, {"kv_rank": "0"}, {"kv_rank": True}, {"cache_salt": 5}],
+                         ids=lambda b: f"{list(b)[0]}={list(b.values())[0]!r}")
+def test_a_key_with_fields_of_other_types_is_one_line(bad):
+    """Before: an integer chunk_hash was read as that many zero bytes (10**10: 10 GB, then its hex; 10**6 here), so hash 3 and
+    b"\\0\\0\\0" were one key; a None model name became the model "None"; a string rank escaped or was taken."""
+    from kvcodec.errors import KvcInputError
+    from kvcodec.integrations.lmcache.chunks import key_digest, key_meta
+
+    assert key_meta(_Key())["chunk_hash"] == (b"h" * 8).hex()
+    for f in (key_meta, key_digest):
+        with pytest.raises(KvcInputError) as e:
+            f(_Key(**bad))
+        assert "\n" not in str(e.value)
