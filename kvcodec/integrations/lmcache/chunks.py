@@ -110,10 +110,12 @@ def key_meta(key: Any) -> dict[str, Any]:
                             f"{type(h).__name__}")
     if not isinstance(name, str) or not isinstance(salt, str):
         raise KvcInputError("kvcodec serde: an LMCache key's model_name and cache_salt must be strings")
+    ints: list[int] = []
     for f, v in (("kv_rank", rank), ("object_group_id", group)):
         if isinstance(v, bool) or not isinstance(v, int):
             raise KvcInputError(f"kvcodec serde: an LMCache key's {f} must be an integer, got {type(v).__name__}")
-    return {"chunk_hash": bytes(h).hex(), "model_name": name, "kv_rank": int(rank), "object_group_id": int(group),
+        ints.append(int(v))
+    return {"chunk_hash": bytes(h).hex(), "model_name": name, "kv_rank": ints[0], "object_group_id": ints[1],
             "cache_salt": salt}
 
 
