@@ -73,6 +73,23 @@ def test_contains_agrees_with_get_on_damaged_and_foreign_entries(tmp_path):
     assert not t.contains(ks[3]) and t.get(ks[3]) is None
 
 
+def test_contains_after_a_put_reads_nothing(tmp_path, monkeypatch):
+    """What a put just wrote is intact: a contains after it costs a stat, not a read of the whole entry."""
+    import os
+
+    from kvcodec.store.tiers import directory
+
+    t = DirectoryTier(tmp_path / "s")
+    k = _keys(1)[0]
+    t.put(k, os.urandom(1 << 20))
+
+    def no_read(*a, **kw):
+        raise AssertionError("contains read the entry a put had just written")
+
+    monkeypatch.setattr(directory, "check_stream", no_read)
+    assert t.contains(k)
+
+
 def test_a_planted_directory_or_symlink_is_one_line_and_never_followed(tmp_path):
     """A directory planted at an entry's name failed its put with "Is a directory"; a symlink planted at a
     partition or shard directory made puts write (and deletes unlink) outside the store, unseen by ls and gc."""

@@ -417,7 +417,9 @@ class DirectoryTier(Tier):
                                 mv = mv[n:]
                         if self.fsync:
                             os.fsync(f.fileno())
+                        st = os.fstat(f.fileno())  # what this put wrote is intact: contains need not read it
                     os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                    self._verified.put(path, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
                 except BaseException:
                     try:
                         os.unlink(tmp, dir_fd=dfd)
