@@ -36,7 +36,7 @@ from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
 from lmcache.v1.platform import create_event_notifier
 
-from kvcodec.errors import KvcError, KvcInputError
+from kvcodec.errors import KvcError, KvcFormatError, KvcInputError
 from kvcodec.integrations.lmcache.chunks import key_digest
 from kvcodec.integrations.lmcache.serde import KvcodecDeserializer, KvcodecSerializer, ModelResolver, parse_options
 from kvcodec.store import Store, StoreKey, TenantKey
@@ -55,6 +55,15 @@ def store_model_id(model_name: str) -> str:
 
     s = re.sub(r"[^A-Za-z0-9._+=-]", "-", model_name).lstrip("._+=-")[:100]
     return s or "m-" + hashlib.sha256(model_name.encode()).hexdigest()[:16]
+
+
+def _buffer_size(obj: Any, t: torch.Tensor) -> int:
+    """Bytes of the buffer LMCache allocated for a serde's object (its layout's: the serde's estimate), not the used
+    part a store narrows it to (``set_used_size``); a stand-in object without layouts: its tensor's."""
+    try:
+        return int(torch.Size(obj.get_shapes()[0]).numel())
+    except (AttributeError, IndexError, TypeError, ValueError):
+        return int(t.numel())
 
 
 class KvcodecStoreL2Adapter(L2AdapterInterface):
@@ -132,7 +141,9 @@ class KvcodecStoreL2Adapter(L2AdapterInterface):
             t = obj.tensor
             try:
                 if t is not None and t.dtype == torch.uint8 and t.dim() == 1:  # a serde's bytes: stored as they are
-                    data, meta = bytes(obj.byte_array), {"lmcache": "bytes"}
+                    # with the size of the buffer the serde sized for them: the store key names this adapter's
+                    # codec, not the serde's (see _load)
+                    data, meta = bytes(obj.byte_array), {"lmcache": "bytes", "buffer": _buffer_size(obj, t)}
                 else:
                     data, meta = self._ser.encode(t, k), {"lmcache": "kv"}
                 res = self.store.put(self.store_key(k), data, meta)
@@ -178,6 +189,14 @@ class KvcodecStoreL2Adapter(L2AdapterInterface):
                 data, kind = bytes(ent.data), (ent.meta or {}).get("lmcache")
                 t = obj.tensor
                 if kind == "bytes" and t is not None and t.dtype == torch.uint8 and t.dim() == 1:
+                    # Why: two deployments with different serdes in front of this adapter (same preset, same
+                    # namespace) share store keys; LMCache's fp8 serde decoded the kvcodec serde's object as fp8
+                    # values (a hit, garbage). A serde sizes its buffer by its own estimate: another size is another
+                    # serde (or layout). Entries from before this was recorded carry none and load as before.
+                    sized, size = (ent.meta or {}).get("buffer"), _buffer_size(obj, t)
+                    if sized is not None and sized != size:
+                        raise KvcFormatError(f"entry was stored through another serde (a {sized}-byte buffer, this "
+                                             f"one {size})")
                     if len(data) > t.numel():
                         raise KvcInputError(f"entry of {len(data)} bytes exceeds the buffer ({t.numel()})")
                     t[:len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))

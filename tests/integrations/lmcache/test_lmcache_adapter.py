@@ -124,3 +124,29 @@ def test_bad_params_refused_at_configuration(tmp_path):
         with pytest.raises(KvcError) as e:
             KvcodecStoreL2Adapter(bad)
         assert "\n" not in str(e.value)
+
+
+def test_another_serdes_bytes_are_a_miss(tmp_path, lm, l1, tenant):
+    """Two deployments on one store, this adapter with the same preset and namespace, different serdes in front:
+    the store key names the adapter's codec, not the serde's, so LMCache's fp8 serde got the kvcodec serde's
+    object (``small``, 256 tokens: smaller than fp8's buffer) under the same key and decoded its bytes as fp8
+    values into the cache (a hit, garbage). Now each object records the size of the buffer its serde allocated,
+    and one from another serde (another size) is a miss; an object of the reading serde loads as before."""
+    from lmc import real_chunks
+
+    register()
+    _, ts = real_chunks(lm, 2, 256)
+    url = tmp_path / "store"
+    ours = adapter(plugin(url, tenant, serde={"type": "kvcodec", "models": MODELS, "pad": False, "preset": "small"}), l1)
+    try:
+        assert store(ours, l1, [key(0)], [ts[0]])
+    finally:
+        ours.close()
+    fp8 = adapter(plugin(url, tenant, serde={"type": "fp8", "fp8_dtype": "float8_e4m3fn"}), l1)
+    try:
+        assert load(fp8, l1, [key(0)], ts[0])[0] == [False]
+        assert store(fp8, l1, [key(1)], [ts[1]])
+        hits, got = load(fp8, l1, [key(1)], ts[1])
+        assert hits == [True] and (got[0].float() - ts[1].float()).abs().max() <= 0.07 * ts[1].float().abs().max()
+    finally:
+        fp8.close()
