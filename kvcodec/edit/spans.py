@@ -19,8 +19,8 @@ import numpy as np
 from kvcodec.errors import KvcInputError
 
 __all__ = ["MAX_PATTERN_CHARS", "MAX_PATTERN_UNROLLED", "MAX_SPANS", "MAX_TEXT_CHARS", "PATTERN_SECONDS", "KvcPatternTimeoutError",
-           "char_spans_to_tokens", "int_pairs", "merge_ranges", "parse_token_span", "regex_spans", "resolve_spans", "text_spans",
-           "token_offsets", "unrolled_size"]
+           "char_spans_to_tokens", "int_pairs", "merge_ranges", "parse_token_span", "parsed_size", "regex_spans", "resolve_spans",
+           "text_spans", "token_offsets", "unrolled_size"]
 
 MAX_PATTERN_CHARS = 1000
 MAX_TEXT_CHARS = 100_000  # a literal to find (a paragraph, a page): searched as a literal, never as a regex
@@ -220,6 +220,54 @@ def unrolled_size(pattern: str) -> int:
     return frames[0][0]
 
 
+def parsed_size(pattern: str) -> int | None:
+    """How many nodes ``pattern`` stands for with its counted repeats unrolled, read from ``regex``'s own parse
+    tree (a repeat multiplies its subpattern's size by its largest finite count), or None where this ``regex``
+    has no such parser (its internals changed: :func:`unrolled_size` alone bounds the pattern then).
+
+    Why the module's own parse as well as :func:`unrolled_size`'s reading of the text: that reading
+    miscounted what ``regex`` parses another way, and counted too little: in version 0 ``[[]`` is a whole
+    class, which it took as a nested one still open (``[[](?:(?:a{300}){300}){30}]`` counted 1 and took
+    767 MB), and in verbose mode whitespace and ``#`` comments are not atoms (``(?x)(?:(?:a{1000}) {1000})
+    {1000}`` counted 3,003). Parsing is linear in the pattern (at most :data:`MAX_PATTERN_CHARS`); nothing is
+    compiled. Raises ``regex.error`` for a pattern ``regex`` refuses."""
+    try:
+        from regex import _regex_core as core
+
+        flags = 0
+        for _ in range(4):  # a global flag set after the start ((?x) mid-pattern) restarts the parse, as regex does
+            source = core.Source(pattern)
+            info = core.Info(flags, source.char_type, {})
+            source.ignore_space = bool(info.flags & core.VERBOSE)
+            source.use_unicode_space(bool(info.flags & core.VERSION1))
+            try:
+                tree = core._parse_pattern(source, info)
+                break
+            except core._UnscopedFlagSet:
+                flags = info.global_flags
+        else:
+            return None
+        base, repeat = core.RegexBase, core.GreedyRepeat  # Lazy and Possessive repeats subclass GreedyRepeat
+    except (ImportError, AttributeError, TypeError):
+        return None
+    sizes: dict[int, int] = {}
+    stack: list[tuple[Any, bool]] = [(tree, False)]
+    while stack:  # post-order, without recursion: a pattern nests up to some 500 groups deep
+        node, ready = stack.pop()
+        kids = [v for v in vars(node).values() if isinstance(v, base)]
+        kids += [x for v in vars(node).values() if isinstance(v, (list, tuple)) for x in v if isinstance(x, base)]
+        if not ready:
+            stack.append((node, True))
+            stack.extend((k, False) for k in kids)
+            continue
+        if isinstance(node, repeat):
+            times = node.max_count if node.max_count is not None else max(node.min_count, 1)
+            sizes[id(node)] = sizes[id(node.subpattern)] * times
+        else:
+            sizes[id(node)] = 1 + sum(sizes[id(k)] for k in kids)
+    return sizes[id(tree)]
+
+
 def _skip_ignorable(pattern: str, i: int) -> int:
     """The index of the next character at or after ``i`` that verbose mode reads: whitespace and ``#`` comments
     skipped (always, whatever the flags: treating more as ignorable only refuses more)."""
@@ -286,7 +334,10 @@ def regex_spans(text: str, pattern: str, seconds: float | None = None) -> list[t
         raise KvcInputError(f"the pattern {pattern!r:.60} calls itself or a group ((?R), (?1), (?&name), (?P>name)): "
                             "recursion is not taken (the matcher's stack for it grows to gigabytes); name the span "
                             "without it")
-    size = unrolled_size(pattern)
+    try:
+        size = max(unrolled_size(pattern), parsed_size(pattern) or 0)
+    except (regex.error, ValueError, TypeError, OverflowError, RecursionError, IndexError) as exc:
+        raise KvcInputError(f"bad regular expression {pattern!r:.60}: {exc}") from None
     if size > MAX_PATTERN_UNROLLED:
         raise KvcInputError(f"the pattern {pattern!r:.60} repeats too much: its counted repeats ({{m}}, {{m,n}}) stand "
                             f"for {size:,} elements (limit {MAX_PATTERN_UNROLLED:,}); repeat less, or use * or +")

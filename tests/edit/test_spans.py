@@ -69,6 +69,11 @@ def test_parse_token_span():
     # regex unrolls counted repeats at compile, before any timeout: nested counts took gigabytes and minutes
     ("(?:(?:a{1000}){1000}){1000}", "repeats too much"),
     ("(?:x{1000}y{1000}){1000}", "repeats too much"),  # siblings add up: 2 million, about 550 MB
+    # the text's reading counted too little where regex parses otherwise: a version-0 class [[] taken as a nested
+    # one still open ([[](?:(?:a{300}){300}){30}] counted 1 and took 767 MB), verbose whitespace and comments
+    ("[[](?:(?:a{300}){300}){2}]", "repeats too much"),
+    ("(?x)(?:(?:a{400}) {400})", "repeats too much"),
+    ("(?x)(?:a{400}#)\n){400}", "repeats too much"),
     # an endless recursion filled regex's backtracking stack (576 MB for (?R), about 1 GB for (?:(?R)|h)) before
     # its MemoryError: a call to a group or to the pattern is refused before the compile, whatever its spelling
     ("(?R)", "calls itself or a group"),
@@ -90,3 +95,6 @@ def test_a_pattern_that_would_exhaust_memory_is_one_input_error(pattern, msg):
     from kvcodec.edit.spans import unrolled_size
 
     assert unrolled_size(r"\p{L}{3,}") == 3 and unrolled_size(r"\d{1,3}(?:\.\d{1,3}){3}") == 18
+    from kvcodec.edit.spans import parsed_size
+
+    assert parsed_size(r"\d{1,3}(?:\.\d{1,3}){3}") < 30 and parsed_size("(?x)(?:(?:a{400}) {400})") > 160_000
