@@ -320,12 +320,13 @@ def test_an_http_range_source_with_credentials_in_its_url_is_refused_unshown():
     ("s3://b?endpoint_url=http://h:0", "port 0"), ("s3://b?endpoint_url=ftp://h", "must be http"),
     ("s3://b?endpoint_url=http://[::1", "bad s3 endpoint_url"),
     ("http://h/?max_bytes=0", "must be positive"), ("kvc+http://h:1?max_entry=0", "must be positive"),
+    ("unix://", "names its socket's path"), ("unix:///", "names its socket's path"),
 ])
 def test_store_urls_that_name_no_server_or_hold_nothing_are_refused(url, msg):
     """Each was accepted and read its own way: kvc+http://h:0 went to port 80 and redis+cluster://h:0 to 6379,
     http://h:0 and an ftp:// or port-0 S3 endpoint opened a store whose every read missed, a cluster node port
     '\\u0663' was taken as 3, and max_bytes=0 stored a source whose every entry was over its cap."""
-    if url.startswith(("s3", "redis")):
+    if url.startswith(("s3", "redis", "unix")):
         pytest.importorskip("boto3" if url.startswith("s3") else "redis")
     with pytest.raises(KvcInputError, match=msg):
         Store.open(url, key=TenantKey.ephemeral())

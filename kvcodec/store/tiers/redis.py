@@ -114,6 +114,8 @@ class RedisTier(Tier):
             raise KvcInputError(f"not a redis URL: {redact(url)!r}")
         if p.scheme != "unix" and not re.fullmatch(r"/?|/[0-9]{1,5}", p.path):  # redis-py took /abc as database 0
             raise KvcInputError(f"a redis URL's path is its database number (/0), got {ascii(p.path[:40])}")
+        if p.scheme == "unix" and p.path.strip("/") == "":  # opened, then every call failed as an outage
+            raise KvcInputError("a unix:// redis URL names its socket's path: unix:///run/redis.sock")
         q = dict(parse_qsl(p.query, keep_blank_values=True))
         try:
             timeout = parse_number(q.pop("timeout", "2"), "timeout", positive=True)
