@@ -20,10 +20,12 @@ few KB), with meta ``fallback_from`` (the preset) and ``fallback_why`` (the firs
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
+
+from kvcodec.errors import KvcCodecError
 
 log = logging.getLogger("kvcodec.integrations")
 STEP_FACTOR = 3.0  # decoded RMS error allowed per layer, in units of its quantizer step (real chunks: <= 1.55)
@@ -67,15 +69,20 @@ def misfit(cache: Any, data: bytes, steps: np.ndarray | None) -> str | None:
     return None
 
 
-def with_fallback(cache: Any, data: bytes, preset: str, steps: np.ndarray | None, encode_lossless: Any,
-                  what: str) -> bytes:
-    """``data`` (``cache`` encoded with lossy ``preset``) if it holds the chunk, else ``encode_lossless(meta)``'s
-    bytes: the chunk lossless, ``meta`` the two fallback fields to record. ``what`` names the integration in the
-    warning. Lossless presets pass through unchecked."""
-    why = misfit(cache, data, steps)
-    if why is None:
-        return data
+def with_fallback(cache: Any, encode_lossy: Callable[[], bytes], preset: str, steps: np.ndarray | None,
+                  encode_lossless: Callable[[dict[str, Any]], bytes], what: str) -> bytes:
+    """``encode_lossy()`` (``cache`` encoded with lossy ``preset``) if it holds the chunk, else
+    ``encode_lossless(meta)``: the chunk lossless, ``meta`` the two fallback fields to record. A chunk the lossy
+    codec refuses (:class:`KvcCodecError`: NaN or inf, values past what its float16 steps can reach) is stored
+    lossless the same way: before, such a chunk was not stored at all. ``what`` names the integration in the
+    warning."""
+    try:
+        data = encode_lossy()
+    except KvcCodecError as e:
+        why: str | None = f"the lossy codec refused it: {e}"
+    else:
+        why = misfit(cache, data, steps)
+        if why is None:
+            return data
     log.warning("%s: a chunk unlike the model's KV is stored lossless, not %s (%s)", what, preset, why)
-    out = encode_lossless({"fallback_from": preset, "fallback_why": why})
-    assert isinstance(out, bytes)
-    return out
+    return encode_lossless({"fallback_from": preset, "fallback_why": why})

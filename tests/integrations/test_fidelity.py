@@ -37,21 +37,30 @@ def _outlier(shape):
     return t
 
 
-@pytest.mark.parametrize("fill", [torch.zeros, lambda s: torch.full(s, 3.0), lambda s: torch.randn(s) * 1e4, _outlier],
-                         ids=["zeros", "constant", "huge", "one-outlier"])
+def _nan(shape):
+    t = torch.randn(shape)
+    t[0, 3, 5] = float("nan")
+    return t
+
+
+@pytest.mark.parametrize("fill", [torch.zeros, lambda s: torch.full(s, 3.0), lambda s: torch.randn(s) * 1e4, _outlier,
+                                  _nan, lambda s: torch.randn(s) * 1e37],
+                         ids=["zeros", "constant", "huge", "one-outlier", "nan", "past-fp16"])
 def test_a_chunk_unlike_the_models_kv_is_stored_lossless(fp, fill):
     """Before: ``balanced`` decoded an all-zero chunk with errors up to 2.4 (the calibration's mean outside the kept
     coefficients came back), a constant 3.0 up to 7.8, values of scale 1e4 with errors of 3.8e4 and one outlier of
-    5,000 with errors of 32 over its whole head, silently. Now each is stored bit-exact, the decision in the meta."""
+    5,000 with errors of 32 over its whole head, silently; a NaN or values past float16's steps were not stored at
+    all (the lossy codec's refusal). Now each is stored bit-exact, the decision in the meta."""
     torch.manual_seed(0)
     ks, vs = _planes(fp, fill)
     ids = list(range(T))
     data = encode_chunk(fp, "balanced", ids, 0, T, ks, vs)
     r = KvcReader(data, max_decoded_ratio=0)
     assert check_entry(r, fp, ids, 0, T) is None
-    assert r.header.meta["fallback_from"] == "balanced" and "layer" in r.header.meta["fallback_why"]
+    assert r.header.meta["fallback_from"] == "balanced" and r.header.meta["fallback_why"]
     for i, k, v in r.iter_layers():
-        assert torch.equal(k, ks[i]) and torch.equal(v, vs[i])
+        assert torch.equal(k.view(torch.int16), ks[i].view(torch.int16)) and torch.equal(v.view(torch.int16),
+                                                                                         vs[i].view(torch.int16))
 
 
 def test_the_models_own_kv_keeps_its_lossy_bytes(lm, fp):

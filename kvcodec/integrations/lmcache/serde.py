@@ -167,17 +167,20 @@ class KvcodecSerializer(Serializer):
                 cache = shift_cache(cache, -off, ropes)
                 over.setdefault("sink", 0)
         preset = self.resolver.info.name
-        enc = kvcodec.encode(cache, None, preset=preset, overrides=over or None, calibration=cal, verify=self.verify)
-        assert enc.data is not None
+
+        def encode() -> bytes:
+            return kvcodec.encode(cache, None, preset=preset, overrides=over or None, calibration=cal,
+                                  verify=self.verify).data or b""
+
         if not self.resolver.info.lossy:
-            return enc.data
+            return encode()
 
         def lossless(meta: dict[str, Any]) -> bytes:  # the chunk as handed over (not re-based), bit-exact
             plain = to_cache(tensor, fp, {**key_meta(key), **meta})
             return kvcodec.encode(plain, None, preset="lossless", verify=self.verify).data or b""
 
         steps = layer_steps_of(preset, self.resolver.overrides, cal)
-        return with_fallback(cache, enc.data, preset, steps, lossless, "kvcodec serde")
+        return with_fallback(cache, encode, preset, steps, lossless, "kvcodec serde")
 
     def serialize(self, src: Any, dst: Any, key: Any) -> int:
         tensor, out = src.tensor, dst.tensor

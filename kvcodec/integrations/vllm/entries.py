@@ -245,19 +245,20 @@ def encode_chunk(fp: Any, preset: str, ids: list[int], start: int, end: int, key
     pos = np.arange(start, end, dtype=np.int64) if start > 0 else None
     cache = KVCache(keys, values, np.asarray(ids[:end], dtype=np.int64), fp, pos,
                     {"source": "vllm", "layout": LAYOUT, "start": start, "end": end})
-    data = encode_cache(cache, preset, meta=cache.meta).data  # no model in a serving worker: the preset's table step
-    assert data is not None
     from kvcodec.api import preset_info
 
+    def encode() -> bytes:  # no model in a serving worker: the preset's table step
+        return encode_cache(cache, preset, meta=cache.meta).data or b""
+
     if not preset_info(preset).lossy:
-        return data
+        return encode()
     from kvcodec.calibration.store import load_calibration
     from kvcodec.integrations.fidelity import layer_steps_of, with_fallback
 
     def lossless(meta: dict[str, Any]) -> bytes:  # a chunk unlike the model's KV (fidelity): stored bit-exact
         return encode_cache(cache, "lossless", meta={**cache.meta, **meta}).data or b""
 
-    return with_fallback(cache, data, preset, layer_steps_of(preset, None, load_calibration(fp.id)), lossless,
+    return with_fallback(cache, encode, preset, layer_steps_of(preset, None, load_calibration(fp.id)), lossless,
                          "kvcodec connector")
 
 
