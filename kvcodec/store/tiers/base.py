@@ -325,6 +325,14 @@ class Tier:
     def ls(self, with_meta: bool = False) -> Iterator[EntryInfo]:  # pragma: no cover
         raise NotImplementedError
 
+    def ls_judged(self, with_meta: bool, mine: Callable[[EntryInfo], bool | None]) -> Iterator[EntryInfo]:
+        """``ls``, where a tier that keeps partitions (a key's namespace, a tenant's tag) apart reads no further
+        in a partition once ``mine`` said False of an entry of it (True or None: read on). Why: every entry of a
+        partition is its owner's, so one header tells a Store whether the partition is its tenant's; a tenant's
+        listing then costs a header per other tenant's partition, not every other tenant's entries. Default:
+        ``ls`` (``mine`` unused; the Store skips other partitions' entries all the same)."""
+        return self.ls(with_meta)
+
     # with supports_ranges
     def range_entry(self, key: StoreKey) -> tuple[RangeReader, dict[str, Any]] | None:
         """``(RangeReader over the payload, header meta)`` or None when absent or holding another key.

@@ -38,7 +38,7 @@ import os
 import secrets
 import threading
 import time
-from typing import Any, BinaryIO, Iterator, Mapping
+from typing import Any, BinaryIO, Callable, Iterator, Mapping
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from kvcodec.errors import KvcFormatError, KvcInputError, KvcStoreError
@@ -503,9 +503,16 @@ class DirectoryTier(Tier):
         return EntryInfo(k, dl, self.name, h.get("meta") if with_meta else None, st.st_mtime)
 
     def ls(self, with_meta: bool = False) -> Iterator[EntryInfo]:
-        for path, st in self._entry_files():
-            info = self._read_info(path, st, with_meta)
-            if info is not None:
+        return self.ls_judged(with_meta, lambda info: None)
+
+    def ls_judged(self, with_meta: bool, mine: Callable[[EntryInfo], bool | None]) -> Iterator[EntryInfo]:
+        for part in self._partitions():
+            for path, st in self._partition_files(part):
+                info = self._read_info(path, st, with_meta)
+                if info is None:
+                    continue
+                if mine(info) is False:  # another tenant's partition: none of its other entries is read
+                    break
                 yield info
 
     def usage(self) -> tuple[int, int]:
