@@ -213,11 +213,16 @@ def capture_llamacpp(llm: Any, token_ids: np.ndarray, identity: ModelFingerprint
 
     from kvcodec.core.kvcache import KVCache
 
+    from kvcodec.core.kvcache import as_token_ids
+
     lc = _llama_cpp()
     shape = LlamaShape.of(llm)
-    ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+    ids = as_token_ids(token_ids)  # floats were truncated to ids (100.7 -> 100), "abc" escaped as ValueError
     if ids.size == 0 or ids.size >= shape.n_ctx:
         raise KvcInputError(f"need 1..{shape.n_ctx - 1} tokens for this llama.cpp context, got {ids.size}")
+    if int(ids.min()) < 0 or int(ids.max()) >= shape.n_vocab:  # before llama.cpp, which failed mid-prefill
+        raise KvcInputError(f"token ids must be in [0, {shape.n_vocab}) for this model, got {int(ids.min())}.."
+                            f"{int(ids.max())}")
     if shape.type_k != GGML_TYPE_F16 or shape.type_v != GGML_TYPE_F16:
         raise KvcInputError("capture needs an fp16 KV cache")
     lc.llama_memory_clear(lc.llama_get_memory(llm.ctx), True)

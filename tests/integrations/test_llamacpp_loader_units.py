@@ -93,3 +93,18 @@ def test_token_ids_that_disagree_with_the_kv_are_refused(monkeypatch, kvc, ids):
         _load(monkeypatch, llm, r)
     assert "\n" not in str(e.value)
     assert llm.n_tokens == 30 == llm.cells and (llm.input_ids == 999).all()
+
+
+@pytest.mark.parametrize("ids", [[1.7, 2.2], "abc", [5, 1000], [-1, 3], []], ids=["floats", "str", "past-vocab",
+                                                                                   "negative", "empty"])
+def test_capture_checks_its_ids_before_llama_cpp(monkeypatch, ids):
+    """Before: float ids were truncated (1.7 -> 1) and captured under the key of other tokens, "abc" escaped as
+    ValueError, ids past the vocabulary or negative reached llama.cpp's prefill after its memory was cleared. Now
+    one KvcInputError line, and the context is untouched."""
+    llm = _Llm()
+    monkeypatch.setattr(lcp, "_llama_cpp", lambda: _api(llm, True))
+    monkeypatch.setattr(lcp.LlamaShape, "of", classmethod(lambda cls, _llm: SHAPE))
+    with pytest.raises(KvcInputError) as e:
+        lcp.capture_llamacpp(llm, ids, identity=FP)
+    assert "\n" not in str(e.value)
+    assert llm.n_tokens == 30 == llm.cells
