@@ -47,3 +47,22 @@ def test_a_key_with_fields_of_other_types_is_one_line(bad):
         with pytest.raises(KvcInputError) as e:
             f(_Key(**bad))
         assert "\n" not in str(e.value)
+
+
+def test_register_and_server_without_lmcache_are_one_line(monkeypatch, capsys):
+    """Where lmcache is not installed, register() and ``python -m kvcodec.integrations.lmcache server`` escaped as a
+    ModuleNotFoundError traceback; now one KvcInputError line (exit code 2 for the command)."""
+    import sys
+
+    from kvcodec.errors import KvcInputError
+    from kvcodec.integrations.lmcache import register
+    from kvcodec.integrations.lmcache.__main__ import main
+
+    for name in [m for m in sys.modules if m == "lmcache" or m.startswith("lmcache.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "lmcache", None)  # import lmcache -> ImportError
+    with pytest.raises(KvcInputError, match="not installed"):
+        register()
+    assert main(["server", "--help"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not installed" in err

@@ -16,6 +16,13 @@ from __future__ import annotations
 def register() -> bool:
     """Register the ``kvcodec`` serde with LMCache's serde factory (idempotent): the one call a launcher makes
     before LMCache parses its L2 adapter configs. True if this call registered it."""
+    try:
+        import lmcache.v1.distributed.serde  # noqa: F401
+    except ImportError:  # a ModuleNotFoundError traceback before
+        from kvcodec.errors import KvcInputError
+
+        raise KvcInputError("lmcache is not installed (pip install 'kvcodec[lmcache]'): the kvcodec serde cannot be "
+                            "registered") from None
     from kvcodec.integrations.lmcache.serde import register as _register
 
     return _register()

@@ -19,9 +19,14 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["server"]:
         from kvcodec.integrations.lmcache import register
+
+        try:
+            register()  # one line where lmcache is not installed (a ModuleNotFoundError traceback before)
+        except KvcError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return e.exit_code
         from lmcache.cli.main import main as lmcache_main
 
-        register()
         lmcache_main(args)
         return 0
     if len(args) != 3 or args[0] != "extract":
