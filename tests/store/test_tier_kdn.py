@@ -169,3 +169,42 @@ def test_a_server_trickling_its_answer_is_cut_off_at_the_deadline():
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+@pytest.mark.parametrize("row", [
+    '{"key": "%s", "size": 1e999}',  # int(inf): OverflowError escaped from ls
+    '{"key": "%s", "size": -5}', '{"key": "%s", "size": true}', '{"key": "%s", "size": 1.5}',
+    '{"key": "%s", "size": 1, "mtime": NaN}', '{"key": "%s", "size": 1, "mtime": "yesterday"}',
+    '{"key": "%s", "size": 1, "meta": [1]}',
+])
+def test_a_hostile_listing_row_is_one_store_error_line(row):
+    """A server's listing row was taken as it came: a size of 1e999 escaped as OverflowError (a traceback from
+    Store.ls), -5, true and 1.5 became sizes, a NaN or a string became an mtime, a list a meta."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from kvcodec.errors import KvcStoreError
+
+    key = StoreKey.for_tokens(list(range(16)), model="m", codec="c").to_str()
+    body = ('{"entries": [' + row % key + "]}").encode()
+
+    class Lister(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Lister)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        t = KdnTier(f"kvc+http://127.0.0.1:{srv.server_port}?timeout=5")
+        with pytest.raises(KvcStoreError, match="malformed listing"):
+            list(t.ls(with_meta=True))
+    finally:
+        srv.shutdown()
+        srv.server_close()

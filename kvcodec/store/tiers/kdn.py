@@ -223,11 +223,27 @@ class KdnTier(Tier):
             raise self._refused("ls", status, body)
         try:
             rows = _loads(body, "listing")["entries"]
-            infos = [EntryInfo(StoreKey.from_str(r["key"]), int(r["size"]), self.name,
-                               r.get("meta") if with_meta else None, r.get("mtime")) for r in rows]
+            if not isinstance(rows, list):
+                raise TypeError("entries is not a list")
+            infos = [self._row(r, with_meta) for r in rows]
         except (ValueError, KeyError, TypeError, KvcInputError, KvcStoreError) as e:
             raise KvcStoreError(f"kdn {self.url}: malformed listing: {e}") from None
         yield from infos
+
+    def _row(self, r: Any, with_meta: bool) -> EntryInfo:
+        """One listing row, checked (a size of 1e999 escaped as OverflowError, -5, true or 1.5 were taken as sizes,
+        a NaN or a string as an mtime, a list as a meta): ValueError / TypeError otherwise."""
+        import math
+
+        size, mtime, meta = r["size"], r.get("mtime"), r.get("meta") if with_meta else None
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ValueError(f"size {size!r:.40} is not an integer >= 0")
+        if mtime is not None and (not isinstance(mtime, (int, float)) or isinstance(mtime, bool)
+                                  or not math.isfinite(mtime)):
+            raise ValueError(f"mtime {mtime!r:.40} is not a finite number")
+        if meta is not None and not isinstance(meta, dict):
+            raise ValueError("meta is not a JSON object")
+        return EntryInfo(StoreKey.from_str(r["key"]), size, self.name, meta, mtime)
 
     def range_entry(self, key: StoreKey) -> tuple[HttpRangeReader, dict[str, Any]] | None:
         """``(range reader over the payload, meta)``: a HEAD, then ``Range`` + ``If-Range`` reads; None on 404."""
