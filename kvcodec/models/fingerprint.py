@@ -57,8 +57,8 @@ from kvcodec.digest import json_sha256
 from kvcodec.models.layout import ModelLayout, canonical_rope, text_config
 from kvcodec.paths import cache_root
 
-__all__ = ["CONFIG_FIELDS", "TOKENIZER_FILES", "cache_config", "canonical_rope", "fingerprint_dir", "fingerprint_model",
-           "read_config", "tokenizer_sha256", "weight_files", "weights_identity", "weights_sha256"]
+__all__ = ["CONFIG_FIELDS", "TOKENIZER_FILES", "cache_config", "canonical_rope", "checkpoint_tensors", "fingerprint_dir",
+           "fingerprint_model", "read_config", "tokenizer_sha256", "weight_files", "weights_identity", "weights_sha256"]
 
 # Config fields (of the text config) that change the model's computation; absent/None ones are omitted.
 CONFIG_FIELDS = (
@@ -215,6 +215,19 @@ def _tensors_of(path: Path, f: Any, size: int) -> list[_Tensor]:
         if offs[1] - offs[0] != math.prod(shape) * _ST_ITEMSIZE[dt]:
             raise bad(f"tensor {name!r:.60} size disagrees with its shape")
         out.append(_Tensor(name, dt, tuple(shape), path, base + offs[0], base + offs[1]))
+    return out
+
+
+def checkpoint_tensors(model_dir: Path) -> dict[str, tuple[tuple[int, ...], int]]:
+    """Per tensor of the directory's safetensors files: (shape, bytes), from their bound-checked headers only."""
+    out: dict[str, tuple[tuple[int, ...], int]] = {}
+    try:
+        for p in weight_files(Path(model_dir)):
+            with open(p, "rb") as f:
+                for t in _tensors_of(p, f, os.fstat(f.fileno()).st_size):
+                    out[t.name] = (t.shape, t.end - t.start)
+    except OSError as exc:
+        raise KvcModelNotFoundError(f"cannot read model weights: {exc}") from None
     return out
 
 

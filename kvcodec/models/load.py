@@ -17,6 +17,7 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import stat
 import sys
 import tempfile
 import time
@@ -372,7 +373,10 @@ def check_weights(path: Path) -> list[Path]:
         raise KvcModelNotFoundError(f"model directory {path} has no .safetensors weights")
     for f in files:
         try:
-            size = f.stat().st_size
+            st = f.stat()
+            if not stat.S_ISREG(st.st_mode):  # a FIFO named *.safetensors blocked open() for ever
+                raise ValueError("not a regular file")
+            size = st.st_size
             with open(f, "rb") as fh:
                 head = fh.read(8)
                 n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
@@ -403,24 +407,41 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "float32") -> LoadedModel
     from kvcodec.models.hfimport import models
 
     models()  # before transformers imports them without us (kvcodec/models/hfimport.py)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    from kvcodec.models.precheck import check_config, check_loaded, check_side_files, check_skeleton
+
     path = resolve_model_dir(name)
+    # The directory is checked before transformers reads any of it (kvcodec.models.precheck): side files regular
+    # and bounded, config.json read bounded with a usable head layout, the safetensors whole.
+    check_side_files(path)
+    cfg = read_config(path)
     check_weights(path)
+    check_config(cfg)
     # Hash (or find the cached digest of) the safetensors first: this refuses pickle-only, truncated
     # and corrupt checkpoints before transformers touches them, and pins what the fingerprint describes.
     before = weights_identity(path)
     weights_sha256(path)
     hf_logging.disable_progress_bar()
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its multi-line load report: what it would say is refused in one line below
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), local_files_only=True,
-                                                     use_safetensors=True)
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        with torch.device("meta"):  # shapes only: a config describing terabytes allocates nothing here
+            skeleton = AutoModelForCausalLM.from_config(config)
+        check_skeleton(path, cfg, skeleton)
+        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), local_files_only=True,
+                                                           use_safetensors=True, output_loading_info=True)
+        check_loaded(path, info)
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except KvcModelNotFoundError:
+        raise
     except Exception as exc:  # noqa: BLE001 - a malformed directory makes transformers raise almost anything
         msg = " ".join(str(exc).split())[:300]
         raise KvcModelNotFoundError(f"cannot load model from {path}: {type(exc).__name__}: {msg}") from None
     finally:
+        hf_logging.set_verbosity(verbosity)
         hf_logging.enable_progress_bar()
     if weights_identity(path) != before:
         raise KvcModelNotFoundError(f"{path}: the weight files changed while the model was loading; try again")

@@ -1,0 +1,108 @@
+"""What a model directory must satisfy before transformers reads it: bounded side files and a config that fits its weights.
+
+Why before transformers: it trusts the directory. It reads config.json, the tokenizer files and the
+generation config whole (a 2 GB file given by mistake is 2 GB of memory), it blocks for ever opening a
+FIFO, and it builds the model the config describes and then fills every weight the checkpoint lacks with
+random values (a config.json that says 4,000 layers over a 2-layer checkpoint loads, silently, as a
+random model; one whose sizes describe terabytes allocates them). Each of these is refused here in one
+:class:`KvcModelNotFoundError` line, and the load that follows is checked for weights it left random.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import stat
+from pathlib import Path
+from typing import Any, Mapping
+
+from kvcodec.errors import KvcModelNotFoundError
+from kvcodec.models.fingerprint import TOKENIZER_FILES, checkpoint_tensors
+from kvcodec.models.layout import ModelLayout, canonical_rope, text_config
+
+__all__ = ["check_config", "check_loaded", "check_side_files", "check_skeleton"]
+
+# Files transformers may read besides the weights, with the size past which a file is refused. A real
+# tokenizer.json is at most a few tens of MB (262k-token vocabularies: ~35 MB); the JSON configs are KBs.
+_MAX_JSON = 64 << 20
+_MAX_TOKENIZER = 512 << 20
+SIDE_FILES: dict[str, int] = {
+    "config.json": _MAX_JSON, "generation_config.json": _MAX_JSON, "chat_template.json": _MAX_JSON,
+    **{n: _MAX_TOKENIZER if n in ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "merges.txt",
+                                  "vocab.txt") else _MAX_JSON for n in TOKENIZER_FILES},
+}
+
+
+def check_side_files(path: Path) -> None:
+    """Every file transformers may open besides the weights is a regular file of bounded size (or absent).
+
+    Symbolic links are followed (a Hugging Face cache snapshot is links into its blobs); what they name
+    must still be a regular file: a FIFO would block the load for ever, /dev/zero read without end.
+    """
+    for name, limit in SIDE_FILES.items():
+        p = Path(path) / name
+        try:
+            st = os.stat(p)
+        except FileNotFoundError:  # absent, or a dangling link: transformers skips it too
+            continue
+        except OSError as exc:
+            raise KvcModelNotFoundError(f"{p}: cannot read ({exc.strerror})") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise KvcModelNotFoundError(f"{p}: not a regular file")
+        if st.st_size > limit:
+            raise KvcModelNotFoundError(f"{p}: {st.st_size:,} bytes, more than the {limit >> 20} MiB a model's "
+                                        f"{name} can be")
+
+
+def _rope_thetas(r: Mapping[str, Any]) -> list[Any]:
+    out = [r["rope_theta"]] if "rope_theta" in r else []
+    return out + [v["rope_theta"] for v in r.values() if isinstance(v, dict) and "rope_theta" in v]
+
+
+def check_config(cfg: Mapping[str, Any]) -> ModelLayout:
+    """The config's head layout (:meth:`ModelLayout.from_config`: sizes in range) and RoPE bases, checked.
+
+    A RoPE base that is not a finite number > 0 makes every rotated key NaN: the model loads and runs and
+    everything computed from it (captures, its calibration) is NaN.
+    """
+    layout = ModelLayout.from_config(cfg)
+    for theta in _rope_thetas(canonical_rope(cfg)):
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
+            raise KvcModelNotFoundError(f"model config has RoPE base rope_theta {theta!r}; it must be a finite "
+                                        "number > 0")
+    return layout
+
+
+def check_skeleton(path: Path, cfg: Mapping[str, Any], skeleton: Any) -> None:
+    """Refuse a config whose model the checkpoint cannot fill, before a byte of it is allocated.
+
+    ``skeleton``: the model the config describes, built on the meta device (shapes, no storage). A
+    parameter the checkpoint holds under the same name must have the same shape, and the checkpoint must
+    hold at least as many values as the model has parameters (tied parameters counted once): otherwise
+    transformers would allocate the difference and fill it with random values. A quantized checkpoint
+    packs several parameters per stored value, so there only one bit per parameter is required.
+    """
+    tensors = checkpoint_tensors(path)
+    need = 0
+    for name, p in skeleton.named_parameters():
+        shape = tuple(int(d) for d in p.shape)
+        need += math.prod(shape)
+        have = tensors.get(name)
+        if have is not None and have[0] != shape:
+            raise KvcModelNotFoundError(f"{path}: config.json disagrees with the weights: it makes {name} "
+                                        f"{list(shape)}, the checkpoint holds {list(have[0])}")
+    values = sum(math.prod(s) for s, _ in tensors.values())
+    nbytes = sum(n for _, n in tensors.values())
+    quantized = "quantization_config" in cfg or "quantization_config" in text_config(cfg)
+    if need > (8 * nbytes if quantized else values):
+        raise KvcModelNotFoundError(
+            f"{path}: config.json describes a model of {need:,} parameters but the weights hold {values:,} values "
+            "(the rest would be random)")
+
+
+def check_loaded(path: Path, info: Any) -> None:
+    """Refuse a load that left weights at random (transformers' loading info: missing keys)."""
+    missing = sorted(info.get("missing_keys") or ()) if isinstance(info, Mapping) else []
+    if missing:
+        raise KvcModelNotFoundError(f"{path}: {len(missing)} weight(s) the config needs are not in the checkpoint "
+                                    f"(e.g. {missing[0]!r:.80}); they would be random")

@@ -1,0 +1,154 @@
+"""A model directory whose files lie is refused in one line before transformers reads it (kvcodec.models.precheck).
+
+A tiny random LLaMA (tests/_support/tiny_models.py) is copied and one of its files is made hostile: a
+config.json describing more layers or other sizes than the checkpoint holds (transformers filled the rest
+with random values, or allocated what the sizes describe), a weight renamed so the config's is missing, a
+RoPE base that makes every key NaN, side files that are FIFOs or gigabytes, a FIFO named
+``*.safetensors`` (``open`` blocked for ever).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kvcodec.errors import KvcModelNotFoundError
+
+from cliutil import run_kvc  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from tests._support.tiny_models import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("precheck") / "base", "dense")
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVCODEC_CACHE", str(tmp_path / "cache"))
+
+
+def _copy(tiny: Path, dest: Path, **config) -> Path:
+    shutil.copytree(tiny, dest)
+    cfg = json.loads((dest / "config.json").read_text())
+    cfg.update(config)
+    (dest / "config.json").write_text(json.dumps(cfg))
+    return dest
+
+
+def _never_loaded(monkeypatch) -> None:
+    import transformers
+
+    def never(*a, **kw):
+        raise AssertionError("transformers was asked to load the model")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", never)
+
+
+def _rename_a_weight(d: Path) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    t = load_file(d / "model.safetensors")
+    t["model.final_norm.weight"] = t.pop("model.norm.weight")  # same values, a name the config does not make
+    save_file(t, d / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("config, words", [
+    # 40 layers over a 2-layer checkpoint loaded as a random model (and with real sizes allocated terabytes)
+    (dict(num_hidden_layers=40), "describes a model of"),
+    # sizes describing 100 GB of embeddings, key heads that do not match the checkpoint's projections
+    (dict(vocab_size=10**11), "disagrees with the weights"),
+    (dict(num_key_value_heads=3), "disagrees with the weights"),
+    (dict(num_hidden_layers=10**12), "invalid head layout"),
+    # a RoPE base that makes every rotated key NaN (the calibration then saved NaNs and crashed in a matrix inverse)
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": -5}), "rope_theta -5"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": float("nan")}), "rope_theta nan"),
+])
+def test_a_config_that_does_not_fit_the_weights_is_refused_before_the_load(tiny, tmp_path, monkeypatch, config, words):
+    from kvcodec.models.load import load_model
+
+    d = _copy(tiny, tmp_path / "m", **config)
+    _never_loaded(monkeypatch)
+    with pytest.raises(KvcModelNotFoundError, match=words) as e:
+        load_model(str(d))
+    assert "\n" not in str(e.value)
+
+
+def test_a_weight_the_config_needs_but_the_checkpoint_lacks_is_refused(tiny, tmp_path):
+    from kvcodec.models.load import load_model
+
+    d = _copy(tiny, tmp_path / "m")
+    _rename_a_weight(d)
+    with pytest.raises(KvcModelNotFoundError, match="'model.norm.weight'.*would be random"):
+        load_model(str(d))
+
+
+def test_the_cli_says_one_line_not_transformers_load_report(tiny, tmp_path, monkeypatch, capsys):
+    d = _copy(tiny, tmp_path / "m", num_hidden_layers=3)  # one layer missing: transformers' report is a table
+    (tmp_path / "t.txt").write_text("a short text to capture")
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_kvc(["capture", "--text", "t.txt", "-o", "c.h5", "-m", str(d)], capsys)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == KvcModelNotFoundError.exit_code
+    assert len(lines) == 1 and lines[0].startswith("kvc: error: ") and "describes a model" in lines[0], err
+
+
+@pytest.mark.parametrize("name, make", [
+    ("config.json", "huge"), ("tokenizer.json", "huge"), ("tokenizer.json", "fifo"), ("tokenizer_config.json", "fifo"),
+    ("generation_config.json", "fifo"), ("chat_template.jinja", "dir"),
+])
+def test_side_files_are_regular_and_bounded_before_transformers_reads_them(tiny, tmp_path, monkeypatch, name, make):
+    import transformers
+
+    from kvcodec.models.load import load_model
+
+    d = _copy(tiny, tmp_path / "m")
+    p = d / name
+    if p.exists():
+        p.unlink()
+    if make == "huge":  # 2 GB, sparse: transformers read it whole
+        with open(p, "wb") as f:
+            f.truncate(2 * 10**9)
+    elif make == "fifo":
+        os.mkfifo(p)
+    else:
+        p.mkdir()
+    _never_loaded(monkeypatch)
+
+    def never(*a, **kw):
+        raise AssertionError("transformers read the directory")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", never)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", never)
+    with pytest.raises(KvcModelNotFoundError, match="MiB a model's|not a regular file") as e:
+        load_model(str(d))
+    assert name in str(e.value)
+
+
+def test_a_fifo_named_safetensors_is_refused_not_waited_on(tiny, tmp_path):
+    from kvcodec.models.load import check_weights
+
+    d = tiny.parent / "fifo-weights"
+    shutil.copytree(tiny, d)
+    (d / "model.safetensors").unlink()
+    os.mkfifo(d / "model.safetensors")
+
+    def release() -> None:  # frees an open() blocked on the FIFO, so a failing run ends instead of hanging
+        time.sleep(5)
+        try:
+            os.close(os.open(d / "model.safetensors", os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+
+    threading.Thread(target=release, daemon=True).start()
+    t0 = time.monotonic()
+    with pytest.raises(KvcModelNotFoundError, match="not a regular file"):
+        check_weights(d)
+    assert time.monotonic() - t0 < 4
