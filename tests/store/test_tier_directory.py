@@ -119,3 +119,17 @@ def test_a_planted_directory_or_symlink_is_one_line_and_never_followed(tmp_path)
             with pytest.raises(KvcStoreError, match="never followed"):
                 op(k)
     assert planted.read_bytes() == b"not the store's" and os.listdir(outside / "part") == []
+
+
+def test_eviction_never_follows_a_symlink_planted_at_a_partition(tmp_path):
+    """evict(partition) scanned objects/<partition> through a symlink planted there and unlinked the files of the
+    directory it pointed to (four of five 600-byte files outside the store, under a 1,000-byte cap)."""
+    import os
+
+    t = DirectoryTier(tmp_path / "s", max_bytes=1000)
+    outside = tmp_path / "outside" / "ab"
+    outside.mkdir(parents=True)
+    for i in range(5):
+        (outside / f"{i:064x}.kve").write_bytes(b"z" * 600)
+    os.symlink(tmp_path / "outside", os.path.join(t.objects, "victim"))
+    assert t.evict("victim") == 0 and len(os.listdir(outside)) == 5

@@ -222,8 +222,11 @@ class DirectoryTier(Tier):
             return []
 
     def _entry_files(self, partition: str | None = None) -> Iterator[tuple[str, os.stat_result]]:
-        """Entry files of one partition (namespace), or of all."""
-        parts = [os.path.join(self.objects, partition)] if partition is not None else self._partitions()
+        """Entry files of one partition (namespace), or of all; never through a symlink planted at a partition's
+        name (evict(partition) unlinked the files of the directory it pointed to, outside the store)."""
+        parts = self._partitions()
+        if partition is not None:
+            parts = [p for p in parts if os.path.basename(p) == partition]
         for part in parts:
             yield from self._partition_files(part)
 
