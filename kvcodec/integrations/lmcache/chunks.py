@@ -164,13 +164,16 @@ def unframe(blob: bytes | memoryview) -> bytes:
     return bytes(mv[FRAME_OVERHEAD:FRAME_OVERHEAD + n])
 
 
-def check_entry(r: Any, fp: Any, key: Any, lay: ChunkLayout) -> None:
+def check_entry(r: Any, fp: Any, key: Any, lay: ChunkLayout, preset: str | None = None) -> None:
     """Refuse (KvcError) a `.kvc` that is not this key's chunk of this model in this layout: never decode it into
-    the cache. Another model, another chunk (a renamed or swapped file), another shape: all a miss."""
+    the cache. Another model, another chunk (a renamed or swapped file), another shape: all a miss; with
+    ``preset``, an object a serde of another preset wrote, too (:func:`check_preset`)."""
     if not fp.same_model(r.fingerprint):
         raise KvcModelMismatchError(f"kvcodec serde: object written for model {r.fingerprint.id}, this key's model "
                                     f"is {fp.id}")
     meta = r.header.meta if isinstance(r.header.meta, dict) else {}
+    if preset is not None:
+        check_preset(meta, str(r.header.codec), preset)
     if meta.get("source") != "lmcache" or meta.get("chunk_hash") != key_meta(key)["chunk_hash"]:
         raise KvcFormatError("kvcodec serde: object was written for another chunk (its recorded key differs)")
     for f in ("kv_rank", "object_group_id", "cache_salt"):
@@ -189,6 +192,21 @@ def check_entry(r: Any, fp: Any, key: Any, lay: ChunkLayout) -> None:
     if int(h.num_layers) != lay.layers or int(h.num_tokens) != lay.tokens or h.ragged or r.positions is not None:
         raise KvcFormatError(f"kvcodec serde: object holds {h.num_layers} layers x {h.num_tokens} tokens, the buffer "
                              f"wants {lay.layers} x {lay.tokens}")
+
+
+def check_preset(meta: dict[str, Any], codec: str, preset: str) -> None:
+    """Refuse an object that a serde configured with another preset wrote (its meta's ``serde_preset``; an object
+    from before that was recorded: its header's codec, the preset it was encoded with, unless ``raw``, the exact
+    fallback every preset writes). Why: LMCache's ``fs`` adapter names an object by its key alone, so a deployment
+    switched from ``small`` to ``lossless`` on the same path served the old ``small`` objects (errors up to 5 on
+    SmolLM2) as lossless ones. Another step of the same preset (``overrides``) is the same preset: its steps are in
+    the `.kvc` and a reader needs none."""
+    rec = meta.get("serde_preset")
+    if rec is None and codec != "raw":
+        rec = codec
+    if rec is not None and rec != preset:
+        raise KvcFormatError(f"kvcodec serde: object was written with preset {str(rec)[:40]!r}, this serde's is "
+                             f"{preset!r}")
 
 
 def write_chunk(r: Any, dst: torch.Tensor, lay: ChunkLayout, ropes: list[tuple[float, int] | None] | None = None) -> None:

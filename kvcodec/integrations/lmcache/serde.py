@@ -153,11 +153,16 @@ class KvcodecSerializer(Serializer):
                  rope_offset: str = "search") -> None:
         self.resolver, self.pad, self.verify, self.rope_offset = resolver, pad, verify, rope_offset
 
+    def meta(self, key: Any) -> dict[str, Any]:
+        """What every object records: its key (:func:`chunks.key_meta`) and this serde's preset (checked at
+        deserialize: :func:`chunks.check_preset`)."""
+        return {**key_meta(key), "serde_preset": self.resolver.info.name}
+
     def encode(self, tensor: torch.Tensor, key: Any) -> bytes:
         """The `.kvc` of one chunk (no frame), through kvcodec's public encode; the adapter stores these as is."""
         name = str(key.model_name)
         fp = self.resolver.fingerprint(name)
-        cache = to_cache(tensor, fp, key_meta(key))
+        cache = to_cache(tensor, fp, self.meta(key))
         cal = self.resolver.calibration(name)
         over = dict(self.resolver.overrides)
         if self.rope_offset == "search" and cal is not None and self.resolver.info.lossy:
@@ -176,7 +181,7 @@ class KvcodecSerializer(Serializer):
             return encode()
 
         def lossless(meta: dict[str, Any]) -> bytes:  # the chunk as handed over (not re-based), bit-exact
-            plain = to_cache(tensor, fp, {**key_meta(key), **meta})
+            plain = to_cache(tensor, fp, {**self.meta(key), **meta})
             return kvcodec.encode(plain, None, preset="lossless", verify=self.verify).data or b""
 
         steps = layer_steps_of(preset, self.resolver.overrides, cal)
@@ -195,7 +200,7 @@ class KvcodecSerializer(Serializer):
         data = self.encode(tensor, key)
         if len(data) + 16 > capacity:  # never past the estimate: the raw preset's payload is the raw values
             fp = self.resolver.fingerprint(str(key.model_name))
-            data = kvcodec.encode(to_cache(tensor, fp, key_meta(key)), None, preset="raw", verify=self.verify).data or b""
+            data = kvcodec.encode(to_cache(tensor, fp, self.meta(key)), None, preset="raw", verify=self.verify).data or b""
         del lay  # checked: a layout LMCache should never have sized a buffer for is refused before any work
         blob = frame(data, capacity, self.pad)  # padded to the buffer LMCache reads back into (fs: exactly that)
         flat = out.reshape(-1).view(torch.uint8)
@@ -233,7 +238,7 @@ class KvcodecDeserializer(Deserializer):
         # The buffer bounds what the object may declare (its values as float32, as the reader counts them); the
         # reader's ratio to the file's size would refuse a lossless chunk of zeros (a few KB for megabytes of K/V)
         with kvcodec.open(data, max_decoded_bytes=lay.nbytes // lay.dtype.itemsize * 4, max_decoded_ratio=0) as r:
-            check_entry(r, fp, key, lay)
+            check_entry(r, fp, key, lay, self.resolver.info.name)
             write_chunk(r, dst, lay, self.resolver.ropes(str(key.model_name)))
 
     def deserialize(self, src: Any, dst: Any, key: Any) -> None:

@@ -385,3 +385,31 @@ def test_buffers_without_memory_or_sharing_it_are_refused(chunks):
                  (t, torch.zeros(buf.numel() // 4 + 1, 2, dtype=torch.float32)[:, 0])):
         with pytest.raises(KvcError):
             ser.serialize(_Obj(s), _Obj(d), key(0))
+
+
+def test_another_presets_object_is_a_miss(chunks):
+    """LMCache's ``fs`` adapter names an object by its key alone: a deployment switched from ``small`` to
+    ``lossless`` on the same path served the old ``small`` objects (errors up to 5) as lossless ones. Now an object
+    records its serde's preset and another preset's is refused (objects from before: their header's codec), while
+    another step of the same preset and the exact ``raw`` fallback still load."""
+    from kvcodec.integrations.lmcache.chunks import key_meta, to_cache
+
+    _, ts = chunks
+    t = ts[0]
+    small, _ = make_codec({"models": MODELS, "preset": "small"})
+    _, lossless = make_codec({"models": MODELS})
+    out = torch.empty_like(t)
+    with pytest.raises(KvcError, match="preset 'small'"):
+        lossless.decode_into(small.encode(t, key(0)), out, key(0))
+    fp = small.resolver.fingerprint(MODEL_NAME)
+    old = kvcodec.encode(to_cache(t, fp, key_meta(key(0))), None, preset="small",
+                         calibration=small.resolver.calibration(MODEL_NAME)).data  # no serde_preset
+    with pytest.raises(KvcError, match="preset 'small'"):
+        lossless.decode_into(old, out, key(0))
+    raw = kvcodec.encode(to_cache(t, fp, key_meta(key(0))), None, preset="raw").data
+    for de in (lossless, make_codec({"models": MODELS, "preset": "small"})[1]):
+        de.decode_into(raw, out, key(0))
+        assert torch.equal(out.view(torch.int16), t.view(torch.int16))
+    ser, _ = make_codec({"models": MODELS})
+    lossless.decode_into(ser.encode(t, key(0)), out, key(0))
+    assert torch.equal(out.view(torch.int16), t.view(torch.int16))
