@@ -133,3 +133,25 @@ def test_eviction_never_follows_a_symlink_planted_at_a_partition(tmp_path):
         (outside / f"{i:064x}.kve").write_bytes(b"z" * 600)
     os.symlink(tmp_path / "outside", os.path.join(t.objects, "victim"))
     assert t.evict("victim") == 0 and len(os.listdir(outside)) == 5
+
+
+def test_quarantine_is_never_followed_through_a_symlink(tmp_path):
+    """gc's purge of quarantine/ listed and unlinked every file over the grace period in whatever directory a
+    symlink planted at quarantine/ pointed to, and a damaged entry was moved there, out of the store."""
+    import os
+    import time
+
+    t = DirectoryTier(tmp_path / "s")
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    for i in range(3):
+        (precious / f"doc{i}.txt").write_text("keep me")
+        os.utime(precious / f"doc{i}.txt", (time.time() - 7200,) * 2)
+    os.rmdir(t.quarantine)
+    os.symlink(precious, t.quarantine)
+    k = _keys(1)[0]
+    t.put(k, b"x" * 500)
+    flip_last_byte(t.path_for(k))
+    assert t.get(k) is None  # damaged: a miss, and not moved through the symlink
+    assert t.gc(grace_s=3600)["quarantine_purged"] == 0
+    assert sorted(os.listdir(precious)) == ["doc0.txt", "doc1.txt", "doc2.txt"]

@@ -46,7 +46,7 @@ from kvcodec.lru import BoundedLRU
 from kvcodec.store.keys import StoreKey
 from kvcodec.store.options import TierDefaults, parse_flag, parse_size
 from kvcodec.store.ranged import FileRangeReader
-from kvcodec.store.tiers.localfs import check_stream, fsync_dir, open_dir, open_regular, why
+from kvcodec.store.tiers.localfs import check_stream, fsync_dir, open_dir, open_regular, purge_older, why
 from kvcodec.store.tiers.base import (
     FIXED_SIZE,
     MAX_TIER_META,
@@ -259,9 +259,12 @@ class DirectoryTier(Tier):
             cur = os.stat(path)
             if st is not None and (cur.st_ino, cur.st_dev) != (st.st_ino, st.st_dev):
                 return  # replaced by a writer meanwhile: leave the new file alone
-            dest = os.path.join(self.quarantine,
-                                f"{os.path.basename(path)}.{int(time.time())}.{secrets.token_hex(3)}.bad")
-            os.replace(path, dest)
+            qfd = open_dir(self.quarantine, None, True)  # never through a symlink planted at quarantine/
+            try:
+                os.replace(path, f"{os.path.basename(path)}.{int(time.time())}.{secrets.token_hex(3)}.bad",
+                           dst_dir_fd=qfd)
+            finally:
+                os.close(qfd)
         except FileNotFoundError:
             pass
         except OSError as e:  # pragma: no cover - read-only store etc.
@@ -550,18 +553,10 @@ class DirectoryTier(Tier):
                 except FileNotFoundError:
                     pass
         try:
-            qnames = os.listdir(self.quarantine)
-        except FileNotFoundError:
-            qnames = []
-        out["quarantine_purged"] = 0
-        for nm in qnames:
-            p = os.path.join(self.quarantine, nm)
-            try:
-                if now - os.stat(p).st_mtime >= grace_s:
-                    os.unlink(p)
-                    out["quarantine_purged"] += 1
-            except FileNotFoundError:
-                pass
+            out["quarantine_purged"] = purge_older(self.quarantine, grace_s, now)
+        except OSError as e:
+            log.warning("store %s: gc: quarantine not purged: %s", self.root, why(e))
+            out["quarantine_purged"] = 0
         if verify:
             for path, _st in list(self._entry_files()):
                 try:

@@ -16,7 +16,7 @@ from kvcodec.errors import KvcFormatError, KvcInputError
 from kvcodec.store.keys import StoreKey
 from kvcodec.store.tiers.base import FIXED_SIZE, crc32c, crc32c_extend, parse_fixed, parse_header
 
-__all__ = ["check_stream", "fsync_dir", "open_dir", "open_regular", "why"]
+__all__ = ["check_stream", "fsync_dir", "open_dir", "open_regular", "purge_older", "why"]
 
 
 def fsync_dir(path: str) -> None:
@@ -49,6 +49,29 @@ def open_dir(name: str, dir_fd: int | None, create: bool) -> int:
         except FileExistsError:  # another writer made it just now
             pass
         return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+
+
+def purge_older(path: str, grace_s: float, now: float) -> int:
+    """Delete the regular files of directory ``path`` last modified ``grace_s`` or more before ``now``; how many.
+
+    Opened without following a symlink planted at ``path``: gc's purge of ``quarantine/`` listed and unlinked
+    the old files of whatever directory such a symlink pointed to. ``OSError`` (:func:`why`) for one."""
+    try:
+        fd = open_dir(path, None, False)
+    except FileNotFoundError:
+        return 0
+    n = 0
+    try:
+        for de in os.scandir(fd):
+            try:
+                if de.is_file(follow_symlinks=False) and now - de.stat(follow_symlinks=False).st_mtime >= grace_s:
+                    os.unlink(de.name, dir_fd=fd)
+                    n += 1
+            except FileNotFoundError:
+                pass
+    finally:
+        os.close(fd)
+    return n
 
 
 def why(e: OSError) -> str:
