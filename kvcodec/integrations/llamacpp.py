@@ -88,6 +88,22 @@ def gguf_fingerprint(gguf: str | Path) -> ModelFingerprint:
     return _gguf_fingerprint_cached(str(p), st.st_size, st.st_mtime_ns)
 
 
+def live_model(llm: Any) -> Any:
+    """``llm``'s llama.cpp model handle, or one KvcInputError line where ``llm`` is no open ``llama_cpp.Llama``.
+
+    Why: after ``Llama.close()`` its model and context handles are None, which ctypes passes to llama.cpp as NULL
+    pointers, unchecked by its C API (a crash of the process, not an exception); anything else but a Llama escaped
+    as AttributeError."""
+    try:
+        model, ctx = llm.model, llm.ctx
+        llm.input_ids, llm.n_ctx  # noqa: B018 - the attributes load_kvc and capture use
+    except (AttributeError, TypeError):
+        raise KvcInputError(f"need an open llama_cpp.Llama, got {type(llm).__name__}") from None
+    if model is None or ctx is None:
+        raise KvcInputError("the llama_cpp.Llama is closed (its model or context was freed)")
+    return model
+
+
 @dataclass(frozen=True)
 class LlamaShape:
     """What llama.cpp's loaded model and context say about the KV cache it expects."""
@@ -105,7 +121,7 @@ class LlamaShape:
     @classmethod
     def of(cls, llm: Any) -> "LlamaShape":
         lc = _llama_cpp()
-        model = llm.model
+        model = live_model(llm)
         n_head = lc.llama_model_n_head(model)
         return cls(
             n_layer=lc.llama_model_n_layer(model), n_head_kv=lc.llama_model_n_head_kv(model),
@@ -300,6 +316,7 @@ def load_kvc(llm: Any, source: Any, backend: str | None = None, identity: ModelF
     from kvcodec.format import KvcReader
 
     lc = _llama_cpp()
+    live_model(llm)  # before the file is read: a closed Llama's NULL handles reached llama.cpp
     reader = source if isinstance(source, KvcReader) else KvcReader(source)
     fp = reader.fingerprint
     (identity or gguf_fingerprint(llm.model_path)).check_compatible(fp, what=".kvc file")

@@ -26,10 +26,13 @@ class _Llm:
     """A llama-cpp-python ``Llama`` that has already evaluated 30 tokens of another document (a reused context)."""
 
     def __init__(self):
-        self.ctx, self.model_path = object(), "x.gguf"
+        self.ctx, self.model, self.model_path = object(), object(), "x.gguf"
         self.n_tokens = 30
         self.input_ids = np.full(64, 999, dtype=np.intc)
         self.cells = 30  # what llama.cpp's memory holds
+
+    def n_ctx(self):
+        return 64
 
 
 def _api(llm, accept: bool):
@@ -108,3 +111,21 @@ def test_capture_checks_its_ids_before_llama_cpp(monkeypatch, ids):
         lcp.capture_llamacpp(llm, ids, identity=FP)
     assert "\n" not in str(e.value)
     assert llm.n_tokens == 30 == llm.cells
+
+
+def test_a_closed_or_foreign_llm_is_one_line(monkeypatch, kvc):
+    """After ``Llama.close()`` its model and context handles are None, which ctypes passed to llama.cpp as NULL
+    pointers, unchecked by its C API. Now one KvcInputError line before llama.cpp is called
+    (the real shape probe runs here: any llama.cpp call would fail the test), and anything else is one line too."""
+    closed = _Llm()
+    closed.model = closed.ctx = None
+    calls = []
+    monkeypatch.setattr(lcp, "_llama_cpp", lambda: types.SimpleNamespace(**{
+        n: (lambda *a, n=n: calls.append(n)) for n in ("llama_model_n_head", "llama_model_n_layer",
+                                                        "llama_get_memory", "llama_memory_clear")}))
+    for llm in (closed, None, "model.gguf"):
+        for call in (lambda: lcp.load_kvc(llm, kvc, identity=FP), lambda: lcp.capture_llamacpp(llm, [1, 2], FP)):
+            with pytest.raises(KvcInputError) as e:
+                call()
+            assert "\n" not in str(e.value)
+    assert calls == []
