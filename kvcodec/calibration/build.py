@@ -309,6 +309,20 @@ def _advance(bar: Any, n: float) -> None:
     bar.update(max(0.0, min(n, bar.total - bar.n)))
 
 
+def _check_finite(lm: Any, arrays: list[tuple[str, Any]]) -> None:
+    """Refuse a calibration of a model that computes NaN or inf (a weight that holds one, a config that makes one).
+
+    Why here: such a build finished and was saved, and every later lossy encode then said the file was corrupt and
+    to rebuild it (which saved the same), or the first one crashed inverting the NaN basis.
+    """
+    for what, a in arrays:
+        finite = bool(np.isfinite(a).all()) if isinstance(a, np.ndarray) else bool(a.isfinite().all())
+        if not finite:
+            raise KvcInputError(f"cannot calibrate {lm.name}: {what} hold NaN or inf on the calibration texts (the model "
+                                "computes non-finite values: check its weights and config.json); the lossless and "
+                                "fp16 presets need no calibration")
+
+
 def min_calibration_window() -> int:
     """The shortest context window a calibration can be built in: :data:`MIN_CONTEXT` tokens and the continuation."""
     return MIN_CONTEXT + SENS_CONTINUATION
@@ -392,6 +406,8 @@ def build_calibration(lm: Any, texts: tuple[str, ...] = CALIB_TEXTS, context: in
                     qm, even_k = qhook.moments, qhook.even
                 else:
                     cache = capture(lm, token_ids=ctx)
+            _check_finite(lm, [(f"layer {l} keys", k) for l, k in enumerate(cache.keys)]
+                          + [(f"layer {l} values", v) for l, v in enumerate(cache.values)])
             caches.append(cache)
             timings["capture_s"] = timings.get("capture_s", 0.0) + time.time() - t1
             t1 = time.time()
@@ -413,6 +429,7 @@ def build_calibration(lm: Any, texts: tuple[str, ...] = CALIB_TEXTS, context: in
                                                  on_sample=lambda s: _advance(bar, 2 * SENS_CONTINUATION)) / len(caches)
         basis, eig, sens = fisher_weighted(basis, eig, csens)
         basis = snap_basis(basis)  # the 8-bit grid the file stores (record.py: why it costs no quality)
+        _check_finite(lm, [("its sensitivities", sens), ("its key/value statistics", np.stack([mean, eig]))])
         timings["sensitivity_s"] = time.time() - t1
     timings["total_s"] = time.time() - t0
     meta = {
