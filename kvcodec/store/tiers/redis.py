@@ -261,23 +261,44 @@ class RedisTier(Tier):
         return list(self.r.scan_iter(match=self.prefix + "kvc1:*", count=1000))
 
     def ls(self, with_meta: bool = False) -> Iterator[EntryInfo]:
+        return self.ls_judged(with_meta, lambda info: None)
+
+    def ls_judged(self, with_meta: bool, mine: Callable[[EntryInfo], bool | None]) -> Iterator[EntryInfo]:
+        """Entries grouped by partition (a key's namespace, in its name): a partition's first header is read
+        alone, and none of the rest once ``mine`` says it is another tenant's (Tier.ls_judged: a tenant's
+        listing read every other tenant's headers)."""
         names = self._call("scan", self._scan)
-        if not names:
-            return
         plen = len(self.prefix)
-
-        def heads() -> list[Any]:
-            pipe = self.r.pipeline(transaction=False)
-            for n in names:
-                pipe.getrange(n, 0, FIXED_SIZE + 4095)
-            return pipe.execute()
-
-        hs = self._call("ls", heads)
-        for n, h in zip(names, hs):
+        parts: dict[str, list[tuple[bytes, StoreKey]]] = {}
+        for n in names or []:
             try:
                 k = StoreKey.from_str(n.decode()[plen:])
             except (KvcInputError, UnicodeDecodeError):
                 continue
+            parts.setdefault(k.namespace, []).append((n, k))
+        for group in parts.values():
+            for batch in (group[:1], group[1:]):
+                for info in self._infos(batch, with_meta):
+                    if mine(info) is False:
+                        break
+                    yield info
+                else:
+                    continue
+                break
+
+    def _infos(self, group: list[tuple[bytes, StoreKey]], with_meta: bool) -> list[EntryInfo]:
+        """The listing rows of ``group`` (name, key): their heads read in one pipeline."""
+        if not group:
+            return []
+
+        def heads() -> list[Any]:
+            pipe = self.r.pipeline(transaction=False)
+            for n, _ in group:
+                pipe.getrange(n, 0, FIXED_SIZE + 4095)
+            return pipe.execute()
+
+        out = []
+        for (n, k), h in zip(group, self._call("ls", heads)):
             if not h:
                 continue  # deleted meanwhile
             try:
@@ -290,7 +311,8 @@ class RedisTier(Tier):
                     meta = parse_header(hb).get("meta")
             except KvcFormatError:
                 continue
-            yield EntryInfo(k, dl, self.name, meta, None)
+            out.append(EntryInfo(k, dl, self.name, meta, None))
+        return out
 
     def usage(self) -> tuple[int, int]:
         names = self._call("scan", self._scan)
