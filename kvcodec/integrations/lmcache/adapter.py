@@ -57,6 +57,14 @@ def store_model_id(model_name: str) -> str:
     return s or "m-" + hashlib.sha256(model_name.encode()).hexdigest()[:16]
 
 
+def _paired(keys: Any, objects: Any) -> None:
+    """One object per key, or one KvcInputError line (the task then fails as a whole: a store reports failure, a
+    load misses every key). Why: zip() cut the longer list short, so a store reported success for fewer chunks
+    than asked and a load answered a bitmap shorter than its keys."""
+    if len(keys) != len(objects):
+        raise KvcInputError(f"kvcodec L2 adapter: {len(keys)} keys with {len(objects)} objects")
+
+
 def _buffer_size(obj: Any, t: torch.Tensor) -> int:
     """Bytes of the buffer LMCache allocated for a serde's object (its layout's: the serde's estimate), not the used
     part a store narrows it to (``set_used_size``); a stand-in object without layouts: its tensor's."""
@@ -136,6 +144,7 @@ class KvcodecStoreL2Adapter(L2AdapterInterface):
         return self._submit("store", lambda: self._store(keys, objects), lambda: L2StoreResult(False, 0))
 
     def _store(self, keys: list[Any], objects: list[Any]) -> L2StoreResult:
+        _paired(keys, objects)
         sizes, ok = [], True
         for k, obj in zip(keys, objects):
             t = obj.tensor
@@ -179,6 +188,7 @@ class KvcodecStoreL2Adapter(L2AdapterInterface):
         return self._submit("load", lambda: self._load(keys, objects), lambda: self._bitmap([False] * len(keys)))
 
     def _load(self, keys: list[Any], objects: list[Any]) -> Any:
+        _paired(keys, objects)
         hits = []
         for k, obj in zip(keys, objects):
             try:

@@ -150,3 +150,25 @@ def test_another_serdes_bytes_are_a_miss(tmp_path, lm, l1, tenant):
         assert hits == [True] and (got[0].float() - ts[1].float()).abs().max() <= 0.07 * ts[1].float().abs().max()
     finally:
         fp8.close()
+
+
+def test_keys_and_objects_of_different_counts_fail_the_task(tmp_path, chunks, l1, tenant):
+    """zip() cut the longer list short: a store of 2 keys with 1 object reported success for one chunk, a load
+    answered a 1-bit bitmap for 2 keys. Now the task fails as a whole: the store is unsuccessful, the load misses
+    every key."""
+    from lmc import l1_objects, wait
+
+    _, ts = chunks
+    ad = KvcodecStoreL2Adapter({"store_url": str(tmp_path / "s"), "key_file": tenant, "models": MODELS})
+    try:
+        objs = l1_objects(l1, [key(0)], layout(ts[0]))
+        objs[0].tensor.copy_(ts[0])
+        tid = ad.submit_store_task([key(0), key(1)], objs)
+        assert not wait(lambda: ad.pop_completed_store_tasks().get(tid)).is_successful()
+        tid = ad.submit_load_task([key(0), key(1)], objs)
+        bm = wait(lambda: ad.query_load_result(tid))
+        assert [bm.test(i) for i in range(2)] == [False, False]
+        l1.finish_write([key(0)], tag="test")
+        l1.delete([key(0)], force=True)
+    finally:
+        ad.close()
