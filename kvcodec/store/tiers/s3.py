@@ -35,7 +35,7 @@ object's ETag (``If-Match``), so a replaced object is detected mid-read.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 from urllib.parse import parse_qsl, urlsplit
 
 from kvcodec.errors import KvcFormatError, KvcInputError, KvcStoreError
@@ -312,11 +312,19 @@ class S3Tier(Tier):
             token = resp.get("NextContinuationToken")
 
     def ls(self, with_meta: bool = False) -> Iterator[EntryInfo]:
+        return self.ls_judged(with_meta, lambda info: None)
+
+    def ls_judged(self, with_meta: bool, mine: Callable[[EntryInfo], bool | None]) -> Iterator[EntryInfo]:
+        """Objects are read one by one; none more of a partition (a key's namespace, in its name) once ``mine``
+        says it is another tenant's (Tier.ls_judged: a tenant's listing read every other tenant's heads)."""
         plen = len(self.prefix)
+        others: set[str] = set()
         for name, size in self._names():
             try:
                 k = StoreKey.from_str(name[plen:])
             except KvcInputError:
+                continue
+            if k.namespace in others:
                 continue
             resp = self._call("ls", self.s3.get_object, Bucket=self.bucket, Key=name,
                               Range=f"bytes=0-{FIXED_SIZE + 4095}")
@@ -337,7 +345,11 @@ class S3Tier(Tier):
                 continue
             if FIXED_SIZE + hl + dl != size:
                 continue
-            yield EntryInfo(k, dl, self.name, meta, None)
+            info = EntryInfo(k, dl, self.name, meta, None)
+            if mine(info) is False:
+                others.add(k.namespace)
+                continue
+            yield info
 
     def usage(self) -> tuple[int, int]:
         names = self._names()
