@@ -37,6 +37,7 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
 from lmcache.v1.platform import create_event_notifier
 
 from kvcodec.errors import KvcError, KvcFormatError, KvcInputError
+from kvcodec.integrations.buffers import check_buffer
 from kvcodec.integrations.lmcache.chunks import key_digest
 from kvcodec.integrations.lmcache.serde import KvcodecDeserializer, KvcodecSerializer, ModelResolver, parse_options
 from kvcodec.store import Store, StoreKey, TenantKey
@@ -209,6 +210,7 @@ class KvcodecStoreL2Adapter(L2AdapterInterface):
                                              f"one {size})")
                     if len(data) > t.numel():
                         raise KvcInputError(f"entry of {len(data)} bytes exceeds the buffer ({t.numel()})")
+                    check_buffer(t, "kvcodec L2 adapter: the load buffer")  # a meta buffer: a hit, nothing written
                     t[:len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
                 elif kind == "kv" and t is not None and t.dtype != torch.uint8:
                     self._de.decode_into(data, t, k)

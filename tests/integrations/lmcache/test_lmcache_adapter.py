@@ -172,3 +172,24 @@ def test_keys_and_objects_of_different_counts_fail_the_task(tmp_path, chunks, l1
         l1.delete([key(0)], force=True)
     finally:
         ad.close()
+
+
+def test_a_serde_load_into_a_buffer_without_memory_is_a_miss(tmp_path, tenant):
+    """A serde's bytes loaded into a ``meta`` buffer: copy_ wrote nothing and the load counted a hit. Now a miss."""
+    from lmc import wait
+
+    class Obj:
+        def __init__(self, t):
+            self.tensor = t
+            self.byte_array = t.numpy().tobytes() if t.device.type != "meta" else b""
+
+    ad = KvcodecStoreL2Adapter({"store_url": str(tmp_path / "s"), "key_file": tenant, "models": MODELS})
+    try:
+        src = Obj(torch.arange(64, dtype=torch.uint8))
+        tid = ad.submit_store_task([key(0)], [src])
+        assert wait(lambda: ad.pop_completed_store_tasks().get(tid)).is_successful()
+        for dst, hit in ((torch.zeros(64, dtype=torch.uint8), True), (torch.empty(64, dtype=torch.uint8, device="meta"), False)):
+            tid = ad.submit_load_task([key(0)], [Obj(dst)])
+            assert wait(lambda: ad.query_load_result(tid)).test(0) is hit
+    finally:
+        ad.close()
