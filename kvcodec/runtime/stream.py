@@ -300,6 +300,8 @@ class _Run:
         self.pending_est = 0.0  # estimated compute seconds of items scheduled but not yet done
         self.done_at = t0
         self.link_failed: str | None = None
+        self.stopped = False  # the main thread left go() by an exception: the planner fetches nothing more
+        self.filling: ProgressiveReader | None = None  # the reader the planner is filling now
         self.samples: list[float] = list(s.speeds.bw.get(s._url, []))[-s.window:]
         self.keys = {lv: m.level_keys(ids, lv) for lv in m.levels}
 
@@ -374,6 +376,8 @@ class _Run:
     def plan(self) -> None:
         try:
             for i in range(len(self.m.chunks)):
+                if self.stopped:
+                    break
                 it = self.decide(i)
                 with self.lock:
                     self.pending_est += it.est_s
@@ -395,7 +399,11 @@ class _Run:
                         self.fail_link(one_line(e))
                     self.items.put(it)
                     if it.reader is not None:
+                        self.filling = it.reader
+                        if self.stopped:  # go() ended while this reader was being made
+                            it.reader.give_up("the request ended")
                         it.reader.fill()
+                        self.filling = None
                         tp = it.reader.throughput()
                         it.choice.bytes = it.reader.size
                         if tp is not None:
@@ -404,7 +412,7 @@ class _Run:
                             self.saw_bandwidth(tp)
                         elif it.reader.slow_Bps is not None:  # abandoned for the budget: the link works, slowly
                             self.saw_bandwidth(it.reader.slow_Bps)
-                        elif it.reader._error is not None:
+                        elif it.reader._error is not None and not self.stopped:
                             self.fail_link(one_line(it.reader._error))
                 else:
                     self.items.put(it)
@@ -468,6 +476,21 @@ class _Run:
         past = DynamicCache()
         planner = threading.Thread(target=self.plan, name="kvc-stream-plan", daemon=True)
         planner.start()
+        try:
+            return self._consume(past)
+        except BaseException:
+            # a model or device error (not a KvcError: those fall back to text) ended the request: without this
+            # the planner went on fetching every later chunk into memory for no one
+            self.stopped = True
+            r = self.filling
+            if r is not None:
+                r.give_up("the request ended")
+            raise
+        finally:
+            planner.join(timeout=0.1)
+
+    def _consume(self, past: Any) -> Any:
+        """go()'s main-thread loop: each planned chunk decoded or prefilled, in order."""
         pos = 0
         while True:
             it = self.items.get()
@@ -498,7 +521,6 @@ class _Run:
                 self.done_at = time.perf_counter()
             self.report.chunks.append(c)
             log.info("stream chunk %d [%d, %d): %s (%s)", c.chunk, c.start, c.end, c.choice, c.reason)
-        planner.join(timeout=0.1)
         return past
 
     def _prefill(self, past: Any, s: int, e: int) -> None:

@@ -13,6 +13,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -306,3 +307,39 @@ def test_encode_levels_checks_its_ids_before_any_work(lm, ids):
 
     with pytest.raises(KvcInputError, match="token ids must"):
         encode_levels(lm, Store.open("mem://"), ids, ["lossless"])
+
+
+def test_an_error_in_the_main_thread_stops_the_planner(lm, entry, monkeypatch):
+    """A model or device error while a chunk was being loaded (not a KvcError: those fall back to text) left the
+    planner fetching the rest of that chunk and every later one into memory for no one."""
+    from kvcodec.runtime import stream as stream_mod
+    from kvcodec.store.ranged import RangeReader
+
+    d, ids, _ = entry
+    st = Store.open(str(d), key=KEY)
+    reads: list[float] = []
+
+    class Slow(RangeReader):
+        def __init__(self, inner):
+            self.inner, self.size, self.name = inner, inner.size, inner.name
+
+        def _read(self, offset, length):
+            time.sleep(0.02)
+            reads.append(time.monotonic())
+            return self.inner.read(offset, length)
+
+        def close(self):
+            self.inner.close()
+
+    orig = st.reader
+    monkeypatch.setattr(st, "reader", lambda key: Slow(orig(key)))
+
+    def device_lost(self, past, it, pos):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(stream_mod._Run, "_append_kv", device_lost)
+    with pytest.raises(RuntimeError, match="device lost"):
+        AdaptiveStreamer(lm, st, fixed="near-lossless").load(ids, budget_s=None)
+    ended = time.monotonic()
+    time.sleep(1.0)
+    assert reads and not [t for t in reads if t > ended + 0.2], f"{len(reads)} reads, the planner went on"
