@@ -42,11 +42,10 @@ from typing import Any, BinaryIO, Callable, Iterator, Mapping
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from kvcodec.errors import KvcFormatError, KvcInputError, KvcStoreError
-from kvcodec.lru import BoundedLRU
 from kvcodec.store.keys import StoreKey
 from kvcodec.store.options import TierDefaults, parse_flag, parse_size
 from kvcodec.store.ranged import FileRangeReader
-from kvcodec.store.tiers.localfs import check_stream, fsync_dir, open_dir, open_regular, purge_older, why
+from kvcodec.store.tiers.localfs import check_head, fsync_dir, open_dir, open_regular, purge_older, why
 from kvcodec.store.tiers.base import (
     FIXED_SIZE,
     MAX_TIER_META,
@@ -99,7 +98,6 @@ class DirectoryTier(Tier):
         self._lock = threading.Lock()
         self._init_root(create)
         self._approx: dict[str, int] = {}  # partition -> bytes (measured by a scan, then tracked)
-        self._verified: BoundedLRU[tuple[int, ...]] = BoundedLRU(4096)  # path -> stamp of its last full check
 
     @classmethod
     def from_url(cls, url: str, defaults: TierDefaults) -> "DirectoryTier":
@@ -322,34 +320,29 @@ class DirectoryTier(Tier):
             self._quarantine(path, st, str(err))
             self.counters.add(misses=1)
             return None
-        now = time.time_ns()
         try:
-            os.utime(path, ns=(now, now))  # last-used time for LRU eviction
-            self._verified.put(path, (st.st_dev, st.st_ino, st.st_size, now))
+            os.utime(path, None)  # last-used time for LRU eviction
         except OSError:
             pass
         self.counters.add(hits=1)
         return e
 
     def contains(self, key: StoreKey) -> bool:
-        """Whether ``get_entry(key)`` would return an entry: ``key``'s file, intact, holding ``key``.
+        """Whether ``key``'s file is there as an entry of ``key``: a regular file whose envelope head (fixed
+        part, header) is sound, names ``key`` and announces the file's size.
 
-        Why not just "a file is there" (what this answered until the adversarial sweep): a truncated or
-        bit-flipped entry was reported present while every get missed, so ``longest_prefix`` chose it over an
-        intact shorter prefix and ``PUT If-None-Match: *`` refused to replace it. A damaged file is quarantined
-        here as a get would. The whole file is checked once (crc32c over it, read in blocks); while its
-        (device, inode, size, mtime) stay those of that check or of the last get's, the answer is remembered,
-        so a probe costs a stat. Entries are only ever replaced by rename (a new inode), so a new entry is
-        checked anew."""
+        Why not just "a file is there" (what this answered until the adversarial sweep): a truncated entry or
+        one with a damaged head was reported present while every get missed, so ``longest_prefix`` chose it
+        over an intact shorter prefix and ``PUT If-None-Match: *`` refused to replace it; such a file is now
+        quarantined here as a get would. Why not the payload's checksum too: that reads the whole entry, and
+        a ``/v1/contains`` of 4,096 keys would read 4,096 entries; damage inside a payload is found by the
+        first get, which quarantines it, and contains says False from then on."""
         path = self.path_for(key)
         try:
             with self._open_entry(key) as f:
                 st = os.fstat(f.fileno())
-                stamp = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-                if self._verified.get(path) == stamp:
-                    return True
                 try:
-                    k = check_stream(f, st.st_size, path)
+                    k = check_head(f, st.st_size, path)
                 except KvcFormatError as err:
                     self._quarantine(path, st, str(err))
                     return False
@@ -359,10 +352,7 @@ class DirectoryTier(Tier):
             self.counters.add(errors=1)
             log.warning("store %s: %s: read failed: %s", self.root, path, why(e))
             return False
-        if k != key:  # intact, another key's: a miss, never moved (as get_entry)
-            return False
-        self._verified.put(path, stamp)
-        return True
+        return k == key  # else intact, another key's: a miss, never moved (as get_entry)
 
     def range_entry(self, key: StoreKey) -> tuple[FileRangeReader, dict[str, Any]] | None:
         """``(reader over the payload, header meta)`` of ``key`` without reading the payload.
@@ -423,9 +413,7 @@ class DirectoryTier(Tier):
                                 mv = mv[n:]
                         if self.fsync:
                             os.fsync(f.fileno())
-                        st = os.fstat(f.fileno())  # what this put wrote is intact: contains need not read it
                     os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-                    self._verified.put(path, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
                 except BaseException:
                     try:
                         os.unlink(tmp, dir_fd=dfd)

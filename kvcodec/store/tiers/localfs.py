@@ -14,9 +14,9 @@ from typing import BinaryIO
 
 from kvcodec.errors import KvcFormatError, KvcInputError
 from kvcodec.store.keys import StoreKey
-from kvcodec.store.tiers.base import FIXED_SIZE, crc32c, crc32c_extend, parse_fixed, parse_header
+from kvcodec.store.tiers.base import FIXED_SIZE, parse_fixed, parse_header
 
-__all__ = ["check_stream", "fsync_dir", "open_dir", "open_regular", "purge_older", "why"]
+__all__ = ["check_head", "fsync_dir", "open_dir", "open_regular", "purge_older", "why"]
 
 
 def fsync_dir(path: str) -> None:
@@ -102,22 +102,17 @@ def open_regular(path: str, dir_fd: int | None = None) -> BinaryIO:
         raise
 
 
-def check_stream(f: BinaryIO, size: int, what: str) -> StoreKey:
-    """The key of the envelope read from ``f`` (``size`` bytes), checked as ``decode_envelope_parts`` checks
-    it but in 1 MiB blocks (no copy of the payload); KvcFormatError on any damage."""
+def check_head(f: BinaryIO, size: int, what: str) -> StoreKey:
+    """The key the envelope read from ``f`` (a file of ``size`` bytes) names, its head checked as
+    ``decode_envelope_parts`` checks it (fixed part, the size it announces, header) without reading the
+    payload: at most 24 bytes plus a header of at most 1 MiB. KvcFormatError on any damage found."""
     fixed = f.read(FIXED_SIZE)
-    hl, dl, crc = parse_fixed(fixed, what)
+    hl, dl, _ = parse_fixed(fixed, what)
     if FIXED_SIZE + hl + dl != size:
         raise KvcFormatError(f"{what}: size {size} != {FIXED_SIZE + hl + dl} announced (truncated or padded)")
     hb = f.read(hl)
-    c, left = crc32c_extend(crc32c(fixed[:20]), hb), dl
-    while left > 0:
-        block = f.read(min(left, 1 << 20))
-        if not block:
-            raise KvcFormatError(f"{what}: truncated while read")
-        c, left = crc32c_extend(c, block), left - len(block)
-    if c != crc:
-        raise KvcFormatError(f"{what}: checksum mismatch (crc32c {c:08x} != {crc:08x})")
+    if len(hb) != hl:
+        raise KvcFormatError(f"{what}: truncated header")
     try:
         return StoreKey.from_str(parse_header(hb, what)["key"])
     except KvcInputError as e:
