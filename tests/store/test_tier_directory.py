@@ -175,3 +175,20 @@ def test_quarantine_is_never_followed_through_a_symlink(tmp_path):
     assert t.get(k) is None  # damaged: a miss, and not moved through the symlink
     assert t.gc(grace_s=3600)["quarantine_purged"] == 0
     assert sorted(os.listdir(precious)) == ["doc0.txt", "doc1.txt", "doc2.txt"]
+
+
+def test_a_put_makes_its_directories_as_the_umask_says(tmp_path):
+    """A group-shared store (umask 002) needs group-writable partition and shard directories, as os.makedirs made
+    them before puts made them level by level (0o755 then: another member of the group could not write)."""
+    import os
+    import stat
+
+    old = os.umask(0o002)
+    try:
+        t = DirectoryTier(tmp_path / "s")
+        k = _keys(1)[0]
+        t.put(k, b"x" * 10)
+    finally:
+        os.umask(old)
+    shard = os.path.dirname(t.path_for(k))
+    assert stat.S_IMODE(os.stat(shard).st_mode) == 0o775 == stat.S_IMODE(os.stat(os.path.dirname(shard)).st_mode)

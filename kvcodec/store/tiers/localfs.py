@@ -45,7 +45,7 @@ def open_dir(name: str, dir_fd: int | None, create: bool) -> int:
         if not create:
             raise
         try:
-            os.mkdir(name, 0o755, dir_fd=dir_fd)
+            os.mkdir(name, 0o777, dir_fd=dir_fd)  # the umask decides, as os.makedirs let it (a group store)
         except FileExistsError:  # another writer made it just now
             pass
         return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
