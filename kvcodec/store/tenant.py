@@ -207,6 +207,9 @@ class TenantKey:
                 raise KvcInputError(f"{p}: store key file is not a regular file")
             if st.st_mode & 0o022:
                 raise KvcInputError(f"{p}: store key file is writable by group or others; chmod 600 it")
+            if st.st_mode & 0o004:  # was taken: every local user could read every entry of the tenant, and forge one
+                raise KvcInputError(f"{p}: store key file is readable by others (any local user could read and forge "
+                                    "this tenant's entries); chmod 600 it")
             text = os.read(fd, 4 * KEY_BYTES + 8)
         finally:
             os.close(fd)

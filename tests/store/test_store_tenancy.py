@@ -347,6 +347,11 @@ def test_key_provisioning(tmp_path, monkeypatch):
     os.chmod(kf, 0o666)
     with pytest.raises(KvcInputError, match="writable by group or others"):
         TenantKey.load(kf)
+    os.chmod(kf, 0o644)  # was taken: any local user could read this tenant's entries, and forge them
+    with pytest.raises(KvcInputError, match="readable by others"):
+        TenantKey.load(kf)
+    os.chmod(kf, 0o640)  # a key shared with a group of services
+    assert TenantKey.load(kf).id == k2.id
     os.mkfifo(tmp_path / "fifo")
     with pytest.raises(KvcInputError, match="not a regular file"):
         TenantKey.load(tmp_path / "fifo")                 # never blocks on a FIFO
