@@ -256,6 +256,10 @@ def greedy_from(
     """
     dev = model_device(lm)
     ids = _new_token_ids(lm, ids, max_new_tokens)
+    held = int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else 0
+    if held > next_position:  # a cache a continuation already ran on (reused): its tokens would be attended again
+        raise KvcInputError(f"the cache holds {held} tokens, past its context's {next_position}: a continuation "
+                            "already ran on it; load the context again for another one")
     eos = getattr(lm.tokenizer, "eos_token_id", None)
     pos = torch.arange(next_position, next_position + len(ids), device=dev).unsqueeze(0)
     with fast_sdpa(lm):  # the new tokens over the cached ones as two fast SDPA calls (the module says why)

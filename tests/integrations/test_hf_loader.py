@@ -114,3 +114,19 @@ def test_a_layer_past_the_model_dtype_is_refused_not_loaded_as_inf():
     assert land(ok, cpu, torch.float32) is ok and land(ok.half(), cpu, torch.float32).dtype == torch.float32
     inf = torch.tensor([float("inf"), 2.0])  # an inf the file holds is its own, not the cast's
     assert torch.isinf(land(inf, cpu, torch.float16)).sum() == 1
+
+
+def test_a_cache_a_continuation_already_ran_on_is_refused(lm, gpl3_ids):
+    """greedy_from on a loaded cache it had already continued (a reused context) fed the new tokens at the
+    context's end while the cache still held the last question and answer, attended again: silently not the
+    answer a fresh load gives. Now one KvcInputError line; a fresh load answers as before."""
+    from kvcodec.errors import KvcInputError
+
+    n_ctx = 60
+    question = gpl3_ids[n_ctx : n_ctx + 4]
+    data = _kvc(capture(lm, token_ids=gpl3_ids[:n_ctx]))
+    loaded = load_cache(data, lm)
+    first = greedy_from(lm, loaded.cache, loaded.next_position, question, 6)[0]
+    with pytest.raises(KvcInputError, match="already ran"):
+        greedy_from(lm, loaded.cache, loaded.next_position, question, 6)
+    assert greedy_from(lm, load_cache(data, lm).cache, n_ctx, question, 6)[0] == first
