@@ -131,7 +131,7 @@ class KdnService(Admission):
         self.tokens = tokens
         config = config or ServiceConfig()
         config.check()
-        self._etags: dict[tuple[StoreKey, float | None, int], str] = {}
+        self._etags: dict[tuple[str, StoreKey, float | None, int], str] = {}
         self._tokenizer_dirs: dict[str, str] = {}  # fingerprint id -> model directory (the workers load them)
         for m in config.models:
             self._add_model(m)
@@ -226,9 +226,12 @@ class KdnService(Admission):
             self.metrics.auth_failure("namespace")
             raise HttpError(403, "the entry's seal names no key in this token's namespaces") from None
         self._allow(p, logical.namespace)
-    def _etag(self, key: StoreKey, data: bytes, created: float | None) -> tuple[str, str]:
-        """``(etag, crc32c hex)`` of an entry version; cached by (key, created, size).  Runs in a store thread."""
-        ck = (key, created, len(data))
+    def _etag(self, st: Store, key: StoreKey, data: bytes, created: float | None) -> tuple[str, str]:
+        """``(etag, crc32c hex)`` of an entry version of ``st``'s tenant; cached by (tenant key id, key, created,
+        size). Why the tenant: two tenants hold entries under one logical key, and one's version put in the same
+        millisecond with the same size as the other's was answered with the other's checksum (every client read
+        of it then failed its check: a miss for good) and ETag.  Runs in a store thread."""
+        ck = (st.key.id, key, created, len(data))
         tag = self._etags.get(ck)
         if tag is None:
             if len(self._etags) > 100_000:
@@ -305,7 +308,7 @@ class KdnService(Admission):
         e = st.get_entry(key)
         if e is None:
             return None
-        etag, crc = self._etag(key, e.data, e.created)
+        etag, crc = self._etag(st, key, e.data, e.created)
         return e, etag, crc
 
     async def get(self, request: web.Request) -> web.StreamResponse:

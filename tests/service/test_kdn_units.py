@@ -225,3 +225,26 @@ def test_key_probes_wait_while_the_tenant_is_over_its_cpu_share(tmp_path):
         await svc._close(None)
 
     asyncio.run(main())
+
+
+def test_an_entrys_checksum_and_etag_are_never_another_tenants(tmp_path, monkeypatch):
+    """The ETag/checksum memo was keyed by (key, created, size): two tenants' versions of one logical key put in
+    the same millisecond with the same size shared the first one's crc32c, so the second tenant's client failed
+    every read of it (checksum mismatch: a miss for good) and was answered the other's ETag."""
+    from kvcodec.service.app import KdnService
+    from kvcodec.service.auth import Principal
+    from kvcodec.service.config import ServiceConfig
+    from kvcodec.store.tiers import base
+    from kvcodec.store.tiers.base import crc32c
+
+    svc = KdnService(Store.open(str(tmp_path / "s")), TokenTable.single("tok-0123456789abcdef"), ServiceConfig())
+    monkeypatch.setattr(base.time, "time", lambda: 1_700_000_000.0)  # both puts in one millisecond
+    k = StoreKey.for_tokens(list(range(16)), model="m", codec="c")
+    tags = []
+    for tenant, data in (("a", b"a" * 100), ("b", b"b" * 100)):
+        st = svc.store_for(Principal(tenant, ("default",)))
+        st.put(k, data)
+        _, etag, crc = svc._entry_and_tag(st, k)
+        assert crc == f"{crc32c(data):08x}"
+        tags.append(etag)
+    assert tags[0] != tags[1]
