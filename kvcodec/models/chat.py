@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from kvcodec.models.capture import tokenize
+from kvcodec.models.chatguard import TemplateBudgetError, render_chat_template
 from kvcodec.errors import KvcInputError
 
 SYSTEM = "Answer the question using the documents."
@@ -47,14 +48,15 @@ def _wants_bos(tokenizer: Any) -> int | None:
 
 
 def _render(tokenizer: Any, system: str) -> tuple[str, str]:
-    """(text before the user content, text after it) of the model's chat template."""
-    def render(messages: list[dict[str, str]]) -> str:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-
+    """(text before the user content, text after it) of the model's chat template, rendered with bounded work
+    (:mod:`kvcodec.models.chatguard`: a template that does not parse, raises or loops is one KvcInputError line)."""
     try:
-        text = render([{"role": "system", "content": system}, {"role": "user", "content": _SENTINEL}])
-    except Exception:  # jinja2 TemplateError: e.g. Gemma's "System role not supported"
-        text = render([{"role": "user", "content": f"{system}\n\n{_SENTINEL}"}])
+        text = render_chat_template(tokenizer, [{"role": "system", "content": system},
+                                                {"role": "user", "content": _SENTINEL}])
+    except TemplateBudgetError:
+        raise
+    except KvcInputError:  # the template raised: e.g. Gemma's "System role not supported"
+        text = render_chat_template(tokenizer, [{"role": "user", "content": f"{system}\n\n{_SENTINEL}"}])
     if text.count(_SENTINEL) != 1:
         raise KvcInputError("the model's chat template does not place the user message exactly once")
     head, tail = text.split(_SENTINEL)
