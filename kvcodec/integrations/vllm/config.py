@@ -108,6 +108,10 @@ class ConnectorConfig:
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> "ConnectorConfig":
         """Parse ``kv_connector_extra_config``; every mistake is a KvcInputError naming the key."""
+        if extra is not None and not isinstance(extra, Mapping):  # a JSON string left unparsed: dict() escaped as
+            # ValueError, a number as TypeError, and a list of pairs was taken as the config
+            raise KvcInputError(f"kvcodec connector: kv_connector_extra_config must be an object, got "
+                                f"{type(extra).__name__}")
         extra = dict(extra or {})
         unknown = set(extra) - _KNOWN
         if unknown:

@@ -202,3 +202,11 @@ def test_a_narrowing_load_refuses_values_past_the_engine_dtype():
     big16 = torch.tensor([[60000.0]], dtype=torch.float16)
     assert for_cache(big16, torch.zeros(1, dtype=torch.float32)).dtype == torch.float32
     assert for_cache(big16, kv16) is not None
+
+
+@pytest.mark.parametrize("extra", ['{"store_url": "/tmp/x"}', [("store_url", "/tmp/x")], 5], ids=["json-str", "pairs", "int"])
+def test_an_extra_config_that_is_not_an_object_is_one_line(extra):
+    """kv_connector_extra_config left a JSON string escaped as ValueError, a number as TypeError, and a list of
+    pairs was taken as the config; now one KvcInputError line."""
+    with pytest.raises(KvcInputError, match="must be an object"):
+        ConnectorConfig.from_extra(extra)
