@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 from lmcache.lmcache_native import Bitmap
@@ -80,6 +80,8 @@ class KvcodecStoreL2Adapter(L2AdapterInterface):
 
     def __init__(self, params: dict[str, Any] | None = None, l1_memory_desc: Any = None) -> None:
         super().__init__()
+        if params is not None and not isinstance(params, Mapping):  # dict() of a JSON string: a ValueError
+            raise KvcInputError(f"kvcodec L2 adapter: adapter_params must be an object, got {type(params).__name__}")
         p = dict(params or {})
         extra = set(p) - _PARAMS
         if extra:

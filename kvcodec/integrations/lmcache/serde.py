@@ -251,6 +251,8 @@ class KvcodecDeserializer(Deserializer):
 
 def parse_options(kwargs: Mapping[str, object]) -> dict[str, Any]:
     """The serde dict's options, checked (one KvcInputError line for the first bad one)."""
+    if not isinstance(kwargs, Mapping):  # a JSON string: set() of its characters named them unknown options
+        raise KvcInputError(f"kvcodec serde: the serde options must be an object, got {type(kwargs).__name__}")
     extra = set(kwargs) - _OPTIONS
     if extra:
         raise KvcInputError(f"kvcodec serde: unknown option(s) {sorted(extra)} (known: {sorted(_OPTIONS)})")

@@ -193,3 +193,13 @@ def test_a_serde_load_into_a_buffer_without_memory_is_a_miss(tmp_path, tenant):
             assert wait(lambda: ad.query_load_result(tid)).test(0) is hit
     finally:
         ad.close()
+
+
+def test_params_that_are_not_an_object_are_one_line():
+    """adapter_params or serde options left a JSON string: dict() escaped as ValueError for the adapter, and the
+    serde named each character an unknown option; now one KvcInputError line that says what they must be."""
+    from kvcodec.integrations.lmcache.serde import parse_options
+
+    for call in (lambda: KvcodecStoreL2Adapter('{"store_url": "/tmp/x"}'), lambda: parse_options('{"preset": "x"}')):
+        with pytest.raises(KvcError, match="must be an object"):
+            call()
