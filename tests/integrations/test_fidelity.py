@@ -10,7 +10,7 @@ import torch
 
 from kvcodec.format import KvcReader
 from kvcodec.integrations.vllm.config import LAYOUT
-from kvcodec.integrations.vllm.entries import check_entry, encode_chunk, fetch_chunk
+from kvcodec.integrations.vllm.entries import check_entry, encode_chunk, fetch_chunk, usable_run
 
 pytestmark = pytest.mark.model
 T = 64
@@ -83,8 +83,8 @@ def test_the_models_own_kv_keeps_its_lossy_bytes(lm, fp):
 
 def test_a_lossless_chunk_of_zeros_loads(tmp_path, fp):
     """A chunk of zeros is a few KB lossless for megabytes of K/V: the reader's default ratio limit (256x its size)
-    refused it at every load, so the connector evicted it and vLLM recomputed it, for ever. The request bounds
-    what the entry may declare instead."""
+    refused it at every lookup (usable_run's header check) and load, so the connector evicted it and vLLM recomputed
+    it, for ever. The request bounds what the entry may declare instead."""
     from kvcodec.store import Store, StoreKey
     from kvcodec.store.keys import codec_key
 
@@ -97,6 +97,7 @@ def test_a_lossless_chunk_of_zeros_loads(tmp_path, fp):
     with Store.open(str(tmp_path / "s")) as st:
         key = StoreKey("smollm2", codec_key("lossless"), "default", n, "0" * 64)
         st.put(key, data)
+        assert usable_run(st, [key], fp, ids, n) == 1  # the lookup's header check: before, evicted here
         r = fetch_chunk(st, key, fp, ids, 0, n)
         assert torch.equal(r.read_layer(3)[0], ks[3])
         r.close()

@@ -51,6 +51,13 @@ def evict_unreadable(store: Any, err: ChunkUnreadable) -> None:
         log.warning("kvcodec connector: could not evict %s: %s", err.key, e)
 
 
+def declared_bound(fp: Any, end: int) -> int:
+    """The most decoded bytes an entry serving a prefix of ``end`` tokens may declare: their K/V as float32, as the
+    reader counts them. Why not the reader's default ratio to the file's size (256x): a lossless chunk of zeros is a
+    few KB for megabytes of K/V, so it was refused at every lookup, evicted, computed and saved again, for ever."""
+    return 2 * fp.num_layers * end * fp.num_kv_heads * max(fp.head_dims) * 4
+
+
 def entry_problem(store: Any, key: Any, fp: Any, ids: list[int], start: int, end: int) -> ChunkUnreadable | None:
     """None if the stored entry's `.kvc` header (ranged read) fits this model and prefix, else why not."""
     from kvcodec.format import KvcReader
@@ -59,7 +66,7 @@ def entry_problem(store: Any, key: Any, fp: Any, ids: list[int], start: int, end
         rd = store.reader(key)
         if rd is None:
             return ChunkUnreadable(key, "entry vanished", vanished=True)
-        with KvcReader(rd) as r:
+        with KvcReader(rd, max_decoded_bytes=declared_bound(fp, end), max_decoded_ratio=0) as r:
             why = check_entry(r, fp, ids, start, end)
     except Exception as e:  # noqa: BLE001 - KvcError from the reader, anything from a third-party tier
         return ChunkUnreadable(key, f"unreadable: {e}" if isinstance(e, KvcError) else f"unreadable: {type(e).__name__}: {e}")
@@ -90,11 +97,8 @@ def fetch_chunk(store: Any, key: Any, fp: Any, ids: list[int], start: int, end: 
         raise ChunkUnreadable(key, f"store get failed: {e}") from None
     if data is None:
         raise ChunkUnreadable(key, "vanished from the store between lookup and load", vanished=True)
-    # The request bounds what the entry may declare (its tokens' K/V as float32, as the reader counts them); the
-    # reader's ratio to the file's size refused a lossless chunk of zeros (a few KB for megabytes): never loaded
-    bound = 2 * fp.num_layers * end * fp.num_kv_heads * max(fp.head_dims) * 4
     try:
-        r = KvcReader(data, max_decoded_bytes=bound, max_decoded_ratio=0)
+        r = KvcReader(data, max_decoded_bytes=declared_bound(fp, end), max_decoded_ratio=0)
     except KvcError as e:
         raise ChunkUnreadable(key, str(e)) from None
     why = check_entry(r, fp, ids, start, end)
