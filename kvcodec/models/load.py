@@ -410,7 +410,7 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "float32") -> LoadedModel
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from kvcodec.models.precheck import check_config, check_loaded, check_side_files, check_skeleton
+    from kvcodec.models.precheck import check_config, check_loaded, check_side_files, check_skeleton, check_vocabulary
 
     path = resolve_model_dir(name)
     # The directory is checked before transformers reads any of it (kvcodec.models.precheck): side files regular
@@ -435,6 +435,7 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "float32") -> LoadedModel
                                                            use_safetensors=True, output_loading_info=True)
         check_loaded(path, info)
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        check_vocabulary(path, model, tok)
     except KvcModelNotFoundError:
         raise
     except Exception as exc:  # noqa: BLE001 - a malformed directory makes transformers raise almost anything

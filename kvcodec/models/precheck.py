@@ -20,7 +20,7 @@ from kvcodec.errors import KvcModelNotFoundError
 from kvcodec.models.fingerprint import TOKENIZER_FILES, checkpoint_tensors
 from kvcodec.models.layout import ModelLayout, canonical_rope, text_config
 
-__all__ = ["check_config", "check_loaded", "check_side_files", "check_skeleton"]
+__all__ = ["check_config", "check_loaded", "check_side_files", "check_skeleton", "check_vocabulary"]
 
 # Files transformers may read besides the weights, with the size past which a file is refused. A real
 # tokenizer.json is at most a few tens of MB (262k-token vocabularies: ~35 MB); the JSON configs are KBs.
@@ -106,3 +106,18 @@ def check_loaded(path: Path, info: Any) -> None:
     if missing:
         raise KvcModelNotFoundError(f"{path}: {len(missing)} weight(s) the config needs are not in the checkpoint "
                                     f"(e.g. {missing[0]!r:.80}); they would be random")
+
+
+def check_vocabulary(path: Path, model: Any, tokenizer: Any) -> None:
+    """Refuse a tokenizer whose own vocabulary (added tokens aside) has more ids than the model embeds.
+
+    Why: such a tokenizer (another model's, copied in) gives ids past the embedding for ordinary text, and the
+    prefill of ``kvc ask`` then escaped as torch's IndexError. Added tokens past the embedding are left alone:
+    real checkpoints carry a pad token added without resizing the embedding, and ordinary text never gives it.
+    """
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(emb, "num_embeddings", None)
+    base = getattr(tokenizer, "vocab_size", None)
+    if isinstance(rows, int) and isinstance(base, int) and base > rows:
+        raise KvcModelNotFoundError(f"{path}: the tokenizer has {base:,} tokens but the model embeds {rows:,} (a "
+                                    "tokenizer from another model?)")

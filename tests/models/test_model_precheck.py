@@ -152,3 +152,14 @@ def test_a_fifo_named_safetensors_is_refused_not_waited_on(tiny, tmp_path):
     with pytest.raises(KvcModelNotFoundError, match="not a regular file"):
         check_weights(d)
     assert time.monotonic() - t0 < 4
+
+
+def test_a_tokenizer_with_more_tokens_than_the_model_embeds_is_refused(tiny, tmp_path):
+    """Another model's tokenizer copied in: ordinary text gave ids past the embedding (kvc ask: torch IndexError)."""
+    from kvcodec.models.load import load_model, shipped_model_dir
+
+    d = _copy(tiny, tmp_path / "m")
+    for f in ("tokenizer.json", "tokenizer_config.json"):  # the embedded model's 49,152 tokens over 512 embeddings
+        shutil.copy(shipped_model_dir("smollm2") / f, d / f)
+    with pytest.raises(KvcModelNotFoundError, match="tokenizer has 49,152 tokens but the model embeds 512"):
+        load_model(str(d))
