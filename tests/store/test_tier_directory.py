@@ -192,3 +192,26 @@ def test_a_put_makes_its_directories_as_the_umask_says(tmp_path):
         os.umask(old)
     shard = os.path.dirname(t.path_for(k))
     assert stat.S_IMODE(os.stat(shard).st_mode) == 0o775 == stat.S_IMODE(os.stat(os.path.dirname(shard)).st_mode)
+
+
+def test_gc_removes_only_the_stores_own_temp_files(tmp_path):
+    """gc walked the whole root and deleted every old *.tmp in it: a root that also held other (hidden)
+    directories, which the store accepts, lost their temp files too. Its own (an entry's, a marker's) still go."""
+    import os
+    import time
+
+    root = tmp_path / "home"
+    (root / ".cache").mkdir(parents=True)
+    foreign = root / ".cache" / "download.tmp"
+    foreign.write_text("someone else's")
+    t = DirectoryTier(root)
+    k = _keys(1)[0]
+    t.put(k, b"x" * 10)
+    shard = os.path.dirname(t.path_for(k))
+    own = [os.path.join(shard, f".{k.digest}.123.abcdef.tmp"), str(root / "kvstore.json.123.abcd.tmp")]
+    for p in own:
+        open(p, "w").close()
+    for p in own + [str(foreign)]:
+        os.utime(p, (time.time() - 7200,) * 2)
+    assert t.gc(grace_s=3600)["tmp_removed"] == 2
+    assert foreign.exists() and not any(os.path.exists(p) for p in own)

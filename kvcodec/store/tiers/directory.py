@@ -529,9 +529,15 @@ class DirectoryTier(Tier):
         """
         now = time.time()
         out = {"tmp_removed": 0, "corrupt_removed": 0, "checked": 0}
-        for dirpath, _dirs, names in os.walk(self.root):
+        # only the store's own temp files: a marker's in the root, an entry's (.<digest>.<pid>.<rand>.tmp) under
+        # objects/ (the whole root was walked: a root that also held other, hidden, directories lost their *.tmp)
+        try:
+            top = [(self.root, [n for n in os.listdir(self.root) if _marker_tmp(n)])]
+        except OSError:
+            top = []
+        for dirpath, names in top + [(d, n) for d, _, n in os.walk(self.objects)]:
             for nm in names:
-                if not nm.endswith(TMP_SUFFIX):
+                if not (nm.endswith(TMP_SUFFIX) and (dirpath == self.root or nm.startswith("."))):
                     continue
                 p = os.path.join(dirpath, nm)
                 try:
