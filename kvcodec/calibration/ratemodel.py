@@ -36,7 +36,7 @@ from typing import Any, Callable, TypeGuard
 import numpy as np
 
 from kvcodec.calibration.record import Calibration
-from kvcodec.calibration.store import SHIPPED_DIR, _atomic_write, calibration_dir
+from kvcodec.calibration.store import SHIPPED_DIR, _atomic_write, cache_write_error, calibration_dir
 from kvcodec.errors import KvcFormatError
 
 RATE_FORMAT = "kvcodec-ratemodel"
@@ -288,7 +288,7 @@ def _read(path: Path, cal: Calibration) -> RateModel:
         raise KvcFormatError(f"{path}: rate model over {_MAX_BYTES} bytes")
     try:
         d = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deep
         raise KvcFormatError(f"{path}: unreadable rate model ({exc})") from None
     rm = RateModel.from_json(d, str(path))
     if rm.fingerprint_id != cal.meta.get("fingerprint_id") or rm.calibration_sha256 != _cal_sha(cal):
@@ -318,7 +318,10 @@ def load_rate_model(cal: Calibration, presets_digest: str | None = None,
 
 def save_rate_model(rm: RateModel, path: Path) -> Path:
     """Write ``rm`` atomically at ``path`` (sorted keys: a deterministic fit gives identical bytes)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(rm.to_json(), sort_keys=True, indent=1) + "\n"
-    _atomic_write(path, lambda tmp: tmp.write_text(text))  # the calibration store's one atomic write
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_write(path, lambda tmp: tmp.write_text(text))  # the calibration store's one atomic write
+    except OSError as exc:  # a directory where the file goes, a file where its directory goes, a full disk
+        raise cache_write_error("rate model", exc) from None
     return path

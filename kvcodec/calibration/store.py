@@ -24,7 +24,7 @@ import numpy as np
 from kvcodec.calibration.record import (CALIB_FORMAT, CALIB_VERSION, GRID_EXP_MAX, GRID_EXP_MIN, Calibration, grid_basis,
                                         grid_codes)
 from kvcodec.digest import array_sha256
-from kvcodec.errors import KvcFormatError, KvcInputError, KvcModelMismatchError
+from kvcodec.errors import KvcFormatError, KvcInputError, KvcIOError, KvcModelMismatchError
 
 _FID = re.compile(r"[0-9a-f]{32}\Z")
 _SHA = re.compile(r"[0-9a-f]{64}\Z")
@@ -133,15 +133,25 @@ def save_calibration(cal: Calibration, fingerprint_id: str) -> Path:
     """
     new, *older = _user_paths(fingerprint_id)
     idx = calibration_root() / _INDEX
-    idx.mkdir(parents=True, exist_ok=True)
-    for name, arr in cal.attachments.items():  # the sha256 the file's metadata will record (write_calibration_file)
-        ptr = json.dumps({"fingerprint_id": fingerprint_id, "name": name}, sort_keys=True)
-        _atomic_write(idx / f"{array_sha256(arr)}.json", lambda tmp, ptr=ptr: tmp.write_text(ptr))
-    path = write_calibration_file(cal, fingerprint_id, new)
-    for old in older:
-        old.unlink(missing_ok=True)
-    _memo_clear()
+    try:
+        idx.mkdir(parents=True, exist_ok=True)
+        for name, arr in cal.attachments.items():  # the sha256 the file's metadata will record (write_calibration_file)
+            ptr = json.dumps({"fingerprint_id": fingerprint_id, "name": name}, sort_keys=True)
+            _atomic_write(idx / f"{array_sha256(arr)}.json", lambda tmp, ptr=ptr: tmp.write_text(ptr))
+        path = write_calibration_file(cal, fingerprint_id, new)
+        for old in older:
+            old.unlink(missing_ok=True)
+    except OSError as exc:  # a file where a directory goes, a directory where the file goes, a full or read-only disk
+        raise cache_write_error("calibration", exc) from None
+    finally:
+        _memo_clear()
     return path
+
+
+def cache_write_error(what: str, exc: OSError) -> KvcIOError:
+    """One line for a failed write into the user's calibration cache (what, the system's reason, the path)."""
+    return KvcIOError(f"cannot save the {what} in {calibration_root()}: {exc.strerror or exc} ({exc.filename2 or exc.filename}); "
+                      "move away what is in its place, or set KVCODEC_CACHE to a writable directory")
 
 
 _memo: dict[str, tuple[tuple[int, ...], Calibration]] = {}
