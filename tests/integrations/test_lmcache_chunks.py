@@ -66,3 +66,28 @@ def test_register_and_server_without_lmcache_are_one_line(monkeypatch, capsys):
     assert main(["server", "--help"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not installed" in err
+
+
+def test_a_decoded_value_past_the_buffers_dtype_is_refused_not_written_as_inf():
+    """A lossy object decodes to float32; copy_ into a float16 buffer turned a value its error carried past 65504
+    into inf in the engine's cache, silently. Now one KvcInputError line (the load is a miss)."""
+    from kvcodec.errors import KvcInputError
+    from kvcodec.integrations.lmcache.chunks import ChunkLayout, write_chunk
+
+    class Reader:
+        header = type("H", (), {"meta": {}})()
+
+        def __init__(self, big):
+            self.big = big
+
+        def iter_layers(self):
+            k = torch.zeros(1, 2, 8)
+            k[0, 1, 3] = self.big
+            yield 0, k, torch.zeros(1, 2, 8)
+
+    lay = ChunkLayout(1, 2, 8, torch.float16)
+    dst = torch.zeros(2, 1, 2, 8, dtype=torch.float16)
+    write_chunk(Reader(65000.0), dst, lay)
+    assert float(dst[0, 0, 1, 3]) == 64992.0  # float16's nearest
+    with pytest.raises(KvcInputError, match="65504|float16"):
+        write_chunk(Reader(65600.0), dst, lay)

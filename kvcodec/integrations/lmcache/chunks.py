@@ -216,13 +216,16 @@ def write_chunk(r: Any, dst: torch.Tensor, lay: ChunkLayout, ropes: list[tuple[f
     off = int(meta.get("rope_offset", 0))
     if off and ropes is None:
         raise KvcFormatError("kvcodec serde: object records a rope_offset but no RoPE parameters were given")
+    from kvcodec.core.dtypes import cast_in_range
+
     for i, k, v in r.iter_layers():
         if off:
             assert ropes is not None
             k = rotate(k, off, ropes[i])
-        # [H, T, D] -> [T, H*D]
-        dst[0, i].copy_(k.transpose(0, 1).reshape(lay.tokens, lay.width))
-        dst[1, i].copy_(v.transpose(0, 1).reshape(lay.tokens, lay.width))
+        # [H, T, D] -> [T, H*D]; a lossy layer decodes to float32: a value its error carried past a float16
+        # buffer's 65504 was copied in as inf (copy_ casts unchecked), now one line
+        dst[0, i].copy_(cast_in_range(k, dst.dtype).transpose(0, 1).reshape(lay.tokens, lay.width))
+        dst[1, i].copy_(cast_in_range(v, dst.dtype).transpose(0, 1).reshape(lay.tokens, lay.width))
 
 
 # ------------------------------------------------------------------------------------------------ the RoPE offset
