@@ -215,3 +215,33 @@ def test_gc_removes_only_the_stores_own_temp_files(tmp_path):
         os.utime(p, (time.time() - 7200,) * 2)
     assert t.gc(grace_s=3600)["tmp_removed"] == 2
     assert foreign.exists() and not any(os.path.exists(p) for p in own)
+
+
+def test_one_partitions_eviction_never_holds_up_anothers_put(tmp_path, monkeypatch):
+    """Eviction scanned a partition (one tenant's: 100,000 files take seconds) under the tier's one lock, which
+    every put takes: each other tenant's put waited for the scan to end."""
+    import threading
+    import time
+
+    t = DirectoryTier(tmp_path / "s", max_bytes=10_000)
+    entered, release = threading.Event(), threading.Event()
+    orig = DirectoryTier._entry_files
+
+    def slow(self, partition=None):
+        if partition == "a":
+            entered.set()
+            release.wait(10)
+        yield from orig(self, partition)
+
+    monkeypatch.setattr(DirectoryTier, "_entry_files", slow)
+    th = threading.Thread(target=t.evict, args=("a",))
+    th.start()
+    try:
+        assert entered.wait(5)
+        t0 = time.monotonic()
+        t.put(_keys(1, "b")[0], b"x" * 100)  # a first put in "b" scans "b" for its size: never waits for "a"
+        elapsed = time.monotonic() - t0
+    finally:
+        release.set()
+        th.join()
+    assert elapsed < 2, f"a put in another partition waited {elapsed:.1f} s for an eviction"

@@ -95,7 +95,8 @@ class DirectoryTier(Tier):
         self.low_water = float(low_water)
         self.objects = os.path.join(self.root, "objects")
         self.quarantine = os.path.join(self.root, "quarantine")
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _approx and _part_locks only: held for no I/O
+        self._part_locks: dict[str, threading.Lock] = {}  # one eviction at a time per partition
         self._init_root(create)
         self._approx: dict[str, int] = {}  # partition -> bytes (measured by a scan, then tracked)
 
@@ -445,7 +446,9 @@ class DirectoryTier(Tier):
         """
         if self.max_bytes is None:
             return 0
-        with self._lock:
+        with self._lock:  # the scan holds its partition's lock, never the tier's (one tenant's 100,000-file
+            lock = self._part_locks.setdefault(partition, threading.Lock())  # scan stalled every other's put)
+        with lock:
             files = list(self._entry_files(partition))
             total = sum(st.st_size for _, st in files)
             target = int(self.max_bytes * self.low_water)
@@ -463,7 +466,8 @@ class DirectoryTier(Tier):
                     except FileNotFoundError:
                         pass
                     total -= st.st_size
-            self._approx[partition] = total
+            with self._lock:
+                self._approx[partition] = total
         if n:
             self.counters.add(evictions=n)
         return n
