@@ -59,6 +59,9 @@ class KvcWindowError(KvcInputError):
     def cli_message(self) -> str:
         return self._say(tuple("--" + n.replace("_", "-") for n in self.lower))
 
+    def __reduce__(self) -> tuple[Any, tuple[str, tuple[str, ...]]]:  # across processes (workers, pools) whole
+        return type(self), (self.head, self.lower)
+
 
 def check_fits(lm: LoadedModel, n_tokens: int, what: str = "the context", lower: tuple[str, ...] = ()) -> None:
     """Refuse more tokens than the model's context window (:class:`KvcWindowError`, naming the arguments in

@@ -215,6 +215,9 @@ def test_query_ids_answer_length_and_window_are_checked_before_the_work(lm, piec
     with pytest.raises(KvcInputError, match=r"context window .*\(lower max_new_tokens, or give a shorter text\)$") as ei:
         generate_blended(lm, [a], query, max_new_tokens=window)
     assert ei.value.cli_message().endswith("(lower --max-new-tokens, or give a shorter text)")
+    import pickle  # a worker process's error comes back whole (its constructor's arguments are not its message)
+
+    assert str(pickle.loads(pickle.dumps(ei.value))) == str(ei.value)  # noqa: S301 - our own bytes
     res = blend(lm, [a], query, recompute_ratio=0.0)
     with pytest.raises(KvcInputError, match="context window"):
         continue_from(lm, res, window)
