@@ -26,7 +26,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterator
 
-from kvcodec.errors import KvcModelNotFoundError
+from kvcodec.errors import KvcIOError, KvcModelNotFoundError
 from kvcodec.core.fingerprint import ModelFingerprint
 from kvcodec.models.fingerprint import fingerprint_dir, fingerprint_model, read_config, weights_identity, weights_sha256
 from kvcodec.models.layout import ModelLayout
@@ -271,8 +271,8 @@ def _convert_gguf(gguf: Path, dest: Path) -> None:
     models()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    dest.parent.mkdir(parents=True, exist_ok=True)  # first: an unwritable cache is one error line, not two
     print(f"kvc: converting {gguf.name} to an HF directory at {dest} (once, ~30 s per 100M parameters)", file=sys.stderr)
-    dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=dest.parent))
     try:
         with _gguf_parsed_once():
@@ -308,8 +308,19 @@ def gguf_model_dir(gguf: Path) -> Path:
     else:
         dest = cache_root() / "models" / f"gguf-{_sha256_file(gguf)[:32]}-c{CONVERT_VERSION}"
     if not (dest / "config.json").is_file():
-        _convert_gguf(gguf, dest)
+        with _cache_writes(dest):
+            _convert_gguf(gguf, dest)
     return dest
+
+
+@contextlib.contextmanager
+def _cache_writes(dest: Path) -> Iterator[None]:
+    """An OSError while converting into the user cache (KVCODEC_CACHE a file, unwritable, full) as one KvcIOError line."""
+    try:
+        yield
+    except OSError as exc:
+        raise KvcIOError(f"cannot write the converted model to {dest}: {exc.strerror or exc} ({exc.filename}); set "
+                         "KVCODEC_CACHE to a writable directory") from None
 
 
 def shipped_model_dir(name: str) -> Path:
@@ -319,7 +330,8 @@ def shipped_model_dir(name: str) -> Path:
         return gguf_model_dir(_gguf_path())
     dest = cache_root() / "models" / f"{m.name}-{m.sha256[:16]}-c{CONVERT_VERSION}"
     if not (dest / "config.json").is_file():
-        _convert_gguf(shipped_gguf(m), dest)
+        with _cache_writes(dest):
+            _convert_gguf(shipped_gguf(m), dest)
     return dest
 
 

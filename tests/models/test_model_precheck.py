@@ -163,3 +163,15 @@ def test_a_tokenizer_with_more_tokens_than_the_model_embeds_is_refused(tiny, tmp
         shutil.copy(shipped_model_dir("smollm2") / f, d / f)
     with pytest.raises(KvcModelNotFoundError, match="tokenizer has 49,152 tokens but the model embeds 512"):
         load_model(str(d))
+
+
+def test_a_shipped_model_with_an_unwritable_cache_is_one_io_error(tmp_path, monkeypatch, capsys):
+    """KVCODEC_CACHE naming a file: the first use's conversion escaped as NotADirectoryError, after announcing it."""
+    from kvcodec.errors import KvcIOError
+    from kvcodec.models.load import resolve_model_dir
+
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setenv("KVCODEC_CACHE", str(tmp_path / "file"))
+    with pytest.raises(KvcIOError, match="cannot write the converted model to .*Not a directory"):
+        resolve_model_dir("smollm2")
+    assert "converting" not in capsys.readouterr().err  # the error is the one line
