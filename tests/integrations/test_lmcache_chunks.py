@@ -91,3 +91,24 @@ def test_a_decoded_value_past_the_buffers_dtype_is_refused_not_written_as_inf():
     assert float(dst[0, 0, 1, 3]) == 64992.0  # float16's nearest
     with pytest.raises(KvcInputError, match="65504|float16"):
         write_chunk(Reader(65600.0), dst, lay)
+
+
+def test_the_offset_search_on_keys_of_inf_or_nan_is_quiet_and_zero():
+    """Keys holding inf, NaN or values near float32's limit made the RoPE offset search print numpy overflow /
+    invalid-value warnings into the server's log for every such chunk, and pick an arbitrary offset; now inf and NaN
+    answer 0 (the chunk is then stored lossless: kvcodec.integrations.fidelity), and none warns."""
+    import warnings
+
+    import numpy as np
+
+    from kvcodec.integrations.lmcache.chunks import estimate_offset
+
+    means = np.ones((1, 2, 8), dtype=np.float32)
+    for v in (float("inf"), float("nan"), 3e38):
+        k = torch.ones(2, 4, 8)
+        k[0, 1, 2] = v
+        k[1, 2, 5] = -v if v == v else v
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            off = estimate_offset([k], [(10000.0, 8)], means)
+        assert off == 0 if v != 3e38 else 0 <= off < 1 << 17  # 3e38: finite sums, an offset like any other

@@ -288,10 +288,13 @@ def estimate_offset(keys: list[torch.Tensor], ropes: list[tuple[float, int] | No
         rh = torch.cat([-r[..., h:], r[..., :h]], dim=-1)
         m = (r * cos - rh * sin).mean(1).double().numpy()  # [H, dim]: the mean of the keys un-rotated by t
         mu = np.asarray(key_means[i], dtype=np.float64)[:, :dim]
-        z = (m[:, :h] + 1j * m[:, h:]) * np.conj(mu[:, :h] + 1j * mu[:, h:])
-        for f, c in zip(inv_freq(theta, dim), z.sum(0)):
-            acc[float(f)] = acc.get(float(f), 0j) + complex(c)
+        with np.errstate(all="ignore"):  # keys of inf / NaN / 1e38: judged below, not warned about in the log
+            z = (m[:, :h] + 1j * m[:, h:]) * np.conj(mu[:, :h] + 1j * mu[:, h:])
+            for f, c in zip(inv_freq(theta, dim), z.sum(0)):
+                acc[float(f)] = acc.get(float(f), 0j) + complex(c)
     if not acc or step < 1 or cap <= step:
+        return 0
+    if not all(np.isfinite(v) for v in acc.values()):  # no angle to read (numpy's overflow warnings before): at 0
         return 0
     f = np.fromiter(acc, dtype=np.float64)
     c = np.array(list(acc.values()), dtype=np.complex128)
