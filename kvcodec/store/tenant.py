@@ -41,11 +41,13 @@ from typing import Any, Mapping
 from blake3 import blake3
 
 from kvcodec.errors import KvcFormatError, KvcInputError, KvcStoreError
+from kvcodec.lru import BoundedLRU
 from kvcodec.store.keys import StoreKey, check_id
 from kvcodec.store.ranged import RangeReader
 
 SEAL_VERSION = 2
 KEY_BYTES = 32
+NS_CACHE = 4096  # namespaces whose derived keys a TenantKey keeps (more are derived again: four HMACs)
 MIN_BLOCK = 1 << 20
 MAX_BLOCKS = 4096
 PHYS_MODEL = "kvs2"          # model field of every physical key
@@ -175,8 +177,9 @@ class TenantKey:
         self._secret = bytes(secret)
         self.source = source
         self.id = _hmac(self._secret, b"kvcodec.store.key-id")[:8].hex()
-        self._ns: dict[str, NamespaceKeys] = {}
-        self._lock = threading.Lock()
+        # bounded: a KDN client's physical keys name any namespace string it likes (each /v1/contains up to
+        # 4,096 of them), and an unbounded dict grew by some 0.5 kB per name for the life of the service
+        self._ns: BoundedLRU[NamespaceKeys] = BoundedLRU(NS_CACHE)
 
     # -- provisioning -------------------------------------------------------------
     @classmethod
@@ -269,14 +272,12 @@ class TenantKey:
     # -- derivation -----------------------------------------------------------------
     def namespace(self, ns: str) -> NamespaceKeys:
         """Keys of namespace ``ns`` (cached)."""
-        with self._lock:
-            k = self._ns.get(ns)
+        k = self._ns.get(ns)
         if k is None:
             check_id("namespace", ns)
             root = _hmac(self._secret, _DOMAIN_NS, _lp(ns))
             k = NamespaceKeys(ns, _hmac(root, b"tag")[:16].hex(), _hmac(root, b"name"), _hmac(root, b"mac"))
-            with self._lock:
-                self._ns[ns] = k
+            self._ns.put(ns, k)
         return k
 
     def __repr__(self) -> str:

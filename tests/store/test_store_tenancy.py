@@ -491,3 +491,17 @@ def test_a_tenants_listing_reads_one_header_per_other_tenants_partition(tier, tm
     assert [r.key for r in sa.ls()] == sorted(mine)
     assert len(reads) == 3 + 2  # its own three entries, then one header of each of b's two partitions
     assert len(sb.ls()) == 120 and len(sb.ls(namespace="other")) == 60
+
+
+def test_the_namespaces_a_tenant_key_remembers_are_bounded():
+    """A KDN client's physical keys name any namespace string it likes (a /v1/contains takes 4,096 keys), and the
+    tenant key cached the derived keys of every one for good: 50 MB more after 100,000, never given back."""
+    import secrets
+
+    from kvcodec.store.tenant import NS_CACHE, PHYS_CODEC, PHYS_MODEL
+
+    st = Store.open("mem://", key=TenantKey.ephemeral())
+    ks = [StoreKey(PHYS_MODEL, PHYS_CODEC, secrets.token_hex(16), 0, secrets.token_hex(32)) for _ in range(NS_CACHE + 904)]
+    assert st.contains_many(ks) == [False] * len(ks)
+    assert len(st.key._ns) <= NS_CACHE
+    assert st.physical(ks[0]) == st.physical(ks[0])  # a forgotten namespace is derived again, the same
