@@ -57,8 +57,9 @@ from kvcodec.digest import json_sha256
 from kvcodec.models.layout import ModelLayout, canonical_rope, text_config
 from kvcodec.paths import cache_root
 
-__all__ = ["CONFIG_FIELDS", "TOKENIZER_FILES", "cache_config", "canonical_rope", "checkpoint_tensors", "fingerprint_dir",
-           "fingerprint_model", "read_config", "tokenizer_sha256", "weight_files", "weights_identity", "weights_sha256"]
+__all__ = ["CONFIG_FIELDS", "CONFIG_FLAGS", "TOKENIZER_FILES", "cache_config", "canonical_rope", "checkpoint_tensors",
+           "fingerprint_dir", "fingerprint_model", "read_config", "tokenizer_sha256", "weight_files", "weights_identity",
+           "weights_sha256"]
 
 # Config fields (of the text config) that change the model's computation; absent/None ones are omitted.
 CONFIG_FIELDS = (
@@ -74,6 +75,12 @@ CONFIG_FIELDS = (
     "multi_query", "new_decoder_architecture", "parallel_attn", "alibi",
 )
 
+# Config fields that change the computation but were added after fingerprints existed: each counts only when set to
+# other than its default, so no model that leaves it at the default changes fingerprint id. use_bidirectional_attention
+# (Gemma 3, EmbeddingGemma): every token attends to every other, so its K/V differ from the causal model's with the
+# same weights, whose caches it accepted before.
+CONFIG_FLAGS: dict[str, Any] = {"use_bidirectional_attention": False}
+
 _MAX_JSON_FILE = 64 << 20  # config.json / index.json / cache entries larger than this are refused
 _WEIGHTS_DOMAIN = b"kvcodec-weights-v2\0"
 _MEMORY_DOMAIN = b"kvcodec-weights-in-memory-v2\0"
@@ -81,9 +88,11 @@ _MEMORY_DOMAIN = b"kvcodec-weights-in-memory-v2\0"
 
 # --------------------------------------------------------------------------- config and tokenizer
 def cache_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """The :data:`CONFIG_FIELDS` of a config dict (raw config.json or ``config.to_dict()``) plus canonical RoPE."""
+    """The :data:`CONFIG_FIELDS` of a config dict (raw config.json or ``config.to_dict()``), the
+    :data:`CONFIG_FLAGS` set to other than their default, plus canonical RoPE."""
     c = text_config(cfg)
     out = {k: c[k] for k in CONFIG_FIELDS if c.get(k) is not None}
+    out.update({k: c[k] for k, default in CONFIG_FLAGS.items() if c.get(k) not in (None, default)})
     out["rope"] = canonical_rope(cfg)
     return out
 

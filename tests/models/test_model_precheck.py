@@ -175,3 +175,26 @@ def test_a_shipped_model_with_an_unwritable_cache_is_one_io_error(tmp_path, monk
     with pytest.raises(KvcIOError, match="cannot write the converted model to .*Not a directory"):
         resolve_model_dir("smollm2")
     assert "converting" not in capsys.readouterr().err  # the error is the one line
+
+
+def test_a_bidirectional_twin_of_a_causal_model_never_takes_its_cache(tmp_path):
+    """Same weights, ``use_bidirectional_attention`` true: other K/V, and the fingerprint said the same model."""
+    import torch
+
+    from kvcodec.errors import KvcModelMismatchError
+    from kvcodec.models.capture import capture
+    from kvcodec.models.fingerprint import cache_config
+    from kvcodec.models.load import load_model
+    from tests._support.tiny_models import make_tiny_model
+
+    causal = make_tiny_model(tmp_path / "causal", "sliding")
+    bidi = _copy(causal, tmp_path / "bidi", use_bidirectional_attention=True)
+    a, b = load_model(str(causal)), load_model(str(bidi))
+    ca, cb = capture(a, token_ids=list(range(3, 15))), capture(b, token_ids=list(range(3, 15)))
+    assert not all(torch.equal(x, y) for x, y in zip(ca.keys, cb.keys))
+    with pytest.raises(KvcModelMismatchError, match="config_sha256"):
+        b.fingerprint.check_compatible(ca.fingerprint)
+    # the flag at its default (false, as Gemma 3's configs write it) changes no fingerprint: shipped calibrations hold
+    cfg = json.loads((causal / "config.json").read_text())
+    assert cache_config({**cfg, "use_bidirectional_attention": False}) == cache_config(
+        {k: v for k, v in cfg.items() if k != "use_bidirectional_attention"})
