@@ -226,7 +226,7 @@ class Store:
                 if isinstance(front, MemoryTier) and not front.fits(len(e.data)):
                     continue
                 try:
-                    front.put(phys, e.data, e.meta, created=e.created)
+                    front.put_for(self.key.id, phys, e.data, e.meta, created=e.created)
                 except KvcStoreError as err:
                     log.debug("store: back-fill of %s into %s failed: %s", key, front.name, err)
             with self._lock:
@@ -259,7 +259,7 @@ class Store:
                 res.tiers[t.name] = "skipped: larger than the memory tier"
                 continue
             try:
-                t.put(phys, data, sealed)
+                t.put_for(self.key.id, phys, data, sealed)  # the tier may bound each tenant (quota.py)
                 res.tiers[t.name] = "ok"
             except KvcStoreError as e:
                 res.tiers[t.name] = f"error: {e}"

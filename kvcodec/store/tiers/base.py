@@ -316,6 +316,11 @@ class Tier:
             created: float | None = None) -> None:  # pragma: no cover
         raise NotImplementedError
 
+    def put_for(self, owner: str | None, key: StoreKey, data: bytes, meta: Mapping[str, Any] | None = None,
+                created: float | None = None) -> None:
+        """``put`` on behalf of tenant ``owner`` (its key id), for a tier that bounds each tenant's bytes."""
+        self.put(key, data, meta, created)
+
     def contains(self, key: StoreKey) -> bool:  # pragma: no cover
         raise NotImplementedError
 

@@ -25,6 +25,8 @@ tenant's writes can only evict that tenant's own least-recently-used entries
 (a read bumps mtime).  A put larger than the cap is refused with
 :class:`KvcStoreError` -- the tier never writes an entry only to evict it
 (or everything else) at once.  Eviction never removes the entry just written.
+A tenant's bytes over all its partitions, and how many it owns, are bounded too
+(``tenant_bytes``, default ``max_bytes``; ``tenant_namespaces``): :mod:`~kvcodec.store.tiers.quota`.
 
 A layout-1 store (flat ``objects/<d[:2]>/``, namespace-label keys) is
 upgraded on open by renaming its ``objects/`` to ``objects.layout1.<time>``:
@@ -45,7 +47,9 @@ from kvcodec.errors import KvcFormatError, KvcInputError, KvcStoreError
 from kvcodec.store.keys import StoreKey
 from kvcodec.store.options import TierDefaults, parse_flag, parse_size
 from kvcodec.store.ranged import FileRangeReader
-from kvcodec.store.tiers.localfs import check_head, fsync_dir, open_dir, open_regular, purge_older, why
+from kvcodec.store.tiers.quota import DEFAULT_TENANT_NAMESPACES, TenantQuota, namespaces_option
+from kvcodec.store.tiers.localfs import (
+    check_head, fsync_dir, open_dir, open_regular, purge_older, remove_stale_tmp, why)
 from kvcodec.store.tiers.base import (
     FIXED_SIZE,
     MAX_TIER_META,
@@ -75,7 +79,8 @@ def _marker_tmp(name: str) -> bool:
 
 
 class DirectoryTier(Tier):
-    """``/abs/dir``, ``rel/dir`` or ``file:///abs/dir[?max_bytes=10G&fsync=0]`` (a URL without a scheme is a path)."""
+    """``/abs/dir``, ``rel/dir`` or ``file:///abs/dir[?max_bytes=10G&tenant_bytes=40G&tenant_namespaces=1024&fsync=0]``
+    (a URL without a scheme is a path)."""
 
     kind = "directory"
     schemes = ("file",)
@@ -83,7 +88,8 @@ class DirectoryTier(Tier):
 
     def __init__(self, root: str | os.PathLike[str], *, max_bytes: int | None = None,
                  fsync: bool = True, low_water: float = 0.9, create: bool = True,
-                 name: str | None = None) -> None:
+                 name: str | None = None, tenant_bytes: int | None = None,
+                 tenant_namespaces: int = DEFAULT_TENANT_NAMESPACES) -> None:
         self.root = os.path.abspath(os.fspath(root))
         super().__init__(name or "directory", "file://" + self.root)
         self.max_bytes = None if max_bytes is None else int(max_bytes)
@@ -99,6 +105,10 @@ class DirectoryTier(Tier):
         self._part_locks: dict[str, threading.Lock] = {}  # one eviction at a time per partition
         self._init_root(create)
         self._approx: dict[str, int] = {}  # partition -> bytes (measured by a scan, then tracked)
+        tb = self.max_bytes if tenant_bytes is None else int(tenant_bytes)  # default: one partition's cap
+        if (tb is not None and tb <= 0) or int(tenant_namespaces) <= 0:
+            raise KvcInputError("directory tier tenant_bytes and tenant_namespaces must be positive")
+        self.quota = None if tb is None else TenantQuota(self, tb, int(tenant_namespaces))
 
     @classmethod
     def from_url(cls, url: str, defaults: TierDefaults) -> "DirectoryTier":
@@ -120,13 +130,15 @@ class DirectoryTier(Tier):
         mb = opts.pop("max_bytes", None)
         max_bytes = parse_size(mb) if mb is not None else (
             parse_size(defaults.max_bytes) if defaults.max_bytes is not None else None)
+        tb, tn = opts.pop("tenant_bytes", None), opts.pop("tenant_namespaces", None)
         fs = opts.pop("fsync", None)
         fsync = parse_flag(fs) if fs is not None else (True if defaults.fsync is None else defaults.fsync)
         if opts:
             raise KvcInputError(f"unknown directory store options {sorted(opts)}")
         if not path:
             raise KvcInputError("empty directory path in store URL")
-        return cls(path, max_bytes=max_bytes, fsync=fsync)
+        return cls(path, max_bytes=max_bytes, fsync=fsync, tenant_bytes=None if tb is None else parse_size(tb),
+                   tenant_namespaces=DEFAULT_TENANT_NAMESPACES if tn is None else namespaces_option(tn))
 
     # -- setup ------------------------------------------------------------------
     def _init_root(self, create: bool) -> None:
@@ -391,6 +403,12 @@ class DirectoryTier(Tier):
     # -- writes -----------------------------------------------------------------
     def put(self, key: StoreKey, data: bytes, meta: Mapping[str, Any] | None = None,
             created: float | None = None) -> None:
+        self.put_for(None, key, data, meta, created)
+
+    def put_for(self, owner: str | None, key: StoreKey, data: bytes, meta: Mapping[str, Any] | None = None,
+                created: float | None = None) -> None:
+        """``put``, bounded by ``owner``'s quota over all its partitions too (:mod:`~kvcodec.store.tiers.quota`)."""
+        quota, who = (self.quota, owner) if owner is not None else (None, "")
         data = as_bytes(data)
         meta = check_meta(meta, MAX_TIER_META)
         prefix, payload = encode_envelope_parts(key, data, meta, created)
@@ -399,6 +417,8 @@ class DirectoryTier(Tier):
             self.counters.add(put_errors=1)
             raise KvcStoreError(f"{self.root}: entry of {size:,} bytes is larger than the tier's cap of "
                                 f"{self.max_bytes:,} bytes; not stored (raise max_bytes)")
+        if quota is not None:
+            quota.before_put(who, key.namespace, size)
         path, name = self.path_for(key), key.digest + SUFFIX
         tmp = f".{key.digest}.{os.getpid()}.{secrets.token_hex(6)}{TMP_SUFFIX}"
         try:
@@ -437,6 +457,8 @@ class DirectoryTier(Tier):
                 over = not known or self._approx[ns] > self.max_bytes
             if over:
                 self.evict(ns, keep=path)
+        if quota is not None and quota.account(who, size):
+            quota.evict(who, keep=path)
 
     def evict(self, partition: str, keep: str | None = None) -> int:
         """Delete partition ``partition``'s least-recently-used entries until under ``low_water * max_bytes``.
@@ -533,23 +555,7 @@ class DirectoryTier(Tier):
         """
         now = time.time()
         out = {"tmp_removed": 0, "corrupt_removed": 0, "checked": 0}
-        # only the store's own temp files: a marker's in the root, an entry's (.<digest>.<pid>.<rand>.tmp) under
-        # objects/ (the whole root was walked: a root that also held other, hidden, directories lost their *.tmp)
-        try:
-            top = [(self.root, [n for n in os.listdir(self.root) if _marker_tmp(n)])]
-        except OSError:
-            top = []
-        for dirpath, names in top + [(d, n) for d, _, n in os.walk(self.objects)]:
-            for nm in names:
-                if not (nm.endswith(TMP_SUFFIX) and (dirpath == self.root or nm.startswith("."))):
-                    continue
-                p = os.path.join(dirpath, nm)
-                try:
-                    if now - os.stat(p).st_mtime >= grace_s:
-                        os.unlink(p)
-                        out["tmp_removed"] += 1
-                except FileNotFoundError:
-                    pass
+        out["tmp_removed"] = remove_stale_tmp(self.root, self.objects, _marker_tmp, grace_s, now)
         try:
             out["quarantine_purged"] = purge_older(self.quarantine, grace_s, now)
         except OSError as e:
@@ -580,6 +586,7 @@ class DirectoryTier(Tier):
         d = super().stats()
         d["root"] = self.root
         d["max_bytes"] = self.max_bytes
+        d.update(self.quota.stats() if self.quota is not None else {})
         try:
             d["quarantined"] = len(os.listdir(self.quarantine))
         except OSError:

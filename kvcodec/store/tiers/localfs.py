@@ -10,13 +10,13 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from typing import BinaryIO
+from typing import BinaryIO, Callable
 
 from kvcodec.errors import KvcFormatError, KvcInputError
 from kvcodec.store.keys import StoreKey
 from kvcodec.store.tiers.base import FIXED_SIZE, parse_fixed, parse_header
 
-__all__ = ["check_head", "fsync_dir", "open_dir", "open_regular", "purge_older", "why"]
+__all__ = ["check_head", "fsync_dir", "open_dir", "open_regular", "purge_older", "remove_stale_tmp", "why"]
 
 
 def fsync_dir(path: str) -> None:
@@ -117,3 +117,27 @@ def check_head(f: BinaryIO, size: int, what: str) -> StoreKey:
         return StoreKey.from_str(parse_header(hb, what)["key"])
     except KvcInputError as e:
         raise KvcFormatError(f"{what}: bad key in header: {e}") from None
+
+def remove_stale_tmp(root: str, objects: str, marker_tmp: Callable[[str], bool], grace_s: float, now: float) -> int:
+    """Delete the directory tier's own temp files older than ``grace_s``: a marker's in ``root`` (``marker_tmp``
+    says which), an entry's or owner file's (``.<name>.<pid>.<rand>.tmp``) under ``objects``; how many.
+
+    Why only those: the whole root was walked, and a root that also held other, hidden, directories lost their
+    ``*.tmp`` files."""
+    try:
+        top = [(root, [n for n in os.listdir(root) if marker_tmp(n)])]
+    except OSError:
+        top = []
+    n = 0
+    for dirpath, names in top + [(d, f) for d, _, f in os.walk(objects)]:
+        for nm in names:
+            if not (nm.endswith(".tmp") and (dirpath == root or nm.startswith("."))):
+                continue
+            p = os.path.join(dirpath, nm)
+            try:
+                if now - os.stat(p).st_mtime >= grace_s:
+                    os.unlink(p)
+                    n += 1
+            except FileNotFoundError:
+                pass
+    return n
