@@ -208,3 +208,45 @@ def test_a_hostile_listing_row_is_one_store_error_line(row):
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def test_a_contains_answer_of_anything_but_json_booleans_is_a_miss_and_one_line(caplog):
+    """The client read a server's "found" values with bool(), so "false" (a non-empty string), 1 or {} said the
+    entry was there: longest_prefix chose it and the load missed. Now anything but true/false is a malformed
+    answer: one warning line, every key of it a miss."""
+    import json
+    import logging
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    answers: list = []
+
+    class Odd(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            body = json.dumps({"found": answers[0]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Odd)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        t = KdnTier(f"kvc+http://127.0.0.1:{srv.server_port}?timeout=5")
+        ks = [StoreKey.for_tokens([1, 2, i], model="m", codec="c") for i in range(2)]
+        for odd in (["false", "false"], [1, 0], [{}, None], [True, "true"]):
+            answers[:] = [odd]
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="kvcodec"):
+                assert t.contains_many(ks) == [False, False], odd
+            lines = [r.getMessage() for r in caplog.records if "malformed contains answer" in r.getMessage()]
+            assert len(lines) == 1 and "\n" not in lines[0], caplog.text
+        answers[:] = [[True, False]]
+        assert t.contains_many(ks) == [True, False]
+    finally:
+        srv.shutdown()
+        srv.server_close()

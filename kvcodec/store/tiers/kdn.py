@@ -199,14 +199,18 @@ class KdnTier(Tier):
                 if status != 200:
                     raise self._refused("contains", status, body)
                 found = _loads(body, "contains answer")["found"]
-                if not isinstance(found, list) or len(found) != len(part):
-                    raise KvcStoreError(f"kdn {self.url}: malformed contains answer")
+                # JSON booleans only: bool() made the string "false" (or 1, or {}) a hit, so a lookup chose an
+                # entry the server never said it had
+                if not isinstance(found, list) or len(found) != len(part) or \
+                        not all(isinstance(f, bool) for f in found):
+                    raise KvcStoreError(f"kdn {self.url}: malformed contains answer (want a list of "
+                                        f"{len(part)} JSON booleans)")
             except (KvcStoreError, KeyError, TypeError) as e:
                 if not isinstance(e, KvcStoreError) or "unreachable" not in str(e):
                     log.warning("store: kdn %s: contains failed: %s", self.url, e)
                 self.counters.add(errors=1)
                 found = [False] * len(part)
-            out.extend(bool(f) for f in found)
+            out.extend(f is True for f in found)
         return out
 
     def delete(self, key: StoreKey) -> bool:
