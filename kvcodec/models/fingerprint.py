@@ -76,10 +76,15 @@ CONFIG_FIELDS = (
 )
 
 # Config fields that change the computation but were added after fingerprints existed: each counts only when set to
-# other than its default, so no model that leaves it at the default changes fingerprint id. use_bidirectional_attention
-# (Gemma 3, EmbeddingGemma): every token attends to every other, so its K/V differ from the causal model's with the
-# same weights, whose caches it accepted before.
-CONFIG_FLAGS: dict[str, Any] = {"use_bidirectional_attention": False}
+# other than its default (one for every family, or per model_type: a family not named keeps it out), so no model that
+# leaves it at the default changes fingerprint id. Each makes other K/V from the same weights, whose caches the model
+# accepted before: use_bidirectional_attention (Gemma 3: every token attends to every other), scale_attn_weights and
+# scale_attn_by_inverse_layer_idx (GPT-2's score scaling), use_parallel_residual (GPT-NeoX, StableLM: attention and
+# MLP side by side or in sequence), do_layer_norm_before (OPT: pre- or post-norm).
+CONFIG_FLAGS: dict[str, Any] = {
+    "use_bidirectional_attention": False, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+    "use_parallel_residual": {"gpt_neox": True, "stablelm": False}, "do_layer_norm_before": {"opt": True},
+}
 
 _MAX_JSON_FILE = 64 << 20  # config.json / index.json / cache entries larger than this are refused
 _WEIGHTS_DOMAIN = b"kvcodec-weights-v2\0"
@@ -92,7 +97,11 @@ def cache_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     :data:`CONFIG_FLAGS` set to other than their default, plus canonical RoPE."""
     c = text_config(cfg)
     out = {k: c[k] for k in CONFIG_FIELDS if c.get(k) is not None}
-    out.update({k: c[k] for k, default in CONFIG_FLAGS.items() if c.get(k) not in (None, default)})
+    for k, default in CONFIG_FLAGS.items():
+        if isinstance(default, dict):  # per family: a family without a default keeps the field out
+            default = default.get(c.get("model_type"), c.get(k))
+        if c.get(k) not in (None, default):
+            out[k] = c[k]
     out["rope"] = canonical_rope(cfg)
     return out
 

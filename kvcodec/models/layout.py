@@ -124,11 +124,19 @@ def _head_layout(c: Mapping[str, Any]) -> tuple[int, int, int, int]:
         n_kv = next((c[k] for k in names("kv_heads") if c.get(k)), None) or n_heads
         if c.get("multi_query") and not c.get("new_decoder_architecture"):  # multi-query: Falcon (old layout), GPTBigCode
             n_kv = 1
-        head_dim = c.get("head_dim") or _first(c, names("hidden")) // n_heads
+        hidden = None if c.get("head_dim") else _first(c, names("hidden"))
+        head_dim = c.get("head_dim") or hidden // n_heads
     except (KeyError, TypeError, ZeroDivisionError) as exc:
         raise KvcModelNotFoundError(f"model config lacks a usable head layout ({exc})") from None
     if not all(is_int(x) and 0 < x <= 65536 for x in (n_layers, n_heads, n_kv, head_dim)) or n_layers > 4096:
         raise KvcModelNotFoundError("model config has an invalid head layout")
+    # heads that do not divide the hidden size (no head_dim given) or KV heads that do not divide the query heads: the
+    # weights may still fit (MPT's fused projection is 3 x hidden whatever the heads), and the forward pass then fails
+    if hidden is not None and hidden % n_heads:
+        raise KvcModelNotFoundError(f"model config has an invalid head layout ({n_heads} heads over hidden size {hidden})")
+    if n_heads % n_kv:
+        raise KvcModelNotFoundError(f"model config has an invalid head layout ({n_heads} query heads in groups over "
+                                    f"{n_kv} KV heads)")
     return n_layers, n_heads, n_kv, head_dim
 
 

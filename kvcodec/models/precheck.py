@@ -60,12 +60,17 @@ def _rope_thetas(r: Mapping[str, Any]) -> list[Any]:
 
 
 def check_config(cfg: Mapping[str, Any]) -> ModelLayout:
-    """The config's head layout (:meth:`ModelLayout.from_config`: sizes in range) and RoPE bases, checked.
+    """The config's head layout (:meth:`ModelLayout.from_config`: sizes in range), MoE top-k and RoPE bases, checked.
 
     A RoPE base that is not a finite number > 0 makes every rotated key NaN: the model loads and runs and
     everything computed from it (captures, its calibration) is NaN.
     """
     layout = ModelLayout.from_config(cfg)
+    c = text_config(cfg)
+    k = c.get("num_experts_per_tok")
+    n = next((c[x] for x in ("num_local_experts", "num_experts", "n_routed_experts") if isinstance(c.get(x), int)), None)
+    if isinstance(k, int) and isinstance(n, int) and not 0 < k <= n:  # the router's top-k: a RuntimeError mid-forward
+        raise KvcModelNotFoundError(f"model config routes each token to {k} of its {n} experts")
     for theta in _rope_thetas(canonical_rope(cfg)):
         if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
             raise KvcModelNotFoundError(f"model config has RoPE base rope_theta {theta!r}; it must be a finite "

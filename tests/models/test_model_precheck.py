@@ -43,6 +43,22 @@ def _copy(tiny: Path, dest: Path, **config) -> Path:
     return dest
 
 
+def _family(dest: Path, config: dict) -> Path:
+    """A random 3-layer model of ``config``'s family at hidden size 128 with the tiny 512-token tokenizer (seconds)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests._support.tiny_models import tiny_tokenizer
+
+    kw, tok = dict(config), tiny_tokenizer()
+    cfg = AutoConfig.for_model(kw.pop("model_type"), hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                               vocab_size=len(tok), max_position_embeddings=256, **kw)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(dest)
+    tok.save_pretrained(dest)
+    return dest
+
+
 def _never_loaded(monkeypatch) -> None:
     import transformers
 
@@ -65,7 +81,8 @@ def _rename_a_weight(d: Path) -> None:
     (dict(num_hidden_layers=40), "describes a model of"),
     # sizes describing 100 GB of embeddings, key heads that do not match the checkpoint's projections
     (dict(vocab_size=10**11), "disagrees with the weights"),
-    (dict(num_key_value_heads=3), "disagrees with the weights"),
+    (dict(num_key_value_heads=4), "disagrees with the weights"),
+    (dict(num_key_value_heads=3), "4 query heads in groups over 3 KV heads"),
     (dict(num_hidden_layers=10**12), "invalid head layout"),
     # a RoPE base that makes every rotated key NaN (the calibration then saved NaNs and crashed in a matrix inverse)
     (dict(rope_parameters={"rope_type": "default", "rope_theta": -5}), "rope_theta -5"),
@@ -198,3 +215,49 @@ def test_a_bidirectional_twin_of_a_causal_model_never_takes_its_cache(tmp_path):
     cfg = json.loads((causal / "config.json").read_text())
     assert cache_config({**cfg, "use_bidirectional_attention": False}) == cache_config(
         {k: v for k, v in cfg.items() if k != "use_bidirectional_attention"})
+
+
+@pytest.mark.parametrize("config, field, value", [
+    (dict(model_type="gpt2", n_head=4), "scale_attn_weights", False),
+    (dict(model_type="gpt_neox", num_attention_heads=4), "use_parallel_residual", False),
+    (dict(model_type="stablelm", num_attention_heads=4, num_key_value_heads=2), "use_parallel_residual", True),
+    (dict(model_type="opt", num_attention_heads=4, ffn_dim=256, word_embed_proj_dim=128), "do_layer_norm_before", False),
+])
+def test_a_config_flag_that_changes_the_kv_changes_the_fingerprint(tmp_path, config, field, value):
+    """Same weights, one flag flipped: other K/V, and the fingerprint said the same model (found by flipping every
+    field of each family's config.json that CONFIG_FIELDS leaves out, one at a time)."""
+    import torch
+
+    from kvcodec.errors import KvcModelMismatchError
+    from kvcodec.models.capture import capture
+    from kvcodec.models.load import load_model
+    a = _family(tmp_path / "a", config)
+    b = _copy(a, tmp_path / "b", **{field: value})
+    la, lb = load_model(str(a)), load_model(str(b))
+    ids = list(range(3, 20))
+    ca, cb = capture(la, token_ids=ids), capture(lb, token_ids=ids)
+    assert not all(torch.allclose(x, y) for x, y in zip(ca.keys + ca.values, cb.keys + cb.values))
+    with pytest.raises(KvcModelMismatchError, match="config_sha256"):
+        lb.fingerprint.check_compatible(ca.fingerprint)
+
+
+@pytest.mark.parametrize("change, words", [
+    # MPT's fused projection is 3 x hidden whatever the head count: 9 heads over 128 loaded, then the forward failed
+    (dict(n_heads=9), "9 heads over hidden size 128"),
+])
+def test_heads_that_do_not_divide_are_refused_at_load(tmp_path, change, words):
+    from kvcodec.models.load import load_model
+
+    d = _family(tmp_path / "mpt", dict(model_type="mpt", num_attention_heads=4))
+    with pytest.raises(KvcModelNotFoundError, match=words):
+        load_model(str(_copy(d, tmp_path / "m", **change)))
+
+
+def test_a_router_top_k_past_the_experts_is_refused_at_load(tmp_path):
+    """num_experts_per_tok 5 of 4 experts: the weights fit, the forward escaped as RuntimeError."""
+    from kvcodec.models.load import load_model
+
+    d = _family(tmp_path / "moe", dict(model_type="mixtral", num_attention_heads=4, num_key_value_heads=2,
+                                                  num_local_experts=4, num_experts_per_tok=2))
+    with pytest.raises(KvcModelNotFoundError, match="5 of its 4 experts"):
+        load_model(str(_copy(d, tmp_path / "m", num_experts_per_tok=5)))
