@@ -57,6 +57,9 @@ class Encoded:
     target: dict[str, Any] | None = None  # the rate search's record (--target-kl / --target-dppl)
     data: bytes | None = None  # the file's bytes when no destination was given
     meta: dict[str, Any] = field(default_factory=dict)
+    # what the read-back measured of each lossy (layer, "k"/"v")'s decoded error against the cache (ErrorSums); None
+    # when nothing was read back (verify="off", an unreadable file object). Integrations check engines' chunks with it
+    readback_errors: dict[tuple[int, str], Any] | None = None
 
     @property
     def bits_per_element(self) -> float:
@@ -409,18 +412,21 @@ def encode_cache(
     if progress is not None:
         progress(f"encoding with {name}")
     data = None
+    from kvcodec.format.readback import ReadBackErrors
+
+    errors = ReadBackErrors()
     if dest is None:
         from kvcodec.format.writer import encode_kvc_bytes
 
-        data = encode_kvc_bytes(cache, plan, verify=verify, **opts)
+        data = encode_kvc_bytes(cache, plan, verify=verify, errors=errors, **opts)
         n = len(data)
     else:
         from kvcodec.format.writer import write_kvc
 
-        n = write_kvc(cache, dest, plan, verify=verify, **opts)
+        n = write_kvc(cache, dest, plan, verify=verify, errors=errors, **opts)
     return Encoded(output=os.fspath(dest) if isinstance(dest, (str, os.PathLike)) else None, preset=name, size=n,
                    kv_elements=context_elements(cache), plan=plan, prune=PruneRecord.from_meta(cache.meta), data=data,
-                   meta=dict(meta or {}))
+                   meta=dict(meta or {}), readback_errors=errors.layers if errors.read else None)
 
 
 def open(source: str | os.PathLike | bytes | Any, *, model: Any = None, **kw: Any) -> KvcReader:  # noqa: A001

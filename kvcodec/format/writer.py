@@ -9,27 +9,24 @@ failing writer never leaves a partial file there.
 from __future__ import annotations
 
 import io
-import json
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Any, BinaryIO, Callable
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import google_crc32c
 import numpy as np
-from numba import njit
 
-from kvcodec.codecs.common import float32_copy
 from kvcodec.digest import array_sha256
 from kvcodec.atomic import atomic_file
-from kvcodec.errors import KvcCodecError, KvcError, KvcFormatError, KvcInputError
+from kvcodec.errors import KvcCodecError, KvcInputError
 from kvcodec.digest import token_ids_sha256
 from kvcodec.core.dtypes import is_bf16, tensor_dtype
 from kvcodec.core.stage import (
-    ArraySpec, EncoderInputsSpec, ExternalAttachment, Pipeline, PipelineSpec, Plan, chunk_context, chunk_ranges, pipeline_table,
+    EncoderInputsSpec, ExternalAttachment, PipelineSpec, Plan, chunk_context, chunk_ranges, pipeline_table,
 )
 from kvcodec.format.bias import AttentionBias
+from kvcodec.format.readback import Expectation, ReadBackErrors
 from kvcodec.format.container import (
     ALIGN, DTYPE_BY_NAME, FEATURE_ATTENTION_BIAS, FEATURE_RAGGED, FOOTER_SIZE, MAX_BLOB_BYTES, MAX_BLOB_NDIM, MAX_CHUNK_DECODED_BYTES, MAX_PIPELINES,
     MAX_STAGES, MAX_TOKENS, STAGE_SLACK, VERSION_MAJOR, VERSION_MINOR, Footer, IndexEntry, Preamble, align_up,
@@ -78,7 +75,6 @@ class WriteOptions:
 #: output decodes to) before they count as written; ``"off"`` writes without reading back (probes whose
 #: output is decoded right away and never stored).
 VERIFY_POLICIES = ("file", "off")
-LOSSY_BOUND = 2.0  # read-back: a lossy chunk decoded farther than this x its input's energy is corrupt (small zeroes whole low-sensitivity tensors: ~1)
 
 
 def plan_options(plan: Plan | PipelineSpec, options: WriteOptions | None, kw: dict[str, Any]) -> tuple[PipelineSpec, WriteOptions]:
@@ -148,8 +144,8 @@ def write_kvc_stream(cache: KVCache, f: BinaryIO, plan: Plan | PipelineSpec, opt
     return _write(cache, f, pipelines, opts, None)
 
 
-def _write(cache: KVCache, f: BinaryIO, pipelines: PipelineSpec, opts: WriteOptions, expect: "_Expectation | None") -> int:
-    """The writer; with ``expect``, also records what every chunk must decode to (see :class:`_Expectation`)."""
+def _write(cache: KVCache, f: BinaryIO, pipelines: PipelineSpec, opts: WriteOptions, expect: "Expectation | None") -> int:
+    """The writer; with ``expect``, also records what every chunk must decode to (see :class:`~kvcodec.format.readback.Expectation`)."""
     attachments, chunk_tokens, chunk_heads, meta = opts.attachments, opts.chunk_tokens, opts.chunk_heads, opts.meta
     cache.validate()
     fp = cache.fingerprint
@@ -295,194 +291,18 @@ def _write(cache: KVCache, f: BinaryIO, pipelines: PipelineSpec, opts: WriteOpti
     return out.pos
 
 
-@njit(cache=True, nogil=True, fastmath={"reassoc"})
-def _energy_sums(o, x):  # pragma: no cover - numba
-    """(sum (o-x)^2, sum x^2) in float64 over flat arrays, reassociated so that LLVM vectorises the sums.
-    Non-finite inputs make a sum non-finite (and float64 sums of float32 squares cannot overflow), which
-    sends :func:`_near` to its float64 numpy form."""
-    d2 = 0.0
-    x2 = 0.0
-    for i in range(x.size):
-        xi = np.float64(x[i])
-        d = np.float64(o[i]) - xi
-        d2 += d * d
-        x2 += xi * xi
-    return d2, x2
-
-
-def _near(out: np.ndarray, want: np.ndarray) -> bool:
-    """``out`` has ``want``'s shape, is finite where ``want`` is (and equal where it is not), and lies within
-    ``LOSSY_BOUND`` x ``want``'s energy of it, summed in float64 (float32 sums of squares overflow at |x| ~ 1e19).
-
-    The read-back runs this on every lossy chunk: one vectorised numba pass over float32 copies (float16
-    -> float32 is exact, and :func:`float32_copy` makes them 7-17x faster than numpy) when everything is
-    finite, the float64 numpy form only when something is not. The numpy form everywhere was 13 % of a
-    SmolLM2 2K `balanced` encode."""
-    if out.shape != want.shape:
-        return False
-    if out.dtype.itemsize <= 4 and want.dtype.itemsize <= 4:
-        d2, x2 = _energy_sums(float32_copy(out).reshape(-1), float32_copy(want).reshape(-1))
-        if math.isfinite(d2) and math.isfinite(x2):
-            return d2 <= LOSSY_BOUND * x2
-    x, o = np.ravel(want).astype(np.float64), np.ravel(out).astype(np.float64)
-    fin = np.isfinite(x)
-    if not fin.all():
-        if not np.array_equal(o[~fin], x[~fin], equal_nan=True):
-            return False
-        x, o = x[fin], o[fin]
-    if not np.isfinite(o).all():
-        return False
-    d = o - x
-    return float(d @ d) <= LOSSY_BOUND * float(x @ x)
-
-
-def _refuse_overflow(dec: np.ndarray, x: np.ndarray, ctx: Any) -> None:
-    """One KvcCodecError line if a lossy chunk decodes a finite input value to inf or NaN.
-
-    Why: the read-back accepts an out-of-distribution chunk far from its input when it equals the reference decode,
-    which let a float16 cache with values near 65504 (a constant 60000 under ``balanced``) be written and decoded
-    with inf in it: silently wrong KV. A lossy code's input is always finite (its codecs refuse NaN and inf)."""
-    if dec.shape == x.shape and bool((np.isfinite(x) & ~np.isfinite(dec)).any()):
-        raise KvcCodecError(f"layer {ctx.layer} {ctx.kind.upper()}: the lossy code decodes finite values to inf (values "
-                            "too close to their dtype's maximum, float16's 65504, for this preset); use the lossless "
-                            "preset for this cache")
-
-
-class _Expectation:
-    """What each chunk of a file being written must decode to, for the read-back check.
-
-    The read-back decodes the *file* once through the reader (container parsing, side-data round
-    trip, the fused fast decoders: what a user gets) and checks every chunk against this:
-
-    * a pipeline without array->array stages over ``raw`` (raw / shuffle / zstd: lossless by
-      definition): the input itself, bit for bit (no copy is kept);
-    * the first chunk of every lossy stage structure (e.g. balanced's K and V pipelines): the
-      normative stage-by-stage ``Pipeline.decode`` of the encoder's own output, bit for bit (a
-      CRC32C is kept), so a fused decoder that disagrees with the definition is caught on every file;
-    * every other chunk of a pipeline with array stages: finite where its input is (non-finite inputs,
-      which a cast keeps, decoded exactly), and no farther from the input than ``LOSSY_BOUND`` x the
-      input's own energy (a coarse preset that zeroes a low-sensitivity tensor lands at ~1, below it);
-      a chunk outside that bound (gross corruption, or a degenerate input such as an all-zero layer)
-      must equal the reference decode exactly, so the bound is a fast path, never a loosening.
-
-    Why not the reference decode of every chunk: it doubled the encoder's decode work (issue 33)
-    to re-prove, file after file, a decoder property the conformance vectors prove once.
-    """
-
-    def __init__(self, cache: KVCache) -> None:
-        self.cache = cache
-        self.checks: list[Callable[[np.ndarray], bool]] = []
-        self.external: dict[str, np.ndarray] = {}
-        self._tensor: tuple[tuple[int, str], np.ndarray] | None = None
-        self._referenced: set[str] = set()  # lossy stage structures whose first chunk was reference-decoded
-
-    def _input(self, layer: int, kind: str) -> np.ndarray:
-        key = (layer, kind)
-        if self._tensor is None or self._tensor[0] != key:
-            t = (self.cache.keys if kind == "k" else self.cache.values)[layer].detach().cpu()
-            self._tensor = (key, (t.float() if is_bf16(t) else t).contiguous().numpy())
-        return self._tensor[1]
-
-    def add(self, p: Pipeline, arr: np.ndarray, payload: bytes, sides: list, sizes: list[int], ctx: Any) -> None:
-        from kvcodec.codecs.lossless import Raw
-
-        if not p.array_stages and isinstance(p.bytes_stage, Raw):
-            layer, kind, t0, h0 = ctx.layer, ctx.kind, ctx.token_start, ctx.extra["head_start"]
-            t1, h1 = ctx.extra["token_end"], ctx.extra["head_end"]
-
-            def same_as_input(out: np.ndarray) -> bool:
-                off = self.cache.layer_offset(layer)
-                want = self._input(layer, kind)[h0:h1, t0 - off:t1 - off, :]
-                return out.shape == want.shape and out.dtype == want.dtype and np.array_equal(
-                    np.ascontiguousarray(out).view(np.uint8), np.ascontiguousarray(want).view(np.uint8))
-
-            self.checks.append(same_as_input)
-            return
-        # the stage structure, not its parameters: every tensor of a lossy plan has its own steps
-        structure = json.dumps([[st.name, st.version] for st in p.stages])
-        if structure in self._referenced:
-            layer, kind, t0, h0 = ctx.layer, ctx.kind, ctx.token_start, ctx.extra["head_start"]
-            t1, h1 = ctx.extra["token_end"], ctx.extra["head_end"]
-            spec = ArraySpec(tuple(arr.shape), arr.dtype.name)
-
-            def close_to_input_or_reference(out: np.ndarray) -> bool:
-                off = self.cache.layer_offset(layer)
-                x = self._input(layer, kind)[h0:h1, t0 - off:t1 - off, :]
-                if _near(out, x):
-                    return True
-                # outside the fast bound (degenerate or out-of-distribution input, e.g. an all-zero layer whose
-                # error is the basis mean's rounding): the chunk must then equal the reference decode exactly
-                try:
-                    ref = np.ascontiguousarray(p.decode(payload, sides, sizes, spec, ctx))
-                except KvcError:
-                    return False
-                _refuse_overflow(ref, x, ctx)
-                out = np.ascontiguousarray(out)
-                return out.shape == ref.shape and out.dtype == ref.dtype and np.array_equal(
-                    out.view(np.uint8), ref.view(np.uint8))
-
-            self.checks.append(close_to_input_or_reference)
-            return
-        self._referenced.add(structure)
-        spec = ArraySpec(tuple(arr.shape), arr.dtype.name)
-        try:
-            expected = np.ascontiguousarray(p.decode(payload, sides, sizes, spec, ctx))
-        except KvcError as exc:
-            raise KvcCodecError(f"chunk {len(self.checks)} (layer {ctx.layer} {ctx.kind.upper()}): "
-                                f"the encoder's output does not decode: {exc}") from None
-        _refuse_overflow(expected, arr, ctx)
-        want = (expected.shape, expected.dtype, crc32c(expected.view(np.uint8).data))
-
-        def same_as_reference(out: np.ndarray, want: tuple = want) -> bool:
-            out = np.ascontiguousarray(out)
-            return (out.shape, out.dtype) == want[:2] and crc32c(out.view(np.uint8).data) == want[2]
-
-        self.checks.append(same_as_reference)
-
-    def resolver(self) -> Callable[[str, Any], np.ndarray | None]:
-        """Attachment resolver for the read-back: the arrays the encoder itself used, then the default resolver."""
-        from kvcodec.calibration.store import default_resolver
-
-        known: dict[str, np.ndarray] = dict(self.external)
-        fallback = default_resolver
-
-        def resolve(name: str, info: Any) -> np.ndarray | None:
-            a = known.get(name)
-            if a is not None and array_sha256(a) == info.sha256:
-                return a
-            return fallback(name, info) if fallback is not None else None
-
-        return resolve
-
-    def check(self, source: Any, cache: KVCache, what: str) -> None:
-        """Read ``source`` back with :class:`KvcReader`: structure, every CRC, padding, blob and chunk, bit for bit."""
-        from kvcodec.format.reader import KvcReader
-
-        try:
-            with KvcReader(source, self.resolver(), max_decoded_bytes=_declared_bytes(cache), max_decoded_ratio=0) as r:
-                r.verify(strict=True, backend="cpu", expected=self.checks)
-                pos = r.positions
-                want = cache.positions
-                if (pos is None) != (want is None) or (pos is not None and want is not None and not np.array_equal(pos, want)):
-                    raise KvcFormatError("positions read back differently")
-        except KvcError as exc:
-            raise KvcCodecError(f"{what}: the written file does not read back as written ({exc}); nothing was kept") from None
-
-
-def _declared_bytes(cache: KVCache) -> int:
-    itemsize = 4 if is_bf16(cache) else cache.dtype.itemsize
-    return max(1, cache.num_elements * itemsize)
-
-
 def write_kvc(cache: KVCache, dest: str | os.PathLike | BinaryIO, plan: Plan | PipelineSpec,
-              options: WriteOptions | None = None, *, verify: str = "file", **kw: Any) -> int:
+              options: WriteOptions | None = None, *, verify: str = "file",
+              errors: ReadBackErrors | None = None, **kw: Any) -> int:
     """Write ``cache`` under ``plan`` to ``dest`` (a path, atomically, or a binary file object). Returns bytes written.
 
     ``kw`` are :class:`WriteOptions` fields, applied over ``options`` over the plan's own. ``verify``
     is the read-back policy (:data:`VERIFY_POLICIES`; default ``"file"``): for a path, the temp file
-    is read and decoded bit-exactly (see :class:`_Expectation`) *before* the atomic rename, so a file
+    is read and decoded bit-exactly (see :class:`~kvcodec.format.readback.Expectation`) *before* the atomic rename, so a file
     the reader would reject never appears at ``dest``; a file object is read back when it is
-    readable and seekable (e.g. ``BytesIO``), otherwise it cannot be.
+    readable and seekable (e.g. ``BytesIO``), otherwise it cannot be. ``errors``, when given, receives what the
+    read-back measured of each lossy (layer, K/V)'s decoded error (:class:`~kvcodec.format.readback.ReadBackErrors`;
+    ``read`` stays False when nothing was read back).
     """
     _check_verify(verify)
     pipelines, opts = plan_options(plan, options, kw)
@@ -490,7 +310,7 @@ def write_kvc(cache: KVCache, dest: str | os.PathLike | BinaryIO, plan: Plan | P
         try:
             readable = verify == "file" and _readable(dest)
             start = dest.tell() if readable else 0
-            expect = _Expectation(cache) if readable else None
+            expect = Expectation(cache) if readable else None
             n = _write(cache, dest, pipelines, opts, expect)
             if expect is not None:
                 end = dest.tell()
@@ -498,6 +318,7 @@ def write_kvc(cache: KVCache, dest: str | os.PathLike | BinaryIO, plan: Plan | P
                 data = dest.read(n)
                 dest.seek(end)
                 expect.check(data, cache, "output stream")
+                _hand_over(expect, errors)
         except OSError as exc:  # a file object on a full disk escaped as a raw OSError
             from kvcodec.atomic import io_error
 
@@ -505,13 +326,20 @@ def write_kvc(cache: KVCache, dest: str | os.PathLike | BinaryIO, plan: Plan | P
         return n
     # atomic_path refuses outputs that are not regular files or lack a directory, and renames
     # only on a clean exit: a file that fails the read-back never appears at ``dest``.
-    expect = _Expectation(cache) if verify == "file" else None
+    expect = Expectation(cache) if verify == "file" else None
     with atomic_file(dest, "wb") as f:
         n = _write(cache, f, pipelines, opts, expect)  # type: ignore[arg-type]  # atomic_file("wb") is binary
         if expect is not None:
             f.flush()
             expect.check(f.name, cache, str(dest))  # the temp file, still unrenamed
+    _hand_over(expect, errors)
     return n
+
+
+def _hand_over(expect: Expectation | None, errors: ReadBackErrors | None) -> None:
+    """What the read-back measured, to the caller that asked (after the check passed: a failed one raised)."""
+    if expect is not None and errors is not None:
+        errors.read, errors.layers = True, dict(expect.errors)
 
 
 def _readable(f: Any) -> bool:
@@ -522,14 +350,15 @@ def _readable(f: Any) -> bool:
 
 
 def encode_kvc_bytes(cache: KVCache, plan: Plan | PipelineSpec, options: WriteOptions | None = None, *,
-                     verify: str = "file", **kw: Any) -> bytes:
+                     verify: str = "file", errors: ReadBackErrors | None = None, **kw: Any) -> bytes:
     """The `.kvc` bytes of ``cache`` under ``plan`` (same arguments as :func:`write_kvc`; verified the same way)."""
     _check_verify(verify)
     pipelines, opts = plan_options(plan, options, kw)
     buf = io.BytesIO()
-    expect = _Expectation(cache) if verify == "file" else None
+    expect = Expectation(cache) if verify == "file" else None
     _write(cache, buf, pipelines, opts, expect)
     data = buf.getvalue()
     if expect is not None:
         expect.check(data, cache, "encoded bytes")
+    _hand_over(expect, errors)
     return data

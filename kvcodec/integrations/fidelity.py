@@ -47,42 +47,58 @@ def layer_steps_of(preset: str, overrides: Mapping[str, Any] | None, cal: Any) -
     return np.asarray(layer_steps(cal, step0), dtype=np.float64)
 
 
-def misfit(cache: Any, data: bytes, steps: np.ndarray | None) -> str | None:
-    """Why the `.kvc` ``data`` does not hold ``cache`` as its preset promises (None if it does): see the module."""
+def _decoded_errors(cache: Any, data: bytes) -> dict[tuple[int, str], tuple[float, float, float, float]]:
+    """(error RMS, largest error, values' RMS, largest value) per (layer, ``"k"``/``"v"``), decoding ``data`` once
+    more: for an encode that was not read back (``verify="off"``), whose read-back measured nothing."""
     import kvcodec
 
+    out = {}
     with kvcodec.open(data, max_decoded_ratio=0) as r:  # our own bytes, just written
         for i, k, v in r.iter_layers():
-            for ki, got, want in ((0, k, cache.keys[i]), (1, v, cache.values[i])):
+            for kind, got, want in (("k", k, cache.keys[i]), ("v", v, cache.values[i])):
                 x = want.to(torch.float64)
                 e = got.to(torch.float64) - x
-                rms_e, max_e = float(e.pow(2).mean().sqrt()), float(e.abs().max())
-                rms_x, max_x = float(x.pow(2).mean().sqrt()), float(x.abs().max())
-                where = f"layer {i} {'KV'[ki]}"
-                if not np.isfinite(rms_e):
-                    return f"{where} decodes to non-finite values"
-                if steps is not None and rms_e > STEP_FACTOR * float(steps[i, ki]):
-                    return (f"{where}: error RMS {rms_e:.3g} is {rms_e / float(steps[i, ki]):.3g} steps (the preset "
-                            f"allows {STEP_FACTOR:g})")
-                if rms_e > rms_x or max_e > max_x:
-                    return f"{where}: error up to {max_e:.3g} against values up to {max_x:.3g}"
+                out[(i, kind)] = (float(e.pow(2).mean().sqrt()), float(e.abs().max()), float(x.pow(2).mean().sqrt()),
+                                  float(x.abs().max()))
+    return out
+
+
+def misfit(cache: Any, enc: Any, steps: np.ndarray | None) -> str | None:
+    """Why the encode ``enc`` (a :class:`kvcodec.Encoded`) does not hold ``cache`` as its preset promises (None if it
+    does): see the module. The errors are the writer's read-back's own (``enc.readback_errors``: its decode of every
+    chunk, measured against the input), so the check decodes nothing more; only an encode that was not read back is
+    decoded again (1.26-1.30x the LMCache serde's encode CPU-s when every chunk was)."""
+    if enc.readback_errors is not None:
+        errors = {lk: (s.rms_err, s.max_err, s.rms_x, s.max_x) for lk, s in enc.readback_errors.items()}
+    else:
+        errors = _decoded_errors(cache, enc.data)
+    for (i, kind), (rms_e, max_e, rms_x, max_x) in sorted(errors.items()):
+        ki, where = "kv".index(kind), f"layer {i} {kind.upper()}"
+        if not (np.isfinite(rms_e) and np.isfinite(max_e)):
+            return f"{where} decodes to non-finite values"
+        if steps is not None and rms_e > STEP_FACTOR * float(steps[i, ki]):
+            return (f"{where}: error RMS {rms_e:.3g} is {rms_e / float(steps[i, ki]):.3g} steps (the preset "
+                    f"allows {STEP_FACTOR:g})")
+        if rms_e > rms_x or max_e > max_x:
+            return f"{where}: error up to {max_e:.3g} against values up to {max_x:.3g}"
     return None
 
 
-def with_fallback(cache: Any, encode_lossy: Callable[[], bytes], preset: str, steps: np.ndarray | None,
+def with_fallback(cache: Any, encode_lossy: Callable[[], Any], preset: str, steps: np.ndarray | None,
                   encode_lossless: Callable[[dict[str, Any]], bytes], what: str) -> bytes:
-    """``encode_lossy()`` (``cache`` encoded with lossy ``preset``) if it holds the chunk, else
+    """The bytes of ``encode_lossy()`` (a :class:`kvcodec.Encoded` of ``cache`` with lossy ``preset``) if it holds
+    the chunk, else
     ``encode_lossless(meta)``: the chunk lossless, ``meta`` the two fallback fields to record. A chunk the lossy
     codec refuses (:class:`KvcCodecError`: NaN or inf, values past what its float16 steps can reach) is stored
     lossless the same way: before, such a chunk was not stored at all. ``what`` names the integration in the
     warning."""
     try:
-        data = encode_lossy()
+        enc = encode_lossy()
     except KvcCodecError as e:
         why: str | None = f"the lossy codec refused it: {e}"
     else:
-        why = misfit(cache, data, steps)
+        why = misfit(cache, enc, steps)
         if why is None:
-            return data
+            return bytes(enc.data or b"")
     log.warning("%s: a chunk unlike the model's KV is stored lossless, not %s (%s)", what, preset, why)
     return encode_lossless({"fallback_from": preset, "fallback_why": why})

@@ -456,7 +456,7 @@ def test_writer_reads_back_before_the_rename(tmp_path, monkeypatch):
 
 def _near_definition(out, want) -> bool:
     """The read-back's bound in plain numpy float64: what the writer's numba pass must equal."""
-    from kvcodec.format.writer import LOSSY_BOUND
+    from kvcodec.format.readback import LOSSY_BOUND
 
     if out.shape != want.shape:
         return False
@@ -470,7 +470,7 @@ def _near_definition(out, want) -> bool:
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 def test_read_back_bound_equals_its_definition(dtype):
-    from kvcodec.format.writer import _near
+    from kvcodec.format.readback import _near
 
     rng = np.random.default_rng(7)
     want = rng.standard_normal((2, 33, 16)).astype(dtype)

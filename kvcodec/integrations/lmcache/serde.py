@@ -173,12 +173,12 @@ class KvcodecSerializer(Serializer):
                 over.setdefault("sink", 0)
         preset = self.resolver.info.name
 
-        def encode() -> bytes:
+        def encode() -> Any:  # a kvcodec.api.Encoded
             return kvcodec.encode(cache, None, preset=preset, overrides=over or None, calibration=cal,
-                                  verify=self.verify).data or b""
+                                  verify=self.verify)
 
         if not self.resolver.info.lossy:
-            return encode()
+            return encode().data or b""
 
         def lossless(meta: dict[str, Any]) -> bytes:  # the chunk as handed over (not re-based), bit-exact
             plain = to_cache(tensor, fp, {**self.meta(key), **meta})

@@ -251,11 +251,11 @@ def encode_chunk(fp: Any, preset: str, ids: list[int], start: int, end: int, key
                     {"source": "vllm", "layout": LAYOUT, "start": start, "end": end})
     from kvcodec.api import preset_info
 
-    def encode() -> bytes:  # no model in a serving worker: the preset's table step
-        return encode_cache(cache, preset, meta=cache.meta).data or b""
+    def encode() -> Any:  # no model in a serving worker: the preset's table step
+        return encode_cache(cache, preset, meta=cache.meta)
 
     if not preset_info(preset).lossy:
-        return encode()
+        return encode().data or b""
     from kvcodec.calibration.store import load_calibration
     from kvcodec.integrations.fidelity import layer_steps_of, with_fallback
 
