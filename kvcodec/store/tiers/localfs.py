@@ -118,6 +118,7 @@ def check_head(f: BinaryIO, size: int, what: str) -> StoreKey:
     except KvcInputError as e:
         raise KvcFormatError(f"{what}: bad key in header: {e}") from None
 
+
 def remove_stale_tmp(root: str, objects: str, marker_tmp: Callable[[str], bool], grace_s: float, now: float) -> int:
     """Delete the directory tier's own temp files older than ``grace_s``: a marker's in ``root`` (``marker_tmp``
     says which), an entry's or owner file's (``.<name>.<pid>.<rand>.tmp``) under ``objects``; how many.

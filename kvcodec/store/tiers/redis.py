@@ -37,6 +37,7 @@ from kvcodec.errors import KvcFormatError, KvcInputError, KvcStoreError
 from kvcodec.store.keys import StoreKey
 from kvcodec.store.options import parse_number, redact
 from kvcodec.store.outage import OutageGuard
+from kvcodec.store.tiers.probe import PROBE_BATCH, PROBE_READ, head_names_key
 from kvcodec.store.tiers.base import (
     HeadCheck,
     DEFAULT_MAX_ENTRY,
@@ -226,29 +227,51 @@ class RedisTier(Tier):
             raise
         self.counters.add(puts=1)
 
+    def _probe(self, keys: list[StoreKey]) -> list[bool]:
+        """One pipelined round: each value's length and first :data:`PROBE_READ` bytes, judged as get would judge
+        its head (:mod:`~kvcodec.store.tiers.probe`). A value of another type is a miss, not the round's failure."""
+        def run() -> list[Any]:
+            pipe = self.r.pipeline(transaction=False)
+            for k in keys:
+                pipe.strlen(self.rkey(k))
+                pipe.getrange(self.rkey(k), 0, PROBE_READ - 1)
+            return pipe.execute(raise_on_error=False)
+
+        got = self._call("contains", run)
+        out = []
+        for j, k in enumerate(keys):
+            size, head = got[2 * j], got[2 * j + 1]
+            if isinstance(size, Exception) or isinstance(head, Exception):  # WRONGTYPE: a hash planted at the name
+                out.append(False)
+                continue
+            name = self.rkey(k)
+
+            def more(at: int, n: int, name: str = name) -> bytes:
+                return bytes(self._call("contains", lambda: self.r.getrange(name, at, at + n - 1)))
+
+            out.append(head_names_key(bytes(head), int(size), k, self.max_entry, f"redis {name}", more))
+        return out
+
     def contains(self, key: StoreKey) -> bool:
+        """Whether get would find ``key``'s entry, as far as its head tells (was: the name exists, so a truncated
+        or damaged value was present until the first get)."""
         try:
-            return bool(self._call("exists", lambda: self.r.exists(self.rkey(key))))
+            return self._probe([key])[0]
         except KvcStoreError:
             self.counters.add(errors=1)
             return False
 
     def contains_many(self, keys: Iterable[StoreKey]) -> list[bool]:
         keys = list(keys)
-        if not keys:
-            return []
-
-        def run() -> list[Any]:
-            pipe = self.r.pipeline(transaction=False)
-            for k in keys:
-                pipe.exists(self.rkey(k))
-            return pipe.execute()
-
-        try:
-            return [bool(x) for x in self._call("exists", run)]
-        except KvcStoreError:
-            self.counters.add(errors=1)
-            return self._contains_after_failure(keys)
+        out: list[bool] = []
+        for i in range(0, len(keys), PROBE_BATCH):
+            part = keys[i:i + PROBE_BATCH]
+            try:
+                out.extend(self._probe(part))
+            except KvcStoreError:
+                self.counters.add(errors=1)
+                out.extend(self._contains_after_failure(part))
+        return out
 
     def _contains_after_failure(self, keys: list[StoreKey]) -> list[bool]:
         """What ``contains_many`` answers when its pipelined round failed: all misses (the server is down)."""

@@ -43,6 +43,7 @@ from kvcodec.lru import BoundedLRU
 from kvcodec.store.keys import StoreKey
 from kvcodec.store.outage import OutageGuard
 from kvcodec.store.ranged import RangeReader
+from kvcodec.store.tiers.probe import PROBE_READ, head_names_key
 from kvcodec.store.tiers.base import (
     HeadCheck,
     DEFAULT_MAX_ENTRY,
@@ -283,10 +284,26 @@ class S3Tier(Tier):
             raise
 
     def contains(self, key: StoreKey) -> bool:
+        """Whether get would find ``key``'s entry, as far as its head tells: one ranged GET of its first
+        :data:`PROBE_READ` bytes (:mod:`~kvcodec.store.tiers.probe`). Was a HEAD: a truncated or damaged object
+        was present until the first get."""
+        name = self.name_of(key)
         try:
-            return self._call("head", self.s3.head_object, Bucket=self.bucket, Key=self.name_of(key)) is not None
-        except KvcStoreError:
-            self.counters.add(errors=1)
+            resp = self._call("contains", self.s3.get_object, Bucket=self.bucket, Key=name,
+                              Range=f"bytes=0-{PROBE_READ - 1}")
+            if resp is None:
+                return False
+            try:
+                size, avail = _sizes(resp)
+                cur = _Cursor(self, name, resp, avail)
+                head = cur.read(min(avail, size)) if 0 < size <= self.max_entry else b""
+                return head_names_key(head, size, key, self.max_entry, f"s3 {self.bucket}/{name}",
+                                      lambda at, n: cur.read(n))  # forward only: at is where cur stands
+            finally:
+                resp["Body"].close()
+        except KvcStoreError as e:
+            if not (getattr(e, "s3_code", None) == "InvalidRange" or getattr(e, "s3_status", None) == 416):
+                self.counters.add(errors=1)  # (416: an empty object, no envelope: a miss)
             return False
 
     def delete(self, key: StoreKey) -> bool:
