@@ -30,6 +30,21 @@ def view(url: str, tenant: TenantKey) -> Store:
     return Store.open(url, key=SERVER, memory_bytes=0).for_key(tenant)
 
 
+def test_through_the_services_own_tenant_views(tmp_path):
+    """The path a KDN PUT takes (KdnService.store_for, then Store.put of the client's physical key)."""
+    from kvcodec.service.app import KdnService
+    from kvcodec.service.auth import Principal, TokenTable
+
+    p = Principal("a", ("default",))
+    svc = KdnService(Store.open(f"{tmp_path}/s?fsync=0&max_bytes=64K", key=SERVER, memory_bytes=0),
+                     TokenTable({"0" * 64: p}))
+    st = svc.store_for(p)
+    keys = [client_key(i, f"tag{i}") for i in range(40)]
+    for k in keys:
+        st.put(k, os.urandom(8000), {})
+    assert tenant_bytes(st, keys) <= CAP  # was 339 kB: 40 partitions of a 64K cap each
+
+
 def tenant_bytes(st: Store, keys: list[StoreKey]) -> int:
     d: DirectoryTier = st.tier("directory")  # type: ignore[assignment]
     return sum(os.path.getsize(p) for p in (d.path_for(st.physical(k)) for k in keys) if os.path.exists(p))
