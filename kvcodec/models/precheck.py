@@ -71,7 +71,14 @@ def check_config(cfg: Mapping[str, Any]) -> ModelLayout:
     n = next((c[x] for x in ("num_local_experts", "num_experts", "n_routed_experts") if isinstance(c.get(x), int)), None)
     if isinstance(k, int) and isinstance(n, int) and not 0 < k <= n:  # the router's top-k: a RuntimeError mid-forward
         raise KvcModelNotFoundError(f"model config routes each token to {k} of its {n} experts")
-    for theta in _rope_thetas(canonical_rope(cfg)):
+    rope = canonical_rope(cfg)
+    for prf in [c.get("partial_rotary_factor"), rope.get("partial_rotary_factor")] + [
+            v.get("partial_rotary_factor") for v in rope.values() if isinstance(v, dict)]:
+        if prf is not None and (isinstance(prf, bool) or not isinstance(prf, (int, float)) or not 0 < prf <= 1):
+            # the share of each head that rotates: 3 or 0 loaded, and kvcodec's RoPE reading (the codec's stage,
+            # CacheBlend's re-rotation) then disagreed with the model's
+            raise KvcModelNotFoundError(f"model config has partial_rotary_factor {prf!r}; it must be a number in (0, 1]")
+    for theta in _rope_thetas(rope):
         if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
             raise KvcModelNotFoundError(f"model config has RoPE base rope_theta {theta!r}; it must be a finite "
                                         "number > 0")

@@ -87,6 +87,8 @@ def _rename_a_weight(d: Path) -> None:
     # a RoPE base that makes every rotated key NaN (the calibration then saved NaNs and crashed in a matrix inverse)
     (dict(rope_parameters={"rope_type": "default", "rope_theta": -5}), "rope_theta -5"),
     (dict(rope_parameters={"rope_type": "default", "rope_theta": float("nan")}), "rope_theta nan"),
+    (dict(partial_rotary_factor=3), "partial_rotary_factor 3"),
+    (dict(partial_rotary_factor=0), "partial_rotary_factor 0"),
 ])
 def test_a_config_that_does_not_fit_the_weights_is_refused_before_the_load(tiny, tmp_path, monkeypatch, config, words):
     from kvcodec.models.load import load_model
