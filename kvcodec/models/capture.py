@@ -120,6 +120,18 @@ def cache_from_hf(past: Any, token_ids: np.ndarray, lm: LoadedModel, meta: dict 
     return KVCache(keys, values, token_ids, lm.fingerprint, meta=dict(meta or {}))
 
 
+def in_vocabulary(lm: LoadedModel, ids: np.ndarray) -> np.ndarray:
+    """``ids``, refused in one line unless each lies in [0, vocab_size): a tokenizer's added tokens may lie past the
+    model's embedding (a pad token added without resizing it), and such an id escaped the prefill as IndexError."""
+    vocab = int(lm.model.config.get_text_config().vocab_size)
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+        bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+        raise KvcInputError(f"token ids must lie in [0, {vocab}), the model's vocabulary; got {bad} (a token of its "
+                            "tokenizer the model does not embed?)" if bad >= vocab else
+                            f"token ids must lie in [0, {vocab}), the model's vocabulary; got {bad}")
+    return ids
+
+
 def context_ids(
     lm: LoadedModel, text: str | None = None, token_ids: np.ndarray | None = None, max_tokens: int | None = None
 ) -> np.ndarray:
@@ -132,9 +144,7 @@ def context_ids(
         ids = as_token_ids(token_ids)
     if ids.size == 0:
         raise KvcInputError("no tokens to capture")
-    vocab = int(lm.model.config.get_text_config().vocab_size)
-    if ids.min() < 0 or ids.max() >= vocab:
-        raise KvcInputError(f"token ids must lie in [0, {vocab})")
+    in_vocabulary(lm, ids)
     ids = select_context(ids, max_tokens)
     check_fits(lm, len(ids), lower=("max_tokens",) if max_tokens is not None else ())
     return ids

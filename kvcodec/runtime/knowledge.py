@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from kvcodec.models.cachelayout import cache_prefix
-from kvcodec.models.capture import check_fits, model_cache, tokenize
+from kvcodec.models.capture import check_fits, in_vocabulary, model_cache, tokenize
 from kvcodec.models.chat import ChatFormat
 from kvcodec.models.sdpa_schedule import fast_sdpa
 from kvcodec.errors import KvcError, KvcInputError
@@ -131,7 +131,7 @@ class KnowledgeBase:
             raise KvcInputError("give at least one document")
         parts = [self.prefix_ids()] + [self.doc_ids(d) for d in docs]
         bounds = list(np.cumsum([len(p) for p in parts])[1:])
-        return np.concatenate(parts), bounds
+        return in_vocabulary(self.lm, np.concatenate(parts)), bounds
 
     def prefix_ids(self) -> np.ndarray:
         """Token ids of the chat prefix every context starts with (the model's own template, :mod:`kvcodec.models.chat`)."""
@@ -139,11 +139,11 @@ class KnowledgeBase:
 
     def doc_ids(self, doc: str) -> np.ndarray:
         """Token ids of one document as it appears in a context (tokenized on its own)."""
-        return tokenize(self.lm.tokenizer, doc.rstrip() + "\n\n")
+        return in_vocabulary(self.lm, tokenize(self.lm.tokenizer, doc.rstrip() + "\n\n"))
 
     def question_ids(self, question: str) -> np.ndarray:
         """Token ids of the question turn, ending with the model's assistant-turn opener."""
-        return self.chat.question_ids(question)
+        return in_vocabulary(self.lm, self.chat.question_ids(question))
 
     def key(self, ids: np.ndarray) -> StoreKey:
         return StoreKey.for_tokens(ids, model=self.lm.fingerprint.id, codec=self.codec, namespace=self.namespace)

@@ -263,3 +263,24 @@ def test_a_router_top_k_past_the_experts_is_refused_at_load(tmp_path):
                                                   num_local_experts=4, num_experts_per_tok=2))
     with pytest.raises(KvcModelNotFoundError, match="5 of its 4 experts"):
         load_model(str(_copy(d, tmp_path / "m", num_experts_per_tok=5)))
+
+
+def test_an_added_token_past_the_embedding_is_one_line_from_ask(tiny, tmp_path, monkeypatch, capsys):
+    """A pad-like token added to the tokenizer without resizing the embedding loads (real checkpoints do this); a
+    document or question holding it escaped kvc ask's prefill (plain and --blend) as torch IndexError."""
+    from transformers import AutoTokenizer
+
+    d = _copy(tiny, tmp_path / "m")
+    tok = AutoTokenizer.from_pretrained(d)
+    tok.add_tokens(["<|extra|>"], special_tokens=True)
+    tok.save_pretrained(d)
+    (tmp_path / "doc.txt").write_text("a document with <|extra|> in it")
+    (tmp_path / "plain.txt").write_text("a plain document")
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    common = ["--preset", "lossless", "--max-new-tokens", "2", "--store", str(tmp_path / "st"), "-m", str(d)]
+    for args in (["--doc", "doc.txt", "what?"], ["--doc", "plain.txt", "what <|extra|>?"],
+                 ["--blend", "--doc", "doc.txt", "--doc", "plain.txt", "what?"]):
+        code, _, err = run_kvc(["ask", *args, *common], capsys)
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert code == 2 and len(lines) == 1 and "got 512 (a token of its tokenizer" in lines[0], (args, err)
