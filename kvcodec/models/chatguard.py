@@ -178,22 +178,25 @@ def render_chat_template(tokenizer: Any, messages: list[dict[str, str]]) -> str:
     Raises KvcInputError for a template that runs past its budget, does not parse or raises while rendering.
     """
     template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, str) and len(template) > MAX_TEMPLATE_CHARS:
-        raise TemplateBudgetError(f"the model's chat template is {len(template):,} characters, more than the "
-                            f"{MAX_TEMPLATE_CHARS:,} kvcodec renders")
+    # a tokenizer may carry several named templates (a dict); each is checked, whichever transformers picks
+    sources = [t for t in (template.values() if isinstance(template, dict) else [template]) if isinstance(t, str)]
+    if any(len(t) > MAX_TEMPLATE_CHARS for t in sources):
+        raise TemplateBudgetError(f"the model's chat template is more than the {MAX_TEMPLATE_CHARS:,} characters "
+                                  "kvcodec renders")
     try:
-        if isinstance(template, str):
+        kw = dict(getattr(tokenizer, "special_tokens_map", None) or {})
+        for source in sources:
             try:
                 env = _hardened_env()
-                kw = dict(getattr(tokenizer, "special_tokens_map", None) or {})
-                _line_budget(lambda: env.from_string(template).render(
+                _line_budget(lambda: env.from_string(source).render(  # noqa: B023 - called at once, in this iteration
                     **{**kw, "messages": messages, "tools": None, "documents": None, "add_generation_prompt": True}))
             except Exception:  # noqa: BLE001 - transformers' own render below decides what this one could not
                 pass
         text = _line_budget(lambda: tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
     except _OverBudget:
-        raise TemplateBudgetError("the model's chat template does more work than rendering a prompt takes (loops or values "
-                            f"past {MAX_TEMPLATE_LINES:,} lines or {MAX_TEMPLATE_CHARS:,} characters); refused") from None
+        raise TemplateBudgetError("the model's chat template does more work than rendering a prompt takes (loops or "
+                                  f"values past {MAX_TEMPLATE_LINES:,} lines or {MAX_TEMPLATE_CHARS:,} characters); "
+                                  "refused") from None
     except Exception as exc:  # noqa: BLE001 - jinja2's TemplateError / TemplateSyntaxError, transformers' ValueError
         msg = " ".join(str(exc).split())[:200]
         raise KvcInputError(f"the model's chat template cannot be rendered: {type(exc).__name__}: {msg}") from None

@@ -92,3 +92,11 @@ def test_kvc_ask_on_a_model_with_a_raising_template_is_one_line(tmp_path, monkey
                             "--store", str(tmp_path / "st"), "-m", str(d)], capsys)
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert code == KvcInputError.exit_code and len(lines) == 1 and "TemplateError: nope" in lines[0], err
+
+
+def test_named_templates_are_each_checked_before_transformers_renders_one(tokenizer):
+    """A tokenizer may carry a dict of named templates: the dry run skipped it, so the constant was built (120 MB
+    here; any size) by transformers' own compile before the output's size was looked at."""
+    tok = _with_template(tokenizer, {"default": "{{ 'x' * 120000000 }}", "tool_use": "{{ messages }}"})
+    with pytest.raises(TemplateBudgetError, match="more work than rendering a prompt takes"):
+        ChatFormat.for_tokenizer(tok)
