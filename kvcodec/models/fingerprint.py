@@ -331,10 +331,10 @@ def _secret() -> bytes | None:
                 pass
             finally:
                 os.unlink(tmp)
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # NONBLOCK: a FIFO there hung every load
         try:
             st = os.fstat(fd)
-            key = os.read(fd, 64)
+            key = os.read(fd, 64) if stat.S_ISREG(st.st_mode) else b""
         finally:
             os.close(fd)
     except OSError as exc:
@@ -363,7 +363,7 @@ def _cached(kind: str, model_dir: Path, key: list[list[Any]], secret: bytes) -> 
         if not stat.S_ISREG(st.st_mode) or st.st_size > 1 << 20:
             return None
         entry = json.loads(path.read_bytes())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: an entry of JSON nested too deep
         return None
     if not isinstance(entry, dict) or not isinstance(entry.get("mac"), str):
         return None

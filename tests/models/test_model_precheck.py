@@ -284,3 +284,39 @@ def test_an_added_token_past_the_embedding_is_one_line_from_ask(tiny, tmp_path, 
         code, _, err = run_kvc(["ask", *args, *common], capsys)
         lines = [ln for ln in err.splitlines() if ln.strip()]
         assert code == 2 and len(lines) == 1 and "got 512 (a token of its tokenizer" in lines[0], (args, err)
+
+
+def test_a_fifo_as_the_fingerprint_key_disables_the_cache_instead_of_hanging(tiny, tmp_path, capsys):
+    """<cache>/fingerprint.key a FIFO: opening it blocked every model load for ever."""
+    from kvcodec.models import fingerprint as F
+
+    key = tmp_path / "cache" / "fingerprint.key"
+    key.parent.mkdir()
+    os.mkfifo(key)
+
+    def release() -> None:  # frees an open() blocked on the FIFO, so a failing run ends instead of hanging
+        time.sleep(5)
+        try:
+            os.close(os.open(key, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+
+    threading.Thread(target=release, daemon=True).start()
+    t0 = time.monotonic()
+    F._warned.clear()
+    assert F._secret() is None
+    assert time.monotonic() - t0 < 4
+    assert "fingerprint cache disabled" in capsys.readouterr().err
+
+
+def test_a_fingerprint_cache_entry_nested_too_deep_is_ignored(tiny, tmp_path):
+    """A planted cache entry of JSON nested 400,000 deep escaped every load of the model as RecursionError."""
+    from kvcodec.models import fingerprint as F
+
+    F._memo.clear()
+    d = _copy(tiny, tmp_path / "m").resolve()
+    F._secret()  # the key, so the cache is read
+    path = F._cache_path("weights", d)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("[" * 400_000 + "]" * 400_000)
+    assert F.weights_sha256(d) == F._hash_files(F.weight_files(d))
