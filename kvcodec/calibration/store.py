@@ -356,7 +356,7 @@ def _holder(name: str, sha256: str) -> Calibration | None:
         if not stat.S_ISREG(st.st_mode) or st.st_size > 4096:
             return None
         entry = json.loads(ptr.read_bytes())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: a pointer of JSON nested too deep
         return _shipped_holder(name, sha256)
     if not isinstance(entry, dict) or entry.get("name") != name or not isinstance(entry.get("fingerprint_id"), str) \
             or not _FID.match(entry["fingerprint_id"]):

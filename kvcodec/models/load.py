@@ -353,6 +353,7 @@ def resolve_model_dir(name: str = DEFAULT_MODEL) -> Path:
 
 _PICKLE_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 _MAX_SAFETENSORS_HEADER = 100 << 20  # the format's own limit
+_MAX_INDEX = 64 << 20  # model.safetensors.index.json: a few MB for the largest checkpoints
 
 
 def check_weights(path: Path) -> list[Path]:
@@ -370,6 +371,8 @@ def check_weights(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
+            if index.stat().st_size > _MAX_INDEX:  # read whole below: a multi-gigabyte file given by mistake is refused
+                raise ValueError(f"{index.stat().st_size:,} bytes, more than an index can be")
             shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:  # Recursion: nested too deep
             raise KvcModelNotFoundError(f"model directory {path}: unreadable {index.name} ({str(exc)[:200]})") from None

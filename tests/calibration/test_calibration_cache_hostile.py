@@ -77,3 +77,15 @@ def test_saving_a_rate_model_where_a_directory_stands_is_one_io_error():
     path.mkdir()
     with pytest.raises(KvcIOError, match="cannot save the rate model in .*ratemodel-"):
         save_rate_model(_rate_model(cal), path)
+
+
+def test_an_attachment_pointer_nested_too_deep_is_no_pointer():
+    """<cache>/calibration/sha256/<sha>.json of JSON nested 2,000 deep: decoding any .kvc naming that attachment
+    escaped as RecursionError."""
+    from kvcodec.digest import array_sha256
+
+    cal = C_store.load_calibration_file(C_store.save_calibration(_cal(), FID))
+    name, arr = next(iter(cal.attachments.items()))
+    sha = array_sha256(arr)
+    (C_store.calibration_root() / "sha256" / f"{sha}.json").write_text("[" * 2000 + "]" * 2000)
+    assert C_store.resolve_attachment(name, sha) is None

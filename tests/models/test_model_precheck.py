@@ -320,3 +320,14 @@ def test_a_fingerprint_cache_entry_nested_too_deep_is_ignored(tiny, tmp_path):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("[" * 400_000 + "]" * 400_000)
     assert F.weights_sha256(d) == F._hash_files(F.weight_files(d))
+
+
+def test_a_huge_safetensors_index_is_refused_unread(tiny, tmp_path):
+    """A 2 GB model.safetensors.index.json (sparse here) was read whole by check_weights."""
+    from kvcodec.models.load import check_weights
+
+    d = _copy(tiny, tmp_path / "m")
+    with open(d / "model.safetensors.index.json", "wb") as f:
+        f.truncate(2 * 10**9)
+    with pytest.raises(KvcModelNotFoundError, match="more than an index can be"):
+        check_weights(d)
