@@ -446,7 +446,7 @@ def _dir_tokenizer_sha256(d: Path, tokenizer: Any) -> str:
             from transformers import AutoTokenizer
 
             try:
-                tok = AutoTokenizer.from_pretrained(d, local_files_only=True)
+                tok = AutoTokenizer.from_pretrained(d, local_files_only=True, trust_remote_code=False)
             except (OSError, ValueError) as exc:
                 raise KvcModelNotFoundError(f"cannot load the tokenizer of {d}: {exc}") from None
         return tokenizer_sha256(tok)

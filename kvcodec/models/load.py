@@ -276,8 +276,9 @@ def _convert_gguf(gguf: Path, dest: Path) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=dest.parent))
     try:
         with _gguf_parsed_once():
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                         trust_remote_code=False)
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
             _set_gguf_special_tokens(tok, gguf)
         # The weights are dequantised now; drop the GGUF marker so HF can save them.
         if hasattr(model.config, "quantization_config"):
@@ -285,7 +286,7 @@ def _convert_gguf(gguf: Path, dest: Path) -> None:
         model.hf_quantizer = None
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        _check_gguf_tokenizer(AutoTokenizer.from_pretrained(tmp), gguf)  # as every later load will read it
+        _check_gguf_tokenizer(AutoTokenizer.from_pretrained(tmp, trust_remote_code=False), gguf)  # as every later load will read it
         try:
             os.replace(tmp, dest)
         except OSError:  # another process finished first: keep theirs
@@ -442,14 +443,17 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "float32") -> LoadedModel
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its multi-line load report: what it would say is refused in one line below
     try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        # trust_remote_code=False: a directory with custom code (auto_map) is refused; left unset, transformers asked
+        # "Do you wish to run the custom code? [y/N]" on a terminal, and a "y" ran the directory's Python
+        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
         with torch.device("meta"):  # shapes only: a config describing terabytes allocates nothing here
-            skeleton = AutoModelForCausalLM.from_config(config)
+            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
         check_skeleton(path, cfg, skeleton)
         model, info = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), local_files_only=True,
-                                                           use_safetensors=True, output_loading_info=True)
+                                                           use_safetensors=True, output_loading_info=True,
+                                                           trust_remote_code=False)
         check_loaded(path, info)
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
         check_vocabulary(path, model, tok)
     except KvcModelNotFoundError:
         raise

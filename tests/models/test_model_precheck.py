@@ -331,3 +331,22 @@ def test_a_huge_safetensors_index_is_refused_unread(tiny, tmp_path):
         f.truncate(2 * 10**9)
     with pytest.raises(KvcModelNotFoundError, match="more than an index can be"):
         check_weights(d)
+
+
+def test_a_directory_with_custom_code_is_refused_without_asking(tiny, tmp_path, monkeypatch):
+    """config.json naming its own Python (auto_map): transformers asked "Do you wish to run the custom code? [y/N]"
+    (input(), on a terminal or from whatever stdin holds: `yes | kvc ...`), and a "y" ran the directory's code."""
+    import builtins
+
+    from kvcodec.models.load import load_model
+
+    d = _copy(tiny, tmp_path / "m", model_type="evil_custom",
+              auto_map={"AutoConfig": "configuration_evil.EvilConfig", "AutoModelForCausalLM": "modeling_evil.Evil"})
+    marker = tmp_path / "RAN"
+    for f in ("configuration_evil.py", "modeling_evil.py"):
+        (d / f).write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('x')\n")
+    asked = []
+    monkeypatch.setattr(builtins, "input", lambda *a: asked.append(a) or "y")
+    with pytest.raises(KvcModelNotFoundError, match="custom code"):
+        load_model(str(d))
+    assert not asked and not marker.exists()
