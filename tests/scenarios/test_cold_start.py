@@ -381,7 +381,6 @@ def test_vllm_save_needs_a_calibration(models, cache, caplog):
     nothing is built."""
     import logging
 
-    import torch
 
     from kvcodec.errors import KvcInputError
     from kvcodec.format import KvcReader
@@ -409,11 +408,16 @@ def test_vllm_save_needs_a_calibration(models, cache, caplog):
     assert resolve_save_preset(fp, None, d) == DEFAULT_LOSSY
     lm = _lm(models, "dense")
     assert lm.fingerprint.id == fp.id
-    L, H, D = fp.num_layers, fp.num_kv_heads, fp.head_dims[0]
-    g = torch.Generator().manual_seed(0)
-    ks = [torch.randn(H, 256, D, generator=g) for _ in range(L)]
-    vs = [torch.randn(H, 256, D, generator=g) for _ in range(L)]
-    data = encode_chunk(fp, "balanced", list(range(512)), 256, 512, ks, vs)
+    H, D = fp.num_kv_heads, fp.head_dims[0]
+    # the model's own KV (random tensors are unlike it: the connector would store them lossless, a5ef7ed)
+    from kvcodec.models.capture import capture
+
+    vocab = int(lm.model.config.get_text_config().vocab_size)
+    ids = [i * 7919 % vocab for i in range(1, 513)]
+    kv = capture(lm, token_ids=np.asarray(ids, dtype=np.int64))
+    ks = [k[:, 256:512].contiguous() for k in kv.keys]
+    vs = [v[:, 256:512].contiguous() for v in kv.values]
+    data = encode_chunk(fp, "balanced", ids, 256, 512, ks, vs)
     with KvcReader(data) as rd:
         assert rd.header.codec == "balanced" and rd.read_cache().keys[0].shape == (H, 256, D)
     assert on_disk(cache) == before
