@@ -236,14 +236,15 @@ def _tensors_of(path: Path, f: Any, size: int) -> list[_Tensor]:
     return out
 
 
-def checkpoint_tensors(model_dir: Path) -> dict[str, tuple[tuple[int, ...], int]]:
-    """Per tensor of the directory's safetensors files: (shape, bytes), from their bound-checked headers only."""
-    out: dict[str, tuple[tuple[int, ...], int]] = {}
+def checkpoint_tensors(model_dir: Path) -> dict[str, tuple[tuple[int, ...], int, str]]:
+    """Per tensor of the directory's safetensors files: (shape, bytes, safetensors dtype), from their bound-checked
+    headers only."""
+    out: dict[str, tuple[tuple[int, ...], int, str]] = {}
     try:
         for p in weight_files(Path(model_dir)):
             with open(p, "rb") as f:
                 for t in _tensors_of(p, f, os.fstat(f.fileno()).st_size):
-                    out[t.name] = (t.shape, t.end - t.start)
+                    out[t.name] = (t.shape, t.end - t.start, t.dtype)
     except OSError as exc:
         raise KvcModelNotFoundError(f"cannot read model weights: {exc}") from None
     return out

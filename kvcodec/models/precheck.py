@@ -33,6 +33,9 @@ SIDE_FILES: dict[str, int] = {
 }
 
 
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0")
+
+
 def check_side_files(path: Path) -> None:
     """Every file transformers may open besides the weights is a regular file of bounded size (or absent).
 
@@ -95,6 +98,7 @@ def check_skeleton(path: Path, cfg: Mapping[str, Any], skeleton: Any) -> None:
     packs several parameters per stored value, so there only one bit per parameter is required.
     """
     tensors = checkpoint_tensors(path)
+    quantized = "quantization_config" in cfg or "quantization_config" in text_config(cfg)
     need = 0
     for name, p in skeleton.named_parameters():
         shape = tuple(int(d) for d in p.shape)
@@ -103,9 +107,11 @@ def check_skeleton(path: Path, cfg: Mapping[str, Any], skeleton: Any) -> None:
         if have is not None and have[0] != shape:
             raise KvcModelNotFoundError(f"{path}: config.json disagrees with the weights: it makes {name} "
                                         f"{list(shape)}, the checkpoint holds {list(have[0])}")
-    values = sum(math.prod(s) for s, _ in tensors.values())
-    nbytes = sum(n for _, n in tensors.values())
-    quantized = "quantization_config" in cfg or "quantization_config" in text_config(cfg)
+        if have is not None and not quantized and p.is_floating_point() and have[2] not in _FLOAT_DTYPES:
+            # integers where the model has floats: transformers converted each stored integer to a float value
+            raise KvcModelNotFoundError(f"{path}: the checkpoint stores {name} as {have[2]}, not as floating point")
+    values = sum(math.prod(t[0]) for t in tensors.values())
+    nbytes = sum(t[1] for t in tensors.values())
     if need > (8 * nbytes if quantized else values):
         raise KvcModelNotFoundError(
             f"{path}: config.json describes a model of {need:,} parameters but the weights hold {values:,} values "

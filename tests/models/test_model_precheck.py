@@ -350,3 +350,23 @@ def test_a_directory_with_custom_code_is_refused_without_asking(tiny, tmp_path, 
     with pytest.raises(KvcModelNotFoundError, match="custom code"):
         load_model(str(d))
     assert not asked and not marker.exists()
+
+
+def test_integers_stored_for_a_float_weight_are_refused(tiny, tmp_path):
+    """A header naming I32 for the (float) lm_head: transformers turned each stored integer into a float weight and
+    the model loaded, silently another model."""
+    import struct
+
+    from kvcodec.models.load import load_model
+
+    d = _copy(tiny, tmp_path / "m")
+    p = d / "model.safetensors"
+    b = p.read_bytes()
+    n = struct.unpack("<Q", b[:8])[0]
+    hdr = json.loads(b[8:8 + n])
+    hdr["lm_head.weight"]["dtype"] = "I32"
+    new = json.dumps(hdr).encode()
+    new += b" " * (-len(new) % 8)
+    p.write_bytes(struct.pack("<Q", len(new)) + new + b[8 + n:])
+    with pytest.raises(KvcModelNotFoundError, match="stores lm_head.weight as I32, not as floating point"):
+        load_model(str(d))
