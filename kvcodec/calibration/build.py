@@ -469,6 +469,9 @@ def ensure_calibration(lm: Any, progress: bool = True) -> Calibration:
     if cal is None:
         try:
             calibration_context(lm)  # a model that cannot be calibrated: refused before announcing a build
+            from kvcodec.models.compute import onboard_dtype
+
+            onboard_dtype(lm.weights_dtype)  # and a bad KVCODEC_ONBOARD_DTYPE (it was refused after the notice)
             if progress:  # one line that survives the progress bar (leave=False): what the minutes were spent on
                 print(f"kvc: {lm.name} has no calibration yet; building it once (the lossy presets need it; "
                       f"kvc calibrate --model {lm.name} builds it ahead)", file=sys.stderr, flush=True)

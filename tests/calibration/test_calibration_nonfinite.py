@@ -53,3 +53,16 @@ def test_a_model_computing_non_finite_values_is_not_calibrated(tiny, tmp_path, m
     assert "\n" not in str(e.value)
     assert load_calibration(lm.fingerprint.id) is None
     assert not list(calibration_root().rglob("calib-*"))
+
+
+def test_a_bad_onboard_dtype_is_the_one_line_before_any_build_notice(tiny, tmp_path, monkeypatch, capsys):
+    from kvcodec.calibration.build import ensure_calibration
+    from kvcodec.models.load import load_model
+
+    monkeypatch.setenv("KVCODEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("KVCODEC_ONBOARD_DTYPE", "float16")
+    lm = load_model(str(tiny))
+    capsys.readouterr()
+    with pytest.raises(KvcInputError, match="KVCODEC_ONBOARD_DTYPE='float16'"):
+        ensure_calibration(lm, progress=True)
+    assert "building it once" not in capsys.readouterr().err
