@@ -150,8 +150,10 @@ def save_calibration(cal: Calibration, fingerprint_id: str) -> Path:
 
 def cache_write_error(what: str, exc: OSError) -> KvcIOError:
     """One line for a failed write into the user's calibration cache (what, the system's reason, the path)."""
-    return KvcIOError(f"cannot save the {what} in {calibration_root()}: {exc.strerror or exc} ({exc.filename2 or exc.filename}); "
-                      "move away what is in its place, or set KVCODEC_CACHE to a writable directory")
+    where = exc.filename2 or exc.filename
+    return KvcIOError(f"cannot save the {what} in {calibration_root()}: {exc.strerror or exc}"
+                      f"{f' ({where})' if where else ''}; move away what is in its place, or set KVCODEC_CACHE to a "
+                      "writable directory")
 
 
 _memo: dict[str, tuple[tuple[int, ...], Calibration]] = {}
