@@ -49,7 +49,7 @@ from kvcodec.store.options import TierDefaults, parse_flag, parse_size
 from kvcodec.store.ranged import FileRangeReader
 from kvcodec.store.tiers.quota import DEFAULT_TENANT_NAMESPACES, TenantQuota, namespaces_option
 from kvcodec.store.tiers.localfs import (
-    check_head, fsync_dir, open_dir, open_regular, purge_older, remove_stale_tmp, why)
+    check_head, evict_oldest, fsync_dir, open_dir, open_regular, purge_older, remove_stale_tmp, why)
 from kvcodec.store.tiers.base import (
     FIXED_SIZE,
     MAX_TIER_META,
@@ -476,18 +476,7 @@ class DirectoryTier(Tier):
             target = int(self.max_bytes * self.low_water)
             n = 0
             if total > self.max_bytes:
-                files.sort(key=lambda t: t[1].st_mtime)
-                for path, st in files:
-                    if total <= target:
-                        break
-                    if path == keep:
-                        continue
-                    try:
-                        os.unlink(path)
-                        n += 1
-                    except FileNotFoundError:
-                        pass
-                    total -= st.st_size
+                total, _, n = evict_oldest(files, total, target, keep)
             with self._lock:
                 self._approx[partition] = total
         if n:

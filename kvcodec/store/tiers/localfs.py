@@ -142,3 +142,29 @@ def remove_stale_tmp(root: str, objects: str, marker_tmp: Callable[[str], bool],
             except FileNotFoundError:
                 pass
     return n
+
+
+def evict_oldest(files: list[tuple[str, os.stat_result]], total: int, target: int,
+                 keep: str | None = None) -> tuple[int, list[int], int]:
+    """Unlink the least recently written of ``files`` ((path, stat) pairs holding ``total`` bytes) until at most
+    ``target`` bytes are left, never ``keep`` (the entry just written). Returns the bytes left, the indexes of the
+    files counted out of them (one already gone included) and how many this call unlinked.
+
+    The one LRU pass of the directory tier's two caps: a partition's (``max_bytes``) and a tenant's over all its
+    partitions (``tenant_bytes``, store/tiers/quota.py)."""
+    counted: list[int] = []
+    n = 0
+    for i in sorted(range(len(files)), key=lambda j: files[j][1].st_mtime):
+        if total <= target:
+            break
+        path, st = files[i]
+        if path == keep:
+            continue
+        try:
+            os.unlink(path)
+            n += 1
+        except FileNotFoundError:
+            pass
+        total -= st.st_size
+        counted.append(i)
+    return total, counted, n

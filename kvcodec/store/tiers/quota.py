@@ -34,7 +34,7 @@ from typing import Iterator, Protocol
 from kvcodec.errors import KvcInputError, KvcStoreError
 from kvcodec.store.options import parse_number
 from kvcodec.store.tiers.base import TierCounters
-from kvcodec.store.tiers.localfs import open_dir, open_regular, why
+from kvcodec.store.tiers.localfs import evict_oldest, open_dir, open_regular, why
 
 OWNER_FILE = ".owner"
 DEFAULT_TENANT_NAMESPACES = 1024
@@ -163,18 +163,9 @@ class TenantQuota:
             removed: dict[str, int] = {}
             n = 0
             if total > self.max_bytes:
-                files.sort(key=lambda t: t[2].st_mtime)
-                for part, path, st in files:
-                    if total <= target:
-                        break
-                    if path == keep:
-                        continue
-                    try:
-                        os.unlink(path)
-                        n += 1
-                    except FileNotFoundError:
-                        pass
-                    total -= st.st_size
+                total, gone, n = evict_oldest([(path, st) for _, path, st in files], total, target, keep)
+                for i in gone:
+                    part, _, st = files[i]
                     removed[part] = removed.get(part, 0) + st.st_size
             with self._lock:
                 self._bytes[owner] = total
