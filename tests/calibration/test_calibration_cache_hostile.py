@@ -19,12 +19,7 @@ from kvcodec.errors import KvcFormatError, KvcIOError
 FID = "c" * 32
 
 
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVCODEC_CACHE", str(tmp_path / "cache"))
-    C_store._memo_clear()
-    yield
-    C_store._memo_clear()
+pytestmark = pytest.mark.usefixtures("private_calibration_cache")  # tests/calibration/conftest.py
 
 
 def _cal() -> Calibration:

@@ -20,12 +20,7 @@ from kvcodec.calibration.record import Calibration
 from kvcodec.calibration.store import load_calibration, resolve_attachment, save_calibration
 
 
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVCODEC_CACHE", str(tmp_path / "cache"))
-    C_store._memo_clear()
-    yield
-    C_store._memo_clear()
+pytestmark = pytest.mark.usefixtures("private_calibration_cache")  # tests/calibration/conftest.py
 
 
 def _cal(L: int = 3, H: int = 2, D: int = 8, seed: int = 0) -> Calibration:
