@@ -86,6 +86,46 @@ CONFIG_FLAGS: dict[str, Any] = {
     "use_parallel_residual": {"gpt_neox": True, "stablelm": False}, "do_layer_norm_before": {"opt": True},
 }
 
+# A mixture of experts' routing: how many experts a token takes, whether their weights are renormalised, and their
+# scale change every later layer's K/V from the same weights, and MoE configs always write them, so each counts
+# only where it differs from its family's default. The defaults are pinned here, as transformers 5.19's config
+# classes set them (read once from AutoConfig.for_model(model_type)), never read from the installed transformers:
+# a later release changing a default must not change a fingerprint id. A family not named keeps the field out.
+_TOPK: dict[str, int] = {
+    "afmoe": 6, "axk1": 8, "axk2": 8, "cohere2_moe": 2, "deepseek_v3": 8, "deepseek_v32": 8, "deepseek_v4": 6,
+    "doge": 64, "ernie4_5_moe": 6, "ernie4_5_vl_moe": 6, "ernie4_5_vl_moe_text": 6, "exaone_moe": 8, "flex_olmo": 5,
+    "glm4_moe": 8, "glm4_moe_lite": 4, "glm4v_moe": 8, "glm4v_moe_text": 8, "glm5_next": 8, "glm5_next_text": 8,
+    "glm_moe_dsa": 8, "gpt_oss": 4, "granitemoe": 2, "granitemoe_swa": 2, "granitemoehybrid": 2,
+    "granitemoeshared": 2, "hunyuan_v1_moe": 1, "hy_v3": 8, "hy_v4": 8, "inkling_mm_model": 6, "inkling_text": 6,
+    "jamba": 2, "jetmoe": 2, "kimi_k25": 8, "kimi_linear": 8, "laguna": 8, "lfm2_moe": 4, "llama4": 1,
+    "llama4_text": 1, "longcat_flash": 12, "mellum": 8, "mimo_v2_flash": 8, "minimax": 2, "minimax_m2": 8,
+    "minimax_m3_vl": 4, "minimax_m3_vl_text": 4, "mistral4": 4, "mixtral": 2, "nemotron_h": 2, "nemotron_h_omni": 2,
+    "olmoe": 8, "phimoe": 2, "qwen2_moe": 4, "qwen3_5_moe": 8, "qwen3_5_moe_text": 8, "qwen3_moe": 8,
+    "qwen3_next": 10, "qwen3_omni_moe": 8, "qwen3_omni_moe_talker_text": 8, "qwen3_omni_moe_text": 8,
+    "qwen3_omni_moe_thinker": 8, "qwen3_vl_moe": 4, "qwen3_vl_moe_text": 4, "qwen4_exp": 10, "qwen4_exp_text": 10,
+    "solar_open": 8, "step3p5": 8, "step3p7": 8, "zaya": 1,
+}
+_NORM_TOPK: dict[str, bool] = {
+    "axk1": True, "axk2": True, "cohere2_moe": True, "deepseek_v2": False, "deepseek_v3": True, "deepseek_v32": True,
+    "deepseek_v4": True, "doge": False, "dots1": False, "exaone_moe": True, "flex_olmo": False, "glm4_moe": True,
+    "glm4_moe_lite": True, "glm4v_moe": True, "glm4v_moe_text": True, "glm5_next": True, "glm5_next_text": True,
+    "glm_moe_dsa": True, "hy_v4": True, "kimi_k25": True, "kimi_linear": True, "lfm2_moe": True, "mellum": True,
+    "mimo_v2_flash": True, "mistral4": True, "nemotron_h": True, "nemotron_h_omni": True, "olmoe": False,
+    "qwen2_moe": False, "qwen3_moe": False, "qwen3_next": True, "qwen3_omni_moe": True,
+    "qwen3_omni_moe_talker_text": False, "qwen3_omni_moe_text": True, "qwen3_omni_moe_thinker": True,
+    "qwen4_exp": True, "qwen4_exp_text": True, "solar_open": True,
+}
+_SCALING: dict[str, float] = {
+    "axk1": 2.5, "axk2": 2.5, "deepseek_ocr2": 1.0, "deepseek_ocr2_text": 1.0, "deepseek_v2": 1.0, "deepseek_v3": 2.5,
+    "deepseek_v32": 2.5, "deepseek_v4": 1.5, "dots1": 1.0, "exaone_moe": 2.5, "glm4_moe": 1.0, "glm4_moe_lite": 1.8,
+    "glm4v_moe": 1.0, "glm4v_moe_text": 1.0, "glm5_next": 2.5, "glm5_next_text": 2.5, "glm_moe_dsa": 2.5,
+    "hy_v4": 2.827, "kimi_k25": 2.5, "kimi_linear": 2.446, "lfm2_moe": 1.0, "longcat_flash": 6.0,
+    "mimo_v2_flash": 1.0, "minimax_m3_vl": 2.0, "minimax_m3_vl_text": 2.0, "mistral4": 1.0, "nemotron_h": 1.0,
+    "nemotron_h_omni": 1.0, "solar_open": 1.0,
+}
+CONFIG_FLAGS.update({"num_experts_per_tok": _TOPK, "norm_topk_prob": _NORM_TOPK, "routed_scaling_factor": _SCALING,
+                     "moe_topk": {"aria": 2, "aria_text": 2, "hunyuan_v1_moe": 1, "longcat_flash": 12}})
+
 _MAX_JSON_FILE = 64 << 20  # config.json / index.json / cache entries larger than this are refused
 _WEIGHTS_DOMAIN = b"kvcodec-weights-v2\0"
 _MEMORY_DOMAIN = b"kvcodec-weights-in-memory-v2\0"

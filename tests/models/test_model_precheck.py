@@ -224,6 +224,11 @@ def test_a_bidirectional_twin_of_a_causal_model_never_takes_its_cache(tmp_path):
     (dict(model_type="gpt_neox", num_attention_heads=4), "use_parallel_residual", False),
     (dict(model_type="stablelm", num_attention_heads=4, num_key_value_heads=2), "use_parallel_residual", True),
     (dict(model_type="opt", num_attention_heads=4, ffn_dim=256, word_embed_proj_dim=128), "do_layer_norm_before", False),
+    # a mixture of experts' routing (its family's defaults pinned in fingerprint.py: no existing id changes)
+    (dict(model_type="mixtral", num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+          num_experts_per_tok=2), "num_experts_per_tok", 1),
+    (dict(model_type="qwen2_moe", num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+          moe_intermediate_size=64, shared_expert_intermediate_size=64), "norm_topk_prob", True),
 ])
 def test_a_config_flag_that_changes_the_kv_changes_the_fingerprint(tmp_path, config, field, value):
     """Same weights, one flag flipped: other K/V, and the fingerprint said the same model (found by flipping every
