@@ -48,7 +48,7 @@ import torch
 
 from kvcodec.core.kvcache import KVCache
 from kvcodec.edit.entry import EditResult, breaks, check_child_preset, check_dest, keeps, open_parent, write_child
-from kvcodec.edit.spans import resolve_spans
+from kvcodec.edit.spans import redaction_spans
 from kvcodec.errors import KvcInputError
 from kvcodec.runtime.blend import blend, layer_inv_freqs, rerotate_keys
 
@@ -191,8 +191,8 @@ def redact(lm: Any, source: Any, *, pattern: str | None = None, text: str | None
     else:
         cache = parent.decode(lm)
         ids = cache.token_ids
-    spans = resolve_spans(lm.tokenizer, ids, pattern=pattern, text=text, char_spans=char_spans,
-                          token_spans=token_spans)
+    spans = redaction_spans(lm.tokenizer, ids, pattern=pattern, text=text, char_spans=char_spans,
+                            token_spans=token_spans)
     removed = int(sum(b - a for a, b in spans))
     t1 = time.perf_counter()
     say(f"removing {removed} tokens in {len(spans)} span(s), {'prefilling the rest' if repair == 'prefill' else 'repairing the rest'}")

@@ -19,8 +19,9 @@ import numpy as np
 from kvcodec.errors import KvcInputError
 
 __all__ = ["MAX_PATTERN_CHARS", "MAX_PATTERN_UNROLLED", "MAX_SPANS", "MAX_TEXT_CHARS", "PATTERN_SECONDS", "KvcPatternTimeoutError",
-           "char_spans_to_tokens", "int_pairs", "merge_ranges", "parse_token_span", "parsed_size", "regex_spans", "resolve_spans",
-           "text_spans", "token_offsets", "unrolled_size"]
+           "REDACT_ROUNDS", "char_spans_to_tokens", "int_pairs", "merge_ranges", "parse_token_span", "parsed_size",
+           "redaction_spans", "regex_spans", "resolve_spans", "text_spans", "token_offsets", "unrolled_size",
+           "whole_characters"]
 
 MAX_PATTERN_CHARS = 1000
 MAX_TEXT_CHARS = 100_000  # a literal to find (a paragraph, a page): searched as a literal, never as a regex
@@ -316,9 +317,9 @@ class KvcPatternTimeoutError(KvcInputError):
     """A pattern that did not finish within :data:`PATTERN_SECONDS` (catastrophic backtracking, most likely)."""
 
 
-def regex_spans(text: str, pattern: str, seconds: float | None = None) -> list[tuple[int, int]]:
+def regex_spans(text: str, pattern: str, seconds: float | None = None, required: bool = True) -> list[tuple[int, int]]:
     """Character spans of every non-empty match of ``pattern`` in ``text``, found within ``seconds``
-    (default :data:`PATTERN_SECONDS`).
+    (default :data:`PATTERN_SECONDS`); none is refused unless ``required`` is False.
 
     Why the ``regex`` module and not ``re``: a pattern such as ``(a+)+$`` backtracks for longer than the
     universe lasts, and ``re`` can neither stop it nor let another thread run meanwhile (it holds the GIL:
@@ -365,7 +366,7 @@ def regex_spans(text: str, pattern: str, seconds: float | None = None) -> list[t
     except TimeoutError:
         raise KvcPatternTimeoutError(f"the pattern {pattern!r:.60} did not finish within {bound:g} CPU-seconds over the "
                                      f"{len(text)}-character context (catastrophic backtracking?); simplify it") from None
-    if not spans:
+    if not spans and required:
         raise KvcInputError(f"the pattern {pattern!r:.60} matches nothing in the stored context")
     if len(spans) > MAX_SPANS:
         raise KvcInputError(f"the pattern matches more than {MAX_SPANS} spans (limit {MAX_SPANS})")
@@ -442,4 +443,73 @@ def resolve_spans(tokenizer: Any, ids: np.ndarray, *, pattern: str | None = None
         spans_c = int_pairs(char_spans, "character spans")
         if not spans_c or len(spans_c) > MAX_SPANS:
             raise KvcInputError(f"give 1 to {MAX_SPANS} character spans")
-    return char_spans_to_tokens(ends, spans_c)
+    return whole_characters(tokenizer, ids, char_spans_to_tokens(ends, spans_c))
+
+
+_LEAD = 8  # tokens decoded before a boundary to tell whether it splits a character (a character has <= 4 bytes)
+
+
+def whole_characters(tokenizer: Any, ids: np.ndarray, spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``spans`` (token ranges named by characters) widened until neither edge splits a character's bytes.
+
+    Why: a byte-level tokenizer spells a rare character (a CJK name, an emoji) with several byte tokens, and
+    only the last one *owns* the character in :func:`token_offsets` (the others add no complete character). A
+    span named by characters took that last token alone, so a redaction left the character's leading bytes in
+    the child (removing ``龘`` kept the tokens of ``E9 BE``), and a span whose last token ended inside the next
+    character left that character's trailing bytes stranded. An edge lies inside a character when the tokens
+    before it decode to an incomplete one (the decoder's U+FFFD); a literal U+FFFD in the text reads the same
+    and only widens the span."""
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    n = len(ids)
+
+    def inside(j: int) -> bool:
+        return 0 < j < n and tokenizer.decode(ids[max(0, j - _LEAD):j].tolist()).endswith("\ufffd")
+
+    out = []
+    for a, b in spans:
+        while inside(a):
+            a -= 1
+        while inside(b):
+            b += 1
+        out.append((a, b))
+    return merge_ranges(out)
+
+
+#: how many times a redaction matches its pattern or text again over what it would keep (:func:`redaction_spans`)
+REDACT_ROUNDS = 4
+
+
+def redaction_spans(tokenizer: Any, ids: np.ndarray, *, pattern: str | None = None, text: str | None = None,
+                    char_spans: Sequence[tuple[int, int]] | None = None,
+                    token_spans: Sequence[tuple[int, int]] | None = None) -> list[tuple[int, int]]:
+    """The token ranges a redaction removes: :func:`resolve_spans`'s, and for a ``pattern`` or a ``text``, also
+    what matches in the kept context once those are gone, until nothing matches (in the parent's indices).
+
+    Why again: removing a match joins the text around it, and the join can spell the match anew: redacting
+    ``1234`` from ``12123434`` kept ``12`` + ``34``, and the child said ``1234``. A redaction promises that
+    what it names is gone from the child, so it matches the child's text as well, at most
+    :data:`REDACT_ROUNDS` times (each round is one pass over the context); a pattern that still matches then
+    (one that matches whatever is left, such as ``^\\w+``) is refused in one line."""
+    spans = resolve_spans(tokenizer, ids, pattern=pattern, text=text, char_spans=char_spans, token_spans=token_spans)
+    if pattern is None and text is None:
+        return spans
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    removed = np.zeros(len(ids), bool)
+    for a, b in spans:
+        removed[a:b] = True
+    for _ in range(REDACT_ROUNDS):
+        kept = np.flatnonzero(~removed)
+        if kept.size == 0:
+            raise KvcInputError("the spans cover the whole context: nothing would be left")
+        decoded = tokenizer.decode(ids[kept].tolist())
+        if not (decoded.find(text) >= 0 if text is not None else regex_spans(decoded, str(pattern), required=False)):
+            edges = np.flatnonzero(np.diff(np.concatenate([[0], removed.astype(np.int8), [0]])))
+            out = [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2])]
+            if len(out) > MAX_SPANS:
+                raise KvcInputError(f"the redaction removes more than {MAX_SPANS} spans (limit {MAX_SPANS})")
+            return out
+        for a, b in resolve_spans(tokenizer, ids[kept], pattern=pattern, text=text):
+            removed[kept[a:b]] = True
+    raise KvcInputError(f"what remains still {'contains the text' if text is not None else 'matches the pattern'} after "
+                        f"{REDACT_ROUNDS} rounds of removing it (each removal joins text that "
+                        f"{'spells' if text is not None else 'matches'} it again); name the spans to remove directly")

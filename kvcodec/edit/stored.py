@@ -56,7 +56,7 @@ def resolve_params(lm: Any, data: bytes, op: str, params: Mapping[str, Any]) -> 
     _check_op(op, params)
     if op == "append" or not any(params.get(k) is not None for k in ("pattern", "text", "char_spans")):
         return dict(params)
-    from kvcodec.edit.spans import resolve_spans
+    from kvcodec.edit.spans import redaction_spans, resolve_spans
     from kvcodec.format import KvcReader
 
     kw: dict[str, Any] = {}
@@ -70,7 +70,8 @@ def resolve_params(lm: Any, data: bytes, op: str, params: Mapping[str, Any]) -> 
         ids = r.token_ids
     if ids is None:
         raise KvcInputError(f"the entry stores only the hash of its token ids; {op} needs the ids")
-    spans = resolve_spans(lm.tokenizer, ids, **kw)
+    # a redaction's spans are what redact() itself removes (what the join of the kept text spells again too)
+    spans = (redaction_spans if op == "redact" else resolve_spans)(lm.tokenizer, ids, **kw)
     out = {k: v for k, v in params.items() if k not in ("pattern", "text", "char_spans")}
     out["token_spans"] = [list(s) for s in spans]
     return out
