@@ -62,6 +62,12 @@ class KvcStoreError(KvcError):
     exit_code = 8
 
 
+class KvcQuotaError(KvcStoreError):
+    """A store refused a write for a tenant's bound (an entry larger than its quota, one namespace too many):
+    permanent until the tenant's own entries change, so a retry as for an outage would fail the same way
+    (the KDN service answers 507)."""
+
+
 class KvcIOError(KvcError):
     """The system refused an I/O operation: disk full, read-only filesystem, permission denied."""
 

@@ -18,7 +18,7 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
-from kvcodec.errors import KvcError, KvcFormatError, KvcInputError, KvcStoreError
+from kvcodec.errors import KvcError, KvcFormatError, KvcInputError, KvcQuotaError, KvcStoreError
 from kvcodec.kdn_protocol import API
 from kvcodec.service.auth import Principal, TokenTable
 from kvcodec.service.checks import HttpError, error_line, parse_json
@@ -119,6 +119,8 @@ class Admission:
             resp, detail = json_reply({"error": error_line(e)}, 400), error_line(e)
         except KvcFormatError as e:
             resp, detail = json_reply({"error": error_line(e)}, 422), error_line(e)
+        except KvcQuotaError as e:  # the tenant's own bound: no retry helps until it frees space
+            resp, detail = json_reply({"error": error_line(e)}, 507), error_line(e)
         except KvcStoreError as e:
             resp, detail = json_reply({"error": error_line(e)}, 503), error_line(e)
         except KvcError as e:

@@ -135,6 +135,13 @@ class KdnService(Admission):
         self._tokenizer_dirs: dict[str, str] = {}  # fingerprint id -> model directory (the workers load them)
         for m in config.models:
             self._add_model(m)
+        n = len(tokens.tenants())
+        for t in store.tiers:  # an uncapped directory: no tenant fills the disk under the others
+            share = t.share_tenants(n)
+            if share is not None:
+                log.warning("kdn: %s sets no tenant_bytes: each of the %d tenants may hold %s bytes (its share of the "
+                            "disk space free now); set tenant_bytes= in the store URL to choose", t.url, n,
+                            f"{share:,}")
         super().__init__(config, self._tokenizer_dirs)
 
     def store_for(self, p: Principal) -> Store:

@@ -43,7 +43,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, cast
 
-from kvcodec.errors import KvcError, KvcFormatError, KvcInputError, KvcStoreError
+from kvcodec.errors import KvcError, KvcFormatError, KvcInputError, KvcQuotaError, KvcStoreError
 from kvcodec.store.keys import DEFAULT_CHUNK, StoreKey, check_id, prefix_keys
 from kvcodec.store.options import DEFAULT_MEMORY_BYTES, TierDefaults, parse_size, redact
 from kvcodec.store.ranged import BytesRangeReader, RangeReader
@@ -251,6 +251,7 @@ class Store:
         data = as_bytes(data)
         sealed = self._ns(key).seal(key, data, check_meta(meta))
         res = PutResult(key)
+        quota_refused: set[str] = set()
         for t in self.tiers:
             if not t.supports_writes:
                 res.tiers[t.name] = "skipped: read-only"
@@ -263,13 +264,16 @@ class Store:
                 res.tiers[t.name] = "ok"
             except KvcStoreError as e:
                 res.tiers[t.name] = f"error: {e}"
+                if isinstance(e, KvcQuotaError):
+                    quota_refused.add(t.name)
         persistent = [t.name for t in self.tiers if t.supports_writes and t.persistent]
         if res.failed:
             with self._lock:
                 self.put_failures += 1
         if persistent and not any(res.tiers[n] == "ok" for n in persistent):
             self.memory.delete(phys)
-            raise KvcStoreError(
+            # every persistent tier refused for the tenant's own bound: a quota refusal (KDN: 507), not an outage
+            raise (KvcQuotaError if quota_refused >= set(persistent) else KvcStoreError)(
                 f"store put of {key} failed in every persistent tier: "
                 + "; ".join(f"{n}: {res.tiers[n]}" for n in persistent))
         return res

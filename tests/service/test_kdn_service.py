@@ -223,6 +223,24 @@ def test_client_outage_is_a_clean_miss(tmp_path, entry):
         remote_only.put(key, data)
 
 
+def test_a_quota_refusal_is_507_and_a_quota_error_at_the_client(tmp_path, entry):
+    """A put past the tenant's bound (here one namespace more than tenant_namespaces) was a 503, which says
+    "unavailable, retry later" of a refusal that no retry changes; it is 507 now, and KvcQuotaError at the
+    kvc+http client. Another tenant's puts go on."""
+    from kvcodec.errors import KvcQuotaError
+
+    key, data, cache = entry
+    svc = Service(tmp_path, extra=["--store", f"{tmp_path / 'capped'}?tenant_namespaces=1"])
+    try:
+        assert svc.put_raw(key, data) == 201          # tenant a's first namespace (its clear key's)
+        with pytest.raises(KvcQuotaError, match="507.*tenant_namespaces=1"):
+            Store.open(svc.url(TOK_A), memory_bytes=0).put(key, data)  # the client's key: a second partition
+        kb = StoreKey.for_tokens(cache.token_ids, model=key.model, codec=key.codec, namespace="b")
+        assert svc.put_raw(kb, data, token=TOK_B) == 201, "a's bound is a's alone"
+    finally:
+        svc.stop()
+
+
 @pytest.mark.slow
 def test_put_from_one_process_ask_from_another(tmp_path):
     """The done-when: one process stores (kvc ask prefills and puts), another process's ask hits."""

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from kvcodec.errors import KvcInputError, KvcStoreError
+from kvcodec.errors import KvcInputError, KvcQuotaError, KvcStoreError
 from kvcodec.store import Store, StoreKey, TenantKey
 from kvcodec.store.tenant import PHYS_CODEC, PHYS_MODEL
 from kvcodec.store.tiers.directory import DirectoryTier
@@ -119,3 +119,49 @@ def test_quota_options_are_checked_in_one_line(tmp_path):
     big = Store.open(f"file://{tmp_path}/t?fsync=0&max_bytes=1M&tenant_bytes=16K", key=A, memory_bytes=0)
     with pytest.raises(KvcStoreError, match="larger than a tenant's quota"):
         big.put(StoreKey.for_tokens([1, 2, 3], model="m", codec="c"), os.urandom(20000))
+
+
+def test_an_uncapped_directory_still_bounds_a_tenants_namespaces(tmp_path):
+    """With no max_bytes a directory tier had no quota at all: tenant_namespaces went unenforced, so a KDN
+    client naming a new namespace tag per put made partitions (directories, locks, counters) without end."""
+    a = view(f"file://{tmp_path}/s?fsync=0&tenant_namespaces=4", A)
+    for i in range(4):
+        a.put(client_key(i, f"tag{i}"), b"x" * 100, {})
+    with pytest.raises(KvcQuotaError, match="tenant_namespaces=4"):
+        a.put(client_key(4, "tag4"), b"x" * 100, {})
+    assert a.tier("directory").stats()["tenant_bytes"] is None  # no byte bound was asked for
+
+
+def test_a_service_over_an_uncapped_directory_shares_the_free_disk_between_its_tenants(tmp_path, monkeypatch):
+    """kvc serve's default store is an uncapped directory: one tenant could fill the disk under the others.
+    Each of n tenants now holds at most 1/n of the space free when the service starts."""
+    from collections import namedtuple
+
+    from kvcodec.service.app import KdnService
+    from kvcodec.service.auth import Principal, TokenTable
+    from kvcodec.store.tiers import directory
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(directory.shutil, "disk_usage", lambda p: usage(1 << 30, 0, 2 * CAP))
+    pa, pb = Principal("a", ("default",)), Principal("b", ("default",))
+    svc = KdnService(Store.open(f"{tmp_path}/s?fsync=0", key=SERVER, memory_bytes=0),
+                     TokenTable({"0" * 64: pa, "1" * 64: pb}))
+    a, b = svc.store_for(pa), svc.store_for(pb)
+    bkey = client_key(999, "btag")
+    b.put(bkey, os.urandom(8000), {})
+    bpath = b.tier("directory").path_for(b.physical(bkey))
+    before = os.stat(bpath)
+    keys = [client_key(i, f"tag{i}") for i in range(40)]
+    for k in keys:
+        a.put(k, os.urandom(8000), {})
+    assert a.tier("directory").stats()["tenant_bytes"] == CAP
+    assert tenant_bytes(a, keys) <= CAP  # was 330 kB: nothing bounded a tenant on an uncapped directory
+    st = os.stat(bpath)
+    assert (st.st_ino, st.st_mtime) == (before.st_ino, before.st_mtime), "A's share touched B's entry"
+    # one tenant starves nobody: no share is set
+    one = KdnService(Store.open(f"{tmp_path}/t?fsync=0", key=SERVER, memory_bytes=0), TokenTable({"0" * 64: pa}))
+    assert one.store.tier("directory").stats()["tenant_bytes"] is None
+    # a tenant_bytes in the URL is the operator's choice and stays
+    set_ = KdnService(Store.open(f"{tmp_path}/u?fsync=0&tenant_bytes=1M", key=SERVER, memory_bytes=0),
+                      TokenTable({"0" * 64: pa, "1" * 64: pb}))
+    assert set_.store.tier("directory").stats()["tenant_bytes"] == 1 << 20

@@ -469,6 +469,11 @@ class Tier:
             b += info.size
         return n, b
 
+    def share_tenants(self, tenants: int) -> int | None:
+        """Give ``tenants`` a byte bound each where the tier set none and one could fill it under the others
+        (the directory tier's disk); the bound, or None (none needed: a server bounds its own memory)."""
+        return None
+
     def available(self) -> bool:
         """False while the tier's server is known to be down (its guard's view)."""
         return self.guard is None or self.guard.up

@@ -38,12 +38,13 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import threading
 import time
 from typing import Any, BinaryIO, Callable, Iterator, Mapping
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from kvcodec.errors import KvcFormatError, KvcInputError, KvcStoreError
+from kvcodec.errors import KvcFormatError, KvcInputError, KvcQuotaError, KvcStoreError
 from kvcodec.store.keys import StoreKey
 from kvcodec.store.options import TierDefaults, parse_flag, parse_size
 from kvcodec.store.ranged import FileRangeReader
@@ -108,7 +109,8 @@ class DirectoryTier(Tier):
         tb = self.max_bytes if tenant_bytes is None else int(tenant_bytes)  # default: one partition's cap
         if (tb is not None and tb <= 0) or int(tenant_namespaces) <= 0:
             raise KvcInputError("directory tier tenant_bytes and tenant_namespaces must be positive")
-        self.quota = None if tb is None else TenantQuota(self, tb, int(tenant_namespaces))
+        # always a quota: with no bytes bound it still bounds each tenant's partitions (see share_tenants)
+        self.quota = TenantQuota(self, tb, int(tenant_namespaces))
 
     @classmethod
     def from_url(cls, url: str, defaults: TierDefaults) -> "DirectoryTier":
@@ -415,7 +417,7 @@ class DirectoryTier(Tier):
         size = len(prefix) + len(payload)
         if self.max_bytes is not None and size > self.max_bytes:
             self.counters.add(put_errors=1)
-            raise KvcStoreError(f"{self.root}: entry of {size:,} bytes is larger than the tier's cap of "
+            raise KvcQuotaError(f"{self.root}: entry of {size:,} bytes is larger than the tier's cap of "
                                 f"{self.max_bytes:,} bytes; not stored (raise max_bytes)")
         if quota is not None:
             quota.before_put(who, key.namespace, size)
@@ -571,11 +573,20 @@ class DirectoryTier(Tier):
                     out["corrupt_removed"] += 1
         return out
 
+    def share_tenants(self, tenants: int) -> int | None:
+        """Without ``tenant_bytes`` or ``max_bytes``, each of ``tenants`` may hold its share of the disk space
+        free now (:meth:`TenantQuota.share`); the share set, or None."""
+        try:
+            free = shutil.disk_usage(self.root).free
+        except OSError as e:
+            raise KvcStoreError(f"{self.root}: cannot read the disk's free space: {why(e)}") from None
+        return self.quota.share(tenants, free)
+
     def stats(self) -> dict[str, Any]:
         d = super().stats()
         d["root"] = self.root
         d["max_bytes"] = self.max_bytes
-        d.update(self.quota.stats() if self.quota is not None else {})
+        d.update(self.quota.stats())
         try:
             d["quarantined"] = len(os.listdir(self.quarantine))
         except OSError:

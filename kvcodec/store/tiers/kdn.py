@@ -34,7 +34,7 @@ import os
 from typing import Any, Iterable, Iterator, Mapping
 from urllib.parse import parse_qsl, quote, urlsplit, urlunsplit
 
-from kvcodec.errors import KvcError, KvcFormatError, KvcInputError, KvcStoreError
+from kvcodec.errors import KvcError, KvcFormatError, KvcInputError, KvcQuotaError, KvcStoreError
 from kvcodec.kdn_protocol import CONTAINS, CONTENT_TYPE, ENTRIES, H_CRC, H_CREATED, H_META, MAX_CONTAINS, MAX_META_HEADER, WHOAMI
 from kvcodec.store.keys import StoreKey
 from kvcodec.store.options import parse_number, parse_size, redact, url_port
@@ -118,8 +118,9 @@ class KdnTier(Tier):
             if any(w in str(e) for w in ("deadline", "connect", "transfer", "timeout")):
                 raise self.guard.failed(str(e)) from None
             raise
-        if r.status >= 500:
-            raise KvcStoreError(f"kdn {self.url}: {method} {path}: HTTP {r.status} {_reason(r.body)}")
+        if r.status >= 500:  # 507: the tenant's quota (KvcQuotaError: permanent, unlike an outage)
+            raise (KvcQuotaError if r.status == 507 else KvcStoreError)(
+                f"kdn {self.url}: {method} {path}: HTTP {r.status} {_reason(r.body)}")
         self.guard.ok()
         return r.status, r.headers, r.body
 

@@ -10,11 +10,16 @@ whose put it is (:meth:`~kvcodec.store.tiers.base.Tier.put_for`, the tenant key'
   because that is what the per-partition cap already does: a cache tenant that keeps writing keeps its newest
   entries, and the entry just written is never evicted. Another tenant's entries are never read or touched.
 * how many partitions a tenant owns by ``tenant_namespaces``: each costs directories, a lock and counters
-  whatever its bytes, so a put that would make one more is refused (:class:`KvcStoreError`, one line).
+  whatever its bytes, so a put that would make one more is refused (:class:`~kvcodec.errors.KvcQuotaError`, one line).
 
 A partition's owner is recorded in ``objects/<ns>/.owner`` (the id, written once, atomically), so the bounds
 hold across restarts; a partition written before owners were recorded is claimed by the first put into it.
 Puts with no owner (a tier used directly) are bounded by the per-partition cap only.
+
+A tier with neither ``max_bytes`` nor ``tenant_bytes`` bounds no tenant's bytes, but still each tenant's
+partitions (each costs the process memory, whatever its bytes). :meth:`TenantQuota.share` gives such a tier's
+tenants a byte bound of their own: the KDN service calls it with its number of tenants, so that no tenant of a
+service over an uncapped directory can fill the disk under the others.
 
 Atomicity: a put accounts its bytes under the quota's lock after its write, and any put that finds its
 tenant over the quota evicts, one eviction per tenant at a time, measuring the tenant's files afresh. So a
@@ -31,7 +36,7 @@ import secrets
 import threading
 from typing import Iterator, Protocol
 
-from kvcodec.errors import KvcInputError, KvcStoreError
+from kvcodec.errors import KvcInputError, KvcQuotaError, KvcStoreError
 from kvcodec.store.options import parse_number
 from kvcodec.store.tiers.base import TierCounters
 from kvcodec.store.tiers.localfs import evict_oldest, open_dir, open_regular, why
@@ -67,8 +72,9 @@ class _Tier(Protocol):
 class TenantQuota:
     """The owner of each partition, each owner's bytes (measured by a scan, then tracked) and partitions."""
 
-    def __init__(self, tier: _Tier, max_bytes: int, max_namespaces: int) -> None:
-        self.tier, self.max_bytes, self.max_namespaces = tier, int(max_bytes), int(max_namespaces)
+    def __init__(self, tier: _Tier, max_bytes: int | None, max_namespaces: int) -> None:
+        self.tier, self.max_namespaces = tier, int(max_namespaces)
+        self.max_bytes = None if max_bytes is None else int(max_bytes)  # None: partitions bounded, bytes not
         self._lock = threading.Lock()  # held for no I/O but the one-time owner scan
         self._owner_of: dict[str, str] | None = None  # partition -> owner id (None: not read from disk yet)
         self._parts: dict[str, set[str]] = {}
@@ -80,9 +86,9 @@ class TenantQuota:
         then :meth:`claim` ``partition`` for ``owner``."""
         if not isinstance(owner, str) or not _OWNER.fullmatch(owner):
             raise KvcInputError(f"directory tier: an owner is a tenant key id (16 hex digits), got {ascii(owner)[:40]}")
-        if size > self.max_bytes:
+        if self.max_bytes is not None and size > self.max_bytes:
             self.tier.counters.add(put_errors=1)
-            raise KvcStoreError(f"{self.tier.root}: entry of {size:,} bytes is larger than a tenant's quota of "
+            raise KvcQuotaError(f"{self.tier.root}: entry of {size:,} bytes is larger than a tenant's quota of "
                                 f"{self.max_bytes:,} bytes; not stored (raise tenant_bytes)")
         self.claim(owner, partition)
 
@@ -114,7 +120,7 @@ class TenantQuota:
                 return
             mine = self._parts.setdefault(owner, set())
             if len(mine) >= self.max_namespaces:
-                raise KvcStoreError(f"{self.tier.root}: tenant {owner} already has {len(mine):,} namespaces on this "
+                raise KvcQuotaError(f"{self.tier.root}: tenant {owner} already has {len(mine):,} namespaces on this "
                                     f"tier, the most it may (tenant_namespaces={self.max_namespaces}); not stored")
             owners[partition] = owner
             mine.add(partition)
@@ -144,6 +150,8 @@ class TenantQuota:
     def account(self, owner: str, size: int) -> bool:
         """After a put of ``size`` bytes: whether ``owner`` must be measured (first put) or is over its quota."""
         with self._lock:
+            if self.max_bytes is None:
+                return False
             known = owner in self._bytes
             self._bytes[owner] = self._bytes.get(owner, 0) + size
             return not known or self._bytes[owner] > self.max_bytes
@@ -152,17 +160,20 @@ class TenantQuota:
         """Delete ``owner``'s least-recently-used entries, over all its partitions, until under
         ``low_water * max_bytes`` if it is over ``max_bytes``; ``keep`` (the entry just written) never."""
         with self._lock:
+            if self.max_bytes is None:
+                return 0
             lock = self._evicting.setdefault(owner, threading.Lock())
+            limit = self.max_bytes
         with lock:
             with self._lock:
                 parts = sorted(self._parts.get(owner, ()))
             files = [(p, path, st) for p in parts
                      for path, st in self.tier._partition_files(os.path.join(self.tier.objects, p))]
             total = sum(st.st_size for _, _, st in files)
-            target = int(self.max_bytes * self.tier.low_water)
+            target = int(limit * self.tier.low_water)
             removed: dict[str, int] = {}
             n = 0
-            if total > self.max_bytes:
+            if total > limit:
                 total, gone, n = evict_oldest([(path, st) for _, path, st in files], total, target, keep)
                 for i in gone:
                     part, _, st = files[i]
@@ -177,7 +188,20 @@ class TenantQuota:
             self.tier.counters.add(evictions=n)
         return n
 
-    def stats(self) -> dict[str, int]:
+    def share(self, tenants: int, free_bytes: int) -> int | None:
+        """Bound each tenant's bytes to its share of ``free_bytes`` among ``tenants`` where no bound was set.
+
+        Returns the bound set, or None where ``tenant_bytes`` (or ``max_bytes``) already bounds them or one
+        tenant cannot starve another. Why a share of the free space: it is what the tenants can fill between
+        them, and the store's own eviction then keeps each under its share (a set ``tenant_bytes`` wins)."""
+        with self._lock:
+            if self.max_bytes is not None or tenants < 2:
+                return None
+            self.max_bytes = max(1, int(free_bytes) // int(tenants))
+            self._bytes.clear()  # measured afresh by each tenant's next put
+            return self.max_bytes
+
+    def stats(self) -> dict[str, int | None]:
         with self._lock:
             return {"tenant_bytes": self.max_bytes, "tenant_namespaces": self.max_namespaces,
                     "tenants": len(self._parts)}
