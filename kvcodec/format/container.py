@@ -20,6 +20,7 @@ import json
 import math
 import re
 import struct
+import sys
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -174,6 +175,19 @@ def _finite_float(text: str) -> float:
     return v
 
 
+_DOUBLE_MAX_INT = int(sys.float_info.max)
+
+
+def _double_int(text: str) -> int:
+    """An integer literal is a JSON number too: one past a double's range (a 400-digit ``meta`` value) is as
+    forbidden as ``1e400`` (spec section 4), and rejecting it here means no consumer of the header (``kvc info``'s
+    prune record, the edit log's promise) meets an int that ``float()`` cannot convert (an OverflowError)."""
+    v = int(text)
+    if abs(v) > _DOUBLE_MAX_INT:
+        raise KvcFormatError(f"header JSON number {text[:40]}... ({len(text)} digits) overflows a double")
+    return v
+
+
 def load_header(b: bytes | memoryview) -> dict[str, Any]:
     """Parse header bytes under the JSON rules of spec section 4: strict UTF-8, no duplicate keys,
     no NaN / Infinity (nor numbers that overflow to them), no lone surrogates, depth <= 64, an object."""
@@ -184,7 +198,8 @@ def load_header(b: bytes | memoryview) -> dict[str, Any]:
     if _too_deep(text):
         raise KvcFormatError(f"header JSON nests deeper than {MAX_JSON_DEPTH} levels")
     try:
-        obj = json.loads(text, object_pairs_hook=_no_dupes, parse_constant=_bad_constant, parse_float=_finite_float)
+        obj = json.loads(text, object_pairs_hook=_no_dupes, parse_constant=_bad_constant, parse_float=_finite_float,
+                         parse_int=_double_int)
     except KvcFormatError:
         raise
     except (ValueError, RecursionError) as exc:

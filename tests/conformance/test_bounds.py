@@ -418,6 +418,34 @@ def test_header_rules_that_still_accept(small_file):
             KvcReader(assemble(parts, header=text))
 
 
+
+@pytest.mark.parametrize("meta", [
+    {"prune": {"kept_fraction": 10**400}},  # describe(): float(kept_fraction) raised OverflowError
+    {"prune": {"context_tokens": -(10**400)}},
+    {"edits": [{"op": "append", "params": {}, "parent_sha256": "0" * 64, "parent_token_ids_sha256": "0" * 64,
+                "promise": {"preset": "lossless", "kl": 10**400, "basis": "b"}}]},  # kvc info: the edit log's check
+    {"x": 2**1024},  # just past a double's range
+])
+def test_an_integer_past_a_doubles_range_is_refused_like_1e400(small_file, meta, tmp_path, capsys):
+    """A JSON integer literal overflowing a double is a number that overflows a double (spec section 4), as 1e400
+    is: it escaped as OverflowError from describe() and `kvc info` when meta held one (found by field-by-field
+    header surgery with the CRCs recomputed)."""
+    from kvcodec.cli.main import main
+
+    bad = _with(small_file, lambda o: o.__setitem__("meta", meta))
+    with pytest.raises(KvcFormatError, match="overflows a double"):
+        KvcReader(bad)
+    path = tmp_path / "big.kvc"
+    path.write_bytes(bad)
+    with pytest.raises(SystemExit) as exc:
+        main(["info", str(path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == KvcFormatError.exit_code and len(err) == 1 and "overflows a double" in err[0]
+    fine = _with(small_file, lambda o: o.__setitem__("meta", {"x": int(1.7e308), "y": -(2**64)}))
+    with KvcReader(fine) as r:
+        assert r.header.meta["y"] == -(2**64) and r.describe()["meta"]["x"] == int(1.7e308)
+
+
 # -- encode-side range checks ---------------------------------------------------------
 def test_fp16_cast_refuses_overflow_and_keeps_nonfinite_exact():
     c = synthetic_cache(torch.float32, T=8)
