@@ -20,6 +20,7 @@ import shutil
 import stat
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from functools import cached_property
@@ -352,6 +353,36 @@ def resolve_model_dir(name: str = DEFAULT_MODEL) -> Path:
     return path
 
 
+_QUIET = threading.Lock()
+_quiet_depth = 0
+_quiet_saved: tuple[int, bool] = (0, True)
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """transformers' logging at error level and its progress bars off while any load runs, then the caller's
+    settings back. Counted, so two threads' loads that overlap restore what was set before the first began
+    (each saving and restoring alone left the second's "error" in place for good when they interleaved)."""
+    from transformers.utils import logging as hf_logging
+
+    global _quiet_depth, _quiet_saved
+    with _QUIET:
+        if _quiet_depth == 0:
+            _quiet_saved = (hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled())
+            hf_logging.set_verbosity_error()
+            hf_logging.disable_progress_bar()
+        _quiet_depth += 1
+    try:
+        yield
+    finally:
+        with _QUIET:
+            _quiet_depth -= 1
+            if _quiet_depth == 0:
+                hf_logging.set_verbosity(_quiet_saved[0])
+                if _quiet_saved[1]:
+                    hf_logging.enable_progress_bar()
+
+
 _PICKLE_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 _MAX_SAFETENSORS_HEADER = 100 << 20  # the format's own limit
 _MAX_INDEX = 64 << 20  # model.safetensors.index.json: a few MB for the largest checkpoints
@@ -424,8 +455,6 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "float32") -> LoadedModel
 
     models()  # before transformers imports them without us (kvcodec/models/hfimport.py)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
     from kvcodec.models.precheck import check_config, check_loaded, check_side_files, check_skeleton, check_vocabulary
 
     path = resolve_model_dir(name)
@@ -439,30 +468,25 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "float32") -> LoadedModel
     # and corrupt checkpoints before transformers touches them, and pins what the fingerprint describes.
     before = weights_identity(path)
     weights_sha256(path)
-    hf_logging.disable_progress_bar()
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # its multi-line load report: what it would say is refused in one line below
-    try:
-        # trust_remote_code=False: a directory with custom code (auto_map) is refused; left unset, transformers asked
-        # "Do you wish to run the custom code? [y/N]" on a terminal, and a "y" ran the directory's Python
-        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
-        with torch.device("meta"):  # shapes only: a config describing terabytes allocates nothing here
-            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
-        check_skeleton(path, cfg, skeleton)
-        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), local_files_only=True,
-                                                           use_safetensors=True, output_loading_info=True,
-                                                           trust_remote_code=False)
-        check_loaded(path, info)
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
-        check_vocabulary(path, model, tok)
-    except KvcModelNotFoundError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - a malformed directory makes transformers raise almost anything
-        msg = " ".join(str(exc).split())[:300]
-        raise KvcModelNotFoundError(f"cannot load model from {path}: {type(exc).__name__}: {msg}") from None
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        hf_logging.enable_progress_bar()
+    with _quiet_transformers():  # its multi-line load report: what it would say is refused in one line below
+        try:
+            # trust_remote_code=False: a directory with custom code (auto_map) is refused; left unset, transformers asked
+            # "Do you wish to run the custom code? [y/N]" on a terminal, and a "y" ran the directory's Python
+            config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+            with torch.device("meta"):  # shapes only: a config describing terabytes allocates nothing here
+                skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+            check_skeleton(path, cfg, skeleton)
+            model, info = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), local_files_only=True,
+                                                               use_safetensors=True, output_loading_info=True,
+                                                               trust_remote_code=False)
+            check_loaded(path, info)
+            tok = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+            check_vocabulary(path, model, tok)
+        except KvcModelNotFoundError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a malformed directory makes transformers raise almost anything
+            msg = " ".join(str(exc).split())[:300]
+            raise KvcModelNotFoundError(f"cannot load model from {path}: {type(exc).__name__}: {msg}") from None
     if weights_identity(path) != before:
         raise KvcModelNotFoundError(f"{path}: the weight files changed while the model was loading; try again")
     model.eval()

@@ -375,3 +375,49 @@ def test_integers_stored_for_a_float_weight_are_refused(tiny, tmp_path):
     p.write_bytes(struct.pack("<Q", len(new)) + new + b[8 + n:])
     with pytest.raises(KvcModelNotFoundError, match="stores lm_head.weight as I32, not as floating point"):
         load_model(str(d))
+
+
+def test_overlapping_loads_give_back_the_callers_logging(tiny, monkeypatch):
+    """load_model quiets transformers while it loads. Each load saved and restored the verbosity alone, so two
+    threads' loads that overlapped (the second saving the first's "error", the first finishing first) left
+    transformers at error level for good, and progress bars on that the caller had turned off."""
+    from transformers.utils import logging as hf_logging
+
+    from kvcodec.models import load, precheck
+
+    real = precheck.check_vocabulary
+    both_in, first_done = threading.Barrier(2, timeout=60), threading.Event()
+
+    def check_vocabulary(*a, **kw):
+        both_in.wait()  # both loads are inside transformers' quiet settings now
+        if threading.current_thread().name != "first":
+            assert first_done.wait(60)  # the first load finishes first
+        return real(*a, **kw)
+
+    monkeypatch.setattr(precheck, "check_vocabulary", check_vocabulary)
+    before = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_warning()
+    hf_logging.disable_progress_bar()
+    errors: list[BaseException] = []
+
+    def run(done: threading.Event | None) -> None:
+        try:
+            load.load_model(str(tiny))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+        if done is not None:
+            done.set()
+
+    try:
+        ts = [threading.Thread(target=run, args=(first_done,), name="first"),
+              threading.Thread(target=run, args=(None,), name="second")]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(120)
+        assert not errors, errors
+        assert hf_logging.get_verbosity() == hf_logging.WARNING  # was ERROR
+        assert not hf_logging.is_progress_bar_enabled()  # was re-enabled
+    finally:
+        hf_logging.set_verbosity(before[0])
+        (hf_logging.enable_progress_bar if before[1] else hf_logging.disable_progress_bar)()
