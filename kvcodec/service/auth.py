@@ -59,7 +59,14 @@ class TokenTable:
         self._by_hash = dict(principals)
 
     def lookup(self, token: str) -> Principal | None:
-        return self._by_hash.get(token_hash(token))
+        """The token's principal, or ``None``. A header's bytes that are not UTF-8 reach us as surrogates (aiohttp
+        decodes headers with ``surrogateescape``): no token file can hold them, and hashing them raised
+        UnicodeEncodeError (a 500 for ``Authorization: Bearer \\xff``), so they are an unknown token (401)."""
+        try:
+            h = token_hash(token)
+        except UnicodeEncodeError:
+            return None
+        return self._by_hash.get(h)
 
     def __len__(self) -> int:
         return len(self._by_hash)

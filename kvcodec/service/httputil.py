@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from typing import Any
 
@@ -18,7 +19,22 @@ from kvcodec.service.checks import error_line
 
 log = logging.getLogger("kvcodec.service")
 
-__all__ = ["LogLimiter", "HttpLayerLog", "json_reply", "parse_range", "resolve_range"]
+__all__ = ["LogLimiter", "HttpLayerLog", "json_reply", "parse_range", "redact_credentials", "resolve_range"]
+
+# where a credential starts in a text quoting request bytes: the header's name, or an auth scheme's name
+_CREDENTIAL = re.compile(r"(?i)authorization|bearer|basic")
+
+
+def redact_credentials(text: str) -> str:
+    """``text`` cut where a credential could start (``Authorization``, ``Bearer``, ``Basic``), the rest redacted.
+
+    Why: aiohttp's parser errors quote the request's own bytes (a bad request line quotes the whole head, a bad or
+    overlong header its line), so a client that ended its lines with a bare LF, or sent one byte its parser
+    refuses in the Authorization header, had its bearer token written to the server's log and echoed in the
+    answer. Everything after the name is dropped, not only the token: the quote may escape the token's end
+    (``\\n``) or hold the rest of the head, and a log line needs none of it."""
+    m = _CREDENTIAL.search(text)
+    return text if m is None else text[:m.end()] + " <redacted>"
 
 
 class LogLimiter:
@@ -59,7 +75,7 @@ class HttpLayerLog:
             text = str(msg)
         if isinstance(exc_info, BaseException):
             text += f": {error_line(exc_info)}"
-        self.limiter.line(level, f"kdn: {text[:400]}")
+        self.limiter.line(level, f"kdn: {redact_credentials(text)[:400]}")
 
     def exception(self, msg: str, *args: Any, **kw: Any) -> None:
         self._line(logging.WARNING, msg, *args, **kw)

@@ -31,6 +31,7 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
 from kvcodec.service.checks import error_line
+from kvcodec.service.httputil import redact_credentials
 
 
 ABUSIVE_HOLD = 1.0  # seconds a connection from an address far past its refusal rate waits before its 429
@@ -145,6 +146,7 @@ class KdnRequestHandler(RequestHandler):
             raise ConnectionError("the answer had started; closing the connection")
         # aiohttp's parser errors carry their one-line reason in ``message``
         what = str(getattr(exc, "message", "") or (error_line(exc) if exc is not None else message or "")).strip()
+        what = redact_credentials(what)  # the parser quotes the request's bytes: never a token in the log or answer
         if status >= 500:
             text = "internal error"
         else:

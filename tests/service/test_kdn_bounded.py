@@ -481,3 +481,25 @@ def test_large_lookups_and_key_lists_are_probed_in_slices_with_the_same_answer(s
         late = ks[:-1] + [foreign]  # the refused key sits in the last slice
         s, _, b = svc.request("POST", "/v1/contains", TOK_A_NS, body=json.dumps({"keys": late}).encode())
         assert s == 403 and "a-private" in _error(b)
+
+
+def test_a_token_never_reaches_the_log_or_an_error_and_odd_bytes_in_it_are_a_401(svc):
+    """aiohttp's parser errors quote the request's bytes: a head with bare-LF line ends quoted the whole head,
+    a refused byte or an overlong Authorization header quoted its line, so the bearer token went to the log and
+    back in the answer. And a token of bytes that are not UTF-8 was a 500 (hashing a surrogate), not a 401."""
+    secret = "tok-leaked-secret-0123456789"
+    heads = [
+        b"GET /v1/whoami HTTP/1.1\nHost: x\nConnection: close\nAuthorization: Bearer " + secret.encode() + b"\n\n",
+        b"GET /v1/whoami HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + secret.encode() + b"\x01\r\n\r\n",
+        b"GET /v1/whoami HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + secret.encode() + b"x" * 70_000 + b"\r\n\r\n",
+    ]
+    for head in heads:
+        st, resp = raw_request(svc.port, head, timeout=10, source="127.0.0.21")
+        assert st == 400 and "malformed HTTP request" in _error(_http_body(resp)), resp[:300]
+        assert secret.encode() not in resp, resp[:300]
+    st, resp = raw_request(svc.port, b"GET /v1/whoami HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                           b"Authorization: Bearer \xff\xfe-not-utf8-token\r\n\r\n", timeout=10, source="127.0.0.21")
+    assert st == 401 and _error(_http_body(resp)) == "invalid token", resp[:300]
+    time.sleep(0.2)
+    log = svc.log()
+    assert secret not in log and "Traceback" not in log
