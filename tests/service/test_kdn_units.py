@@ -248,3 +248,25 @@ def test_an_entrys_checksum_and_etag_are_never_another_tenants(tmp_path, monkeyp
         assert crc == f"{crc32c(data):08x}"
         tags.append(etag)
     assert tags[0] != tags[1]
+
+
+def test_a_new_version_put_in_the_same_millisecond_gets_its_own_checksum(tmp_path, monkeypatch):
+    """The ETag memo was keyed by (tenant, key, created, size): one tenant's second version of a key put in the
+    same millisecond with the same size was answered with the first version's crc32c and ETag."""
+    from kvcodec.service.app import KdnService
+    from kvcodec.service.auth import Principal
+    from kvcodec.service.config import ServiceConfig
+    from kvcodec.store.tiers import base
+    from kvcodec.store.tiers.base import crc32c
+
+    svc = KdnService(Store.open(str(tmp_path / "s")), TokenTable.single("tok-0123456789abcdef"), ServiceConfig())
+    monkeypatch.setattr(base.time, "time", lambda: 1_700_000_000.0)
+    st = svc.store_for(Principal("default", ("default",)))
+    k = StoreKey.for_tokens(list(range(16)), model="m", codec="c")
+    tags = set()
+    for data in (b"1" * 100, b"2" * 100):
+        st.put(k, data)
+        _, etag, crc = svc._entry_and_tag(st, k)
+        assert crc == f"{crc32c(data):08x}"
+        tags.add(etag)
+    assert len(tags) == 2
