@@ -332,20 +332,20 @@ def regex_spans(text: str, pattern: str, seconds: float | None = None, required:
     if not isinstance(pattern, str) or not pattern or len(pattern) > MAX_PATTERN_CHARS:
         raise KvcInputError(f"the pattern must be a non-empty regular expression of at most {MAX_PATTERN_CHARS} characters")
     if _calls_a_group(pattern):
-        raise KvcInputError(f"the pattern {pattern!r:.60} calls itself or a group ((?R), (?1), (?&name), (?P>name)): "
+        raise KvcInputError(f"the pattern ({len(pattern)} characters) calls itself or a group ((?R), (?1), (?&name), (?P>name)): "
                             "recursion is not taken (the matcher's stack for it grows to gigabytes); name the span "
                             "without it")
     try:
         size = max(unrolled_size(pattern), parsed_size(pattern) or 0)
     except (regex.error, ValueError, TypeError, OverflowError, RecursionError, IndexError) as exc:
-        raise KvcInputError(f"bad regular expression {pattern!r:.60}: {exc}") from None
+        raise KvcInputError(f"bad regular expression ({len(pattern)} characters): {exc}") from None
     if size > MAX_PATTERN_UNROLLED:
-        raise KvcInputError(f"the pattern {pattern!r:.60} repeats too much: its counted repeats ({{m}}, {{m,n}}) stand "
+        raise KvcInputError(f"the pattern ({len(pattern)} characters) repeats too much: its counted repeats ({{m}}, {{m,n}}) stand "
                             f"for {size:,} elements (limit {MAX_PATTERN_UNROLLED:,}); repeat less, or use * or +")
     try:
         rx = regex.compile(pattern)
     except (regex.error, ValueError, TypeError, OverflowError, RecursionError) as exc:
-        raise KvcInputError(f"bad regular expression {pattern!r:.60}: {exc}") from None
+        raise KvcInputError(f"bad regular expression ({len(pattern)} characters): {exc}") from None
     bound = PATTERN_SECONDS if seconds is None else seconds
     # regex's timeout counts the process's CPU time, every thread's (measured: two catastrophic matches at once, each
     # under a 2 s timeout, stopped after ~1 s of their own CPU): concurrent work makes a match's bound tighter, never
@@ -361,13 +361,13 @@ def regex_spans(text: str, pattern: str, seconds: float | None = None, required:
             if time.thread_time() > deadline:  # the bound is on the whole search, not each match
                 raise TimeoutError
     except MemoryError:  # regex caps its backtracking stack: an endless recursion ((?R), (?&name)) reaches the cap
-        raise KvcInputError(f"the pattern {pattern!r:.60} ran out of the matcher's memory over the {len(text)}-character "
+        raise KvcInputError(f"the pattern ({len(pattern)} characters) ran out of the matcher's memory over the {len(text)}-character "
                             "context (a recursion that never consumes a character?); simplify it") from None
     except TimeoutError:
-        raise KvcPatternTimeoutError(f"the pattern {pattern!r:.60} did not finish within {bound:g} CPU-seconds over the "
+        raise KvcPatternTimeoutError(f"the pattern ({len(pattern)} characters) did not finish within {bound:g} CPU-seconds over the "
                                      f"{len(text)}-character context (catastrophic backtracking?); simplify it") from None
     if not spans and required:
-        raise KvcInputError(f"the pattern {pattern!r:.60} matches nothing in the stored context")
+        raise KvcInputError(f"the pattern ({len(pattern)} characters) matches nothing in the stored context")
     if len(spans) > MAX_SPANS:
         raise KvcInputError(f"the pattern matches more than {MAX_SPANS} spans (limit {MAX_SPANS})")
     return spans
@@ -390,7 +390,7 @@ def text_spans(text: str, literal: str) -> list[tuple[int, int]]:
             raise KvcInputError(f"the text occurs more than {MAX_SPANS} times (limit {MAX_SPANS})")
         at = text.find(literal, at + len(literal))
     if not spans:
-        raise KvcInputError(f"the text {literal!r:.60} does not occur in the stored context")
+        raise KvcInputError(f"the text ({len(literal)} characters) does not occur in the stored context")
     return spans
 
 

@@ -84,3 +84,19 @@ def test_a_pattern_that_matches_whatever_is_left_is_refused(lm, parent):
 
     with pytest.raises(KvcInputError, match="rounds"):
         redact(lm, parent("The serial is 987654321, printed on the back."), pattern=r"\d(?!\d)")
+
+
+@pytest.mark.parametrize("how", [{"text": "Keiko  Tanaka"}, {"pattern": r"Keiko\s+Tanak[ei]\b"},
+                                 {"pattern": r"Keiko Tanaka("}, {"pattern": r"(?R)Keiko Tanaka"}])
+def test_a_refused_redaction_does_not_repeat_what_it_was_given(lm, parent, how):
+    """What a caller asks to remove is the secret (or a near miss of it: a typo, another spelling): a refusal
+    says what is wrong without quoting it, since the service logs every refusal's line (before: ``the text
+    'Keiko  Tanaka' does not occur ...`` in the answer and in the operator's log)."""
+    from kvcodec.edit.redact import redact
+    from kvcodec.edit.stored import resolve_params
+
+    data = parent(LINE.format("Keiko Tanaka"))
+    for run in (lambda: redact(lm, data, **how), lambda: resolve_params(lm, data, "redact", dict(how))):
+        with pytest.raises(KvcInputError) as got:
+            run()
+        assert "Keiko" not in str(got.value) and "Tanak" not in str(got.value)
