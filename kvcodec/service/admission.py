@@ -49,8 +49,28 @@ PRINCIPAL: Any = web.AppKey("principal", Principal)
 DEADLINE = "kvc.deadline"
 STOP = "kvc.stop_reading"  # set: the answer closes the connection without draining the body (server.py)
 HELD = "kvc.body_held"  # (tenant, bytes) of the request's body, charged to the body budget until its answer
+EXPECT = "kvc.expect_continue"  # True: the client waits for "100 Continue" before its body; "sent" once it has it
 
-__all__ = ["Admission", "BodyBudget", "PRINCIPAL", "DEADLINE", "STOP", "HELD"]
+__all__ = ["Admission", "BodyBudget", "PRINCIPAL", "DEADLINE", "STOP", "HELD", "EXPECT", "expect_continue"]
+
+
+async def expect_continue(request: web.Request) -> web.StreamResponse | None:
+    """Every route's ``Expect`` handler (aiohttp runs it before the middlewares). ``100-continue`` is only noted
+    here and acknowledged by :meth:`Admission._read_body` once authentication and every check before the body
+    have passed; any other expectation is a one-line JSON 417.
+
+    Why: aiohttp's own handler sent ``100 Continue`` at once, so a client with a bad token, a read-only token or a
+    body over the limit was invited to send it (curl asks before any upload over 1 MiB), and its 401/403/413 came
+    only after we had read and dropped its body for ``LINGER``; and an unknown expectation was answered in
+    plain text, echoing the header."""
+    if request.version < (1, 1):  # HTTP/1.0 has no 100 Continue (RFC 9110 §10.1.1): ignore the header
+        return None
+    if request.headers.get("Expect", "").strip().lower() == "100-continue":
+        request[EXPECT] = True
+        return None
+    resp = json_reply({"error": "unsupported Expect header (only 100-continue)"}, 417)
+    resp.force_close()
+    return resp
 
 
 class Admission:
@@ -134,6 +154,8 @@ class Admission:
             held = request.pop(HELD, None)
             if held is not None:
                 self.bodies.give(*held)
+        if request.get(EXPECT) is True and request.body_exists:  # refused before its body was invited: it never
+            request[STOP] = True  # comes, and is not waited for (RFC 9110 §10.1.1: answer, then close)
         if request.get(STOP):
             resp.force_close()
             if isinstance(request.protocol, KdnRequestHandler):
@@ -273,6 +295,10 @@ class Admission:
         if request.content_length is not None and request.content_length > limit:  # drained like any refusal
             raise HttpError(413, f"{what} of {request.content_length} bytes is larger than the limit of {limit}")
         tenant = request[PRINCIPAL].tenant if PRINCIPAL in request else "-"
+        if request.get(EXPECT) is True:  # every check before the body passed: now the client may send it
+            request[EXPECT] = "sent"
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.writer.output_size = 0  # not the answer: the answer has not started (as aiohttp's own handler)
         end = time.monotonic() + min(c.body_timeout, self._left(request))
         buf = bytearray()
         held = 0

@@ -94,7 +94,7 @@ from kvcodec.kdn_protocol import (
     METRICS,
     WHOAMI,
 )
-from kvcodec.service.admission import DEADLINE, PRINCIPAL, Admission
+from kvcodec.service.admission import DEADLINE, PRINCIPAL, Admission, expect_continue
 from kvcodec.service.auth import Principal, TokenTable
 from kvcodec.service.checks import (
     HttpError,
@@ -181,15 +181,16 @@ class KdnService(Admission):
                                             "logger": HttpLayerLog(self.bad)})
         app[SERVICE] = self
         r = app.router
-        r.add_get(HEALTHZ, self.healthz)
-        r.add_get(METRICS, self.metrics_handler)
-        r.add_get(WHOAMI, self.whoami)
-        r.add_get(ENTRIES, self.ls)
-        r.add_put(f"{ENTRIES}/{{key}}", self.put)
-        r.add_get(f"{ENTRIES}/{{key}}", self.get)  # HEAD too (aiohttp adds it)
-        r.add_delete(f"{ENTRIES}/{{key}}", self.delete)
-        r.add_post(CONTAINS, self.contains)
-        r.add_post(LOOKUP, self.lookup)
+        ex: dict[str, Any] = {"expect_handler": expect_continue}  # "100 Continue" only once a body is wanted
+        r.add_get(HEALTHZ, self.healthz, **ex)
+        r.add_get(METRICS, self.metrics_handler, **ex)
+        r.add_get(WHOAMI, self.whoami, **ex)
+        r.add_get(ENTRIES, self.ls, **ex)
+        r.add_put(f"{ENTRIES}/{{key}}", self.put, **ex)
+        r.add_get(f"{ENTRIES}/{{key}}", self.get, **ex)  # HEAD too (aiohttp adds it)
+        r.add_delete(f"{ENTRIES}/{{key}}", self.delete, **ex)
+        r.add_post(CONTAINS, self.contains, **ex)
+        r.add_post(LOOKUP, self.lookup, **ex)
         from kvcodec.service.edit import add_edit_routes  # offline editing (issue 37)
 
         add_edit_routes(self, r, API)

@@ -185,4 +185,6 @@ def add_edit_routes(svc: Any, router: web.UrlDispatcher, api: str) -> None:
     def handler(request: web.Request) -> Awaitable[web.StreamResponse]:
         return edit_entry(svc, request)
 
-    router.add_post(f"{api}/entries/{{key}}/edit", handler)
+    from kvcodec.service.admission import expect_continue
+
+    router.add_post(f"{api}/entries/{{key}}/edit", handler, expect_handler=expect_continue)

@@ -503,3 +503,27 @@ def test_a_token_never_reaches_the_log_or_an_error_and_odd_bytes_in_it_are_a_401
     time.sleep(0.2)
     log = svc.log()
     assert secret not in log and "Traceback" not in log
+
+
+def test_100_continue_is_sent_only_once_the_body_is_wanted(svc):
+    """aiohttp sent "100 Continue" before any check, so a bad token's, a read-only token's or an oversized
+    upload's client was invited to send its body and got its refusal only after we had read and dropped it; an
+    unknown expectation was a plain-text 417. Now: refusals come instead of the 100, the 100 comes when the body
+    is about to be read, and anything but 100-continue is a one-line JSON 417."""
+    key, data = honest_entry(40, 64, "a")
+    refused = [(TOK_A_NS.replace("ns-a", "ns-x"), 1 << 30, 401), (TOK_A, 1 << 30, 413), (TOK_B, len(data), 403)]
+    for token, length, status in refused:
+        head = request_head("PUT", path_of(key), token, {"Expect": "100-continue", "Content-Length": length})
+        with socket.create_connection(("127.0.0.1", svc.port), timeout=10, source_address=("127.0.0.22", 0)) as s:
+            s.sendall(head)
+            first = s.recv(65536)
+        assert first.startswith(b"HTTP/1.1 %d" % status), (status, first[:120])
+    head = request_head("PUT", path_of(key), TOK_A, {"Expect": "100-continue", "Content-Length": len(data)})
+    with socket.create_connection(("127.0.0.1", svc.port), timeout=10) as s:
+        s.sendall(head)
+        assert s.recv(65536) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        s.sendall(data)
+        assert s.recv(65536).startswith(b"HTTP/1.1 201")
+    st, resp = raw_request(svc.port, request_head("PUT", path_of(key), TOK_A, {"Expect": "200-ok",
+                                                                                "Content-Length": 1}) + b"x")
+    assert st == 417 and "Expect" in _error(_http_body(resp)), resp[:300]
