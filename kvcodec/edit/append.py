@@ -109,13 +109,14 @@ def append(lm: Any, source: Any, text: str | None = None, token_ids: Any = None,
         raise KvcInputError("the entry stores only the hash of its token ids; append needs the ids")
     new = context_ids(lm, text, token_ids)
     old = np.asarray(parent.reader.token_ids, np.int64)
+    # both paths need the whole child inside the window: refused here, before the incremental path decodes the parent
+    check_fits(lm, len(old) + len(new), "the extended context")
     carried = parent.carried
     path = repair if repair != "auto" else ("prefill" if carried else "incremental")
     params = {"tokens": int(len(new)), "appended_token_ids_sha256": _ids_sha(new), "repair": path}
     info: dict[str, Any] = {"parent_tokens": int(len(old)), "appended_tokens": int(len(new)), "repair": path}
     if path == "prefill":
         ids = np.concatenate([old, new])
-        check_fits(lm, len(ids), "the extended context")
         why = f" ({carried}, so the child is prefilled afresh)" if carried else ""
         say(f"prefilling all {len(ids)} tokens of the child{why}")
         t1 = time.perf_counter()

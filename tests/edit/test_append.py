@@ -177,3 +177,17 @@ def test_promise_refusals_are_one_line(lm, changelog_ids):
         append(lm, hashed, text="more")
     with pytest.raises(KvcInputError, match="repair must be one of auto, prefill, incremental"):
         append(lm, hashed, text="more", repair="blend")
+
+
+def test_past_the_window_is_refused_before_the_parent_is_decoded(lm, entry, monkeypatch):
+    """The incremental path decoded the whole parent (seconds for a long lossy one) before it checked that the
+    child fits the model's window."""
+    from kvcodec.edit.entry import Parent
+
+    _, data = entry(OLD)
+    monkeypatch.setattr("kvcodec.models.capture.max_context", lambda lm: OLD + 8)
+    decoded = []
+    monkeypatch.setattr(Parent, "decode", lambda self, lm: decoded.append(1))
+    with pytest.raises(KvcInputError, match="context window"):
+        append(lm, data, text=" and a few more words than the window has room for, past its end")
+    assert not decoded
