@@ -6,6 +6,7 @@ non-zero exit code; anything else escaping is a bug.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 
@@ -87,3 +88,15 @@ def is_int(x: Any, lo: int = 0, hi: int = (1 << 63) - 1) -> bool:
 
 class KvcUnknownCodecError(KvcFormatError, KvcCodecError):
     """A file names a codec stage this installation does not know (both a format and a codec error)."""
+
+
+def json_loads(text: str | bytes | bytearray, **kw: Any) -> Any:
+    """``json.loads`` for text a user or a file controls: JSON nested deeper than the json module recurses
+    (thousands of ``[`` or ``{``: its RecursionError, a traceback out of every ``except ValueError``) is raised
+    as the :class:`json.JSONDecodeError` (a ValueError) that malformed JSON raises, so a caller's one check
+    of malformed JSON covers it too."""
+    try:
+        return json.loads(text, **kw)
+    except RecursionError:
+        doc = text if isinstance(text, str) else ""
+        raise json.JSONDecodeError("nested too deep", doc, 0) from None

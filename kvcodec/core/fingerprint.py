@@ -13,7 +13,7 @@ import re
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from kvcodec.errors import KvcCodecError, KvcFormatError, KvcModelMismatchError, is_int, want
+from kvcodec.errors import KvcCodecError, KvcFormatError, KvcModelMismatchError, is_int, json_loads, want
 
 FINGERPRINT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
@@ -85,7 +85,7 @@ class ModelFingerprint:
             if not all(HEX64.match(kw[k]) for k in ("tokenizer_sha256", "weights_sha256", "config_sha256")):
                 raise KvcFormatError("model fingerprint v2 digests must be 64 lowercase hex digits")
             try:
-                rope_ok = isinstance(json.loads(kw["rope"]), dict)
+                rope_ok = isinstance(json_loads(kw["rope"]), dict)
             except ValueError:
                 rope_ok = False
             if not rope_ok:
@@ -141,7 +141,7 @@ def layer_applies_rope(rope: dict[str, Any] | str, layer: int | None) -> bool:
     transformers' SmolLM3 and Llama 4 read it). A list that does not name the layer is an error, not
     a guess: a wrong answer would silently mis-rotate that layer's keys.
     """
-    r = json.loads(rope) if isinstance(rope, str) else rope
+    r = json_loads(rope) if isinstance(rope, str) else rope
     flags = r.get("no_rope_layers") if isinstance(r, dict) else None
     if flags is None:
         return True

@@ -34,8 +34,9 @@ import numpy as np
 import torch
 
 from kvcodec.atomic import atomic_path, atomic_write_bytes, io_error_in  # noqa: F401  (atomic_write_bytes: kvc store get -o)
-from kvcodec.errors import KvcFormatError, KvcInputError
+from kvcodec.errors import KvcFormatError, KvcInputError, json_loads
 from kvcodec.core.fingerprint import ModelFingerprint
+from kvcodec.limits import SPARSE_FLOOR as _SPARSE_FLOOR, SPARSE_RATIO
 
 H5_FORMAT = "kvcodec-capture"
 H5_VERSION = 1
@@ -260,8 +261,8 @@ def _from_numpy(a: np.ndarray, dtype_name: str) -> torch.Tensor:
 # A capture declares its tensors' shapes before any data; everything below checks
 # those declarations (against the fingerprint, each other, the per-file limit
 # and the bytes really stored) before a single tensor is allocated.
-SPARSE_RATIO = 64  # a dataset / file may declare at most this many bytes per byte it really stores
-_SPARSE_FLOOR = 1 << 20  # ... once it declares more than this
+# A dataset / file may declare at most SPARSE_RATIO bytes per byte it really stores, once it declares more than
+# _SPARSE_FLOOR (imported above): the one rule of kvcodec.limits.check_not_sparse, which .kvc sources apply too.
 
 
 @dataclass(frozen=True)
@@ -282,7 +283,7 @@ def _fingerprint(text: Any, path: Path) -> ModelFingerprint:
     if not isinstance(text, str):
         raise KvcFormatError(f"{path}: fingerprint attribute is not a string")
     try:
-        obj = json.loads(text)
+        obj = json_loads(text)
     except ValueError as exc:
         raise KvcFormatError(f"{path}: fingerprint is not JSON ({str(exc)[:80]})") from None
     try:
@@ -379,7 +380,7 @@ def load_h5(path: str | os.PathLike, max_decoded_bytes: int | None = None) -> KV
             raise KvcFormatError(f"{path}: unsupported capture version {attrs.get('format_version')!r:.40}")
         fp = _fingerprint(attrs.get("fingerprint"), path)
         try:
-            meta = json.loads(attrs.get("meta") or "{}")
+            meta = json_loads(attrs.get("meta") or "{}")
         except ValueError:
             raise KvcFormatError(f"{path}: meta attribute is not JSON") from None
         dtype_name = attrs.get("dtype")
@@ -445,7 +446,7 @@ def load_safetensors(path: str | os.PathLike, max_decoded_bytes: int | None = No
     from safetensors.torch import load as st_load
 
     from kvcodec.errors import KvcError
-    from kvcodec.limits import max_decoded_bytes as limit_of, open_regular
+    from kvcodec.limits import check_not_sparse, max_decoded_bytes as limit_of, open_regular
 
     path = Path(path)
     limit = limit_of(max_decoded_bytes)
@@ -460,7 +461,7 @@ def load_safetensors(path: str | os.PathLike, max_decoded_bytes: int | None = No
         if n > _ST_MAX_HEADER or 8 + n > size:
             raise KvcFormatError(f"{path}: safetensors header of {n} bytes does not fit in the {size}-byte file")
         try:
-            hdr = json.loads(_pread_exact(fd, 8, n, path, size).decode("utf-8"))
+            hdr = json_loads(_pread_exact(fd, 8, n, path, size).decode("utf-8"))
         except ValueError as exc:
             raise KvcFormatError(f"{path}: safetensors header is not UTF-8 JSON ({str(exc)[:80]})") from None
         if not isinstance(hdr, dict):
@@ -484,8 +485,7 @@ def load_safetensors(path: str | os.PathLike, max_decoded_bytes: int | None = No
             kinds[name], itemsizes[name] = _ST_DTYPES[info["dtype"]]
         dtype_name = kinds.get("layers.0.key", "")
         layout = _check_layout(path, fp, dtype_name, shapes, itemsizes, limit)
-        if size > _SPARSE_FLOOR and st.st_blocks and st.st_blocks * 512 * SPARSE_RATIO < size:
-            raise KvcFormatError(f"{path}: a sparse file ({size:,} bytes, {st.st_blocks * 512:,} on disk); refusing to read it")
+        check_not_sparse(st, str(path), "a capture")
         data = _pread_exact(fd, 0, size, path, size)
     finally:
         os.close(fd)
@@ -495,7 +495,7 @@ def load_safetensors(path: str | os.PathLike, max_decoded_bytes: int | None = No
         raise KvcFormatError(f"{path}: malformed safetensors capture ({str(exc)[:160]})") from None
     del data
     try:
-        meta = json.loads(md.get("meta", "{}"))
+        meta = json_loads(md.get("meta", "{}"))
     except (TypeError, ValueError):
         raise KvcFormatError(f"{path}: meta is not JSON") from None
     arrays: dict[str, np.ndarray] = {}

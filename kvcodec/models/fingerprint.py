@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 
-from kvcodec.errors import KvcModelNotFoundError, is_int
+from kvcodec.errors import KvcModelNotFoundError, is_int, json_loads
 from kvcodec.core.fingerprint import HEX64, ModelFingerprint
 from kvcodec.digest import json_sha256
 from kvcodec.models.layout import ModelLayout, canonical_rope, text_config
@@ -158,7 +158,7 @@ def tokenizer_sha256(tokenizer: Any) -> str:
     merges: list[str] = []
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
-        model = json.loads(backend.to_str()).get("model") or {}
+        model = json_loads(backend.to_str()).get("model") or {}
         merges = [" ".join(m) if isinstance(m, list) else str(m) for m in model.get("merges") or []]
     blob = json.dumps({"vocab": vocab, "special": special, "merges": merges}, ensure_ascii=True)
     return hashlib.sha256(blob.encode()).hexdigest()
@@ -205,7 +205,7 @@ def _read_json(path: Path, what: str) -> Any:
         if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_JSON_FILE:
             raise KvcModelNotFoundError(f"{path}: {what} is not a regular file of at most 64 MiB")
         with open(path, "rb") as f:
-            return json.loads(f.read(_MAX_JSON_FILE + 1))
+            return json_loads(f.read(_MAX_JSON_FILE + 1))
     except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested thousands deep
         raise KvcModelNotFoundError(f"{path}: unreadable {what} ({exc})") from None
 
@@ -253,7 +253,7 @@ def _tensors_of(path: Path, f: Any, size: int) -> list[_Tensor]:
     if n > _MAX_ST_HEADER or 8 + n > size:
         raise bad(f"header length {n} does not fit the {size}-byte file")
     try:
-        hdr = json.loads(f.read(n))
+        hdr = json_loads(f.read(n))
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad(f"header is not JSON: {exc}") from None
     if not isinstance(hdr, dict):
@@ -403,7 +403,7 @@ def _cached(kind: str, model_dir: Path, key: list[list[Any]], secret: bytes) -> 
         st = os.stat(path)
         if not stat.S_ISREG(st.st_mode) or st.st_size > 1 << 20:
             return None
-        entry = json.loads(path.read_bytes())
+        entry = json_loads(path.read_bytes())
     except (OSError, ValueError, RecursionError):  # RecursionError: an entry of JSON nested too deep
         return None
     if not isinstance(entry, dict) or not isinstance(entry.get("mac"), str):

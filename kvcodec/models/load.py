@@ -27,7 +27,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterator
 
-from kvcodec.errors import KvcIOError, KvcModelNotFoundError
+from kvcodec.errors import KvcIOError, KvcModelNotFoundError, json_loads
 from kvcodec.core.fingerprint import ModelFingerprint
 from kvcodec.models.fingerprint import fingerprint_dir, fingerprint_model, read_config, weights_identity, weights_sha256
 from kvcodec.models.layout import ModelLayout
@@ -251,12 +251,10 @@ def _check_gguf_tokenizer(tok: Any, gguf: Path) -> None:
     into a BPE tokenizer with no merges at all, so every text tokenizes one character per token; the model
     loads and runs, and every cache and answer is silently wrong. A BPE model needs merges; 5.19 builds them.
     """
-    import json
-
     import transformers
 
     backend = getattr(tok, "backend_tokenizer", None)
-    model = json.loads(backend.to_str()).get("model") or {} if backend is not None else {}
+    model = json_loads(backend.to_str()).get("model") or {} if backend is not None else {}
     if model.get("type") == "BPE" and not model.get("merges") and len(model.get("vocab") or ()) > 1024:
         raise KvcModelNotFoundError(
             f"transformers {transformers.__version__} converts the tokenizer of {gguf.name} without its merges (it would "
@@ -396,7 +394,6 @@ def check_weights(path: Path) -> list[Path]:
     file surfaces as a foreign exception or a crash deep inside it. Only
     the headers are read here (a few KB per file), not the weights.
     """
-    import json
     import struct
 
     files = sorted(path.glob("*.safetensors"))
@@ -405,7 +402,7 @@ def check_weights(path: Path) -> list[Path]:
         try:
             if index.stat().st_size > _MAX_INDEX:  # read whole below: a multi-gigabyte file given by mistake is refused
                 raise ValueError(f"{index.stat().st_size:,} bytes, more than an index can be")
-            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+            shards = sorted(set(json_loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:  # Recursion: nested too deep
             raise KvcModelNotFoundError(f"model directory {path}: unreadable {index.name} ({str(exc)[:200]})") from None
         for shard in shards:
@@ -429,7 +426,7 @@ def check_weights(path: Path) -> list[Path]:
                 n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
                 if not 0 < n <= min(_MAX_SAFETENSORS_HEADER, size - 8):
                     raise ValueError("header length out of range")
-                header = json.loads(fh.read(n))
+                header = json_loads(fh.read(n))
         except (OSError, ValueError, UnicodeDecodeError) as exc:
             raise KvcModelNotFoundError(f"{f}: not a readable safetensors file ({exc})") from None
         if not isinstance(header, dict):

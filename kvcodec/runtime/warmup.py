@@ -24,7 +24,6 @@ first token.
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import threading
@@ -33,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvcodec.errors import json_loads
 from kvcodec.paths import cache_root
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ def context_bytes(model_dir: Path, tokens: int) -> int:
     embedded model that is 138 KB a token, as measured (~128,000-149,000 page faults at 4K tokens,
     BENCHMARKS.md). 0 when the config cannot be read (then :func:`prewarm` faults nothing in)."""
     try:
-        cfg = json.loads((model_dir / "config.json").read_text())
+        cfg = json_loads((model_dir / "config.json").read_text())
         cfg = cfg.get("text_config", cfg)
         heads = int(cfg["num_attention_heads"])
         head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
