@@ -86,6 +86,25 @@ def check_declared(declared: int, size: int, *, max_bytes: int, max_ratio: float
             f"its size), over the limit of {max_ratio:g}x (raise ${MAX_RATIO_ENV} to read it)")
 
 
+#: a file may occupy this many times fewer bytes on disk than its size says, once it is larger than ``SPARSE_FLOOR``
+SPARSE_RATIO = 64
+SPARSE_FLOOR = 1 << 20
+
+
+def check_not_sparse(st: os.stat_result, name: str, what: str) -> None:
+    """Refuse a regular file whose size is mostly holes (``st_blocks`` far below ``st_size``).
+
+    Why: every bound on untrusted input that is relative to a file's size (the declared-output ratio of a
+    ``.kvc``, a capture's tensors) assumes the bytes are really there; a sparse file costs its maker nothing
+    per byte, so a few kilobytes of real data with a hole of terabytes pass the ratio and make the reader
+    allocate what the hole spans (a ``.kvc``'s stored attachments and chunk records are read whole). A
+    file system that reports no blocks at all (``st_blocks`` 0) is not judged."""
+    size, blocks = st.st_size, getattr(st, "st_blocks", 0)
+    if size > SPARSE_FLOOR and blocks and blocks * 512 * SPARSE_RATIO < size:
+        raise KvcFormatError(f"{name}: a sparse file ({size:,} bytes, {blocks * 512:,} on disk, over {SPARSE_RATIO}x); "
+                             f"refusing to read it as {what} (copy it without holes, e.g. cp --sparse=never)")
+
+
 def _kind(mode: int) -> str:
     if stat.S_ISDIR(mode):
         return "a directory"

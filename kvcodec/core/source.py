@@ -101,15 +101,22 @@ class PathSource(ByteSource):
     on the next touch of a vanished page; positional reads instead come back
     short, which is a :class:`KvcFormatError`. Only regular files are opened
     (a FIFO would block, a device could be endless): see
-    :func:`kvcodec.limits.open_regular`. The size is fixed at open.
+    :func:`kvcodec.limits.open_regular`; nor a sparse one (:func:`kvcodec.limits.check_not_sparse`).
+    The size is fixed at open.
     """
 
     def __init__(self, path: Path) -> None:
-        from kvcodec.limits import open_regular
+        from kvcodec.limits import check_not_sparse, open_regular
 
         self.name = str(path)
         self._fd: int | None = open_regular(path, "a .kvc file")
-        self.size = os.fstat(self._fd).st_size
+        try:
+            st = os.fstat(self._fd)
+            check_not_sparse(st, self.name, "a .kvc file")  # the ratio bound needs the bytes to be really there
+        except BaseException:
+            self.close()
+            raise
+        self.size = st.st_size
 
     def _read(self, offset: int, length: int) -> bytes:
         if self._fd is None:

@@ -36,6 +36,7 @@ from urllib.parse import urlsplit
 
 from kvcodec.errors import KvcFormatError, KvcInputError, KvcStoreError
 from kvcodec.core.source import ByteSource
+from kvcodec.limits import check_not_sparse
 
 __all__ = ["RangeReader", "FileRangeReader", "HttpRangeReader", "BytesRangeReader", "open_range_reader",
            "HttpLimits", "http_request"]
@@ -232,6 +233,11 @@ class FileRangeReader(RangeReader):
         if not stat.S_ISREG(st.st_mode):
             self.close()
             raise KvcStoreError(f"{self.name}: not a regular file; refusing to read it")
+        try:
+            check_not_sparse(st, self.name, "a store entry")
+        except KvcFormatError:
+            self.close()
+            raise
         total = st.st_size
         if base < 0 or base > total:
             self.close()

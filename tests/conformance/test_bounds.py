@@ -270,6 +270,42 @@ def test_a_file_shrinking_under_the_reader_is_an_error_not_sigbus(tmp_path):
         KvcReader(p)
 
 
+
+def _write_with_holes(path: Path, data: bytes, block: int = 1 << 16) -> None:
+    """``data`` written as `cp --sparse=always` would: every all-zero block a hole."""
+    with open(path, "wb") as f:
+        for at in range(0, len(data), block):
+            piece = data[at : at + block]
+            if piece.count(0) == len(piece):
+                f.seek(len(piece), os.SEEK_CUR)
+            else:
+                f.write(piece)
+        f.truncate(len(data))
+
+
+def test_a_sparse_kvc_is_refused_before_anything_is_read(tmp_path):
+    """A .kvc that is mostly holes (here an 8 MiB stored attachment of zeros left unallocated) opened like any
+    file: the declared-output ratio was taken against its 8 MiB size although a few kilobytes are on disk, and
+    its stored attachments and chunk records are read whole, so a hole of terabytes made the reader allocate
+    terabytes. Refused at open, by the path source and the store's file range reader alike, with the rule
+    captures already had (kvcodec.limits.check_not_sparse); the same bytes without holes read as before."""
+    import kvcodec
+    from kvcodec.store.ranged import FileRangeReader
+
+    c = synthetic_cache(torch.float32, T=8)
+    data = encode_kvc_bytes(c, lossless_pipeline("float32"), attachments={"pad": np.zeros(8 << 20, np.uint8)})
+    sparse, dense = tmp_path / "sparse.kvc", tmp_path / "dense.kvc"
+    _write_with_holes(sparse, data)
+    dense.write_bytes(data)
+    if os.stat(sparse).st_blocks * 512 * 64 >= len(data):
+        pytest.skip("this file system does not keep holes")
+    for open_it in (lambda p: kvcodec.open(p), lambda p: KvcReader(FileRangeReader(p))):
+        with pytest.raises(KvcFormatError, match="sparse file"):
+            open_it(sparse)
+        with open_it(dense) as r:
+            assert r.verify() == []
+
+
 # -- captures ------------------------------------------------------------------
 def _sparse_h5(path: Path, T: int, layers_T: int | None = None) -> None:
     c = synthetic_cache(torch.float32, T=4)
