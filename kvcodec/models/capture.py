@@ -17,6 +17,11 @@ def tokenize(tokenizer: Any, text: str) -> np.ndarray:
     """Token ids of ``text`` exactly as capture and eval see them (no special tokens)."""
     if not text or not text.strip():
         raise KvcInputError("the text is empty")
+    try:  # a lone surrogate (argv bytes that are not UTF-8, a JSON "\ud800") reached the tokenizer as a TypeError
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise KvcInputError(f"the text is not Unicode text: character {exc.start} is a lone surrogate (bytes that are "
+                            "not UTF-8?)") from None
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return np.asarray(ids, dtype=np.int64)
 

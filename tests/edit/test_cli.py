@@ -65,6 +65,7 @@ def test_redact_through_the_cli_names_its_parent_only_under_a_lineage_key(parent
     (["redact", "{p}", "--tokens", "3-9", "-o", "{o}"], "START:END"),
     (["redact", "{p}", "--tokens", "0:100000", "-o", "{o}"], "outside"),
     (["append", "{p}", "-o", "{o}"], "exactly one of --text"),
+    (["append", "{p}", "--text", "ab\udcffcd", "-o", "{o}"], "lone surrogate"),  # argv bytes not UTF-8: was a TypeError
     (["append", "{p}", "--text", "x", "-o", "{p}"], ""),  # never in place
     (["steer", "{p}", "--tokens", "2:5", "--heads", "99:0", "-o", "{o}"], "out of range"),
     (["steer", "{p}", "--tokens", "2:5", "--heads", "20:*", "--alpha", "nan", "-o", "{o}"], "finite"),
