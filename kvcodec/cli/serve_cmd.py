@@ -88,7 +88,7 @@ _LIMITS = "Limits (defaults: spec/kdn-v1.md §5). "
 @click.option("--body-timeout", type=float, default=120.0, show_default=True, callback=_seconds,
               help="Seconds to receive a whole body.")
 @click.option("--body-idle-timeout", type=float, default=15.0, show_default=True, callback=_seconds,
-              help="Longest silence while a body is being received.")
+              help="Longest silence while a body is being received (and stall while an answer is not read).")
 @click.option("--op-timeout", type=float, default=30.0, show_default=True, callback=_seconds,
               help="Seconds for one store operation.")
 @click.option("--verify-timeout", type=float, default=300.0, show_default=True, callback=_seconds,

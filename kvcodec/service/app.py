@@ -476,7 +476,7 @@ def serve(store_url: str, tokens: TokenTable, *, host: str = "127.0.0.1", port: 
             ready(f"http://{host}:{port}")
 
     try:
-        run_server(app, svc.peers, host, port, ready=announce)
+        run_server(app, svc.peers, host, port, ready=announce, send_stall=svc.config.body_idle_timeout)
     except OSError as e:  # address in use, no permission, unknown host
         raise KvcInputError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 

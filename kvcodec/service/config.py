@@ -41,7 +41,7 @@ class ServiceConfig:
 
     max_body: int = 1 << 30          # bytes of one PUT body
     body_timeout: float = 120.0      # seconds to receive a whole body
-    body_idle_timeout: float = 15.0  # longest silence while a body is being received
+    body_idle_timeout: float = 15.0  # longest silence while a body is received (and stall while an answer is sent)
     header_timeout: float = 10.0     # seconds to send a request's head (also: idle keep-alive connections close)
     op_timeout: float = 30.0         # seconds for one store operation
     verify_timeout: float = 300.0    # seconds to check (decode) one put in its worker

@@ -11,6 +11,11 @@ gives the runner its own connection handler (:class:`KdnRequestHandler`):
   (they are counted in ``kvc_peer_refused_total``).  Why per address and not
   per tenant: a connection has no tenant until its head is parsed, and the
   cost we bound here (descriptors, parser state, slowloris heads) comes first.
+* **answers that are not read** (``send_stall``, the service's ``body_idle_timeout``): while an answer waits
+  for its client to read (the transport's buffer over its high-water mark), it must drain by at least
+  :data:`STALL_PROGRESS` bytes every ``send_stall`` seconds, else the connection is aborted.  Why: aiohttp
+  waits for a reader without end, so a client that asked for an entry and never read it held the entry's
+  bytes, its connection and the handler for good (40 such GETs of one uncached entry: 40 copies).
 * **malformed HTTP** (a bad request line, headers or framing, refused by
   aiohttp's parser before any route): the documented one-line JSON error
   (spec/kdn-v1.md §2) instead of aiohttp's plain text, and one rate-limited
@@ -35,6 +40,7 @@ from kvcodec.service.httputil import redact_credentials
 
 
 ABUSIVE_HOLD = 1.0  # seconds a connection from an address far past its refusal rate waits before its 429
+STALL_PROGRESS = 64 << 10  # bytes an unread answer must drain by each ``send_stall`` seconds (module docstring)
 
 
 class PeerTable:
@@ -82,6 +88,8 @@ class KdnRequestHandler(RequestHandler):
     """aiohttp's connection handler plus the per-peer cap and JSON answers to malformed HTTP (module docstring)."""
 
     peers: PeerTable  # set on the class made by :func:`handler_class`
+    send_stall: float = 15.0  # ditto: seconds an unread answer may make less than STALL_PROGRESS bytes of progress
+    _kvc_stall: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         peer = transport.get_extra_info("peername")
@@ -124,7 +132,40 @@ class KdnRequestHandler(RequestHandler):
             return
         super().data_received(data)
 
+    def pause_writing(self) -> None:
+        """The client is not reading as fast as we answer: from now on it must keep reading (module docstring)."""
+        super().pause_writing()
+        self._kvc_watch()
+
+    def resume_writing(self) -> None:
+        self._kvc_unwatch()
+        super().resume_writing()
+
+    def _kvc_watch(self) -> None:
+        t = self.transport
+        if t is not None and not t.is_closing():
+            size = t.get_write_buffer_size()  # type: ignore[attr-defined]
+            self._kvc_stall = asyncio.get_running_loop().call_later(self.send_stall, self._kvc_stalled, size)
+
+    def _kvc_unwatch(self) -> None:
+        if self._kvc_stall is not None:
+            self._kvc_stall.cancel()
+            self._kvc_stall = None
+
+    def _kvc_stalled(self, size_then: int) -> None:
+        self._kvc_stall = None
+        t = self.transport
+        if t is None or t.is_closing():
+            return
+        if size_then - t.get_write_buffer_size() >= STALL_PROGRESS:  # type: ignore[attr-defined]
+            self._kvc_watch()  # slow, but reading
+            return
+        self.logger.warning("answer to %s not read for %g s: connection closed", self._kvc_peer or "?",
+                            self.send_stall)
+        t.abort()  # its buffered answer is dropped; the handler waiting to write it ends (connection lost)
+
     def connection_lost(self, exc: BaseException | None) -> None:
+        self._kvc_unwatch()
         peer = getattr(self, "_kvc_peer", None)
         if peer is None:  # refused in connection_made: aiohttp never saw this connection
             return
@@ -160,9 +201,10 @@ class KdnRequestHandler(RequestHandler):
         return resp
 
 
-def handler_class(peers: PeerTable) -> type[KdnRequestHandler]:
-    """A handler class bound to one service's peer table (aiohttp builds one handler per connection)."""
-    return type("BoundKdnRequestHandler", (KdnRequestHandler,), {"peers": peers})
+def handler_class(peers: PeerTable, send_stall: float = 15.0) -> type[KdnRequestHandler]:
+    """A handler class bound to one service's peer table and unread-answer bound (aiohttp builds one handler per
+    connection)."""
+    return type("BoundKdnRequestHandler", (KdnRequestHandler,), {"peers": peers, "send_stall": send_stall})
 
 
 class _Server(web.Server):
@@ -189,11 +231,12 @@ class _Runner(web.AppRunner):
 
 
 def run(app: web.Application, peers: PeerTable, host: str, port: int,
-        ready: Callable[[], None] | None = None, shutdown_timeout: float = 5.0) -> None:
-    """Serve ``app`` on ``host:port`` until SIGINT or SIGTERM (then stop within ``shutdown_timeout``)."""
+        ready: Callable[[], None] | None = None, shutdown_timeout: float = 5.0, send_stall: float = 15.0) -> None:
+    """Serve ``app`` on ``host:port`` until SIGINT or SIGTERM (then stop within ``shutdown_timeout``);
+    ``send_stall``: the unread-answer bound (module docstring)."""
 
     async def main() -> None:
-        runner = _Runner(app, handler_class(peers), access_log=None, shutdown_timeout=shutdown_timeout)
+        runner = _Runner(app, handler_class(peers, send_stall), access_log=None, shutdown_timeout=shutdown_timeout)
         await runner.setup()
         try:
             await web.TCPSite(runner, host, port).start()

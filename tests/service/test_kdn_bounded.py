@@ -527,3 +527,36 @@ def test_100_continue_is_sent_only_once_the_body_is_wanted(svc):
     st, resp = raw_request(svc.port, request_head("PUT", path_of(key), TOK_A, {"Expect": "200-ok",
                                                                                 "Content-Length": 1}) + b"x")
     assert st == 417 and "Expect" in _error(_http_body(resp)), resp[:300]
+
+
+def test_an_answer_its_client_does_not_read_is_cut_after_the_idle_timeout(tmp_path):
+    """aiohttp waits for a reader without end: GETs of a 7 MB entry whose client never read held the entry's
+    bytes, the connection and the handler for good. Now an answer that drains by less than 64 KiB for
+    --body-idle-timeout has its connection aborted; a slow reader that keeps reading is not cut."""
+    s = Service(tmp_path, max_body="16M", extra=["--body-idle-timeout", "1"], tokens=TOKENS)
+    try:
+        key, data = costly_entry(300, 64, "a")  # 7 MB: more than the kernel's socket buffers hold
+        assert s.put_raw(key, data, token=TOK_A) == 201
+        stuck = []
+        for _ in range(2):
+            c = socket.socket()
+            c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            c.connect(("127.0.0.1", s.port))
+            c.sendall(request_head("GET", path_of(key), TOK_A))
+            stuck.append(c)
+        time.sleep(4)
+        for c in stuck:
+            c.settimeout(10)
+            got = 0
+            try:
+                while d := c.recv(1 << 20):
+                    got += len(d)
+            except OSError:
+                pass
+            c.close()
+            assert got < len(data), "an answer nobody read for 4 s was still being held"
+        st, _, body = s.request("GET", path_of(key), TOK_A)
+        assert st == 200 and body == data
+        assert "Traceback" not in s.log() and "not read for 1 s" in s.log()
+    finally:
+        s.stop()
