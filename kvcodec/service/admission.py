@@ -175,7 +175,10 @@ class Admission:
     async def _auth_mw(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                        ) -> web.StreamResponse:
         if request.path.startswith(API + "/"):
-            h = request.headers.get("Authorization", "")
+            hs = request.headers.getall("Authorization", [])
+            # two are ambiguous (aiohttp's .get took the first; a proxy in front may have checked the last): neither
+            # is used, the request is a 400 below
+            h = hs[0] if len(hs) == 1 else ""
             scheme, _, tok = h.partition(" ")
             tok = tok.strip()
             given = scheme.lower() == "bearer" and bool(tok)
@@ -187,6 +190,9 @@ class Admission:
                                      f"your address had more than {self.config.peer_refusal_rate:g} unauthenticated "
                                      "requests a second refused; retry later")
                 self.peer_refusals.charge(peer, 1)
+                if len(hs) > 1:
+                    self.metrics.auth_failure("ambiguous")
+                    raise HttpError(400, f"{len(hs)} Authorization headers: send one")
                 if not given:
                     self.metrics.auth_failure("missing")
                     raise HttpError(401, "missing bearer token (Authorization: Bearer <token>)",

@@ -560,3 +560,12 @@ def test_an_answer_its_client_does_not_read_is_cut_after_the_idle_timeout(tmp_pa
         assert "Traceback" not in s.log() and "not read for 1 s" in s.log()
     finally:
         s.stop()
+
+
+def test_two_authorization_headers_are_a_400_whichever_comes_first(svc):
+    """The first of two Authorization headers was used: a request carrying tenant a's token then tenant b's was
+    tenant a's, though a proxy in front that checks the last one saw tenant b. Now neither is used."""
+    for first, second in ((TOK_A, TOK_B), (TOK_B, TOK_A), ("not-a-token-0000", TOK_A)):
+        head = request_head("GET", "/v1/whoami", first, {"Authorization": f"Bearer {second}"})
+        st, resp = raw_request(svc.port, head, timeout=10, source="127.0.0.23")
+        assert st == 400 and "Authorization headers" in _error(_http_body(resp)), resp[:300]
