@@ -36,8 +36,8 @@ from typing import Any, Mapping
 
 from kvcodec.errors import KvcFormatError, KvcInputError
 
-__all__ = ["EDITS_META_KEY", "EDIT_OPS", "LINEAGE_DOMAIN", "MAX_EDITS", "EditRecord", "check_promise", "entry_promise",
-           "extend_log", "file_sha256", "lineage_mac", "parse_log", "promise_text", "redaction_log"]
+__all__ = ["EDITS_META_KEY", "EDIT_OPS", "LINEAGE_DOMAIN", "MAX_EDITS", "EditRecord", "check_params", "check_promise",
+           "entry_promise", "extend_log", "file_sha256", "lineage_mac", "parse_log", "promise_text", "redaction_log"]
 
 EDITS_META_KEY = "edits"
 EDIT_OPS = ("append", "redact", "steer")
@@ -66,6 +66,19 @@ def check_promise(obj: Any, what: str = "promise") -> dict[str, Any]:
         return dict(obj)
     raise KvcFormatError(f"{what} must be {{\"none\": reason}} or {{\"preset\", \"basis\"[, \"kl\", \"top1\"]}} "
                          f"(texts of at most {_PROMISE_TEXT} characters, non-negative numbers)")
+
+
+def check_params(params: Mapping[str, Any]) -> None:
+    """Refuse (one line) an edit whose log record's ``params`` would be longer than :data:`MAX_PARAMS_CHARS`, before
+    the edit's prefill: the record is checked as a reader checks it only when the child is written, so a steer
+    of every head over many spans (SmolLM2: 270 heads and 256 spans, about 5,700 characters) ran its whole biased
+    prefill and then failed as a malformed log (a KvcFormatError naming record N)."""
+    import json
+
+    n = len(json.dumps(dict(params)))
+    if n > MAX_PARAMS_CHARS:
+        raise KvcInputError(f"the edit's parameters take {n:,} characters in its log record, more than the "
+                            f"{MAX_PARAMS_CHARS:,} a record may hold; name fewer spans or heads")
 
 
 def promise_text(promise: Mapping[str, Any] | None) -> str:

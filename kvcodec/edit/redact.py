@@ -48,6 +48,7 @@ import torch
 
 from kvcodec.core.kvcache import KVCache
 from kvcodec.edit.entry import EditResult, breaks, check_child_preset, check_dest, keeps, open_parent, write_child
+from kvcodec.edit.log import check_params
 from kvcodec.edit.spans import redaction_spans
 from kvcodec.errors import KvcInputError
 from kvcodec.runtime.blend import blend, layer_inv_freqs, rerotate_keys
@@ -197,6 +198,9 @@ def redact(lm: Any, source: Any, *, pattern: str | None = None, text: str | None
     t1 = time.perf_counter()
     say(f"removing {removed} tokens in {len(spans)} span(s), {'prefilling the rest' if repair == 'prefill' else 'repairing the rest'}")
     params: dict[str, Any] = {"token_spans": [list(s) for s in spans], "removed_tokens": removed, "repair": repair}
+    if repair == "blend":
+        params.update(recompute_ratio=ratio, select_layer=layer)
+    check_params(params)
     if repair == "prefill":
         keep = np.ones(len(ids), bool)
         for a, b in _check_spans(spans, len(ids)):
@@ -205,7 +209,6 @@ def redact(lm: Any, source: Any, *, pattern: str | None = None, text: str | None
         promise = keeps("fresh prefill of the child's ids")
     else:
         child, info = redact_cache(lm, cache, spans, recompute_ratio=ratio, select_layer=layer)
-        params.update(recompute_ratio=ratio, select_layer=layer)
         carried = parent.carried
         if carried:
             promise = breaks(f"{carried} (repair=blend)")

@@ -24,6 +24,7 @@ import torch
 
 from kvcodec.core.kvcache import KVCache
 from kvcodec.edit.entry import EditResult, check_child_preset, check_dest, open_parent, write_child
+from kvcodec.edit.log import check_params
 from kvcodec.edit.spans import resolve_spans
 from kvcodec.errors import KvcInputError
 from kvcodec.format.bias import AttentionBias
@@ -135,16 +136,17 @@ def steer(lm: Any, source: Any, heads: Sequence[tuple[int, int]], *, pattern: st
     else:
         spans = resolve_spans(lm.tokenizer, ids, pattern=pattern, text=text, char_spans=char_spans, token_spans=token_spans)
     bias = pasta_bias(lm, heads, spans, len(ids), alpha)
-    t1 = time.perf_counter()
-    say(f"prefilling {len(ids)} tokens with {len(bias.entries)} steered heads")
-    child = steer_cache(lm, ids, bias)
-    t2 = time.perf_counter()
     params: dict[str, Any] = {"token_spans": [list(s) for s in spans], "heads": [[e.layer, e.head] for e in bias.entries],
                               "alpha": float(alpha)}
     if pattern is not None:
         params["pattern"] = pattern
     if auto is not None:
         params["auto"] = int(auto)
+    check_params(params)  # the log record must hold them: refused before the prefill, not after it
+    t1 = time.perf_counter()
+    say(f"prefilling {len(ids)} tokens with {len(bias.entries)} steered heads")
+    child = steer_cache(lm, ids, bias)
+    t2 = time.perf_counter()
     return write_child(lm, parent, child, "steer", params, dest=dest, preset=preset, progress=progress,
                        timings={"prepare_s": t1 - t0, "prefill_s": t2 - t1}, attention_bias=bias,
                        info={"spans": [list(s) for s in spans], "steered_heads": len(bias.entries)})

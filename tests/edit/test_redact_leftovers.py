@@ -100,3 +100,18 @@ def test_a_refused_redaction_does_not_repeat_what_it_was_given(lm, parent, how):
         with pytest.raises(KvcInputError) as got:
             run()
         assert "Keiko" not in str(got.value) and "Tanak" not in str(got.value)
+
+
+def test_spans_the_log_cannot_hold_are_refused_before_the_prefill(lm, parent, monkeypatch):
+    """A redaction's record holds its spans (at most 4,096 characters of JSON): 256 spans at five-digit token
+    indices (a model with a window past 10,000 tokens) overflow it, and the whole prefill ran before the write
+    refused the log. Shown here with the limit lowered to what this short entry's spans overflow."""
+    import kvcodec.edit.log as log
+    import kvcodec.edit.redact as redact_mod
+
+    prefilled = []
+    monkeypatch.setattr(log, "MAX_PARAMS_CHARS", 60)
+    monkeypatch.setattr(redact_mod, "_prefill", lambda *a: prefilled.append(1))
+    with pytest.raises(KvcInputError, match="more than the 60"):
+        redact_mod.redact(lm, parent(LINE.format("Keiko Tanaka")), token_spans=[(2, 3), (5, 6), (8, 9), (11, 12)])
+    assert not prefilled

@@ -137,3 +137,17 @@ def test_the_profiled_heads_help_on_the_key_fact_task(lm):
         bias = pasta_bias(lm, heads, [ex.span], len(ex.context))
         steered = answer_margin(lm, steer_cache(lm, ex.context, bias), ex, bias)
         assert steered > plain + 1.0 and steered > 0
+
+
+def test_parameters_the_log_cannot_hold_are_refused_before_the_prefill(lm, entry, monkeypatch):
+    """Every head (270 on SmolLM2) and many spans make a record longer than the log's 4,096 characters: the
+    biased prefill ran in full and the write then failed as a malformed log (KvcFormatError naming record 0)."""
+    import kvcodec.edit.steer as steer_mod
+
+    _, data = entry(600)
+    heads = [(layer, h) for layer in range(lm.fingerprint.num_layers) for h in range(model_attention_heads(lm))]
+    prefilled = []
+    monkeypatch.setattr(steer_mod, "steer_cache", lambda *a: prefilled.append(1))
+    with pytest.raises(KvcInputError, match="more than the 4,096"):
+        steer(lm, data, heads, token_spans=[(2 * i, 2 * i + 1) for i in range(40, 296)])
+    assert not prefilled
