@@ -16,7 +16,7 @@ import stat
 from pathlib import Path
 from typing import Any, Mapping
 
-from kvcodec.errors import KvcModelNotFoundError
+from kvcodec.errors import KvcModelNotFoundError, is_int
 from kvcodec.models.fingerprint import TOKENIZER_FILES, checkpoint_tensors
 from kvcodec.models.layout import ModelLayout, canonical_rope, text_config
 
@@ -63,7 +63,8 @@ def _rope_thetas(r: Mapping[str, Any]) -> list[Any]:
 
 
 def check_config(cfg: Mapping[str, Any]) -> ModelLayout:
-    """The config's head layout (:meth:`ModelLayout.from_config`: sizes in range), MoE top-k and RoPE bases, checked.
+    """The config's head layout (:meth:`ModelLayout.from_config`: sizes in range), MoE top-k and RoPE bases, checked;
+    multi-head latent attention refused.
 
     A RoPE base that is not a finite number > 0 makes every rotated key NaN: the model loads and runs and
     everything computed from it (captures, its calibration) is NaN.
@@ -74,6 +75,14 @@ def check_config(cfg: Mapping[str, Any]) -> ModelLayout:
     n = next((c[x] for x in ("num_local_experts", "num_experts", "n_routed_experts") if isinstance(c.get(x), int)), None)
     if isinstance(k, int) and isinstance(n, int) and not 0 < k <= n:  # the router's top-k: a RuntimeError mid-forward
         raise KvcModelNotFoundError(f"model config routes each token to {k} of its {n} experts")
+    lora = c.get("kv_lora_rank")
+    if is_int(lora, 1):
+        # multi-head latent attention (DeepSeek-V2/V3, MiniCPM3, ...): transformers caches one compressed latent and
+        # one shared RoPE key per token, not the per-head K/V the config's heads describe; the first capture failed
+        # on a shape kvcodec had no reason to expect ("layer 0 key has shape (1, 120, 32), expected (4, 120, 16)")
+        raise KvcModelNotFoundError(f"model config uses multi-head latent attention (kv_lora_rank {lora}): its cache "
+                                    "holds a compressed latent per token, not per-head keys and values; kvcodec does "
+                                    "not support it")
     rope = canonical_rope(cfg)
     for prf in [c.get("partial_rotary_factor"), rope.get("partial_rotary_factor")] + [
             v.get("partial_rotary_factor") for v in rope.values() if isinstance(v, dict)]:

@@ -421,3 +421,17 @@ def test_overlapping_loads_give_back_the_callers_logging(tiny, monkeypatch):
     finally:
         hf_logging.set_verbosity(before[0])
         (hf_logging.enable_progress_bar if before[1] else hf_logging.disable_progress_bar)()
+
+
+def test_multi_head_latent_attention_is_refused_at_load(tmp_path):
+    """DeepSeek-V2's MLA: transformers caches one compressed latent (kv_lora_rank wide) and one shared RoPE key per
+    token, not the 4 heads x 16 its config's head layout says. The load succeeded and the first capture failed on a
+    shape no one could read ("layer 0 key has shape (1, 120, 32), expected (4, 120, 16)"); now the load says why."""
+    from kvcodec.models.load import load_model
+
+    d = _family(tmp_path / "mla", dict(model_type="deepseek_v2", num_attention_heads=4, kv_lora_rank=32, q_lora_rank=None,
+                                       qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=4,
+                                       num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=1,
+                                       n_group=1, topk_group=1))
+    with pytest.raises(KvcModelNotFoundError, match=r"multi-head latent attention \(kv_lora_rank 32\)"):
+        load_model(str(d))
