@@ -29,7 +29,7 @@ import numpy as np
 
 from kvcodec.core.kvcache import KVCache
 from kvcodec.digest import token_ids_sha256
-from kvcodec.edit.log import EDITS_META_KEY, entry_promise, extend_log, file_sha256, parse_log, redaction_log
+from kvcodec.edit.log import EDITS_META_KEY, check_room, entry_promise, extend_log, file_sha256, redaction_log
 from kvcodec.errors import KvcInputError
 from kvcodec.format import KvcReader
 
@@ -114,7 +114,7 @@ def open_parent(source: Any) -> Parent:
         raise KvcInputError(f"the entry to edit must be a .kvc path or its bytes, got {type(source).__name__}")
     digest = file_sha256(data)
     reader = KvcReader(data)
-    parse_log(reader.header.meta, own_sha256=digest)  # a hostile or looping log is refused before any work
+    check_room(reader.header.meta, digest)  # a hostile, looping or full log is refused before any work
     return Parent(digest, reader, len(data))
 
 

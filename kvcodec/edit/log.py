@@ -37,7 +37,7 @@ from typing import Any, Mapping
 from kvcodec.errors import KvcFormatError, KvcInputError
 
 __all__ = ["EDITS_META_KEY", "EDIT_OPS", "LINEAGE_DOMAIN", "MAX_EDITS", "EditRecord", "check_params", "check_promise",
-           "entry_promise", "extend_log", "file_sha256", "lineage_mac", "parse_log", "promise_text", "redaction_log"]
+           "check_room", "entry_promise", "extend_log", "file_sha256", "lineage_mac", "parse_log", "promise_text", "redaction_log"]
 
 EDITS_META_KEY = "edits"
 EDIT_OPS = ("append", "redact", "steer")
@@ -214,7 +214,7 @@ def extend_log(parent_meta: Mapping[str, Any], parent_sha256: str, parent_token_
 
     This is the plain record (append, steer): it names the parent by its digests. A redaction's log is
     :func:`redaction_log`'s."""
-    log = _room(parent_meta, parent_sha256)
+    log = check_room(parent_meta, parent_sha256)
     rec = EditRecord(op, parent_sha256, parent_token_ids_sha256, dict(params),
                      promise=None if promise is None else dict(promise))
     EditRecord.from_json(rec.to_json(), len(log))  # the same checks a reader applies
@@ -226,7 +226,7 @@ def redaction_log(parent_meta: Mapping[str, Any], parent_sha256: str, params: Ma
     """A redacted child's edit log: every earlier record sealed (its op only), then the redaction's record with
     ``params``, the child's ``promise`` (a function of the preset and the repair alone, never of what was
     removed) and, when ``lineage_key`` is given, ``parent_mac`` (:func:`lineage_mac`); nothing else."""
-    log = _room(parent_meta, parent_sha256)
+    log = check_room(parent_meta, parent_sha256)
     mac = None if lineage_key is None else lineage_mac(lineage_key, parent_sha256)
     rec = EditRecord("redact", None, None, dict(params), parent_mac=mac, promise=None if promise is None else dict(promise))
     EditRecord.from_json(rec.to_json(), len(log))
@@ -243,7 +243,10 @@ def entry_promise(meta: Mapping[str, Any]) -> tuple[bool, dict[str, Any] | None]
     return True, log[-1].promise
 
 
-def _room(parent_meta: Mapping[str, Any], parent_sha256: str) -> list[EditRecord]:
+def check_room(parent_meta: Mapping[str, Any], parent_sha256: str) -> list[EditRecord]:
+    """The validated log of a parent about to be edited (its file's digest ``parent_sha256``), refused in one line when
+    it has no room for one more record: checked when the parent is opened, before any decode or prefill (the
+    limit was found only when the child was written, after the edit's whole work)."""
     log = parse_log(parent_meta, own_sha256=parent_sha256)
     if len(log) >= MAX_EDITS:
         raise KvcInputError(f"the entry has already been edited {len(log)} times (limit {MAX_EDITS}); "

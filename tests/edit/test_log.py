@@ -111,3 +111,28 @@ def test_hostile_promises_are_one_format_error(promise):
         parse_log({EDITS_META_KEY: [{**rec(A), "promise": promise}]})
     with pytest.raises(KvcFormatError, match="promise must be"):
         parse_log({EDITS_META_KEY: [{"op": "redact", "params": {}, "promise": promise}]})
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("op", ["append", "redact"])
+def test_a_full_chain_is_refused_before_the_edit_runs(lm, entry, op, monkeypatch):
+    """An entry already edited MAX_EDITS times: the edit prefilled its child and only the write refused it."""
+    from kvcodec.api import encode
+    from kvcodec.core.kvcache import KVCache
+    from kvcodec.edit.append import append
+    from kvcodec.edit.redact import redact
+
+    cache, _ = entry(24)
+    full = [rec(f"{i:064x}") for i in range(MAX_EDITS)]
+    data = encode(KVCache(cache.keys, cache.values, cache.token_ids, cache.fingerprint, None, {EDITS_META_KEY: full}),
+                  None, preset="lossless").data
+    ran = []
+    monkeypatch.setattr("kvcodec.edit.append.capture", lambda *a, **k: ran.append(1))
+    monkeypatch.setattr("kvcodec.edit.append.append_cache", lambda *a, **k: ran.append(1))
+    monkeypatch.setattr("kvcodec.edit.redact._prefill", lambda *a, **k: ran.append(1))
+    with pytest.raises(KvcInputError, match="already been edited"):
+        if op == "append":
+            append(lm, data, text=" more")
+        else:
+            redact(lm, data, token_spans=[(1, 2)])
+    assert not ran
