@@ -80,9 +80,9 @@ _LIMITS = "Limits (defaults: spec/kdn-v1.md §5). "
 @click.option("--tenant-store-threads", type=int, default=8, show_default=True, callback=_count,
               help="Store threads one tenant may keep busy at once.")
 @click.option("--max-inflight-body", default="2G", show_default=True,
-              help="Body bytes being received at once, all requests (more: 503).")
+              help="Body bytes held at once (received, and entries being sent), all requests (more: 503).")
 @click.option("--tenant-inflight-body", default="1G", show_default=True,
-              help="Body bytes one tenant may be sending at once (more: 429).")
+              help="Body bytes one tenant may hold at once (received, and entries being sent) (more: 429).")
 @click.option("--header-timeout", type=float, default=10.0, show_default=True, callback=_seconds,
               help="Seconds a client has to send a request's head; idle keep-alive connections close after it too.")
 @click.option("--body-timeout", type=float, default=120.0, show_default=True, callback=_seconds,

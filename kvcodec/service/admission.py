@@ -376,7 +376,8 @@ def _parse_probe(st: Store, keys: list[Any], allow: Callable[[StoreKey], None] |
 
 
 class BodyBudget:
-    """Body bytes being received at once, per tenant and in all (event loop only)."""
+    """Body bytes held at once, per tenant and in all (event loop only): request bodies being received and entries'
+    answers being sent (:meth:`kvcodec.service.app.KdnService._send`)."""
 
     def __init__(self, total: int, per_tenant: int) -> None:
         self.total, self.per_tenant = total, per_tenant
@@ -386,9 +387,10 @@ class BodyBudget:
     def take(self, tenant: str, n: int) -> None:
         mine = self._by.get(tenant, 0)
         if mine + n > self.per_tenant:
-            raise Overloaded(429, f"tenant is sending more than {self.per_tenant} body bytes at once; retry later")
+            raise Overloaded(429, f"tenant's bodies (sent and received) would be more than {self.per_tenant} bytes "
+                                  "at once; retry later")
         if self.used + n > self.total:
-            raise Overloaded(503, "the server is receiving too many bodies at once; retry later")
+            raise Overloaded(503, "the server is holding too many bodies (sent and received) at once; retry later")
         self._by[tenant] = mine + n
         self.used += n
 

@@ -94,7 +94,7 @@ from kvcodec.kdn_protocol import (
     METRICS,
     WHOAMI,
 )
-from kvcodec.service.admission import DEADLINE, PRINCIPAL, Admission, expect_continue
+from kvcodec.service.admission import DEADLINE, HELD, PRINCIPAL, Admission, expect_continue
 from kvcodec.service.auth import Principal, TokenTable
 from kvcodec.service.checks import (
     HttpError,
@@ -346,11 +346,29 @@ class KdnService(Admission):
             if isinstance(span, tuple):
                 first, stop = span
                 headers["Content-Range"] = f"bytes {first}-{stop - 1}/{len(data)}"
-                body = data[first:stop]
+                body = memoryview(data)[first:stop]  # no copy of the entry
                 self.metrics.get(True, len(body) if request.method == "GET" else 0)
-                return web.Response(status=206, body=body, headers=headers)
+                return await self._send(request, p, web.Response(status=206, body=body, headers=headers), len(body))
         self.metrics.get(True, len(data) if request.method == "GET" else 0)
-        return web.Response(status=200, body=data, headers=headers)
+        return await self._send(request, p, web.Response(status=200, body=data, headers=headers), len(data))
+
+    async def _send(self, request: web.Request, p: Principal, resp: web.Response, n: int) -> web.StreamResponse:
+        """Send an entry's answer of ``n`` body bytes here, held against the tenant's and the server's body budget
+        (``--tenant-inflight-body`` / ``--max-inflight-body``: 429 / 503 past it) until it is written.
+
+        Why: aiohttp sends a handler's answer after the handler returns, where nothing counted it, so one tenant's
+        concurrent GETs of a large entry (256 connections, each holding a copy of an uncached entry until its
+        client had read it) were a term of the service's memory that no limit bounded (spec §5, "Memory")."""
+        if request.method == "HEAD" or n == 0:
+            return resp
+        self.bodies.take(p.tenant, n)
+        request[HELD] = (p.tenant, n)  # given back by the errors middleware, once this handler returns
+        try:
+            await resp.prepare(request)
+            await resp.write_eof()
+        except ConnectionError:  # the client went away, or its unread answer was cut (server.py): nothing to say
+            pass
+        return resp
 
     async def delete(self, request: web.Request) -> web.Response:
         key, p = self._key(request, write=True)

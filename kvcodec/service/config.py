@@ -64,7 +64,7 @@ class ServiceConfig:
     tenant_ingest_rate: float = 64 << 20  # body bytes per second read for one tenant (0: no limit); burst: one second
     store_threads: int = 16          # threads for store operations
     tenant_store_threads: int = 8    # of them busy for one tenant at once
-    max_inflight_body: int = 2 << 30   # body bytes being received at once, all requests
+    max_inflight_body: int = 2 << 30   # body bytes held at once (received; entries being sent), all requests
     tenant_inflight_body: int = 1 << 30  # ... for one tenant
     worker_memory: int = 2 << 30     # memory a worker may allocate beyond its started state (hard: RLIMIT_DATA)
     peer_connections: int = 256      # connections one client address may hold at once (more: 429 at once)

@@ -529,37 +529,66 @@ def test_100_continue_is_sent_only_once_the_body_is_wanted(svc):
     assert st == 417 and "Expect" in _error(_http_body(resp)), resp[:300]
 
 
-def test_an_answer_its_client_does_not_read_is_cut_after_the_idle_timeout(tmp_path):
+@pytest.fixture(scope="module")
+def tight(tmp_path_factory):
+    """A service that cuts unread answers after 1 s and lets a tenant hold 10 MB of bodies at once, with a 7 MB
+    entry of tenant a's (more than the kernel's socket buffers hold)."""
+    s = Service(tmp_path_factory.mktemp("kdn-tight"), max_body="16M", tokens=TOKENS,
+                extra=["--body-idle-timeout", "1", "--tenant-inflight-body", "10M"])
+    key, data = costly_entry(300, 64, "a")
+    assert s.put_raw(key, data, token=TOK_A) == 201
+    yield s, key, data
+    s.stop()
+
+
+def _unread_get(port: int, key) -> socket.socket:
+    """A GET of ``key`` whose client never reads (a 4 KiB receive window)."""
+    c = socket.socket()
+    c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    c.connect(("127.0.0.1", port))
+    c.sendall(request_head("GET", path_of(key), TOK_A))
+    return c
+
+
+def test_an_answer_its_client_does_not_read_is_cut_after_the_idle_timeout(tight):
     """aiohttp waits for a reader without end: GETs of a 7 MB entry whose client never read held the entry's
     bytes, the connection and the handler for good. Now an answer that drains by less than 64 KiB for
     --body-idle-timeout has its connection aborted; a slow reader that keeps reading is not cut."""
-    s = Service(tmp_path, max_body="16M", extra=["--body-idle-timeout", "1"], tokens=TOKENS)
+    s, key, data = tight
+    c = _unread_get(s.port, key)
+    time.sleep(4)
+    c.settimeout(10)
+    got = 0
     try:
-        key, data = costly_entry(300, 64, "a")  # 7 MB: more than the kernel's socket buffers hold
-        assert s.put_raw(key, data, token=TOK_A) == 201
-        stuck = []
-        for _ in range(2):
-            c = socket.socket()
-            c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            c.connect(("127.0.0.1", s.port))
-            c.sendall(request_head("GET", path_of(key), TOK_A))
-            stuck.append(c)
-        time.sleep(4)
-        for c in stuck:
-            c.settimeout(10)
-            got = 0
-            try:
-                while d := c.recv(1 << 20):
-                    got += len(d)
-            except OSError:
-                pass
-            c.close()
-            assert got < len(data), "an answer nobody read for 4 s was still being held"
+        while d := c.recv(1 << 20):
+            got += len(d)
+    except OSError:
+        pass
+    c.close()
+    assert got < len(data), "an answer nobody read for 4 s was still being held"
+    st, _, body = s.request("GET", path_of(key), TOK_A)
+    assert st == 200 and body == data
+    assert "Traceback" not in s.log() and "not read for 1 s" in s.log()
+
+
+def test_an_entry_being_sent_is_held_against_the_tenant_s_body_budget(tight):
+    """An entry's answer was sent after its handler returned, counted nowhere: a tenant's concurrent GETs of a
+    large entry each held a copy until their clients read it, a term of the memory bound no limit enforced. Now
+    it is held against --tenant-inflight-body until written: a second 7 MB GET under a 10 MB budget is a 429
+    while the first is being sent (a HEAD sends no body: not counted), and is served once the first is done."""
+    s, key, data = tight
+    c = _unread_get(s.port, key)
+    try:
+        time.sleep(0.5)
         st, _, body = s.request("GET", path_of(key), TOK_A)
-        assert st == 200 and body == data
-        assert "Traceback" not in s.log() and "not read for 1 s" in s.log()
+        assert st == 429 and "at once" in _error(body), (st, body[:200])
+        assert s.request("HEAD", path_of(key), TOK_A)[0] == 200
     finally:
-        s.stop()
+        c.close()
+    deadline = time.monotonic() + 10
+    while (got := s.request("GET", path_of(key), TOK_A))[0] == 429 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert got[0] == 200 and got[2] == data
 
 
 def test_two_authorization_headers_are_a_400_whichever_comes_first(svc):
