@@ -99,16 +99,13 @@ def append(lm: Any, source: Any, text: str | None = None, token_ids: Any = None,
     parent = open_parent(source)
     check_child_preset(parent, preset)
     hd = parent.reader.header
-    parent.reader.check_model(lm)
+    old = parent.token_ids(lm, "append")
     if hd.pruned:
         raise KvcInputError("the entry is a pruned cache (its tokens are not all stored); edits need a full cache")
     if hd.attention_bias is not None:  # neither path may drop the steering, nor prefill new text without it
         raise KvcInputError("the entry is steered (it carries an attention bias); append to its unsteered parent, "
                             "then steer the result")
-    if parent.reader.token_ids is None:
-        raise KvcInputError("the entry stores only the hash of its token ids; append needs the ids")
     new = context_ids(lm, text, token_ids)
-    old = np.asarray(parent.reader.token_ids, np.int64)
     # both paths need the whole child inside the window: refused here, before the incremental path decodes the parent
     check_fits(lm, len(old) + len(new), "the extended context")
     carried = parent.carried

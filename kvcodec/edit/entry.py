@@ -88,10 +88,30 @@ class Parent:
             return "the parent is steered"
         return None
 
-    def decode(self, lm: Any) -> KVCache:
-        """The parent's cache, checked against ``lm`` before anything is decoded (the model's device and dtype
-        are the caller's business: the tensors come back as the file stores them, on the host)."""
+    def token_ids(self, lm: Any, op: str = "an edit") -> np.ndarray:
+        """The parent's stored token ids (int64), checked against ``lm`` before any work: its model, ids stored (not
+        only their hash), and every id inside the model's vocabulary.
+
+        Why the vocabulary: a file names its model by fingerprint, yet its ids are whatever its writer put there; an
+        id past the embedding reached steer's prefill as an IndexError (a device-side assert on a GPU), and an
+        incremental append copied it into the child unchecked."""
+        from kvcodec.errors import KvcFormatError
+
         self.reader.check_model(lm)
+        ids = self.reader.token_ids
+        if ids is None:
+            raise KvcInputError(f"the entry stores only the hash of its token ids; {op} needs the ids")
+        ids = np.asarray(ids, np.int64)
+        vocab = int(lm.model.config.get_text_config().vocab_size)
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+            raise KvcFormatError(f"the entry's token ids lie outside the model's vocabulary [0, {vocab}): it holds "
+                                 f"{int(ids.min()) if ids.min() < 0 else int(ids.max())}")
+        return ids
+
+    def decode(self, lm: Any) -> KVCache:
+        """The parent's cache, checked against ``lm`` before anything is decoded (:meth:`token_ids`; the model's
+        device and dtype are the caller's business: the tensors come back as the file stores them, on the host)."""
+        self.token_ids(lm)
         cache = self.reader.read_cache()
         if cache.positions is not None:
             raise KvcInputError("the entry is a pruned cache (its tokens are not all stored); edits need a full cache")

@@ -179,16 +179,12 @@ def redact(lm: Any, source: Any, *, pattern: str | None = None, text: str | None
     parent = open_parent(source)
     check_child_preset(parent, preset)
     if repair == "prefill":
-        parent.reader.check_model(lm)
-        ids = parent.reader.token_ids
-        if ids is None:
-            raise KvcInputError("the entry stores only the hash of its token ids; redact needs the ids")
+        ids = parent.token_ids(lm, "redact")
         if parent.reader.header.attention_bias is not None:  # a prefill of the ids alone would drop the steering
             raise KvcInputError("the entry is steered (it carries an attention bias); redact its unsteered parent, "
                                 "then steer the result")
         if parent.reader.header.pruned:
             raise KvcInputError("the entry is a pruned cache (its tokens are not all stored); edits need a full cache")
-        ids = np.asarray(ids, np.int64)
     else:
         cache = parent.decode(lm)
         ids = cache.token_ids

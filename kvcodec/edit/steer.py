@@ -116,10 +116,7 @@ def steer(lm: Any, source: Any, heads: Sequence[tuple[int, int]], *, pattern: st
     t0 = time.perf_counter()
     parent = open_parent(source)
     check_child_preset(parent, preset)
-    parent.reader.check_model(lm)
-    ids = parent.reader.token_ids
-    if ids is None:
-        raise KvcInputError("the entry stores only the hash of its token ids; steer needs the ids")
+    ids = parent.token_ids(lm, "steer")
     if parent.reader.header.pruned:  # its stored tokens are not all of ids: the child would silently be unpruned
         raise KvcInputError("the entry is a pruned cache (its tokens are not all stored); edits need a full cache")
     if parent.reader.header.attention_bias is not None:
