@@ -81,6 +81,7 @@ from kvcodec.errors import KvcInputError
 from kvcodec.core.kvcache import KVCache, as_token_ids
 from kvcodec.models.capture import check_fits
 from kvcodec.codecs.rope_tables import inv_freq, rope_angles
+from kvcodec.models.rope_probe import check_rotation
 
 DEFAULT_RATIO = 0.15
 DEFAULT_SELECT_LAYER = 1
@@ -117,6 +118,7 @@ def layer_inv_freqs(lm: Any) -> list[np.ndarray]:
         else:  # the rope stage found no plain RoPE parameters either
             raise KvcInputError(f"blend re-positions chunk keys by a RoPE rotation; layer {i}'s config names no "
                                 "RoPE parameters (positions from learned or absolute embeddings cannot be re-positioned)")
+    check_rotation(lm, out, rerotate_keys)  # the model's own forward confirms this reading (adjacent pairs: refused)
     return out
 
 

@@ -349,3 +349,34 @@ def test_family_layout(family, family_dirs):
     assert order == LEADING
     assert q.out_features >= lay.num_heads * lay.head_dim and (norm is None) == (scope is None)
     assert lay.output_projection(lm.model, 0).in_features == lay.num_heads * lay.head_dim
+
+
+def test_a_rotation_kvcodec_cannot_reproduce_is_refused(tmp_path):
+    """Cohere rotates adjacent channel pairs (2j, 2j + 1) where kvcodec's rotation pairs j with j + dim/2 (transformers'
+    default), and its config reads as plain RoPE: blend, the naive concatenation and redact re-positioned its keys
+    silently wrong (layer 0 off by about 1.5x their size). Checked against the model's own forward, each refuses in
+    one line naming the layer; storing the cache is unaffected."""
+    from kvcodec.edit.redact import redact_cache
+    from kvcodec.errors import KvcInputError
+    from kvcodec.models.cachelayout import prefill_kv
+    from kvcodec.models.capture import capture, tokenize
+    from kvcodec.models.layout import PLAIN
+    from kvcodec.models.load import load_model
+    from kvcodec.runtime.blend import blend, concat_chunks, rerotate_keys
+    from kvcodec.codecs.rope_tables import inv_freq
+    from kvcodec.texts import load_text
+    from tests._support.tiny_models import save_family_model
+
+    lm = load_model(str(save_family_model(tmp_path / "cohere", dict(model_type="cohere", num_attention_heads=4,
+                                                                     num_key_value_heads=2))))
+    ids = tokenize(lm.tokenizer, load_text("c-stdio"))[:60]
+    chunks = [capture(lm, token_ids=ids[:30]), capture(lm, token_ids=ids[30:50])]
+    r = lm.layout.layer_rope(0)
+    assert r.kind == PLAIN  # what the config says; the model pairs its channels otherwise:
+    moved = rerotate_keys(chunks[1].keys[0], 30, inv_freq(r.theta, r.dim))
+    want = prefill_kv(lm.model, ids[:50])[0][0][:, 30:]
+    assert (moved - want).abs().max() > 0.5 * want.abs().max()
+    for run in (lambda: blend(lm, chunks, ids[50:], recompute_ratio=0.3), lambda: concat_chunks(lm, chunks),
+                lambda: redact_cache(lm, capture(lm, token_ids=ids), [(10, 20)])):
+        with pytest.raises(KvcInputError, match="cannot re-position this model's keys: its layer 0 "):
+            run()
