@@ -56,8 +56,8 @@ def resolve_params(lm: Any, data: bytes, op: str, params: Mapping[str, Any]) -> 
     _check_op(op, params)
     if op == "append" or not any(params.get(k) is not None for k in ("pattern", "text", "char_spans")):
         return dict(params)
+    from kvcodec.edit.entry import open_parent
     from kvcodec.edit.spans import redaction_spans, resolve_spans
-    from kvcodec.format import KvcReader
 
     kw: dict[str, Any] = {}
     for name in ("pattern", "text", "char_spans", "token_spans"):
@@ -66,10 +66,9 @@ def resolve_params(lm: Any, data: bytes, op: str, params: Mapping[str, Any]) -> 
             if name in ("pattern", "text") and not isinstance(v, str):
                 raise KvcInputError(f"{name} must be a string")
             kw[name] = _pairs(v, name) if name.endswith("spans") else v
-    with KvcReader(bytes(data)) as r:
-        ids = r.token_ids
-    if ids is None:
-        raise KvcInputError(f"the entry stores only the hash of its token ids; {op} needs the ids")
+    # the edit's own checks of the entry (its model, its log, ids stored and inside the vocabulary: an id past what
+    # the tokenizer takes escaped the matching as an OverflowError, a 500), before any matching
+    ids = open_parent(bytes(data)).token_ids(lm, op)
     # a redaction's spans are what redact() itself removes (what the join of the kept text spells again too)
     spans = (redaction_spans if op == "redact" else resolve_spans)(lm.tokenizer, ids, **kw)
     out = {k: v for k, v in params.items() if k not in ("pattern", "text", "char_spans")}

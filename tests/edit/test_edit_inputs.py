@@ -207,25 +207,27 @@ def test_an_unknown_preset_is_refused_before_the_model_runs(lm, entry, monkeypat
             edit()
 
 
-@pytest.mark.parametrize("edit", ["steer", "append-incremental", "redact-blend", "redact"])
+@pytest.mark.parametrize("edit", ["steer", "append-incremental", "redact-blend", "redact", "service-spans"])
 def test_an_entry_whose_ids_the_model_cannot_embed_is_one_line(lm, entry, edit):
     """A file names its model by fingerprint, but its ids are its writer's: one past the vocabulary reached
-    steer's prefill as an IndexError (a device-side assert on a GPU), and an incremental append copied it into
-    the child without a word."""
+    steer's prefill as an IndexError (a device-side assert on a GPU), an incremental append copied it into
+    the child without a word, and one past 2**32 escaped the service's span matching as an OverflowError (a 500)."""
     from kvcodec.api import encode
     from kvcodec.core.kvcache import KVCache
     from kvcodec.edit.append import append
     from kvcodec.edit.redact import redact
     from kvcodec.edit.steer import steer
+    from kvcodec.edit.stored import resolve_params
     from kvcodec.errors import KvcFormatError
 
     cache, _ = entry(32)
     ids = cache.token_ids.copy()
-    ids[3] = lm.model.config.vocab_size
+    ids[3] = 2 ** 40 if edit == "service-spans" else lm.model.config.vocab_size
     data = encode(KVCache(cache.keys, cache.values, ids, cache.fingerprint), None, preset="lossless").data
     run = {"steer": lambda: steer(lm, data, [(0, 0)], token_spans=[(5, 7)]),
            "append-incremental": lambda: append(lm, data, text=" more", repair="incremental"),
            "redact-blend": lambda: redact(lm, data, token_spans=[(5, 7)], repair="blend"),
-           "redact": lambda: redact(lm, data, token_spans=[(5, 7)])}[edit]
+           "redact": lambda: redact(lm, data, token_spans=[(5, 7)]),
+           "service-spans": lambda: resolve_params(lm, data, "redact", {"pattern": "[a-z]+"})}[edit]
     with pytest.raises(KvcFormatError, match="outside the model's vocabulary"):
         run()
