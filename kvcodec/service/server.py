@@ -16,6 +16,12 @@ gives the runner its own connection handler (:class:`KdnRequestHandler`):
   :data:`STALL_PROGRESS` bytes every ``send_stall`` seconds, else the connection is aborted.  Why: aiohttp
   waits for a reader without end, so a client that asked for an entry and never read it held the entry's
   bytes, its connection and the handler for good (40 such GETs of one uncached entry: 40 copies).
+* **a body's framing** (chunk sizes, chunk extensions, trailers): at most :data:`FRAMING_SLACK` bytes plus
+  :data:`FRAMING_RATIO` per byte of body, else the body is refused (one-line JSON 400) and the connection's
+  further bytes are never parsed.  Why: the parser reads and drops framing without end (an endless chunk
+  extension, ``0000...`` as a chunk size) and without a byte of body, so the tenant's ingest rate and body
+  limits never saw it: one tenant's connections held the event loop reading at line rate for their
+  ``body_idle_timeout`` (64 of them: another tenant's requests went from under a millisecond to 190 ms).
 * **malformed HTTP** (a bad request line, headers or framing, refused by
   aiohttp's parser before any route): the documented one-line JSON error
   (spec/kdn-v1.md §2) instead of aiohttp's plain text, and one rate-limited
@@ -35,12 +41,14 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
-from kvcodec.service.checks import error_line
+from kvcodec.service.checks import HttpError, error_line
 from kvcodec.service.httputil import redact_credentials
 
 
 ABUSIVE_HOLD = 1.0  # seconds a connection from an address far past its refusal rate waits before its 429
 STALL_PROGRESS = 64 << 10  # bytes an unread answer must drain by each ``send_stall`` seconds (module docstring)
+FRAMING_SLACK = 64 << 10  # a body's framing bytes allowed beyond FRAMING_RATIO per body byte (module docstring)
+FRAMING_RATIO = 8  # chunks of one byte: "1\r\nx\r\n", 6 bytes on the wire per byte of body
 
 
 class PeerTable:
@@ -130,7 +138,22 @@ class KdnRequestHandler(RequestHandler):
     def data_received(self, data: bytes) -> None:
         if getattr(self, "_kvc_refused", False):  # a refused connection's bytes: never parsed
             return
+        req = self._current_request  # the request being handled (aiohttp's); its body may be arriving
+        body = req.content if req is not None else None
+        if body is None or body.is_eof():
+            super().data_received(data)
+            return
+        before = body.total_bytes
         super().data_received(data)
+        if body.is_eof():  # complete: what else came is the next request's head, under the head's own limits
+            return
+        if getattr(self, "_kvc_framed", None) is not req:
+            self._kvc_framed, self._kvc_framing = req, 0
+        self._kvc_framing += len(data) - (body.total_bytes - before)
+        if self._kvc_framing > FRAMING_SLACK + FRAMING_RATIO * body.total_bytes:
+            self._kvc_refused = True  # nothing more of this connection is parsed; it closes after the answer
+            body.set_exception(HttpError(400, f"malformed HTTP request: the body's framing (chunk sizes, "
+                                              f"extensions, trailers) is over {FRAMING_RATIO} bytes per byte of body"))
 
     def pause_writing(self) -> None:
         """The client is not reading as fast as we answer: from now on it must keep reading (module docstring)."""

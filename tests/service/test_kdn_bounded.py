@@ -598,3 +598,17 @@ def test_two_authorization_headers_are_a_400_whichever_comes_first(svc):
         head = request_head("GET", "/v1/whoami", first, {"Authorization": f"Bearer {second}"})
         st, resp = raw_request(svc.port, head, timeout=10, source="127.0.0.23")
         assert st == 400 and "Authorization headers" in _error(_http_body(resp)), resp[:300]
+
+
+def test_a_body_s_framing_is_bounded_by_its_bytes(svc):
+    """The parser reads and drops a body's framing without end and without a byte of body (an endless chunk
+    extension, a chunk size of endless zeros), so neither the ingest rate nor the body limits saw it: the event
+    loop read it at line rate until --body-idle-timeout (then a 408). Now framing past 64 KiB + 8 bytes per body
+    byte is a one-line 400 at once; a body in one-byte chunks (6 wire bytes each) is still served."""
+    head = request_head("POST", "/v1/contains", TOK_B, {"Transfer-Encoding": "chunked"})
+    for start, piece in ((b"c;", b"x" * 4096), (b"", b"0" * 4096)):
+        answer, after = _held_open(svc.port, head + start, piece, limit_s=15)
+        assert answer.startswith(b"HTTP/1.1 400") and "framing" in _error(_http_body(answer)), answer[:300]
+    body = b'{"keys": []}'
+    st, resp = raw_request(svc.port, head, b"".join(b"1\r\n" + bytes([c]) + b"\r\n" for c in body) + b"0\r\n\r\n")
+    assert st == 200 and json.loads(_http_body(resp)) == {"found": []}, resp[:300]
