@@ -38,7 +38,7 @@ from kvcodec.service.config import (
 from kvcodec.service.fair import FairScheduler, Overloaded, TokenBucket
 from kvcodec.service.httputil import LogLimiter, json_reply
 from kvcodec.service.metrics import Metrics
-from kvcodec.service.server import KdnRequestHandler, PeerTable
+from kvcodec.service.server import KdnRequestHandler, PeerTable, peer_key
 from kvcodec.service.workers import WorkerPool
 from kvcodec.store import Store, StoreKey
 
@@ -185,7 +185,7 @@ class Admission:
             p = self.tokens.lookup(tok) if given else None
             if p is None:
                 # no tenant to charge: the client address pays, and one that keeps failing gets its 401s held back
-                peer = request.remote or "?"
+                peer = peer_key(request.remote)
                 await self._throttle(request, self.peer_refusals, peer, self.config.peer_refusal_rate,
                                      f"your address had more than {self.config.peer_refusal_rate:g} unauthenticated "
                                      "requests a second refused; retry later")

@@ -33,6 +33,7 @@ gives the runner its own connection handler (:class:`KdnRequestHandler`):
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import signal
 from typing import Any, Callable
@@ -49,6 +50,27 @@ ABUSIVE_HOLD = 1.0  # seconds a connection from an address far past its refusal 
 STALL_PROGRESS = 64 << 10  # bytes an unread answer must drain by each ``send_stall`` seconds (module docstring)
 FRAMING_SLACK = 64 << 10  # a body's framing bytes allowed beyond FRAMING_RATIO per body byte (module docstring)
 FRAMING_RATIO = 8  # chunks of one byte: "1\r\nx\r\n", 6 bytes on the wire per byte of body
+
+
+def peer_key(addr: object) -> str:
+    """The client a per-address limit counts: an IPv4 address, or an IPv6 address's /64 network.
+
+    Why the /64: one IPv6 host or site holds a whole /64 (its privacy addresses rotate inside it, and any
+    other is one ``ip addr add`` away), so a cap or throttle per IPv6 address bounded nothing: each new source
+    address came with a fresh ``--peer-connections`` and a fresh refusal balance. An IPv4 address mapped into
+    IPv6 (``::ffff:a.b.c.d``, a dual-stack listener's) counts as that IPv4 address."""
+    if not addr:
+        return "?"
+    text = str(addr)
+    try:
+        ip = ipaddress.ip_address(text.split("%", 1)[0])  # a link-local address's zone (%eth0) is not the host
+    except ValueError:
+        return text
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return text
 
 
 class PeerTable:
@@ -101,7 +123,7 @@ class KdnRequestHandler(RequestHandler):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         peer = transport.get_extra_info("peername")
-        self._kvc_peer: str | None = str(peer[0]) if isinstance(peer, (tuple, list)) and peer else "?"
+        self._kvc_peer: str | None = peer_key(peer[0]) if isinstance(peer, (tuple, list)) and peer else "?"
         self._kvc_refused = False
         if self.peers.abusive(self._kvc_peer):
             # Held before its 429 (a timer, no CPU; counted against the address's connections, so at most
@@ -217,7 +239,7 @@ class KdnRequestHandler(RequestHandler):
             text = f"malformed HTTP request: {what or 'bad request'}"
         self.logger.warning("%s from %s: %s", status, request.remote or "?", what[:300])
         if status < 500:
-            self.peers.charge(str(request.remote or "?"))  # malformed HTTP: no tenant, the address pays
+            self.peers.charge(peer_key(request.remote))  # malformed HTTP: no tenant, the address pays
         resp = web.Response(status=status, text=json.dumps({"error": " ".join(text.split())[:1000]}),
                             content_type="application/json")
         resp.force_close()
@@ -276,4 +298,4 @@ def run(app: web.Application, peers: PeerTable, host: str, port: int,
     asyncio.run(main())
 
 
-__all__ = ["KdnRequestHandler", "PeerTable", "handler_class", "run"]
+__all__ = ["KdnRequestHandler", "PeerTable", "handler_class", "peer_key", "run"]
