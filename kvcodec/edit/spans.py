@@ -373,8 +373,9 @@ def regex_spans(text: str, pattern: str, seconds: float | None = None, required:
     return spans
 
 
-def text_spans(text: str, literal: str) -> list[tuple[int, int]]:
-    """Character spans of every occurrence of ``literal`` in ``text`` (left to right, not overlapping).
+def text_spans(text: str, literal: str, required: bool = True) -> list[tuple[int, int]]:
+    """Character spans of every occurrence of ``literal`` in ``text`` (left to right, not overlapping); none is
+    refused unless ``required`` is False.
 
     A literal is searched as a literal (``str.find``, linear), with its own limit: a paragraph to redact is
     ordinary, and escaping it into a regex would count it against the pattern's cap (issue 55)."""
@@ -389,7 +390,7 @@ def text_spans(text: str, literal: str) -> list[tuple[int, int]]:
         if len(spans) > MAX_SPANS:
             raise KvcInputError(f"the text occurs more than {MAX_SPANS} times (limit {MAX_SPANS})")
         at = text.find(literal, at + len(literal))
-    if not spans:
+    if not spans and required:
         raise KvcInputError(f"the text ({len(literal)} characters) does not occur in the stored context")
     return spans
 
@@ -488,27 +489,35 @@ def redaction_spans(tokenizer: Any, ids: np.ndarray, *, pattern: str | None = No
     Why again: removing a match joins the text around it, and the join can spell the match anew: redacting
     ``1234`` from ``12123434`` kept ``12`` + ``34``, and the child said ``1234``. A redaction promises that
     what it names is gone from the child, so it matches the child's text as well, at most
-    :data:`REDACT_ROUNDS` times (each round is one pass over the context); a pattern that still matches then
-    (one that matches whatever is left, such as ``^\\w+``) is refused in one line."""
-    spans = resolve_spans(tokenizer, ids, pattern=pattern, text=text, char_spans=char_spans, token_spans=token_spans)
+    :data:`REDACT_ROUNDS` times; a pattern that still matches then (one that matches whatever is left, such as
+    ``\\d(?!\\d)``, a number's last digit) is refused in one line. The pattern's time bound
+    (:data:`PATTERN_SECONDS` of this thread's CPU) is for all the rounds together, not for each."""
     if pattern is None and text is None:
-        return spans
+        return resolve_spans(tokenizer, ids, char_spans=char_spans, token_spans=token_spans)
+    if sum(x is not None for x in (pattern, text, char_spans, token_spans)) != 1:
+        raise KvcInputError("name the span by exactly one of: a pattern, a text, character spans, token spans")
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
     removed = np.zeros(len(ids), bool)
-    for a, b in spans:
-        removed[a:b] = True
-    for _ in range(REDACT_ROUNDS):
+    deadline = time.thread_time() + PATTERN_SECONDS
+    for round_ in range(REDACT_ROUNDS + 1):
         kept = np.flatnonzero(~removed)
         if kept.size == 0:
             raise KvcInputError("the spans cover the whole context: nothing would be left")
-        decoded = tokenizer.decode(ids[kept].tolist())
-        if not (decoded.find(text) >= 0 if text is not None else regex_spans(decoded, str(pattern), required=False)):
+        decoded, ends = token_offsets(tokenizer, ids[kept])
+        if text is not None:
+            found = text_spans(decoded, text, required=round_ == 0)
+        else:
+            found = regex_spans(decoded, str(pattern), seconds=max(deadline - time.thread_time(), 1e-3),
+                                required=round_ == 0)
+        if not found:
             edges = np.flatnonzero(np.diff(np.concatenate([[0], removed.astype(np.int8), [0]])))
             out = [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2])]
             if len(out) > MAX_SPANS:
                 raise KvcInputError(f"the redaction removes more than {MAX_SPANS} spans (limit {MAX_SPANS})")
             return out
-        for a, b in resolve_spans(tokenizer, ids[kept], pattern=pattern, text=text):
+        if round_ == REDACT_ROUNDS:
+            break
+        for a, b in whole_characters(tokenizer, ids[kept], char_spans_to_tokens(ends, found)):
             removed[kept[a:b]] = True
     raise KvcInputError(f"what remains still {'contains the text' if text is not None else 'matches the pattern'} after "
                         f"{REDACT_ROUNDS} rounds of removing it (each removal joins text that "

@@ -115,3 +115,25 @@ def test_spans_the_log_cannot_hold_are_refused_before_the_prefill(lm, parent, mo
     with pytest.raises(KvcInputError, match="more than the 60"):
         redact_mod.redact(lm, parent(LINE.format("Keiko Tanaka")), token_spans=[(2, 3), (5, 6), (8, 9), (11, 12)])
     assert not prefilled
+
+
+def test_the_patterns_time_bound_is_for_all_rounds_together(lm, monkeypatch):
+    """Matching again over what is kept must not multiply the pattern's bound (2 CPU-seconds, the guide says):
+    each pass gets what is left of one bound, and a round matches once (it matched twice, each with a whole bound)."""
+    import kvcodec.edit.spans as spans
+    from kvcodec.models.capture import tokenize
+
+    bounds: list[float | None] = []
+    real = spans.regex_spans
+
+    def recording(text, pattern, seconds=None, required=True):
+        bounds.append(seconds)
+        return real(text, pattern, seconds, required)
+
+    monkeypatch.setattr(spans, "regex_spans", recording)
+    ids = tokenize(lm.tokenizer, "The serial is 987654321, printed on the back.")
+    with pytest.raises(KvcInputError, match="rounds"):
+        spans.redaction_spans(lm.tokenizer, ids, pattern=r"\d(?!\d)")
+    assert len(bounds) == spans.REDACT_ROUNDS + 1
+    assert all(b is not None and 0 < b <= spans.PATTERN_SECONDS for b in bounds)
+    assert bounds == sorted(bounds, reverse=True)
