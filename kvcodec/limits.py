@@ -91,18 +91,34 @@ SPARSE_RATIO = 64
 SPARSE_FLOOR = 1 << 20
 
 
-def check_not_sparse(st: os.stat_result, name: str, what: str) -> None:
+def check_not_sparse(st: os.stat_result, name: str, what: str, fd: int | None = None) -> None:
     """Refuse a regular file whose size is mostly holes (``st_blocks`` far below ``st_size``).
 
     Why: every bound on untrusted input that is relative to a file's size (the declared-output ratio of a
     ``.kvc``, a capture's tensors) assumes the bytes are really there; a sparse file costs its maker nothing
     per byte, so a few kilobytes of real data with a hole of terabytes pass the ratio and make the reader
     allocate what the hole spans (a ``.kvc``'s stored attachments and chunk records are read whole). A
-    file system that reports no blocks at all (``st_blocks`` 0) is not judged."""
+    file system that reports no blocks at all (``st_blocks`` 0) is not judged. With the open descriptor
+    ``fd``, the file must also really hold a hole (``SEEK_HOLE`` before its end): few blocks alone also
+    mean a compressing file system, or ZFS counting a just-written file's blocks only at its next commit."""
     size, blocks = st.st_size, getattr(st, "st_blocks", 0)
-    if size > SPARSE_FLOOR and blocks and blocks * 512 * SPARSE_RATIO < size:
+    if size > SPARSE_FLOOR and blocks and blocks * 512 * SPARSE_RATIO < size and (fd is None or _has_hole(fd, size)):
         raise KvcFormatError(f"{name}: a sparse file ({size:,} bytes, {blocks * 512:,} on disk, over {SPARSE_RATIO}x); "
                              f"refusing to read it as {what} (copy it without holes, e.g. cp --sparse=never)")
+
+
+def _has_hole(fd: int, size: int) -> bool:
+    """Whether the file of ``fd`` has a hole before its end (False where ``SEEK_HOLE`` is not supported: the
+    generic answer, the end of the file, says the same). Reads go through ``pread``: the offset is restored."""
+    seek_hole = getattr(os, "SEEK_HOLE", None)
+    if seek_hole is None:
+        return False
+    try:
+        at = os.lseek(fd, 0, seek_hole)
+        os.lseek(fd, 0, os.SEEK_SET)
+    except OSError:
+        return False
+    return at < size
 
 
 def _kind(mode: int) -> str:

@@ -112,7 +112,7 @@ class PathSource(ByteSource):
         self._fd: int | None = open_regular(path, "a .kvc file")
         try:
             st = os.fstat(self._fd)
-            check_not_sparse(st, self.name, "a .kvc file")  # the ratio bound needs the bytes to be really there
+            check_not_sparse(st, self.name, "a .kvc file", self._fd)  # the ratio bound needs the bytes to be really there
         except BaseException:
             self.close()
             raise

@@ -234,7 +234,7 @@ class FileRangeReader(RangeReader):
             self.close()
             raise KvcStoreError(f"{self.name}: not a regular file; refusing to read it")
         try:
-            check_not_sparse(st, self.name, "a store entry")
+            check_not_sparse(st, self.name, "a store entry", self._fd)
         except KvcFormatError:
             self.close()
             raise

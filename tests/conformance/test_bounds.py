@@ -304,6 +304,22 @@ def test_a_sparse_kvc_is_refused_before_anything_is_read(tmp_path):
             open_it(sparse)
         with open_it(dense) as r:
             assert r.verify() == []
+    # few blocks without a hole (a compressing file system, ZFS before its commit) is not a sparse file
+    from types import SimpleNamespace
+
+    from kvcodec.limits import check_not_sparse
+
+    few = SimpleNamespace(st_size=len(data), st_blocks=8)
+    for path, refused in ((dense, False), (sparse, True)):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if refused:
+                with pytest.raises(KvcFormatError, match="sparse file"):
+                    check_not_sparse(few, str(path), "a .kvc file", fd)  # type: ignore[arg-type]
+            else:
+                check_not_sparse(few, str(path), "a .kvc file", fd)  # type: ignore[arg-type]
+        finally:
+            os.close(fd)
 
 
 # -- captures ------------------------------------------------------------------
