@@ -174,3 +174,28 @@ def test_edit_body_and_id_refusals(lm, entry, service):
     assert status == 413 and "larger than the limit" in json.loads(out)["error"], out
     status, _, out = service.request("POST", edit, body=json.dumps({"op": "append", "params": {"token_ids": [2 ** 63]}}).encode())
     assert status == 400 and "2**63" in json.loads(out)["error"], out
+
+
+def test_a_redaction_through_the_service_leaves_its_text_nowhere(lm, service):
+    """The answer, the stored child and the service's log hold nothing of a redacted secret, nor of one a refused
+    redaction was given (a near miss of the real one: the log kept ``the text 'Keiko  Tanaka' does not occur``)."""
+    from kvcodec.api import encode
+    from kvcodec.models.capture import capture, tokenize
+
+    text = "Minutes of the weekly meeting. The on-call engineer is Keiko Tanaka, reachable after six. Nothing else."
+    ids = tokenize(lm.tokenizer, text)
+    data = encode(capture(lm, token_ids=ids), None, preset="lossless").data
+    key = StoreKey.for_tokens(ids, model=lm.fingerprint.id, codec=codec_key("lossless"), namespace="a")
+    assert service.put_raw(key, data) in (200, 201)
+    edit = path_of(key) + "/edit"
+    status, _, out = service.request("POST", edit, body=json.dumps({"op": "redact", "params": {"text": "Keiko  Tanaka"}}).encode())
+    assert status == 400 and "does not occur" in out.decode()
+    status, _, out = service.request("POST", edit, body=json.dumps({"op": "redact", "params": {"text": "Keiko Tanaka"}}).encode())
+    assert status == 201, out
+    child = StoreKey.from_str(json.loads(out)["key"])
+    got = service.request("GET", path_of(child))[2]
+    with KvcReader(got) as r:
+        kept = lm.tokenizer.decode(np.asarray(r.token_ids).tolist())
+    assert "Keiko" not in kept and "Tanaka" not in kept and "on-call engineer is" in kept
+    for where, blob in (("answer", out.decode()), ("log", service.log()), ("child", got.decode("latin-1"))):
+        assert "Keiko" not in blob and "Tanaka" not in blob, where
