@@ -81,7 +81,7 @@ from kvcodec.errors import KvcInputError
 from kvcodec.core.kvcache import KVCache, as_token_ids
 from kvcodec.models.capture import check_fits
 from kvcodec.codecs.rope_tables import inv_freq, rope_angles
-from kvcodec.models.rope_probe import check_rotation
+from kvcodec.models.rope_probe import AdjacentPairs, check_rotation, from_half_pairs, to_half_pairs
 
 DEFAULT_RATIO = 0.15
 DEFAULT_SELECT_LAYER = 1
@@ -99,7 +99,8 @@ def layer_inv_freqs(lm: Any) -> list[np.ndarray]:
     attention factor scales cos and sin alike, so it rides along with the stored keys): its
     frequencies are transformers' own for the variant. Variants whose frequencies depend on the
     sequence length (dynamic NTK, LongRoPE) cannot be re-positioned by a rotation and are refused
-    naming the layer and type.
+    naming the layer and type. The model's own forward confirms each layer's reading once
+    (:mod:`kvcodec.models.rope_probe`), marking layers that rotate adjacent pairs (Cohere, Llama 4).
     """
     layout = lm.layout
     out: list[np.ndarray] = []
@@ -118,8 +119,7 @@ def layer_inv_freqs(lm: Any) -> list[np.ndarray]:
         else:  # the rope stage found no plain RoPE parameters either
             raise KvcInputError(f"blend re-positions chunk keys by a RoPE rotation; layer {i}'s config names no "
                                 "RoPE parameters (positions from learned or absolute embeddings cannot be re-positioned)")
-    check_rotation(lm, out, rerotate_keys)  # the model's own forward confirms this reading (adjacent pairs: refused)
-    return out
+    return check_rotation(lm, out, rerotate_keys)  # confirmed by the model's forward, adjacent pairs marked
 
 
 def rotation_tables(offset: int, freqs: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,6 +142,9 @@ def rerotate_keys(keys: torch.Tensor, offset: int, freqs: np.ndarray) -> torch.T
     k = keys.to(torch.float32)
     if offset == 0 or len(freqs) == 0:  # len 0: a NoPE layer (layer_inv_freqs)
         return k.clone()
+    if isinstance(freqs, AdjacentPairs):  # Cohere, Llama 4, ...: the same rotation, channels gathered into HF's pairing
+        d = 2 * len(freqs)
+        return from_half_pairs(rerotate_keys(to_half_pairs(k, d), offset, np.asarray(freqs)), d)
     cos, sin = rotation_tables(offset, freqs)
     cos, sin = cos.to(k.device), sin.to(k.device)  # the tables are built on the host; the keys may be on a GPU
     d = cos.shape[0]

@@ -351,32 +351,59 @@ def test_family_layout(family, family_dirs):
     assert lay.output_projection(lm.model, 0).in_features == lay.num_heads * lay.head_dim
 
 
-def test_a_rotation_kvcodec_cannot_reproduce_is_refused(tmp_path):
-    """Cohere rotates adjacent channel pairs (2j, 2j + 1) where kvcodec's rotation pairs j with j + dim/2 (transformers'
-    default), and its config reads as plain RoPE: blend, the naive concatenation and redact re-positioned its keys
-    silently wrong (layer 0 off by about 1.5x their size). Checked against the model's own forward, each refuses in
-    one line naming the layer; storing the cache is unaffected."""
-    from kvcodec.edit.redact import redact_cache
-    from kvcodec.errors import KvcInputError
-    from kvcodec.models.cachelayout import prefill_kv
-    from kvcodec.models.capture import capture, tokenize
+
+@torch.inference_mode()
+def test_adjacent_pairs_and_unrotated_layers_are_re_positioned_as_the_model_rotates(tmp_path):
+    """Cohere 2 rotates adjacent channel pairs (2j, 2j + 1) on its sliding layers, where transformers' default pairs
+    j with j + dim/2, and applies no RoPE on its global layers; its config says neither and reads as plain RoPE on
+    every layer. Blend, the naive concatenation and redact re-positioned its keys silently wrong (layer 0 off by
+    about 1.5x their size). The model's own forward now tells each layer's rotation (kvcodec/models/rope_probe.py):
+    every layer's re-rotated keys equal a prefill at the shifted positions, and blend runs as on any family."""
+    from kvcodec.codecs.rope_tables import inv_freq
+    from kvcodec.models.capture import tokenize
     from kvcodec.models.layout import PLAIN
     from kvcodec.models.load import load_model
-    from kvcodec.runtime.blend import blend, concat_chunks, rerotate_keys
-    from kvcodec.codecs.rope_tables import inv_freq
+    from kvcodec.models.rope_probe import AdjacentPairs
+    from kvcodec.runtime.blend import layer_inv_freqs, rerotate_keys
     from kvcodec.texts import load_text
     from tests._support.tiny_models import save_family_model
 
-    lm = load_model(str(save_family_model(tmp_path / "cohere", dict(model_type="cohere", num_attention_heads=4,
-                                                                     num_key_value_heads=2))))
+    lm = load_model(str(save_family_model(tmp_path / "cohere2", dict(
+        model_type="cohere2", num_attention_heads=4, num_key_value_heads=2, sliding_window=48,
+        layer_types=["sliding_attention", "full_attention"]))))
+    ids = tokenize(lm.tokenizer, load_text("c-stdio"))[:N_TOKENS]
+    r = lm.layout.layer_rope(0)
+    assert r.kind == lm.layout.layer_rope(1).kind == PLAIN  # what the config says
+    freqs = layer_inv_freqs(lm)
+    x = torch.as_tensor(ids[:40])[None]
+    at0, at37 = (lm.model(input_ids=x, position_ids=torch.arange(o, o + 40)[None], use_cache=True).past_key_values
+                 for o in (0, 37))
+    for f, a, b in zip(freqs, at0.layers, at37.layers):
+        assert (rerotate_keys(a.keys[0], 37, f) - b.keys[0]).abs().max() <= 1e-5 * b.keys[0].abs().max()
+    assert isinstance(freqs[0], AdjacentPairs) and len(freqs[1]) == 0
+    wrong = rerotate_keys(at0.layers[0].keys[0], 37, inv_freq(r.theta, r.dim))  # the config's reading
+    assert (wrong - at37.layers[0].keys[0]).abs().max() > 0.5 * at37.layers[0].keys[0].abs().max()
+    _blends_through_its_own_forward(lm, ids)
+
+
+def test_a_rotation_kvcodec_cannot_reproduce_is_refused(tmp_path, monkeypatch):
+    """A RoPE reading the model's forward does not confirm in any pairing (here: frequencies of another theta) is
+    refused by blend, the naive concatenation and redact in one line naming the layer, not applied."""
+    from kvcodec.edit.redact import redact_cache
+    from kvcodec.errors import KvcInputError
+    from kvcodec.models.capture import capture, tokenize
+    from kvcodec.models.load import load_model
+    from kvcodec.runtime import blend as blend_mod
+    from kvcodec.texts import load_text
+    from tests._support.tiny_models import save_family_model
+
+    lm = load_model(str(save_family_model(tmp_path / "llama", dict(model_type="llama", num_attention_heads=4,
+                                                                    num_key_value_heads=2))))
     ids = tokenize(lm.tokenizer, load_text("c-stdio"))[:60]
     chunks = [capture(lm, token_ids=ids[:30]), capture(lm, token_ids=ids[30:50])]
-    r = lm.layout.layer_rope(0)
-    assert r.kind == PLAIN  # what the config says; the model pairs its channels otherwise:
-    moved = rerotate_keys(chunks[1].keys[0], 30, inv_freq(r.theta, r.dim))
-    want = prefill_kv(lm.model, ids[:50])[0][0][:, 30:]
-    assert (moved - want).abs().max() > 0.5 * want.abs().max()
-    for run in (lambda: blend(lm, chunks, ids[50:], recompute_ratio=0.3), lambda: concat_chunks(lm, chunks),
-                lambda: redact_cache(lm, capture(lm, token_ids=ids), [(10, 20)])):
+    read = blend_mod.inv_freq
+    monkeypatch.setattr(blend_mod, "inv_freq", lambda theta, dim: read(theta * 4, dim))
+    for run in (lambda: blend_mod.blend(lm, chunks, ids[50:], recompute_ratio=0.3),
+                lambda: blend_mod.concat_chunks(lm, chunks), lambda: redact_cache(lm, capture(lm, token_ids=ids), [(10, 20)])):
         with pytest.raises(KvcInputError, match="cannot re-position this model's keys: its layer 0 "):
             run()
