@@ -37,7 +37,7 @@ import numpy as np
 
 from kvcodec.calibration.record import Calibration
 from kvcodec.calibration.store import SHIPPED_DIR, _atomic_write, cache_write_error, calibration_dir
-from kvcodec.errors import KvcFormatError
+from kvcodec.errors import KvcFormatError, json_loads
 
 RATE_FORMAT = "kvcodec-ratemodel"
 RATE_VERSION = 3  # 3: per-(layer, kind) measured sensitivity; 2: per-preset length curves (1: one power law from t_ref)
@@ -287,8 +287,8 @@ def _read(path: Path, cal: Calibration) -> RateModel:
     if os.path.getsize(path) > _MAX_BYTES:
         raise KvcFormatError(f"{path}: rate model over {_MAX_BYTES} bytes")
     try:
-        d = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deep
+        d = json_loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise KvcFormatError(f"{path}: unreadable rate model ({exc})") from None
     rm = RateModel.from_json(d, str(path))
     if rm.fingerprint_id != cal.meta.get("fingerprint_id") or rm.calibration_sha256 != _cal_sha(cal):

@@ -24,7 +24,7 @@ import numpy as np
 from kvcodec.calibration.record import (CALIB_FORMAT, CALIB_VERSION, GRID_EXP_MAX, GRID_EXP_MIN, Calibration, grid_basis,
                                         grid_codes)
 from kvcodec.digest import array_sha256
-from kvcodec.errors import KvcFormatError, KvcInputError, KvcIOError, KvcModelMismatchError
+from kvcodec.errors import KvcFormatError, KvcInputError, KvcIOError, KvcModelMismatchError, json_loads
 
 _FID = re.compile(r"[0-9a-f]{32}\Z")
 _SHA = re.compile(r"[0-9a-f]{64}\Z")
@@ -357,8 +357,8 @@ def _holder(name: str, sha256: str) -> Calibration | None:
         st = os.stat(ptr)
         if not stat.S_ISREG(st.st_mode) or st.st_size > 4096:
             return None
-        entry = json.loads(ptr.read_bytes())
-    except (OSError, ValueError, RecursionError):  # RecursionError: a pointer of JSON nested too deep
+        entry = json_loads(ptr.read_bytes())
+    except (OSError, ValueError):
         return _shipped_holder(name, sha256)
     if not isinstance(entry, dict) or entry.get("name") != name or not isinstance(entry.get("fingerprint_id"), str) \
             or not _FID.match(entry["fingerprint_id"]):

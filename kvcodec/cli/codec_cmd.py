@@ -91,9 +91,7 @@ MAX_CONFIG_FILE = 1 << 20
 
 def parse_codec_config(value: str) -> tuple[str, dict[str, Any]]:
     """(preset, overrides) of ``--config``: a JSON object, inline or in a file, checked by :func:`kvcodec.plan.presets.parse_config`."""
-    import json
-
-    from kvcodec.errors import KvcInputError
+    from kvcodec.errors import KvcInputError, json_loads
     from kvcodec.plan.presets import parse_config
 
     text = value
@@ -116,8 +114,8 @@ def parse_codec_config(value: str) -> tuple[str, dict[str, Any]]:
             except UnicodeDecodeError:
                 raise KvcInputError(f"the --config file {value} is not UTF-8 text") from None
     try:
-        cfg = json.loads(text)
-    except (ValueError, RecursionError) as exc:  # JSON nested thousands deep escaped as RecursionError
+        cfg = json_loads(text)
+    except ValueError as exc:
         raise KvcInputError(f"--config is neither a JSON object nor a JSON file ({str(exc)[:200]})") from None
     return parse_config(cfg, "--config")
 

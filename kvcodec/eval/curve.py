@@ -44,7 +44,7 @@ from typing import Any, Callable
 import numpy as np
 
 from kvcodec.atomic import atomic_write_text, check_output, check_outputs_differ
-from kvcodec.errors import KvcError, KvcInputError
+from kvcodec.errors import KvcError, KvcInputError, json_loads
 from kvcodec.api import encode_cache
 from kvcodec.format import KvcReader
 from kvcodec.digest import token_ids_sha256
@@ -246,8 +246,8 @@ def load_previous(path: str | os.PathLike | None) -> dict[tuple, dict[str, Any]]
     if path is None or not Path(path).is_file():
         return {}
     try:
-        obj = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):  # not UTF-8 (UnicodeDecodeError) or nested too deep escaped
+        obj = json_loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # not UTF-8 (UnicodeDecodeError), not JSON or nested too deep
         return {}
     if not isinstance(obj, dict) or obj.get("schema") != SCHEMA:
         return {}

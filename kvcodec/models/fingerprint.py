@@ -206,7 +206,7 @@ def _read_json(path: Path, what: str) -> Any:
             raise KvcModelNotFoundError(f"{path}: {what} is not a regular file of at most 64 MiB")
         with open(path, "rb") as f:
             return json_loads(f.read(_MAX_JSON_FILE + 1))
-    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested thousands deep
+    except (OSError, ValueError) as exc:
         raise KvcModelNotFoundError(f"{path}: unreadable {what} ({exc})") from None
 
 
@@ -404,7 +404,7 @@ def _cached(kind: str, model_dir: Path, key: list[list[Any]], secret: bytes) -> 
         if not stat.S_ISREG(st.st_mode) or st.st_size > 1 << 20:
             return None
         entry = json_loads(path.read_bytes())
-    except (OSError, ValueError, RecursionError):  # RecursionError: an entry of JSON nested too deep
+    except (OSError, ValueError):
         return None
     if not isinstance(entry, dict) or not isinstance(entry.get("mac"), str):
         return None

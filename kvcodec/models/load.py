@@ -403,7 +403,7 @@ def check_weights(path: Path) -> list[Path]:
             if index.stat().st_size > _MAX_INDEX:  # read whole below: a multi-gigabyte file given by mistake is refused
                 raise ValueError(f"{index.stat().st_size:,} bytes, more than an index can be")
             shards = sorted(set(json_loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:  # Recursion: nested too deep
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise KvcModelNotFoundError(f"model directory {path}: unreadable {index.name} ({str(exc)[:200]})") from None
         for shard in shards:
             if not isinstance(shard, str) or Path(shard).name != shard or not (path / shard).is_file():

@@ -79,7 +79,7 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from kvcodec.errors import KvcInputError
+from kvcodec.errors import KvcInputError, json_loads
 from kvcodec.kdn_protocol import (
     API,
     CONTAINS,
@@ -275,8 +275,8 @@ class KdnService(Admission):
         if len(meta_s) > MAX_META_HEADER:
             raise HttpError(400, f"{H_META} larger than {MAX_META_HEADER} bytes")
         try:
-            meta = check_meta(json.loads(meta_s), MAX_TIER_META)
-        except (ValueError, RecursionError) as e:
+            meta = check_meta(json_loads(meta_s), MAX_TIER_META)
+        except ValueError as e:
             raise HttpError(400, f"{H_META} is not a JSON object of at most {MAX_TIER_META} bytes: "
                                  f"{str(e)[:200]}") from None
         logical = logical_key(key, meta)

@@ -20,14 +20,13 @@ passes to the store as that credential.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvcodec.errors import KvcInputError
+from kvcodec.errors import KvcInputError, json_loads
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=-]{0,127}$")
@@ -94,10 +93,10 @@ class TokenTable:
                 raw = f.read(MAX_TOKEN_FILE + 1)
             if len(raw) > MAX_TOKEN_FILE:
                 raise KvcInputError(f"token file {p} is larger than {MAX_TOKEN_FILE:,} bytes")
-            obj = json.loads(raw.decode("utf-8"))
+            obj = json_loads(raw.decode("utf-8"))
         except FileNotFoundError:
             raise KvcInputError(f"no such token file: {p}") from None
-        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:  # RecursionError: JSON nested too deep
+        except (OSError, UnicodeDecodeError, ValueError) as e:
             raise KvcInputError(f"token file {p} is not readable JSON: {str(e)[:200]}") from None
         rows = obj.get("tokens") if isinstance(obj, dict) else None
         if not isinstance(rows, list):

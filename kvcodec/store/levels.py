@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcodec.errors import KvcFormatError, KvcInputError
+from kvcodec.errors import KvcFormatError, KvcInputError, json_loads
 from kvcodec.store.keys import DEFAULT_CHUNK, StoreKey, chunk_hashes
 
 LEVELS_CODEC = "levels-v1"
@@ -168,8 +168,8 @@ class LevelManifest:
         if len(data) > MAX_MANIFEST_BYTES:
             raise KvcFormatError(f"multi-level manifest of {key} is {len(data)} bytes (limit {MAX_MANIFEST_BYTES})")
         try:
-            obj = json.loads(bytes(data).decode("ascii"))
-        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            obj = json_loads(bytes(data).decode("ascii"))
+        except (UnicodeDecodeError, ValueError) as e:
             raise KvcFormatError(f"multi-level manifest of {key} is not ASCII JSON: {e}") from None
         want = {"format", "version", "key", "chunk_tokens", "levels", "chunks"}
         if not isinstance(obj, dict) or set(obj) != want:

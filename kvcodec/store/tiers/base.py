@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol
 from urllib.parse import parse_qsl, urlsplit
 
-from kvcodec.errors import KvcFormatError, KvcInputError, KvcStoreError
+from kvcodec.errors import KvcFormatError, KvcInputError, KvcStoreError, json_loads
 from kvcodec.store.keys import StoreKey
 from kvcodec.store.options import DEFAULT_MEMORY_BYTES, TierDefaults, parse_size
 from kvcodec.store.outage import OutageGuard
@@ -217,8 +217,8 @@ def parse_fixed(buf: bytes, what: str = "entry") -> tuple[int, int, int]:
 
 def parse_header(hbytes: bytes, what: str = "entry") -> dict[str, Any]:
     try:
-        h = json.loads(hbytes.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        h = json_loads(hbytes.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
         raise KvcFormatError(f"{what}: header is not JSON: {type(e).__name__}: {e}") from None
     if not isinstance(h, dict) or not isinstance(h.get("key"), str) or not isinstance(h.get("meta", {}), dict):
         raise KvcFormatError(f"{what}: header lacks key/meta")

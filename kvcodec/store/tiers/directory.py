@@ -44,7 +44,7 @@ import time
 from typing import Any, BinaryIO, Callable, Iterator, Mapping
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from kvcodec.errors import KvcFormatError, KvcInputError, KvcQuotaError, KvcStoreError
+from kvcodec.errors import KvcFormatError, KvcInputError, KvcQuotaError, KvcStoreError, json_loads
 from kvcodec.store.keys import StoreKey
 from kvcodec.store.options import TierDefaults, parse_flag, parse_size
 from kvcodec.store.ranged import FileRangeReader
@@ -148,8 +148,8 @@ class DirectoryTier(Tier):
         if os.path.isfile(marker):
             try:
                 with open(marker, encoding="utf-8") as f:
-                    m = json.loads(f.read(_MAX_MARKER + 1))
-            except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested thousands deep
+                    m = json_loads(f.read(_MAX_MARKER + 1))
+            except (OSError, ValueError) as e:
                 raise KvcStoreError(f"{self.root}: unreadable store marker {MARKER}: {str(e)[:200]}") from None
             if not isinstance(m, dict) or m.get("format") != MARKER_CONTENT["format"]:
                 raise KvcStoreError(f"{self.root}: {MARKER} is not a kvcodec store marker")

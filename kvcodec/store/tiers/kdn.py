@@ -34,7 +34,7 @@ import os
 from typing import Any, Iterable, Iterator, Mapping
 from urllib.parse import parse_qsl, quote, urlsplit, urlunsplit
 
-from kvcodec.errors import KvcError, KvcFormatError, KvcInputError, KvcQuotaError, KvcStoreError
+from kvcodec.errors import KvcError, KvcFormatError, KvcInputError, KvcQuotaError, KvcStoreError, json_loads
 from kvcodec.kdn_protocol import CONTAINS, CONTENT_TYPE, ENTRIES, H_CRC, H_CREATED, H_META, MAX_CONTAINS, MAX_META_HEADER, WHOAMI
 from kvcodec.store.keys import StoreKey
 from kvcodec.store.options import parse_number, parse_size, redact, url_port
@@ -275,8 +275,8 @@ def _loads(body: bytes | str, what: str) -> Any:
     """JSON a server sent, or one :class:`KvcStoreError` line: malformed, or nested thousands deep (the decoder's
     RecursionError escaped from get, ls, contains and whoami as a traceback: a hostile server crashed its client)."""
     try:
-        return json.loads(body)
-    except (ValueError, RecursionError) as e:
+        return json_loads(body)
+    except ValueError as e:
         raise KvcStoreError(f"{what} is not JSON: {type(e).__name__}") from None
 
 
