@@ -137,3 +137,24 @@ def test_the_patterns_time_bound_is_for_all_rounds_together(lm, monkeypatch):
     assert len(bounds) == spans.REDACT_ROUNDS + 1
     assert all(b is not None and 0 < b <= spans.PATTERN_SECONDS for b in bounds)
     assert bounds == sorted(bounds, reverse=True)
+
+
+def test_widening_to_whole_characters_is_bounded_per_span(lm):
+    """A context of literal U+FFFD reads, boundary after boundary, as one unfinished character: each span's edges
+    walked the whole run (250 spans over 6,000 such tokens: 6.6 s of decodes). A character has at most 4 bytes,
+    so an edge moves at most 3 tokens."""
+    from kvcodec.edit.spans import whole_characters
+    from kvcodec.models.capture import tokenize
+
+    ids = tokenize(lm.tokenizer, "\ufffd" * 300)
+    spans = [(i, i + 1) for i in range(10, len(ids) - 10, 40)]
+    decodes = []
+
+    class Counting:
+        def decode(self, ids):
+            decodes.append(1)
+            return lm.tokenizer.decode(ids)
+
+    out = whole_characters(Counting(), ids, spans)
+    assert len(decodes) <= 8 * len(spans)
+    assert sum(b - a for a, b in out) <= 7 * len(spans)
