@@ -97,6 +97,11 @@ def onboard_model(lm: LoadedModel) -> LoadedModel:
                             for p in src.parameters()}
     model = copy.deepcopy(src, memo)
     model.eval()
+    try:  # a family that adds a float32 buffer to its hidden states (XGLM's sinusoidal positions) meets its bfloat16
+        with torch.inference_mode():  # layer norm's weights and cannot run: it onboards in its own dtype
+            model(input_ids=torch.tensor([[1, 2]], device=next(model.parameters()).device), use_cache=False)
+    except RuntimeError:
+        return lm
     twin = LoadedModel(model=model, tokenizer=lm.tokenizer, name=lm.name, path=lm.path, onboard_of=lm)
     twin.__dict__["fingerprint"] = lm.fingerprint  # cached_property slots: the twin answers for lm
     twin.__dict__["layout"] = lm.layout

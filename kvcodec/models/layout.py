@@ -92,6 +92,8 @@ FAMILIES: dict[str, Family] = {
     "phi": Family(q_norm="q_layernorm", o_proj="dense"),
     # OPT: learned absolute positions, `out_proj` output
     "opt": Family(o_proj="out_proj"),
+    # XGLM: config.json says attention_heads; sinusoidal absolute positions, `out_proj` output
+    "xglm": Family(config_names={"heads": ("attention_heads",)}, o_proj="out_proj"),
 }
 
 

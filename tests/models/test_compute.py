@@ -86,3 +86,22 @@ def test_available_memory_reads_the_os():
         assert isinstance(got, int) and 0 < got <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     else:
         assert got is None
+
+
+@pytest.mark.model
+def test_a_family_whose_bfloat16_twin_cannot_run_onboards_in_its_own_dtype(monkeypatch, tmp_path):
+    """XGLM (config.json names its heads ``attention_heads``: refused at load as lacking a head layout before) adds its
+    float32 sinusoidal positions to the hidden states, which then met the twin's bfloat16 layer norm: its first lossy
+    encode escaped as RuntimeError ("mixed dtype (CPU)") from the calibration on a CPU computing bfloat16 natively.
+    The twin is tried on two tokens first, and such a model onboards in its own dtype."""
+    from kvcodec.models.capture import capture
+    from kvcodec.models.load import load_model
+    from tests._support.tiny_models import save_family_model
+
+    lm = load_model(str(save_family_model(tmp_path / "xglm", dict(model_type="xglm", attention_heads=4, d_model=128,
+                                                                   num_layers=2, ffn_dim=256))))
+    assert (lm.layout.num_heads, lm.layout.head_dim, lm.layout.num_layers) == (4, 32, 2)
+    monkeypatch.setenv(compute.ENV, "bfloat16")
+    assert compute.onboard_model(lm) is lm
+    cache = capture(lm, token_ids=list(range(5, 45)))
+    assert cache.keys[0].shape == (4, 40, 32)
