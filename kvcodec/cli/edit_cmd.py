@@ -99,11 +99,13 @@ def append_command(entry: str, text: str | None, text_file: str | None, repair: 
 
     if (text is None) == (text_file is None):
         raise KvcInputError("give exactly one of --text and --text-file")
+    # every file the command reads is an input the child may not replace (-o naming the --text-file, a file of the
+    # model directory, was written over)
+    check_output(output, inputs=[entry, text_file, model])
     if text_file is not None:
         from kvcodec.texts import load_text
 
         text = load_text(text_file)
-    check_output(output, inputs=[entry])
     res = append(_load(model), entry, text=text, dest=output, preset=preset, progress=_say(as_json), repair=repair)
     _render(res, as_json)
 
@@ -134,7 +136,7 @@ def redact_command(entry: str, pattern: str | None, literal: str | None, tokens:
     from kvcodec.edit.spans import parse_token_span
 
     spans = [parse_token_span(t) for t in tokens] or None  # refuse a bad span before loading anything
-    check_output(output, inputs=[entry])
+    check_output(output, inputs=[entry, lineage_key_file, model])  # -o naming the lineage key file replaced the key
     lineage = None
     if lineage_key_file is not None:
         lineage = _read_lineage_key(check_input(lineage_key_file))
@@ -189,7 +191,7 @@ def steer_command(entry: str, pattern: str | None, literal: str | None, tokens: 
     from kvcodec.integrations.attn_bias import model_attention_heads
 
     spans = [parse_token_span(t) for t in tokens] or None
-    check_output(output, inputs=[entry])
+    check_output(output, inputs=[entry, model])
     lm = _load(model)
     res = steer(lm, entry, parse_heads(heads, model_attention_heads(lm)), pattern=pattern, text=literal, token_spans=spans, auto=auto,
                 alpha=DEFAULT_ALPHA if alpha is None else alpha, dest=output, preset=preset, progress=_say(as_json))

@@ -161,3 +161,15 @@ def test_a_lineage_key_file_is_read_bounded_and_in_one_line(tmp_path, capsys, mo
     rc, out, err = run_kvc(["edit", "redact", str(missing_entry), "--tokens", "0:1", "--lineage-key-file", str(small),
                             "-o", str(tmp_path / "c.kvc")], capsys)
     assert rc != 0 and "permission denied" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("which", ["text-file", "lineage-key-file"])
+def test_the_child_never_replaces_a_file_the_command_reads(parent, tmp_path, capsys, which):
+    """-o naming the --text-file (or the --lineage-key-file: the secret that checks the lineage) wrote the child over it."""
+    src = tmp_path / "input.bin"
+    src.write_bytes(b"k" * 32 if which == "lineage-key-file" else b"Thanks to all translators.")
+    args = (["append", str(parent), "--text-file", str(src)] if which == "text-file" else
+            ["redact", str(parent), "--tokens", "3:5", "--lineage-key-file", str(src)])
+    rc, out, err = run_kvc(["edit", *args, "-o", str(src)], capsys)
+    assert rc != 0 and len(err.strip().splitlines()) == 1 and "same file as the input" in err
+    assert src.read_bytes() == (b"k" * 32 if which == "lineage-key-file" else b"Thanks to all translators.")
