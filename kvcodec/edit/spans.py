@@ -507,7 +507,7 @@ def redaction_spans(tokenizer: Any, ids: np.ndarray, *, pattern: str | None = No
         raise KvcInputError("name the span by exactly one of: a pattern, a text, character spans, token spans")
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
     removed = np.zeros(len(ids), bool)
-    deadline = time.thread_time() + PATTERN_SECONDS
+    deadline: float | None = None  # set at the first match: the map of the text is not the pattern's work
     for round_ in range(REDACT_ROUNDS + 1):
         kept = np.flatnonzero(~removed)
         if kept.size == 0:
@@ -516,8 +516,11 @@ def redaction_spans(tokenizer: Any, ids: np.ndarray, *, pattern: str | None = No
         if text is not None:
             found = text_spans(decoded, text, required=round_ == 0)
         else:
-            found = regex_spans(decoded, str(pattern), seconds=max(deadline - time.thread_time(), 1e-3),
-                                required=round_ == 0)
+            if deadline is None:
+                deadline, left = time.thread_time() + PATTERN_SECONDS, PATTERN_SECONDS
+            else:
+                left = max(deadline - time.thread_time(), 1e-3)
+            found = regex_spans(decoded, str(pattern), seconds=left, required=round_ == 0)
         if not found:
             edges = np.flatnonzero(np.diff(np.concatenate([[0], removed.astype(np.int8), [0]])))
             out = [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2])]
