@@ -62,6 +62,9 @@ _LIMITS = "Limits (defaults: spec/kdn-v1.md §5). "
                    "request that needs more is refused with one line and its worker replaced. Must exceed --max-body.")
 @click.option("--peer-connections", type=click.IntRange(1, 1 << 20), default=256, show_default=True,
               help="Connections one client address may hold at once; more are answered 429 and closed at once.")
+@click.option("--max-connections", type=click.IntRange(1, 1 << 20), default=4096, show_default=True,
+              help="Connections at once, all client addresses together (at most what the descriptor limit leaves "
+                   "room for); more are answered 503 and closed at once.")
 @click.option("--tenant-workers", type=int, default=1, show_default=True, callback=_count,
               help="Worker processes one tenant may keep busy at once (the others are shared round-robin).")
 @click.option("--tenant-queue", type=click.IntRange(0, 1 << 20), default=16, show_default=True,

@@ -103,7 +103,8 @@ class Admission:
         # a client address whose requests keep failing authentication (or parsing) is throttled the same way: no
         # tenant to charge them to. Bounded: an attacker with many addresses cannot grow the table
         self.peer_refusals = TokenBucket(c.peer_refusal_rate, 5 * c.peer_refusal_rate, max_keys=PEER_KEYS)
-        self.peers = PeerTable(c.peer_connections, self.peer_refusals)  # the connection layer's (kvcodec.service.server)
+        self.peers = PeerTable(c.peer_connections, self.peer_refusals,  # the connection layer's (service.server)
+                               total_cap=c.max_connections)
 
     async def _start(self, app: web.Application) -> None:
         await self.workers.start()

@@ -29,6 +29,7 @@ PROBE_SLICE = 16         # keys of a lookup or key list parsed and probed per st
 # lock, so a CPU-second of a tenant's there counts SERVICE_CPU_WEIGHT against its CPU share, plus STORE_TURN_COST
 # for the event loop's own work handing each store-thread call over and back (measured ~0.18 ms here: a 600-key
 # key list probed in 38 calls cost the service 16 CPU-ms against 9.7 in 2)
+CONNECTION_BYTES = 256 << 10  # one open connection at most: a request head (124 KiB, server.MAX_HEAD) held twice
 SERVICE_CPU_WEIGHT = 2.0
 STORE_TURN_COST = 0.2e-3
 
@@ -68,6 +69,7 @@ class ServiceConfig:
     tenant_inflight_body: int = 1 << 30  # ... for one tenant
     worker_memory: int = 2 << 30     # memory a worker may allocate beyond its started state (hard: RLIMIT_DATA)
     peer_connections: int = 256      # connections one client address may hold at once (more: 429 at once)
+    max_connections: int = 4096      # connections at once, all addresses (more: 503 at once; descriptors permitting)
     log_rate: float = 10.0           # bad-request log lines per second (more are counted, then summarised)
     tenant_refusal_rate: float = 20.0  # refused requests per second a tenant may cause (burst 5x); then 429 at once
     peer_refusal_rate: float = 20.0  # unauthenticated refusals (401, malformed HTTP) per second per client address
@@ -77,7 +79,7 @@ class ServiceConfig:
         pos_int = ("max_body", "max_json_body", "max_chunked_json", "max_lookup_tokens", "max_lookup_text", "max_decoded_bytes",
                    "max_chunk_decoded",
                    "workers", "tenant_workers", "store_threads", "tenant_store_threads", "max_inflight_body",
-                   "tenant_inflight_body", "worker_memory", "peer_connections")
+                   "tenant_inflight_body", "worker_memory", "peer_connections", "max_connections")
         for k in pos_int:
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -102,6 +104,7 @@ class ServiceConfig:
         """The service's stated peak memory in bytes (spec/kdn-v1.md §5, "Memory"), every term enforced:
         the event-loop process (code, and each body held from its first byte to its answer, at most
         ``max_inflight_body``, counted twice for the one copy made when a body is complete), each tenant's
-        in-process cache, and each worker (code, and at most ``worker_memory`` more: its data limit)."""
+        in-process cache, each open connection (``max_connections``, each at most a request head held twice:
+        CONNECTION_BYTES), and each worker (code, and at most ``worker_memory`` more: its data limit)."""
         return (SERVICE_BASE + 2 * self.max_inflight_body + tenants * TENANT_CACHE
-                + self.workers * (WORKER_BASE + self.worker_memory))
+                + self.max_connections * CONNECTION_BYTES + self.workers * (WORKER_BASE + self.worker_memory))

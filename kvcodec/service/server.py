@@ -4,6 +4,8 @@ aiohttp's :class:`~aiohttp.web.AppRunner` runs the application; two things
 need the connection itself, below the routes and middlewares, so this module
 gives the runner its own connection handler (:class:`KdnRequestHandler`):
 
+* **connections in all** (``ServiceConfig.max_connections``, and at most :func:`descriptor_room`): past it a
+  new connection is a one-line JSON ``503``, closed at once, like a connection over the per-peer cap below.
 * **connections per peer** (``ServiceConfig.peer_connections``): one address
   may hold at most this many connections at once.  A connection over the cap
   is answered at once, before a byte of it is parsed, with a one-line JSON
@@ -39,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
+import logging
 import signal
 from typing import Any, Callable
 
@@ -83,11 +86,17 @@ class PeerTable:
     """Open connections per peer address, capped (event loop only, no locks), and the addresses' refusal balance
     (``refusals``: the service's per-address throttle, charged here for HTTP the parser refuses)."""
 
-    def __init__(self, cap: int, refusals: Any = None) -> None:
+    def __init__(self, cap: int, refusals: Any = None, total_cap: int = 1 << 30) -> None:
         self.cap = cap
+        self.total_cap = total_cap  # connections at once, all addresses (``max_connections``, descriptors permitting)
+        self.total = 0
         self.open: dict[str, int] = {}
         self.refused = 0
         self.refusals = refusals
+
+    def full(self) -> bool:
+        """As many connections open as the server takes, all addresses together."""
+        return self.total >= self.total_cap
 
     def abusive(self, peer: str) -> bool:
         """Far past its refusal rate (a whole burst into debt): its new connections are refused unparsed."""
@@ -100,13 +109,15 @@ class PeerTable:
 
     def take(self, peer: str) -> bool:
         n = self.open.get(peer, 0)
-        if n >= self.cap:
+        if n >= self.cap or self.full():
             self.refused += 1
             return False
         self.open[peer] = n + 1
+        self.total += 1
         return True
 
     def give(self, peer: str) -> None:
+        self.total -= 1
         n = self.open.get(peer, 0) - 1
         if n > 0:
             self.open[peer] = n
@@ -144,20 +155,25 @@ class KdnRequestHandler(RequestHandler):
                 self._kvc_peer = None
                 transport.close()
             return
+        full = self.peers.full()
         if not self.peers.take(self._kvc_peer):
             self._kvc_peer = None
             self._kvc_refused = True
-            self._refuse(transport, f"too many connections from your address at once (limit {self.peers.cap}); "
-                                    "retry later")
+            if full:
+                self._refuse(transport, "the server has too many connections open; retry later", status=503)
+            else:
+                self._refuse(transport, f"too many connections from your address at once (limit {self.peers.cap}); "
+                                        "retry later")
             return
         super().connection_made(transport)
 
-    def _refuse(self, transport: asyncio.BaseTransport, msg: str, held: str | None = None) -> None:
-        """A one-line JSON 429 and the connection closed (aiohttp never saw it); ``held``: the address whose
-        connection count it held."""
+    def _refuse(self, transport: asyncio.BaseTransport, msg: str, held: str | None = None, status: int = 429) -> None:
+        """A one-line JSON 429 (503: the server's cap) and the connection closed (aiohttp never saw it); ``held``:
+        the address whose connection count it held."""
+        reason = "Too Many Requests" if status == 429 else "Service Unavailable"
         try:
             if not transport.is_closing():
-                transport.write(_raw_json(429, "Too Many Requests", msg, "Retry-After: 1\r\n"))  # type: ignore[attr-defined]
+                transport.write(_raw_json(status, reason, msg, "Retry-After: 1\r\n"))  # type: ignore[attr-defined]
         finally:
             transport.close()
             if held is not None:
@@ -272,6 +288,30 @@ class KdnRequestHandler(RequestHandler):
         return resp
 
 
+def _loop_error(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """The event loop's own errors (a failed accept: out of descriptors) as one log line, never a traceback
+    (asyncio's default handler printed one per try)."""
+    exc = context.get("exception")
+    what = error_line(exc) if isinstance(exc, BaseException) else ""
+    logging.getLogger("kvcodec.service").warning("kdn: %s%s", context.get("message", "event loop error"),
+                                                 f": {what}" if what else "")
+
+
+def descriptor_room() -> int:
+    """Connections the process's descriptor limit leaves room for: all but an eighth (at least 256) kept for the
+    store's files and sockets, the workers' pipes and the listening socket. Why: past the limit, accepting failed
+    (asyncio logged a traceback per try) and so did every tenant's store file opens, until the holders timed out."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, ValueError, OSError):  # pragma: no cover - not POSIX
+        return 1 << 30
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 30
+    return max(16, soft - max(256, soft // 8))
+
+
 def handler_class(peers: PeerTable, send_stall: float = 15.0) -> type[KdnRequestHandler]:
     """A handler class bound to one service's peer table and unread-answer bound (aiohttp builds one handler per
     connection)."""
@@ -306,6 +346,8 @@ def run(app: web.Application, peers: PeerTable, host: str, port: int,
     """Serve ``app`` on ``host:port`` until SIGINT or SIGTERM (then stop within ``shutdown_timeout``);
     ``send_stall``: the unread-answer bound (module docstring)."""
 
+    peers.total_cap = min(peers.total_cap, descriptor_room())
+
     async def main() -> None:
         runner = _Runner(app, handler_class(peers, send_stall), access_log=None, shutdown_timeout=shutdown_timeout)
         await runner.setup()
@@ -315,6 +357,7 @@ def run(app: web.Application, peers: PeerTable, host: str, port: int,
                 ready()
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
+            loop.set_exception_handler(_loop_error)
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, stop.set)
             await stop.wait()
@@ -324,4 +367,4 @@ def run(app: web.Application, peers: PeerTable, host: str, port: int,
     asyncio.run(main())
 
 
-__all__ = ["KdnRequestHandler", "PeerTable", "handler_class", "peer_key", "run"]
+__all__ = ["KdnRequestHandler", "PeerTable", "descriptor_room", "handler_class", "peer_key", "run"]

@@ -640,3 +640,43 @@ def test_a_request_head_is_bounded_in_size(svc):
     st, resp = raw_request(svc.port, b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-Big: "
                            + b"v" * 60_000 + b"\r\n\r\n", source="127.0.0.24")
     assert st == 200, resp[:300]
+
+
+def test_connections_in_all_are_capped_below_the_descriptor_limit(tmp_path):
+    """Only connections per address were capped: many addresses' idle connections took every descriptor, so
+    accepting failed (asyncio logged a traceback per try) and every tenant's requests waited until the holders
+    timed out. Now past --max-connections (and what the descriptor limit leaves room for) a new connection is
+    a one-line 503 at once, and the connections already open are served."""
+    from kvcodec.service.config import CONNECTION_BYTES, ServiceConfig
+    from kvcodec.service.server import descriptor_room
+
+    assert ServiceConfig(max_connections=2000).memory_bound(1) - ServiceConfig(max_connections=1000).memory_bound(1) \
+        == 1000 * CONNECTION_BYTES
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    assert soft == resource.RLIM_INFINITY or descriptor_room() <= soft - 256
+    s = Service(tmp_path, extra=["--max-connections", "12"], tokens=TOKENS)
+    try:
+        time.sleep(1.0)  # the start-up check's connection is closed on the server's side by now
+        held = [socket.create_connection(("127.0.0.1", s.port), source_address=(f"127.0.0.{40 + i % 2}", 0))
+                for i in range(11)]
+        try:
+            time.sleep(0.3)
+            mine = socket.create_connection(("127.0.0.1", s.port), source_address=("127.0.0.44", 0))
+            time.sleep(0.3)
+            st, resp = raw_request(s.port, request_head("GET", "/v1/whoami", TOK_A), timeout=10, source="127.0.0.45")
+            assert st == 503 and "too many connections" in _error(_http_body(resp)), resp[:300]
+            mine.sendall(request_head("GET", "/v1/whoami", TOK_A))
+            assert mine.recv(65536).startswith(b"HTTP/1.1 200"), "a connection already open is served"
+            mine.close()
+        finally:
+            for c in held:
+                c.close()
+        deadline = time.monotonic() + 20
+        while (st := raw_request(s.port, request_head("GET", "/v1/whoami", TOK_A), timeout=10)[0]) == 503 \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert st == 200 and "Traceback" not in s.log()
+    finally:
+        s.stop()
