@@ -125,6 +125,30 @@ _SCALING: dict[str, float] = {
 }
 CONFIG_FLAGS.update({"num_experts_per_tok": _TOPK, "norm_topk_prob": _NORM_TOPK, "routed_scaling_factor": _SCALING,
                      "moe_topk": {"aria": 2, "aria_text": 2, "hunyuan_v1_moe": 1, "longcat_flash": 12}})
+# Group-limited routing (experts chosen from the best n_group groups' topk_group), and fields only a few families have
+# (pinned as transformers 5.19's config classes set them, as above): OLMo's clamp of Q/K/V, norm epsilons under names
+# CONFIG_FIELDS does not list (StarCoder2, Nemotron), BLOOM's residual after the norm, Llama 4's query temperature on
+# its NoPE layers. Each makes other K/V from the same weights (found by the unseen-family sweep).
+_GROUPS = ("axk1", "axk2", "deepseek_ocr2", "deepseek_ocr2_text", "deepseek_v2", "deepseek_v3", "deepseek_v32", "dots1",
+           "exaone_moe", "glm4_moe", "glm4_moe_lite", "glm4v_moe", "glm4v_moe_text", "glm5_next", "glm5_next_text",
+           "glm_moe_dsa", "hy_v4", "kimi_k25", "kimi_linear", "mimo_v2_flash", "mistral4", "nemotron_h",
+           "nemotron_h_omni", "solar_open")
+_N_GROUP = {"axk1": 8, "deepseek_v3": 8, "deepseek_v32": 8, "kimi_k25": 8}
+_TOPK_GROUP = {"axk1": 4, "deepseek_v3": 4, "deepseek_v32": 4, "kimi_k25": 4}
+_NONE_GROUP = ("axk2", "deepseek_ocr2", "deepseek_ocr2_text", "deepseek_v2")
+CONFIG_FLAGS.update({
+    "n_group": {m: None if m in _NONE_GROUP else _N_GROUP.get(m, 1) for m in _GROUPS if m != "kimi_linear"},
+    "topk_group": {m: None if m in _NONE_GROUP else _TOPK_GROUP.get(m, 1) for m in _GROUPS},
+    "topk_method": {"deepseek_ocr2": "greedy", "deepseek_ocr2_text": "greedy", "deepseek_v2": "greedy"},
+    "scoring_func": {"deepseek_v4": "sqrtsoftplus"},
+    "clip_qkv": {"olmo": None, "olmoe": None},
+    "norm_epsilon": {"starcoder2": 1e-05},
+    "norm_eps": {"nemotron": 1e-05},
+    "apply_residual_connection_post_layernorm": {"bloom": False},
+    "attn_temperature_tuning": {"llama4": True, "llama4_text": True},
+    "floor_scale": {"llama4": 8192, "llama4_text": 8192},
+    "attn_scale": {"llama4": 0.1, "llama4_text": 0.1},
+})
 
 _MAX_JSON_FILE = 64 << 20  # config.json / index.json / cache entries larger than this are refused
 _WEIGHTS_DOMAIN = b"kvcodec-weights-v2\0"

@@ -229,6 +229,16 @@ def test_a_bidirectional_twin_of_a_causal_model_never_takes_its_cache(tmp_path):
           num_experts_per_tok=2), "num_experts_per_tok", 1),
     (dict(model_type="qwen2_moe", num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
           moe_intermediate_size=64, shared_expert_intermediate_size=64), "norm_topk_prob", True),
+    # fields only a few families have (the unseen-family sweep): OLMo's Q/K/V clamp, norm epsilons named otherwise,
+    # BLOOM's residual after the norm, group-limited routing, Llama 4's query temperature on NoPE layers
+    (dict(model_type="olmo", num_attention_heads=4), "clip_qkv", 0.05),
+    (dict(model_type="starcoder2", num_attention_heads=4, num_key_value_heads=2), "norm_epsilon", 0.5),
+    (dict(model_type="nemotron", num_attention_heads=4, num_key_value_heads=2), "norm_eps", 0.5),
+    (dict(model_type="bloom", n_head=4), "apply_residual_connection_post_layernorm", True),
+    (dict(model_type="glm4_moe", num_attention_heads=4, num_key_value_heads=2, head_dim=32, n_routed_experts=4,
+          num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=0, pad_token_id=None), "n_group", 2),
+    (dict(model_type="llama4_text", num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_local_experts=2,
+          num_experts_per_tok=1, no_rope_layers=[1, 0, 1], intermediate_size_mlp=256), "floor_scale", 4),
 ])
 def test_a_config_flag_that_changes_the_kv_changes_the_fingerprint(tmp_path, config, field, value):
     """Same weights, one flag flipped: other K/V, and the fingerprint said the same model (found by flipping every
