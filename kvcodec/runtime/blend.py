@@ -474,9 +474,9 @@ def blend(
         fwd.layers_kv[sel].tap = None
         t_early = time.perf_counter()
         timings["early_s"] = t_early - t_rot
-        if h is None or "k" not in fresh:
+        if h is None or "k" not in fresh or h.dim() != 3 or h.shape[1] != T:  # Gemma 3n: [altup, 1, T, D]
             raise KvcInputError(f"blend could not tap layer {sel} of {type(lm.model).__name__} (its decoder layers "
-                                "take no hidden_states or use no cache update)")
+                                "take no [1, tokens, hidden] hidden_states or use no cache update)")
         # Select at sel: squared deviation of fresh vs cached keys of the context tokens (where cached).
         cached = fwd.layers_kv[sel].store_k[0, :, :n_ctx].float()
         dev_sq = (fresh["k"][0, :, :n_ctx].float() - cached).pow(2).sum(dim=(0, 2))

@@ -407,3 +407,23 @@ def test_a_rotation_kvcodec_cannot_reproduce_is_refused(tmp_path, monkeypatch):
                 lambda: blend_mod.concat_chunks(lm, chunks), lambda: redact_cache(lm, capture(lm, token_ids=ids), [(10, 20)])):
         with pytest.raises(KvcInputError, match="cannot re-position this model's keys: its layer 0 "):
             run()
+
+
+def test_blend_refuses_a_family_whose_layers_take_other_hidden_states(tmp_path):
+    """Gemma 3n's decoder layers carry their AltUp predictions as hidden states [4, 1, T, D], not [1, T, D]: blend's
+    token selection indexed them as the latter and escaped as IndexError. It refuses in one line; storing works."""
+    from kvcodec.errors import KvcInputError
+    from kvcodec.models.capture import capture, tokenize
+    from kvcodec.models.load import load_model
+    from kvcodec.runtime.blend import blend
+    from kvcodec.texts import load_text
+    from tests._support.tiny_models import save_family_model
+
+    lm = load_model(str(save_family_model(tmp_path / "gemma3n", dict(
+        model_type="gemma3n_text", num_attention_heads=4, num_key_value_heads=1, head_dim=32, sliding_window=48,
+        layer_types=["sliding_attention", "full_attention"], num_kv_shared_layers=0,
+        hidden_size_per_layer_input=16, laurel_rank=8, activation_sparsity_pattern=[0.0, 0.0]))))
+    ids = tokenize(lm.tokenizer, load_text("c-stdio"))[:60]
+    chunks = [capture(lm, token_ids=ids[:30]), capture(lm, token_ids=ids[30:50])]
+    with pytest.raises(KvcInputError, match="blend could not tap layer 1 of Gemma3nForCausalLM"):
+        blend(lm, chunks, ids[50:], recompute_ratio=0.3)
