@@ -194,6 +194,9 @@ class KdnService(Admission):
         from kvcodec.service.edit import add_edit_routes  # offline editing (issue 37)
 
         add_edit_routes(self, r, API)
+        # last: every other path and method, so that they too get expect_continue (aiohttp's own "no route"
+        # answer sent "100 Continue" first, inviting a body only to answer 404, and a plain-text 417)
+        r.add_route("*", "/{tail:.*}", no_route, **ex)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._close)
         return app
@@ -447,6 +450,17 @@ class KdnService(Admission):
         return json_reply({"n_tokens": n, "tokens": n_ids, "key": entries[0]["key"] if entries else None,
                            "entries": entries})
 
+
+
+async def no_route(request: web.Request) -> web.StreamResponse:
+    """The catch-all route: 405 (with ``Allow``) for a path another route serves with other methods, else 404."""
+    allowed: set[str] = set()
+    for res in request.app.router.resources():
+        if res is not request.match_info.route.resource:
+            allowed |= (await res.resolve(request))[1]
+    if allowed:
+        raise web.HTTPMethodNotAllowed(request.method, allowed)
+    raise web.HTTPNotFound()
 
 
 def _listing(st: Store, p: Principal, ns: str | None, with_meta: bool) -> bytes:

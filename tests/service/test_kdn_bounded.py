@@ -680,3 +680,18 @@ def test_connections_in_all_are_capped_below_the_descriptor_limit(tmp_path):
         assert st == 200 and "Traceback" not in s.log()
     finally:
         s.stop()
+
+
+def test_a_request_no_route_serves_gets_no_100_continue_and_a_json_417(svc):
+    """A path or method no route serves was answered by aiohttp's own "no route" match, whose Expect handler
+    sent "100 Continue" first (inviting the body, then read and dropped for LINGER before the 404/405) and an
+    unknown expectation as a plain-text 417. Now such requests pass through the same expect handler."""
+    for method, path, status in (("PUT", "/nothing", 404), ("POST", "/healthz", 405)):
+        head = request_head(method, path, TOK_A, {"Expect": "100-continue", "Content-Length": 1 << 30})
+        with socket.create_connection(("127.0.0.1", svc.port), timeout=10, source_address=("127.0.0.25", 0)) as s:
+            s.sendall(head)
+            first = s.recv(65536)
+        assert first.startswith(b"HTTP/1.1 %d" % status), (path, first[:120])
+        assert (b"Allow: GET,HEAD" in first) == (status == 405) and "error" in json.loads(_http_body(first))
+    st, resp = raw_request(svc.port, request_head("PUT", "/nothing", None, {"Expect": "x", "Content-Length": 1}) + b"x")
+    assert st == 417 and "Expect" in _error(_http_body(resp)), resp[:300]
