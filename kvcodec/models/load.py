@@ -274,7 +274,7 @@ def _convert_gguf(gguf: Path, dest: Path) -> None:
     print(f"kvc: converting {gguf.name} to an HF directory at {dest} (once, ~30 s per 100M parameters)", file=sys.stderr)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=dest.parent))
     try:
-        with _gguf_parsed_once():
+        with _transformers_load(quiet=False), _gguf_parsed_once():
             model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
                                                          trust_remote_code=False)
             tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
@@ -285,7 +285,9 @@ def _convert_gguf(gguf: Path, dest: Path) -> None:
         model.hf_quantizer = None
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        _check_gguf_tokenizer(AutoTokenizer.from_pretrained(tmp, trust_remote_code=False), gguf)  # as every later load will read it
+        with _transformers_load(quiet=False):
+            tmp_tok = AutoTokenizer.from_pretrained(tmp, trust_remote_code=False)
+        _check_gguf_tokenizer(tmp_tok, gguf)  # as every later load will read it
         try:
             os.replace(tmp, dest)
         except OSError:  # another process finished first: keep theirs
@@ -351,34 +353,32 @@ def resolve_model_dir(name: str = DEFAULT_MODEL) -> Path:
     return path
 
 
-_QUIET = threading.Lock()
-_quiet_depth = 0
-_quiet_saved: tuple[int, bool] = (0, True)
+_LOADING = threading.RLock()
 
 
 @contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    """transformers' logging at error level and its progress bars off while any load runs, then the caller's
-    settings back. Counted, so two threads' loads that overlap restore what was set before the first began
-    (each saving and restoring alone left the second's "error" in place for good when they interleaved)."""
+def _transformers_load(quiet: bool = True) -> Iterator[None]:
+    """One transformers model build at a time in this process; ``quiet``: its logging at error level and its
+    progress bars off meanwhile, then the caller's settings back.
+
+    Why one at a time: transformers' loading patches process-wide state and puts back what it saved
+    (``from_pretrained``'s ``no_tie_weights`` makes ``PreTrainedModel.tie_weights`` a no-op and back; kvcodec's
+    GGUF parse memo; the log level). Two threads' loads that overlapped put each other's patches back in the
+    wrong order: ``tie_weights`` stayed a no-op for every later load in the process (a model with tied
+    embeddings then loaded with a random, untied head, which the load's check refuses: every later load of
+    SmolLM2 failed) and transformers stayed at error level."""
     from transformers.utils import logging as hf_logging
 
-    global _quiet_depth, _quiet_saved
-    with _QUIET:
-        if _quiet_depth == 0:
-            _quiet_saved = (hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled())
+    with _LOADING:
+        saved = (hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled())
+        if quiet:
             hf_logging.set_verbosity_error()
             hf_logging.disable_progress_bar()
-        _quiet_depth += 1
-    try:
-        yield
-    finally:
-        with _QUIET:
-            _quiet_depth -= 1
-            if _quiet_depth == 0:
-                hf_logging.set_verbosity(_quiet_saved[0])
-                if _quiet_saved[1]:
-                    hf_logging.enable_progress_bar()
+        try:
+            yield
+        finally:
+            hf_logging.set_verbosity(saved[0])
+            (hf_logging.enable_progress_bar if saved[1] else hf_logging.disable_progress_bar)()
 
 
 _PICKLE_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
@@ -465,7 +465,7 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "float32") -> LoadedModel
     # and corrupt checkpoints before transformers touches them, and pins what the fingerprint describes.
     before = weights_identity(path)
     weights_sha256(path)
-    with _quiet_transformers():  # its multi-line load report: what it would say is refused in one line below
+    with _transformers_load():  # quiet: its multi-line load report: what it would say is refused in one line below
         try:
             # trust_remote_code=False: a directory with custom code (auto_map) is refused; left unset, transformers asked
             # "Do you wish to run the custom code? [y/N]" on a terminal, and a "y" ran the directory's Python

@@ -387,48 +387,63 @@ def test_integers_stored_for_a_float_weight_are_refused(tiny, tmp_path):
         load_model(str(d))
 
 
-def test_overlapping_loads_give_back_the_callers_logging(tiny, monkeypatch):
-    """load_model quiets transformers while it loads. Each load saved and restored the verbosity alone, so two
-    threads' loads that overlapped (the second saving the first's "error", the first finishing first) left
-    transformers at error level for good, and progress bars on that the caller had turned off."""
+def test_loads_in_two_threads_run_one_at_a_time_and_leave_transformers_as_they_found_it(tiny, monkeypatch):
+    """transformers' loading patches process-wide state and puts back what it saved (from_pretrained's
+    no_tie_weights: PreTrainedModel.tie_weights a no-op, then back; the log level). Two threads' loads that
+    overlapped put each other's patches back in the wrong order: tie_weights stayed a no-op for the process, so
+    every later load of a model with tied embeddings (SmolLM2) was refused for an untied, random head, and
+    transformers stayed at error level with its progress bars back on. Loads now run one at a time."""
+    from transformers import PreTrainedModel
     from transformers.utils import logging as hf_logging
 
     from kvcodec.models import load, precheck
 
     real = precheck.check_vocabulary
-    both_in, first_done = threading.Barrier(2, timeout=60), threading.Event()
+    lock = threading.Lock()
+    inside, most, second_in = [0], [0], threading.Event()
 
-    def check_vocabulary(*a, **kw):
-        both_in.wait()  # both loads are inside transformers' quiet settings now
-        if threading.current_thread().name != "first":
-            assert first_done.wait(60)  # the first load finishes first
-        return real(*a, **kw)
+    def check_vocabulary(*a, **kw):  # called inside the load section, after transformers' from_pretrained
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+            if inside[0] > 1:
+                second_in.set()
+        try:
+            if threading.current_thread().name == "first":
+                second_in.wait(3)  # old code: the second load comes in meanwhile
+            return real(*a, **kw)
+        finally:
+            with lock:
+                inside[0] -= 1
 
     monkeypatch.setattr(precheck, "check_vocabulary", check_vocabulary)
+    tie = PreTrainedModel.tie_weights
     before = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_warning()
     hf_logging.disable_progress_bar()
     errors: list[BaseException] = []
 
-    def run(done: threading.Event | None) -> None:
+    def run() -> None:
         try:
             load.load_model(str(tiny))
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
-        if done is not None:
-            done.set()
 
     try:
-        ts = [threading.Thread(target=run, args=(first_done,), name="first"),
-              threading.Thread(target=run, args=(None,), name="second")]
-        for t in ts:
-            t.start()
-        for t in ts:
+        first = threading.Thread(target=run, name="first")
+        first.start()
+        time.sleep(0.5)
+        second = threading.Thread(target=run, name="second")
+        second.start()
+        for t in (first, second):
             t.join(120)
         assert not errors, errors
-        assert hf_logging.get_verbosity() == hf_logging.WARNING  # was ERROR
-        assert not hf_logging.is_progress_bar_enabled()  # was re-enabled
+        assert most[0] == 1, "two loads were inside transformers' loading at once"
+        assert PreTrainedModel.tie_weights is tie
+        assert hf_logging.get_verbosity() == hf_logging.WARNING
+        assert not hf_logging.is_progress_bar_enabled()
     finally:
+        PreTrainedModel.tie_weights = tie
         hf_logging.set_verbosity(before[0])
         (hf_logging.enable_progress_bar if before[1] else hf_logging.disable_progress_bar)()
 
